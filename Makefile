@@ -1,0 +1,33 @@
+# The README's two commands: `make demo` and `make test`. Both set up .venv on first use.
+VENV   ?= .venv
+PYTHON ?= python3
+# The CPU wheel of torch. A GPU machine sets TORCH_SPEC to its CUDA build, e.g. `make demo TORCH_SPEC=torch==2.13.0`
+# with the PyTorch CUDA index configured for pip; everything else resolves against what is installed.
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+
+.PHONY: install demo test test-all bench clean
+
+install: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q '$(TORCH_SPEC)'
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+demo: install
+	$(PY) examples/elastic_resume.py
+
+test: install
+	$(PY) -m pytest -q -ra
+
+# Long chaos, soak and slow end-to-end runs (see README).
+test-all: install
+	$(PY) -m pytest -q -ra -m ''
+
+bench: install
+	$(PY) -m zephon_ray.cli bench
+
+clean:
+	rm -rf $(VENV) *.egg-info

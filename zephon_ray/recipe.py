@@ -1,0 +1,329 @@
+"""A recipe: the TOML file that fixes everything a global batch depends on.
+
+Guarantee: a :class:`Recipe` that loads is valid. Every key is known, typed and in range, every source
+directory exists and holds shards of one format, every source has at least ``chunk_size`` records, and the
+tokenizer resolves. Errors are :class:`RecipeError` (a ``ValueError``) naming the file and the key.
+
+``Recipe.fingerprint`` identifies the *data*: it covers every data-defining key, each source's shard listing
+(relative names and sizes), the tokenizer's identity and the Zephon version. It ignores how paths are spelled
+and the run-time-only ``[aggregate]`` table. Limit: a shard rewritten in place with the same name and size is
+not detected (content hashing every shard would cost a full read of the corpus at every load).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import tomllib
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from zephon_ray.tokenizers import tokenizer_identity, validate_tokenizer_spec
+
+RECIPE_FORMAT = "zephon-ray/recipe/v1"
+FORMAT_EXTENSIONS = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
+PACKING_ALGORITHMS = ("wrap", "best_fit_wrap", "first_fit", "best_fit")
+
+
+class RecipeError(ValueError):
+    """A recipe that cannot be used; the message names the file and the key at fault."""
+
+
+@dataclass(frozen=True)
+class Source:
+    """One named dataset directory in the mixture."""
+
+    name: str
+    path: Path
+    format: str
+    weight: float
+    shards: tuple[tuple[str, int], ...]
+    """(relative file name, size in bytes) for every shard, sorted by name."""
+
+
+@dataclass(frozen=True)
+class Shuffle:
+    shards: bool = True
+    within_shard: bool = True
+    reshuffle_on_repeat: bool = True
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    """Where collective Zephon checkpoints meet. Run-time only: not part of the fingerprint."""
+
+    store: str | None = None
+    dir: str | None = None
+
+
+@dataclass(frozen=True)
+class Recipe:
+    sources: tuple[Source, ...]
+    seed: int
+    lanes: int
+    microbatches_per_lane: int
+    rows_per_microbatch: int
+    seq_len: int
+    tokenizer: str
+    """``"bytes"`` (built-in byte-level tokenizer) or an absolute path to a HF ``tokenizer.json``."""
+    text_field: str = "text"
+    chunk_size: int = 64
+    packing: str = "wrap"
+    repeat: bool = True
+    flush_every_k_chunks: int | None = None
+    shuffle: Shuffle = field(default_factory=Shuffle)
+    aggregate: Aggregate = field(default_factory=Aggregate)
+    path: Path | None = field(default=None, compare=False)
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def rows_per_lane(self) -> int:
+        """Rows one lane contributes to each global batch (k * m)."""
+        return self.microbatches_per_lane * self.rows_per_microbatch
+
+    @property
+    def global_batch_rows(self) -> int:
+        """B = L * k * m rows per global batch."""
+        return self.lanes * self.rows_per_lane
+
+    @property
+    def row_length(self) -> int:
+        """Tokens per row: seq_len + 1, so that input and labels are both seq_len long."""
+        return self.seq_len + 1
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch_rows * self.seq_len
+
+    @property
+    def source_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.sources)
+
+    # ------------------------------------------------------------------ identity
+    def canonical(self) -> dict[str, Any]:
+        """The data-defining content, independent of how paths are spelled."""
+        return {
+            "format": RECIPE_FORMAT,
+            "seed": self.seed,
+            "lanes": self.lanes,
+            "microbatches_per_lane": self.microbatches_per_lane,
+            "rows_per_microbatch": self.rows_per_microbatch,
+            "seq_len": self.seq_len,
+            "text_field": self.text_field,
+            "chunk_size": self.chunk_size,
+            "packing": self.packing,
+            "repeat": self.repeat,
+            "flush_every_k_chunks": self.flush_every_k_chunks,
+            "shuffle": {
+                "shards": self.shuffle.shards,
+                "within_shard": self.shuffle.within_shard,
+                "reshuffle_on_repeat": self.shuffle.reshuffle_on_repeat,
+            },
+            "sources": [
+                {"name": s.name, "format": s.format, "weight": s.weight, "shards": [list(x) for x in s.shards]}
+                for s in self.sources
+            ],
+            "tokenizer": tokenizer_identity(self.tokenizer),
+            "zephon": _zephon_version(),
+        }
+
+    @cached_property
+    def fingerprint(self) -> str:
+        blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":")).encode()
+        return hashlib.sha256(blob).hexdigest()
+
+    def describe(self) -> str:
+        return f"{self.path or '<recipe>'} (fingerprint {self.fingerprint[:12]})"
+
+    # ------------------------------------------------------------------ loading
+    @classmethod
+    def from_toml(cls, path: str | Path) -> "Recipe":
+        path = Path(path)
+        if not path.is_file():
+            raise RecipeError(f"recipe file not found: {path}")
+        try:
+            with path.open("rb") as fh:
+                raw = tomllib.load(fh)
+        except tomllib.TOMLDecodeError as exc:
+            raise RecipeError(f"{path}: not valid TOML: {exc}") from None
+        return cls.from_dict(raw, base_dir=path.parent, origin=path)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], *, base_dir: str | Path = ".", origin: Path | None = None) -> "Recipe":
+        return _RecipeParser(raw, Path(base_dir), origin).parse()
+
+
+# ---------------------------------------------------------------------- parsing
+_TOP_KEYS = {
+    "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer", "text_field",
+    "chunk_size", "packing", "repeat", "flush_every_k_chunks", "shuffle", "sources", "aggregate",
+}
+_REQUIRED = ("sources", "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer")
+_SOURCE_KEYS = {"name", "path", "format", "weight"}
+_SHUFFLE_KEYS = {"shards", "within_shard", "reshuffle_on_repeat"}
+_AGGREGATE_KEYS = {"store", "dir"}
+
+
+class _RecipeParser:
+    def __init__(self, raw: dict[str, Any], base_dir: Path, origin: Path | None) -> None:
+        self.raw = raw
+        self.base_dir = base_dir
+        self.origin = origin
+        self.where = str(origin) if origin else "recipe"
+
+    def fail(self, key: str, message: str) -> RecipeError:
+        return RecipeError(f"{self.where}: key '{key}': {message}")
+
+    def check_keys(self, table: dict[str, Any], allowed: set[str], prefix: str) -> None:
+        unknown = sorted(set(table) - allowed)
+        if unknown:
+            hint = ", ".join(sorted(allowed))
+            raise self.fail(prefix + unknown[0], f"unknown key (allowed here: {hint})")
+
+    def positive_int(self, table: dict[str, Any], key: str, prefix: str = "", default: Any = ...) -> int:
+        value = table.get(key, default)
+        if value is ...:
+            raise self.fail(prefix + key, "is required")
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(prefix + key, f"must be an integer, got {type(value).__name__} {value!r}")
+        if value <= 0:
+            raise self.fail(prefix + key, f"must be positive, got {value}")
+        return value
+
+    def typed(self, table: dict[str, Any], key: str, kind: type, default: Any, prefix: str = "") -> Any:
+        value = table.get(key, default)
+        if value is ...:
+            raise self.fail(prefix + key, "is required")
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            raise self.fail(prefix + key, f"must be {kind.__name__}, got {type(value).__name__} {value!r}")
+        return value
+
+    def parse(self) -> Recipe:
+        raw = self.raw
+        if not isinstance(raw, dict):
+            raise RecipeError(f"{self.where}: a recipe must be a TOML table")
+        self.check_keys(raw, _TOP_KEYS, "")
+        for key in _REQUIRED:
+            if key not in raw:
+                raise self.fail(key, "is required")
+
+        seed = self.typed(raw, "seed", int, ...)
+        if seed < 0:
+            raise self.fail("seed", f"must be >= 0, got {seed}")
+        lanes = self.positive_int(raw, "lanes")
+        k = self.positive_int(raw, "microbatches_per_lane")
+        m = self.positive_int(raw, "rows_per_microbatch")
+        seq_len = self.positive_int(raw, "seq_len")
+        chunk_size = self.positive_int(raw, "chunk_size", default=64)
+        flush = raw.get("flush_every_k_chunks")
+        if flush is not None:
+            flush = self.positive_int(raw, "flush_every_k_chunks")
+        text_field = self.typed(raw, "text_field", str, "text")
+        if not text_field:
+            raise self.fail("text_field", "must not be empty")
+        packing = self.typed(raw, "packing", str, "wrap")
+        if packing not in PACKING_ALGORITHMS:
+            raise self.fail("packing", f"must be one of {', '.join(PACKING_ALGORITHMS)}, got {packing!r}")
+        repeat = self.typed(raw, "repeat", bool, True)
+
+        shuffle_raw = self.typed(raw, "shuffle", dict, {})
+        self.check_keys(shuffle_raw, _SHUFFLE_KEYS, "shuffle.")
+        shuffle = Shuffle(**{k_: self.typed(shuffle_raw, k_, bool, True, "shuffle.") for k_ in _SHUFFLE_KEYS})
+
+        aggregate_raw = self.typed(raw, "aggregate", dict, {})
+        self.check_keys(aggregate_raw, _AGGREGATE_KEYS, "aggregate.")
+        store = self.typed(aggregate_raw, "store", str, None, "aggregate.") if "store" in aggregate_raw else None
+        agg_dir = self.typed(aggregate_raw, "dir", str, None, "aggregate.") if "dir" in aggregate_raw else None
+        if agg_dir is not None:
+            agg_dir = str(self.resolve(agg_dir))
+        if store is not None and agg_dir is not None:
+            raise self.fail("aggregate", "set at most one of 'store' and 'dir'")
+
+        tokenizer_raw = self.typed(raw, "tokenizer", str, ...)
+        tokenizer = tokenizer_raw if tokenizer_raw == "bytes" else str(self.resolve(tokenizer_raw))
+        try:
+            validate_tokenizer_spec(tokenizer)
+        except ValueError as exc:
+            raise self.fail("tokenizer", str(exc)) from None
+
+        sources = self.parse_sources(raw["sources"], chunk_size)
+        return Recipe(
+            sources=sources, seed=seed, lanes=lanes, microbatches_per_lane=k, rows_per_microbatch=m,
+            seq_len=seq_len, tokenizer=tokenizer, text_field=text_field, chunk_size=chunk_size, packing=packing,
+            repeat=repeat, flush_every_k_chunks=flush, shuffle=shuffle,
+            aggregate=Aggregate(store=store, dir=agg_dir), path=self.origin,
+        )
+
+    def resolve(self, value: str) -> Path:
+        p = Path(value).expanduser()
+        return (p if p.is_absolute() else self.base_dir / p).resolve()
+
+    def parse_sources(self, raw_sources: Any, chunk_size: int) -> tuple[Source, ...]:
+        if not isinstance(raw_sources, list) or not raw_sources:
+            raise self.fail("sources", "must be a non-empty array of tables ([[sources]])")
+        seen: set[str] = set()
+        out = []
+        for i, src in enumerate(raw_sources):
+            prefix = f"sources[{i}]."
+            if not isinstance(src, dict):
+                raise self.fail(f"sources[{i}]", "must be a table")
+            self.check_keys(src, _SOURCE_KEYS, prefix)
+            name = self.typed(src, "name", str, ..., prefix)
+            if not name or name in seen:
+                raise self.fail(prefix + "name", f"must be non-empty and unique, got {name!r}")
+            seen.add(name)
+            weight = src.get("weight", 1.0)
+            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
+                    or weight <= 0:
+                raise self.fail(prefix + "weight", f"must be a positive number, got {weight!r}")
+            path = self.resolve(self.typed(src, "path", str, ..., prefix))
+            fmt = self.typed(src, "format", str, None, prefix) if "format" in src else None
+            if fmt is not None and fmt not in FORMAT_EXTENSIONS:
+                raise self.fail(prefix + "format", f"must be one of {', '.join(FORMAT_EXTENSIONS)}, got {fmt!r}")
+            fmt, shards = self.list_shards(path, fmt, prefix)
+            records = _count_records(name, path, fmt)
+            if records < chunk_size:
+                raise self.fail(
+                    "chunk_size",
+                    f"{chunk_size} is larger than source '{name}' ({records} records in {path}); "
+                    "Zephon would drop the whole source as a trailing partial chunk",
+                )
+            out.append(Source(name=name, path=path, format=fmt, weight=float(weight), shards=shards))
+        return tuple(out)
+
+    def list_shards(self, path: Path, fmt: str | None, prefix: str) -> tuple[str, tuple[tuple[str, int], ...]]:
+        if not path.is_dir():
+            raise self.fail(prefix + "path", f"source directory not found: {path}")
+        by_format = {
+            f: sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(exts))
+            for f, exts in FORMAT_EXTENSIONS.items()
+        }
+        present = [f for f, files in by_format.items() if files]
+        if fmt is None:
+            if not present:
+                raise self.fail(prefix + "path", f"source directory holds no .jsonl or .parquet shards: {path}")
+            if len(present) > 1:
+                raise self.fail(prefix + "format", f"{path} mixes {' and '.join(present)} shards; set 'format'")
+            fmt = present[0]
+        files = by_format[fmt]
+        if not files:
+            raise self.fail(prefix + "path", f"source directory holds no {fmt} shards: {path}")
+        empty = [f for f in files if f.stat().st_size == 0]
+        if empty:
+            raise self.fail(prefix + "path", f"empty shard file: {empty[0]}")
+        return fmt, tuple((str(f.relative_to(path)), f.stat().st_size) for f in files)
+
+
+def _count_records(name: str, path: Path, fmt: str) -> int:
+    from zephon.io import Dataset
+
+    return int(Dataset.from_path(name, str(path), fmt=fmt).total())
+
+
+def _zephon_version() -> str:
+    import zephon
+
+    return str(zephon.__version__)

@@ -1,0 +1,132 @@
+"""In-process global batches: one Zephon pipeline that owns all L lanes.
+
+Guarantee: ``GlobalBatchSource(recipe).batch(s)`` is a pure function of (recipe, s). It gives the same rows in
+the same lane-major order as the data service and as W in-process Zephon ranks together, for any access order.
+
+Random access is served from a ring of per-step Zephon checkpoints (recent steps) plus sparse anchors every
+``anchor_every`` steps (all steps ever passed): ``batch(s)`` for an s behind the current position restores the
+nearest kept checkpoint <= s and replays forward. Limits: a step behind costs a Zephon restore (which replays the
+open epoch of every lane; its price grows with lanes x chunk_size x flush_every_k_chunks) plus at most
+``anchor_every`` steps of replay once it has left the recent ring; a step far ahead is reached by producing
+every step in between.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from zephon_ray.batch import GlobalBatch
+from zephon_ray.lanes import LaneShard, LaneStepper, StepStateError
+from zephon_ray.recipe import Recipe
+from zephon_ray.tokenizers import build_tokenizer
+
+
+def assemble(recipe: Recipe, step: int, shards: dict[int, LaneShard]) -> GlobalBatch:
+    """Concatenate lane shards in lane order into a read-only GlobalBatch."""
+    if sorted(shards) != list(range(recipe.lanes)):
+        raise ValueError(f"step {step}: lane shards {sorted(shards)} do not cover lanes 0..{recipe.lanes - 1}")
+    ordered = [shards[lane] for lane in range(recipe.lanes)]
+    tokens = np.concatenate([s.tokens for s in ordered])
+    positions = np.concatenate([s.positions for s in ordered])
+    lanes = np.repeat(np.arange(recipe.lanes, dtype=np.int16), recipe.rows_per_lane)
+    composition = np.sum([s.source_tokens for s in ordered], axis=0)
+    for array in (tokens, positions, lanes):
+        array.setflags(write=False)
+    return GlobalBatch(
+        step=step,
+        tokens=tokens,
+        positions=positions,
+        lanes=lanes,
+        source_tokens={name: int(n) for name, n in zip(recipe.source_names, composition)},
+        fingerprint=recipe.fingerprint,
+        pad_token_id=pad_token_id(recipe),
+    )
+
+
+def pad_token_id(recipe: Recipe) -> int | None:
+    """Only padding packers put pad ids in rows; 'wrap' never does, so its labels need no mask."""
+    return None if recipe.packing in ("wrap",) else build_tokenizer(recipe.tokenizer).pad_token_id
+
+
+class GlobalBatchSource:
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        recent_snapshots: int = 32,
+        anchor_every: int = 32,
+        cache_steps: int = 4,
+    ) -> None:
+        for name, value in (("recent_snapshots", recent_snapshots), ("anchor_every", anchor_every),
+                            ("cache_steps", cache_steps)):
+            if value < 1:
+                raise ValueError(f"GlobalBatchSource: {name} must be >= 1, got {value}")
+        self.recipe = recipe
+        self._stepper = LaneStepper(recipe)
+        self._recent_snapshots = recent_snapshots
+        self._anchor_every = anchor_every
+        self._snapshots: dict[int, dict[str, Any]] = {}
+        self._snapshot_steps: list[int] = []
+        self._cache: OrderedDict[int, GlobalBatch] = OrderedDict()
+        self._cache_steps = cache_steps
+        self._snapshot()  # step 0
+
+    @property
+    def position(self) -> int:
+        return self._stepper.position
+
+    def batch(self, step: int) -> GlobalBatch:
+        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        step = int(step)
+        cached = self._cache.get(step)
+        if cached is not None:
+            self._cache.move_to_end(step)
+            return cached
+        if step < self._stepper.position:
+            self._seek(step)
+        while True:
+            current = self._stepper.position
+            batch = assemble(self.recipe, current, self._stepper.next_step())
+            self._snapshot()
+            if current == step:
+                self._remember(batch)
+                return batch
+
+    def _seek(self, step: int) -> None:
+        index = bisect.bisect_right(self._snapshot_steps, step) - 1
+        self._stepper.restore(self._snapshots[self._snapshot_steps[index]])
+
+    def _snapshot(self) -> None:
+        step = self._stepper.position
+        if step in self._snapshots:
+            return
+        try:
+            self._snapshots[step] = self._stepper.checkpoint()
+        except StepStateError:
+            return  # microbatches of the next step are buffered: not a clean boundary, keep older snapshots
+        bisect.insort(self._snapshot_steps, step)
+        # Drop the oldest non-anchor snapshot once the recent ring is full; anchors are kept for good.
+        recent = [s for s in self._snapshot_steps if s % self._anchor_every]
+        while len(recent) > self._recent_snapshots:
+            drop = recent.pop(0)
+            del self._snapshots[drop]
+            self._snapshot_steps.remove(drop)
+
+    def _remember(self, batch: GlobalBatch) -> None:
+        self._cache[batch.step] = batch
+        while len(self._cache) > self._cache_steps:
+            self._cache.popitem(last=False)
+
+    def close(self) -> None:
+        self._stepper.close()
+
+    def __enter__(self) -> "GlobalBatchSource":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
