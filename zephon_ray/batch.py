@@ -71,8 +71,9 @@ class RankSlice:
                 f"local_batch_size {local_batch_size} does not divide this rank's {self.num_rows} rows "
                 f"(step {self.step}, rank {self.rank} of {self.world})"
             )
-        tokens = torch.from_numpy(np.ascontiguousarray(self.tokens)).long()
-        positions = torch.from_numpy(np.ascontiguousarray(self.positions)).long()
+        # astype copies into fresh, writable int64 memory: the stored rows are read-only and shared.
+        tokens = torch.from_numpy(self.tokens.astype(np.int64))
+        positions = torch.from_numpy(self.positions.astype(np.int64))
         labels = tokens[:, 1:].clone()
         if self.pad_token_id is not None:
             labels[labels == self.pad_token_id] = IGNORE_INDEX
