@@ -1,0 +1,331 @@
+"""``DataService``: the client of the Ray data service. This is the API trainers, loaders and notebooks use.
+
+    svc = DataService.start(recipe, name="run7", namespace="zr", producers=2, window=8,
+                            state_dir="/shared/run7", checkpoint_every=8,
+                            aggregate_store="torch://", run_id="run7")
+    svc = DataService.connect("run7", namespace="zr", consumer="trainer")   # any driver, job, Train worker
+    svc.prefetch(range(s + 1, s + 4))            # optional: start fetching upcoming steps
+    part = svc.slice(s, rank, world)             # RankSlice: rows [r*B/W, (r+1)*B/W) of global batch s
+    svc.commit(s + 1)                            # after the trainer checkpoint that resumes at step s + 1
+    svc.batch(s).digest                          # the whole GlobalBatch, same digest as GlobalBatchSource
+
+Guarantee: ``batch(s)`` and ``slice(s, r, W)`` return exactly the rows of ``GlobalBatchSource(recipe).batch(s)``
+(whole, or the rank's contiguous row range) for any s, any W with B % W == 0, any number of producers, and
+across producer crashes, rescales and service restarts from the same ``state_dir``.
+
+Limits:
+- Steps inside the live window are served from the object store (zero-copy, read-only arrays). Steps behind it
+  are replayed on the coordinator (restore of the nearest durable checkpoint + at most K steps, then
+  sequential reads are cheap); steps more than ``window`` ahead of the slowest live consumer wait for it.
+- Returned arrays are read-only views of shared memory; copy them before writing.
+- The cursor of a consumer is keyed by (consumer, rank, world); pass a stable ``consumer`` (e.g. the run id)
+  from every rank of one job. A consumer silent for ``consumer_ttl_s`` stops holding the window back;
+  ``release()`` does that at once.
+- Errors are raised as clean Python exceptions (ValueError, TimeoutError, ServiceError, ...), never as Ray
+  wrappers.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+
+from zephon_ray.batch import GlobalBatch, RankSlice, slice_bounds
+from zephon_ray.lanes import LaneShard
+from zephon_ray.recipe import Recipe
+from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
+from zephon_ray.service.coordinator import REPLY_REFS, Coordinator
+from zephon_ray.service.errors import ServiceError, ServiceNotFoundError
+from zephon_ray.service.state import check_state_dir
+from zephon_ray.source import assemble, pad_token_id
+
+PRODUCER_NAME_INFIX = ".producer."
+
+
+def _ensure_ray() -> None:
+    if not ray.is_initialized():
+        # Attach to the cluster this process belongs to (a job, a Train worker, RAY_ADDRESS); never start one.
+        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+
+
+def _unwrap(exc: BaseException, service: str) -> BaseException:
+    """A Ray error as the clean exception it wraps, or a ServiceError with a one-line reason."""
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException) and not isinstance(cause, RayTaskError):
+            return cause
+        return ServiceError(f"service {service}: {str(exc).strip().splitlines()[-1]}")
+    if isinstance(exc, RayActorError):
+        return ServiceNotFoundError(
+            f"service {service} is not running (its coordinator died or was stopped); start it again from its "
+            "state_dir")
+    if isinstance(exc, GetTimeoutError):
+        return TimeoutError(f"service {service}: no reply in time")
+    return exc
+
+
+@dataclass(frozen=True)
+class StepRefs:
+    """One step's lane shards: Ray object refs (a live step) or values (a step replayed on the side).
+
+    ``lanes[l]`` is lane l's shard or a ref to it. Keep the object to keep the shards alive; ``slice`` and
+    ``batch`` only fetch the lanes they need.
+    """
+
+    step: int
+    lanes: list[Any]
+    recipe: Recipe
+    pad_token_id: int | None
+
+    @property
+    def is_refs(self) -> bool:
+        return bool(self.lanes) and isinstance(self.lanes[0], ray.ObjectRef)
+
+    def _fetch(self, lanes: range) -> list[LaneShard]:
+        picked = [self.lanes[lane] for lane in lanes]
+        return ray.get(picked) if self.is_refs else picked
+
+    def batch(self) -> GlobalBatch:
+        shards = self._fetch(range(self.recipe.lanes))
+        return assemble(self.recipe, self.step, dict(zip(range(self.recipe.lanes), shards)))
+
+    def slice(self, rank: int, world: int) -> RankSlice:
+        lo, hi = slice_bounds(self.recipe.global_batch_rows, rank, world)
+        per = self.recipe.rows_per_lane
+        first, last = lo // per, (hi - 1) // per
+        shards = self._fetch(range(first, last + 1))
+        a, b = lo - first * per, hi - first * per
+        if len(shards) == 1:  # the common case (W a multiple of L... or of L's divisors): a zero-copy view
+            tokens, positions = shards[0].tokens[a:b], shards[0].positions[a:b]
+        else:
+            tokens = np.concatenate([s.tokens for s in shards])[a:b]
+            positions = np.concatenate([s.positions for s in shards])[a:b]
+            tokens.setflags(write=False)
+            positions.setflags(write=False)
+        return RankSlice(self.step, rank, world, tokens, positions, self.pad_token_id)
+
+
+class DataService:
+    """A handle on a running data service. Cheap to create; picklable state is just (name, namespace, consumer).
+
+    Create with :meth:`start` (launch a new service) or :meth:`connect` (find a running one by name).
+    """
+
+    def __init__(self, coordinator: Any, *, name: str, namespace: str, consumer: str | None = None) -> None:
+        self._coordinator = coordinator
+        self.name = name
+        self.namespace = namespace
+        self.consumer = consumer or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._where = f"{name!r} (namespace {namespace!r})"
+        recipe, config = self._call(coordinator.recipe_and_config.remote(), timeout=120)
+        self.recipe: Recipe = recipe
+        self.config: ServiceConfig = config
+        self._pad = pad_token_id(recipe)
+        self._prefetched: dict[int, Any] = {}
+
+    def __reduce__(self):  # ship to Ray Train workers / tasks as a reconnect, not as actor state
+        return (_reconnect, (self.name, self.namespace, self.consumer))
+
+    # ------------------------------------------------------------------ lifecycle
+    @classmethod
+    def start(
+        cls,
+        recipe: Recipe | str | os.PathLike,
+        *,
+        name: str = DEFAULT_NAME,
+        namespace: str = DEFAULT_NAMESPACE,
+        producers: int = 1,
+        window: int = 8,
+        state_dir: str | os.PathLike | None = None,
+        checkpoint_every: int = 8,
+        aggregate_store: str | None = None,
+        aggregate_dir: str | os.PathLike | None = None,
+        run_id: str | None = None,
+        consumer: str | None = None,
+        resources: ActorResources | None = None,
+        **options: Any,
+    ) -> "DataService":
+        """Start a named, detached service and return a client for it.
+
+        ``state_dir`` holds the durable state; start again with the same ``state_dir`` (and recipe) to resume
+        where the newest commit left off. Without ``state_dir`` a fresh temporary directory is used (nothing to
+        resume from). ``options`` are further :class:`ServiceConfig` fields (``consumer_ttl_s``,
+        ``request_timeout_s``, ``start_step``, ``aggregate_timeout_s``). Invalid settings raise ValueError
+        before anything is created or written.
+        """
+        if not isinstance(recipe, Recipe):
+            recipe = Recipe.from_toml(recipe)
+        if state_dir is None:
+            state_dir = tempfile.mkdtemp(prefix=f"zephon-ray-{name}-")
+        config = ServiceConfig(
+            name=name, namespace=namespace, producers=producers, window=window, state_dir=str(state_dir),
+            checkpoint_every=checkpoint_every, aggregate_store=aggregate_store,
+            aggregate_dir=None if aggregate_dir is None else str(aggregate_dir), run_id=run_id,
+            resources=resources or ActorResources(), **options,
+        ).for_recipe(recipe)
+        if Path(config.state_dir).exists():
+            check_state_dir(recipe, config.state_dir)  # refuse another recipe's state before touching Ray
+        _ = recipe.fingerprint  # computed here, shipped with the recipe (the coordinator's node may differ)
+        _ensure_ray()
+        try:
+            ray.get_actor(name, namespace=namespace)
+        except ValueError:
+            pass
+        else:
+            raise ServiceError(f"a service named {name!r} already runs in namespace {namespace!r}; "
+                               "connect() to it or stop() it first")
+        res = config.resources
+        handle = ray.remote(Coordinator).options(
+            name=name, namespace=namespace, lifetime="detached", num_cpus=res.coordinator_num_cpus,
+            max_concurrency=res.coordinator_max_concurrency, max_restarts=0,
+        ).remote(recipe, config)
+        try:
+            ray.get(handle.ready.remote(), timeout=300)
+        except Exception as exc:
+            ray.kill(handle, no_restart=True)
+            raise _creation_error(exc, name) from None
+        return cls(handle, name=name, namespace=namespace, consumer=consumer)
+
+    @classmethod
+    def connect(cls, name: str = DEFAULT_NAME, *, namespace: str = DEFAULT_NAMESPACE, consumer: str | None = None,
+                timeout_s: float = 60.0) -> "DataService":
+        """Find a running service by name. Works from any driver, ``ray job submit`` job, notebook or Ray Train
+        worker of the same cluster. Waits up to ``timeout_s`` for a service that is still starting."""
+        _ensure_ray()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                handle = ray.get_actor(name, namespace=namespace)
+                break
+            except ValueError:
+                if time.monotonic() > deadline:
+                    raise ServiceNotFoundError(f"no service named {name!r} in namespace {namespace!r}") from None
+                time.sleep(0.5)
+        return cls(handle, name=name, namespace=namespace, consumer=consumer)
+
+    def stop(self) -> None:
+        """Stop the service: producers and coordinator. Durable state stays in ``state_dir``."""
+        try:
+            ray.get(self._coordinator.stop.remote(), timeout=60)
+        except Exception:
+            pass  # already dead or wedged: kill it below either way
+        ray.kill(self._coordinator, no_restart=True)
+        # Producers are detached; kill any a dead coordinator could not (names are "<name>.producer.g<G>.<i>").
+        for entry in ray.util.list_named_actors(all_namespaces=True):
+            if entry.get("namespace") == self.namespace and \
+                    entry.get("name", "").startswith(self.name + PRODUCER_NAME_INFIX):
+                try:
+                    ray.kill(ray.get_actor(entry["name"], namespace=self.namespace), no_restart=True)
+                except Exception:
+                    pass
+
+    def release(self) -> None:
+        """Drop this consumer's cursors now, so that it no longer holds the window back."""
+        self._call(self._coordinator.release.remote(self.consumer))
+
+    # ------------------------------------------------------------------ reading
+    def refs(self, step: int, *, rank: int | None = None, world: int | None = None, track: bool = True,
+             timeout_s: float | None = None) -> StepRefs:
+        """Step ``step``'s lane shards (refs for live steps); blocks until produced. ``track=False`` leaves this
+        consumer's cursor where it is (inspection, prefetch)."""
+        pending = self._prefetched.pop(step, None)
+        if pending is not None:
+            if track:  # the prefetch did not move the cursor; this read does (fire and forget)
+                self._coordinator.touch.remote(step, self.consumer, rank, world)
+            reply = self._call(pending)
+        else:
+            reply = self._call(self._coordinator.get_step.remote(step, self.consumer, rank, world, track, timeout_s))
+        _, got, lanes = reply
+        return StepRefs(got, lanes, self.recipe, self._pad)
+
+    def prefetch(self, steps: Iterable[int], *, rank: int | None = None, world: int | None = None) -> None:
+        """Ask for upcoming steps without waiting and without moving the cursor; a later ``slice``/``batch``/
+        ``refs`` of one of them uses the answer. Keep the depth below ``window``: a step beyond the live window
+        is replayed on the side instead."""
+        for step in steps:
+            if step not in self._prefetched:
+                self._prefetched[step] = self._coordinator.get_step.remote(step, self.consumer, rank, world, False)
+        while len(self._prefetched) > 4 * self.config.window:  # forget the oldest unused prefetches
+            self._prefetched.pop(next(iter(self._prefetched)))
+
+    def batch(self, step: int) -> GlobalBatch:
+        """Global batch ``step`` (all B rows, lane-major); ``.digest`` equals GlobalBatchSource's."""
+        return self.refs(step).batch()
+
+    def slice(self, step: int, rank: int, world: int) -> RankSlice:
+        """Rank ``rank`` of ``world``'s rows of step ``step``; only the lanes covering them are fetched."""
+        slice_bounds(self.recipe.global_batch_rows, rank, world)  # validate before any remote call
+        return self.refs(step, rank=rank, world=world).slice(rank, world)
+
+    # ------------------------------------------------------------------ state and control
+    def commit(self, step: int) -> dict[str, Any]:
+        """Record durably (atomically, under ``state_dir``) that this consumer's trainer checkpoint resumes at
+        ``step``. A service restarted from the same ``state_dir`` starts its live window there."""
+        return self._call(self._coordinator.commit.remote(step, self.consumer))
+
+    def status(self) -> dict[str, Any]:
+        """Producers (pids, lanes, generation), window (held steps and bytes vs. bound), cursors, throughput,
+        durable checkpoints and commits, start-up replay and side-replay counters."""
+        return self._call(self._coordinator.status.remote(), timeout=60)
+
+    def rescale(self, producers: int) -> dict[str, Any]:
+        """Go to ``producers`` producer actors (must divide the lanes) without changing any batch."""
+        self.config.check_lanes(self.recipe, producers)
+        result = self._call(self._coordinator.rescale.remote(producers))
+        self.config = replace(self.config, producers=producers)
+        return result
+
+    def to_dataset(self, steps: Iterable[int]) -> "ray.data.Dataset":
+        """A ``ray.data.Dataset`` with one row per batch row: ``step``, ``lane``, ``row`` (index in the global
+        batch), ``tokens`` and ``positions`` (fixed-size int32 lists), ``digest`` (of the step). For notebooks
+        and ``write_parquet`` audits; it does not move this consumer's cursor. Limit: it materialises the
+        requested steps eagerly, one block per step."""
+        import pyarrow as pa
+
+        tables = []
+        for step in steps:
+            batch = self.refs(int(step), track=False).batch()
+            rows, width = batch.tokens.shape
+            tables.append(pa.table({
+                "step": pa.array(np.full(rows, batch.step, dtype=np.int64)),
+                "lane": pa.array(batch.lanes.astype(np.int32)),
+                "row": pa.array(np.arange(rows, dtype=np.int32)),
+                "tokens": pa.FixedSizeListArray.from_arrays(pa.array(batch.tokens.reshape(-1)), width),
+                "positions": pa.FixedSizeListArray.from_arrays(pa.array(batch.positions.reshape(-1)), width),
+                "digest": pa.array([batch.digest] * rows),
+            }))
+        if not tables:
+            raise ValueError("to_dataset: no steps given")
+        return ray.data.from_arrow(tables)
+
+    # ------------------------------------------------------------------ helpers
+    def _call(self, ref: Any, timeout: float | None = None) -> Any:
+        try:
+            return ray.get(ref, timeout=timeout)
+        except (RayTaskError, RayActorError, GetTimeoutError) as exc:
+            raise _unwrap(exc, self._where) from None
+
+
+def _reconnect(name: str, namespace: str, consumer: str) -> DataService:
+    return DataService.connect(name, namespace=namespace, consumer=consumer)
+
+
+def _creation_error(exc: BaseException, name: str) -> BaseException:
+    unwrapped = _unwrap(exc, repr(name))
+    if not isinstance(unwrapped, ServiceNotFoundError):
+        return unwrapped
+    # The coordinator's constructor raised: Ray reports it as a dead actor; keep the original last line.
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    reason = next((ln for ln in reversed(lines) if "Error:" in ln), lines[-1] if lines else repr(exc))
+    return ServiceError(f"service {name!r} failed to start: {reason}")
