@@ -1,0 +1,99 @@
+"""In-process throughput: GlobalBatchSource against a bare Zephon pipeline doing the same work, same run.
+
+    python benchmarks/bench_core.py [--recipe recipes/mixture.toml] [--steps 40] [--rounds 3]
+
+The bare side iterates the identical Zephon pipeline (same recipe, same build) and only touches each
+microbatch's token arrays; the GlobalBatchSource side also files microbatches by lane, stacks rows, takes a
+per-step Zephon checkpoint for random access and computes the sha256 digest. Rounds alternate A/B so that
+machine noise hits both sides; the ratio is the median of per-round ratios.
+
+It also measures the cost of ``batch(s)`` for a step 1, 10 and 100 steps behind the current position.
+Prints a table and one JSON line (prefixed ``RESULT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def bare_zephon(recipe, steps: int) -> float:
+    from zephon_ray.pipeline import build_pipeline
+
+    pipeline = build_pipeline(recipe)
+    it = iter(pipeline)
+    t0 = time.perf_counter()
+    tokens = 0
+    for _ in range(steps * recipe.lanes * recipe.microbatches_per_lane):
+        mb = next(it)
+        tokens += sum(int(rec.payload["input_ids"].shape[0]) - 1 for rec in mb.records)
+    elapsed = time.perf_counter() - t0
+    it.close()
+    return tokens / elapsed
+
+
+def global_batch_source(recipe, steps: int) -> float:
+    from zephon_ray import GlobalBatchSource
+
+    with GlobalBatchSource(recipe) as source:
+        t0 = time.perf_counter()
+        for s in range(steps):
+            source.batch(s).digest
+        elapsed = time.perf_counter() - t0
+    return steps * recipe.tokens_per_step / elapsed
+
+
+def random_access(recipe, behind: list[int], repeats: int = 3) -> dict[int, float]:
+    from zephon_ray import GlobalBatchSource
+
+    costs: dict[int, list[float]] = {b: [] for b in behind}
+    with GlobalBatchSource(recipe, cache_steps=1) as source:
+        head = max(behind) + 1
+        source.batch(head)
+        for _ in range(repeats):
+            for b in behind:
+                source.batch(head)  # back to the head before each probe
+                t0 = time.perf_counter()
+                source.batch(head - b)
+                costs[b].append(time.perf_counter() - t0)
+    return {b: statistics.median(v) for b, v in costs.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "mixture.toml"))
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+
+    from zephon_ray import Recipe
+
+    recipe = Recipe.from_toml(args.recipe)
+    print(f"recipe {recipe.describe()}: {recipe.global_batch_rows} rows x {recipe.seq_len} = "
+          f"{recipe.tokens_per_step} tokens/step, {args.steps} steps x {args.rounds} rounds")
+    bare_zephon(recipe, 2)  # warm caches (catalog, tokenizer, page cache)
+    rows = []
+    for r in range(args.rounds):
+        b = bare_zephon(recipe, args.steps)
+        g = global_batch_source(recipe, args.steps)
+        rows.append((b, g, g / b))
+        print(f"round {r}: bare zephon {b / 1e6:.3f} M tok/s   GlobalBatchSource {g / 1e6:.3f} M tok/s   ratio {g / b:.3f}")
+    ratio = statistics.median(x[2] for x in rows)
+    behind = random_access(recipe, [1, 10, 100])
+    for b, cost in behind.items():
+        print(f"batch(s) {b:>3} steps behind: {cost * 1e3:8.1f} ms")
+    print(f"median ratio GlobalBatchSource / bare Zephon: {ratio:.3f}")
+    print("RESULT " + json.dumps({
+        "recipe": str(args.recipe), "steps": args.steps, "rounds": args.rounds,
+        "bare_tokens_per_s": [x[0] for x in rows], "source_tokens_per_s": [x[1] for x in rows],
+        "median_ratio": ratio, "behind_ms": {str(b): c * 1e3 for b, c in behind.items()},
+    }))
+
+
+if __name__ == "__main__":
+    main()
