@@ -27,7 +27,7 @@ test-all: install
 	$(PY) -m pytest -q -ra -m ''
 
 bench: install
-	$(PY) -m zephon_ray.cli bench
+	$(PY) benchmarks/bench_core.py && $(PY) benchmarks/bench_service.py && $(PY) benchmarks/bench_loader.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

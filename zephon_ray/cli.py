@@ -4,7 +4,7 @@
     zephon-ray show RECIPE --step S
     zephon-ray corpus OUT_DIR
     zephon-ray serve | status | stop      (the Ray data service)
-    zephon-ray bench ...                  (see benchmarks/)
+    zephon-ray bench core|service|loader [ARGS]   (runs benchmarks/bench_<name>.py)
 
 Errors in user input print one line ``zephon-ray: error: ...`` and exit 2, never a traceback.
 """
@@ -78,6 +78,22 @@ def cmd_corpus(args: argparse.Namespace) -> int:
     return 0
 
 
+BENCHMARKS = ("core", "service", "loader")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    """Run benchmarks/bench_<name>.py from the source checkout (benchmarks are not installed as a package)."""
+    import runpy
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / f"bench_{args.name}.py"
+    if not script.is_file():
+        raise FileNotFoundError(f"benchmark script not found: {script} (benchmarks run from a source checkout)")
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zephon-ray", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -105,10 +121,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="at most this many records per source")
     p.set_defaults(func=cmd_corpus)
 
-    try:
+    p = sub.add_parser("bench", help="run a benchmark from benchmarks/ (core, service, loader)")
+    p.add_argument("name", choices=BENCHMARKS)
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    p.set_defaults(func=cmd_bench)
+
+    try:  # TODO(integration): import unconditionally once zephon_ray.service.cli lands
         from zephon_ray.service.cli import add_service_commands
-    except ImportError:  # the service module is optional until it exists
-        pass
+    except ModuleNotFoundError as exc:
+        if exc.name != "zephon_ray.service.cli":
+            raise
     else:
         add_service_commands(sub)
     return parser
