@@ -1,0 +1,25 @@
+"""TorchTitan integration: a data loader whose global batches survive any change of data-parallel degree.
+
+* :class:`ZephonRayDataLoader` (``zephon_ray.torchtitan.loader``): the TorchTitan ``BaseDataLoader``.
+* ``zephon_ray.torchtitan.config_registry``: ``--module zephon_ray.torchtitan --config <name>`` configs.
+* ``zephon_ray.torchtitan.overrides``: the ``--override.imports`` route onto TorchTitan's own configs.
+* ``zephon_ray.torchtitan.ray_train``: TorchTitan or a plain torch loop under Ray Train ``TorchTrainer``.
+* ``zephon_ray.torchtitan.cpu``: the shims that let TorchTitan 0.3.0 train on a CPU-only torch (tests, examples).
+"""
+
+from __future__ import annotations
+
+__all__ = ["LoaderStateError", "ZephonRayDataLoader"]
+
+
+def __getattr__(name: str):
+    # Importing torchtitan is slow; keep `import zephon_ray.torchtitan` cheap until the loader is needed.
+    if name == "ZephonRayDataLoader":
+        from zephon_ray.torchtitan.loader import ZephonRayDataLoader
+
+        return ZephonRayDataLoader
+    if name == "LoaderStateError":
+        from zephon_ray.torchtitan.state import LoaderStateError
+
+        return LoaderStateError
+    raise AttributeError(name)

@@ -1,0 +1,118 @@
+"""TorchTitan config registry: ``torchtitan.train --module zephon_ray.torchtitan --config <name>``.
+
+Each function returns a ``Trainer.Config`` whose data loader is :class:`ZephonRayDataLoader`. The recipe fixes
+the data, so the trainer's ``seq_len`` and global batch are taken from it (and checked by the loader).
+
+    torchrun --nproc_per_node 2 -m torchtitan.train --module zephon_ray.torchtitan \\
+        --config zephon_llama3_debugmodel_cpu --training.steps 4
+
+Environment knobs read when the config is built (each can also be changed through the usual CLI overrides of the
+TorchTitan fields it sets):
+
+* ``ZEPHON_RAY_RECIPE``: recipe TOML (default ``recipes/tiny.toml`` of this repository);
+* ``ZEPHON_RAY_MODE``: ``local`` (default) or ``service``; ``ZEPHON_RAY_RUN_ID`` (default ``zephon-llama3-debug``);
+* ``ZEPHON_RAY_AGGREGATE_DIR``: aggregate local-mode checkpoints in a directory instead of ``torch://``;
+* ``ZEPHON_RAY_SERVICE`` / ``ZEPHON_RAY_NAMESPACE``: the data service's name and namespace.
+
+``*_cpu`` configs install the CPU shims (:mod:`zephon_ray.torchtitan.cpu`) and use DDP over gloo: for tests and
+examples only.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from torchtitan.components.checkpoint import CheckpointManager
+from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
+from torchtitan.components.metrics import MetricsProcessor
+from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.components.validate import Validator
+from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config.configs import DebugConfig
+from torchtitan.distributed.activation_checkpoint import SelectiveAC
+from torchtitan.models.common.config_utils import decoder_vocab_size
+from torchtitan.models.llama3 import model_registry
+from torchtitan.trainer import Trainer
+
+from zephon_ray.recipe import Recipe
+from zephon_ray.torchtitan.loader import ZephonRayDataLoader
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+DEFAULT_RECIPE = REPO_ROOT / "recipes" / "tiny.toml"
+BYTES_ASSETS = Path(__file__).resolve().parent / "assets" / "bytes"
+DEFAULT_RUN_ID = "zephon-llama3-debug"
+
+
+def hf_assets_for(recipe: Recipe) -> str:
+    """The directory TorchTitan builds its tokenizer from (the loader itself never uses that tokenizer)."""
+    if recipe.tokenizer == "bytes":
+        return str(BYTES_ASSETS)
+    return str(Path(recipe.tokenizer).parent)
+
+
+def zephon_loader_config(recipe_path: str | Path | None = None, **overrides) -> ZephonRayDataLoader.Config:
+    recipe_path = str(recipe_path or os.environ.get("ZEPHON_RAY_RECIPE") or DEFAULT_RECIPE)
+    kwargs = dict(
+        recipe=recipe_path,
+        mode=os.environ.get("ZEPHON_RAY_MODE", "local"),
+        service_name=os.environ.get("ZEPHON_RAY_SERVICE", "zephon-ray"),
+        service_namespace=os.environ.get("ZEPHON_RAY_NAMESPACE", "zephon-ray"),
+        run_id=os.environ.get("ZEPHON_RAY_RUN_ID", DEFAULT_RUN_ID),
+        aggregate_store="torch://",
+    )
+    kwargs.update(overrides)
+    return ZephonRayDataLoader.Config(**kwargs)
+
+
+def zephon_llama3_debugmodel() -> Trainer.Config:
+    """The llama3 debug model trained on a zephon-ray recipe (accelerators; FSDP as TorchTitan defaults)."""
+    loader = zephon_loader_config()
+    recipe = Recipe.from_toml(loader.recipe)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    B = recipe.global_batch_rows
+    loader.global_batch_size = B
+    model_spec = model_registry("debugmodel")
+    return Trainer.Config(
+        loss=ChunkedLossWrapper.Config(
+            loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)),
+        ),
+        hf_assets_path=hf_assets_for(recipe),
+        model_spec=model_spec,
+        optimizer=default_adamw(lr=8e-4),
+        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
+                                                  min_lr_factor=0.0),
+        training=TrainingConfig(
+            local_batch_size=B // world if B % world == 0 else 1,
+            global_batch_size=B,
+            seq_len=recipe.seq_len,
+            steps=10,
+        ),
+        dataloader=loader,
+        metrics=MetricsProcessor.Config(log_freq=1),
+        checkpoint=CheckpointManager.Config(interval=10, last_save_model_only=False),
+        activation_checkpoint=SelectiveAC.Config(),
+        validator=Validator.Config(enable=False),
+        debug=DebugConfig(seed=0),
+    )
+
+
+def zephon_llama3_debugmodel_cpu() -> Trainer.Config:
+    """CPU-only variant for tests and examples: shims on, 2-layer debug model, DDP over gloo, no compile."""
+    from zephon_ray.torchtitan import cpu
+
+    cpu.apply()
+    config = zephon_llama3_debugmodel()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model = config.model_spec.model
+    model.layers = model.layers[:2]
+    config.parallelism = ParallelismConfig(
+        data_parallel_replicate_degree=world,
+        data_parallel_shard_degree=1,
+        spmd_backend="partial_dtensor",
+    )
+    config.training.disable_cuda_graphs = True
+    config.training.mixed_precision_param = "float32"
+    config.compile = CompileConfig(enable=False)
+    config.debug = DebugConfig(seed=0)
+    return config

@@ -1,0 +1,328 @@
+"""``ZephonRayDataLoader``: a TorchTitan 0.3.0 data loader whose global batch s is a pure function of (recipe, s).
+
+Guarantee: for a recipe with B rows per global batch, rank r of W (W dividing B) yields, for every step s, the
+rows ``[r*B/W, (r+1)*B/W)`` of global batch s, cut into ``({"input", "positions"}, labels)`` microbatches of
+``local_batch_size`` rows. The rows are the same whether they come from the data service (``mode="service"``) or
+from an in-process Zephon rank (``mode="local"``), and whatever W was before a resume: concatenating every rank's
+slice in rank order gives the batch that ``zephon-ray digest`` describes.
+
+State (see :mod:`zephon_ray.torchtitan.state`) is ``{version, run_id, fingerprint, next_step, zephon}``, JSON-safe
+and identical on every rank, so DCP stores it once and it loads at any W. ``state_dict()`` works before iteration.
+
+Limits, each rejected with a clear error rather than worked around:
+
+* the trainer's global batch must be the recipe's B (one optimizer step = one global batch), its seq_len the
+  recipe's, and ``local_batch_size * W`` must divide B;
+* a checkpoint may only be taken at a step boundary (not after some of a step's microbatches were consumed);
+* local mode needs W dividing L, and a distributed local-mode run needs a ``run_id`` and exactly one of
+  ``aggregate_store`` and ``aggregate_dir``; in local mode a checkpoint is only possible at a snapshot boundary
+  (``checkpoint_every``; TorchTitan's checkpoint interval is picked up automatically).
+
+TorchTitan never closes its data loader: the background threads are daemons, and :meth:`close` (also run at
+interpreter exit) stops them and releases the service connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torchtitan.components.dataloader import BaseDataLoader
+
+from zephon_ray.batch import RankSlice
+from zephon_ray.pipeline import ZephonRank
+from zephon_ray.recipe import Recipe
+from zephon_ray.torchtitan import aggregate
+from zephon_ray.torchtitan.state import (
+    LoaderStateError,
+    check_state,
+    make_state,
+    zephon_state,
+)
+
+logger = logging.getLogger(__name__)
+
+MODES = ("service", "local")
+ENV_RECORD_DIR = "ZEPHON_RAY_RECORD_DIR"
+"""Debug aid: when set, every rank writes each step's slice rows to ``<dir>/step-<s>-rank-<r>-of-<W>.npz``."""
+
+_GET_TIMEOUT_S = 600.0
+
+
+def _world_from_env() -> int:
+    try:
+        return int(os.environ.get("WORLD_SIZE", "1"))
+    except ValueError:
+        return 1
+
+
+class ZephonRayDataLoader(BaseDataLoader):
+    """TorchTitan data loader over zephon-ray global batches. See the module docstring for the guarantee."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        recipe: str = ""
+        """Path to the recipe TOML."""
+
+        mode: str = "service"
+        """``"service"``: read slices from a running DataService; ``"local"``: run Zephon in this process."""
+
+        service_name: str = "zephon-ray"
+        service_namespace: str = "zephon-ray"
+
+        run_id: str | None = None
+        """Names the run; checked on resume. Required for a distributed local-mode run."""
+
+        aggregate_store: str | None = None
+        """Local mode: ``"torch://"`` (MASTER_ADDR:MASTER_PORT) or ``"torch://host:port"``."""
+
+        aggregate_dir: str | None = None
+        """Local mode: a directory every rank can reach. ``$ZEPHON_RAY_AGGREGATE_DIR`` overrides both."""
+
+        prefetch: int = 2
+        """Steps fetched (service) or produced (local) ahead of the trainer, in a background thread."""
+
+        checkpoint_every: int = 0
+        """Local mode: take a Zephon snapshot every N steps. 0: TorchTitan's checkpoint interval, else 1."""
+
+        global_batch_size: int = -1
+        """The trainer's global batch in rows, checked against the recipe's B when >= 0."""
+
+        record_dir: str | None = None
+        """Debug: write every consumed slice here (also ``$ZEPHON_RAY_RECORD_DIR``)."""
+
+        infinite: bool = True
+        """Kept for TorchTitan's validator contract; a recipe with ``repeat = true`` never runs out."""
+
+        def __post_init__(self) -> None:
+            if not self.recipe:
+                raise ValueError("ZephonRayDataLoader.Config: 'recipe' (path to a recipe TOML) is required")
+            if self.mode not in MODES:
+                raise ValueError(f"ZephonRayDataLoader.Config: 'mode' must be one of {MODES}, got {self.mode!r}")
+            if self.prefetch < 1:
+                raise ValueError(f"ZephonRayDataLoader.Config: 'prefetch' must be >= 1, got {self.prefetch}")
+            if self.checkpoint_every < 0:
+                raise ValueError(
+                    f"ZephonRayDataLoader.Config: 'checkpoint_every' must be >= 0, got {self.checkpoint_every}")
+            store, agg_dir, origin = self.resolved_aggregation()
+            if store is not None and agg_dir is not None:
+                raise ValueError(
+                    f"ZephonRayDataLoader.Config: set exactly one of 'aggregate_store' and 'aggregate_dir', got "
+                    f"both ({store!r} and {agg_dir!r}, from {origin})"
+                )
+            if self.mode == "local" and _world_from_env() > 1:
+                world = _world_from_env()
+                if not self.run_id:
+                    raise ValueError(
+                        f"ZephonRayDataLoader.Config: a distributed run (WORLD_SIZE={world}) in local mode needs "
+                        "'run_id': it names the collective Zephon checkpoint"
+                    )
+                if store is None and agg_dir is None:
+                    raise ValueError(
+                        f"ZephonRayDataLoader.Config: a distributed run (WORLD_SIZE={world}) in local mode needs "
+                        "exactly one of 'aggregate_store' (e.g. 'torch://') and 'aggregate_dir' (or "
+                        f"${aggregate.ENV_AGGREGATE_DIR}, or the recipe's [aggregate] table); neither is set"
+                    )
+                if store is not None:
+                    aggregate.check_store_reachable(store)
+
+        def resolved_aggregation(self) -> tuple[str | None, str | None, str]:
+            return aggregate.resolve(self.aggregate_store, self.aggregate_dir, self.recipe)
+
+    # ------------------------------------------------------------------ construction
+    def __init__(
+        self,
+        config: Config,
+        *,
+        dp_world_size: int = 1,
+        dp_rank: int = 0,
+        tokenizer: Any = None,
+        seq_len: int | None = None,
+        local_batch_size: int = 1,
+        snapshot_every_n_steps: int | None = None,
+        **_: Any,
+    ) -> None:
+        self.config = config
+        self.recipe = recipe = Recipe.from_toml(config.recipe)
+        self.dp_world_size = world = int(dp_world_size)
+        self.dp_rank = rank = int(dp_rank)
+        self.local_batch_size = lbs = int(local_batch_size)
+        B = recipe.global_batch_rows
+        where = f"ZephonRayDataLoader (recipe {recipe.describe()})"
+        if world < 1 or not 0 <= rank < world:
+            raise ValueError(f"{where}: dp_rank {rank} is not in a data-parallel world of {world}")
+        if seq_len is not None and int(seq_len) != recipe.seq_len:
+            raise ValueError(f"{where}: the trainer's seq_len {seq_len} differs from the recipe's seq_len "
+                             f"{recipe.seq_len}; set training.seq_len = {recipe.seq_len}")
+        if lbs < 1 or B % (world * lbs):
+            raise ValueError(
+                f"{where}: local_batch_size {lbs} x data-parallel degree {world} = {lbs * world} does not divide "
+                f"the recipe's global batch of {B} rows; grad_accum = B / (W * local_batch_size) must be whole"
+            )
+        if config.global_batch_size >= 0 and config.global_batch_size != B:
+            raise ValueError(f"{where}: the trainer's global batch {config.global_batch_size} differs from the "
+                             f"recipe's global batch of {B} rows; set training.global_batch_size = {B}")
+        self.microbatches_per_step = B // (world * lbs)
+        if config.mode == "local" and recipe.lanes % world:
+            raise ValueError(
+                f"{where}: local mode needs the data-parallel degree to divide the recipe's {recipe.lanes} lanes, "
+                f"got {world}; use mode='service' (any W dividing B={B}) or a W dividing {recipe.lanes}"
+            )
+        if config.mode == "local" and world > 1:
+            store, agg_dir, _ = config.resolved_aggregation()
+            if not config.run_id or (store is None) == (agg_dir is None):
+                raise ValueError(f"{where}: a distributed local-mode loader needs a run_id and exactly one of "
+                                 "aggregate_store and aggregate_dir")
+        every = config.checkpoint_every
+        if not every:
+            every = 1
+            if snapshot_every_n_steps and snapshot_every_n_steps % self.microbatches_per_step == 0:
+                every = max(1, snapshot_every_n_steps // self.microbatches_per_step)
+        self.checkpoint_every = every
+        record = config.record_dir or os.environ.get(ENV_RECORD_DIR)
+        self._record_dir = Path(record) if record else None
+
+        self._next_step = 0
+        self._partial = 0
+        self._loaded_zephon: dict[str, Any] | None = None
+        self._source: Any = None
+        self._source_step: int | None = None
+        self.last_slice: RankSlice | None = None
+        """The slice the most recent microbatch came from (for digests and debugging)."""
+        self._loaded_at = 0
+        # Runs at garbage collection and at interpreter exit: TorchTitan never calls close().
+        self._finalizer = weakref.finalize(self, _close_source, self.__dict__)
+
+    # ------------------------------------------------------------------ iteration
+    @property
+    def next_step(self) -> int:
+        """The first global step not yet fully consumed."""
+        return self._next_step
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        while True:
+            step = self._next_step
+            piece = self._take(step)
+            self.last_slice = piece
+            if self._record_dir is not None:
+                self._record(piece)
+            n = self.microbatches_per_step
+            for i, microbatch in enumerate(piece.microbatches(self.local_batch_size)):
+                if i + 1 == n:
+                    self._next_step, self._partial = step + 1, 0
+                else:
+                    self._partial = i + 1
+                yield microbatch
+
+    def _ensure_source(self, step: int) -> Any:
+        if self._source is not None and self._source_step == step:
+            return self._source
+        if self._source is None:
+            self._source = self._make_source()
+        if self.config.mode == "local":
+            self._source.start(step, self._loaded_zephon if step == self._loaded_at else None)
+        else:
+            self._source.start(step)
+        self._source_step = step
+        return self._source
+
+    def _take(self, step: int) -> RankSlice:
+        source = self._ensure_source(step)
+        piece = source.get(step, timeout=_GET_TIMEOUT_S)
+        self._source_step = step + 1
+        return piece
+
+    def _make_source(self) -> Any:
+        cfg, recipe = self.config, self.recipe
+        if cfg.mode == "local":
+            from zephon_ray.torchtitan.local import LocalSlices
+
+            store, agg_dir, _ = cfg.resolved_aggregation()
+            if self.dp_world_size > 1:
+                zrank = ZephonRank(groups=self.dp_world_size, group=self.dp_rank, run_id=cfg.run_id,
+                                   aggregate_store=store, aggregate_dir=agg_dir)
+            else:
+                zrank = ZephonRank()
+            return LocalSlices(recipe, rank=self.dp_rank, world=self.dp_world_size, zephon_rank=zrank,
+                               depth=cfg.prefetch, snapshot_every=self.checkpoint_every)
+        from zephon_ray.torchtitan.remote import ServiceSlices
+
+        return ServiceSlices(recipe, rank=self.dp_rank, world=self.dp_world_size, name=cfg.service_name,
+                             namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch)
+
+    def _record(self, piece: RankSlice) -> None:
+        self._record_dir.mkdir(parents=True, exist_ok=True)
+        path = self._record_dir / f"step-{piece.step:06d}-rank-{piece.rank:03d}-of-{piece.world:03d}.npz"
+        tmp = path.with_suffix(".tmp.npz")
+        np.savez(tmp, tokens=piece.tokens, positions=piece.positions)
+        os.replace(tmp, path)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        if self._partial:
+            raise LoaderStateError(
+                f"checkpoint requested in the middle of step {self._next_step}: {self._partial} of "
+                f"{self.microbatches_per_step} microbatches of this rank's slice were consumed; loader state "
+                "exists only at step boundaries (does the trainer's global batch equal the recipe's "
+                f"{self.recipe.global_batch_rows} rows?)"
+            )
+        step = self._next_step
+        zephon: dict[str, Any] | None = None
+        if self.config.mode == "local" and step > 0:
+            if self._source is not None and self._source.running:
+                zephon = self._source.snapshot(step, timeout=_GET_TIMEOUT_S)
+            elif step == self._loaded_at:
+                zephon = self._loaded_zephon
+        return make_state(run_id=self.config.run_id, fingerprint=self.recipe.fingerprint, next_step=step,
+                          zephon=zephon)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return  # TorchTitan passes an empty state for a component with nothing saved
+        step = check_state(state_dict, run_id=self.config.run_id, fingerprint=self.recipe.fingerprint,
+                           recipe_name=self.recipe.describe())
+        self._loaded_zephon = zephon_state(state_dict) if self.config.mode == "local" else None
+        if self._loaded_zephon is not None:
+            from zephon_ray.lanes import check_step_state
+
+            try:
+                check_step_state(self._loaded_zephon, self.recipe)
+            except ValueError as exc:
+                raise LoaderStateError(f"loader state key 'zephon': {exc}") from None
+            if int(self._loaded_zephon["next_step"]) != step:
+                raise LoaderStateError(f"loader state: the Zephon checkpoint is at step "
+                                       f"{self._loaded_zephon['next_step']}, next_step is {step}")
+        self._loaded_at = step
+        self._next_step, self._partial = step, 0
+        if self._source is not None:
+            self._source.close()
+        self._source_step = None
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Stop background threads and release the service connection. Idempotent."""
+        _close_source(self.__dict__)
+
+    def __enter__(self) -> "ZephonRayDataLoader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_source(attrs: dict[str, Any]) -> None:
+    source = attrs.get("_source")
+    attrs["_source"] = None
+    attrs["_source_step"] = None
+    if source is not None:
+        try:
+            source.close()
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            logger.debug("closing the zephon-ray source failed", exc_info=True)

@@ -1,0 +1,167 @@
+"""Local mode: this rank runs Zephon for its own lanes and assembles its slice of every step in-process.
+
+Guarantee: with W dividing L, rank r owns lanes [r*L/W, (r+1)*L/W) (Zephon's contiguous mapping) and its rows of
+step s are those lanes' shards in lane order, which is exactly ``GlobalBatch.slice(r, W)``: the same rows that the
+data service and ``zephon-ray digest`` give.
+
+A background thread runs up to ``depth`` steps ahead. At every ``snapshot_every``-th step boundary it takes a
+Zephon checkpoint first (collective across the W ranks when W > 1: every rank's thread reaches the same boundary,
+and Zephon merges the lanes through the TCPStore or the directory; each rank receives the same merged state).
+The loader's ``state_dict`` at step s hands out the snapshot taken at s.
+
+Limits: a state can be taken only at a snapshot boundary (or at the step the run started or resumed at); a
+collective snapshot blocks until every rank's thread reaches it (Zephon's aggregate timeout, 120 s).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+from zephon_ray.batch import RankSlice
+from zephon_ray.lanes import LaneStepper, StepStateError
+from zephon_ray.pipeline import ZephonRank
+from zephon_ray.recipe import Recipe
+from zephon_ray.source import pad_token_id
+
+_KEEP_SNAPSHOTS = 4
+
+
+class LocalSlices:
+    """Produce ``RankSlice`` objects for consecutive steps from an in-process Zephon rank."""
+
+    def __init__(self, recipe: Recipe, *, rank: int, world: int, zephon_rank: ZephonRank, depth: int,
+                 snapshot_every: int) -> None:
+        self.recipe = recipe
+        self.rank = rank
+        self.world = world
+        self.zephon_rank = zephon_rank
+        self.depth = depth
+        self.snapshot_every = snapshot_every
+        self._pad = pad_token_id(recipe)
+        self._queue: queue.Queue = queue.Queue(maxsize=depth)
+        self._cond = threading.Condition()
+        self._snapshots: OrderedDict[int, dict[str, Any] | None] = OrderedDict()
+        self._producing = -1
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._start_step = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self, step: int, zephon_state: dict[str, Any] | None) -> None:
+        """Start producing at ``step`` from a merged Zephon checkpoint taken at ``step`` (None: replay from 0)."""
+        self.close()
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=self.depth)
+        self._snapshots = OrderedDict()
+        self._error = None
+        self._start_step = step
+        self._producing = step
+        if zephon_state is not None or step == 0:
+            self._snapshots[step] = zephon_state
+        self._thread = threading.Thread(
+            target=self._run, args=(step, zephon_state, self._stop, self._queue),
+            name=f"zephon-ray-local-r{self.rank}", daemon=True,
+        )
+        self._thread.start()
+
+    def close(self, timeout: float = 1.0) -> None:
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        thread.join(timeout)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    # ------------------------------------------------------------------ consumer side
+    def get(self, step: int, timeout: float) -> RankSlice:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                got_step, item = self._queue.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if self._error is not None:
+                    raise RuntimeError(f"zephon-ray local producer failed: {self._error!r}") from self._error
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"rank {self.rank}: step {step} not produced within {timeout:.0f} s")
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"zephon-ray local producer failed at step {got_step}: {item!r}") from item
+        if got_step != step:
+            raise RuntimeError(f"local producer is at step {got_step}, the loader expected step {step}")
+        return item
+
+    def snapshot(self, step: int, timeout: float) -> dict[str, Any] | None:
+        """The merged Zephon checkpoint at ``step`` (None at step 0). Waits for the producer to reach it."""
+        due = step == self._start_step or step % self.snapshot_every == 0
+        if not due:
+            raise StepStateError(
+                f"local mode keeps Zephon snapshots every {self.snapshot_every} steps (and at the step the run "
+                f"started at, {self._start_step}); a checkpoint at step {step} is not at one. Set the loader's "
+                "checkpoint_every to divide your checkpoint interval"
+            )
+        with self._cond:
+            ok = self._cond.wait_for(
+                lambda: step in self._snapshots or self._producing > step or self._error is not None, timeout
+            )
+            if step in self._snapshots:
+                return self._snapshots[step]
+        if self._error is not None:
+            raise RuntimeError(f"zephon-ray local producer failed: {self._error!r}") from self._error
+        if not ok:
+            raise TimeoutError(f"rank {self.rank}: no Zephon snapshot at step {step} within {timeout:.0f} s")
+        raise StepStateError(f"the Zephon snapshot at step {step} was already dropped or never taken")
+
+    # ------------------------------------------------------------------ producer thread
+    def _run(self, step: int, zephon_state: dict[str, Any] | None, stop: threading.Event, out: queue.Queue) -> None:
+        stepper = None
+        try:
+            stepper = LaneStepper(self.recipe, self.zephon_rank)
+            if zephon_state is not None:
+                stepper.restore(zephon_state)
+            while stepper.position < step and not stop.is_set():
+                stepper.next_step()  # no merged checkpoint to start from: replay (batch s is a pure function of s)
+            while not stop.is_set():
+                s = stepper.position
+                with self._cond:
+                    self._producing = s
+                    self._cond.notify_all()
+                if s != step and s % self.snapshot_every == 0:
+                    state = stepper.checkpoint()  # collective when W > 1
+                    with self._cond:
+                        self._snapshots[s] = state
+                        while len(self._snapshots) > _KEEP_SNAPSHOTS:
+                            self._snapshots.popitem(last=False)
+                        self._cond.notify_all()
+                shards = stepper.next_step()
+                lanes = sorted(shards)
+                tokens = np.concatenate([shards[lane].tokens for lane in lanes])
+                positions = np.concatenate([shards[lane].positions for lane in lanes])
+                item = RankSlice(s, self.rank, self.world, tokens, positions, self._pad)
+                while not stop.is_set():
+                    try:
+                        out.put((s, item), timeout=0.2)
+                        break
+                    except queue.Full:
+                        continue
+                with self._cond:
+                    self._producing = s + 1
+                    self._cond.notify_all()
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            with self._cond:
+                self._error = exc
+                self._cond.notify_all()
+        finally:
+            if stepper is not None:
+                stepper.close(background=True)

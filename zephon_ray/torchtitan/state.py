@@ -1,0 +1,86 @@
+"""The loader's checkpoint state: small, JSON-safe, versioned, and identical on every rank.
+
+Layout (format version 1)::
+
+    {
+      "version":     1,                 # STATE_VERSION; anything else is refused
+      "run_id":      "my-run",          # the Config's run_id ("" when unset)
+      "fingerprint": "<sha256>",        # Recipe.fingerprint
+      "next_step":   12,                # first global step not yet consumed
+      "zephon":      "<json>" | "",     # local mode: merged Zephon checkpoint at next_step (JSON text)
+    }
+
+Every value is a str or an int, so DCP stores each key once (every rank holds the same value) and the state loads
+at any data-parallel degree. The merged Zephon checkpoint is kept as one JSON string rather than a nested dict so
+the *set of keys* never depends on the Zephon version or on the run's progress: DCP loads by key, and a template
+taken before iteration must name exactly the keys that a saved state holds. Nothing here is pickled.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+STATE_VERSION = 1
+KEY_VERSION = "version"
+KEY_RUN_ID = "run_id"
+KEY_FINGERPRINT = "fingerprint"
+KEY_NEXT_STEP = "next_step"
+KEY_ZEPHON = "zephon"
+STATE_KEYS = (KEY_VERSION, KEY_RUN_ID, KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_ZEPHON)
+
+
+class LoaderStateError(ValueError):
+    """A loader state that cannot be taken or loaded; the message names what differs."""
+
+
+def make_state(*, run_id: str | None, fingerprint: str, next_step: int, zephon: dict[str, Any] | None) -> dict:
+    return {
+        KEY_VERSION: STATE_VERSION,
+        KEY_RUN_ID: run_id or "",
+        KEY_FINGERPRINT: fingerprint,
+        KEY_NEXT_STEP: int(next_step),
+        KEY_ZEPHON: "" if zephon is None else json.dumps(zephon, sort_keys=True, separators=(",", ":")),
+    }
+
+
+def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name: str) -> int:
+    """Validate a saved state against this run; return its ``next_step``. Raises :class:`LoaderStateError`."""
+    if not isinstance(state, dict):
+        raise LoaderStateError(f"loader state must be a dict, got {type(state).__name__}")
+    missing = [k for k in (KEY_VERSION, KEY_FINGERPRINT, KEY_NEXT_STEP) if k not in state]
+    if missing:
+        raise LoaderStateError(f"loader state lacks key '{missing[0]}' (keys present: {sorted(state)})")
+    version = state[KEY_VERSION]
+    if version != STATE_VERSION:
+        raise LoaderStateError(f"loader state version {version!r} is not supported (expected {STATE_VERSION})")
+    if state[KEY_FINGERPRINT] != fingerprint:
+        raise LoaderStateError(
+            f"loader state key '{KEY_FINGERPRINT}': the checkpoint was written for recipe fingerprint "
+            f"{str(state[KEY_FINGERPRINT])[:12]}, but this run uses {recipe_name} (fingerprint {fingerprint[:12]}); "
+            "resume with the recipe the run started with"
+        )
+    saved_run = state.get(KEY_RUN_ID, "") or ""
+    if saved_run != (run_id or ""):
+        raise LoaderStateError(
+            f"loader state key '{KEY_RUN_ID}': the checkpoint belongs to run_id {saved_run!r}, "
+            f"but this loader has run_id {run_id!r}"
+        )
+    step = state[KEY_NEXT_STEP]
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise LoaderStateError(f"loader state key '{KEY_NEXT_STEP}' must be a non-negative int, got {step!r}")
+    return step
+
+
+def zephon_state(state: dict) -> dict[str, Any] | None:
+    """The merged Zephon checkpoint carried by a local-mode state, or None (service mode, or step 0)."""
+    blob = state.get(KEY_ZEPHON) or ""
+    if not blob:
+        return None
+    try:
+        value = json.loads(blob)
+    except (TypeError, ValueError) as exc:
+        raise LoaderStateError(f"loader state key '{KEY_ZEPHON}' is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise LoaderStateError(f"loader state key '{KEY_ZEPHON}' must hold a JSON object")
+    return value
