@@ -1,0 +1,87 @@
+"""LaneStepper and ZephonRank: lane filing, step-boundary checkpoints, fail-loud state."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from zephon_ray import GlobalBatchSource, Recipe
+from zephon_ray.lanes import KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_VERSION, LaneStepper, StepStateError
+from zephon_ray.pipeline import ZephonRank
+from conftest import TINY
+
+
+def test_rank_validation():
+    with pytest.raises(ValueError, match="run_id"):
+        ZephonRank(groups=2, group=0, aggregate_dir="/tmp/x")
+    with pytest.raises(ValueError, match="exactly one of aggregate_store and aggregate_dir"):
+        ZephonRank(groups=2, group=0, run_id="r")
+    with pytest.raises(ValueError, match="exactly one"):
+        ZephonRank(groups=2, group=0, run_id="r", aggregate_dir="/tmp/x", aggregate_store="torch://")
+    with pytest.raises(ValueError, match=r"group 2 is not in \[0, 2\)"):
+        ZephonRank(groups=2, group=2, run_id="r", aggregate_dir="/tmp/x")
+    assert ZephonRank(groups=4, group=1, run_id="r", aggregate_dir="/tmp/x").owned_lanes(8) == (2, 3)
+    with pytest.raises(ValueError, match="3 Zephon ranks do not divide 8 lanes"):
+        ZephonRank(groups=3, group=0, run_id="r", aggregate_dir="/tmp/x").owned_lanes(8)
+
+
+def test_a_rank_owning_some_lanes_produces_those_lanes_rows(tiny_recipe, tmp_path):
+    """Rank 1 of 4 alone (no collective checkpoint) yields exactly lanes 2-3 of every global batch."""
+    rank = ZephonRank(groups=4, group=1, run_id="lanes-test", aggregate_dir=str(tmp_path))
+    stepper = LaneStepper(tiny_recipe, rank)
+    with GlobalBatchSource(tiny_recipe) as source:
+        try:
+            for step in range(4):
+                shards = stepper.next_step()
+                assert sorted(shards) == [2, 3]
+                rows = np.concatenate([shards[2].tokens, shards[3].tokens])
+                assert np.array_equal(rows, source.batch(step).slice(1, 4).tokens)
+        finally:
+            stepper.close()
+
+
+def test_state_is_json_safe_and_versioned(tiny_recipe):
+    stepper = LaneStepper(tiny_recipe)
+    try:
+        stepper.next_step()
+        state = stepper.checkpoint()
+    finally:
+        stepper.close()
+    assert json.loads(json.dumps(state)) == state
+    assert state[KEY_VERSION] == 1 and state[KEY_NEXT_STEP] == 1 and state[KEY_FINGERPRINT] == tiny_recipe.fingerprint
+
+
+def test_restore_refuses_other_recipes_versions_and_non_boundaries(tiny_recipe, tmp_path):
+    stepper = LaneStepper(tiny_recipe)
+    try:
+        stepper.next_step()
+        state = stepper.checkpoint()
+        other = Recipe.from_toml(_variant(tmp_path, "seed = 1234", "seed = 4321"))
+        with pytest.raises(StepStateError, match="fingerprint"):
+            LaneStepper(other).restore(state)
+        with pytest.raises(StepStateError, match="version"):
+            stepper.restore({**state, KEY_VERSION: 99})
+        with pytest.raises(StepStateError, match="not at a step boundary"):
+            stepper.restore({**state, KEY_NEXT_STEP: 2})
+    finally:
+        stepper.close()
+
+
+def test_checkpoint_refuses_when_next_step_is_buffered(tiny_recipe):
+    stepper = LaneStepper(tiny_recipe)
+    try:
+        stepper.next_step()
+        stepper._pending[0].append(object())  # as if lane 0 had already delivered a microbatch of step 1
+        with pytest.raises(StepStateError, match="already buffered"):
+            stepper.checkpoint()
+    finally:
+        stepper.close()
+
+
+def _variant(tmp_path, old, new):
+    text = TINY.read_text().replace(old, new).replace('"../tests/', f'"{TINY.parent.parent}/tests/')
+    path = tmp_path / "variant.toml"
+    path.write_text(text)
+    return path
