@@ -274,6 +274,10 @@ class ZephonRayDataLoader(BaseDataLoader):
                 f"{self.recipe.global_batch_rows} rows?)"
             )
         step = self._next_step
+        if self.config.mode == "service" and step > 0 and self.dp_rank == 0 and self._source is not None:
+            # A restarted service starts its live window at the newest commit. Committing when the state is taken
+            # (rather than after the write) is safe: an older resume point is still served, by replay.
+            self._source.commit(step)
         zephon: dict[str, Any] | None = None
         if self.config.mode == "local" and step > 0:
             if self._source is not None and self._source.running:

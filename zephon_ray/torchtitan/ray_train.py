@@ -1,0 +1,193 @@
+"""Run a training loop on zephon-ray batches under Ray Train's ``TorchTrainer``, elastically.
+
+Ray Train v2 restarts the whole worker group from the latest registered checkpoint on every resize and after
+every worker failure; the steps after that checkpoint are replayed. Because global batch s is a pure function of
+(recipe, s), the replayed and resumed steps see exactly the rows they would have seen at any other W.
+
+Two loops:
+
+* :func:`torch_train_loop`: a plain torch loop (a tiny bigram LM, gradients summed over gloo), cheap enough for
+  tests and the demo. Every ``checkpoint_every`` steps it reports a checkpoint holding the loader state
+  (``loader.json``: JSON, identical on every rank), the model and the optimizer, and it resumes from
+  ``ray.train.get_checkpoint()`` at whatever W the new group has.
+* :func:`torchtitan_train_loop`: TorchTitan's real ``Trainer``, built in Python from a config-registry function.
+  TorchTitan writes its DCP checkpoints into a shared folder; each save is also reported to Ray Train.
+
+Inside a worker, Ray Train has already initialised the gloo process group and set MASTER_ADDR/MASTER_PORT to a
+TCPStore hosted by rank 0 (a new port after every restart), which is what ``aggregate_store="torch://"`` uses.
+
+Per-step records (step, W, global digest, loss) are appended by rank 0 to ``log_path`` (JSON lines), replayed
+steps included. The global digest is computed from every rank's slice, gathered over gloo in rank order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+LOADER_STATE_FILE = "loader.json"
+MODEL_FILE = "model.pt"
+OPTIM_FILE = "optim.pt"
+
+
+@dataclass
+class ElasticRun:
+    """What one ``fit()`` of :func:`torch_train_loop` does. Plain data: it travels as ``train_loop_config``."""
+
+    recipe: str
+    run_id: str
+    log_path: str
+    mode: str = "service"
+    service_name: str = "zephon-ray"
+    service_namespace: str = "zephon-ray"
+    aggregate_store: str | None = None
+    aggregate_dir: str | None = None
+    steps: int = 8
+    """Train until this many global steps are done in total (a resumed fit continues from its checkpoint)."""
+    checkpoint_every: int = 2
+    local_batch_size: int = 0
+    """Rows per microbatch; 0 means B / W (one microbatch per step)."""
+    prefetch: int = 2
+    lr: float = 0.05
+    dim: int = 32
+    seed: int = 0
+    kill: dict[str, Any] = field(default_factory=dict)
+    """Failure injection: {"step": s, "rank": r, "marker": path}: rank r SIGKILLs itself before step s, once."""
+
+    def to_config(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _bigram_model(vocab: int, dim: int, seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab))
+
+
+def _gather_digest(piece: Any, world: int) -> str | None:
+    """Global digest of the step whose slice this rank holds: gather every slice in rank order (gloo)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from zephon_ray.batch import compute_digest
+
+    local = torch.from_numpy(np.stack([np.asarray(piece.tokens), np.asarray(piece.positions)]).astype(np.int64))
+    if world == 1:
+        parts = [local]
+    else:
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    full = torch.cat(parts, dim=1).numpy()
+    return compute_digest(full[0], full[1])
+
+
+def torch_train_loop(config: dict[str, Any]) -> None:
+    """Ray Train ``train_loop_per_worker``: see the module docstring."""
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from zephon_ray.recipe import Recipe
+    from zephon_ray.tokenizers import build_tokenizer
+    from zephon_ray.torchtitan.loader import ZephonRayDataLoader
+
+    run = ElasticRun(**config)
+    ctx = ray.train.get_context()
+    world, rank = ctx.get_world_size(), ctx.get_world_rank()
+    recipe = Recipe.from_toml(run.recipe)
+    B = recipe.global_batch_rows
+    lbs = run.local_batch_size or B // world
+    loader = ZephonRayDataLoader.Config(
+        recipe=run.recipe, mode=run.mode, service_name=run.service_name, service_namespace=run.service_namespace,
+        run_id=run.run_id, aggregate_store=run.aggregate_store, aggregate_dir=run.aggregate_dir,
+        prefetch=run.prefetch, checkpoint_every=run.checkpoint_every, global_batch_size=B,
+    ).build(dp_world_size=world, dp_rank=rank, seq_len=recipe.seq_len, local_batch_size=lbs)
+    vocab = int(build_tokenizer(recipe.tokenizer).vocab_size)
+    model = _bigram_model(vocab, run.dim, run.seed)
+    optim = torch.optim.SGD(model.parameters(), lr=run.lr)
+
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            loader.load_state_dict(json.loads((Path(d) / LOADER_STATE_FILE).read_text()))
+            model.load_state_dict(torch.load(Path(d) / MODEL_FILE, weights_only=True))
+            optim.load_state_dict(torch.load(Path(d) / OPTIM_FILE, weights_only=True))
+    start = loader.next_step
+    tokens_per_step = B * recipe.seq_len
+    it = iter(loader)
+    try:
+        for step in range(start, run.steps):
+            if run.kill and rank == run.kill.get("rank") and step == run.kill.get("step") \
+                    and not os.path.exists(run.kill["marker"]):
+                Path(run.kill["marker"]).write_text(f"killed rank {rank} pid {os.getpid()} before step {step}\n")
+                os.kill(os.getpid(), signal.SIGKILL)
+            optim.zero_grad(set_to_none=True)
+            local_loss = torch.zeros(())
+            for _ in range(loader.microbatches_per_step):
+                inputs, labels = next(it)
+                logits = model(inputs["input"])
+                loss = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+                ) / tokens_per_step
+                loss.backward()
+                local_loss += loss.detach()
+            if world > 1:
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                dist.all_reduce(local_loss, op=dist.ReduceOp.SUM)
+            optim.step()
+            digest = _gather_digest(loader.last_slice, world)
+            done = step + 1
+            if rank == 0:
+                with open(run.log_path, "a") as fh:
+                    fh.write(json.dumps({"step": step, "world": world, "digest": digest,
+                                         "loss": float(local_loss), "pid": os.getpid(),
+                                         "time": time.time()}) + "\n")
+            if done % run.checkpoint_every == 0 or done == run.steps:
+                state = loader.state_dict()
+                metrics = {"step": step, "next_step": done, "loss": float(local_loss), "world": world}
+                if rank == 0:
+                    with tempfile.TemporaryDirectory(prefix="zr-ckpt-") as d:
+                        (Path(d) / LOADER_STATE_FILE).write_text(json.dumps(state))
+                        torch.save(model.state_dict(), Path(d) / MODEL_FILE)
+                        torch.save(optim.state_dict(), Path(d) / OPTIM_FILE)
+                        ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+                else:
+                    ray.train.report(metrics)
+    finally:
+        loader.close()
+
+
+def fit(run: ElasticRun, *, workers: int | tuple[int, int], name: str, storage_path: str,
+        max_failures: int = 0, cpu_per_worker: float = 0.25, train_loop: Any = None) -> Any:
+    """One ``TorchTrainer.fit()``. Reuse ``name``/``storage_path`` across fits to resume from the latest checkpoint
+    at a new W. ``workers`` is a fixed W or ``(min, max)`` for Ray Train's elastic scaling."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    trainer = TorchTrainer(
+        train_loop_per_worker=train_loop or torch_train_loop,
+        train_loop_config=run.to_config(),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": cpu_per_worker}),
+        run_config=RunConfig(name=name, storage_path=storage_path,
+                             failure_config=FailureConfig(max_failures=max_failures)),
+    )
+    return trainer.fit()
+
+
+def read_log(log_path: str) -> list[dict[str, Any]]:
+    """Every step record rank 0 wrote, in order, replayed steps included."""
+    path = Path(log_path)
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
