@@ -1,0 +1,240 @@
+"""ZephonRayDataLoader without a trainer: validation, state, local-mode slices, DCP round trip at another W."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from zephon_ray import compute_digest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "tiny.toml")
+
+
+def _config(**kw):
+    from zephon_ray.torchtitan import ZephonRayDataLoader
+
+    kw.setdefault("recipe", TINY)
+    kw.setdefault("mode", "local")
+    return ZephonRayDataLoader.Config(**kw)
+
+
+@pytest.fixture
+def distributed_env(monkeypatch):
+    """Pretend to be rank 0 of 2 (as torchrun would set it), with no aggregation configured anywhere."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.delenv("ZEPHON_RAY_AGGREGATE_DIR", raising=False)
+    return monkeypatch
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------------- validation when the Config is built
+def test_distributed_local_run_needs_run_id(distributed_env):
+    with pytest.raises(ValueError, match="needs 'run_id'"):
+        _config(aggregate_dir="/tmp/x")
+
+
+def test_aggregate_store_and_dir_both_set_is_an_error():
+    with pytest.raises(ValueError, match="exactly one of 'aggregate_store' and 'aggregate_dir'.*both"):
+        _config(run_id="r", aggregate_store="torch://", aggregate_dir="/tmp/x")
+
+
+def test_distributed_local_run_needs_an_aggregation_point(distributed_env):
+    with pytest.raises(ValueError, match="exactly one of 'aggregate_store'.*neither is set"):
+        _config(run_id="r")
+
+
+def test_unreachable_torch_store_is_an_error(distributed_env):
+    distributed_env.setenv("MASTER_ADDR", "127.0.0.1")
+    distributed_env.setenv("MASTER_PORT", str(_free_port()))
+    with pytest.raises(ValueError, match="no TCPStore is reachable at 127.0.0.1"):
+        _config(run_id="r", aggregate_store="torch://")
+    with pytest.raises(ValueError, match="no TCPStore is reachable"):
+        _config(run_id="r", aggregate_store=f"torch://127.0.0.1:{_free_port()}")
+
+
+def test_reachable_torch_store_and_env_dir_override(distributed_env, tmp_path):
+    from torch.distributed import TCPStore
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    distributed_env.setenv("MASTER_ADDR", "127.0.0.1")
+    distributed_env.setenv("MASTER_PORT", str(store.port))
+    cfg = _config(run_id="r", aggregate_store="torch://")
+    assert cfg.resolved_aggregation()[:2] == ("torch://", None)
+    # The documented variable switches a torch:// config to directory aggregation from the launch command.
+    distributed_env.setenv("ZEPHON_RAY_AGGREGATE_DIR", str(tmp_path))
+    assert _config(run_id="r", aggregate_store="torch://").resolved_aggregation()[:2] == (None, str(tmp_path))
+
+
+def test_bad_mode_and_missing_recipe():
+    with pytest.raises(ValueError, match="'mode' must be one of"):
+        _config(mode="ray")
+    with pytest.raises(ValueError, match="'recipe'"):
+        _config(recipe="")
+
+
+# ---------------------------------------------------------------------- validation when the loader is built
+def test_seq_len_mismatch():
+    with pytest.raises(ValueError, match="seq_len 128 differs from the recipe's seq_len 64"):
+        _config().build(dp_world_size=1, dp_rank=0, seq_len=128, local_batch_size=4)
+
+
+def test_w_not_dividing_the_global_batch():
+    with pytest.raises(ValueError, match="does not divide the recipe's global batch of 16 rows"):
+        _config(mode="service").build(dp_world_size=3, dp_rank=0, seq_len=64, local_batch_size=1)
+
+
+def test_local_mode_w_not_dividing_lanes(tmp_path):
+    # W=16 divides B=16 but not L=8 lanes: only the service can serve it.
+    with pytest.raises(ValueError, match="divide the recipe's 8 lanes, got 16"):
+        _config(run_id="r", aggregate_dir=str(tmp_path)).build(dp_world_size=16, dp_rank=0, seq_len=64,
+                                                             local_batch_size=1)
+
+
+def test_trainer_global_batch_mismatch():
+    with pytest.raises(ValueError, match="global batch 32 differs from the recipe's global batch of 16"):
+        _config(global_batch_size=32).build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4)
+
+
+# ---------------------------------------------------------------------- state
+def test_state_before_iteration_is_json_safe_and_complete():
+    from zephon_ray.torchtitan.state import STATE_KEYS
+
+    with _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4) as loader:
+        state = loader.state_dict()
+    assert tuple(state) == STATE_KEYS
+    assert json.loads(json.dumps(state)) == state
+    assert state["next_step"] == 0 and state["zephon"] == ""
+
+
+def test_local_slices_match_reference_and_resume_at_other_w(tmp_path, reference_digests):
+    """W=2 local ranks (directory aggregation) give the reference batches; their states are identical; the state
+    resumes at W=1 and W=4 with the same batches; a mid-step checkpoint and a wrong recipe/run_id fail clearly."""
+    from zephon_ray.torchtitan import LoaderStateError
+
+    def build(world, agg, run_id="r", lbs=2):
+        cfg = _config(run_id=run_id, aggregate_dir=str(agg))
+        return [cfg.build(dp_world_size=world, dp_rank=r, seq_len=64, local_batch_size=lbs) for r in range(world)]
+
+    def run_steps(loaders, iters, n):
+        digests = []
+        for _ in range(n):
+            def pull(i):
+                for _ in range(loaders[i].microbatches_per_step):
+                    next(iters[i])
+            threads = [threading.Thread(target=pull, args=(i,)) for i in range(len(loaders))]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+            digests.append(compute_digest(np.concatenate([l.last_slice.tokens for l in loaders]),
+                                          np.concatenate([l.last_slice.positions for l in loaders])))
+        return digests
+
+    loaders = build(2, tmp_path / "a")
+    iters = [iter(l) for l in loaders]
+    assert run_steps(loaders, iters, 3) == reference_digests[:3]
+    states = [None, None]
+
+    def take(i):
+        states[i] = loaders[i].state_dict()
+    threads = [threading.Thread(target=take, args=(i,)) for i in range(2)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert states[0] == states[1] and states[0]["next_step"] == 3 and states[0]["zephon"]
+    next(iters[0])  # half of rank 0's step 3 (4 microbatches of 2 rows)
+    with pytest.raises(LoaderStateError, match="middle of step 3: 1 of 4 microbatches"):
+        loaders[0].state_dict()
+    for l in loaders:
+        l.close()
+
+    state = json.loads(json.dumps(states[0]))
+    for world in (1, 4):
+        resumed = build(world, tmp_path / f"w{world}")
+        for l in resumed:
+            l.load_state_dict(state)
+        assert run_steps(resumed, [iter(l) for l in resumed], 3) == reference_digests[3:6]
+        for l in resumed:
+            l.close()
+
+    other = build(1, tmp_path / "x", run_id="another-run")[0]
+    with pytest.raises(LoaderStateError, match="run_id 'r'.*another-run"):
+        other.load_state_dict(state)
+    with pytest.raises(LoaderStateError, match="fingerprint"):
+        build(1, tmp_path / "y")[0].load_state_dict({**state, "fingerprint": "0" * 64})
+
+
+def test_different_recipe_on_resume_is_an_error(tmp_path):
+    from zephon_ray.torchtitan import LoaderStateError
+
+    tiny = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4)
+    elastic = _config(run_id="r", recipe=str(ROOT / "recipes" / "elastic.toml")).build(
+        dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4)
+    with pytest.raises(LoaderStateError, match="recipe fingerprint .* but this run uses .*elastic.toml"):
+        elastic.load_state_dict(tiny.state_dict())
+
+
+# ---------------------------------------------------------------------- DCP at another W
+_DCP_WORKER = r'''
+import json, os, sys
+import numpy as np
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from zephon_ray import compute_digest
+from zephon_ray.torchtitan import ZephonRayDataLoader
+
+phase, ckpt, out = sys.argv[1], sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+loader = ZephonRayDataLoader.Config(recipe=os.environ["RECIPE"], mode="local", run_id="dcp",
+                                    aggregate_store="torch://").build(
+    dp_world_size=world, dp_rank=rank, seq_len=64, local_batch_size=16 // world)
+if phase == "load":
+    state = {"dataloader": loader}
+    dcp.load(state, checkpoint_id=ckpt)
+it = iter(loader)
+digests = []
+for _ in range(3):
+    next(it)
+    s = loader.last_slice
+    parts = [None] * world
+    dist.all_gather_object(parts, (s.tokens, s.positions))
+    digests.append(compute_digest(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])))
+if phase == "save":
+    dcp.save({"dataloader": loader}, checkpoint_id=ckpt)
+if rank == 0:
+    json.dump({"digests": digests, "state": loader.state_dict(), "world": world}, open(out, "w"))
+loader.close()
+dist.destroy_process_group()
+'''
+
+
+def test_dcp_save_and_load_at_another_world(tmp_path, reference_digests):
+    script = tmp_path / "dcp_worker.py"
+    script.write_text(_DCP_WORKER)
+    env = {**os.environ, "RECIPE": TINY, "PYTHONPATH": str(ROOT)}
+    env.pop("ZEPHON_RAY_AGGREGATE_DIR", None)
+
+    def torchrun(nproc, phase, out):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               str(script), phase, str(tmp_path / "ckpt"), str(out)]
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(out.read_text())
+
+    saved = torchrun(2, "save", tmp_path / "save.json")
+    assert saved["digests"] == reference_digests[0:3]
+    loaded = torchrun(1, "load", tmp_path / "load.json")
+    assert loaded["digests"] == reference_digests[3:6]
+    assert loaded["state"]["next_step"] == 6
