@@ -58,7 +58,10 @@ class ElasticRun:
     dim: int = 32
     seed: int = 0
     kill: dict[str, Any] = field(default_factory=dict)
-    """Failure injection: {"step": s, "rank": r, "marker": path}: rank r SIGKILLs itself before step s, once."""
+    """Failure injection: {"step": s, "rank": r, "marker": path, "after_s": t}: rank r SIGKILLs itself before step
+    s, once, after t seconds (default 5). Ray Train v2 registers a reported checkpoint at its next poll of the worker
+    group (about every 2 s); a worker dying sooner after a report loses that checkpoint and the restart replays
+    from an older one (still the same batches, only more replay)."""
 
     def to_config(self) -> dict[str, Any]:
         return asdict(self)
@@ -129,6 +132,7 @@ def torch_train_loop(config: dict[str, Any]) -> None:
         for step in range(start, run.steps):
             if run.kill and rank == run.kill.get("rank") and step == run.kill.get("step") \
                     and not os.path.exists(run.kill["marker"]):
+                time.sleep(float(run.kill.get("after_s", 5.0)))
                 Path(run.kill["marker"]).write_text(f"killed rank {rank} pid {os.getpid()} before step {step}\n")
                 os.kill(os.getpid(), signal.SIGKILL)
             optim.zero_grad(set_to_none=True)
@@ -191,3 +195,30 @@ def read_log(log_path: str) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def reference_losses(run: ElasticRun) -> list[float]:
+    """The losses :func:`torch_train_loop` must report, computed in-process at W=1 from ``GlobalBatchSource``."""
+    import torch
+
+    from zephon_ray.recipe import Recipe
+    from zephon_ray.source import GlobalBatchSource
+    from zephon_ray.tokenizers import build_tokenizer
+
+    recipe = Recipe.from_toml(run.recipe)
+    model = _bigram_model(int(build_tokenizer(recipe.tokenizer).vocab_size), run.dim, run.seed)
+    optim = torch.optim.SGD(model.parameters(), lr=run.lr)
+    tokens_per_step = recipe.global_batch_rows * recipe.seq_len
+    losses = []
+    with GlobalBatchSource(recipe) as source:
+        for step in range(run.steps):
+            optim.zero_grad(set_to_none=True)
+            (inputs, labels), = source.batch(step).slice(0, 1).microbatches(recipe.global_batch_rows)
+            logits = model(inputs["input"])
+            loss = torch.nn.functional.cross_entropy(
+                logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+            ) / tokens_per_step
+            loss.backward()
+            optim.step()
+            losses.append(float(loss.detach()))
+    return losses
