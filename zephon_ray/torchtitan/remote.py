@@ -5,6 +5,10 @@ A background thread asks the service for steps ``s .. s+depth-1`` ahead of the t
 queue, so ``next()`` only waits when the service itself is behind. The slice arrays are copied out of the Ray
 object store in that thread (they are read-only, zero-copy views there).
 
+Read-ahead does not move this consumer's cursor on the service (``track=False``); the cursor moves when the
+trainer actually takes a step. The service's window therefore trails what the trainer consumed, not what was
+prefetched, so a resume from the last checkpoint finds its steps still in the live window.
+
 Limits: the service must run the same recipe (fingerprint checked at connect). Every rank of a job uses the same
 consumer name (the run_id), so the service's window follows the slowest rank.
 """
@@ -45,6 +49,8 @@ class ServiceSlices:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._lock = threading.Lock()  # the client is used by one thread at a time
+        self._consumed: int | None = None
+        self._touched: int | None = None
 
     @property
     def running(self) -> bool:
@@ -55,6 +61,7 @@ class ServiceSlices:
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.depth)
         self._error = None
+        self._consumed = self._touched = None
         self._thread = threading.Thread(target=self._run, args=(step, self._stop, self._queue),
                                         name=f"zephon-ray-service-r{self.rank}", daemon=True)
         self._thread.start()
@@ -74,7 +81,19 @@ class ServiceSlices:
             raise item
         if got != step:
             raise RuntimeError(f"service reader is at step {got}, the loader expected step {step}")
+        self._consumed = step  # the reader thread moves the service cursor: an actor call costs ~1 ms here
         return item
+
+    def _flush_cursor(self) -> None:
+        step = self._consumed
+        if step is None or step == self._touched:
+            return
+        self._touched = step
+        touch = getattr(self.service, "touch", None)
+        if touch is not None:
+            touch(step, rank=self.rank, world=self.world)
+        else:  # zephon_ray.service client without a public touch(): the coordinator's (async) method
+            self.service._coordinator.touch.remote(step, self.service.consumer, self.rank, self.world)
 
     def commit(self, step: int) -> None:
         with self._lock:
@@ -84,14 +103,17 @@ class ServiceSlices:
         s = step
         try:
             while not stop.is_set():
+                self._flush_cursor()
                 with self._lock:
                     self.service.prefetch(range(s + 1, s + self.depth + 1), rank=self.rank, world=self.world)
-                    part = self.service.slice(s, self.rank, self.world)
+                    part = self.service.refs(s, rank=self.rank, world=self.world, track=False).slice(
+                        self.rank, self.world)
                 item = RankSlice(s, self.rank, self.world, np.array(part.tokens), np.array(part.positions),
                                  part.pad_token_id)
                 while not stop.is_set():
+                    self._flush_cursor()
                     try:
-                        out.put((s, item), timeout=0.2)
+                        out.put((s, item), timeout=0.05)
                         break
                     except queue.Full:
                         continue
