@@ -38,6 +38,7 @@ import os
 import threading
 import time
 import traceback
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,9 @@ MAX_CONSECUTIVE_FAILURES = 4
 """Producer-group restarts without one finished step in between before the service gives up (a bug, not a
 crash: e.g. an unreachable aggregate store or data that ran out)."""
 SIDE_STEPPERS = 2
+SIDE_CACHE_STEPS = 2
+"""Replayed steps kept (in coordinator memory, not the object store) so that W ranks reading one past step cost
+one replay, not W."""
 _POLL_S = 0.05
 
 
@@ -113,6 +117,7 @@ class Coordinator:
         self._inflight: dict[int, tuple[int, list[Any]]] = {}  # step -> (generation, lane refs)
         self._skips: dict[int, list[Any]] = {}
         self._ckpt_inflight: dict[int, list[Any]] = {}
+        self._checked: set[Any] = set()  # finished refs already checked for errors
         self._stopping = False
         self._fatal: str | None = None
         self._failures = 0
@@ -124,6 +129,7 @@ class Coordinator:
         self._rescale_error: str | None = None
         self._side: list[LaneStepper] = []
         self._side_lock = threading.Lock()
+        self._side_cache: OrderedDict[int, list[LaneShard]] = OrderedDict()
         self._side_stats = {"requests": 0, "max_replay_steps": 0, "last": None}
         self._held_bytes = 0
         self._peak_bytes = 0
@@ -162,6 +168,8 @@ class Coordinator:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout_s
+        if world is None:  # a whole batch is the one rank of a world of 1
+            rank, world = 0, 1
         key = (str(consumer), rank, world)
         with self._cond:
             while True:
@@ -171,9 +179,10 @@ class Coordinator:
                     raise ServiceError(f"service {self.config.name!r} is stopping")
                 now = time.monotonic()
                 if track:
-                    if world is not None:  # a consumer that restarted at another world size: drop its old ranks
-                        for other in [k for k in self._cursors if k[0] == key[0] and k[2] not in (None, world)]:
-                            del self._cursors[other]
+                    # One world per consumer: a consumer that restarted at another world size (or switched between
+                    # batch() and slice()) must not leave its old ranks' cursors holding the window back.
+                    for other in [k for k in self._cursors if k[0] == key[0] and k[2] != world]:
+                        del self._cursors[other]
                     self._cursors[key] = _Cursor(step, now)
                     self._cond.notify_all()
                 entry = self._table.get(step)
@@ -195,7 +204,11 @@ class Coordinator:
 
     def touch(self, step: int, consumer: str, rank: int | None = None, world: int | None = None) -> None:
         """Move a cursor without asking for data (a read served from a prefetch)."""
+        if world is None:
+            rank, world = 0, 1
         with self._cond:
+            for other in [k for k in self._cursors if k[0] == consumer and k[2] != world]:
+                del self._cursors[other]
             self._cursors[(str(consumer), rank, world)] = _Cursor(int(step), time.monotonic())
             self._cond.notify_all()
 
@@ -309,6 +322,11 @@ class Coordinator:
         nearest durable checkpoint <= step (or reused when it is at most K steps behind)."""
         k = self.config.checkpoint_every
         with self._side_lock:
+            cached = self._side_cache.get(step)
+            if cached is not None:
+                self._side_cache.move_to_end(step)
+                self._side_stats["cache_hits"] = self._side_stats.get("cache_hits", 0) + 1
+                return cached
             usable = [s for s in self._side if s.position <= step and step - s.position <= k]
             if usable:
                 stepper = max(usable, key=lambda s: s.position)
@@ -334,7 +352,11 @@ class Coordinator:
             stats["requests"] += 1
             stats["max_replay_steps"] = max(stats["max_replay_steps"], replayed)
             stats["last"] = {"step": step, "replay_steps": replayed}
-            return [shards[lane] for lane in range(self.recipe.lanes)]
+            out = [shards[lane] for lane in range(self.recipe.lanes)]
+            self._side_cache[step] = out
+            while len(self._side_cache) > SIDE_CACHE_STEPS:
+                self._side_cache.popitem(last=False)
+            return out
 
     # ================================================================== producer group
     def _aggregation(self, generation: int) -> tuple[str | None, str | None, str | None]:
@@ -407,6 +429,7 @@ class Coordinator:
         self._inflight.clear()
         self._ckpt_inflight.clear()
         self._skips.clear()
+        self._checked.clear()
         ckpt = self.state.nearest_checkpoint(first) or 0
         self._launch(producers, ckpt, self.state.read_checkpoint(ckpt) if ckpt else None)
 
@@ -482,21 +505,28 @@ class Coordinator:
         ready_all, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
         done.update(ready_all)
         try:
+            # Surface a dead producer as soon as *its* ref fails, even while the rest of its group is blocked
+            # (e.g. survivors waiting inside a collective checkpoint for the dead rank).
+            for ref in done - self._checked:
+                ray.get(ref)
+                self._checked.add(ref)
             for step in sorted(self._ckpt_inflight):
                 refs = self._ckpt_inflight[step]
                 if all(r in done for r in refs):
                     states = ray.get(refs)
                     self.state.write_checkpoint(states[0])
                     del self._ckpt_inflight[step]
+                    self._checked.difference_update(refs)
             for step in sorted(self._skips):
                 if all(r in done for r in self._skips[step]):
-                    ray.get(self._skips.pop(step))
+                    self._checked.difference_update(self._skips.pop(step))
             for step in sorted(self._inflight):
                 _, refs = self._inflight[step]
                 if not all(r in done for r in refs):
                     continue
                 shards = ray.get(refs)
                 del self._inflight[step]
+                self._checked.difference_update(refs)
                 self._file(step, refs, shards)
         except RayError as exc:
             self._restart(f"{type(exc).__name__}: {exc}")

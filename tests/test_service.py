@@ -1,0 +1,260 @@
+"""The Ray data service on a private local Ray cluster: digests, slices, faults, restarts, rescale, consumers.
+
+Every test compares with the in-process reference (GlobalBatchSource), so a test passes only if the service
+serves exactly the reference rows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from zephon_ray import DataService, GlobalBatchSource, compute_digest
+from zephon_ray.service.errors import FingerprintMismatchError, ServiceError
+
+NS = "zr-tests"
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def long_reference(tiny_recipe):
+    """Reference digests for steps 0..169 (restart tests go far past the session's 24 steps)."""
+    with GlobalBatchSource(tiny_recipe) as source:
+        return [source.batch(step).digest for step in range(170)]
+
+
+def _start(recipe, tmp_path, name, **kw):
+    kw.setdefault("window", 4)
+    kw.setdefault("checkpoint_every", 4)
+    if kw.get("producers", 1) > 1:
+        kw.setdefault("aggregate_store", "torch://")
+        kw.setdefault("run_id", name)
+    return DataService.start(recipe, name=name, namespace=NS, state_dir=kw.pop("state_dir", tmp_path / name), **kw)
+
+
+def _live_pids(svc, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while True:
+        status = svc.status()
+        pids = [p["pid"] for p in status["producers"]]
+        if all(pids):
+            return status, pids
+        assert time.monotonic() < deadline, f"producers never reported their pids: {status['producers']}"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("producers", [1, 2])
+def test_digests_and_slices_match_reference(ray_cluster, tiny_recipe, reference_digests, tmp_path, producers):
+    svc = _start(tiny_recipe, tmp_path, f"digests-m{producers}", producers=producers)
+    try:
+        with GlobalBatchSource(tiny_recipe) as source:
+            for step in range(24):
+                assert svc.batch(step).digest == reference_digests[step]
+                if step not in (5, 22):
+                    continue
+                ref = source.batch(step)
+                for world in (1, 2, 4, 8, 16):  # B = 16 rows; W = 16 splits a lane (2 rows) in two
+                    for rank in range(world):
+                        got, want = svc.slice(step, rank, world), ref.slice(rank, world)
+                        assert (got.step, got.rank, got.world) == (step, rank, world)
+                        np.testing.assert_array_equal(got.tokens, want.tokens)
+                        np.testing.assert_array_equal(got.positions, want.positions)
+        status = svc.status()
+        assert len(status["producers"]) == producers
+        assert sorted(lane for p in status["producers"] for lane in p["lanes"]) == list(range(8))
+        assert status["checkpoints"]["latest"] is not None and status["checkpoints"]["every"] == 4
+        assert status["throughput"]["produced_steps"] >= 24
+    finally:
+        svc.stop()
+
+
+def test_refs_prefetch_and_any_consumer_handle(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    import ray
+
+    svc = _start(tiny_recipe, tmp_path, "refs", window=6)
+    try:
+        svc.prefetch(range(0, 4))
+        refs = svc.refs(0)
+        assert refs.is_refs and len(refs.lanes) == 8 and all(isinstance(r, ray.ObjectRef) for r in refs.lanes)
+        assert refs.batch().digest == reference_digests[0]
+        for step in range(1, 4):
+            assert svc.batch(step).digest == reference_digests[step]
+
+        @ray.remote(num_cpus=0.1)
+        def read_in_task(name, step):  # a task/worker finds the service by name, as a Ray Train worker does
+            other = DataService.connect(name, namespace=NS, consumer="task")
+            return other.slice(step, 1, 2).tokens.copy(), other.batch(step).digest
+
+        tokens, digest = ray.get(read_in_task.remote("refs", 4), timeout=120)
+        assert digest == reference_digests[4]
+        with GlobalBatchSource(tiny_recipe) as source:
+            np.testing.assert_array_equal(tokens, source.batch(4).slice(1, 2).tokens)
+    finally:
+        svc.stop()
+
+
+def test_kill9_producer_at_three_steps(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    svc = _start(tiny_recipe, tmp_path, "kill9", producers=2)
+    kills = []
+    try:
+        served = []
+        for step in range(24):
+            if step in (3, 10, 17):
+                status, pids = _live_pids(svc)
+                victim = pids[len(kills) % 2]
+                os.kill(victim, signal.SIGKILL)
+                kills.append({"step": step, "pid": victim, "generation": status["generation"]})
+            batch = svc.batch(step)
+            served.append((batch.step, batch.digest))
+        assert [s for s, _ in served] == list(range(24)), "a step went missing or was served twice"
+        assert [d for _, d in served] == reference_digests
+        status, pids = _live_pids(svc)
+        assert status["restarts"] >= 3 and status["generation"] >= 3, status
+        assert not set(pids) & {k["pid"] for k in kills}
+        print("kill -9 results:", json.dumps({"kills": kills, "restarts": status["restarts"]}))
+    finally:
+        svc.stop()
+
+
+def test_restart_from_state_dir_bounded_replay(ray_cluster, tiny_recipe, long_reference, tmp_path):
+    """Stop after commits, restart from state_dir (also at another M): steps s.. match, replay <= K."""
+    state_dir = tmp_path / "state"
+    k = 8
+    records = []
+    for s, read_until, producers in ((21, 30, 2), (157, 165, 1)):
+        svc = _start(tiny_recipe, tmp_path, "restart", producers=2, state_dir=state_dir, checkpoint_every=k)
+        try:
+            first = records[-1]["s"] if records else 0
+            for step in range(first, read_until):
+                assert svc.batch(step).digest == long_reference[step]
+            svc.commit(s)
+        finally:
+            svc.stop()
+        t0 = time.monotonic()
+        svc = _start(tiny_recipe, tmp_path, "restart", producers=producers, state_dir=state_dir,
+                     checkpoint_every=k)
+        try:
+            first_batch = svc.batch(s)
+            ttfb = time.monotonic() - t0
+            assert first_batch.digest == long_reference[s]
+            start = svc.status()["start"]
+            assert start["start_step"] == s and start["latest_commit"] == s
+            assert start["checkpoint_step"] == s - s % k and start["replay_steps"] <= k, start
+            for step in range(s + 1, s + 6):
+                assert svc.batch(step).digest == long_reference[step]
+            records.append({"s": s, "producers": producers, "time_to_first_batch_s": round(ttfb, 3), **start})
+        finally:
+            svc.stop()
+    print("restart time-to-first-batch:", json.dumps(records))
+
+
+def test_rescale_2_1_2_keeps_batches(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    svc = _start(tiny_recipe, tmp_path, "rescale", producers=2)
+    try:
+        got = [svc.batch(s).digest for s in range(7)]
+        assert svc.rescale(1)["producers"] == 1
+        got += [svc.batch(s).digest for s in range(7, 15)]
+        assert len(svc.status()["producers"]) == 1
+        assert svc.rescale(2)["producers"] == 2
+        got += [svc.batch(s).digest for s in range(15, 24)]
+        status = svc.status()
+        assert len(status["producers"]) == 2 and status["generation"] == 2
+        assert got == reference_digests
+        with pytest.raises(ValueError, match="producers=3 does not divide"):
+            svc.rescale(3)
+    finally:
+        svc.stop()
+
+
+def test_two_consumers_and_window_bound(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    window = 4
+    a = _start(tiny_recipe, tmp_path, "two", window=window)
+    b = DataService.connect("two", namespace=NS, consumer="notebook")
+    debugger = DataService.connect("two", namespace=NS, consumer="debugger")
+    try:
+        lag = 2  # B trails A by `lag` steps; A may run up to `window` steps ahead of B before it must wait
+        assert b.batch(0).digest == reference_digests[0]
+        for step in range(20):
+            assert a.batch(step).digest == reference_digests[step]
+            if step >= lag:
+                assert b.slice(step - lag, 1, 2).step == step - lag
+                assert b.batch(step - lag).digest == reference_digests[step - lag]
+            w = a.status()["window"]
+            assert len(w["held_steps"]) <= window and w["held_bytes"] <= w["bound_bytes"], w
+        status = a.status()
+        w = status["window"]
+        assert 0 < w["peak_held_bytes"] <= w["bound_bytes"] == window * w["global_batch_bytes"]
+        cursors = {(c["consumer"], c["rank"]): c["step"] for c in status["cursors"]}
+        assert cursors[(a.consumer, 0)] == 19 and cursors[("notebook", 0)] == 17
+        assert w["low"] == 17 and status["replay"]["requests"] == 0  # B holds the window; nobody replayed
+        # A third consumer debugging a past step: restore + at most K replay, live window untouched.
+        time.sleep(0.2)
+        held_before = a.status()["window"]["held_steps"]
+        assert debugger.batch(2).digest == reference_digests[2]
+        after = a.status()
+        assert after["replay"]["last"] == {"step": 2, "replay_steps": 2 % 4}
+        assert after["replay"]["max_replay_steps"] <= 4
+        assert after["window"]["held_steps"] == held_before
+        b.release()
+        assert a.batch(20).digest == reference_digests[20]
+    finally:
+        a.stop()
+
+
+def test_to_dataset_rows_and_parquet(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    import pyarrow.parquet as pq
+
+    svc = _start(tiny_recipe, tmp_path, "dataset")
+    try:
+        ds = svc.to_dataset(range(1, 4))
+        assert ds.count() == 3 * 16
+        out = tmp_path / "audit"
+        ds.write_parquet(str(out))
+        table = pq.read_table(str(out)).sort_by([("step", "ascending"), ("row", "ascending")])
+        assert set(table.column_names) >= {"step", "lane", "row", "tokens", "positions", "digest"}
+        for step in range(1, 4):
+            rows = table.filter(table["step"].to_numpy() == step)
+            tokens = np.array(rows["tokens"].to_pylist(), dtype=np.int32)
+            positions = np.array(rows["positions"].to_pylist(), dtype=np.int32)
+            assert compute_digest(tokens, positions) == reference_digests[step]
+            assert rows["lane"].to_pylist() == [r // 2 for r in range(16)]
+    finally:
+        svc.stop()
+
+
+def test_clean_errors(ray_cluster, tiny_recipe, tmp_path):
+    with pytest.raises(ValueError, match="producers=3"):
+        DataService.start(tiny_recipe, name="bad", namespace=NS, producers=3, run_id="r", aggregate_store="torch://")
+    with pytest.raises(ValueError, match="run_id"):
+        DataService.start(tiny_recipe, name="bad", namespace=NS, producers=2, aggregate_store="torch://")
+    svc = _start(tiny_recipe, tmp_path, "errors")
+    try:
+        with pytest.raises(ServiceError, match="already runs"):
+            _start(tiny_recipe, tmp_path, "errors")
+        with pytest.raises(ValueError, match="does not divide the global batch of 16 rows") as info:
+            svc.slice(0, 0, 3)
+        with pytest.raises(ValueError, match="step must be a non-negative integer") as info:
+            svc.batch(-1)
+        assert "Traceback" not in str(info.value) and "Ray" not in type(info.value).__name__
+        with pytest.raises(ValueError, match="commit step"):
+            svc.commit(-2)
+        svc.commit(3)
+    finally:
+        svc.stop()
+    other = replace(tiny_recipe, seed=tiny_recipe.seed + 1)
+    other.__dict__.pop("fingerprint", None)
+    state_dir = tmp_path / "errors"
+    before = sorted((p.relative_to(state_dir), p.stat().st_mtime_ns) for p in state_dir.rglob("*"))
+    with pytest.raises(FingerprintMismatchError, match="belongs to recipe fingerprint"):
+        _start(other, tmp_path, "errors")
+    assert sorted((p.relative_to(state_dir), p.stat().st_mtime_ns) for p in state_dir.rglob("*")) == before
+    import ray
+
+    with pytest.raises(ValueError):
+        ray.get_actor("errors", namespace=NS)  # nothing was started for the refused recipe

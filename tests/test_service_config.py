@@ -1,0 +1,98 @@
+"""ServiceConfig and durable state: validation at construction, atomic writes, fingerprint refusal. No Ray."""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import replace
+
+import pytest
+
+from zephon_ray.service.config import ServiceConfig
+from zephon_ray.service.errors import FingerprintMismatchError
+from zephon_ray.service.state import SERVICE_FILE, ServiceState, atomic_write_json, check_state_dir
+
+
+def test_valid_defaults():
+    cfg = ServiceConfig()
+    assert cfg.producers == 1 and cfg.window >= 1 and cfg.checkpoint_every >= 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"window": 0}, "window"),
+        ({"checkpoint_every": 0}, "checkpoint_every"),
+        ({"producers": 0}, "producers"),
+        ({"producers": 2, "aggregate_store": "torch://"}, "run_id"),
+        ({"producers": 2, "run_id": "r"}, "exactly one of aggregate_store and aggregate_dir"),
+        ({"producers": 2, "run_id": "r", "aggregate_store": "torch://", "aggregate_dir": "/tmp/x"}, "not both"),
+        ({"aggregate_store": "tcp://h:1"}, "aggregate_store"),
+        ({"name": "a/b"}, "name"),
+        ({"consumer_ttl_s": 0}, "consumer_ttl_s"),
+    ],
+)
+def test_invalid_config_raises_at_construction(kwargs, words):
+    with pytest.raises(ValueError, match=words):
+        ServiceConfig(**kwargs)
+
+
+def test_producers_must_divide_lanes(tiny_recipe):
+    with pytest.raises(ValueError, match=r"producers=3 does not divide the recipe's 8 lanes"):
+        ServiceConfig(producers=3, run_id="r", aggregate_store="torch://").for_recipe(tiny_recipe)
+    ServiceConfig(producers=4, run_id="r", aggregate_store="torch://").for_recipe(tiny_recipe)
+
+
+def test_recipe_aggregate_fills_unset_fields(tiny_recipe, tmp_path):
+    recipe = replace(tiny_recipe, aggregate=replace(tiny_recipe.aggregate, dir=str(tmp_path)))
+    # Without the recipe's table, producers=2 cannot even be constructed; with it, for_recipe fills it in.
+    base = ServiceConfig(run_id="r")
+    cfg = base.for_recipe(recipe)
+    assert cfg.aggregate_dir == str(tmp_path) and cfg.aggregate_store is None
+    cfg.check_lanes(recipe, 2)  # now a 2-producer rescale is allowed
+
+
+def test_atomic_write_leaves_no_temp_files(tmp_path):
+    target = tmp_path / "a" / "x.json"
+    atomic_write_json(target, {"k": 1})
+    atomic_write_json(target, {"k": 2})
+    assert json.loads(target.read_text()) == {"k": 2}
+    assert os.listdir(target.parent) == ["x.json"]
+
+
+def test_state_dir_refuses_another_recipe_without_writing(tiny_recipe, tmp_path):
+    state = ServiceState.open(tiny_recipe, tmp_path / "s")
+    state.add_commit(5, "t")
+    before = {p.name: p.stat().st_mtime_ns for p in state.root.iterdir()}
+    other = replace(tiny_recipe, seed=tiny_recipe.seed + 1)
+    other.__dict__.pop("fingerprint", None)
+    assert other.fingerprint != tiny_recipe.fingerprint
+    with pytest.raises(FingerprintMismatchError, match="belongs to recipe fingerprint"):
+        ServiceState.open(other, state.root)
+    with pytest.raises(FingerprintMismatchError, match=tiny_recipe.fingerprint[:12]):
+        check_state_dir(other, state.root)
+    assert {p.name: p.stat().st_mtime_ns for p in state.root.iterdir()} == before
+    assert json.loads((state.root / SERVICE_FILE).read_text())["fingerprint"] == tiny_recipe.fingerprint
+    assert ServiceState.open(tiny_recipe, state.root).latest_commit() == 5
+
+
+def test_checkpoint_files_validate_and_first_writer_wins(tiny_recipe, tmp_path):
+    from zephon_ray.lanes import LaneStepper, StepStateError
+
+    state = ServiceState.open(tiny_recipe, tmp_path)
+    stepper = LaneStepper(tiny_recipe)
+    try:
+        for _ in range(3):
+            stepper.next_step()
+        ckpt = stepper.checkpoint()
+    finally:
+        stepper.close()
+    assert state.write_checkpoint(ckpt) == 3
+    assert state.checkpoint_steps() == [3] and state.nearest_checkpoint(10) == 3 and state.nearest_checkpoint(2) is None
+    mtime = state.checkpoint_path(3).stat().st_mtime_ns
+    state.write_checkpoint(ckpt)
+    assert state.checkpoint_path(3).stat().st_mtime_ns == mtime
+    bad = dict(ckpt, fingerprint="0" * 64)
+    with pytest.raises(StepStateError):
+        state.write_checkpoint(bad)
+    assert state.read_checkpoint(3)["next_step"] == 3
