@@ -172,7 +172,99 @@ def torch_train_loop(config: dict[str, Any]) -> None:
         loader.close()
 
 
-def fit(run: ElasticRun, *, workers: int | tuple[int, int], name: str, storage_path: str,
+@dataclass
+class TitanRun:
+    """What one ``fit()`` of :func:`torchtitan_train_loop` does."""
+
+    recipe: str
+    run_id: str
+    dump_folder: str
+    """Shared by every fit of the run: TorchTitan's DCP checkpoints live in ``<dump_folder>/checkpoint``."""
+    log_path: str
+    config: str = "zephon_ray.torchtitan.config_registry:zephon_llama3_debugmodel_cpu"
+    """``module:function`` returning a ``Trainer.Config`` (a config-registry function)."""
+    mode: str = "service"
+    service_name: str = "zephon-ray"
+    service_namespace: str = "zephon-ray"
+    aggregate_store: str | None = None
+    aggregate_dir: str | None = None
+    steps: int = 4
+    checkpoint_every: int = 2
+
+    def to_config(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def torchtitan_train_loop(config: dict[str, Any]) -> None:
+    """Ray Train ``train_loop_per_worker`` running TorchTitan's real ``Trainer`` on zephon-ray batches.
+
+    TorchTitan saves DCP checkpoints (model, optimizer, schedulers, train state and the loader state, stored once)
+    under the shared ``dump_folder`` every ``checkpoint_every`` steps; after each save the loader state and the
+    TorchTitan step are also reported to Ray Train. A new worker group (any W) resumes from the step named by
+    ``ray.train.get_checkpoint()``. Rank 0 appends ``{step, world, digest, loss}`` to ``log_path`` per step.
+    """
+    import importlib
+
+    import ray.train
+
+    from zephon_ray.torchtitan.loader import ZephonRayDataLoader
+
+    run = TitanRun(**config)
+    ctx = ray.train.get_context()
+    world, rank = ctx.get_world_size(), ctx.get_world_rank()
+    os.environ.setdefault("LOCAL_RANK", str(ctx.get_local_rank()))
+    module, _, fn = run.config.partition(":")
+    trainer_config = getattr(importlib.import_module(module), fn)()
+    trainer_config.dataloader = ZephonRayDataLoader.Config(
+        recipe=run.recipe, mode=run.mode, service_name=run.service_name, service_namespace=run.service_namespace,
+        run_id=run.run_id, aggregate_store=run.aggregate_store, aggregate_dir=run.aggregate_dir,
+        checkpoint_every=run.checkpoint_every, global_batch_size=trainer_config.training.global_batch_size,
+    )
+    trainer_config.training.steps = run.steps
+    trainer_config.dump_folder = run.dump_folder
+    trainer_config.checkpoint.enable = True
+    trainer_config.checkpoint.interval = run.checkpoint_every
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            trainer_config.checkpoint.load_step = int(json.loads((Path(d) / "torchtitan.json").read_text())["step"])
+
+    trainer = trainer_config.build()
+    loader = trainer.dataloader
+    save, log = trainer.checkpointer.save, trainer.metrics_processor.log
+
+    def log_step(step, global_avg_loss, *args, **kwargs):
+        digest = _gather_digest(loader.last_slice, world)
+        if rank == 0:
+            with open(run.log_path, "a") as fh:
+                fh.write(json.dumps({"step": step - 1, "world": world, "digest": digest,
+                                     "loss": float(global_avg_loss), "pid": os.getpid()}) + "\n")
+        return log(step, global_avg_loss, *args, **kwargs)
+
+    def save_and_report(curr_step, last_step=False, **kwargs):
+        save(curr_step, last_step=last_step, **kwargs)
+        if curr_step % run.checkpoint_every and not last_step:
+            return
+        metrics = {"step": curr_step, "world": world}
+        state = loader.state_dict()
+        if rank == 0:
+            with tempfile.TemporaryDirectory(prefix="zr-titan-") as d:
+                (Path(d) / LOADER_STATE_FILE).write_text(json.dumps(state))
+                (Path(d) / "torchtitan.json").write_text(json.dumps({"step": curr_step, "folder": run.dump_folder}))
+                ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d))
+        else:
+            ray.train.report(metrics)
+
+    trainer.metrics_processor.log = log_step
+    trainer.checkpointer.save = save_and_report
+    try:
+        trainer.train()
+    finally:
+        trainer.close()
+        loader.close()
+
+
+def fit(run: "ElasticRun | TitanRun", *, workers: int | tuple[int, int], name: str, storage_path: str,
         max_failures: int = 0, cpu_per_worker: float = 0.25, train_loop: Any = None) -> Any:
     """One ``TorchTrainer.fit()``. Reuse ``name``/``storage_path`` across fits to resume from the latest checkpoint
     at a new W. ``workers`` is a fixed W or ``(min, max)`` for Ray Train's elastic scaling."""
@@ -180,7 +272,7 @@ def fit(run: ElasticRun, *, workers: int | tuple[int, int], name: str, storage_p
     from ray.train.torch import TorchTrainer
 
     trainer = TorchTrainer(
-        train_loop_per_worker=train_loop or torch_train_loop,
+        train_loop_per_worker=train_loop or (torchtitan_train_loop if isinstance(run, TitanRun) else torch_train_loop),
         train_loop_config=run.to_config(),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": cpu_per_worker}),
         run_config=RunConfig(name=name, storage_path=storage_path,
