@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Iterator
 
 from zephon_ray.recipe import Recipe
-from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, HOSTED_STORE
+from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, HOSTED_STORE, ServiceConfig
 from zephon_ray.service.errors import ServiceError
 
 
@@ -56,6 +56,8 @@ def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -
     from zephon_ray.service.client import DataService
 
     producers = getattr(args, "producers", 1) or 1
+    if not getattr(args, "name", None):  # bad settings fail here, before a Ray cluster is started for nothing
+        ServiceConfig(producers=producers, run_id="check", aggregate_store=HOSTED_STORE).for_recipe(recipe)
     try:
         with ray_session(getattr(args, "address", None), private_if_none=True):
             if getattr(args, "name", None):

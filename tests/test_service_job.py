@@ -1,0 +1,131 @@
+"""`ray job submit` starts the service; a second submitted job reads slices from it and prints their digests.
+
+The test starts its own Ray head (`ray start --head`, dashboard on, non-default ports, its own --temp-dir) and
+stops exactly that cluster afterwards by killing the processes whose command line names its temp dir. It
+never runs `ray stop`, which would stop every cluster on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from zephon_ray import GlobalBatchSource, compute_digest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "recipes" / "tiny.toml"
+RAY = str(Path(sys.executable).with_name("ray"))
+pytestmark = pytest.mark.timeout(420)
+
+
+def _free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _pids_with(marker: str) -> list[int]:
+    """Our cluster's processes: every Ray daemon and worker names its session/temp dir on its command line."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if marker in cmdline:
+            pids.append(int(entry))
+    return pids
+
+
+def _stop_cluster(temp_dir: str) -> list[int]:
+    pids = _pids_with(temp_dir)
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        for pid in _pids_with(temp_dir):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + wait
+        while _pids_with(temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    return pids
+
+
+@pytest.fixture
+def head_cluster():
+    temp_dir = tempfile.mkdtemp(prefix="zrjob-", dir="/tmp")  # short: Ray's socket paths live under it
+    gcs, dash, client, nm, om, agent, agent_grpc, metrics, rt_env = _free_ports(9)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["RAY_AUTH_MODE"] = "token"  # Ray 2.60 enables token auth; CLI clients must send the token
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    cmd = [RAY, "start", "--head", "--num-cpus=4", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+           f"--temp-dir={temp_dir}", f"--port={gcs}", f"--dashboard-port={dash}",
+           f"--ray-client-server-port={client}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
+           f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+           f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}", "--disable-usage-stats"]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert _pids_with(temp_dir), "ray start returned but no process of our cluster runs"
+        yield {"address": f"http://127.0.0.1:{dash}", "gcs": f"127.0.0.1:{gcs}", "env": env, "temp_dir": temp_dir}
+    finally:
+        killed = _stop_cluster(temp_dir)
+        leftover = _pids_with(temp_dir)
+        shutil.rmtree(temp_dir, ignore_errors=True)
+        assert not leftover, f"processes of our cluster survived: {leftover} (killed {killed})"
+
+
+def _submit(cluster, *args, timeout=240):
+    cmd = [RAY, "job", "submit", "--address", cluster["address"], "--entrypoint-num-cpus", "0", "--",
+           sys.executable, *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=cluster["env"], timeout=timeout)
+    assert proc.returncode == 0 and "succeeded" in proc.stdout, \
+        f"job {args[0]} failed (rc {proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_job_submit_starts_service_and_second_job_reads_slices(head_cluster, tiny_recipe, reference_digests,
+                                                                 tmp_path):
+    name, ns, world, steps = "job-svc", "zr-job", 4, range(0, 6)
+    out = _submit(head_cluster, str(ROOT / "service" / "start.py"), str(TINY), "--name", name, "--namespace", ns,
+                  "--producers", "2", "--window", "4", "--state-dir", str(tmp_path / "state"),
+                  "--aggregate-store", "torch://", "--run-id", "job-svc")
+    assert f"serving" in out and "2 producers" in out, out[-2000:]
+    try:
+        out = _submit(head_cluster, str(ROOT / "service" / "read_slices.py"), "--name", name, "--namespace", ns,
+                      "--steps", f"{steps.start}:{steps.stop}", "--world", str(world))
+        got_steps = dict(re.findall(r"^step (\d+) ([0-9a-f]{64})$", out, re.M))
+        got_slices = {(int(s), int(r)): d for s, r, d in
+                      re.findall(rf"^slice (\d+) (\d+)/{world} ([0-9a-f]{{64}})$", out, re.M)}
+        assert {int(s): d for s, d in got_steps.items()} == {s: reference_digests[s] for s in steps}, out[-3000:]
+        with GlobalBatchSource(tiny_recipe) as source:
+            want = {(s, r): compute_digest(part.tokens, part.positions)
+                    for s in steps for r in range(world) for part in [source.batch(s).slice(r, world)]}
+        assert got_slices == want
+        # The CLI reaches the same cluster through the GCS address (token auth on).
+        status = subprocess.run([sys.executable, "-m", "zephon_ray.cli", "status", "--name", name, "--namespace",
+                                 ns, "--address", head_cluster["gcs"]], capture_output=True, text=True,
+                                env=head_cluster["env"], timeout=120)
+        assert status.returncode == 0 and "producers   2" in status.stdout, status.stdout + status.stderr[-2000:]
+    finally:
+        out = _submit(head_cluster, str(ROOT / "service" / "stop.py"), "--name", name, "--namespace", ns)
+    assert f"stopped '{name}'" in out
