@@ -238,3 +238,30 @@ def test_dcp_save_and_load_at_another_world(tmp_path, reference_digests):
     loaded = torchrun(1, "load", tmp_path / "load.json")
     assert loaded["digests"] == reference_digests[3:6]
     assert loaded["state"]["next_step"] == 6
+
+
+def test_local_state_between_snapshots_restores_and_replays(tmp_path, reference_digests):
+    """Snapshots every 2 steps; a state taken at step 3 carries the step-2 snapshot and resumes (here at W=2) by
+    restoring it and replaying step 2, so the next batch is still step 3."""
+    loader = _config(run_id="r", checkpoint_every=2).build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    loader.close()
+    assert state["next_step"] == 3 and json.loads(state["zephon"])["next_step"] == 2
+
+    cfg = _config(run_id="r", aggregate_dir=str(tmp_path))
+    resumed = [cfg.build(dp_world_size=2, dp_rank=r, seq_len=64, local_batch_size=8) for r in range(2)]
+    for l in resumed:
+        l.load_state_dict(state)
+        assert l.state_dict() == state  # before iteration: the loaded state, unchanged
+    iters = [iter(l) for l in resumed]
+    for step in (3, 4):
+        for i in iters:
+            next(i)
+        rows = [l.last_slice for l in resumed]
+        assert compute_digest(np.concatenate([r.tokens for r in rows]),
+                              np.concatenate([r.positions for r in rows])) == reference_digests[step]
+    for l in resumed:
+        l.close()

@@ -15,8 +15,9 @@ Limits, each rejected with a clear error rather than worked around:
   recipe's, and ``local_batch_size * W`` must divide B;
 * a checkpoint may only be taken at a step boundary (not after some of a step's microbatches were consumed);
 * local mode needs W dividing L, and a distributed local-mode run needs a ``run_id`` and exactly one of
-  ``aggregate_store`` and ``aggregate_dir``; in local mode a checkpoint is only possible at a snapshot boundary
-  (``checkpoint_every``; TorchTitan's checkpoint interval is picked up automatically).
+  ``aggregate_store`` and ``aggregate_dir``. Its state carries the newest Zephon snapshot at or before
+  ``next_step`` (taken every ``checkpoint_every`` steps; TorchTitan's checkpoint interval is picked up
+  automatically); a resume between snapshots replays the steps in between.
 
 TorchTitan never closes its data loader: the background threads are daemons, and :meth:`close` (also run at
 interpreter exit) stops them and releases the service connection.
@@ -300,9 +301,9 @@ class ZephonRayDataLoader(BaseDataLoader):
                 check_step_state(self._loaded_zephon, self.recipe)
             except ValueError as exc:
                 raise LoaderStateError(f"loader state key 'zephon': {exc}") from None
-            if int(self._loaded_zephon["next_step"]) != step:
+            if int(self._loaded_zephon["next_step"]) > step:
                 raise LoaderStateError(f"loader state: the Zephon checkpoint is at step "
-                                       f"{self._loaded_zephon['next_step']}, next_step is {step}")
+                                       f"{self._loaded_zephon['next_step']}, after next_step {step}")
         self._loaded_at = step
         self._next_step, self._partial = step, 0
         if self._source is not None:

@@ -7,10 +7,12 @@ data service and ``zephon-ray digest`` give.
 A background thread runs up to ``depth`` steps ahead. At every ``snapshot_every``-th step boundary it takes a
 Zephon checkpoint first (collective across the W ranks when W > 1: every rank's thread reaches the same boundary,
 and Zephon merges the lanes through the TCPStore or the directory; each rank receives the same merged state).
-The loader's ``state_dict`` at step s hands out the snapshot taken at s.
+The loader's ``state_dict`` at step s hands out the newest snapshot at or before s; a resume restores it and
+replays the (at most ``snapshot_every - 1``) steps up to s, the same restore-and-replay rule as the service's.
 
-Limits: a state can be taken only at a snapshot boundary (or at the step the run started or resumed at); a
-collective snapshot blocks until every rank's thread reaches it (Zephon's aggregate timeout, 120 s).
+Limits: a collective snapshot blocks until every rank's thread reaches it (Zephon's aggregate timeout, 120 s), so
+ranks must consume in lock-step (they do: every optimizer step needs every rank). Resuming between snapshots costs
+a replay of up to ``snapshot_every - 1`` steps.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ class LocalSlices:
         self._error = None
         self._start_step = step
         self._producing = step
-        if zephon_state is not None or step == 0:
-            self._snapshots[step] = zephon_state
+        if zephon_state is not None:
+            self._snapshots[int(zephon_state["next_step"])] = zephon_state
+        else:
+            self._snapshots[0] = None  # a fresh pipeline is the step-0 state
         self._thread = threading.Thread(
             target=self._run, args=(step, zephon_state, self._stop, self._queue),
             name=f"zephon-ray-local-r{self.rank}", daemon=True,
@@ -103,25 +107,27 @@ class LocalSlices:
         return item
 
     def snapshot(self, step: int, timeout: float) -> dict[str, Any] | None:
-        """The merged Zephon checkpoint at ``step`` (None at step 0). Waits for the producer to reach it."""
-        due = step == self._start_step or step % self.snapshot_every == 0
-        if not due:
-            raise StepStateError(
-                f"local mode keeps Zephon snapshots every {self.snapshot_every} steps (and at the step the run "
-                f"started at, {self._start_step}); a checkpoint at step {step} is not at one. Set the loader's "
-                "checkpoint_every to divide your checkpoint interval"
-            )
+        """The newest merged Zephon checkpoint at or before ``step`` (None: the step-0 state).
+
+        Waits until the producer has passed the boundary of ``step``, so every rank picks the same snapshot."""
+        due = step % self.snapshot_every == 0 and step != self._start_step
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: step in self._snapshots or self._producing > step or self._error is not None, timeout
+                lambda: self._error is not None or step in self._snapshots or self._producing > step
+                or (not due and self._producing >= step),
+                timeout,
             )
-            if step in self._snapshots:
-                return self._snapshots[step]
+            kept = [s for s in self._snapshots if s <= step]
+            if ok and self._error is None and kept:
+                return self._snapshots[max(kept)]
         if self._error is not None:
             raise RuntimeError(f"zephon-ray local producer failed: {self._error!r}") from self._error
         if not ok:
-            raise TimeoutError(f"rank {self.rank}: no Zephon snapshot at step {step} within {timeout:.0f} s")
-        raise StepStateError(f"the Zephon snapshot at step {step} was already dropped or never taken")
+            raise TimeoutError(f"rank {self.rank}: the producer did not reach step {step} within {timeout:.0f} s")
+        raise StepStateError(
+            f"no Zephon snapshot at or before step {step} is kept any more (kept: {sorted(self._snapshots)}); "
+            f"the producer ran too far ahead (prefetch {self.depth}, snapshot every {self.snapshot_every} steps)"
+        )
 
     # ------------------------------------------------------------------ producer thread
     def _run(self, step: int, zephon_state: dict[str, Any] | None, stop: threading.Event, out: queue.Queue) -> None:
@@ -141,7 +147,7 @@ class LocalSlices:
                     state = stepper.checkpoint()  # collective when W > 1
                     with self._cond:
                         self._snapshots[s] = state
-                        while len(self._snapshots) > _KEEP_SNAPSHOTS:
+                        while len(self._snapshots) > _KEEP_SNAPSHOTS + self.depth // self.snapshot_every:
                             self._snapshots.popitem(last=False)
                         self._cond.notify_all()
                 shards = stepper.next_step()
