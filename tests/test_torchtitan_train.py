@@ -103,3 +103,16 @@ def test_override_imports_route_swaps_in_the_loader():
     assert isinstance(config.dataloader, ZephonRayDataLoader.Config)
     assert config.dataloader.recipe == str(TINY) and config.dataloader.mode == "local"
     assert not isinstance(config.validator.dataloader, ZephonRayDataLoader.Config)
+
+
+def test_trainer_config_rejects_a_global_batch_or_seq_len_that_is_not_the_recipes():
+    from dataclasses import replace
+
+    from zephon_ray.torchtitan.config_registry import zephon_llama3_debugmodel
+
+    config = zephon_llama3_debugmodel()
+    assert config.training.global_batch_size == 16 and config.training.seq_len == 64
+    with pytest.raises(ValueError, match="training.global_batch_size 32 differs from the recipe's global batch of 16"):
+        replace(config, training=replace(config.training, global_batch_size=32))
+    with pytest.raises(ValueError, match="training.seq_len 128 differs from the recipe's seq_len 64"):
+        replace(config, training=replace(config.training, seq_len=128))

@@ -21,6 +21,7 @@ examples only.
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 from torchtitan.components.checkpoint import CheckpointManager
@@ -42,6 +43,29 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "tiny.toml"
 BYTES_ASSETS = Path(__file__).resolve().parent / "assets" / "bytes"
 DEFAULT_RUN_ID = "zephon-llama3-debug"
+
+
+@dataclass(kw_only=True, slots=True)
+class ZephonTrainerConfig(Trainer.Config):
+    """``Trainer.Config`` that checks, when built (so after CLI overrides), that the trainer's batch geometry is
+    the recipe's: ``training.seq_len`` and ``training.global_batch_size`` (one optimizer step = one global batch).
+    The loader re-checks both, with ``local_batch_size`` and the dp degree, when TorchTitan builds it."""
+
+    def __post_init__(self) -> None:
+        Trainer.Config.__post_init__(self)
+        loader = self.dataloader
+        if not isinstance(loader, ZephonRayDataLoader.Config):
+            return
+        recipe = Recipe.from_toml(loader.recipe)
+        B = recipe.global_batch_rows
+        if self.training.seq_len != recipe.seq_len:
+            raise ValueError(f"training.seq_len {self.training.seq_len} differs from the recipe's seq_len "
+                             f"{recipe.seq_len} ({recipe.describe()})")
+        if self.training.global_batch_size >= 0 and self.training.global_batch_size != B:
+            raise ValueError(f"training.global_batch_size {self.training.global_batch_size} differs from the "
+                             f"recipe's global batch of {B} rows ({recipe.describe()}); one optimizer step must be "
+                             "one global batch")
+        loader.global_batch_size = self.training.global_batch_size
 
 
 def hf_assets_for(recipe: Recipe) -> str:
@@ -73,7 +97,7 @@ def zephon_llama3_debugmodel() -> Trainer.Config:
     B = recipe.global_batch_rows
     loader.global_batch_size = B
     model_spec = model_registry("debugmodel")
-    return Trainer.Config(
+    return ZephonTrainerConfig(
         loss=ChunkedLossWrapper.Config(
             loss_fn=CrossEntropyLoss.Config(global_vocab_size=decoder_vocab_size(model_spec)),
         ),
