@@ -117,7 +117,14 @@ def test_kill9_producer_at_three_steps(ray_cluster, tiny_recipe, reference_diges
         status, pids = _live_pids(svc)
         assert status["restarts"] >= 3 and status["generation"] >= 3, status
         assert not set(pids) & {k["pid"] for k in kills}
-        print("kill -9 results:", json.dumps({"kills": kills, "restarts": status["restarts"]}))
+        # An idle producer (window full, nobody reading) killed: replaced without waiting for a consumer.
+        os.kill(pids[0], signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while svc.status()["restarts"] == status["restarts"]:
+            assert time.monotonic() < deadline, "an idle producer killed with -9 was never replaced"
+            time.sleep(0.5)
+        assert [svc.batch(s).digest for s in range(22, 24)] == reference_digests[22:24]
+        print("kill -9 results:", json.dumps({"kills": kills, "restarts": svc.status()["restarts"]}))
     finally:
         svc.stop()
 
@@ -258,3 +265,47 @@ def test_clean_errors(ray_cluster, tiny_recipe, tmp_path):
 
     with pytest.raises(ValueError):
         ray.get_actor("errors", namespace=NS)  # nothing was started for the refused recipe
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_chaos_random_kills_and_rescales(ray_cluster, tiny_recipe, long_reference, tmp_path):
+    """Producers killed with -9 at random moments (inside collective checkpoints too) while two consumers read
+    and the service rescales 2 -> 4 -> 1 -> 2: every step served has the reference digest."""
+    import random
+    import threading
+
+    rng = random.Random(7)
+    svc = _start(tiny_recipe, tmp_path, "chaos", producers=2, window=3, checkpoint_every=3)
+    other = DataService.connect("chaos", namespace=NS, consumer="other")
+    stop = threading.Event()
+    kills = []
+
+    def killer():
+        while not stop.wait(rng.uniform(0.5, 3.0)):
+            try:
+                pids = [p["pid"] for p in svc.status()["producers"] if p["pid"]]
+                if pids:
+                    victim = rng.choice(pids)
+                    os.kill(victim, signal.SIGKILL)
+                    kills.append(victim)
+            except (ProcessLookupError, ServiceError):
+                pass
+
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    try:
+        for step in range(120):
+            assert svc.batch(step).digest == long_reference[step], step
+            if step % 2 == 0 and step >= 4:
+                assert other.slice(step - 4, step % 4, 4).step == step - 4
+            if step in (30, 60, 90):
+                svc.rescale({30: 4, 60: 1, 90: 2}[step])
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        status = svc.status()
+        svc.stop()
+    print("chaos:", json.dumps({"kills": len(kills), "restarts": status["restarts"],
+                                "generation": status["generation"]}))
+    assert len(kills) >= 5 and status["restarts"] >= 1

@@ -60,13 +60,16 @@ REPLY_REFS = "refs"
 REPLY_DATA = "data"
 """get_step reply kind: lane shards as values (a past step replayed on the side; owned by the caller)."""
 MAX_CONSECUTIVE_FAILURES = 4
-"""Producer-group restarts without one finished step in between before the service gives up (a bug, not a
-crash: e.g. an unreachable aggregate store or data that ran out)."""
+"""Producer *errors* (an exception in producer code: e.g. an unreachable aggregate store, data that ran out)
+without one finished step in between before the service gives up: restarting cannot fix a bug."""
+MAX_CONSECUTIVE_DEATHS = 50
+"""Producer *deaths* (kill -9, OOM, node loss) in a row before giving up; each restart backs off a little."""
 SIDE_STEPPERS = 2
 SIDE_CACHE_STEPS = 2
 """Replayed steps kept (in coordinator memory, not the object store) so that W ranks reading one past step cost
 one replay, not W."""
 _POLL_S = 0.05
+PING_EVERY_S = 2.0
 
 
 @dataclass
@@ -118,9 +121,11 @@ class Coordinator:
         self._skips: dict[int, list[Any]] = {}
         self._ckpt_inflight: dict[int, list[Any]] = {}
         self._checked: set[Any] = set()  # finished refs already checked for errors
+        self._last_ping = time.monotonic()
         self._stopping = False
         self._fatal: str | None = None
         self._failures = 0
+        self._deaths = 0
         self._restarts = 0
         self._store = None
         self._store_address: str | None = None
@@ -410,21 +415,27 @@ class Coordinator:
             except Exception:  # already dead
                 pass
 
-    def _restart(self, reason: str, producers: int | None = None) -> None:
+    def _restart(self, reason: str, producers: int | None = None, death: bool = False) -> None:
         """Replace the whole group from the newest durable checkpoint <= the first unfinished step."""
         group = self._group
         producers = producers or len(group.actors)
-        self._failures += 1
+        if death:
+            self._deaths += 1
+        else:
+            self._failures += 1
         self._restarts += 1
-        if self._failures > MAX_CONSECUTIVE_FAILURES:
+        if self._failures > MAX_CONSECUTIVE_FAILURES or self._deaths > MAX_CONSECUTIVE_DEATHS:
             with self._cond:
-                self._fatal = (f"service {self.config.name!r}: producers failed {self._failures} times in a row "
+                self._fatal = (f"service {self.config.name!r}: producers failed "
+                               f"{self._failures + self._deaths} times in a row "
                                f"without finishing a step; last error: {reason}")
                 self._cond.notify_all()
             return
         log.warning("replacing producer group g%d (%s)", group.generation, reason.splitlines()[0][:300])
         self._kill_group(group)
-        pending = list(self._inflight) + list(self._ckpt_inflight) + list(self._skips)
+        if self._deaths + self._failures > 1:  # repeated failures: back off instead of spinning
+            time.sleep(min(0.25 * 2 ** (self._deaths + self._failures - 2), 5.0))
+        pending = list(self._inflight) + list(self._ckpt_inflight) + [s for s in self._skips if s >= 0]
         first = min(pending) if pending else group.next_step
         self._inflight.clear()
         self._ckpt_inflight.clear()
@@ -494,6 +505,14 @@ class Coordinator:
         waiting += [r for refs in self._skips.values() for r in refs]
         waiting += [r for refs in self._ckpt_inflight.values() for r in refs]
         if not waiting:
+            now = time.monotonic()
+            if now - self._last_ping > PING_EVERY_S:
+                # Idle producers (window full) are pinged, so that one killed while idle is replaced before a
+                # consumer needs the next step rather than when it does.
+                self._last_ping = now
+                group = self._group
+                self._skips[-1] = [a.info.remote() for a in group.actors]
+                return
             with self._cond:
                 if not self._stopping and self._rescale_to is None:
                     self._cond.wait(_POLL_S)
@@ -528,13 +547,15 @@ class Coordinator:
                 del self._inflight[step]
                 self._checked.difference_update(refs)
                 self._file(step, refs, shards)
+        except RayActorError as exc:
+            self._restart(f"{type(exc).__name__}: {exc}", death=True)
         except RayError as exc:
             self._restart(f"{type(exc).__name__}: {exc}")
 
     def _file(self, step: int, refs: list[Any], shards: list[LaneShard]) -> None:
         nbytes = sum(_shard_nbytes(s) for s in shards)
         now = time.monotonic()
-        self._failures = 0
+        self._failures = self._deaths = 0
         with self._cond:
             self._produced_steps += 1
             self._produced_tokens += self.recipe.tokens_per_step
@@ -567,7 +588,8 @@ class Coordinator:
                 self._kill_group(group)
                 self._launch(target, step, state)
         except Exception as exc:  # a producer died mid-rescale: fall back to the durable checkpoints
-            self._restart(f"rescale: {type(exc).__name__}: {exc}", producers=target)
+            self._restart(f"rescale: {type(exc).__name__}: {exc}", producers=target,
+                          death=isinstance(exc, RayActorError))
         finally:
             with self._cond:
                 self._rescale_to = None

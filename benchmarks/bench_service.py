@@ -1,0 +1,145 @@
+"""Data-service throughput and latency, measured side by side in one run on a private local Ray.
+
+    python benchmarks/bench_service.py [--recipe recipes/mixture.toml] [--steps 40] [--rounds 2]
+
+Per round, in this order (alternating so machine noise hits every side):
+- ``local``: ``GlobalBatchSource(recipe).batch(s)`` for steps 1..N (after step 0, which is warm-up);
+- ``service M=1`` and ``service M=2``: a fresh service, ``DataService.batch(s)`` for steps 1..N after step 0.
+Two rates per service: *produced* tokens/s (the service's own count, first to last produced step; producers
+run ahead of the consumer by at most ``window``), and *end-to-end* tokens/s seen by the consumer. Ratios are
+medians over rounds. Then the latency of ``slice(s, r, W)`` for a warm step (inside the live window): p50/p99.
+
+Prints a table and one JSON line (prefixed ``RESULT``). On a 2-core machine M=2 cannot beat M=1 by much: the
+producers, the coordinator, the consumer and Ray itself share the same two cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def run_local(recipe, steps: int) -> float:
+    from zephon_ray import GlobalBatchSource
+
+    with GlobalBatchSource(recipe) as source:
+        source.batch(0)
+        t0 = time.perf_counter()
+        for s in range(1, steps + 1):
+            source.batch(s)
+        elapsed = time.perf_counter() - t0
+    return steps * recipe.tokens_per_step / elapsed
+
+
+def run_service(recipe, steps: int, producers: int, window: int, tag: str) -> dict:
+    from zephon_ray import DataService
+
+    state_dir = tempfile.mkdtemp(prefix="zr-bench-state-")
+    svc = DataService.start(recipe, name=f"bench-{tag}", namespace="zr-bench", producers=producers, window=window,
+                            state_dir=state_dir, checkpoint_every=8, run_id=f"bench-{tag}",
+                            aggregate_store="torch://" if producers > 1 else None)
+    try:
+        svc.batch(0)
+        t0 = time.perf_counter()
+        for s in range(1, steps + 1):
+            svc.batch(s)
+        elapsed = time.perf_counter() - t0
+        thr = svc.status()["throughput"]
+        out = {"end_to_end": steps * recipe.tokens_per_step / elapsed, "produced": thr["tokens_per_s"]}
+        if producers == 1:
+            out["slice_ms"] = slice_latency(svc, steps, recipe)
+        return out
+    finally:
+        svc.stop()
+        shutil.rmtree(state_dir, ignore_errors=True)
+
+
+def slice_latency(svc, step: int, recipe, n: int = 300) -> dict:
+    world = next(w for w in (8, 4, 2, 1) if recipe.global_batch_rows % w == 0)
+    svc.slice(step, 0, world)  # warm: the step is in the live window
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        svc.slice(step, i % world, world)
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"world": world, "p50": times[len(times) // 2] * 1e3, "p99": times[int(len(times) * 0.99) - 1] * 1e3,
+            "n": n}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--recipe", default=str(ROOT / "recipes" / "mixture.toml"))
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--window", type=int, default=8)
+    args = ap.parse_args()
+
+    import ray
+
+    from zephon_ray import Recipe
+
+    recipe = Recipe.from_toml(args.recipe)
+    print(f"recipe {recipe.describe()}: {recipe.global_batch_rows} rows x {recipe.seq_len} = "
+          f"{recipe.tokens_per_step} tokens/step, {args.steps} steps x {args.rounds} rounds, window {args.window}")
+    temp_dir = tempfile.mkdtemp(prefix="zr-bench-ray-", dir="/tmp")
+    ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
+             logging_level="ERROR")
+    try:
+        run_local(recipe, 2)  # warm caches (catalog, tokenizer, page cache)
+        rounds = []
+        for r in range(args.rounds):
+            local = run_local(recipe, args.steps)
+            m1 = run_service(recipe, args.steps, 1, args.window, f"m1-{r}")
+            m2 = run_service(recipe, args.steps, 2, args.window, f"m2-{r}")
+            rounds.append({"local": local, "m1": m1, "m2": m2})
+            print(f"round {r}: local {local / 1e6:.3f}  M=1 produced {m1['produced'] / 1e6:.3f} e2e "
+                  f"{m1['end_to_end'] / 1e6:.3f}  M=2 produced {m2['produced'] / 1e6:.3f} e2e "
+                  f"{m2['end_to_end'] / 1e6:.3f}  (M tok/s)", flush=True)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
+
+    med = statistics.median
+    result = {
+        "recipe": str(args.recipe), "steps": args.steps, "rounds": args.rounds, "window": args.window,
+        "tokens_per_step": recipe.tokens_per_step, "cpus": os.cpu_count(),
+        "local_tokens_per_s": [x["local"] for x in rounds],
+        "m1_produced_tokens_per_s": [x["m1"]["produced"] for x in rounds],
+        "m1_end_to_end_tokens_per_s": [x["m1"]["end_to_end"] for x in rounds],
+        "m2_produced_tokens_per_s": [x["m2"]["produced"] for x in rounds],
+        "m2_end_to_end_tokens_per_s": [x["m2"]["end_to_end"] for x in rounds],
+        "ratio_m1_produced_vs_local": med(x["m1"]["produced"] / x["local"] for x in rounds),
+        "ratio_m1_end_to_end_vs_local": med(x["m1"]["end_to_end"] / x["local"] for x in rounds),
+        "ratio_m2_vs_m1_produced": med(x["m2"]["produced"] / x["m1"]["produced"] for x in rounds),
+        "ratio_m2_vs_m1_end_to_end": med(x["m2"]["end_to_end"] / x["m1"]["end_to_end"] for x in rounds),
+        "slice_warm_ms": rounds[-1]["m1"]["slice_ms"],
+    }
+    lat = result["slice_warm_ms"]
+    print()
+    print(f"{'measure':<44}{'value':>12}")
+    print(f"{'local GlobalBatchSource (M tok/s, median)':<44}{med(result['local_tokens_per_s']) / 1e6:>12.3f}")
+    print(f"{'service M=1 produced (M tok/s, median)':<44}{med(result['m1_produced_tokens_per_s']) / 1e6:>12.3f}")
+    print(f"{'service M=1 end-to-end (M tok/s, median)':<44}{med(result['m1_end_to_end_tokens_per_s']) / 1e6:>12.3f}")
+    print(f"{'service M=2 produced (M tok/s, median)':<44}{med(result['m2_produced_tokens_per_s']) / 1e6:>12.3f}")
+    print(f"{'service M=2 end-to-end (M tok/s, median)':<44}{med(result['m2_end_to_end_tokens_per_s']) / 1e6:>12.3f}")
+    print(f"{'ratio M=1 produced / local (target >= 0.9)':<44}{result['ratio_m1_produced_vs_local']:>12.3f}")
+    print(f"{'ratio M=1 end-to-end / local':<44}{result['ratio_m1_end_to_end_vs_local']:>12.3f}")
+    print(f"{'ratio M=2 / M=1 produced':<44}{result['ratio_m2_vs_m1_produced']:>12.3f}")
+    print(f"{'ratio M=2 / M=1 end-to-end':<44}{result['ratio_m2_vs_m1_end_to_end']:>12.3f}")
+    print(f"{'slice warm p50 / p99 (ms, W=' + str(lat['world']) + ')':<44}{lat['p50']:>6.2f} /{lat['p99']:>5.2f}")
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
