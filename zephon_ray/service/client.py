@@ -185,6 +185,7 @@ class DataService:
         else:
             raise ServiceError(f"a service named {name!r} already runs in namespace {namespace!r}; "
                                "connect() to it or stop() it first")
+        _kill_orphan_producers(name, namespace)  # left by a coordinator that died without stop()
         res = config.resources
         handle = ray.remote(Coordinator).options(
             name=name, namespace=namespace, lifetime="detached", num_cpus=res.coordinator_num_cpus,
@@ -221,14 +222,7 @@ class DataService:
         except Exception:
             pass  # already dead or wedged: kill it below either way
         ray.kill(self._coordinator, no_restart=True)
-        # Producers are detached; kill any a dead coordinator could not (names are "<name>.producer.g<G>.<i>").
-        for entry in ray.util.list_named_actors(all_namespaces=True):
-            if entry.get("namespace") == self.namespace and \
-                    entry.get("name", "").startswith(self.name + PRODUCER_NAME_INFIX):
-                try:
-                    ray.kill(ray.get_actor(entry["name"], namespace=self.namespace), no_restart=True)
-                except Exception:
-                    pass
+        _kill_orphan_producers(self.name, self.namespace)
 
     def release(self) -> None:
         """Drop this consumer's cursors now, so that it no longer holds the window back."""
@@ -315,6 +309,17 @@ class DataService:
             return ray.get(ref, timeout=timeout)
         except (RayTaskError, RayActorError, GetTimeoutError) as exc:
             raise _unwrap(exc, self._where) from None
+
+
+def _kill_orphan_producers(name: str, namespace: str) -> None:
+    """Producers are detached actors named "<service>.producer.<instance>.g<G>.<i>"; kill any of this service's
+    that its coordinator could not (it died, or was killed without ``stop()``)."""
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry.get("namespace") == namespace and entry.get("name", "").startswith(name + PRODUCER_NAME_INFIX):
+            try:
+                ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
+            except Exception:
+                pass
 
 
 def _reconnect(name: str, namespace: str, consumer: str) -> DataService:

@@ -38,6 +38,7 @@ import os
 import threading
 import time
 import traceback
+import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -122,6 +123,7 @@ class Coordinator:
         self._ckpt_inflight: dict[int, list[Any]] = {}
         self._checked: set[Any] = set()  # finished refs already checked for errors
         self._last_ping = time.monotonic()
+        self._instance = uuid.uuid4().hex[:6]  # producer names never collide with an earlier coordinator's
         self._stopping = False
         self._fatal: str | None = None
         self._failures = 0
@@ -390,7 +392,8 @@ class Coordinator:
             rank = ZephonRank(groups=producers, group=i, run_id=run_id, aggregate_store=store,
                               aggregate_dir=agg_dir, aggregate_timeout_s=self.config.aggregate_timeout_s)
             actors.append(actor_cls.options(
-                name=f"{self.config.name}.producer.g{generation}.{i}", namespace=self.config.namespace,
+                name=f"{self.config.name}.producer.{self._instance}.g{generation}.{i}",
+                namespace=self.config.namespace,
                 # Detached: producers must outlive the job that started the service (a job's non-detached
                 # actors die with it), and they are killed explicitly by the coordinator.
                 lifetime="detached", num_cpus=self.config.resources.producer_num_cpus, max_restarts=0,
