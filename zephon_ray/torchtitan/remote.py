@@ -106,7 +106,9 @@ class ServiceSlices:
                 self._flush_cursor()
                 with self._lock:
                     self.service.prefetch(range(s + 1, s + self.depth + 1), rank=self.rank, world=self.world)
-                    part = self.service.refs(s, rank=self.rank, world=self.world, track=False).slice(
+                    # The first read is tracked: it registers this rank's cursor and makes the service drop the
+                    # cursors this consumer left at another world size (a resized group never closed its loader).
+                    part = self.service.refs(s, rank=self.rank, world=self.world, track=s == step).slice(
                         self.rank, self.world)
                 item = RankSlice(s, self.rank, self.world, np.array(part.tokens), np.array(part.positions),
                                  part.pad_token_id)
