@@ -251,6 +251,15 @@ def test_clean_errors(ray_cluster, tiny_recipe, tmp_path):
         assert "Traceback" not in str(info.value) and "Ray" not in type(info.value).__name__
         with pytest.raises(ValueError, match="commit step"):
             svc.commit(-2)
+        # Backpressure: another live consumer at step 0 holds the window (4); step 50 times out, and the
+        # coordinator's TimeoutError arrives unwrapped from Ray's error types, naming the window.
+        holder = DataService.connect("errors", namespace=NS, consumer="holder")
+        holder.batch(0)
+        with pytest.raises(TimeoutError, match=r"live window is \[0, 4\)") as timeout_info:
+            svc.refs(50, timeout_s=1.0)
+        assert "Traceback" not in str(timeout_info.value) and "Ray" not in type(timeout_info.value).__name__
+        holder.release()
+        assert svc.refs(50, timeout_s=60).step == 50
         svc.commit(3)
     finally:
         svc.stop()

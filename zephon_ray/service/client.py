@@ -233,6 +233,7 @@ class DataService:
              timeout_s: float | None = None) -> StepRefs:
         """Step ``step``'s lane shards (refs for live steps); blocks until produced. ``track=False`` leaves this
         consumer's cursor where it is (inspection, prefetch)."""
+        step = _as_step(step)
         pending = self._prefetched.pop(step, None)
         if pending is not None:
             if track:  # the prefetch did not move the cursor; this read does (fire and forget)
@@ -247,7 +248,7 @@ class DataService:
         """Ask for upcoming steps without waiting and without moving the cursor; a later ``slice``/``batch``/
         ``refs`` of one of them uses the answer. Keep the depth below ``window``: a step beyond the live window
         is replayed on the side instead."""
-        for step in steps:
+        for step in map(_as_step, steps):
             if step not in self._prefetched:
                 self._prefetched[step] = self._coordinator.get_step.remote(step, self.consumer, rank, world, False)
         while len(self._prefetched) > 4 * self.config.window:  # forget the oldest unused prefetches
@@ -266,7 +267,7 @@ class DataService:
     def commit(self, step: int) -> dict[str, Any]:
         """Record durably (atomically, under ``state_dir``) that this consumer's trainer checkpoint resumes at
         ``step``. A service restarted from the same ``state_dir`` starts its live window there."""
-        return self._call(self._coordinator.commit.remote(step, self.consumer))
+        return self._call(self._coordinator.commit.remote(_as_step(step, "commit step"), self.consumer))
 
     def status(self) -> dict[str, Any]:
         """Producers (pids, lanes, generation), window (held steps and bytes vs. bound), cursors, throughput,
@@ -309,6 +310,13 @@ class DataService:
             return ray.get(ref, timeout=timeout)
         except (RayTaskError, RayActorError, GetTimeoutError) as exc:
             raise _unwrap(exc, self._where) from None
+
+
+def _as_step(step: Any, what: str = "step") -> int:
+    """Steps are plain non-negative ints on the wire (numpy integers are accepted and converted)."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"{what} must be a non-negative integer, got {step!r}")
+    return int(step)
 
 
 def _kill_orphan_producers(name: str, namespace: str) -> None:

@@ -132,7 +132,6 @@ class Coordinator:
         self._store = None
         self._store_address: str | None = None
         self._rescale_to: int | None = None
-        self._rescale_done = threading.Condition(self._cond)
         self._rescale_error: str | None = None
         self._side: list[LaneStepper] = []
         self._side_lock = threading.Lock()
