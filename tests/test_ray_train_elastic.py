@@ -79,16 +79,28 @@ def test_elastic_4_2_3_local_dir(ray_cluster, tmp_path, elastic_reference):
     check(records, elastic_reference, WORLDS)
 
 
-def test_worker_killed_mid_run_replays_identical_steps(ray_cluster, tmp_path, elastic_reference):
+@pytest.mark.parametrize("mode", ["local", pytest.param("service", marks=pytest.mark.slow)])
+def test_worker_killed_mid_run_replays_identical_steps(ray_cluster, tmp_path, elastic_reference, mode):
     """Rank 1 of 2 SIGKILLs itself before step 3; Ray Train restarts the group from the step-2 checkpoint
     (FailureConfig(max_failures=1)); steps 2.. are replayed and every record, replays included, matches."""
+    from zephon_ray import DataService
     from zephon_ray.torchtitan.ray_train import ElasticRun, fit, read_log
 
     digests, losses = elastic_reference
     log, marker = str(tmp_path / "steps.jsonl"), tmp_path / "killed"
-    run = ElasticRun(recipe=ELASTIC, run_id="chaos", log_path=log, steps=6, checkpoint_every=2, mode="local",
-                     aggregate_store="torch://", kill={"step": 3, "rank": 1, "marker": str(marker)})
-    result = fit(run, workers=2, name="chaos", storage_path=str(tmp_path / "ray-results"), max_failures=1)
+    if mode == "service":
+        service = DataService.start(ELASTIC, name="chaos-svc", namespace="zr-elastic-tests", producers=2,
+                                    state_dir=str(tmp_path / "svc"), aggregate_store="torch://", run_id="chaos-svc")
+        loader = {"mode": "service", "service_name": "chaos-svc", "service_namespace": "zr-elastic-tests"}
+    else:
+        service, loader = None, {"mode": "local", "aggregate_store": "torch://"}
+    run = ElasticRun(recipe=ELASTIC, run_id="chaos", log_path=log, steps=6, checkpoint_every=2,
+                     kill={"step": 3, "rank": 1, "marker": str(marker)}, **loader)
+    try:
+        result = fit(run, workers=2, name="chaos", storage_path=str(tmp_path / "ray-results"), max_failures=1)
+    finally:
+        if service is not None:
+            service.stop()
     assert result.error is None, result.error
     assert marker.exists(), "the failure was not injected"
     records = read_log(log)
