@@ -33,7 +33,8 @@ def _start(recipe, tmp_path, name, **kw):
     kw.setdefault("window", 4)
     kw.setdefault("checkpoint_every", 4)
     if kw.get("producers", 1) > 1:
-        kw.setdefault("aggregate_store", "torch://")
+        if "aggregate_dir" not in kw:
+            kw.setdefault("aggregate_store", "torch://")
         kw.setdefault("run_id", name)
     return DataService.start(recipe, name=name, namespace=NS, state_dir=kw.pop("state_dir", tmp_path / name), **kw)
 
@@ -49,9 +50,18 @@ def _live_pids(svc, timeout=60.0):
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("producers", [1, 2])
-def test_digests_and_slices_match_reference(ray_cluster, tiny_recipe, reference_digests, tmp_path, producers):
-    svc = _start(tiny_recipe, tmp_path, f"digests-m{producers}", producers=producers)
+@pytest.mark.parametrize("producers, aggregate", [(1, None), (2, "hosted-store"), (2, "external-store"), (2, "dir")])
+def test_digests_and_slices_match_reference(ray_cluster, tiny_recipe, reference_digests, tmp_path, producers,
+                                             aggregate):
+    kw, store = {}, None
+    if aggregate == "external-store":  # a TCPStore someone else hosts, named as torch://host:port
+        from torch.distributed import TCPStore
+
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        kw["aggregate_store"] = f"torch://127.0.0.1:{store.port}"
+    elif aggregate == "dir":
+        kw["aggregate_dir"] = tmp_path / "aggregate"
+    svc = _start(tiny_recipe, tmp_path, f"digests-m{producers}-{aggregate}", producers=producers, **kw)
     try:
         with GlobalBatchSource(tiny_recipe) as source:
             for step in range(24):
@@ -70,6 +80,8 @@ def test_digests_and_slices_match_reference(ray_cluster, tiny_recipe, reference_
         assert sorted(lane for p in status["producers"] for lane in p["lanes"]) == list(range(8))
         assert status["checkpoints"]["latest"] is not None and status["checkpoints"]["every"] == 4
         assert status["throughput"]["produced_steps"] >= 24
+        if aggregate == "external-store":
+            assert status["aggregate"]["store"] == kw["aggregate_store"]
     finally:
         svc.stop()
 

@@ -45,7 +45,10 @@ def test_producers_must_divide_lanes(tiny_recipe):
 
 def test_recipe_aggregate_fills_unset_fields(tiny_recipe, tmp_path):
     recipe = replace(tiny_recipe, aggregate=replace(tiny_recipe.aggregate, dir=str(tmp_path)))
-    # Without the recipe's table, producers=2 cannot even be constructed; with it, for_recipe fills it in.
+    cfg = ServiceConfig.build(recipe, producers=2, run_id="r")  # the recipe's [aggregate] dir makes M=2 valid
+    assert cfg.aggregate_dir == str(tmp_path) and cfg.producers == 2
+    with pytest.raises(ValueError, match="exactly one of aggregate_store and aggregate_dir"):
+        ServiceConfig.build(tiny_recipe, producers=2, run_id="r")
     base = ServiceConfig(run_id="r")
     cfg = base.for_recipe(recipe)
     assert cfg.aggregate_dir == str(tmp_path) and cfg.aggregate_store is None

@@ -45,7 +45,7 @@ from zephon_ray.batch import GlobalBatch, RankSlice, slice_bounds
 from zephon_ray.lanes import LaneShard
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
-from zephon_ray.service.coordinator import REPLY_REFS, Coordinator
+from zephon_ray.service.coordinator import Coordinator
 from zephon_ray.service.errors import ServiceError, ServiceNotFoundError
 from zephon_ray.service.state import check_state_dir
 from zephon_ray.source import assemble, pad_token_id
@@ -168,12 +168,12 @@ class DataService:
             recipe = Recipe.from_toml(recipe)
         if state_dir is None:
             state_dir = tempfile.mkdtemp(prefix=f"zephon-ray-{name}-")
-        config = ServiceConfig(
-            name=name, namespace=namespace, producers=producers, window=window, state_dir=str(state_dir),
+        config = ServiceConfig.build(
+            recipe, name=name, namespace=namespace, producers=producers, window=window, state_dir=str(state_dir),
             checkpoint_every=checkpoint_every, aggregate_store=aggregate_store,
             aggregate_dir=None if aggregate_dir is None else str(aggregate_dir), run_id=run_id,
             resources=resources or ActorResources(), **options,
-        ).for_recipe(recipe)
+        )
         if Path(config.state_dir).exists():
             check_state_dir(recipe, config.state_dir)  # refuse another recipe's state before touching Ray
         _ = recipe.fingerprint  # computed here, shipped with the recipe (the coordinator's node may differ)

@@ -101,6 +101,14 @@ class ServiceConfig:
                 raise ValueError(f"ServiceConfig: producers={producers} (> 1) needs exactly one of aggregate_store "
                                  "and aggregate_dir (or [aggregate] store/dir in the recipe)")
 
+    @classmethod
+    def build(cls, recipe: Recipe, **fields) -> "ServiceConfig":
+        """Construct for ``recipe``: unset aggregation comes from the recipe's ``[aggregate]`` table *before*
+        validation, then the producers are checked against the recipe's lanes."""
+        if fields.get("aggregate_store") is None and fields.get("aggregate_dir") is None:
+            fields["aggregate_store"], fields["aggregate_dir"] = recipe.aggregate.store, recipe.aggregate.dir
+        return cls(**fields).for_recipe(recipe)
+
     def for_recipe(self, recipe: Recipe) -> "ServiceConfig":
         """This config with the recipe's ``[aggregate]`` table filled in where unset, checked against the recipe."""
         config = self

@@ -80,10 +80,10 @@ def check_state_dir(recipe: Recipe, state_dir: str | os.PathLike) -> None:
         meta = _read_json(path)
     except (OSError, ValueError) as exc:
         raise FingerprintMismatchError(f"state_dir {state_dir}: {SERVICE_FILE} is unreadable ({exc})") from None
-    if not isinstance(meta, dict) or meta.get(KEY_FORMAT) != STATE_FORMAT:
+    found = meta.get(KEY_FORMAT) if isinstance(meta, dict) else type(meta).__name__
+    if found != STATE_FORMAT:
         raise FingerprintMismatchError(
-            f"state_dir {state_dir}: {SERVICE_FILE} has format {meta.get(KEY_FORMAT) if isinstance(meta, dict) else meta!r},"
-            f" expected {STATE_FORMAT!r}")
+            f"state_dir {state_dir}: {SERVICE_FILE} has format {found!r}, expected {STATE_FORMAT!r}")
     if meta.get(KEY_FINGERPRINT) != recipe.fingerprint:
         raise FingerprintMismatchError(
             f"state_dir {state_dir} belongs to recipe fingerprint {str(meta.get(KEY_FINGERPRINT))[:12]}, not "
