@@ -103,6 +103,15 @@ def test_refs_prefetch_and_any_consumer_handle(ray_cluster, tiny_recipe, referen
             other = DataService.connect(name, namespace=NS, consumer="task")
             return other.slice(step, 1, 2).tokens.copy(), other.batch(step).digest
 
+        # Read ahead without moving the cursor, then report consumption with touch().
+        ahead = svc.refs(5, track=False)
+        cursor = lambda: {c["consumer"]: c["step"] for c in svc.status()["cursors"]}[svc.consumer]  # noqa: E731
+        assert ahead.batch().digest == reference_digests[5] and cursor() == 3
+        svc.touch(5)
+        deadline = time.monotonic() + 30
+        while cursor() != 5:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
         tokens, digest = ray.get(read_in_task.remote("refs", 4), timeout=120)
         assert digest == reference_digests[4]
         with GlobalBatchSource(tiny_recipe) as source:

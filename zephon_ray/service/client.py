@@ -236,8 +236,8 @@ class DataService:
         step = _as_step(step)
         pending = self._prefetched.pop(step, None)
         if pending is not None:
-            if track:  # the prefetch did not move the cursor; this read does (fire and forget)
-                self._coordinator.touch.remote(step, self.consumer, rank, world)
+            if track:  # the prefetch did not move the cursor; this read does
+                self.touch(step, rank=rank, world=world)
             reply = self._call(pending)
         else:
             reply = self._call(self._coordinator.get_step.remote(step, self.consumer, rank, world, track, timeout_s))
@@ -253,6 +253,11 @@ class DataService:
                 self._prefetched[step] = self._coordinator.get_step.remote(step, self.consumer, rank, world, False)
         while len(self._prefetched) > 4 * self.config.window:  # forget the oldest unused prefetches
             self._prefetched.pop(next(iter(self._prefetched)))
+
+    def touch(self, step: int, *, rank: int | None = None, world: int | None = None) -> None:
+        """Move this consumer's cursor (for ``rank`` of ``world``) to ``step`` without reading: for loaders
+        that read ahead with ``track=False`` and report what the trainer actually consumed. Fire and forget."""
+        self._coordinator.touch.remote(_as_step(step), self.consumer, rank, world)
 
     def batch(self, step: int) -> GlobalBatch:
         """Global batch ``step`` (all B rows, lane-major); ``.digest`` equals GlobalBatchSource's."""

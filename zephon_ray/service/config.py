@@ -28,7 +28,8 @@ class ActorResources:
 
     coordinator_num_cpus: float = 0.05
     producer_num_cpus: float = 0.25
-    coordinator_max_concurrency: int = 64
+    coordinator_max_concurrency: int = 128
+    """Threads of the coordinator: each blocked read (a rank waiting for its step, a prefetch) holds one."""
 
     def __post_init__(self) -> None:
         for key in ("coordinator_num_cpus", "producer_num_cpus"):
