@@ -126,7 +126,7 @@ def test_local_slices_match_reference_and_resume_at_other_w(tmp_path, reference_
     from zephon_ray.torchtitan import LoaderStateError
 
     def build(world, agg, run_id="r", lbs=2):
-        cfg = _config(run_id=run_id, aggregate_dir=str(agg))
+        cfg = _config(run_id=run_id, aggregate_dir=str(agg), checkpoint_every=3)
         return [cfg.build(dp_world_size=world, dp_rank=r, seq_len=64, local_batch_size=lbs) for r in range(world)]
 
     def run_steps(loaders, iters, n):
@@ -198,7 +198,7 @@ phase, ckpt, out = sys.argv[1], sys.argv[2], sys.argv[3]
 dist.init_process_group("gloo")
 rank, world = dist.get_rank(), dist.get_world_size()
 loader = ZephonRayDataLoader.Config(recipe=os.environ["RECIPE"], mode="local", run_id="dcp",
-                                    aggregate_store="torch://").build(
+                                    aggregate_store="torch://", checkpoint_every=3).build(
     dp_world_size=world, dp_rank=rank, seq_len=64, local_batch_size=16 // world)
 if phase == "load":
     state = {"dataloader": loader}
@@ -213,8 +213,12 @@ for _ in range(3):
     digests.append(compute_digest(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])))
 if phase == "save":
     dcp.save({"dataloader": loader}, checkpoint_id=ckpt)
+state = loader.state_dict()
+states = [None] * world
+dist.all_gather_object(states, state)
+assert all(s == state for s in states), "loader state differs between ranks"
 if rank == 0:
-    json.dump({"digests": digests, "state": loader.state_dict(), "world": world}, open(out, "w"))
+    json.dump({"digests": digests, "state": state, "world": world}, open(out, "w"))
 loader.close()
 dist.destroy_process_group()
 '''
@@ -235,6 +239,7 @@ def test_dcp_save_and_load_at_another_world(tmp_path, reference_digests):
 
     saved = torchrun(2, "save", tmp_path / "save.json")
     assert saved["digests"] == reference_digests[0:3]
+    assert saved["state"]["next_step"] == 3 and json.loads(saved["state"]["zephon"])["next_step"] == 3
     loaded = torchrun(1, "load", tmp_path / "load.json")
     assert loaded["digests"] == reference_digests[3:6]
     assert loaded["state"]["next_step"] == 6

@@ -91,7 +91,9 @@ class ZephonRayDataLoader(BaseDataLoader):
         """Steps fetched (service) or produced (local) ahead of the trainer, in a background thread."""
 
         checkpoint_every: int = 0
-        """Local mode: take a Zephon snapshot every N steps. 0: TorchTitan's checkpoint interval, else 1."""
+        """Local mode: take a Zephon snapshot every N steps (align it with the trainer's checkpoint interval).
+        0: TorchTitan's checkpoint interval when checkpointing is on, else none (a resume then replays from the
+        start, or from the snapshot it was resumed from)."""
 
         global_batch_size: int = -1
         """The trainer's global batch in rows, checked against the recipe's B when >= 0."""
@@ -182,10 +184,9 @@ class ZephonRayDataLoader(BaseDataLoader):
                 raise ValueError(f"{where}: a distributed local-mode loader needs a run_id and exactly one of "
                                  "aggregate_store and aggregate_dir")
         every = config.checkpoint_every
-        if not every:
-            every = 1
-            if snapshot_every_n_steps and snapshot_every_n_steps % self.microbatches_per_step == 0:
-                every = max(1, snapshot_every_n_steps // self.microbatches_per_step)
+        if not every and snapshot_every_n_steps:
+            # TorchTitan counts its checkpoint interval in microbatches of this rank.
+            every = max(1, snapshot_every_n_steps // self.microbatches_per_step)
         self.checkpoint_every = every
         record = config.record_dir or os.environ.get(ENV_RECORD_DIR)
         self._record_dir = Path(record) if record else None
@@ -218,6 +219,9 @@ class ZephonRayDataLoader(BaseDataLoader):
             for i, microbatch in enumerate(piece.microbatches(self.local_batch_size)):
                 if i + 1 == n:
                     self._next_step, self._partial = step + 1, 0
+                    advance = getattr(self._source, "advance", None)
+                    if advance is not None:
+                        advance(step + 1)
                 else:
                     self._partial = i + 1
                 yield microbatch

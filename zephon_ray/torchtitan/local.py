@@ -4,15 +4,17 @@ Guarantee: with W dividing L, rank r owns lanes [r*L/W, (r+1)*L/W) (Zephon's con
 step s are those lanes' shards in lane order, which is exactly ``GlobalBatch.slice(r, W)``: the same rows that the
 data service and ``zephon-ray digest`` give.
 
-A background thread runs up to ``depth`` steps ahead. At every ``snapshot_every``-th step boundary it takes a
-Zephon checkpoint first (collective across the W ranks when W > 1: every rank's thread reaches the same boundary,
-and Zephon merges the lanes through the TCPStore or the directory; each rank receives the same merged state).
-The loader's ``state_dict`` at step s hands out the newest snapshot at or before s; a resume restores it and
-replays the (at most ``snapshot_every - 1``) steps up to s, the same restore-and-replay rule as the service's.
+A background thread runs up to ``depth`` steps ahead. Every ``snapshot_every`` steps (0: never) it takes a Zephon
+checkpoint at the step boundary b, collective across the W ranks when W > 1 (Zephon merges the lanes through the
+TCPStore or the directory, and every rank receives the same merged state: measured, for both). It waits at b until
+this rank's trainer has consumed step b-1, so a collective only starts when every rank is there (and is asked
+for: a checkpoint follows the step), never speculatively while a peer may be shutting down; that costs one step
+of read-ahead every ``snapshot_every`` steps. ``state_dict`` at step s hands out the newest snapshot at or before
+s; a resume restores it and replays the steps up to s, the same restore-and-replay rule as the service's.
 
-Limits: a collective snapshot blocks until every rank's thread reaches it (Zephon's aggregate timeout, 120 s), so
-ranks must consume in lock-step (they do: every optimizer step needs every rank). Resuming between snapshots costs
-a replay of up to ``snapshot_every - 1`` steps.
+Limits: a collective snapshot blocks until every rank reaches it (Zephon's aggregate timeout, 120 s), so ranks must
+consume in lock-step (they do: every optimizer step needs every rank). Resuming between snapshots replays up to
+``snapshot_every - 1`` steps (or every step since the start, when snapshots are off).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class LocalSlices:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._start_step = 0
+        self._consumer_next = 0
 
     # ------------------------------------------------------------------ lifecycle
     def start(self, step: int, zephon_state: dict[str, Any] | None) -> None:
@@ -65,6 +68,7 @@ class LocalSlices:
         self._error = None
         self._start_step = step
         self._producing = step
+        self._consumer_next = step
         if zephon_state is not None:
             self._snapshots[int(zephon_state["next_step"])] = zephon_state
         else:
@@ -106,11 +110,22 @@ class LocalSlices:
             raise RuntimeError(f"local producer is at step {got_step}, the loader expected step {step}")
         return item
 
+    def advance(self, next_step: int) -> None:
+        """The trainer finished every step before ``next_step``: snapshots up to it may be taken."""
+        with self._cond:
+            if next_step > self._consumer_next:
+                self._consumer_next = next_step
+                self._cond.notify_all()
+
+    def _due(self, step: int) -> bool:
+        return bool(self.snapshot_every) and step % self.snapshot_every == 0 and step != self._start_step
+
     def snapshot(self, step: int, timeout: float) -> dict[str, Any] | None:
         """The newest merged Zephon checkpoint at or before ``step`` (None: the step-0 state).
 
         Waits until the producer has passed the boundary of ``step``, so every rank picks the same snapshot."""
-        due = step % self.snapshot_every == 0 and step != self._start_step
+        due = self._due(step)
+        self.advance(step)
         with self._cond:
             ok = self._cond.wait_for(
                 lambda: self._error is not None or step in self._snapshots or self._producing > step
@@ -126,7 +141,7 @@ class LocalSlices:
             raise TimeoutError(f"rank {self.rank}: the producer did not reach step {step} within {timeout:.0f} s")
         raise StepStateError(
             f"no Zephon snapshot at or before step {step} is kept any more (kept: {sorted(self._snapshots)}); "
-            f"the producer ran too far ahead (prefetch {self.depth}, snapshot every {self.snapshot_every} steps)"
+            f"(prefetch {self.depth}, snapshot every {self.snapshot_every} steps)"
         )
 
     # ------------------------------------------------------------------ producer thread
@@ -143,11 +158,16 @@ class LocalSlices:
                 with self._cond:
                     self._producing = s
                     self._cond.notify_all()
-                if s != step and s % self.snapshot_every == 0:
+                if self._due(s):
+                    with self._cond:  # wait for this rank's trainer to reach the boundary
+                        while not stop.is_set() and self._consumer_next < s:
+                            self._cond.wait(0.2)
+                    if stop.is_set():
+                        break
                     state = stepper.checkpoint()  # collective when W > 1
                     with self._cond:
                         self._snapshots[s] = state
-                        while len(self._snapshots) > _KEEP_SNAPSHOTS + self.depth // self.snapshot_every:
+                        while len(self._snapshots) > _KEEP_SNAPSHOTS:
                             self._snapshots.popitem(last=False)
                         self._cond.notify_all()
                 shards = stepper.next_step()
