@@ -126,6 +126,11 @@ def test_job_submit_starts_service_and_second_job_reads_slices(head_cluster, tin
                                  ns, "--address", head_cluster["gcs"]], capture_output=True, text=True,
                                 env=head_cluster["env"], timeout=120)
         assert status.returncode == 0 and "producers   2" in status.stdout, status.stdout + status.stderr[-2000:]
+        missing = subprocess.run([sys.executable, "-m", "zephon_ray.cli", "status", "--name", "nope", "--namespace",
+                                  ns, "--address", head_cluster["gcs"]], capture_output=True, text=True,
+                                 env=head_cluster["env"], timeout=120)
+        assert missing.returncode == 2 and "zephon-ray: error: no service named 'nope'" in missing.stderr
+        assert "Traceback" not in missing.stderr
     finally:
         out = _submit(head_cluster, str(ROOT / "service" / "stop.py"), "--name", name, "--namespace", ns)
     assert f"stopped '{name}'" in out

@@ -486,7 +486,8 @@ class Coordinator:
             target = low + self.config.window
             if self._rescale_to is not None:
                 target = group.next_step  # drain before a rescale
-        while group.next_step < target:
+        # Bound the calls in flight too: a consumer jumping far ahead must not queue thousands of skips at once.
+        while group.next_step < target and len(self._inflight) + len(self._skips) < 2 * self.config.window:
             step = group.next_step
             if step > 0 and step % k == 0 and not self.state.has_checkpoint(step):
                 self._ckpt_inflight[step] = [a.checkpoint.remote(step) for a in group.actors]
