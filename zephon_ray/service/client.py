@@ -4,8 +4,10 @@
                             state_dir="/shared/run7", checkpoint_every=8,
                             aggregate_store="torch://", run_id="run7")
     svc = DataService.connect("run7", namespace="zr", consumer="trainer")   # any driver, job, Train worker
-    svc.prefetch(range(s + 1, s + 4))            # optional: start fetching upcoming steps
+    svc.prefetch(range(s + 1, s + 4), rank=r, world=W)   # optional: start fetching upcoming steps
     part = svc.slice(s, rank, world)             # RankSlice: rows [r*B/W, (r+1)*B/W) of global batch s
+    refs = svc.refs(s + 1, rank=r, world=W, track=False)  # read ahead: StepRefs (.slice/.batch) ...
+    svc.touch(s + 1, rank=r, world=W)            # ... and move the cursor when the trainer takes the step
     svc.commit(s + 1)                            # after the trainer checkpoint that resumes at step s + 1
     svc.batch(s).digest                          # the whole GlobalBatch, same digest as GlobalBatchSource
 
