@@ -95,7 +95,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="zephon-ray", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="zephon-ray", description="Deterministic, step-keyed global batches for training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("digest", help="print 'step <s> <sha256>' for each step")
@@ -126,13 +127,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=cmd_bench)
 
-    try:  # TODO(integration): import unconditionally once zephon_ray.service.cli lands
-        from zephon_ray.service.cli import add_service_commands
-    except ModuleNotFoundError as exc:
-        if exc.name != "zephon_ray.service.cli":
-            raise
-    else:
-        add_service_commands(sub)
+    from zephon_ray.service.cli import add_service_commands
+
+    add_service_commands(sub)
     return parser
 
 
