@@ -88,6 +88,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--compute-ms", type=float, default=20.0)
     parser.add_argument("--producers", type=int, default=2)
+    parser.add_argument("--service-checkpoint-every", type=int, default=8)
+    parser.add_argument("--window", type=int, default=16)
     parser.add_argument("--modes", default="service,local")
     parser.add_argument("--verbose", action="store_true")
     parser.add_argument("--json", default=None, help="also write the results here")
@@ -106,12 +108,12 @@ def main() -> int:
     service = None
     try:
         service = DataService.start(args.recipe, name="bench", namespace="zephon-ray-bench",
-                                    producers=args.producers, window=16, state_dir=str(work / "svc"),
-                                    checkpoint_every=8, aggregate_store="torch://", run_id="bench")
+                                    producers=args.producers, window=args.window, state_dir=str(work / "svc"),
+                                    checkpoint_every=args.service_checkpoint_every, aggregate_store="torch://", run_id="bench")
         # Warm: wait until the producers filled the window. (Do not read a step from this driver: a tracked read
         # would make the driver a consumer whose cursor holds the window back until consumer_ttl_s.)
         deadline = time.monotonic() + 120
-        while service.status()["window"]["next_step"] < 16 and time.monotonic() < deadline:
+        while service.status()["window"]["next_step"] < args.window and time.monotonic() < deadline:
             time.sleep(0.2)
         modes = {
             "service": {"recipe": args.recipe, "mode": "service", "service_name": "bench",
