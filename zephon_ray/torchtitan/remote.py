@@ -89,11 +89,7 @@ class ServiceSlices:
         if step is None or step == self._touched:
             return
         self._touched = step
-        touch = getattr(self.service, "touch", None)
-        if touch is not None:
-            touch(step, rank=self.rank, world=self.world)
-        else:  # zephon_ray.service client without a public touch(): the coordinator's (async) method
-            self.service._coordinator.touch.remote(step, self.service.consumer, self.rank, self.world)
+        self.service.touch(step, rank=self.rank, world=self.world)  # fire and forget
 
     def commit(self, step: int) -> None:
         with self._lock:
