@@ -16,8 +16,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-demo: install
-	$(PY) examples/elastic_resume.py
+demo: install data/corpus
+	$(PY) examples/elastic_resume.py --recipe recipes/demo.toml
+
+# The demo's real-text corpus: stdlib docstrings and sources, written once (deterministic per Python version).
+data/corpus: | install
+	$(VENV)/bin/zephon-ray corpus $@.tmp && mv $@.tmp $@
 
 test: install
 	$(PY) -m pytest -q -ra

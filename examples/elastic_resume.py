@@ -2,6 +2,7 @@
 
     python examples/elastic_resume.py                 # service mode (the zephon-ray DataService)
     python examples/elastic_resume.py --mode local    # each worker runs Zephon for its own lanes (torch:// store)
+    python examples/elastic_resume.py --recipe recipes/demo.toml   # what `make demo` runs (stdlib corpus, BPE)
 
 It starts its own private local Ray cluster and, all under Ray Train's TorchTrainer, runs:
 
@@ -27,11 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-RECIPE = str(ROOT / "recipes" / "elastic.toml")
+DEFAULT_RECIPE = str(ROOT / "recipes" / "elastic.toml")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--recipe", default=DEFAULT_RECIPE,
+                        help="recipe TOML; its B and (local mode) L must be divisible by every W used")
     parser.add_argument("--mode", choices=("service", "local"), default="service")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--k", type=int, default=4, help="the W1 run trains and checkpoints up to step k")
@@ -42,6 +45,7 @@ def main() -> int:
                         help="local mode: aggregate Zephon checkpoints in this directory instead of torch://")
     args = parser.parse_args()
     w1, w2, w3 = (int(x) for x in args.worlds.split(","))
+    RECIPE = str(Path(args.recipe).resolve())
     if not 0 < args.k < args.k2 < args.steps:
         parser.error("need 0 < k < k2 < steps")
 
