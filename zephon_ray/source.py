@@ -53,7 +53,7 @@ def assemble(recipe: Recipe, step: int, shards: dict[int, LaneShard]) -> GlobalB
 
 def pad_token_id(recipe: Recipe) -> int | None:
     """Only padding packers put pad ids in rows; 'wrap' never does, so its labels need no mask."""
-    return None if recipe.packing in ("wrap",) else build_tokenizer(recipe.tokenizer).pad_token_id
+    return None if recipe.packing == "wrap" else build_tokenizer(recipe.tokenizer).pad_token_id
 
 
 class GlobalBatchSource:
