@@ -265,16 +265,24 @@ def torchtitan_train_loop(config: dict[str, Any]) -> None:
 
 
 def fit(run: "ElasticRun | TitanRun", *, workers: int | tuple[int, int], name: str, storage_path: str,
-        max_failures: int = 0, cpu_per_worker: float = 0.25, train_loop: Any = None) -> Any:
+        max_failures: int = 0, cpu_per_worker: float = 0.25, train_loop: Any = None,
+        resize_monitor_interval_s: float | None = None) -> Any:
     """One ``TorchTrainer.fit()``. Reuse ``name``/``storage_path`` across fits to resume from the latest checkpoint
-    at a new W. ``workers`` is a fixed W or ``(min, max)`` for Ray Train's elastic scaling."""
+    at a new W. ``workers`` is a fixed W or ``(min, max)`` for Ray Train's elastic scaling.
+
+    ``resize_monitor_interval_s``: with ``(min, max)`` workers, how often Ray Train checks the cluster for a resize
+    of the running group (``ScalingConfig(elastic_resize_monitor_interval_s)``); None keeps Ray's default (60 s)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
+    elastic = {}
+    if resize_monitor_interval_s is not None:
+        elastic["elastic_resize_monitor_interval_s"] = resize_monitor_interval_s
     trainer = TorchTrainer(
         train_loop_per_worker=train_loop or (torchtitan_train_loop if isinstance(run, TitanRun) else torch_train_loop),
         train_loop_config=run.to_config(),
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": cpu_per_worker}),
+        scaling_config=ScalingConfig(num_workers=workers, use_gpu=False, resources_per_worker={"CPU": cpu_per_worker},
+                                     **elastic),
         run_config=RunConfig(name=name, storage_path=storage_path,
                              failure_config=FailureConfig(max_failures=max_failures)),
     )
