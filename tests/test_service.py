@@ -312,13 +312,20 @@ def test_chaos_random_kills_and_rescales(ray_cluster, tiny_recipe, long_referenc
     kills = []
 
     def killer():
-        while not stop.wait(rng.uniform(0.5, 3.0)):
+        # Kill only once the group has produced a step since the previous kill: a kill rate faster than recovery
+        # (actor start + Zephon restore, seconds on a loaded 2-core machine) is a livelock that the service rightly
+        # ends after MAX_CONSECUTIVE_DEATHS, not a test of recovery.
+        produced_at_kill = -1
+        while not stop.wait(rng.uniform(0.3, 1.5)):
             try:
-                pids = [p["pid"] for p in svc.status()["producers"] if p["pid"]]
-                if pids:
+                status = svc.status()
+                produced = status["throughput"]["produced_steps"]
+                pids = [p["pid"] for p in status["producers"] if p["pid"]]
+                if pids and produced > produced_at_kill:
                     victim = rng.choice(pids)
                     os.kill(victim, signal.SIGKILL)
                     kills.append(victim)
+                    produced_at_kill = produced
             except (ProcessLookupError, ServiceError):
                 pass
 
