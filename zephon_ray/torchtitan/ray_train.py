@@ -36,21 +36,39 @@ MODEL_FILE = "model.pt"
 OPTIM_FILE = "optim.pt"
 
 
-@dataclass
-class ElasticRun:
-    """What one ``fit()`` of :func:`torch_train_loop` does. Plain data: it travels as ``train_loop_config``."""
+@dataclass(kw_only=True)
+class _LoaderSource:
+    """Where a run's loader reads from; shared by :class:`ElasticRun` and :class:`TitanRun`."""
 
     recipe: str
     run_id: str
-    log_path: str
     mode: str = "service"
     service_name: str = "zephon-ray"
     service_namespace: str = "zephon-ray"
     aggregate_store: str | None = None
     aggregate_dir: str | None = None
+    checkpoint_every: int = 2
+
+    def loader_config(self, **extra: Any) -> Any:
+        from zephon_ray.torchtitan.loader import ZephonRayDataLoader
+
+        return ZephonRayDataLoader.Config(
+            recipe=self.recipe, mode=self.mode, service_name=self.service_name,
+            service_namespace=self.service_namespace, run_id=self.run_id, aggregate_store=self.aggregate_store,
+            aggregate_dir=self.aggregate_dir, checkpoint_every=self.checkpoint_every, **extra,
+        )
+
+    def to_config(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(kw_only=True)
+class ElasticRun(_LoaderSource):
+    """What one ``fit()`` of :func:`torch_train_loop` does. Plain data: it travels as ``train_loop_config``."""
+
+    log_path: str
     steps: int = 8
     """Train until this many global steps are done in total (a resumed fit continues from its checkpoint)."""
-    checkpoint_every: int = 2
     local_batch_size: int = 0
     """Rows per microbatch; 0 means B / W (one microbatch per step)."""
     prefetch: int = 2
@@ -62,9 +80,6 @@ class ElasticRun:
     s, once, after t seconds (default 5). Ray Train v2 registers a reported checkpoint at its next poll of the worker
     group (about every 2 s); a worker dying sooner after a report loses that checkpoint and the restart replays
     from an older one (still the same batches, only more replay)."""
-
-    def to_config(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _bigram_model(vocab: int, dim: int, seed: int):
@@ -102,7 +117,6 @@ def torch_train_loop(config: dict[str, Any]) -> None:
 
     from zephon_ray.recipe import Recipe
     from zephon_ray.tokenizers import build_tokenizer
-    from zephon_ray.torchtitan.loader import ZephonRayDataLoader
 
     run = ElasticRun(**config)
     ctx = ray.train.get_context()
@@ -110,11 +124,7 @@ def torch_train_loop(config: dict[str, Any]) -> None:
     recipe = Recipe.from_toml(run.recipe)
     B = recipe.global_batch_rows
     lbs = run.local_batch_size or B // world
-    loader = ZephonRayDataLoader.Config(
-        recipe=run.recipe, mode=run.mode, service_name=run.service_name, service_namespace=run.service_namespace,
-        run_id=run.run_id, aggregate_store=run.aggregate_store, aggregate_dir=run.aggregate_dir,
-        prefetch=run.prefetch, checkpoint_every=run.checkpoint_every, global_batch_size=B,
-    ).build(dp_world_size=world, dp_rank=rank, seq_len=recipe.seq_len, local_batch_size=lbs)
+    loader = run.loader_config(prefetch=run.prefetch, global_batch_size=B).build(dp_world_size=world, dp_rank=rank, seq_len=recipe.seq_len, local_batch_size=lbs)
     vocab = int(build_tokenizer(recipe.tokenizer).vocab_size)
     model = _bigram_model(vocab, run.dim, run.seed)
     optim = torch.optim.SGD(model.parameters(), lr=run.lr)
@@ -172,27 +182,16 @@ def torch_train_loop(config: dict[str, Any]) -> None:
         loader.close()
 
 
-@dataclass
-class TitanRun:
+@dataclass(kw_only=True)
+class TitanRun(_LoaderSource):
     """What one ``fit()`` of :func:`torchtitan_train_loop` does."""
 
-    recipe: str
-    run_id: str
     dump_folder: str
     """Shared by every fit of the run: TorchTitan's DCP checkpoints live in ``<dump_folder>/checkpoint``."""
     log_path: str
     config: str = "zephon_ray.torchtitan.config_registry:zephon_llama3_debugmodel_cpu"
     """``module:function`` returning a ``Trainer.Config`` (a config-registry function)."""
-    mode: str = "service"
-    service_name: str = "zephon-ray"
-    service_namespace: str = "zephon-ray"
-    aggregate_store: str | None = None
-    aggregate_dir: str | None = None
     steps: int = 4
-    checkpoint_every: int = 2
-
-    def to_config(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def torchtitan_train_loop(config: dict[str, Any]) -> None:
@@ -207,19 +206,13 @@ def torchtitan_train_loop(config: dict[str, Any]) -> None:
 
     import ray.train
 
-    from zephon_ray.torchtitan.loader import ZephonRayDataLoader
-
     run = TitanRun(**config)
     ctx = ray.train.get_context()
     world, rank = ctx.get_world_size(), ctx.get_world_rank()
     os.environ.setdefault("LOCAL_RANK", str(ctx.get_local_rank()))
     module, _, fn = run.config.partition(":")
     trainer_config = getattr(importlib.import_module(module), fn)()
-    trainer_config.dataloader = ZephonRayDataLoader.Config(
-        recipe=run.recipe, mode=run.mode, service_name=run.service_name, service_namespace=run.service_namespace,
-        run_id=run.run_id, aggregate_store=run.aggregate_store, aggregate_dir=run.aggregate_dir,
-        checkpoint_every=run.checkpoint_every, global_batch_size=trainer_config.training.global_batch_size,
-    )
+    trainer_config.dataloader = run.loader_config(global_batch_size=trainer_config.training.global_batch_size)
     trainer_config.training.steps = run.steps
     trainer_config.dump_folder = run.dump_folder
     trainer_config.checkpoint.enable = True
