@@ -4,18 +4,10 @@ Guarantee: a :class:`Recipe` that loads is valid. Every key is known, typed and 
 directory exists and holds shards of one format, every source has at least ``chunk_size`` records, and the
 tokenizer resolves. Errors are :class:`RecipeError` (a ``ValueError``) naming the file and the key.
 
-``Recipe.fingerprint`` identifies the *batches*. It covers every data-defining key; for each source, the shards
-exactly as Zephon's own discovery lists them (a usable ``index.json`` first, else the ``.jsonl``/``.jsonl.gz``/
-``.jsonl.zst``/... or ``.parquet`` files directly in the directory, not in subdirectories), with each shard's size
-and sha256 and, when listed by an index, the row count and ``extra`` Zephon reads from it; the tokenizer's content
-hash; and the zephon, tokenizers and digest-format versions (:mod:`zephon_ray.identity`). It ignores how paths are
-spelled, files Zephon does not read, and the run-time-only ``[aggregate]`` table. Each of these is checked against
-the batch digests in ``tests/test_identity.py``. The fingerprint is computed once, where the recipe is loaded, and
-travels with the recipe together with the per-shard detail, so that :func:`zephon_ray.identity.verify_on_node` can
-name the file that differs on another node.
-
-Cost: a sha256 of every shard once per node (cached by path, size, mtime, ctime and inode; see
-:mod:`zephon_ray.identity` for the limits of that cache), then a listing and a ``stat`` per shard.
+``Recipe.fingerprint`` identifies the *data*: it covers every data-defining key, each source's shard listing
+(relative names and sizes), the tokenizer's identity and the Zephon version. It ignores how paths are spelled
+and the run-time-only ``[aggregate]`` table. Limit: a shard rewritten in place with the same name and size is
+not detected (content hashing every shard would cost a full read of the corpus at every load).
 """
 
 from __future__ import annotations
@@ -29,12 +21,10 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from zephon_ray.identity import (
-    SUPPORTED_FORMATS, Environment, ShardIdentity, ShardListingError, detect_format, source_identity,
-)
-from zephon_ray.tokenizers import validate_tokenizer_spec
+from zephon_ray.tokenizers import tokenizer_identity, validate_tokenizer_spec
 
 RECIPE_FORMAT = "zephon-ray/recipe/v1"
+FORMAT_EXTENSIONS = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
 PACKING_ALGORITHMS = ("wrap", "best_fit_wrap", "first_fit", "best_fit")
 
 
@@ -50,10 +40,8 @@ class Source:
     path: Path
     format: str
     weight: float
-    shards: tuple[ShardIdentity, ...]
-    """Every shard Zephon reads, in Zephon's shard-id order, with its size and sha256."""
-    listing: str = "scan"
-    """How Zephon lists this source: ``"index"`` (an ``index.json``) or ``"scan"`` (the directory)."""
+    shards: tuple[tuple[str, int], ...]
+    """(relative file name, size in bytes) for every shard, sorted by name."""
 
 
 @dataclass(frozen=True)
@@ -89,15 +77,6 @@ class Recipe:
     shuffle: Shuffle = field(default_factory=Shuffle)
     aggregate: Aggregate = field(default_factory=Aggregate)
     path: Path | None = field(default=None, compare=False)
-    pretokenized: Path | None = None
-    """The manifest of ``zephon-ray pretokenize`` when the sources hold token ids (column ``input_ids``) instead of
-    text; Zephon then packs them without decoding or tokenising (see :mod:`zephon_ray.pretokenize`)."""
-    environment: Environment | None = None
-    """Tokenizer content hash and library versions, captured where the recipe was loaded."""
-
-    def __post_init__(self) -> None:
-        if self.environment is None:
-            object.__setattr__(self, "environment", Environment.capture(self.tokenizer))
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -144,11 +123,11 @@ class Recipe:
                 "reshuffle_on_repeat": self.shuffle.reshuffle_on_repeat,
             },
             "sources": [
-                {"name": s.name, "format": s.format, "weight": s.weight, "listing": s.listing,
-                 "shards": [x.canonical() for x in s.shards]}
+                {"name": s.name, "format": s.format, "weight": s.weight, "shards": [list(x) for x in s.shards]}
                 for s in self.sources
             ],
-            "environment": self.environment.canonical(),
+            "tokenizer": tokenizer_identity(self.tokenizer),
+            "zephon": _zephon_version(),
         }
 
     @cached_property
@@ -181,7 +160,6 @@ class Recipe:
 _TOP_KEYS = {
     "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer", "text_field",
     "chunk_size", "packing", "repeat", "flush_every_k_chunks", "shuffle", "sources", "aggregate",
-    "pretokenized",
 }
 _REQUIRED = ("sources", "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer")
 _SOURCE_KEYS = {"name", "path", "format", "weight"}
@@ -271,24 +249,13 @@ class _RecipeParser:
         except ValueError as exc:
             raise self.fail("tokenizer", str(exc)) from None
 
-        pretokenized = raw.get("pretokenized")
-        if pretokenized is not None:
-            pretokenized = self.resolve(self.typed(raw, "pretokenized", str, ...))
         sources = self.parse_sources(raw["sources"], chunk_size)
-        recipe = Recipe(
+        return Recipe(
             sources=sources, seed=seed, lanes=lanes, microbatches_per_lane=k, rows_per_microbatch=m,
             seq_len=seq_len, tokenizer=tokenizer, text_field=text_field, chunk_size=chunk_size, packing=packing,
             repeat=repeat, flush_every_k_chunks=flush, shuffle=shuffle,
-            aggregate=Aggregate(store=store, dir=agg_dir), path=self.origin, pretokenized=pretokenized,
+            aggregate=Aggregate(store=store, dir=agg_dir), path=self.origin,
         )
-        if pretokenized is not None:
-            from zephon_ray.pretokenize import check_pretokenized  # imports this module
-
-            try:
-                check_pretokenized(recipe, pretokenized)
-            except RecipeError as exc:
-                raise self.fail("pretokenized", str(exc)) from None
-        return recipe
 
     def resolve(self, value: str) -> Path:
         p = Path(value).expanduser()
@@ -314,9 +281,9 @@ class _RecipeParser:
                 raise self.fail(prefix + "weight", f"must be a positive number, got {weight!r}")
             path = self.resolve(self.typed(src, "path", str, ..., prefix))
             fmt = self.typed(src, "format", str, None, prefix) if "format" in src else None
-            if fmt is not None and fmt not in SUPPORTED_FORMATS:
-                raise self.fail(prefix + "format", f"must be one of {', '.join(SUPPORTED_FORMATS)}, got {fmt!r}")
-            fmt, listing, shards = self.list_shards(path, fmt, prefix)
+            if fmt is not None and fmt not in FORMAT_EXTENSIONS:
+                raise self.fail(prefix + "format", f"must be one of {', '.join(FORMAT_EXTENSIONS)}, got {fmt!r}")
+            fmt, shards = self.list_shards(path, fmt, prefix)
             records = _count_records(name, path, fmt)
             if records < chunk_size:
                 raise self.fail(
@@ -324,24 +291,30 @@ class _RecipeParser:
                     f"{chunk_size} is larger than source '{name}' ({records} records in {path}); "
                     "Zephon would drop the whole source as a trailing partial chunk",
                 )
-            out.append(Source(name=name, path=path, format=fmt, weight=float(weight), shards=shards, listing=listing))
+            out.append(Source(name=name, path=path, format=fmt, weight=float(weight), shards=shards))
         return tuple(out)
 
-    def list_shards(self, path: Path, fmt: str | None, prefix: str) -> tuple[str, str, tuple[ShardIdentity, ...]]:
-        """Zephon's own view of the source directory (see :mod:`zephon_ray.identity`), content-hashed."""
+    def list_shards(self, path: Path, fmt: str | None, prefix: str) -> tuple[str, tuple[tuple[str, int], ...]]:
         if not path.is_dir():
             raise self.fail(prefix + "path", f"source directory not found: {path}")
-        try:
-            if fmt is None:
-                fmt = detect_format(path)
-            listing, shards = source_identity(path, fmt)
-        except ShardListingError as exc:
-            key = "format" if "set 'format'" in str(exc) else "path"
-            raise self.fail(prefix + key, str(exc)) from None
-        empty = [s.name for s in shards if s.size == 0]
+        by_format = {
+            f: sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(exts))
+            for f, exts in FORMAT_EXTENSIONS.items()
+        }
+        present = [f for f, files in by_format.items() if files]
+        if fmt is None:
+            if not present:
+                raise self.fail(prefix + "path", f"source directory holds no .jsonl or .parquet shards: {path}")
+            if len(present) > 1:
+                raise self.fail(prefix + "format", f"{path} mixes {' and '.join(present)} shards; set 'format'")
+            fmt = present[0]
+        files = by_format[fmt]
+        if not files:
+            raise self.fail(prefix + "path", f"source directory holds no {fmt} shards: {path}")
+        empty = [f for f in files if f.stat().st_size == 0]
         if empty:
-            raise self.fail(prefix + "path", f"empty shard file: {path / empty[0]}")
-        return fmt, listing, shards
+            raise self.fail(prefix + "path", f"empty shard file: {empty[0]}")
+        return fmt, tuple((str(f.relative_to(path)), f.stat().st_size) for f in files)
 
 
 def _count_records(name: str, path: Path, fmt: str) -> int:
@@ -349,3 +322,8 @@ def _count_records(name: str, path: Path, fmt: str) -> int:
 
     return int(Dataset.from_path(name, str(path), fmt=fmt).total())
 
+
+def _zephon_version() -> str:
+    import zephon
+
+    return str(zephon.__version__)
