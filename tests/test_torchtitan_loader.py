@@ -29,10 +29,15 @@ def _config(**kw):
 
 @pytest.fixture
 def distributed_env(monkeypatch):
-    """Pretend to be rank 0 of 2 (as torchrun would set it), with no aggregation configured anywhere."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    """No aggregation configured anywhere; WORLD_SIZE set to a misleading value (the loader must ignore it)."""
+    monkeypatch.setenv("WORLD_SIZE", "7")
     monkeypatch.delenv("ZEPHON_RAY_AGGREGATE_DIR", raising=False)
     return monkeypatch
+
+
+def _build_dp2(cfg):
+    """Build dp rank 0 of 2, as TorchTitan's Trainer does (the dp degree is only known here)."""
+    return cfg.build(dp_world_size=2, dp_rank=0, seq_len=64, local_batch_size=2)
 
 
 def _free_port() -> int:
@@ -41,10 +46,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-# ---------------------------------------------------------------------- validation when the Config is built
+# ---------------------------------------------------------------------- validation when the Config / loader is built
 def test_distributed_local_run_needs_run_id(distributed_env):
-    with pytest.raises(ValueError, match="needs 'run_id'"):
-        _config(aggregate_dir="/tmp/x")
+    with pytest.raises(ValueError, match=r"data-parallel degree 2\) needs 'run_id'"):
+        _build_dp2(_config(aggregate_dir="/tmp/x"))
+    # WORLD_SIZE=7 is not the dp degree: a dp=1 loader (e.g. under tensor parallelism) needs neither.
+    _config().build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=2).close()
 
 
 def test_aggregate_store_and_dir_both_set_is_an_error():
@@ -54,16 +61,16 @@ def test_aggregate_store_and_dir_both_set_is_an_error():
 
 def test_distributed_local_run_needs_an_aggregation_point(distributed_env):
     with pytest.raises(ValueError, match="exactly one of 'aggregate_store'.*neither is set"):
-        _config(run_id="r")
+        _build_dp2(_config(run_id="r"))
 
 
 def test_unreachable_torch_store_is_an_error(distributed_env):
     distributed_env.setenv("MASTER_ADDR", "127.0.0.1")
     distributed_env.setenv("MASTER_PORT", str(_free_port()))
     with pytest.raises(ValueError, match="no TCPStore is reachable at 127.0.0.1"):
-        _config(run_id="r", aggregate_store="torch://")
+        _build_dp2(_config(run_id="r", aggregate_store="torch://"))
     with pytest.raises(ValueError, match="no TCPStore is reachable"):
-        _config(run_id="r", aggregate_store=f"torch://127.0.0.1:{_free_port()}")
+        _build_dp2(_config(run_id="r", aggregate_store=f"torch://127.0.0.1:{_free_port()}"))
 
 
 def test_reachable_torch_store_and_env_dir_override(distributed_env, tmp_path):
@@ -74,6 +81,7 @@ def test_reachable_torch_store_and_env_dir_override(distributed_env, tmp_path):
     distributed_env.setenv("MASTER_PORT", str(store.port))
     cfg = _config(run_id="r", aggregate_store="torch://")
     assert cfg.resolved_aggregation()[:2] == ("torch://", None)
+    _build_dp2(cfg).close()
     # The documented variable switches a torch:// config to directory aggregation from the launch command.
     distributed_env.setenv("ZEPHON_RAY_AGGREGATE_DIR", str(tmp_path))
     assert _config(run_id="r", aggregate_store="torch://").resolved_aggregation()[:2] == (None, str(tmp_path))
@@ -107,6 +115,21 @@ def test_local_mode_w_not_dividing_lanes(tmp_path):
 def test_trainer_global_batch_mismatch():
     with pytest.raises(ValueError, match="global batch 32 differs from the recipe's global batch of 16"):
         _config(global_batch_size=32).build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4)
+    # TorchTitan's -1 means local_batch_size x dp (no gradient accumulation): 4 x 2 = 8 rows, not 16.
+    with pytest.raises(ValueError, match=r"global batch 8 \(training.global_batch_size is -1.*4 x dp 2\) differs"):
+        _config(mode="service", global_batch_size=-1).build(dp_world_size=2, dp_rank=0, seq_len=64,
+                                                            local_batch_size=4)
+
+
+def test_build_keywords_are_torchtitans_and_required():
+    """dp_world_size/dp_rank have no defaults, and a keyword TorchTitan does not pass (say, a renamed one) is one
+    TypeError naming it, not silently swallowed."""
+    with pytest.raises(TypeError, match="missing .*'dp_world_size'"):
+        _config().build(dp_rank=0, seq_len=64, local_batch_size=4)
+    with pytest.raises(TypeError, match="missing .*'dp_rank'"):
+        _config().build(dp_world_size=1, seq_len=64, local_batch_size=4)
+    with pytest.raises(TypeError, match="unexpected keyword argument 'dp_degree'"):
+        _config().build(dp_world_size=1, dp_rank=0, dp_degree=2, seq_len=64, local_batch_size=4)
 
 
 # ---------------------------------------------------------------------- state

@@ -38,6 +38,7 @@ from torchtitan.trainer import Trainer
 
 from zephon_ray.recipe import Recipe
 from zephon_ray.torchtitan.loader import ZephonRayDataLoader
+from zephon_ray.torchtitan.trainer_checks import check_global_batch_setting, check_seq_len
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_RECIPE = REPO_ROOT / "recipes" / "tiny.toml"
@@ -49,7 +50,8 @@ DEFAULT_RUN_ID = "zephon-llama3-debug"
 class ZephonTrainerConfig(Trainer.Config):
     """``Trainer.Config`` that checks, when built (so after CLI overrides), that the trainer's batch geometry is
     the recipe's: ``training.seq_len`` and ``training.global_batch_size`` (one optimizer step = one global batch).
-    The loader re-checks both, with ``local_batch_size`` and the dp degree, when TorchTitan builds it."""
+    The loader re-checks both, with ``local_batch_size``, the dp degree and the tokenizer, when TorchTitan builds
+    it (:mod:`zephon_ray.torchtitan.trainer_checks`)."""
 
     def __post_init__(self) -> None:
         Trainer.Config.__post_init__(self)
@@ -57,14 +59,9 @@ class ZephonTrainerConfig(Trainer.Config):
         if not isinstance(loader, ZephonRayDataLoader.Config):
             return
         recipe = Recipe.from_toml(loader.recipe)
-        B = recipe.global_batch_rows
-        if self.training.seq_len != recipe.seq_len:
-            raise ValueError(f"training.seq_len {self.training.seq_len} differs from the recipe's seq_len "
-                             f"{recipe.seq_len} ({recipe.describe()})")
-        if self.training.global_batch_size >= 0 and self.training.global_batch_size != B:
-            raise ValueError(f"training.global_batch_size {self.training.global_batch_size} differs from the "
-                             f"recipe's global batch of {B} rows ({recipe.describe()}); one optimizer step must be "
-                             "one global batch")
+        check_seq_len(recipe, self.training.seq_len)
+        check_global_batch_setting(recipe, self.training.global_batch_size)
+        # -1 (TorchTitan's "local_batch_size x dp") is checked by the loader's build, which knows the dp degree.
         loader.global_batch_size = self.training.global_batch_size
 
 

@@ -9,15 +9,22 @@ slice in rank order gives the batch that ``zephon-ray digest`` describes.
 State (see :mod:`zephon_ray.torchtitan.state`) is ``{version, run_id, fingerprint, next_step, zephon}``, JSON-safe
 and identical on every rank, so DCP stores it once and it loads at any W. ``state_dict()`` works before iteration.
 
+``dp_world_size`` and ``dp_rank`` are what TorchTitan's Trainer passes (its "batch" mesh): W is the data-parallel
+degree, never ``WORLD_SIZE``. TP/PP/CP ranks that share a dp_rank get the same slice: in local mode only the lowest
+of them runs Zephon and broadcasts each slice (and the state) to the others (:mod:`zephon_ray.torchtitan.mesh`).
+
 Limits, each rejected with a clear error rather than worked around:
 
 * the trainer's global batch must be the recipe's B (one optimizer step = one global batch), its seq_len the
-  recipe's, and ``local_batch_size * W`` must divide B;
+  recipe's, ``local_batch_size * W`` must divide B, and its tokenizer must agree with the recipe's
+  (:mod:`zephon_ray.torchtitan.trainer_checks`, checked on every route); an unknown build keyword (a renamed
+  TorchTitan argument) is a TypeError naming it;
 * a checkpoint may only be taken at a step boundary (not after some of a step's microbatches were consumed);
 * local mode needs W dividing L, and a distributed local-mode run needs a ``run_id`` and exactly one of
   ``aggregate_store`` and ``aggregate_dir``. Its state carries the newest Zephon snapshot at or before
   ``next_step`` (taken every ``checkpoint_every`` steps; TorchTitan's checkpoint interval is picked up
-  automatically); a resume between snapshots replays the steps in between.
+  automatically); a resume between snapshots, or from a state without one, replays the steps in between: it logs
+  a warning with the count, and ``stats`` / the state's ``replayed_steps`` report it.
 
 TorchTitan never closes its data loader: the background threads are daemons, and :meth:`close` (also run at
 interpreter exit) stops them and releases the service connection.
@@ -41,12 +48,23 @@ from zephon_ray.batch import RankSlice
 from zephon_ray.pipeline import ZephonRank
 from zephon_ray.recipe import Recipe
 from zephon_ray.torchtitan import aggregate
+from zephon_ray.torchtitan.mesh import DpPeers, dp_peers
+from zephon_ray.torchtitan.prefetch import (
+    STAT_MODE,
+    STAT_NEXT_STEP,
+    STAT_REPLAYED_STEPS,
+    STAT_RESUME_REPLAY,
+    STAT_RESUMED_FROM,
+    SliceSource,
+)
 from zephon_ray.torchtitan.state import (
     LoaderStateError,
     check_state,
     make_state,
+    replayed_steps,
     zephon_state,
 )
+from zephon_ray.torchtitan.trainer_checks import check_geometry, check_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -55,13 +73,6 @@ ENV_RECORD_DIR = "ZEPHON_RAY_RECORD_DIR"
 """Debug aid: when set, every rank writes each step's slice rows to ``<dir>/step-<s>-rank-<r>-of-<W>.npz``."""
 
 _GET_TIMEOUT_S = 600.0
-
-
-def _world_from_env() -> int:
-    try:
-        return int(os.environ.get("WORLD_SIZE", "1"))
-    except ValueError:
-        return 1
 
 
 class ZephonRayDataLoader(BaseDataLoader):
@@ -95,8 +106,10 @@ class ZephonRayDataLoader(BaseDataLoader):
         0: TorchTitan's checkpoint interval when checkpointing is on, else none (a resume then replays from the
         start, or from the snapshot it was resumed from)."""
 
-        global_batch_size: int = -1
-        """The trainer's global batch in rows, checked against the recipe's B when >= 0."""
+        global_batch_size: int | None = None
+        """The trainer's ``training.global_batch_size`` (-1: TorchTitan's default, local_batch_size x dp), copied
+        in by the config registry and the ``--override.imports`` hook and checked against the recipe's B when the
+        loader is built. None: no trainer (standalone use); a step is then B rows by definition."""
 
         record_dir: str | None = None
         """Debug: write every consumed slice here (also ``$ZEPHON_RAY_RECORD_DIR``)."""
@@ -120,21 +133,26 @@ class ZephonRayDataLoader(BaseDataLoader):
                     f"ZephonRayDataLoader.Config: set exactly one of 'aggregate_store' and 'aggregate_dir', got "
                     f"both ({store!r} and {agg_dir!r}, from {origin})"
                 )
-            if self.mode == "local" and _world_from_env() > 1:
-                world = _world_from_env()
-                if not self.run_id:
-                    raise ValueError(
-                        f"ZephonRayDataLoader.Config: a distributed run (WORLD_SIZE={world}) in local mode needs "
-                        "'run_id': it names the collective Zephon checkpoint"
-                    )
-                if store is None and agg_dir is None:
-                    raise ValueError(
-                        f"ZephonRayDataLoader.Config: a distributed run (WORLD_SIZE={world}) in local mode needs "
-                        "exactly one of 'aggregate_store' (e.g. 'torch://') and 'aggregate_dir' (or "
-                        f"${aggregate.ENV_AGGREGATE_DIR}, or the recipe's [aggregate] table); neither is set"
-                    )
-                if store is not None:
-                    aggregate.check_store_reachable(store)
+            # The dp degree is only known when TorchTitan builds the loader: the checks that depend on it (run_id
+            # and an aggregation point for a distributed local-mode run) are in check_distributed_local().
+
+        def check_distributed_local(self, dp_world_size: int) -> None:
+            """A local-mode run with dp_world_size > 1 takes collective Zephon checkpoints: it needs a run_id and
+            exactly one reachable aggregation point."""
+            if self.mode != "local" or dp_world_size <= 1:
+                return
+            store, agg_dir, _ = self.resolved_aggregation()
+            if not self.run_id:
+                raise ValueError(
+                    f"ZephonRayDataLoader.Config: a distributed local-mode run (data-parallel degree "
+                    f"{dp_world_size}) needs 'run_id': it names the collective Zephon checkpoint")
+            if store is None and agg_dir is None:
+                raise ValueError(
+                    f"ZephonRayDataLoader.Config: a distributed local-mode run (data-parallel degree "
+                    f"{dp_world_size}) needs exactly one of 'aggregate_store' (e.g. 'torch://') and 'aggregate_dir' "
+                    f"(or ${aggregate.ENV_AGGREGATE_DIR}, or the recipe's [aggregate] table); neither is set")
+            if store is not None:
+                aggregate.check_store_reachable(store)
 
         def resolved_aggregation(self) -> tuple[str | None, str | None, str]:
             return aggregate.resolve(self.aggregate_store, self.aggregate_dir, self.recipe)
@@ -144,14 +162,14 @@ class ZephonRayDataLoader(BaseDataLoader):
         self,
         config: Config,
         *,
-        dp_world_size: int = 1,
-        dp_rank: int = 0,
+        dp_world_size: int,
+        dp_rank: int,
+        local_batch_size: int,
         tokenizer: Any = None,
         seq_len: int | None = None,
-        local_batch_size: int = 1,
         snapshot_every_n_steps: int | None = None,
-        **_: Any,
     ) -> None:
+        # The keywords are exactly TorchTitan 0.3.0's (Trainer.__init__); no **kwargs, so a renamed one fails here.
         self.config = config
         self.recipe = recipe = Recipe.from_toml(config.recipe)
         self.dp_world_size = world = int(dp_world_size)
@@ -161,28 +179,15 @@ class ZephonRayDataLoader(BaseDataLoader):
         where = f"ZephonRayDataLoader (recipe {recipe.describe()})"
         if world < 1 or not 0 <= rank < world:
             raise ValueError(f"{where}: dp_rank {rank} is not in a data-parallel world of {world}")
-        if seq_len is not None and int(seq_len) != recipe.seq_len:
-            raise ValueError(f"{where}: the trainer's seq_len {seq_len} differs from the recipe's seq_len "
-                             f"{recipe.seq_len}; set training.seq_len = {recipe.seq_len}")
-        if lbs < 1 or B % (world * lbs):
-            raise ValueError(
-                f"{where}: local_batch_size {lbs} x data-parallel degree {world} = {lbs * world} does not divide "
-                f"the recipe's global batch of {B} rows; grad_accum = B / (W * local_batch_size) must be whole"
-            )
-        if config.global_batch_size >= 0 and config.global_batch_size != B:
-            raise ValueError(f"{where}: the trainer's global batch {config.global_batch_size} differs from the "
-                             f"recipe's global batch of {B} rows; set training.global_batch_size = {B}")
-        self.microbatches_per_step = B // (world * lbs)
+        self.microbatches_per_step = check_geometry(recipe, global_batch_size=config.global_batch_size,
+                                                    local_batch_size=lbs, dp_world_size=world, seq_len=seq_len)
+        check_tokenizer(recipe, tokenizer)
         if config.mode == "local" and recipe.lanes % world:
             raise ValueError(
                 f"{where}: local mode needs the data-parallel degree to divide the recipe's {recipe.lanes} lanes, "
                 f"got {world}; use mode='service' (any W dividing B={B}) or a W dividing {recipe.lanes}"
             )
-        if config.mode == "local" and world > 1:
-            store, agg_dir, _ = config.resolved_aggregation()
-            if not config.run_id or (store is None) == (agg_dir is None):
-                raise ValueError(f"{where}: a distributed local-mode loader needs a run_id and exactly one of "
-                                 "aggregate_store and aggregate_dir")
+        config.check_distributed_local(world)
         every = config.checkpoint_every
         if not every and snapshot_every_n_steps:
             # TorchTitan counts its checkpoint interval in microbatches of this rank.
@@ -190,15 +195,20 @@ class ZephonRayDataLoader(BaseDataLoader):
         self.checkpoint_every = every
         record = config.record_dir or os.environ.get(ENV_RECORD_DIR)
         self._record_dir = Path(record) if record else None
+        # TP/PP/CP peers sharing this dp_rank (collective when the job has more ranks than the dp degree).
+        self._peers: DpPeers | None = dp_peers(dp_rank=rank, dp_world_size=world) if config.mode == "local" else None
 
         self._next_step = 0
         self._partial = 0
         self._loaded_zephon: dict[str, Any] | None = None
-        self._source: Any = None
+        self._source: SliceSource | None = None
         self._source_step: int | None = None
         self.last_slice: RankSlice | None = None
         """The slice the most recent microbatch came from (for digests and debugging)."""
         self._loaded_at = 0
+        self._replayed_before = 0  # replayed steps carried by the loaded state (earlier resumes)
+        self._replaying = 0  # steps the current resume replays
+        self._replay_started = False  # counted in replayed_steps once the source started (and so replays)
         # Runs at garbage collection and at interpreter exit: TorchTitan never calls close().
         self._finalizer = weakref.finalize(self, _close_source, self.__dict__)
 
@@ -207,6 +217,22 @@ class ZephonRayDataLoader(BaseDataLoader):
     def next_step(self) -> int:
         """The first global step not yet fully consumed."""
         return self._next_step
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """What this loader did: ``mode``, ``next_step``, ``replayed_steps`` (steps re-produced to resume without an
+        exact Zephon snapshot, summed over this run's resumes, counting the last resume's once iteration started;
+        always 0 in service mode, whose service replays on its own), ``resume_replay`` (the steps the last resume
+        replays) and ``resumed_from_snapshot`` (the step of the Zephon snapshot it started from; None: none)."""
+        resumed = None
+        if self._loaded_zephon is not None:
+            resumed = int(self._loaded_zephon["next_step"])
+        return {STAT_MODE: self.config.mode, STAT_NEXT_STEP: self._next_step,
+                STAT_REPLAYED_STEPS: self._replayed_steps(), STAT_RESUME_REPLAY: self._replaying,
+                STAT_RESUMED_FROM: resumed}
+
+    def _replayed_steps(self) -> int:
+        return self._replayed_before + (self._replaying if self._replay_started else 0)
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         while True:
@@ -219,32 +245,55 @@ class ZephonRayDataLoader(BaseDataLoader):
             for i, microbatch in enumerate(piece.microbatches(self.local_batch_size)):
                 if i + 1 == n:
                     self._next_step, self._partial = step + 1, 0
-                    advance = getattr(self._source, "advance", None)
-                    if advance is not None:
-                        advance(step + 1)
+                    if self._source is not None:
+                        self._source.advance(step + 1)
                 else:
                     self._partial = i + 1
                 yield microbatch
 
-    def _ensure_source(self, step: int) -> Any:
+    @property
+    def _produces(self) -> bool:
+        """Whether this rank runs a source (False for a TP/PP/CP peer, which receives its leader's slices)."""
+        return self._peers is None or self._peers.is_leader
+
+    def _ensure_source(self, step: int) -> SliceSource:
         if self._source is not None and self._source_step == step:
             return self._source
         if self._source is None:
             self._source = self._make_source()
-        if self.config.mode == "local":
-            self._source.start(step, self._loaded_zephon if step == self._loaded_at else None)
-        else:
-            self._source.start(step)
+        self._source.start(step, self._loaded_zephon if step == self._loaded_at else None)
         self._source_step = step
+        self._replay_started = True
         return self._source
 
     def _take(self, step: int) -> RankSlice:
-        source = self._ensure_source(step)
-        piece = source.get(step, timeout=_GET_TIMEOUT_S)
+        peers = self._peers
+        if peers is None:
+            piece = self._ensure_source(step).get(step, timeout=_GET_TIMEOUT_S)
+            self._source_step = step + 1
+            return piece
+        rows = self.recipe.global_batch_rows // self.dp_world_size
+        shape = (rows, self.recipe.seq_len + 1)
+        if not peers.is_leader:
+            self._replay_started = True  # the leader's source started: keep the states identical
+            tokens, positions = peers.share_slice(step, None, None, shape)
+            return RankSlice(step, self.dp_rank, self.dp_world_size, tokens, positions, self._pad_token_id())
+        try:
+            piece = self._ensure_source(step).get(step, timeout=_GET_TIMEOUT_S)
+        except BaseException as exc:
+            peers.share_slice(step, None, None, shape, error=exc)  # tell the peers, then raise here
+            raise
         self._source_step = step + 1
+        peers.share_slice(step, piece.tokens, piece.positions, shape)
         return piece
 
-    def _make_source(self) -> Any:
+    def _pad_token_id(self) -> int | None:
+        from zephon_ray.source import pad_token_id
+
+        return pad_token_id(self.recipe)
+
+    def _make_source(self) -> SliceSource:
+        """The slice source of ``config.mode``; a new mode adds one branch here and one SliceSource class."""
         cfg, recipe = self.config, self.recipe
         if cfg.mode == "local":
             from zephon_ray.torchtitan.local import LocalSlices
@@ -265,6 +314,8 @@ class ZephonRayDataLoader(BaseDataLoader):
     def _record(self, piece: RankSlice) -> None:
         self._record_dir.mkdir(parents=True, exist_ok=True)
         path = self._record_dir / f"step-{piece.step:06d}-rank-{piece.rank:03d}-of-{piece.world:03d}.npz"
+        if self._peers is not None and not self._peers.is_leader:
+            return  # the peers' rows are the leader's (broadcast), recorded once per dp rank
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, tokens=piece.tokens, positions=piece.positions)
         os.replace(tmp, path)
@@ -278,19 +329,19 @@ class ZephonRayDataLoader(BaseDataLoader):
                 "exists only at step boundaries (does the trainer's global batch equal the recipe's "
                 f"{self.recipe.global_batch_rows} rows?)"
             )
+        if not self._produces:
+            return self._peers.share_object(None)  # the leader's state, bit for bit
         step = self._next_step
-        if self.config.mode == "service" and step > 0 and self.dp_rank == 0 and self._source is not None:
-            # A restarted service starts its live window at the newest commit. Committing when the state is taken
-            # (rather than after the write) is safe: an older resume point is still served, by replay.
-            self._source.commit(step)
         zephon: dict[str, Any] | None = None
-        if self.config.mode == "local" and step > 0:
-            if self._source is not None and self._source.running:
-                zephon = self._source.snapshot(step, timeout=_GET_TIMEOUT_S)
-            elif step == self._loaded_at:
-                zephon = self._loaded_zephon
-        return make_state(run_id=self.config.run_id, fingerprint=self.recipe.fingerprint, next_step=step,
-                          zephon=zephon)
+        if step > 0 and self._source is not None and self._source.running:
+            zephon = self._source.state(step, timeout=_GET_TIMEOUT_S)
+        elif self.config.mode == "local" and step > 0 and step == self._loaded_at:
+            zephon = self._loaded_zephon
+        state = make_state(run_id=self.config.run_id, fingerprint=self.recipe.fingerprint, next_step=step,
+                           zephon=zephon, replayed_steps=self._replayed_steps())
+        if self._peers is not None:
+            self._peers.share_object(state)
+        return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
@@ -308,10 +359,26 @@ class ZephonRayDataLoader(BaseDataLoader):
             if int(self._loaded_zephon["next_step"]) > step:
                 raise LoaderStateError(f"loader state: the Zephon checkpoint is at step "
                                        f"{self._loaded_zephon['next_step']}, after next_step {step}")
+        self._replayed_before = replayed_steps(state_dict)
+        self._replaying = 0
+        self._replay_started = False
+        if self.config.mode == "local" and step > 0:
+            start = 0 if self._loaded_zephon is None else int(self._loaded_zephon["next_step"])
+            self._replaying = step - start  # the same on every rank: the state is
+        if self._replaying and self._produces:
+            if self._loaded_zephon is None:
+                logger.warning("zephon-ray loader (dp rank %d of %d): the loaded state at step %d has no Zephon "
+                               "snapshot (checkpointing was off, or the state came from service mode); replaying "
+                               "%d steps from step 0 to resume", self.dp_rank, self.dp_world_size, step, step)
+            elif self._replaying:
+                logger.warning("zephon-ray loader (dp rank %d of %d): resuming at step %d from the Zephon snapshot "
+                               "of step %d; replaying %d steps", self.dp_rank, self.dp_world_size, step,
+                               step - self._replaying, self._replaying)
         self._loaded_at = step
         self._next_step, self._partial = step, 0
         if self._source is not None:
             self._source.close()
+            self._source = None
         self._source_step = None
 
     # ------------------------------------------------------------------ shutdown

@@ -19,10 +19,9 @@ consume in lock-step (they do: every optimizer step needs every rank). Resuming 
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -32,83 +31,42 @@ from zephon_ray.lanes import LaneStepper, StepStateError
 from zephon_ray.pipeline import ZephonRank
 from zephon_ray.recipe import Recipe
 from zephon_ray.source import pad_token_id
+from zephon_ray.torchtitan.prefetch import PrefetchedSlices
 
 _KEEP_SNAPSHOTS = 4
 
 
-class LocalSlices:
+class LocalSlices(PrefetchedSlices):
     """Produce ``RankSlice`` objects for consecutive steps from an in-process Zephon rank."""
 
     def __init__(self, recipe: Recipe, *, rank: int, world: int, zephon_rank: ZephonRank, depth: int,
                  snapshot_every: int) -> None:
+        super().__init__(rank=rank, world=world, depth=depth, name="local")
         self.recipe = recipe
-        self.rank = rank
-        self.world = world
         self.zephon_rank = zephon_rank
-        self.depth = depth
         self.snapshot_every = snapshot_every
         self._pad = pad_token_id(recipe)
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._cond = threading.Condition()
         self._snapshots: OrderedDict[int, dict[str, Any] | None] = OrderedDict()
         self._producing = -1
-        self._error: BaseException | None = None
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
         self._start_step = 0
         self._consumer_next = 0
 
-    # ------------------------------------------------------------------ lifecycle
-    def start(self, step: int, zephon_state: dict[str, Any] | None) -> None:
-        """Start producing at ``step`` from a merged Zephon checkpoint taken at ``step`` (None: replay from 0)."""
-        self.close()
-        self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=self.depth)
+    # ------------------------------------------------------------------ SliceSource
+    def _on_start(self, step: int, resume: dict[str, Any] | None) -> None:
+        """``resume``: a merged Zephon checkpoint taken at or before ``step`` (None: replay from step 0)."""
         self._snapshots = OrderedDict()
-        self._error = None
         self._start_step = step
         self._producing = step
         self._consumer_next = step
-        if zephon_state is not None:
-            self._snapshots[int(zephon_state["next_step"])] = zephon_state
+        if resume is not None:
+            self._snapshots[int(resume["next_step"])] = resume
         else:
             self._snapshots[0] = None  # a fresh pipeline is the step-0 state
-        self._thread = threading.Thread(
-            target=self._run, args=(step, zephon_state, self._stop, self._queue),
-            name=f"zephon-ray-local-r{self.rank}", daemon=True,
-        )
-        self._thread.start()
 
-    def close(self, timeout: float = 1.0) -> None:
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        self._stop.set()
+    def _wake(self) -> None:
         with self._cond:
             self._cond.notify_all()
-        thread.join(timeout)
-
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
-    # ------------------------------------------------------------------ consumer side
-    def get(self, step: int, timeout: float) -> RankSlice:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                got_step, item = self._queue.get(timeout=0.5)
-                break
-            except queue.Empty:
-                if self._error is not None:
-                    raise RuntimeError(f"zephon-ray local producer failed: {self._error!r}") from self._error
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {self.rank}: step {step} not produced within {timeout:.0f} s")
-        if isinstance(item, BaseException):
-            raise RuntimeError(f"zephon-ray local producer failed at step {got_step}: {item!r}") from item
-        if got_step != step:
-            raise RuntimeError(f"local producer is at step {got_step}, the loader expected step {step}")
-        return item
 
     def advance(self, next_step: int) -> None:
         """The trainer finished every step before ``next_step``: snapshots up to it may be taken."""
@@ -120,7 +78,7 @@ class LocalSlices:
     def _due(self, step: int) -> bool:
         return bool(self.snapshot_every) and step % self.snapshot_every == 0 and step != self._start_step
 
-    def snapshot(self, step: int, timeout: float) -> dict[str, Any] | None:
+    def state(self, step: int, timeout: float) -> dict[str, Any] | None:
         """The newest merged Zephon checkpoint at or before ``step`` (None: the step-0 state).
 
         Waits until the producer has passed the boundary of ``step``, so every rank picks the same snapshot."""
@@ -136,7 +94,7 @@ class LocalSlices:
             if ok and self._error is None and kept:
                 return self._snapshots[max(kept)]
         if self._error is not None:
-            raise RuntimeError(f"zephon-ray local producer failed: {self._error!r}") from self._error
+            raise self._failure(step) from self._error
         if not ok:
             raise TimeoutError(f"rank {self.rank}: the producer did not reach step {step} within {timeout:.0f} s")
         raise StepStateError(
@@ -145,28 +103,25 @@ class LocalSlices:
         )
 
     # ------------------------------------------------------------------ producer thread
-    def _run(self, step: int, zephon_state: dict[str, Any] | None, stop: threading.Event, out: queue.Queue) -> None:
-        stepper = None
+    def _produce(self, step: int, resume: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
+        stepper = LaneStepper(self.recipe, self.zephon_rank)
         try:
-            stepper = LaneStepper(self.recipe, self.zephon_rank)
-            if zephon_state is not None:
-                stepper.restore(zephon_state)
+            if resume is not None:
+                stepper.restore(resume)
             while stepper.position < step and not stop.is_set():
-                stepper.next_step()  # no merged checkpoint to start from: replay (batch s is a pure function of s)
+                stepper.next_step()  # restore-and-replay: batch s is a pure function of s (see the loader's stats)
             while not stop.is_set():
                 s = stepper.position
-                with self._cond:
-                    self._producing = s
-                    self._cond.notify_all()
+                self._set_producing(s)
                 if self._due(s):
                     with self._cond:  # wait for this rank's trainer to reach the boundary
                         while not stop.is_set() and self._consumer_next < s:
                             self._cond.wait(0.2)
                     if stop.is_set():
-                        break
-                    state = stepper.checkpoint()  # collective when W > 1
+                        return
+                    snapshot = stepper.checkpoint()  # collective when world > 1
                     with self._cond:
-                        self._snapshots[s] = state
+                        self._snapshots[s] = snapshot
                         while len(self._snapshots) > _KEEP_SNAPSHOTS:
                             self._snapshots.popitem(last=False)
                         self._cond.notify_all()
@@ -174,20 +129,12 @@ class LocalSlices:
                 lanes = sorted(shards)
                 tokens = np.concatenate([shards[lane].tokens for lane in lanes])
                 positions = np.concatenate([shards[lane].positions for lane in lanes])
-                item = RankSlice(s, self.rank, self.world, tokens, positions, self._pad)
-                while not stop.is_set():
-                    try:
-                        out.put((s, item), timeout=0.2)
-                        break
-                    except queue.Full:
-                        continue
-                with self._cond:
-                    self._producing = s + 1
-                    self._cond.notify_all()
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            with self._cond:
-                self._error = exc
-                self._cond.notify_all()
+                yield RankSlice(s, self.rank, self.world, tokens, positions, self._pad)
+                self._set_producing(s + 1)
         finally:
-            if stepper is not None:
-                stepper.close(background=True)
+            stepper.close(background=True)
+
+    def _set_producing(self, step: int) -> None:
+        with self._cond:
+            self._producing = step
+            self._cond.notify_all()

@@ -6,24 +6,80 @@
 
 The factory replaces the trainer's ``dataloader`` node only (not a validator's). Keyword arguments (the JSON
 object) are :class:`ZephonRayDataLoader.Config` fields; unset ones come from the same environment variables as
-the config registry (``ZEPHON_RAY_RECIPE``, ``ZEPHON_RAY_MODE``, ``ZEPHON_RAY_RUN_ID``, ...). The trainer's
-seq_len and global batch must match the recipe; the loader checks both and says which to set. This route cannot
-install the CPU shims early enough (TorchTitan picks its device before overrides are applied), so on a CPU-only
-torch use the config registry's ``*_cpu`` configs instead.
+the config registry (``ZEPHON_RAY_RECIPE``, ``ZEPHON_RAY_MODE``, ``ZEPHON_RAY_RUN_ID``, ...).
+
+TorchTitan hands an override factory only the node it replaces, and never passes its global batch to the loader.
+So the factory reads the trainer config that ``apply_overrides`` is applying it to (its ``config_root``), and
+checks there, before any model is built: ``training.seq_len`` and ``training.global_batch_size`` against the
+recipe (-1, TorchTitan's default, is checked against ``local_batch_size x dp`` when the loader is built), and the
+tokenizer that TorchTitan will build from ``hf_assets_path`` against the recipe's. It copies the global batch
+into the loader config, whose build checks the whole geometry again with the dp degree. Each mismatch is one
+:class:`~zephon_ray.torchtitan.trainer_checks.TrainerMismatchError` line. Tests:
+``tests/test_torchtitan_overrides.py``.
+
+Limits: the trainer config is found by walking up to TorchTitan 0.3.0's ``apply_overrides`` frame; if a future
+TorchTitan applies overrides another way, the factory says so rather than skipping the checks (the loader's build
+still checks everything but an explicit global batch). This route cannot install the CPU shims early enough
+(TorchTitan picks its device before overrides are applied), so on a CPU-only torch use the config registry's
+``*_cpu`` configs instead.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from torchtitan.components.dataloader import BaseDataLoader
-from torchtitan.config.override import override
+from torchtitan.config.override import apply_overrides, override
 
+from zephon_ray.recipe import Recipe
 from zephon_ray.torchtitan.config_registry import zephon_loader_config
 from zephon_ray.torchtitan.loader import ZephonRayDataLoader
+from zephon_ray.torchtitan.trainer_checks import (
+    TrainerMismatchError,
+    check_global_batch_setting,
+    check_seq_len,
+    check_tokenizer,
+)
 
 
 @override(target=BaseDataLoader.Config, fqns=["dataloader"],
           description="zephon-ray: deterministic global batches that survive any change of dp degree")
 def zephon_dataloader(cfg: BaseDataLoader.Config, **kwargs: Any) -> ZephonRayDataLoader.Config:
-    return zephon_loader_config(kwargs.pop("recipe", None), **kwargs)
+    loader = zephon_loader_config(kwargs.pop("recipe", None), **kwargs)
+    trainer_config = _trainer_config_being_overridden()
+    check_trainer_config(trainer_config, loader)
+    loader.global_batch_size = trainer_config.training.global_batch_size
+    return loader
+
+
+def check_trainer_config(trainer_config: Any, loader: ZephonRayDataLoader.Config) -> None:
+    """Check a TorchTitan ``Trainer.Config`` against the loader's recipe: seq_len, global batch, tokenizer."""
+    recipe = Recipe.from_toml(loader.recipe)
+    training = trainer_config.training
+    check_global_batch_setting(recipe, training.global_batch_size)
+    check_seq_len(recipe, training.seq_len)
+    try:
+        tokenizer = trainer_config.tokenizer.build(tokenizer_path=trainer_config.hf_assets_path)
+    except Exception as exc:  # noqa: BLE001 - TorchTitan raises several types for a missing/bad tokenizer
+        raise TrainerMismatchError(f"cannot build the trainer's tokenizer from hf_assets_path "
+                                   f"{trainer_config.hf_assets_path!r} to check it against the recipe "
+                                   f"{recipe.describe()}: {type(exc).__name__}: {exc}") from None
+    check_tokenizer(recipe, tokenizer)
+
+
+def _trainer_config_being_overridden() -> Any:
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            if frame.f_code is apply_overrides.__code__:
+                root = frame.f_locals.get("config_root")
+                if root is not None and hasattr(root, "training"):
+                    return root
+            frame = frame.f_back
+    finally:
+        del frame
+    raise TrainerMismatchError(
+        "zephon_dataloader: cannot find the trainer config this override is applied to (TorchTitan's "
+        "apply_overrides with a config_root that has 'training'); zephon-ray needs it to check the global batch. "
+        "Use the config registry (--module zephon_ray.torchtitan) or build Trainer.Config in Python")

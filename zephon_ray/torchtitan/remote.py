@@ -15,28 +15,30 @@ consumer name (the run_id), so the service's window follows the slowest rank.
 
 from __future__ import annotations
 
-import queue
 import threading
-import time
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from zephon_ray.batch import RankSlice
 from zephon_ray.recipe import Recipe
+from zephon_ray.torchtitan.prefetch import PrefetchedSlices
 
 DEFAULT_CONSUMER = "zephon-ray-loader"
 
 
-class ServiceSlices:
+class ServiceSlices(PrefetchedSlices):
+    """This rank's slices of consecutive steps, read from a DataService (see the module docstring)."""
+
+    reraise = (Exception,)  # service errors already name the service, the step and the cause
+
     def __init__(self, recipe: Recipe, *, rank: int, world: int, name: str, namespace: str, run_id: str | None,
                  depth: int) -> None:
         from zephon_ray.service.client import DataService
 
+        super().__init__(rank=rank, world=world, depth=depth, name="service")
         self.recipe = recipe
-        self.rank = rank
-        self.world = world
-        self.depth = depth
         self.service = DataService.connect(name, namespace=namespace, consumer=run_id or DEFAULT_CONSUMER)
         served = self.service.recipe.fingerprint
         if served != recipe.fingerprint:
@@ -44,45 +46,30 @@ class ServiceSlices:
                 f"service {name!r} (namespace {namespace!r}) serves recipe fingerprint {served[:12]}, but this "
                 f"loader uses {recipe.describe()}; start the loader with the service's recipe"
             )
-        self._queue: queue.Queue = queue.Queue(maxsize=depth)
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
         self._lock = threading.Lock()  # the client is used by one thread at a time
         self._consumed: int | None = None
         self._touched: int | None = None
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
-    def start(self, step: int) -> None:
-        self.close(release=False)
-        self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=self.depth)
-        self._error = None
+    def _on_start(self, step: int, resume: dict[str, Any] | None) -> None:
         self._consumed = self._touched = None
-        self._thread = threading.Thread(target=self._run, args=(step, self._stop, self._queue),
-                                        name=f"zephon-ray-service-r{self.rank}", daemon=True)
-        self._thread.start()
 
     def get(self, step: int, timeout: float) -> RankSlice:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                got, item = self._queue.get(timeout=0.5)
-                break
-            except queue.Empty:
-                if self._error is not None:
-                    raise self._error
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {self.rank}: step {step} not served within {timeout:.0f} s")
-        if isinstance(item, BaseException):
-            raise item
-        if got != step:
-            raise RuntimeError(f"service reader is at step {got}, the loader expected step {step}")
+        item = super().get(step, timeout)
         self._consumed = step  # the reader thread moves the service cursor: an actor call costs ~1 ms here
         return item
+
+    def state(self, step: int, timeout: float) -> None:
+        """Commit ``step`` on the service (rank 0 only); the service keeps its own Zephon state.
+
+        A restarted service starts its live window at the newest commit. Committing when the state is taken
+        (rather than after the write) is safe: an older resume point is still served, by replay."""
+        if step > 0 and self.rank == 0:
+            with self._lock:
+                self.service.commit(step)
+        return None
+
+    def _idle(self) -> None:
+        self._flush_cursor()
 
     def _flush_cursor(self) -> None:
         step = self._consumed
@@ -91,46 +78,25 @@ class ServiceSlices:
         self._touched = step
         self.service.touch(step, rank=self.rank, world=self.world)  # fire and forget
 
-    def commit(self, step: int) -> None:
-        with self._lock:
-            self.service.commit(step)
-
-    def _run(self, step: int, stop: threading.Event, out: queue.Queue) -> None:
+    def _produce(self, step: int, resume: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
         s = step
-        try:
-            while not stop.is_set():
-                self._flush_cursor()
-                with self._lock:
-                    self.service.prefetch(range(s + 1, s + self.depth + 1), rank=self.rank, world=self.world)
-                    # The first read is tracked: it registers this rank's cursor and makes the service drop the
-                    # cursors this consumer left at another world size (a resized group never closed its loader).
-                    part = self.service.refs(s, rank=self.rank, world=self.world, track=s == step).slice(
-                        self.rank, self.world)
-                item = RankSlice(s, self.rank, self.world, np.array(part.tokens), np.array(part.positions),
-                                 part.pad_token_id)
-                while not stop.is_set():
-                    self._flush_cursor()
-                    try:
-                        out.put((s, item), timeout=0.05)
-                        break
-                    except queue.Full:
-                        continue
-                s += 1
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the consumer
-            self._error = exc
-            try:
-                out.put_nowait((s, exc))
-            except queue.Full:
-                pass
+        while not stop.is_set():
+            self._flush_cursor()
+            with self._lock:
+                self.service.prefetch(range(s + 1, s + self.depth + 1), rank=self.rank, world=self.world)
+                # The first read is tracked: it registers this rank's cursor and makes the service drop the
+                # cursors this consumer left at another world size (a resized group never closed its loader).
+                part = self.service.refs(s, rank=self.rank, world=self.world, track=s == step).slice(
+                    self.rank, self.world)
+            yield RankSlice(s, self.rank, self.world, np.array(part.tokens), np.array(part.positions),
+                            part.pad_token_id)
+            s += 1
 
-    def close(self, timeout: float = 2.0, *, release: bool = True) -> None:
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            self._stop.set()
-            thread.join(timeout)
-        if release:
-            try:
-                with self._lock:
-                    self.service.release()
-            except Exception:  # noqa: BLE001 - the service may already be gone
-                pass
+    def close(self) -> None:
+        """Stop the reader thread and release this consumer's cursors on the service."""
+        self.close_thread()
+        try:
+            with self._lock:
+                self.service.release()
+        except Exception:  # noqa: BLE001 - the service may already be gone
+            pass

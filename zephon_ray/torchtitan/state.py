@@ -1,14 +1,18 @@
 """The loader's checkpoint state: small, JSON-safe, versioned, and identical on every rank.
 
-Layout (format version 1)::
+Layout (format version 2)::
 
     {
-      "version":     1,                 # STATE_VERSION; anything else is refused
-      "run_id":      "my-run",          # the Config's run_id ("" when unset)
-      "fingerprint": "<sha256>",        # Recipe.fingerprint
-      "next_step":   12,                # first global step not yet consumed
-      "zephon":      "<json>" | "",     # local mode: merged Zephon checkpoint at next_step (JSON text)
+      "version":        2,              # STATE_VERSION; anything else is refused
+      "run_id":         "my-run",       # the Config's run_id ("" when unset)
+      "fingerprint":    "<sha256>",     # Recipe.fingerprint
+      "next_step":      12,             # first global step not yet consumed
+      "zephon":         "<json>" | "",  # local mode: newest merged Zephon checkpoint at or before next_step
+      "replayed_steps": 0,              # steps this run re-produced to resume without an exact snapshot, so far
     }
+
+Version 2 added ``replayed_steps`` (a version-1 state is refused with a message saying so: DCP loads by key, so
+the key set is part of the format).
 
 Every value is a str or an int, so DCP stores each key once (every rank holds the same value) and the state loads
 at any data-parallel degree. The merged Zephon checkpoint is kept as one JSON string rather than a nested dict so
@@ -21,26 +25,29 @@ from __future__ import annotations
 import json
 from typing import Any
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 KEY_VERSION = "version"
 KEY_RUN_ID = "run_id"
 KEY_FINGERPRINT = "fingerprint"
 KEY_NEXT_STEP = "next_step"
 KEY_ZEPHON = "zephon"
-STATE_KEYS = (KEY_VERSION, KEY_RUN_ID, KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_ZEPHON)
+KEY_REPLAYED_STEPS = "replayed_steps"
+STATE_KEYS = (KEY_VERSION, KEY_RUN_ID, KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_ZEPHON, KEY_REPLAYED_STEPS)
 
 
 class LoaderStateError(ValueError):
     """A loader state that cannot be taken or loaded; the message names what differs."""
 
 
-def make_state(*, run_id: str | None, fingerprint: str, next_step: int, zephon: dict[str, Any] | None) -> dict:
+def make_state(*, run_id: str | None, fingerprint: str, next_step: int, zephon: dict[str, Any] | None,
+               replayed_steps: int = 0) -> dict:
     return {
         KEY_VERSION: STATE_VERSION,
         KEY_RUN_ID: run_id or "",
         KEY_FINGERPRINT: fingerprint,
         KEY_NEXT_STEP: int(next_step),
         KEY_ZEPHON: "" if zephon is None else json.dumps(zephon, sort_keys=True, separators=(",", ":")),
+        KEY_REPLAYED_STEPS: int(replayed_steps),
     }
 
 
@@ -53,7 +60,8 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
         raise LoaderStateError(f"loader state lacks key '{missing[0]}' (keys present: {sorted(state)})")
     version = state[KEY_VERSION]
     if version != STATE_VERSION:
-        raise LoaderStateError(f"loader state version {version!r} is not supported (expected {STATE_VERSION})")
+        raise LoaderStateError(f"loader state key '{KEY_VERSION}': version {version!r} is not supported (expected "
+                               f"{STATE_VERSION}; version 2 added '{KEY_REPLAYED_STEPS}')")
     if state[KEY_FINGERPRINT] != fingerprint:
         raise LoaderStateError(
             f"loader state key '{KEY_FINGERPRINT}': the checkpoint was written for recipe fingerprint "
@@ -83,4 +91,12 @@ def zephon_state(state: dict) -> dict[str, Any] | None:
         raise LoaderStateError(f"loader state key '{KEY_ZEPHON}' is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise LoaderStateError(f"loader state key '{KEY_ZEPHON}' must hold a JSON object")
+    return value
+
+
+def replayed_steps(state: dict) -> int:
+    """The ``replayed_steps`` a state carries (bounded, non-negative)."""
+    value = state.get(KEY_REPLAYED_STEPS, 0)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise LoaderStateError(f"loader state key '{KEY_REPLAYED_STEPS}' must be a non-negative int, got {value!r}")
     return value
