@@ -5,20 +5,27 @@
                             aggregate_store="torch://", run_id="run7")
     svc = DataService.connect("run7", namespace="zr", consumer="trainer")   # any driver, job, Train worker
     svc.prefetch(range(s + 1, s + 4), rank=r, world=W)   # optional: start fetching upcoming steps
-    part = svc.slice(s, rank, world)             # RankSlice: rows [r*B/W, (r+1)*B/W) of global batch s
+    part = svc.slice(s, rank, world)             # RankSlice: rows [r*B/W, (r+1)*B/W) of global batch s (tracked)
     refs = svc.refs(s + 1, rank=r, world=W, track=False)  # read ahead: StepRefs (.slice/.batch) ...
     svc.touch(s + 1, rank=r, world=W)            # ... and move the cursor when the trainer takes the step
     svc.commit(s + 1)                            # after the trainer checkpoint that resumes at step s + 1
-    svc.batch(s).digest                          # the whole GlobalBatch, same digest as GlobalBatchSource
+    svc.batch(s).digest                          # the whole GlobalBatch (ad hoc: moves no cursor unless track=True)
 
 Guarantee: ``batch(s)`` and ``slice(s, r, W)`` return exactly the rows of ``GlobalBatchSource(recipe).batch(s)``
 (whole, or the rank's contiguous row range) for any s, any W with B % W == 0, any number of producers, and
 across producer crashes, rescales and service restarts from the same ``state_dir``.
 
+Reads heal themselves: when the coordinator restarts or the node holding a step's shards dies, ``batch``/``slice``
+retry (backoff, at most ``reconnect_timeout_s``), the lost step is replayed, and the caller sees only a delay
+(tests/test_service_heal.py, tests/test_service_cluster.py). Reads are idempotent.
+
 Limits:
 - Steps inside the live window are served from the object store (zero-copy, read-only arrays). Steps behind it
-  are replayed on the coordinator (restore of the nearest durable checkpoint + at most K steps, then
-  sequential reads are cheap); steps more than ``window`` ahead of the slowest live consumer wait for it.
+  are replayed in a Replayer actor (restore of the nearest durable checkpoint + at most K steps for recent ones,
+  ``anchor_every`` for old ones; sequential reads are cheap); steps more than ``window`` ahead of the slowest live
+  consumer wait for it; reads more than ``max_ahead`` past the head are refused (ValueError).
+- ``slice`` moves the cursor by default (the trainer path); ``batch``, ``refs`` and ``to_dataset`` do not unless
+  ``track=True``. The default consumer name is unique per Ray job (``job-<id>``).
 - Returned arrays are read-only views of shared memory; copy them before writing.
 - The cursor of a consumer is keyed by (consumer, rank, world); pass a stable ``consumer`` (e.g. the run id)
   from every rank of one job. A consumer silent for ``consumer_ttl_s`` stops holding the window back;
@@ -41,18 +48,37 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorUnavailableError,
+    GetTimeoutError,
+    ObjectFetchTimedOutError,
+    ObjectLostError,
+    OwnerDiedError,
+    RayActorError,
+    RayTaskError,
+)
 
 from zephon_ray.batch import GlobalBatch, RankSlice, slice_bounds
 from zephon_ray.lanes import LaneShard
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
 from zephon_ray.service.coordinator import Coordinator
-from zephon_ray.service.errors import ServiceError, ServiceNotFoundError
+from zephon_ray.service.errors import ServiceError, ServiceNotFoundError, ShardsLostError
 from zephon_ray.service.state import check_state_dir
 from zephon_ray.source import assemble, pad_token_id
 
 PRODUCER_NAME_INFIX = ".producer."
+REPLAYER_NAME_INFIX = ".replayer."
+_LOST = (ObjectLostError, OwnerDiedError, ObjectFetchTimedOutError)
+
+
+def default_consumer() -> str:
+    """One consumer name per Ray job, so that two jobs never share (and wipe) each other's cursors and commits,
+    while every rank of one job (Train workers run in their driver's job) shares one."""
+    try:
+        return f"job-{ray.get_runtime_context().get_job_id()}"
+    except Exception:  # noqa: BLE001 - outside a Ray job
+        return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def _ensure_ray() -> None:
@@ -68,7 +94,9 @@ def _unwrap(exc: BaseException, service: str) -> BaseException:
         if isinstance(cause, BaseException) and not isinstance(cause, RayTaskError):
             return cause
         return ServiceError(f"service {service}: {str(exc).strip().splitlines()[-1]}")
-    if isinstance(exc, RayActorError):
+    if isinstance(exc, _LOST):
+        return ShardsLostError(f"service {service}: a reply was lost ({type(exc).__name__})")
+    if isinstance(exc, (RayActorError, ActorUnavailableError)):
         return ServiceNotFoundError(
             f"service {service} is not running (its coordinator died or was stopped); start it again from its "
             "state_dir")
@@ -96,7 +124,15 @@ class StepRefs:
 
     def _fetch(self, lanes: range) -> list[LaneShard]:
         picked = [self.lanes[lane] for lane in lanes]
-        return ray.get(picked) if self.is_refs else picked
+        if not self.is_refs:
+            return picked
+        try:
+            return ray.get(picked)
+        except _LOST as exc:
+            raise ShardsLostError(f"step {self.step}: its shards were lost ({type(exc).__name__}); read it again "
+                                  "to have it replayed") from None
+        except RayTaskError as exc:
+            raise _unwrap(exc, "(replay)") from None
 
     def batch(self) -> GlobalBatch:
         shards = self._fetch(range(self.recipe.lanes))
@@ -128,7 +164,7 @@ class DataService:
         self._coordinator = coordinator
         self.name = name
         self.namespace = namespace
-        self.consumer = consumer or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.consumer = consumer or default_consumer()
         self._where = f"{name!r} (namespace {namespace!r})"
         recipe, config = self._call(coordinator.recipe_and_config.remote(), timeout=120)
         self.recipe: Recipe = recipe
@@ -191,7 +227,9 @@ class DataService:
         res = config.resources
         handle = ray.remote(Coordinator).options(
             name=name, namespace=namespace, lifetime="detached", num_cpus=res.coordinator_num_cpus,
-            max_concurrency=res.coordinator_max_concurrency, max_restarts=0,
+            resources=dict(res.coordinator_resources), max_concurrency=res.coordinator_max_concurrency,
+            # Self-healing: Ray restarts a dead coordinator (it reopens state_dir) and re-sends calls in flight.
+            max_restarts=config.coordinator_max_restarts, max_task_retries=-1,
         ).remote(recipe, config)
         try:
             ray.get(handle.ready.remote(), timeout=300)
@@ -231,10 +269,11 @@ class DataService:
         self._call(self._coordinator.release.remote(self.consumer))
 
     # ------------------------------------------------------------------ reading
-    def refs(self, step: int, *, rank: int | None = None, world: int | None = None, track: bool = True,
+    def refs(self, step: int, *, rank: int | None = None, world: int | None = None, track: bool = False,
              timeout_s: float | None = None) -> StepRefs:
-        """Step ``step``'s lane shards (refs for live steps); blocks until produced. ``track=False`` leaves this
-        consumer's cursor where it is (inspection, prefetch)."""
+        """Step ``step``'s lane shards as refs; blocks until produced or replayed. ``track=True`` moves this
+        consumer's cursor (the trainer path); the default leaves it where it is (inspection, read-ahead). Fetching
+        from the returned refs may raise :class:`ShardsLostError`; ``batch``/``slice`` retry that themselves."""
         step = _as_step(step)
         pending = self._prefetched.pop(step, None)
         if pending is not None:
@@ -261,14 +300,48 @@ class DataService:
         that read ahead with ``track=False`` and report what the trainer actually consumed. Fire and forget."""
         self._coordinator.touch.remote(_as_step(step), self.consumer, rank, world)
 
-    def batch(self, step: int) -> GlobalBatch:
-        """Global batch ``step`` (all B rows, lane-major); ``.digest`` equals GlobalBatchSource's."""
-        return self.refs(step).batch()
+    def batch(self, step: int, *, track: bool = False) -> GlobalBatch:
+        """Global batch ``step`` (all B rows, lane-major); ``.digest`` equals GlobalBatchSource's. Ad hoc by
+        default: moves no cursor unless ``track=True``."""
+        return self._read(step, None, None, track, lambda refs: refs.batch())
 
-    def slice(self, step: int, rank: int, world: int) -> RankSlice:
-        """Rank ``rank`` of ``world``'s rows of step ``step``; only the lanes covering them are fetched."""
+    def slice(self, step: int, rank: int, world: int, *, track: bool = True) -> RankSlice:
+        """Rank ``rank`` of ``world``'s rows of step ``step``; only the lanes covering them are fetched. Moves
+        this consumer's cursor for (rank, world) unless ``track=False``."""
         slice_bounds(self.recipe.global_batch_rows, rank, world)  # validate before any remote call
-        return self.refs(step, rank=rank, world=world).slice(rank, world)
+        return self._read(step, rank, world, track, lambda refs: refs.slice(rank, world))
+
+    def _read(self, step: int, rank: int | None, world: int | None, track: bool, fetch: Any) -> Any:
+        """One read with transparent retries: a restarting coordinator (calls re-sent by Ray, or a fresh handle)
+        and lost shards (the step is invalidated and replayed) cost a delay of at most ``reconnect_timeout_s``."""
+        deadline = time.monotonic() + self.config.reconnect_timeout_s
+        delay = 0.1
+        while True:
+            try:
+                return fetch(self.refs(step, rank=rank, world=world, track=track))
+            except ShardsLostError as exc:
+                reason = str(exc)
+                self._prefetched.clear()
+                try:
+                    ray.get(self._coordinator.invalidate.remote(_as_step(step)), timeout=30)
+                except Exception:  # noqa: BLE001 - the coordinator itself may be restarting: retry below
+                    pass
+            except ServiceNotFoundError as exc:
+                reason = str(exc)
+                self._prefetched.clear()
+                try:
+                    self._coordinator = ray.get_actor(self.name, namespace=self.namespace)
+                except ValueError:
+                    raise exc from None  # stopped for good: nothing to reconnect to
+            except TimeoutError as exc:
+                if "no reply in time" not in str(exc):
+                    raise
+                reason = str(exc)
+            if time.monotonic() + delay > deadline:
+                raise ServiceError(f"service {self._where}: step {step} still unreadable after "
+                                   f"reconnect_timeout_s={self.config.reconnect_timeout_s:.0f}s: {reason}")
+            time.sleep(delay)
+            delay = min(delay * 2, 2.0)
 
     # ------------------------------------------------------------------ state and control
     def commit(self, step: int) -> dict[str, Any]:
@@ -297,7 +370,7 @@ class DataService:
 
         tables = []
         for step in steps:
-            batch = self.refs(int(step), track=False).batch()
+            batch = self.batch(int(step))
             rows, width = batch.tokens.shape
             tables.append(pa.table({
                 "step": pa.array(np.full(rows, batch.step, dtype=np.int64)),
@@ -315,7 +388,7 @@ class DataService:
     def _call(self, ref: Any, timeout: float | None = None) -> Any:
         try:
             return ray.get(ref, timeout=timeout)
-        except (RayTaskError, RayActorError, GetTimeoutError) as exc:
+        except (RayTaskError, RayActorError, ActorUnavailableError, GetTimeoutError, *_LOST) as exc:
             raise _unwrap(exc, self._where) from None
 
 
@@ -327,10 +400,12 @@ def _as_step(step: Any, what: str = "step") -> int:
 
 
 def _kill_orphan_producers(name: str, namespace: str) -> None:
-    """Producers are detached actors named "<service>.producer.<instance>.g<G>.<i>"; kill any of this service's
-    that its coordinator could not (it died, or was killed without ``stop()``)."""
+    """Producers and replayers are detached actors named "<service>.producer.<instance>.g<G>.<i>" (".replayer.");
+    kill any of this service's that its coordinator could not (it died, or was killed without ``stop()``)."""
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry.get("namespace") == namespace and entry.get("name", "").startswith(name + PRODUCER_NAME_INFIX):
+        actor_name = entry.get("name", "")
+        if entry.get("namespace") == namespace and (actor_name.startswith(name + PRODUCER_NAME_INFIX)
+                                                    or actor_name.startswith(name + REPLAYER_NAME_INFIX)):
             try:
                 ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
             except Exception:

@@ -28,17 +28,29 @@ class ActorResources:
 
     coordinator_num_cpus: float = 0.05
     producer_num_cpus: float = 0.25
-    coordinator_max_concurrency: int = 128
-    """Threads of the coordinator: each blocked read (a rank waiting for its step, a prefetch) holds one."""
+    replayer_num_cpus: float = 0.5
+    """The Replayer restores and replays past steps: real CPU, never the coordinator's."""
+    coordinator_max_concurrency: int = 2048
+    """Calls the (async) coordinator runs at once. A waiting read holds no thread, only a slot here."""
+    coordinator_resources: dict = field(default_factory=dict)
+    """Extra Ray resources (e.g. ``{"head": 0.01}``) that pin the coordinator to a node; same for the others."""
+    producer_resources: dict = field(default_factory=dict)
+    replayer_resources: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for key in ("coordinator_num_cpus", "producer_num_cpus"):
+        for key in ("coordinator_resources", "producer_resources", "replayer_resources"):
+            value = getattr(self, key)
+            if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
+                                                      for k, v in value.items()):
+                raise ValueError(f"ServiceConfig: resources.{key} must map resource names to amounts >= 0, "
+                                 f"got {value!r}")
+        for key in ("coordinator_num_cpus", "producer_num_cpus", "replayer_num_cpus"):
             value = getattr(self, key)
             if not 0 <= value <= 64:
                 raise ValueError(f"ServiceConfig: resources.{key} must be in [0, 64], got {value!r}")
-        if self.coordinator_max_concurrency < 4:
-            raise ValueError("ServiceConfig: resources.coordinator_max_concurrency must be >= 4 "
-                             f"(consumers block in it), got {self.coordinator_max_concurrency}")
+        if not 4 <= self.coordinator_max_concurrency <= 100_000:
+            raise ValueError("ServiceConfig: resources.coordinator_max_concurrency must be in [4, 100000] "
+                             f"(waiting reads occupy it), got {self.coordinator_max_concurrency}")
 
 
 @dataclass(frozen=True)
@@ -66,7 +78,25 @@ class ServiceConfig:
     request_timeout_s: float = 600.0
     """How long one ``batch``/``slice`` may wait for its step before a TimeoutError that says why."""
     start_step: int | None = None
-    """Where the live window starts. None: the newest commit in ``state_dir`` (0 when there is none)."""
+    """Where the live window starts. None: the consumers' newest commits in ``state_dir`` (0 when there are none)."""
+    max_ahead: int = 512
+    """A read (tracked or not) more than this many steps past the producers' head is rejected with a ValueError."""
+    retain_behind: int = 32
+    """The table keeps each live consumer's steps from its newest commit, but at most this many behind its cursor:
+    a trainer resuming from its last checkpoint reads hits. Held bytes <= (window + retain_behind) batches."""
+    keep_checkpoints: int = 4
+    """Newest durable checkpoints kept in ``state_dir`` (besides the anchors)."""
+    anchor_every: int | None = None
+    """Checkpoints at multiples of this step are kept for good (None: 16 x checkpoint_every; 0: keep all).
+    Replaying an old step costs at most this many steps."""
+    progress_timeout_s: float = 300.0
+    """A producer group with calls in flight and no finished call for this long is replaced (hung, not dead)."""
+    replayers: int = 1
+    """Replayer actors serving past steps (each a world-size-1 Zephon pipeline over all lanes)."""
+    coordinator_max_restarts: int = -1
+    """Ray restarts a dead coordinator this many times (-1: always); it reopens ``state_dir`` and clients retry."""
+    reconnect_timeout_s: float = 300.0
+    """How long a client keeps retrying a read while the coordinator restarts or lost shards are replayed."""
     resources: ActorResources = field(default_factory=ActorResources)
 
     def __post_init__(self) -> None:
@@ -78,9 +108,22 @@ class ServiceConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServiceConfig: {key} must be an integer >= 1, got {value!r}")
-        for key in ("aggregate_timeout_s", "consumer_ttl_s", "request_timeout_s"):
+        for key in ("aggregate_timeout_s", "consumer_ttl_s", "request_timeout_s", "progress_timeout_s",
+                    "reconnect_timeout_s"):
             if not getattr(self, key) > 0:
                 raise ValueError(f"ServiceConfig: {key} must be > 0, got {getattr(self, key)!r}")
+        for key, low, high in (("max_ahead", 1, 1_000_000), ("retain_behind", 0, 100_000),
+                               ("keep_checkpoints", 1, 10_000), ("replayers", 1, 64),
+                               ("coordinator_max_restarts", -1, 1_000_000)):
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                raise ValueError(f"ServiceConfig: {key} must be an integer in [{low}, {high}], got {value!r}")
+        if self.anchor_every is None:
+            object.__setattr__(self, "anchor_every", 16 * self.checkpoint_every)
+        if isinstance(self.anchor_every, bool) or not isinstance(self.anchor_every, int) or self.anchor_every < 0 \
+                or self.anchor_every % self.checkpoint_every:
+            raise ValueError(f"ServiceConfig: anchor_every must be 0 or a positive multiple of checkpoint_every="
+                             f"{self.checkpoint_every}, got {self.anchor_every!r}")
         if self.start_step is not None and (isinstance(self.start_step, bool) or not isinstance(self.start_step, int)
                                             or self.start_step < 0):
             raise ValueError(f"ServiceConfig: start_step must be an integer >= 0, got {self.start_step!r}")

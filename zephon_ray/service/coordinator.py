@@ -1,38 +1,36 @@
-"""The coordinator: a named, detached Ray actor that owns one service.
+"""The coordinator: a named, detached, async Ray actor that is thin glue between the parts of one service.
 
-    consumers ──get_step(s)──►  Coordinator ──produce(s)──► Producer 0 (lanes 0..L/M-1)    ┐ one Zephon
-        ▲                        │  step table {s: lane refs}  ──► Producer 1 (lanes L/M..)  │ collective
-        └── lane refs (owned ────┘  cursors, window, state_dir       ...                    ┘ group
-            by the coordinator)     side stepper (past steps)
+    consumers ──get_step(s)──► Coordinator (async; control plane only)
+        ▲                        ├─ StepWindow      (window.py: table of refs, cursors, commits, bounds)
+        │                        ├─ ProducerGroup   (group.py: M producers, restarts, watchdog, rescale)
+        │                        ├─ Replayer actors (replayer.py: past steps, real CPU, shared per step)
+        └── lane refs ───────────┴─ ServiceState    (state.py: checkpoints + commits under state_dir)
 
-It runs a *pump* thread that keeps producers at most ``window`` steps ahead of the slowest live consumer cursor,
-files finished steps into the step table, takes a collective checkpoint every K steps and writes it durably,
-and replaces the producer group when any producer dies. Consumer calls run on other threads (a threaded actor)
-and block on a condition until their step is in the table.
+A *pump* thread runs the ProducerGroup: it keeps producers up to ``window`` steps ahead of the slowest live cursor,
+files finished steps (refs + small metadata) into the StepWindow and persists collective checkpoints. Consumer
+calls run on the actor's event loop: a read that must wait awaits an asyncio event, so it holds no thread.
 
 Guarantees:
-- Every step it serves has the rows of ``GlobalBatchSource(recipe).batch(s)``: live steps come from producers
-  restored only from merged checkpoints at step boundaries; past steps come from a side LaneStepper restored
-  from the nearest durable checkpoint <= s. Neither path touches the other's state.
-- The table holds steps ``[low, low + window)`` only (``low`` = slowest live cursor), so the shard bytes it
-  owns stay within ``window`` x global-batch bytes; ``status()`` reports the current and peak bytes.
-- Shards are return values of producer calls: the coordinator owns them and they survive a producer crash.
-- A dead producer (any moment, including inside a collective checkpoint) makes the coordinator kill the rest
-  of its group and start a new group from the newest durable checkpoint <= the first unfinished step; steps
-  already in the table are skipped, not re-served, so no step goes missing or appears twice.
+- Every step it serves has the rows of ``GlobalBatchSource(recipe).batch(s)`` (tests/test_service.py).
+- It never fetches shard bytes: only metadata and small checkpoint states are ``ray.get``-ed, ``ray.wait`` does
+  not fetch (tests/test_service_cluster.py checks object locations on a multi-node cluster).
+- Waiting reads hold no thread: ``status()``/``commit()`` answer while hundreds of reads wait
+  (tests/test_service.py::test_many_waiting_reads_hold_no_thread; 512 in benchmarks/bench_service_load.py).
+- Past steps are replayed in Replayer actors, one replay shared by every rank asking for the same step.
+- It restarts itself (``coordinator_max_restarts``): a new incarnation reopens ``state_dir``, kills the old
+  incarnation's producers and starts at the consumers' newest commits; clients retry (test_service_heal.py).
+- Reads, commits and cursors are bounded and checked by the StepWindow (tests/test_window.py).
 
 Limits:
-- The whole group is replaced, not only the dead producer: Zephon requires every participant of a collective
-  checkpoint group to restore the same checkpoint. Cost: one restore plus at most K steps of replay.
-- A dead producer is noticed at its next call. An idle producer (window full) that dies is replaced when the
-  window moves.
-- The coordinator itself is not replicated: if it dies, start a new service from the same ``state_dir``.
-- A consumer that asks for a step more than ``window`` ahead of the slowest live consumer waits (backpressure)
-  up to ``request_timeout_s``; cursors of consumers silent for ``consumer_ttl_s`` stop holding the window.
+- State held only in memory (cursors, the table) is lost with the process; a restart costs a restore plus up to
+  K steps of replay, and in-flight reads see a delay (clients retry for ``reconnect_timeout_s``).
+- A consumer more than ``window`` steps ahead of the slowest live consumer waits (backpressure) up to
+  ``request_timeout_s``; cursors silent for ``consumer_ttl_s`` stop holding the window.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import threading
@@ -40,70 +38,46 @@ import time
 import traceback
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayError
+from ray.exceptions import RayError
 
-from zephon_ray.lanes import LaneShard, LaneStepper
-from zephon_ray.pipeline import ZephonRank
 from zephon_ray.recipe import Recipe
-from zephon_ray.service.config import HOSTED_STORE, ServiceConfig
+from zephon_ray.service.config import ServiceConfig
 from zephon_ray.service.errors import ServiceError
-from zephon_ray.service.producer import Producer
+from zephon_ray.service.group import PRODUCER_INFIX, ProducerGroup
+from zephon_ray.service.replayer import Replayer
 from zephon_ray.service.state import ServiceState
+from zephon_ray.service.window import Entry, Read, StepWindow, resume_step
 
 log = logging.getLogger("zephon_ray.service")
 
 REPLY_REFS = "refs"
-"""get_step reply kind: lane refs from the live window (owned by the coordinator, borrowed by the caller)."""
-REPLY_DATA = "data"
-"""get_step reply kind: lane shards as values (a past step replayed on the side; owned by the caller)."""
-MAX_CONSECUTIVE_FAILURES = 4
-"""Producer *errors* (an exception in producer code: e.g. an unreachable aggregate store, data that ran out)
-without one finished step in between before the service gives up: restarting cannot fix a bug."""
-MAX_CONSECUTIVE_DEATHS = 50
-"""Producer *deaths* (kill -9, OOM, node loss) in a row before giving up; each restart backs off a little."""
-SIDE_STEPPERS = 2
-SIDE_CACHE_STEPS = 2
-"""Replayed steps kept (in coordinator memory, not the object store) so that W ranks reading one past step cost
-one replay, not W."""
+"""get_step reply kind: lane refs (live window or Replayer), owned by the coordinator, borrowed by the caller."""
+REPLAY_SHARED_STEPS = 4
+"""Replays kept (as refs) so that W ranks reading one past step cost one replay, not W."""
+REPLAYER_INFIX = ".replayer."
 _POLL_S = 0.05
-PING_EVERY_S = 2.0
-
-
-@dataclass
-class _Entry:
-    lane_refs: list[Any]
-    nbytes: int
-    served: int = 0
-
-
-@dataclass
-class _Cursor:
-    step: int
-    seen: float
-
-
-@dataclass
-class _Group:
-    generation: int
-    actors: list[Any]
-    lanes: list[tuple[int, ...]]
-    next_step: int
-    run_id: str | None
-    info_refs: list[Any]
-    infos: list[dict[str, Any] | None] = field(default_factory=list)
-
-
-def _shard_nbytes(shard: LaneShard) -> int:
-    return int(shard.tokens.nbytes + shard.positions.nbytes + shard.source_tokens.nbytes)
 
 
 def global_batch_nbytes(recipe: Recipe) -> int:
     """Bytes of one step's lane shards (int32 tokens + int32 positions + per-source counts)."""
     return recipe.lanes * (2 * recipe.rows_per_lane * recipe.row_length * 4 + len(recipe.sources) * 8)
+
+
+def kill_named(name: str, namespace: str, infixes: tuple[str, ...]) -> int:
+    """Kill the service's detached helper actors ("<service><infix>...") left by a dead incarnation."""
+    killed = 0
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        actor_name = entry.get("name", "")
+        if entry.get("namespace") == namespace and any(actor_name.startswith(name + i) for i in infixes):
+            try:
+                ray.kill(ray.get_actor(actor_name, namespace=namespace), no_restart=True)
+                killed += 1
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+    return killed
 
 
 class Coordinator:
@@ -114,486 +88,351 @@ class Coordinator:
             raise ValueError("Coordinator: config.state_dir is required")
         self.recipe = recipe
         self.config = config
-        self.state = ServiceState.open(recipe, config.state_dir)
-        self._cond = threading.Condition()
-        self._table: dict[int, _Entry] = {}
-        self._cursors: dict[tuple[str, int | None, int | None], _Cursor] = {}
-        self._inflight: dict[int, tuple[int, list[Any]]] = {}  # step -> (generation, lane refs)
-        self._skips: dict[int, list[Any]] = {}
-        self._ckpt_inflight: dict[int, list[Any]] = {}
-        self._checked: set[Any] = set()  # finished refs already checked for errors
-        self._last_ping = time.monotonic()
-        self._instance = uuid.uuid4().hex[:6]  # producer names never collide with an earlier coordinator's
+        self.state = ServiceState.open(recipe, config.state_dir, keep_checkpoints=config.keep_checkpoints,
+                                       anchor_every=config.anchor_every)
+        self._instance = uuid.uuid4().hex[:6]  # actor names and Zephon run ids never collide with an earlier one
+        self._t0 = time.monotonic()
+        self._incarnation = ray.get_runtime_context().was_current_actor_reconstructed
+        # A restarted incarnation: the previous one's producers and replayers are orphans now.
+        kill_named(config.name, config.namespace, (PRODUCER_INFIX, REPLAYER_INFIX))
+
+        commits = self.state.consumer_commits()
+        start = config.start_step if config.start_step is not None else resume_step(commits, config.max_ahead)
+        self._lock = threading.Lock()  # guards the window and counters (pump thread vs event loop)
+        self.window = StepWindow(window=config.window, start=start, max_ahead=config.max_ahead,
+                                 retain_behind=config.retain_behind, consumer_ttl_s=config.consumer_ttl_s,
+                                 rows=recipe.global_batch_rows)
+        self.window.commits = dict(commits)
+        ckpt = self.state.nearest_checkpoint(start) or 0
+        self._start = {"start_step": start, "checkpoint_step": ckpt, "replay_steps": start - ckpt,
+                       "latest_commit": max(commits.values()) if commits else None, "first_batch_s": None,
+                       "restarted": bool(self._incarnation)}
         self._stopping = False
         self._fatal: str | None = None
-        self._failures = 0
-        self._deaths = 0
-        self._restarts = 0
-        self._store = None
-        self._store_address: str | None = None
         self._rescale_to: int | None = None
         self._rescale_error: str | None = None
-        self._side: list[LaneStepper] = []
-        self._side_lock = threading.Lock()
-        self._side_cache: OrderedDict[int, list[LaneShard]] = OrderedDict()
-        self._side_stats = {"requests": 0, "max_replay_steps": 0, "last": None}
-        self._held_bytes = 0
-        self._peak_bytes = 0
         self._produced_steps = 0
         self._produced_tokens = 0
-        self._t0 = time.monotonic()
         self._first_produced: float | None = None
         self._last_produced: float | None = None
-        self._commits: list[dict[str, Any]] = []
+        self._recent_commits: list[dict[str, Any]] = []
+        self._pump_wake = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._changed: asyncio.Event | None = None
 
-        commit = self.state.latest_commit()
-        start = config.start_step if config.start_step is not None else (commit or 0)
-        ckpt = self.state.nearest_checkpoint(start) or 0
-        self._floor = start
-        self._low = start
-        self._start = {"start_step": start, "checkpoint_step": ckpt, "replay_steps": start - ckpt,
-                       "latest_commit": commit, "first_batch_s": None}
-        self._group: _Group | None = None
-        self._launch(config.producers, ckpt, self.state.read_checkpoint(ckpt) if ckpt else None)
+        self.group = ProducerGroup(recipe, config, self.state, self._instance)
+        self.group.launch(config.producers, ckpt, self.state.read_checkpoint(ckpt) if ckpt else None)
+        res = config.resources
+        replayer_cls = ray.remote(Replayer)
+        self._replayers = [replayer_cls.options(
+            name=f"{config.name}{REPLAYER_INFIX}{self._instance}.{i}", namespace=config.namespace,
+            lifetime="detached", num_cpus=res.replayer_num_cpus, resources=dict(res.replayer_resources),
+            max_restarts=-1,
+        ).remote(recipe) for i in range(config.replayers)]
+        self._replayer_info = [r.info.remote() for r in self._replayers]
+        self._replayer_next: list[int | None] = [None] * config.replayers  # expected position after queued work
+        self._replays: OrderedDict[int, tuple[list[Any], Any]] = OrderedDict()
+        self._replay_stats = {"requests": 0, "shared": 0, "submitted": 0, "max_replay_steps": 0, "last": None}
         self._pump_thread = threading.Thread(target=self._pump, name="zephon-ray-pump", daemon=True)
         self._pump_thread.start()
 
-    # ================================================================== consumer API (any thread)
-    def ready(self) -> dict[str, Any]:
+    # ================================================================== event-loop plumbing
+    def _bind_loop(self) -> None:
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+            self._changed = asyncio.Event()
+
+    def _wake_waiters(self) -> None:  # on the loop
+        event, self._changed = self._changed, asyncio.Event()
+        event.set()
+
+    def _notify(self) -> None:
+        """From any thread: waiting reads re-check the window."""
+        loop = self._loop
+        if loop is not None:
+            loop.call_soon_threadsafe(self._wake_waiters)
+
+    # ================================================================== consumer API (event loop)
+    async def ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Return once every producer and replayer has started (or raise the configuration error they report)."""
+        self._bind_loop()
+        deadline = time.monotonic() + timeout_s
+        while not self.group.started and not self._fatal:
+            if time.monotonic() > deadline:
+                raise ServiceError(f"service {self.config.name!r}: producers did not start within {timeout_s:.0f}s")
+            await asyncio.sleep(0.05)
+        if self._fatal:
+            raise ServiceError(self._fatal)
+        for info in await asyncio.gather(*self._replayer_info):
+            if info.get("error"):
+                raise ServiceError(f"service {self.config.name!r}: configuration error: {info['error']}")
         return {"fingerprint": self.recipe.fingerprint, "pid": os.getpid()}
 
-    def recipe_and_config(self) -> tuple[Recipe, ServiceConfig]:
+    async def recipe_and_config(self) -> tuple[Recipe, ServiceConfig]:
         return self.recipe, self.config
 
-    def get_step(self, step: int, consumer: str, rank: int | None = None, world: int | None = None,
-                 track: bool = True, timeout_s: float | None = None) -> tuple[str, int, list[Any]]:
-        """Block until step ``step`` is available; reply ``(REPLY_REFS, step, lane refs)`` for a live step or
-        ``(REPLY_DATA, step, lane shards)`` for one replayed on the side. ``track`` moves this consumer's cursor
-        (prefetches do not)."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
+    async def pid(self) -> int:
+        return os.getpid()
+
+    async def get_step(self, step: int, consumer: str, rank: int | None = None, world: int | None = None,
+                       track: bool = True, timeout_s: float | None = None) -> tuple[str, int, list[Any]]:
+        """Reply ``(REPLY_REFS, step, lane refs)`` once step ``step`` is in the table or replayed. ``track`` moves
+        this consumer's cursor (monotonic)."""
+        self._bind_loop()
+        timeout_s = self.config.request_timeout_s if timeout_s is None else float(timeout_s)
         deadline = time.monotonic() + timeout_s
-        if world is None:  # a whole batch is the one rank of a world of 1
-            rank, world = 0, 1
-        key = (str(consumer), rank, world)
-        with self._cond:
-            while True:
+        first = True
+        while True:
+            with self._lock:
                 if self._fatal:
                     raise ServiceError(self._fatal)
                 if self._stopping:
                     raise ServiceError(f"service {self.config.name!r} is stopping")
                 now = time.monotonic()
-                if track:
-                    # One world per consumer: a consumer that restarted at another world size (or switched between
-                    # batch() and slice()) must not leave its old ranks' cursors holding the window back.
-                    for other in [k for k in self._cursors if k[0] == key[0] and k[2] != world]:
-                        del self._cursors[other]
-                    self._cursors[key] = _Cursor(step, now)
-                    self._cond.notify_all()
-                entry = self._table.get(step)
-                if entry is not None:
+                kind = self.window.read(step, consumer, rank, world, track=track and first, now=now)
+                if track and first:
+                    self._pump_wake.set()
+                first = False
+                if kind is Read.HIT:
+                    entry = self.window.table[step]
                     entry.served += 1
                     if self._start["first_batch_s"] is None:
-                        self._start["first_batch_s"] = now - self._t0
-                    return REPLY_REFS, step, list(entry.lane_refs)
-                if step < self._floor or (not track and step >= self._low + self.config.window):
-                    break  # not in (or headed for) the live window: replay it on the side
-                if now >= deadline:
-                    raise TimeoutError(
-                        f"step {step} was not produced within {timeout_s:.0f}s: the live window is "
-                        f"[{self._low}, {self._low + self.config.window}) (slowest live cursor {self._low}, "
-                        f"window {self.config.window}); a consumer more than `window` steps ahead waits for the "
-                        f"slowest one (cursors expire after consumer_ttl_s={self.config.consumer_ttl_s:.0f}s)")
-                self._cond.wait(min(deadline - now, 1.0))
-        return REPLY_DATA, step, self._replay(step)
+                        self._start["first_batch_s"] = round(now - self._t0, 3)
+                    return REPLY_REFS, step, list(entry.lanes)
+                low, high = self.window.keep_from, self.window.produce_until
+            if kind is Read.REPLAY:
+                return REPLY_REFS, step, self._replay_refs(step)
+            if now >= deadline:
+                raise TimeoutError(
+                    f"step {step} was not produced within {timeout_s:.0f}s: the live window is [{low}, {high}) "
+                    f"(slowest live cursor {high - self.config.window}, window {self.config.window}); a consumer "
+                    f"more than `window` steps ahead waits for the slowest one (cursors expire after "
+                    f"consumer_ttl_s={self.config.consumer_ttl_s:.0f}s)")
+            event = self._changed
+            try:
+                await asyncio.wait_for(event.wait(), min(deadline - now, 1.0))
+            except asyncio.TimeoutError:
+                pass
 
-    def touch(self, step: int, consumer: str, rank: int | None = None, world: int | None = None) -> None:
-        """Move a cursor without asking for data (a read served from a prefetch)."""
-        if world is None:
-            rank, world = 0, 1
-        with self._cond:
-            for other in [k for k in self._cursors if k[0] == consumer and k[2] != world]:
-                del self._cursors[other]
-            self._cursors[(str(consumer), rank, world)] = _Cursor(int(step), time.monotonic())
-            self._cond.notify_all()
+    async def touch(self, step: int, consumer: str, rank: int | None = None, world: int | None = None) -> None:
+        """Move a cursor forward without asking for data (a read served from a read-ahead). Never moves it back."""
+        with self._lock:
+            self.window.touch(step, consumer, rank, world, now=time.monotonic())
+        self._pump_wake.set()
 
-    def commit(self, step: int, consumer: str) -> dict[str, Any]:
-        """Record durably that ``consumer`` checkpointed and resumes at ``step``; a restarted service starts its
-        live window at the newest commit."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"commit step must be a non-negative integer, got {step!r}")
-        with self._cond:
-            entry = self.state.add_commit(step, consumer)
-            self._commits = (self._commits + [entry])[-8:]
+    async def commit(self, step: int, consumer: str) -> dict[str, Any]:
+        """Record durably that ``consumer`` checkpointed and resumes at ``step`` (at most one past what it read)."""
+        with self._lock:
+            self.window.commit(step, consumer)
+        entry = self.state.add_commit(step, consumer)
+        self._recent_commits = (self._recent_commits + [entry])[-8:]
         return entry
 
-    def release(self, consumer: str) -> int:
+    async def release(self, consumer: str) -> int:
         """Forget every cursor of ``consumer`` (it stops holding the window back)."""
-        with self._cond:
-            keys = [k for k in self._cursors if k[0] == consumer]
-            for k in keys:
-                del self._cursors[k]
-            self._cond.notify_all()
-            return len(keys)
+        with self._lock:
+            n = self.window.release(consumer)
+        self._pump_wake.set()
+        return n
 
-    def rescale(self, producers: int, timeout_s: float = 300.0) -> dict[str, Any]:
+    async def invalidate(self, step: int) -> bool:
+        """A client found this step's shards lost (their node died): serve it from the Replayer from now on."""
+        with self._lock:
+            dropped = self.window.invalidate(int(step)) is not None
+            self.window.replay_below = max(self.window.replay_below, int(step) + 1) if dropped else \
+                self.window.replay_below
+        self._replays.pop(int(step), None)
+        return dropped
+
+    async def rescale(self, producers: int, timeout_s: float = 300.0) -> dict[str, Any]:
         """Replace the producer group by ``producers`` actors at the current step boundary; no batch changes."""
         if isinstance(producers, bool) or not isinstance(producers, int) or producers < 1:
             raise ValueError(f"producers must be an integer >= 1, got {producers!r}")
         self.config.check_lanes(self.recipe, producers)
+        if self._rescale_to is not None:
+            raise ServiceError("a rescale is already in progress")
         deadline = time.monotonic() + timeout_s
-        with self._cond:
-            if self._rescale_to is not None:
-                raise ServiceError("a rescale is already in progress")
-            self._rescale_to = producers
-            self._rescale_error = None
-            self._cond.notify_all()
-            while self._rescale_to is not None:
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"rescale to {producers} producers did not finish within {timeout_s:.0f}s")
-                self._cond.wait(0.5)
-            if self._rescale_error:
-                raise ServiceError(self._rescale_error)
-            return {"producers": len(self._group.actors), "generation": self._group.generation,
-                    "at_step": self._group.next_step}
+        self._rescale_error = None
+        self._rescale_to = producers
+        self._pump_wake.set()
+        while self._rescale_to is not None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rescale to {producers} producers did not finish within {timeout_s:.0f}s")
+            await asyncio.sleep(0.1)
+        if self._rescale_error or self._fatal:
+            raise ServiceError(self._rescale_error or self._fatal)
+        gen = self.group.gen
+        return {"producers": len(gen.actors), "generation": gen.number, "at_step": self.group.next_step}
 
-    def status(self) -> dict[str, Any]:
-        group = self._group
-        self._resolve_infos(group, timeout=1.0)
-        with self._cond:
+    async def status(self) -> dict[str, Any]:
+        self.group.resolve_infos()
+        with self._lock:
             now = time.monotonic()
-            ckpts = self.state.checkpoint_steps()
+            w = self.window.status(now)
+            cursors = w.pop("cursors")
+            commits = w.pop("commits")
             elapsed = (self._last_produced or now) - (self._first_produced or now)
-            gb = global_batch_nbytes(self.recipe)
-            return {
-                "name": self.config.name,
-                "namespace": self.config.namespace,
-                "fingerprint": self.recipe.fingerprint,
-                "recipe": str(self.recipe.path) if self.recipe.path else None,
-                "state_dir": str(self.state.root),
-                "fatal": self._fatal,
-                "producers": [
-                    {"index": i, "generation": group.generation, "lanes": list(lanes),
-                     "pid": (info or {}).get("pid"), "node": (info or {}).get("node")}
-                    for i, (lanes, info) in enumerate(zip(group.lanes, group.infos))
-                ],
-                "generation": group.generation,
-                "restarts": self._restarts,
-                "aggregate": {"store": self._store_address or self.config.aggregate_store,
-                              "dir": self.config.aggregate_dir, "run_id": group.run_id},
-                "window": {
-                    "size": self.config.window, "low": self._low, "floor": self._floor,
-                    "next_step": group.next_step, "held_steps": sorted(self._table),
-                    "inflight_steps": sorted(self._inflight),
-                    "held_bytes": self._held_bytes, "peak_held_bytes": self._peak_bytes,
-                    "bound_bytes": self.config.window * gb, "global_batch_bytes": gb,
-                },
-                "cursors": [
-                    {"consumer": k[0], "rank": k[1], "world": k[2], "step": c.step, "idle_s": round(now - c.seen, 3),
-                     "live": now - c.seen <= self.config.consumer_ttl_s}
-                    for k, c in sorted(self._cursors.items(), key=lambda kv: (kv[0][0], kv[0][1] or -1))
-                ],
-                "throughput": {
-                    "produced_steps": self._produced_steps, "produced_tokens": self._produced_tokens,
-                    "elapsed_s": round(elapsed, 4),
-                    "tokens_per_s": self._produced_tokens / elapsed if elapsed > 0 else None,
-                    "steps_per_s": self._produced_steps / elapsed if elapsed > 0 else None,
-                },
-                "checkpoints": {"every": self.config.checkpoint_every, "count": len(ckpts),
-                                "latest": ckpts[-1] if ckpts else None, "steps": ckpts[-16:]},
-                "commits": {"latest": self._commits[-1] if self._commits else None,
-                            "latest_durable_step": self.state.latest_commit()},
-                "start": dict(self._start),
-                "replay": dict(self._side_stats),
-            }
+            produced_steps, produced_tokens = self._produced_steps, self._produced_tokens
+        gb = global_batch_nbytes(self.recipe)
+        gen = self.group.gen
+        ckpts = self.state.checkpoint_steps()
+        w.update({"floor": w["replay_below"], "next_step": self.group.next_step,
+                  "inflight_steps": self.group.inflight_steps(), "bound_bytes": w["bound_steps"] * gb,
+                  "global_batch_bytes": gb})
+        return {
+            "name": self.config.name,
+            "namespace": self.config.namespace,
+            "fingerprint": self.recipe.fingerprint,
+            "recipe": str(self.recipe.path) if self.recipe.path else None,
+            "state_dir": str(self.state.root),
+            "fatal": self._fatal,
+            "coordinator": {"pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                            "restarted": self._start["restarted"], "uptime_s": round(now - self._t0, 3)},
+            "producers": self.group.describe(),
+            "generation": gen.number,
+            "restarts": self.group.restarts,
+            "hung_replacements": self.group.hung_replacements,
+            "aggregate": {"store": self.group.store_address, "dir": self.config.aggregate_dir,
+                          "run_id": gen.run_id},
+            "window": w,
+            "cursors": cursors,
+            "throughput": {"produced_steps": produced_steps, "produced_tokens": produced_tokens,
+                           "tokens_per_s": produced_tokens / elapsed if elapsed > 0 else None},
+            "checkpoints": {"every": self.config.checkpoint_every, "count": len(ckpts),
+                            "latest": ckpts[-1] if ckpts else None, "steps": ckpts[-16:],
+                            "keep": self.config.keep_checkpoints, "anchor_every": self.config.anchor_every},
+            "commits": {"latest": self._recent_commits[-1] if self._recent_commits else None,
+                        "latest_durable_step": self.state.latest_commit(), "per_consumer": commits},
+            "start": dict(self._start),
+            "replay": dict(self._replay_stats),
+        }
 
-    def stop(self) -> None:
-        """Stop producing and kill the producers; the caller then kills this actor."""
-        with self._cond:
+    async def stop(self) -> None:
+        """Stop producing, kill producers and replayers; the caller then kills this actor."""
+        with self._lock:
             self._stopping = True
-            self._cond.notify_all()
-        self._pump_thread.join(timeout=10)
-        if self._group is not None:
-            self._kill_group(self._group)
-        with self._side_lock:
-            for stepper in self._side:
-                stepper.close(background=True)
-            self._side.clear()
-        self._store = None
-
-    # ================================================================== side replay (past steps)
-    def _replay(self, step: int) -> list[LaneShard]:
-        """Serve a step outside the live window from a world-size-1 LaneStepper over all lanes, restored from the
-        nearest durable checkpoint <= step (or reused when it is at most K steps behind)."""
-        k = self.config.checkpoint_every
-        with self._side_lock:
-            cached = self._side_cache.get(step)
-            if cached is not None:
-                self._side_cache.move_to_end(step)
-                self._side_stats["cache_hits"] = self._side_stats.get("cache_hits", 0) + 1
-                return cached
-            usable = [s for s in self._side if s.position <= step and step - s.position <= k]
-            if usable:
-                stepper = max(usable, key=lambda s: s.position)
-                self._side.remove(stepper)
-            else:
-                stepper = LaneStepper(self.recipe)
-                ckpt = self.state.nearest_checkpoint(step)
-                if ckpt:
-                    stepper.restore(self.state.read_checkpoint(ckpt))
-            replayed = step - stepper.position
-            while True:
-                position = stepper.position
-                if position > 0 and position % k == 0 and not self.state.has_checkpoint(position):
-                    self.state.write_checkpoint(stepper.checkpoint())  # keep "at most K steps of replay" true
-                shards = stepper.next_step()
-                if position == step:
-                    break
-            self._side.insert(0, stepper)
-            for old in self._side[SIDE_STEPPERS:]:
-                old.close(background=True)
-            del self._side[SIDE_STEPPERS:]
-            stats = self._side_stats
-            stats["requests"] += 1
-            stats["max_replay_steps"] = max(stats["max_replay_steps"], replayed)
-            stats["last"] = {"step": step, "replay_steps": replayed}
-            out = [shards[lane] for lane in range(self.recipe.lanes)]
-            self._side_cache[step] = out
-            while len(self._side_cache) > SIDE_CACHE_STEPS:
-                self._side_cache.popitem(last=False)
-            return out
-
-    # ================================================================== producer group
-    def _aggregation(self, generation: int) -> tuple[str | None, str | None, str | None]:
-        """(run_id, store, dir) for a group. Each generation gets its own Zephon run id: a replaced group must
-        not meet half-finished rounds of the group it replaces in the same store or directory."""
-        if not self.config.run_id:
-            return None, None, None
-        run_id = f"{self.config.run_id}-g{generation}"
-        store = self.config.aggregate_store
-        if store == HOSTED_STORE:
-            if self._store is None:
-                from torch.distributed import TCPStore
-
-                host = ray.util.get_node_ip_address()
-                self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-                self._store_address = f"torch://{host}:{self._store.port}"
-            store = self._store_address
-        return run_id, store, self.config.aggregate_dir
-
-    def _launch(self, producers: int, step: int, state: dict[str, Any] | None) -> None:
-        generation = 0 if self._group is None else self._group.generation + 1
-        run_id, store, agg_dir = self._aggregation(generation) if producers > 1 else (None, None, None)
-        actor_cls = ray.remote(Producer)
-        actors, lanes = [], []
-        for i in range(producers):
-            rank = ZephonRank(groups=producers, group=i, run_id=run_id, aggregate_store=store,
-                              aggregate_dir=agg_dir, aggregate_timeout_s=self.config.aggregate_timeout_s)
-            actors.append(actor_cls.options(
-                name=f"{self.config.name}.producer.{self._instance}.g{generation}.{i}",
-                namespace=self.config.namespace,
-                # Detached: producers must outlive the job that started the service (a job's non-detached
-                # actors die with it), and they are killed explicitly by the coordinator.
-                lifetime="detached", num_cpus=self.config.resources.producer_num_cpus, max_restarts=0,
-            ).remote(self.recipe, rank, state))
-            lanes.append(rank.owned_lanes(self.recipe.lanes))
-        self._group = _Group(generation=generation, actors=actors, lanes=lanes, next_step=step, run_id=run_id,
-                             info_refs=[a.info.remote() for a in actors], infos=[None] * producers)
-
-    def _resolve_infos(self, group: _Group, timeout: float) -> None:
-        for i, ref in enumerate(group.info_refs):
-            if group.infos[i] is None:
-                try:
-                    info = ray.get(ref, timeout=timeout)
-                except (GetTimeoutError, RayError):
-                    continue
-                group.infos[i] = info
-
-    def _kill_group(self, group: _Group) -> None:
-        for actor in group.actors:
+        self._notify()
+        self._pump_wake.set()
+        await asyncio.get_running_loop().run_in_executor(None, self._pump_thread.join, 10)
+        self.group.close()  # after this no restart can launch producers
+        for replayer in self._replayers:
             try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already dead
+                ray.kill(replayer, no_restart=True)
+            except Exception:  # noqa: BLE001
                 pass
 
-    def _restart(self, reason: str, producers: int | None = None, death: bool = False) -> None:
-        """Replace the whole group from the newest durable checkpoint <= the first unfinished step."""
-        group = self._group
-        producers = producers or len(group.actors)
-        if death:
-            self._deaths += 1
-        else:
-            self._failures += 1
-        self._restarts += 1
-        if self._failures > MAX_CONSECUTIVE_FAILURES or self._deaths > MAX_CONSECUTIVE_DEATHS:
-            with self._cond:
-                self._fatal = (f"service {self.config.name!r}: producers failed "
-                               f"{self._failures + self._deaths} times in a row "
-                               f"without finishing a step; last error: {reason}")
-                self._cond.notify_all()
-            return
-        log.warning("replacing producer group g%d (%s)", group.generation, reason.splitlines()[0][:300])
-        self._kill_group(group)
-        if self._deaths + self._failures > 1:  # repeated failures: back off instead of spinning
-            time.sleep(min(0.25 * 2 ** (self._deaths + self._failures - 2), 5.0))
-        pending = list(self._inflight) + list(self._ckpt_inflight) + [s for s in self._skips if s >= 0]
-        first = min(pending) if pending else group.next_step
-        self._inflight.clear()
-        self._ckpt_inflight.clear()
-        self._skips.clear()
-        self._checked.clear()
-        ckpt = self.state.nearest_checkpoint(first) or 0
-        self._launch(producers, ckpt, self.state.read_checkpoint(ckpt) if ckpt else None)
+    # ================================================================== replay (past steps, other actors)
+    def _replay_refs(self, step: int) -> list[Any]:
+        """Lane refs of ``step`` from a Replayer; a replay of the same step already asked for is shared."""
+        self._replay_stats["requests"] += 1
+        shared = self._replays.get(step)
+        if shared is not None:
+            lanes, meta = shared
+            ready, _ = ray.wait([meta], timeout=0, fetch_local=False)
+            failed = False
+            if ready:
+                try:
+                    ray.get(meta, timeout=0)
+                except RayError:
+                    failed = True  # the replayer died or raised: ask again
+            if not failed:
+                self._replays.move_to_end(step)
+                self._replay_stats["shared"] += 1
+                return list(lanes)
+            del self._replays[step]
+        k = self.config.checkpoint_every
+        # Prefer a replayer whose pipeline will sit just before this step; else the one used longest ago.
+        best = None
+        for i, position in enumerate(self._replayer_next):
+            if position is not None and position <= step and step - position <= k:
+                best = i
+                break
+        if best is None:
+            best = min(range(len(self._replayers)), key=lambda i: (self._replayer_next[i] is not None, i))
+            if all(p is not None for p in self._replayer_next):
+                best = self._replay_stats["submitted"] % len(self._replayers)
+        ckpt = self.state.nearest_checkpoint(step) or 0
+        state = self.state.read_checkpoint(ckpt) if ckpt else None
+        position = self._replayer_next[best]
+        replayed = step - (position if position is not None and ckpt <= position <= step else ckpt)
+        out = self._replayers[best].replay.options(num_returns=self.recipe.lanes + 1).remote(step, ckpt, state, k)
+        self._replayer_next[best] = step + 1
+        lanes, meta = list(out[:-1]), out[-1]
+        self._replays[step] = (lanes, meta)
+        while len(self._replays) > REPLAY_SHARED_STEPS:
+            self._replays.popitem(last=False)
+        stats = self._replay_stats
+        stats["submitted"] += 1
+        stats["max_replay_steps"] = max(stats["max_replay_steps"], replayed)
+        stats["last"] = {"step": step, "replay_steps": replayed}
+        return lanes
 
     # ================================================================== pump (one thread)
     def _pump(self) -> None:
+        group = self.group
         while not self._stopping and not self._fatal:
             try:
+                with self._lock:
+                    self.window.refresh(time.monotonic())
+                    target = self.window.produce_until
                 if self._rescale_to is not None:
                     self._do_rescale()
-                self._submit()
-                self._collect()
-            except Exception:  # never let the pump die silently: replace the group, or give up loudly
-                try:
-                    self._restart(traceback.format_exc(limit=3))
-                except Exception:
-                    with self._cond:
-                        self._fatal = f"service {self.config.name!r}: pump failed: {traceback.format_exc(limit=3)}"
-                        self._cond.notify_all()
-
-    def _update_window(self) -> int:
-        """Under the lock: expire cursors, move ``low``/``floor`` and evict steps below ``low``."""
-        now = time.monotonic()
-        ttl = self.config.consumer_ttl_s
-        live = [c.step for c in self._cursors.values() if now - c.seen <= ttl and c.step >= self._floor]
-        low = min(live) if live else self._floor
-        changed = low != self._low or low > self._floor
-        self._low = low
-        self._floor = max(self._floor, low)
-        for step in [s for s in self._table if s < low]:
-            self._held_bytes -= self._table.pop(step).nbytes
-            changed = True
-        if changed:
-            self._cond.notify_all()
-        return low
-
-    def _submit(self) -> None:
-        group = self._group
-        k = self.config.checkpoint_every
-        with self._cond:
-            low = self._update_window()
-            target = low + self.config.window
-            if self._rescale_to is not None:
-                target = group.next_step  # drain before a rescale
-        # Bound the calls in flight too: a consumer jumping far ahead must not queue thousands of skips at once.
-        while group.next_step < target and len(self._inflight) + len(self._skips) < 2 * self.config.window:
-            step = group.next_step
-            if step > 0 and step % k == 0 and not self.state.has_checkpoint(step):
-                self._ckpt_inflight[step] = [a.checkpoint.remote(step) for a in group.actors]
-            with self._cond:
-                need = step >= self._low and step not in self._table
-            if need:
-                refs: list[Any] = []
-                for actor, lanes in zip(group.actors, group.lanes):
-                    out = actor.produce.options(num_returns=len(lanes)).remote(step)
-                    refs.extend([out] if len(lanes) == 1 else out)
-                self._inflight[step] = (group.generation, refs)
-            else:
-                self._skips[step] = [a.skip.remote(step) for a in group.actors]
-            group.next_step += 1
-
-    def _collect(self) -> None:
-        waiting = [r for _, refs in self._inflight.values() for r in refs]
-        waiting += [r for refs in self._skips.values() for r in refs]
-        waiting += [r for refs in self._ckpt_inflight.values() for r in refs]
-        if not waiting:
-            now = time.monotonic()
-            if now - self._last_ping > PING_EVERY_S:
-                # Idle producers (window full) are pinged, so that one killed while idle is replaced before a
-                # consumer needs the next step rather than when it does.
-                self._last_ping = now
-                group = self._group
-                self._skips[-1] = [a.info.remote() for a in group.actors]
-                return
-            with self._cond:
-                if not self._stopping and self._rescale_to is None:
-                    self._cond.wait(_POLL_S)
-            return
-        ready, _ = ray.wait(waiting, num_returns=1, timeout=_POLL_S)
-        if not ready:
-            return
-        done = set(ready)
-        ready_all, _ = ray.wait(waiting, num_returns=len(waiting), timeout=0)
-        done.update(ready_all)
-        try:
-            # Surface a dead producer as soon as *its* ref fails, even while the rest of its group is blocked
-            # (e.g. survivors waiting inside a collective checkpoint for the dead rank).
-            for ref in done - self._checked:
-                ray.get(ref)
-                self._checked.add(ref)
-            for step in sorted(self._ckpt_inflight):
-                refs = self._ckpt_inflight[step]
-                if all(r in done for r in refs):
-                    states = ray.get(refs)
-                    self.state.write_checkpoint(states[0])
-                    del self._ckpt_inflight[step]
-                    self._checked.difference_update(refs)
-            for step in sorted(self._skips):
-                if all(r in done for r in self._skips[step]):
-                    self._checked.difference_update(self._skips.pop(step))
-            for step in sorted(self._inflight):
-                _, refs = self._inflight[step]
-                if not all(r in done for r in refs):
                     continue
-                shards = ray.get(refs)
-                del self._inflight[step]
-                self._checked.difference_update(refs)
-                self._file(step, refs, shards)
-        except RayActorError as exc:
-            self._restart(f"{type(exc).__name__}: {exc}", death=True)
-        except RayError as exc:
-            self._restart(f"{type(exc).__name__}: {exc}")
+                group.resolve_infos()
+                group.submit(target, self._wanted, self._submitted)
+                if not group.busy:
+                    group.collect(0)  # idle ping
+                    self._pump_wake.wait(_POLL_S)
+                    self._pump_wake.clear()
+                    continue
+                finished = group.collect(_POLL_S)
+                if finished:
+                    self._file(finished)
+                if group.fatal:
+                    self._fail(group.fatal)
+            except Exception:  # noqa: BLE001 - never let the pump die silently: replace the group, or give up
+                try:
+                    group.restart(traceback.format_exc(limit=3))
+                    if group.fatal:
+                        self._fail(group.fatal)
+                except Exception:  # noqa: BLE001
+                    self._fail(f"service {self.config.name!r}: pump failed: {traceback.format_exc(limit=3)}")
 
-    def _file(self, step: int, refs: list[Any], shards: list[LaneShard]) -> None:
-        nbytes = sum(_shard_nbytes(s) for s in shards)
+    def _fail(self, reason: str) -> None:
+        with self._lock:
+            self._fatal = reason
+        log.error("%s", reason)
+        self._notify()
+
+    def _wanted(self, step: int) -> bool:
+        with self._lock:
+            return self.window.wanted(step)
+
+    def _submitted(self, step: int) -> None:
+        with self._lock:
+            self.window.submitted(step)
+
+    def _file(self, finished: list) -> None:
         now = time.monotonic()
-        self._failures = self._deaths = 0
-        with self._cond:
-            self._produced_steps += 1
-            self._produced_tokens += self.recipe.tokens_per_step
+        with self._lock:
+            for item in finished:
+                self._produced_steps += 1
+                self._produced_tokens += self.recipe.tokens_per_step
+                self.window.file(item.step, Entry(lanes=item.lane_refs, nbytes=item.meta["nbytes"]))
             self._first_produced = self._first_produced or now
             self._last_produced = now
-            if step >= self._low and step not in self._table:
-                self._table[step] = _Entry(lane_refs=refs, nbytes=nbytes)
-                self._held_bytes += nbytes
-                self._peak_bytes = max(self._peak_bytes, self._held_bytes)
-                self._cond.notify_all()
+        self._notify()
 
     def _do_rescale(self) -> None:
-        """Drain, take a collective checkpoint at the current boundary, then start the new group from it."""
         target = self._rescale_to
-        group = self._group
         try:
-            while self._inflight or self._skips or self._ckpt_inflight:
-                self._collect()
-                if self._fatal:
-                    return
-            group = self._group  # a failure while draining may have replaced it
-            if target != len(group.actors):
-                step = group.next_step
-                state = None
-                if step > 0:
-                    states = ray.get([a.checkpoint.remote(step) for a in group.actors],
-                                     timeout=self.config.aggregate_timeout_s + 30)
-                    state = states[0]
-                    self.state.write_checkpoint(state)
-                self._kill_group(group)
-                self._launch(target, step, state)
-        except Exception as exc:  # a producer died mid-rescale: fall back to the durable checkpoints
-            self._restart(f"rescale: {type(exc).__name__}: {exc}", producers=target,
-                          death=isinstance(exc, RayActorError))
+            finished = self.group.rescale(target)
+            if finished:
+                self._file(finished)
+            if self.group.fatal:
+                self._rescale_error = self.group.fatal
+        except Exception as exc:  # noqa: BLE001
+            self._rescale_error = f"rescale failed: {exc}"
         finally:
-            with self._cond:
-                self._rescale_to = None
-                self._cond.notify_all()
+            self._rescale_to = None
+            self._notify()

@@ -13,3 +13,8 @@ class ServiceNotFoundError(ServiceError):
 
 class FingerprintMismatchError(ValueError):
     """A ``state_dir`` that belongs to another recipe. Refused before anything is written."""
+
+
+class ShardsLostError(ServiceError):
+    """A step's shards were lost (the node holding them, or the coordinator that owned them, died). Reads through
+    :class:`DataService` retry this on their own (replaying the step) for ``reconnect_timeout_s``."""

@@ -1,10 +1,16 @@
 """A producer: one Ray actor that is one Zephon rank owning L/M contiguous lanes of the recipe.
 
 Guarantee: ``produce(s)`` returns this rank's lane shards of step s, one Ray return value per owned lane in lane
-order, bit-identical to the same lanes of ``GlobalBatchSource(recipe).batch(s)``. The values are *returned* from
-the actor call, so the caller (the coordinator) owns them and they outlive this actor (a ``kill -9`` of the
-producer loses only calls still running). Limits: calls must come in step order (the actor is sequential and
-checks it); a producer cannot go back, the coordinator replaces the whole group instead (see coordinator.py).
+order, bit-identical to the same lanes of ``GlobalBatchSource(recipe).batch(s)``, followed by one small metadata
+value (:func:`shard_meta`). The coordinator fetches only that metadata: shard bytes stay on the producer's node
+until a consumer reads them (tests/test_service_cluster.py). The values are *returned* from the actor call, so
+the caller (the coordinator) owns them and they outlive this actor (a ``kill -9`` of the producer loses only calls
+still running; a lost *node* loses its shards, which the coordinator then replays).
+A failure in ``__init__`` (missing data, a bad tokenizer, an identity mismatch on this node) does not kill the
+actor: ``info()`` reports it with the node, so the coordinator can report one configuration error instead of
+restarting the group again and again.
+Limits: calls must come in step order (the actor is sequential and checks it); a producer cannot go back, the
+coordinator replaces the whole group instead (see coordinator.py).
 """
 
 from __future__ import annotations
@@ -12,35 +18,70 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import socket
+import traceback
+
+from zephon_ray.identity import verify_on_node
 from zephon_ray.lanes import LaneShard, LaneStepper
 from zephon_ray.pipeline import ZephonRank
 from zephon_ray.recipe import Recipe
+
+
+KEY_STEP = "step"
+KEY_NBYTES = "nbytes"
+KEY_TOKENS = "tokens"
+
+
+def shard_nbytes(shard: LaneShard) -> int:
+    return int(shard.tokens.nbytes + shard.positions.nbytes + shard.source_tokens.nbytes)
+
+
+def shard_meta(step: int, shards: list[LaneShard]) -> dict[str, int]:
+    """The small value returned beside a step's shards: what the coordinator needs without their bytes."""
+    return {KEY_STEP: step, KEY_NBYTES: sum(shard_nbytes(s) for s in shards),
+            KEY_TOKENS: sum(int(s.tokens.size) for s in shards)}
+
+
+def node_name() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:  # noqa: BLE001 - outside Ray
+        return socket.gethostname()
 
 
 class Producer:
     """Plain class; the coordinator wraps it with ``ray.remote`` and fractional CPUs."""
 
     def __init__(self, recipe: Recipe, rank: ZephonRank, state: dict[str, Any] | None = None) -> None:
-        self._stepper = LaneStepper(recipe, rank)
-        if state is not None:
-            self._stepper.restore(state)
-        self.lanes = self._stepper.lanes
+        self.lanes = rank.owned_lanes(recipe.lanes)
+        self.init_error: str | None = None
+        try:
+            verify_on_node(recipe, where=f"producer for lanes {list(self.lanes)}")
+            self._stepper = LaneStepper(recipe, rank)
+            if state is not None:
+                self._stepper.restore(state)
+        except Exception as exc:  # noqa: BLE001 - reported once by the coordinator, see info()
+            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            self.init_error = f"producer for lanes {list(self.lanes)} on node {node_name()} failed to start: {last}"
 
     def info(self) -> dict[str, Any]:
-        import ray
-
-        return {"pid": os.getpid(), "node": ray.util.get_node_ip_address(), "lanes": list(self.lanes),
-                "position": self._stepper.position}
+        return {"pid": os.getpid(), "node": node_name(), "lanes": list(self.lanes),
+                "position": None if self.init_error else self._stepper.position, "error": self.init_error}
 
     def _expect(self, step: int) -> None:
+        if self.init_error:
+            raise RuntimeError(self.init_error)
         if step != self._stepper.position:
             raise RuntimeError(f"producer for lanes {self.lanes} is at step {self._stepper.position}, asked for {step}")
 
-    def produce(self, step: int) -> LaneShard | tuple[LaneShard, ...]:
+    def produce(self, step: int) -> tuple[Any, ...]:
+        """The owned lanes' shards of ``step``, then :func:`shard_meta` (call with ``num_returns=lanes + 1``)."""
         self._expect(step)
         shards = self._stepper.next_step()
-        out = tuple(shards[lane] for lane in self.lanes)
-        return out[0] if len(out) == 1 else out  # Ray's num_returns=1 takes the value itself
+        out = [shards[lane] for lane in self.lanes]
+        return (*out, shard_meta(step, out))
 
     def skip(self, step: int) -> int:
         """Advance past a step that nobody needs stored (already held, or behind every consumer)."""
@@ -55,4 +96,5 @@ class Producer:
         return self._stepper.checkpoint()
 
     def close(self) -> None:
-        self._stepper.close(background=True)
+        if not self.init_error:
+            self._stepper.close(background=True)

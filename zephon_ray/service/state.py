@@ -5,17 +5,22 @@ Layout (every file is written atomically: temp file, fsync, ``os.replace``, fsyn
     state_dir/
       service.json                  # format version, recipe fingerprint, lanes, the recipe's canonical content
       checkpoints/step-00000032.json # merged Zephon checkpoint at the boundary *before* step 32 (LaneStepper state)
-      commits.json                  # trainer commits, newest last
+      commits.json                  # newest commit per consumer, plus a short history
 
 Guarantee: a reader never sees a half-written file, and a ``state_dir`` is only ever paired with the recipe
 whose fingerprint it records: :meth:`ServiceState.open` refuses any other recipe before writing anything.
+Bounded (tests/test_service_state.py, benchmarks/bench_service_load.py ``--long``): checkpoints are pruned to the
+newest ``keep_checkpoints`` plus anchors every ``anchor_every`` steps (so any past step is reachable by replaying
+at most ``anchor_every`` steps, recent ones at most K); commits keep the newest per consumer for at most
+``MAX_CONSUMERS`` consumers and ``MAX_COMMITS`` history entries; ``nearest_checkpoint`` is a bisect over an
+in-memory index, not a directory listing.
 Limits: one writer at a time (the coordinator); no locking against two services pointed at the same
-``state_dir``. Checkpoints are all kept (a few tens of KiB each), so that any past step stays reachable with at
-most K steps of replay.
+``state_dir``. Anchors themselves accumulate (one file of tens of KiB per ``anchor_every`` steps).
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import os
 import re
@@ -40,8 +45,11 @@ KEY_COMMITS = "commits"
 KEY_STEP = "step"
 KEY_CONSUMER = "consumer"
 KEY_TIME = "time"
-MAX_COMMITS = 1000
-"""Commits kept in commits.json (newest last); older ones are dropped so the file stays small."""
+KEY_LATEST = "latest"
+MAX_COMMITS = 200
+"""History entries kept in commits.json (newest last); older ones are dropped so the file stays small."""
+MAX_CONSUMERS = 256
+"""Consumers whose newest commit is remembered; the ones that committed longest ago are forgotten first."""
 _CHECKPOINT_RE = re.compile(r"^step-(\d{8,})\.json$")
 
 
@@ -93,16 +101,21 @@ def check_state_dir(recipe: Recipe, state_dir: str | os.PathLike) -> None:
 class ServiceState:
     """Durable state of one service. Open it with :meth:`open`."""
 
-    def __init__(self, root: Path, recipe: Recipe) -> None:
+    def __init__(self, root: Path, recipe: Recipe, *, keep_checkpoints: int = 4, anchor_every: int = 0) -> None:
         self.root = root
         self.recipe = recipe
+        self.keep_checkpoints = keep_checkpoints
+        self.anchor_every = anchor_every
+        self._steps: list[int] | None = None  # sorted index of checkpoint steps, loaded once
 
     @classmethod
-    def open(cls, recipe: Recipe, state_dir: str | os.PathLike) -> "ServiceState":
-        """Check the fingerprint first; create the directory and ``service.json`` only when it matches."""
+    def open(cls, recipe: Recipe, state_dir: str | os.PathLike, *, keep_checkpoints: int = 4,
+             anchor_every: int = 0) -> "ServiceState":
+        """Check the fingerprint first; create the directory and ``service.json`` only when it matches.
+        ``anchor_every=0`` keeps every checkpoint (no pruning)."""
         root = Path(state_dir).expanduser().resolve()
         check_state_dir(recipe, root)
-        state = cls(root, recipe)
+        state = cls(root, recipe, keep_checkpoints=keep_checkpoints, anchor_every=anchor_every)
         meta_path = root / SERVICE_FILE
         if not meta_path.exists():
             atomic_write_json(meta_path, {
@@ -120,15 +133,19 @@ class ServiceState:
         return self.root / CHECKPOINT_DIR / f"step-{step:08d}.json"
 
     def checkpoint_steps(self) -> list[int]:
-        out = []
-        for entry in os.listdir(self.root / CHECKPOINT_DIR):
-            m = _CHECKPOINT_RE.match(entry)
-            if m:
-                out.append(int(m.group(1)))
-        return sorted(out)
+        if self._steps is None:  # one listing per open; later writes and prunes keep the index current
+            out = []
+            for entry in os.listdir(self.root / CHECKPOINT_DIR):
+                m = _CHECKPOINT_RE.match(entry)
+                if m:
+                    out.append(int(m.group(1)))
+            self._steps = sorted(out)
+        return list(self._steps)
 
     def has_checkpoint(self, step: int) -> bool:
-        return self.checkpoint_path(step).exists()
+        self.checkpoint_steps()
+        i = bisect.bisect_left(self._steps, step)
+        return i < len(self._steps) and self._steps[i] == step
 
     def write_checkpoint(self, state: dict[str, Any]) -> int:
         """Validate (recipe, step boundary) and store a merged checkpoint; returns its step. First writer wins:
@@ -138,7 +155,26 @@ class ServiceState:
         path = self.checkpoint_path(step)
         if not path.exists():
             atomic_write_json(path, state)
+        self.checkpoint_steps()
+        if not self.has_checkpoint(step):
+            bisect.insort(self._steps, step)
+        self.prune()
         return step
+
+    def prune(self) -> list[int]:
+        """Delete checkpoints that are neither among the newest ``keep_checkpoints`` nor an anchor (a multiple of
+        ``anchor_every``); returns the deleted steps."""
+        if not self.anchor_every:
+            return []
+        steps = self.checkpoint_steps()
+        recent = set(steps[-self.keep_checkpoints:])
+        doomed = [s for s in steps if s not in recent and s % self.anchor_every]
+        for step in doomed:
+            self.checkpoint_path(step).unlink(missing_ok=True)
+        if doomed:
+            gone = set(doomed)
+            self._steps = [s for s in self._steps if s not in gone]
+        return doomed
 
     def read_checkpoint(self, step: int) -> dict[str, Any]:
         state = _read_json(self.checkpoint_path(step))
@@ -147,23 +183,42 @@ class ServiceState:
 
     def nearest_checkpoint(self, step: int) -> int | None:
         """The newest durable checkpoint step <= ``step`` (None: start from a fresh pipeline at step 0)."""
-        best = None
-        for s in self.checkpoint_steps():
-            if s <= step:
-                best = s
-        return best
+        self.checkpoint_steps()
+        i = bisect.bisect_right(self._steps, step)
+        return self._steps[i - 1] if i else None
 
     # ------------------------------------------------------------------ commits
-    def commits(self) -> list[dict[str, Any]]:
+    def _read_commits(self) -> dict[str, Any]:
         path = self.root / COMMITS_FILE
         if not path.exists():
-            return []
-        return list(_read_json(path).get(KEY_COMMITS, []))
+            return {KEY_COMMITS: [], KEY_LATEST: {}}
+        payload = _read_json(path)
+        history = list(payload.get(KEY_COMMITS, []))
+        latest = payload.get(KEY_LATEST)
+        if latest is None:  # written before per-consumer commits: derive them from the history
+            latest = {}
+            for entry in history:
+                latest[entry[KEY_CONSUMER]] = entry
+        return {KEY_COMMITS: history, KEY_LATEST: latest}
+
+    def commits(self) -> list[dict[str, Any]]:
+        """The recent commit history, newest last."""
+        return self._read_commits()[KEY_COMMITS]
+
+    def consumer_commits(self) -> dict[str, int]:
+        """The newest commit step of every remembered consumer."""
+        return {c: int(e[KEY_STEP]) for c, e in self._read_commits()[KEY_LATEST].items()}
 
     def add_commit(self, step: int, consumer: str) -> dict[str, Any]:
         entry = {KEY_STEP: int(step), KEY_CONSUMER: str(consumer), KEY_TIME: time.time()}
-        commits = (self.commits() + [entry])[-MAX_COMMITS:]
-        atomic_write_json(self.root / COMMITS_FILE, {KEY_FORMAT: STATE_FORMAT, KEY_COMMITS: commits})
+        payload = self._read_commits()
+        history = (payload[KEY_COMMITS] + [entry])[-MAX_COMMITS:]
+        latest = dict(payload[KEY_LATEST])
+        latest[str(consumer)] = entry
+        if len(latest) > MAX_CONSUMERS:
+            latest = dict(sorted(latest.items(), key=lambda kv: kv[1][KEY_TIME])[-MAX_CONSUMERS:])
+        atomic_write_json(self.root / COMMITS_FILE, {KEY_FORMAT: STATE_FORMAT, KEY_COMMITS: history,
+                                                     KEY_LATEST: latest})
         return entry
 
     def latest_commit(self) -> int | None:

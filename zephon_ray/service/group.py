@@ -1,0 +1,337 @@
+"""``ProducerGroup``: launch, run, watch, restart and rescale the M producer actors of one service.
+
+Only the coordinator's pump thread drives it. Each call of :meth:`submit` sends produce/skip/checkpoint calls for
+the next steps up to a target; :meth:`collect` returns the steps whose produce calls finished, as lane refs plus
+the small metadata value (``ray.get`` only ever touches metadata and collective checkpoint states, never shard
+bytes). Any failure replaces the whole group from the newest durable checkpoint <= the first unfinished step.
+
+Guarantees:
+- A dead producer (kill -9, OOM, node loss; inside a collective checkpoint too) or one that makes no progress for
+  ``progress_timeout_s`` while calls are in flight (hung: alive but stuck) is replaced with its whole group
+  (tests/test_service.py::test_kill9_producer_at_three_steps, ::test_watchdog_replaces_a_hung_producer).
+- A producer that fails in ``__init__`` is reported once as a configuration error naming its node and reason
+  (``fatal``), not restarted again and again (::test_producer_init_failure_is_one_config_error).
+- After :meth:`close` no new producer is launched, so ``stop()`` cannot race a restart into orphans.
+- Each generation gets its own Zephon run id ``<run_id>-<instance>-g<N>``; aggregate dirs of older generations
+  are removed when a new one starts.
+Limits: the whole group is replaced, not only the failed producer (Zephon requires every member of a collective
+checkpoint group to restore the same checkpoint); the watchdog cannot tell a very slow producer from a hung one.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import ray
+from ray.exceptions import RayActorError, RayError
+
+from zephon_ray.identity import check_checkpoint_agreement
+from zephon_ray.pipeline import ZephonRank
+from zephon_ray.recipe import Recipe
+from zephon_ray.service.config import HOSTED_STORE, ServiceConfig
+from zephon_ray.service.producer import Producer
+from zephon_ray.service.state import ServiceState
+
+log = logging.getLogger("zephon_ray.service")
+
+MAX_CONSECUTIVE_FAILURES = 4
+"""Producer *errors* (an exception in producer code) without one finished step in between before giving up."""
+MAX_CONSECUTIVE_DEATHS = 50
+"""Producer *deaths* (kill -9, OOM, node loss) in a row before giving up; each restart backs off a little."""
+PING_EVERY_S = 2.0
+PRODUCER_INFIX = ".producer."
+
+
+@dataclass
+class Finished:
+    step: int
+    lane_refs: list[Any]
+    meta: dict[str, int]
+
+
+@dataclass
+class _Generation:
+    number: int
+    actors: list[Any]
+    lanes: list[tuple[int, ...]]
+    run_id: str | None
+    info_refs: list[Any]
+    infos: list[dict[str, Any] | None] = field(default_factory=list)
+
+
+class ProducerGroup:
+    def __init__(self, recipe: Recipe, config: ServiceConfig, state: ServiceState, instance: str) -> None:
+        self.recipe = recipe
+        self.config = config
+        self.state = state
+        self.instance = instance
+        self.gen: _Generation | None = None
+        self.next_step = 0
+        self.fatal: str | None = None
+        self.failures = self.deaths = self.restarts = 0
+        self.hung_replacements = 0
+        self._inflight: dict[int, tuple[list[Any], Any]] = {}  # step -> (lane refs, meta ref)
+        self._skips: dict[int, list[Any]] = {}
+        self._ckpts: dict[int, list[Any]] = {}
+        self._last_progress = time.monotonic()
+        self._last_ping = time.monotonic()
+        self._store = None
+        self._store_address: str | None = None
+        self._closed = False
+        self._launch_lock = threading.Lock()
+
+    # ------------------------------------------------------------------ lifecycle
+    @property
+    def store_address(self) -> str | None:
+        return self._store_address or self.config.aggregate_store
+
+    def _aggregation(self, number: int) -> tuple[str | None, str | None, str | None]:
+        """(run_id, store, dir): each generation of each coordinator instance gets its own Zephon run id, so a
+        replaced group never meets half-finished rounds of the one it replaces."""
+        if not self.config.run_id:
+            return None, None, None
+        run_id = f"{self.config.run_id}-{self.instance}-g{number}"
+        store = self.config.aggregate_store
+        if store == HOSTED_STORE:
+            if self._store is None:
+                from torch.distributed import TCPStore
+
+                host = ray.util.get_node_ip_address()
+                self._store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+                self._store_address = f"torch://{host}:{self._store.port}"
+            store = self._store_address
+        return run_id, store, self.config.aggregate_dir
+
+    def _remove_old_aggregate_dirs(self, keep_run_id: str) -> None:
+        if not self.config.aggregate_dir or not self.config.run_id:
+            return
+        pattern = re.compile(rf"^{re.escape(self.config.run_id)}-[0-9a-f]{{6}}-g\d+(-\d+)?$")
+        root = Path(self.config.aggregate_dir)
+        if not root.is_dir():
+            return
+        for entry in root.iterdir():
+            if pattern.match(entry.name) and not entry.name.startswith(keep_run_id + "-") and entry.name != keep_run_id:
+                shutil.rmtree(entry, ignore_errors=True)
+
+    def launch(self, producers: int, step: int, state: dict[str, Any] | None) -> None:
+        with self._launch_lock:
+            if self._closed:
+                return
+            number = 0 if self.gen is None else self.gen.number + 1
+            run_id, store, agg_dir = self._aggregation(number) if producers > 1 else (None, None, None)
+            actor_cls = ray.remote(Producer)
+            res = self.config.resources
+            actors, lanes = [], []
+            for i in range(producers):
+                rank = ZephonRank(groups=producers, group=i, run_id=run_id, aggregate_store=store,
+                                  aggregate_dir=agg_dir, aggregate_timeout_s=self.config.aggregate_timeout_s)
+                actors.append(actor_cls.options(
+                    name=f"{self.config.name}{PRODUCER_INFIX}{self.instance}.g{number}.{i}",
+                    namespace=self.config.namespace,
+                    # Detached: producers must outlive the job that started the service; the group kills them.
+                    lifetime="detached", num_cpus=res.producer_num_cpus, resources=dict(res.producer_resources),
+                    max_restarts=0,
+                ).remote(self.recipe, rank, state))
+                lanes.append(rank.owned_lanes(self.recipe.lanes))
+            self.gen = _Generation(number=number, actors=actors, lanes=lanes, run_id=run_id,
+                                   info_refs=[a.info.remote() for a in actors], infos=[None] * producers)
+            self.next_step = step
+            self._last_progress = time.monotonic()
+            if run_id:
+                self._remove_old_aggregate_dirs(run_id)
+
+    def close(self) -> None:
+        """No launch after this; kills the current generation."""
+        with self._launch_lock:
+            self._closed = True
+            if self.gen is not None:
+                self._kill(self.gen)
+        self._store = None
+
+    @staticmethod
+    def _kill(gen: _Generation) -> None:
+        for actor in gen.actors:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001 - already dead
+                pass
+
+    def resolve_infos(self) -> None:
+        """Non-blocking: collect producer infos that arrived; a start-up error becomes ``fatal``."""
+        gen = self.gen
+        pending = [r for r, info in zip(gen.info_refs, gen.infos) if info is None]
+        if not pending:
+            return
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
+        for i, ref in enumerate(gen.info_refs):
+            if gen.infos[i] is None and ref in ready:
+                try:
+                    info = ray.get(ref)
+                except RayError:
+                    continue  # died while starting: the pump's restart path handles it
+                gen.infos[i] = info
+                if info.get("error") and not self.fatal:
+                    self.fatal = f"service {self.config.name!r}: configuration error: {info['error']}"
+
+    @property
+    def started(self) -> bool:
+        return self.gen is not None and all(i is not None for i in self.gen.infos)
+
+    def restart(self, reason: str, producers: int | None = None, death: bool = False) -> None:
+        """Replace the whole group from the newest durable checkpoint <= the first unfinished step."""
+        gen = self.gen
+        producers = producers or len(gen.actors)
+        if death:
+            self.deaths += 1
+        else:
+            self.failures += 1
+        self.restarts += 1
+        if self.failures > MAX_CONSECUTIVE_FAILURES or self.deaths > MAX_CONSECUTIVE_DEATHS:
+            self.fatal = (f"service {self.config.name!r}: producers failed {self.failures + self.deaths} times in a "
+                          f"row without finishing a step; last error: {reason}")
+            return
+        log.warning("replacing producer group g%d (%s)", gen.number, reason.splitlines()[0][:300])
+        self._kill(gen)
+        if self.deaths + self.failures > 1:  # repeated failures: back off instead of spinning
+            time.sleep(min(0.25 * 2 ** (self.deaths + self.failures - 2), 5.0))
+        pending = list(self._inflight) + list(self._ckpts) + [s for s in self._skips if s >= 0]
+        first = min(pending) if pending else self.next_step
+        self._inflight.clear()
+        self._ckpts.clear()
+        self._skips.clear()
+        ckpt = self.state.nearest_checkpoint(first) or 0
+        self.launch(producers, ckpt, self.state.read_checkpoint(ckpt) if ckpt else None)
+
+    # ------------------------------------------------------------------ running
+    @property
+    def busy(self) -> bool:
+        return bool(self._inflight or self._skips or self._ckpts)
+
+    def inflight_steps(self) -> list[int]:
+        return sorted(self._inflight)
+
+    def submit(self, target: int, wanted: Callable[[int], bool], submitted: Callable[[int], None]) -> None:
+        """Send calls for steps ``next_step .. target - 1`` (bounded in flight): produce the wanted ones, skip the
+        rest, and a collective checkpoint call before every K-th step that is not durable yet."""
+        gen = self.gen
+        k = self.config.checkpoint_every
+        while self.next_step < target and len(self._inflight) + len(self._skips) < 2 * self.config.window:
+            step = self.next_step
+            if step > 0 and step % k == 0 and not self.state.has_checkpoint(step):
+                self._ckpts[step] = [a.checkpoint.remote(step) for a in gen.actors]
+            if wanted(step):
+                lane_refs, meta_refs = [], []
+                for actor, lanes in zip(gen.actors, gen.lanes):
+                    out = actor.produce.options(num_returns=len(lanes) + 1).remote(step)
+                    lane_refs.extend(out[:-1])
+                    meta_refs.append(out[-1])
+                self._inflight[step] = (lane_refs, meta_refs)
+                submitted(step)
+            else:
+                self._skips[step] = [a.skip.remote(step) for a in gen.actors]
+            self.next_step += 1
+
+    def collect(self, timeout: float) -> list[Finished]:
+        """Wait up to ``timeout`` for calls to finish; returns finished steps. Failures restart the group."""
+        waiting = [r for _, metas in self._inflight.values() for r in metas]
+        waiting += [r for refs in self._skips.values() for r in refs]
+        waiting += [r for refs in self._ckpts.values() for r in refs]
+        now = time.monotonic()
+        if not waiting:
+            self._last_progress = now
+            if now - self._last_ping > PING_EVERY_S:
+                # Idle producers (window full) are pinged, so that one killed while idle is replaced before a
+                # consumer needs the next step rather than when it does.
+                self._last_ping = now
+                self._skips[-1] = [a.info.remote() for a in self.gen.actors]
+            return []
+        ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout, fetch_local=False)
+        if not ready:
+            if now - self._last_progress > self.config.progress_timeout_s:
+                self.hung_replacements += 1
+                self.restart(f"no producer call finished for {self.config.progress_timeout_s:.0f}s "
+                             f"(progress_timeout_s): a producer is alive but stuck")
+            return []
+        self._last_progress = time.monotonic()
+        done = set(ready)
+        out: list[Finished] = []
+        try:
+            for step in sorted(self._ckpts):
+                refs = self._ckpts[step]
+                if any(r in done for r in refs):
+                    for r in refs:
+                        if r in done:
+                            ray.get(r)  # surface a dead rank while the others still wait inside the collective
+                if all(r in done for r in refs):
+                    states = ray.get(refs)  # small merged Zephon states, not shard bytes
+                    check_checkpoint_agreement(states)
+                    self.state.write_checkpoint(states[0])
+                    del self._ckpts[step]
+            for step in sorted(self._skips):
+                refs = self._skips[step]
+                for r in refs:
+                    if r in done:
+                        ray.get(r)
+                if all(r in done for r in refs):
+                    del self._skips[step]
+            for step in sorted(self._inflight):
+                lane_refs, metas = self._inflight[step]
+                for r in metas:
+                    if r in done:
+                        ray.get(r)  # a producer error surfaces here: metadata only, never the shard
+                if all(r in done for r in metas):
+                    meta_values = ray.get(metas)
+                    del self._inflight[step]
+                    meta = {"step": step, "nbytes": sum(m["nbytes"] for m in meta_values),
+                            "tokens": sum(m["tokens"] for m in meta_values)}
+                    out.append(Finished(step, lane_refs, meta))
+            if out:
+                self.failures = self.deaths = 0
+        except RayActorError as exc:
+            self.restart(f"{type(exc).__name__}: {exc}", death=True)
+        except RayError as exc:
+            self.restart(f"{type(exc).__name__}: {exc}")
+        return out
+
+    def drain(self) -> list[Finished]:
+        out: list[Finished] = []
+        while self.busy and not self.fatal:
+            out += self.collect(0.05)
+        return out
+
+    def rescale(self, target: int) -> list[Finished]:
+        """Drain (returning the steps that finished meanwhile), take a collective checkpoint at the current
+        boundary, then start the new group from it."""
+        out: list[Finished] = []
+        try:
+            out = self.drain()
+            if self.fatal:
+                return out
+            gen = self.gen
+            if target != len(gen.actors):
+                step = self.next_step
+                state = None
+                if step > 0:
+                    states = ray.get([a.checkpoint.remote(step) for a in gen.actors],
+                                     timeout=self.config.aggregate_timeout_s + 30)
+                    state = check_checkpoint_agreement(states)
+                    self.state.write_checkpoint(state)
+                self._kill(gen)
+                self.launch(target, step, state)
+        except Exception as exc:  # noqa: BLE001 - a producer died mid-rescale: fall back to durable checkpoints
+            self.restart(f"rescale: {type(exc).__name__}: {traceback.format_exception_only(type(exc), exc)[-1]}",
+                         producers=target, death=isinstance(exc, RayActorError))
+        return out
+
+    def describe(self) -> list[dict[str, Any]]:
+        gen = self.gen
+        return [{"index": i, "generation": gen.number, "lanes": list(lanes), "pid": (info or {}).get("pid"),
+                 "node": (info or {}).get("node")} for i, (lanes, info) in enumerate(zip(gen.lanes, gen.infos))]
