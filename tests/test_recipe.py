@@ -146,7 +146,7 @@ def test_bad_recipes_raise_one_clear_error(tmp_path, what, edit, needle):
 def test_empty_source_dir_is_named(tmp_path):
     empty = tmp_path / "empty"
     empty.mkdir()
-    with pytest.raises(RecipeError, match="no .jsonl or .parquet shards.*empty"):
+    with pytest.raises(RecipeError, match=r"holds no shards \(\.jsonl, \.jsonl\.gz, .*\.parquet\): .*empty"):
         load(tmp_path, BASE.replace(str(FIXTURE / "code"), str(empty)))
 
 

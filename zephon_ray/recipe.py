@@ -4,10 +4,18 @@ Guarantee: a :class:`Recipe` that loads is valid. Every key is known, typed and 
 directory exists and holds shards of one format, every source has at least ``chunk_size`` records, and the
 tokenizer resolves. Errors are :class:`RecipeError` (a ``ValueError``) naming the file and the key.
 
-``Recipe.fingerprint`` identifies the *data*: it covers every data-defining key, each source's shard listing
-(relative names and sizes), the tokenizer's identity and the Zephon version. It ignores how paths are spelled
-and the run-time-only ``[aggregate]`` table. Limit: a shard rewritten in place with the same name and size is
-not detected (content hashing every shard would cost a full read of the corpus at every load).
+``Recipe.fingerprint`` identifies the *batches*. It covers every data-defining key; for each source, the shards
+exactly as Zephon's own discovery lists them (a usable ``index.json`` first, else the ``.jsonl``/``.jsonl.gz``/
+``.jsonl.zst``/... or ``.parquet`` files directly in the directory, not in subdirectories), with each shard's size
+and sha256 and the row count Zephon's discovery assigns it (from the index when it uses one); the tokenizer's content
+hash; and the zephon, tokenizers and digest-format versions (:mod:`zephon_ray.identity`). It ignores how paths are
+spelled, files Zephon does not read, and the run-time-only ``[aggregate]`` table. Each of these is checked against
+the batch digests in ``tests/test_identity.py``. The fingerprint is computed once, where the recipe is loaded, and
+travels with the recipe together with the per-shard detail, so that :func:`zephon_ray.identity.verify_on_node` can
+name the file that differs on another node.
+
+Cost: a sha256 of every shard once per node (cached by path, size, mtime, ctime and inode; see
+:mod:`zephon_ray.identity` for the limits of that cache), then a listing and a ``stat`` per shard.
 """
 
 from __future__ import annotations
@@ -21,10 +29,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from zephon_ray.tokenizers import tokenizer_identity, validate_tokenizer_spec
+from zephon_ray.identity import (
+    SUPPORTED_FORMATS, Environment, ShardIdentity, ShardListingError, detect_format, source_identity,
+)
+from zephon_ray.tokenizers import validate_tokenizer_spec
 
 RECIPE_FORMAT = "zephon-ray/recipe/v1"
-FORMAT_EXTENSIONS = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",)}
 PACKING_ALGORITHMS = ("wrap", "best_fit_wrap", "first_fit", "best_fit")
 
 
@@ -40,8 +50,10 @@ class Source:
     path: Path
     format: str
     weight: float
-    shards: tuple[tuple[str, int], ...]
-    """(relative file name, size in bytes) for every shard, sorted by name."""
+    shards: tuple[ShardIdentity, ...]
+    """Every shard Zephon reads, in Zephon's shard-id order, with its size and sha256."""
+    listing: str = "scan"
+    """How Zephon lists this source: ``"index"`` (an ``index.json``) or ``"scan"`` (the directory)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +89,12 @@ class Recipe:
     shuffle: Shuffle = field(default_factory=Shuffle)
     aggregate: Aggregate = field(default_factory=Aggregate)
     path: Path | None = field(default=None, compare=False)
+    environment: Environment | None = None
+    """Tokenizer content hash and library versions, captured where the recipe was loaded."""
+
+    def __post_init__(self) -> None:
+        if self.environment is None:
+            object.__setattr__(self, "environment", Environment.capture(self.tokenizer))
 
     # ------------------------------------------------------------------ derived sizes
     @property
@@ -123,11 +141,10 @@ class Recipe:
                 "reshuffle_on_repeat": self.shuffle.reshuffle_on_repeat,
             },
             "sources": [
-                {"name": s.name, "format": s.format, "weight": s.weight, "shards": [list(x) for x in s.shards]}
+                {"name": s.name, "format": s.format, "weight": s.weight, "shards": [x.canonical() for x in s.shards]}
                 for s in self.sources
             ],
-            "tokenizer": tokenizer_identity(self.tokenizer),
-            "zephon": _zephon_version(),
+            "environment": self.environment.canonical(),
         }
 
     @cached_property
@@ -281,49 +298,32 @@ class _RecipeParser:
                 raise self.fail(prefix + "weight", f"must be a positive number, got {weight!r}")
             path = self.resolve(self.typed(src, "path", str, ..., prefix))
             fmt = self.typed(src, "format", str, None, prefix) if "format" in src else None
-            if fmt is not None and fmt not in FORMAT_EXTENSIONS:
-                raise self.fail(prefix + "format", f"must be one of {', '.join(FORMAT_EXTENSIONS)}, got {fmt!r}")
-            fmt, shards = self.list_shards(path, fmt, prefix)
-            records = _count_records(name, path, fmt)
+            if fmt is not None and fmt not in SUPPORTED_FORMATS:
+                raise self.fail(prefix + "format", f"must be one of {', '.join(SUPPORTED_FORMATS)}, got {fmt!r}")
+            fmt, listing, shards = self.list_shards(path, fmt, prefix)
+            records = sum(s.rows for s in shards)
             if records < chunk_size:
                 raise self.fail(
                     "chunk_size",
                     f"{chunk_size} is larger than source '{name}' ({records} records in {path}); "
                     "Zephon would drop the whole source as a trailing partial chunk",
                 )
-            out.append(Source(name=name, path=path, format=fmt, weight=float(weight), shards=shards))
+            out.append(Source(name=name, path=path, format=fmt, weight=float(weight), shards=shards, listing=listing))
         return tuple(out)
 
-    def list_shards(self, path: Path, fmt: str | None, prefix: str) -> tuple[str, tuple[tuple[str, int], ...]]:
+    def list_shards(self, path: Path, fmt: str | None, prefix: str) -> tuple[str, str, tuple[ShardIdentity, ...]]:
+        """Zephon's own view of the source directory (see :mod:`zephon_ray.identity`), content-hashed."""
         if not path.is_dir():
             raise self.fail(prefix + "path", f"source directory not found: {path}")
-        by_format = {
-            f: sorted(p for p in path.rglob("*") if p.is_file() and p.name.endswith(exts))
-            for f, exts in FORMAT_EXTENSIONS.items()
-        }
-        present = [f for f, files in by_format.items() if files]
-        if fmt is None:
-            if not present:
-                raise self.fail(prefix + "path", f"source directory holds no .jsonl or .parquet shards: {path}")
-            if len(present) > 1:
-                raise self.fail(prefix + "format", f"{path} mixes {' and '.join(present)} shards; set 'format'")
-            fmt = present[0]
-        files = by_format[fmt]
-        if not files:
-            raise self.fail(prefix + "path", f"source directory holds no {fmt} shards: {path}")
-        empty = [f for f in files if f.stat().st_size == 0]
+        try:
+            if fmt is None:
+                fmt = detect_format(path)
+            listing, shards = source_identity(path, fmt)
+        except ShardListingError as exc:
+            key = "format" if "set 'format'" in str(exc) else "path"
+            raise self.fail(prefix + key, str(exc)) from None
+        empty = [s.name for s in shards if s.size == 0]
         if empty:
-            raise self.fail(prefix + "path", f"empty shard file: {empty[0]}")
-        return fmt, tuple((str(f.relative_to(path)), f.stat().st_size) for f in files)
+            raise self.fail(prefix + "path", f"empty shard file: {path / empty[0]}")
+        return fmt, listing, shards
 
-
-def _count_records(name: str, path: Path, fmt: str) -> int:
-    from zephon.io import Dataset
-
-    return int(Dataset.from_path(name, str(path), fmt=fmt).total())
-
-
-def _zephon_version() -> str:
-    import zephon
-
-    return str(zephon.__version__)

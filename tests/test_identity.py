@@ -1,0 +1,301 @@
+"""Identity: the fingerprint changes exactly when Zephon's batches change, and every node proves it sees the data.
+
+Every "changes the batches" claim here is checked on real batch digests (``GlobalBatchSource``), never assumed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from zephon_ray import GlobalBatchSource, Recipe
+from zephon_ray import identity
+from zephon_ray.identity import (
+    CheckpointDisagreementError, IdentityMismatchError, check_checkpoint_agreement, verify_on_node,
+    zephon_shard_listing,
+)
+from conftest import RECIPES
+
+FIXTURE = RECIPES / "data" / "tiny"
+STEPS = (0, 1, 2)
+
+RECIPE = """
+seed = 7
+lanes = 2
+microbatches_per_lane = 1
+rows_per_microbatch = 2
+seq_len = 32
+chunk_size = 8
+tokenizer = "bytes"
+
+[[sources]]
+name = "prose"
+path = "{root}/prose"
+weight = 0.5
+
+[[sources]]
+name = "code"
+path = "{root}/code"
+weight = 0.5
+"""
+
+
+@pytest.fixture(autouse=True)
+def private_hash_cache(tmp_path, monkeypatch):
+    """Each test gets its own hash cache (never the user's) and a short racy window, so cached entries exist."""
+    monkeypatch.setenv(identity.CACHE_DIR_ENV, str(tmp_path / "hash-cache"))
+    monkeypatch.setattr(identity, "RACY_WINDOW_S", 0.2)
+
+
+def copy_fixture(tmp_path: Path) -> tuple[Path, Path]:
+    data = tmp_path / "data"
+    shutil.copytree(FIXTURE, data)
+    recipe = tmp_path / "r.toml"
+    recipe.write_text(RECIPE.format(root=data))
+    time.sleep(0.3)  # past the racy window: the first load caches the hashes
+    return data, recipe
+
+
+def observe(recipe_path: Path) -> tuple[str, list[str]]:
+    recipe = Recipe.from_toml(recipe_path)
+    with GlobalBatchSource(recipe) as source:
+        return recipe.fingerprint, [source.batch(s).digest for s in STEPS]
+
+
+def swap_text_letters(path: Path) -> None:
+    """Same size, same line count, different records: swap 'o' and 'i' inside every "text" value."""
+    lines = path.read_bytes().split(b"\n")
+    out = []
+    for line in lines:
+        at = line.find(b'"text": "')
+        if at >= 0:
+            head, tail = line[:at + 9], line[at + 9:]
+            line = head + tail.translate(bytes.maketrans(b"oi", b"io"))
+        out.append(line)
+    path.write_bytes(b"\n".join(out))
+
+
+def write_records(path: Path, n: int, tag: str) -> None:
+    text = "".join(json.dumps({"text": f"{tag} record {i} " + "lorem ipsum " * 20}) + "\n" for i in range(n))
+    if path.name.endswith(".gz"):
+        path.write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        path.write_text(text)
+
+
+def build_index(directory: Path, drop_first: bool = False) -> None:
+    """Zephon's own index builder; optionally drop the first shard (the one the first steps of RECIPE read)."""
+    from zephon.build_index import build_index as zephon_build_index
+
+    zephon_build_index("jsonl", directory, progress=False)
+    if drop_first:
+        index = json.loads((directory / "index.json").read_text())
+        index["shards"] = index["shards"][1:]
+        (directory / "index.json").write_text(json.dumps(index))
+
+
+def rewrite_in_place_same_size_and_mtime(data: Path) -> None:
+    shard = data / "prose" / "shard-00000.jsonl"
+    before = shard.stat()
+    swap_text_letters(shard)
+    os.utime(shard, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = shard.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+def subdirectory(directory: Path) -> Path:
+    (directory / "more").mkdir()
+    return directory / "more"
+
+
+# (edit, does Zephon read it?) -- the second item is our expectation; the test checks it against the batches.
+EDITS = {
+    "jsonl.gz beside the shards": (lambda d: write_records(d / "prose" / "shard-00002.jsonl.gz", 40, "gz"), True),
+    "index.json naming the same shards": (lambda d: build_index(d / "prose"), False),
+    "index.json naming a subset": (lambda d: build_index(d / "prose", drop_first=True), True),
+    "shard in a subdirectory": (lambda d: write_records(subdirectory(d / "prose") / "shard-00002.jsonl", 40, "s"),
+                                False),
+    "rewrite in place, same size and mtime": (rewrite_in_place_same_size_and_mtime, True),
+    "unrelated files (.json, .txt)": (lambda d: [write_records(d / "prose" / "extra.json", 40, "json"),
+                                                 (d / "code" / "NOTES.txt").write_text("hello")], False),
+}
+
+
+@pytest.mark.parametrize("name", list(EDITS))
+def test_fingerprint_changes_exactly_when_the_batches_change(tmp_path, name):
+    edit, zephon_reads_it = EDITS[name]
+    data, recipe = copy_fixture(tmp_path)
+    fingerprint, digests = observe(recipe)
+    edit(data)
+    new_fingerprint, new_digests = observe(recipe)
+    assert (new_digests != digests) is zephon_reads_it, f"{name}: the batches {'did not ' * zephon_reads_it}change"
+    assert (new_fingerprint != fingerprint) is zephon_reads_it, f"{name}: the fingerprint disagrees with the batches"
+
+
+LAYOUTS = {
+    "flat": lambda d: None,
+    "compressed beside": lambda d: write_records(d / "shard-00002.jsonl.gz", 10, "gz"),
+    "subdirectory": lambda d: write_records(subdirectory(d) / "x.jsonl", 10, "sub"),
+    "json and txt files": lambda d: (write_records(d / "a.json", 10, "j"), (d / "b.txt").write_text("x")),
+    "index of every shard": lambda d: build_index(d),
+    "index of a subset": lambda d: build_index(d, drop_first=True),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_listing_agrees_with_zephon_discovery(tmp_path, layout):
+    from zephon._internal.io.formats import ensure_builtin_formats
+    from zephon._internal.io.formats.base import get_format
+    from zephon._internal.io.storage import RouterStorageBackend
+
+    directory = tmp_path / "src"
+    shutil.copytree(FIXTURE / "prose", directory)
+    LAYOUTS[layout](directory)
+    ensure_builtin_formats(required={"jsonl"})
+    _, meta = get_format("jsonl").discover(str(directory), RouterStorageBackend())
+    zephon_names = [(meta[i].get("zip") or meta[i]["raw"])["basename"] for i in sorted(meta)]
+    kind, ours = zephon_shard_listing(directory, "jsonl")
+    assert [name for name, _ in ours] == zephon_names
+    assert kind == (identity.LISTING_INDEX if "index" in layout else identity.LISTING_SCAN)
+
+
+def test_parquet_listing_agrees_with_zephon_discovery(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from zephon.io import Dataset
+
+    directory = tmp_path / "pq"
+    (directory / "nested").mkdir(parents=True)
+    for name in ("b.parquet", "a.parquet", "nested/c.parquet"):
+        pq.write_table(pa.table({"text": [f"{name} {i}" for i in range(5)]}), directory / name)
+    (directory / "a.parquet.bak").write_text("x")
+    kind, ours = zephon_shard_listing(directory, "parquet")
+    assert (kind, [n for n, _ in ours]) == (identity.LISTING_SCAN, ["a.parquet", "b.parquet"])
+    assert Dataset.from_path("pq", str(directory), fmt="parquet").shard_count() == 2
+
+
+def test_hash_cache_is_used_and_never_trusted_blindly(tmp_path):
+    data, _ = copy_fixture(tmp_path)
+    prose = data / "prose"
+    _, first = identity.source_identity(prose, "jsonl")
+    assert identity.last_report.hashed == 2
+    _, again = identity.source_identity(prose, "jsonl")
+    assert again == first and (identity.last_report.cached, identity.last_report.hashed) == (2, 0)
+
+    rewrite_in_place_same_size_and_mtime(data)  # same size and mtime: only the ctime tells
+    time.sleep(0.3)  # past the racy window, so the new hash is cached
+    _, rewritten = identity.source_identity(prose, "jsonl")
+    assert identity.last_report.hashed == 1
+    assert rewritten[0].sha256 == identity.sha256_file(prose / "shard-00000.jsonl") != first[0].sha256
+    assert rewritten[1] == first[1]
+
+    for manifest in identity.cache_dir().glob("*.json"):  # a corrupt cache is ignored and rebuilt
+        manifest.write_text("{not json")
+    _, after_corruption = identity.source_identity(prose, "jsonl")
+    assert after_corruption == rewritten and identity.last_report.hashed == 2
+    identity.source_identity(prose, "jsonl")
+    assert identity.last_report.cached == 2
+
+
+def test_fresh_files_are_not_cached(tmp_path):
+    """Timestamps tick coarsely: a file written moments ago could be rewritten within the same tick."""
+    directory = tmp_path / "fresh"
+    directory.mkdir()
+    write_records(directory / "a.jsonl", 5, "a")
+    identity.source_identity(directory, "jsonl")
+    identity.source_identity(directory, "jsonl")
+    assert identity.last_report.hashed == 1
+
+
+def test_environment_is_part_of_the_fingerprint(tiny_recipe):
+    env = tiny_recipe.environment
+    assert env.zephon and env.tokenizers and env.digest_format == "zephon-ray/global-batch/v1"
+    for field in ("tokenizer", "zephon", "tokenizers", "digest_format"):
+        other = dataclasses.replace(tiny_recipe, environment=dataclasses.replace(env, **{field: "other"}))
+        assert other.fingerprint != tiny_recipe.fingerprint, field
+
+
+# ------------------------------------------------------------------------------------------ verify_on_node
+def test_verify_on_node_passes_on_the_same_data(tmp_path):
+    _, recipe_path = copy_fixture(tmp_path)
+    recipe = Recipe.from_toml(recipe_path)
+    assert verify_on_node(recipe, recipe.fingerprint, where="test") == recipe.fingerprint
+
+
+def test_verify_on_node_names_the_file_and_field(tmp_path):
+    data, recipe_path = copy_fixture(tmp_path)
+    recipe = Recipe.from_toml(recipe_path)
+    rewrite_in_place_same_size_and_mtime(data)
+    with pytest.raises(IdentityMismatchError) as info:
+        verify_on_node(recipe, recipe.fingerprint, where="producer for lanes (0,)")
+    message = str(info.value)
+    sha_here = identity.sha256_file(data / "prose" / "shard-00000.jsonl")
+    for needle in ("producer for lanes (0,)", "host ", "source 'prose'", "shard-00000.jsonl", "sha256",
+                   sha_here[:12], recipe.sources[0].shards[0].sha256[:12]):
+        assert needle in message, message
+    assert "\n" not in message
+
+
+def test_verify_on_node_names_missing_and_extra_shards_and_versions(tmp_path):
+    data, recipe_path = copy_fixture(tmp_path)
+    recipe = Recipe.from_toml(recipe_path)
+    (data / "code" / "shard-00001.jsonl").rename(data / "code" / "shard-00001.jsonl.gz.bak")
+    write_records(data / "prose" / "shard-00009.jsonl.gz", 10, "extra")
+    with pytest.raises(IdentityMismatchError) as info:
+        verify_on_node(recipe, where="rank 3")
+    message = str(info.value)
+    assert "source 'code'" in message and "shard-00001.jsonl: missing here" in message, message
+    assert "shard-00009.jsonl.gz: present here" in message, message
+
+    stale = dataclasses.replace(recipe, environment=dataclasses.replace(recipe.environment, zephon="0.1.0"))
+    shutil.rmtree(data)
+    shutil.copytree(FIXTURE, data)
+    with pytest.raises(IdentityMismatchError, match=r"zephon: 0\.2\.0 here, 0\.1\.0 in the recipe's fingerprint"):
+        verify_on_node(stale, where="rank 0")
+
+
+def test_verify_on_node_refuses_a_recipe_with_another_fingerprint(tiny_recipe):
+    with pytest.raises(IdentityMismatchError, match="expected 000000000000"):
+        verify_on_node(tiny_recipe, "0" * 64, where="replayer")
+
+
+# ------------------------------------------------------------------------------------------ collective agreement
+def test_checkpoint_agreement_with_real_collective_checkpoints(tmp_path):
+    """Two real Zephon ranks take one collective checkpoint through a directory; a tampered copy is named."""
+    import threading
+
+    from zephon_ray.lanes import LaneStepper
+    from zephon_ray.pipeline import ZephonRank
+
+    recipe = Recipe.from_toml(RECIPES / "tiny.toml")
+    steppers = [LaneStepper(recipe, ZephonRank(groups=2, group=g, run_id="agree", aggregate_dir=str(tmp_path / "agg"),
+                                               aggregate_timeout_s=60)) for g in range(2)]
+    states: list = [None, None]
+
+    def run(g: int) -> None:
+        steppers[g].next_step()
+        states[g] = steppers[g].checkpoint()
+
+    threads = [threading.Thread(target=run, args=(g,)) for g in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    for s in steppers:
+        s.close()
+    assert all(s is not None for s in states)
+    assert check_checkpoint_agreement(states) is states[0]
+
+    tampered = json.loads(json.dumps(states[1]))
+    tampered["next_step"] = tampered["next_step"] + 1
+    with pytest.raises(CheckpointDisagreementError, match=r"rank 1 has [0-9a-f]{12}.*previous durable checkpoint"):
+        check_checkpoint_agreement([states[0], tampered], what="collective checkpoint at step 1")
+    with pytest.raises(CheckpointDisagreementError, match=r"rank 0 has"):
+        check_checkpoint_agreement([tampered, states[0], states[1]])
