@@ -3,12 +3,18 @@
     python examples/elastic_resume.py                 # service mode (the zephon-ray DataService)
     python examples/elastic_resume.py --mode local    # each worker runs Zephon for its own lanes (torch:// store)
     python examples/elastic_resume.py --recipe recipes/demo.toml   # what `make demo` runs (stdlib corpus, BPE)
+    python examples/elastic_resume.py --trainer torchtitan        # TorchTitan's Trainer, llama3 debug model, CPU
 
 It starts its own private local Ray cluster and, all under Ray Train's TorchTrainer, runs:
 
 1. a reference run at a fixed W (2 workers, all steps);
 2. a run at W1=4 that checkpoints at step k (through ray.train.report);
 3. a resume at W2=2 from ray.train.get_checkpoint(), then a resume at W3=3.
+
+The default trainer is the tiny bigram LM of examples/bigram.py, which reads its batches through Ray Train's own
+data API (``ray.train.get_dataset_shard`` over a ``ZephonDataset``). ``--trainer torchtitan`` runs TorchTitan's
+real Trainer (llama3 debug model, 2 layers, CPU shims; zephon_ray.torchtitan.ray_train) instead, with TorchTitan's
+own DCP checkpoints shared by the fits of a run.
 
 Recipe recipes/elastic.toml has 12 lanes and B = 24 rows, so 2, 3 and 4 divide both. Every step's global digest is
 gathered from the ranks' slices; the script prints digests and losses side by side, checks them against the
@@ -29,6 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 DEFAULT_RECIPE = str(ROOT / "recipes" / "elastic.toml")
+LOSS_TOLERANCE = {"bigram": 1e-5, "torchtitan": 1e-4}
 
 
 def main() -> int:
@@ -36,6 +43,7 @@ def main() -> int:
     parser.add_argument("--recipe", default=DEFAULT_RECIPE,
                         help="recipe TOML; its B and (local mode) L must be divisible by every W used")
     parser.add_argument("--mode", choices=("service", "local"), default="service")
+    parser.add_argument("--trainer", choices=("bigram", "torchtitan"), default="bigram")
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--k", type=int, default=4, help="the W1 run trains and checkpoints up to step k")
     parser.add_argument("--k2", type=int, default=6, help="the W2 run trains up to this step")
@@ -52,7 +60,7 @@ def main() -> int:
     import ray
 
     from zephon_ray import GlobalBatchSource, Recipe
-    from zephon_ray.torchtitan.ray_train import ElasticRun, fit, read_log
+    from zephon_ray.torchtitan.ray_train import read_log
 
     work = Path(tempfile.mkdtemp(prefix="zephon-ray-demo-"))
     ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=str(work / "ray"),
@@ -61,7 +69,7 @@ def main() -> int:
     service = None
     t0 = time.time()
     try:
-        loader = {"mode": args.mode}
+        loader: dict = {"mode": args.mode}
         if args.mode == "service":
             from zephon_ray import DataService
 
@@ -74,16 +82,38 @@ def main() -> int:
         else:
             loader["aggregate_store"] = "torch://"
 
+        def fit_bigram(name: str, world: int, until: int, log: Path):
+            from ray.train import RunConfig, ScalingConfig
+            from ray.train.torch import TorchTrainer
+
+            from examples.bigram import train_loop
+            from zephon_ray.ray_train import ZephonDataConfig, ZephonDataset
+
+            dataset = ZephonDataset(service) if service is not None else \
+                ZephonDataset(RECIPE, aggregate_dir=loader.get("aggregate_dir"))
+            return TorchTrainer(
+                train_loop, train_loop_config={"log_path": str(log), "steps": until, "checkpoint_every": 2},
+                datasets={"train": dataset}, dataset_config=ZephonDataConfig(run_id=f"demo-{name}"),
+                scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 0.25}),
+                run_config=RunConfig(name=name, storage_path=str(work / "ray-results")),
+            ).fit()
+
+        def fit_torchtitan(name: str, world: int, until: int, log: Path):
+            from zephon_ray.torchtitan.ray_train import TitanRun, fit
+
+            run = TitanRun(recipe=RECIPE, run_id=f"demo-{name}", dump_folder=str(work / f"dump-{name}"),
+                           log_path=str(log), steps=until, checkpoint_every=2, **loader)
+            return fit(run, workers=world, name=name, storage_path=str(work / "ray-results"))
+
         def phase(label: str, name: str, world: int, until: int, log: Path) -> None:
             t = time.time()
-            run = ElasticRun(recipe=RECIPE, run_id=f"demo-{name}", log_path=str(log), steps=until,
-                             checkpoint_every=2, **loader)
-            result = fit(run, workers=world, name=name, storage_path=str(work / "ray-results"))
+            result = (fit_torchtitan if args.trainer == "torchtitan" else fit_bigram)(name, world, until, log)
             if result.error is not None:
                 raise RuntimeError(f"{label} failed: {result.error}")
             print(f"  {label:<44} W={world}  until step {until:<3} {time.time() - t:5.1f} s", flush=True)
 
-        print(f"zephon-ray elastic resume demo: recipe {RECIPE}, mode {args.mode}, {args.steps} steps")
+        print(f"zephon-ray elastic resume demo: trainer {args.trainer}, recipe {RECIPE}, mode {args.mode}, "
+              f"{args.steps} steps")
         ref_log, el_log = work / "reference.jsonl", work / "elastic.jsonl"
         phase("reference run (fixed W)", "reference", args.reference_world, args.steps, ref_log)
         phase(f"run at W1, checkpoint at step k={args.k}", "elastic", w1, args.k, el_log)
@@ -92,6 +122,8 @@ def main() -> int:
 
         with GlobalBatchSource(Recipe.from_toml(RECIPE)) as source:
             expected = [source.batch(s).digest for s in range(args.steps)]
+        # Gradients are reduced in a different order at each W; TorchTitan's AdamW amplifies that more than SGD.
+        tolerance = LOSS_TOLERANCE[args.trainer]
         ref = {r["step"]: r for r in read_log(str(ref_log))}
         elastic = {r["step"]: r for r in read_log(str(el_log))}
 
@@ -105,7 +137,7 @@ def main() -> int:
                 print(f"{s:>4}  missing a record")
                 ok = False
                 continue
-            same = a["digest"] == b["digest"] == expected[s] and abs(a["loss"] - b["loss"]) <= 1e-5
+            same = a["digest"] == b["digest"] == expected[s] and abs(a["loss"] - b["loss"]) <= tolerance
             ok &= same
             print(f"{s:>4}  {a['world']:>2} {a['digest'][:16]:<18} {b['world']:>2} {b['digest'][:16]:<18} "
                   f"{a['loss']:>11.6f} {b['loss']:>14.6f}  {'yes' if same else 'NO'}")
@@ -114,8 +146,8 @@ def main() -> int:
               f"{'yes' if [elastic.get(s, {}).get('digest') for s in range(args.steps)] == expected else 'NO'}")
         worst = max((abs(ref[s]["loss"] - elastic[s]["loss"]) for s in range(args.steps)
                      if s in ref and s in elastic), default=0.0)
-        print(f"largest loss difference: {worst:.1e} (tolerance 1e-5: gradient sums are reduced in a different "
-              "order at each W)")
+        print(f"largest loss difference: {worst:.1e} (tolerance {tolerance:.0e}: gradient sums are reduced in a "
+              "different order at each W)")
         print(f"identical global batches: {'YES' if ok else 'NO'}   ({time.time() - t0:.0f} s)")
         return 0 if ok else 1
     finally:

@@ -1,9 +1,11 @@
-"""Ray Train elastic training on zephon-ray batches: every resize and every failure keeps the global batches.
+"""Ray Train elastic training through Ray Train's own data API: every resize and every failure keeps the batches.
 
-Each scenario trains the plain torch loop (a tiny bigram LM) under ``TorchTrainer``: 4 workers to step 4, resumed
-from the Ray Train checkpoint by 2 workers to step 6, then by 3 workers to step 8 (recipes/elastic.toml: 12 lanes,
-B = 24, so 2, 3 and 4 divide both). Every step's global digest, gathered from the ranks' slices, must equal the
-in-process reference, and every loss the W=1 in-process reference.
+Each scenario trains ``examples/bigram.py``, whose loop reads ``ray.train.get_dataset_shard("train")`` (a
+``ZephonDataset`` configured by ``ZephonDataConfig``) and resumes from ``ray.train.get_checkpoint()``: 4 workers to
+step 4, then 2 workers to step 6, then 3 workers to step 8, each a new ``fit()`` on the same run (recipes/elastic.toml:
+12 lanes, B = 24, so 2, 3 and 4 divide both). ``ZephonDataConfig.configure`` re-runs at every start with the new
+world size. Every step's global digest, gathered from the ranks' slices, must equal ``GlobalBatchSource``'s, and
+every loss the W=1 in-process reference.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from train_helpers import KillOnce, bigram, fit_bigram
 
 from zephon_ray import GlobalBatchSource, Recipe
 
@@ -18,31 +21,28 @@ ROOT = Path(__file__).resolve().parents[1]
 ELASTIC = str(ROOT / "recipes" / "elastic.toml")
 STEPS = 8
 SCHEDULE = ((4, 4), (2, 6), (3, 8))  # (W, train until step)
+WORLDS = [4] * 4 + [2] * 2 + [3] * 2
 
 
 @pytest.fixture(scope="module")
 def elastic_reference():
-    from zephon_ray.torchtitan.ray_train import ElasticRun, reference_losses
-
     with GlobalBatchSource(Recipe.from_toml(ELASTIC)) as source:
         digests = [source.batch(s).digest for s in range(STEPS)]
-    losses = reference_losses(ElasticRun(recipe=ELASTIC, run_id="ref", log_path="", steps=STEPS))
-    return digests, losses
+    return digests, bigram.reference_losses(ELASTIC, STEPS)
 
 
-def run_schedule(tmp_path, schedule, **loader):
-    from zephon_ray.torchtitan.ray_train import ElasticRun, fit, read_log
+def run_schedule(tmp_path, dataset, run_id):
+    from zephon_ray.torchtitan.ray_train import read_log
 
     log = str(tmp_path / "steps.jsonl")
-    for world, until in schedule:
-        run = ElasticRun(recipe=ELASTIC, run_id="elastic-test", log_path=log, steps=until, checkpoint_every=2,
-                         **loader)
-        result = fit(run, workers=world, name="elastic", storage_path=str(tmp_path / "ray-results"))
+    for world, until in SCHEDULE:
+        result = fit_bigram(dataset, workers=world, name="elastic", storage_path=str(tmp_path / "ray-results"),
+                            log_path=log, steps=until, run_id=run_id)
         assert result.error is None, result.error
     return read_log(log)
 
 
-def check(records, elastic_reference, worlds):
+def check(records, elastic_reference, worlds=WORLDS):
     digests, losses = elastic_reference
     assert [r["step"] for r in records] == list(range(STEPS))
     assert [r["world"] for r in records] == worlds
@@ -51,53 +51,55 @@ def check(records, elastic_reference, worlds):
         assert r["loss"] == pytest.approx(losses[r["step"]], abs=1e-5), r
 
 
-WORLDS = [4] * 4 + [2] * 2 + [3] * 2
-
-
-def test_elastic_4_2_3_service(ray_cluster, tmp_path, elastic_reference):
+def test_get_dataset_shard_4_2_3_service(ray_cluster, tmp_path, elastic_reference):
     from zephon_ray import DataService
+    from zephon_ray.ray_train import ZephonDataset
 
     service = DataService.start(ELASTIC, name="elastic-svc", namespace="zr-elastic-tests", producers=2, window=8,
                                 state_dir=str(tmp_path / "svc"), checkpoint_every=4, aggregate_store="torch://",
                                 run_id="elastic-svc")
     try:
-        records = run_schedule(tmp_path, SCHEDULE, mode="service", service_name="elastic-svc",
-                               service_namespace="zr-elastic-tests")
+        records = run_schedule(tmp_path, ZephonDataset(service), "elastic-svc")
     finally:
         service.stop()
-    check(records, elastic_reference, WORLDS)
+    check(records, elastic_reference)
 
 
-def test_elastic_4_2_3_local_torch_store(ray_cluster, tmp_path, elastic_reference):
-    """Local mode aggregating through Ray Train's own TCPStore (rank 0's, a new port after every restart)."""
-    records = run_schedule(tmp_path, SCHEDULE, mode="local", aggregate_store="torch://")
-    check(records, elastic_reference, WORLDS)
+def test_get_dataset_shard_4_2_3_local_torch_store(ray_cluster, tmp_path, elastic_reference):
+    """Local mode: Zephon's collective checkpoint aggregates through Ray Train's own TCPStore (rank 0's, a new
+    port after every restart)."""
+    from zephon_ray.ray_train import ZephonDataset
+
+    check(run_schedule(tmp_path, ZephonDataset(ELASTIC), "elastic-local"), elastic_reference)
 
 
-def test_elastic_4_2_3_local_dir(ray_cluster, tmp_path, elastic_reference):
-    records = run_schedule(tmp_path, SCHEDULE, mode="local", aggregate_dir=str(tmp_path / "aggregate"))
-    check(records, elastic_reference, WORLDS)
+@pytest.mark.slow
+def test_get_dataset_shard_4_2_3_local_dir(ray_cluster, tmp_path, elastic_reference):
+    from zephon_ray.ray_train import ZephonDataset
+
+    dataset = ZephonDataset(ELASTIC, aggregate_dir=str(tmp_path / "aggregate"))
+    check(run_schedule(tmp_path, dataset, "elastic-dir"), elastic_reference)
 
 
 @pytest.mark.parametrize("mode", ["local", pytest.param("service", marks=pytest.mark.slow)])
 def test_worker_killed_mid_run_replays_identical_steps(ray_cluster, tmp_path, elastic_reference, mode):
     """Rank 1 of 2 SIGKILLs itself before step 3; Ray Train restarts the group from the step-2 checkpoint
-    (FailureConfig(max_failures=1)); steps 2.. are replayed and every record, replays included, matches."""
+    (FailureConfig(max_failures=1)), configure() hands the new group fresh shards, steps 2.. are replayed, and
+    every record, replays included, matches."""
     from zephon_ray import DataService
-    from zephon_ray.torchtitan.ray_train import ElasticRun, fit, read_log
+    from zephon_ray.ray_train import ZephonDataset
+    from zephon_ray.torchtitan.ray_train import read_log
 
     digests, losses = elastic_reference
     log, marker = str(tmp_path / "steps.jsonl"), tmp_path / "killed"
+    service = None
     if mode == "service":
         service = DataService.start(ELASTIC, name="chaos-svc", namespace="zr-elastic-tests", producers=2,
                                     state_dir=str(tmp_path / "svc"), aggregate_store="torch://", run_id="chaos-svc")
-        loader = {"mode": "service", "service_name": "chaos-svc", "service_namespace": "zr-elastic-tests"}
-    else:
-        service, loader = None, {"mode": "local", "aggregate_store": "torch://"}
-    run = ElasticRun(recipe=ELASTIC, run_id="chaos", log_path=log, steps=6, checkpoint_every=2,
-                     kill={"step": 3, "rank": 1, "marker": str(marker)}, **loader)
     try:
-        result = fit(run, workers=2, name="chaos", storage_path=str(tmp_path / "ray-results"), max_failures=1)
+        result = fit_bigram(ZephonDataset(service or ELASTIC), workers=2, name="chaos",
+                            storage_path=str(tmp_path / "ray-results"), log_path=log, steps=6, run_id="chaos",
+                            max_failures=1, before_step=KillOnce(step=3, rank=1, marker=str(marker)))
     finally:
         if service is not None:
             service.stop()

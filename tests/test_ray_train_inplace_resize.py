@@ -1,9 +1,10 @@
 """In-place elastic resize inside ONE Ray Train ``fit()`` keeps every global batch identical.
 
-A private simulated multi-node cluster (``ray.cluster_utils.Cluster``) starts with a 2-CPU head node, so that only
-the minimum of ``ScalingConfig(num_workers=(2, 4))`` fits (1 CPU per worker). Once the first step record is in the
-log, a second 2-CPU node joins; Ray Train's elastic policy notices it (``elastic_resize_monitor_interval_s``) and
-restarts the worker group at W=4 from the latest registered checkpoint, all within the same ``fit()``. The steps
+The loop is ``examples/bigram.py`` reading ``ray.train.get_dataset_shard`` (``ZephonDataConfig.configure`` runs
+again for the W=4 group). A private simulated multi-node cluster (``ray.cluster_utils.Cluster``) starts with a
+2-CPU head node, so that only the minimum of ``ScalingConfig(num_workers=(2, 4))`` fits (1 CPU per worker). Once
+the first step record is in the log, a second 2-CPU node joins; Ray Train's elastic policy notices it
+(``elastic_resize_monitor_interval_s``) and restarts the worker group at W=4 from the latest registered checkpoint, all within the same ``fit()``. The steps
 after that checkpoint are replayed. Every record, replays included, must carry the in-process reference digest
 of its step (recipes/elastic.toml: 12 lanes, B = 24 rows, so W = 2 and W = 4 both divide).
 
@@ -42,7 +43,10 @@ def _drive(work: str, log: str, summary: str) -> None:
     import ray
     from ray.cluster_utils import Cluster
 
-    from zephon_ray.torchtitan.ray_train import ElasticRun, fit, read_log
+    from train_helpers import fit_bigram
+
+    from zephon_ray.ray_train import ZephonDataset
+    from zephon_ray.torchtitan.ray_train import read_log
 
     temp_dir = tempfile.mkdtemp(prefix="zr-inplace-", dir="/tmp")
     # Cluster() records its address in <RAY_TMPDIR>/ray/ray_current_cluster: keep that in our own dir, not /tmp/ray.
@@ -54,14 +58,13 @@ def _drive(work: str, log: str, summary: str) -> None:
         cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": MIN_W, "temp_dir": temp_dir})
         ray.init(address=cluster.address, namespace="zr-inplace-resize", log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}})
-        run = ElasticRun(recipe=ELASTIC, run_id="inplace", log_path=log, steps=STEPS, checkpoint_every=2,
-                         mode="local", aggregate_store="torch://")
 
         def train() -> None:
             try:
-                result = fit(run, workers=(MIN_W, MAX_W), name="inplace",
-                             storage_path=str(Path(work) / "ray-results"), cpu_per_worker=1.0,
-                             resize_monitor_interval_s=MONITOR_S)
+                result = fit_bigram(ZephonDataset(ELASTIC), workers=(MIN_W, MAX_W), name="inplace",
+                                    storage_path=str(Path(work) / "ray-results"), log_path=log, steps=STEPS,
+                                    run_id="inplace", cpu_per_worker=1.0,
+                                    elastic_resize_monitor_interval_s=MONITOR_S)
                 info["error"] = None if result.error is None else repr(result.error)
             except BaseException as exc:  # reported to the test, which fails on it
                 info["error"] = repr(exc)

@@ -1,0 +1,126 @@
+"""A tiny bigram language model trained under Ray Train from ``ray.train.get_dataset_shard`` (zephon_ray.ray_train).
+
+Used by ``examples/elastic_resume.py`` (the fast default of ``make demo``) and by the Ray Train tests. The loop
+sums gradients over gloo and divides the summed token loss by the step's token count, so its losses are the same
+at every W up to float summation order: :func:`reference_losses` computes them in-process at W=1 from
+``GlobalBatchSource``.
+
+Every ``checkpoint_every`` steps (and at the end) it reports a Ray Train checkpoint holding the loader state
+(``zephon_loader.json``), the model and the optimizer, and it resumes from ``ray.train.get_checkpoint()`` at
+whatever W the new worker group has. Rank 0 appends one JSON line per step to ``log_path``: step, W, the global
+digest gathered from every rank's slice, the loss, its pid and the time (replayed steps included).
+
+``before_step`` (optional, a picklable ``callable(step, rank)``) runs at the top of each step: the tests inject
+failures through it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+MODEL_FILE = "model.pt"
+OPTIM_FILE = "optim.pt"
+DEFAULTS = {"steps": 8, "checkpoint_every": 2, "lr": 0.05, "dim": 32, "seed": 0, "dataset": "train",
+            "before_step": None}
+
+
+def bigram_model(vocab: int, dim: int, seed: int):
+    import torch
+
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab))
+
+
+def _loss(model, inputs, labels, tokens_per_step: int):
+    import torch
+
+    logits = model(inputs["input"])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100, reduction="sum") / tokens_per_step
+
+
+def train_loop(config: dict[str, Any]) -> None:
+    """Ray Train ``train_loop_per_worker``; ``config``: ``log_path`` plus any key of ``DEFAULTS``."""
+    import ray.train
+    import torch
+    import torch.distributed as dist
+
+    from zephon_ray.ray_train import global_digest
+    from zephon_ray.tokenizers import build_tokenizer
+
+    cfg = {**DEFAULTS, **config}
+    ctx = ray.train.get_context()
+    world, rank = ctx.get_world_size(), ctx.get_world_rank()
+    shard = ray.train.get_dataset_shard(cfg["dataset"])
+    recipe = shard.recipe
+    model = bigram_model(int(build_tokenizer(recipe.tokenizer).vocab_size), cfg["dim"], cfg["seed"])
+    optim = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+    checkpoint = ray.train.get_checkpoint()
+    shard.restore(checkpoint)
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            model.load_state_dict(torch.load(Path(d) / MODEL_FILE, weights_only=True))
+            optim.load_state_dict(torch.load(Path(d) / OPTIM_FILE, weights_only=True))
+    tokens_per_step = recipe.global_batch_rows * recipe.seq_len
+    try:
+        for batch in shard.iter_steps(until=cfg["steps"]):
+            if cfg["before_step"] is not None:
+                cfg["before_step"](batch.step, rank)
+            optim.zero_grad(set_to_none=True)
+            step_loss = torch.zeros(())
+            for inputs, labels in batch.microbatches:
+                loss = _loss(model, inputs, labels, tokens_per_step)
+                loss.backward()
+                step_loss += loss.detach()
+            if world > 1:
+                for p in model.parameters():
+                    dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
+                dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
+            optim.step()
+            digest = global_digest(batch.slice)
+            if rank == 0:
+                with open(cfg["log_path"], "a") as fh:
+                    fh.write(json.dumps({"step": batch.step, "world": world, "digest": digest,
+                                         "loss": float(step_loss), "pid": os.getpid(), "time": time.time()}) + "\n")
+            done = batch.step + 1
+            if done % cfg["checkpoint_every"] == 0 or done == cfg["steps"]:
+                metrics = {"step": batch.step, "loss": float(step_loss), "world": world}
+                with tempfile.TemporaryDirectory(prefix="zr-bigram-") as d:
+                    shard.save(d)  # every rank: in local mode the Zephon snapshot is collective
+                    if rank == 0:
+                        torch.save(model.state_dict(), Path(d) / MODEL_FILE)
+                        torch.save(optim.state_dict(), Path(d) / OPTIM_FILE)
+                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0
+                                     else None)
+    finally:
+        shard.close()
+
+
+def reference_losses(recipe_path: str, steps: int, **overrides: Any) -> list[float]:
+    """The losses :func:`train_loop` must report, computed in-process at W=1 from ``GlobalBatchSource``."""
+    import torch
+
+    from zephon_ray.recipe import Recipe
+    from zephon_ray.source import GlobalBatchSource
+    from zephon_ray.tokenizers import build_tokenizer
+
+    cfg = {**DEFAULTS, **overrides}
+    recipe = Recipe.from_toml(recipe_path)
+    model = bigram_model(int(build_tokenizer(recipe.tokenizer).vocab_size), cfg["dim"], cfg["seed"])
+    optim = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
+    tokens_per_step = recipe.global_batch_rows * recipe.seq_len
+    losses = []
+    with GlobalBatchSource(recipe) as source:
+        for step in range(steps):
+            optim.zero_grad(set_to_none=True)
+            (inputs, labels), = source.batch(step).slice(0, 1).microbatches(recipe.global_batch_rows)
+            loss = _loss(model, inputs, labels, tokens_per_step)
+            loss.backward()
+            optim.step()
+            losses.append(float(loss.detach()))
+    return losses

@@ -1,0 +1,102 @@
+"""``zephon_ray.ray_train`` without a Ray Train run: validation when built, ``configure`` at any world size, and a
+shard read in-process (W=1) whose steps and resume match ``GlobalBatchSource``. The 4 -> 2 -> 3 Ray Train runs
+through ``get_dataset_shard`` are in tests/test_ray_train_elastic.py."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+
+import pytest
+
+from zephon_ray import GlobalBatchSource, Recipe
+from zephon_ray.ray_train import STATE_FILE, ZephonDataConfig, ZephonDataset, ZephonDatasetShard
+
+ROOT = Path(__file__).resolve().parents[1]
+ELASTIC = str(ROOT / "recipes" / "elastic.toml")
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"run_id": ""}, "run_id"), ({"local_batch_size": -1}, "local_batch_size"), ({"prefetch": 0}, "prefetch"),
+    ({"checkpoint_every": 2.5}, "checkpoint_every"), ({"local_batch_size": True}, "local_batch_size"),
+])
+def test_data_config_rejects_bad_values_when_built(kwargs, key):
+    with pytest.raises(ValueError, match=f"'{key}'"):
+        ZephonDataConfig(**kwargs)
+
+
+def test_dataset_rejects_bad_sources_in_the_driver(tmp_path):
+    with pytest.raises(ValueError, match="recipe file not found"):
+        ZephonDataset(tmp_path / "missing.toml")
+    with pytest.raises(TypeError, match="recipe path or a DataService"):
+        ZephonDataset(42)
+    with pytest.raises(ValueError, match="at most one of aggregate_store"):
+        ZephonDataset(ELASTIC, aggregate_store="torch://", aggregate_dir=str(tmp_path))
+
+
+def test_configure_hands_each_rank_its_shard_at_every_world_size():
+    dataset, config = ZephonDataset(ELASTIC), ZephonDataConfig(run_id="r")
+    for world in (1, 2, 3, 4, 12):  # what an elastic restart does: configure again with the new world size
+        shards = config.configure({"train": dataset}, world, None, None)
+        assert len(shards) == world
+        assert [(s["train"].rank, s["train"].world) for s in shards] == [(r, world) for r in range(world)]
+        assert shards[0]["train"].microbatches_per_step == 1  # local_batch_size 0: one microbatch per step
+    assert dataset.aggregate_store == "torch://"  # local mode aggregates through Ray Train's own TCPStore
+
+
+@pytest.mark.parametrize("world, local_batch_size, message", [
+    (5, 0, "5 workers do not divide the global batch of 24 rows"),
+    (8, 0, "divide the recipe's 12 lanes, got 8 workers"),
+    (2, 5, "local_batch_size 5 does not divide a rank's 12 rows"),
+])
+def test_configure_refuses_a_world_that_cannot_be_served(world, local_batch_size, message):
+    config = ZephonDataConfig(run_id="r", local_batch_size=local_batch_size)
+    with pytest.raises(ValueError, match=message) as err:
+        config.configure({"train": ZephonDataset(ELASTIC)}, world, None, None)
+    assert "dataset 'train'" in str(err.value)
+
+
+def test_shard_reads_global_batches_and_resumes_from_its_saved_state(tmp_path):
+    """A W=1 shard (pickled as Ray Train ships it) yields every step's rows; save() + restore() on a fresh shard
+    continues at the saved step with the same rows (checked by digest against GlobalBatchSource)."""
+    from ray.train import Checkpoint
+
+    (shard,) = (s["train"] for s in ZephonDataConfig(run_id="r", local_batch_size=4, checkpoint_every=2)
+                .configure({"train": ZephonDataset(ELASTIC)}, 1, None, None))
+    shard = pickle.loads(pickle.dumps(shard))
+    with GlobalBatchSource(Recipe.from_toml(ELASTIC)) as source:
+        expected = [source.batch(s).digest for s in range(5)]
+    try:
+        seen = []
+        for batch in shard.iter_steps(until=2):
+            assert len(batch.microbatches) == 6 and batch.microbatches[0][0]["input"].shape == (4, 64)
+            seen.append(_digest(batch.slice))
+        assert seen == expected[:2]
+        state = shard.save(tmp_path)
+        assert state["next_step"] == 2 and (tmp_path / STATE_FILE).is_file()
+    finally:
+        shard.close()
+    fresh = pickle.loads(pickle.dumps(shard))
+    try:
+        assert fresh.restore(Checkpoint.from_directory(str(tmp_path))) == 2
+        steps = [(mb.step, mb.last) for mb in fresh.iter_torch_batches(until=3)]
+        assert steps == [(2, False)] * 5 + [(2, True)]
+        assert _digest(fresh.loader.last_slice) == expected[2]
+    finally:
+        fresh.close()
+
+
+def test_restore_refuses_a_checkpoint_without_loader_state(tmp_path):
+    from ray.train import Checkpoint
+
+    shard = ZephonDataConfig(run_id="r").configure({"train": ZephonDataset(ELASTIC)}, 1, None, None)[0]["train"]
+    assert isinstance(shard, ZephonDatasetShard)
+    with pytest.raises(FileNotFoundError, match=STATE_FILE):
+        shard.restore(Checkpoint.from_directory(str(tmp_path)))
+    shard.close()
+
+
+def _digest(piece):
+    from zephon_ray.batch import compute_digest
+
+    return compute_digest(piece.tokens, piece.positions)

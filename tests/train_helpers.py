@@ -1,0 +1,68 @@
+"""Test scaffolding for the Ray Train tests: failure injection and one ``TorchTrainer.fit()`` of the bigram example.
+
+The model, its loop and its reference losses belong to ``examples/bigram.py`` (tests import them from there). This
+module is pickled by value into Ray Train workers (they cannot import ``tests/`` by name).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray.cloudpickle
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # `examples` is a namespace package under the repository root
+    sys.path.insert(0, str(ROOT))
+
+from examples import bigram  # noqa: E402
+
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+
+@dataclass(frozen=True)
+class KillOnce:
+    """A ``before_step`` hook: rank ``rank`` SIGKILLs itself before step ``step``, once (``marker`` records it).
+
+    It waits ``after_s`` first: Ray Train v2 registers a reported checkpoint at its next poll of the worker group
+    (about every 2 s); a worker dying sooner after a report loses that checkpoint, and the restart then replays
+    from an older one (still the same batches, only more replay)."""
+
+    step: int
+    rank: int
+    marker: str
+    after_s: float = 5.0
+
+    def __call__(self, step: int, rank: int) -> None:
+        if step == self.step and rank == self.rank and not os.path.exists(self.marker):
+            time.sleep(self.after_s)
+            Path(self.marker).write_text(f"killed rank {rank} pid {os.getpid()} before step {step}\n")
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fit_bigram(dataset: Any, *, workers: int | tuple[int, int], name: str, storage_path: str, log_path: str,
+               steps: int, run_id: str, max_failures: int = 0, cpu_per_worker: float = 0.25,
+               checkpoint_every: int = 2, before_step: Any = None, **scaling: Any) -> Any:
+    """One ``TorchTrainer.fit()`` of ``examples/bigram.py`` reading ``dataset`` through ``get_dataset_shard``.
+    Reuse ``name``/``storage_path`` to resume from the latest checkpoint at a new W."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from zephon_ray.ray_train import ZephonDataConfig
+
+    trainer = TorchTrainer(
+        bigram.train_loop,
+        train_loop_config={"log_path": log_path, "steps": steps, "checkpoint_every": checkpoint_every,
+                           "before_step": before_step},
+        datasets={"train": dataset},
+        dataset_config=ZephonDataConfig(run_id=run_id, checkpoint_every=checkpoint_every),
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": cpu_per_worker}, **scaling),
+        run_config=RunConfig(name=name, storage_path=storage_path,
+                             failure_config=FailureConfig(max_failures=max_failures)),
+    )
+    return trainer.fit()

@@ -1,0 +1,335 @@
+"""Ray Train's own data API over zephon-ray global batches.
+
+::
+
+    from ray.train.torch import TorchTrainer
+    from zephon_ray.ray_train import ZephonDataConfig, ZephonDataset
+
+    def train_loop(config):
+        shard = ray.train.get_dataset_shard("train")        # a ZephonDatasetShard
+        shard.restore(ray.train.get_checkpoint())            # no-op on a fresh run
+        for batch in shard.iter_steps(until=config["steps"]):
+            for inputs, labels in batch.microbatches: ...    # this rank's rows of global batch `batch.step`
+            ...                                              # every N steps, in every rank:
+            with tempfile.TemporaryDirectory() as d:
+                shard.save(d)                                # identical on every rank; store it once
+                ray.train.report(metrics, checkpoint=Checkpoint.from_directory(d) if rank == 0 else None)
+
+    TorchTrainer(train_loop, datasets={"train": ZephonDataset("recipes/elastic.toml")},
+                 dataset_config=ZephonDataConfig(run_id="run7"), scaling_config=...).fit()
+
+:class:`ZephonDataset` names where the batches come from: a recipe (``mode="local"``: every worker runs Zephon
+for its own lanes and aggregates Zephon's collective checkpoint through Ray Train's own TCPStore) or a running
+:class:`~zephon_ray.DataService` (``mode="service"``). :class:`ZephonDataConfig` is the ``DataConfig`` whose
+:meth:`~ZephonDataConfig.configure` Ray Train runs each time it starts a worker group (first start, every elastic
+resize, every restart after a failure), with that group's world size; it hands rank r of W a
+:class:`ZephonDatasetShard`. Other (plain Ray Data) datasets of the same trainer are configured by Ray's own
+``DataConfig`` as usual.
+
+Guarantee: rank r of W yields, for every step s from its ``next_step`` on, rows ``[r*B/W, (r+1)*B/W)`` of global
+batch s (B rows), the rows ``GlobalBatchSource(recipe).batch(s)`` holds at those positions, cut into
+``local_batch_size``-row microbatches ``({"input", "positions"}, labels)``. :meth:`ZephonDatasetShard.state_dict`
+is the loader state ``{version, run_id, fingerprint, next_step, zephon}`` of :mod:`zephon_ray.torchtitan.state`:
+JSON, identical on every rank, so one copy in a Ray Train checkpoint resumes any W with the same global batches.
+Shown by ``tests/test_ray_train_data.py`` (4 -> 2 -> 3 workers, every step's digest gathered from the ranks'
+slices equals ``GlobalBatchSource``; a worker killed mid-run replays identical steps).
+
+Limits:
+
+* W must divide B (service mode) or the recipe's lanes L (local mode), and ``local_batch_size * W`` must divide B;
+  :meth:`~ZephonDataConfig.configure` refuses anything else, naming the dataset and the numbers.
+* State exists only at step boundaries, and a shard's state is whatever it has yielded: take it after the step
+  is trained. In local mode :meth:`~ZephonDatasetShard.state_dict` is collective (every rank calls it at the same
+  step); its Zephon snapshot is taken every ``checkpoint_every`` steps, and a resume between snapshots replays
+  the steps in between.
+* Nothing here restores itself: the loop calls :meth:`~ZephonDatasetShard.restore` (or ``load_state_dict``). A
+  fresh shard starts at step 0.
+* Ray Train does not decide the batch contents (Ray Data's ``streaming_split`` would: its splits change with the
+  worker count), so ``DataConfig.execution_options`` and locality hints do not apply to a Zephon dataset.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from ray.train import DataConfig
+
+from zephon_ray.recipe import Recipe
+
+STATE_FILE = "zephon_loader.json"
+"""The loader state's file inside a Ray Train checkpoint directory (see :meth:`ZephonDatasetShard.save`)."""
+
+MODES = ("local", "service")
+MAX_STEPS = 10**12
+"""Upper bound on ``until`` (bounds every input)."""
+
+
+class ZephonDataset:
+    """The ``datasets`` value of a ``TorchTrainer`` that reads zephon-ray global batches.
+
+    ``ZephonDataset(recipe_path)`` runs Zephon inside the workers (``mode="local"``, aggregating through Ray
+    Train's TCPStore ``torch://`` unless ``aggregate_dir`` is given); ``ZephonDataset(service)`` reads from a
+    running :class:`~zephon_ray.DataService` (``mode="service"``; the service's recipe file must be readable by
+    the workers at the same path). The recipe is parsed and fingerprinted here, in the driver, so a bad recipe
+    fails before any worker starts. Plain data: it travels to Ray Train's dataset manager by pickle.
+    """
+
+    def __init__(self, source: Any, *, aggregate_store: str | None = None, aggregate_dir: str | None = None) -> None:
+        from zephon_ray.service.client import DataService
+
+        if isinstance(source, DataService):
+            if source.recipe.path is None:
+                raise ValueError(f"ZephonDataset: service {source.name!r} runs a recipe with no file path; the "
+                                 "workers' loader reads the recipe from a file")
+            self.mode = "service"
+            self.recipe_path = str(Path(source.recipe.path).resolve())
+            self.service_name, self.service_namespace = source.name, source.namespace
+        elif isinstance(source, (str, os.PathLike)):
+            self.mode = "local"
+            self.recipe_path = str(Path(source).resolve())
+            self.service_name = self.service_namespace = None
+        else:
+            raise TypeError(f"ZephonDataset: expected a recipe path or a DataService, got {type(source).__name__}")
+        if self.mode == "service" and (aggregate_store or aggregate_dir):
+            raise ValueError("ZephonDataset: aggregate_store/aggregate_dir apply to a recipe (local mode); the "
+                             f"service {self.service_name!r} aggregates its own checkpoints")
+        if aggregate_store and aggregate_dir:
+            raise ValueError(f"ZephonDataset: set at most one of aggregate_store ({aggregate_store!r}) and "
+                             f"aggregate_dir ({aggregate_dir!r})")
+        self.recipe = Recipe.from_toml(self.recipe_path)
+        _ = self.recipe.fingerprint  # fail here, in the driver, on unreadable data
+        if self.mode == "local" and not aggregate_dir:
+            aggregate_store = aggregate_store or "torch://"
+        self.aggregate_store, self.aggregate_dir = aggregate_store, aggregate_dir
+
+    def check_world(self, world: int, local_batch_size: int, *, name: str) -> int:
+        """Rows per microbatch for a W-worker group (0 asks for one microbatch per step); raises ValueError."""
+        B, L = self.recipe.global_batch_rows, self.recipe.lanes
+        where = f"dataset {name!r} ({self.recipe.describe()}, {self.mode} mode)"
+        if world < 1:
+            raise ValueError(f"{where}: world size must be >= 1, got {world}")
+        if B % world:
+            raise ValueError(f"{where}: {world} workers do not divide the global batch of {B} rows")
+        if self.mode == "local" and L % world:
+            raise ValueError(f"{where}: local mode needs the worker count to divide the recipe's {L} lanes, got "
+                             f"{world} workers; read from a DataService (any W dividing B={B}) or use a W dividing "
+                             f"{L}")
+        lbs = local_batch_size or B // world
+        if (B // world) % lbs:
+            raise ValueError(f"{where}: local_batch_size {lbs} does not divide a rank's {B // world} rows "
+                             f"(B={B}, W={world})")
+        return lbs
+
+    def __repr__(self) -> str:
+        where = f"service {self.service_name!r}" if self.mode == "service" else self.recipe_path
+        return f"ZephonDataset({where}, mode={self.mode!r})"
+
+
+class ZephonDataConfig(DataConfig):
+    """A Ray Train ``DataConfig`` handing each worker its :class:`ZephonDatasetShard` of a :class:`ZephonDataset`.
+
+    ``run_id`` names the run: it is checked on resume and is the service consumer (one cursor for the whole
+    job). ``local_batch_size`` is rows per microbatch (0: one microbatch per step, B/W rows); ``prefetch`` steps
+    are read ahead in a background thread; ``checkpoint_every`` (local mode) is how often Zephon snapshots are
+    taken: align it with the loop's checkpoint interval. Remaining keyword arguments go to Ray's ``DataConfig``
+    and apply to plain Ray Data datasets of the same trainer. Validated here, when built.
+    """
+
+    def __init__(self, *, run_id: str = "ray-train", local_batch_size: int = 0, prefetch: int = 2,
+                 checkpoint_every: int = 0, **data_config: Any) -> None:
+        super().__init__(**data_config)
+        if not isinstance(run_id, str) or not run_id:
+            raise ValueError(f"ZephonDataConfig: 'run_id' must be a non-empty string, got {run_id!r}")
+        for key, value, low in (("local_batch_size", local_batch_size, 0), ("prefetch", prefetch, 1),
+                                ("checkpoint_every", checkpoint_every, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1_000_000:
+                raise ValueError(f"ZephonDataConfig: '{key}' must be an int in [{low}, 1000000], got {value!r}")
+        self.run_id, self.local_batch_size = run_id, local_batch_size
+        self.prefetch, self.checkpoint_every = prefetch, checkpoint_every
+
+    def configure(self, datasets: dict[str, Any], world_size: int, worker_handles: Any = None,
+                  worker_node_ids: Any = None, **kwargs: Any) -> list[dict[str, Any]]:
+        """Ray Train calls this at every worker-group start, with the new group's ``world_size``."""
+        zephon = {k: v for k, v in datasets.items() if isinstance(v, ZephonDataset)}
+        others = {k: v for k, v in datasets.items() if k not in zephon}
+        output: list[dict[str, Any]] = [{} for _ in range(world_size)]
+        if others:
+            output = super().configure(others, world_size, worker_handles, worker_node_ids, **kwargs)
+        for name, dataset in zephon.items():
+            lbs = dataset.check_world(world_size, self.local_batch_size, name=name)
+            for rank in range(world_size):
+                output[rank][name] = ZephonDatasetShard(
+                    dataset, _ShardSettings(run_id=self.run_id, local_batch_size=lbs, prefetch=self.prefetch,
+                                            checkpoint_every=self.checkpoint_every),
+                    rank=rank, world=world_size, name=name)
+        return output
+
+
+@dataclass(frozen=True)
+class _ShardSettings:
+    run_id: str
+    local_batch_size: int
+    prefetch: int
+    checkpoint_every: int
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """This rank's part of global step ``step``: ``microbatches`` (one optimizer step's worth) and its ``slice``."""
+
+    step: int
+    microbatches: list
+    slice: Any  # zephon_ray.batch.RankSlice
+
+
+class Microbatch(NamedTuple):
+    """One microbatch of ``iter_torch_batches``; ``last`` marks the step's final one (time for the optimizer)."""
+
+    inputs: dict
+    labels: Any
+    step: int
+    last: bool
+
+
+class ZephonDatasetShard:
+    """Rank ``rank`` of ``world``'s view of a :class:`ZephonDataset`: what ``ray.train.get_dataset_shard``
+    returns. Built by :class:`ZephonDataConfig` in Ray Train's dataset manager and shipped to the worker; the
+    loader (a :class:`~zephon_ray.torchtitan.ZephonRayDataLoader`) is created in the worker at first use."""
+
+    def __init__(self, dataset: ZephonDataset, settings: _ShardSettings, *, rank: int, world: int,
+                 name: str) -> None:
+        self.dataset, self.settings = dataset, settings
+        self.rank, self.world, self.name = rank, world, name
+        self._loader: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_loader": None}  # a loader (threads, connections) never travels
+
+    # ------------------------------------------------------------------ the loader
+    @property
+    def loader(self) -> Any:
+        if self._loader is None:
+            from zephon_ray.torchtitan.loader import ZephonRayDataLoader
+
+            d, s = self.dataset, self.settings
+            extra = {"service_name": d.service_name, "service_namespace": d.service_namespace} \
+                if d.mode == "service" else {}
+            config = ZephonRayDataLoader.Config(
+                recipe=d.recipe_path, mode=d.mode, run_id=s.run_id, aggregate_store=d.aggregate_store,
+                aggregate_dir=d.aggregate_dir, prefetch=s.prefetch, checkpoint_every=s.checkpoint_every,
+                global_batch_size=d.recipe.global_batch_rows, **extra)
+            self._loader = config.build(dp_world_size=self.world, dp_rank=self.rank, seq_len=d.recipe.seq_len,
+                                        local_batch_size=s.local_batch_size)
+        return self._loader
+
+    @property
+    def recipe(self) -> Recipe:
+        return self.dataset.recipe
+
+    @property
+    def next_step(self) -> int:
+        """The first global step this shard has not yielded yet."""
+        return self.loader.next_step
+
+    @property
+    def microbatches_per_step(self) -> int:
+        return self.recipe.global_batch_rows // (self.world * self.settings.local_batch_size)
+
+    # ------------------------------------------------------------------ iteration
+    def iter_steps(self, until: int | None = None, *, device: Any = None) -> Iterator[StepBatch]:
+        """Yield this rank's :class:`StepBatch` of every step from ``next_step`` up to ``until`` (exclusive; None:
+        while the recipe has data). Tensors move to ``device`` when given."""
+        until = self._check_until(until)
+        loader = self.loader
+        batches = iter(loader)
+        while until is None or loader.next_step < until:
+            step = loader.next_step
+            microbatches = [_to(next(batches), device) for _ in range(loader.microbatches_per_step)]
+            yield StepBatch(step=step, microbatches=microbatches, slice=loader.last_slice)
+
+    def iter_torch_batches(self, until: int | None = None, *, device: Any = None) -> Iterator[Microbatch]:
+        """Like ``ray.data.DataIterator.iter_torch_batches``: one :class:`Microbatch` at a time, with its step."""
+        for batch in self.iter_steps(until, device=device):
+            n = len(batch.microbatches)
+            for i, (inputs, labels) in enumerate(batch.microbatches):
+                yield Microbatch(inputs, labels, batch.step, i + 1 == n)
+
+    def _check_until(self, until: int | None) -> int | None:
+        if until is None:
+            return None
+        if isinstance(until, bool) or not isinstance(until, int) or not 0 <= until <= MAX_STEPS:
+            raise ValueError(f"{self._where()}: 'until' must be an int in [0, {MAX_STEPS}], got {until!r}")
+        return until
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The loader state at ``next_step`` (local mode: collective, every rank calls it at the same step)."""
+        return self.loader.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
+
+    def save(self, directory: str | os.PathLike) -> dict[str, Any]:
+        """Write :meth:`state_dict` to ``<directory>/zephon_loader.json`` (JSON); returns the state."""
+        state = self.state_dict()
+        Path(directory, STATE_FILE).write_text(json.dumps(state, sort_keys=True))
+        return state
+
+    def restore(self, checkpoint: Any) -> int:
+        """Load the state a :meth:`save` left in a ``ray.train.Checkpoint`` (None: start at step 0); returns
+        ``next_step``. A checkpoint without ``zephon_loader.json``, or of another recipe or run, is refused."""
+        if checkpoint is not None:
+            with checkpoint.as_directory() as d:
+                path = Path(d, STATE_FILE)
+                if not path.is_file():
+                    raise FileNotFoundError(f"{self._where()}: checkpoint {checkpoint.path} holds no {STATE_FILE} "
+                                            "(was it written with ZephonDatasetShard.save?)")
+                self.load_state_dict(json.loads(path.read_text()))
+        return self.next_step
+
+    def close(self) -> None:
+        """Stop the loader's background threads; the shard can be iterated again afterwards."""
+        if self._loader is not None:
+            self._loader.close()
+
+    def _where(self) -> str:
+        return f"dataset {self.name!r} shard (rank {self.rank} of {self.world})"
+
+    def __repr__(self) -> str:
+        return f"ZephonDatasetShard({self.dataset!r}, rank={self.rank}, world={self.world})"
+
+
+def _to(microbatch: tuple[dict, Any], device: Any) -> tuple[dict, Any]:
+    if device is None:
+        return microbatch
+    inputs, labels = microbatch
+    return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}, labels.to(device, non_blocking=True)
+
+
+def global_digest(piece: Any) -> str | None:
+    """Rank 0: the digest of the global batch whose slice ``piece`` (a ``RankSlice``) this rank holds, gathered
+    from every rank's slice in rank order over ``torch.distributed``; other ranks: None. A collective: every rank
+    calls it for the same step. Equals ``GlobalBatchSource(recipe).batch(step).digest`` when the ranks hold the
+    right rows; that is how the tests check the guarantee above."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from zephon_ray.batch import compute_digest
+
+    local = torch.from_numpy(np.stack([np.asarray(piece.tokens), np.asarray(piece.positions)]).astype(np.int64))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        parts = [local]
+    else:
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    full = torch.cat(parts, dim=1).numpy()
+    return compute_digest(full[0], full[1])
