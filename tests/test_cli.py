@@ -45,3 +45,70 @@ def test_corpus_command(tmp_path):
     out = run("corpus", str(tmp_path / "c"), "--formats", "jsonl", "--limit", "10").stdout
     assert "prose 10 records" in out
     assert (tmp_path / "c" / "jsonl" / "code" / "shard-00000.jsonl").is_file()
+
+
+# ---------------------------------------------------------------------- validate / fingerprint / show --plot
+def _main(capsys, *args):
+    """The CLI in-process (no interpreter start-up): (exit code, stdout, stderr)."""
+    from zephon_ray.cli import main
+
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_validate_prints_fingerprint_and_geometry(capsys, tiny_recipe):
+    code, out, _ = _main(capsys, "validate", "tiny")  # a bare name: the packaged recipe
+    assert code == 0
+    assert f"fingerprint {tiny_recipe.fingerprint}" in out
+    assert "L=8 lanes x k=1 microbatches x m=2 rows = B=16 rows of seq_len 64+1" in out
+    assert "tokens/step 1024" in out
+    assert "W (service) 1 2 4 8 16" in out and "W (local)   1 2 4 8" in out
+
+    code, out, _ = _main(capsys, "fingerprint", str(TINY))
+    assert (code, out) == (0, tiny_recipe.fingerprint + "\n")
+
+
+def test_validate_rejects_a_bad_recipe_in_one_line(capsys, tmp_path):
+    cases = {
+        "lanes = 8": ("lanes = 0", "'lanes'"),
+        "seq_len = 64": ("seq_len = 64\nsurprise = 1", "'surprise'"),
+        'packing = "wrap"': ('packing = "zigzag"', "'packing'"),
+    }
+    for old, (new, needle) in cases.items():
+        bad = tmp_path / f"bad-{len(needle)}.toml"
+        bad.write_text(TINY.read_text().replace("data/tiny", str(TINY.parent / "data" / "tiny")).replace(old, new))
+        code, out, err = _main(capsys, "validate", str(bad))
+        assert code == 2 and out == "", (old, out, err)
+        assert needle in err and str(bad) in err and len(err.strip().splitlines()) == 1, err
+    code, _, err = _main(capsys, "validate", "no-such-recipe")
+    assert code == 2 and "no-such-recipe" in err and "tiny" in err and len(err.strip().splitlines()) == 1
+
+
+def test_show_plot_writes_a_png(capsys, tmp_path, tiny_recipe, reference_digests):
+    from zephon_ray import GlobalBatchSource
+    from zephon_ray.plots import batch_summary
+
+    out_png = tmp_path / "step2.png"
+    code, out, err = _main(capsys, "show", "tiny", "--step", "2", "--rows", "0", "--plot", str(out_png))
+    assert code == 0, err
+    assert reference_digests[2] in out and str(out_png) in out
+    assert out_png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out_png.stat().st_size > 20_000
+    with GlobalBatchSource(tiny_recipe) as source:
+        batch = source.batch(2)
+    summary = batch_summary(batch)  # the numbers behind the panels
+    assert summary.piece_lengths.sum() == batch.tokens.size  # every token is in exactly one document piece
+    assert summary.pieces_per_row.sum() == summary.piece_lengths.size
+    assert abs(sum(summary.source_share.values()) - 1) < 1e-9 and (summary.packing_efficiency == 1).all()
+
+
+def test_document_pieces_follow_position_resets():
+    import numpy as np
+
+    from zephon_ray.plots import document_pieces
+
+    lengths, per_row = document_pieces(np.array([[5, 6, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5]]))
+    assert lengths.tolist() == [2, 3, 1, 6] and per_row.tolist() == [3, 1]

@@ -1,17 +1,22 @@
 """The ``zephon-ray`` command.
 
     zephon-ray digest RECIPE --steps A:B [--via local|service] [--producers M]
-    zephon-ray show RECIPE --step S
+    zephon-ray show RECIPE --step S [--plot out.png]
+    zephon-ray validate RECIPE | fingerprint RECIPE
+    zephon-ray inspect STATE_DIR [--json]   (a service's durable state, offline: no Ray)
     zephon-ray corpus OUT_DIR
-    zephon-ray serve | status | stop      (the Ray data service)
+    zephon-ray serve | status | stop | rescale M | release CONSUMER      (the Ray data service)
     zephon-ray bench core|service|loader [ARGS]   (runs benchmarks/bench_<name>.py)
 
-Errors in user input print one line ``zephon-ray: error: ...`` and exit 2, never a traceback.
+RECIPE is a path, or the bare name of a packaged recipe (``tiny``, ``elastic``, ``demo``, ``mixture``).
+Errors in user input print one line ``zephon-ray: error: ...`` and exit 2, never a traceback
+(tests/test_cli.py). Progress bars (tqdm, on stderr) appear only on a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -36,10 +41,13 @@ def parse_steps(text: str) -> range:
 def cmd_digest(args: argparse.Namespace) -> int:
     recipe = Recipe.from_toml(args.recipe)
     steps = parse_steps(args.steps)
+    if args.via == "dataset":
+        return digest_via_dataset(recipe, steps, args)
     if args.via == "local":
         from zephon_ray.source import GlobalBatchSource
 
         with GlobalBatchSource(recipe) as source:
+            advance_with_progress(source, steps.start)
             for step in steps:
                 print(f"step {step} {source.batch(step).digest}", flush=True)
         return 0
@@ -55,6 +63,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     recipe = Recipe.from_toml(args.recipe)
     tokenizer = build_tokenizer(recipe.tokenizer)
     with GlobalBatchSource(recipe) as source:
+        advance_with_progress(source, args.step)
         batch = source.batch(args.step)
     print(f"recipe      {recipe.describe()}")
     print(f"step        {batch.step}")
@@ -67,15 +76,179 @@ def cmd_show(args: argparse.Namespace) -> int:
     for row in range(min(args.rows, batch.num_rows)):
         text = tokenizer.decode(batch.tokens[row][: args.chars * 2])[: args.chars]
         print(f"row {row:<4} lane {int(batch.lanes[row]):<3} {text!r}")
+    if args.plot:
+        from zephon_ray.plots import plot_batch
+
+        print(f"plot        {plot_batch(batch, args.plot, title=f'{recipe.describe()}  step {batch.step}')}")
     return 0
 
 
 def cmd_corpus(args: argparse.Namespace) -> int:
     from zephon_ray.corpus import write_corpus
 
-    counts = write_corpus(args.out_dir, formats=tuple(args.formats.split(",")), limit=args.limit)
+    counts = write_corpus(args.out_dir, formats=tuple(args.formats.split(",")), limit=args.limit, progress=True)
     print(f"wrote {args.out_dir}: " + ", ".join(f"{name} {n} records" for name, n in counts.items()))
     return 0
+
+
+# ---------------------------------------------------------------------- progress
+PROGRESS_MIN_STEPS = 16
+"""Replays shorter than this finish too fast to deserve a bar."""
+
+
+def advance_with_progress(source, step: int) -> None:
+    """Produce the steps before ``step`` with a tqdm bar (stderr, terminals only); ``source.batch(step)`` would
+    produce them anyway, silently."""
+    todo = range(source.position, step)
+    if len(todo) < PROGRESS_MIN_STEPS:
+        return
+    from tqdm import tqdm
+
+    for s in tqdm(todo, desc=f"replaying to step {step}", unit="step", disable=None, leave=False):
+        source.batch(s)
+
+
+# ---------------------------------------------------------------------- validate / fingerprint / inspect
+def recipe_report(recipe: Recipe) -> dict:
+    """Fingerprint and geometry: L, k, m, B, seq_len, tokens per step, and the data-parallel sizes W that work
+    (service/dataset: any W dividing B; local mode: W dividing L)."""
+    B = recipe.global_batch_rows
+    return {
+        "recipe": str(recipe.path) if recipe.path else None,
+        "fingerprint": recipe.fingerprint,
+        "lanes": recipe.lanes,
+        "microbatches_per_lane": recipe.microbatches_per_lane,
+        "rows_per_microbatch": recipe.rows_per_microbatch,
+        "global_batch_rows": B,
+        "seq_len": recipe.seq_len,
+        "tokens_per_step": recipe.tokens_per_step,
+        "world_sizes": [w for w in range(1, B + 1) if B % w == 0],
+        "local_world_sizes": [w for w in range(1, recipe.lanes + 1) if recipe.lanes % w == 0],
+        "tokenizer": recipe.tokenizer,
+        "packing": recipe.packing,
+        "sources": {s.name: {"weight": s.weight, "format": s.format, "shards": len(s.shards),
+                             "bytes": sum(_shard_size(x) for x in s.shards), "path": str(s.path)}
+                    for s in recipe.sources},
+    }
+
+
+def _shard_size(shard) -> int:
+    return int(shard.size if hasattr(shard, "size") else shard[1])  # ShardIdentity, or a (name, size) pair
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    import json
+
+    report = recipe_report(Recipe.from_toml(args.recipe))  # every check of from_toml; one RecipeError line
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"ok          {report['recipe']}")
+    print(f"fingerprint {report['fingerprint']}")
+    print(f"geometry    L={report['lanes']} lanes x k={report['microbatches_per_lane']} microbatches x "
+          f"m={report['rows_per_microbatch']} rows = B={report['global_batch_rows']} rows of seq_len "
+          f"{report['seq_len']}+1")
+    print(f"tokens/step {report['tokens_per_step']}")
+    print(f"W (service) {' '.join(map(str, report['world_sizes']))}")
+    print(f"W (local)   {' '.join(map(str, report['local_world_sizes']))}")
+    print(f"tokenizer   {report['tokenizer']}  packing {report['packing']}")
+    for name, src in report["sources"].items():
+        print(f"source      {name}: weight {src['weight']:g}, {src['shards']} {src['format']} shards, "
+              f"{src['bytes']} B in {src['path']}")
+    return 0
+
+
+def cmd_fingerprint(args: argparse.Namespace) -> int:
+    print(Recipe.from_toml(args.recipe).fingerprint)
+    return 0
+
+
+def inspect_state_dir(state_dir: str) -> dict:
+    """What a service left under ``state_dir``: format, fingerprint, lanes, checkpoints, commits. Reads the
+    files only (no Ray, no recipe); the layout is zephon_ray/service/state.py's."""
+    import json
+    from pathlib import Path
+
+    from zephon_ray.service import state as layout
+
+    root = Path(state_dir)
+    meta_path = root / layout.SERVICE_FILE
+    if not meta_path.is_file():
+        raise FileNotFoundError(f"{state_dir}: no {layout.SERVICE_FILE}; not a zephon-ray service state_dir")
+    try:
+        meta = json.loads(meta_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{meta_path}: unreadable ({exc})") from None
+    if not isinstance(meta, dict) or meta.get(layout.KEY_FORMAT) != layout.STATE_FORMAT:
+        found = meta.get(layout.KEY_FORMAT) if isinstance(meta, dict) else type(meta).__name__
+        raise ValueError(f"{meta_path}: format {found!r}, expected {layout.STATE_FORMAT!r}")
+    ckpt_dir = root / layout.CHECKPOINT_DIR
+    steps = sorted(int(m.group(1)) for m in map(layout._CHECKPOINT_RE.match,
+                                                 os.listdir(ckpt_dir) if ckpt_dir.is_dir() else []) if m)
+    commits_path = root / layout.COMMITS_FILE
+    commits = json.loads(commits_path.read_text()) if commits_path.is_file() else {}
+    history = list(commits.get(layout.KEY_COMMITS, [])) if isinstance(commits, dict) else []
+    latest = commits.get("latest") if isinstance(commits, dict) else None
+    if not isinstance(latest, dict):  # newest commit per consumer, from the history when not stored as such
+        latest = {}
+        for entry in history:
+            latest[entry.get(layout.KEY_CONSUMER)] = entry
+    recipe = meta.get(layout.KEY_RECIPE) or {}
+    return {
+        "state_dir": str(root.resolve()),
+        "format": meta.get(layout.KEY_FORMAT),
+        "fingerprint": meta.get(layout.KEY_FINGERPRINT),
+        "lanes": meta.get(layout.KEY_LANES),
+        "created": meta.get(layout.KEY_TIME),
+        "recipe": {k: recipe.get(k) for k in ("seed", "lanes", "microbatches_per_lane", "rows_per_microbatch",
+                                              "seq_len", "packing") if k in recipe},
+        "sources": [s.get("name") for s in recipe.get("sources", [])],
+        "checkpoints": {"count": len(steps), "latest": steps[-1] if steps else None, "steps": steps},
+        "commits": {"count": len(history), "latest_step": history[-1].get(layout.KEY_STEP) if history else None,
+                    "by_consumer": {str(c): e.get(layout.KEY_STEP) for c, e in latest.items()}},
+    }
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    import datetime
+    import json
+
+    report = inspect_state_dir(args.state_dir)
+    if args.json:
+        print(json.dumps(report, indent=2, sort_keys=True))
+        return 0
+    created = report["created"]
+    when = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat(timespec="seconds") \
+        if isinstance(created, (int, float)) else "?"
+    ck, co = report["checkpoints"], report["commits"]
+    steps = ck["steps"]
+    shown = " ".join(map(str, steps if len(steps) <= 12 else steps[:4] + ["..."] + steps[-6:]))
+    print(f"state_dir   {report['state_dir']}  ({report['format']}, created {when})")
+    print(f"fingerprint {report['fingerprint']}")
+    print(f"recipe      lanes {report['lanes']}, " + ", ".join(f"{k} {v}" for k, v in report["recipe"].items()
+                                                             if k != "lanes")
+          + f"; sources {', '.join(map(str, report['sources']))}")
+    print(f"checkpoints {ck['count']} (latest before step {ck['latest']}): {shown}")
+    print(f"commits     {co['count']} (latest step {co['latest_step']})")
+    for consumer, step in sorted(co["by_consumer"].items()):
+        print(f"  {consumer}: resumes at step {step}")
+    return 0
+
+
+def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("validate", help="check a recipe; print its fingerprint and geometry")
+    p.add_argument("recipe")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_validate)
+
+    p = sub.add_parser("fingerprint", help="print a recipe's fingerprint")
+    p.add_argument("recipe")
+    p.set_defaults(func=cmd_fingerprint)
+
+    p = sub.add_parser("inspect", help="report a service's durable state_dir offline (no Ray)")
+    p.add_argument("state_dir")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_inspect)
 
 
 BENCHMARKS = ("core", "service", "loader")
@@ -102,7 +275,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("digest", help="print 'step <s> <sha256>' for each step")
     p.add_argument("recipe")
     p.add_argument("--steps", required=True, help="A:B for steps A..B-1")
-    p.add_argument("--via", choices=("local", "service"), default="local")
+    p.add_argument("--via", choices=("local", "service", "dataset"), default="local")
+    p.add_argument("--dataset", default=None, help="materialised directory (--via dataset)")
     p.add_argument("--producers", type=int, default=1, help="producer actors (service only)")
     p.add_argument("--name", default=None, help="use a running service by name instead of starting one")
     p.add_argument("--namespace", default="zephon-ray")
@@ -114,6 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--step", type=int, default=0)
     p.add_argument("--rows", type=int, default=4)
     p.add_argument("--chars", type=int, default=72)
+    p.add_argument("--plot", default=None, metavar="OUT.png",
+                   help="also write a PNG: per-source token share, document-piece lengths, packing per row")
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("corpus", help="write the stdlib prose/code corpus as JSONL and Parquet shards")
@@ -127,10 +303,87 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=cmd_bench)
 
+    add_recipe_commands(sub)
     from zephon_ray.service.cli import add_service_commands
 
     add_service_commands(sub)
+    add_data_commands(sub)
     return parser
+
+
+# ---------------------------------------------------------------------- Ray Data jobs: pretokenize, materialize
+def digest_via_dataset(recipe: Recipe, steps: range, args: argparse.Namespace) -> int:
+    """``digest --via dataset --dataset DIR``: digests recomputed from the materialised rows (and checked against
+    the manifest), for a directory that must have been materialised from this recipe."""
+    from zephon_ray.materialized import MaterializedSource
+
+    if not args.dataset:
+        raise ValueError("--via dataset needs --dataset DIR (a directory written by `zephon-ray materialize`)")
+    with MaterializedSource(args.dataset, recipe=recipe) as source:
+        for step in steps:
+            source.digest(step)  # a step outside the materialised range fails before anything is printed
+        for step in steps:
+            print(f"step {step} {source.batch(step).digest}", flush=True)
+    return 0
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def cmd_pretokenize(args: argparse.Namespace) -> int:
+    from zephon_ray.pretokenize import pretokenize
+    from zephon_ray.service.cli import ray_session
+
+    recipe = Recipe.from_toml(args.recipe)
+    with ray_session(args.address, private_if_none=True):
+        result = pretokenize(recipe, args.out_dir, actors=args.actors, cpus_per_actor=args.cpus_per_actor,
+                             progress=not args.quiet)
+    print(f"wrote {result.recipe_path}: {result.shards} shards ({result.shards_skipped} already done), "
+          f"{result.records} records, {result.tokens} tokens, {result.bytes} bytes")
+    return 0
+
+
+def cmd_materialize(args: argparse.Namespace) -> int:
+    from zephon_ray.materialize import materialize
+    from zephon_ray.service.cli import ray_session
+
+    recipe = Recipe.from_toml(args.recipe)
+    steps = parse_steps(args.steps)
+    with ray_session(args.address, private_if_none=True):
+        result = materialize(recipe, args.out, steps, producers=args.producers, segment_steps=args.segment_steps,
+                             cpus_per_actor=args.cpus_per_actor, progress=not args.quiet)
+    done = f"wrote steps {result.written.start}:{result.written.stop}" if len(result.written) else "nothing to do"
+    print(f"{result.directory}: {done}; holds steps {result.first_step}:{result.end_step}")
+    return 0
+
+
+def add_data_commands(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("pretokenize", help="Ray Data job: token-id Parquet copies of a recipe's sources")
+    p.add_argument("recipe")
+    p.add_argument("out_dir")
+    p.add_argument("--actors", type=_positive, default=None, help="tokenizer actors (default: the cluster's CPUs)")
+    p.add_argument("--cpus-per-actor", type=float, default=0.5)
+    p.add_argument("--address", default=None, help="Ray address; default starts a private local Ray")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_pretokenize)
+
+    p = sub.add_parser("materialize", help="Ray Data job: precompute steps A:B into step-keyed Parquet")
+    p.add_argument("recipe")
+    p.add_argument("--steps", required=True, help="A:B for steps A..B-1")
+    p.add_argument("--out", required=True, help="the materialised directory (created, or extended)")
+    p.add_argument("--producers", type=_positive, default=1, help="lane-group actors M (must divide the lanes)")
+    p.add_argument("--segment-steps", type=_positive, default=16, help="steps per Parquet file (new dirs only)")
+    p.add_argument("--cpus-per-actor", type=float, default=0.5)
+    p.add_argument("--address", default=None, help="Ray address; default starts a private local Ray")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_materialize)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

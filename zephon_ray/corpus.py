@@ -94,15 +94,26 @@ def write_corpus(
     records_per_shard: int = 2000,
     limit: int | None = None,
     code_chars: int = 4000,
+    progress: bool = False,
 ) -> dict[str, int]:
-    """Write ``OUT/<format>/{prose,code}/shard-NNNNN.<ext>``; returns record counts per source."""
+    """Write ``OUT/<format>/{prose,code}/shard-NNNNN.<ext>``; returns record counts per source.
+    ``progress``: a tqdm bar per source and format over the stdlib files read (stderr, terminals only)."""
     for fmt in formats:
         if fmt not in FORMATS:
             raise ValueError(f"unknown corpus format {fmt!r}; expected one of {', '.join(FORMATS)}")
     out = Path(out_dir)
     files = stdlib_files()
     counts: dict[str, int] = {}
+    def bar(desc: str) -> list[Path]:
+        if not progress:
+            return files
+        from tqdm import tqdm
+
+        return tqdm(files, desc=desc, unit="file", disable=None, leave=False)
+
     for fmt in formats:
-        counts["prose"] = write_shards(prose_records(files), out / fmt / "prose", fmt, records_per_shard, limit)
-        counts["code"] = write_shards(code_records(files, code_chars), out / fmt / "code", fmt, records_per_shard, limit)
+        counts["prose"] = write_shards(prose_records(bar(f"{fmt} prose")), out / fmt / "prose", fmt,
+                                       records_per_shard, limit)
+        counts["code"] = write_shards(code_records(bar(f"{fmt} code"), code_chars), out / fmt / "code", fmt,
+                                      records_per_shard, limit)
     return counts
