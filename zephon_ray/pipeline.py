@@ -73,13 +73,22 @@ def build_pipeline(recipe: Recipe, rank: ZephonRank = ZephonRank()) -> Any:
         reshuffle_on_repeat=recipe.shuffle.reshuffle_on_repeat,
     )
     tokenizer = build_tokenizer(recipe.tokenizer)
+    pipeline = Pipeline(work)
+    if recipe.pretokenized is None:
+        pipeline = pipeline.decode_text().tokenize(
+            tokenizer=tokenizer, field=recipe.text_field, return_tensors="np", add_attention_mask=False)
+        tokens_field = "auto"
+    else:
+        # Token-id copies written by zephon_ray.pretokenize hold exactly what decode_text + tokenize emit.
+        from zephon_ray.pretokenize import TOKEN_FIELD
+
+        tokens_field = TOKEN_FIELD
     pipeline = (
-        Pipeline(work)
-        .decode_text()
-        .tokenize(tokenizer=tokenizer, field=recipe.text_field, return_tensors="np", add_attention_mask=False)
+        pipeline
         .pack_flat(
             max_length=recipe.row_length,
             algorithm=recipe.packing,
+            tokens_field=tokens_field,
             pad_token_id=tokenizer.pad_token_id,
             emit_positions=True,
         )

@@ -89,6 +89,9 @@ class Recipe:
     shuffle: Shuffle = field(default_factory=Shuffle)
     aggregate: Aggregate = field(default_factory=Aggregate)
     path: Path | None = field(default=None, compare=False)
+    pretokenized: Path | None = None
+    """The manifest of ``zephon-ray pretokenize`` when the sources hold token ids (column ``input_ids``) instead of
+    text; Zephon then packs them without decoding or tokenising (see :mod:`zephon_ray.pretokenize`)."""
     environment: Environment | None = None
     """Tokenizer content hash and library versions, captured where the recipe was loaded."""
 
@@ -177,6 +180,7 @@ class Recipe:
 _TOP_KEYS = {
     "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer", "text_field",
     "chunk_size", "packing", "repeat", "flush_every_k_chunks", "shuffle", "sources", "aggregate",
+    "pretokenized",
 }
 _REQUIRED = ("sources", "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer")
 _SOURCE_KEYS = {"name", "path", "format", "weight"}
@@ -266,13 +270,24 @@ class _RecipeParser:
         except ValueError as exc:
             raise self.fail("tokenizer", str(exc)) from None
 
+        pretokenized = raw.get("pretokenized")
+        if pretokenized is not None:
+            pretokenized = self.resolve(self.typed(raw, "pretokenized", str, ...))
         sources = self.parse_sources(raw["sources"], chunk_size)
-        return Recipe(
+        recipe = Recipe(
             sources=sources, seed=seed, lanes=lanes, microbatches_per_lane=k, rows_per_microbatch=m,
             seq_len=seq_len, tokenizer=tokenizer, text_field=text_field, chunk_size=chunk_size, packing=packing,
             repeat=repeat, flush_every_k_chunks=flush, shuffle=shuffle,
-            aggregate=Aggregate(store=store, dir=agg_dir), path=self.origin,
+            aggregate=Aggregate(store=store, dir=agg_dir), path=self.origin, pretokenized=pretokenized,
         )
+        if pretokenized is not None:
+            from zephon_ray.pretokenize import check_pretokenized  # imports this module
+
+            try:
+                check_pretokenized(recipe, pretokenized)
+            except RecipeError as exc:
+                raise self.fail("pretokenized", str(exc)) from None
+        return recipe
 
     def resolve(self, value: str) -> Path:
         p = Path(value).expanduser()
