@@ -5,12 +5,14 @@ many producers computed it, or how often anything was killed and resumed in betw
 """
 
 from zephon_ray.batch import GlobalBatch, RankSlice, compute_digest
+from zephon_ray.materialized import MaterializedSource
 from zephon_ray.recipe import Recipe, RecipeError
 from zephon_ray.source import GlobalBatchSource
 
 __version__ = "0.1.0"
 
-__all__ = ["DataService", "GlobalBatch", "GlobalBatchSource", "RankSlice", "Recipe", "RecipeError", "compute_digest"]
+__all__ = ["DataService", "GlobalBatch", "GlobalBatchSource", "MaterializedSource", "RankSlice", "Recipe", "RecipeError",
+           "compute_digest"]
 
 
 def __getattr__(name: str):
