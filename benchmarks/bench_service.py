@@ -49,10 +49,10 @@ def run_service(recipe, steps: int, producers: int, window: int, tag: str) -> di
                             state_dir=state_dir, checkpoint_every=8, run_id=f"bench-{tag}",
                             aggregate_store="torch://" if producers > 1 else None)
     try:
-        svc.batch(0)
+        svc.batch(0, track=True)  # tracked: this consumer moves the window (untracked reads would be replays)
         t0 = time.perf_counter()
         for s in range(1, steps + 1):
-            svc.batch(s)
+            svc.batch(s, track=True)
         elapsed = time.perf_counter() - t0
         thr = svc.status()["throughput"]
         out = {"end_to_end": steps * recipe.tokens_per_step / elapsed, "produced": thr["tokens_per_s"]}

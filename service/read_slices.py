@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     with ray_session(args.address, private_if_none=False):
         svc = DataService.connect(args.name, namespace=args.namespace, consumer=args.consumer, timeout_s=120)
         for step in steps:
-            print(f"step {step} {svc.batch(step).digest}", flush=True)
+            print(f"step {step} {svc.batch(step, track=True).digest}", flush=True)
             for rank in range(args.world):
                 part = svc.slice(step, rank, args.world)
                 print(f"slice {step} {rank}/{args.world} {compute_digest(part.tokens, part.positions)}", flush=True)

@@ -65,7 +65,7 @@ def test_digests_and_slices_match_reference(ray_cluster, tiny_recipe, reference_
     try:
         with GlobalBatchSource(tiny_recipe) as source:
             for step in range(24):
-                assert svc.batch(step).digest == reference_digests[step]
+                assert svc.batch(step, track=True).digest == reference_digests[step]
                 if step not in (5, 22):
                     continue
                 ref = source.batch(step)
@@ -92,11 +92,11 @@ def test_refs_prefetch_and_any_consumer_handle(ray_cluster, tiny_recipe, referen
     svc = _start(tiny_recipe, tmp_path, "refs", window=6)
     try:
         svc.prefetch(range(0, 4))
-        refs = svc.refs(0)
+        refs = svc.refs(0, track=True)
         assert refs.is_refs and len(refs.lanes) == 8 and all(isinstance(r, ray.ObjectRef) for r in refs.lanes)
         assert refs.batch().digest == reference_digests[0]
         for step in range(1, 4):
-            assert svc.batch(step).digest == reference_digests[step]
+            assert svc.batch(step, track=True).digest == reference_digests[step]
 
         @ray.remote(num_cpus=0.1)
         def read_in_task(name, step):  # a task/worker finds the service by name, as a Ray Train worker does
@@ -131,7 +131,7 @@ def test_kill9_producer_at_three_steps(ray_cluster, tiny_recipe, reference_diges
                 victim = pids[len(kills) % 2]
                 os.kill(victim, signal.SIGKILL)
                 kills.append({"step": step, "pid": victim, "generation": status["generation"]})
-            batch = svc.batch(step)
+            batch = svc.batch(step, track=True)
             served.append((batch.step, batch.digest))
         assert [s for s, _ in served] == list(range(24)), "a step went missing or was served twice"
         assert [d for _, d in served] == reference_digests
@@ -144,7 +144,7 @@ def test_kill9_producer_at_three_steps(ray_cluster, tiny_recipe, reference_diges
         while svc.status()["restarts"] == status["restarts"]:
             assert time.monotonic() < deadline, "an idle producer killed with -9 was never replaced"
             time.sleep(0.5)
-        assert [svc.batch(s).digest for s in range(22, 24)] == reference_digests[22:24]
+        assert [svc.batch(s, track=True).digest for s in range(22, 24)] == reference_digests[22:24]
         print("kill -9 results:", json.dumps({"kills": kills, "restarts": svc.status()["restarts"]}))
     finally:
         svc.stop()
@@ -160,7 +160,7 @@ def test_restart_from_state_dir_bounded_replay(ray_cluster, tiny_recipe, long_re
         try:
             first = records[-1]["s"] if records else 0
             for step in range(first, read_until):
-                assert svc.batch(step).digest == long_reference[step]
+                assert svc.batch(step, track=True).digest == long_reference[step]
             svc.commit(s)
         finally:
             svc.stop()
@@ -168,14 +168,14 @@ def test_restart_from_state_dir_bounded_replay(ray_cluster, tiny_recipe, long_re
         svc = _start(tiny_recipe, tmp_path, "restart", producers=producers, state_dir=state_dir,
                      checkpoint_every=k)
         try:
-            first_batch = svc.batch(s)
+            first_batch = svc.batch(s, track=True)
             ttfb = time.monotonic() - t0
             assert first_batch.digest == long_reference[s]
             start = svc.status()["start"]
             assert start["start_step"] == s and start["latest_commit"] == s
             assert start["checkpoint_step"] == s - s % k and start["replay_steps"] <= k, start
             for step in range(s + 1, s + 6):
-                assert svc.batch(step).digest == long_reference[step]
+                assert svc.batch(step, track=True).digest == long_reference[step]
             records.append({"s": s, "producers": producers, "time_to_first_batch_s": round(ttfb, 3), **start})
         finally:
             svc.stop()
@@ -185,12 +185,12 @@ def test_restart_from_state_dir_bounded_replay(ray_cluster, tiny_recipe, long_re
 def test_rescale_2_1_2_keeps_batches(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     svc = _start(tiny_recipe, tmp_path, "rescale", producers=2)
     try:
-        got = [svc.batch(s).digest for s in range(7)]
+        got = [svc.batch(s, track=True).digest for s in range(7)]
         assert svc.rescale(1)["producers"] == 1
-        got += [svc.batch(s).digest for s in range(7, 15)]
+        got += [svc.batch(s, track=True).digest for s in range(7, 15)]
         assert len(svc.status()["producers"]) == 1
         assert svc.rescale(2)["producers"] == 2
-        got += [svc.batch(s).digest for s in range(15, 24)]
+        got += [svc.batch(s, track=True).digest for s in range(15, 24)]
         status = svc.status()
         assert len(status["producers"]) == 2 and status["generation"] == 2
         assert got == reference_digests
@@ -207,17 +207,18 @@ def test_two_consumers_and_window_bound(ray_cluster, tiny_recipe, reference_dige
     debugger = DataService.connect("two", namespace=NS, consumer="debugger")
     try:
         lag = 2  # B trails A by `lag` steps; A may run up to `window` steps ahead of B before it must wait
-        assert b.batch(0).digest == reference_digests[0]
+        assert b.batch(0, track=True).digest == reference_digests[0]
         for step in range(20):
-            assert a.batch(step).digest == reference_digests[step]
+            assert a.batch(step, track=True).digest == reference_digests[step]
             if step >= lag:
                 assert b.slice(step - lag, 1, 2).step == step - lag
-                assert b.batch(step - lag).digest == reference_digests[step - lag]
+                assert b.batch(step - lag, track=True).digest == reference_digests[step - lag]
             w = a.status()["window"]
             assert len(w["held_steps"]) <= window and w["held_bytes"] <= w["bound_bytes"], w
         status = a.status()
         w = status["window"]
-        assert 0 < w["peak_held_bytes"] <= w["bound_bytes"] == window * w["global_batch_bytes"]
+        assert 0 < w["peak_held_bytes"] <= w["bound_bytes"] == w["bound_steps"] * w["global_batch_bytes"]
+        assert w["bound_steps"] == window + w["retain_behind"]
         cursors = {(c["consumer"], c["rank"]): c["step"] for c in status["cursors"]}
         assert cursors[(a.consumer, 0)] == 19 and cursors[("notebook", 0)] == 17
         assert w["low"] == 17 and status["replay"]["requests"] == 0  # B holds the window; nobody replayed
@@ -230,7 +231,7 @@ def test_two_consumers_and_window_bound(ray_cluster, tiny_recipe, reference_dige
         assert after["replay"]["max_replay_steps"] <= 4
         assert after["window"]["held_steps"] == held_before
         b.release()
-        assert a.batch(20).digest == reference_digests[20]
+        assert a.batch(20, track=True).digest == reference_digests[20]
     finally:
         a.stop()
 
@@ -275,12 +276,12 @@ def test_clean_errors(ray_cluster, tiny_recipe, tmp_path):
         # Backpressure: another live consumer at step 0 holds the window (4); step 50 times out, and the
         # coordinator's TimeoutError arrives unwrapped from Ray's error types, naming the window.
         holder = DataService.connect("errors", namespace=NS, consumer="holder")
-        holder.batch(0)
+        holder.batch(0, track=True)
         with pytest.raises(TimeoutError, match=r"live window is \[0, 4\)") as timeout_info:
-            svc.refs(50, timeout_s=1.0)
+            svc.refs(50, timeout_s=1.0, track=True)
         assert "Traceback" not in str(timeout_info.value) and "Ray" not in type(timeout_info.value).__name__
         holder.release()
-        assert svc.refs(50, timeout_s=60).step == 50
+        assert svc.refs(50, timeout_s=60, track=True).step == 50
         svc.commit(3)
     finally:
         svc.stop()
@@ -333,7 +334,7 @@ def test_chaos_random_kills_and_rescales(ray_cluster, tiny_recipe, long_referenc
     thread.start()
     try:
         for step in range(120):
-            assert svc.batch(step).digest == long_reference[step], step
+            assert svc.batch(step, track=True).digest == long_reference[step], step
             if step % 2 == 0 and step >= 4:
                 assert other.slice(step - 4, step % 4, 4).step == step - 4
             if step in (30, 60, 90):
@@ -346,3 +347,153 @@ def test_chaos_random_kills_and_rescales(ray_cluster, tiny_recipe, long_referenc
     print("chaos:", json.dumps({"kills": len(kills), "restarts": status["restarts"],
                                 "generation": status["generation"]}))
     assert len(kills) >= 5 and status["restarts"] >= 1
+
+
+def test_request_bounds_reject_cleanly(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    svc = _start(tiny_recipe, tmp_path, "bounds", max_ahead=64)
+    try:
+        assert svc.batch(3, track=True).digest == reference_digests[3]
+        with pytest.raises(ValueError, match=r"step 1000000 is more than max_ahead=64 steps past") as info:
+            svc.batch(10**6, track=True)
+        assert "Traceback" not in str(info.value)
+        with pytest.raises(ValueError, match="max_ahead"):
+            svc.batch(10**6)  # untracked reads are bounded the same way
+        with pytest.raises(ValueError, match=r"commit step 1000000000000 of consumer .* at most 4"):
+            svc.commit(10**12)
+        with pytest.raises(ValueError, match=r"rank=5 is outside \[0, 4\)"):
+            svc.refs(3, rank=5, world=4, track=True)
+        assert svc.commit(4)["step"] == 4
+        status = svc.status()
+        assert status["commits"]["per_consumer"] == {svc.consumer: 4}
+        assert status["window"]["head"] < 64 and status["replay"]["requests"] == 0  # nothing ground toward 10**6
+        # Ad-hoc reads move no cursor; the default consumer name is per Ray job.
+        assert svc.consumer.startswith("job-")
+        before = {(c["consumer"], c["rank"]): c["step"] for c in status["cursors"]}
+        assert svc.batch(5).digest == reference_digests[5]
+        assert {(c["consumer"], c["rank"]): c["step"] for c in svc.status()["cursors"]} == before
+    finally:
+        svc.stop()
+
+
+def test_many_waiting_reads_hold_no_thread(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    """96 reads wait at once (a holder pins the window); the coordinator runs fewer threads than that, and
+    status()/commit() still answer. (The 512-read latency is measured in benchmarks/bench_service_load.py.)"""
+    import threading
+
+    import psutil
+
+    pending, world, target = 96, 16, 6
+    svc = _start(tiny_recipe, tmp_path, "pending", window=4)
+    holder = DataService.connect("pending", namespace=NS, consumer="holder")
+    try:
+        holder.slice(0, 0, 1)
+        with GlobalBatchSource(tiny_recipe) as source:
+            want = {r: source.batch(target).slice(r, world).tokens for r in range(world)}
+        ok, errors = [], []
+
+        def read(i):
+            try:
+                client = DataService.connect("pending", namespace=NS, consumer=f"reader{i}")
+                part = client.slice(target, i % world, world)
+                ok.append(np.array_equal(part.tokens, want[i % world]))
+            except Exception as exc:  # noqa: BLE001
+                errors.append(exc)
+
+        threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(pending)]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 120
+        while len(svc.status()["cursors"]) < pending + 1:  # every read registered its cursor and now waits
+            assert time.monotonic() < deadline, svc.status()["cursors"]
+            time.sleep(0.2)
+        status = svc.status()
+        assert not ok and status["window"]["produce_until"] == 4 and target not in status["window"]["held_steps"]
+        threads_in_coordinator = psutil.Process(status["coordinator"]["pid"]).num_threads()
+        assert threads_in_coordinator < pending, threads_in_coordinator
+        assert holder.commit(1)["step"] == 1  # a write answers while the reads wait
+        holder.release()
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors and len(ok) == pending and all(ok)
+        print("waiting reads:", json.dumps({"pending": pending, "coordinator_threads": threads_in_coordinator}))
+    finally:
+        svc.stop()
+
+
+def test_replays_run_in_the_replayer_and_are_shared(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    import threading
+
+    svc = _start(tiny_recipe, tmp_path, "replayer", window=4)
+    try:
+        for step in range(14):
+            svc.slice(step, 0, 1)
+        readers, got = 8, []
+        barrier = threading.Barrier(readers)
+
+        def read(i):
+            client = DataService.connect("replayer", namespace=NS, consumer=f"debug{i}")
+            barrier.wait(timeout=60)
+            got.append(client.batch(2).digest)  # a past step: evicted from the window long ago
+
+        threads = [threading.Thread(target=read, args=(i,)) for i in range(readers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert got == [reference_digests[2]] * readers
+        status = svc.status()
+        replay, replayer = status["replay"], status["replayers"][0]
+        assert replay["requests"] == readers and replay["submitted"] == 1 and replay["shared"] == readers - 1
+        assert replayer["pid"] != status["coordinator"]["pid"]  # replayed in the Replayer, not the coordinator
+        assert svc.batch(3).digest == reference_digests[3]  # the next past step reuses the replayer's pipeline
+    finally:
+        svc.stop()
+
+
+def test_watchdog_replaces_a_hung_producer(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    """SIGSTOP a producer: alive but stuck. The progress watchdog replaces the group; reads go on, rows right."""
+    svc = _start(tiny_recipe, tmp_path, "hung", window=3, progress_timeout_s=3.0)
+    stopped = None
+    try:
+        for step in range(4):
+            assert svc.batch(step, track=True).digest == reference_digests[step]
+        _, pids = _live_pids(svc)
+        stopped = pids[0]
+        os.kill(stopped, signal.SIGSTOP)
+        for step in range(4, 14):
+            assert svc.batch(step, track=True).digest == reference_digests[step]
+        status = svc.status()
+        assert status["hung_replacements"] >= 1 and stopped not in [p["pid"] for p in status["producers"]]
+    finally:
+        if stopped is not None:
+            try:
+                os.kill(stopped, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        svc.stop()
+
+
+def test_producer_init_failure_is_one_config_error(ray_cluster, tiny_recipe, tmp_path):
+    """Data missing on the producers' node: start() fails once, naming the node and the reason."""
+    import shutil
+
+    from zephon_ray import Recipe
+
+    data = tmp_path / "data"
+    shutil.copytree(tiny_recipe.path.parent / "data" / "tiny", data)
+    text = tiny_recipe.path.read_text().replace('path = "data/tiny/', f'path = "{data}/')
+    (tmp_path / "moved.toml").write_text(text)
+    recipe = Recipe.from_toml(tmp_path / "moved.toml")
+    _ = recipe.fingerprint  # identity taken while the data is there ...
+    shutil.rmtree(data / "code")  # ... then one source disappears from the node
+    t0 = time.monotonic()
+    with pytest.raises(ServiceError, match=r"configuration error: .*(producer|replayer).* on ") as info:
+        _start(recipe, tmp_path, "noinit", producers=2)
+    message = str(info.value)
+    assert "code" in message and "Traceback" not in message, message
+    import ray
+
+    leftovers = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
+                 if e.get("namespace") == NS and e.get("name", "").startswith("noinit")]
+    assert not leftovers, leftovers
+    print("init failure reported in", round(time.monotonic() - t0, 2), "s:", message[:300])

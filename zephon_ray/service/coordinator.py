@@ -287,8 +287,10 @@ class Coordinator:
             "state_dir": str(self.state.root),
             "fatal": self._fatal,
             "coordinator": {"pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                            "node_id": ray.get_runtime_context().get_node_id(),
                             "restarted": self._start["restarted"], "uptime_s": round(now - self._t0, 3)},
             "producers": self.group.describe(),
+            "replayers": self._replayer_infos(),
             "generation": gen.number,
             "restarts": self.group.restarts,
             "hung_replacements": self.group.hung_replacements,
@@ -320,6 +322,17 @@ class Coordinator:
                 ray.kill(replayer, no_restart=True)
             except Exception:  # noqa: BLE001
                 pass
+
+    def _replayer_infos(self) -> list[dict[str, Any] | None]:
+        """Start-up infos of the replayers (pid, node), without waiting for any."""
+        ready, _ = ray.wait(self._replayer_info, num_returns=len(self._replayer_info), timeout=0, fetch_local=False)
+        out = []
+        for ref in self._replayer_info:
+            try:
+                out.append(ray.get(ref, timeout=0) if ref in ready else None)
+            except RayError:
+                out.append(None)
+        return out
 
     # ================================================================== replay (past steps, other actors)
     def _replay_refs(self, step: int) -> list[Any]:
@@ -379,6 +392,9 @@ class Coordinator:
                     self._do_rescale()
                     continue
                 group.resolve_infos()
+                if group.fatal:
+                    self._fail(group.fatal)
+                    break
                 group.submit(target, self._wanted, self._submitted)
                 if not group.busy:
                     group.collect(0)  # idle ping

@@ -189,6 +189,9 @@ class ProducerGroup:
         """Replace the whole group from the newest durable checkpoint <= the first unfinished step."""
         gen = self.gen
         producers = producers or len(gen.actors)
+        self.resolve_infos()  # a producer that could not start answered info() before failing its first call
+        if self.fatal:
+            return
         if death:
             self.deaths += 1
         else:
@@ -334,4 +337,4 @@ class ProducerGroup:
     def describe(self) -> list[dict[str, Any]]:
         gen = self.gen
         return [{"index": i, "generation": gen.number, "lanes": list(lanes), "pid": (info or {}).get("pid"),
-                 "node": (info or {}).get("node")} for i, (lanes, info) in enumerate(zip(gen.lanes, gen.infos))]
+                 "node": (info or {}).get("node"), "node_id": (info or {}).get("node_id")} for i, (lanes, info) in enumerate(zip(gen.lanes, gen.infos))]

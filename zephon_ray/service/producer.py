@@ -42,6 +42,15 @@ def shard_meta(step: int, shards: list[LaneShard]) -> dict[str, int]:
             KEY_TOKENS: sum(int(s.tokens.size) for s in shards)}
 
 
+def node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:  # noqa: BLE001 - outside Ray
+        return None
+
+
 def node_name() -> str:
     try:
         import ray
@@ -67,7 +76,7 @@ class Producer:
             self.init_error = f"producer for lanes {list(self.lanes)} on node {node_name()} failed to start: {last}"
 
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "node": node_name(), "lanes": list(self.lanes),
+        return {"pid": os.getpid(), "node": node_name(), "node_id": node_id(), "lanes": list(self.lanes),
                 "position": None if self.init_error else self._stepper.position, "error": self.init_error}
 
     def _expect(self, step: int) -> None:

@@ -180,9 +180,10 @@ class StepWindow:
         check_consumer(consumer)
         allowed = max(self.consumed.get(consumer, -1) + 1, self.commits.get(consumer, 0))
         if step > allowed:
+            read = self.consumed.get(consumer)
+            why = "it has read nothing yet" if read is None else f"one past its highest read step {read}"
             raise ValueError(
-                f"commit step {step} of consumer {consumer!r} is ahead of what it consumed: at most {allowed} "
-                f"(one past its highest read step {self.consumed.get(consumer)})")
+                f"commit step {step} of consumer {consumer!r} is ahead of what it consumed: at most {allowed} ({why})")
         self.commits[consumer] = step
         return step
 

@@ -1,0 +1,90 @@
+"""Durable service state: checkpoint retention (newest N + anchors), the in-memory index, per-consumer commits.
+
+No Ray. Checkpoint files here are one real merged LaneStepper state re-labelled at other step boundaries: the
+tests are about which files are kept, not about restoring them (test_service.py restores real ones).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+
+import pytest
+
+from zephon_ray.lanes import KEY_NEXT_STEP, LaneStepper
+from zephon_ray.service.state import COMMITS_FILE, MAX_CONSUMERS, ServiceState, atomic_write_json
+
+
+@pytest.fixture(scope="module")
+def real_state(tiny_recipe):
+    stepper = LaneStepper(tiny_recipe)
+    try:
+        stepper.next_step()
+        return stepper.checkpoint()
+    finally:
+        stepper.close()
+
+
+def _at(state, recipe, step):
+    out = copy.deepcopy(state)
+    out[KEY_NEXT_STEP] = step
+    emitted = out["zephon"]["lane_emitted"]
+    for lane in emitted:
+        emitted[lane] = step * recipe.microbatches_per_lane
+    return out
+
+
+def test_retention_keeps_newest_and_anchors(tiny_recipe, real_state, tmp_path):
+    state = ServiceState.open(tiny_recipe, tmp_path, keep_checkpoints=3, anchor_every=32)
+    k = 4
+    for step in range(k, 1000 + 1, k):
+        state.write_checkpoint(_at(real_state, tiny_recipe, step))
+    kept = state.checkpoint_steps()
+    anchors = list(range(32, 1000 + 1, 32))
+    assert kept == sorted(set(anchors) | {992, 996, 1000})
+    on_disk = sorted(int(p.name[5:13]) for p in (tmp_path / "checkpoints").iterdir())
+    assert on_disk == kept  # the index matches the directory
+    # nearest <= s: a recent step replays at most K, an old one at most anchor_every.
+    assert state.nearest_checkpoint(999) == 996 and state.nearest_checkpoint(900) == 896
+    assert state.nearest_checkpoint(31) is None
+    # A reopened state builds the same index from one listing.
+    again = ServiceState.open(tiny_recipe, tmp_path, keep_checkpoints=3, anchor_every=32)
+    assert again.checkpoint_steps() == kept and again.nearest_checkpoint(999) == 996
+
+
+def test_nearest_checkpoint_does_not_list_the_directory(tiny_recipe, real_state, tmp_path, monkeypatch):
+    state = ServiceState.open(tiny_recipe, tmp_path, anchor_every=0)
+    for step in (8, 16, 24):
+        state.write_checkpoint(_at(real_state, tiny_recipe, step))
+    calls = []
+    real_listdir = os.listdir
+    monkeypatch.setattr(os, "listdir", lambda *a: calls.append(a) or real_listdir(*a))
+    for step in range(100):
+        state.nearest_checkpoint(step)
+        state.has_checkpoint(step)
+    assert not calls and state.checkpoint_steps() == [8, 16, 24]  # anchor_every=0 keeps everything
+
+
+def test_commits_newest_per_consumer_and_bounded(tiny_recipe, tmp_path):
+    state = ServiceState.open(tiny_recipe, tmp_path)
+    state.add_commit(10, "a")
+    state.add_commit(4, "b")
+    state.add_commit(12, "a")
+    assert state.consumer_commits() == {"a": 12, "b": 4} and state.latest_commit() == 12
+    for i in range(MAX_CONSUMERS + 20):
+        state.add_commit(i, f"c{i}")
+    commits = state.consumer_commits()
+    assert len(commits) == MAX_CONSUMERS and "a" not in commits and commits[f"c{MAX_CONSUMERS + 19}"] == \
+        MAX_CONSUMERS + 19
+    assert (tmp_path / COMMITS_FILE).stat().st_size < 64 * 1024
+
+
+def test_commits_written_before_per_consumer_format_still_read(tiny_recipe, tmp_path):
+    state = ServiceState.open(tiny_recipe, tmp_path)
+    atomic_write_json(tmp_path / COMMITS_FILE, {"format": "zephon-ray/service-state/v1", "commits": [
+        {"step": 3, "consumer": "x", "time": 1.0}, {"step": 9, "consumer": "y", "time": 2.0},
+        {"step": 5, "consumer": "x", "time": 3.0}]})
+    assert state.consumer_commits() == {"x": 5, "y": 9}
+    state.add_commit(6, "x")
+    assert json.loads((tmp_path / COMMITS_FILE).read_text())["latest"]["x"]["step"] == 6
