@@ -80,3 +80,24 @@ def test_global_batch_is_frozen(batch):
     assert isinstance(batch, GlobalBatch)
     with pytest.raises(ValueError):
         batch.tokens[0, 0] = 1
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 16])
+def test_slice_from_lanes_is_the_global_batch_slice(batch, tiny_recipe, world):
+    """``RankSlice.from_lanes`` (the service client and local mode) cuts exactly ``GlobalBatch.slice``'s rows,
+    whether a rank reads several lanes (W < L) or part of one (W > L)."""
+    from types import SimpleNamespace
+
+    from zephon_ray.batch import lane_span
+
+    per = tiny_recipe.rows_per_lane
+    shards = [SimpleNamespace(tokens=batch.tokens[l * per:(l + 1) * per],
+                              positions=batch.positions[l * per:(l + 1) * per]) for l in range(tiny_recipe.lanes)]
+    for rank in range(world):
+        span = lane_span(tiny_recipe.lanes, per, rank, world)
+        got = RankSlice.from_lanes(batch.step, rank, world, span, [shards[l] for l in span.lanes])
+        want = batch.slice(rank, world)
+        assert np.array_equal(got.tokens, want.tokens) and np.array_equal(got.positions, want.positions)
+        assert not got.tokens.flags.writeable
+    with pytest.raises(ValueError, match="expected the shards of lanes"):
+        RankSlice.from_lanes(0, 0, 1, lane_span(tiny_recipe.lanes, per, 0, 1), shards[:1])

@@ -293,3 +293,58 @@ def test_local_state_between_snapshots_restores_and_replays(tmp_path, reference_
                               np.concatenate([r.positions for r in rows])) == reference_digests[step]
     for l in resumed:
         l.close()
+
+
+# ---------------------------------------------------------------------- loud replays
+def test_resume_without_a_zephon_snapshot_warns_and_reports_the_replay(caplog, reference_digests):
+    """Checkpointing off: the state at step 3 carries no Zephon blob, so the resume replays steps 0..2. It says so
+    (a warning with the count), ``stats`` and the next state report it, and the batches are still the reference."""
+    loader = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    loader.close()
+    assert state["next_step"] == 3 and state["zephon"] == "" and state["replayed_steps"] == 0
+
+    resumed = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
+    with caplog.at_level("WARNING", logger="zephon_ray.torchtitan.loader"):
+        resumed.load_state_dict(state)
+    assert any("has no Zephon snapshot" in r.message and "replaying 3 steps from step 0" in r.message
+               for r in caplog.records), [r.message for r in caplog.records]
+    assert resumed.stats["resume_replay"] == 3 and resumed.stats["resumed_from_snapshot"] is None
+    assert resumed.state_dict() == state  # nothing replayed yet: the loaded state, unchanged
+    it = iter(resumed)
+    next(it)
+    assert compute_digest(resumed.last_slice.tokens, resumed.last_slice.positions) == reference_digests[3]
+    assert resumed.stats["replayed_steps"] == 3
+    later = resumed.state_dict()
+    assert later["next_step"] == 4 and later["replayed_steps"] == 3  # carried on to the next resume
+    resumed.close()
+
+
+def test_exact_snapshot_resume_is_quiet(caplog):
+    loader = _config(run_id="r", checkpoint_every=2).build(dp_world_size=1, dp_rank=0, seq_len=64,
+                                                           local_batch_size=16)
+    it = iter(loader)
+    for _ in range(2):
+        next(it)
+    state = loader.state_dict()
+    loader.close()
+    resumed = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
+    with caplog.at_level("WARNING", logger="zephon_ray.torchtitan.loader"):
+        resumed.load_state_dict(state)
+    assert not [r for r in caplog.records if "replaying" in r.message]
+    assert resumed.stats["replayed_steps"] == 0 and resumed.stats["resumed_from_snapshot"] == 2
+    resumed.close()
+
+
+def test_old_state_version_is_refused_by_key():
+    from zephon_ray.torchtitan import LoaderStateError
+
+    with _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16) as loader:
+        old = {k: v for k, v in loader.state_dict().items() if k != "replayed_steps"} | {"version": 1}
+        with pytest.raises(LoaderStateError, match="key 'version': version 1 is not supported.*replayed_steps"):
+            loader.load_state_dict(old)
+        with pytest.raises(LoaderStateError, match="key 'replayed_steps' must be a non-negative int"):
+            loader.load_state_dict(loader.state_dict() | {"replayed_steps": -1})

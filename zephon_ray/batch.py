@@ -50,6 +50,28 @@ def slice_bounds(rows: int, rank: int, world: int) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
+class LaneSpan:
+    """Where rank r of W finds its rows in a lane-major global batch: lanes ``[first, stop)``, and within their
+    concatenation the rows ``[lo, hi)``. When W divides L the span is whole lanes (``lo == 0``, ``hi`` = all)."""
+
+    first: int
+    stop: int
+    lo: int
+    hi: int
+
+    @property
+    def lanes(self) -> range:
+        return range(self.first, self.stop)
+
+
+def lane_span(lanes: int, rows_per_lane: int, rank: int, world: int) -> LaneSpan:
+    """The lanes holding rank r's rows ``slice_bounds(lanes * rows_per_lane, r, W)`` (validated there)."""
+    lo, hi = slice_bounds(lanes * rows_per_lane, rank, world)
+    first, last = lo // rows_per_lane, (hi - 1) // rows_per_lane
+    return LaneSpan(first, last + 1, lo - first * rows_per_lane, hi - first * rows_per_lane)
+
+
+@dataclass(frozen=True)
 class RankSlice:
     """One rank's rows of a step, as TorchTitan tensors: ``input``/``labels``/``positions`` are [rows, seq_len]."""
 
@@ -59,6 +81,24 @@ class RankSlice:
     tokens: np.ndarray
     positions: np.ndarray
     pad_token_id: int | None = None
+
+    @classmethod
+    def from_lanes(cls, step: int, rank: int, world: int, span: LaneSpan, shards: list,
+                   pad_token_id: int | None = None) -> "RankSlice":
+        """Rank r's slice from the lane shards of ``span.lanes`` (in lane order; each has ``tokens`` and
+        ``positions`` arrays). The one place a slice is cut from lanes: the service client and local mode use it,
+        and ``GlobalBatch.slice`` cuts the same rows from the assembled batch (``tests/test_batch.py``)."""
+        if len(shards) != len(span.lanes):
+            raise ValueError(f"step {step}, rank {rank} of {world}: expected the shards of lanes "
+                             f"{span.first}..{span.stop - 1}, got {len(shards)} shards")
+        if len(shards) == 1:  # one lane (or part of one): a zero-copy view
+            tokens, positions = shards[0].tokens[span.lo:span.hi], shards[0].positions[span.lo:span.hi]
+        else:
+            tokens = np.concatenate([s.tokens for s in shards])[span.lo:span.hi]
+            positions = np.concatenate([s.positions for s in shards])[span.lo:span.hi]
+            tokens.setflags(write=False)
+            positions.setflags(write=False)
+        return cls(step, rank, world, tokens, positions, pad_token_id)
 
     @property
     def num_rows(self) -> int:

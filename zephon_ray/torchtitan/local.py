@@ -24,9 +24,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
-import numpy as np
-
-from zephon_ray.batch import RankSlice
+from zephon_ray.batch import RankSlice, lane_span
+from zephon_ray.identity import verify_on_node
 from zephon_ray.lanes import LaneStepper, StepStateError
 from zephon_ray.pipeline import ZephonRank
 from zephon_ray.recipe import Recipe
@@ -42,6 +41,8 @@ class LocalSlices(PrefetchedSlices):
     def __init__(self, recipe: Recipe, *, rank: int, world: int, zephon_rank: ZephonRank, depth: int,
                  snapshot_every: int) -> None:
         super().__init__(rank=rank, world=world, depth=depth, name="local")
+        # Identity is proven where the data is read (issue 7): this rank's shards, tokenizer and libraries.
+        verify_on_node(recipe, where=f"local-mode rank {rank} of {world}")
         self.recipe = recipe
         self.zephon_rank = zephon_rank
         self.snapshot_every = snapshot_every
@@ -104,6 +105,7 @@ class LocalSlices(PrefetchedSlices):
 
     # ------------------------------------------------------------------ producer thread
     def _produce(self, step: int, resume: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
+        span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, self.rank, self.world)
         stepper = LaneStepper(self.recipe, self.zephon_rank)
         try:
             if resume is not None:
@@ -126,10 +128,11 @@ class LocalSlices(PrefetchedSlices):
                             self._snapshots.popitem(last=False)
                         self._cond.notify_all()
                 shards = stepper.next_step()
-                lanes = sorted(shards)
-                tokens = np.concatenate([shards[lane].tokens for lane in lanes])
-                positions = np.concatenate([shards[lane].positions for lane in lanes])
-                yield RankSlice(s, self.rank, self.world, tokens, positions, self._pad)
+                if sorted(shards) != list(span.lanes):  # Zephon's lane mapping must be the slicing's
+                    raise StepStateError(f"step {s}: this Zephon rank produced lanes {sorted(shards)}, but rank "
+                                         f"{self.rank} of {self.world} reads lanes {list(span.lanes)}")
+                yield RankSlice.from_lanes(s, self.rank, self.world, span, [shards[l] for l in span.lanes],
+                                           self._pad)
                 self._set_producing(s + 1)
         finally:
             stepper.close(background=True)

@@ -63,8 +63,8 @@ class DpPeers:
                             f"this rank expected step {step}")
         rows = torch.empty((2, *shape), dtype=torch.int32)
         if self.is_leader:
-            rows[0] = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int32))
-            rows[1] = torch.from_numpy(np.ascontiguousarray(positions, dtype=np.int32))
+            view = rows.numpy()
+            view[0], view[1] = tokens, positions
         dist.broadcast(rows, src=self.leader, group=self.group)
         if self.is_leader:
             return tokens, positions
