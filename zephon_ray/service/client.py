@@ -58,7 +58,7 @@ from ray.exceptions import (
     RayTaskError,
 )
 
-from zephon_ray.batch import GlobalBatch, RankSlice, slice_bounds
+from zephon_ray.batch import GlobalBatch, RankSlice, lane_span, slice_bounds
 from zephon_ray.lanes import LaneShard
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
@@ -139,19 +139,8 @@ class StepRefs:
         return assemble(self.recipe, self.step, dict(zip(range(self.recipe.lanes), shards)))
 
     def slice(self, rank: int, world: int) -> RankSlice:
-        lo, hi = slice_bounds(self.recipe.global_batch_rows, rank, world)
-        per = self.recipe.rows_per_lane
-        first, last = lo // per, (hi - 1) // per
-        shards = self._fetch(range(first, last + 1))
-        a, b = lo - first * per, hi - first * per
-        if len(shards) == 1:  # the common case (W a multiple of L... or of L's divisors): a zero-copy view
-            tokens, positions = shards[0].tokens[a:b], shards[0].positions[a:b]
-        else:
-            tokens = np.concatenate([s.tokens for s in shards])[a:b]
-            positions = np.concatenate([s.positions for s in shards])[a:b]
-            tokens.setflags(write=False)
-            positions.setflags(write=False)
-        return RankSlice(self.step, rank, world, tokens, positions, self.pad_token_id)
+        span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, rank, world)
+        return RankSlice.from_lanes(self.step, rank, world, span, self._fetch(span.lanes), self.pad_token_id)
 
 
 class DataService:
