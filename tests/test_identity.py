@@ -299,3 +299,135 @@ def test_checkpoint_agreement_with_real_collective_checkpoints(tmp_path):
         check_checkpoint_agreement([states[0], tampered], what="collective checkpoint at step 1")
     with pytest.raises(CheckpointDisagreementError, match=r"rank 0 has"):
         check_checkpoint_agreement([tampered, states[0], states[1]])
+
+
+def test_local_mode_rank_verifies_before_serving(tmp_path):
+    from zephon_ray.pipeline import ZephonRank
+    from zephon_ray.torchtitan.local import LocalSlices
+
+    data, recipe_path = copy_fixture(tmp_path)
+    recipe = Recipe.from_toml(recipe_path)
+    (data / "code" / "shard-00000.jsonl").write_text((data / "code" / "shard-00000.jsonl").read_text() + "\n")
+    with pytest.raises(IdentityMismatchError, match=r"local-mode rank 1 of 2 on host .*shard-00000\.jsonl: size"):
+        LocalSlices(recipe, rank=1, world=2, zephon_rank=ZephonRank(), depth=1, snapshot_every=0)
+
+
+# ------------------------------------------------------------------------------------------ two nodes, two views
+def _can_unshare_mounts() -> bool:
+    import subprocess
+
+    try:
+        return subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True,
+                              timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+def _two_node_driver(recipe_path: str, prose: str, modified: str, out: str) -> None:
+    """Runs in a spawned process (it owns its own Ray cluster). Node B is a real second raylet started with
+    ``ray start`` inside its own mount namespace, where a modified copy of the prose source is bind-mounted over the
+    recipe's path: every worker on node B sees other bytes at the same path, as a node with a stale copy would."""
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+
+    import ray
+    from ray.cluster_utils import Cluster
+
+    from zephon_ray.service import ActorResources, DataService
+
+    info: dict = {}
+    temp_dir = tempfile.mkdtemp(prefix="zr-identity-", dir="/tmp")
+    os.environ["RAY_TMPDIR"] = temp_dir
+    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
+    cluster = node_b = None
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "temp_dir": temp_dir,
+                                                                "resources": {"node_a": 1}})
+        ray_cli = str(Path(sys.executable).with_name("ray"))
+        script = ('mount --bind "$1" "$2" && exec "$3" start --address="$4" --num-cpus=2 '
+                  '--resources=\'{"node_b": 1}\' --block --disable-usage-stats --temp-dir="$5"')
+        node_b = subprocess.Popen(
+            ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", modified, prose, ray_cli,
+             cluster.address, temp_dir],
+            start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(os.path.join(temp_dir, "node_b.log"), "w"),
+            # A loaded 2-core machine starts node B's agents slowly; Ray's default wait (about 15 s) is too short.
+            env={**os.environ, "RAY_agent_register_timeout_ms": "180000"})
+        ray.init(address=cluster.address, namespace="zr-identity", log_to_driver=False)
+        deadline = time.time() + 120
+        while not any(n["Alive"] and "node_b" in n["Resources"] for n in ray.nodes()):
+            assert time.time() < deadline and node_b.poll() is None, "node B did not join"
+            time.sleep(0.5)
+        info["node_b_id"] = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_b" in n["Resources"])
+
+        recipe = Recipe.from_toml(recipe_path)
+        check = ray.remote(num_cpus=0.1, max_retries=0)(verify_on_node)
+        info["node_a"] = ray.get(check.options(resources={"node_a": 0.1}).remote(
+            recipe, recipe.fingerprint, where="check on node A"), timeout=120)
+        try:
+            ray.get(check.options(resources={"node_b": 0.1}).remote(recipe, recipe.fingerprint,
+                                                                     where="check on node B"), timeout=120)
+            info["node_b"] = "passed"
+        except IdentityMismatchError as exc:
+            info["node_b"] = str(getattr(exc, "cause", exc))
+            info["node_b_type"] = type(getattr(exc, "cause", exc)).__name__
+
+        started = time.time()
+        try:
+            svc = DataService.start(recipe, name="identity-check", namespace="zr-identity", producers=1,
+                                    resources=ActorResources(producer_resources={"node_b": 0.1}))
+            try:
+                svc.batch(0, timeout=120)
+                info["service"] = "served"
+            finally:
+                svc.stop()
+        except Exception as exc:  # noqa: BLE001 - the test asserts on the message
+            info["service"] = f"{type(exc).__name__}: {exc}"
+        info["service_s"] = time.time() - started
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        info["error"] = repr(exc)
+    finally:
+        Path(out).write_text(json.dumps(info))
+        ray.shutdown()
+        if node_b is not None:
+            os.killpg(node_b.pid, signal.SIGTERM)
+            try:
+                node_b.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(node_b.pid, signal.SIGKILL)
+        if cluster is not None:
+            cluster.shutdown()
+
+
+@pytest.mark.slow  # about 2 minutes on 2 cores, most of it starting the two raylets
+@pytest.mark.skipif(not _can_unshare_mounts(), reason="needs mount namespaces (unshare -m) to give node B its own view")
+def test_a_node_with_a_different_copy_of_a_shard_is_named(tmp_path):
+    """verify_on_node on node B names node B, the file and the field; node A passes; and a service whose producer
+    lands on node B fails to start with that one error (not retries)."""
+    import multiprocessing
+
+    data, recipe_path = copy_fixture(tmp_path)
+    modified = tmp_path / "node-b-prose"
+    shutil.copytree(data / "prose", modified)
+    swap_text_letters(modified / "shard-00001.jsonl")
+    out = tmp_path / "out.json"
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_two_node_driver, args=(str(recipe_path), str(data / "prose"), str(modified), str(out)))
+    proc.start()
+    proc.join(600)
+    assert proc.exitcode == 0 and out.exists(), proc.exitcode
+    info = json.loads(out.read_text())
+    assert "error" not in info, info
+    recipe = Recipe.from_toml(recipe_path)
+    assert info["node_a"] == recipe.fingerprint  # node A sees the recipe's data
+    message = info["node_b"]
+    assert info.get("node_b_type") == "IdentityMismatchError", message
+    for needle in ("check on node B", f"ray node {info['node_b_id'][:12]}", "source 'prose'", "shard-00001.jsonl",
+                   "sha256", identity.sha256_file(modified / "shard-00001.jsonl")[:12]):
+        assert needle in message, message
+    service = info["service"]
+    assert service.startswith("ServiceError:") and "IdentityMismatchError" in service, service
+    for needle in (f"ray node {info['node_b_id'][:12]}", "shard-00001.jsonl: sha256"):
+        assert needle in service, service
+    assert "\n" not in service
