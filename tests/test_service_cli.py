@@ -54,3 +54,107 @@ def test_service_cli_errors_are_one_line():
     assert proc.stderr.strip().splitlines()[-1].startswith("zephon-ray: error: ")
     assert "producers=3 does not divide" in proc.stderr and "Traceback" not in proc.stderr
     assert proc.stdout == ""
+
+
+# ---------------------------------------------------------------------- serve flags, status, rescale, release, inspect
+def _main(capsys, *args):
+    """The CLI in-process, attached to the test's private cluster: (exit code, stdout, stderr)."""
+    from zephon_ray.cli import main
+
+    try:
+        code = main([str(a) for a in args])
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_serve_has_a_flag_for_every_service_config_field():
+    import dataclasses
+    import typing
+
+    from zephon_ray.cli import build_parser
+    from zephon_ray.service.cli import service_config_fields
+    from zephon_ray.service.config import ServiceConfig
+
+    def leaves(cls, prefix=""):  # every field, nested dataclasses (resources) as "resources.<field>"
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if dataclasses.is_dataclass(hints[f.name]):
+                yield from leaves(hints[f.name], prefix + f.name + ".")
+            else:
+                yield prefix + f.name
+
+    help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
+    missing = [name for name in leaves(ServiceConfig) if "--" + name.replace("_", "-") not in help_text]
+    assert not missing, f"serve lacks flags for ServiceConfig fields {missing}"
+
+    args = build_parser().parse_args(["serve", "tiny"])  # defaults: exactly ServiceConfig's
+    assert ServiceConfig(**service_config_fields(args)) == ServiceConfig()
+    args = build_parser().parse_args(["serve", "tiny", "--window", "3", "--consumer-ttl-s", "7.5", "--run-id", "r",
+                                      "--resources.producer-num-cpus", "0.125"])
+    fields = service_config_fields(args)
+    assert (fields["window"], fields["consumer_ttl_s"], fields["run_id"]) == (3, 7.5, "r")
+    assert fields["resources"].producer_num_cpus == 0.125
+
+
+def test_serve_status_rescale_release_stop_then_inspect_offline(ray_cluster, capsys, tmp_path, reference_digests):
+    import json
+
+    from zephon_ray import DataService
+
+    state_dir = tmp_path / "state"
+    where = ("--name", "cli-ops", "--namespace", "cli-tests")
+    code, out, err = _main(capsys, "serve", "tiny", *where, "--state-dir", state_dir, "--checkpoint-every", "2",
+                           "--window", "4", "--consumer-ttl-s", "90", "--run-id", "cli-ops",
+                           "--aggregate-store", "torch://", "--resources.producer-num-cpus", "0.125")
+    assert code == 0, err
+    assert "serving" in out and "'cli-ops'" in out
+    svc = DataService.connect("cli-ops", namespace="cli-tests", consumer="trainer")
+    try:
+        cfg = svc.config  # every flag reached the running service's config
+        assert (cfg.window, cfg.checkpoint_every, cfg.consumer_ttl_s, cfg.resources.producer_num_cpus) == (4, 2, 90, 0.125)
+        for step in range(5):
+            assert svc.slice(step, 0, 1).tokens.shape[0] == 16
+        svc.commit(4)
+
+        code, out, err = _main(capsys, "status", *where)
+        assert code == 0, err
+        for needle in ("producers   1", "window ", "cursors     1", "trainer", "throughput ", "checkpoints ",
+                       "commits ", f"fingerprint {svc.recipe.fingerprint}"):
+            assert needle in out, (needle, out)
+        code, out, _ = _main(capsys, "status", *where, "--json")
+        status = json.loads(out)
+        assert status["fingerprint"] == svc.recipe.fingerprint and len(status["producers"]) == 1
+
+        code, out, err = _main(capsys, "rescale", "3", *where)  # 3 does not divide 8 lanes: one line, no change
+        assert code == 2 and "producers=3 does not divide" in err and len(err.strip().splitlines()) == 1
+        code, out, err = _main(capsys, "rescale", "2", *where)
+        assert code == 0 and "to 2 producers" in out, err
+        assert svc.batch(6).digest == reference_digests[6]
+        assert len(svc.status()["producers"]) == 2
+
+        code, out, err = _main(capsys, "release", "trainer", *where)
+        assert code == 0, err
+        assert not [c for c in svc.status()["cursors"] if c["consumer"] == "trainer" and c["live"]]
+    finally:
+        code, out, err = _main(capsys, "stop", *where)
+    assert code == 0 and "stopped" in out, err
+    code, _, err = _main(capsys, "status", *where)
+    assert code == 2 and "cli-ops" in err
+
+    # Offline: a fresh interpreter that never imports Ray reads what the service left behind.
+    probe = ("import json, sys; from zephon_ray.cli import main; rc = main(['inspect', sys.argv[1], '--json']); "
+             "assert 'ray' not in sys.modules, 'inspect imported ray'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", probe, str(state_dir)], capture_output=True, text=True, env=_env(),
+                          cwd=ROOT, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["fingerprint"] == svc.recipe.fingerprint and report["lanes"] == 8
+    assert report["checkpoints"]["count"] >= 1 and all(s % 2 == 0 for s in report["checkpoints"]["steps"])
+    assert report["commits"]["latest_step"] == 4 and report["commits"]["by_consumer"] == {"trainer": 4}
+    code, out, _ = _main(capsys, "inspect", state_dir)
+    assert code == 0 and "trainer: resumes at step 4" in out
+
+    code, _, err = _main(capsys, "inspect", tmp_path / "nothing-here")
+    assert code == 2 and "service.json" in err and len(err.strip().splitlines()) == 1

@@ -1,4 +1,9 @@
-"""``zephon-ray serve | status | stop`` and ``zephon-ray digest --via service``.
+"""``zephon-ray serve | status | stop | rescale | release`` and ``zephon-ray digest --via service``.
+
+``serve`` has one flag per :class:`ServiceConfig` field (``--window``, ``--consumer-ttl-s``, ...; nested
+``resources`` fields as ``--resources.producer-num-cpus``), generated from the dataclass so that it cannot drift
+(tests/test_service_cli.py::test_serve_has_a_flag_for_every_service_config_field). ``status`` prints a table of
+whatever ``DataService.status()`` reports (known sections first, any others after), or JSON with ``--json``.
 
 Without ``--address`` the ``digest`` command starts a private local Ray (its own temp dir) and shuts it down
 again; ``serve``/``status``/``stop`` attach to an existing cluster (``--address``, ``RAY_ADDRESS`` or the one
@@ -9,16 +14,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
 import sys
 import tempfile
 import uuid
+import typing
 from collections.abc import Iterator
+from typing import Any
 
 from zephon_ray.recipe import Recipe
-from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, HOSTED_STORE, ServiceConfig
+from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, HOSTED_STORE, ActorResources, ServiceConfig
 from zephon_ray.service.errors import ServiceError
 
 
@@ -92,15 +100,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from zephon_ray.service.client import DataService
 
     recipe = Recipe.from_toml(args.recipe)
+    fields = service_config_fields(args)
+    ServiceConfig.build(recipe, **fields)  # every bad setting fails here, in one line, before touching Ray
     try:
         with ray_session(args.address, private_if_none=False):
-            svc = DataService.start(
-                recipe, name=args.name, namespace=args.namespace, producers=args.producers, window=args.window,
-                state_dir=args.state_dir, checkpoint_every=args.checkpoint_every,
-                aggregate_store=args.aggregate_store, aggregate_dir=args.aggregate_dir, run_id=args.run_id,
-            )
+            svc = DataService.start(recipe, **fields)
             status = svc.status()
-            print(f"serving {recipe.describe()} as {args.name!r} in namespace {args.namespace!r}: "
+            print(f"serving {recipe.describe()} as {fields['name']!r} in namespace {fields['namespace']!r}: "
                   f"{len(status['producers'])} producers, window {status['window']['size']}, "
                   f"state_dir {status['state_dir']}, starting at step {status['start']['start_step']}", flush=True)
             if args.block:
@@ -127,20 +133,50 @@ def cmd_status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True, default=str))
         return 0
-    w, t, c = status["window"], status["throughput"], status["checkpoints"]
-    print(f"service     {status['name']} (namespace {status['namespace']})  recipe {status['fingerprint'][:12]}")
-    print(f"producers   {len(status['producers'])} (generation {status['generation']}, restarts {status['restarts']})"
-          + "".join(f"\n  #{p['index']} pid {p['pid']} lanes {p['lanes']}" for p in status["producers"]))
-    print(f"window      {w['size']} steps from {w['low']}; next {w['next_step']}; held {w['held_steps']} "
-          f"{w['held_bytes']} B (peak {w['peak_held_bytes']}, bound {w['bound_bytes']})")
-    for cur in status["cursors"]:
-        print(f"cursor      {cur['consumer']} rank {cur['rank']}/{cur['world']} at {cur['step']} "
-              f"(idle {cur['idle_s']}s{'' if cur['live'] else ', expired'})")
-    rate = f"{t['tokens_per_s']:.0f} tokens/s" if t["tokens_per_s"] else "n/a"
-    print(f"throughput  {t['produced_steps']} steps, {rate}")
-    print(f"durable     {c['count']} checkpoints every {c['every']} (latest {c['latest']}); "
-          f"latest commit {status['commits']['latest_durable_step']}; state_dir {status['state_dir']}")
+    print(format_status(status))
     return 0
+
+
+STATUS_ORDER = ("name", "namespace", "fingerprint", "recipe", "state_dir", "fatal", "generation", "restarts",
+                "producers", "window", "cursors", "throughput", "checkpoints", "commits")
+"""Sections printed first, in this order; any other key of ``status()`` follows, so new keys are never hidden."""
+_LIST_SHOWN = 8
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, (list, tuple)):
+        items = [_cell(v) for v in value]
+        if len(items) > _LIST_SHOWN:
+            items = items[:3] + ["..."] + items[-3:] + [f"({len(value)})"]
+        return "[" + " ".join(items) + "]"
+    if isinstance(value, dict):
+        return "{" + " ".join(f"{k}={_cell(v)}" for k, v in value.items()) + "}"
+    return "-" if value is None else str(value)
+
+
+def format_status(status: dict[str, Any]) -> str:
+    """A human table of ``DataService.status()``: scalars on one line, dicts as ``key=value`` pairs, lists of
+    dicts (producers, cursors) as aligned tables. Robust to keys it does not know."""
+    lines: list[str] = []
+    keys = [k for k in STATUS_ORDER if k in status] + sorted(k for k in status if k not in STATUS_ORDER)
+    for key in keys:
+        value = status[key]
+        if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
+            columns = list(dict.fromkeys(c for row in value for c in row))
+            cells = [[_cell(row.get(c)) for c in columns] for row in value]
+            widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
+            lines.append(f"{key:<11} {len(value)}")
+            lines.append("  " + "  ".join(c.ljust(w) for c, w in zip(columns, widths)).rstrip())
+            lines += ["  " + "  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in cells]
+        elif isinstance(value, dict):
+            lines.append(f"{key:<11} {_cell(value)[1:-1]}")
+        elif isinstance(value, list):
+            lines.append(f"{key:<11} {len(value)} {_cell(value) if value else ''}".rstrip())
+        else:
+            lines.append(f"{key:<11} {_cell(value)}")
+    return "\n".join(lines)
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -155,6 +191,103 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_rescale(args: argparse.Namespace) -> int:
+    from zephon_ray.service.client import DataService
+
+    try:
+        with ray_session(args.address, private_if_none=False):
+            svc = DataService.connect(args.name, namespace=args.namespace, timeout_s=0)
+            svc.rescale(args.producers)  # ValueError (lanes, run_id, aggregation) before any remote change
+            status = svc.status()
+    except (ServiceError, ConnectionError) as exc:
+        return _fail(str(exc))
+    print(f"rescaled {args.name!r} (namespace {args.namespace!r}) to {len(status['producers'])} producers "
+          f"(generation {status['generation']}); batches are unchanged")
+    return 0
+
+
+def cmd_release(args: argparse.Namespace) -> int:
+    from zephon_ray.service.client import DataService
+
+    try:
+        with ray_session(args.address, private_if_none=False):
+            DataService.connect(args.name, namespace=args.namespace, consumer=args.consumer, timeout_s=0).release()
+    except (ServiceError, ConnectionError) as exc:
+        return _fail(str(exc))
+    print(f"released consumer {args.consumer!r} of {args.name!r}: it no longer holds the window back")
+    return 0
+
+
+# ---------------------------------------------------------------------- serve flags from ServiceConfig
+NESTED_PREFIX = "resources."
+_SERVE_DEST = "cfg__"
+"""Prefix of the argparse dest of a generated flag (``cfg__window``, ``cfg__resources__producer_num_cpus``)."""
+
+
+def _json_object(text: str) -> dict:
+    """A ``dict`` field on the command line: a JSON object such as ``'{"head": 0.01}'``."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object such as '{{\"head\": 0.01}}', got {text!r}")
+    return value
+
+
+_FLAG_TYPES = {int: int, float: float, str: str, dict: _json_object}
+
+
+def _flag_type(hint: Any) -> Any:
+    """The argparse ``type`` for a field type such as ``int``, ``float | None``, ``str | None`` or ``dict``."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    base = args[0] if len(args) == 1 else typing.get_origin(hint) or hint
+    if base not in _FLAG_TYPES and base is not bool:
+        raise TypeError(f"ServiceConfig field type {hint!r} has no CLI mapping; extend _FLAG_TYPES")
+    return base
+
+
+def _config_flags(cls: type, prefix: str = "") -> Iterator[tuple[str, str, Any, Any, str]]:
+    """(flag, dest, type, default, help) per field of ``cls``; nested dataclasses become ``--<field>.<sub>``."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            yield from _config_flags(hint, prefix=f"{prefix}{f.name}.")
+            continue
+        kind = _flag_type(hint)
+        default = f.default if f.default is not dataclasses.MISSING else (
+            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        flag = "--" + prefix + f.name.replace("_", "-")
+        dest = _SERVE_DEST + (prefix + f.name).replace(".", "__")
+        yield flag, dest, kind, default, f"ServiceConfig.{prefix}{f.name} (default {default})"
+
+
+def add_service_config_flags(p: argparse.ArgumentParser) -> None:
+    for flag, dest, kind, default, help_ in _config_flags(ServiceConfig):
+        if kind is bool:
+            p.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_)
+        else:
+            p.add_argument(flag, dest=dest, type=_FLAG_TYPES[kind], default=default, help=help_)
+
+
+def service_config_fields(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``ServiceConfig``/``DataService.start`` keyword arguments given by the generated ``serve`` flags."""
+    fields: dict[str, Any] = {}
+    nested: dict[str, dict[str, Any]] = {}
+    for key, value in vars(args).items():
+        if not key.startswith(_SERVE_DEST):
+            continue
+        path = key[len(_SERVE_DEST):].split("__")
+        if len(path) == 1:
+            fields[path[0]] = value
+        else:
+            nested.setdefault(path[0], {})[path[1]] = value
+    for name, values in nested.items():
+        fields[name] = {"resources": ActorResources}[name](**values)
+    return fields
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", default=DEFAULT_NAME, help="service (coordinator actor) name")
     p.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="Ray namespace of the service")
@@ -164,14 +297,8 @@ def _common(p: argparse.ArgumentParser) -> None:
 def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="start the data service (a named, detached coordinator) on a Ray cluster")
     p.add_argument("recipe")
-    _common(p)
-    p.add_argument("--producers", type=int, default=1)
-    p.add_argument("--window", type=int, default=8)
-    p.add_argument("--state-dir", default=None, help="durable state; reuse it to resume after a restart")
-    p.add_argument("--checkpoint-every", type=int, default=8)
-    p.add_argument("--aggregate-store", default=None, help="torch:// (hosted by the service) or torch://host:port")
-    p.add_argument("--aggregate-dir", default=None)
-    p.add_argument("--run-id", default=None)
+    p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or the running cluster)")
+    add_service_config_flags(p)  # --name, --namespace, --producers, --window, --state-dir, ... (every field)
     p.add_argument("--block", action="store_true", help="stay in the foreground until the service is stopped")
     p.set_defaults(func=cmd_serve)
 
@@ -184,3 +311,13 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stop", help="stop a running service (its state_dir stays)")
     _common(p)
     p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("rescale", help="change the number of producer actors (must divide the lanes)")
+    p.add_argument("producers", type=int)
+    _common(p)
+    p.set_defaults(func=cmd_rescale)
+
+    p = sub.add_parser("release", help="drop a consumer's cursors so it no longer holds the window back")
+    p.add_argument("consumer", help="the consumer id, as `status` lists it")
+    _common(p)
+    p.set_defaults(func=cmd_release)
