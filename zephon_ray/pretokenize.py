@@ -406,9 +406,9 @@ def write_pretokenized_recipe(recipe: Recipe, out_dir: Path) -> Path:
 
 
 # ---------------------------------------------------------------------- checking a pre-tokenised recipe
-def check_pretokenized(recipe: Recipe, manifest_path: Path) -> None:
-    """Called by the recipe parser for a recipe with ``pretokenized = "..."``: the manifest must exist, be
-    complete, name the recipe's tokenizer, and list exactly the token shards the recipe's sources hold."""
+def check_pretokenized(manifest_path: Path, tokenizer: str) -> dict[str, Any]:
+    """Called by the recipe parser for ``pretokenized = "..."`` before it reads the sources: the manifest must
+    exist and be complete, name the recipe's tokenizer, and every token shard it lists must be there, whole."""
     if not manifest_path.is_file():
         raise RecipeError(f"pre-tokenisation manifest not found: {manifest_path} (did `zephon-ray pretokenize` "
                           "finish? it writes the manifest last)")
@@ -419,25 +419,45 @@ def check_pretokenized(recipe: Recipe, manifest_path: Path) -> None:
     if not isinstance(manifest, dict) or manifest.get(KEY_FORMAT) != MANIFEST_FORMAT:
         got = manifest.get(KEY_FORMAT) if isinstance(manifest, dict) else type(manifest).__name__
         raise RecipeError(f"{manifest_path}: manifest format {got!r} is not {MANIFEST_FORMAT!r}")
-    identity = tokenizer_identity(recipe.tokenizer)
+    identity = tokenizer_identity(tokenizer)
     if manifest.get(KEY_TOKENIZER) != identity:
         raise RecipeError(
             f"{manifest_path}: the sources were pre-tokenised with tokenizer {manifest.get(KEY_TOKENIZER)!r}, but the "
-            f"recipe names {recipe.tokenizer!r} ({identity}); token ids from one tokenizer cannot be used with another"
+            f"recipe names {tokenizer!r} ({identity}); token ids from one tokenizer cannot be used with another"
         )
     if manifest.get(KEY_SPECIAL_TOKENS, {}).get("mode") != SPECIAL_TOKENS:
         raise RecipeError(f"{manifest_path}: special-token mode {manifest.get(KEY_SPECIAL_TOKENS)!r} is not "
                           f"{SPECIAL_TOKENS!r}, the mode zephon-ray tokenises with")
+    try:
+        for source in manifest[KEY_SOURCES]:
+            for shard in source["shards"]:
+                path = manifest_path.parent / source["path"] / shard["out"]
+                size = path.stat().st_size if path.is_file() else None
+                if size != shard["bytes"]:
+                    state = "missing" if size is None else f"{size} bytes, the manifest records {shard['bytes']}"
+                    raise RecipeError(f"token shard {path}: {state} (truncated or rewritten; re-run pretokenize)")
+    except (KeyError, TypeError) as exc:
+        raise RecipeError(f"{manifest_path}: corrupt pre-tokenisation manifest (missing {exc})") from None
+    return manifest
+
+
+def check_pretokenized_sources(recipe: Recipe) -> None:
+    """After the sources are read: each is a token copy the manifest lists, with exactly the listed shards."""
+    manifest_path = Path(recipe.pretokenized)
+    manifest = json.loads(manifest_path.read_text())
     listed = {s.get("name"): s for s in manifest.get(KEY_SOURCES, [])}
     for source in recipe.sources:
         entry = listed.get(source.name)
         if entry is None:
             raise RecipeError(f"{manifest_path}: source '{source.name}' is not in the pre-tokenisation manifest")
+        if source.path != (manifest_path.parent / entry["path"]).resolve():
+            raise RecipeError(f"source '{source.name}' reads {source.path}, not the token copy "
+                              f"{manifest_path.parent / entry['path']} that {manifest_path} lists")
         want = {s["out"]: s["bytes"] for s in entry["shards"]}
         have = dict(shard_list(source))
         if want != have:
             diff = sorted(set(want.items()) ^ set(have.items()))
             raise RecipeError(
                 f"{manifest_path}: source '{source.name}' ({source.path}) does not hold the token shards the manifest "
-                f"lists (first difference: {diff[0][0]}; a truncated, missing or extra file)"
+                f"lists (first difference: {diff[0][0]}; a missing or extra file)"
             )

@@ -272,7 +272,13 @@ class _RecipeParser:
 
         pretokenized = raw.get("pretokenized")
         if pretokenized is not None:
+            from zephon_ray.pretokenize import check_pretokenized  # imports this module
+
             pretokenized = self.resolve(self.typed(raw, "pretokenized", str, ...))
+            try:  # before the sources are read: a damaged token shard is named here, not by a Parquet reader
+                check_pretokenized(pretokenized, tokenizer)
+            except RecipeError as exc:
+                raise self.fail("pretokenized", str(exc)) from None
         sources = self.parse_sources(raw["sources"], chunk_size)
         recipe = Recipe(
             sources=sources, seed=seed, lanes=lanes, microbatches_per_lane=k, rows_per_microbatch=m,
@@ -281,10 +287,10 @@ class _RecipeParser:
             aggregate=Aggregate(store=store, dir=agg_dir), path=self.origin, pretokenized=pretokenized,
         )
         if pretokenized is not None:
-            from zephon_ray.pretokenize import check_pretokenized  # imports this module
+            from zephon_ray.pretokenize import check_pretokenized_sources
 
             try:
-                check_pretokenized(recipe, pretokenized)
+                check_pretokenized_sources(recipe)
             except RecipeError as exc:
                 raise self.fail("pretokenized", str(exc)) from None
         return recipe
