@@ -5,6 +5,9 @@
 * ``zephon_ray.torchtitan.overrides``: the ``--override.imports`` route onto TorchTitan's own configs.
 * ``zephon_ray.torchtitan.ray_train``: TorchTitan or a plain torch loop under Ray Train ``TorchTrainer``.
 * ``zephon_ray.torchtitan.cpu``: the shims that let TorchTitan 0.3.0 train on a CPU-only torch (tests, examples).
+* ``zephon_ray.torchtitan.prefetch``: the ``SliceSource`` interface every delivery mode implements, and its thread.
+* ``zephon_ray.torchtitan.mesh``: TP/PP/CP peers of a dp rank share its slice (one Zephon participant per dp rank).
+* ``zephon_ray.torchtitan.trainer_checks``: the trainer's global batch, seq_len and tokenizer against the recipe.
 """
 
 from __future__ import annotations

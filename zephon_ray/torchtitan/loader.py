@@ -4,27 +4,32 @@ Guarantee: for a recipe with B rows per global batch, rank r of W (W dividing B)
 rows ``[r*B/W, (r+1)*B/W)`` of global batch s, cut into ``({"input", "positions"}, labels)`` microbatches of
 ``local_batch_size`` rows. The rows are the same whether they come from the data service (``mode="service"``) or
 from an in-process Zephon rank (``mode="local"``), and whatever W was before a resume: concatenating every rank's
-slice in rank order gives the batch that ``zephon-ray digest`` describes.
+slice in rank order gives the batch that ``zephon-ray digest`` describes (tests: ``test_torchtitan_loader.py``,
+``test_torchtitan_train.py`` with the real Trainer, ``test_ray_train_elastic.py`` through the service).
 
-State (see :mod:`zephon_ray.torchtitan.state`) is ``{version, run_id, fingerprint, next_step, zephon}``, JSON-safe
-and identical on every rank, so DCP stores it once and it loads at any W. ``state_dict()`` works before iteration.
+State (see :mod:`zephon_ray.torchtitan.state`) is ``{version, run_id, fingerprint, next_step, zephon,
+replayed_steps}``, JSON-safe and identical on every rank, so DCP stores it once and it loads at any W
+(``test_dcp_save_and_load_at_another_world``). ``state_dict()`` works before iteration.
 
 ``dp_world_size`` and ``dp_rank`` are what TorchTitan's Trainer passes (its "batch" mesh): W is the data-parallel
 degree, never ``WORLD_SIZE``. TP/PP/CP ranks that share a dp_rank get the same slice: in local mode only the lowest
-of them runs Zephon and broadcasts each slice (and the state) to the others (:mod:`zephon_ray.torchtitan.mesh`).
+of them runs Zephon and broadcasts each slice (and the state) to the others (:mod:`zephon_ray.torchtitan.mesh`,
+``test_torchtitan_mesh.py``). In service mode every rank reads its dp slice from the service, which serves the
+same rows to every reader. All sources implement :class:`~zephon_ray.torchtitan.prefetch.SliceSource`.
 
 Limits, each rejected with a clear error rather than worked around:
 
 * the trainer's global batch must be the recipe's B (one optimizer step = one global batch), its seq_len the
   recipe's, ``local_batch_size * W`` must divide B, and its tokenizer must agree with the recipe's
-  (:mod:`zephon_ray.torchtitan.trainer_checks`, checked on every route); an unknown build keyword (a renamed
-  TorchTitan argument) is a TypeError naming it;
+  (:mod:`zephon_ray.torchtitan.trainer_checks`, checked on every route: ``test_torchtitan_overrides.py``); an
+  unknown build keyword (a renamed TorchTitan argument) is a TypeError naming it;
 * a checkpoint may only be taken at a step boundary (not after some of a step's microbatches were consumed);
 * local mode needs W dividing L, and a distributed local-mode run needs a ``run_id`` and exactly one of
   ``aggregate_store`` and ``aggregate_dir``. Its state carries the newest Zephon snapshot at or before
   ``next_step`` (taken every ``checkpoint_every`` steps; TorchTitan's checkpoint interval is picked up
   automatically); a resume between snapshots, or from a state without one, replays the steps in between: it logs
-  a warning with the count, and ``stats`` / the state's ``replayed_steps`` report it.
+  a warning with the count, and ``stats`` / the state's ``replayed_steps`` report it
+  (``test_resume_without_a_zephon_snapshot_warns_and_reports_the_replay``).
 
 TorchTitan never closes its data loader: the background threads are daemons, and :meth:`close` (also run at
 interpreter exit) stops them and releases the service connection.
