@@ -47,6 +47,7 @@ from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import ServiceConfig
 from zephon_ray.service.errors import ServiceError
 from zephon_ray.service.group import PRODUCER_INFIX, ProducerGroup
+from zephon_ray.service.metrics import ServiceMetrics
 from zephon_ray.service.replayer import Replayer
 from zephon_ray.service.state import ServiceState
 from zephon_ray.service.window import Entry, Read, StepWindow, resume_step
@@ -121,6 +122,7 @@ class Coordinator:
         self._changed: asyncio.Event | None = None
 
         self.group = ProducerGroup(recipe, config, self.state, self._instance)
+        self.group.metrics = self._metrics = ServiceMetrics.for_config(config)  # Ray metrics: metrics.py
         self.group.launch(config.producers, ckpt, self.state.read_checkpoint(ckpt) if ckpt else None)
         res = config.resources
         replayer_cls = ray.remote(Replayer)
@@ -196,6 +198,7 @@ class Coordinator:
                 if kind is Read.HIT:
                     entry = self.window.table[step]
                     entry.served += 1
+                    self._metrics.consumer_wait(now - (deadline - timeout_s))
                     if self._start["first_batch_s"] is None:
                         self._start["first_batch_s"] = round(now - self._t0, 3)
                     return REPLY_REFS, step, list(entry.lanes)
@@ -377,6 +380,7 @@ class Coordinator:
         stats = self._replay_stats
         stats["submitted"] += 1
         stats["max_replay_steps"] = max(stats["max_replay_steps"], replayed)
+        self._metrics.replay(replayed)
         stats["last"] = {"step": step, "replay_steps": replayed}
         return lanes
 
@@ -437,6 +441,7 @@ class Coordinator:
                 self.window.file(item.step, Entry(lanes=item.lane_refs, nbytes=item.meta["nbytes"]))
             self._first_produced = self._first_produced or now
             self._last_produced = now
+            self._metrics.produced(len(finished), len(finished) * self.recipe.tokens_per_step, self.window)
         self._notify()
 
     def _do_rescale(self) -> None:

@@ -37,6 +37,7 @@ from zephon_ray.identity import check_checkpoint_agreement
 from zephon_ray.pipeline import ZephonRank
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import HOSTED_STORE, ServiceConfig
+from zephon_ray.service.metrics import NO_METRICS
 from zephon_ray.service.producer import Producer
 from zephon_ray.service.state import ServiceState
 
@@ -78,6 +79,7 @@ class ProducerGroup:
         self.fatal: str | None = None
         self.failures = self.deaths = self.restarts = 0
         self.hung_replacements = 0
+        self.metrics = NO_METRICS  # the coordinator sets its ServiceMetrics (metrics.py)
         self._inflight: dict[int, tuple[list[Any], Any]] = {}  # step -> (lane refs, meta ref)
         self._skips: dict[int, list[Any]] = {}
         self._ckpts: dict[int, list[Any]] = {}
@@ -197,6 +199,7 @@ class ProducerGroup:
         else:
             self.failures += 1
         self.restarts += 1
+        self.metrics.producer_restart(death=death)
         if self.failures > MAX_CONSECUTIVE_FAILURES or self.deaths > MAX_CONSECUTIVE_DEATHS:
             self.fatal = (f"service {self.config.name!r}: producers failed {self.failures + self.deaths} times in a "
                           f"row without finishing a step; last error: {reason}")
@@ -276,7 +279,7 @@ class ProducerGroup:
                 if all(r in done for r in refs):
                     states = ray.get(refs)  # small merged Zephon states, not shard bytes
                     check_checkpoint_agreement(states)
-                    self.state.write_checkpoint(states[0])
+                    self.metrics.time_checkpoint(self.state.write_checkpoint, states[0])
                     del self._ckpts[step]
             for step in sorted(self._skips):
                 refs = self._skips[step]
@@ -326,7 +329,7 @@ class ProducerGroup:
                     states = ray.get([a.checkpoint.remote(step) for a in gen.actors],
                                      timeout=self.config.aggregate_timeout_s + 30)
                     state = check_checkpoint_agreement(states)
-                    self.state.write_checkpoint(state)
+                    self.metrics.time_checkpoint(self.state.write_checkpoint, state)
                 self._kill(gen)
                 self.launch(target, step, state)
         except Exception as exc:  # noqa: BLE001 - a producer died mid-rescale: fall back to durable checkpoints
