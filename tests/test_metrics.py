@@ -88,3 +88,20 @@ def test_metrics_on_the_prometheus_endpoint(ray_cluster, tiny_recipe, reference_
         print("metrics:", {k: seen[k] for k in sorted(seen)})
     finally:
         svc.stop()
+
+
+def test_grafana_panel_queries_only_metrics_we_export():
+    """service/grafana_panel.json must not drift from metrics.py: every series it queries is one we define."""
+    import json
+    from pathlib import Path
+
+    from conftest import ROOT
+    from zephon_ray.service import metrics
+
+    defined = set(re.findall(r'(?:counter|gauge|histogram)\("(\w+)"', Path(metrics.__file__).read_text()))
+    assert defined == set(re.findall(r"zephon_ray_(\w+)", metrics.__doc__)), "metrics.py's table is stale"
+    dashboard = json.loads((ROOT / "service" / "grafana_panel.json").read_text())
+    exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
+    queried = {re.sub(r"_(total|bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"ray_zephon_ray_(\w+)", e)}
+    assert queried and queried <= defined, queried - defined
+    assert defined - {"window_held_steps"} <= queried, f"metrics without a panel: {defined - queried}"
