@@ -1,9 +1,14 @@
 # The README's two commands: `make demo` and `make test`. Both set up .venv on first use.
 VENV   ?= .venv
 PYTHON ?= python3
-# The CPU wheel of torch. A GPU machine sets TORCH_SPEC to its CUDA build, e.g. `make demo TORCH_SPEC=torch==2.13.0`
-# with the PyTorch CUDA index configured for pip; everything else resolves against what is installed.
+# torch is installed first, on its own, so that the rest resolves against it. Which build `torch==2.13.0` gives
+# depends on pip's indexes: pypi.org serves a CUDA build for Linux x86_64; a machine whose pip config points at a
+# CPU wheel (find-links or --index-url) gets that one. TORCH_PIP_ARGS picks the index explicitly, e.g.
+#   make install TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"    (CPU-only machines)
+#   make install TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cuXYZ"  (CUDA X.Y.Z)
+# See README "Installing torch".
 TORCH_SPEC ?= torch==2.13.0
+TORCH_PIP_ARGS ?=
 PY := $(VENV)/bin/python
 
 .PHONY: install demo test test-all bench clean
@@ -12,7 +17,7 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q '$(TORCH_SPEC)'
+	$(PY) -m pip install -q '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
