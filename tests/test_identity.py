@@ -431,3 +431,16 @@ def test_a_node_with_a_different_copy_of_a_shard_is_named(tmp_path):
     for needle in (f"ray node {info['node_b_id'][:12]}", "shard-00001.jsonl: sha256"):
         assert needle in service, service
     assert "\n" not in service
+
+
+def test_hashing_through_ray_tasks_on_this_node(ray_cluster, tmp_path):
+    """With Ray up and many files, hashes come from Ray tasks pinned to this node; they equal hashlib's."""
+    directory = tmp_path / "many"
+    directory.mkdir()
+    paths = []
+    for i in range(identity.RAY_MIN_FILES):
+        paths.append(directory / f"s{i:04d}.jsonl")
+        paths[-1].write_text(json.dumps({"text": f"record {i}"}) + "\n")
+    digests = identity.digest_files(paths, progress=False)
+    assert identity.last_report.via == "ray" and identity.last_report.hashed == len(paths)
+    assert digests == {p: identity.sha256_file(p) for p in paths}

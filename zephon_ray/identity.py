@@ -41,7 +41,9 @@ import hashlib
 import json
 import logging
 import os
+import re
 import socket
+import stat
 import sys
 import tempfile
 import time
@@ -69,6 +71,7 @@ RAY_MIN_FILES = 256
 PROGRESS_MIN_BYTES = 1 << 30
 PROGRESS_MIN_FILES = 2000
 _READ_CHUNK = 1 << 20
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 class ShardListingError(ValueError):
@@ -179,7 +182,9 @@ def zephon_shard_listing(path: str | Path, fmt: str) -> tuple[str, list[tuple[st
     if index is not None and _usable_index(handler, fmt, index):
         return LISTING_INDEX, [(str(shard["basename"]), int(shard.get("num_rows", 0))) for shard in index["shards"]]
     suffixes = format_suffixes(fmt)
-    names = sorted(name for name in storage.listdir(root_str) if name.endswith(suffixes))
+    # Zephon's LocalStorageBackend.listdir is the names in the directory (files and directories alike); os.listdir
+    # gives the same names without sorting 10,000 Path objects, and Zephon then sorts the names, as we do.
+    names = sorted(name for name in os.listdir(root_str) if name.endswith(suffixes))
     if not names:
         raise ShardListingError(f"source directory holds no {fmt} shards ({', '.join(suffixes)}): {root}")
     return LISTING_SCAN, [(name, None) for name in names]
@@ -208,25 +213,20 @@ def source_identity(path: str | Path, fmt: str, *, known: Sequence[ShardIdentity
     """
     root = Path(path).resolve()
     listing, entries = zephon_shard_listing(root, fmt)
-    files = [root / name for name, _ in entries]
-    for f in files:
-        if not f.is_file():
-            raise ShardListingError(f"shard listed by Zephon's discovery is not a readable file: {f}")
-    digests = digest_files(files, progress=progress)
+    sizes, digests = _digest([os.path.normpath(os.path.join(root, name)) for name, _ in entries],
+                             progress=progress, use_ray=None)
     rows = [r for _, r in entries]
     if listing == LISTING_SCAN:
         if known is not None:
             by_content = {(s.name, s.sha256): s.rows for s in known}
-            rows = [by_content.get((name, digests[f])) for (name, _), f in zip(entries, files)]
+            rows = [by_content.get((name, digest)) for (name, _), digest in zip(entries, digests)]
         else:
             rows = zephon_row_counts(root, fmt)
             if len(rows) != len(entries):
                 raise ShardListingError(f"{root}: Zephon discovered {len(rows)} shards, the listing has "
                                         f"{len(entries)} (the directory changed while it was read?)")
-    return listing, tuple(
-        ShardIdentity(name=name, size=f.stat().st_size, sha256=digests[f], rows=r)
-        for (name, _), f, r in zip(entries, files, rows)
-    )
+    return listing, tuple(ShardIdentity(name=name, size=size, sha256=digest, rows=r)
+                          for (name, _), size, digest, r in zip(entries, sizes, digests, rows))
 
 
 def zephon_row_counts(path: Path, fmt: str) -> list[int]:
@@ -256,8 +256,8 @@ def _stat_key(st: os.stat_result) -> list[int]:
     return [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev]
 
 
-def _manifest_path(directory: Path) -> Path:
-    return cache_dir() / f"sha256-{hashlib.sha256(str(directory).encode()).hexdigest()[:32]}.json"
+def _manifest_path(directory: str) -> Path:
+    return cache_dir() / f"sha256-{hashlib.sha256(directory.encode()).hexdigest()[:32]}.json"
 
 
 def _load_manifest(path: Path) -> dict[str, list]:
@@ -268,23 +268,19 @@ def _load_manifest(path: Path) -> dict[str, list]:
         return {}
     if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or not isinstance(data.get("files"), dict):
         return {}
-    out = {}
-    for name, entry in data["files"].items():
-        if (isinstance(entry, list) and len(entry) == 6 and all(type(x) is int for x in entry[:5])
-                and isinstance(entry[5], str) and len(entry[5]) == 64
-                and all(c in "0123456789abcdef" for c in entry[5])):
-            out[name] = entry
-    return out
+    return {name: entry for name, entry in data["files"].items()
+            if isinstance(entry, list) and len(entry) == 6 and all(type(x) is int for x in entry[:5])
+            and isinstance(entry[5], str) and _SHA256_HEX.fullmatch(entry[5])}
 
 
-def _write_manifest(path: Path, directory: Path, files: dict[str, list]) -> None:
+def _write_manifest(path: Path, directory: str, files: dict[str, list]) -> None:
     """Atomic replace; a cache that cannot be written only costs a rehash next time."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
         try:
             with os.fdopen(fd, "w") as fh:
-                json.dump({"format": CACHE_FORMAT, "dir": str(directory), "files": files}, fh)
+                json.dump({"format": CACHE_FORMAT, "dir": directory, "files": files}, fh)
             os.replace(tmp, path)
         except BaseException:
             os.unlink(tmp)
@@ -319,7 +315,7 @@ class HashReport:
 last_report = HashReport()
 
 
-def _hash_with_threads(todo: list[Path], sizes: list[int], progress: bool) -> list[str]:
+def _hash_with_threads(todo: list[str], sizes: list[int], progress: bool) -> list[str]:
     from tqdm import tqdm
 
     workers = max(1, min(8, 2 * (os.cpu_count() or 1), len(todo)))
@@ -334,7 +330,7 @@ def _hash_with_threads(todo: list[Path], sizes: list[int], progress: bool) -> li
     return out
 
 
-def _hash_with_ray(todo: list[Path], sizes: list[int], progress: bool) -> list[str]:
+def _hash_with_ray(todo: list[str], sizes: list[int], progress: bool) -> list[str]:
     """Ray tasks pinned to this node (they must read this node's files), claiming no CPU: hashing is I/O-bound
     and must never wait behind the fractional-CPU actors that asked for it."""
     import ray
@@ -346,7 +342,7 @@ def _hash_with_ray(todo: list[Path], sizes: list[int], progress: bool) -> list[s
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
     parts = max(1, min(4 * (os.cpu_count() or 1), len(todo) // 64 or 1))
     bounds = [(i * len(todo) // parts, (i + 1) * len(todo) // parts) for i in range(parts)]
-    refs = {task.remote([str(p) for p in todo[a:b]]): (a, b) for a, b in bounds}
+    refs = {task.remote(todo[a:b]): (a, b) for a, b in bounds}
     out: list[str] = [""] * len(todo)
     with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="zephon-ray: hashing shards (ray)",
               disable=not progress, file=sys.stderr) as bar:
@@ -359,62 +355,64 @@ def _hash_with_ray(todo: list[Path], sizes: list[int], progress: bool) -> list[s
     return out
 
 
-def digest_files(paths: Sequence[Path], *, progress: bool | None = None, use_ray: bool | None = None) -> dict[Path, str]:
+def digest_files(paths: Sequence[str | Path], *, progress: bool | None = None,
+                 use_ray: bool | None = None) -> dict[Path, str]:
     """sha256 of every file, from the per-node cache where its stat key is unchanged, else computed in parallel.
 
     ``use_ray=None`` uses Ray tasks on this node when Ray is initialised here and at least :data:`RAY_MIN_FILES`
     files need hashing, else a thread pool. ``progress=None`` shows a tqdm bar for large jobs.
     """
-    global last_report
-    started_ns = time.time_ns()
-    racy_before = started_ns - int(RACY_WINDOW_S * 1e9)
-    use_cache = _cache_enabled()
-    by_dir: dict[Path, list[Path]] = {}
-    for p in paths:
-        by_dir.setdefault(p.parent, []).append(p)
-    manifests = {d: (_load_manifest(_manifest_path(d)) if use_cache else {}) for d in by_dir}
+    names = [str(p) for p in paths]
+    sizes, digests = _digest(names, progress=progress, use_ray=use_ray)
+    return {Path(n): d for n, d in zip(names, digests)}
 
-    result: dict[Path, str] = {}
-    keys: dict[Path, list[int]] = {}
-    todo: list[Path] = []
-    for d, files in by_dir.items():
-        for p in files:
-            key = _stat_key(p.stat())
-            keys[p] = key
-            hit = manifests[d].get(str(p))
-            if hit is not None and hit[:5] == key:
-                result[p] = hit[5]
+
+def _digest(paths: list[str], *, progress: bool | None, use_ray: bool | None) -> tuple[list[int], list[str]]:
+    """``(sizes, sha256s)`` aligned with ``paths`` (absolute path strings); see :func:`digest_files`."""
+    global last_report
+    racy_before = time.time_ns() - int(RACY_WINDOW_S * 1e9)
+    use_cache = _cache_enabled()
+    keys: list[list[int]] = []
+    for p in paths:
+        try:
+            st = os.stat(p)
+        except OSError as exc:
+            raise ShardListingError(f"shard listed by Zephon's discovery cannot be read: {p} ({exc.strerror})") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise ShardListingError(f"shard listed by Zephon's discovery is not a regular file: {p}")
+        keys.append(_stat_key(st))
+    by_dir: dict[str, list[int]] = {}
+    for i, p in enumerate(paths):
+        by_dir.setdefault(os.path.dirname(p), []).append(i)
+    digests: list[str] = [""] * len(paths)
+    todo: list[int] = []
+    for d, members in by_dir.items():
+        cached = _load_manifest(_manifest_path(d)) if use_cache else {}
+        for i in members:
+            hit = cached.get(paths[i])
+            if hit is not None and hit[:5] == keys[i]:
+                digests[i] = hit[5]
             else:
-                todo.append(p)
-    sizes = [keys[p][0] for p in todo]
+                todo.append(i)
+    sizes = [keys[i][0] for i in todo]
     if progress is None:
         progress = sum(sizes) >= PROGRESS_MIN_BYTES or len(todo) >= PROGRESS_MIN_FILES
     if use_ray is None:
         use_ray = len(todo) >= RAY_MIN_FILES and "ray" in sys.modules and sys.modules["ray"].is_initialized()
-    via = "none" if not todo else ("ray" if use_ray else "threads")
     if todo:
-        digests = (_hash_with_ray if use_ray else _hash_with_threads)(todo, sizes, progress)
-        result.update(zip(todo, digests))
-
-    if use_cache and todo:
-        fresh = set(todo)
-        for d, files in by_dir.items():
-            if not fresh.intersection(files):
-                continue
-            entries = {}
-            for p in files:
-                key = keys[p]
-                if max(key[1], key[2]) >= racy_before:
-                    continue  # too recent to trust its timestamps: hash again next time
-                entries[str(p)] = key + [result[p]]
-            # Merge with what another process may have written meanwhile, for files outside this listing.
-            current = _load_manifest(_manifest_path(d))
-            current.update(entries)
-            keep = {name: e for name, e in current.items() if name in entries or Path(name).parent == d}
-            _write_manifest(_manifest_path(d), d, keep)
-    last_report = HashReport(files=len(result), cached=len(result) - len(todo), hashed=len(todo),
-                             bytes_hashed=sum(sizes), via=via)
-    return result
+        hashed = (_hash_with_ray if use_ray else _hash_with_threads)([paths[i] for i in todo], sizes, progress)
+        for i, digest in zip(todo, hashed):
+            digests[i] = digest
+        if use_cache:
+            dirty = {os.path.dirname(paths[i]) for i in todo}
+            for d in dirty:
+                # The manifest of a directory holds exactly the files listed now, minus those too recent to trust.
+                entries = {paths[i]: keys[i] + [digests[i]] for i in by_dir[d]
+                           if max(keys[i][1], keys[i][2]) < racy_before}
+                _write_manifest(_manifest_path(d), d, entries)
+    last_report = HashReport(files=len(paths), cached=len(paths) - len(todo), hashed=len(todo),
+                             bytes_hashed=sum(sizes), via="none" if not todo else ("ray" if use_ray else "threads"))
+    return [k[0] for k in keys], digests
 
 
 # ---------------------------------------------------------------------------------------------- the check
