@@ -52,6 +52,8 @@ def test_right_geometry_and_tokenizer_pass_and_reach_the_loader(tmp_path):
 
     config = _apply(_cli("--training.global_batch_size", "16", "--training.local_batch_size", "4"))
     assert isinstance(config.dataloader, ZephonRayDataLoader.Config)
+    assert not isinstance(config.validator.dataloader, ZephonRayDataLoader.Config)  # the trainer's loader only
+    assert config.dataloader.recipe == str(TINY) and config.dataloader.mode == "local"
     assert config.dataloader.global_batch_size == 16
     config.dataloader.aggregate_store, config.dataloader.aggregate_dir = None, str(tmp_path)  # no torchrun here
     # Built the way Trainer.__init__ builds it (its tokenizer included): dp=2 -> grad_accum 2.

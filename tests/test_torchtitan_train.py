@@ -90,21 +90,6 @@ def test_resume_at_another_world(reference, tmp_path, w1, w2):
         assert losses[step] == pytest.approx(ref_losses[step], abs=2e-5), (step, losses, ref_losses)
 
 
-def test_override_imports_route_swaps_in_the_loader():
-    from torchtitan.config import ConfigManager
-    from torchtitan.config.override import apply_overrides
-
-    from zephon_ray.torchtitan import ZephonRayDataLoader
-
-    target = f'zephon_ray.torchtitan.overrides.zephon_dataloader={{"recipe": "{TINY}", "mode": "local"}}'
-    config = ConfigManager().parse_args(
-        ["--module", "llama3", "--config", "llama3_debugmodel", "--override.imports", target])
-    apply_overrides(config.override, config)
-    assert isinstance(config.dataloader, ZephonRayDataLoader.Config)
-    assert config.dataloader.recipe == str(TINY) and config.dataloader.mode == "local"
-    assert not isinstance(config.validator.dataloader, ZephonRayDataLoader.Config)
-
-
 def test_trainer_config_rejects_a_global_batch_or_seq_len_that_is_not_the_recipes():
     from dataclasses import replace
 
