@@ -90,6 +90,8 @@ def zephon_llama3_debugmodel() -> Trainer.Config:
     """The llama3 debug model trained on a zephon-ray recipe (accelerators; FSDP as TorchTitan defaults)."""
     loader = zephon_loader_config()
     recipe = Recipe.from_toml(loader.recipe)
+    # WORLD_SIZE only picks a default local_batch_size for these pure-data-parallel configs (dp = world); the
+    # loader itself takes the dp degree from TorchTitan's parallel dims and checks the geometry when built.
     world = int(os.environ.get("WORLD_SIZE", "1"))
     B = recipe.global_batch_rows
     loader.global_batch_size = B
