@@ -6,7 +6,7 @@ PYTHON ?= python3
 # CPU wheel (find-links or --index-url) gets that one. TORCH_PIP_ARGS picks the index explicitly, e.g.
 #   make install TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cpu"    (CPU-only machines)
 #   make install TORCH_PIP_ARGS="--index-url https://download.pytorch.org/whl/cuXYZ"  (CUDA X.Y.Z)
-# See README "Installing torch".
+# See docs/deployment.md "Installing torch".
 TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PY := $(VENV)/bin/python
