@@ -60,13 +60,14 @@ def _main(capsys, *args):
     return code, out.out, out.err
 
 
-def test_validate_prints_fingerprint_and_geometry(capsys, tiny_recipe):
+def test_validate_prints_fingerprint_and_geometry(capsys, tiny_recipe, reference_digests):
     code, out, _ = _main(capsys, "validate", "tiny")  # a bare name: the packaged recipe
     assert code == 0
     assert f"fingerprint {tiny_recipe.fingerprint}" in out
     assert "L=8 lanes x k=1 microbatches x m=2 rows = B=16 rows of seq_len 64+1" in out
     assert "tokens/step 1024" in out
     assert "W (service) 1 2 4 8 16" in out and "W (local)   1 2 4 8" in out
+    assert f"step 0      {reference_digests[0]}" in out
 
     code, out, _ = _main(capsys, "fingerprint", str(TINY))
     assert (code, out) == (0, tiny_recipe.fingerprint + "\n")
@@ -86,6 +87,16 @@ def test_validate_rejects_a_bad_recipe_in_one_line(capsys, tmp_path):
         assert needle in err and str(bad) in err and len(err.strip().splitlines()) == 1, err
     code, _, err = _main(capsys, "validate", "no-such-recipe")
     assert code == 2 and "no-such-recipe" in err and "tiny" in err and len(err.strip().splitlines()) == 1
+
+    # Loads, but Zephon cannot build it (no such field in the records): validate builds step 0 and says why.
+    unbuildable = tmp_path / "no-field.toml"
+    unbuildable.write_text(TINY.read_text().replace("data/tiny", str(TINY.parent / "data" / "tiny"))
+                           .replace("seq_len = 64", 'seq_len = 64\ntext_field = "body"'))
+    code, _, err = _main(capsys, "validate", "--no-build", str(unbuildable))
+    assert code == 0, err
+    code, out, err = _main(capsys, "validate", str(unbuildable))
+    assert code == 2 and out == "" and len(err.strip().splitlines()) == 1, err
+    assert "building step 0 failed" in err and "'body'" in err and str(unbuildable) in err
 
 
 def test_show_plot_writes_a_png(capsys, tmp_path, tiny_recipe, reference_digests):

@@ -139,7 +139,10 @@ def _shard_size(shard) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     import json
 
-    report = recipe_report(Recipe.from_toml(args.recipe))  # every check of from_toml; one RecipeError line
+    recipe = Recipe.from_toml(args.recipe)  # every check of from_toml; one RecipeError line
+    report = recipe_report(recipe)
+    if not args.no_build:
+        report["step0_digest"] = build_step_zero(recipe)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -155,7 +158,23 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for name, src in report["sources"].items():
         print(f"source      {name}: weight {src['weight']:g}, {src['shards']} {src['format']} shards, "
               f"{src['bytes']} B in {src['path']}")
+    if "step0_digest" in report:
+        print(f"step 0      {report['step0_digest']} (the pipeline builds)")
     return 0
+
+
+def build_step_zero(recipe: Recipe) -> str:
+    """Build the Zephon pipeline and step 0: what loading alone cannot check (Zephon's own operator options, the
+    tokenizer on real records). Any failure becomes one ValueError naming the recipe."""
+    from zephon_ray.source import GlobalBatchSource
+
+    try:
+        with GlobalBatchSource(recipe) as source:
+            return source.batch(0).digest
+    except Exception as exc:  # noqa: BLE001 - whatever Zephon raises, the user gets one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ValueError(f"{recipe.path}: the recipe loads, but building step 0 failed: "
+                         f"{type(exc).__name__}: {first}") from None
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
@@ -236,9 +255,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("validate", help="check a recipe; print its fingerprint and geometry")
+    p = sub.add_parser("validate", help="check a recipe and build its step 0; print fingerprint and geometry")
     p.add_argument("recipe")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--no-build", action="store_true", help="only load the recipe; do not build step 0")
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("fingerprint", help="print a recipe's fingerprint")
