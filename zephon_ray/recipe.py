@@ -93,7 +93,9 @@ class Recipe:
     """The manifest of ``zephon-ray pretokenize`` when the sources hold token ids (column ``input_ids``) instead of
     text; Zephon then packs them without decoding or tokenising (see :mod:`zephon_ray.pretokenize`)."""
     environment: Environment | None = None
-    """Tokenizer content hash and library versions, captured where the recipe was loaded."""
+    """Tokenizer content hash and library versions, captured where the recipe was loaded (and carried to other
+    nodes, which compare their own with it). ``dataclasses.replace`` keeps it: pass ``environment=None`` to
+    capture it again after changing ``tokenizer``."""
 
     def __post_init__(self) -> None:
         if self.environment is None:
