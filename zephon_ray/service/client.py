@@ -224,6 +224,7 @@ class DataService:
             ray.get(handle.ready.remote(), timeout=300)
         except Exception as exc:
             ray.kill(handle, no_restart=True)
+            _kill_orphan_producers(name, namespace)  # the producers/replayers it had launched
             raise _creation_error(exc, name) from None
         return cls(handle, name=name, namespace=namespace, consumer=consumer)
 

@@ -260,6 +260,9 @@ class ProducerGroup:
                 self._skips[-1] = [a.info.remote() for a in self.gen.actors]
             return []
         ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout, fetch_local=False)
+        if not self.started:
+            self.resolve_infos()
+            now = self._last_progress = time.monotonic()  # starting (actor, identity check, restore) is not a hang
         if not ready:
             if now - self._last_progress > self.config.progress_timeout_s:
                 self.hung_replacements += 1

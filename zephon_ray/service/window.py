@@ -138,8 +138,8 @@ class StepWindow:
         if step > limit:
             raise ValueError(
                 f"{what} {step} is more than max_ahead={self.max_ahead} steps past the service's head "
-                f"({max(self.head, self.produce_until)}): no read may make the producers grind that far. Start the "
-                f"service at that step (start_step=) or commit() it first")
+                f"({max(self.head, self.produce_until)}): no read may make the producers grind that far (to begin "
+                f"there, start the service with start_step=)")
         return step
 
     def read(self, step: int, consumer: str, rank: int | None, world: int | None, *, track: bool,
@@ -176,7 +176,8 @@ class StepWindow:
 
     def commit(self, step: int, consumer: str) -> int:
         """Check a commit: at most one past the highest step this consumer consumed (or its previous commit)."""
-        self.check_step(step, "commit step")
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise ValueError(f"commit step must be a non-negative integer, got {step!r}")
         check_consumer(consumer)
         allowed = max(self.consumed.get(consumer, -1) + 1, self.commits.get(consumer, 0))
         if step > allowed:
