@@ -14,8 +14,10 @@ are a pure function of (recipe, lane), and the driver files rows by (step, group
 Guarantee: the rows and digests written for step s equal ``GlobalBatchSource(recipe).batch(s)`` for any M
 (tests/test_materialize.py). A directory only ever grows: committed steps are never rewritten, and a run killed at
 any point leaves the last committed manifest intact; re-running the same command resumes from the newest
-committed checkpoint and leaves files byte-identical to an uninterrupted run
-(tests/test_materialize.py::test_killed_and_resumed_is_byte_identical). The manifest, segments and checkpoints
+committed checkpoint and leaves the manifest and every segment byte-identical to an uninterrupted run
+(tests/test_materialize.py::test_killed_and_resumed_is_byte_identical). The checkpoint files are resume points,
+not data: Zephon 0.2.0 records its read-ahead in them (cursor positions, chunk indices), which depends on timing,
+so their bytes differ between runs while each restores the same batches; the manifest lists them without a hash. The manifest, segments and checkpoints
 do not record M, so M may change between runs.
 
 Limits: a new directory starting at step A > 0 produces (and discards) steps 0..A-1 first. Steps can only be
@@ -183,6 +185,21 @@ def _prepare_directory(directory: Path, recipe: Recipe, segment_steps: int) -> d
     return manifest
 
 
+def _check_checkpoint(path: Path, recipe: Recipe, step: int) -> None:
+    """A resume point must exist, parse, belong to this recipe and sit at the boundary before ``step``."""
+    from zephon_ray.lanes import KEY_NEXT_STEP, StepStateError, check_step_state
+
+    try:
+        state = json.loads(path.read_text())
+        check_step_state(state, recipe)
+    except FileNotFoundError:
+        raise MaterializedError(f"{path}: checkpoint missing (the manifest records it for step {step})") from None
+    except (ValueError, StepStateError, KeyError, TypeError, AttributeError) as exc:
+        raise MaterializedError(f"{path}: unusable checkpoint ({exc})") from None
+    if int(state[KEY_NEXT_STEP]) != step:
+        raise MaterializedError(f"{path}: checkpoint is for step {state[KEY_NEXT_STEP]}, not {step}")
+
+
 def materialize(recipe: Recipe, directory: str | Path, steps: range, *, producers: int = 1,
                 segment_steps: int = 16, cpus_per_actor: float = 0.5, progress: bool = True) -> MaterializeResult:
     """Materialise ``steps`` of ``recipe`` into ``directory`` on the current Ray cluster (``ray.init`` first)."""
@@ -220,8 +237,7 @@ def materialize(recipe: Recipe, directory: str | Path, steps: range, *, producer
         if entry is None:
             raise MaterializedError(f"{directory / MANIFEST_NAME}: no checkpoint recorded for step {end}")
         path = directory / entry["file"]
-        if not path.is_file() or sha256_file(path) != entry["sha256"]:
-            raise MaterializedError(f"{path}: checkpoint missing or not the one the manifest records")
+        _check_checkpoint(path, recipe, end)
         start_checkpoint = str(path)
 
     work_dir = directory / f"{WORK_PREFIX}{uuid.uuid4().hex[:12]}"
@@ -332,7 +348,8 @@ class _SegmentWriter:
                                 "bytes": final.stat().st_size, "sha256": sha256_file(final)})
         m[KEY_DIGESTS].extend(self._digests)
         m[KEY_SOURCE_TOKENS].extend(self._source_tokens)
-        m[KEY_CHECKPOINTS][str(end)] = {"file": ckpt_name, "sha256": sha256_file(self.directory / ckpt_name)}
+        # No hash of the checkpoint: its bytes record Zephon's read-ahead, which is not a function of the step.
+        m[KEY_CHECKPOINTS][str(end)] = {"file": ckpt_name}
         m[KEY_END] = end
         self._digests, self._source_tokens = [], []
         atomic_write_bytes(self.directory / MANIFEST_NAME, json_bytes(m))  # the commit point

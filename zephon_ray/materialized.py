@@ -253,6 +253,23 @@ class MaterializedSource:
         self.close()
 
 
+def batch_table(batch: GlobalBatch) -> Any:
+    """One global batch as a pyarrow table, one row per batch row: ``step``, ``lane``, ``row``, ``tokens``,
+    ``positions`` (fixed_size_list<int32>) and ``digest`` (the step's). Used by ``DataService.to_dataset``."""
+    import pyarrow as pa
+
+    rows, width = batch.tokens.shape
+    return pa.table({
+        "step": pa.array(np.full(rows, batch.step, dtype=np.int64)),
+        "lane": pa.array(np.asarray(batch.lanes, dtype=np.int32)),
+        "row": pa.array(np.arange(rows, dtype=np.int32)),
+        "tokens": pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(batch.tokens, np.int32).reshape(-1)), width),
+        "positions": pa.FixedSizeListArray.from_arrays(
+            pa.array(np.asarray(batch.positions, np.int32).reshape(-1)), width),
+        "digest": pa.array([batch.digest] * rows),
+    })
+
+
 def _matrix(column: Any, width: int) -> np.ndarray:
     """A fixed_size_list<int32> column as a [rows, width] int32 array (one copy at most)."""
     import pyarrow as pa

@@ -352,27 +352,17 @@ class DataService:
         return result
 
     def to_dataset(self, steps: Iterable[int]) -> "ray.data.Dataset":
-        """A ``ray.data.Dataset`` with one row per batch row: ``step``, ``lane``, ``row`` (index in the global
-        batch), ``tokens`` and ``positions`` (fixed-size int32 lists), ``digest`` (of the step). For notebooks
-        and ``write_parquet`` audits; it does not move this consumer's cursor. Limit: it materialises the
-        requested steps eagerly, one block per step."""
-        import pyarrow as pa
-
-        tables = []
-        for step in steps:
-            batch = self.batch(int(step))
-            rows, width = batch.tokens.shape
-            tables.append(pa.table({
-                "step": pa.array(np.full(rows, batch.step, dtype=np.int64)),
-                "lane": pa.array(batch.lanes.astype(np.int32)),
-                "row": pa.array(np.arange(rows, dtype=np.int32)),
-                "tokens": pa.FixedSizeListArray.from_arrays(pa.array(batch.tokens.reshape(-1)), width),
-                "positions": pa.FixedSizeListArray.from_arrays(pa.array(batch.positions.reshape(-1)), width),
-                "digest": pa.array([batch.digest] * rows),
-            }))
-        if not tables:
+        """A lazy ``ray.data.Dataset`` with one row per batch row: ``step``, ``lane``, ``row`` (index in the
+        global batch), ``tokens`` and ``positions`` (fixed-size int32 lists), ``digest`` (of the step). For
+        notebooks and ``write_parquet`` audits; it does not move this consumer's cursor. Nothing is read until the
+        dataset is consumed: Ray Data tasks fetch one step each from the service (``track=False``), so memory
+        stays bounded by Ray Data's streaming, not by the number of steps. For a materialised run read the Parquet
+        directly: ``MaterializedSource(DIR).to_dataset()``. Test: tests/test_materialized.py."""
+        steps = [_as_step(step, "to_dataset step") for step in steps]
+        if not steps:
             raise ValueError("to_dataset: no steps given")
-        return ray.data.from_arrow(tables)
+        return ray.data.from_items([{"step": step} for step in steps]).map_batches(
+            _service_step_rows, fn_kwargs={"service": self}, batch_size=1, num_cpus=0.25, batch_format="numpy")
 
     # ------------------------------------------------------------------ helpers
     def _call(self, ref: Any, timeout: float | None = None) -> Any:
@@ -380,6 +370,15 @@ class DataService:
             return ray.get(ref, timeout=timeout)
         except (RayTaskError, RayActorError, ActorUnavailableError, GetTimeoutError, *_LOST) as exc:
             raise _unwrap(exc, self._where) from None
+
+
+def _service_step_rows(batch: dict[str, np.ndarray], service: "DataService") -> "pa.Table":
+    """Ray Data task body of ``to_dataset``: the rows of the steps in ``batch`` (read without moving a cursor)."""
+    import pyarrow as pa
+
+    from zephon_ray.materialized import batch_table
+
+    return pa.concat_tables([batch_table(service.batch(int(step))) for step in batch["step"]])
 
 
 def _as_step(step: Any, what: str = "step") -> int:

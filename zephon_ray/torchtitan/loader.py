@@ -73,7 +73,7 @@ from zephon_ray.torchtitan.trainer_checks import check_geometry, check_tokenizer
 
 logger = logging.getLogger(__name__)
 
-MODES = ("service", "local")
+MODES = ("service", "local", "dataset")
 ENV_RECORD_DIR = "ZEPHON_RAY_RECORD_DIR"
 """Debug aid: when set, every rank writes each step's slice rows to ``<dir>/step-<s>-rank-<r>-of-<W>.npz``."""
 
@@ -89,7 +89,11 @@ class ZephonRayDataLoader(BaseDataLoader):
         """Path to the recipe TOML."""
 
         mode: str = "service"
-        """``"service"``: read slices from a running DataService; ``"local"``: run Zephon in this process."""
+        """``"service"``: read slices from a running DataService; ``"local"``: run Zephon in this process;
+        ``"dataset"``: read a directory written by ``zephon-ray materialize`` (``dataset_dir``)."""
+
+        dataset_dir: str | None = None
+        """Dataset mode: the materialised directory (local or shared storage), from the same recipe."""
 
         service_name: str = "zephon-ray"
         service_namespace: str = "zephon-ray"
@@ -129,6 +133,9 @@ class ZephonRayDataLoader(BaseDataLoader):
                 raise ValueError(f"ZephonRayDataLoader.Config: 'mode' must be one of {MODES}, got {self.mode!r}")
             if self.prefetch < 1:
                 raise ValueError(f"ZephonRayDataLoader.Config: 'prefetch' must be >= 1, got {self.prefetch}")
+            if (self.mode == "dataset") != bool(self.dataset_dir):
+                raise ValueError("ZephonRayDataLoader.Config: 'dataset_dir' is required with mode='dataset' and "
+                                 f"only used by it (mode {self.mode!r}, dataset_dir {self.dataset_dir!r})")
             if self.checkpoint_every < 0:
                 raise ValueError(
                     f"ZephonRayDataLoader.Config: 'checkpoint_every' must be >= 0, got {self.checkpoint_every}")
@@ -216,6 +223,8 @@ class ZephonRayDataLoader(BaseDataLoader):
         self._replay_started = False  # counted in replayed_steps once the source started (and so replays)
         # Runs at garbage collection and at interpreter exit: TorchTitan never calls close().
         self._finalizer = weakref.finalize(self, _close_source, self.__dict__)
+        if config.mode == "dataset":
+            self._source = self._make_source()  # a missing or mismatched directory fails when the loader is built
 
     # ------------------------------------------------------------------ iteration
     @property
@@ -311,6 +320,11 @@ class ZephonRayDataLoader(BaseDataLoader):
                 zrank = ZephonRank()
             return LocalSlices(recipe, rank=self.dp_rank, world=self.dp_world_size, zephon_rank=zrank,
                                depth=cfg.prefetch, snapshot_every=self.checkpoint_every)
+        if cfg.mode == "dataset":
+            from zephon_ray.torchtitan.dataset import DatasetSlices
+
+            return DatasetSlices(recipe, cfg.dataset_dir, rank=self.dp_rank, world=self.dp_world_size,
+                                 depth=cfg.prefetch)
         from zephon_ray.torchtitan.remote import ServiceSlices
 
         return ServiceSlices(recipe, rank=self.dp_rank, world=self.dp_world_size, name=cfg.service_name,

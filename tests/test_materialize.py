@@ -1,0 +1,150 @@
+"""Materialisation (zephon_ray/materialize.py): Ray Data lane-group actors on a private local Ray, real Zephon
+ranks with collective checkpoints, step-keyed Parquet compared with the in-process reference digests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT, TINY
+from tests.test_pretokenize import files_of, tiny_variant
+
+
+@pytest.fixture(scope="module")
+def materialized(ray_cluster, tiny_recipe, tmp_path_factory):
+    """Steps 0:10 of the tiny recipe by M=2 lane-group actors (segments of 4), then extended to 0:14 by M=1."""
+    from zephon_ray.materialize import materialize
+
+    directory = tmp_path_factory.mktemp("mat") / "run"
+    first = materialize(tiny_recipe, directory, range(0, 10), producers=2, segment_steps=4, progress=False)
+    files_after_first = files_of(directory)
+    second = materialize(tiny_recipe, directory, range(0, 14), producers=1, progress=False)
+    return directory, first, second, files_after_first
+
+
+def test_digests_match_the_reference_for_M_2_then_M_1(materialized, reference_digests):
+    from zephon_ray.materialized import MaterializedSource
+
+    directory, first, second, _ = materialized
+    assert (first.written, second.written) == (range(0, 10), range(10, 14))
+    manifest = json.loads((directory / "manifest.json").read_text())
+    assert manifest["digests"] == reference_digests[:14]
+    assert [(s["first_step"], s["end_step"]) for s in manifest["segments"]] == [(0, 4), (4, 8), (8, 10), (10, 12), (12, 14)]
+    source = MaterializedSource(directory)
+    assert [source.batch(s).digest for s in range(14)] == reference_digests[:14]
+
+
+def test_one_row_group_per_step_in_canonical_order(materialized, tiny_recipe):
+    import numpy as np
+    import pyarrow.parquet as pq
+
+    directory, *_ = materialized
+    segment = pq.ParquetFile(sorted((directory / "segments").glob("*.parquet"))[1])  # steps 4..7
+    assert segment.metadata.num_row_groups == 4
+    group = segment.read_row_group(2)
+    B = tiny_recipe.global_batch_rows
+    assert group.column("step").to_pylist() == [6] * B
+    assert group.column("row").to_pylist() == list(range(B))
+    assert group.column("lane").to_pylist() == list(np.repeat(range(tiny_recipe.lanes), tiny_recipe.rows_per_lane))
+
+
+def test_extending_never_rewrites_committed_files(materialized):
+    directory, _, _, files_after_first = materialized
+    now = files_of(directory)
+    for name, data in files_after_first.items():
+        if name != "manifest.json":
+            assert now[name] == data, name
+
+
+def test_nothing_to_do_when_already_materialised(materialized, tiny_recipe):
+    from zephon_ray.materialize import materialize
+
+    directory, *_ = materialized
+    before = files_of(directory)
+    result = materialize(tiny_recipe, directory, range(3, 9), progress=False)
+    assert len(result.written) == 0 and (result.first_step, result.end_step) == (0, 14)
+    assert files_of(directory) == before
+
+
+@pytest.mark.parametrize("steps, producers, match", [
+    (range(20, 24), 1, r"ends at step 14; starting at 20 would leave a gap"),
+    (range(14, 16), 3, r"producers 3 does not divide the recipe's 8 lanes"),
+    (range(14, 10**13), 1, r"beyond the limit"),
+])
+def test_bad_requests_are_clear_errors_and_write_nothing(materialized, tiny_recipe, steps, producers, match):
+    from zephon_ray.materialize import materialize
+    from zephon_ray.materialized import MaterializedError
+
+    directory, *_ = materialized
+    before = files_of(directory)
+    with pytest.raises(MaterializedError, match=match):
+        materialize(tiny_recipe, directory, steps, producers=producers, progress=False)
+    assert files_of(directory) == before
+
+
+def test_a_directory_of_another_recipe_is_refused(materialized, tmp_path):
+    from zephon_ray import Recipe
+    from zephon_ray.materialize import materialize
+    from zephon_ray.materialized import MaterializedError
+
+    directory, *_ = materialized
+    before = files_of(directory)
+    other = Recipe.from_toml(tiny_variant(tmp_path, seed=99))
+    with pytest.raises(MaterializedError, match=r"holds a materialisation of recipe fingerprint \w+, not"):
+        materialize(other, directory, range(0, 20), progress=False)
+    assert files_of(directory) == before
+
+
+def test_bad_steps_on_the_command_line_is_one_line(tmp_path):
+    out = tmp_path / "never"
+    proc = subprocess.run([sys.executable, "-m", "zephon_ray.cli", "materialize", str(TINY), "--steps", "5:2",
+                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == ["zephon-ray: error: --steps '5:2': expected 0 <= A < B"]
+    assert not out.exists()
+
+
+def test_killed_and_resumed_is_byte_identical(ray_cluster, tiny_recipe, tmp_path):
+    """SIGKILL a real `zephon-ray materialize` process right after its first segment is committed, re-run the
+    same job: every file equals an uninterrupted run's, byte for byte."""
+    from zephon_ray.materialize import materialize
+
+    steps, segment = 300, 2
+    killed = tmp_path / "killed"
+    address = ray_cluster.get_runtime_context().gcs_address
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "zephon_ray.cli", "materialize", str(TINY), "--steps", f"0:{steps}", "--out",
+         str(killed), "--segment-steps", str(segment), "--address", address, "--quiet"],
+        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "RAY_ADDRESS": address},
+    )
+    manifest = killed / "manifest.json"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline and proc.poll() is None:
+            if manifest.is_file() and json.loads(manifest.read_text())["end_step"] >= segment:
+                break
+            time.sleep(0.02)
+        assert proc.poll() is None, f"the job ended before it could be killed: {proc.stderr.read()[-2000:]}"
+        proc.send_signal(signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.wait()
+        proc.stderr.close()
+    committed = json.loads(manifest.read_text())["end_step"]
+    assert segment <= committed < steps
+    resumed = materialize(tiny_recipe, killed, range(0, steps), progress=False)
+    assert resumed.written.start == committed
+
+    reference = tmp_path / "reference"
+    materialize(tiny_recipe, reference, range(0, steps), segment_steps=segment, progress=False)
+    data = lambda files: {name: blob for name, blob in files.items() if not name.startswith("checkpoints/")}
+    killed_files, reference_files = files_of(killed), files_of(reference)
+    assert data(killed_files) == data(reference_files)  # manifest and every segment
+    assert killed_files.keys() == reference_files.keys()  # checkpoint bytes record Zephon's read-ahead (module doc)

@@ -1,0 +1,45 @@
+"""Dataset mode: this rank's slice of every step, read from a materialised directory with pyarrow.
+
+A background thread (:class:`~zephon_ray.torchtitan.prefetch.PrefetchedSlices`) reads steps ``s, s+1, ...``
+from a :class:`~zephon_ray.materialized.MaterializedSource` (one Parquet row group each, checked against the
+manifest's digest) ahead of the trainer. No Zephon and no Ray run in the trainer: the resume state is the
+loader's ``{version, run_id, fingerprint, next_step}`` alone, so a run may switch between dataset, service and
+local mode at any resume (tests/test_materialized.py::test_loader_switches_modes_at_a_resume).
+
+Limits: only materialised steps can be read; the step after the last one fails with a
+:class:`~zephon_ray.materialized.MaterializedError` naming the range (extend the directory with
+``zephon-ray materialize``). The directory must have been materialised from the loader's recipe (checked when the
+source is built).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+from zephon_ray.batch import RankSlice
+from zephon_ray.materialized import MaterializedError, MaterializedSource
+from zephon_ray.recipe import Recipe
+from zephon_ray.torchtitan.prefetch import PrefetchedSlices
+
+
+class DatasetSlices(PrefetchedSlices):
+    """This rank's slices of consecutive steps, read from a materialised directory."""
+
+    reraise = (MaterializedError,)  # names the directory and the step range already
+
+    def __init__(self, recipe: Recipe, directory: str, *, rank: int, world: int, depth: int) -> None:
+        super().__init__(rank=rank, world=world, depth=depth, name="dataset")
+        self.source = MaterializedSource(directory, recipe=recipe)
+        self.source.batch(self.source.first_step).slice(rank, world)  # W must divide B: fail when built
+
+    def _produce(self, step: int, resume: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
+        s = step
+        while not stop.is_set():
+            yield self.source.slice(s, self.rank, self.world)
+            s += 1
+
+    def close(self) -> None:
+        self.close_thread()
+        self.source.close()
