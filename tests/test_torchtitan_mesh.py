@@ -4,7 +4,7 @@ Four gloo processes form a dp=2 x tp=2 mesh (TorchTitan's layout: tp innermost, 
 the loader exactly as TorchTitan's Trainer does (``dp_world_size``/``dp_rank`` only; ``WORLD_SIZE`` is 4). The
 global digests equal the reference, the tp peers' rows are identical, the state is identical on all four ranks and
 its collective Zephon checkpoint has exactly 2 members. The state then resumes on dp=1 x tp=2 with the reference
-batches, reporting the replayed step.
+batches, reporting the replayed step; a leader's failure reaches its peer as a PeerError, not a hang.
 """
 
 from __future__ import annotations
@@ -50,12 +50,20 @@ for _ in range(3):
     leaders = [parts[d * tp] for d in range(dp_world)]
     digests.append(compute_digest(np.concatenate([p[1] for p in leaders]), np.concatenate([p[2] for p in leaders])))
 state = loader.state_dict()
+# A leader that fails tells its peers (a PeerError naming the step) instead of leaving them in a collective.
+peers = loader._peers
+try:
+    peers.share_slice(99, None, None, (8, 65), error=RuntimeError("leader broke") if peers.is_leader else None)
+    failure = None
+except Exception as exc:
+    failure = f"{type(exc).__name__}: {exc}"
 states = [None] * world
-dist.all_gather_object(states, (state, loader.stats, loader._source is not None))
+dist.all_gather_object(states, (state, loader.stats, loader._source is not None, failure))
 if rank == 0:
     json.dump({"digests": digests, "peers_identical": bool(peers_identical), "state": state,
                "states_identical": all(s[0] == state for s in states), "stats": [s[1] for s in states],
-               "zephon_ranks": [s[2] for s in states], "template": template}, open(out, "w"))
+               "zephon_ranks": [s[2] for s in states], "failures": [s[3] for s in states],
+               "template": template}, open(out, "w"))
 loader.close()
 dist.destroy_process_group()
 '''
@@ -79,6 +87,8 @@ def test_dp2_tp2_matches_reference_and_resumes_at_dp1_tp2(tmp_path, reference_di
     assert first["digests"] == reference_digests[0:3]
     assert first["peers_identical"] and first["states_identical"]
     assert first["zephon_ranks"] == [True, False, True, False]  # one Zephon participant per dp rank
+    assert first["failures"][0] == first["failures"][2] == "RuntimeError: leader broke"
+    assert "rank 3: the leader of dp group 1 (global rank 2) failed at step 99" in first["failures"][3]
     state = first["state"]
     assert state["next_step"] == 3
     zephon = json.loads(state["zephon"])
@@ -93,3 +103,6 @@ def test_dp2_tp2_matches_reference_and_resumes_at_dp1_tp2(tmp_path, reference_di
     # Resumed at step 3 from the step-2 snapshot: one replayed step, reported on every rank and in the state.
     assert [s["replayed_steps"] for s in resumed["stats"]] == [1, 1]
     assert resumed["state"]["replayed_steps"] == 1 and resumed["state"]["next_step"] == 6
+    leader, peer = resumed["failures"]
+    assert leader == "RuntimeError: leader broke"
+    assert peer.startswith("PeerError: rank 1: the leader of dp group 0 (global rank 0) failed at step 99")
