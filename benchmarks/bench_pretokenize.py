@@ -1,0 +1,152 @@
+"""Pre-tokenisation: the Ray Data job's tokens/s with 1 and 2 actors, and what it buys the producers.
+
+    python benchmarks/bench_pretokenize.py [--records 2000] [--steps 30] [--rounds 3]
+
+1. ``pretokenize`` of a BPE recipe (recipes/tokenizer, the stdlib prose/code corpus written to a temp dir) with 1
+   and 2 tokenizer actors on a private local Ray. Tokens/s is output tokens over wall time, actor start-up
+   included; ``shard_tokens_per_s`` excludes the pool start (first to last finished shard).
+2. Producer throughput: a ``LaneStepper`` (what a service producer runs) over the raw BPE recipe and over its
+   pre-tokenised copy, ``--steps`` steps each, alternating A/B for ``--rounds`` rounds in one process; the ratio is
+   the median of per-round ratios (target >= 3x). The digests of the two are checked equal on the way.
+3. Projections: bytes on disk per million tokens (token shards, zstd Parquet, int32 ids), and the hours one core
+   takes to pre-tokenise 1 B tokens at the 1-actor steady rate (``shard_tokens_per_s``; an actor asks for 0.5 CPU
+   and runs on about one core).
+
+Prints a table and one JSON line (prefixed ``RESULT``). Timings on a shared machine are noisy: compare ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER = ROOT / "recipes" / "tokenizer" / "tokenizer.json"
+
+
+def write_recipe(path: Path, corpus: Path) -> Path:
+    path.write_text(f"""seed = 7
+lanes = 8
+microbatches_per_lane = 2
+rows_per_microbatch = 4
+seq_len = 512
+chunk_size = 64
+tokenizer = "{TOKENIZER}"
+packing = "wrap"
+
+[[sources]]
+name = "prose"
+path = "{corpus}/jsonl/prose"
+weight = 0.7
+
+[[sources]]
+name = "code"
+path = "{corpus}/jsonl/code"
+weight = 0.3
+""")
+    return path
+
+
+def stepper_tokens_per_s(recipe, steps: int) -> tuple[float, list[str]]:
+    from zephon_ray.lanes import LaneStepper
+    from zephon_ray.source import assemble
+
+    stepper = LaneStepper(recipe)
+    assemble(recipe, 0, stepper.next_step())  # first batch: pipeline start-up, not throughput
+    digests = []
+    t0 = time.perf_counter()
+    for step in range(1, steps + 1):
+        digests.append(assemble(recipe, step, stepper.next_step()).digest)
+    elapsed = time.perf_counter() - t0
+    stepper.close()
+    return steps * recipe.tokens_per_step / elapsed, digests
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--records", type=int, default=2000, help="records per source in the corpus")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+
+    import ray
+
+    from zephon_ray.corpus import write_corpus
+    from zephon_ray.pretokenize import pretokenize
+    from zephon_ray.recipe import Recipe
+
+    work = Path(tempfile.mkdtemp(prefix="bench-pretok-"))
+    ray_tmp = tempfile.mkdtemp(prefix="bench-pretok-ray-", dir="/tmp")
+    try:
+        write_corpus(work / "corpus", formats=("jsonl",), limit=args.records, records_per_shard=250)
+        raw = Recipe.from_toml(write_recipe(work / "raw.toml", work / "corpus"))
+        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False,
+                 log_to_driver=False, logging_level="ERROR", _temp_dir=ray_tmp)
+        jobs = {}
+        for actors in (1, 2):
+            out = work / f"tokens-{actors}"
+            t0 = time.perf_counter()
+            result = pretokenize(raw, out, actors=actors, progress=False)
+            jobs[actors] = {"wall_s": time.perf_counter() - t0, "tokens": result.tokens, "bytes": result.bytes,
+                            "shards": result.shards}
+            jobs[actors]["tokens_per_s"] = result.tokens / jobs[actors]["wall_s"]
+            shard_times = sorted(p.stat().st_mtime for p in (out / "_progress").rglob("*.json"))
+            span = shard_times[-1] - shard_times[0]
+            jobs[actors]["shard_tokens_per_s"] = (result.tokens * (len(shard_times) - 1) / len(shard_times) / span
+                                                  if span > 0 else None)
+        ray.shutdown()
+        same_files = all((work / "tokens-1" / p.relative_to(work / "tokens-2")).read_bytes() == p.read_bytes()
+                         for p in (work / "tokens-2" / "sources").rglob("*.parquet"))
+
+        tokens_recipe = Recipe.from_toml(work / "tokens-1" / "recipe.toml")
+        raw_rates, tok_rates, ratios = [], [], []
+        for _ in range(args.rounds):
+            r_raw, d_raw = stepper_tokens_per_s(raw, args.steps)
+            r_tok, d_tok = stepper_tokens_per_s(tokens_recipe, args.steps)
+            if d_raw != d_tok:
+                raise SystemExit("digests differ between the raw and the pre-tokenised recipe")
+            raw_rates.append(r_raw)
+            tok_rates.append(r_tok)
+            ratios.append(r_tok / r_raw)
+
+        one = jobs[1]
+        result = {
+            "pretokenize_tokens_per_s_1_actor": one["tokens_per_s"],
+            "pretokenize_tokens_per_s_2_actors": jobs[2]["tokens_per_s"],
+            "pretokenize_scaling_2_vs_1": jobs[2]["tokens_per_s"] / one["tokens_per_s"],
+            "pretokenize_shard_tokens_per_s_1_actor": one["shard_tokens_per_s"],
+            "pretokenize_shard_tokens_per_s_2_actors": jobs[2]["shard_tokens_per_s"],
+            "tokens": one["tokens"], "shards": one["shards"], "same_files_1_vs_2_actors": same_files,
+            "producer_tokens_per_s_raw_bpe": statistics.median(raw_rates),
+            "producer_tokens_per_s_pretokenized": statistics.median(tok_rates),
+            "producer_speedup_pretokenized_vs_raw": statistics.median(ratios),
+            "bytes_per_million_tokens": one["bytes"] / one["tokens"] * 1e6,
+            # the steady per-shard rate of one actor (pool start-up is a fixed cost, not a per-token one)
+            "hours_one_core_per_billion_tokens": 1e9 / (one["shard_tokens_per_s"] or one["tokens_per_s"]) / 3600,
+            "cpus": os.cpu_count(), "steps": args.steps, "rounds": args.rounds,
+        }
+        print(f"pretokenize, 1 actor      {one['tokens_per_s'] / 1e6:8.3f} M tokens/s  ({one['wall_s']:.1f} s wall, "
+              f"{one['tokens']} tokens, {one['shards']} shards)")
+        print(f"pretokenize, 2 actors     {jobs[2]['tokens_per_s'] / 1e6:8.3f} M tokens/s  "
+              f"({jobs[2]['wall_s']:.1f} s wall)  x{result['pretokenize_scaling_2_vs_1']:.2f}")
+        print(f"producer, raw BPE         {result['producer_tokens_per_s_raw_bpe'] / 1e6:8.3f} M tokens/s")
+        print(f"producer, pre-tokenised   {result['producer_tokens_per_s_pretokenized'] / 1e6:8.3f} M tokens/s  "
+              f"x{result['producer_speedup_pretokenized_vs_raw']:.2f} (median of per-round ratios)")
+        print(f"disk                      {result['bytes_per_million_tokens'] / 1e6:8.3f} MB per million tokens")
+        print(f"one core, 1 B tokens      {result['hours_one_core_per_billion_tokens']:8.2f} hours")
+        print("RESULT " + json.dumps(result))
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
