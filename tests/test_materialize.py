@@ -102,15 +102,18 @@ def test_a_directory_of_another_recipe_is_refused(materialized, tmp_path):
     assert files_of(directory) == before
 
 
-def test_bad_steps_on_the_command_line_is_one_line(tmp_path):
+def test_bad_steps_on_the_command_line_is_one_line(tmp_path, capsys):
+    from zephon_ray.cli import main
+
     out = tmp_path / "never"
-    proc = subprocess.run([sys.executable, "-m", "zephon_ray.cli", "materialize", str(TINY), "--steps", "5:2",
-                           "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=300)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines() == ["zephon-ray: error: --steps '5:2': expected 0 <= A < B"]
+    with pytest.raises(SystemExit) as exc:
+        main(["materialize", str(TINY), "--steps", "5:2", "--out", str(out)])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == ["zephon-ray: error: --steps '5:2': expected 0 <= A < B"]
     assert not out.exists()
 
 
+@pytest.mark.slow  # a second Python process attached to the test cluster, plus three Ray Data jobs: minutes here
 def test_killed_and_resumed_is_byte_identical(ray_cluster, tiny_recipe, tmp_path):
     """SIGKILL a real `zephon-ray materialize` process right after its first segment is committed, re-run the
     same job: every file equals an uninterrupted run's, byte for byte."""

@@ -149,6 +149,7 @@ def test_to_dataset_reads_the_parquet_lazily(materialized_dir, tiny_recipe, refe
     assert dataset.count() == STEPS * B
 
 
+@pytest.mark.slow  # starts a DataService next to the Ray Data jobs
 def test_service_batches_and_lazy_export_equal_the_materialised_ones(materialized_dir, ray_cluster, tiny_recipe,
                                                                       tmp_path):
     from zephon_ray import DataService, MaterializedSource
