@@ -271,7 +271,7 @@ def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_inspect)
 
 
-BENCHMARKS = ("core", "service", "loader")
+BENCHMARKS = ("core", "service", "loader", "pretokenize", "materialize")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=None, help="at most this many records per source")
     p.set_defaults(func=cmd_corpus)
 
-    p = sub.add_parser("bench", help="run a benchmark from benchmarks/ (core, service, loader)")
+    p = sub.add_parser("bench", help="run a benchmark from benchmarks/ (" + ", ".join(BENCHMARKS) + ")")
     p.add_argument("name", choices=BENCHMARKS)
     p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
     p.set_defaults(func=cmd_bench)
