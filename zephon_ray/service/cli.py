@@ -268,7 +268,8 @@ def add_service_config_flags(p: argparse.ArgumentParser) -> None:
         if kind is bool:
             p.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=default, help=help_)
         else:
-            p.add_argument(flag, dest=dest, type=_FLAG_TYPES[kind], default=default, help=help_)
+            metavar = "JSON" if kind is dict else dest.rsplit("__", 1)[-1].upper()
+            p.add_argument(flag, dest=dest, type=_FLAG_TYPES[kind], default=default, metavar=metavar, help=help_)
 
 
 def service_config_fields(args: argparse.Namespace) -> dict[str, Any]:
