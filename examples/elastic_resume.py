@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 DEFAULT_RECIPE = str(ROOT / "recipes" / "elastic.toml")
-LOSS_TOLERANCE = {"bigram": 1e-5, "torchtitan": 1e-4}
+LOSS_TOLERANCE = 1e-5  # measured: at most 9.5e-07 for either trainer
 
 
 def main() -> int:
@@ -102,7 +102,7 @@ def main() -> int:
             from zephon_ray.torchtitan.ray_train import TitanRun, fit
 
             run = TitanRun(recipe=RECIPE, run_id=f"demo-{name}", dump_folder=str(work / f"dump-{name}"),
-                           log_path=str(log), steps=until, checkpoint_every=2, **loader)
+                           log_path=str(log), steps=until, total_steps=args.steps, checkpoint_every=2, **loader)
             return fit(run, workers=world, name=name, storage_path=str(work / "ray-results"))
 
         def phase(label: str, name: str, world: int, until: int, log: Path) -> None:
@@ -122,8 +122,7 @@ def main() -> int:
 
         with GlobalBatchSource(Recipe.from_toml(RECIPE)) as source:
             expected = [source.batch(s).digest for s in range(args.steps)]
-        # Gradients are reduced in a different order at each W; TorchTitan's AdamW amplifies that more than SGD.
-        tolerance = LOSS_TOLERANCE[args.trainer]
+        tolerance = LOSS_TOLERANCE
         ref = {r["step"]: r for r in read_log(str(ref_log))}
         elastic = {r["step"]: r for r in read_log(str(el_log))}
 

@@ -31,8 +31,10 @@ batch s (B rows), the rows ``GlobalBatchSource(recipe).batch(s)`` holds at those
 ``local_batch_size``-row microbatches ``({"input", "positions"}, labels)``. :meth:`ZephonDatasetShard.state_dict`
 is the loader state ``{version, run_id, fingerprint, next_step, zephon}`` of :mod:`zephon_ray.torchtitan.state`:
 JSON, identical on every rank, so one copy in a Ray Train checkpoint resumes any W with the same global batches.
-Shown by ``tests/test_ray_train_data.py`` (4 -> 2 -> 3 workers, every step's digest gathered from the ranks'
-slices equals ``GlobalBatchSource``; a worker killed mid-run replays identical steps).
+Shown by ``tests/test_ray_train_elastic.py`` (4 -> 2 -> 3 workers, local and service mode: every step's digest
+gathered from the ranks' slices equals ``GlobalBatchSource``'s; a worker killed mid-run replays identical steps),
+``tests/test_ray_train_inplace_resize.py`` (slow: an elastic 2 -> 4 resize inside one ``fit()``) and
+``tests/test_ray_train.py`` (configure at W = 1..12, refusals, save/restore of a shard).
 
 Limits:
 

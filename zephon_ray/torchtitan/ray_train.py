@@ -67,6 +67,19 @@ class TitanRun(_LoaderSource):
     config: str = "zephon_ray.torchtitan.config_registry:zephon_llama3_debugmodel_cpu"
     """``module:function`` returning a ``Trainer.Config`` (a config-registry function)."""
     steps: int = 4
+    """This fit trains until this many global steps are done in total (a resumed fit continues from its checkpoint)
+    and saves a checkpoint there."""
+    total_steps: int | None = None
+    """The whole run's length: TorchTitan's ``training.steps``, which its LR schedule spans. Set it when a run is
+    split over several fits (each stopping at its own ``steps``), so that every fit follows the same schedule; None:
+    ``steps`` (then a later fit with more steps changes the schedule of the steps it resumes)."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.checkpoint_every < 1:
+            raise ValueError(f"TitanRun: 'steps' ({self.steps}) and 'checkpoint_every' ({self.checkpoint_every}) "
+                             "must be >= 1")
+        if self.total_steps is not None and self.total_steps < self.steps:
+            raise ValueError(f"TitanRun: 'total_steps' {self.total_steps} is less than 'steps' {self.steps}")
 
 
 def torchtitan_train_loop(config: dict[str, Any]) -> None:
@@ -82,6 +95,7 @@ def torchtitan_train_loop(config: dict[str, Any]) -> None:
     import ray.train
 
     from zephon_ray.ray_train import global_digest
+    from zephon_ray.recipe import Recipe
 
     run = TitanRun(**config)
     ctx = ray.train.get_context()
@@ -89,8 +103,14 @@ def torchtitan_train_loop(config: dict[str, Any]) -> None:
     os.environ.setdefault("LOCAL_RANK", str(ctx.get_local_rank()))
     module, _, fn = run.config.partition(":")
     trainer_config = getattr(importlib.import_module(module), fn)()
-    trainer_config.dataloader = run.loader_config(global_batch_size=trainer_config.training.global_batch_size)
-    trainer_config.training.steps = run.steps
+    # The run's recipe fixes the batch geometry, whatever recipe the registry function defaulted to.
+    recipe = Recipe.from_toml(run.recipe)
+    B = recipe.global_batch_rows
+    trainer_config.training.global_batch_size = B
+    trainer_config.training.local_batch_size = B // world
+    trainer_config.training.seq_len = recipe.seq_len
+    trainer_config.dataloader = run.loader_config(global_batch_size=B)
+    trainer_config.training.steps = run.total_steps or run.steps
     trainer_config.dump_folder = run.dump_folder
     trainer_config.checkpoint.enable = True
     trainer_config.checkpoint.interval = run.checkpoint_every
@@ -113,6 +133,7 @@ def torchtitan_train_loop(config: dict[str, Any]) -> None:
         return log(step, global_avg_loss, *args, **kwargs)
 
     def save_and_report(curr_step, last_step=False, **kwargs):
+        last_step = last_step or curr_step == run.steps  # this fit's last step: always saved
         save(curr_step, last_step=last_step, **kwargs)
         if curr_step % run.checkpoint_every and not last_step:
             return
@@ -129,6 +150,7 @@ def torchtitan_train_loop(config: dict[str, Any]) -> None:
 
     trainer.metrics_processor.log = log_step
     trainer.checkpointer.save = save_and_report
+    trainer.should_continue_training = lambda: trainer.step < run.steps  # stop this fit at run.steps
     try:
         trainer.train()
     finally:
