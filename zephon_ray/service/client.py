@@ -128,7 +128,7 @@ class StepRefs:
             return picked
         try:
             return ray.get(picked)
-        except _LOST as exc:
+        except (*_LOST, RayActorError, ActorUnavailableError) as exc:  # the node, owner, producer or replayer died
             raise ShardsLostError(f"step {self.step}: its shards were lost ({type(exc).__name__}); read it again "
                                   "to have it replayed") from None
         except RayTaskError as exc:

@@ -129,7 +129,8 @@ class Coordinator:
         self._replayers = [replayer_cls.options(
             name=f"{config.name}{REPLAYER_INFIX}{self._instance}.{i}", namespace=config.namespace,
             lifetime="detached", num_cpus=res.replayer_num_cpus, resources=dict(res.replayer_resources),
-            max_restarts=-1,
+            # A replayer lost with its node comes back elsewhere; calls wait for it (replays are idempotent).
+            max_restarts=-1, max_task_retries=-1,
         ).remote(recipe) for i in range(config.replayers)]
         self._replayer_info = [r.info.remote() for r in self._replayers]
         self._replayer_next: list[int | None] = [None] * config.replayers  # expected position after queued work
