@@ -192,7 +192,8 @@ class Coordinator:
                 if self._stopping:
                     raise ServiceError(f"service {self.config.name!r} is stopping")
                 now = time.monotonic()
-                kind = self.window.read(step, consumer, rank, world, track=track and first, now=now)
+                # A tracked read re-touches its cursor while it waits: idempotent, and it keeps the cursor alive.
+                kind = self.window.read(step, consumer, rank, world, track=track, now=now)
                 if track and first:
                     self._pump_wake.set()
                 first = False
