@@ -120,7 +120,8 @@ def test_serve_status_rescale_release_stop_then_inspect_offline(ray_cluster, cap
 
         code, out, err = _main(capsys, "status", *where)
         assert code == 0, err
-        for needle in ("producers   1", "window ", "cursors     1", "trainer", "throughput ", "checkpoints ",
+        for needle in ("producers   1", "window ", "steps ready at or ahead of the slowest live cursor (step 4)",
+                       "cursors     1", "trainer", "throughput ", "checkpoints ",
                        "commits ", f"fingerprint {svc.recipe.fingerprint}"):
             assert needle in out, (needle, out)
         code, out, _ = _main(capsys, "status", *where, "--json")

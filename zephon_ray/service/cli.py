@@ -156,6 +156,20 @@ def _cell(value: Any) -> str:
     return "-" if value is None else str(value)
 
 
+def window_fill(status: dict[str, Any]) -> str:
+    """'ready/size steps ready at or ahead of the slowest live cursor (step s)', from status() alone."""
+    window = status.get("window") or {}
+    size, held = window.get("size"), window.get("held_steps")
+    live = [c.get("step") for c in status.get("cursors") or window.get("cursors") or [] if c.get("live", True)]
+    if not isinstance(size, int) or not isinstance(held, list):
+        return "-"
+    if not live:
+        return f"{len(held)} steps held, no live cursor"
+    slowest = min(live)
+    ready = sum(1 for s in held if s >= slowest)
+    return f"{ready}/{size} steps ready at or ahead of the slowest live cursor (step {slowest})"
+
+
 def format_status(status: dict[str, Any]) -> str:
     """A human table of ``DataService.status()``: scalars on one line, dicts as ``key=value`` pairs, lists of
     dicts (producers, cursors) as aligned tables. Robust to keys it does not know."""
@@ -163,6 +177,8 @@ def format_status(status: dict[str, Any]) -> str:
     keys = [k for k in STATUS_ORDER if k in status] + sorted(k for k in status if k not in STATUS_ORDER)
     for key in keys:
         value = status[key]
+        if key == "window" and isinstance(value, dict):
+            lines.append(f"{'fill':<11} {window_fill(status)}")
         if isinstance(value, list) and value and all(isinstance(v, dict) for v in value):
             columns = list(dict.fromkeys(c for row in value for c in row))
             cells = [[_cell(row.get(c)) for c in columns] for row in value]
