@@ -81,7 +81,8 @@ def test_path_spelling_does_not_change_the_fingerprint(tmp_path):
         ('tokenizer = "bytes"', 'tokenizer = "../../recipes/tokenizer/tokenizer.json"'),
         ("weight = 0.6", "weight = 0.5"),
         ('name = "code"', 'name = "source-code"'),
-        ("seed = 1", 'seed = 1\npacking = "best_fit"'),
+        ("seed = 1", 'seed = 1\npacking = "best_fit"\npacking_bins = 4'),
+        ("seed = 1", 'seed = 1\npacking = "best_fit_wrap"'),
         ("seed = 1", "seed = 1\nrepeat = false"),
         ("seed = 1", "seed = 1\nflush_every_k_chunks = 3"),
         ("seed = 1", 'seed = 1\ntext_field = "origin"'),
@@ -122,6 +123,9 @@ BAD = [
     ("missing tokenizer file", lambda t: t.replace('"bytes"', '"/nonexistent/tokenizer.json"'),
      "/nonexistent/tokenizer.json"),
     ("unknown packing", lambda t: t.replace("seed = 1", 'seed = 1\npacking = "tetris"'), "'packing'"),
+    ("best_fit without packing_bins", lambda t: t.replace("seed = 1", 'seed = 1\npacking = "best_fit"'),
+     "'packing_bins'"),
+    ("packing_bins with wrap", lambda t: t.replace("seed = 1", 'seed = 1\npacking_bins = 4'), "'packing_bins'"),
     ("non-positive weight", lambda t: t.replace("weight = 0.6", "weight = 0"), "'sources[0].weight'"),
     ("duplicate source name", lambda t: t.replace('name = "code"', 'name = "prose"'), "'sources[1].name'"),
     ("misspelled source key", lambda t: t.replace('name = "code"', 'nmae = "code"'), "'sources[1].nmae'"),
@@ -166,3 +170,15 @@ def test_missing_recipe_file_is_named(tmp_path):
 def test_shipped_recipes_load():
     for name in ("tiny.toml",):
         assert Recipe.from_toml(TINY.parent / name).lanes == 8
+
+
+@pytest.mark.parametrize("packing", ["first_fit", "best_fit", "best_fit_wrap"])
+def test_every_accepted_packing_builds_real_batches(tmp_path, packing):
+    """A packing the recipe accepts must build in Zephon: 'best_fit' used to load and then fail at first use."""
+    from zephon_ray import GlobalBatchSource
+
+    extra = f'packing = "{packing}"' + ("\npacking_bins = 4" if packing in ("first_fit", "best_fit") else "")
+    recipe = load(tmp_path, BASE.replace("seed = 1", "seed = 1\n" + extra, 1))
+    with GlobalBatchSource(recipe) as source:
+        batch = source.batch(1)
+    assert batch.tokens.shape == (recipe.global_batch_rows, recipe.row_length)

@@ -88,6 +88,7 @@ def build_pipeline(recipe: Recipe, rank: ZephonRank = ZephonRank()) -> Any:
         .pack_flat(
             max_length=recipe.row_length,
             algorithm=recipe.packing,
+            num_bins=recipe.packing_bins,
             tokens_field=tokens_field,
             pad_token_id=tokenizer.pad_token_id,
             emit_positions=True,

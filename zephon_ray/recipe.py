@@ -35,6 +35,7 @@ from zephon_ray.identity import (
 from zephon_ray.tokenizers import validate_tokenizer_spec
 
 RECIPE_FORMAT = "zephon-ray/recipe/v1"
+BINNED_PACKING = ("first_fit", "best_fit")  # Zephon requires num_bins for these, and refuses it for the others
 PACKING_ALGORITHMS = ("wrap", "best_fit_wrap", "first_fit", "best_fit")
 
 
@@ -84,6 +85,9 @@ class Recipe:
     text_field: str = "text"
     chunk_size: int = 64
     packing: str = "wrap"
+    packing_bins: int | None = None
+    """Zephon's ``num_bins``: open bins per lane for ``first_fit``/``best_fit`` (required there, refused for the
+    wrapping packers, as Zephon does at build time; checked here at load instead)."""
     repeat: bool = True
     flush_every_k_chunks: int | None = None
     shuffle: Shuffle = field(default_factory=Shuffle)
@@ -138,6 +142,7 @@ class Recipe:
             "text_field": self.text_field,
             "chunk_size": self.chunk_size,
             "packing": self.packing,
+            **({"packing_bins": self.packing_bins} if self.packing_bins is not None else {}),
             "repeat": self.repeat,
             "flush_every_k_chunks": self.flush_every_k_chunks,
             "shuffle": {
@@ -181,7 +186,7 @@ class Recipe:
 # ---------------------------------------------------------------------- parsing
 _TOP_KEYS = {
     "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer", "text_field",
-    "chunk_size", "packing", "repeat", "flush_every_k_chunks", "shuffle", "sources", "aggregate",
+    "chunk_size", "packing", "packing_bins", "repeat", "flush_every_k_chunks", "shuffle", "sources", "aggregate",
     "pretokenized",
 }
 _REQUIRED = ("sources", "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer")
@@ -250,6 +255,12 @@ class _RecipeParser:
         packing = self.typed(raw, "packing", str, "wrap")
         if packing not in PACKING_ALGORITHMS:
             raise self.fail("packing", f"must be one of {', '.join(PACKING_ALGORITHMS)}, got {packing!r}")
+        packing_bins = None
+        if packing in BINNED_PACKING:
+            packing_bins = self.positive_int(raw, "packing_bins")
+        elif "packing_bins" in raw:
+            raise self.fail("packing_bins", f"applies only to packing {' or '.join(BINNED_PACKING)}, "
+                                            f"not {packing!r}")
         repeat = self.typed(raw, "repeat", bool, True)
 
         shuffle_raw = self.typed(raw, "shuffle", dict, {})
@@ -285,7 +296,7 @@ class _RecipeParser:
         recipe = Recipe(
             sources=sources, seed=seed, lanes=lanes, microbatches_per_lane=k, rows_per_microbatch=m,
             seq_len=seq_len, tokenizer=tokenizer, text_field=text_field, chunk_size=chunk_size, packing=packing,
-            repeat=repeat, flush_every_k_chunks=flush, shuffle=shuffle,
+            packing_bins=packing_bins, repeat=repeat, flush_every_k_chunks=flush, shuffle=shuffle,
             aggregate=Aggregate(store=store, dir=agg_dir), path=self.origin, pretokenized=pretokenized,
         )
         if pretokenized is not None:
