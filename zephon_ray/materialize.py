@@ -20,7 +20,8 @@ not data: Zephon 0.2.0 records its read-ahead in them (cursor positions, chunk i
 so their bytes differ between runs while each restores the same batches; the manifest lists them without a hash. The manifest, segments and checkpoints
 do not record M, so M may change between runs.
 
-Limits: a new directory starting at step A > 0 produces (and discards) steps 0..A-1 first. Steps can only be
+Limits: DIR must be on storage every node of the cluster reaches when M > 1 (the collective Zephon checkpoint
+meets in ``DIR/.work-*``); the driver alone writes segments and manifest. A new directory starting at step A > 0 produces (and discards) steps 0..A-1 first. Steps can only be
 appended: ``--steps`` must start inside or right at the end of what is there. Segments are cut at multiples of
 ``segment_steps`` counted from step 0, plus at the end of each run, so extending in pieces gives the same
 batches in more files. Work since the last committed segment is redone after a kill.
@@ -67,11 +68,11 @@ class MaterializeResult:
 class LaneGroupWorker:
     """A Ray Data actor that is Zephon rank ``group`` of ``groups``; one input row = one whole run of steps."""
 
-    def __init__(self, recipe: Recipe, groups: int, start_checkpoint: str | None, first: int, end: int,
+    def __init__(self, recipe: Recipe, groups: int, start_state: dict[str, Any] | None, first: int, end: int,
                  segment_steps: int, run_id: str, aggregate_dir: str) -> None:
         self.recipe = recipe
         self.groups = groups
-        self.start_checkpoint = start_checkpoint
+        self.start_state = start_state  # shipped by value: a worker on another node need not see DIR
         self.first, self.end, self.segment_steps = first, end, segment_steps
         self.run_id, self.aggregate_dir = run_id, aggregate_dir
         try:
@@ -91,8 +92,8 @@ class LaneGroupWorker:
                               aggregate_dir=self.aggregate_dir if self.groups > 1 else None)
             stepper = LaneStepper(self.recipe, rank)
             try:
-                if self.start_checkpoint:
-                    stepper.restore(json.loads(Path(self.start_checkpoint).read_text()))
+                if self.start_state is not None:
+                    stepper.restore(self.start_state)
                 while stepper.position < self.first:
                     stepper.next_step()
                 for step in range(self.first, self.end):
@@ -185,7 +186,7 @@ def _prepare_directory(directory: Path, recipe: Recipe, segment_steps: int) -> d
     return manifest
 
 
-def _check_checkpoint(path: Path, recipe: Recipe, step: int) -> None:
+def _check_checkpoint(path: Path, recipe: Recipe, step: int) -> dict[str, Any]:
     """A resume point must exist, parse, belong to this recipe and sit at the boundary before ``step``."""
     from zephon_ray.lanes import KEY_NEXT_STEP, StepStateError, check_step_state
 
@@ -198,6 +199,7 @@ def _check_checkpoint(path: Path, recipe: Recipe, step: int) -> None:
         raise MaterializedError(f"{path}: unusable checkpoint ({exc})") from None
     if int(state[KEY_NEXT_STEP]) != step:
         raise MaterializedError(f"{path}: checkpoint is for step {state[KEY_NEXT_STEP]}, not {step}")
+    return state
 
 
 def materialize(recipe: Recipe, directory: str | Path, steps: range, *, producers: int = 1,
@@ -231,21 +233,19 @@ def materialize(recipe: Recipe, directory: str | Path, steps: range, *, producer
     todo = range(end, steps.stop)
     if len(todo) == 0:
         return MaterializeResult(directory, first, end, todo, 0)
-    start_checkpoint = None
+    start_state = None
     if end > 0 and manifest[KEY_SEGMENTS]:
         entry = manifest[KEY_CHECKPOINTS].get(str(end))
         if entry is None:
             raise MaterializedError(f"{directory / MANIFEST_NAME}: no checkpoint recorded for step {end}")
-        path = directory / entry["file"]
-        _check_checkpoint(path, recipe, end)
-        start_checkpoint = str(path)
+        start_state = _check_checkpoint(directory / entry["file"], recipe, end)
 
     work_dir = directory / f"{WORK_PREFIX}{uuid.uuid4().hex[:12]}"
     work_dir.mkdir()
     writer = _SegmentWriter(directory, manifest, recipe, segment_steps)
     bar = tqdm(total=len(todo), unit="step", desc="materialize", disable=not progress, dynamic_ncols=True)
     try:
-        for step, rows in _stream(recipe, todo, producers=producers, start_checkpoint=start_checkpoint,
+        for step, rows in _stream(recipe, todo, producers=producers, start_state=start_state,
                                   segment_steps=segment_steps, work_dir=work_dir, cpus_per_actor=cpus_per_actor):
             writer.add(step, *rows)
             bar.update(1)
@@ -257,7 +257,7 @@ def materialize(recipe: Recipe, directory: str | Path, steps: range, *, producer
                              len(todo) * recipe.tokens_per_step)
 
 
-def _stream(recipe: Recipe, todo: range, *, producers: int, start_checkpoint: str | None, segment_steps: int,
+def _stream(recipe: Recipe, todo: range, *, producers: int, start_state: dict[str, Any] | None, segment_steps: int,
             work_dir: Path, cpus_per_actor: float) -> Iterator[tuple[int, tuple]]:
     """Yield (step, (tokens, positions, source_tokens, state)) in step order, assembled from every lane group."""
     import ray.data
@@ -268,7 +268,7 @@ def _stream(recipe: Recipe, todo: range, *, producers: int, start_checkpoint: st
     dataset = dataset.map_batches(
         LaneGroupWorker,
         fn_constructor_kwargs={
-            "recipe": recipe, "groups": producers, "start_checkpoint": start_checkpoint, "first": todo.start,
+            "recipe": recipe, "groups": producers, "start_state": start_state, "first": todo.start,
             "end": todo.stop, "segment_steps": segment_steps, "run_id": f"materialize-{work_dir.name}",
             "aggregate_dir": str(work_dir / "aggregate"),
         },

@@ -21,6 +21,7 @@ Limits:
 - The decode step mirrors Zephon 0.2.0's ``decode_text`` defaults (UTF-8, ``\\r\\n``/``\\r`` to ``\\n``) and the
   ``bos_eos`` bracketing; the digest-equality test is what pins that down for a new Zephon version.
 - Only ``jsonl`` and ``parquet`` sources are read (the formats a recipe accepts).
+- Actors write the token shards themselves: OUT_DIR must be on storage every node of the cluster reaches.
 """
 
 from __future__ import annotations
@@ -175,7 +176,13 @@ def write_token_shard(out_path: Path, ids: list[np.ndarray]) -> None:
 class ShardTokenizer:
     """A Ray Data actor: tokenises whole shards, one per input row, and writes their token-id Parquet copies."""
 
-    def __init__(self, tokenizer: str, text_field: str) -> None:
+    def __init__(self, tokenizer: str, text_field: str, identity: str) -> None:
+        seen = tokenizer_identity(tokenizer)
+        if seen != identity:  # another node may hold another file under the same path
+            import socket
+
+            raise PretokenizeError(f"tokenizer {tokenizer} on {socket.gethostname()} is {seen}, the driver's is "
+                                   f"{identity}")
         self.tokenizer = build_tokenizer(tokenizer)
         self.text_field = text_field
 
@@ -313,7 +320,8 @@ def _run_actor_pool(recipe: Recipe, todo: list[ShardTask], entries: dict, *, act
     rows = [{key: getattr(t, key) for key in ShardTask.__dataclass_fields__} for t in todo]
     dataset = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
         ShardTokenizer,
-        fn_constructor_kwargs={"tokenizer": recipe.tokenizer, "text_field": recipe.text_field},
+        fn_constructor_kwargs={"tokenizer": recipe.tokenizer, "text_field": recipe.text_field,
+                               "identity": tokenizer_identity(recipe.tokenizer)},
         compute=ray.data.ActorPoolStrategy(size=min(actors, len(rows))),
         batch_size=1,
         num_cpus=cpus_per_actor,
