@@ -126,12 +126,14 @@ class Coordinator:
         self.group.launch(config.producers, ckpt, self.state.read_checkpoint(ckpt) if ckpt else None)
         res = config.resources
         replayer_cls = ray.remote(Replayer)
+        # Held for the coordinator's lifetime: Ray needs a replayer's constructor argument again to restart it.
+        self._recipe_ref = ray.put(recipe)
         self._replayers = [replayer_cls.options(
             name=f"{config.name}{REPLAYER_INFIX}{self._instance}.{i}", namespace=config.namespace,
             lifetime="detached", num_cpus=res.replayer_num_cpus, resources=dict(res.replayer_resources),
             # A replayer lost with its node comes back elsewhere; calls wait for it (replays are idempotent).
             max_restarts=-1, max_task_retries=-1,
-        ).remote(recipe) for i in range(config.replayers)]
+        ).remote(self._recipe_ref) for i in range(config.replayers)]
         self._replayer_info = [r.info.remote() for r in self._replayers]
         self._replayer_next: list[int | None] = [None] * config.replayers  # expected position after queued work
         self._replays: OrderedDict[int, tuple[list[Any], Any]] = OrderedDict()
