@@ -36,4 +36,4 @@ if __name__ == "__main__":
     scaling = ScalingConfig(num_workers=workers, use_gpu=torch.cuda.is_available(), resources_per_worker={"CPU": 0.5})
     print(TorchTrainer(train_loop, train_loop_config={"steps": steps}, datasets={"train": ZephonDataset(recipe)},
                        dataset_config=ZephonDataConfig(run_id="quickstart"), scaling_config=scaling,
-                       run_config=RunConfig(name="quickstart", storage_path="/tmp/zephon-ray-quickstart")).fit().metrics)
+                       run_config=RunConfig(name="quickstart", storage_path="/tmp/zr-quickstart")).fit().metrics)
