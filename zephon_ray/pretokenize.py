@@ -306,6 +306,7 @@ def pretokenize(recipe: Recipe, out_dir: str | Path, *, actors: int | None = Non
     recipe_path = write_pretokenized_recipe(recipe, out_dir)
     manifest = build_manifest(recipe, entries)
     atomic_write_bytes(manifest_path, json_bytes(manifest))  # last: the commit point
+    _check_same_settings(recipe, Recipe.from_toml(recipe_path))
     totals = manifest[KEY_TOTALS]
     return PretokenizeResult(out_dir=out_dir, recipe_path=recipe_path, shards=len(tasks), shards_skipped=skipped,
                              records=totals["records"], tokens=totals["tokens"], bytes=totals["bytes"])
@@ -337,6 +338,19 @@ def _run_actor_pool(recipe: Recipe, todo: list[ShardTask], entries: dict, *, act
             bar.update(1)
     finally:
         bar.close()
+
+
+def _check_same_settings(raw: Recipe, tokens: Recipe) -> None:
+    """The written recipe must differ from the raw one only in its sources (a guard for new recipe keys)."""
+    ignore = ("sources", "environment")
+    want = {k: v for k, v in raw.canonical().items() if k not in ignore}
+    got = {k: v for k, v in tokens.canonical().items() if k not in ignore}
+    if want != got:
+        key = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))[0]
+        raise PretokenizeError(f"{tokens.path}: key {key!r} is {got.get(key)!r}, the source recipe has "
+                               f"{want.get(key)!r} (zephon-ray pretokenize does not carry this key over)")
+    if raw.environment.canonical() != tokens.environment.canonical():
+        raise PretokenizeError(f"{tokens.path}: tokenizer or library versions differ from the source recipe")
 
 
 def _check_counts(recipe: Recipe, out_dir: Path, entries: dict) -> None:
@@ -396,8 +410,9 @@ def write_pretokenized_recipe(recipe: Recipe, out_dir: Path) -> Path:
         "chunk_size": recipe.chunk_size, "tokenizer": recipe.tokenizer, "text_field": recipe.text_field,
         "packing": recipe.packing, "repeat": recipe.repeat, "pretokenized": MANIFEST_NAME,
     }
-    if recipe.flush_every_k_chunks is not None:
-        top["flush_every_k_chunks"] = recipe.flush_every_k_chunks
+    for optional in ("flush_every_k_chunks", "packing_bins"):
+        if getattr(recipe, optional, None) is not None:
+            top[optional] = getattr(recipe, optional)
     lines = [f"# Written by `zephon-ray pretokenize` from {recipe.path or 'a recipe'}: the same recipe over token-id "
              "copies of its sources.", f"# Source recipe fingerprint {recipe.fingerprint}."]
     lines += [f"{key} = {_toml_value(value)}" for key, value in top.items()]
