@@ -264,6 +264,7 @@ def _stream(recipe: Recipe, todo: range, *, producers: int, start_state: dict[st
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
+    ctx.print_on_execution_start = False
     dataset = ray.data.from_items([{"group": g} for g in range(producers)], override_num_blocks=producers)
     dataset = dataset.map_batches(
         LaneGroupWorker,

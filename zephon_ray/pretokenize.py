@@ -318,6 +318,7 @@ def _run_actor_pool(recipe: Recipe, todo: list[ShardTask], entries: dict, *, act
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # one tqdm bar of our own, in shards and tokens
+    ctx.print_on_execution_start = False
     rows = [{key: getattr(t, key) for key in ShardTask.__dataclass_fields__} for t in todo]
     dataset = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
         ShardTokenizer,
