@@ -132,6 +132,8 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, j
         for t in threads:
             t.join()
 
+    coordinator = svc.status()["coordinator"]["pid"]
+    cpu0 = cpu_seconds([coordinator])
     probe = threading.Thread(target=prober, daemon=True)
     probe.start()
     t0 = time.perf_counter()
@@ -141,11 +143,13 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, j
     for t in job_threads:
         t.join()
     elapsed = time.perf_counter() - t0
+    coordinator_cpu = cpu_seconds([coordinator]) - cpu0
     stop.set()
     probe.join()
     svc.stop()
     return {"jobs": jobs, "ranks": ranks, "world": world, "steps": steps, "step_time_s": step_time,
-            "reads": len(waits), "wrong_rows": len(bad), "errors": errors[:3], "elapsed_s": round(elapsed, 2),
+            "reads": len(waits), "wrong_rows": len(bad), "coordinator_cpu_s": round(coordinator_cpu, 3),
+            "coordinator_cpu_ms_per_read": coordinator_cpu / max(len(waits), 1) * 1e3, "errors": errors[:3], "elapsed_s": round(elapsed, 2),
             "wait_ms": {"p50": pct(waits, .5) * 1e3, "p99": pct(waits, .99) * 1e3, "max": max(waits) * 1e3},
             "status_ms": {"p50": pct(status_lat, .5) * 1e3, "p99": pct(status_lat, .99) * 1e3,
                           "n": len(status_lat)}}
@@ -365,7 +369,8 @@ def main() -> None:
                 result[f"load_{ranks}"] = r
                 print(f"load {r['jobs']}x{ranks} ranks x {r['steps']} steps: wrong rows {r['wrong_rows']}, errors "
                       f"{len(r['errors'])}, wait p50/p99/max {r['wait_ms']['p50']:.1f}/{r['wait_ms']['p99']:.1f}/"
-                      f"{r['wait_ms']['max']:.1f} ms, status p99 {r['status_ms']['p99']:.1f} ms", flush=True)
+                      f"{r['wait_ms']['max']:.1f} ms, status p99 {r['status_ms']['p99']:.1f} ms, coordinator "
+                      f"{r['coordinator_cpu_ms_per_read']:.2f} CPU-ms/read", flush=True)
         if "pending" in parts:
             r = result["pending"] = run_pending(recipe, reference, tmp, args.pending)
             print(f"pending {r['pending_reads']} reads: status p99 {r['status_ms']['p99']:.1f} ms (max "

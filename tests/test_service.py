@@ -120,6 +120,7 @@ def test_refs_prefetch_and_any_consumer_handle(ray_cluster, tiny_recipe, referen
         svc.stop()
 
 
+@pytest.mark.timeout(600)  # three group restarts (actor start + identity check + restore) on a loaded 2-core box
 def test_kill9_producer_at_three_steps(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     svc = _start(tiny_recipe, tmp_path, "kill9", producers=2)
     kills = []
