@@ -109,7 +109,8 @@ def _unwrap(exc: BaseException, service: str) -> BaseException:
 class StepRefs:
     """One step's lane shards: Ray object refs (a live step) or values (a step replayed on the side).
 
-    ``lanes[l]`` is lane l's shard or a ref to it. Keep the object to keep the shards alive; ``slice`` and
+    ``lanes[l]`` is lane l's shard or a ref to it; ``None`` for lanes outside the (rank, world) it was asked for
+    (the coordinator sends a rank only the refs it needs). Keep the object to keep the shards alive; ``slice`` and
     ``batch`` only fetch the lanes they need.
     """
 
@@ -120,10 +121,13 @@ class StepRefs:
 
     @property
     def is_refs(self) -> bool:
-        return bool(self.lanes) and isinstance(self.lanes[0], ray.ObjectRef)
+        return any(isinstance(lane, ray.ObjectRef) for lane in self.lanes)
 
     def _fetch(self, lanes: range) -> list[LaneShard]:
         picked = [self.lanes[lane] for lane in lanes]
+        if any(p is None for p in picked):
+            raise ValueError(f"step {self.step}: these refs were asked for another rank's rows (lanes "
+                             f"{[i for i, p in enumerate(self.lanes) if p is not None]}); read them with refs() again")
         if not self.is_refs:
             return picked
         try:

@@ -43,6 +43,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
+from zephon_ray.batch import lane_span
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import ServiceConfig
 from zephon_ray.service.errors import ServiceError
@@ -205,10 +206,10 @@ class Coordinator:
                     self._metrics.consumer_wait(now - (deadline - timeout_s))
                     if self._start["first_batch_s"] is None:
                         self._start["first_batch_s"] = round(now - self._t0, 3)
-                    return REPLY_REFS, step, list(entry.lanes)
+                    return REPLY_REFS, step, self._only_needed(entry.lanes, rank, world)
                 low, high = self.window.keep_from, self.window.produce_until
             if kind is Read.REPLAY:
-                return REPLY_REFS, step, self._replay_refs(step)
+                return REPLY_REFS, step, self._only_needed(self._replay_refs(step), rank, world)
             if now >= deadline:
                 raise TimeoutError(
                     f"step {step} was not produced within {timeout_s:.0f}s: the live window is [{low}, {high}) "
@@ -220,6 +221,14 @@ class Coordinator:
                 await asyncio.wait_for(event.wait(), min(deadline - now, 1.0))
             except asyncio.TimeoutError:
                 pass
+
+    def _only_needed(self, lanes: list[Any], rank: int | None, world: int | None) -> list[Any]:
+        """The refs of the lanes holding this rank's rows, None elsewhere: every ref in a reply costs the
+        coordinator a borrower registration, so a rank of W >= L gets one ref, not L."""
+        if world is None or world == 1:
+            return list(lanes)
+        span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, rank, world)
+        return [ref if span.first <= i < span.stop else None for i, ref in enumerate(lanes)]
 
     async def touch(self, step: int, consumer: str, rank: int | None = None, world: int | None = None) -> None:
         """Move a cursor forward without asking for data (a read served from a read-ahead). Never moves it back."""
