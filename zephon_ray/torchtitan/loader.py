@@ -366,7 +366,7 @@ class ZephonRayDataLoader(BaseDataLoader):
         if not state_dict:
             return  # TorchTitan passes an empty state for a component with nothing saved
         step = check_state(state_dict, run_id=self.config.run_id, fingerprint=self.recipe.fingerprint,
-                           recipe_name=self.recipe.describe())
+                           recipe_name=str(self.recipe.path or "<recipe>"))
         self._loaded_zephon = zephon_state(state_dict) if self.config.mode == "local" else None
         if self._loaded_zephon is not None:
             from zephon_ray.lanes import check_step_state
