@@ -85,7 +85,8 @@ def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -
                 owned = True
             try:
                 for step in steps:
-                    print(f"step {step} {svc.batch(step).digest}", flush=True)
+                    # our own service: read tracked so its window follows; someone else's: ad hoc, no cursor
+                    print(f"step {step} {svc.batch(step, track=owned).digest}", flush=True)
             finally:
                 if owned:
                     svc.stop()

@@ -81,10 +81,22 @@ def default_consumer() -> str:
         return f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
-def _ensure_ray() -> None:
-    if not ray.is_initialized():
-        # Attach to the cluster this process belongs to (a job, a Train worker, RAY_ADDRESS); never start one.
-        ray.init(address=os.environ.get("RAY_ADDRESS", "auto"), log_to_driver=False)
+def _ensure_ray(ray_init: bool | dict[str, Any] | None = None) -> None:
+    """Attach to the cluster this process belongs to (a job, a Train worker, ``RAY_ADDRESS``). Only an explicit
+    ``ray_init`` starts one: ``True`` is a private local Ray for this process (a notebook on a laptop), a dict is
+    passed to ``ray.init`` as is. Ignored when Ray is already initialised."""
+    if ray.is_initialized():
+        return
+    if ray_init is True:
+        ray.init(address="local", include_dashboard=False, log_to_driver=False)
+    elif isinstance(ray_init, dict):
+        ray.init(**ray_init)
+    else:
+        try:
+            ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+        except ConnectionError as exc:
+            raise ServiceError(f"no Ray cluster to attach to ({exc}); start one (`ray start --head`), set "
+                               "RAY_ADDRESS, or pass ray_init=True to start a private local Ray") from None
 
 
 def _unwrap(exc: BaseException, service: str) -> BaseException:
@@ -158,6 +170,7 @@ class DataService:
         self.name = name
         self.namespace = namespace
         self.consumer = consumer or default_consumer()
+        self._started_here = False  # set by start(): only then does leaving a `with` block stop the service
         self._where = f"{name!r} (namespace {namespace!r})"
         recipe, config = self._call(coordinator.recipe_and_config.remote(), timeout=120)
         self.recipe: Recipe = recipe
@@ -185,6 +198,7 @@ class DataService:
         run_id: str | None = None,
         consumer: str | None = None,
         resources: ActorResources | None = None,
+        ray_init: bool | dict[str, Any] | None = None,
         **options: Any,
     ) -> "DataService":
         """Start a named, detached service and return a client for it.
@@ -193,7 +207,14 @@ class DataService:
         where the newest commit left off. Without ``state_dir`` a fresh temporary directory is used (nothing to
         resume from). ``options`` are further :class:`ServiceConfig` fields (``consumer_ttl_s``,
         ``request_timeout_s``, ``start_step``, ``aggregate_timeout_s``). Invalid settings raise ValueError
-        before anything is created or written.
+        before anything is created or written. ``ray_init`` (``True`` or ``ray.init`` kwargs) starts Ray when
+        this process has none; by default the service attaches to a running cluster and never starts one.
+
+        Use it as a context manager to stop the service it started when the block exits, also on an error
+        (``tests/test_service_client.py``)::
+
+            with DataService.start("tiny", name="peek", ray_init=True) as svc:
+                svc.batch(3)
         """
         if not isinstance(recipe, Recipe):
             recipe = Recipe.from_toml(recipe)
@@ -208,7 +229,7 @@ class DataService:
         if Path(config.state_dir).exists():
             check_state_dir(recipe, config.state_dir)  # refuse another recipe's state before touching Ray
         _ = recipe.fingerprint  # computed here, shipped with the recipe (the coordinator's node may differ)
-        _ensure_ray()
+        _ensure_ray(ray_init)
         try:
             ray.get_actor(name, namespace=namespace)
         except ValueError:
@@ -230,7 +251,9 @@ class DataService:
             ray.kill(handle, no_restart=True)
             _kill_orphan_producers(name, namespace)  # the producers/replayers it had launched
             raise _creation_error(exc, name) from None
-        return cls(handle, name=name, namespace=namespace, consumer=consumer)
+        client = cls(handle, name=name, namespace=namespace, consumer=consumer)
+        client._started_here = True
+        return client
 
     @classmethod
     def connect(cls, name: str = DEFAULT_NAME, *, namespace: str = DEFAULT_NAMESPACE, consumer: str | None = None,
@@ -257,6 +280,19 @@ class DataService:
             pass  # already dead or wedged: kill it below either way
         ray.kill(self._coordinator, no_restart=True)
         _kill_orphan_producers(self.name, self.namespace)
+
+    def __enter__(self) -> "DataService":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """A service this handle started is stopped; one it connected to is left running, minus our cursors."""
+        if self._started_here:
+            self.stop()
+        else:
+            try:
+                self.release()
+            except Exception:  # noqa: BLE001 - leaving a block must not mask the error that ended it
+                pass
 
     def release(self) -> None:
         """Drop this consumer's cursors now, so that it no longer holds the window back."""

@@ -10,7 +10,8 @@ trainer actually takes a step. The service's window therefore trails what the tr
 prefetched, so a resume from the last checkpoint finds its steps still in the live window.
 
 Limits: the service must run the same recipe (fingerprint checked at connect). Every rank of a job uses the same
-consumer name (the run_id), so the service's window follows the slowest rank.
+consumer name (the run_id, or without one the service client's default, one per Ray job), so the service's window
+follows the slowest rank and two jobs never share cursors.
 """
 
 from __future__ import annotations
@@ -25,8 +26,6 @@ from zephon_ray.batch import RankSlice
 from zephon_ray.recipe import Recipe
 from zephon_ray.torchtitan.prefetch import PrefetchedSlices
 
-DEFAULT_CONSUMER = "zephon-ray-loader"
-
 
 class ServiceSlices(PrefetchedSlices):
     """This rank's slices of consecutive steps, read from a DataService (see the module docstring)."""
@@ -39,7 +38,7 @@ class ServiceSlices(PrefetchedSlices):
 
         super().__init__(rank=rank, world=world, depth=depth, name="service")
         self.recipe = recipe
-        self.service = DataService.connect(name, namespace=namespace, consumer=run_id or DEFAULT_CONSUMER)
+        self.service = DataService.connect(name, namespace=namespace, consumer=run_id)  # None: one per Ray job
         served = self.service.recipe.fingerprint
         if served != recipe.fingerprint:
             raise ValueError(
