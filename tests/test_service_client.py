@@ -6,6 +6,7 @@ process that has none.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -32,12 +33,11 @@ SCRIPT = textwrap.dedent("""
     ray.shutdown()
 """)
 
-def _run(code: str, **env) -> subprocess.CompletedProcess:
-    import os
 
+def _run(code: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**base, **env})
+                          env=base)
 
 
 def test_ray_init_and_context_manager_stop_what_they_started():
