@@ -37,6 +37,8 @@ test-all: install
 
 bench: install
 	$(PY) benchmarks/bench_core.py && $(PY) benchmarks/bench_service.py && $(PY) benchmarks/bench_loader.py
+	$(PY) benchmarks/bench_service_load.py && $(PY) benchmarks/bench_fingerprint.py
+	$(PY) benchmarks/bench_pretokenize.py && $(PY) benchmarks/bench_materialize.py
 
 clean:
 	rm -rf $(VENV) *.egg-info
