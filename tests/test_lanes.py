@@ -81,7 +81,7 @@ def test_checkpoint_refuses_when_next_step_is_buffered(tiny_recipe):
 
 
 def _variant(tmp_path, old, new):
-    text = TINY.read_text().replace(old, new).replace('"../tests/', f'"{TINY.parent.parent}/tests/')
+    text = TINY.read_text().replace(old, new).replace('path = "', f'path = "{TINY.parent}/')
     path = tmp_path / "variant.toml"
     path.write_text(text)
     return path
