@@ -255,8 +255,8 @@ class Coordinator:
         """A client found this step's shards lost (their node died): serve it from the Replayer from now on."""
         with self._lock:
             dropped = self.window.invalidate(int(step)) is not None
-            self.window.replay_below = max(self.window.replay_below, int(step) + 1) if dropped else \
-                self.window.replay_below
+            if dropped:
+                self.window.replay_below = max(self.window.replay_below, int(step) + 1)
         self._replays.pop(int(step), None)
         return dropped
 
