@@ -171,6 +171,66 @@ def test_service_batches_and_lazy_export_equal_the_materialised_ones(materialize
         service.stop()
 
 
+# ---------------------------------------------------------------------- the service over a materialised prefix
+def test_service_serves_a_materialised_prefix_then_producers_from_its_end(materialized_dir, ray_cluster,
+                                                                         tiny_recipe, reference_digests, tmp_path):
+    """Steps 0..11 are read from the directory (in the Replayer, no Zephon), steps 12.. come from 2 producers
+    restored from the directory's step-12 checkpoint (it was written with M=1). Every rank's slice at W = 1, 2, 4
+    joins into the reference digest across the boundary, and a restart whose consumer committed inside the prefix
+    starts its producers at 12 again."""
+    from zephon_ray import DataService, MaterializedSource
+    from zephon_ray.batch import compute_digest
+
+    options = dict(name="prefix", namespace="zr-prefix", state_dir=tmp_path / "state", window=4, checkpoint_every=4,
+                   producers=2, run_id="prefix", aggregate_store="torch://", materialized_dir=str(materialized_dir))
+    with DataService.start(tiny_recipe, **options) as service:
+        status = service.status()
+        assert status["materialized"] == {"dir": str(materialized_dir.resolve()), "first_step": 0, "end_step": STEPS}
+        assert (status["start"]["start_step"], status["start"]["checkpoint_step"]) == (STEPS, STEPS)
+        for step in range(STEPS + 6):
+            world = (1, 2, 4)[step % 3]
+            rows = [service.slice(step, rank, world) for rank in range(world)]
+            joined = [np.concatenate([getattr(r, key) for r in rows]) for key in ("tokens", "positions")]
+            assert compute_digest(*joined) == reference_digests[step], f"step {step}, W={world}"
+        status = service.status()
+        replay = status["replay"]
+        # each prefix step read once from the directory, shared by the ranks of its W; no Zephon replay at all
+        assert replay["materialized_reads"] == replay["submitted"] == STEPS and replay["last"] is None
+        assert status["throughput"]["produced_steps"] < STEPS  # producers never made the prefix
+        assert min(status["window"]["held_steps"]) >= STEPS
+        service.commit(6)
+    with DataService.start(tiny_recipe, **options) as service:
+        status = service.status()
+        assert (status["start"]["start_step"], status["start"]["replay_steps"]) == (STEPS, 0)
+        batch = service.batch(6)
+        assert batch.digest == reference_digests[6]
+        assert batch.source_tokens == MaterializedSource(materialized_dir).batch(6).source_tokens
+        assert service.batch(STEPS).digest == reference_digests[STEPS]
+
+
+def test_service_config_checks_the_materialised_prefix_before_anything_starts(materialized_dir, tiny_recipe,
+                                                                              tmp_path):
+    from zephon_ray import DataService, Recipe
+    from zephon_ray.service.config import ServiceConfig
+
+    with pytest.raises(ValueError, match="materialized_dir must be a non-empty path string"):
+        ServiceConfig(materialized_dir="")
+    with pytest.raises(ValueError, match="materialized_dir: materialised directory not found"):
+        ServiceConfig.build(tiny_recipe, materialized_dir=str(tmp_path / "nope"))
+    other = Recipe.from_toml(tiny_variant(tmp_path / "other", seed=99))
+    with pytest.raises(ValueError, match="materialized_dir: .*materialised from recipe fingerprint"):
+        ServiceConfig.build(other, materialized_dir=str(materialized_dir))
+    broken = tmp_path / "broken"
+    shutil.copytree(materialized_dir, broken)
+    (broken / "checkpoints" / f"step-{STEPS:012d}.json").unlink()
+    with pytest.raises(ValueError, match=f"step-{STEPS:012d}.json: checkpoint missing"):
+        ServiceConfig.build(tiny_recipe, materialized_dir=str(broken))
+    state_dir = tmp_path / "state"
+    with pytest.raises(ValueError, match="materialized_dir"):
+        DataService.start(tiny_recipe, state_dir=state_dir, materialized_dir=str(broken))
+    assert not state_dir.exists()  # refused before anything was written
+
+
 # ---------------------------------------------------------------------- the loader's mode="dataset"
 def _loader(mode, rank=0, world=1, **kw):
     from zephon_ray.torchtitan import ZephonRayDataLoader

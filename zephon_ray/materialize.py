@@ -43,7 +43,7 @@ from zephon_ray.batch import compute_digest
 from zephon_ray.materialized import (
     CHECKPOINTS_DIR, KEY_CHECKPOINTS, KEY_DIGESTS, KEY_END, KEY_FINGERPRINT, KEY_FIRST, KEY_FORMAT, KEY_GEOMETRY,
     KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_SOURCE_TOKENS, MANIFEST_FORMAT, MANIFEST_NAME, MAX_STEP, SEGMENTS_DIR,
-    MaterializedError, checkpoint_name, read_manifest, segment_name,
+    MaterializedError, checkpoint_name, load_checkpoint, read_manifest, segment_name,
 )
 from zephon_ray.pretokenize import atomic_write_bytes, fsync_dir, json_bytes, sha256_file
 from zephon_ray.recipe import Recipe
@@ -186,22 +186,6 @@ def _prepare_directory(directory: Path, recipe: Recipe, segment_steps: int) -> d
     return manifest
 
 
-def _check_checkpoint(path: Path, recipe: Recipe, step: int) -> dict[str, Any]:
-    """A resume point must exist, parse, belong to this recipe and sit at the boundary before ``step``."""
-    from zephon_ray.lanes import KEY_NEXT_STEP, StepStateError, check_step_state
-
-    try:
-        state = json.loads(path.read_text())
-        check_step_state(state, recipe)
-    except FileNotFoundError:
-        raise MaterializedError(f"{path}: checkpoint missing (the manifest records it for step {step})") from None
-    except (ValueError, StepStateError, KeyError, TypeError, AttributeError) as exc:
-        raise MaterializedError(f"{path}: unusable checkpoint ({exc})") from None
-    if int(state[KEY_NEXT_STEP]) != step:
-        raise MaterializedError(f"{path}: checkpoint is for step {state[KEY_NEXT_STEP]}, not {step}")
-    return state
-
-
 def materialize(recipe: Recipe, directory: str | Path, steps: range, *, producers: int = 1,
                 segment_steps: int = 16, cpus_per_actor: float = 0.5, progress: bool = True) -> MaterializeResult:
     """Materialise ``steps`` of ``recipe`` into ``directory`` on the current Ray cluster (``ray.init`` first)."""
@@ -238,7 +222,7 @@ def materialize(recipe: Recipe, directory: str | Path, steps: range, *, producer
         entry = manifest[KEY_CHECKPOINTS].get(str(end))
         if entry is None:
             raise MaterializedError(f"{directory / MANIFEST_NAME}: no checkpoint recorded for step {end}")
-        start_state = _check_checkpoint(directory / entry["file"], recipe, end)
+        start_state = load_checkpoint(directory / entry["file"], recipe, end)
 
     work_dir = directory / f"{WORK_PREFIX}{uuid.uuid4().hex[:12]}"
     work_dir.mkdir()

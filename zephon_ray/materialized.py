@@ -102,6 +102,23 @@ def read_manifest(directory: Path) -> dict[str, Any]:
     return manifest
 
 
+def load_checkpoint(path: Path, recipe: Any, step: int) -> dict[str, Any]:
+    """The Zephon state in ``path``: it must exist, parse, belong to ``recipe`` and sit at the boundary before
+    ``step``; else one :class:`MaterializedError` naming the file."""
+    from zephon_ray.lanes import KEY_NEXT_STEP, StepStateError, check_step_state
+
+    try:
+        state = json.loads(path.read_text())
+        check_step_state(state, recipe)
+    except FileNotFoundError:
+        raise MaterializedError(f"{path}: checkpoint missing (the manifest records it for step {step})") from None
+    except (ValueError, StepStateError, KeyError, TypeError, AttributeError) as exc:
+        raise MaterializedError(f"{path}: unusable checkpoint ({exc})") from None
+    if int(state[KEY_NEXT_STEP]) != step:
+        raise MaterializedError(f"{path}: checkpoint is for step {state[KEY_NEXT_STEP]}, not {step}")
+    return state
+
+
 @dataclass(frozen=True)
 class _Segment:
     file: Path
@@ -172,6 +189,15 @@ class MaterializedSource:
                 f"extend it with `zephon-ray materialize RECIPE --steps {self.first_step}:{step + 1} --out DIR`)"
             )
         return step
+
+    def checkpoint(self, step: int, recipe: Any) -> dict[str, Any]:
+        """The Zephon state at the boundary before ``step`` (one is recorded at every segment boundary, including
+        ``end_step``), checked against ``recipe``: where producers start to continue past this directory."""
+        entry = self.checkpoints.get(step)
+        if entry is None:
+            raise MaterializedError(f"{self.directory / MANIFEST_NAME}: no checkpoint recorded for step {step} "
+                                    f"(recorded: {sorted(self.checkpoints)[-4:]})")
+        return load_checkpoint(self.directory / entry["file"], recipe, step)
 
     def digest(self, step: int) -> str:
         """The recorded digest of ``step`` (no read)."""

@@ -2,15 +2,19 @@
 
 Guarantee: a :class:`ServiceConfig` that constructs is runnable: the producers divide the recipe's lanes, the
 window and checkpoint interval are positive, and a multi-producer service has a ``run_id`` and exactly one
-aggregation point (``aggregate_store`` or ``aggregate_dir``). Anything else is a ``ValueError`` naming the key.
+aggregation point (``aggregate_store`` or ``aggregate_dir``); built for a recipe (:meth:`ServiceConfig.build`), a
+``materialized_dir`` is that recipe's materialisation with its end checkpoint. Anything else is a ``ValueError``
+naming the key (tests/test_service_config.py, tests/test_materialized.py).
 Limit: it cannot check that a ``torch://host:port`` store is reachable or that ``aggregate_dir`` is shared by
-every node; that shows at the first collective checkpoint (bounded by ``aggregate_timeout_s``).
+every node; that shows at the first collective checkpoint (bounded by ``aggregate_timeout_s``). It checks
+``materialized_dir`` where it is built, not on the nodes that will read it.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from zephon_ray.recipe import Recipe
 
@@ -97,6 +101,10 @@ class ServiceConfig:
     """Ray restarts a dead coordinator this many times (-1: always); it reopens ``state_dir`` and clients retry."""
     reconnect_timeout_s: float = 300.0
     """How long a client keeps retrying a read while the coordinator restarts or lost shards are replayed."""
+    materialized_dir: str | None = None
+    """A directory written by ``zephon-ray materialize`` for this recipe, covering steps [A, N). The service reads
+    those steps from it (in its Replayer actors) and starts its producers at N from the directory's checkpoint
+    of step N. It must be readable from the coordinator's and the replayers' nodes."""
     resources: ActorResources = field(default_factory=ActorResources)
 
     def __post_init__(self) -> None:
@@ -127,6 +135,10 @@ class ServiceConfig:
         if self.start_step is not None and (isinstance(self.start_step, bool) or not isinstance(self.start_step, int)
                                             or self.start_step < 0):
             raise ValueError(f"ServiceConfig: start_step must be an integer >= 0, got {self.start_step!r}")
+        if self.materialized_dir is not None and (not isinstance(self.materialized_dir, str)
+                                                  or not self.materialized_dir):
+            raise ValueError(f"ServiceConfig: materialized_dir must be a non-empty path string, "
+                             f"got {self.materialized_dir!r}")
         if self.aggregate_store is not None and self.aggregate_dir is not None:
             raise ValueError("ServiceConfig: set exactly one of aggregate_store and aggregate_dir, not both")
         if self.aggregate_store is not None and self.aggregate_store != HOSTED_STORE \
@@ -159,7 +171,22 @@ class ServiceConfig:
         if self.aggregate_store is None and self.aggregate_dir is None:
             config = replace(self, aggregate_store=recipe.aggregate.store, aggregate_dir=recipe.aggregate.dir)
         config.check_lanes(recipe, config.producers)
+        if config.materialized_dir is not None:
+            # Absolute: the coordinator and replayers resolve it in their own working directories.
+            config = replace(config, materialized_dir=str(Path(config.materialized_dir).expanduser().resolve()))
+            config.materialized_prefix(recipe)
         return config
+
+    def materialized_prefix(self, recipe: Recipe) -> tuple[range, dict]:
+        """``(steps [A, N) of materialized_dir, the Zephon state at N)``, checked against ``recipe``; a directory
+        that is missing, damaged, of another recipe or without its step-N checkpoint is a ValueError naming it."""
+        from zephon_ray.materialized import MaterializedError, MaterializedSource
+
+        try:
+            with MaterializedSource(self.materialized_dir, recipe=recipe) as source:
+                return source.steps, source.checkpoint(source.end_step, recipe)
+        except MaterializedError as exc:
+            raise ValueError(f"ServiceConfig: materialized_dir: {exc}") from None
 
     def check_lanes(self, recipe: Recipe, producers: int) -> None:
         if recipe.lanes % producers:

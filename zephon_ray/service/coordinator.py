@@ -17,6 +17,9 @@ Guarantees:
 - Waiting reads hold no thread: ``status()``/``commit()`` answer while hundreds of reads wait
   (tests/test_service.py::test_many_waiting_reads_hold_no_thread; 512 in benchmarks/bench_service_load.py).
 - Past steps are replayed in Replayer actors, one replay shared by every rank asking for the same step.
+- With ``materialized_dir`` (steps [A, N)), those steps are read from the directory in the Replayers and the
+  producers start at N from its step-N checkpoint; no producer computes a prefix step
+  (tests/test_materialized.py::test_service_serves_a_materialised_prefix_then_producers_from_its_end).
 - It restarts itself (``coordinator_max_restarts``): a new incarnation reopens ``state_dir``, kills the old
   incarnation's producers and starts at the consumers' newest commits; clients retry (test_service_heal.py).
 - Reads, commits and cursors are bounded and checked by the StepWindow (tests/test_window.py).
@@ -26,6 +29,8 @@ Limits:
   K steps of replay, and in-flight reads see a delay (clients retry for ``reconnect_timeout_s``).
 - A consumer more than ``window`` steps ahead of the slowest live consumer waits (backpressure) up to
   ``request_timeout_s``; cursors silent for ``consumer_ttl_s`` stop holding the window.
+- Replies of the Replayers are held (as refs) for the newest 4 steps, ``max(4, window)`` for prefix reads, on
+  top of the table's bound.
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ log = logging.getLogger("zephon_ray.service")
 REPLY_REFS = "refs"
 """get_step reply kind: lane refs (live window or Replayer), owned by the coordinator, borrowed by the caller."""
 REPLAY_SHARED_STEPS = 4
-"""Replays kept (as refs) so that W ranks reading one past step cost one replay, not W."""
+"""Replays kept (as refs) so that W ranks reading one past step cost one replay, not W (prefix reads keep
+``max(4, window)``: ranks read ahead through a prefix)."""
 REPLAYER_INFIX = ".replayer."
 _POLL_S = 0.05
 
@@ -100,6 +106,14 @@ class Coordinator:
 
         commits = self.state.consumer_commits()
         start = config.start_step if config.start_step is not None else resume_step(commits, config.max_ahead)
+        # A materialised prefix [A, N): its steps are read from the directory, producers start at N from the
+        # directory's checkpoint (imported into state_dir, pinned, so past steps >= N replay from it).
+        self._prefix = range(0)
+        if config.materialized_dir is not None:
+            self._prefix, prefix_end_state = config.materialized_prefix(recipe)
+            self.state.write_checkpoint(prefix_end_state, pin=True)
+            if start in self._prefix:
+                start = self._prefix.stop
         self._lock = threading.Lock()  # guards the window and counters (pump thread vs event loop)
         self.window = StepWindow(window=config.window, start=start, max_ahead=config.max_ahead,
                                  retain_behind=config.retain_behind, consumer_ttl_s=config.consumer_ttl_s,
@@ -134,11 +148,12 @@ class Coordinator:
             lifetime="detached", num_cpus=res.replayer_num_cpus, resources=dict(res.replayer_resources),
             # A replayer lost with its node comes back elsewhere; calls wait for it (replays are idempotent).
             max_restarts=-1, max_task_retries=-1,
-        ).remote(self._recipe_ref) for i in range(config.replayers)]
+        ).remote(self._recipe_ref, config.materialized_dir) for i in range(config.replayers)]
         self._replayer_info = [r.info.remote() for r in self._replayers]
         self._replayer_next: list[int | None] = [None] * config.replayers  # expected position after queued work
         self._replays: OrderedDict[int, tuple[list[Any], Any]] = OrderedDict()
-        self._replay_stats = {"requests": 0, "shared": 0, "submitted": 0, "max_replay_steps": 0, "last": None}
+        self._replay_stats = {"requests": 0, "shared": 0, "submitted": 0, "max_replay_steps": 0, "last": None,
+                              "materialized_reads": 0}
         self._pump_thread = threading.Thread(target=self._pump, name="zephon-ray-pump", daemon=True)
         self._pump_thread.start()
 
@@ -323,6 +338,8 @@ class Coordinator:
                         "latest_durable_step": self.state.latest_commit(), "per_consumer": commits},
             "start": dict(self._start),
             "replay": dict(self._replay_stats),
+            "materialized": {"dir": self.config.materialized_dir, "first_step": self._prefix.start,
+                             "end_step": self._prefix.stop} if self.config.materialized_dir else None,
         }
 
     async def stop(self) -> None:
@@ -369,6 +386,11 @@ class Coordinator:
                 self._replay_stats["shared"] += 1
                 return list(lanes)
             del self._replays[step]
+        if step in self._prefix:  # one row-group read in any replayer: spread them, no pipeline position
+            best = self._replay_stats["submitted"] % len(self._replayers)
+            out = self._replayers[best].read.options(num_returns=self.recipe.lanes + 1).remote(step)
+            self._replay_stats["materialized_reads"] += 1
+            return self._share_replay(step, list(out[:-1]), out[-1], max(REPLAY_SHARED_STEPS, self.config.window))
         k = self.config.checkpoint_every
         # Prefer a replayer whose pipeline will sit just before this step; else the one used longest ago.
         best = None
@@ -386,15 +408,18 @@ class Coordinator:
         replayed = step - (position if position is not None and ckpt <= position <= step else ckpt)
         out = self._replayers[best].replay.options(num_returns=self.recipe.lanes + 1).remote(step, ckpt, state, k)
         self._replayer_next[best] = step + 1
-        lanes, meta = list(out[:-1]), out[-1]
-        self._replays[step] = (lanes, meta)
-        while len(self._replays) > REPLAY_SHARED_STEPS:
-            self._replays.popitem(last=False)
         stats = self._replay_stats
-        stats["submitted"] += 1
         stats["max_replay_steps"] = max(stats["max_replay_steps"], replayed)
         self._metrics.replay(replayed)
         stats["last"] = {"step": step, "replay_steps": replayed}
+        return self._share_replay(step, list(out[:-1]), out[-1], REPLAY_SHARED_STEPS)
+
+    def _share_replay(self, step: int, lanes: list[Any], meta: Any, keep: int) -> list[Any]:
+        """Keep the newest ``keep`` replies for ranks that ask for the same step next."""
+        self._replays[step] = (lanes, meta)
+        while len(self._replays) > keep:
+            self._replays.popitem(last=False)
+        self._replay_stats["submitted"] += 1
         return lanes
 
     # ================================================================== pump (one thread)

@@ -9,8 +9,14 @@ Guarantee: the shards equal the same lanes of ``GlobalBatchSource(recipe).batch(
 restored from a merged checkpoint at a step boundary gives the same lane batches as any topology; see shared notes).
 The coordinator never runs this work itself and shares one replay among every rank asking for the same step
 (tests/test_service.py::test_replays_run_in_the_replayer_and_are_shared).
-Limits: one replay at a time per actor (sequential); a cold replay costs one restore plus up to
-``anchor_every`` steps for a step older than the newest checkpoints; sequential past reads are cheap (reuse).
+With a materialised prefix (``ServiceConfig.materialized_dir``), ``read(step)`` returns a step of it in the same
+form, read from the directory with pyarrow and checked against its recorded digest (one row-group read, no Zephon).
+
+Limits: one call at a time per actor (sequential), so a prefix read waits behind a replay in the same actor; a
+cold replay costs one restore plus up to ``anchor_every`` steps for a step older than the newest checkpoints;
+sequential past reads are cheap (reuse). The materialised manifest records per-step source counts only, so a
+prefix step's lane 0 shard carries the whole step's ``source_tokens`` and the others zeros: sums over the lanes
+(what ``GlobalBatch.source_tokens`` reports) are exact, per-lane counts are not.
 """
 
 from __future__ import annotations
@@ -19,8 +25,11 @@ import os
 import traceback
 from typing import Any
 
+import numpy as np
+
 from zephon_ray.identity import verify_on_node
-from zephon_ray.lanes import LaneStepper
+from zephon_ray.lanes import LaneShard, LaneStepper
+from zephon_ray.materialized import MaterializedSource
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.producer import node_name, shard_meta
 
@@ -28,14 +37,17 @@ from zephon_ray.service.producer import node_name, shard_meta
 class Replayer:
     """Plain class; the coordinator wraps it with ``ray.remote`` and its own CPUs."""
 
-    def __init__(self, recipe: Recipe) -> None:
+    def __init__(self, recipe: Recipe, materialized_dir: str | None = None) -> None:
         self.recipe = recipe
         self.init_error: str | None = None
         self._stepper: LaneStepper | None = None
-        self.stats = {"replays": 0, "restores": 0, "steps_replayed": 0}
+        self._materialized: MaterializedSource | None = None
+        self.stats = {"replays": 0, "restores": 0, "steps_replayed": 0, "materialized_reads": 0}
         try:
             verify_on_node(recipe, where="replayer")
             LaneStepper(recipe).close(background=True)  # fail at start (missing data, tokenizer), not at a read
+            if materialized_dir is not None:
+                self._materialized = MaterializedSource(materialized_dir, recipe=recipe)
         except Exception as exc:  # noqa: BLE001 - reported once, with the node
             last = traceback.format_exception_only(type(exc), exc)[-1].strip()
             self.init_error = f"replayer on node {node_name()} failed to start: {last}"
@@ -65,6 +77,21 @@ class Replayer:
             if position == step:
                 break
         out = [shards[lane] for lane in range(self.recipe.lanes)]
+        return (*out, shard_meta(step, out))
+
+    def read(self, step: int) -> tuple:
+        """Step ``step`` of the materialised prefix as L lane shards plus their meta (see module doc)."""
+        if self.init_error:
+            raise RuntimeError(self.init_error)
+        if self._materialized is None:
+            raise RuntimeError("this replayer has no materialized_dir")
+        batch = self._materialized.batch(step)
+        rows, counts = self.recipe.rows_per_lane, np.asarray(list(batch.source_tokens.values()), dtype=np.int64)
+        out = [LaneShard(lane=lane, tokens=batch.tokens[lane * rows:(lane + 1) * rows],
+                         positions=batch.positions[lane * rows:(lane + 1) * rows],
+                         source_tokens=counts if lane == 0 else np.zeros_like(counts))
+               for lane in range(self.recipe.lanes)]
+        self.stats["materialized_reads"] += 1
         return (*out, shard_meta(step, out))
 
     def close(self) -> None:

@@ -107,6 +107,7 @@ class ServiceState:
         self.keep_checkpoints = keep_checkpoints
         self.anchor_every = anchor_every
         self._steps: list[int] | None = None  # sorted index of checkpoint steps, loaded once
+        self.pinned: set[int] = set()  # never pruned by this process (a materialised prefix's end)
 
     @classmethod
     def open(cls, recipe: Recipe, state_dir: str | os.PathLike, *, keep_checkpoints: int = 4,
@@ -147,11 +148,14 @@ class ServiceState:
         i = bisect.bisect_left(self._steps, step)
         return i < len(self._steps) and self._steps[i] == step
 
-    def write_checkpoint(self, state: dict[str, Any]) -> int:
+    def write_checkpoint(self, state: dict[str, Any], *, pin: bool = False) -> int:
         """Validate (recipe, step boundary) and store a merged checkpoint; returns its step. First writer wins:
-        every checkpoint of one step restores the same batches, so an existing file is kept."""
+        every checkpoint of one step restores the same batches, so an existing file is kept. ``pin`` keeps it
+        from pruning while this process runs."""
         check_step_state(state, self.recipe)
         step = int(state[KEY_NEXT_STEP])
+        if pin:
+            self.pinned.add(step)
         path = self.checkpoint_path(step)
         if not path.exists():
             atomic_write_json(path, state)
@@ -163,12 +167,12 @@ class ServiceState:
 
     def prune(self) -> list[int]:
         """Delete checkpoints that are neither among the newest ``keep_checkpoints`` nor an anchor (a multiple of
-        ``anchor_every``); returns the deleted steps."""
+        ``anchor_every``) nor pinned; returns the deleted steps."""
         if not self.anchor_every:
             return []
         steps = self.checkpoint_steps()
         recent = set(steps[-self.keep_checkpoints:])
-        doomed = [s for s in steps if s not in recent and s % self.anchor_every]
+        doomed = [s for s in steps if s not in recent and s % self.anchor_every and s not in self.pinned]
         for step in doomed:
             self.checkpoint_path(step).unlink(missing_ok=True)
         if doomed:
