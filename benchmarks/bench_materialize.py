@@ -5,13 +5,15 @@
 1. ``materialize`` of steps 0:``--steps`` with M = 1 and M = 2 Ray Data lane-group actors on a private local Ray
    (wall time, actor start-up included; ``steady`` excludes everything before the first committed segment), side
    by side with the in-process ``GlobalBatchSource`` producing the same steps (and, with ``--service``, the live
-   DataService with one producer, read step by step through ``DataService.batch``). The materialised digests are
-   checked against the in-process ones.
+   DataService with one producer, read step by step through ``DataService.batch``, against the same service
+   over the M=1 directory as a materialised prefix, ``materialized_dir``). The materialised digests are checked
+   against the in-process ones.
 2. Random access to past steps: ``--probes`` random steps in [0, steps), read from the materialised directory
    (``MaterializedSource.batch``: one Parquet row group plus a digest check) against the replay path
    (``GlobalBatchSource.batch`` of a step behind its position: a Zephon restore plus up to ``snapshot_every``
    steps of replay; this is what the service's replayers do too). p50/p99 of each, and the ratio of p50s
-   (target >= 20x).
+   (target >= 20x). With ``--service``, also through each service: untracked reads of steps far behind its
+   window (the live service replays them in its Replayer; the prefix service reads them from the directory).
 3. Bytes on disk per million tokens of the materialisation (zstd Parquet, int32 tokens and positions).
 
 Prints a table and one JSON line (prefixed ``RESULT``). Timings on a shared machine are noisy: compare ratios.
@@ -87,17 +89,29 @@ def main() -> None:
         if args.service:
             from zephon_ray.service.client import DataService
 
-            service = DataService.start(recipe, name="bench-materialize", namespace="bench-materialize",
-                                        state_dir=work / "service-state", window=8)
-            try:
-                service.batch(0)
-                t0 = time.perf_counter()
-                for s in range(1, args.steps):
-                    service.batch(s, track=True)
-                    service.commit(s)
-                out["service_M1_tokens_per_s"] = (args.steps - 1) * recipe.tokens_per_step / (time.perf_counter() - t0)
-            finally:
-                service.stop()
+            # Past steps well behind the window (retain_behind=32), each read once: the service's past-step path.
+            service_probes = random.Random(1).sample(range(args.steps - 64), min(args.probes, 20, args.steps - 64))
+            for key, prefix in (("service_M1", None), ("service_prefix", str(work / "m1"))):
+                service = DataService.start(recipe, name="bench-materialize", namespace="bench-materialize",
+                                            state_dir=work / f"{key}-state", window=8, materialized_dir=prefix)
+                try:
+                    service.batch(0)
+                    t0 = time.perf_counter()
+                    for s in range(1, args.steps):
+                        service.batch(s, track=True)
+                        service.commit(s)
+                    out[f"{key}_tokens_per_s"] = (args.steps - 1) * recipe.tokens_per_step / (time.perf_counter() - t0)
+                    past = []
+                    for s in service_probes:
+                        t0 = time.perf_counter()
+                        assert service.batch(s).digest == reference[s]
+                        past.append(time.perf_counter() - t0)
+                    out[f"{key}_past_p50_ms"] = statistics.median(past) * 1e3
+                    out[f"{key}_past_p99_ms"] = percentile(past, 0.99) * 1e3
+                finally:
+                    service.stop()
+            out["service_prefix_read_speedup"] = out["service_prefix_tokens_per_s"] / out["service_M1_tokens_per_s"]
+            out["service_past_speedup_p50"] = out["service_M1_past_p50_ms"] / out["service_prefix_past_p50_ms"]
         ray.shutdown()
 
         # Distinct steps, visited from the newest down: each one is behind the replay source's position, so each
@@ -135,6 +149,12 @@ def main() -> None:
                   f"{out[f'materialize_M{m}_digests_equal']}")
         if args.service:
             print(f"live service M=1                  {rate('service_M1_tokens_per_s')}")
+            print(f"service over the prefix           {rate('service_prefix_tokens_per_s')}  "
+                  f"(x{out['service_prefix_read_speedup']:.1f})")
+            for key, what in (("service_M1", "replayed"), ("service_prefix", "from the prefix")):
+                print(f"service past step, {what:15s}p50 {out[f'{key}_past_p50_ms']:8.2f} ms  "
+                      f"p99 {out[f'{key}_past_p99_ms']:8.2f} ms")
+            print(f"service past step: prefix is x{out['service_past_speedup_p50']:.1f} faster at p50")
         print(f"past step, materialised           p50 {out['random_access_materialized_p50_ms']:8.2f} ms  "
               f"p99 {out['random_access_materialized_p99_ms']:8.2f} ms")
         print(f"past step, restore + replay       p50 {out['random_access_replay_p50_ms']:8.2f} ms  "

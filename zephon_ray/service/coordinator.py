@@ -29,8 +29,8 @@ Limits:
   K steps of replay, and in-flight reads see a delay (clients retry for ``reconnect_timeout_s``).
 - A consumer more than ``window`` steps ahead of the slowest live consumer waits (backpressure) up to
   ``request_timeout_s``; cursors silent for ``consumer_ttl_s`` stop holding the window.
-- Replies of the Replayers are held (as refs) for the newest 4 steps, ``max(4, window)`` for prefix reads, on
-  top of the table's bound.
+- Replies of the Replayers are held (as refs) for the newest 4 steps, ``window + 4`` for prefix reads (a tracked
+  prefix read reads ``window`` steps ahead), on top of the table's bound.
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ REPLY_REFS = "refs"
 """get_step reply kind: lane refs (live window or Replayer), owned by the coordinator, borrowed by the caller."""
 REPLAY_SHARED_STEPS = 4
 """Replays kept (as refs) so that W ranks reading one past step cost one replay, not W (prefix reads keep
-``max(4, window)``: ranks read ahead through a prefix)."""
+``window + 4``: a tracked read of the prefix reads ``window`` steps ahead)."""
 REPLAYER_INFIX = ".replayer."
 _POLL_S = 0.05
 
@@ -224,7 +224,13 @@ class Coordinator:
                     return REPLY_REFS, step, self._only_needed(entry.lanes, rank, world)
                 low, high = self.window.keep_from, self.window.produce_until
             if kind is Read.REPLAY:
-                return REPLY_REFS, step, self._only_needed(self._replay_refs(step), rank, world)
+                lanes = self._replay_refs(step)
+                if track and step in self._prefix:
+                    # A consumer walking through the prefix: read ahead as producers do in the live window.
+                    for ahead in range(step + 1, min(step + 1 + self.config.window, self._prefix.stop)):
+                        if ahead not in self._replays:
+                            self._read_prefix(ahead)
+                return REPLY_REFS, step, self._only_needed(lanes, rank, world)
             if now >= deadline:
                 raise TimeoutError(
                     f"step {step} was not produced within {timeout_s:.0f}s: the live window is [{low}, {high}) "
@@ -386,11 +392,8 @@ class Coordinator:
                 self._replay_stats["shared"] += 1
                 return list(lanes)
             del self._replays[step]
-        if step in self._prefix:  # one row-group read in any replayer: spread them, no pipeline position
-            best = self._replay_stats["submitted"] % len(self._replayers)
-            out = self._replayers[best].read.options(num_returns=self.recipe.lanes + 1).remote(step)
-            self._replay_stats["materialized_reads"] += 1
-            return self._share_replay(step, list(out[:-1]), out[-1], max(REPLAY_SHARED_STEPS, self.config.window))
+        if step in self._prefix:
+            return self._read_prefix(step)
         k = self.config.checkpoint_every
         # Prefer a replayer whose pipeline will sit just before this step; else the one used longest ago.
         best = None
@@ -413,6 +416,13 @@ class Coordinator:
         self._metrics.replay(replayed)
         stats["last"] = {"step": step, "replay_steps": replayed}
         return self._share_replay(step, list(out[:-1]), out[-1], REPLAY_SHARED_STEPS)
+
+    def _read_prefix(self, step: int) -> list[Any]:
+        """A materialised step: one row-group read in any replayer (spread round-robin, no pipeline position)."""
+        best = self._replay_stats["submitted"] % len(self._replayers)
+        out = self._replayers[best].read.options(num_returns=self.recipe.lanes + 1).remote(step)
+        self._replay_stats["materialized_reads"] += 1
+        return self._share_replay(step, list(out[:-1]), out[-1], self.config.window + REPLAY_SHARED_STEPS)
 
     def _share_replay(self, step: int, lanes: list[Any], meta: Any, keep: int) -> list[Any]:
         """Keep the newest ``keep`` replies for ranks that ask for the same step next."""
