@@ -151,3 +151,111 @@ def test_killed_and_resumed_is_byte_identical(ray_cluster, tiny_recipe, tmp_path
     killed_files, reference_files = files_of(killed), files_of(reference)
     assert data(killed_files) == data(reference_files)  # manifest and every segment
     assert killed_files.keys() == reference_files.keys()  # checkpoint bytes record Zephon's read-ahead (module doc)
+
+
+# ---------------------------------------------------------------------- multi-node: a simulated 3-raylet cluster
+MULTINODE_STEPS = (range(0, 10), range(0, 16))  # first run, then an extension of the same directory
+MULTINODE_TIMEOUT_S = 300
+
+
+def _materialize_on_two_nodes(directory: str, summary: str) -> None:
+    """Spawned driver: a head (0 CPUs) plus worker nodes ``node_a`` and ``node_b`` (1 CPU each) on this machine.
+
+    Runs every range of MULTINODE_STEPS with producers=2 and ``cpus_per_actor=0.75``, so each worker node fits
+    exactly one lane-group actor and the head none. Records, per run, the node of every lane-group actor it started
+    (Ray's own GCS actor table, ``ray._private.state.actors()``: the actors named
+    ``MapWorker(MapBatches(LaneGroupWorker))`` and their address node id; the public ``ray.util.state`` needs the
+    dashboard, which this head skips to start faster), then the digests read back through MaterializedSource, into
+    a JSON ``summary`` that the test checks. Its own process, like tests/test_service_cluster.py: Cluster needs a
+    Ray session of its own, apart from the session fixture's. materialize.py is used unchanged.
+    """
+    import shutil
+    import tempfile
+    import traceback
+
+    import ray
+    from ray._private import state as ray_state
+    from ray.cluster_utils import Cluster
+
+    from zephon_ray import Recipe
+    from zephon_ray.materialize import materialize
+    from zephon_ray.materialized import MaterializedSource
+
+    temp_dir = tempfile.mkdtemp(prefix="zr-mat-cluster-", dir="/tmp")
+    os.environ["RAY_TMPDIR"] = temp_dir  # Cluster writes its address file there, not into the shared /tmp/ray
+    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
+    info: dict = {}
+    cluster = None
+    t0 = time.monotonic()
+    try:
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})
+        workers = {name: cluster.add_node(num_cpus=1, resources={name: 1}, temp_dir=temp_dir)
+                   for name in ("node_a", "node_b")}
+        # No runtime_env: workers import zephon_ray like this process does, and start faster without one.
+        ray.init(address=cluster.address, namespace="zr-mat-cluster", log_to_driver=False)
+        info["cluster_s"] = round(time.monotonic() - t0, 1)
+        info["head"] = cluster.head_node.node_id
+        info["nodes"] = {name: node.node_id for name, node in workers.items()}
+        info["driver_node"] = ray.get_runtime_context().get_node_id()
+        job = ray.get_runtime_context().get_job_id()
+        recipe = Recipe.from_toml(TINY)
+        seen: set[str] = set()
+        info["runs"] = []
+        for steps in MULTINODE_STEPS:
+            t = time.monotonic()
+            result = materialize(recipe, directory, steps, producers=2, segment_steps=4, cpus_per_actor=0.75,
+                                 progress=False)
+            actors = {aid: a for aid, a in ray_state.actors().items()
+                      if "LaneGroupWorker" in a["ActorClassName"] and a["JobID"] == job}
+            info["runs"].append({
+                "written": [result.written.start, result.written.stop],
+                "actor_nodes": sorted(a["Address"]["NodeID"] for aid, a in actors.items() if aid not in seen),
+                "seconds": round(time.monotonic() - t, 1),
+            })
+            seen |= actors.keys()
+        source = MaterializedSource(directory, recipe=recipe)
+        info["span"] = [source.first_step, source.end_step]
+        info["digests"] = [source.batch(s).digest for s in range(source.first_step, source.end_step)]
+        info["manifest_digests"] = json.loads((Path(directory) / "manifest.json").read_text())["digests"]
+    except BaseException:  # noqa: BLE001 - reported to the test
+        info["error"] = traceback.format_exc()
+    finally:
+        try:
+            ray.shutdown()
+            if cluster is not None:
+                cluster.shutdown()
+        finally:
+            shutil.rmtree(temp_dir, ignore_errors=True)
+            info["total_s"] = round(time.monotonic() - t0, 1)
+            Path(summary).write_text(json.dumps(info))
+
+
+@pytest.mark.timeout(MULTINODE_TIMEOUT_S + 60)
+def test_multi_node_lane_groups_match_the_reference_and_extend(tmp_path, reference_digests):
+    """M=2 lane-group actors on two different worker nodes of a 3-raylet cluster (``ray.cluster_utils.Cluster``),
+    for a new directory and again when extending it: every step's digest equals the in-process reference."""
+    import multiprocessing
+
+    directory, summary = tmp_path / "run", tmp_path / "summary.json"
+    driver = multiprocessing.get_context("spawn").Process(target=_materialize_on_two_nodes,
+                                                          args=(str(directory), str(summary)))
+    driver.start()
+    driver.join(MULTINODE_TIMEOUT_S)
+    if driver.is_alive():
+        driver.terminate()
+        driver.join(30)
+        pytest.fail(f"the cluster driver did not finish within {MULTINODE_TIMEOUT_S} s")
+    assert summary.is_file(), f"the cluster driver exited with code {driver.exitcode} and wrote no summary"
+    info = json.loads(summary.read_text())
+    assert "error" not in info, info["error"]
+    print("materialise on a 3-node cluster:", json.dumps({k: info[k] for k in ("cluster_s", "runs", "total_s")}))
+    workers = set(info["nodes"].values())
+    assert len(workers) == 2 and info["head"] not in workers and info["driver_node"] == info["head"]
+    assert [tuple(r["written"]) for r in info["runs"]] == [(0, 10), (10, 16)]
+    for run in info["runs"]:  # both lane groups ran, one on each worker node, none on the driver's (head) node
+        assert len(run["actor_nodes"]) == 2 and set(run["actor_nodes"]) == workers, run
+    end = MULTINODE_STEPS[-1].stop
+    assert info["span"] == [0, end]
+    assert info["digests"] == reference_digests[:end]
+    assert info["manifest_digests"] == reference_digests[:end]
