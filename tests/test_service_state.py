@@ -53,6 +53,16 @@ def test_retention_keeps_newest_and_anchors(tiny_recipe, real_state, tmp_path):
     assert again.checkpoint_steps() == kept and again.nearest_checkpoint(999) == 996
 
 
+def test_a_pinned_checkpoint_outlives_pruning(tiny_recipe, real_state, tmp_path):
+    """A materialised prefix's end (imported pinned by the coordinator) stays: replays past it start there."""
+    state = ServiceState.open(tiny_recipe, tmp_path, keep_checkpoints=2, anchor_every=32)
+    state.write_checkpoint(_at(real_state, tiny_recipe, 12), pin=True)
+    for step in range(16, 200 + 1, 4):
+        state.write_checkpoint(_at(real_state, tiny_recipe, step))
+    assert state.checkpoint_steps() == [12, 32, 64, 96, 128, 160, 192, 196, 200]
+    assert state.nearest_checkpoint(20) == 12
+
+
 def test_nearest_checkpoint_does_not_list_the_directory(tiny_recipe, real_state, tmp_path, monkeypatch):
     state = ServiceState.open(tiny_recipe, tmp_path, anchor_every=0)
     for step in (8, 16, 24):

@@ -104,7 +104,8 @@ class ServiceConfig:
     materialized_dir: str | None = None
     """A directory written by ``zephon-ray materialize`` for this recipe, covering steps [A, N). The service reads
     those steps from it (in its Replayer actors) and starts its producers at N from the directory's checkpoint
-    of step N. It must be readable from the coordinator's and the replayers' nodes."""
+    of step N. It must be readable from the coordinator's and the replayers' nodes. Its manifest is read when the
+    service starts: steps appended later are served from the directory after a restart."""
     resources: ActorResources = field(default_factory=ActorResources)
 
     def __post_init__(self) -> None:
