@@ -43,6 +43,7 @@ import time
 import traceback
 import uuid
 from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
@@ -133,6 +134,7 @@ class Coordinator:
         self._last_produced: float | None = None
         self._recent_commits: list[dict[str, Any]] = []
         self._pump_wake = threading.Event()
+        self._commit_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-ray-commit")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
 
@@ -261,7 +263,9 @@ class Coordinator:
         """Record durably that ``consumer`` checkpointed and resumes at ``step`` (at most one past what it read)."""
         with self._lock:
             self.window.commit(step, consumer)
-        entry = self.state.add_commit(step, consumer)
+        # The fsyncs run on one writer thread, in call order, so waiting reads never queue behind a disk flush.
+        entry = await asyncio.get_running_loop().run_in_executor(self._commit_writer, self.state.add_commit, step,
+                                                                 consumer)
         self._recent_commits = (self._recent_commits + [entry])[-8:]
         return entry
 
@@ -355,6 +359,7 @@ class Coordinator:
         self._notify()
         self._pump_wake.set()
         await asyncio.get_running_loop().run_in_executor(None, self._pump_thread.join, 10)
+        self._commit_writer.shutdown(wait=True)  # commits already accepted reach the disk
         self.group.close()  # after this no restart can launch producers
         for replayer in self._replayers:
             try:
