@@ -172,7 +172,6 @@ def test_shipped_recipes_load():
         assert Recipe.from_toml(TINY.parent / name).lanes == 8
 
 
-
 def test_packing_bins_reach_zephon_and_wrapping_packers_build(tmp_path):
     """'best_fit' used to load and then fail at first use (Zephon requires num_bins); now the bins are part of the
     recipe and reach the pipeline. Only the wrapping packers are built here: a binned packer on small documents can
