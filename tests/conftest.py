@@ -54,3 +54,22 @@ def ray_cluster():
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+def run_spawned_driver(target, args: tuple, summary: Path, timeout_s: float, detail=lambda: "") -> dict:
+    """Run ``target(*args)`` in a fresh "spawn" process, which has a Ray session of its own (a
+    ``ray.cluster_utils.Cluster``, say) apart from the ``ray_cluster`` fixture's, and return the JSON it wrote to
+    ``summary``. A driver still running after ``timeout_s`` is terminated and the test fails; ``detail()`` adds
+    context to either failure."""
+    import json
+    import multiprocessing
+
+    driver = multiprocessing.get_context("spawn").Process(target=target, args=args)
+    driver.start()
+    driver.join(timeout_s)
+    if driver.is_alive():
+        driver.terminate()
+        driver.join(30)
+        pytest.fail(f"the driver did not finish within {timeout_s} s{detail()}")
+    assert summary.is_file(), f"the driver exited with code {driver.exitcode} and wrote no summary{detail()}"
+    return json.loads(summary.read_text())

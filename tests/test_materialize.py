@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, TINY
+from tests.conftest import ROOT, TINY, run_spawned_driver
 from tests.test_pretokenize import files_of, tiny_variant
 
 
@@ -234,19 +234,9 @@ def _materialize_on_two_nodes(directory: str, summary: str) -> None:
 def test_multi_node_lane_groups_match_the_reference_and_extend(tmp_path, reference_digests):
     """M=2 lane-group actors on two different worker nodes of a 3-raylet cluster (``ray.cluster_utils.Cluster``),
     for a new directory and again when extending it: every step's digest equals the in-process reference."""
-    import multiprocessing
-
     directory, summary = tmp_path / "run", tmp_path / "summary.json"
-    driver = multiprocessing.get_context("spawn").Process(target=_materialize_on_two_nodes,
-                                                          args=(str(directory), str(summary)))
-    driver.start()
-    driver.join(MULTINODE_TIMEOUT_S)
-    if driver.is_alive():
-        driver.terminate()
-        driver.join(30)
-        pytest.fail(f"the cluster driver did not finish within {MULTINODE_TIMEOUT_S} s")
-    assert summary.is_file(), f"the cluster driver exited with code {driver.exitcode} and wrote no summary"
-    info = json.loads(summary.read_text())
+    info = run_spawned_driver(_materialize_on_two_nodes, (str(directory), str(summary)), summary,
+                              MULTINODE_TIMEOUT_S)
     assert "error" not in info, info["error"]
     print("materialise on a 3-node cluster:", json.dumps({k: info[k] for k in ("cluster_s", "runs", "total_s")}))
     workers = set(info["nodes"].values())

@@ -15,7 +15,6 @@ session ``ray_cluster`` fixture may already own it when the slow tests run toget
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_spawned_driver
 from zephon_ray import GlobalBatchSource, Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,15 +100,8 @@ def test_inplace_upsize_in_one_fit_keeps_global_batches(tmp_path):
         digests = [source.batch(s).digest for s in range(STEPS)]
 
     log, summary = str(tmp_path / "steps.jsonl"), tmp_path / "summary.json"
-    driver = multiprocessing.get_context("spawn").Process(target=_drive, args=(str(tmp_path), log, str(summary)))
-    driver.start()
-    driver.join(DRIVER_TIMEOUT_S)
-    if driver.is_alive():
-        driver.terminate()
-        driver.join(30)
-        pytest.fail(f"the driver did not finish within {DRIVER_TIMEOUT_S} s; records: {read_log(log)}")
-    assert summary.exists(), f"the driver exited ({driver.exitcode}) without a summary"
-    info = json.loads(summary.read_text())
+    info = run_spawned_driver(_drive, (str(tmp_path), log, str(summary)), summary, DRIVER_TIMEOUT_S,
+                              detail=lambda: f"; records: {read_log(log)}")
     records = read_log(log)
     assert info.get("error") is None, info["error"]
     assert "node_added" in info, f"training ended before the second node could join: {records}"

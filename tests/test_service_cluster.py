@@ -16,7 +16,6 @@ session), which writes a JSON summary that the test checks.
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import shutil
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import run_spawned_driver
 from zephon_ray import GlobalBatchSource, Recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -131,14 +131,7 @@ def test_no_shard_bytes_on_coordinator_node_and_node_loss(tmp_path):
     with GlobalBatchSource(Recipe.from_toml(TINY)) as source:
         digests = [source.batch(s).digest for s in range(STEPS)]
     summary = tmp_path / "summary.json"
-    driver = multiprocessing.get_context("spawn").Process(target=_drive, args=(str(summary),))
-    driver.start()
-    driver.join(DRIVER_TIMEOUT_S)
-    if driver.is_alive():
-        driver.terminate()
-        driver.join(30)
-        pytest.fail(f"the cluster driver did not finish within {DRIVER_TIMEOUT_S} s")
-    info = json.loads(summary.read_text())
+    info = run_spawned_driver(_drive, (str(summary),), summary, DRIVER_TIMEOUT_S)
     assert "error" not in info, info.get("error")
     print("service on a 3-node cluster:", json.dumps({k: info[k] for k in ("locations", "after_loss_s", "after")}))
     head = info["head"]
