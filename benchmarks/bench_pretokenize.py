@@ -38,7 +38,7 @@ GEOMETRIES = {"small": (512, 4), "train": (2048, 8)}
 """name: (seq_len, rows_per_microbatch)"""
 
 
-def write_recipe(path: Path, corpus: Path, seq_len: int = 512, rows_per_microbatch: int = 4) -> Path:
+def write_recipe(path: Path, corpus: Path, seq_len: int, rows_per_microbatch: int) -> Path:
     path.write_text(f"""seed = 7
 lanes = 8
 microbatches_per_lane = 2
@@ -93,14 +93,15 @@ def main() -> None:
     ray_tmp = tempfile.mkdtemp(prefix="bench-pretok-ray-", dir="/tmp")
     try:
         write_corpus(work / "corpus", formats=("jsonl",), limit=args.records, records_per_shard=250)
-        raw = Recipe.from_toml(write_recipe(work / "raw.toml", work / "corpus"))
+        raw = {name: Recipe.from_toml(write_recipe(work / f"raw-{name}.toml", work / "corpus", seq_len, rows))
+               for name, (seq_len, rows) in GEOMETRIES.items()}
         ray.init(address="local", num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False,
                  log_to_driver=False, logging_level="ERROR", _temp_dir=ray_tmp)
         jobs = {}
         for actors in (1, 2):
             out = work / f"tokens-{actors}"
             t0 = time.perf_counter()
-            result = pretokenize(raw, out, actors=actors, progress=False)
+            result = pretokenize(raw["small"], out, actors=actors, progress=False)
             jobs[actors] = {"wall_s": time.perf_counter() - t0, "tokens": result.tokens, "bytes": result.bytes,
                             "shards": result.shards}
             jobs[actors]["tokens_per_s"] = result.tokens / jobs[actors]["wall_s"]
@@ -108,22 +109,17 @@ def main() -> None:
             span = shard_times[-1] - shard_times[0]
             jobs[actors]["shard_tokens_per_s"] = (result.tokens * (len(shard_times) - 1) / len(shard_times) / span
                                                   if span > 0 else None)
+        # The same token shards again, with the recipe.toml of the training geometry.
+        tokens = {"small": Recipe.from_toml(work / "tokens-1" / "recipe.toml"),
+                  "train": Recipe.from_toml(pretokenize(raw["train"], work / "tokens-train", actors=2,
+                                                        progress=False).recipe_path)}
         ray.shutdown()
         same_files = all((work / "tokens-1" / p.relative_to(work / "tokens-2")).read_bytes() == p.read_bytes()
                          for p in (work / "tokens-2" / "sources").rglob("*.parquet"))
 
         producers = {}
         for name, (seq_len, rows) in GEOMETRIES.items():
-            raw_g = raw if name == "small" else Recipe.from_toml(
-                write_recipe(work / f"raw-{name}.toml", work / "corpus", seq_len, rows))
-            if name == "small":
-                tokens_g = Recipe.from_toml(work / "tokens-1" / "recipe.toml")
-            else:  # the same token shards again, with the recipe.toml of this geometry
-                ray.init(address="local", num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False,
-                         log_to_driver=False, logging_level="ERROR", _temp_dir=ray_tmp)
-                tokens_g = Recipe.from_toml(pretokenize(raw_g, work / f"tokens-{name}", actors=2,
-                                                        progress=False).recipe_path)
-                ray.shutdown()
+            raw_g, tokens_g = raw[name], tokens[name]
             steps = max(3, args.tokens // raw_g.tokens_per_step)
             raw_rates, tok_rates, ratios = [], [], []
             for _ in range(args.rounds):
