@@ -42,7 +42,7 @@ class BenchRank:
     def __init__(self, rank: int, world: int, loader_kwargs: dict) -> None:
         self.rank, self.world, self.kwargs = rank, world, loader_kwargs
         # A real worker imports TorchTitan for its trainer anyway: keep that import out of the timings.
-        import zephon_ray.torchtitan.loader  # noqa: F401
+        import zephon_ray.integrations.torchtitan.loader  # noqa: F401
 
     def ready(self) -> bool:
         return True

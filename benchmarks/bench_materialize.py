@@ -50,8 +50,8 @@ def main() -> None:
 
     import ray
 
-    from zephon_ray.materialize import materialize
-    from zephon_ray.materialized import MaterializedSource
+    from zephon_ray.jobs.materialize import materialize
+    from zephon_ray.formats.materialized import MaterializedSource
     from zephon_ray.recipe import Recipe
     from zephon_ray.source import GlobalBatchSource
 

@@ -86,7 +86,7 @@ def main() -> None:
     import ray
 
     from zephon_ray.corpus import write_corpus
-    from zephon_ray.pretokenize import pretokenize
+    from zephon_ray.jobs.pretokenize import pretokenize
     from zephon_ray.recipe import Recipe
 
     work = Path(tempfile.mkdtemp(prefix="bench-pretok-"))

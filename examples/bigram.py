@@ -1,4 +1,4 @@
-"""A tiny bigram language model trained under Ray Train from ``ray.train.get_dataset_shard`` (zephon_ray.ray_train).
+"""A tiny bigram language model trained under Ray Train from ``ray.train.get_dataset_shard`` (zephon_ray.integrations.ray_train).
 
 Used by ``examples/elastic_resume.py`` (the fast default of ``make demo``) and by the Ray Train tests. The loop
 sums gradients over gloo and divides the summed token loss by the step's token count, so its losses are the same
@@ -50,7 +50,7 @@ def train_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from zephon_ray.ray_train import global_digest
+    from zephon_ray.integrations.ray_train import global_digest
     from zephon_ray.tokenizers import build_tokenizer
 
     cfg = {**DEFAULTS, **config}

@@ -13,7 +13,7 @@ It starts its own private local Ray cluster and, all under Ray Train's TorchTrai
 
 The default trainer is the tiny bigram LM of examples/bigram.py, which reads its batches through Ray Train's own
 data API (``ray.train.get_dataset_shard`` over a ``ZephonDataset``). ``--trainer torchtitan`` runs TorchTitan's
-real Trainer (llama3 debug model, 2 layers, CPU shims; zephon_ray.torchtitan.ray_train) instead, with TorchTitan's
+real Trainer (llama3 debug model, 2 layers, CPU shims; examples.torchtitan_ray_train) instead, with TorchTitan's
 own DCP checkpoints shared by the fits of a run.
 
 Recipe recipes/elastic.toml has 12 lanes and B = 24 rows, so 2, 3 and 4 divide both. Every step's global digest is
@@ -60,7 +60,7 @@ def main() -> int:
     import ray
 
     from zephon_ray import GlobalBatchSource, Recipe
-    from zephon_ray.torchtitan.ray_train import read_log
+    from examples.torchtitan_ray_train import read_log
 
     work = Path(tempfile.mkdtemp(prefix="zephon-ray-demo-"))
     ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=str(work / "ray"),
@@ -87,7 +87,7 @@ def main() -> int:
             from ray.train.torch import TorchTrainer
 
             from examples.bigram import train_loop
-            from zephon_ray.ray_train import ZephonDataConfig, ZephonDataset
+            from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
 
             dataset = ZephonDataset(service) if service is not None else \
                 ZephonDataset(RECIPE, aggregate_dir=loader.get("aggregate_dir"))
@@ -99,7 +99,7 @@ def main() -> int:
             ).fit()
 
         def fit_torchtitan(name: str, world: int, until: int, log: Path):
-            from zephon_ray.torchtitan.ray_train import TitanRun, fit
+            from examples.torchtitan_ray_train import TitanRun, fit
 
             run = TitanRun(recipe=RECIPE, run_id=f"demo-{name}", dump_folder=str(work / f"dump-{name}"),
                            log_path=str(log), steps=until, total_steps=args.steps, checkpoint_every=2, **loader)

@@ -8,7 +8,7 @@ import torch
 from ray.train import Checkpoint, RunConfig, ScalingConfig, get_checkpoint, get_context, get_dataset_shard, report
 from ray.train.torch import TorchTrainer, get_device, prepare_model
 
-from zephon_ray.ray_train import ZephonDataConfig, ZephonDataset
+from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
 
 
 def train_loop(config):

@@ -303,7 +303,7 @@ def test_checkpoint_agreement_with_real_collective_checkpoints(tmp_path):
 
 def test_local_mode_rank_verifies_before_serving(tmp_path):
     from zephon_ray.pipeline import ZephonRank
-    from zephon_ray.torchtitan.local import LocalSlices
+    from zephon_ray.stream.local import LocalSlices
 
     data, recipe_path = copy_fixture(tmp_path)
     recipe = Recipe.from_toml(recipe_path)

@@ -1,4 +1,4 @@
-"""Materialisation (zephon_ray/materialize.py): Ray Data lane-group actors on a private local Ray, real Zephon
+"""Materialisation (zephon_ray/jobs/materialize.py): Ray Data lane-group actors on a private local Ray, real Zephon
 ranks with collective checkpoints, step-keyed Parquet compared with the in-process reference digests."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tests.test_pretokenize import files_of, tiny_variant
 @pytest.fixture(scope="module")
 def materialized(ray_cluster, tiny_recipe, tmp_path_factory):
     """Steps 0:10 of the tiny recipe by M=2 lane-group actors (segments of 4), then extended to 0:14 by M=1."""
-    from zephon_ray.materialize import materialize
+    from zephon_ray.jobs.materialize import materialize
 
     directory = tmp_path_factory.mktemp("mat") / "run"
     first = materialize(tiny_recipe, directory, range(0, 10), producers=2, segment_steps=4, progress=False)
@@ -30,7 +30,7 @@ def materialized(ray_cluster, tiny_recipe, tmp_path_factory):
 
 
 def test_digests_match_the_reference_for_M_2_then_M_1(materialized, reference_digests):
-    from zephon_ray.materialized import MaterializedSource
+    from zephon_ray.formats.materialized import MaterializedSource
 
     directory, first, second, _ = materialized
     assert (first.written, second.written) == (range(0, 10), range(10, 14))
@@ -64,7 +64,7 @@ def test_extending_never_rewrites_committed_files(materialized):
 
 
 def test_nothing_to_do_when_already_materialised(materialized, tiny_recipe):
-    from zephon_ray.materialize import materialize
+    from zephon_ray.jobs.materialize import materialize
 
     directory, *_ = materialized
     before = files_of(directory)
@@ -79,8 +79,8 @@ def test_nothing_to_do_when_already_materialised(materialized, tiny_recipe):
     (range(14, 10**13), 1, r"beyond the limit"),
 ])
 def test_bad_requests_are_clear_errors_and_write_nothing(materialized, tiny_recipe, steps, producers, match):
-    from zephon_ray.materialize import materialize
-    from zephon_ray.materialized import MaterializedError
+    from zephon_ray.jobs.materialize import materialize
+    from zephon_ray.formats.materialized import MaterializedError
 
     directory, *_ = materialized
     before = files_of(directory)
@@ -91,8 +91,8 @@ def test_bad_requests_are_clear_errors_and_write_nothing(materialized, tiny_reci
 
 def test_a_directory_of_another_recipe_is_refused(materialized, tmp_path):
     from zephon_ray import Recipe
-    from zephon_ray.materialize import materialize
-    from zephon_ray.materialized import MaterializedError
+    from zephon_ray.jobs.materialize import materialize
+    from zephon_ray.formats.materialized import MaterializedError
 
     directory, *_ = materialized
     before = files_of(directory)
@@ -116,7 +116,7 @@ def test_bad_steps_on_the_command_line_is_one_line(tmp_path, capsys):
 def test_killed_and_resumed_is_byte_identical(ray_cluster, tiny_recipe, tmp_path):
     """SIGKILL a real `zephon-ray materialize` process right after its first segment is committed, re-run the
     same job: every file equals an uninterrupted run's, byte for byte."""
-    from zephon_ray.materialize import materialize
+    from zephon_ray.jobs.materialize import materialize
 
     steps, segment = 300, 2
     killed = tmp_path / "killed"
@@ -177,8 +177,8 @@ def _materialize_on_two_nodes(directory: str, summary: str) -> None:
     from ray.cluster_utils import Cluster
 
     from zephon_ray import Recipe
-    from zephon_ray.materialize import materialize
-    from zephon_ray.materialized import MaterializedSource
+    from zephon_ray.jobs.materialize import materialize
+    from zephon_ray.formats.materialized import MaterializedSource
 
     temp_dir = tempfile.mkdtemp(prefix="zr-mat-cluster-", dir="/tmp")
     os.environ["RAY_TMPDIR"] = temp_dir  # Cluster writes its address file there, not into the shared /tmp/ray

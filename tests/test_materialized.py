@@ -1,4 +1,4 @@
-"""The third delivery path (zephon_ray/materialized.py, zephon_ray/torchtitan/dataset.py): a materialised directory
+"""The third delivery path (zephon_ray/formats/materialized.py, zephon_ray/stream/dataset.py): a materialised directory
 read with pyarrow gives the same batches, slices and digests as the in-process source, the CLI, the service and the
 loader; damaged directories are one clear error each."""
 
@@ -18,7 +18,7 @@ STEPS = 12
 
 @pytest.fixture(scope="module")
 def materialized_dir(ray_cluster, tiny_recipe, tmp_path_factory):
-    from zephon_ray.materialize import materialize
+    from zephon_ray.jobs.materialize import materialize
 
     directory = tmp_path_factory.mktemp("materialized") / "run"
     materialize(tiny_recipe, directory, range(0, STEPS), producers=1, segment_steps=8, progress=False)
@@ -53,7 +53,7 @@ def test_digest_via_dataset_prints_the_local_lines(materialized_dir, reference_d
 def test_step_outside_the_range_and_another_recipe_are_clear_errors(materialized_dir, tmp_path, capsys):
     from zephon_ray import MaterializedSource, Recipe
     from zephon_ray.cli import main
-    from zephon_ray.materialized import MaterializedError
+    from zephon_ray.formats.materialized import MaterializedError
 
     source = MaterializedSource(materialized_dir)
     for step in (STEPS, -1, 10**9):
@@ -98,7 +98,7 @@ def _damage(directory, how):
                                  "truncated-segment", "missing-segment"])
 def test_a_damaged_directory_is_one_clear_error(materialized_dir, tmp_path, how):
     from zephon_ray import MaterializedSource
-    from zephon_ray.materialized import MaterializedError
+    from zephon_ray.formats.materialized import MaterializedError
 
     copy = tmp_path / "copy"
     shutil.copytree(materialized_dir, copy)
@@ -113,7 +113,7 @@ def test_a_row_group_corrupted_in_place_is_detected_on_read(materialized_dir, tm
     import pyarrow.parquet as pq
 
     from zephon_ray import MaterializedSource
-    from zephon_ray.materialized import MaterializedError
+    from zephon_ray.formats.materialized import MaterializedError
 
     copy = tmp_path / "copy"
     shutil.copytree(materialized_dir, copy)
@@ -284,7 +284,7 @@ def test_loader_switches_modes_at_a_resume(materialized_dir, tiny_recipe):
 
 
 def test_loader_dataset_mode_validation(materialized_dir, tmp_path):
-    from zephon_ray.materialized import MaterializedError
+    from zephon_ray.formats.materialized import MaterializedError
 
     with pytest.raises(ValueError, match="'dataset_dir' is required with mode='dataset'"):
         _loader("dataset")

@@ -1,4 +1,4 @@
-"""Pre-tokenisation (zephon_ray/pretokenize.py): a real Ray Data actor pool on a private local Ray, real Zephon
+"""Pre-tokenisation (zephon_ray/jobs/pretokenize.py): a real Ray Data actor pool on a private local Ray, real Zephon
 packing from the token-id copies, digests compared with the raw recipe's."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def tiny_variant(tmp: Path, *, tokenizer: str | None = None, seed: int | None = 
 def pretokenized(ray_cluster, tmp_path_factory):
     """{"bytes": (raw recipe, result), "bpe": (raw recipe, result)}, each pre-tokenised once with 2 actors."""
     from zephon_ray import Recipe
-    from zephon_ray.pretokenize import pretokenize
+    from zephon_ray.jobs.pretokenize import pretokenize
 
     out = {}
     for name, tokenizer in (("bytes", None), ("bpe", str(BPE_TOKENIZER))):
@@ -95,7 +95,7 @@ def test_shards_keep_names_order_and_counts(pretokenized):
 def test_rerun_is_idempotent_and_resumes(pretokenized, tmp_path):
     """An interrupted run (manifest never written, one shard lost, one half-written) resumes: only those two shards
     are redone and every file comes out byte-identical."""
-    from zephon_ray.pretokenize import pretokenize
+    from zephon_ray.jobs.pretokenize import pretokenize
 
     raw, result = pretokenized["bytes"]
     copy = tmp_path / "tokens"
@@ -153,7 +153,7 @@ def test_damaged_pretokenization_is_one_clear_error(pretokenized, tmp_path, dama
 
 def test_out_dir_of_another_recipe_is_refused(pretokenized, tmp_path):
     from zephon_ray import Recipe
-    from zephon_ray.pretokenize import PretokenizeError, pretokenize
+    from zephon_ray.jobs.pretokenize import PretokenizeError, pretokenize
 
     _, result = pretokenized["bytes"]
     copy = bad_copy(result, tmp_path)

@@ -1,4 +1,4 @@
-"""``zephon_ray.ray_train`` without a Ray Train run: validation when built, ``configure`` at any world size, and a
+"""``zephon_ray.integrations.ray_train`` without a Ray Train run: validation when built, ``configure`` at any world size, and a
 shard read in-process (W=1) whose steps and resume match ``GlobalBatchSource``. The 4 -> 2 -> 3 Ray Train runs
 through ``get_dataset_shard`` are in tests/test_ray_train_elastic.py."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from zephon_ray import GlobalBatchSource, Recipe
-from zephon_ray.ray_train import STATE_FILE, ZephonDataConfig, ZephonDataset, ZephonDatasetShard
+from zephon_ray.integrations.ray_train import STATE_FILE, ZephonDataConfig, ZephonDataset, ZephonDatasetShard
 
 ROOT = Path(__file__).resolve().parents[1]
 ELASTIC = str(ROOT / "recipes" / "elastic.toml")

@@ -32,7 +32,7 @@ def elastic_reference():
 
 
 def run_schedule(tmp_path, dataset, run_id):
-    from zephon_ray.torchtitan.ray_train import read_log
+    from examples.torchtitan_ray_train import read_log
 
     log = str(tmp_path / "steps.jsonl")
     for world, until in SCHEDULE:
@@ -53,7 +53,7 @@ def check(records, elastic_reference, worlds=WORLDS):
 
 def test_get_dataset_shard_4_2_3_service(ray_cluster, tmp_path, elastic_reference):
     from zephon_ray import DataService
-    from zephon_ray.ray_train import ZephonDataset
+    from zephon_ray.integrations.ray_train import ZephonDataset
 
     service = DataService.start(ELASTIC, name="elastic-svc", namespace="zr-elastic-tests", producers=2, window=8,
                                 state_dir=str(tmp_path / "svc"), checkpoint_every=4, aggregate_store="torch://",
@@ -68,14 +68,14 @@ def test_get_dataset_shard_4_2_3_service(ray_cluster, tmp_path, elastic_referenc
 def test_get_dataset_shard_4_2_3_local_torch_store(ray_cluster, tmp_path, elastic_reference):
     """Local mode: Zephon's collective checkpoint aggregates through Ray Train's own TCPStore (rank 0's, a new
     port after every restart)."""
-    from zephon_ray.ray_train import ZephonDataset
+    from zephon_ray.integrations.ray_train import ZephonDataset
 
     check(run_schedule(tmp_path, ZephonDataset(ELASTIC), "elastic-local"), elastic_reference)
 
 
 @pytest.mark.slow
 def test_get_dataset_shard_4_2_3_local_dir(ray_cluster, tmp_path, elastic_reference):
-    from zephon_ray.ray_train import ZephonDataset
+    from zephon_ray.integrations.ray_train import ZephonDataset
 
     dataset = ZephonDataset(ELASTIC, aggregate_dir=str(tmp_path / "aggregate"))
     check(run_schedule(tmp_path, dataset, "elastic-dir"), elastic_reference)
@@ -87,8 +87,8 @@ def test_worker_killed_mid_run_replays_identical_steps(ray_cluster, tmp_path, el
     (FailureConfig(max_failures=1)), configure() hands the new group fresh shards, steps 2.. are replayed, and
     every record, replays included, matches."""
     from zephon_ray import DataService
-    from zephon_ray.ray_train import ZephonDataset
-    from zephon_ray.torchtitan.ray_train import read_log
+    from zephon_ray.integrations.ray_train import ZephonDataset
+    from examples.torchtitan_ray_train import read_log
 
     digests, losses = elastic_reference
     log, marker = str(tmp_path / "steps.jsonl"), tmp_path / "killed"

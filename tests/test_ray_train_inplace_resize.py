@@ -45,8 +45,8 @@ def _drive(work: str, log: str, summary: str) -> None:
 
     from train_helpers import fit_bigram
 
-    from zephon_ray.ray_train import ZephonDataset
-    from zephon_ray.torchtitan.ray_train import read_log
+    from zephon_ray.integrations.ray_train import ZephonDataset
+    from examples.torchtitan_ray_train import read_log
 
     temp_dir = tempfile.mkdtemp(prefix="zr-inplace-", dir="/tmp")
     # Cluster() records its address in <RAY_TMPDIR>/ray/ray_current_cluster: keep that in our own dir, not /tmp/ray.
@@ -94,7 +94,7 @@ def _drive(work: str, log: str, summary: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_inplace_upsize_in_one_fit_keeps_global_batches(tmp_path):
-    from zephon_ray.torchtitan.ray_train import read_log
+    from examples.torchtitan_ray_train import read_log
 
     with GlobalBatchSource(Recipe.from_toml(ELASTIC)) as source:
         digests = [source.batch(s).digest for s in range(STEPS)]

@@ -15,7 +15,7 @@ REFERENCE_LOSSES = [8.20257, 7.97900, 7.64231, 7.18370]
 
 
 def test_torchtitan_under_ray_train_2_to_1(ray_cluster, tmp_path, reference_digests):
-    from zephon_ray.torchtitan.ray_train import TitanRun, fit, read_log
+    from examples.torchtitan_ray_train import TitanRun, fit, read_log
 
     log = str(tmp_path / "steps.jsonl")
     for world, until in ((2, 2), (1, 4)):

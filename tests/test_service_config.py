@@ -10,7 +10,7 @@ import pytest
 
 from zephon_ray.service.config import ServiceConfig
 from zephon_ray.service.errors import FingerprintMismatchError
-from zephon_ray.service.state import SERVICE_FILE, ServiceState, atomic_write_json, check_state_dir
+from zephon_ray.formats.service_state import SERVICE_FILE, ServiceState, atomic_write_json, check_state_dir
 
 
 def test_valid_defaults():

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from zephon_ray.lanes import KEY_NEXT_STEP, LaneStepper
-from zephon_ray.service.state import COMMITS_FILE, MAX_CONSUMERS, ServiceState, atomic_write_json
+from zephon_ray.formats.service_state import COMMITS_FILE, MAX_CONSUMERS, ServiceState, atomic_write_json
 
 
 @pytest.fixture(scope="module")

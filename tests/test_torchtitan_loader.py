@@ -134,7 +134,7 @@ def test_build_keywords_are_torchtitans_and_required():
 
 # ---------------------------------------------------------------------- state
 def test_state_before_iteration_is_json_safe_and_complete():
-    from zephon_ray.torchtitan.state import STATE_KEYS
+    from zephon_ray.formats.loader_state import STATE_KEYS
 
     with _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4) as loader:
         state = loader.state_dict()
@@ -308,7 +308,7 @@ def test_resume_without_a_zephon_snapshot_warns_and_reports_the_replay(caplog, r
     assert state["next_step"] == 3 and state["zephon"] == "" and state["replayed_steps"] == 0
 
     resumed = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
-    with caplog.at_level("WARNING", logger="zephon_ray.torchtitan.loader"):
+    with caplog.at_level("WARNING", logger="zephon_ray.integrations.torchtitan.loader"):
         resumed.load_state_dict(state)
     assert any("has no Zephon snapshot" in r.message and "replaying 3 steps from step 0" in r.message
                for r in caplog.records), [r.message for r in caplog.records]
@@ -332,7 +332,7 @@ def test_exact_snapshot_resume_is_quiet(caplog):
     state = loader.state_dict()
     loader.close()
     resumed = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
-    with caplog.at_level("WARNING", logger="zephon_ray.torchtitan.loader"):
+    with caplog.at_level("WARNING", logger="zephon_ray.integrations.torchtitan.loader"):
         resumed.load_state_dict(state)
     assert not [r for r in caplog.records if "replaying" in r.message]
     assert resumed.stats["replayed_steps"] == 0 and resumed.stats["resumed_from_snapshot"] == 2

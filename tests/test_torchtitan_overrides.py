@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny.toml"
 BYTES_ASSETS = ROOT / "zephon_ray" / "torchtitan" / "assets" / "bytes"
 BPE_ASSETS = ROOT / "recipes" / "tokenizer"  # a 2048-token BPE: not the tiny recipe's byte tokenizer
-OVERRIDE = f'zephon_ray.torchtitan.overrides.zephon_dataloader={{"recipe": "{TINY}", "mode": "local"}}'
+OVERRIDE = f'zephon_ray.integrations.torchtitan.overrides.zephon_dataloader={{"recipe": "{TINY}", "mode": "local"}}'
 
 
 def _cli(*extra: str) -> list[str]:
@@ -38,7 +38,7 @@ def _apply(argv: list[str]):
 
 
 def _one_line_error(argv: list[str], match: str) -> str:
-    from zephon_ray.torchtitan.trainer_checks import TrainerMismatchError
+    from zephon_ray.integrations.torchtitan.trainer_checks import TrainerMismatchError
 
     with pytest.raises(TrainerMismatchError, match=match) as info:
         _apply(argv)
@@ -72,7 +72,7 @@ def test_wrong_global_batch_is_one_line():
 def test_unset_global_batch_is_checked_when_the_loader_is_built(tmp_path):
     """TorchTitan's -1 means local_batch_size x dp: it passes the config stage, then the build (which knows dp)
     rejects 8 x 1 rows."""
-    from zephon_ray.torchtitan.trainer_checks import TrainerMismatchError
+    from zephon_ray.integrations.torchtitan.trainer_checks import TrainerMismatchError
 
     config = _apply(_cli("--training.local_batch_size", "8"))
     assert config.dataloader.global_batch_size == -1
@@ -98,7 +98,7 @@ def test_wrong_tokenizer_rejected_by_the_loader_build_on_any_route():
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
     from zephon_ray.torchtitan import ZephonRayDataLoader
-    from zephon_ray.torchtitan.trainer_checks import TrainerMismatchError
+    from zephon_ray.integrations.torchtitan.trainer_checks import TrainerMismatchError
 
     class ShiftedBytes(HuggingFaceTokenizer):  # a byte tokenizer that numbers the bytes differently
         def encode(self, *args, **kwargs):
@@ -114,7 +114,7 @@ def test_wrong_tokenizer_rejected_by_the_loader_build_on_any_route():
 
 _LAUNCH = """
 import sys
-from zephon_ray.torchtitan import cpu
+import examples.torchtitan_cpu as cpu
 cpu.apply()
 from torchtitan.train import main
 main()

@@ -1,4 +1,4 @@
-"""The shared prefetch thread (``zephon_ray.torchtitan.prefetch``) behind every slice source.
+"""The shared prefetch thread (``zephon_ray.stream.prefetch``) behind every slice source.
 
 Driven by a small real source: this rank's slices of ``GlobalBatchSource`` (the in-process reference), and by
 ``LocalSlices`` (an in-process Zephon rank) through the same narrow interface.
@@ -11,7 +11,7 @@ import time
 import pytest
 
 from zephon_ray import GlobalBatchSource, compute_digest
-from zephon_ray.torchtitan.prefetch import PrefetchedSlices, SliceSource, SourceError
+from zephon_ray.stream.prefetch import PrefetchedSlices, SliceSource, SourceError
 
 
 class ReferenceSlices(PrefetchedSlices):
@@ -93,7 +93,7 @@ def test_local_slices_through_the_interface(tiny_recipe, reference_digests):
     """LocalSlices (one Zephon rank owning all lanes) behind the same interface: reference rows, and ``state``
     hands out the snapshot a resume restarts from."""
     from zephon_ray.pipeline import ZephonRank
-    from zephon_ray.torchtitan.local import LocalSlices
+    from zephon_ray.stream.local import LocalSlices
 
     source = LocalSlices(tiny_recipe, rank=0, world=1, zephon_rank=ZephonRank(), depth=2, snapshot_every=2)
     source.start(0)

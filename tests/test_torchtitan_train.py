@@ -27,7 +27,7 @@ ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 
 def torchtitan(nproc: int, steps: int, dump: Path, record: Path, *, checkpoint: bool) -> dict[int, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "torchtitan.train", "--module", "zephon_ray.torchtitan", "--config", "zephon_llama3_debugmodel_cpu",
+           "-m", "torchtitan.train", "--module", "zephon_ray.integrations.torchtitan", "--config", "zephon_llama3_debugmodel_cpu",
            "--training.steps", str(steps), "--dump_folder", str(dump)]
     if checkpoint:
         cmd += ["--checkpoint.enable", "--checkpoint.interval", "2"]
@@ -93,7 +93,7 @@ def test_resume_at_another_world(reference, tmp_path, w1, w2):
 def test_trainer_config_rejects_a_global_batch_or_seq_len_that_is_not_the_recipes():
     from dataclasses import replace
 
-    from zephon_ray.torchtitan.config_registry import zephon_llama3_debugmodel
+    from zephon_ray.integrations.torchtitan.config_registry import zephon_llama3_debugmodel
 
     config = zephon_llama3_debugmodel()
     assert config.training.global_batch_size == 16 and config.training.seq_len == 64

@@ -53,7 +53,7 @@ def fit_bigram(dataset: Any, *, workers: int | tuple[int, int], name: str, stora
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from zephon_ray.ray_train import ZephonDataConfig
+    from zephon_ray.integrations.ray_train import ZephonDataConfig
 
     trainer = TorchTrainer(
         bigram.train_loop,

@@ -5,7 +5,7 @@ many producers computed it, or how often anything was killed and resumed in betw
 """
 
 from zephon_ray.batch import GlobalBatch, RankSlice, compute_digest
-from zephon_ray.materialized import MaterializedSource
+from zephon_ray.formats.materialized import MaterializedSource
 from zephon_ray.recipe import Recipe, RecipeError
 from zephon_ray.source import GlobalBatchSource
 

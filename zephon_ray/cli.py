@@ -184,11 +184,11 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
 
 def inspect_state_dir(state_dir: str) -> dict:
     """What a service left under ``state_dir``: format, fingerprint, lanes, checkpoints, commits. Reads the
-    files only (no Ray, no recipe); the layout is zephon_ray/service/state.py's."""
+    files only (no Ray, no recipe); the layout is zephon_ray/formats/service_state.py's."""
     import json
     from pathlib import Path
 
-    from zephon_ray.service import state as layout
+    from zephon_ray.formats import service_state as layout
 
     root = Path(state_dir)
     meta_path = root / layout.SERVICE_FILE
@@ -335,7 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
 def digest_via_dataset(recipe: Recipe, steps: range, args: argparse.Namespace) -> int:
     """``digest --via dataset --dataset DIR``: digests recomputed from the materialised rows (and checked against
     the manifest), for a directory that must have been materialised from this recipe."""
-    from zephon_ray.materialized import MaterializedSource
+    from zephon_ray.formats.materialized import MaterializedSource
 
     if not args.dataset:
         raise ValueError("--via dataset needs --dataset DIR (a directory written by `zephon-ray materialize`)")
@@ -358,7 +358,7 @@ def _positive(text: str) -> int:
 
 
 def cmd_pretokenize(args: argparse.Namespace) -> int:
-    from zephon_ray.pretokenize import pretokenize
+    from zephon_ray.jobs.pretokenize import pretokenize
     from zephon_ray.service.cli import ray_session
 
     recipe = Recipe.from_toml(args.recipe)
@@ -371,7 +371,7 @@ def cmd_pretokenize(args: argparse.Namespace) -> int:
 
 
 def cmd_materialize(args: argparse.Namespace) -> int:
-    from zephon_ray.materialize import materialize
+    from zephon_ray.jobs.materialize import materialize
     from zephon_ray.service.cli import ray_session
 
     recipe = Recipe.from_toml(args.recipe)

@@ -79,8 +79,8 @@ def build_pipeline(recipe: Recipe, rank: ZephonRank = ZephonRank()) -> Any:
             tokenizer=tokenizer, field=recipe.text_field, return_tensors="np", add_attention_mask=False)
         tokens_field = "auto"
     else:
-        # Token-id copies written by zephon_ray.pretokenize hold exactly what decode_text + tokenize emit.
-        from zephon_ray.pretokenize import TOKEN_FIELD
+        # Token-id copies written by zephon_ray.jobs.pretokenize hold exactly what decode_text + tokenize emit.
+        from zephon_ray.jobs.pretokenize import TOKEN_FIELD
 
         tokens_field = TOKEN_FIELD
     pipeline = (

@@ -95,7 +95,7 @@ class Recipe:
     path: Path | None = field(default=None, compare=False)
     pretokenized: Path | None = None
     """The manifest of ``zephon-ray pretokenize`` when the sources hold token ids (column ``input_ids``) instead of
-    text; Zephon then packs them without decoding or tokenising (see :mod:`zephon_ray.pretokenize`)."""
+    text; Zephon then packs them without decoding or tokenising (see :mod:`zephon_ray.jobs.pretokenize`)."""
     environment: Environment | None = None
     """Tokenizer content hash and library versions, captured where the recipe was loaded (and carried to other
     nodes, which compare their own with it). ``dataclasses.replace`` keeps it: pass ``environment=None`` to
@@ -285,7 +285,7 @@ class _RecipeParser:
 
         pretokenized = raw.get("pretokenized")
         if pretokenized is not None:
-            from zephon_ray.pretokenize import check_pretokenized  # imports this module
+            from zephon_ray.jobs.pretokenize import check_pretokenized  # imports this module
 
             pretokenized = self.resolve(self.typed(raw, "pretokenized", str, ...))
             try:  # before the sources are read: a damaged token shard is named here, not by a Parquet reader
@@ -300,7 +300,7 @@ class _RecipeParser:
             aggregate=Aggregate(store=store, dir=agg_dir), path=self.origin, pretokenized=pretokenized,
         )
         if pretokenized is not None:
-            from zephon_ray.pretokenize import check_pretokenized_sources
+            from zephon_ray.jobs.pretokenize import check_pretokenized_sources
 
             try:
                 check_pretokenized_sources(recipe)

@@ -81,7 +81,7 @@ def apply_torch_compat() -> list[str]:
     * ``torch.distributed.fsdp.DataParallelMeshDims`` (imported at module level by torchtitan.distributed; only
       ever passed to ``fully_shard`` when FSDP/HSDP spans more than one mesh axis of size > 1, never on one GPU);
     * ``torch.distributed.set_timeout`` (called after step 1; also absent in torch 2.13, see
-      zephon_ray/torchtitan/cpu.py shim 4): routed to c10d's private ``_set_pg_timeout``."""
+      examples/torchtitan_cpu.py shim 4): routed to c10d's private ``_set_pg_timeout``."""
     import torch.distributed as dist
     import torch.distributed.fsdp as fsdp
 
@@ -146,7 +146,7 @@ def apply_attention_compat(variant: str) -> list[str]:
 
         attention._compiled_create_block_mask = create_block_mask_compat
         applied.append("create_block_mask: drop separate_full_blocks=True (torch 2.11 lacks the keyword)")
-    from zephon_ray.torchtitan import cpu
+    import examples.torchtitan_cpu as cpu
 
     if variant == "cpu_test_config" and not cpu._APPLIED and os.environ.get("SMOKE_FLEX_AUTOTUNE", "0") != "1":
         options = {**attention.FlexAttention.inductor_configs, "max_autotune": False,
@@ -234,9 +234,9 @@ def versions() -> dict:
 
 # ---------------------------------------------------------------------------------------------- part 1: data
 def part_data() -> dict:
-    shims = apply_torch_compat()  # zephon_ray.torchtitan.loader imports torchtitan
+    shims = apply_torch_compat()  # zephon_ray.integrations.torchtitan.loader imports torchtitan
     from zephon_ray import GlobalBatchSource, Recipe, compute_digest
-    from zephon_ray.torchtitan.loader import ZephonRayDataLoader
+    from zephon_ray.integrations.torchtitan.loader import ZephonRayDataLoader
 
     res: dict = {"ok": False, "steps": DATA_STEPS, "compat_shims": shims, "datasets": ensure_datasets()}
     t = time.time()
@@ -311,9 +311,9 @@ def train_child(variant: str, result_path: str, steps_n: int) -> None:
         from torchtitan.tools.logging import init_logger
 
         init_logger()
-        import zephon_ray.torchtitan.config_registry as registry
+        import zephon_ray.integrations.torchtitan.config_registry as registry
         from zephon_ray import GlobalBatchSource, Recipe, compute_digest
-        from zephon_ray.torchtitan import cpu
+        import examples.torchtitan_cpu as cpu
 
         res["import_s"] = round(time.time() - t, 2)
         if variant == "stock":

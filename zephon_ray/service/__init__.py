@@ -11,7 +11,7 @@ __all__ = ["ActorResources", "DataService", "FingerprintMismatchError", "Service
 
 
 def __getattr__(name: str):
-    # The client pulls in Ray; importing zephon_ray.service.state (offline `zephon-ray inspect`) must not.
+    # The client pulls in Ray; importing zephon_ray.formats.service_state (offline `zephon-ray inspect`) must not.
     if name in ("DataService", "StepRefs"):
         from zephon_ray.service import client
 

@@ -64,7 +64,7 @@ from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
 from zephon_ray.service.coordinator import Coordinator
 from zephon_ray.service.errors import ServiceError, ServiceNotFoundError, ShardsLostError
-from zephon_ray.service.state import check_state_dir
+from zephon_ray.formats.service_state import check_state_dir
 from zephon_ray.source import assemble, pad_token_id
 
 PRODUCER_NAME_INFIX = ".producer."
@@ -416,7 +416,7 @@ def _service_step_rows(batch: dict[str, np.ndarray], service: "DataService") -> 
     """Ray Data task body of ``to_dataset``: the rows of the steps in ``batch`` (read without moving a cursor)."""
     import pyarrow as pa
 
-    from zephon_ray.materialized import batch_table
+    from zephon_ray.formats.materialized import batch_table
 
     return pa.concat_tables([batch_table(service.batch(int(step))) for step in batch["step"]])
 

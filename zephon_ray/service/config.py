@@ -181,7 +181,7 @@ class ServiceConfig:
     def materialized_prefix(self, recipe: Recipe) -> tuple[range, dict]:
         """``(steps [A, N) of materialized_dir, the Zephon state at N)``, checked against ``recipe``; a directory
         that is missing, damaged, of another recipe or without its step-N checkpoint is a ValueError naming it."""
-        from zephon_ray.materialized import MaterializedError, MaterializedSource
+        from zephon_ray.formats.materialized import MaterializedError, MaterializedSource
 
         try:
             with MaterializedSource(self.materialized_dir, recipe=recipe) as source:

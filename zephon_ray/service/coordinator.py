@@ -56,7 +56,7 @@ from zephon_ray.service.errors import ServiceError
 from zephon_ray.service.group import PRODUCER_INFIX, ProducerGroup
 from zephon_ray.service.metrics import ServiceMetrics
 from zephon_ray.service.replayer import Replayer
-from zephon_ray.service.state import ServiceState
+from zephon_ray.formats.service_state import ServiceState
 from zephon_ray.service.window import Entry, Read, StepWindow, resume_step
 
 log = logging.getLogger("zephon_ray.service")

@@ -39,7 +39,7 @@ from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import HOSTED_STORE, ServiceConfig
 from zephon_ray.service.metrics import NO_METRICS
 from zephon_ray.service.producer import Producer
-from zephon_ray.service.state import ServiceState
+from zephon_ray.formats.service_state import ServiceState
 
 log = logging.getLogger("zephon_ray.service")
 

@@ -29,7 +29,7 @@ import numpy as np
 
 from zephon_ray.identity import verify_on_node
 from zephon_ray.lanes import LaneShard, LaneStepper
-from zephon_ray.materialized import MaterializedSource
+from zephon_ray.formats.materialized import MaterializedSource
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.producer import node_name, shard_meta
 

@@ -40,12 +40,12 @@ from typing import Any, Iterator
 import numpy as np
 
 from zephon_ray.batch import compute_digest
-from zephon_ray.materialized import (
+from zephon_ray.formats.materialized import (
     CHECKPOINTS_DIR, KEY_CHECKPOINTS, KEY_DIGESTS, KEY_END, KEY_FINGERPRINT, KEY_FIRST, KEY_FORMAT, KEY_GEOMETRY,
     KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_SOURCE_TOKENS, MANIFEST_FORMAT, MANIFEST_NAME, MAX_STEP, SEGMENTS_DIR,
     MaterializedError, checkpoint_name, load_checkpoint, read_manifest, segment_name,
 )
-from zephon_ray.pretokenize import atomic_write_bytes, fsync_dir, json_bytes, sha256_file
+from zephon_ray.jobs.pretokenize import atomic_write_bytes, fsync_dir, json_bytes, sha256_file
 from zephon_ray.recipe import Recipe
 
 WORK_PREFIX = ".work-"

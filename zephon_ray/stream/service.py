@@ -24,7 +24,7 @@ import numpy as np
 
 from zephon_ray.batch import RankSlice
 from zephon_ray.recipe import Recipe
-from zephon_ray.torchtitan.prefetch import PrefetchedSlices
+from zephon_ray.stream.prefetch import PrefetchedSlices
 
 
 class ServiceSlices(PrefetchedSlices):

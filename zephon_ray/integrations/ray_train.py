@@ -3,7 +3,7 @@
 ::
 
     from ray.train.torch import TorchTrainer
-    from zephon_ray.ray_train import ZephonDataConfig, ZephonDataset
+    from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
 
     def train_loop(config):
         shard = ray.train.get_dataset_shard("train")        # a ZephonDatasetShard
@@ -29,7 +29,7 @@ resize, every restart after a failure), with that group's world size; it hands r
 Guarantee: rank r of W yields, for every step s from its ``next_step`` on, rows ``[r*B/W, (r+1)*B/W)`` of global
 batch s (B rows), the rows ``GlobalBatchSource(recipe).batch(s)`` holds at those positions, cut into
 ``local_batch_size``-row microbatches ``({"input", "positions"}, labels)``. :meth:`ZephonDatasetShard.state_dict`
-is the loader state ``{version, run_id, fingerprint, next_step, zephon}`` of :mod:`zephon_ray.torchtitan.state`:
+is the loader state ``{version, run_id, fingerprint, next_step, zephon}`` of :mod:`zephon_ray.formats.loader_state`:
 JSON, identical on every rank, so one copy in a Ray Train checkpoint resumes any W with the same global batches.
 Shown by ``tests/test_ray_train_elastic.py`` (4 -> 2 -> 3 workers, local and service mode: every step's digest
 gathered from the ranks' slices equals ``GlobalBatchSource``'s; a worker killed mid-run replays identical steps),
@@ -216,7 +216,7 @@ class ZephonDatasetShard:
     @property
     def loader(self) -> Any:
         if self._loader is None:
-            from zephon_ray.torchtitan.loader import ZephonRayDataLoader
+            from zephon_ray.integrations.torchtitan.loader import ZephonRayDataLoader
 
             d, s = self.dataset, self.settings
             extra = {"service_name": d.service_name, "service_namespace": d.service_namespace} \

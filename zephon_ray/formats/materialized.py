@@ -1,6 +1,6 @@
 """The third delivery path: global batches read back from a materialised directory with pyarrow.
 
-A directory written by ``zephon-ray materialize`` (:mod:`zephon_ray.materialize`)::
+A directory written by ``zephon-ray materialize`` (:mod:`zephon_ray.jobs.materialize`)::
 
     DIR/manifest.json                         the commit point, replaced atomically, written last
     DIR/segments/steps-<a>-<b>.parquet        steps a..b-1, ONE ROW GROUP PER STEP, rows in canonical order
@@ -254,7 +254,7 @@ class MaterializedSource:
 
     def verify(self) -> None:
         """Hash every segment against the manifest (reads every byte)."""
-        from zephon_ray.pretokenize import sha256_file
+        from zephon_ray.jobs.pretokenize import sha256_file
 
         for seg in self._segments:
             if sha256_file(seg.file) != seg.sha256:

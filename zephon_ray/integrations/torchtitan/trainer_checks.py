@@ -3,7 +3,7 @@
 TorchTitan 0.3.0 builds the loader with ``dp_world_size``, ``dp_rank``, ``tokenizer``, ``seq_len``,
 ``local_batch_size`` and ``snapshot_every_n_steps``; its own global batch is not among them. These checks run in
 the loader's build (every route) and, for the ``--override.imports`` route, again when the override is applied
-(see :mod:`zephon_ray.torchtitan.overrides`), so a mismatch fails before any model is built.
+(see :mod:`zephon_ray.integrations.torchtitan.overrides`), so a mismatch fails before any model is built.
 
 Guarantee: when these pass, one optimizer step consumes exactly one global batch (B rows, the recipe's), cut into
 ``grad_accum = B / (local_batch_size * dp)`` whole microbatches per rank, and the trainer's tokenizer maps text to

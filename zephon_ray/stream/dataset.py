@@ -1,13 +1,13 @@
 """Dataset mode: this rank's slice of every step, read from a materialised directory with pyarrow.
 
-A background thread (:class:`~zephon_ray.torchtitan.prefetch.PrefetchedSlices`) reads steps ``s, s+1, ...``
-from a :class:`~zephon_ray.materialized.MaterializedSource` (one Parquet row group each, checked against the
+A background thread (:class:`~zephon_ray.stream.prefetch.PrefetchedSlices`) reads steps ``s, s+1, ...``
+from a :class:`~zephon_ray.formats.materialized.MaterializedSource` (one Parquet row group each, checked against the
 manifest's digest) ahead of the trainer. No Zephon and no Ray run in the trainer: the resume state is the
 loader's ``{version, run_id, fingerprint, next_step}`` alone, so a run may switch between dataset, service and
 local mode at any resume (tests/test_materialized.py::test_loader_switches_modes_at_a_resume).
 
 Limits: only materialised steps can be read; the step after the last one fails with a
-:class:`~zephon_ray.materialized.MaterializedError` naming the range (extend the directory with
+:class:`~zephon_ray.formats.materialized.MaterializedError` naming the range (extend the directory with
 ``zephon-ray materialize``). The directory must have been materialised from the loader's recipe (checked when the
 source is built).
 """
@@ -19,9 +19,9 @@ from collections.abc import Iterator
 from typing import Any
 
 from zephon_ray.batch import RankSlice
-from zephon_ray.materialized import MaterializedError, MaterializedSource
+from zephon_ray.formats.materialized import MaterializedError, MaterializedSource
 from zephon_ray.recipe import Recipe
-from zephon_ray.torchtitan.prefetch import PrefetchedSlices
+from zephon_ray.stream.prefetch import PrefetchedSlices
 
 
 class DatasetSlices(PrefetchedSlices):

@@ -6,7 +6,7 @@ every worker failure; the steps after that checkpoint are replayed. Because glob
 
 :func:`torchtitan_train_loop` builds TorchTitan's ``Trainer`` in Python from a config-registry function; its data
 loader is :class:`~zephon_ray.torchtitan.ZephonRayDataLoader` (TorchTitan builds and checkpoints it itself, so
-this loop does not use ``ray.train.get_dataset_shard``: for a plain torch loop see :mod:`zephon_ray.ray_train`).
+this loop does not use ``ray.train.get_dataset_shard``: for a plain torch loop see :mod:`zephon_ray.integrations.ray_train`).
 TorchTitan writes its DCP checkpoints into a shared folder; each save is also reported to Ray Train.
 
 Inside a worker, Ray Train has already initialised the gloo process group and set MASTER_ADDR/MASTER_PORT to a
@@ -14,7 +14,7 @@ TCPStore hosted by rank 0 (a new port after every restart), which is what ``aggr
 
 Per-step records (step, W, global digest, loss) are appended by rank 0 to ``log_path`` (JSON lines), replayed
 steps included; :func:`read_log` reads them. The global digest is computed from every rank's slice, gathered over
-gloo in rank order (:func:`zephon_ray.ray_train.global_digest`). Shown by tests/test_ray_train_torchtitan.py
+gloo in rank order (:func:`zephon_ray.integrations.ray_train.global_digest`). Shown by tests/test_ray_train_torchtitan.py
 (2 -> 1 workers) and ``examples/elastic_resume.py --trainer torchtitan`` (4 -> 2 -> 3).
 """
 
@@ -45,7 +45,7 @@ class _LoaderSource:
     checkpoint_every: int = 2
 
     def loader_config(self, **extra: Any) -> Any:
-        from zephon_ray.torchtitan.loader import ZephonRayDataLoader
+        from zephon_ray.integrations.torchtitan.loader import ZephonRayDataLoader
 
         return ZephonRayDataLoader.Config(
             recipe=self.recipe, mode=self.mode, service_name=self.service_name,
@@ -64,7 +64,7 @@ class TitanRun(_LoaderSource):
     dump_folder: str
     """Shared by every fit of the run: TorchTitan's DCP checkpoints live in ``<dump_folder>/checkpoint``."""
     log_path: str
-    config: str = "zephon_ray.torchtitan.config_registry:zephon_llama3_debugmodel_cpu"
+    config: str = "zephon_ray.integrations.torchtitan.config_registry:zephon_llama3_debugmodel_cpu"
     """``module:function`` returning a ``Trainer.Config`` (a config-registry function)."""
     steps: int = 4
     """This fit trains until this many global steps are done in total (a resumed fit continues from its checkpoint)
@@ -94,7 +94,7 @@ def torchtitan_train_loop(config: dict[str, Any]) -> None:
 
     import ray.train
 
-    from zephon_ray.ray_train import global_digest
+    from zephon_ray.integrations.ray_train import global_digest
     from zephon_ray.recipe import Recipe
 
     run = TitanRun(**config)
@@ -164,7 +164,7 @@ def fit(run: TitanRun, *, workers: int | tuple[int, int], name: str, storage_pat
     """One ``TorchTrainer.fit()`` of :func:`torchtitan_train_loop` (or ``train_loop``, given the run's config).
     Reuse ``name``/``storage_path`` across fits to resume from the latest checkpoint at a new W. ``workers`` is a
     fixed W or ``(min, max)`` for Ray Train's elastic scaling. ``use_gpu`` reserves one GPU per worker (pair it
-    with a GPU config such as ``zephon_ray.torchtitan.config_registry:zephon_llama3_debugmodel``).
+    with a GPU config such as ``zephon_ray.integrations.torchtitan.config_registry:zephon_llama3_debugmodel``).
 
     ``resize_monitor_interval_s``: with ``(min, max)`` workers, how often Ray Train checks the cluster for a resize
     of the running group (``ScalingConfig(elastic_resize_monitor_interval_s)``); None keeps Ray's default (60 s)."""

@@ -135,7 +135,7 @@ def _eager_flex_attention(q, k, v, *, score_mod=None, block_mask=None, scale=Non
     from torch.nn.attention.flex_attention import AuxOutput
 
     if score_mod is not None:
-        raise NotImplementedError("zephon_ray.torchtitan.cpu: score_mod is not supported by the CPU attention shim")
+        raise NotImplementedError("examples.torchtitan_cpu: score_mod is not supported by the CPU attention shim")
     batch, heads, q_len, head_dim = q.shape
     kv_len = k.shape[-2]
     mask = None if block_mask is None else _dense_mask(block_mask, batch, q_len, kv_len, q.device)

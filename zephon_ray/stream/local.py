@@ -30,7 +30,7 @@ from zephon_ray.lanes import LaneStepper, StepStateError
 from zephon_ray.pipeline import ZephonRank
 from zephon_ray.recipe import Recipe
 from zephon_ray.source import pad_token_id
-from zephon_ray.torchtitan.prefetch import PrefetchedSlices
+from zephon_ray.stream.prefetch import PrefetchedSlices
 
 _KEEP_SNAPSHOTS = 4
 

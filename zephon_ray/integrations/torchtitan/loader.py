@@ -7,21 +7,21 @@ from an in-process Zephon rank (``mode="local"``), and whatever W was before a r
 slice in rank order gives the batch that ``zephon-ray digest`` describes (tests: ``test_torchtitan_loader.py``,
 ``test_torchtitan_train.py`` with the real Trainer, ``test_ray_train_elastic.py`` through the service).
 
-State (see :mod:`zephon_ray.torchtitan.state`) is ``{version, run_id, fingerprint, next_step, zephon,
+State (see :mod:`zephon_ray.formats.loader_state`) is ``{version, run_id, fingerprint, next_step, zephon,
 replayed_steps}``, JSON-safe and identical on every rank, so DCP stores it once and it loads at any W
 (``test_dcp_save_and_load_at_another_world``). ``state_dict()`` works before iteration.
 
 ``dp_world_size`` and ``dp_rank`` are what TorchTitan's Trainer passes (its "batch" mesh): W is the data-parallel
 degree, never ``WORLD_SIZE``. TP/PP/CP ranks that share a dp_rank get the same slice: in local mode only the lowest
-of them runs Zephon and broadcasts each slice (and the state) to the others (:mod:`zephon_ray.torchtitan.mesh`,
+of them runs Zephon and broadcasts each slice (and the state) to the others (:mod:`zephon_ray.stream.mesh`,
 ``test_torchtitan_mesh.py``). In service mode every rank reads its dp slice from the service, which serves the
-same rows to every reader. All sources implement :class:`~zephon_ray.torchtitan.prefetch.SliceSource`.
+same rows to every reader. All sources implement :class:`~zephon_ray.stream.prefetch.SliceSource`.
 
 Limits, each rejected with a clear error rather than worked around:
 
 * the trainer's global batch must be the recipe's B (one optimizer step = one global batch), its seq_len the
   recipe's, ``local_batch_size * W`` must divide B, and its tokenizer must agree with the recipe's
-  (:mod:`zephon_ray.torchtitan.trainer_checks`, checked on every route: ``test_torchtitan_overrides.py``); an
+  (:mod:`zephon_ray.integrations.torchtitan.trainer_checks`, checked on every route: ``test_torchtitan_overrides.py``); an
   unknown build keyword (a renamed TorchTitan argument) is a TypeError naming it;
 * a checkpoint may only be taken at a step boundary (not after some of a step's microbatches were consumed);
 * local mode needs W dividing L, and a distributed local-mode run needs a ``run_id`` and exactly one of
@@ -52,9 +52,9 @@ from torchtitan.components.dataloader import BaseDataLoader
 from zephon_ray.batch import RankSlice
 from zephon_ray.pipeline import ZephonRank
 from zephon_ray.recipe import Recipe
-from zephon_ray.torchtitan import aggregate
-from zephon_ray.torchtitan.mesh import DpPeers, dp_peers
-from zephon_ray.torchtitan.prefetch import (
+from zephon_ray.stream import aggregate
+from zephon_ray.stream.mesh import DpPeers, dp_peers
+from zephon_ray.stream.prefetch import (
     STAT_MODE,
     STAT_NEXT_STEP,
     STAT_REPLAYED_STEPS,
@@ -62,14 +62,14 @@ from zephon_ray.torchtitan.prefetch import (
     STAT_RESUMED_FROM,
     SliceSource,
 )
-from zephon_ray.torchtitan.state import (
+from zephon_ray.formats.loader_state import (
     LoaderStateError,
     check_state,
     make_state,
     replayed_steps,
     zephon_state,
 )
-from zephon_ray.torchtitan.trainer_checks import check_geometry, check_tokenizer
+from zephon_ray.integrations.torchtitan.trainer_checks import check_geometry, check_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -310,7 +310,7 @@ class ZephonRayDataLoader(BaseDataLoader):
         """The slice source of ``config.mode``; a new mode adds one branch here and one SliceSource class."""
         cfg, recipe = self.config, self.recipe
         if cfg.mode == "local":
-            from zephon_ray.torchtitan.local import LocalSlices
+            from zephon_ray.stream.local import LocalSlices
 
             store, agg_dir, _ = cfg.resolved_aggregation()
             if self.dp_world_size > 1:
@@ -321,11 +321,11 @@ class ZephonRayDataLoader(BaseDataLoader):
             return LocalSlices(recipe, rank=self.dp_rank, world=self.dp_world_size, zephon_rank=zrank,
                                depth=cfg.prefetch, snapshot_every=self.checkpoint_every)
         if cfg.mode == "dataset":
-            from zephon_ray.torchtitan.dataset import DatasetSlices
+            from zephon_ray.stream.dataset import DatasetSlices
 
             return DatasetSlices(recipe, cfg.dataset_dir, rank=self.dp_rank, world=self.dp_world_size,
                                  depth=cfg.prefetch)
-        from zephon_ray.torchtitan.remote import ServiceSlices
+        from zephon_ray.stream.service import ServiceSlices
 
         return ServiceSlices(recipe, rank=self.dp_rank, world=self.dp_world_size, name=cfg.service_name,
                              namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch)

@@ -2,7 +2,7 @@
 
     torchrun --nproc_per_node 8 -m torchtitan.train --module llama3 --config llama3_debugmodel \\
         --training.seq_len 64 --training.global_batch_size 16 --training.local_batch_size 2 \\
-        --override.imports 'zephon_ray.torchtitan.overrides.zephon_dataloader={"recipe": "recipes/tiny.toml"}'
+        --override.imports 'zephon_ray.integrations.torchtitan.overrides.zephon_dataloader={"recipe": "recipes/tiny.toml"}'
 
 The factory replaces the trainer's ``dataloader`` node only (not a validator's). Keyword arguments (the JSON
 object) are :class:`ZephonRayDataLoader.Config` fields; unset ones come from the same environment variables as
@@ -14,7 +14,7 @@ checks there, before any model is built: ``training.seq_len`` and ``training.glo
 recipe (-1, TorchTitan's default, is checked against ``local_batch_size x dp`` when the loader is built), and the
 tokenizer that TorchTitan will build from ``hf_assets_path`` against the recipe's. It copies the global batch
 into the loader config, whose build checks the whole geometry again with the dp degree. Each mismatch is one
-:class:`~zephon_ray.torchtitan.trainer_checks.TrainerMismatchError` line. Tests:
+:class:`~zephon_ray.integrations.torchtitan.trainer_checks.TrainerMismatchError` line. Tests:
 ``tests/test_torchtitan_overrides.py``.
 
 Limits: the trainer config is found by walking up to TorchTitan 0.3.0's ``apply_overrides`` frame; if a future
@@ -33,9 +33,9 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.config.override import apply_overrides, override
 
 from zephon_ray.recipe import Recipe
-from zephon_ray.torchtitan.config_registry import zephon_loader_config
-from zephon_ray.torchtitan.loader import ZephonRayDataLoader
-from zephon_ray.torchtitan.trainer_checks import (
+from zephon_ray.integrations.torchtitan.config_registry import zephon_loader_config
+from zephon_ray.integrations.torchtitan.loader import ZephonRayDataLoader
+from zephon_ray.integrations.torchtitan.trainer_checks import (
     TrainerMismatchError,
     check_global_batch_setting,
     check_seq_len,
@@ -82,4 +82,4 @@ def _trainer_config_being_overridden() -> Any:
     raise TrainerMismatchError(
         "zephon_dataloader: cannot find the trainer config this override is applied to (TorchTitan's "
         "apply_overrides with a config_root that has 'training'); zephon-ray needs it to check the global batch. "
-        "Use the config registry (--module zephon_ray.torchtitan) or build Trainer.Config in Python")
+        "Use the config registry (--module zephon_ray.integrations.torchtitan) or build Trainer.Config in Python")

@@ -1,9 +1,9 @@
-"""TorchTitan config registry: ``torchtitan.train --module zephon_ray.torchtitan --config <name>``.
+"""TorchTitan config registry: ``torchtitan.train --module zephon_ray.integrations.torchtitan --config <name>``.
 
 Each function returns a ``Trainer.Config`` whose data loader is :class:`ZephonRayDataLoader`. The recipe fixes
 the data, so the trainer's ``seq_len`` and global batch are taken from it (and checked by the loader).
 
-    torchrun --nproc_per_node 2 -m torchtitan.train --module zephon_ray.torchtitan \\
+    torchrun --nproc_per_node 2 -m torchtitan.train --module zephon_ray.integrations.torchtitan \\
         --config zephon_llama3_debugmodel_cpu --training.steps 4
 
 Environment knobs read when the config is built (each can also be changed through the usual CLI overrides of the
@@ -14,7 +14,7 @@ TorchTitan fields it sets):
 * ``ZEPHON_RAY_AGGREGATE_DIR``: aggregate local-mode checkpoints in a directory instead of ``torch://``;
 * ``ZEPHON_RAY_SERVICE`` / ``ZEPHON_RAY_NAMESPACE``: the data service's name and namespace.
 
-``*_cpu`` configs install the CPU shims (:mod:`zephon_ray.torchtitan.cpu`) and use DDP over gloo: for tests and
+``*_cpu`` configs install the CPU shims (:mod:`examples.torchtitan_cpu`) and use DDP over gloo: for tests and
 examples only.
 """
 
@@ -37,11 +37,10 @@ from torchtitan.models.llama3 import model_registry
 from torchtitan.trainer import Trainer
 
 from zephon_ray.recipe import Recipe
-from zephon_ray.torchtitan.loader import ZephonRayDataLoader
-from zephon_ray.torchtitan.trainer_checks import check_global_batch_setting, check_seq_len
+from zephon_ray.integrations.torchtitan.loader import ZephonRayDataLoader
+from zephon_ray.integrations.torchtitan.trainer_checks import check_global_batch_setting, check_seq_len
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEFAULT_RECIPE = REPO_ROOT / "recipes" / "tiny.toml"
+DEFAULT_RECIPE = "tiny"  # the packaged tiny recipe (zephon_ray/recipes/tiny.toml)
 BYTES_ASSETS = Path(__file__).resolve().parent / "assets" / "bytes"
 DEFAULT_RUN_ID = "zephon-llama3-debug"
 
@@ -51,7 +50,7 @@ class ZephonTrainerConfig(Trainer.Config):
     """``Trainer.Config`` that checks, when built (so after CLI overrides), that the trainer's batch geometry is
     the recipe's: ``training.seq_len`` and ``training.global_batch_size`` (one optimizer step = one global batch).
     The loader re-checks both, with ``local_batch_size``, the dp degree and the tokenizer, when TorchTitan builds
-    it (:mod:`zephon_ray.torchtitan.trainer_checks`)."""
+    it (:mod:`zephon_ray.integrations.torchtitan.trainer_checks`)."""
 
     def __post_init__(self) -> None:
         Trainer.Config.__post_init__(self)
@@ -122,7 +121,7 @@ def zephon_llama3_debugmodel() -> Trainer.Config:
 
 def zephon_llama3_debugmodel_cpu() -> Trainer.Config:
     """CPU-only variant for tests and examples: shims on, 2-layer debug model, DDP over gloo, no compile."""
-    from zephon_ray.torchtitan import cpu
+    import examples.torchtitan_cpu as cpu
 
     cpu.apply()
     config = zephon_llama3_debugmodel()

@@ -1,0 +1,1 @@
+"""Integrations on top of the core and the stream layer: TorchTitan and Ray Train."""

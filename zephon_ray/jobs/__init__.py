@@ -1,0 +1,1 @@
+"""The Ray Data jobs around the lanes: pre-tokenisation and materialisation."""

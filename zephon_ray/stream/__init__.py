@@ -1,0 +1,1 @@
+"""The framework-free stream layer: slice sources behind one narrow protocol, and the loader core."""

@@ -1,0 +1,17 @@
+"""The public name of the TorchTitan integration: ``from zephon_ray.torchtitan import ZephonRayDataLoader``.
+
+The code lives in :mod:`zephon_ray.integrations.torchtitan` (install the ``torchtitan`` extra). Importing this
+module is cheap; TorchTitan is imported when a name is first used.
+"""
+
+from __future__ import annotations
+
+__all__ = ["LoaderStateError", "ZephonRayDataLoader"]
+
+
+def __getattr__(name: str):
+    if name in __all__:
+        from zephon_ray.integrations import torchtitan
+
+        return getattr(torchtitan, name)
+    raise AttributeError(name)
