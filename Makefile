@@ -18,7 +18,7 @@ install: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[all,test]'
 	touch $@
 
 demo: install data/corpus
