@@ -4,11 +4,11 @@
 
 The bare side iterates the identical Zephon pipeline (same recipe, same build) and only touches each
 microbatch's token arrays; the GlobalBatchSource side also files microbatches by lane, stacks rows, takes a
-Zephon checkpoint every ``snapshot_every`` (8) steps for random access and computes the sha256 digest. Rounds
+Zephon checkpoint every ``checkpoint_every`` (8) steps for random access and computes the sha256 digest. Rounds
 alternate A/B so that machine noise hits both sides; the ratio is the median of per-round ratios.
 
 It also measures the cost of ``batch(s)`` for a step 1, 10 and 100 steps behind the current position. The head is
-placed so that no probe lands on a snapshot step or near step 0 (step 0 is served by a fresh pipeline, without a
+placed so that no probe lands on a checkpoint step or near step 0 (step 0 is served by a fresh pipeline, without a
 restore): every probe pays one Zephon restore plus the few steps of replay that it prints next to its time.
 Prints a table and one JSON line (prefixed ``RESULT``).
 """
@@ -50,13 +50,13 @@ def global_batch_source(recipe, steps: int) -> float:
     return steps * recipe.tokens_per_step / elapsed
 
 
-SNAPSHOT_EVERY = 8
+CHECKPOINT_EVERY = 8
 
 
-def probe_head(behind: list[int], snapshot_every: int = SNAPSHOT_EVERY) -> int:
-    """A head step from which no probe ``head - b`` is a snapshot step or within two snapshots of step 0."""
-    head = max(behind) + 2 * snapshot_every + 1
-    while any((head - b) % snapshot_every == 0 for b in behind):
+def probe_head(behind: list[int], checkpoint_every: int = CHECKPOINT_EVERY) -> int:
+    """A head step from which no probe ``head - b`` is a checkpoint step or within two checkpoints of step 0."""
+    head = max(behind) + 2 * checkpoint_every + 1
+    while any((head - b) % checkpoint_every == 0 for b in behind):
         head += 1
     return head
 
@@ -65,7 +65,7 @@ def random_access(recipe, behind: list[int], repeats: int = 3) -> dict[int, floa
     from zephon_ray import GlobalBatchSource
 
     costs: dict[int, list[float]] = {b: [] for b in behind}
-    with GlobalBatchSource(recipe, cache_steps=1, snapshot_every=SNAPSHOT_EVERY) as source:
+    with GlobalBatchSource(recipe, cache_steps=1, checkpoint_every=CHECKPOINT_EVERY) as source:
         head = probe_head(behind)
         source.batch(head)
         for _ in range(repeats):
@@ -100,7 +100,7 @@ def main() -> None:
     behind = random_access(recipe, [1, 10, 100])
     head = probe_head(list(behind))
     for b, cost in behind.items():
-        print(f"batch(s) {b:>3} steps behind (step {head - b}, restore + {(head - b) % SNAPSHOT_EVERY} steps of "
+        print(f"batch(s) {b:>3} steps behind (step {head - b}, restore + {(head - b) % CHECKPOINT_EVERY} steps of "
               f"replay): {cost * 1e3:8.1f} ms")
     print(f"median ratio GlobalBatchSource / bare Zephon: {ratio:.3f}")
     print("RESULT " + json.dumps({

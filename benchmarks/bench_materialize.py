@@ -10,7 +10,7 @@
    against the in-process ones.
 2. Random access to past steps: ``--probes`` random steps in [0, steps), read from the materialised directory
    (``MaterializedSource.batch``: one Parquet row group plus a digest check) against the replay path
-   (``GlobalBatchSource.batch`` of a step behind its position: a Zephon restore plus up to ``snapshot_every``
+   (``GlobalBatchSource.batch`` of a step behind its position: a Zephon restore plus up to ``checkpoint_every``
    steps of replay; this is what the service's replayers do too). p50/p99 of each, and the ratio of p50s
    (target >= 20x). With ``--service``, also through each service: untracked reads of steps far behind its
    window (the live service replays them in its Replayer; the prefix service reads them from the directory).

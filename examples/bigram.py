@@ -91,7 +91,7 @@ def train_loop(config: dict[str, Any]) -> None:
             if done % cfg["checkpoint_every"] == 0 or done == cfg["steps"]:
                 metrics = {"step": batch.step, "loss": float(step_loss), "world": world}
                 with tempfile.TemporaryDirectory(prefix="zr-bigram-") as d:
-                    shard.save(d)  # every rank: in local mode the Zephon snapshot is collective
+                    shard.save(d)  # every rank: in local mode the Zephon checkpoint is collective
                     if rank == 0:
                         torch.save(model.state_dict(), Path(d) / MODEL_FILE)
                         torch.save(optim.state_dict(), Path(d) / OPTIM_FILE)

@@ -272,10 +272,10 @@ def test_checkpoint_agreement_with_real_collective_checkpoints(tmp_path):
     import threading
 
     from zephon_ray.lanes import LaneStepper
-    from zephon_ray.pipeline import ZephonRank
+    from zephon_ray.pipeline import LaneGroup
 
     recipe = Recipe.from_toml(RECIPES / "tiny.toml")
-    steppers = [LaneStepper(recipe, ZephonRank(groups=2, group=g, run_id="agree", aggregate_dir=str(tmp_path / "agg"),
+    steppers = [LaneStepper(recipe, LaneGroup(count=2, index=g, run_id="agree", aggregate_dir=str(tmp_path / "agg"),
                                                aggregate_timeout_s=60)) for g in range(2)]
     states: list = [None, None]
 
@@ -302,14 +302,14 @@ def test_checkpoint_agreement_with_real_collective_checkpoints(tmp_path):
 
 
 def test_local_mode_rank_verifies_before_serving(tmp_path):
-    from zephon_ray.pipeline import ZephonRank
+    from zephon_ray.pipeline import LaneGroup
     from zephon_ray.stream.local import LocalSlices
 
     data, recipe_path = copy_fixture(tmp_path)
     recipe = Recipe.from_toml(recipe_path)
     (data / "code" / "shard-00000.jsonl").write_text((data / "code" / "shard-00000.jsonl").read_text() + "\n")
     with pytest.raises(IdentityMismatchError, match=r"local-mode rank 1 of 2 on host .*shard-00000\.jsonl: size"):
-        LocalSlices(recipe, rank=1, world=2, zephon_rank=ZephonRank(), depth=1, snapshot_every=0)
+        LocalSlices(recipe, rank=1, world=2, lane_group=LaneGroup(), depth=1, checkpoint_every=0)
 
 
 # ------------------------------------------------------------------------------------------ two nodes, two views

@@ -1,4 +1,4 @@
-"""LaneStepper and ZephonRank: lane filing, step-boundary checkpoints, fail-loud state."""
+"""LaneStepper and LaneGroup: lane filing, step-boundary checkpoints, fail-loud state."""
 
 from __future__ import annotations
 
@@ -9,28 +9,28 @@ import pytest
 
 from zephon_ray import GlobalBatchSource, Recipe
 from zephon_ray.lanes import KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_VERSION, LaneStepper, StepStateError
-from zephon_ray.pipeline import ZephonRank
+from zephon_ray.pipeline import LaneGroup
 from conftest import TINY
 
 
-def test_rank_validation():
+def test_lane_group_validation():
     with pytest.raises(ValueError, match="run_id"):
-        ZephonRank(groups=2, group=0, aggregate_dir="/tmp/x")
+        LaneGroup(count=2, index=0, aggregate_dir="/tmp/x")
     with pytest.raises(ValueError, match="exactly one of aggregate_store and aggregate_dir"):
-        ZephonRank(groups=2, group=0, run_id="r")
+        LaneGroup(count=2, index=0, run_id="r")
     with pytest.raises(ValueError, match="exactly one"):
-        ZephonRank(groups=2, group=0, run_id="r", aggregate_dir="/tmp/x", aggregate_store="torch://")
-    with pytest.raises(ValueError, match=r"group 2 is not in \[0, 2\)"):
-        ZephonRank(groups=2, group=2, run_id="r", aggregate_dir="/tmp/x")
-    assert ZephonRank(groups=4, group=1, run_id="r", aggregate_dir="/tmp/x").owned_lanes(8) == (2, 3)
-    with pytest.raises(ValueError, match="3 Zephon ranks do not divide 8 lanes"):
-        ZephonRank(groups=3, group=0, run_id="r", aggregate_dir="/tmp/x").owned_lanes(8)
+        LaneGroup(count=2, index=0, run_id="r", aggregate_dir="/tmp/x", aggregate_store="torch://")
+    with pytest.raises(ValueError, match=r"index 2 is not in \[0, 2\)"):
+        LaneGroup(count=2, index=2, run_id="r", aggregate_dir="/tmp/x")
+    assert LaneGroup(count=4, index=1, run_id="r", aggregate_dir="/tmp/x").owned_lanes(8) == (2, 3)
+    with pytest.raises(ValueError, match="3 lane groups do not divide 8 lanes"):
+        LaneGroup(count=3, index=0, run_id="r", aggregate_dir="/tmp/x").owned_lanes(8)
 
 
-def test_a_rank_owning_some_lanes_produces_those_lanes_rows(tiny_recipe, tmp_path):
+def test_a_lane_group_produces_its_lanes_rows(tiny_recipe, tmp_path):
     """Rank 1 of 4 alone (no collective checkpoint) yields exactly lanes 2-3 of every global batch."""
-    rank = ZephonRank(groups=4, group=1, run_id="lanes-test", aggregate_dir=str(tmp_path))
-    stepper = LaneStepper(tiny_recipe, rank)
+    group = LaneGroup(count=4, index=1, run_id="lanes-test", aggregate_dir=str(tmp_path))
+    stepper = LaneStepper(tiny_recipe, group)
     with GlobalBatchSource(tiny_recipe) as source:
         try:
             for step in range(4):

@@ -76,10 +76,10 @@ def test_fresh_runs_agree_and_steps_differ(tiny_recipe, reference_digests):
 
 @pytest.mark.parametrize("resume_at", [1, 5, 13])
 def test_restore_from_ring_then_continue(tiny_recipe, reference_digests, resume_at):
-    with GlobalBatchSource(tiny_recipe, snapshot_every=1) as first:
+    with GlobalBatchSource(tiny_recipe, checkpoint_every=1) as first:
         for s in range(resume_at + 3):
             first.batch(s)
-        state = first._snapshots[resume_at]
+        state = first._checkpoints[resume_at]
     with GlobalBatchSource(tiny_recipe) as second:
         second._stepper.restore(state)
         assert second.position == resume_at
@@ -88,7 +88,7 @@ def test_restore_from_ring_then_continue(tiny_recipe, reference_digests, resume_
 
 
 def test_reverse_and_interleaved_random_access(tiny_recipe, reference_digests):
-    with GlobalBatchSource(tiny_recipe, snapshot_every=2, recent_snapshots=3, anchor_every=4, cache_steps=1) as source:
+    with GlobalBatchSource(tiny_recipe, checkpoint_every=2, recent_checkpoints=3, anchor_every=4, cache_steps=1) as source:
         for s in reversed(range(16)):
             assert source.batch(s).digest == reference_digests[s], s
         for s in [7, 2, 9, 2, 15, 0, 11, 3, 3, 20, 1, 23]:
@@ -96,7 +96,7 @@ def test_reverse_and_interleaved_random_access(tiny_recipe, reference_digests):
 
 
 def test_far_ahead_then_back(tiny_recipe, reference_digests):
-    with GlobalBatchSource(tiny_recipe, snapshot_every=4, recent_snapshots=2, anchor_every=8) as source:
+    with GlobalBatchSource(tiny_recipe, checkpoint_every=4, recent_checkpoints=2, anchor_every=8) as source:
         assert source.batch(23).digest == reference_digests[23]
         assert source.batch(0).digest == reference_digests[0]
         assert source.batch(17).digest == reference_digests[17]
@@ -115,14 +115,14 @@ def test_batch_contents_and_composition(tiny_recipe):
     assert (batch.positions[:, 1:] - batch.positions[:, :-1] <= 1).all()
 
 
-def test_snapshot_ring_is_bounded(tiny_recipe):
-    with GlobalBatchSource(tiny_recipe, snapshot_every=2, recent_snapshots=3, anchor_every=8) as source:
+def test_checkpoint_ring_is_bounded(tiny_recipe):
+    with GlobalBatchSource(tiny_recipe, checkpoint_every=2, recent_checkpoints=3, anchor_every=8) as source:
         source.batch(23)
-        assert sorted(source._snapshots) == [0, 8, 16, 18, 20, 22, 24]
+        assert sorted(source._checkpoints) == [0, 8, 16, 18, 20, 22, 24]
 
 
-@pytest.mark.parametrize("kwargs", [{"snapshot_every": 0}, {"anchor_every": 12, "snapshot_every": 8},
-                                    {"cache_steps": -1}, {"recent_snapshots": 1.5}])
+@pytest.mark.parametrize("kwargs", [{"checkpoint_every": 0}, {"anchor_every": 12, "checkpoint_every": 8},
+                                    {"cache_steps": -1}, {"recent_checkpoints": 1.5}])
 def test_rejects_bad_settings(tiny_recipe, kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         GlobalBatchSource(tiny_recipe, **kwargs)

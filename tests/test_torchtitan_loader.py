@@ -268,8 +268,8 @@ def test_dcp_save_and_load_at_another_world(tmp_path, reference_digests):
     assert loaded["state"]["next_step"] == 6
 
 
-def test_local_state_between_snapshots_restores_and_replays(tmp_path, reference_digests):
-    """Snapshots every 2 steps; a state taken at step 3 carries the step-2 snapshot and resumes (here at W=2) by
+def test_local_state_between_checkpoints_restores_and_replays(tmp_path, reference_digests):
+    """Checkpoints every 2 steps; a state taken at step 3 carries the step-2 checkpoint and resumes (here at W=2) by
     restoring it and replaying step 2, so the next batch is still step 3."""
     loader = _config(run_id="r", checkpoint_every=2).build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
     it = iter(loader)
@@ -296,7 +296,7 @@ def test_local_state_between_snapshots_restores_and_replays(tmp_path, reference_
 
 
 # ---------------------------------------------------------------------- loud replays
-def test_resume_without_a_zephon_snapshot_warns_and_reports_the_replay(caplog, reference_digests):
+def test_resume_without_a_zephon_checkpoint_warns_and_reports_the_replay(caplog, reference_digests):
     """Checkpointing off: the state at step 3 carries no Zephon blob, so the resume replays steps 0..2. It says so
     (a warning with the count), ``stats`` and the next state report it, and the batches are still the reference."""
     loader = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
@@ -310,9 +310,9 @@ def test_resume_without_a_zephon_snapshot_warns_and_reports_the_replay(caplog, r
     resumed = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
     with caplog.at_level("WARNING", logger="zephon_ray.integrations.torchtitan.loader"):
         resumed.load_state_dict(state)
-    assert any("has no Zephon snapshot" in r.message and "replaying 3 steps from step 0" in r.message
+    assert any("has no Zephon checkpoint" in r.message and "replaying 3 steps from step 0" in r.message
                for r in caplog.records), [r.message for r in caplog.records]
-    assert resumed.stats["resume_replay"] == 3 and resumed.stats["resumed_from_snapshot"] is None
+    assert resumed.stats["resume_replay"] == 3 and resumed.stats["resumed_from_checkpoint"] is None
     assert resumed.state_dict() == state  # nothing replayed yet: the loaded state, unchanged
     it = iter(resumed)
     next(it)
@@ -323,7 +323,7 @@ def test_resume_without_a_zephon_snapshot_warns_and_reports_the_replay(caplog, r
     resumed.close()
 
 
-def test_exact_snapshot_resume_is_quiet(caplog):
+def test_exact_checkpoint_resume_is_quiet(caplog):
     loader = _config(run_id="r", checkpoint_every=2).build(dp_world_size=1, dp_rank=0, seq_len=64,
                                                            local_batch_size=16)
     it = iter(loader)
@@ -335,7 +335,7 @@ def test_exact_snapshot_resume_is_quiet(caplog):
     with caplog.at_level("WARNING", logger="zephon_ray.integrations.torchtitan.loader"):
         resumed.load_state_dict(state)
     assert not [r for r in caplog.records if "replaying" in r.message]
-    assert resumed.stats["replayed_steps"] == 0 and resumed.stats["resumed_from_snapshot"] == 2
+    assert resumed.stats["replayed_steps"] == 0 and resumed.stats["resumed_from_checkpoint"] == 2
     resumed.close()
 
 

@@ -92,7 +92,7 @@ def test_dp2_tp2_matches_reference_and_resumes_at_dp1_tp2(tmp_path, reference_di
     state = first["state"]
     assert state["next_step"] == 3
     zephon = json.loads(state["zephon"])
-    assert zephon["next_step"] == 2  # snapshots every 2 steps
+    assert zephon["next_step"] == 2  # checkpoints every 2 steps
     assert zephon["zephon"]["world"]["world_size"] == 2  # the collective checkpoint has dp_world_size members
     (tmp_path / "state.json").write_text(json.dumps(state))
 
@@ -100,7 +100,7 @@ def test_dp2_tp2_matches_reference_and_resumes_at_dp1_tp2(tmp_path, reference_di
     assert resumed["digests"] == reference_digests[3:6]
     assert resumed["peers_identical"] and resumed["states_identical"]
     assert resumed["zephon_ranks"] == [True, False]
-    # Resumed at step 3 from the step-2 snapshot: one replayed step, reported on every rank and in the state.
+    # Resumed at step 3 from the step-2 checkpoint: one replayed step, reported on every rank and in the state.
     assert [s["replayed_steps"] for s in resumed["stats"]] == [1, 1]
     assert resumed["state"]["replayed_steps"] == 1 and resumed["state"]["next_step"] == 6
     leader, peer = resumed["failures"]

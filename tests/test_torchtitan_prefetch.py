@@ -91,17 +91,17 @@ def test_wrong_step_and_timeout_are_clear(tiny_recipe):
 
 def test_local_slices_through_the_interface(tiny_recipe, reference_digests):
     """LocalSlices (one Zephon rank owning all lanes) behind the same interface: reference rows, and ``state``
-    hands out the snapshot a resume restarts from."""
-    from zephon_ray.pipeline import ZephonRank
+    hands out the checkpoint a resume restarts from."""
+    from zephon_ray.pipeline import LaneGroup
     from zephon_ray.stream.local import LocalSlices
 
-    source = LocalSlices(tiny_recipe, rank=0, world=1, zephon_rank=ZephonRank(), depth=2, snapshot_every=2)
+    source = LocalSlices(tiny_recipe, rank=0, world=1, lane_group=LaneGroup(), depth=2, checkpoint_every=2)
     source.start(0)
     for s in range(3):
         assert _digest(source.get(s, timeout=120)) == reference_digests[s]
         source.advance(s + 1)
-    snapshot = source.state(3, timeout=120)
-    assert snapshot["next_step"] == 2
-    source.start(3, snapshot)  # restore the step-2 snapshot, replay step 2, serve step 3
+    checkpoint = source.state(3, timeout=120)
+    assert checkpoint["next_step"] == 2
+    source.start(3, checkpoint)  # restore the step-2 checkpoint, replay step 2, serve step 3
     assert _digest(source.get(3, timeout=120)) == reference_digests[3]
     source.close()

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon_ray.pipeline import ZephonRank, build_pipeline
+from zephon_ray.pipeline import LaneGroup, build_pipeline
 from zephon_ray.recipe import Recipe
 
 ROW_DTYPE = np.int32
@@ -49,11 +49,11 @@ class LaneShard:
 
 
 class LaneStepper:
-    def __init__(self, recipe: Recipe, rank: ZephonRank = ZephonRank()) -> None:
+    def __init__(self, recipe: Recipe, group: LaneGroup = LaneGroup()) -> None:
         self.recipe = recipe
-        self.rank = rank
-        self.lanes = rank.owned_lanes(recipe.lanes)
-        self._pipeline = build_pipeline(recipe, rank)
+        self.group = group
+        self.lanes = group.owned_lanes(recipe.lanes)
+        self._pipeline = build_pipeline(recipe, group)
         self._iter: Any = None
         self._pending: dict[int, deque] = {lane: deque() for lane in self.lanes}
         self._next_step = 0
@@ -76,7 +76,7 @@ class LaneStepper:
                 ) from None
             lane = int(mb.lane_ids[0])
             if lane not in self._pending:
-                raise RuntimeError(f"Zephon emitted lane {lane}, which this rank does not own ({self.lanes})")
+                raise RuntimeError(f"Zephon emitted lane {lane}, which this lane group does not own ({self.lanes})")
             self._pending[lane].append(mb)
         shards = {lane: self._shard(lane, [self._pending[lane].popleft() for _ in range(k)]) for lane in self.lanes}
         self._next_step += 1
@@ -98,7 +98,7 @@ class LaneStepper:
 
     # ------------------------------------------------------------------ state
     def checkpoint(self) -> dict[str, Any]:
-        """JSON-safe state at the current step boundary. Collective when the rank has ``groups > 1``."""
+        """JSON-safe state at the current step boundary. Collective when the lane group has ``count > 1``."""
         if any(self._pending.values()):
             buffered = {lane: len(q) for lane, q in self._pending.items() if q}
             raise StepStateError(
@@ -119,7 +119,7 @@ class LaneStepper:
         self.close(background=True)
         self._next_step = int(state[KEY_NEXT_STEP])
         # A fresh pipeline object: the old one may still be shutting down its threads in the background.
-        self._pipeline = build_pipeline(self.recipe, self.rank)
+        self._pipeline = build_pipeline(self.recipe, self.group)
         if self._next_step > 0:
             # Zephon 0.2.0 cannot restore a step-0 checkpoint (it reads lane_next_cid 0 as missing: "Lane 0 does
             # not have next cid"); a fresh pipeline is exactly that state.

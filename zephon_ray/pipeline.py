@@ -1,9 +1,8 @@
-"""Build the Zephon pipeline that a recipe describes, for one Zephon rank.
+"""Build the Zephon pipeline that a recipe describes, for one lane group.
 
-Every producer, every in-process source and every local-mode trainer rank builds its pipeline here, so a lane's
-microbatch sequence is the same function of the recipe everywhere. Only the rank identity
-(:class:`ZephonRank`) varies, and by Zephon's design it changes which lanes a pipeline owns, never what a lane
-contains.
+Every producer, every in-process source and every local-mode reader builds its pipeline here, so a lane's
+microbatch sequence is the same function of the recipe everywhere. Only the lane group (:class:`LaneGroup`)
+varies, and by Zephon's design it changes which lanes a pipeline owns, never what a lane contains.
 """
 
 from __future__ import annotations
@@ -21,46 +20,46 @@ logging.getLogger("zephon").setLevel(logging.ERROR)
 
 
 @dataclass(frozen=True)
-class ZephonRank:
-    """Who this pipeline is inside one collective checkpoint group.
+class LaneGroup:
+    """Lane group ``index`` of ``count``: one Zephon participant, owning lanes [index*L/count, (index+1)*L/count).
 
-    ``groups`` data-parallel groups split the recipe's lanes contiguously; this pipeline is group ``group``.
-    With ``groups > 1`` Zephon's ``checkpoint()`` is collective and needs ``run_id`` and exactly one of
-    ``aggregate_store`` and ``aggregate_dir``.
+    A producer, a materialise worker and a local-mode reader are each one lane group. With ``count > 1`` Zephon's
+    ``checkpoint()`` is collective and needs ``run_id`` and exactly one of ``aggregate_store`` and
+    ``aggregate_dir`` (Zephon calls a lane group a data-parallel group of its ``world_size``).
     """
 
-    groups: int = 1
-    group: int = 0
+    count: int = 1
+    index: int = 0
     run_id: str | None = None
     aggregate_store: str | None = None
     aggregate_dir: str | None = None
     aggregate_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
-        if self.groups < 1 or not 0 <= self.group < self.groups:
-            raise ValueError(f"ZephonRank: group {self.group} is not in [0, {self.groups})")
-        if self.groups > 1:
+        if self.count < 1 or not 0 <= self.index < self.count:
+            raise ValueError(f"LaneGroup: index {self.index} is not in [0, {self.count})")
+        if self.count > 1:
             if not self.run_id:
-                raise ValueError("ZephonRank: a distributed Zephon rank (groups > 1) needs a run_id")
+                raise ValueError("LaneGroup: one of several lane groups (count > 1) needs a run_id")
             if (self.aggregate_store is None) == (self.aggregate_dir is None):
                 raise ValueError(
-                    "ZephonRank: a distributed Zephon rank needs exactly one of aggregate_store and aggregate_dir"
+                    "LaneGroup: one of several lane groups needs exactly one of aggregate_store and aggregate_dir"
                 )
 
     def owned_lanes(self, lanes: int) -> tuple[int, ...]:
-        """Zephon's contiguous mapping: group g owns lanes [g*L/G, (g+1)*L/G)."""
-        if lanes % self.groups:
-            raise ValueError(f"{self.groups} Zephon ranks do not divide {lanes} lanes")
-        per = lanes // self.groups
-        return tuple(range(self.group * per, (self.group + 1) * per))
+        """Zephon's contiguous mapping: lane group g of G owns lanes [g*L/G, (g+1)*L/G)."""
+        if lanes % self.count:
+            raise ValueError(f"{self.count} lane groups do not divide {lanes} lanes")
+        per = lanes // self.count
+        return tuple(range(self.index * per, (self.index + 1) * per))
 
 
-def build_pipeline(recipe: Recipe, rank: ZephonRank = ZephonRank()) -> Any:
+def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup()) -> Any:
     from zephon import Pipeline
     from zephon.io import Dataset
     from zephon.work import MixtureSpec, StaticMixtureWorkSource
 
-    rank.owned_lanes(recipe.lanes)  # validates divisibility before Zephon only warns about it
+    group.owned_lanes(recipe.lanes)  # validates divisibility before Zephon only warns about it
     datasets = [Dataset.from_path(s.name, str(s.path), fmt=s.format) for s in recipe.sources]
     work = StaticMixtureWorkSource(
         datasets,
@@ -102,18 +101,18 @@ def build_pipeline(recipe: Recipe, rank: ZephonRank = ZephonRank()) -> Any:
         "shutdown_mode": "hard",
         "canonical_replicas": recipe.lanes,
         "mapping_strategy": "contiguous",
-        "world_size": rank.groups,
-        "global_rank": rank.group,
-        "dp_degree": rank.groups,
-        "dp_group_id": rank.group,
+        "world_size": group.count,
+        "global_rank": group.index,
+        "dp_degree": group.count,
+        "dp_group_id": group.index,
     }
     if recipe.flush_every_k_chunks is not None:
         options["flush_every_k_chunks"] = recipe.flush_every_k_chunks
-    if rank.groups > 1:
-        options["run_id"] = rank.run_id
-        options["aggregate_timeout_s"] = rank.aggregate_timeout_s
-        if rank.aggregate_store is not None:
-            options["aggregate_store"] = rank.aggregate_store
+    if group.count > 1:
+        options["run_id"] = group.run_id
+        options["aggregate_timeout_s"] = group.aggregate_timeout_s
+        if group.aggregate_store is not None:
+            options["aggregate_store"] = group.aggregate_store
         else:
-            options["aggregate_dir"] = rank.aggregate_dir
+            options["aggregate_dir"] = group.aggregate_dir
     return pipeline.options(**options)

@@ -3,16 +3,16 @@
 Guarantee: ``GlobalBatchSource(recipe).batch(s)`` is a pure function of (recipe, s). It gives the same rows in
 the same lane-major order as the data service and as W in-process Zephon ranks together, for any access order.
 
-Random access is served from Zephon checkpoints taken every ``snapshot_every`` steps: the most recent
-``recent_snapshots`` of them, plus anchors every ``anchor_every`` steps that are kept for good. ``batch(s)`` for an
+Random access is served from Zephon checkpoints taken every ``checkpoint_every`` steps: the most recent
+``recent_checkpoints`` of them, plus anchors every ``anchor_every`` steps that are kept for good. ``batch(s)`` for an
 s behind the current position restores the nearest kept checkpoint <= s and replays forward.
 
 Limits: a step behind costs one Zephon restore, which replays the open epoch of every lane (its price grows with
-lanes x chunk_size x flush_every_k_chunks; about 1.3 s for recipes/mixture.toml here) plus up to ``snapshot_every``
+lanes x chunk_size x flush_every_k_chunks; about 1.3 s for recipes/mixture.toml here) plus up to ``checkpoint_every``
 steps of replay (``anchor_every`` once the step has left the recent ring). A step far ahead is reached by producing
 every step in between. Why not a checkpoint every step: measured on recipes/mixture.toml, one Zephon checkpoint
 costs about 13 ms plus 9 ms for the JSON round trip, half of a 45 ms step, while a restore costs over a second
-anyway, so per-step snapshots would halve throughput to save a few steps of replay.
+anyway, so per-step checkpoints would halve throughput to save a few steps of replay.
 """
 
 from __future__ import annotations
@@ -61,30 +61,30 @@ class GlobalBatchSource:
         self,
         recipe: Recipe,
         *,
-        snapshot_every: int = 8,
-        recent_snapshots: int = 32,
+        checkpoint_every: int = 8,
+        recent_checkpoints: int = 32,
         anchor_every: int = 256,
         cache_steps: int = 4,
     ) -> None:
-        for name, value in (("snapshot_every", snapshot_every), ("recent_snapshots", recent_snapshots),
+        for name, value in (("checkpoint_every", checkpoint_every), ("recent_checkpoints", recent_checkpoints),
                             ("anchor_every", anchor_every), ("cache_steps", cache_steps)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"GlobalBatchSource: {name} must be a positive integer, got {value!r}")
-        if anchor_every % snapshot_every:
+        if anchor_every % checkpoint_every:
             raise ValueError(
-                f"GlobalBatchSource: anchor_every ({anchor_every}) must be a multiple of snapshot_every "
-                f"({snapshot_every})"
+                f"GlobalBatchSource: anchor_every ({anchor_every}) must be a multiple of checkpoint_every "
+                f"({checkpoint_every})"
             )
-        self._snapshot_every = snapshot_every
+        self._checkpoint_every = checkpoint_every
         self.recipe = recipe
         self._stepper = LaneStepper(recipe)
-        self._recent_snapshots = recent_snapshots
+        self._recent_checkpoints = recent_checkpoints
         self._anchor_every = anchor_every
-        self._snapshots: dict[int, dict[str, Any]] = {}
-        self._snapshot_steps: list[int] = []
+        self._checkpoints: dict[int, dict[str, Any]] = {}
+        self._checkpoint_steps: list[int] = []
         self._cache: OrderedDict[int, GlobalBatch] = OrderedDict()
         self._cache_steps = cache_steps
-        self._snapshot()  # step 0
+        self._checkpoint()  # step 0
 
     @property
     def position(self) -> int:
@@ -103,30 +103,30 @@ class GlobalBatchSource:
         while True:
             current = self._stepper.position
             batch = assemble(self.recipe, current, self._stepper.next_step())
-            self._snapshot()
+            self._checkpoint()
             if current == step:
                 self._remember(batch)
                 return batch
 
     def _seek(self, step: int) -> None:
-        index = bisect.bisect_right(self._snapshot_steps, step) - 1
-        self._stepper.restore(self._snapshots[self._snapshot_steps[index]])
+        index = bisect.bisect_right(self._checkpoint_steps, step) - 1
+        self._stepper.restore(self._checkpoints[self._checkpoint_steps[index]])
 
-    def _snapshot(self) -> None:
+    def _checkpoint(self) -> None:
         step = self._stepper.position
-        if step % self._snapshot_every or step in self._snapshots:
+        if step % self._checkpoint_every or step in self._checkpoints:
             return
         try:
-            self._snapshots[step] = self._stepper.checkpoint()
+            self._checkpoints[step] = self._stepper.checkpoint()
         except StepStateError:
-            return  # microbatches of the next step are buffered: not a clean boundary, keep older snapshots
-        bisect.insort(self._snapshot_steps, step)
-        # Drop the oldest non-anchor snapshot once the recent ring is full; anchors are kept for good.
-        recent = [s for s in self._snapshot_steps if s % self._anchor_every]
-        while len(recent) > self._recent_snapshots:
+            return  # microbatches of the next step are buffered: not a clean boundary, keep older checkpoints
+        bisect.insort(self._checkpoint_steps, step)
+        # Drop the oldest non-anchor checkpoint once the recent ring is full; anchors are kept for good.
+        recent = [s for s in self._checkpoint_steps if s % self._anchor_every]
+        while len(recent) > self._recent_checkpoints:
             drop = recent.pop(0)
-            del self._snapshots[drop]
-            self._snapshot_steps.remove(drop)
+            del self._checkpoints[drop]
+            self._checkpoint_steps.remove(drop)
 
     def _remember(self, batch: GlobalBatch) -> None:
         self._cache[batch.step] = batch

@@ -8,7 +8,7 @@ Layout (format version 2)::
       "fingerprint":    "<sha256>",     # Recipe.fingerprint
       "next_step":      12,             # first global step not yet consumed
       "zephon":         "<json>" | "",  # local mode: newest merged Zephon checkpoint at or before next_step
-      "replayed_steps": 0,              # steps this run re-produced to resume without an exact snapshot, so far
+      "replayed_steps": 0,              # steps this run re-produced to resume without an exact checkpoint, so far
     }
 
 Version 2 added ``replayed_steps`` (a version-1 state is refused with a message saying so: DCP loads by key, so

@@ -42,7 +42,7 @@ Limits:
   :meth:`~ZephonDataConfig.configure` refuses anything else, naming the dataset and the numbers.
 * State exists only at step boundaries, and a shard's state is whatever it has yielded: take it after the step
   is trained. In local mode :meth:`~ZephonDatasetShard.state_dict` is collective (every rank calls it at the same
-  step); its Zephon snapshot is taken every ``checkpoint_every`` steps, and a resume between snapshots replays
+  step); its Zephon checkpoint is taken every ``checkpoint_every`` steps, and a resume between checkpoints replays
   the steps in between.
 * Nothing here restores itself: the loop calls :meth:`~ZephonDatasetShard.restore` (or ``load_state_dict``). A
   fresh shard starts at step 0.
@@ -137,7 +137,7 @@ class ZephonDataConfig(DataConfig):
 
     ``run_id`` names the run: it is checked on resume and is the service consumer (one cursor for the whole
     job). ``local_batch_size`` is rows per microbatch (0: one microbatch per step, B/W rows); ``prefetch`` steps
-    are read ahead in a background thread; ``checkpoint_every`` (local mode) is how often Zephon snapshots are
+    are read ahead in a background thread; ``checkpoint_every`` (local mode) is how often Zephon checkpoints are
     taken: align it with the loop's checkpoint interval. Remaining keyword arguments go to Ray's ``DataConfig``
     and apply to plain Ray Data datasets of the same trainer. Validated here, when built.
     """

@@ -84,13 +84,13 @@ class LaneGroupWorker:
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         from zephon_ray.lanes import LaneStepper
-        from zephon_ray.pipeline import ZephonRank
+        from zephon_ray.pipeline import LaneGroup
 
         for group in batch["group"]:
             group = int(group)
-            rank = ZephonRank(groups=self.groups, group=group, run_id=self.run_id if self.groups > 1 else None,
-                              aggregate_dir=self.aggregate_dir if self.groups > 1 else None)
-            stepper = LaneStepper(self.recipe, rank)
+            lane_group = LaneGroup(count=self.groups, index=group, run_id=self.run_id if self.groups > 1 else None,
+                                   aggregate_dir=self.aggregate_dir if self.groups > 1 else None)
+            stepper = LaneStepper(self.recipe, lane_group)
             try:
                 if self.start_state is not None:
                     stepper.restore(self.start_state)

@@ -2,11 +2,11 @@
 
     consumers ──get_step(s)──► Coordinator (async; control plane only)
         ▲                        ├─ StepWindow      (window.py: table of refs, cursors, commits, bounds)
-        │                        ├─ ProducerGroup   (group.py: M producers, restarts, watchdog, rescale)
+        │                        ├─ ProducerPool   (group.py: M producers, restarts, watchdog, rescale)
         │                        ├─ Replayer actors (replayer.py: past steps, real CPU, shared per step)
         └── lane refs ───────────┴─ ServiceState    (state.py: checkpoints + commits under state_dir)
 
-A *pump* thread runs the ProducerGroup: it keeps producers up to ``window`` steps ahead of the slowest live cursor,
+A *pump* thread runs the ProducerPool: it keeps producers up to ``window`` steps ahead of the slowest live cursor,
 files finished steps (refs + small metadata) into the StepWindow and persists collective checkpoints. Consumer
 calls run on the actor's event loop: a read that must wait awaits an asyncio event, so it holds no thread.
 
@@ -53,7 +53,7 @@ from zephon_ray.batch import lane_span
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import ServiceConfig
 from zephon_ray.service.errors import ServiceError
-from zephon_ray.service.group import PRODUCER_INFIX, ProducerGroup
+from zephon_ray.service.pool import PRODUCER_INFIX, ProducerPool
 from zephon_ray.service.metrics import ServiceMetrics
 from zephon_ray.service.replayer import Replayer
 from zephon_ray.formats.service_state import ServiceState
@@ -138,7 +138,7 @@ class Coordinator:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
 
-        self.group = ProducerGroup(recipe, config, self.state, self._instance)
+        self.group = ProducerPool(recipe, config, self.state, self._instance)
         self.group.metrics = self._metrics = ServiceMetrics.for_config(config)  # Ray metrics: metrics.py
         self.group.launch(config.producers, ckpt, self.state.read_checkpoint(ckpt) if ckpt else None)
         res = config.resources

@@ -23,7 +23,7 @@ import traceback
 
 from zephon_ray.identity import verify_on_node
 from zephon_ray.lanes import LaneShard, LaneStepper
-from zephon_ray.pipeline import ZephonRank
+from zephon_ray.pipeline import LaneGroup
 from zephon_ray.recipe import Recipe
 
 
@@ -63,12 +63,12 @@ def node_name() -> str:
 class Producer:
     """Plain class; the coordinator wraps it with ``ray.remote`` and fractional CPUs."""
 
-    def __init__(self, recipe: Recipe, rank: ZephonRank, state: dict[str, Any] | None = None) -> None:
-        self.lanes = rank.owned_lanes(recipe.lanes)
+    def __init__(self, recipe: Recipe, group: LaneGroup, state: dict[str, Any] | None = None) -> None:
+        self.lanes = group.owned_lanes(recipe.lanes)
         self.init_error: str | None = None
         try:
             verify_on_node(recipe, where=f"producer for lanes {list(self.lanes)}")
-            self._stepper = LaneStepper(recipe, rank)
+            self._stepper = LaneStepper(recipe, group)
             if state is not None:
                 self._stepper.restore(state)
         except Exception as exc:  # noqa: BLE001 - reported once by the coordinator, see info()

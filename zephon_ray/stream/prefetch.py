@@ -35,7 +35,7 @@ STAT_MODE = "mode"
 STAT_NEXT_STEP = "next_step"
 STAT_REPLAYED_STEPS = "replayed_steps"
 STAT_RESUME_REPLAY = "resume_replay"
-STAT_RESUMED_FROM = "resumed_from_snapshot"
+STAT_RESUMED_FROM = "resumed_from_checkpoint"
 
 _POLL_S = 0.2
 

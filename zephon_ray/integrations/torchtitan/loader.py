@@ -25,11 +25,11 @@ Limits, each rejected with a clear error rather than worked around:
   unknown build keyword (a renamed TorchTitan argument) is a TypeError naming it;
 * a checkpoint may only be taken at a step boundary (not after some of a step's microbatches were consumed);
 * local mode needs W dividing L, and a distributed local-mode run needs a ``run_id`` and exactly one of
-  ``aggregate_store`` and ``aggregate_dir``. Its state carries the newest Zephon snapshot at or before
+  ``aggregate_store`` and ``aggregate_dir``. Its state carries the newest Zephon checkpoint at or before
   ``next_step`` (taken every ``checkpoint_every`` steps; TorchTitan's checkpoint interval is picked up
-  automatically); a resume between snapshots, or from a state without one, replays the steps in between: it logs
+  automatically); a resume between checkpoints, or from a state without one, replays the steps in between: it logs
   a warning with the count, and ``stats`` / the state's ``replayed_steps`` report it
-  (``test_resume_without_a_zephon_snapshot_warns_and_reports_the_replay``).
+  (``test_resume_without_a_zephon_checkpoint_warns_and_reports_the_replay``).
 
 TorchTitan never closes its data loader: the background threads are daemons, and :meth:`close` (also run at
 interpreter exit) stops them and releases the service connection.
@@ -50,7 +50,7 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
 from zephon_ray.batch import RankSlice
-from zephon_ray.pipeline import ZephonRank
+from zephon_ray.pipeline import LaneGroup
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream import aggregate
 from zephon_ray.stream.mesh import DpPeers, dp_peers
@@ -111,9 +111,9 @@ class ZephonRayDataLoader(BaseDataLoader):
         """Steps fetched (service) or produced (local) ahead of the trainer, in a background thread."""
 
         checkpoint_every: int = 0
-        """Local mode: take a Zephon snapshot every N steps (align it with the trainer's checkpoint interval).
+        """Local mode: take a Zephon checkpoint every N steps (align it with the trainer's checkpoint interval).
         0: TorchTitan's checkpoint interval when checkpointing is on, else none (a resume then replays from the
-        start, or from the snapshot it was resumed from)."""
+        start, or from the checkpoint it was resumed from)."""
 
         global_batch_size: int | None = None
         """The trainer's ``training.global_batch_size`` (-1: TorchTitan's default, local_batch_size x dp), copied
@@ -235,9 +235,9 @@ class ZephonRayDataLoader(BaseDataLoader):
     @property
     def stats(self) -> dict[str, Any]:
         """What this loader did: ``mode``, ``next_step``, ``replayed_steps`` (steps re-produced to resume without an
-        exact Zephon snapshot, summed over this run's resumes, counting the last resume's once iteration started;
+        exact Zephon checkpoint, summed over this run's resumes, counting the last resume's once iteration started;
         always 0 in service mode, whose service replays on its own), ``resume_replay`` (the steps the last resume
-        replays) and ``resumed_from_snapshot`` (the step of the Zephon snapshot it started from; None: none)."""
+        replays) and ``resumed_from_checkpoint`` (the step of the Zephon checkpoint it started from; None: none)."""
         resumed = None
         if self._loaded_zephon is not None:
             resumed = int(self._loaded_zephon["next_step"])
@@ -314,12 +314,12 @@ class ZephonRayDataLoader(BaseDataLoader):
 
             store, agg_dir, _ = cfg.resolved_aggregation()
             if self.dp_world_size > 1:
-                zrank = ZephonRank(groups=self.dp_world_size, group=self.dp_rank, run_id=cfg.run_id,
+                lane_group = LaneGroup(count=self.dp_world_size, index=self.dp_rank, run_id=cfg.run_id,
                                    aggregate_store=store, aggregate_dir=agg_dir)
             else:
-                zrank = ZephonRank()
-            return LocalSlices(recipe, rank=self.dp_rank, world=self.dp_world_size, zephon_rank=zrank,
-                               depth=cfg.prefetch, snapshot_every=self.checkpoint_every)
+                lane_group = LaneGroup()
+            return LocalSlices(recipe, rank=self.dp_rank, world=self.dp_world_size, lane_group=lane_group,
+                               depth=cfg.prefetch, checkpoint_every=self.checkpoint_every)
         if cfg.mode == "dataset":
             from zephon_ray.stream.dataset import DatasetSlices
 
@@ -387,10 +387,10 @@ class ZephonRayDataLoader(BaseDataLoader):
         if self._replaying and self._produces:
             if self._loaded_zephon is None:
                 logger.warning("zephon-ray loader (dp rank %d of %d): the loaded state at step %d has no Zephon "
-                               "snapshot (checkpointing was off, or the state came from service mode); replaying "
+                               "checkpoint (checkpointing was off, or the state came from service mode); replaying "
                                "%d steps from step 0 to resume", self.dp_rank, self.dp_world_size, step, step)
             elif self._replaying:
-                logger.warning("zephon-ray loader (dp rank %d of %d): resuming at step %d from the Zephon snapshot "
+                logger.warning("zephon-ray loader (dp rank %d of %d): resuming at step %d from the Zephon checkpoint "
                                "of step %d; replaying %d steps", self.dp_rank, self.dp_world_size, step,
                                step - self._replaying, self._replaying)
         self._loaded_at = step

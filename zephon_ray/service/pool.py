@@ -1,4 +1,4 @@
-"""``ProducerGroup``: launch, run, watch, restart and rescale the M producer actors of one service.
+"""``ProducerPool``: launch, run, watch, restart and rescale the M producer actors of one service.
 
 Only the coordinator's pump thread drives it. Each call of :meth:`submit` sends produce/skip/checkpoint calls for
 the next steps up to a target; :meth:`collect` returns the steps whose produce calls finished, as lane refs plus
@@ -34,7 +34,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from zephon_ray.identity import check_checkpoint_agreement
-from zephon_ray.pipeline import ZephonRank
+from zephon_ray.pipeline import LaneGroup
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import HOSTED_STORE, ServiceConfig
 from zephon_ray.service.metrics import NO_METRICS
@@ -68,7 +68,7 @@ class _Generation:
     infos: list[dict[str, Any] | None] = field(default_factory=list)
 
 
-class ProducerGroup:
+class ProducerPool:
     def __init__(self, recipe: Recipe, config: ServiceConfig, state: ServiceState, instance: str) -> None:
         self.recipe = recipe
         self.config = config
@@ -133,7 +133,7 @@ class ProducerGroup:
             res = self.config.resources
             actors, lanes = [], []
             for i in range(producers):
-                rank = ZephonRank(groups=producers, group=i, run_id=run_id, aggregate_store=store,
+                group = LaneGroup(count=producers, index=i, run_id=run_id, aggregate_store=store,
                                   aggregate_dir=agg_dir, aggregate_timeout_s=self.config.aggregate_timeout_s)
                 actors.append(actor_cls.options(
                     name=f"{self.config.name}{PRODUCER_INFIX}{self.instance}.g{number}.{i}",
@@ -141,8 +141,8 @@ class ProducerGroup:
                     # Detached: producers must outlive the job that started the service; the group kills them.
                     lifetime="detached", num_cpus=res.producer_num_cpus, resources=dict(res.producer_resources),
                     max_restarts=0,
-                ).remote(self.recipe, rank, state))
-                lanes.append(rank.owned_lanes(self.recipe.lanes))
+                ).remote(self.recipe, group, state))
+                lanes.append(group.owned_lanes(self.recipe.lanes))
             self.gen = _Generation(number=number, actors=actors, lanes=lanes, run_id=run_id,
                                    info_refs=[a.info.remote() for a in actors], infos=[None] * producers)
             self.next_step = step
