@@ -1,5 +1,8 @@
 """A tiny bigram language model trained under Ray Train from ``ray.train.get_dataset_shard`` (zephon_ray.integrations.ray_train).
 
+Also home of :func:`global_digest` (the examples' and tests' way to check a step's rows across ranks; not part of
+the wheel).
+
 Used by ``examples/elastic_resume.py`` (the fast default of ``make demo``) and by the Ray Train tests. The loop
 sums gradients over gloo and divides the summed token loss by the step's token count, so its losses are the same
 at every W up to float summation order: :func:`reference_losses` computes them in-process at W=1 from
@@ -50,7 +53,6 @@ def train_loop(config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from zephon_ray.integrations.ray_train import global_digest
     from zephon_ray.tokenizers import build_tokenizer
 
     cfg = {**DEFAULTS, **config}
@@ -124,3 +126,27 @@ def reference_losses(recipe_path: str, steps: int, **overrides: Any) -> list[flo
             optim.step()
             losses.append(float(loss.detach()))
     return losses
+
+
+def global_digest(piece: Any) -> str | None:
+    """Rank 0: the digest of the global batch whose slice ``piece`` (a ``RankSlice``) this rank holds, gathered
+    from every rank's slice in rank order over ``torch.distributed``; other ranks: None. A collective: every rank
+    calls it for the same step. Equals ``GlobalBatchSource(recipe).batch(step).digest`` when the ranks hold the
+    right rows; that is how the examples and tests check the guarantee."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from zephon_ray.batch import compute_digest
+
+    local = torch.from_numpy(np.stack([np.asarray(piece.tokens), np.asarray(piece.positions)]).astype(np.int64))
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world == 1:
+        parts = [local]
+    else:
+        parts = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(parts, local)
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return None
+    full = torch.cat(parts, dim=1).numpy()
+    return compute_digest(full[0], full[1])

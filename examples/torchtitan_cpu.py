@@ -1,5 +1,13 @@
 """Run TorchTitan 0.3.0 on a CPU-only torch (2.13): for tests and examples only, never for real training.
 
+Also a TorchTitan config registry (run from the repository root, so that ``examples`` is importable)::
+
+    PYTHONPATH=. torchrun --standalone --nproc_per_node 2 -m torchtitan.train --module examples.torchtitan_cpu \
+        --config zephon_llama3_debugmodel_cpu --training.steps 4
+
+:func:`zephon_llama3_debugmodel_cpu` is ``zephon_ray.integrations.torchtitan.config_registry``'s
+``zephon_llama3_debugmodel`` (same environment knobs) with the shims on, a 2-layer model, DDP over gloo, no compile.
+
 TorchTitan 0.3.0 assumes an accelerator. Four small shims make its real ``Trainer`` train on CPU, with 1 rank or
 several over gloo (DDP; FSDP over gloo does not work on CPU). Nothing else in zephon-ray knows about them:
 
@@ -27,6 +35,30 @@ from typing import Any
 import torch
 
 _APPLIED = False
+
+
+def zephon_llama3_debugmodel_cpu():
+    """CPU-only variant for tests and examples: shims on, 2-layer debug model, DDP over gloo, no compile."""
+    apply()
+    from torchtitan.config import CompileConfig, ParallelismConfig
+    from torchtitan.config.configs import DebugConfig
+
+    from zephon_ray.integrations.torchtitan.config_registry import zephon_llama3_debugmodel
+
+    config = zephon_llama3_debugmodel()
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model = config.model_spec.model
+    model.layers = model.layers[:2]
+    config.parallelism = ParallelismConfig(
+        data_parallel_replicate_degree=world,
+        data_parallel_shard_degree=1,
+        spmd_backend="partial_dtensor",
+    )
+    config.training.disable_cuda_graphs = True
+    config.training.mixed_precision_param = "float32"
+    config.compile = CompileConfig(enable=False)
+    config.debug = DebugConfig(seed=0)
+    return config
 
 
 class _CpuDeviceModule(SimpleNamespace):

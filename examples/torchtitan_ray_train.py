@@ -13,9 +13,10 @@ Inside a worker, Ray Train has already initialised the gloo process group and se
 TCPStore hosted by rank 0 (a new port after every restart), which is what ``aggregate_store="torch://"`` uses.
 
 Per-step records (step, W, global digest, loss) are appended by rank 0 to ``log_path`` (JSON lines), replayed
-steps included; :func:`read_log` reads them. The global digest is computed from every rank's slice, gathered over
-gloo in rank order (:func:`zephon_ray.integrations.ray_train.global_digest`). Shown by tests/test_ray_train_torchtitan.py
-(2 -> 1 workers) and ``examples/elastic_resume.py --trainer torchtitan`` (4 -> 2 -> 3).
+steps included; :func:`read_log` reads them. The global digest is computed from every rank's slice (taken from the
+loader's ``steps()``, the core's whole steps), gathered over gloo in rank order (:func:`examples.bigram.global_digest`).
+Shown by tests/test_ray_train_torchtitan.py (2 -> 1 workers) and ``examples/elastic_resume.py --trainer torchtitan``
+(4 -> 2 -> 3).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class TitanRun(_LoaderSource):
     dump_folder: str
     """Shared by every fit of the run: TorchTitan's DCP checkpoints live in ``<dump_folder>/checkpoint``."""
     log_path: str
-    config: str = "zephon_ray.integrations.torchtitan.config_registry:zephon_llama3_debugmodel_cpu"
+    config: str = "examples.torchtitan_cpu:zephon_llama3_debugmodel_cpu"
     """``module:function`` returning a ``Trainer.Config`` (a config-registry function)."""
     steps: int = 4
     """This fit trains until this many global steps are done in total (a resumed fit continues from its checkpoint)
@@ -94,7 +95,7 @@ def torchtitan_train_loop(config: dict[str, Any]) -> None:
 
     import ray.train
 
-    from zephon_ray.integrations.ray_train import global_digest
+    from examples.bigram import global_digest
     from zephon_ray.recipe import Recipe
 
     run = TitanRun(**config)
@@ -123,9 +124,15 @@ def torchtitan_train_loop(config: dict[str, Any]) -> None:
     trainer = trainer_config.build()
     loader = trainer.dataloader
     save, log = trainer.checkpointer.save, trainer.metrics_processor.log
+    steps, taken = loader.steps, {}
+
+    def recorded_steps():  # the loader's whole steps, each with its RankSlice: keep the latest for log_step
+        for batch in steps():
+            taken["slice"] = batch.slice
+            yield batch
 
     def log_step(step, global_avg_loss, *args, **kwargs):
-        digest = global_digest(loader.last_slice)
+        digest = global_digest(taken["slice"])
         if rank == 0:
             with open(run.log_path, "a") as fh:
                 fh.write(json.dumps({"step": step - 1, "world": world, "digest": digest,
@@ -148,6 +155,7 @@ def torchtitan_train_loop(config: dict[str, Any]) -> None:
         else:
             ray.train.report(metrics)
 
+    loader.steps = recorded_steps
     trainer.metrics_processor.log = log_step
     trainer.checkpointer.save = save_and_report
     trainer.should_continue_training = lambda: trainer.step < run.steps  # stop this fit at run.steps

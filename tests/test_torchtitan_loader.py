@@ -143,7 +143,22 @@ def test_state_before_iteration_is_json_safe_and_complete():
     assert state["next_step"] == 0 and state["zephon"] == ""
 
 
-def test_local_slices_match_reference_and_resume_at_other_w(tmp_path, reference_digests):
+def _token_digest(tokens) -> str:
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(tokens, dtype="<i4").tobytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(tiny_recipe):
+    """sha256 of each step's token rows (what a trainer's microbatches carry) from the in-process reference."""
+    from zephon_ray import GlobalBatchSource
+
+    with GlobalBatchSource(tiny_recipe) as source:
+        return [_token_digest(source.batch(step).tokens) for step in range(8)]
+
+
+def test_local_slices_match_reference_and_resume_at_other_w(tmp_path, reference_tokens):
     """W=2 local ranks (directory aggregation) give the reference batches; their states are identical; the state
     resumes at W=1 and W=4 with the same batches; a mid-step checkpoint and a wrong recipe/run_id fail clearly."""
     from zephon_ray.torchtitan import LoaderStateError
@@ -153,21 +168,25 @@ def test_local_slices_match_reference_and_resume_at_other_w(tmp_path, reference_
         return [cfg.build(dp_world_size=world, dp_rank=r, seq_len=64, local_batch_size=lbs) for r in range(world)]
 
     def run_steps(loaders, iters, n):
+        """n steps of every loader (its microbatches, as TorchTitan pulls them); the rows of each step are
+        rebuilt from the microbatches: input plus the last label column (the tiny recipe packs with 'wrap')."""
         digests = []
         for _ in range(n):
+            rows = [None] * len(loaders)
+
             def pull(i):
-                for _ in range(loaders[i].microbatches_per_step):
-                    next(iters[i])
+                mbs = [next(iters[i]) for _ in range(loaders[i].microbatches_per_step)]
+                rows[i] = np.concatenate([np.concatenate([x["input"].numpy(), y.numpy()[:, -1:]], axis=1)
+                                          for x, y in mbs])
             threads = [threading.Thread(target=pull, args=(i,)) for i in range(len(loaders))]
             [t.start() for t in threads]
             [t.join() for t in threads]
-            digests.append(compute_digest(np.concatenate([l.last_slice.tokens for l in loaders]),
-                                          np.concatenate([l.last_slice.positions for l in loaders])))
+            digests.append(_token_digest(np.concatenate(rows)))
         return digests
 
     loaders = build(2, tmp_path / "a")
     iters = [iter(l) for l in loaders]
-    assert run_steps(loaders, iters, 3) == reference_digests[:3]
+    assert run_steps(loaders, iters, 3) == reference_tokens[:3]
     states = [None, None]
 
     def take(i):
@@ -187,7 +206,7 @@ def test_local_slices_match_reference_and_resume_at_other_w(tmp_path, reference_
         resumed = build(world, tmp_path / f"w{world}")
         for l in resumed:
             l.load_state_dict(state)
-        assert run_steps(resumed, [iter(l) for l in resumed], 3) == reference_digests[3:6]
+        assert run_steps(resumed, [iter(l) for l in resumed], 3) == reference_tokens[3:6]
         for l in resumed:
             l.close()
 
@@ -226,11 +245,10 @@ loader = ZephonRayDataLoader.Config(recipe=os.environ["RECIPE"], mode="local", r
 if phase == "load":
     state = {"dataloader": loader}
     dcp.load(state, checkpoint_id=ckpt)
-it = iter(loader)
+it = loader.steps()
 digests = []
 for _ in range(3):
-    next(it)
-    s = loader.last_slice
+    s = next(it).slice
     parts = [None] * world
     dist.all_gather_object(parts, (s.tokens, s.positions))
     digests.append(compute_digest(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])))
@@ -284,11 +302,9 @@ def test_local_state_between_checkpoints_restores_and_replays(tmp_path, referenc
     for l in resumed:
         l.load_state_dict(state)
         assert l.state_dict() == state  # before iteration: the loaded state, unchanged
-    iters = [iter(l) for l in resumed]
+    iters = [l.steps() for l in resumed]
     for step in (3, 4):
-        for i in iters:
-            next(i)
-        rows = [l.last_slice for l in resumed]
+        rows = [next(i).slice for i in iters]
         assert compute_digest(np.concatenate([r.tokens for r in rows]),
                               np.concatenate([r.positions for r in rows])) == reference_digests[step]
     for l in resumed:
@@ -308,15 +324,14 @@ def test_resume_without_a_zephon_checkpoint_warns_and_reports_the_replay(caplog,
     assert state["next_step"] == 3 and state["zephon"] == "" and state["replayed_steps"] == 0
 
     resumed = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
-    with caplog.at_level("WARNING", logger="zephon_ray.integrations.torchtitan.loader"):
+    with caplog.at_level("WARNING", logger="zephon_ray.stream.loader"):
         resumed.load_state_dict(state)
     assert any("has no Zephon checkpoint" in r.message and "replaying 3 steps from step 0" in r.message
                for r in caplog.records), [r.message for r in caplog.records]
     assert resumed.stats["resume_replay"] == 3 and resumed.stats["resumed_from_checkpoint"] is None
     assert resumed.state_dict() == state  # nothing replayed yet: the loaded state, unchanged
-    it = iter(resumed)
-    next(it)
-    assert compute_digest(resumed.last_slice.tokens, resumed.last_slice.positions) == reference_digests[3]
+    piece = next(resumed.steps()).slice
+    assert compute_digest(piece.tokens, piece.positions) == reference_digests[3]
     assert resumed.stats["replayed_steps"] == 3
     later = resumed.state_dict()
     assert later["next_step"] == 4 and later["replayed_steps"] == 3  # carried on to the next resume
@@ -332,7 +347,7 @@ def test_exact_checkpoint_resume_is_quiet(caplog):
     state = loader.state_dict()
     loader.close()
     resumed = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
-    with caplog.at_level("WARNING", logger="zephon_ray.integrations.torchtitan.loader"):
+    with caplog.at_level("WARNING", logger="zephon_ray.stream.loader"):
         resumed.load_state_dict(state)
     assert not [r for r in caplog.records if "replaying" in r.message]
     assert resumed.stats["replayed_steps"] == 0 and resumed.stats["resumed_from_checkpoint"] == 2

@@ -36,12 +36,10 @@ loader = ZephonRayDataLoader.Config(recipe=os.environ["RECIPE"], mode="local", r
 template = loader.state_dict()                        # TorchTitan takes one before iterating (collective here)
 if phase == "load":
     loader.load_state_dict(json.load(open(state_path)))
-it = iter(loader)
+it = loader.steps()                                  # whole steps: each with its RankSlice
 digests, peers_identical = [], True
 for _ in range(3):
-    for _ in range(loader.microbatches_per_step):
-        next(it)
-    s = loader.last_slice
+    s = next(it).slice
     parts = [None] * world
     dist.all_gather_object(parts, (dp_rank, s.tokens, s.positions))
     for p in parts:                                   # every tp peer holds its dp group's rows, bit for bit
@@ -51,14 +49,14 @@ for _ in range(3):
     digests.append(compute_digest(np.concatenate([p[1] for p in leaders]), np.concatenate([p[2] for p in leaders])))
 state = loader.state_dict()
 # A leader that fails tells its peers (a PeerError naming the step) instead of leaving them in a collective.
-peers = loader._peers
+peers = loader.core.peers
 try:
     peers.share_slice(99, None, None, (8, 65), error=RuntimeError("leader broke") if peers.is_leader else None)
     failure = None
 except Exception as exc:
     failure = f"{type(exc).__name__}: {exc}"
 states = [None] * world
-dist.all_gather_object(states, (state, loader.stats, loader._source is not None, failure))
+dist.all_gather_object(states, (state, loader.stats, loader.core._source is not None, failure))
 if rank == 0:
     json.dump({"digests": digests, "peers_identical": bool(peers_identical), "state": state,
                "states_identical": all(s[0] == state for s in states), "stats": [s[1] for s in states],

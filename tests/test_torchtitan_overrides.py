@@ -17,7 +17,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny.toml"
-BYTES_ASSETS = ROOT / "zephon_ray" / "torchtitan" / "assets" / "bytes"
+BYTES_ASSETS = ROOT / "zephon_ray" / "integrations" / "torchtitan" / "assets" / "bytes"
 BPE_ASSETS = ROOT / "recipes" / "tokenizer"  # a 2048-token BPE: not the tiny recipe's byte tokenizer
 OVERRIDE = f'zephon_ray.integrations.torchtitan.overrides.zephon_dataloader={{"recipe": "{TINY}", "mode": "local"}}'
 

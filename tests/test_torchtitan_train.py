@@ -2,7 +2,8 @@
 
 A reference run at W=1 for 4 steps; then 2 -> 1 and 1 -> 2: 2 steps at W1 with a DCP checkpoint at step 2, resumed
 at W2 to step 4. Per-step global digests (every rank's recorded slice, concatenated in rank order) must equal the
-reference and ``zephon-ray digest``; losses must equal the reference.
+reference and ``zephon-ray digest``; losses must equal the reference. The config is the test-side registry
+``tests/titan_helpers.py`` (the CPU config of examples/torchtitan_cpu.py, recording each rank's slices).
 """
 
 from __future__ import annotations
@@ -27,12 +28,12 @@ ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 
 def torchtitan(nproc: int, steps: int, dump: Path, record: Path, *, checkpoint: bool) -> dict[int, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "torchtitan.train", "--module", "zephon_ray.integrations.torchtitan", "--config", "zephon_llama3_debugmodel_cpu",
+           "-m", "torchtitan.train", "--module", "titan_helpers", "--config", "zephon_llama3_debugmodel_cpu_recorded",
            "--training.steps", str(steps), "--dump_folder", str(dump)]
     if checkpoint:
         cmd += ["--checkpoint.enable", "--checkpoint.interval", "2"]
-    env = {**os.environ, "ZEPHON_RAY_RECORD_DIR": str(record), "ZEPHON_RAY_RECIPE": str(TINY),
-           "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "ZR_TEST_RECORD_DIR": str(record), "ZEPHON_RAY_RECIPE": str(TINY),
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     env.pop("ZEPHON_RAY_AGGREGATE_DIR", None)
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=dump.parent)
     out = ANSI_RE.sub("", proc.stdout + proc.stderr)

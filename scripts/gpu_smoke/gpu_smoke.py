@@ -7,7 +7,8 @@ Run from the repository root with PYTHONPATH=<wheels site>:$PWD (see scripts/gpu
   part 2: TorchTitan 0.3.0's real Trainer (llama3 debug model) fed by the loader, on SMOKE_DEVICE (default cuda),
           in a child process per variant (a crash or hang cannot lose part 1), each step's loss, batch digest and
           wall time printed:
-            cpu_test_config:    zephon_llama3_debugmodel_cpu(), the config tests/test_torchtitan_train.py runs
+            cpu_test_config:    examples.torchtitan_cpu.zephon_llama3_debugmodel_cpu(), the config
+                                tests/test_torchtitan_train.py runs
                                 (2 layers, fp32, partial_dtensor, no compile, no CUDA graphs), SMOKE_STEPS steps; on a
                                 GPU its CPU shims stay off by themselves (cpu.apply() is a no-op with an accelerator);
                                 FlexAttention compiled without max-autotune (SMOKE_FLEX_AUTOTUNE=1 keeps it);
@@ -253,13 +254,11 @@ def part_data() -> dict:
                                  dp_world_size=1, dp_rank=0, local_batch_size=lbs, seq_len=recipe.seq_len)
     got = []
     try:
-        it = iter(loader)
+        it = loader.steps()  # whole steps: the microbatches and the RankSlice they were cut from
         for s in range(DATA_STEPS):
-            shapes = []
-            for _ in range(loader.microbatches_per_step):
-                inputs, labels = next(it)
-                shapes.append(list(inputs["input"].shape))
-            piece = loader.last_slice
+            batch = next(it)
+            shapes = [list(inputs["input"].shape) for inputs, _ in batch.microbatches]
+            piece = batch.slice
             assert piece.step == s, (piece.step, s)
             d = compute_digest(piece.tokens, piece.positions)
             got.append(d)
@@ -324,7 +323,7 @@ def train_child(variant: str, result_path: str, steps_n: int) -> None:
             elif os.environ.get("SMOKE_STOCK_NO_CUDA_GRAPHS") == "1":  # document masks change every step
                 config.training.disable_cuda_graphs = True
         else:  # cpu_test_config, chunked_loss_probe
-            config = registry.zephon_llama3_debugmodel_cpu()  # installs the CPU shims only without an accelerator
+            config = cpu.zephon_llama3_debugmodel_cpu()  # installs the CPU shims only without an accelerator
         res["cpu_shims_active"] = cpu._APPLIED
         attn = apply_attention_compat(variant)
         res["compat_shims"] += attn
@@ -369,10 +368,18 @@ def train_child(variant: str, result_path: str, steps_n: int) -> None:
         res["steps"] = steps
         real_log = trainer.metrics_processor.log
         last = [time.perf_counter()]
+        real_steps, taken = loader.steps, {}
+
+        def recorded_steps():  # keep the RankSlice of the step the trainer is on, for its digest
+            for batch in real_steps():
+                taken["slice"] = batch.slice
+                yield batch
+
+        loader.steps = recorded_steps
 
         def log_step(step, global_avg_loss, *args, **kwargs):
             now = time.perf_counter()
-            piece = loader.last_slice
+            piece = taken["slice"]
             d = compute_digest(piece.tokens, piece.positions)
             s = step - 1
             rec = {"step": step, "batch": s, "loss": float(global_avg_loss), "digest": d,

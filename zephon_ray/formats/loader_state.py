@@ -1,18 +1,20 @@
-"""The loader's checkpoint state: small, JSON-safe, versioned, and identical on every rank.
+"""The loader state: small, JSON-safe, versioned, and identical on every reader. Owner of the format.
 
-Layout (format version 2)::
+Layout (format version 2); every key is always present::
 
     {
       "version":        2,              # STATE_VERSION; anything else is refused
-      "run_id":         "my-run",       # the Config's run_id ("" when unset)
+      "run_id":         "my-run",       # the loader config's run_id ("" when unset)
       "fingerprint":    "<sha256>",     # Recipe.fingerprint
       "next_step":      12,             # first global step not yet consumed
-      "zephon":         "<json>" | "",  # local mode: newest merged Zephon checkpoint at or before next_step
+      "zephon":         "<json>" | "",  # local mode: newest merged Zephon checkpoint at or before next_step;
+                                        # "" when there is none (always so in service and dataset mode)
       "replayed_steps": 0,              # steps this run re-produced to resume without an exact checkpoint, so far
     }
 
 Version 2 added ``replayed_steps`` (a version-1 state is refused with a message saying so: DCP loads by key, so
-the key set is part of the format).
+the key set is part of the format). :func:`check_state` refuses a state that lacks a key or has one more, naming
+it (``tests/test_stream_loader.py::test_bad_loader_states_are_one_line_naming_the_key``).
 
 Every value is a str or an int, so DCP stores each key once (every rank holds the same value) and the state loads
 at any data-parallel degree. The merged Zephon checkpoint is kept as one JSON string rather than a nested dict so
@@ -55,20 +57,28 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
     """Validate a saved state against this run; return its ``next_step``. Raises :class:`LoaderStateError`."""
     if not isinstance(state, dict):
         raise LoaderStateError(f"loader state must be a dict, got {type(state).__name__}")
-    missing = [k for k in (KEY_VERSION, KEY_FINGERPRINT, KEY_NEXT_STEP) if k not in state]
-    if missing:
-        raise LoaderStateError(f"loader state lacks key '{missing[0]}' (keys present: {sorted(state)})")
+    if KEY_VERSION not in state:
+        raise LoaderStateError(f"loader state lacks key '{KEY_VERSION}' (keys present: {sorted(map(str, state))})")
     version = state[KEY_VERSION]
     if version != STATE_VERSION:
         raise LoaderStateError(f"loader state key '{KEY_VERSION}': version {version!r} is not supported (expected "
                                f"{STATE_VERSION}; version 2 added '{KEY_REPLAYED_STEPS}')")
+    missing = [k for k in STATE_KEYS if k not in state]
+    if missing:
+        raise LoaderStateError(f"loader state lacks key '{missing[0]}' (format {STATE_VERSION} has {STATE_KEYS}; "
+                               f"keys present: {sorted(map(str, state))})")
+    extra = sorted(str(k) for k in state if k not in STATE_KEYS)
+    if extra:
+        raise LoaderStateError(f"loader state has unknown key '{extra[0]}' (format {STATE_VERSION} has {STATE_KEYS})")
     if state[KEY_FINGERPRINT] != fingerprint:
         raise LoaderStateError(
             f"loader state key '{KEY_FINGERPRINT}': the checkpoint was written for recipe fingerprint "
             f"{str(state[KEY_FINGERPRINT])[:12]}, but this run uses {recipe_name} (fingerprint {fingerprint[:12]}); "
             "resume with the recipe the run started with"
         )
-    saved_run = state.get(KEY_RUN_ID, "") or ""
+    saved_run = state[KEY_RUN_ID]
+    if not isinstance(saved_run, str):
+        raise LoaderStateError(f"loader state key '{KEY_RUN_ID}' must be a string, got {saved_run!r}")
     if saved_run != (run_id or ""):
         raise LoaderStateError(
             f"loader state key '{KEY_RUN_ID}': the checkpoint belongs to run_id {saved_run!r}, "
@@ -80,22 +90,33 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
     return step
 
 
-def zephon_state(state: dict) -> dict[str, Any] | None:
-    """The merged Zephon checkpoint carried by a local-mode state, or None (service mode, or step 0)."""
-    blob = state.get(KEY_ZEPHON) or ""
+def zephon_state(state: dict, *, next_step: int | None = None) -> dict[str, Any] | None:
+    """The merged Zephon checkpoint carried by a state, or None (its ``zephon`` is ""). Its own ``next_step``
+    must be an int, at or before the state's ``next_step`` when that is given."""
+    blob = state.get(KEY_ZEPHON, "")
+    if not isinstance(blob, str):
+        raise LoaderStateError(f"loader state key '{KEY_ZEPHON}' must be a JSON string or \"\", got "
+                               f"{type(blob).__name__}")
     if not blob:
         return None
     try:
         value = json.loads(blob)
-    except (TypeError, ValueError) as exc:
+    except ValueError as exc:
         raise LoaderStateError(f"loader state key '{KEY_ZEPHON}' is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise LoaderStateError(f"loader state key '{KEY_ZEPHON}' must hold a JSON object")
+    at = value.get(KEY_NEXT_STEP)
+    if isinstance(at, bool) or not isinstance(at, int) or at < 0:
+        raise LoaderStateError(f"loader state key '{KEY_ZEPHON}': the Zephon checkpoint's '{KEY_NEXT_STEP}' must be "
+                               f"a non-negative int, got {at!r}")
+    if next_step is not None and at > next_step:
+        raise LoaderStateError(f"loader state key '{KEY_ZEPHON}': the Zephon checkpoint is at step {at}, after "
+                               f"'{KEY_NEXT_STEP}' {next_step}")
     return value
 
 
 def replayed_steps(state: dict) -> int:
-    """The ``replayed_steps`` a state carries (bounded, non-negative)."""
+    """The ``replayed_steps`` a state carries (non-negative)."""
     value = state.get(KEY_REPLAYED_STEPS, 0)
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise LoaderStateError(f"loader state key '{KEY_REPLAYED_STEPS}' must be a non-negative int, got {value!r}")

@@ -26,14 +26,20 @@ resize, every restart after a failure), with that group's world size; it hands r
 :class:`ZephonDatasetShard`. Other (plain Ray Data) datasets of the same trainer are configured by Ray's own
 ``DataConfig`` as usual.
 
+Each shard runs the framework-free loader core (:class:`zephon_ray.stream.loader.Loader`): this module imports
+neither TorchTitan nor triton, so a plain Ray Train user installs neither (``tests/test_ray_train_quickstart.py``
+runs ``examples/ray_train_quickstart.py`` with both imports blocked).
+
 Guarantee: rank r of W yields, for every step s from its ``next_step`` on, rows ``[r*B/W, (r+1)*B/W)`` of global
 batch s (B rows), the rows ``GlobalBatchSource(recipe).batch(s)`` holds at those positions, cut into
 ``local_batch_size``-row microbatches ``({"input", "positions"}, labels)``. :meth:`ZephonDatasetShard.state_dict`
-is the loader state ``{version, run_id, fingerprint, next_step, zephon}`` of :mod:`zephon_ray.formats.loader_state`:
-JSON, identical on every rank, so one copy in a Ray Train checkpoint resumes any W with the same global batches.
-Shown by ``tests/test_ray_train_elastic.py`` (4 -> 2 -> 3 workers, local and service mode: every step's digest
-gathered from the ranks' slices equals ``GlobalBatchSource``'s; a worker killed mid-run replays identical steps),
-``tests/test_ray_train_inplace_resize.py`` (slow: an elastic 2 -> 4 resize inside one ``fit()``) and
+is the loader state ``{version, run_id, fingerprint, next_step, zephon, replayed_steps}`` of
+:mod:`zephon_ray.formats.loader_state` (every key always present; ``zephon`` is "" in service mode): JSON,
+identical on every rank, so one copy in a Ray Train checkpoint resumes any W with the same global batches.
+Shown by ``tests/test_ray_train_elastic.py`` (4 -> 2 -> 3 workers: every step's digest gathered from the ranks'
+slices equals ``GlobalBatchSource``'s, and every loss the W=1 reference; a worker killed mid-run replays identical
+steps), ``tests/test_ray_train_quickstart.py`` (the quickstart, 4 -> 2 workers, final weights equal the in-process
+reference), ``tests/test_ray_train_inplace_resize.py`` (slow: an elastic 2 -> 4 resize inside one ``fit()``) and
 ``tests/test_ray_train.py`` (configure at W = 1..12, refusals, save/restore of a shard).
 
 Limits:
@@ -62,6 +68,9 @@ from typing import Any, NamedTuple
 from ray.train import DataConfig
 
 from zephon_ray.recipe import Recipe
+from zephon_ray.stream.loader import Loader, LoaderConfig, StepBatch
+
+__all__ = ["Microbatch", "StepBatch", "ZephonDataConfig", "ZephonDataset", "ZephonDatasetShard", "STATE_FILE"]
 
 STATE_FILE = "zephon_loader.json"
 """The loader state's file inside a Ray Train checkpoint directory (see :meth:`ZephonDatasetShard.save`)."""
@@ -180,15 +189,6 @@ class _ShardSettings:
     checkpoint_every: int
 
 
-@dataclass(frozen=True)
-class StepBatch:
-    """This rank's part of global step ``step``: ``microbatches`` (one optimizer step's worth) and its ``slice``."""
-
-    step: int
-    microbatches: list
-    slice: Any  # zephon_ray.batch.RankSlice
-
-
 class Microbatch(NamedTuple):
     """One microbatch of ``iter_torch_batches``; ``last`` marks the step's final one (time for the optimizer)."""
 
@@ -201,7 +201,7 @@ class Microbatch(NamedTuple):
 class ZephonDatasetShard:
     """Rank ``rank`` of ``world``'s view of a :class:`ZephonDataset`: what ``ray.train.get_dataset_shard``
     returns. Built by :class:`ZephonDataConfig` in Ray Train's dataset manager and shipped to the worker; the
-    loader (a :class:`~zephon_ray.torchtitan.ZephonRayDataLoader`) is created in the worker at first use."""
+    loader (the core :class:`~zephon_ray.stream.loader.Loader`) is created in the worker at first use."""
 
     def __init__(self, dataset: ZephonDataset, settings: _ShardSettings, *, rank: int, world: int,
                  name: str) -> None:
@@ -214,19 +214,17 @@ class ZephonDatasetShard:
 
     # ------------------------------------------------------------------ the loader
     @property
-    def loader(self) -> Any:
+    def loader(self) -> Loader:
+        """The loader core of this rank (created at first use, in the worker)."""
         if self._loader is None:
-            from zephon_ray.integrations.torchtitan.loader import ZephonRayDataLoader
-
             d, s = self.dataset, self.settings
             extra = {"service_name": d.service_name, "service_namespace": d.service_namespace} \
                 if d.mode == "service" else {}
-            config = ZephonRayDataLoader.Config(
-                recipe=d.recipe_path, mode=d.mode, run_id=s.run_id, aggregate_store=d.aggregate_store,
-                aggregate_dir=d.aggregate_dir, prefetch=s.prefetch, checkpoint_every=s.checkpoint_every,
-                global_batch_size=d.recipe.global_batch_rows, **extra)
-            self._loader = config.build(dp_world_size=self.world, dp_rank=self.rank, seq_len=d.recipe.seq_len,
-                                        local_batch_size=s.local_batch_size)
+            config = LoaderConfig(recipe=d.recipe_path, mode=d.mode, run_id=s.run_id,
+                                  aggregate_store=d.aggregate_store, aggregate_dir=d.aggregate_dir,
+                                  prefetch=s.prefetch, checkpoint_every=s.checkpoint_every, **extra)
+            self._loader = Loader(config, rank=self.rank, world=self.world, local_batch_size=s.local_batch_size,
+                                  recipe=d.recipe)
         return self._loader
 
     @property
@@ -248,11 +246,13 @@ class ZephonDatasetShard:
         while the recipe has data). Tensors move to ``device`` when given."""
         until = self._check_until(until)
         loader = self.loader
-        batches = iter(loader)
-        while until is None or loader.next_step < until:
-            step = loader.next_step
-            microbatches = [_to(next(batches), device) for _ in range(loader.microbatches_per_step)]
-            yield StepBatch(step=step, microbatches=microbatches, slice=loader.last_slice)
+        if until is not None and loader.next_step >= until:
+            return
+        for batch in loader:
+            yield batch if device is None else StepBatch(batch.step, batch.slice,
+                                                         [_to(mb, device) for mb in batch.microbatches])
+            if until is not None and loader.next_step >= until:
+                return
 
     def iter_torch_batches(self, until: int | None = None, *, device: Any = None) -> Iterator[Microbatch]:
         """Like ``ray.data.DataIterator.iter_torch_batches``: one :class:`Microbatch` at a time, with its step."""
@@ -311,27 +311,3 @@ def _to(microbatch: tuple[dict, Any], device: Any) -> tuple[dict, Any]:
         return microbatch
     inputs, labels = microbatch
     return {k: v.to(device, non_blocking=True) for k, v in inputs.items()}, labels.to(device, non_blocking=True)
-
-
-def global_digest(piece: Any) -> str | None:
-    """Rank 0: the digest of the global batch whose slice ``piece`` (a ``RankSlice``) this rank holds, gathered
-    from every rank's slice in rank order over ``torch.distributed``; other ranks: None. A collective: every rank
-    calls it for the same step. Equals ``GlobalBatchSource(recipe).batch(step).digest`` when the ranks hold the
-    right rows; that is how the tests check the guarantee above."""
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-
-    from zephon_ray.batch import compute_digest
-
-    local = torch.from_numpy(np.stack([np.asarray(piece.tokens), np.asarray(piece.positions)]).astype(np.int64))
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    if world == 1:
-        parts = [local]
-    else:
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local)
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    full = torch.cat(parts, dim=1).numpy()
-    return compute_digest(full[0], full[1])

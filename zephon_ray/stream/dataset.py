@@ -1,10 +1,10 @@
-"""Dataset mode: this rank's slice of every step, read from a materialised directory with pyarrow.
+"""Dataset mode: this reader's slice of every step, read from a materialised directory with pyarrow.
 
-A background thread (:class:`~zephon_ray.stream.prefetch.PrefetchedSlices`) reads steps ``s, s+1, ...``
+The prefetch thread (:class:`~zephon_ray.stream.prefetch.PrefetchedSlices`) reads steps ``s, s+1, ...``
 from a :class:`~zephon_ray.formats.materialized.MaterializedSource` (one Parquet row group each, checked against the
-manifest's digest) ahead of the trainer. No Zephon and no Ray run in the trainer: the resume state is the
-loader's ``{version, run_id, fingerprint, next_step}`` alone, so a run may switch between dataset, service and
-local mode at any resume (tests/test_materialized.py::test_loader_switches_modes_at_a_resume).
+manifest's digest) ahead of the trainer. No Zephon and no Ray run in the trainer: the source state carries no
+checkpoint (the loader state's ``zephon`` is ""), so a run may switch between dataset, service and local mode at
+any resume, at any W (tests/test_stream_loader.py::test_modes_and_w_change_at_every_resume).
 
 Limits: only materialised steps can be read; the step after the last one fails with a
 :class:`~zephon_ray.formats.materialized.MaterializedError` naming the range (extend the directory with
@@ -25,7 +25,7 @@ from zephon_ray.stream.prefetch import PrefetchedSlices
 
 
 class DatasetSlices(PrefetchedSlices):
-    """This rank's slices of consecutive steps, read from a materialised directory."""
+    """This reader's slices of consecutive steps, read from a materialised directory."""
 
     reraise = (MaterializedError,)  # names the directory and the step range already
 
@@ -34,7 +34,7 @@ class DatasetSlices(PrefetchedSlices):
         self.source = MaterializedSource(directory, recipe=recipe)
         self.source.batch(self.source.first_step).slice(rank, world)  # W must divide B: fail when built
 
-    def _produce(self, step: int, resume: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
+    def _produce(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
         s = step
         while not stop.is_set():
             yield self.source.slice(s, self.rank, self.world)

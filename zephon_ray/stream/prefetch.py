@@ -1,22 +1,14 @@
-"""One narrow interface for the loader's slice sources, and one prefetch thread behind it.
+"""The one prefetch implementation behind every slice source: a daemon thread and a bounded queue.
 
-Every delivery path (``local``: an in-process Zephon rank; ``service``: a DataService; ``dataset``: materialised
-Parquet) is a :class:`SliceSource`, in the spirit of ``torchdata.nodes``::
+:class:`PrefetchedSlices` implements the protocol of :mod:`zephon_ray.stream.protocol` (reset / next / state /
+close) once. A daemon thread runs the subclass's ``_produce`` generator and hands its slices to :meth:`next`
+through a queue of ``depth`` steps, so ``next`` only waits when production itself is behind. An exception in the
+thread reaches the caller at its next ``next`` (with the original as ``__cause__``), never as a silent hang;
+``next`` checks that the slice is the step it expects. Tests: ``tests/test_torchtitan_prefetch.py``.
 
-    source.start(step, resume)     # (re)start at a step boundary; ``resume`` is what ``state()`` handed out
-    source.get(step, timeout)      # this rank's RankSlice of ``step``; steps are asked for in order
-    source.advance(next_step)      # the trainer consumed every step before ``next_step``
-    source.state(step, timeout)    # JSON-safe resume state for boundary ``step`` (None: nothing to keep)
-    source.close()                 # stop threads, release connections; idempotent
-
-:class:`PrefetchedSlices` implements ``start``/``get``/``close`` once: a daemon thread runs the subclass's
-``_produce`` generator and hands its slices to ``get`` through a bounded queue of ``depth`` steps, so ``get`` only
-waits when production itself is behind. An exception in the thread reaches the trainer at its next ``get`` (with
-the original as ``__cause__``), never as a silent hang. ``get`` checks that the slice is the step it asked for.
-
-Limits: a source serves one rank and consecutive steps from where it was started; to jump, call ``start`` again
-(the loader does on ``load_state_dict``). ``close`` waits at most ``timeout`` for the thread: a thread blocked in
-a remote call exits when that call returns (it is a daemon, so it never holds the interpreter open).
+Limits: ``close`` waits at most ``timeout`` for the thread; a thread blocked in a remote call exits when that call
+returns (it is a daemon, so it never holds the interpreter open). Production runs at most ``depth`` steps (plus the
+one being put) ahead of what ``next`` returned.
 """
 
 from __future__ import annotations
@@ -29,93 +21,88 @@ from collections.abc import Iterator
 from typing import Any
 
 from zephon_ray.batch import RankSlice
-
-# Keys of the loader's ``stats`` (see ZephonRayDataLoader.stats), named once.
-STAT_MODE = "mode"
-STAT_NEXT_STEP = "next_step"
-STAT_REPLAYED_STEPS = "replayed_steps"
-STAT_RESUME_REPLAY = "resume_replay"
-STAT_RESUMED_FROM = "resumed_from_checkpoint"
+from zephon_ray.stream.protocol import (
+    STATE_CHECKPOINT,
+    STATE_NEXT_STEP,
+    SliceSource,
+    SourceError,
+    check_reader,
+    check_source_state,
+    source_state,
+)
 
 _POLL_S = 0.2
-
-
-class SourceError(RuntimeError):
-    """The producing side of a slice source failed; ``__cause__`` holds the original exception."""
-
-
-class SliceSource(abc.ABC):
-    """The narrow protocol the loader drives. See the module docstring."""
-
-    @abc.abstractmethod
-    def start(self, step: int, resume: dict[str, Any] | None = None) -> None: ...
-
-    @abc.abstractmethod
-    def get(self, step: int, timeout: float) -> RankSlice: ...
-
-    def advance(self, next_step: int) -> None:  # noqa: B027 - optional hook
-        """The trainer finished every step before ``next_step``."""
-
-    def state(self, step: int, timeout: float) -> dict[str, Any] | None:
-        """Resume state at the step boundary ``step``; None when the source needs none (service, dataset)."""
-        return None
-
-    @abc.abstractmethod
-    def close(self) -> None: ...
-
-    @property
-    @abc.abstractmethod
-    def running(self) -> bool: ...
+MAX_DEPTH = 1024
+"""Upper bound on ``depth`` (steps held in memory ahead of the reader)."""
 
 
 class PrefetchedSlices(SliceSource):
-    """A :class:`SliceSource` whose slices are made ahead by one background thread (see the module docstring).
+    """A :class:`~zephon_ray.stream.protocol.SliceSource` whose slices are made ahead by one background thread.
 
-    Subclasses implement :meth:`_produce` and may override :meth:`_idle` (called while the queue is full)."""
+    Subclasses implement :meth:`_produce` and may override the hooks ``_on_reset``, ``_on_next``, ``_idle``,
+    ``_wake`` and ``_checkpoint``."""
 
     reraise: tuple[type[BaseException], ...] = ()
-    """Exception types handed to the trainer as they are (they already say what went wrong, e.g. a
+    """Exception types handed to the caller as they are (they already say what went wrong, e.g. a
     ``ServiceError``); any other failure is wrapped in a :class:`SourceError` naming the source, step and rank."""
 
     def __init__(self, *, rank: int, world: int, depth: int, name: str) -> None:
-        if depth < 1:
-            raise ValueError(f"prefetch depth must be >= 1, got {depth}")
-        self.rank = rank
-        self.world = world
+        self.rank, self.world = check_reader(rank, world)
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= MAX_DEPTH:
+            raise ValueError(f"prefetch depth must be an int in [1, {MAX_DEPTH}], got {depth!r}")
         self.depth = depth
         self._name = name
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        self._next = 0
 
     # ------------------------------------------------------------------ subclass hooks
     @abc.abstractmethod
-    def _produce(self, step: int, resume: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
-        """Yield this rank's slices of ``step``, ``step + 1``, ... until ``stop`` is set. Runs in the thread."""
+    def _produce(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
+        """Yield this reader's slices of ``step``, ``step + 1``, ... until ``stop`` is set. Runs in the thread."""
+
+    def _on_reset(self, step: int, checkpoint: dict[str, Any] | None) -> None:
+        """Called in the caller's thread before the producer thread starts."""
+
+    def _on_next(self, step: int) -> None:
+        """Called in the caller's thread when :meth:`next` hands out ``step``."""
 
     def _idle(self) -> None:
         """Called in the thread every ~50 ms while the queue is full (e.g. to move a service cursor)."""
 
-    def _on_start(self, step: int, resume: dict[str, Any] | None) -> None:
-        """Called in the caller's thread before the producer thread starts."""
+    def _wake(self) -> None:
+        """Wake a producer thread waiting on a subclass condition (called by close)."""
 
-    # ------------------------------------------------------------------ SliceSource
+    def _checkpoint(self, step: int, timeout: float) -> dict[str, Any] | None:
+        """The checkpoint a state at boundary ``step`` carries (None: the source keeps none)."""
+        return None
+
+    # ------------------------------------------------------------------ the protocol
     @property
-    def running(self) -> bool:
-        return self._thread is not None
+    def position(self) -> int:
+        """The step :meth:`next` returns next."""
+        return self._next
 
-    def start(self, step: int, resume: dict[str, Any] | None = None) -> None:
+    def reset(self, state: dict[str, Any] | None = None) -> None:
+        state = source_state(0) if state is None else check_source_state(state)
+        step, checkpoint = state[STATE_NEXT_STEP], state[STATE_CHECKPOINT]
         self.close_thread()
         self._stop = threading.Event()
         self._queue = queue.Queue(maxsize=self.depth)
         self._error = None
-        self._on_start(step, resume)
-        self._thread = threading.Thread(target=self._loop, args=(step, resume, self._stop, self._queue),
+        self._next = step
+        self._on_reset(step, checkpoint)
+        self._thread = threading.Thread(target=self._loop, args=(step, checkpoint, self._stop, self._queue),
                                         name=f"zephon-ray-{self._name}-r{self.rank}", daemon=True)
         self._thread.start()
 
-    def get(self, step: int, timeout: float) -> RankSlice:
+    def next(self, timeout: float) -> RankSlice:
+        if self._thread is None:
+            raise SourceError(f"the {self._name} source (rank {self.rank} of {self.world}) is not running: call "
+                              "reset() first")
+        step = self._next
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -134,14 +121,20 @@ class PrefetchedSlices(SliceSource):
                 raise item
             raise self._failure(got) from item
         if got != step:
-            raise SourceError(f"the {self._name} source is at step {got}, the loader expected step {step}")
+            raise SourceError(f"the {self._name} source is at step {got}, the reader expected step {step}")
+        self._next = step + 1
+        self._on_next(step)
         return item
+
+    def state(self, timeout: float) -> dict[str, Any]:
+        step = self._next
+        return source_state(step, self._checkpoint(step, timeout) if step > 0 else None)
 
     def close(self) -> None:
         self.close_thread()
 
     def close_thread(self, timeout: float = 2.0) -> None:
-        """Stop the producer thread (waiting at most ``timeout``); the source may be started again."""
+        """Stop the producer thread (waiting at most ``timeout``); the source may be reset again."""
         thread, self._thread = self._thread, None
         if thread is None:
             return
@@ -149,18 +142,15 @@ class PrefetchedSlices(SliceSource):
         self._wake()
         thread.join(timeout)
 
-    def _wake(self) -> None:
-        """Wake a producer thread waiting on a subclass condition (called by close)."""
-
     # ------------------------------------------------------------------ thread
     def _failure(self, step: int) -> SourceError:
         err = self._error
         return SourceError(f"zephon-ray {self._name} source failed at step {step} (rank {self.rank} of "
                            f"{self.world}): {type(err).__name__}: {err}")
 
-    def _loop(self, step: int, resume: dict[str, Any] | None, stop: threading.Event, out: queue.Queue) -> None:
+    def _loop(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event, out: queue.Queue) -> None:
         s = step
-        produced = self._produce(step, resume, stop)
+        produced = self._produce(step, checkpoint, stop)
         try:
             for item in produced:
                 s = item.step

@@ -1,15 +1,18 @@
-"""Service mode: read this rank's slice of every step from a running zephon-ray DataService.
+"""Service mode: read this reader's slice of every step from a running zephon-ray DataService.
 
-A background thread asks the service for steps ``s .. s+depth-1`` ahead of the trainer (the service's own
-``prefetch`` keeps the requests in flight) and hands finished ``RankSlice`` objects to the loader through a bounded
-queue, so ``next()`` only waits when the service itself is behind. The slice arrays are copied out of the Ray
+The prefetch thread asks the service for steps ``s .. s+depth-1`` ahead of the trainer (the service's own
+``prefetch`` keeps the requests in flight) and hands finished ``RankSlice`` objects to ``next`` through the bounded
+queue, so ``next`` only waits when the service itself is behind. The slice arrays are copied out of the Ray
 object store in that thread (they are read-only, zero-copy views there).
 
 Read-ahead does not move this consumer's cursor on the service (``track=False``); the cursor moves when the
 trainer actually takes a step. The service's window therefore trails what the trainer consumed, not what was
 prefetched, so a resume from the last checkpoint finds its steps still in the live window.
 
-Limits: the service must run the same recipe (fingerprint checked at connect). Every rank of a job uses the same
+``state()`` commits its boundary on the service (reader 0 only) and carries no checkpoint: the service keeps its
+own Zephon state.
+
+Limits: the service must run the same recipe (fingerprint checked at connect). Every reader of a job uses the same
 consumer name (the run_id, or without one the service client's default, one per Ray job), so the service's window
 follows the slowest rank and two jobs never share cursors.
 """
@@ -28,7 +31,7 @@ from zephon_ray.stream.prefetch import PrefetchedSlices
 
 
 class ServiceSlices(PrefetchedSlices):
-    """This rank's slices of consecutive steps, read from a DataService (see the module docstring)."""
+    """This reader's slices of consecutive steps, read from a DataService (see the module docstring)."""
 
     reraise = (Exception,)  # service errors already name the service, the step and the cause
 
@@ -49,20 +52,18 @@ class ServiceSlices(PrefetchedSlices):
         self._consumed: int | None = None
         self._touched: int | None = None
 
-    def _on_start(self, step: int, resume: dict[str, Any] | None) -> None:
+    def _on_reset(self, step: int, checkpoint: dict[str, Any] | None) -> None:
         self._consumed = self._touched = None
 
-    def get(self, step: int, timeout: float) -> RankSlice:
-        item = super().get(step, timeout)
-        self._consumed = step  # the reader thread moves the service cursor: an actor call costs ~1 ms here
-        return item
+    def _on_next(self, step: int) -> None:
+        self._consumed = step  # the prefetch thread moves the service cursor: an actor call costs ~1 ms here
 
-    def state(self, step: int, timeout: float) -> None:
-        """Commit ``step`` on the service (rank 0 only); the service keeps its own Zephon state.
+    def _checkpoint(self, step: int, timeout: float) -> None:
+        """Commit ``step`` on the service (reader 0 only); the service keeps its own Zephon state.
 
         A restarted service starts its live window at the newest commit. Committing when the state is taken
         (rather than after the write) is safe: an older resume point is still served, by replay."""
-        if step > 0 and self.rank == 0:
+        if self.rank == 0:
             with self._lock:
                 self.service.commit(step)
         return None
@@ -77,7 +78,7 @@ class ServiceSlices(PrefetchedSlices):
         self._touched = step
         self.service.touch(step, rank=self.rank, world=self.world)  # fire and forget
 
-    def _produce(self, step: int, resume: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
+    def _produce(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
         s = step
         while not stop.is_set():
             self._flush_cursor()

@@ -1,13 +1,16 @@
-"""TorchTitan integration: a data loader whose global batches survive any change of data-parallel degree.
+"""TorchTitan integration (the ``torchtitan`` extra): a data loader whose global batches survive any change of dp degree.
 
-* :class:`ZephonRayDataLoader` (``zephon_ray.integrations.torchtitan.loader``): the TorchTitan ``BaseDataLoader``.
-* ``zephon_ray.integrations.torchtitan.config_registry``: ``--module zephon_ray.integrations.torchtitan --config <name>`` configs.
-* ``zephon_ray.integrations.torchtitan.overrides``: the ``--override.imports`` route onto TorchTitan's own configs.
-* ``examples.torchtitan_ray_train``: TorchTitan or a plain torch loop under Ray Train ``TorchTrainer``.
-* ``examples.torchtitan_cpu``: the shims that let TorchTitan 0.3.0 train on a CPU-only torch (tests, examples).
-* ``zephon_ray.stream.prefetch``: the ``SliceSource`` interface every delivery mode implements, and its thread.
-* ``zephon_ray.stream.mesh``: TP/PP/CP peers of a dp rank share its slice (one Zephon participant per dp rank).
-* ``zephon_ray.integrations.torchtitan.trainer_checks``: the trainer's global batch, seq_len and tokenizer against the recipe.
+* :class:`ZephonRayDataLoader` (``loader``): TorchTitan's ``BaseDataLoader``, a thin adapter over the framework-free
+  loader core :class:`zephon_ray.stream.loader.Loader`. Public alias: ``from zephon_ray.torchtitan import
+  ZephonRayDataLoader``.
+* ``config_registry``: the configs of ``torchtitan.train --module zephon_ray.integrations.torchtitan --config <name>``.
+* ``overrides``: the ``--override.imports`` route onto TorchTitan's own configs.
+* ``trainer_checks``: the trainer's tokenizer against the recipe's (batch geometry: :mod:`zephon_ray.stream.geometry`).
+* ``internals``: the one module that relies on TorchTitan's private internals (``tests/test_torchtitan_internals.py``
+  fails loudly when they change).
+
+Outside the wheel: ``examples/torchtitan_cpu.py`` (CPU shims and the ``*_cpu`` configs) and
+``examples/torchtitan_ray_train.py`` (TorchTitan's Trainer under Ray Train).
 """
 
 from __future__ import annotations

@@ -3,19 +3,20 @@
 Each function returns a ``Trainer.Config`` whose data loader is :class:`ZephonRayDataLoader`. The recipe fixes
 the data, so the trainer's ``seq_len`` and global batch are taken from it (and checked by the loader).
 
-    torchrun --nproc_per_node 2 -m torchtitan.train --module zephon_ray.integrations.torchtitan \\
-        --config zephon_llama3_debugmodel_cpu --training.steps 4
+    torchrun --nproc_per_node 8 -m torchtitan.train --module zephon_ray.integrations.torchtitan \\
+        --config zephon_llama3_debugmodel --training.steps 100
 
 Environment knobs read when the config is built (each can also be changed through the usual CLI overrides of the
 TorchTitan fields it sets):
 
-* ``ZEPHON_RAY_RECIPE``: recipe TOML (default ``recipes/tiny.toml`` of this repository);
+* ``ZEPHON_RAY_RECIPE``: recipe TOML or packaged recipe name (default ``tiny``, packaged with the wheel);
 * ``ZEPHON_RAY_MODE``: ``local`` (default) or ``service``; ``ZEPHON_RAY_RUN_ID`` (default ``zephon-llama3-debug``);
 * ``ZEPHON_RAY_AGGREGATE_DIR``: aggregate local-mode checkpoints in a directory instead of ``torch://``;
 * ``ZEPHON_RAY_SERVICE`` / ``ZEPHON_RAY_NAMESPACE``: the data service's name and namespace.
 
-``*_cpu`` configs install the CPU shims (:mod:`examples.torchtitan_cpu`) and use DDP over gloo: for tests and
-examples only.
+On a CPU-only torch (tests, examples) use ``--module examples.torchtitan_cpu --config
+zephon_llama3_debugmodel_cpu`` from the repository root (``PYTHONPATH=.``): it installs the CPU shims and uses DDP
+over gloo, and is not part of the wheel.
 """
 
 from __future__ import annotations
@@ -29,16 +30,16 @@ from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.components.validate import Validator
-from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+from torchtitan.config import TrainingConfig
 from torchtitan.config.configs import DebugConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.llama3 import model_registry
 from torchtitan.trainer import Trainer
 
-from zephon_ray.recipe import Recipe
 from zephon_ray.integrations.torchtitan.loader import ZephonRayDataLoader
-from zephon_ray.integrations.torchtitan.trainer_checks import check_global_batch_setting, check_seq_len
+from zephon_ray.recipe import Recipe
+from zephon_ray.stream.geometry import check_global_batch_setting, check_seq_len
 
 DEFAULT_RECIPE = "tiny"  # the packaged tiny recipe (zephon_ray/recipes/tiny.toml)
 BYTES_ASSETS = Path(__file__).resolve().parent / "assets" / "bytes"
@@ -50,7 +51,7 @@ class ZephonTrainerConfig(Trainer.Config):
     """``Trainer.Config`` that checks, when built (so after CLI overrides), that the trainer's batch geometry is
     the recipe's: ``training.seq_len`` and ``training.global_batch_size`` (one optimizer step = one global batch).
     The loader re-checks both, with ``local_batch_size``, the dp degree and the tokenizer, when TorchTitan builds
-    it (:mod:`zephon_ray.integrations.torchtitan.trainer_checks`)."""
+    it (:mod:`zephon_ray.stream.geometry`, :mod:`zephon_ray.integrations.torchtitan.trainer_checks`)."""
 
     def __post_init__(self) -> None:
         Trainer.Config.__post_init__(self)
@@ -117,24 +118,3 @@ def zephon_llama3_debugmodel() -> Trainer.Config:
         validator=Validator.Config(enable=False),
         debug=DebugConfig(seed=0),
     )
-
-
-def zephon_llama3_debugmodel_cpu() -> Trainer.Config:
-    """CPU-only variant for tests and examples: shims on, 2-layer debug model, DDP over gloo, no compile."""
-    import examples.torchtitan_cpu as cpu
-
-    cpu.apply()
-    config = zephon_llama3_debugmodel()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    model = config.model_spec.model
-    model.layers = model.layers[:2]
-    config.parallelism = ParallelismConfig(
-        data_parallel_replicate_degree=world,
-        data_parallel_shard_degree=1,
-        spmd_backend="partial_dtensor",
-    )
-    config.training.disable_cuda_graphs = True
-    config.training.mixed_precision_param = "float32"
-    config.compile = CompileConfig(enable=False)
-    config.debug = DebugConfig(seed=0)
-    return config

@@ -17,37 +17,34 @@ into the loader config, whose build checks the whole geometry again with the dp 
 :class:`~zephon_ray.integrations.torchtitan.trainer_checks.TrainerMismatchError` line. Tests:
 ``tests/test_torchtitan_overrides.py``.
 
-Limits: the trainer config is found by walking up to TorchTitan 0.3.0's ``apply_overrides`` frame; if a future
-TorchTitan applies overrides another way, the factory says so rather than skipping the checks (the loader's build
-still checks everything but an explicit global batch). This route cannot install the CPU shims early enough
-(TorchTitan picks its device before overrides are applied), so on a CPU-only torch use the config registry's
-``*_cpu`` configs instead.
+Limits: the trainer config is found by walking up to TorchTitan 0.3.0's ``apply_overrides`` frame, TorchTitan's
+private internals fenced in :mod:`zephon_ray.integrations.torchtitan.internals`; if a future TorchTitan applies
+overrides another way, the factory says so rather than skipping the checks (the loader's build still checks
+everything but an explicit global batch). This route cannot install the CPU shims early enough (TorchTitan picks
+its device before overrides are applied), so on a CPU-only torch use the examples' ``*_cpu`` configs
+(``--module examples.torchtitan_cpu``) instead.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 from torchtitan.components.dataloader import BaseDataLoader
-from torchtitan.config.override import apply_overrides, override
+from torchtitan.config.override import override
 
-from zephon_ray.recipe import Recipe
 from zephon_ray.integrations.torchtitan.config_registry import zephon_loader_config
+from zephon_ray.integrations.torchtitan.internals import trainer_config_being_overridden
 from zephon_ray.integrations.torchtitan.loader import ZephonRayDataLoader
-from zephon_ray.integrations.torchtitan.trainer_checks import (
-    TrainerMismatchError,
-    check_global_batch_setting,
-    check_seq_len,
-    check_tokenizer,
-)
+from zephon_ray.integrations.torchtitan.trainer_checks import check_tokenizer
+from zephon_ray.recipe import Recipe
+from zephon_ray.stream.geometry import TrainerMismatchError, check_global_batch_setting, check_seq_len
 
 
 @override(target=BaseDataLoader.Config, fqns=["dataloader"],
           description="zephon-ray: deterministic global batches that survive any change of dp degree")
 def zephon_dataloader(cfg: BaseDataLoader.Config, **kwargs: Any) -> ZephonRayDataLoader.Config:
     loader = zephon_loader_config(kwargs.pop("recipe", None), **kwargs)
-    trainer_config = _trainer_config_being_overridden()
+    trainer_config = trainer_config_being_overridden()
     check_trainer_config(trainer_config, loader)
     loader.global_batch_size = trainer_config.training.global_batch_size
     return loader
@@ -66,20 +63,3 @@ def check_trainer_config(trainer_config: Any, loader: ZephonRayDataLoader.Config
                                    f"{trainer_config.hf_assets_path!r} to check it against the recipe "
                                    f"{recipe.describe()}: {type(exc).__name__}: {exc}") from None
     check_tokenizer(recipe, tokenizer)
-
-
-def _trainer_config_being_overridden() -> Any:
-    frame = inspect.currentframe()
-    try:
-        while frame is not None:
-            if frame.f_code is apply_overrides.__code__:
-                root = frame.f_locals.get("config_root")
-                if root is not None and hasattr(root, "training"):
-                    return root
-            frame = frame.f_back
-    finally:
-        del frame
-    raise TrainerMismatchError(
-        "zephon_dataloader: cannot find the trainer config this override is applied to (TorchTitan's "
-        "apply_overrides with a config_root that has 'training'); zephon-ray needs it to check the global batch. "
-        "Use the config registry (--module zephon_ray.integrations.torchtitan) or build Trainer.Config in Python")

@@ -1,0 +1,378 @@
+"""The framework-free loader core: reader r of W yields, per step, its RankSlice of the global batch and its trainer
+microbatches, and keeps the loader state. TorchTitan's ``ZephonRayDataLoader`` and Ray Train's
+``ZephonDatasetShard`` are thin adapters over it; neither TorchTitan nor Ray Train is imported here.
+
+::
+
+    loader = Loader(LoaderConfig(recipe="recipes/tiny.toml", mode="local"), rank=0, world=1, local_batch_size=4)
+    loader.load_state_dict(saved)          # optional: resume (format v2, identical on every reader)
+    for batch in loader:                   # StepBatch(step, slice, microbatches), forever (repeat = true recipes)
+        for inputs, labels in batch.microbatches: ...
+        saved = loader.state_dict()        # at a step boundary: after the step was trained
+    loader.close()
+
+Guarantee: for a recipe with B rows per global batch, reader r of W (W dividing B) yields, for every step s from
+its ``next_step`` on, ``batch.slice`` = rows ``[r*B/W, (r+1)*B/W)`` of global batch s, cut into
+``({"input", "positions"}, labels)`` microbatches of ``local_batch_size`` rows. The rows are the same from the data
+service (``mode="service"``), from an in-process Zephon lane group (``mode="local"``) and from a materialised
+directory (``mode="dataset"``), whatever W and mode were before a resume: concatenating every reader's slice in
+rank order gives the batch ``zephon-ray digest`` describes (``tests/test_stream_loader.py``: all three modes with W
+changing at each resume; ``tests/test_torchtitan_loader.py``; ``tests/test_ray_train_elastic.py``).
+
+State (:mod:`zephon_ray.formats.loader_state`, format v2) is ``{version, run_id, fingerprint, next_step, zephon,
+replayed_steps}``: every key always present (``zephon`` is "" when there is no Zephon checkpoint, which is always
+so outside local mode), JSON-safe and identical on every reader, so it is stored once and loads at any W and in
+any mode. ``state_dict()`` works before iteration.
+
+TP/PP/CP: readers that share a rank (TorchTitan's dp_rank) are **peers** and get the same slice. In local mode
+only the lowest of them runs Zephon and broadcasts each slice (and the state) to the others
+(:mod:`zephon_ray.stream.mesh`, ``tests/test_torchtitan_mesh.py``). In service and dataset mode every peer reads
+its slice itself: the same rows.
+
+Limits, each rejected with a clear error rather than worked around:
+
+* W must divide B, ``local_batch_size * W`` must divide B, and when a trainer's global batch and seq_len are given
+  they must be the recipe's (:mod:`zephon_ray.stream.geometry`);
+* local mode needs W dividing L, and a distributed local-mode run needs a ``run_id`` and exactly one of
+  ``aggregate_store`` and ``aggregate_dir``. Its state carries the newest Zephon checkpoint at or before
+  ``next_step`` (taken every ``checkpoint_every`` steps); a resume between checkpoints, or from a state without
+  one, replays the steps in between: it logs a warning with the count, and ``stats`` / the state's
+  ``replayed_steps`` report it (``tests/test_torchtitan_loader.py::test_resume_without_a_zephon_checkpoint_warns_and_reports_the_replay``);
+* the state describes what the loader has handed out: take it after the step was trained.
+
+Background threads are daemons; :meth:`close` (also run at garbage collection and interpreter exit) stops them and
+releases the service connection.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from zephon_ray.batch import RankSlice
+from zephon_ray.formats.loader_state import (
+    LoaderStateError,
+    check_state,
+    make_state,
+    replayed_steps,
+    zephon_state,
+)
+from zephon_ray.recipe import Recipe
+from zephon_ray.stream import aggregate
+from zephon_ray.stream.geometry import check_geometry, check_int
+from zephon_ray.stream.mesh import DpPeers, dp_peers
+from zephon_ray.stream.prefetch import MAX_DEPTH
+from zephon_ray.stream.protocol import STATE_CHECKPOINT, SliceSource, check_reader, source_state
+
+logger = logging.getLogger(__name__)
+
+MODES = ("service", "local", "dataset")
+
+# Keys of Loader.stats, named once.
+STAT_MODE = "mode"
+STAT_NEXT_STEP = "next_step"
+STAT_REPLAYED_STEPS = "replayed_steps"
+STAT_RESUME_REPLAY = "resume_replay"
+STAT_RESUMED_FROM = "resumed_from_checkpoint"
+
+GET_TIMEOUT_S = 600.0
+"""How long a reader waits for one step's slice (or a local-mode checkpoint) before a TimeoutError."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoaderConfig:
+    """Where the batches come from. Validated when built (a bad value is one ValueError naming the field)."""
+
+    recipe: str
+    """Path to the recipe TOML (or a packaged recipe's name, e.g. "tiny")."""
+
+    mode: str = "service"
+    """``"service"``: read slices from a running DataService; ``"local"``: run Zephon in this process;
+    ``"dataset"``: read a directory written by ``zephon-ray materialize`` (``dataset_dir``)."""
+
+    dataset_dir: str | None = None
+    """Dataset mode: the materialised directory (local or shared storage), from the same recipe."""
+
+    service_name: str = "zephon-ray"
+    service_namespace: str = "zephon-ray"
+
+    run_id: str | None = None
+    """Names the run; checked on resume; the service consumer. Required for a distributed local-mode run."""
+
+    aggregate_store: str | None = None
+    """Local mode: ``"torch://"`` (MASTER_ADDR:MASTER_PORT) or ``"torch://host:port"``."""
+
+    aggregate_dir: str | None = None
+    """Local mode: a directory every reader can reach. ``$ZEPHON_RAY_AGGREGATE_DIR`` overrides both."""
+
+    prefetch: int = 2
+    """Steps fetched (service, dataset) or produced (local) ahead of the trainer, in a background thread."""
+
+    checkpoint_every: int = 0
+    """Local mode: take a Zephon checkpoint every N steps (align it with the trainer's checkpoint interval);
+    0: none (a resume then replays from the start, or from the checkpoint it was resumed from)."""
+
+    def __post_init__(self) -> None:
+        where = "loader config"
+        if not isinstance(self.recipe, str) or not self.recipe:
+            raise ValueError(f"{where}: 'recipe' (path to a recipe TOML) is required, got {self.recipe!r}")
+        if self.mode not in MODES:
+            raise ValueError(f"{where}: 'mode' must be one of {MODES}, got {self.mode!r}")
+        check_int(f"{where}: 'prefetch'", self.prefetch, low=1, high=MAX_DEPTH)
+        check_int(f"{where}: 'checkpoint_every'", self.checkpoint_every, low=0)
+        if (self.mode == "dataset") != bool(self.dataset_dir):
+            raise ValueError(f"{where}: 'dataset_dir' is required with mode='dataset' and only used by it "
+                             f"(mode {self.mode!r}, dataset_dir {self.dataset_dir!r})")
+        store, agg_dir, origin = self.resolved_aggregation()
+        if store is not None and agg_dir is not None:
+            raise ValueError(f"{where}: set exactly one of 'aggregate_store' and 'aggregate_dir', got both "
+                             f"({store!r} and {agg_dir!r}, from {origin})")
+
+    def resolved_aggregation(self) -> tuple[str | None, str | None, str]:
+        return aggregate.resolve(self.aggregate_store, self.aggregate_dir, self.recipe)
+
+    def check_distributed_local(self, world: int) -> None:
+        """A local-mode run with W > 1 takes collective Zephon checkpoints: it needs a run_id and exactly one
+        reachable aggregation point."""
+        if self.mode != "local" or world <= 1:
+            return
+        store, agg_dir, _ = self.resolved_aggregation()
+        if not self.run_id:
+            raise ValueError(f"loader config: a distributed local-mode run (data-parallel degree {world}) needs "
+                             "'run_id': it names the collective Zephon checkpoint")
+        if store is None and agg_dir is None:
+            raise ValueError(
+                f"loader config: a distributed local-mode run (data-parallel degree {world}) needs exactly one of "
+                f"'aggregate_store' (e.g. 'torch://') and 'aggregate_dir' (or ${aggregate.ENV_AGGREGATE_DIR}, or "
+                "the recipe's [aggregate] table); neither is set")
+        if store is not None:
+            aggregate.check_store_reachable(store)
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """Reader r's part of global step ``step``: its ``slice`` (a RankSlice) and ``microbatches`` (one optimizer
+    step's worth of ``({"input", "positions"}, labels)``)."""
+
+    step: int
+    slice: RankSlice
+    microbatches: list
+
+
+class Loader:
+    """Reader ``rank`` of ``world`` over zephon-ray global batches. See the module docstring for the guarantee.
+
+    ``local_batch_size``: rows per trainer microbatch (0: one microbatch of B/W rows per step).
+    ``global_batch_size``/``seq_len``: the trainer's, checked against the recipe when given (-1: local_batch_size
+    x W). ``checkpoint_every``: overrides ``config.checkpoint_every`` (the TorchTitan adapter derives it from the
+    trainer's checkpoint interval). ``recipe``: an already parsed ``Recipe`` of ``config.recipe`` (saves a parse).
+    """
+
+    def __init__(self, config: LoaderConfig, *, rank: int, world: int, local_batch_size: int = 0,
+                 global_batch_size: int | None = None, seq_len: int | None = None,
+                 checkpoint_every: int | None = None, recipe: Recipe | None = None) -> None:
+        if not isinstance(config, LoaderConfig):
+            raise TypeError(f"Loader: expected a LoaderConfig, got {type(config).__name__}")
+        self.config = config
+        self.rank, self.world = check_reader(rank, world)
+        lbs = check_int("local_batch_size", local_batch_size, low=0)
+        self.recipe = recipe if recipe is not None else Recipe.from_toml(config.recipe)
+        B = self.recipe.global_batch_rows
+        if B % self.world:
+            raise ValueError(f"{self.world} readers do not divide the recipe's global batch of {B} rows "
+                             f"({self.recipe.describe()})")
+        self.local_batch_size = lbs or B // self.world
+        self.microbatches_per_step = check_geometry(self.recipe, global_batch_size=global_batch_size,
+                                                    local_batch_size=self.local_batch_size,
+                                                    dp_world_size=self.world, seq_len=seq_len)
+        if config.mode == "local" and self.recipe.lanes % self.world:
+            raise ValueError(
+                f"recipe {self.recipe.describe()}: local mode needs the data-parallel degree to divide the recipe's "
+                f"{self.recipe.lanes} lanes, got {self.world}; use mode='service' (any W dividing B={B}) or a W "
+                f"dividing {self.recipe.lanes}")
+        config.check_distributed_local(self.world)
+        self.checkpoint_every = config.checkpoint_every if checkpoint_every is None else \
+            check_int("checkpoint_every", checkpoint_every, low=0)
+        # TP/PP/CP peers sharing this rank (collective when the job has more processes than readers).
+        self.peers: DpPeers | None = dp_peers(dp_rank=self.rank, dp_world_size=self.world) \
+            if config.mode == "local" else None
+
+        self._next_step = 0
+        self._loaded_zephon: dict[str, Any] | None = None
+        self._loaded_at = 0
+        self._source: SliceSource | None = None
+        self._active = False  # the source was reset at _next_step and is serving
+        self._replayed_before = 0  # replayed steps carried by the loaded state (earlier resumes)
+        self._replaying = 0  # steps the current resume replays
+        self._replay_started = False  # counted in replayed_steps once the source started (and so replays)
+        # Runs at garbage collection and at interpreter exit: a trainer may never call close().
+        self._finalizer = weakref.finalize(self, _close_source, self.__dict__)
+        if config.mode == "dataset":
+            self._source = self._make_source()  # a missing or mismatched directory fails when the loader is built
+
+    # ------------------------------------------------------------------ iteration
+    @property
+    def next_step(self) -> int:
+        """The first global step not yet handed out."""
+        return self._next_step
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """What this loader did: ``mode``, ``next_step``, ``replayed_steps`` (steps re-produced to resume without an
+        exact Zephon checkpoint, summed over this run's resumes, counting the last resume's once iteration started;
+        always 0 outside local mode, where the service replays on its own), ``resume_replay`` (the steps the last
+        resume replays) and ``resumed_from_checkpoint`` (the step of the Zephon checkpoint it started from)."""
+        resumed = None if self._loaded_zephon is None else int(self._loaded_zephon["next_step"])
+        return {STAT_MODE: self.config.mode, STAT_NEXT_STEP: self._next_step,
+                STAT_REPLAYED_STEPS: self._replayed_steps(), STAT_RESUME_REPLAY: self._replaying,
+                STAT_RESUMED_FROM: resumed}
+
+    def _replayed_steps(self) -> int:
+        return self._replayed_before + (self._replaying if self._replay_started else 0)
+
+    def __iter__(self) -> Iterator[StepBatch]:
+        """Every step from ``next_step`` on (re-read at each step, so a ``load_state_dict`` moves it)."""
+        while True:
+            step = self._next_step
+            piece = self._take(step)
+            self._next_step = step + 1
+            yield StepBatch(step, piece, list(piece.microbatches(self.local_batch_size)))
+
+    @property
+    def _produces(self) -> bool:
+        """Whether this reader runs a source (False for a TP/PP/CP peer, which receives its leader's slices)."""
+        return self.peers is None or self.peers.is_leader
+
+    def _started_source(self, step: int) -> SliceSource:
+        if self._source is not None and self._active:
+            return self._source
+        if self._source is None:
+            self._source = self._make_source()
+        self._source.reset(source_state(step, self._loaded_zephon if step == self._loaded_at else None))
+        self._active = True
+        self._replay_started = True
+        return self._source
+
+    def _take(self, step: int) -> RankSlice:
+        peers = self.peers
+        if peers is None:
+            return self._started_source(step).next(timeout=GET_TIMEOUT_S)
+        rows = self.recipe.global_batch_rows // self.world
+        shape = (rows, self.recipe.seq_len + 1)
+        if not peers.is_leader:
+            self._replay_started = True  # the leader's source started: keep the states identical
+            tokens, positions = peers.share_slice(step, None, None, shape)
+            return RankSlice(step, self.rank, self.world, tokens, positions, self._pad_token_id())
+        try:
+            piece = self._started_source(step).next(timeout=GET_TIMEOUT_S)
+        except BaseException as exc:
+            peers.share_slice(step, None, None, shape, error=exc)  # tell the peers, then raise here
+            raise
+        peers.share_slice(step, piece.tokens, piece.positions, shape)
+        return piece
+
+    def _pad_token_id(self) -> int | None:
+        from zephon_ray.source import pad_token_id
+
+        return pad_token_id(self.recipe)
+
+    def _make_source(self) -> SliceSource:
+        """The slice source of ``config.mode``; a new mode adds one branch here and one SliceSource class."""
+        cfg, recipe = self.config, self.recipe
+        if cfg.mode == "local":
+            from zephon_ray.pipeline import LaneGroup
+            from zephon_ray.stream.local import LocalSlices
+
+            store, agg_dir, _ = cfg.resolved_aggregation()
+            lane_group = LaneGroup(count=self.world, index=self.rank, run_id=cfg.run_id, aggregate_store=store,
+                                   aggregate_dir=agg_dir) if self.world > 1 else LaneGroup()
+            return LocalSlices(recipe, rank=self.rank, world=self.world, lane_group=lane_group, depth=cfg.prefetch,
+                               checkpoint_every=self.checkpoint_every)
+        if cfg.mode == "dataset":
+            from zephon_ray.stream.dataset import DatasetSlices
+
+            return DatasetSlices(recipe, cfg.dataset_dir, rank=self.rank, world=self.world, depth=cfg.prefetch)
+        from zephon_ray.stream.service import ServiceSlices
+
+        return ServiceSlices(recipe, rank=self.rank, world=self.world, name=cfg.service_name,
+                             namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch)
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        """The loader state at ``next_step`` (format v2, identical on every reader). In local mode with W > 1 it
+        may wait for the collective Zephon checkpoint of that boundary: call it on every reader."""
+        if not self._produces:
+            return self.peers.share_object(None)  # the leader's state, bit for bit
+        step = self._next_step
+        zephon: dict[str, Any] | None = None
+        if step > 0 and self._source is not None and self._active:
+            zephon = self._source.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT]
+        elif self.config.mode == "local" and step > 0 and step == self._loaded_at:
+            zephon = self._loaded_zephon
+        state = make_state(run_id=self.config.run_id, fingerprint=self.recipe.fingerprint, next_step=step,
+                           zephon=zephon, replayed_steps=self._replayed_steps())
+        if self.peers is not None:
+            self.peers.share_object(state)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume at the state's ``next_step``; a state from another recipe or run, or of another format, is one
+        :class:`~zephon_ray.formats.loader_state.LoaderStateError` naming the key. An empty dict is ignored
+        (TorchTitan passes one for a component with nothing saved)."""
+        if isinstance(state, dict) and not state:
+            return
+        step = check_state(state, run_id=self.config.run_id, fingerprint=self.recipe.fingerprint,
+                           recipe_name=str(self.recipe.path or "<recipe>"))
+        loaded = zephon_state(state, next_step=step) if self.config.mode == "local" else None
+        if loaded is not None:
+            from zephon_ray.lanes import check_step_state
+
+            try:
+                check_step_state(loaded, self.recipe)
+            except ValueError as exc:
+                raise LoaderStateError(f"loader state key 'zephon': {exc}") from None
+        self._loaded_zephon = loaded
+        self._replayed_before = replayed_steps(state)
+        self._replaying = 0
+        self._replay_started = False
+        if self.config.mode == "local" and step > 0:
+            start = 0 if loaded is None else int(loaded["next_step"])
+            self._replaying = step - start  # the same on every reader: the state is
+        if self._replaying and self._produces:
+            if loaded is None:
+                logger.warning("zephon-ray loader (reader %d of %d): the loaded state at step %d has no Zephon "
+                               "checkpoint (checkpointing was off, or the state came from another mode); replaying "
+                               "%d steps from step 0 to resume", self.rank, self.world, step, step)
+            else:
+                logger.warning("zephon-ray loader (reader %d of %d): resuming at step %d from the Zephon checkpoint "
+                               "of step %d; replaying %d steps", self.rank, self.world, step,
+                               step - self._replaying, self._replaying)
+        self._loaded_at = step
+        self._next_step = step
+        _close_source(self.__dict__)
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Stop background threads and release the service connection. Idempotent; iterating again restarts at
+        ``next_step``."""
+        _close_source(self.__dict__)
+
+    def __enter__(self) -> "Loader":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _close_source(attrs: dict[str, Any]) -> None:
+    source = attrs.get("_source")
+    attrs["_source"], attrs["_active"] = None, False
+    if source is None:
+        return
+    try:
+        source.close()
+    except Exception:  # noqa: BLE001 - best effort at shutdown
+        logger.debug("closing the zephon-ray source failed", exc_info=True)

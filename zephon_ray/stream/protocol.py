@@ -1,0 +1,105 @@
+"""The one narrow protocol every slice source implements, in the spirit of ``torchdata.nodes``.
+
+A slice source serves one reader (rank r of W) its :class:`~zephon_ray.batch.RankSlice` of consecutive global
+steps::
+
+    source.reset(state)      # (re)start at a step boundary; None: step 0, or a state that ``state()`` handed out
+    source.next(timeout)     # this reader's RankSlice of the next step (steps come in order, from the reset point)
+    source.state(timeout)    # JSON-safe state at the boundary after the last slice ``next`` returned
+    source.close()           # stop threads, release connections; idempotent; ``reset`` may start it again
+
+A source state is a plain dict with the keys named by :data:`STATE_NEXT_STEP` and :data:`STATE_CHECKPOINT`; build
+one with :func:`source_state` and read one with :func:`check_source_state` (both validate early, naming the key).
+``checkpoint`` is the merged Zephon checkpoint a local-mode source restores from (at or before ``next_step``; it
+replays the steps in between); the service and dataset sources keep none (None).
+
+Implementations (all behind the one prefetch thread of :mod:`zephon_ray.stream.prefetch`):
+:class:`~zephon_ray.stream.local.LocalSlices` (an in-process Zephon lane group),
+:class:`~zephon_ray.stream.service.ServiceSlices` (a DataService) and
+:class:`~zephon_ray.stream.dataset.DatasetSlices` (a materialised directory). Tests:
+``tests/test_torchtitan_prefetch.py`` (the protocol and the thread), ``tests/test_stream_loader.py`` (the three
+sources behind the loader core, with mode and W changes at each resume).
+
+Limits: a source serves one reader and consecutive steps from where it was reset; to jump, reset it again. The
+state is only defined at a step boundary: the caller asks for it after the slices it took were used.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from zephon_ray.batch import RankSlice
+
+STATE_NEXT_STEP = "next_step"
+"""Source state key: the first step the source has not handed out (the boundary the state describes)."""
+STATE_CHECKPOINT = "checkpoint"
+"""Source state key: a merged Zephon checkpoint at or before ``next_step`` (local mode), or None."""
+SOURCE_STATE_KEYS = (STATE_NEXT_STEP, STATE_CHECKPOINT)
+
+MAX_STEP = 10**12
+"""Upper bound on any step a source is reset to (bounds every input)."""
+
+
+class SourceError(RuntimeError):
+    """The producing side of a slice source failed; ``__cause__`` holds the original exception."""
+
+
+def source_state(next_step: int, checkpoint: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A validated source state (see the module docstring)."""
+    return check_source_state({STATE_NEXT_STEP: next_step, STATE_CHECKPOINT: checkpoint})
+
+
+def check_source_state(state: Any) -> dict[str, Any]:
+    """Return ``state`` if it is a source state, else raise ValueError naming the key that is wrong."""
+    if not isinstance(state, dict):
+        raise ValueError(f"source state must be a dict with keys {SOURCE_STATE_KEYS}, got {type(state).__name__}")
+    missing = [k for k in SOURCE_STATE_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"source state lacks key {missing[0]!r} (keys present: {sorted(state)})")
+    extra = sorted(set(state) - set(SOURCE_STATE_KEYS))
+    if extra:
+        raise ValueError(f"source state has unknown key {extra[0]!r} (expected {SOURCE_STATE_KEYS})")
+    step = state[STATE_NEXT_STEP]
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise ValueError(f"source state key {STATE_NEXT_STEP!r} must be an int in [0, {MAX_STEP}], got {step!r}")
+    checkpoint = state[STATE_CHECKPOINT]
+    if checkpoint is not None and not isinstance(checkpoint, dict):
+        raise ValueError(f"source state key {STATE_CHECKPOINT!r} must be a dict or None, "
+                         f"got {type(checkpoint).__name__}")
+    return state
+
+
+def check_reader(rank: Any, world: Any, *, rank_name: str = "rank", world_name: str = "world") -> tuple[int, int]:
+    """Validate a reader's ``rank`` of ``world`` early; the error names the argument and its value."""
+    for name, value in ((world_name, world), (rank_name, rank)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+    if world < 1:
+        raise ValueError(f"{world_name} must be >= 1, got {world}")
+    if not 0 <= rank < world:
+        raise ValueError(f"{rank_name} {rank} is not in [0, {world_name}={world})")
+    return rank, world
+
+
+class SliceSource(abc.ABC):
+    """The narrow protocol the loader core drives. See the module docstring."""
+
+    rank: int
+    world: int
+
+    @abc.abstractmethod
+    def reset(self, state: dict[str, Any] | None = None) -> None:
+        """(Re)start at ``state[STATE_NEXT_STEP]`` (None: step 0), restoring ``state[STATE_CHECKPOINT]`` if any."""
+
+    @abc.abstractmethod
+    def next(self, timeout: float) -> RankSlice:
+        """This reader's slice of the next step; raises TimeoutError after ``timeout`` seconds."""
+
+    @abc.abstractmethod
+    def state(self, timeout: float) -> dict[str, Any]:
+        """The source state at the boundary after the last slice :meth:`next` returned."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Stop background work and release connections. Idempotent."""
