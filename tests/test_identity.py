@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from zephon_ray import GlobalBatchSource, Recipe
-from zephon_ray import identity
+from zephon_ray import files, hash_cache, identity
+from zephon_ray.hash_cache import HashReport
 from zephon_ray.identity import (
     CheckpointDisagreementError, IdentityMismatchError, check_checkpoint_agreement, verify_on_node,
     zephon_shard_listing,
@@ -50,8 +51,8 @@ weight = 0.5
 @pytest.fixture(autouse=True)
 def private_hash_cache(tmp_path, monkeypatch):
     """Each test gets its own hash cache (never the user's) and a short racy window, so cached entries exist."""
-    monkeypatch.setenv(identity.CACHE_DIR_ENV, str(tmp_path / "hash-cache"))
-    monkeypatch.setattr(identity, "RACY_WINDOW_S", 0.2)
+    monkeypatch.setenv(hash_cache.CACHE_DIR_ENV, str(tmp_path / "hash-cache"))
+    monkeypatch.setattr(hash_cache, "RACY_WINDOW_S", 0.2)
 
 
 def copy_fixture(tmp_path: Path) -> tuple[Path, Path]:
@@ -184,24 +185,29 @@ def test_parquet_listing_agrees_with_zephon_discovery(tmp_path):
 def test_hash_cache_is_used_and_never_trusted_blindly(tmp_path):
     data, _ = copy_fixture(tmp_path)
     prose = data / "prose"
-    _, first = identity.source_identity(prose, "jsonl")
-    assert identity.last_report.hashed == 2
-    _, again = identity.source_identity(prose, "jsonl")
-    assert again == first and (identity.last_report.cached, identity.last_report.hashed) == (2, 0)
+
+    def identify():
+        report = HashReport()
+        return identity.source_identity(prose, "jsonl", report=report)[1], report
+
+    first, report = identify()
+    assert report.hashed == 2
+    again, report = identify()
+    assert again == first and (report.cached, report.hashed) == (2, 0)
 
     rewrite_in_place_same_size_and_mtime(data)  # same size and mtime: only the ctime tells
     time.sleep(0.3)  # past the racy window, so the new hash is cached
-    _, rewritten = identity.source_identity(prose, "jsonl")
-    assert identity.last_report.hashed == 1
-    assert rewritten[0].sha256 == identity.sha256_file(prose / "shard-00000.jsonl") != first[0].sha256
+    rewritten, report = identify()
+    assert report.hashed == 1
+    assert rewritten[0].sha256 == files.sha256_file(prose / "shard-00000.jsonl") != first[0].sha256
     assert rewritten[1] == first[1]
 
-    for manifest in identity.cache_dir().glob("*.json"):  # a corrupt cache is ignored and rebuilt
+    for manifest in hash_cache.cache_dir().glob("*.json"):  # a corrupt cache is ignored and rebuilt
         manifest.write_text("{not json")
-    _, after_corruption = identity.source_identity(prose, "jsonl")
-    assert after_corruption == rewritten and identity.last_report.hashed == 2
-    identity.source_identity(prose, "jsonl")
-    assert identity.last_report.cached == 2
+    after_corruption, report = identify()
+    assert after_corruption == rewritten and report.hashed == 2
+    _, report = identify()
+    assert report.cached == 2
 
 
 def test_fresh_files_are_not_cached(tmp_path):
@@ -210,8 +216,9 @@ def test_fresh_files_are_not_cached(tmp_path):
     directory.mkdir()
     write_records(directory / "a.jsonl", 5, "a")
     identity.source_identity(directory, "jsonl")
-    identity.source_identity(directory, "jsonl")
-    assert identity.last_report.hashed == 1
+    report = HashReport()
+    identity.source_identity(directory, "jsonl", report=report)
+    assert report.hashed == 1
 
 
 def test_environment_is_part_of_the_fingerprint(tiny_recipe):
@@ -236,7 +243,7 @@ def test_verify_on_node_names_the_file_and_field(tmp_path):
     with pytest.raises(IdentityMismatchError) as info:
         verify_on_node(recipe, recipe.fingerprint, where="producer for lanes (0,)")
     message = str(info.value)
-    sha_here = identity.sha256_file(data / "prose" / "shard-00000.jsonl")
+    sha_here = files.sha256_file(data / "prose" / "shard-00000.jsonl")
     for needle in ("producer for lanes (0,)", "host ", "source 'prose'", "shard-00000.jsonl", "sha256",
                    sha_here[:12], recipe.sources[0].shards[0].sha256[:12]):
         assert needle in message, message
@@ -424,7 +431,7 @@ def test_a_node_with_a_different_copy_of_a_shard_is_named(tmp_path):
     message = info["node_b"]
     assert info.get("node_b_type") == "IdentityMismatchError", message
     for needle in ("check on node B", f"ray node {info['node_b_id'][:12]}", "source 'prose'", "shard-00001.jsonl",
-                   "sha256", identity.sha256_file(modified / "shard-00001.jsonl")[:12]):
+                   "sha256", files.sha256_file(modified / "shard-00001.jsonl")[:12]):
         assert needle in message, message
     service = info["service"]
     assert service.startswith("ServiceError:") and "IdentityMismatchError" in service, service
@@ -438,9 +445,10 @@ def test_hashing_through_ray_tasks_on_this_node(ray_cluster, tmp_path):
     directory = tmp_path / "many"
     directory.mkdir()
     paths = []
-    for i in range(identity.RAY_MIN_FILES):
+    for i in range(hash_cache.RAY_MIN_FILES):
         paths.append(directory / f"s{i:04d}.jsonl")
         paths[-1].write_text(json.dumps({"text": f"record {i}"}) + "\n")
-    digests = identity.digest_files(paths, progress=False)
-    assert identity.last_report.via == "ray" and identity.last_report.hashed == len(paths)
-    assert digests == {p: identity.sha256_file(p) for p in paths}
+    report = HashReport()
+    digests = hash_cache.digest_files(paths, progress=False, report=report)
+    assert report.via == "ray" and report.hashed == len(paths)
+    assert digests == {p: files.sha256_file(p) for p in paths}

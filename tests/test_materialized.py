@@ -79,12 +79,22 @@ def _damage(directory, how):
         return r"manifest missing"
     if how == "corrupt-manifest":
         manifest.write_text(manifest.read_text()[:200])
-        return r"manifest.json: corrupt manifest \(Unterminated string"
+        return r"manifest.json: corrupt manifest \(not valid JSON: Unterminated string"
     if how == "manifest-without-digests":
         data = json.loads(manifest.read_text())
         del data["digests"]
         manifest.write_text(json.dumps(data))
-        return r"corrupt manifest \(KeyError: 'digests'\)"
+        return r"manifest.json: manifest key 'digests' missing \("
+    if how == "manifest-without-geometry-rows":
+        data = json.loads(manifest.read_text())
+        del data["geometry"]["rows"]
+        manifest.write_text(json.dumps(data))
+        return r"manifest.json: manifest key 'geometry.rows' missing \("
+    if how == "manifest-segment-without-sha256":
+        data = json.loads(manifest.read_text())
+        del data["segments"][1]["sha256"]
+        manifest.write_text(json.dumps(data))
+        return r"manifest.json: manifest key 'segments\[1\].sha256' missing \("
     if how == "truncated-segment":
         segment.write_bytes(segment.read_bytes()[:-64])
         return rf"{segment.name}: \d+ bytes, the manifest records \d+ \(truncated or rewritten; steps 0..7\)"
@@ -95,6 +105,7 @@ def _damage(directory, how):
 
 
 @pytest.mark.parametrize("how", ["missing-manifest", "corrupt-manifest", "manifest-without-digests",
+                                 "manifest-without-geometry-rows", "manifest-segment-without-sha256",
                                  "truncated-segment", "missing-segment"])
 def test_a_damaged_directory_is_one_clear_error(materialized_dir, tmp_path, how):
     from zephon_ray import MaterializedSource
@@ -103,8 +114,9 @@ def test_a_damaged_directory_is_one_clear_error(materialized_dir, tmp_path, how)
     copy = tmp_path / "copy"
     shutil.copytree(materialized_dir, copy)
     match = _damage(copy, how)
-    with pytest.raises(MaterializedError, match=match):
+    with pytest.raises(MaterializedError, match=match) as info:
         MaterializedSource(copy)
+    assert "\n" not in str(info.value) and str(copy) in str(info.value)
 
 
 def test_a_row_group_corrupted_in_place_is_detected_on_read(materialized_dir, tmp_path, reference_digests):
@@ -137,12 +149,18 @@ def test_a_row_group_corrupted_in_place_is_detected_on_read(materialized_dir, tm
 
 
 def test_to_dataset_reads_the_parquet_lazily(materialized_dir, tiny_recipe, reference_digests):
-    from zephon_ray import MaterializedSource, compute_digest
+    from zephon_ray import GlobalBatchSource, MaterializedSource, compute_digest
+    from zephon_ray.formats.materialized import batch_table, dataset_schema
 
     dataset = MaterializedSource(materialized_dir).to_dataset()  # lazy: nothing is read until consumed
     B, T = tiny_recipe.global_batch_rows, tiny_recipe.row_length
+    # ONE row schema: a materialised directory's view and the service's (batch_table) are the same.
+    with GlobalBatchSource(tiny_recipe) as local:
+        assert batch_table(local.batch(3)).schema == dataset_schema(T)
     rows = dataset.take_all()
+    assert dataset.schema().base_schema == dataset_schema(T)
     assert len(rows) == STEPS * B
+    assert {r["digest"] for r in rows if r["step"] == 5} == {reference_digests[5]}
     step3 = sorted((r for r in rows if r["step"] == 3), key=lambda r: r["row"])
     tokens = np.stack([np.asarray(r["tokens"]) for r in step3]).reshape(B, T)
     positions = np.stack([np.asarray(r["positions"]) for r in step3]).reshape(B, T)
@@ -167,6 +185,7 @@ def test_service_batches_and_lazy_export_equal_the_materialised_ones(materialize
         exported = service.to_dataset(range(6, 8))  # lazy: nothing read until consumed
         digests = {row["step"]: row["digest"] for row in exported.select_columns(["step", "digest"]).take_all()}
         assert digests == {6: source.digest(6), 7: source.digest(7)}
+        assert exported.schema().base_schema == source.to_dataset().schema().base_schema
     finally:
         service.stop()
 

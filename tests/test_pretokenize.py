@@ -78,17 +78,17 @@ def test_shards_keep_names_order_and_counts(pretokenized):
     import pyarrow.parquet as pq
 
     raw, result = pretokenized["bytes"]
-    manifest = json.loads((result.out_dir / "manifest.json").read_text())
+    manifest = json.loads((Path(result.out_dir) / "manifest.json").read_text())
     assert manifest["source_recipe_fingerprint"] == raw.fingerprint
     for source, listed in zip(raw.sources, manifest["sources"]):
         raw_names = [s.name for s in source.shards]
         assert [s["raw"] for s in listed["shards"]] == raw_names
         for shard in listed["shards"]:
-            table = pq.read_table(result.out_dir / listed["path"] / shard["out"])
+            table = pq.read_table(Path(result.out_dir) / listed["path"] / shard["out"])
             assert table.num_rows == shard["records"]
             first = table.column("input_ids")[0].as_py()
             # the first record of the shard, bracketed as Zephon's tokenize(special_tokens="bos_eos") does
-            text = json.loads((source.path / shard["raw"]).read_text().splitlines()[0])["text"]
+            text = json.loads((Path(source.path) / shard["raw"]).read_text().splitlines()[0])["text"]
             assert first == [256, *text.replace("\r\n", "\n").encode(), 257]
 
 
@@ -139,7 +139,7 @@ def test_damaged_pretokenization_is_one_clear_error(pretokenized, tmp_path, dama
     copy = bad_copy(result, tmp_path)
     if damage == "missing":
         (copy / "manifest.json").unlink()
-        match = "manifest not found"
+        match = "manifest.json: pre-tokenisation manifest missing"
     elif damage == "corrupt":
         (copy / "manifest.json").write_text('{"format": "zephon-ray/pretok')
         match = "corrupt pre-tokenisation manifest"

@@ -48,7 +48,7 @@ def test_tiny_recipe_loads_with_resolved_paths(tiny_recipe):
     assert tiny_recipe.global_batch_rows == 16
     assert tiny_recipe.row_length == 65
     assert [s.name for s in tiny_recipe.sources] == ["prose", "code"]
-    assert all(s.path.is_absolute() and s.path.is_dir() for s in tiny_recipe.sources)
+    assert all(Path(s.path).is_absolute() and Path(s.path).is_dir() for s in tiny_recipe.sources)
     assert all(s.format == "jsonl" and s.shards for s in tiny_recipe.sources)
     assert len(tiny_recipe.fingerprint) == 64
 
@@ -58,7 +58,7 @@ def test_relative_paths_resolve_against_the_recipe_file(tmp_path):
     nested.mkdir(parents=True)
     shutil.copytree(FIXTURE, tmp_path / "data")
     recipe = load(nested, BASE.replace(str(FIXTURE), "../../data"))
-    assert recipe.sources[0].path == (tmp_path / "data" / "prose").resolve()
+    assert recipe.sources[0].path == str((tmp_path / "data" / "prose").resolve())
 
 
 def test_path_spelling_does_not_change_the_fingerprint(tmp_path):

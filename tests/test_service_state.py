@@ -13,7 +13,8 @@ import os
 import pytest
 
 from zephon_ray.lanes import KEY_NEXT_STEP, LaneStepper
-from zephon_ray.formats.service_state import COMMITS_FILE, MAX_CONSUMERS, ServiceState, atomic_write_json
+from zephon_ray.files import write_json
+from zephon_ray.formats.service_state import CHECKPOINT_RE, COMMITS_FILE, MAX_CONSUMERS, ServiceState
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,7 @@ def test_retention_keeps_newest_and_anchors(tiny_recipe, real_state, tmp_path):
     kept = state.checkpoint_steps()
     anchors = list(range(32, 1000 + 1, 32))
     assert kept == sorted(set(anchors) | {992, 996, 1000})
-    on_disk = sorted(int(p.name[5:13]) for p in (tmp_path / "checkpoints").iterdir())
+    on_disk = sorted(int(CHECKPOINT_RE.match(p.name).group(1)) for p in (tmp_path / "checkpoints").iterdir())
     assert on_disk == kept  # the index matches the directory
     # nearest <= s: a recent step replays at most K, an old one at most anchor_every.
     assert state.nearest_checkpoint(999) == 996 and state.nearest_checkpoint(900) == 896
@@ -92,7 +93,7 @@ def test_commits_newest_per_consumer_and_bounded(tiny_recipe, tmp_path):
 
 def test_commits_written_before_per_consumer_format_still_read(tiny_recipe, tmp_path):
     state = ServiceState.open(tiny_recipe, tmp_path)
-    atomic_write_json(tmp_path / COMMITS_FILE, {"format": "zephon-ray/service-state/v1", "commits": [
+    write_json(tmp_path / COMMITS_FILE, {"format": "zephon-ray/service-state/v1", "commits": [
         {"step": 3, "consumer": "x", "time": 1.0}, {"step": 9, "consumer": "y", "time": 2.0},
         {"step": 5, "consumer": "x", "time": 3.0}]})
     assert state.consumer_commits() == {"x": 5, "y": 9}

@@ -4,8 +4,9 @@ In the source checkout ``zephon_ray/recipes`` is a symlink to the top-level ``re
 copies of the same files (``pyproject.toml`` package data), so one copy lives in git and both work the same way.
 
 Guarantee: ``resolve_recipe_path(arg)`` returns ``arg`` unchanged when it names an existing file, else the
-packaged ``<arg>.toml``; anything else is a :class:`~zephon_ray.recipe.RecipeError` that lists the packaged
-names. Shown by ``tests/test_packaging.py`` (from an installed wheel, outside the checkout).
+packaged ``<arg>.toml``; anything else is an :class:`UnknownRecipeError` (a ``ValueError``; ``Recipe.from_toml``
+re-raises it as its ``RecipeError``) that lists the packaged names. Shown by ``tests/test_packaging.py`` (from an
+installed wheel, outside the checkout).
 Limit: ``demo`` and ``mixture`` read the stdlib corpus at ``../data/corpus`` next to the recipe directory, which a
 wheel cannot ship (it is generated per Python version by ``zephon-ray corpus``); only ``tiny`` and ``elastic``
 are self-contained. Copy those two recipes and point their ``[[sources]] path`` at your corpus instead.
@@ -18,6 +19,10 @@ from pathlib import Path
 PACKAGED_RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
 """``zephon_ray/recipes`` (a symlink to ``recipes/`` in the checkout, a real directory in a wheel)."""
 RECIPE_SUFFIX = ".toml"
+
+
+class UnknownRecipeError(ValueError):
+    """Neither an existing recipe file nor a packaged recipe name; the message lists the packaged names."""
 
 
 def packaged_recipe_names() -> list[str]:
@@ -38,8 +43,6 @@ def packaged_recipe(name: str) -> Path | None:
 
 def resolve_recipe_path(arg: str | Path) -> Path:
     """An existing file wins; otherwise a bare name is looked up among the packaged recipes."""
-    from zephon_ray.recipe import RecipeError
-
     path = Path(arg)
     if path.is_file():
         return path
@@ -47,4 +50,4 @@ def resolve_recipe_path(arg: str | Path) -> Path:
     if found is not None:
         return found
     names = ", ".join(packaged_recipe_names()) or "none installed"
-    raise RecipeError(f"recipe file not found: {arg} (not a file, nor a packaged recipe name: {names})")
+    raise UnknownRecipeError(f"recipe file not found: {arg} (not a file, nor a packaged recipe name: {names})")

@@ -1,8 +1,15 @@
 """A recipe: the TOML file that fixes everything a global batch depends on.
 
 Guarantee: a :class:`Recipe` that loads is valid. Every key is known, typed and in range, every source
-directory exists and holds shards of one format, every source has at least ``chunk_size`` records, and the
-tokenizer resolves. Errors are :class:`RecipeError` (a ``ValueError``) naming the file and the key.
+directory exists and holds shards of one format, every source has at least ``chunk_size`` records (where the row
+counts are known: see :mod:`zephon_ray.identity` for remote sources without an index), and the tokenizer resolves.
+Errors are :class:`RecipeError` (a ``ValueError``) naming the file and the key; a source that cannot be listed or
+read (a missing bucket, refused credentials, an unreachable endpoint, a file without read permission) is one line
+naming the path or URI (tests/test_recipe.py, tests/test_s3.py).
+
+Sources and the recipe file itself may be local paths or object-store URIs (``s3://bucket/prefix``, ``gs://``,
+``az://``). A relative source path resolves against the recipe's directory (its prefix, for a recipe in a
+bucket).
 
 ``Recipe.fingerprint`` identifies the *batches*. It covers every data-defining key; for each source, the shards
 exactly as Zephon's own discovery lists them (a usable ``index.json`` first, else the ``.jsonl``/``.jsonl.gz``/
@@ -14,8 +21,9 @@ the batch digests in ``tests/test_identity.py``. The fingerprint is computed onc
 travels with the recipe together with the per-shard detail, so that :func:`zephon_ray.identity.verify_on_node` can
 name the file that differs on another node.
 
-Cost: a sha256 of every shard once per node (cached by path, size, mtime, ctime and inode; see
-:mod:`zephon_ray.identity` for the limits of that cache), then a listing and a ``stat`` per shard.
+Cost: a sha256 of every local shard once per node (cached by path, size, mtime, ctime and inode; see
+:mod:`zephon_ray.hash_cache` for the limits of that cache), then a listing and a ``stat`` per shard; for a remote
+source one listing (ETags; no download) unless ``verify_content`` is set.
 """
 
 from __future__ import annotations
@@ -29,9 +37,13 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from zephon_ray import files
+from zephon_ray.formats.pretokenized import PretokenizedError, check_manifest, check_sources
 from zephon_ray.identity import (
-    SUPPORTED_FORMATS, Environment, ShardIdentity, ShardListingError, detect_format, source_identity,
+    SUPPORTED_FORMATS, Environment, MixedFormatsError, ShardIdentity, ShardListingError, detect_format,
+    source_identity,
 )
+from zephon_ray.packaged import UnknownRecipeError, resolve_recipe_path
 from zephon_ray.tokenizers import validate_tokenizer_spec
 
 RECIPE_FORMAT = "zephon-ray/recipe/v1"
@@ -45,10 +57,12 @@ class RecipeError(ValueError):
 
 @dataclass(frozen=True)
 class Source:
-    """One named dataset directory in the mixture."""
+    """One named dataset directory (local) or prefix (object store) in the mixture."""
 
     name: str
-    path: Path
+    path: str
+    """An absolute local path or an object-store URI (``s3://bucket/prefix``), as :mod:`zephon_ray.files` spells
+    it."""
     format: str
     weight: float
     shards: tuple[ShardIdentity, ...]
@@ -92,10 +106,14 @@ class Recipe:
     flush_every_k_chunks: int | None = None
     shuffle: Shuffle = field(default_factory=Shuffle)
     aggregate: Aggregate = field(default_factory=Aggregate)
-    path: Path | None = field(default=None, compare=False)
-    pretokenized: Path | None = None
+    path: Path | str | None = field(default=None, compare=False)
+    """The recipe file (a local path, or a URI for a recipe read from a bucket)."""
+    pretokenized: str | None = None
     """The manifest of ``zephon-ray pretokenize`` when the sources hold token ids (column ``input_ids``) instead of
     text; Zephon then packs them without decoding or tokenising (see :mod:`zephon_ray.jobs.pretokenize`)."""
+    verify_content: bool = False
+    """Hash the bytes of every object-store shard (a download) in the fingerprint and on every node that verifies
+    it, instead of trusting the store's ETags alone. Local shards are always hashed."""
     environment: Environment | None = None
     """Tokenizer content hash and library versions, captured where the recipe was loaded (and carried to other
     nodes, which compare their own with it). ``dataclasses.replace`` keeps it: pass ``environment=None`` to
@@ -167,27 +185,43 @@ class Recipe:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_toml(cls, path: str | Path) -> "Recipe":
-        from zephon_ray.packaged import resolve_recipe_path  # a bare name such as "tiny" means a packaged recipe
-
-        path = resolve_recipe_path(path)
+    def from_toml(cls, path: str | Path, *, verify_content: bool | None = None) -> "Recipe":
+        """Load a recipe file: a local path, an object-store URI, or a bare packaged name such as ``tiny``.
+        ``verify_content`` overrides the recipe's key of that name (None: keep it)."""
+        if files.is_uri(path):
+            loc = files.location(path)
+            try:
+                blob = files.read_bytes(loc, limit=1 << 20)
+            except (FileNotFoundError, files.StorageError) as exc:
+                raise RecipeError(f"recipe file {exc}") from None
+            origin: Path | str = loc.uri
+            base_dir: str = loc.parent.uri
+        else:
+            try:
+                local = resolve_recipe_path(path)
+                blob = local.read_bytes()
+            except UnknownRecipeError as exc:
+                raise RecipeError(str(exc)) from None
+            except OSError as exc:
+                raise RecipeError(f"recipe file {path}: cannot be read ({exc.strerror or exc})") from None
+            origin, base_dir = local, str(local.parent)
         try:
-            with path.open("rb") as fh:
-                raw = tomllib.load(fh)
-        except tomllib.TOMLDecodeError as exc:
-            raise RecipeError(f"{path}: not valid TOML: {exc}") from None
-        return cls.from_dict(raw, base_dir=path.parent, origin=path)
+            raw = tomllib.loads(blob.decode("utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise RecipeError(f"{origin}: not valid TOML: {exc}") from None
+        return cls.from_dict(raw, base_dir=base_dir, origin=origin, verify_content=verify_content)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, base_dir: str | Path = ".", origin: Path | None = None) -> "Recipe":
-        return _RecipeParser(raw, Path(base_dir), origin).parse()
+    def from_dict(cls, raw: dict[str, Any], *, base_dir: str | Path = ".", origin: Path | str | None = None,
+                  verify_content: bool | None = None) -> "Recipe":
+        return _RecipeParser(raw, str(base_dir), origin, verify_content).parse()
 
 
 # ---------------------------------------------------------------------- parsing
 _TOP_KEYS = {
     "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer", "text_field",
     "chunk_size", "packing", "packing_bins", "repeat", "flush_every_k_chunks", "shuffle", "sources", "aggregate",
-    "pretokenized",
+    "pretokenized", "verify_content",
 }
 _REQUIRED = ("sources", "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer")
 _SOURCE_KEYS = {"name", "path", "format", "weight"}
@@ -196,11 +230,13 @@ _AGGREGATE_KEYS = {"store", "dir"}
 
 
 class _RecipeParser:
-    def __init__(self, raw: dict[str, Any], base_dir: Path, origin: Path | None) -> None:
+    def __init__(self, raw: dict[str, Any], base_dir: str, origin: Path | str | None,
+                 verify_content: bool | None) -> None:
         self.raw = raw
         self.base_dir = base_dir
         self.origin = origin
         self.where = str(origin) if origin else "recipe"
+        self.verify_content = verify_content
 
     def fail(self, key: str, message: str) -> RecipeError:
         return RecipeError(f"{self.where}: key '{key}': {message}")
@@ -272,47 +308,53 @@ class _RecipeParser:
         store = self.typed(aggregate_raw, "store", str, None, "aggregate.") if "store" in aggregate_raw else None
         agg_dir = self.typed(aggregate_raw, "dir", str, None, "aggregate.") if "dir" in aggregate_raw else None
         if agg_dir is not None:
-            agg_dir = str(self.resolve(agg_dir))
+            agg_dir = self.resolve(agg_dir, "aggregate.dir")
         if store is not None and agg_dir is not None:
             raise self.fail("aggregate", "set at most one of 'store' and 'dir'")
 
         tokenizer_raw = self.typed(raw, "tokenizer", str, ...)
-        tokenizer = tokenizer_raw if tokenizer_raw == "bytes" else str(self.resolve(tokenizer_raw))
+        tokenizer = tokenizer_raw if tokenizer_raw == "bytes" else self.resolve(tokenizer_raw, "tokenizer")
+        if files.is_uri(tokenizer):
+            raise self.fail("tokenizer", f"must be a local file (tokenizers load from local disk), got {tokenizer}")
         try:
             validate_tokenizer_spec(tokenizer)
         except ValueError as exc:
             raise self.fail("tokenizer", str(exc)) from None
 
+        verify_content = self.typed(raw, "verify_content", bool, False)
+        if self.verify_content is not None:
+            verify_content = self.verify_content
         pretokenized = raw.get("pretokenized")
         if pretokenized is not None:
-            from zephon_ray.jobs.pretokenize import check_pretokenized  # imports this module
-
-            pretokenized = self.resolve(self.typed(raw, "pretokenized", str, ...))
+            pretokenized = self.resolve(self.typed(raw, "pretokenized", str, ...), "pretokenized")
             try:  # before the sources are read: a damaged token shard is named here, not by a Parquet reader
-                check_pretokenized(pretokenized, tokenizer)
-            except RecipeError as exc:
+                check_manifest(pretokenized, tokenizer)
+            except (PretokenizedError, files.StorageError) as exc:
                 raise self.fail("pretokenized", str(exc)) from None
-        sources = self.parse_sources(raw["sources"], chunk_size)
+        sources = self.parse_sources(raw["sources"], chunk_size, verify_content)
         recipe = Recipe(
             sources=sources, seed=seed, lanes=lanes, microbatches_per_lane=k, rows_per_microbatch=m,
             seq_len=seq_len, tokenizer=tokenizer, text_field=text_field, chunk_size=chunk_size, packing=packing,
             packing_bins=packing_bins, repeat=repeat, flush_every_k_chunks=flush, shuffle=shuffle,
             aggregate=Aggregate(store=store, dir=agg_dir), path=self.origin, pretokenized=pretokenized,
+            verify_content=verify_content,
         )
         if pretokenized is not None:
-            from zephon_ray.jobs.pretokenize import check_pretokenized_sources
-
             try:
-                check_pretokenized_sources(recipe)
-            except RecipeError as exc:
+                check_sources(pretokenized, recipe.sources)
+            except (PretokenizedError, files.StorageError) as exc:
                 raise self.fail("pretokenized", str(exc)) from None
         return recipe
 
-    def resolve(self, value: str) -> Path:
-        p = Path(value).expanduser()
-        return (p if p.is_absolute() else self.base_dir / p).resolve()
+    def resolve(self, value: str, key: str) -> str:
+        """A path relative to the recipe's directory (or bucket prefix), an absolute path, or a URI, spelled as
+        :mod:`zephon_ray.files` spells it."""
+        try:
+            return files.location(value, base=self.base_dir).uri
+        except files.StorageError as exc:
+            raise self.fail(key, str(exc)) from None
 
-    def parse_sources(self, raw_sources: Any, chunk_size: int) -> tuple[Source, ...]:
+    def parse_sources(self, raw_sources: Any, chunk_size: int, verify_content: bool) -> tuple[Source, ...]:
         if not isinstance(raw_sources, list) or not raw_sources:
             raise self.fail("sources", "must be a non-empty array of tables ([[sources]])")
         seen: set[str] = set()
@@ -330,13 +372,13 @@ class _RecipeParser:
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
                     or weight <= 0:
                 raise self.fail(prefix + "weight", f"must be a positive number, got {weight!r}")
-            path = self.resolve(self.typed(src, "path", str, ..., prefix))
+            path = self.resolve(self.typed(src, "path", str, ..., prefix), prefix + "path")
             fmt = self.typed(src, "format", str, None, prefix) if "format" in src else None
             if fmt is not None and fmt not in SUPPORTED_FORMATS:
                 raise self.fail(prefix + "format", f"must be one of {', '.join(SUPPORTED_FORMATS)}, got {fmt!r}")
-            fmt, listing, shards = self.list_shards(path, fmt, prefix)
-            records = sum(s.rows for s in shards)
-            if records < chunk_size:
+            fmt, listing, shards = self.list_shards(path, fmt, prefix, verify_content)
+            records = sum(s.rows for s in shards) if all(s.rows is not None for s in shards) else None
+            if records is not None and records < chunk_size:
                 raise self.fail(
                     "chunk_size",
                     f"{chunk_size} is larger than source '{name}' ({records} records in {path}); "
@@ -345,19 +387,19 @@ class _RecipeParser:
             out.append(Source(name=name, path=path, format=fmt, weight=float(weight), shards=shards, listing=listing))
         return tuple(out)
 
-    def list_shards(self, path: Path, fmt: str | None, prefix: str) -> tuple[str, str, tuple[ShardIdentity, ...]]:
-        """Zephon's own view of the source directory (see :mod:`zephon_ray.identity`), content-hashed."""
-        if not path.is_dir():
-            raise self.fail(prefix + "path", f"source directory not found: {path}")
+    def list_shards(self, path: str, fmt: str | None, prefix: str,
+                    verify_content: bool) -> tuple[str, str, tuple[ShardIdentity, ...]]:
+        """Zephon's own view of the source directory (see :mod:`zephon_ray.identity`), content-identified."""
         try:
             if fmt is None:
                 fmt = detect_format(path)
-            listing, shards = source_identity(path, fmt)
-        except ShardListingError as exc:
-            key = "format" if "set 'format'" in str(exc) else "path"
-            raise self.fail(prefix + key, str(exc)) from None
+            listing, shards = source_identity(path, fmt, verify_content=verify_content)
+        except MixedFormatsError as exc:
+            raise self.fail(prefix + "format", str(exc)) from None
+        except (ShardListingError, files.StorageError) as exc:
+            raise self.fail(prefix + "path", str(exc)) from None
         empty = [s.name for s in shards if s.size == 0]
         if empty:
-            raise self.fail(prefix + "path", f"empty shard file: {path / empty[0]}")
+            raise self.fail(prefix + "path", f"empty shard file: {path.rstrip('/')}/{empty[0]}")
         return fmt, listing, shards
 

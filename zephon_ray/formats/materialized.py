@@ -1,36 +1,48 @@
-"""The third delivery path: global batches read back from a materialised directory with pyarrow.
+"""The third delivery path's durable format: a materialised directory, its manifest, segment writer and reader.
 
-A directory written by ``zephon-ray materialize`` (:mod:`zephon_ray.jobs.materialize`)::
+A directory written by ``zephon-ray materialize`` (:mod:`zephon_ray.jobs.materialize`), local or an object-store
+prefix (:mod:`zephon_ray.files`)::
 
     DIR/manifest.json                         the commit point, replaced atomically, written last
     DIR/segments/steps-<a>-<b>.parquet        steps a..b-1, ONE ROW GROUP PER STEP, rows in canonical order
     DIR/checkpoints/step-<b>.json             Zephon state at the boundary before step b (resume / extend)
 
-Parquet columns: ``step`` (int64), ``lane`` (int16), ``row`` (int32, index in the global batch), ``tokens`` and
-``positions`` (fixed_size_list<int32>[seq_len+1]). The manifest holds the recipe fingerprint, the geometry, every
-segment's size and sha256, and the digest and per-source token counts of every step.
+Parquet columns (:func:`segment_schema`): ``step`` (int64), ``lane`` (int32), ``row`` (int32, index in the global
+batch), ``tokens`` and ``positions`` (fixed_size_list<int32>[seq_len+1]). ONE row schema for every Ray Data view
+(:func:`dataset_schema`: the segment columns plus ``digest``, the step's): ``MaterializedSource.to_dataset`` and
+the service's ``to_dataset`` (:func:`batch_table`) give the same schema (tests/test_materialized.py). The manifest
+holds the recipe fingerprint, the geometry, every segment's size and sha256, and the digest and per-source token
+counts of every step.
+
+Commit order (:class:`SegmentWriter`): the segment is written whole (a local rename, or one upload), then the
+checkpoint, then the manifest. On an object store each is one object, visible whole; the manifest names only
+objects that were complete before it was written, so a reader (who starts from the manifest) never sees a
+half-written step, and a run killed at any point leaves the last committed manifest intact
+(tests/test_s3.py::test_materialize_to_s3_extend_and_read_back).
 
 Guarantee: ``MaterializedSource(DIR).batch(s)`` has the same rows, order and digest as
 ``GlobalBatchSource(recipe).batch(s)`` and the data service (tests/test_materialized.py), and every read is
 checked against the manifest's digest, so a corrupted row group is an error, never a wrong batch. A step is one
-row-group read: O(1) in the number of steps (benchmarks/bench_materialize.py measures p50/p99).
+row-group read: O(1) in the number of steps (benchmarks/bench_materialize.py measures p50/p99; on S3, ranged
+reads: benchmarks/bench_s3.py).
 
 Limits: only steps in ``[first_step, end_step)`` exist; others raise :class:`MaterializedError`. Opening checks
-that every segment exists with its recorded size (a truncated or missing file is named); it does not hash the
-segments (:meth:`MaterializedSource.verify` does, reading every byte).
+that every segment exists with its recorded size (one listing; a truncated or missing file is named); it does not
+hash the segments (:meth:`MaterializedSource.verify` does, reading every byte). Segments written before the lane
+column became int32 hold int16; :meth:`MaterializedSource.to_dataset` casts them to the one schema.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
+import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from zephon_ray import files
 from zephon_ray.batch import GlobalBatch, RankSlice, compute_digest
 
 MANIFEST_FORMAT = "zephon-ray/materialized/v1"
@@ -38,8 +50,14 @@ MANIFEST_NAME = "manifest.json"
 SEGMENTS_DIR = "segments"
 CHECKPOINTS_DIR = "checkpoints"
 COLUMNS = ("step", "lane", "row", "tokens", "positions")
+"""Columns of a segment file."""
+DATASET_COLUMNS = COLUMNS + ("digest",)
+"""Columns of every Ray Data view of global batches (a materialised directory's and the service's)."""
 MAX_STEP = 10**12
 """Steps are bounded so that a typo cannot ask for years of work."""
+PARQUET_COMPRESSION = "zstd"
+TMP_PREFIX = ".tmp-"
+WORK_PREFIX = ".work-"
 
 # Manifest keys
 KEY_FORMAT = "format"
@@ -52,6 +70,10 @@ KEY_SEGMENTS = "segments"
 KEY_DIGESTS = "digests"
 KEY_SOURCE_TOKENS = "source_tokens"
 KEY_CHECKPOINTS = "checkpoints"
+REQUIRED_KEYS = (KEY_FINGERPRINT, KEY_GEOMETRY, KEY_FIRST, KEY_END, KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_DIGESTS,
+                 KEY_SOURCE_TOKENS, KEY_CHECKPOINTS)
+GEOMETRY_KEYS = ("lanes", "rows", "row_length", "sources")
+SEGMENT_KEYS = ("file", "first_step", "end_step", "bytes", "sha256")
 
 
 class MaterializedError(ValueError):
@@ -66,28 +88,82 @@ def checkpoint_name(step: int) -> str:
     return f"{CHECKPOINTS_DIR}/step-{step:012d}.json"
 
 
-def read_manifest(directory: Path) -> dict[str, Any]:
-    """The parsed, structurally checked manifest, or one clear :class:`MaterializedError`."""
-    path = directory / MANIFEST_NAME
-    if not directory.is_dir():
-        raise MaterializedError(f"materialised directory not found: {directory}")
-    if not path.is_file():
+# ---------------------------------------------------------------------- the one row schema
+def segment_schema(width: int) -> Any:
+    import pyarrow as pa
+
+    return pa.schema([
+        ("step", pa.int64()), ("lane", pa.int32()), ("row", pa.int32()),
+        ("tokens", pa.list_(pa.int32(), width)), ("positions", pa.list_(pa.int32(), width)),
+    ])
+
+
+def dataset_schema(width: int) -> Any:
+    """The segment columns plus ``digest`` (string): every ``to_dataset`` returns exactly this."""
+    import pyarrow as pa
+
+    return segment_schema(width).append(pa.field("digest", pa.string()))
+
+
+def step_table(step: int, tokens: np.ndarray, positions: np.ndarray, lanes: np.ndarray,
+               digest: str | None = None) -> Any:
+    """One global batch as a pyarrow table, one row per batch row, in the segment schema (plus ``digest`` when
+    given: the dataset schema)."""
+    import pyarrow as pa
+
+    rows, width = tokens.shape
+    columns = {
+        "step": pa.array(np.full(rows, step, dtype=np.int64)),
+        "lane": pa.array(np.asarray(lanes, dtype=np.int32)),
+        "row": pa.array(np.arange(rows, dtype=np.int32)),
+        "tokens": pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(tokens, np.int32).reshape(-1)), width),
+        "positions": pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(positions, np.int32).reshape(-1)), width),
+    }
+    if digest is None:
+        return pa.table(columns, schema=segment_schema(width))
+    columns["digest"] = pa.array([digest] * rows, type=pa.string())
+    return pa.table(columns, schema=dataset_schema(width))
+
+
+def batch_table(batch: GlobalBatch) -> Any:
+    """One global batch in the dataset schema (:func:`dataset_schema`). Used by ``DataService.to_dataset``."""
+    return step_table(batch.step, batch.tokens, batch.positions, batch.lanes, batch.digest)
+
+
+# ---------------------------------------------------------------------- manifest
+def _missing(path: files.Location, key: str) -> MaterializedError:
+    return MaterializedError(f"{path}: manifest key '{key}' missing (a damaged or foreign manifest; re-run "
+                             "`zephon-ray materialize` into a new --out)")
+
+
+def read_manifest(directory: "str | files.Location") -> dict[str, Any]:
+    """The parsed, structurally checked manifest, or one clear :class:`MaterializedError` naming the file and,
+    for a missing or malformed key, the key."""
+    directory = files.location(directory)
+    path = directory.join(MANIFEST_NAME)
+    if not files.exists(path):
+        if not files.is_dir(directory):
+            raise MaterializedError(f"materialised directory not found: {directory}")
         raise MaterializedError(f"{path}: manifest missing (not a materialised directory, or no step committed yet)")
-    try:
-        manifest = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise MaterializedError(f"{path}: corrupt manifest ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get(KEY_FORMAT) != MANIFEST_FORMAT:
-        got = manifest.get(KEY_FORMAT) if isinstance(manifest, dict) else type(manifest).__name__
-        raise MaterializedError(f"{path}: manifest format {got!r} is not {MANIFEST_FORMAT!r}")
+    manifest = files.read_json(path, expect_format=MANIFEST_FORMAT, error=MaterializedError, what="manifest")
+    for key in REQUIRED_KEYS:
+        if key not in manifest:
+            raise _missing(path, key)
+    geometry = manifest[KEY_GEOMETRY]
+    if not isinstance(geometry, dict):
+        raise MaterializedError(f"{path}: manifest key 'geometry' must be a table, got {type(geometry).__name__}")
+    for key in GEOMETRY_KEYS:
+        if key not in geometry:
+            raise _missing(path, f"geometry.{key}")
     try:
         first, end = int(manifest[KEY_FIRST]), int(manifest[KEY_END])
-        geometry = manifest[KEY_GEOMETRY]
         rows, width = int(geometry["rows"]), int(geometry["row_length"])
         digests, source_tokens = manifest[KEY_DIGESTS], manifest[KEY_SOURCE_TOKENS]
-        segments = manifest[KEY_SEGMENTS]
         covered = first
-        for seg in segments:
+        for i, seg in enumerate(manifest[KEY_SEGMENTS]):
+            for key in SEGMENT_KEYS:
+                if key not in seg:
+                    raise _missing(path, f"segments[{i}].{key}")
             if int(seg["first_step"]) != covered or int(seg["end_step"]) <= covered:
                 raise ValueError(f"segment {seg.get('file')} does not continue at step {covered}")
             covered = int(seg["end_step"])
@@ -97,21 +173,28 @@ def read_manifest(directory: Path) -> dict[str, Any]:
         if rows < 1 or width < 2 or not isinstance(manifest[KEY_FINGERPRINT], str):
             raise ValueError("bad geometry or fingerprint")
         dict(manifest[KEY_CHECKPOINTS])
+    except MaterializedError:
+        raise
     except (KeyError, TypeError, ValueError) as exc:
         raise MaterializedError(f"{path}: corrupt manifest ({type(exc).__name__}: {exc})") from None
     return manifest
 
 
-def load_checkpoint(path: Path, recipe: Any, step: int) -> dict[str, Any]:
+def write_manifest(directory: files.Location, manifest: dict[str, Any]) -> None:
+    """The commit point: written after the segments and checkpoints it names."""
+    files.write_json(directory.join(MANIFEST_NAME), manifest)
+
+
+def load_checkpoint(path: "str | files.Location", recipe: Any, step: int) -> dict[str, Any]:
     """The Zephon state in ``path``: it must exist, parse, belong to ``recipe`` and sit at the boundary before
     ``step``; else one :class:`MaterializedError` naming the file."""
     from zephon_ray.lanes import KEY_NEXT_STEP, StepStateError, check_step_state
 
+    path = files.location(path)
+    state = files.read_json(path, error=MaterializedError, what="checkpoint",
+                            missing_hint=f" (the manifest records it for step {step})")
     try:
-        state = json.loads(path.read_text())
         check_step_state(state, recipe)
-    except FileNotFoundError:
-        raise MaterializedError(f"{path}: checkpoint missing (the manifest records it for step {step})") from None
     except (ValueError, StepStateError, KeyError, TypeError, AttributeError) as exc:
         raise MaterializedError(f"{path}: unusable checkpoint ({exc})") from None
     if int(state[KEY_NEXT_STEP]) != step:
@@ -119,9 +202,86 @@ def load_checkpoint(path: Path, recipe: Any, step: int) -> dict[str, Any]:
     return state
 
 
+def clean_leftovers(directory: files.Location) -> None:
+    """Remove what a killed run left behind: aggregation prefixes (``.work-*``) and local temp files (``.tmp-*``).
+    Committed files are never touched."""
+    for name in files.listing(directory, recursive=True):
+        top = name.split("/", 1)[0]
+        if top.startswith(WORK_PREFIX):
+            files.delete_tree(directory.join(top))
+        elif name.rsplit("/", 1)[-1].startswith(TMP_PREFIX):
+            files.delete(directory.join(name))
+
+
+# ---------------------------------------------------------------------- writer
+class SegmentWriter:
+    """Writes steps in order into a spooled segment file; at each boundary commits the segment, its checkpoint and
+    the manifest (last)."""
+
+    def __init__(self, directory: files.Location, manifest: dict[str, Any], *, lanes: int, rows_per_lane: int,
+                 row_length: int) -> None:
+        self.directory = directory
+        self.manifest = manifest
+        self.schema = segment_schema(row_length)
+        self.lanes = np.repeat(np.arange(lanes, dtype=np.int32), rows_per_lane)
+        self.rows = lanes * rows_per_lane
+        self._writer: Any = None
+        self._tmp: str | None = None
+        self._segment_first = 0
+        self._digests: list[str] = []
+        self._source_tokens: list[list[int]] = []
+
+    def add(self, step: int, tokens: np.ndarray, positions: np.ndarray, source_tokens: np.ndarray,
+            state: str) -> None:
+        import pyarrow.parquet as pq
+
+        if self._writer is None:
+            self._segment_first = step
+            self._tmp = files.spool_path(self.directory.join(SEGMENTS_DIR, f"steps-{step:012d}"))
+            self._writer = pq.ParquetWriter(self._tmp, self.schema, compression=PARQUET_COMPRESSION)
+        self._writer.write_table(step_table(step, tokens, positions, self.lanes), row_group_size=self.rows)
+        self._digests.append(compute_digest(tokens, positions))
+        self._source_tokens.append([int(x) for x in source_tokens])
+        if state:
+            self._commit(step + 1, state)
+
+    def _commit(self, end: int, state: str) -> None:
+        self._writer.close()
+        self._writer = None
+        name = segment_name(self._segment_first, end)
+        size, digest = os.path.getsize(self._tmp), files.sha256_file(self._tmp)
+        files.upload(self._tmp, self.directory.join(name))  # 1. the data object, whole
+        self._tmp = None
+        ckpt_name = checkpoint_name(end)
+        files.write_atomic(self.directory.join(ckpt_name), (state + "\n").encode())  # 2. the resume point
+        m = self.manifest
+        m[KEY_SEGMENTS].append({"file": name, "first_step": self._segment_first, "end_step": end,
+                                "bytes": size, "sha256": digest})
+        m[KEY_DIGESTS].extend(self._digests)
+        m[KEY_SOURCE_TOKENS].extend(self._source_tokens)
+        # No hash of the checkpoint: its bytes record Zephon's read-ahead, which is not a function of the step.
+        m[KEY_CHECKPOINTS][str(end)] = {"file": ckpt_name}
+        m[KEY_END] = end
+        self._digests, self._source_tokens = [], []
+        write_manifest(self.directory, m)  # 3. the commit point
+
+    def abort(self) -> None:
+        """Drop an unfinished segment (the run failed or was interrupted): committed files stay as they are."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+        if self._tmp is not None:
+            try:
+                os.unlink(self._tmp)
+            except FileNotFoundError:
+                pass
+            self._tmp = None
+
+
+# ---------------------------------------------------------------------- reader
 @dataclass(frozen=True)
 class _Segment:
-    file: Path
+    file: files.Location
     first: int
     end: int
     bytes: int
@@ -131,18 +291,22 @@ class _Segment:
 class MaterializedSource:
     """Random access to a materialised run: ``batch(s)``, ``slice(s, rank, world)``, ``digest(s)``.
 
-    ``recipe`` (optional) must have the manifest's fingerprint; pass it wherever a run's identity matters (the
-    loader and the CLI do). ``cache_files`` bounds the open Parquet footers kept.
+    ``directory`` is a local path or an object-store URI. ``recipe`` (optional) must have the manifest's
+    fingerprint; pass it wherever a run's identity matters (the loader and the CLI do). ``cache_files`` bounds the
+    open Parquet footers kept.
     """
 
-    def __init__(self, directory: str | Path, *, recipe: Any = None, cache_files: int = 8) -> None:
-        self.directory = Path(directory).resolve()
-        manifest = read_manifest(self.directory)
+    def __init__(self, directory: "str | os.PathLike[str] | files.Location", *, recipe: Any = None,
+                 cache_files: int = 8) -> None:
+        self.location = files.location(directory)
+        self.directory = self.location.uri
+        manifest = read_manifest(self.location)
+        self._manifest_path = self.location.join(MANIFEST_NAME)
         self.fingerprint: str = manifest[KEY_FINGERPRINT]
         if recipe is not None and recipe.fingerprint != self.fingerprint:
             raise MaterializedError(
-                f"{self.directory / MANIFEST_NAME}: materialised from recipe fingerprint {self.fingerprint[:12]}, "
-                f"not {recipe.describe()}"
+                f"{self._manifest_path}: materialised from recipe fingerprint {self.fingerprint[:12]}, not "
+                f"{recipe.describe()}"
             )
         geometry = manifest[KEY_GEOMETRY]
         self.rows = int(geometry["rows"])
@@ -156,23 +320,24 @@ class MaterializedSource:
         self._source_tokens: list[list[int]] = list(manifest[KEY_SOURCE_TOKENS])
         self.checkpoints: dict[int, dict[str, Any]] = {int(k): v for k, v in manifest[KEY_CHECKPOINTS].items()}
         self._segments = [
-            _Segment(self.directory / s["file"], int(s["first_step"]), int(s["end_step"]), int(s["bytes"]),
+            _Segment(self.location.join(s["file"]), int(s["first_step"]), int(s["end_step"]), int(s["bytes"]),
                      str(s["sha256"]))
             for s in manifest[KEY_SEGMENTS]
         ]
         self._starts = [s.first for s in self._segments]
+        present = files.listing(self.location.join(SEGMENTS_DIR)) if self._segments else {}
         for seg in self._segments:
-            if not seg.file.is_file():
+            size = present.get(seg.file.name)
+            if size is None:
                 raise MaterializedError(f"{seg.file}: segment missing (steps {seg.first}..{seg.end - 1})")
-            size = seg.file.stat().st_size
             if size != seg.bytes:
                 raise MaterializedError(
                     f"{seg.file}: {size} bytes, the manifest records {seg.bytes} (truncated or rewritten; steps "
                     f"{seg.first}..{seg.end - 1})"
                 )
-        self._files: OrderedDict[Path, Any] = OrderedDict()
+        self._files: OrderedDict[str, Any] = OrderedDict()
         self._cache_files = max(1, int(cache_files))
-        self._lanes_column = np.repeat(np.arange(self.lanes, dtype=np.int16), self.rows // self.lanes)
+        self._lanes_column = np.repeat(np.arange(self.lanes, dtype=np.int32), self.rows // self.lanes)
         self._lanes_column.setflags(write=False)
 
     @property
@@ -195,9 +360,9 @@ class MaterializedSource:
         ``end_step``), checked against ``recipe``: where producers start to continue past this directory."""
         entry = self.checkpoints.get(step)
         if entry is None:
-            raise MaterializedError(f"{self.directory / MANIFEST_NAME}: no checkpoint recorded for step {step} "
+            raise MaterializedError(f"{self._manifest_path}: no checkpoint recorded for step {step} "
                                     f"(recorded: {sorted(self.checkpoints)[-4:]})")
-        return load_checkpoint(self.directory / entry["file"], recipe, step)
+        return load_checkpoint(self.location.join(entry["file"]), recipe, step)
 
     def digest(self, step: int) -> str:
         """The recorded digest of ``step`` (no read)."""
@@ -207,20 +372,22 @@ class MaterializedSource:
     def _file(self, seg: _Segment) -> Any:
         import pyarrow.parquet as pq
 
-        handle = self._files.get(seg.file)
+        handle = self._files.get(seg.file.uri)
         if handle is None:
             try:
-                handle = pq.ParquetFile(seg.file)
+                handle = pq.ParquetFile(files.open_input_file(seg.file))
+            except files.StorageError as exc:
+                raise MaterializedError(f"segment unreadable: {exc}") from None
             except Exception as exc:  # pyarrow raises ArrowInvalid/OSError for a damaged footer
-                raise MaterializedError(f"{seg.file}: unreadable Parquet ({exc})") from None
+                raise MaterializedError(f"{seg.file}: unreadable Parquet ({files.describe_error(exc)})") from None
             if handle.metadata.num_row_groups != seg.end - seg.first:
                 raise MaterializedError(f"{seg.file}: {handle.metadata.num_row_groups} row groups, expected "
                                         f"{seg.end - seg.first} (one per step)")
-            self._files[seg.file] = handle
+            self._files[seg.file.uri] = handle
             while len(self._files) > self._cache_files:
                 self._files.popitem(last=False)
         else:
-            self._files.move_to_end(seg.file)
+            self._files.move_to_end(seg.file.uri)
         return handle
 
     def batch(self, step: int) -> GlobalBatch:
@@ -231,7 +398,8 @@ class MaterializedSource:
         except MaterializedError:
             raise
         except Exception as exc:
-            raise MaterializedError(f"{seg.file}: cannot read step {step} ({exc})") from None
+            self._files.pop(seg.file.uri, None)  # a failed read (an unreachable store) must not poison the cache
+            raise MaterializedError(f"{seg.file}: cannot read step {step} ({files.describe_error(exc)})") from None
         tokens = _matrix(table.column("tokens"), self.row_length)
         positions = _matrix(table.column("positions"), self.row_length)
         steps = table.column("step").to_numpy()
@@ -254,20 +422,28 @@ class MaterializedSource:
 
     def verify(self) -> None:
         """Hash every segment against the manifest (reads every byte)."""
-        from zephon_ray.jobs.pretokenize import sha256_file
-
         for seg in self._segments:
-            if sha256_file(seg.file) != seg.sha256:
+            try:
+                digest = files.sha256(seg.file)
+            except (FileNotFoundError, files.StorageError) as exc:
+                raise MaterializedError(f"segment unreadable: {exc}") from None
+            if digest != seg.sha256:
                 raise MaterializedError(f"{seg.file}: sha256 differs from the manifest (corrupt segment)")
 
     def files(self) -> list[str]:
-        return [str(s.file) for s in self._segments]
+        """The segment files (local paths or URIs), in step order."""
+        return [s.file.uri for s in self._segments]
 
     def to_dataset(self) -> Any:
-        """A lazy ``ray.data.Dataset`` over the segments (``ray.data.read_parquet``), one row per batch row."""
+        """A lazy ``ray.data.Dataset`` over the segments, one row per batch row, in :func:`dataset_schema` (the
+        digest comes from the manifest). Reads go through the same pyarrow filesystem as everything else."""
         import ray.data
 
-        return ray.data.read_parquet(self.files(), columns=list(COLUMNS))
+        paths = [s.file.path for s in self._segments]
+        fs = files.filesystem(self.location)
+        digests, first, width = list(self._digests), self.first_step, self.row_length
+        dataset = ray.data.read_parquet(paths, filesystem=fs, columns=list(COLUMNS))
+        return dataset.map_batches(_WithDigest(digests, first, width), batch_format="pyarrow", zero_copy_batch=True)
 
     def close(self) -> None:
         self._files.clear()
@@ -279,21 +455,19 @@ class MaterializedSource:
         self.close()
 
 
-def batch_table(batch: GlobalBatch) -> Any:
-    """One global batch as a pyarrow table, one row per batch row: ``step``, ``lane``, ``row``, ``tokens``,
-    ``positions`` (fixed_size_list<int32>) and ``digest`` (the step's). Used by ``DataService.to_dataset``."""
-    import pyarrow as pa
+class _WithDigest:
+    """Ray Data map: segment rows -> the dataset schema (``lane`` cast to int32, ``digest`` from the manifest)."""
 
-    rows, width = batch.tokens.shape
-    return pa.table({
-        "step": pa.array(np.full(rows, batch.step, dtype=np.int64)),
-        "lane": pa.array(np.asarray(batch.lanes, dtype=np.int32)),
-        "row": pa.array(np.arange(rows, dtype=np.int32)),
-        "tokens": pa.FixedSizeListArray.from_arrays(pa.array(np.asarray(batch.tokens, np.int32).reshape(-1)), width),
-        "positions": pa.FixedSizeListArray.from_arrays(
-            pa.array(np.asarray(batch.positions, np.int32).reshape(-1)), width),
-        "digest": pa.array([batch.digest] * rows),
-    })
+    def __init__(self, digests: list[str], first: int, width: int) -> None:
+        self.digests, self.first, self.width = digests, first, width
+
+    def __call__(self, table: Any) -> Any:
+        import pyarrow as pa
+
+        steps = table.column("step").to_numpy()
+        digest = pa.array([self.digests[int(s) - self.first] for s in steps], type=pa.string())
+        table = table.select(list(COLUMNS)).cast(segment_schema(self.width))
+        return table.append_column("digest", digest)
 
 
 def _matrix(column: Any, width: int) -> np.ndarray:

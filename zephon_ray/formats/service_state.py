@@ -1,19 +1,28 @@
-"""The service's durable state under ``state_dir``.
+"""The service's durable state under ``state_dir``: its one owner (read, write, check, inspect).
 
-Layout (every file is written atomically: temp file, fsync, ``os.replace``, fsync of the directory)::
+Layout (``state_dir`` is a local directory or an object-store prefix, :mod:`zephon_ray.files`)::
 
     state_dir/
-      service.json                  # format version, recipe fingerprint, lanes, the recipe's canonical content
-      checkpoints/step-00000032.json # merged Zephon checkpoint at the boundary *before* step 32 (LaneStepper state)
-      commits.json                  # newest commit per consumer, plus a short history
+      service.json                       # format version, recipe fingerprint, lanes, the recipe's canonical content
+      checkpoints/step-000000000032.json # merged Zephon checkpoint at the boundary *before* step 32 (LaneStepper state)
+      commits.json                       # newest commit per consumer, plus a short history
+
+Every file is one atomic write (:func:`zephon_ray.files.write_atomic`: temp file, fsync, rename, fsync of the
+directory on a local disk; one upload on an object store). Each file is its own commit point: a checkpoint is
+whole before it is listed, and ``commits.json`` is replaced whole, so a coordinator killed at any point restarts
+from the last complete checkpoint and commit (tests/test_service_heal.py; on S3, tests/test_s3.py). Checkpoint
+names read: ``step-`` and 8 or more digits (older state_dirs used 8); written: 12 digits, as everywhere else.
 
 Guarantee: a reader never sees a half-written file, and a ``state_dir`` is only ever paired with the recipe
-whose fingerprint it records: :meth:`ServiceState.open` refuses any other recipe before writing anything.
+whose fingerprint it records: :meth:`ServiceState.open` refuses any other recipe before writing anything. A
+damaged file (not JSON, another format, a malformed commit entry) is one :class:`ServiceStateError` naming the
+file and the entry (tests/test_service_state.py). :func:`inspect` reads a state_dir offline, for
+``zephon-ray inspect``.
 Bounded (tests/test_service_state.py, benchmarks/bench_service_load.py ``--long``): checkpoints are pruned to the
 newest ``keep_checkpoints`` plus anchors every ``anchor_every`` steps (so any past step is reachable by replaying
 at most ``anchor_every`` steps, recent ones at most K); commits keep the newest per consumer for at most
 ``MAX_CONSUMERS`` consumers and ``MAX_COMMITS`` history entries; ``nearest_checkpoint`` is a bisect over an
-in-memory index, not a directory listing.
+in-memory index built from one listing, not a listing per call.
 Limits: one writer at a time (the coordinator); no locking against two services pointed at the same
 ``state_dir``. Anchors themselves accumulate (one file of tens of KiB per ``anchor_every`` steps).
 """
@@ -21,17 +30,14 @@ Limits: one writer at a time (the coordinator); no locking against two services 
 from __future__ import annotations
 
 import bisect
-import json
+import math
 import os
 import re
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
+from zephon_ray import files
 from zephon_ray.lanes import KEY_NEXT_STEP, check_step_state
-from zephon_ray.recipe import Recipe
-from zephon_ray.service.errors import FingerprintMismatchError
 
 STATE_FORMAT = "zephon-ray/service-state/v1"
 SERVICE_FILE = "service.json"
@@ -50,97 +56,140 @@ MAX_COMMITS = 200
 """History entries kept in commits.json (newest last); older ones are dropped so the file stays small."""
 MAX_CONSUMERS = 256
 """Consumers whose newest commit is remembered; the ones that committed longest ago are forgotten first."""
-_CHECKPOINT_RE = re.compile(r"^step-(\d{8,})\.json$")
+CHECKPOINT_RE = re.compile(r"^step-(\d{8,})\.json$")
 
 
-def atomic_write_json(path: Path, payload: Any) -> None:
-    """Write JSON so that ``path`` holds either the old or the new content, never a mix, even on a crash."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+class ServiceStateError(ValueError):
+    """A ``state_dir`` file that cannot be used: unreadable, not JSON, another format, a malformed entry. The
+    message names the file (and the entry)."""
+
+
+class FingerprintMismatchError(ServiceStateError):
+    """A ``state_dir`` that belongs to another recipe. Refused before anything is written."""
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:012d}.json"
+
+
+def read_service_file(state_dir: "str | os.PathLike[str] | files.Location") -> dict[str, Any] | None:
+    """``service.json`` checked for format (None when the state_dir has none yet)."""
+    path = files.location(state_dir).join(SERVICE_FILE)
+    if not files.exists(path):
+        return None
+    meta = files.read_json(path, expect_format=STATE_FORMAT, error=ServiceStateError, what=SERVICE_FILE)
+    return meta
+
+
+def check_state_dir(recipe: Any, state_dir: "str | os.PathLike[str] | files.Location") -> None:
+    """Raise :class:`FingerprintMismatchError` if ``state_dir`` belongs to another recipe (or its service.json is
+    unusable); write nothing."""
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)  # make the rename itself durable
-    finally:
-        os.close(dir_fd)
-
-
-def _read_json(path: Path) -> Any:
-    with path.open("rb") as fh:
-        return json.load(fh)
-
-
-def check_state_dir(recipe: Recipe, state_dir: str | os.PathLike) -> None:
-    """Raise :class:`FingerprintMismatchError` if ``state_dir`` belongs to another recipe; write nothing."""
-    path = Path(state_dir) / SERVICE_FILE
-    if not path.exists():
+        meta = read_service_file(state_dir)
+    except ServiceStateError as exc:
+        raise FingerprintMismatchError(f"state_dir {state_dir}: {exc}") from None
+    except (files.StorageError, FileNotFoundError) as exc:
+        raise FingerprintMismatchError(f"state_dir unusable: {exc}") from None
+    if meta is None:
         return
-    try:
-        meta = _read_json(path)
-    except (OSError, ValueError) as exc:
-        raise FingerprintMismatchError(f"state_dir {state_dir}: {SERVICE_FILE} is unreadable ({exc})") from None
-    found = meta.get(KEY_FORMAT) if isinstance(meta, dict) else type(meta).__name__
-    if found != STATE_FORMAT:
-        raise FingerprintMismatchError(
-            f"state_dir {state_dir}: {SERVICE_FILE} has format {found!r}, expected {STATE_FORMAT!r}")
     if meta.get(KEY_FINGERPRINT) != recipe.fingerprint:
         raise FingerprintMismatchError(
             f"state_dir {state_dir} belongs to recipe fingerprint {str(meta.get(KEY_FINGERPRINT))[:12]}, not "
             f"{recipe.describe()}; start with the original recipe or use a new state_dir")
 
 
-class ServiceState:
-    """Durable state of one service. Open it with :meth:`open`."""
+def checkpoint_index(state_dir: "str | os.PathLike[str] | files.Location") -> dict[int, str]:
+    """``{step: file name}`` of the checkpoints under ``state_dir`` (one listing)."""
+    out = {}
+    for name in files.listing(files.location(state_dir).join(CHECKPOINT_DIR)):
+        m = CHECKPOINT_RE.match(name)
+        if m:
+            out[int(m.group(1))] = name
+    return out
 
-    def __init__(self, root: Path, recipe: Recipe, *, keep_checkpoints: int = 4, anchor_every: int = 0) -> None:
-        self.root = root
+
+def _check_entry(path: files.Location, where: str, entry: Any) -> dict[str, Any]:
+    if not isinstance(entry, dict):
+        raise ServiceStateError(f"{path}: {where} is malformed (a {type(entry).__name__}, not a table)")
+    step, consumer, when = entry.get(KEY_STEP), entry.get(KEY_CONSUMER), entry.get(KEY_TIME, 0.0)
+    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+        raise ServiceStateError(f"{path}: {where} is malformed ('{KEY_STEP}' must be an integer >= 0, got {step!r})")
+    if not isinstance(consumer, str) or not consumer:
+        raise ServiceStateError(f"{path}: {where} is malformed ('{KEY_CONSUMER}' must be a non-empty string, got "
+                                f"{consumer!r})")
+    if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
+        raise ServiceStateError(f"{path}: {where} is malformed ('{KEY_TIME}' must be a number, got {when!r})")
+    return {KEY_STEP: step, KEY_CONSUMER: consumer, KEY_TIME: float(when)}
+
+
+def read_commits(state_dir: "str | os.PathLike[str] | files.Location") -> dict[str, Any]:
+    """``{"commits": [history, newest last], "latest": {consumer: entry}}``, every entry checked; an absent file is
+    no commits. A malformed file or entry is one :class:`ServiceStateError` naming the file and the entry."""
+    path = files.location(state_dir).join(COMMITS_FILE)
+    if not files.exists(path):
+        return {KEY_COMMITS: [], KEY_LATEST: {}}
+    payload = files.read_json(path, expect_format=STATE_FORMAT, error=ServiceStateError, what=COMMITS_FILE)
+    raw_history = payload.get(KEY_COMMITS, [])
+    if not isinstance(raw_history, list):
+        raise ServiceStateError(f"{path}: '{KEY_COMMITS}' must be a list, got {type(raw_history).__name__}")
+    history = [_check_entry(path, f"commits[{i}]", e) for i, e in enumerate(raw_history)]
+    raw_latest = payload.get(KEY_LATEST)
+    if raw_latest is None:  # written before per-consumer commits: derive them from the history
+        latest = {}
+        for entry in history:
+            latest[entry[KEY_CONSUMER]] = entry
+    elif not isinstance(raw_latest, dict):
+        raise ServiceStateError(f"{path}: '{KEY_LATEST}' must be a table, got {type(raw_latest).__name__}")
+    else:
+        latest = {str(c): _check_entry(path, f"latest[{c!r}]", e) for c, e in raw_latest.items()}
+    return {KEY_COMMITS: history, KEY_LATEST: latest}
+
+
+class ServiceState:
+    """Durable state of one service. Open it with :meth:`open`. ``root`` is a :class:`zephon_ray.files.Location`
+    (``str(root)`` is the path or URI)."""
+
+    def __init__(self, root: "files.Location", recipe: Any, *, keep_checkpoints: int = 4,
+                 anchor_every: int = 0) -> None:
+        self.root = files.location(root)
         self.recipe = recipe
         self.keep_checkpoints = keep_checkpoints
         self.anchor_every = anchor_every
         self._steps: list[int] | None = None  # sorted index of checkpoint steps, loaded once
+        self._names: dict[int, str] = {}
+        self._commits: dict[str, Any] | None = None  # this process is the one writer: read once, then kept
         self.pinned: set[int] = set()  # never pruned by this process (a materialised prefix's end)
 
     @classmethod
-    def open(cls, recipe: Recipe, state_dir: str | os.PathLike, *, keep_checkpoints: int = 4,
+    def open(cls, recipe: Any, state_dir: "str | os.PathLike[str] | files.Location", *, keep_checkpoints: int = 4,
              anchor_every: int = 0) -> "ServiceState":
         """Check the fingerprint first; create the directory and ``service.json`` only when it matches.
         ``anchor_every=0`` keeps every checkpoint (no pruning)."""
-        root = Path(state_dir).expanduser().resolve()
+        root = files.location(state_dir)
         check_state_dir(recipe, root)
         state = cls(root, recipe, keep_checkpoints=keep_checkpoints, anchor_every=anchor_every)
-        meta_path = root / SERVICE_FILE
-        if not meta_path.exists():
-            atomic_write_json(meta_path, {
+        meta_path = root.join(SERVICE_FILE)
+        if not files.exists(meta_path):
+            files.write_json(meta_path, {
                 KEY_FORMAT: STATE_FORMAT,
                 KEY_FINGERPRINT: recipe.fingerprint,
                 KEY_LANES: recipe.lanes,
                 KEY_RECIPE: recipe.canonical(),
                 KEY_TIME: time.time(),
-            })
-        (root / CHECKPOINT_DIR).mkdir(exist_ok=True)
+            }, compact=True)
+        files.make_dirs(root.join(CHECKPOINT_DIR))
         return state
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_path(self, step: int) -> Path:
-        return self.root / CHECKPOINT_DIR / f"step-{step:08d}.json"
+    def checkpoint_path(self, step: int) -> files.Location:
+        """Where the checkpoint of ``step`` is (an older 8-digit name when that is what is there)."""
+        self.checkpoint_steps()
+        return self.root.join(CHECKPOINT_DIR, self._names.get(step, checkpoint_name(step)))
 
     def checkpoint_steps(self) -> list[int]:
         if self._steps is None:  # one listing per open; later writes and prunes keep the index current
-            out = []
-            for entry in os.listdir(self.root / CHECKPOINT_DIR):
-                m = _CHECKPOINT_RE.match(entry)
-                if m:
-                    out.append(int(m.group(1)))
-            self._steps = sorted(out)
+            self._names = checkpoint_index(self.root)
+            self._steps = sorted(self._names)
         return list(self._steps)
 
     def has_checkpoint(self, step: int) -> bool:
@@ -156,11 +205,9 @@ class ServiceState:
         step = int(state[KEY_NEXT_STEP])
         if pin:
             self.pinned.add(step)
-        path = self.checkpoint_path(step)
-        if not path.exists():
-            atomic_write_json(path, state)
-        self.checkpoint_steps()
         if not self.has_checkpoint(step):
+            files.write_json(self.checkpoint_path(step), state, compact=True)
+            self._names[step] = checkpoint_name(step)
             bisect.insort(self._steps, step)
         self.prune()
         return step
@@ -174,14 +221,16 @@ class ServiceState:
         recent = set(steps[-self.keep_checkpoints:])
         doomed = [s for s in steps if s not in recent and s % self.anchor_every and s not in self.pinned]
         for step in doomed:
-            self.checkpoint_path(step).unlink(missing_ok=True)
+            files.delete(self.checkpoint_path(step))
         if doomed:
             gone = set(doomed)
             self._steps = [s for s in self._steps if s not in gone]
+            for step in doomed:
+                self._names.pop(step, None)
         return doomed
 
     def read_checkpoint(self, step: int) -> dict[str, Any]:
-        state = _read_json(self.checkpoint_path(step))
+        state = files.read_json(self.checkpoint_path(step), error=ServiceStateError, what="checkpoint")
         check_step_state(state, self.recipe)
         return state
 
@@ -193,21 +242,13 @@ class ServiceState:
 
     # ------------------------------------------------------------------ commits
     def _read_commits(self) -> dict[str, Any]:
-        path = self.root / COMMITS_FILE
-        if not path.exists():
-            return {KEY_COMMITS: [], KEY_LATEST: {}}
-        payload = _read_json(path)
-        history = list(payload.get(KEY_COMMITS, []))
-        latest = payload.get(KEY_LATEST)
-        if latest is None:  # written before per-consumer commits: derive them from the history
-            latest = {}
-            for entry in history:
-                latest[entry[KEY_CONSUMER]] = entry
-        return {KEY_COMMITS: history, KEY_LATEST: latest}
+        if self._commits is None:
+            self._commits = read_commits(self.root)
+        return self._commits
 
     def commits(self) -> list[dict[str, Any]]:
         """The recent commit history, newest last."""
-        return self._read_commits()[KEY_COMMITS]
+        return list(self._read_commits()[KEY_COMMITS])
 
     def consumer_commits(self) -> dict[str, int]:
         """The newest commit step of every remembered consumer."""
@@ -221,10 +262,39 @@ class ServiceState:
         latest[str(consumer)] = entry
         if len(latest) > MAX_CONSUMERS:
             latest = dict(sorted(latest.items(), key=lambda kv: kv[1][KEY_TIME])[-MAX_CONSUMERS:])
-        atomic_write_json(self.root / COMMITS_FILE, {KEY_FORMAT: STATE_FORMAT, KEY_COMMITS: history,
-                                                     KEY_LATEST: latest})
+        files.write_json(self.root.join(COMMITS_FILE), {KEY_FORMAT: STATE_FORMAT, KEY_COMMITS: history,
+                                                        KEY_LATEST: latest}, compact=True)
+        self._commits = {KEY_COMMITS: history, KEY_LATEST: latest}
         return entry
 
     def latest_commit(self) -> int | None:
         commits = self.commits()
         return int(commits[-1][KEY_STEP]) if commits else None
+
+
+def inspect(state_dir: "str | os.PathLike[str]") -> dict[str, Any]:
+    """What a service left under ``state_dir`` (a path or URI): format, fingerprint, lanes, checkpoints, commits.
+    Reads the files only (no Ray, no recipe). A missing or damaged file is one :class:`ServiceStateError` (or
+    ``FileNotFoundError`` for a directory that is not a state_dir) naming it."""
+    root = files.location(state_dir)
+    meta = read_service_file(root)
+    if meta is None:
+        raise FileNotFoundError(f"{root}: no {SERVICE_FILE}; not a zephon-ray service state_dir")
+    steps = sorted(checkpoint_index(root))
+    commits = read_commits(root)
+    history, latest = commits[KEY_COMMITS], commits[KEY_LATEST]
+    recipe = meta.get(KEY_RECIPE) if isinstance(meta.get(KEY_RECIPE), dict) else {}
+    sources = recipe.get("sources") if isinstance(recipe.get("sources"), list) else []
+    return {
+        "state_dir": root.uri,
+        "format": meta.get(KEY_FORMAT),
+        "fingerprint": meta.get(KEY_FINGERPRINT),
+        "lanes": meta.get(KEY_LANES),
+        "created": meta.get(KEY_TIME),
+        "recipe": {k: recipe.get(k) for k in ("seed", "lanes", "microbatches_per_lane", "rows_per_microbatch",
+                                              "seq_len", "packing") if k in recipe},
+        "sources": [s.get("name") for s in sources if isinstance(s, dict)],
+        "checkpoints": {"count": len(steps), "latest": steps[-1] if steps else None, "steps": steps},
+        "commits": {"count": len(history), "latest_step": history[-1][KEY_STEP] if history else None,
+                    "by_consumer": {c: e[KEY_STEP] for c, e in latest.items()}},
+    }

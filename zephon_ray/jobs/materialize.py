@@ -6,7 +6,8 @@
                                                restore DIR/checkpoints/step-E.json, yield its lanes step by step,
                                                collective Zephon checkpoint at every segment boundary
     assemble lane-major ◄── streamed blocks ◄─┘
-    digest, one row group per step into segments/.tmp-…, fsync, rename; checkpoint file; manifest.json LAST
+    digest, one row group per step into a spooled segment; segment whole, checkpoint, manifest.json LAST
+    (formats/materialized.py's SegmentWriter; DIR is a local directory or an object-store prefix)
 
 Ray Data runs and scales the work; it never decides batch contents. Each worker is one Zephon rank whose lanes
 are a pure function of (recipe, lane), and the driver files rows by (step, group), never by arrival order.
@@ -20,43 +21,44 @@ not data: Zephon 0.2.0 records its read-ahead in them (cursor positions, chunk i
 so their bytes differ between runs while each restores the same batches; the manifest lists them without a hash. The manifest, segments and checkpoints
 do not record M, so M may change between runs.
 
+DIR may be an object-store URI (``s3://bucket/run7``): the segments, checkpoints and manifest are then one
+upload each, the manifest last, and nothing needs a shared filesystem (tests/test_s3.py).
+
 Limits: DIR must be on storage every node of the cluster reaches when M > 1 (the collective Zephon checkpoint
-meets in ``DIR/.work-*``); the driver alone writes segments and manifest. A new directory starting at step A > 0 produces (and discards) steps 0..A-1 first. Steps can only be
-appended: ``--steps`` must start inside or right at the end of what is there. Segments are cut at multiples of
-``segment_steps`` counted from step 0, plus at the end of each run, so extending in pieces gives the same
-batches in more files. Work since the last committed segment is redone after a kill.
+meets in ``DIR/.work-*``, which Zephon's aggregation reads and writes through its own storage router, an object
+store included); the driver alone writes segments and manifest. A new directory starting at step A > 0 produces
+(and discards) steps 0..A-1 first. Steps can only be appended: ``--steps`` must start inside or right at the end
+of what is there. Segments are cut at multiples of ``segment_steps`` counted from step 0, plus at the end of each
+run, so extending in pieces gives the same batches in more files. Work since the last committed segment is redone
+after a kill.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import uuid
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator
 
 import numpy as np
 
-from zephon_ray.batch import compute_digest
+from zephon_ray import files
 from zephon_ray.formats.materialized import (
     CHECKPOINTS_DIR, KEY_CHECKPOINTS, KEY_DIGESTS, KEY_END, KEY_FINGERPRINT, KEY_FIRST, KEY_FORMAT, KEY_GEOMETRY,
     KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_SOURCE_TOKENS, MANIFEST_FORMAT, MANIFEST_NAME, MAX_STEP, SEGMENTS_DIR,
-    MaterializedError, checkpoint_name, load_checkpoint, read_manifest, segment_name,
+    TMP_PREFIX, WORK_PREFIX, MaterializedError, SegmentWriter, clean_leftovers, load_checkpoint, read_manifest,
 )
-from zephon_ray.jobs.pretokenize import atomic_write_bytes, fsync_dir, json_bytes, sha256_file
+from zephon_ray.identity import verify_on_node
 from zephon_ray.recipe import Recipe
 
-WORK_PREFIX = ".work-"
-TMP_PREFIX = ".tmp-"
-PARQUET_COMPRESSION = "zstd"
 MAX_SEGMENT_STEPS = 4096
 
 
 @dataclass(frozen=True)
 class MaterializeResult:
-    directory: Path
+    directory: str
+    """The directory (an absolute local path or a URI)."""
     first_step: int
     end_step: int
     written: range
@@ -75,12 +77,7 @@ class LaneGroupWorker:
         self.start_state = start_state  # shipped by value: a worker on another node need not see DIR
         self.first, self.end, self.segment_steps = first, end, segment_steps
         self.run_id, self.aggregate_dir = run_id, aggregate_dir
-        try:
-            from zephon_ray.identity import verify_on_node
-        except ImportError:  # identity checks land with zephon_ray/identity.py
-            verify_on_node = None
-        if verify_on_node is not None:
-            verify_on_node(recipe, recipe.fingerprint, where="materialize lane-group worker")
+        verify_on_node(recipe, recipe.fingerprint, where="materialize lane-group worker")
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
         from zephon_ray.lanes import LaneStepper
@@ -134,34 +131,12 @@ def _geometry(recipe: Recipe) -> dict[str, Any]:
     }
 
 
-def _schema(width: int) -> Any:
-    import pyarrow as pa
-
-    return pa.schema([
-        ("step", pa.int64()), ("lane", pa.int16()), ("row", pa.int32()),
-        ("tokens", pa.list_(pa.int32(), width)), ("positions", pa.list_(pa.int32(), width)),
-    ])
-
-
-def _step_table(schema: Any, step: int, tokens: np.ndarray, positions: np.ndarray, lanes: np.ndarray) -> Any:
-    import pyarrow as pa
-
-    rows, width = tokens.shape
-    return pa.table({
-        "step": pa.array(np.full(rows, step, dtype=np.int64)),
-        "lane": pa.array(lanes),
-        "row": pa.array(np.arange(rows, dtype=np.int32)),
-        "tokens": pa.FixedSizeListArray.from_arrays(pa.array(tokens.reshape(-1)), width),
-        "positions": pa.FixedSizeListArray.from_arrays(pa.array(positions.reshape(-1)), width),
-    }, schema=schema)
-
-
-def _prepare_directory(directory: Path, recipe: Recipe, segment_steps: int) -> dict[str, Any] | None:
+def _prepare_directory(directory: files.Location, recipe: Recipe) -> dict[str, Any] | None:
     """The committed manifest (None for a new directory), after removing leftovers of a killed run."""
-    if directory.exists() and not directory.is_dir():
+    if not directory.remote and os.path.exists(directory.path) and not os.path.isdir(directory.path):
         raise MaterializedError(f"--out {directory}: exists and is not a directory")
     manifest = None
-    if (directory / MANIFEST_NAME).exists():
+    if files.exists(directory.join(MANIFEST_NAME)):
         manifest = read_manifest(directory)
         if manifest[KEY_FINGERPRINT] != recipe.fingerprint:
             raise MaterializedError(
@@ -169,24 +144,21 @@ def _prepare_directory(directory: Path, recipe: Recipe, segment_steps: int) -> d
                 f"{recipe.describe()}; use another --out"
             )
         if manifest[KEY_GEOMETRY] != _geometry(recipe):
-            raise MaterializedError(f"{directory / MANIFEST_NAME}: geometry differs from {recipe.describe()}")
-    elif directory.is_dir():
+            raise MaterializedError(f"{directory.join(MANIFEST_NAME)}: geometry differs from {recipe.describe()}")
+    else:
         ours = {SEGMENTS_DIR, CHECKPOINTS_DIR}
-        foreign = sorted(p.name for p in directory.iterdir() if p.name not in ours and not p.name.startswith(
-            (WORK_PREFIX, TMP_PREFIX)))
+        tops = {name.split("/", 1)[0] for name in files.listing(directory, recursive=True)}
+        if not directory.remote and os.path.isdir(directory.path):
+            tops |= set(os.listdir(directory.path))
+        foreign = sorted(t for t in tops if t not in ours and not t.startswith((WORK_PREFIX, TMP_PREFIX)))
         if foreign:
             raise MaterializedError(f"--out {directory}: not empty and holds no {MANIFEST_NAME} (found {foreign[0]})")
-    directory.mkdir(parents=True, exist_ok=True)
-    # Leftovers of a killed run: temp files and aggregation dirs. Committed files are never touched.
-    for leftover in list(directory.glob(f"{WORK_PREFIX}*")):
-        shutil.rmtree(leftover, ignore_errors=True)
-    for sub in (directory, directory / SEGMENTS_DIR, directory / CHECKPOINTS_DIR):
-        for tmp in sub.glob(f"{TMP_PREFIX}*") if sub.is_dir() else ():
-            tmp.unlink(missing_ok=True)
+    files.make_dirs(directory)
+    clean_leftovers(directory)  # committed files are never touched
     return manifest
 
 
-def materialize(recipe: Recipe, directory: str | Path, steps: range, *, producers: int = 1,
+def materialize(recipe: Recipe, directory: "str | os.PathLike[str]", steps: range, *, producers: int = 1,
                 segment_steps: int = 16, cpus_per_actor: float = 0.5, progress: bool = True) -> MaterializeResult:
     """Materialise ``steps`` of ``recipe`` into ``directory`` on the current Ray cluster (``ray.init`` first)."""
     from tqdm import tqdm
@@ -198,8 +170,8 @@ def materialize(recipe: Recipe, directory: str | Path, steps: range, *, producer
             raise MaterializedError(f"{name} must be an integer in [1, {high}], got {value!r}")
     if recipe.lanes % producers:
         raise MaterializedError(f"--producers {producers} does not divide the recipe's {recipe.lanes} lanes")
-    directory = Path(directory).resolve()
-    manifest = _prepare_directory(directory, recipe, segment_steps)
+    directory = files.location(directory)
+    manifest = _prepare_directory(directory, recipe)
     if manifest is None:
         manifest = {
             KEY_FORMAT: MANIFEST_FORMAT, KEY_FINGERPRINT: recipe.fingerprint, KEY_GEOMETRY: _geometry(recipe),
@@ -216,17 +188,18 @@ def materialize(recipe: Recipe, directory: str | Path, steps: range, *, producer
                                 f"{steps.start} would leave a gap (use --steps {end}:{steps.stop})")
     todo = range(end, steps.stop)
     if len(todo) == 0:
-        return MaterializeResult(directory, first, end, todo, 0)
+        return MaterializeResult(directory.uri, first, end, todo, 0)
     start_state = None
     if end > 0 and manifest[KEY_SEGMENTS]:
         entry = manifest[KEY_CHECKPOINTS].get(str(end))
         if entry is None:
-            raise MaterializedError(f"{directory / MANIFEST_NAME}: no checkpoint recorded for step {end}")
-        start_state = load_checkpoint(directory / entry["file"], recipe, end)
+            raise MaterializedError(f"{directory.join(MANIFEST_NAME)}: no checkpoint recorded for step {end}")
+        start_state = load_checkpoint(directory.join(entry["file"]), recipe, end)
 
-    work_dir = directory / f"{WORK_PREFIX}{uuid.uuid4().hex[:12]}"
-    work_dir.mkdir()
-    writer = _SegmentWriter(directory, manifest, recipe, segment_steps)
+    work_dir = directory.join(f"{WORK_PREFIX}{uuid.uuid4().hex[:12]}")
+    files.make_dirs(work_dir)
+    writer = SegmentWriter(directory, manifest, lanes=recipe.lanes, rows_per_lane=recipe.rows_per_lane,
+                           row_length=recipe.row_length)
     bar = tqdm(total=len(todo), unit="step", desc="materialize", disable=not progress, dynamic_ncols=True)
     try:
         for step, rows in _stream(recipe, todo, producers=producers, start_state=start_state,
@@ -236,13 +209,13 @@ def materialize(recipe: Recipe, directory: str | Path, steps: range, *, producer
     finally:
         bar.close()
         writer.abort()
-        shutil.rmtree(work_dir, ignore_errors=True)
-    return MaterializeResult(directory, first, int(manifest[KEY_END]), todo,
+        files.delete_tree(work_dir)
+    return MaterializeResult(directory.uri, first, int(manifest[KEY_END]), todo,
                              len(todo) * recipe.tokens_per_step)
 
 
 def _stream(recipe: Recipe, todo: range, *, producers: int, start_state: dict[str, Any] | None, segment_steps: int,
-            work_dir: Path, cpus_per_actor: float) -> Iterator[tuple[int, tuple]]:
+            work_dir: files.Location, cpus_per_actor: float) -> Iterator[tuple[int, tuple]]:
     """Yield (step, (tokens, positions, source_tokens, state)) in step order, assembled from every lane group."""
     import ray.data
 
@@ -255,7 +228,7 @@ def _stream(recipe: Recipe, todo: range, *, producers: int, start_state: dict[st
         fn_constructor_kwargs={
             "recipe": recipe, "groups": producers, "start_state": start_state, "first": todo.start,
             "end": todo.stop, "segment_steps": segment_steps, "run_id": f"materialize-{work_dir.name}",
-            "aggregate_dir": str(work_dir / "aggregate"),
+            "aggregate_dir": work_dir.join("aggregate").uri,
         },
         # One task per actor at a time and exactly M actors: all M ranks run at once, as collective checkpoints need.
         compute=ray.data.ActorPoolStrategy(size=producers, max_tasks_in_flight_per_actor=1),
@@ -282,67 +255,3 @@ def _stream(recipe: Recipe, todo: range, *, producers: int, start_state: dict[st
             next_step += 1
     if next_step != todo.stop:
         raise RuntimeError(f"materialize: lane groups stopped at step {next_step}, expected {todo.stop}")
-
-
-class _SegmentWriter:
-    """Writes steps in order into temp segment files; commits segment, checkpoint and manifest (last)."""
-
-    def __init__(self, directory: Path, manifest: dict[str, Any], recipe: Recipe, segment_steps: int) -> None:
-        self.directory = directory
-        self.manifest = manifest
-        self.segment_steps = segment_steps
-        self.schema = _schema(recipe.row_length)
-        self.lanes = np.repeat(np.arange(recipe.lanes, dtype=np.int16), recipe.rows_per_lane)
-        self.rows = recipe.global_batch_rows
-        self._writer: Any = None
-        self._tmp: Path | None = None
-        self._segment_first = 0
-        self._digests: list[str] = []
-        self._source_tokens: list[list[int]] = []
-
-    def add(self, step: int, tokens: np.ndarray, positions: np.ndarray, source_tokens: np.ndarray,
-            state: str) -> None:
-        import pyarrow.parquet as pq
-
-        if self._writer is None:
-            (self.directory / SEGMENTS_DIR).mkdir(exist_ok=True)
-            self._segment_first = step
-            self._tmp = self.directory / SEGMENTS_DIR / f"{TMP_PREFIX}{step:012d}.{os.getpid()}.parquet"
-            self._writer = pq.ParquetWriter(self._tmp, self.schema, compression=PARQUET_COMPRESSION)
-        self._writer.write_table(_step_table(self.schema, step, tokens, positions, self.lanes),
-                                 row_group_size=self.rows)
-        self._digests.append(compute_digest(tokens, positions))
-        self._source_tokens.append([int(x) for x in source_tokens])
-        if state:
-            self._commit(step + 1, state)
-
-    def _commit(self, end: int, state: str) -> None:
-        self._writer.close()
-        self._writer = None
-        with open(self._tmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        name = segment_name(self._segment_first, end)
-        final = self.directory / name
-        os.replace(self._tmp, final)
-        fsync_dir(final.parent)
-        ckpt_name = checkpoint_name(end)
-        ckpt_bytes = (state + "\n").encode()
-        atomic_write_bytes(self.directory / ckpt_name, ckpt_bytes)
-        m = self.manifest
-        m[KEY_SEGMENTS].append({"file": name, "first_step": self._segment_first, "end_step": end,
-                                "bytes": final.stat().st_size, "sha256": sha256_file(final)})
-        m[KEY_DIGESTS].extend(self._digests)
-        m[KEY_SOURCE_TOKENS].extend(self._source_tokens)
-        # No hash of the checkpoint: its bytes record Zephon's read-ahead, which is not a function of the step.
-        m[KEY_CHECKPOINTS][str(end)] = {"file": ckpt_name}
-        m[KEY_END] = end
-        self._digests, self._source_tokens = [], []
-        atomic_write_bytes(self.directory / MANIFEST_NAME, json_bytes(m))  # the commit point
-
-    def abort(self) -> None:
-        """Drop an unfinished segment (the run failed or was interrupted): committed files stay as they are."""
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
-        if self._tmp is not None and self._tmp.exists():
-            self._tmp.unlink()

@@ -8,6 +8,12 @@
     OUT_DIR/recipe.toml                                  (the same recipe over the token-id copies)
     OUT_DIR/manifest.json                                (written last: tokenizer identity, listing, counts)
 
+The layout and manifest belong to :mod:`zephon_ray.formats.pretokenized`; every file goes through
+:mod:`zephon_ray.files`, so RECIPE's sources and OUT_DIR may each be a local directory or an object-store URI
+(``s3://bucket/tokens``): raw shards are read through Zephon's storage router, token shards are written by the
+actors as one atomic upload each, and the manifest's upload commits the copy
+(tests/test_s3.py::test_pretokenize_s3_to_s3).
+
 Guarantee: the token ids of record i of shard f are exactly the ``input_ids`` Zephon's
 ``decode_text() → tokenize(special_tokens="bos_eos")`` would give record i of f, and every output shard has
 the same records in the same order, so ``OUT_DIR/recipe.toml`` yields global batches with **the same digests**
@@ -21,88 +27,42 @@ Limits:
 - The decode step mirrors Zephon 0.2.0's ``decode_text`` defaults (UTF-8, ``\\r\\n``/``\\r`` to ``\\n``) and the
   ``bos_eos`` bracketing; the digest-equality test is what pins that down for a new Zephon version.
 - Only ``jsonl`` and ``parquet`` sources are read (the formats a recipe accepts).
-- Actors write the token shards themselves: OUT_DIR must be on storage every node of the cluster reaches.
+- Actors write the token shards themselves: OUT_DIR must be on storage every node of the cluster reaches (an
+  object-store URI is, with the same credentials on every node).
+- Resuming re-reads each finished token shard once to check its sha256 (a download on an object store).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from zephon_ray.recipe import Recipe, RecipeError
+from zephon_ray import files, zephon_io
+from zephon_ray.formats.pretokenized import (
+    KEY_SOURCE_FINGERPRINT, KEY_TOTALS, MANIFEST_FORMAT, MANIFEST_NAME, PROGRESS_DIR, RECIPE_NAME, SOURCES_DIR,
+    SPECIAL_TOKENS, TOKEN_FIELD, PretokenizedError, build_manifest, output_name, progress_location, read_progress,
+    shard_location, write_manifest, write_progress,
+)
+from zephon_ray.recipe import Recipe
 from zephon_ray.tokenizers import build_tokenizer, tokenizer_identity
 
-MANIFEST_FORMAT = "zephon-ray/pretokenized/v1"
-MANIFEST_NAME = "manifest.json"
-RECIPE_NAME = "recipe.toml"
-SOURCES_DIR = "sources"
-PROGRESS_DIR = "_progress"
-TOKEN_FIELD = "input_ids"
-SPECIAL_TOKENS = "bos_eos"
+__all__ = [
+    "MANIFEST_FORMAT", "MANIFEST_NAME", "PROGRESS_DIR", "RECIPE_NAME", "SOURCES_DIR", "SPECIAL_TOKENS", "TOKEN_FIELD",
+    "PretokenizeError", "PretokenizeResult", "pretokenize",
+]
 TOKENIZE_BATCH = 512
 PARQUET_COMPRESSION = "zstd"
 
-# Manifest keys
-KEY_FORMAT = "format"
-KEY_TOKENIZER = "tokenizer"
-KEY_SPECIAL_TOKENS = "special_tokens"
-KEY_SOURCE_FINGERPRINT = "source_recipe_fingerprint"
-KEY_SOURCES = "sources"
-KEY_TOTALS = "totals"
-
-
-class PretokenizeError(ValueError):
-    """A pre-tokenisation that cannot run or a manifest that does not check out; the message names the file."""
-
-
-# ---------------------------------------------------------------------- files
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write to a temp name in the same directory, fsync, rename over ``path``: readers see old or new, never half."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}.{os.getpid()}")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def json_bytes(obj: Any) -> bytes:
-    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+PretokenizeError = PretokenizedError
+"""The one error of a pre-tokenisation (the format owner's class): the message names the file."""
 
 
 def shard_list(source: Any) -> list[tuple[str, int]]:
     """(name relative to the source directory, size) of every shard Zephon reads, in Zephon's order."""
-    return [(s.name, s.size) if hasattr(s, "name") else (s[0], s[1]) for s in source.shards]
-
-
-def output_name(relative: str) -> str:
-    """``a/b.jsonl`` -> ``a/b.parquet``: the same relative name with the Parquet suffix."""
-    stem, _, _ext = relative.rpartition(".")
-    return f"{stem}.parquet"
+    return [(s.name, s.size) for s in source.shards]
 
 
 # ---------------------------------------------------------------------- the per-shard work
@@ -116,21 +76,35 @@ class ShardTask:
     progress_path: str
 
 
+def _raw_bytes(path: str) -> bytes:
+    """A raw shard's bytes: through Zephon's storage router for an object-store URI, else from local disk."""
+    if files.is_uri(path):
+        try:
+            return zephon_io.read_object(path)
+        except zephon_io.ZephonIOError as exc:
+            raise PretokenizeError(str(exc)) from None
+    try:
+        return files.read_bytes(path)
+    except (FileNotFoundError, files.StorageError) as exc:
+        raise PretokenizeError(str(exc)) from None
+
+
 def read_texts(path: str, fmt: str, text_field: str) -> list[Any]:
+    blob = _raw_bytes(path)
     if fmt == "jsonl":
         texts = []
-        with open(path, "rb") as fh:
-            for number, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                record = json.loads(line)
-                if text_field not in record:
-                    raise PretokenizeError(f"{path}:{number}: record has no field {text_field!r}")
-                texts.append(record[text_field])
+        for number, line in enumerate(blob.split(b"\n"), 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if text_field not in record:
+                raise PretokenizeError(f"{path}:{number}: record has no field {text_field!r}")
+            texts.append(record[text_field])
         return texts
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path)
+    table = pq.read_table(pa.BufferReader(blob))
     if text_field not in table.column_names:
         raise PretokenizeError(f"{path}: no column {text_field!r} (columns: {', '.join(table.column_names)})")
     return table.column(text_field).to_pylist()
@@ -154,7 +128,8 @@ def tokenize_texts(tokenizer: Any, texts: list[Any]) -> list[np.ndarray]:
     return out
 
 
-def write_token_shard(out_path: Path, ids: list[np.ndarray]) -> None:
+def token_shard_bytes(ids: list[np.ndarray]) -> bytes:
+    """One token-id Parquet shard (column ``input_ids``, list<int32>, record order kept), in memory."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -163,14 +138,9 @@ def write_token_shard(out_path: Path, ids: list[np.ndarray]) -> None:
     np.cumsum(lengths, out=offsets[1:])
     values = np.concatenate(ids) if ids else np.zeros(0, dtype=np.int32)
     column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
-    table = pa.table({TOKEN_FIELD: column})
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out_path.with_name(f".tmp-{out_path.name}.{os.getpid()}")
-    pq.write_table(table, tmp, compression=PARQUET_COMPRESSION)
-    with open(tmp, "rb+") as fh:
-        os.fsync(fh.fileno())
-    os.replace(tmp, out_path)
-    fsync_dir(out_path.parent)
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({TOKEN_FIELD: column}), sink, compression=PARQUET_COMPRESSION)
+    return sink.getvalue().to_pybytes()
 
 
 class ShardTokenizer:
@@ -200,26 +170,27 @@ class ShardTokenizer:
 def tokenize_shard(task: ShardTask, tokenizer: Any, text_field: str) -> dict[str, Any]:
     texts = read_texts(task.raw_path, task.raw_format, text_field)
     ids = tokenize_texts(tokenizer, texts)
-    out_path = Path(task.out_path)
-    write_token_shard(out_path, ids)
+    blob = token_shard_bytes(ids)
+    files.write_atomic(task.out_path, blob)
     entry = {
         "source": task.source,
         "relative": task.relative,
         "records": len(ids),
         "tokens": int(sum(len(x) for x in ids)),
-        "bytes": out_path.stat().st_size,
-        "sha256": sha256_file(out_path),
+        "bytes": len(blob),
+        "sha256": files.sha256_bytes(blob),
     }
     # The shard is durable before its progress entry: an entry always describes a complete file.
-    atomic_write_bytes(Path(task.progress_path), json_bytes(entry))
+    write_progress(files.location(task.progress_path), entry)
     return entry
 
 
 # ---------------------------------------------------------------------- the job
 @dataclass(frozen=True)
 class PretokenizeResult:
-    out_dir: Path
-    recipe_path: Path
+    out_dir: str
+    """The copy's directory or prefix (an absolute local path or a URI)."""
+    recipe_path: str
     shards: int
     shards_skipped: int
     records: int
@@ -227,7 +198,7 @@ class PretokenizeResult:
     bytes: int
 
 
-def plan(recipe: Recipe, out_dir: Path) -> list[ShardTask]:
+def plan(recipe: Recipe, out: files.Location) -> list[ShardTask]:
     tasks = []
     for source in recipe.sources:
         names = [rel for rel, _size in shard_list(source)]
@@ -237,30 +208,26 @@ def plan(recipe: Recipe, out_dir: Path) -> list[ShardTask]:
                 f"source '{source.name}' ({source.path}): its shard names do not keep their order (or collide) once "
                 "renamed to .parquet; Zephon orders shards by name, so the copy would read records in another order"
             )
-        for rel, out in zip(names, outs):
+        for rel in names:
             tasks.append(ShardTask(
-                source=source.name, raw_path=str(source.path / rel), raw_format=source.format, relative=rel,
-                out_path=str(out_dir / SOURCES_DIR / source.name / out),
-                progress_path=str(out_dir / PROGRESS_DIR / source.name / (out + ".json")),
+                source=source.name, raw_path=files.location(source.path).join(rel).uri, raw_format=source.format,
+                relative=rel, out_path=shard_location(out, source.name, rel).uri,
+                progress_path=progress_location(out, source.name, rel).uri,
             ))
     return tasks
 
 
 def finished_entry(task: ShardTask) -> dict[str, Any] | None:
     """The progress entry of a shard finished by an earlier (interrupted) run, if its output still verifies."""
-    progress, out = Path(task.progress_path), Path(task.out_path)
-    if not progress.is_file() or not out.is_file():
+    entry = read_progress(files.location(task.progress_path))
+    if entry is None:
         return None
-    try:
-        entry = json.loads(progress.read_text())
-    except (OSError, ValueError):
-        return None
-    if entry.get("bytes") != out.stat().st_size or entry.get("sha256") != sha256_file(out):
+    if files.size(task.out_path) != entry.get("bytes") or files.sha256(task.out_path) != entry.get("sha256"):
         return None
     return entry
 
 
-def pretokenize(recipe: Recipe, out_dir: str | Path, *, actors: int | None = None,
+def pretokenize(recipe: Recipe, out_dir: "str | Any", *, actors: int | None = None,
                 cpus_per_actor: float = 0.5, progress: bool = True) -> PretokenizeResult:
     """Run the Ray Data job on the current Ray cluster (``ray.init`` first). Re-running is idempotent and
     resumes an interrupted run: shards whose output and progress entry exist and verify are skipped."""
@@ -269,27 +236,27 @@ def pretokenize(recipe: Recipe, out_dir: str | Path, *, actors: int | None = Non
 
     if recipe.pretokenized is not None:
         raise PretokenizeError(f"{recipe.describe()} is already pre-tokenised (key 'pretokenized')")
-    out_dir = Path(out_dir).resolve()
+    out = files.location(out_dir)
     for source in recipe.sources:
-        if out_dir == source.path or out_dir in source.path.parents or source.path in out_dir.parents:
-            raise PretokenizeError(f"OUT_DIR {out_dir} overlaps source '{source.name}' ({source.path})")
-    manifest_path = out_dir / MANIFEST_NAME
-    if manifest_path.is_file():
-        try:
-            previous = json.loads(manifest_path.read_text())
-        except ValueError as exc:
-            raise PretokenizeError(f"{manifest_path}: not valid JSON ({exc}); remove it to start over") from None
-        if previous.get(KEY_SOURCE_FINGERPRINT) != recipe.fingerprint:
+        src = files.location(source.path)
+        if out.is_within(src) or src.is_within(out):
+            raise PretokenizeError(f"OUT_DIR {out} overlaps source '{source.name}' ({source.path})")
+    manifest_loc = out.join(MANIFEST_NAME)
+    if files.exists(manifest_loc):
+        previous = files.read_json(manifest_loc, error=PretokenizeError, what="pre-tokenisation manifest",
+                                   missing_hint="")
+        found = previous.get(KEY_SOURCE_FINGERPRINT) if isinstance(previous, dict) else None
+        if found != recipe.fingerprint:
             raise PretokenizeError(
-                f"{out_dir} holds a pre-tokenisation of another recipe (fingerprint "
-                f"{str(previous.get(KEY_SOURCE_FINGERPRINT))[:12]}, not {recipe.fingerprint[:12]}); use a new OUT_DIR"
+                f"{out} holds a pre-tokenisation of another recipe (fingerprint {str(found)[:12]}, not "
+                f"{recipe.fingerprint[:12]}); use a new OUT_DIR"
             )
     if actors is None:
         actors = max(1, int(ray.cluster_resources().get("CPU", 1)))
     if isinstance(actors, bool) or not isinstance(actors, int) or not 1 <= actors <= 1024:
         raise PretokenizeError(f"actors must be an integer in [1, 1024], got {actors!r}")
 
-    tasks = plan(recipe, out_dir)
+    tasks = plan(recipe, out)
     entries: dict[tuple[str, str], dict[str, Any]] = {}
     todo = []
     for task in tasks:
@@ -302,14 +269,25 @@ def pretokenize(recipe: Recipe, out_dir: str | Path, *, actors: int | None = Non
     if todo:
         _run_actor_pool(recipe, todo, entries, actors=actors, cpus_per_actor=cpus_per_actor, progress=progress,
                         tqdm=tqdm)
-    _check_counts(recipe, out_dir, entries)
-    recipe_path = write_pretokenized_recipe(recipe, out_dir)
-    manifest = build_manifest(recipe, entries)
-    atomic_write_bytes(manifest_path, json_bytes(manifest))  # last: the commit point
-    _check_same_settings(recipe, Recipe.from_toml(recipe_path))
+    _check_counts(recipe, entries)
+    recipe_loc = write_pretokenized_recipe(recipe, out)
+    tokenizer = build_tokenizer(recipe.tokenizer)
+    manifest = build_manifest(
+        tokenizer_identity=tokenizer_identity(recipe.tokenizer), bos=tokenizer.bos_token_id,
+        eos=tokenizer.eos_token_id, text_field=recipe.text_field, source_fingerprint=recipe.fingerprint,
+        sources=[{"name": source.name, "raw_path": source.path, "raw_format": source.format,
+                  "shards": [_shard_entry(rel, size, entries[(source.name, rel)]) for rel, size in shard_list(source)]}
+                 for source in recipe.sources])
+    write_manifest(out, manifest)  # last: the commit point
+    _check_same_settings(recipe, Recipe.from_toml(recipe_loc.uri))
     totals = manifest[KEY_TOTALS]
-    return PretokenizeResult(out_dir=out_dir, recipe_path=recipe_path, shards=len(tasks), shards_skipped=skipped,
+    return PretokenizeResult(out_dir=out.uri, recipe_path=recipe_loc.uri, shards=len(tasks), shards_skipped=skipped,
                              records=totals["records"], tokens=totals["tokens"], bytes=totals["bytes"])
+
+
+def _shard_entry(rel: str, size: int, entry: dict[str, Any]) -> dict[str, Any]:
+    return {"raw": rel, "raw_bytes": size, "out": output_name(rel), "records": int(entry["records"]),
+            "tokens": int(entry["tokens"]), "bytes": int(entry["bytes"]), "sha256": str(entry["sha256"])}
 
 
 def _run_actor_pool(recipe: Recipe, todo: list[ShardTask], entries: dict, *, actors: int, cpus_per_actor: float,
@@ -354,45 +332,26 @@ def _check_same_settings(raw: Recipe, tokens: Recipe) -> None:
         raise PretokenizeError(f"{tokens.path}: tokenizer or library versions differ from the source recipe")
 
 
-def _check_counts(recipe: Recipe, out_dir: Path, entries: dict) -> None:
-    """Every output shard must hold as many records as Zephon counts in its input shard."""
+def _zephon_records(source: Any) -> int:
+    """Zephon's record count for a source: the recipe's row counts where it has them, else Zephon's own count."""
+    if all(s.rows is not None for s in source.shards):
+        return sum(int(s.rows) for s in source.shards)
     from zephon.io import Dataset
 
+    zephon_io.storage()  # exports the S3 endpoint for Zephon; its discovery then reads every shard once to count
+    return int(Dataset.from_path(source.name, str(source.path), fmt=source.format).total())
+
+
+def _check_counts(recipe: Recipe, entries: dict) -> None:
+    """Every output shard must hold as many records as Zephon counts in its input shard."""
     for source in recipe.sources:
-        raw = Dataset.from_path(source.name, str(source.path), fmt=source.format).total()
+        raw = _zephon_records(source)
         copied = sum(int(entries[(source.name, rel)]["records"]) for rel, _ in shard_list(source))
-        if int(raw) != copied:
+        if raw != copied:
             raise PretokenizeError(
                 f"source '{source.name}': Zephon counts {raw} records in {source.path} but the token copy has "
                 f"{copied}; blank or malformed lines are read differently, fix the shards first"
             )
-
-
-def build_manifest(recipe: Recipe, entries: dict) -> dict[str, Any]:
-    tokenizer = build_tokenizer(recipe.tokenizer)
-    sources = []
-    totals = {"records": 0, "tokens": 0, "bytes": 0}
-    for source in recipe.sources:
-        shards = []
-        for rel, size in shard_list(source):
-            entry = entries[(source.name, rel)]
-            shards.append({"raw": rel, "raw_bytes": size, "out": output_name(rel), "records": int(entry["records"]),
-                           "tokens": int(entry["tokens"]), "bytes": int(entry["bytes"]), "sha256": entry["sha256"]})
-            for key in totals:
-                totals[key] += int(entry[key])
-        sources.append({"name": source.name, "raw_path": str(source.path), "raw_format": source.format,
-                        "path": f"{SOURCES_DIR}/{source.name}", "shards": shards})
-    return {
-        KEY_FORMAT: MANIFEST_FORMAT,
-        KEY_TOKENIZER: tokenizer_identity(recipe.tokenizer),
-        KEY_SPECIAL_TOKENS: {"mode": SPECIAL_TOKENS, "bos": int(tokenizer.bos_token_id),
-                             "eos": int(tokenizer.eos_token_id)},
-        "token_field": TOKEN_FIELD,
-        "text_field": recipe.text_field,
-        KEY_SOURCE_FINGERPRINT: recipe.fingerprint,
-        KEY_SOURCES: sources,
-        KEY_TOTALS: totals,
-    }
 
 
 def _toml_value(value: Any) -> str:
@@ -403,7 +362,7 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value))  # a JSON string is a valid TOML basic string
 
 
-def write_pretokenized_recipe(recipe: Recipe, out_dir: Path) -> Path:
+def write_pretokenized_recipe(recipe: Recipe, out: files.Location) -> files.Location:
     """``OUT_DIR/recipe.toml``: every data-defining key of ``recipe``, sources pointing at the token copies."""
     top = {
         "seed": recipe.seed, "lanes": recipe.lanes, "microbatches_per_lane": recipe.microbatches_per_lane,
@@ -424,64 +383,6 @@ def write_pretokenized_recipe(recipe: Recipe, out_dir: Path) -> Path:
         lines += ["", "[[sources]]", f"name = {_toml_value(source.name)}",
                   f"path = {_toml_value(SOURCES_DIR + '/' + source.name)}", 'format = "parquet"',
                   f"weight = {_toml_value(source.weight)}"]
-    path = out_dir / RECIPE_NAME
-    atomic_write_bytes(path, ("\n".join(lines) + "\n").encode())
-    return path
-
-
-# ---------------------------------------------------------------------- checking a pre-tokenised recipe
-def check_pretokenized(manifest_path: Path, tokenizer: str) -> dict[str, Any]:
-    """Called by the recipe parser for ``pretokenized = "..."`` before it reads the sources: the manifest must
-    exist and be complete, name the recipe's tokenizer, and every token shard it lists must be there, whole."""
-    if not manifest_path.is_file():
-        raise RecipeError(f"pre-tokenisation manifest not found: {manifest_path} (did `zephon-ray pretokenize` "
-                          "finish? it writes the manifest last)")
-    try:
-        manifest = json.loads(manifest_path.read_text())
-    except ValueError as exc:
-        raise RecipeError(f"{manifest_path}: corrupt pre-tokenisation manifest ({exc})") from None
-    if not isinstance(manifest, dict) or manifest.get(KEY_FORMAT) != MANIFEST_FORMAT:
-        got = manifest.get(KEY_FORMAT) if isinstance(manifest, dict) else type(manifest).__name__
-        raise RecipeError(f"{manifest_path}: manifest format {got!r} is not {MANIFEST_FORMAT!r}")
-    identity = tokenizer_identity(tokenizer)
-    if manifest.get(KEY_TOKENIZER) != identity:
-        raise RecipeError(
-            f"{manifest_path}: the sources were pre-tokenised with tokenizer {manifest.get(KEY_TOKENIZER)!r}, but the "
-            f"recipe names {tokenizer!r} ({identity}); token ids from one tokenizer cannot be used with another"
-        )
-    if manifest.get(KEY_SPECIAL_TOKENS, {}).get("mode") != SPECIAL_TOKENS:
-        raise RecipeError(f"{manifest_path}: special-token mode {manifest.get(KEY_SPECIAL_TOKENS)!r} is not "
-                          f"{SPECIAL_TOKENS!r}, the mode zephon-ray tokenises with")
-    try:
-        for source in manifest[KEY_SOURCES]:
-            for shard in source["shards"]:
-                path = manifest_path.parent / source["path"] / shard["out"]
-                size = path.stat().st_size if path.is_file() else None
-                if size != shard["bytes"]:
-                    state = "missing" if size is None else f"{size} bytes, the manifest records {shard['bytes']}"
-                    raise RecipeError(f"token shard {path}: {state} (truncated or rewritten; re-run pretokenize)")
-    except (KeyError, TypeError) as exc:
-        raise RecipeError(f"{manifest_path}: corrupt pre-tokenisation manifest (missing {exc})") from None
-    return manifest
-
-
-def check_pretokenized_sources(recipe: Recipe) -> None:
-    """After the sources are read: each is a token copy the manifest lists, with exactly the listed shards."""
-    manifest_path = Path(recipe.pretokenized)
-    manifest = json.loads(manifest_path.read_text())
-    listed = {s.get("name"): s for s in manifest.get(KEY_SOURCES, [])}
-    for source in recipe.sources:
-        entry = listed.get(source.name)
-        if entry is None:
-            raise RecipeError(f"{manifest_path}: source '{source.name}' is not in the pre-tokenisation manifest")
-        if source.path != (manifest_path.parent / entry["path"]).resolve():
-            raise RecipeError(f"source '{source.name}' reads {source.path}, not the token copy "
-                              f"{manifest_path.parent / entry['path']} that {manifest_path} lists")
-        want = {s["out"]: s["bytes"] for s in entry["shards"]}
-        have = dict(shard_list(source))
-        if want != have:
-            diff = sorted(set(want.items()) ^ set(have.items()))
-            raise RecipeError(
-                f"{manifest_path}: source '{source.name}' ({source.path}) does not hold the token shards the manifest "
-                f"lists (first difference: {diff[0][0]}; a missing or extra file)"
-            )
+    loc = out.join(RECIPE_NAME)
+    files.write_atomic(loc, ("\n".join(lines) + "\n").encode())
+    return loc

@@ -1,0 +1,652 @@
+"""The storage layer: every durable read and write of zephon-ray, on a local path or an object-store URI.
+
+    "/data/run7"  "relative/dir"  "s3://bucket/run7"  "gs://bucket/run7"  "az://container/run7"
+          └───────────────┬──────────────────┘
+                          ▼
+    location(x) ──► Location(fs = one pyarrow.fs.FileSystem, path, uri)   (Ray Data and Ray Train use pyarrow.fs)
+                          │
+       write_atomic / write_json ─ read_bytes / read_json ─ sha256 ─ listing ─ exists ─ delete ─ upload
+
+Every durable file zephon-ray writes or reads (service ``state_dir``, materialised directories, pre-tokenised
+copies, the loader's state files) goes through this module; recipe *sources* are read by Zephon's own storage
+router instead (:mod:`zephon_ray.zephon_io`), so that the listing and the bytes are Zephon's view.
+
+Commit points (what a reader can see):
+
+- **Local path**: :func:`write_atomic` writes a temp file in the same directory, fsyncs it, renames it over the
+  target and fsyncs the directory, so a reader sees the old content or the new one, never a mix, even after a
+  crash (tests/test_files.py::test_local_atomic_write_leaves_old_or_new).
+- **Object store** (no rename): :func:`write_atomic` is one upload of the whole object. S3 makes an object
+  visible only when its PUT (or a multipart upload's CompleteMultipartUpload) succeeds, and then whole: a reader
+  sees the previous object or the new one. Nothing is atomic *across* objects, so every format here writes its
+  data objects first and its manifest/state object last, under the name that commits; an object the manifest
+  does not name is never read (tests/test_s3.py). Not atomic on S3: a group of objects, a delete of a prefix,
+  and a listing taken during writes (S3 listings are strongly consistent since 2020, but a listing sees whichever
+  objects are complete at that instant).
+- A process killed during an upload leaves no object (an unfinished multipart upload is invisible; configure a
+  bucket lifecycle rule to expire such parts).
+
+Endpoints and credentials follow the AWS SDK conventions, the same for pyarrow, Zephon and Ray workers
+(:func:`aws_environment`): ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (Zephon's ``S3_ENDPOINT_URL`` is read
+too and set from them), ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_PROFILE``
+and the profile files, ``AWS_REGION``/``AWS_DEFAULT_REGION``. Bounded retries: ``ZEPHON_RAY_S3_MAX_ATTEMPTS``
+(default 5) attempts per request with the AWS SDK's standard backoff, ``ZEPHON_RAY_S3_CONNECT_TIMEOUT_S``
+(default 5) per connection; after that a :class:`StorageError` names the URI
+(tests/test_s3.py::test_endpoint_stopped_then_restarted).
+
+Limits: ``gs://`` (pyarrow's GcsFileSystem, Google's default credentials) and ``az://`` (pyarrow's
+AzureFileSystem, account from ``AZURE_STORAGE_ACCOUNT_NAME``) are mapped but tested only through their scheme
+parsing; S3 is tested end to end against a real S3 API server on loopback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator
+
+REMOTE_SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs", "az": "az", "abfs": "az", "abfss": "az"}
+"""URI schemes mapped to an object-store filesystem (``gcs://`` is ``gs://``; ``abfs(s)://`` is ``az://``)."""
+ENDPOINT_ENVS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+"""The AWS SDK's endpoint variables, service-specific first."""
+ZEPHON_ENDPOINT_ENV = "S3_ENDPOINT_URL"
+"""What Zephon's S3 backend reads (set from :data:`ENDPOINT_ENVS` by :func:`export_endpoint_for_zephon`)."""
+AWS_ENV_VARS = (
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE", "AWS_ALLOW_HTTP", "AWS_CA_BUNDLE", "GOOGLE_APPLICATION_CREDENTIALS",
+    "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY",
+    "ZEPHON_RAY_S3_MAX_ATTEMPTS", "ZEPHON_RAY_S3_CONNECT_TIMEOUT_S", "ZEPHON_RAY_S3_REQUEST_TIMEOUT_S",
+)
+"""Settings a Ray job's workers need to reach the same stores (:func:`aws_environment`)."""
+MAX_ATTEMPTS_ENV = "ZEPHON_RAY_S3_MAX_ATTEMPTS"
+CONNECT_TIMEOUT_ENV = "ZEPHON_RAY_S3_CONNECT_TIMEOUT_S"
+REQUEST_TIMEOUT_ENV = "ZEPHON_RAY_S3_REQUEST_TIMEOUT_S"
+DEFAULT_MAX_ATTEMPTS = 5
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_REQUEST_TIMEOUT_S = 30.0
+MAX_DOCUMENT_BYTES = 256 << 20
+"""A JSON document larger than this is refused (a bound on what a corrupt or foreign file can make us load)."""
+_READ_CHUNK = 1 << 20
+
+
+class StorageError(OSError):
+    """A store or file that cannot be reached or read as asked; the message names the URI (one line)."""
+
+
+class DocumentError(ValueError):
+    """A JSON document that is missing, not JSON, or of another format; the message names the file."""
+
+
+# ---------------------------------------------------------------------------------------------- locations
+def is_uri(value: Any) -> bool:
+    """True for ``scheme://...`` strings of an object store this module maps (see :data:`REMOTE_SCHEMES`)."""
+    if isinstance(value, Location):
+        return value.remote
+    text = str(value)
+    scheme, sep, _ = text.partition("://")
+    return bool(sep) and scheme.lower() in REMOTE_SCHEMES
+
+
+@dataclass(frozen=True)
+class Location:
+    """One file or directory: ``uri`` as users name it, ``path`` as ``fs`` names it. Compare and hash by ``uri``."""
+
+    uri: str
+    path: str
+    scheme: str = "file"
+    fs: Any = field(default=None, compare=False, repr=False, hash=False)
+
+    @property
+    def remote(self) -> bool:
+        return self.scheme != "file"
+
+    @property
+    def name(self) -> str:
+        return self.path.rstrip("/").rsplit("/", 1)[-1]
+
+    def join(self, *parts: str) -> "Location":
+        extra = "/".join(str(p).strip("/") for p in parts if str(p).strip("/"))
+        if not extra:
+            return self
+        if self.remote:
+            return Location(f"{self.uri.rstrip('/')}/{extra}", f"{self.path.rstrip('/')}/{extra}", self.scheme, self.fs)
+        joined = os.path.join(self.path, *extra.split("/"))
+        return Location(joined, joined, self.scheme, self.fs)
+
+    def __truediv__(self, part: str) -> "Location":
+        return self.join(part)
+
+    @property
+    def parent(self) -> "Location":
+        if self.remote:
+            head_uri, head_path = self.uri.rstrip("/").rsplit("/", 1)[0], self.path.rstrip("/").rsplit("/", 1)[0]
+            if "/" not in head_path:  # the bucket itself
+                return Location(head_uri, head_path, self.scheme, self.fs)
+            return Location(head_uri, head_path, self.scheme, self.fs)
+        parent = os.path.dirname(self.path.rstrip("/")) or "/"
+        return Location(parent, parent, self.scheme, self.fs)
+
+    def relative_to(self, other: "Location") -> str:
+        base = other.path.rstrip("/") + "/"
+        if not self.path.startswith(base):
+            raise ValueError(f"{self.uri} is not under {other.uri}")
+        return self.path[len(base):]
+
+    def is_within(self, other: "Location") -> bool:
+        """True when this location is ``other`` or lies under it (same store)."""
+        if self.scheme != other.scheme:
+            return False
+        mine, theirs = self.path.rstrip("/"), other.path.rstrip("/")
+        return mine == theirs or mine.startswith(theirs + "/")
+
+    def local_path(self) -> Path:
+        if self.remote:
+            raise StorageError(f"{self.uri}: not a local path")
+        return Path(self.path)
+
+    def __str__(self) -> str:
+        return self.uri
+
+    def __fspath__(self) -> str:  # lets local locations go where os.PathLike is accepted
+        if self.remote:
+            raise TypeError(f"{self.uri} is an object-store URI, not a local path")
+        return self.path
+
+
+def location(value: "str | os.PathLike[str] | Location", *, base: "str | os.PathLike[str] | None" = None) -> Location:
+    """Map a local path (absolute, or relative to ``base``/the working directory; ``~`` expanded) or an object-store
+    URI to its :class:`Location`. Refuses other ``scheme://`` strings and empty values with one line."""
+    if isinstance(value, Location):
+        return value
+    text = os.fspath(value) if not isinstance(value, str) else value
+    if not text:
+        raise StorageError("empty path or URI")
+    scheme, sep, rest = text.partition("://")
+    if sep:
+        canonical = REMOTE_SCHEMES.get(scheme.lower())
+        if canonical is None:
+            if scheme.lower() == "file":
+                return location(rest)
+            known = ", ".join(sorted({f"{s}://" for s in REMOTE_SCHEMES.values()}))
+            raise StorageError(f"{text}: unsupported URI scheme {scheme!r} (use a local path or one of {known})")
+        bucket, _, key = rest.partition("/")
+        if not bucket:
+            raise StorageError(f"{text}: no bucket in the URI")
+        key = "/".join(p for p in key.split("/") if p and p != ".")
+        if any(p == ".." for p in key.split("/")):
+            raise StorageError(f"{text}: '..' is not allowed in an object-store URI")
+        path = f"{bucket}/{key}" if key else bucket
+        return Location(f"{canonical}://{path}", path, canonical, None)
+    if base is not None and is_uri(base):
+        if os.path.isabs(os.path.expanduser(text)):
+            resolved = os.path.realpath(os.path.expanduser(text))
+            return Location(resolved, resolved)
+        return location(base).join(*[p for p in text.split("/") if p not in ("", ".")])
+    p = Path(text).expanduser()
+    if not p.is_absolute():
+        p = Path(base or os.getcwd()) / p
+    resolved = os.path.realpath(p)
+    return Location(resolved, resolved)
+
+
+def filesystem(loc: Location) -> Any:
+    """The pyarrow filesystem of ``loc`` (one per store and settings, cached per process)."""
+    if loc.fs is not None:
+        return loc.fs
+    return _filesystem(loc.scheme)
+
+
+_FS_LOCK = threading.Lock()
+_FS_CACHE: dict[tuple, Any] = {}
+
+
+def s3_endpoint() -> str | None:
+    """The S3 endpoint by the AWS SDK's rules (``AWS_ENDPOINT_URL_S3``, then ``AWS_ENDPOINT_URL``), else Zephon's
+    ``S3_ENDPOINT_URL``; None for AWS itself. Two different endpoints set at once are refused."""
+    aws = next((os.environ[k] for k in ENDPOINT_ENVS if os.environ.get(k)), None)
+    zephon = os.environ.get(ZEPHON_ENDPOINT_ENV) or None
+    if aws and zephon and aws.rstrip("/") != zephon.rstrip("/"):
+        raise StorageError(f"the S3 endpoint is ambiguous: AWS_ENDPOINT_URL(_S3)={aws} but "
+                           f"{ZEPHON_ENDPOINT_ENV}={zephon}; set one of them")
+    return aws or zephon
+
+
+def export_endpoint_for_zephon() -> None:
+    """Set Zephon's ``S3_ENDPOINT_URL`` from the AWS SDK's endpoint variables in this process (Zephon 0.2 reads
+    only its own name), so that one environment works for pyarrow, Zephon and Ray workers."""
+    endpoint = s3_endpoint()
+    if endpoint and not os.environ.get(ZEPHON_ENDPOINT_ENV):
+        os.environ[ZEPHON_ENDPOINT_ENV] = endpoint
+
+
+def aws_environment() -> dict[str, str]:
+    """The storage settings of this process (:data:`AWS_ENV_VARS` that are set), with Zephon's endpoint name
+    filled in: pass it as ``runtime_env={"env_vars": aws_environment()}`` so that a Ray job's workers reach the
+    same stores with the same credentials."""
+    env = {k: os.environ[k] for k in AWS_ENV_VARS if os.environ.get(k)}
+    endpoint = s3_endpoint()
+    if endpoint:
+        env.setdefault(ZEPHON_ENDPOINT_ENV, endpoint)
+    return env
+
+
+def _env_number(name: str, default: float, low: float, high: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise StorageError(f"{name}={raw!r}: not a number") from None
+    if not low <= value <= high:
+        raise StorageError(f"{name}={raw!r}: must be in [{low:g}, {high:g}]")
+    return value
+
+
+def _filesystem(scheme: str) -> Any:
+    import pyarrow.fs as pafs
+
+    if scheme == "file":
+        key: tuple = ("file",)
+    elif scheme == "s3":
+        endpoint = s3_endpoint()
+        key = ("s3", endpoint, os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
+               os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY"),
+               os.environ.get("AWS_SESSION_TOKEN"), os.environ.get("AWS_PROFILE"),
+               _env_number(MAX_ATTEMPTS_ENV, DEFAULT_MAX_ATTEMPTS, 1, 100),
+               _env_number(CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S, 0.1, 600),
+               _env_number(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S, 0.1, 3600))
+    else:
+        key = (scheme, os.environ.get("AZURE_STORAGE_ACCOUNT_NAME"))
+    with _FS_LOCK:
+        fs = _FS_CACHE.get(key)
+        if fs is not None:
+            return fs
+        if scheme == "file":
+            fs = pafs.LocalFileSystem()
+        elif scheme == "s3":
+            endpoint, region, *_rest, attempts, connect_s, request_s = key
+            kwargs: dict[str, Any] = {
+                "region": region or "us-east-1",
+                "connect_timeout": connect_s,
+                "request_timeout": request_s,
+                "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=int(attempts)),
+            }
+            if endpoint:
+                scheme_part, sep, host = endpoint.partition("://")
+                kwargs["endpoint_override"] = host.rstrip("/") if sep else endpoint
+                kwargs["scheme"] = scheme_part if sep else "https"
+            fs = pafs.S3FileSystem(**kwargs)
+        elif scheme == "gs":
+            fs = pafs.GcsFileSystem()
+        else:
+            account = os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")
+            if not account:
+                raise StorageError("az:// needs AZURE_STORAGE_ACCOUNT_NAME (the storage account) in the environment")
+            fs = pafs.AzureFileSystem(account_name=account)
+        _FS_CACHE[key] = fs
+        return fs
+
+
+def clear_filesystem_cache() -> None:
+    """Forget cached filesystems (after changing credentials or endpoints in this process)."""
+    with _FS_LOCK:
+        _FS_CACHE.clear()
+
+
+def _loc(value: "str | os.PathLike[str] | Location") -> Location:
+    loc = location(value)
+    if loc.fs is None:
+        loc = Location(loc.uri, loc.path, loc.scheme, _filesystem(loc.scheme))
+    return loc
+
+
+def describe_error(exc: BaseException) -> str:
+    """The useful part of a store's error, on one line (pyarrow's AWS errors carry request ids and newlines)."""
+    text = " ".join(str(exc).split())
+    for marker in ("AWS Error ", "Google Cloud Storage error", "Azure Error"):
+        i = text.find(marker)
+        if i >= 0:
+            text = text[i:]
+            break
+    cut = text.find(" (Request ID")
+    if cut > 0:
+        text = text[:cut]
+    return text[:300]
+
+
+@contextlib.contextmanager
+def _errors(loc: Location, action: str) -> Iterator[None]:
+    try:
+        yield
+    except (StorageError, DocumentError):
+        raise
+    except FileNotFoundError:
+        raise
+    except PermissionError as exc:
+        raise StorageError(f"{loc.uri}: permission denied ({action}): {exc.strerror or exc}") from None
+    except OSError as exc:
+        text = describe_error(exc)
+        if "NO_SUCH_BUCKET" in text or "NoSuchBucket" in text:
+            bucket = loc.path.split("/", 1)[0]
+            raise StorageError(f"{loc.uri}: bucket {bucket!r} does not exist ({action})") from None
+        if "ACCESS_DENIED" in text or "AccessDenied" in text or "INVALID_ACCESS_KEY_ID" in text \
+                or "InvalidAccessKeyId" in text or "SIGNATURE_DOES_NOT_MATCH" in text or "403" in text.split():
+            raise StorageError(f"{loc.uri}: access denied ({action}); check the credentials "
+                               f"(AWS_ACCESS_KEY_ID/AWS_PROFILE): {text}") from None
+        raise StorageError(f"{loc.uri}: cannot {action}: {text}") from None
+
+
+# ---------------------------------------------------------------------------------------------- queries
+def exists(value: "str | os.PathLike[str] | Location") -> bool:
+    """True when a file or a non-empty directory (object prefix) is there. A missing bucket is an error."""
+    loc = _loc(value)
+    if not loc.remote:
+        return os.path.exists(loc.path)
+    import pyarrow.fs as pafs
+
+    with _errors(loc, "look it up"):
+        info = loc.fs.get_file_info(loc.path)
+        if info.type == pafs.FileType.NotFound and "/" not in loc.path:
+            raise StorageError(f"{loc.uri}: bucket {loc.path!r} does not exist (look it up)")
+    return info.type != pafs.FileType.NotFound
+
+
+def is_file(value: "str | os.PathLike[str] | Location") -> bool:
+    loc = _loc(value)
+    if not loc.remote:
+        return os.path.isfile(loc.path)
+    import pyarrow.fs as pafs
+
+    with _errors(loc, "look it up"):
+        return loc.fs.get_file_info(loc.path).type == pafs.FileType.File
+
+
+def is_dir(value: "str | os.PathLike[str] | Location") -> bool:
+    """Local: a directory. Object store: a prefix with at least one object under it (or a bucket that exists)."""
+    loc = _loc(value)
+    if not loc.remote:
+        return os.path.isdir(loc.path)
+    import pyarrow.fs as pafs
+
+    with _errors(loc, "look it up"):
+        return loc.fs.get_file_info(loc.path).type == pafs.FileType.Directory
+
+
+def size(value: "str | os.PathLike[str] | Location") -> int | None:
+    """The file's size in bytes, or None when there is no file."""
+    loc = _loc(value)
+    if not loc.remote:
+        try:
+            st = os.stat(loc.path)
+        except FileNotFoundError:
+            return None
+        except PermissionError as exc:
+            raise StorageError(f"{loc.uri}: permission denied (stat): {exc.strerror}") from None
+        return st.st_size if os.path.isfile(loc.path) else None
+    import pyarrow.fs as pafs
+
+    with _errors(loc, "stat it"):
+        info = loc.fs.get_file_info(loc.path)
+    return info.size if info.type == pafs.FileType.File else None
+
+
+def listing(value: "str | os.PathLike[str] | Location", *, recursive: bool = False) -> dict[str, int]:
+    """``{name relative to the directory: size}`` of the files under it (directly in it unless ``recursive``),
+    sorted by name; ``{}`` for a directory that does not exist. Directory markers are left out."""
+    loc = _loc(value)
+    import pyarrow.fs as pafs
+
+    with _errors(loc, "list it"):
+        infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, allow_not_found=True, recursive=recursive))
+    base = loc.path.rstrip("/") + "/"
+    out = {}
+    for info in infos:
+        if info.type != pafs.FileType.File or not info.path.startswith(base):
+            continue
+        out[info.path[len(base):]] = int(info.size)
+    return dict(sorted(out.items()))
+
+
+# ---------------------------------------------------------------------------------------------- reads
+def read_bytes(value: "str | os.PathLike[str] | Location", *, limit: int | None = None) -> bytes:
+    """The whole file. ``FileNotFoundError`` (naming it) when absent; :class:`StorageError` for anything else;
+    ``limit`` bounds the size read (a larger file is refused before it is read)."""
+    loc = _loc(value)
+    if not loc.remote:
+        try:
+            with open(loc.path, "rb") as fh:
+                if limit is not None and os.fstat(fh.fileno()).st_size > limit:
+                    raise StorageError(f"{loc.uri}: larger than the {limit} bytes allowed here")
+                return fh.read()
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{loc.uri}: not found") from None
+        except IsADirectoryError:
+            raise StorageError(f"{loc.uri}: is a directory, not a file") from None
+        except PermissionError as exc:
+            raise StorageError(f"{loc.uri}: permission denied (read): {exc.strerror}") from None
+        except OSError as exc:
+            raise StorageError(f"{loc.uri}: cannot read: {exc.strerror or exc}") from None
+    import pyarrow.fs as pafs
+
+    with _errors(loc, "read it"):
+        info = loc.fs.get_file_info(loc.path)
+        if info.type != pafs.FileType.File:
+            if "/" not in loc.path:
+                raise StorageError(f"{loc.uri}: a bucket, not an object")
+            raise FileNotFoundError(f"{loc.uri}: not found")
+        if limit is not None and info.size is not None and info.size > limit:
+            raise StorageError(f"{loc.uri}: larger than the {limit} bytes allowed here")
+        with loc.fs.open_input_stream(loc.path) as fh:
+            return fh.read()
+
+
+def open_input_file(value: "str | os.PathLike[str] | Location") -> Any:
+    """A random-access pyarrow file (for Parquet footers and row groups: ranged reads on an object store)."""
+    loc = _loc(value)
+    with _errors(loc, "open it"):
+        return loc.fs.open_input_file(loc.path)
+
+
+def read_json(value: "str | os.PathLike[str] | Location", *, expect_format: str | None = None,
+              format_key: str = "format", error: type[Exception] = DocumentError, what: str = "file",
+              missing_hint: str = "") -> Any:
+    """A versioned JSON document, or ONE ``error`` naming the file: missing, unreadable, not JSON, or (with
+    ``expect_format``) not a table whose ``format_key`` is ``expect_format``."""
+    loc = _loc(value)
+    try:
+        blob = read_bytes(loc, limit=MAX_DOCUMENT_BYTES)
+    except FileNotFoundError:
+        raise error(f"{loc.uri}: {what} missing{missing_hint}") from None
+    except StorageError as exc:
+        raise error(f"{what} unreadable: {exc}") from None
+    try:
+        doc = json.loads(blob)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise error(f"{loc.uri}: corrupt {what} (not valid JSON: {exc})") from None
+    if expect_format is not None:
+        found = doc.get(format_key) if isinstance(doc, dict) else type(doc).__name__
+        if found != expect_format:
+            raise error(f"{loc.uri}: {what} format {found!r} is not {expect_format!r}")
+    return doc
+
+
+def sha256_file(path: "str | os.PathLike[str]") -> str:
+    """sha256 of a local file's bytes (the fast path for many shards: no location parsing)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_READ_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256(value: "str | os.PathLike[str] | Location") -> str:
+    """sha256 of the file's bytes (streamed; an object is downloaded once)."""
+    loc = _loc(value)
+    h = hashlib.sha256()
+    if not loc.remote:
+        try:
+            return sha256_file(loc.path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"{loc.uri}: not found") from None
+        except PermissionError as exc:
+            raise StorageError(f"{loc.uri}: permission denied (read): {exc.strerror}") from None
+    with _errors(loc, "read it"):
+        with loc.fs.open_input_stream(loc.path) as fh:
+            while chunk := fh.read(_READ_CHUNK):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# ---------------------------------------------------------------------------------------------- writes
+def json_bytes(obj: Any, *, compact: bool = False) -> bytes:
+    """The one JSON encoding of durable documents: sorted keys; indented unless ``compact``; a final newline."""
+    if compact:
+        return (json.dumps(obj, sort_keys=True, separators=(",", ":")) + "\n").encode()
+    return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+
+
+def fsync_dir(path: "str | os.PathLike[str]") -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(value: "str | os.PathLike[str] | Location") -> None:
+    """Create a local directory (and parents). Object stores have no directories: nothing is written."""
+    loc = _loc(value)
+    if not loc.remote:
+        try:
+            os.makedirs(loc.path, exist_ok=True)
+        except FileExistsError:
+            raise StorageError(f"{loc.uri}: exists and is not a directory") from None
+        except PermissionError as exc:
+            raise StorageError(f"{loc.uri}: permission denied (create directory): {exc.strerror}") from None
+
+
+def write_atomic(value: "str | os.PathLike[str] | Location", data: bytes) -> None:
+    """Replace the file with ``data`` so that a reader sees the old content or the new, never a mix (see the
+    module docstring for what that means on an object store)."""
+    loc = _loc(value)
+    if not loc.remote:
+        make_dirs(loc.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".tmp-{loc.name}.", suffix=".part", dir=loc.parent.path)
+        try:
+            with os.fdopen(fd, "wb") as fh:
+                fh.write(data)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, loc.path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        fsync_dir(loc.parent.path)
+        return
+    with _errors(loc, "write it"):
+        with loc.fs.open_output_stream(loc.path) as fh:  # one object: visible whole when the upload completes
+            fh.write(data)
+
+
+def write_json(value: "str | os.PathLike[str] | Location", obj: Any, *, compact: bool = False) -> None:
+    write_atomic(value, json_bytes(obj, compact=compact))
+
+
+def upload(local_file: "str | os.PathLike[str]", value: "str | os.PathLike[str] | Location") -> None:
+    """Commit a finished local file (a spool) at ``value``: a rename on a local filesystem (same directory tree
+    expected; else a copy then rename), one upload to an object store. The local file is consumed."""
+    loc = _loc(value)
+    if not loc.remote:
+        make_dirs(loc.parent)
+        with open(local_file, "rb+") as fh:
+            os.fsync(fh.fileno())
+        try:
+            os.replace(local_file, loc.path)
+        except OSError:  # another filesystem: copy next to the target, then rename
+            fd, tmp = tempfile.mkstemp(prefix=f".tmp-{loc.name}.", suffix=".part", dir=loc.parent.path)
+            os.close(fd)
+            import shutil
+
+            shutil.copyfile(local_file, tmp)
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, loc.path)
+            os.unlink(local_file)
+        fsync_dir(loc.parent.path)
+        return
+    with _errors(loc, "upload it"):
+        with open(local_file, "rb") as src, loc.fs.open_output_stream(loc.path) as dst:
+            while chunk := src.read(8 * _READ_CHUNK):
+                dst.write(chunk)
+    os.unlink(local_file)
+
+
+def spool_path(value: "str | os.PathLike[str] | Location") -> str:
+    """A new, empty local temp file for ``value``'s content, to be committed with :func:`upload` (or removed).
+    Local targets spool in their own directory (so the commit is a rename, and a crash leaves a ``.tmp-*`` file
+    next to it), remote ones in the system temp directory."""
+    loc = _loc(value)
+    if loc.remote:
+        directory = None
+    else:
+        make_dirs(loc.parent)
+        directory = loc.parent.path
+    fd, tmp = tempfile.mkstemp(prefix=f".tmp-{loc.name}.", suffix=".part", dir=directory)
+    os.close(fd)
+    return tmp
+
+
+@contextlib.contextmanager
+def spool(value: "str | os.PathLike[str] | Location") -> Iterator[str]:
+    """A local temp file (:func:`spool_path`) to write ``value``'s content into; committed with :func:`upload` when
+    the block ends without an exception, removed otherwise."""
+    loc = _loc(value)
+    tmp = spool_path(loc)
+    try:
+        yield tmp
+        upload(tmp, loc)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def delete(value: "str | os.PathLike[str] | Location") -> None:
+    """Remove one file; absent is fine."""
+    loc = _loc(value)
+    if not loc.remote:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(loc.path)
+        return
+    import pyarrow.fs as pafs
+
+    with _errors(loc, "delete it"):
+        if loc.fs.get_file_info(loc.path).type == pafs.FileType.File:
+            loc.fs.delete_file(loc.path)
+
+
+def delete_tree(value: "str | os.PathLike[str] | Location") -> None:
+    """Remove a directory (object prefix) and everything under it; absent is fine. Not atomic on object stores."""
+    loc = _loc(value)
+    if not loc.remote:
+        import shutil
+
+        shutil.rmtree(loc.path, ignore_errors=True)
+        return
+    import pyarrow.fs as pafs
+
+    with _errors(loc, "delete it"):
+        if loc.fs.get_file_info(loc.path).type == pafs.FileType.Directory:
+            loc.fs.delete_dir(loc.path)
