@@ -13,6 +13,7 @@ from typing import Any
 
 from zephon_ray.recipe import Recipe
 from zephon_ray.tokenizers import build_tokenizer
+from zephon_ray.zephon_io import pipeline_io_options
 
 # Zephon logs one line per lane per flush when wrap-packing drops a trailing partial bin. That is expected and
 # deterministic for every recipe here; keep it out of users' terminals.
@@ -79,7 +80,7 @@ def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup()) -> Any:
         tokens_field = "auto"
     else:
         # Token-id copies written by zephon_ray.jobs.pretokenize hold exactly what decode_text + tokenize emit.
-        from zephon_ray.jobs.pretokenize import TOKEN_FIELD
+        from zephon_ray.formats.pretokenized import TOKEN_FIELD
 
         tokens_field = TOKEN_FIELD
     pipeline = (
@@ -108,6 +109,7 @@ def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup()) -> Any:
     }
     if recipe.flush_every_k_chunks is not None:
         options["flush_every_k_chunks"] = recipe.flush_every_k_chunks
+    options.update(pipeline_io_options(s.path for s in recipe.sources))  # Zephon's shard cache for s3:// sources
     if group.count > 1:
         options["run_id"] = group.run_id
         options["aggregate_timeout_s"] = group.aggregate_timeout_s
