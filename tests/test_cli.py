@@ -1,11 +1,17 @@
-"""The zephon-ray command: digest lines, readable show, clean one-line errors."""
+"""The zephon-ray command: digest lines, readable show, clean one-line errors, bench."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
+import pytest
+
+import oracle
 from conftest import ROOT, TINY
+
+GOLDEN = oracle.load_golden(TINY)["digests"]  # steps 0..5 of the tiny recipe, from the independent oracle
 
 
 def run(*args, check=True):
@@ -15,14 +21,14 @@ def run(*args, check=True):
     )
 
 
-def test_digest_prints_one_line_per_step(reference_digests):
+def test_digest_prints_one_line_per_step():
     out = run("digest", str(TINY), "--steps", "3:6").stdout.splitlines()
-    assert out == [f"step {s} {reference_digests[s]}" for s in range(3, 6)]
+    assert out == [f"step {s} {GOLDEN[s]}" for s in range(3, 6)]
 
 
-def test_show_summarises_a_step(reference_digests):
+def test_show_summarises_a_step():
     out = run("show", str(TINY), "--step", "4", "--rows", "2").stdout
-    assert reference_digests[4] in out
+    assert GOLDEN[4] in out
     assert "16 x 65 tokens" in out and "prose" in out and "code" in out
     assert out.count("\nrow ") == 2
 
@@ -123,3 +129,101 @@ def test_document_pieces_follow_position_resets():
 
     lengths, per_row = document_pieces(np.array([[5, 6, 0, 1, 2, 0], [0, 1, 2, 3, 4, 5]]))
     assert lengths.tolist() == [2, 3, 1, 6] and per_row.tolist() == [3, 1]
+
+
+# ---------------------------------------------------------------------- bad input: one line naming it, exit 2
+def _bad_inputs(tmp_path):
+    plot_dir = tmp_path / "SOME_DIR.png"
+    plot_dir.mkdir()
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    return [
+        # (argv, what the one line must name)
+        (("corpus", "/etc/passwd/sub"), "/etc/passwd"),
+        (("corpus", str(full)), str(full)),
+        (("corpus", str(tmp_path / "c"), "--formats", "jsonl,xml"), "'xml'"),
+        (("corpus", str(tmp_path / "c"), "--limit", "0"), "--limit"),
+        (("show", "tiny", "--plot", str(plot_dir)), str(plot_dir)),
+        (("show", "tiny", "--plot", str(tmp_path / "no" / "such" / "x.png")), str(tmp_path / "no" / "such")),
+        (("show", "tiny", "--step", "-1"), "--step"),
+        (("fingerprint", "/bin/ls"), "/bin/ls"),
+        (("digest", "tiny", "--steps", "0:1", "--via", "service", "--producers", "0"), "--producers"),
+        (("digest", "tiny", "--steps", "0:1", "--via", "dataset"), "--dataset"),
+        (("bench", "tiny", "--steps", "0"), "--steps"),
+        (("bench", "tiny", "--producers", "3", "--via", "service"), "--producers 3"),
+        (("no-such-command",), "no-such-command"),
+    ]
+
+
+def test_bad_input_is_one_line_naming_it(capsys, tmp_path):
+    """Every one: exit 2, one line on stderr naming the value at fault, nothing on stdout, nothing written."""
+    cases = _bad_inputs(tmp_path)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    for args, needle in cases:
+        code, out, err = _main(capsys, *args)
+        assert code == 2, (args, code, out, err)
+        assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
+        assert err.startswith("zephon-ray") and needle in err, (args, needle, err)
+        assert out == "", (args, out)
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before  # nothing half-written
+
+
+def test_bad_input_from_a_real_process_is_one_line():
+    """The same through the installed entry point (interpreter, argparse, exit status), for one case of each kind."""
+    for args, needle in ((("corpus", "/etc/passwd/sub"), "/etc/passwd"), (("fingerprint", "/bin/ls"), "/bin/ls"),
+                         (("digest", "tiny", "--steps", "0:1", "--via", "service", "--producers", "0"),
+                          "--producers")):
+        result = run(*args, check=False)
+        assert result.returncode == 2 and result.stdout == "", result
+        assert len(result.stderr.strip().splitlines()) == 1 and needle in result.stderr, result.stderr
+
+
+def test_a_bug_is_not_hidden_as_a_user_error(capsys, monkeypatch):
+    """main() reports user errors as one line, and nothing else: a bug keeps its traceback."""
+    import zephon_ray.cli as cli
+    from zephon_ray.errors import UserInputError
+
+    def buggy(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(cli, "cmd_fingerprint", buggy)
+    with pytest.raises(KeyError, match="a bug"):
+        cli.main(["fingerprint", str(TINY)])
+    for error in (RuntimeError("a bug"), PermissionError(13, "Permission denied", "/x"), AttributeError("bug")):
+        monkeypatch.setattr(cli, "cmd_fingerprint", lambda args, error=error: (_ for _ in ()).throw(error))
+        with pytest.raises(type(error)):
+            cli.main(["fingerprint", str(TINY)])
+
+    def user_error(args):
+        raise UserInputError("--thing 7: not a thing\nsecond line")
+
+    monkeypatch.setattr(cli, "cmd_fingerprint", user_error)
+    code, out, err = _main(capsys, "fingerprint", str(TINY))
+    assert (code, out, err) == (2, "", "zephon-ray: error: --thing 7: not a thing second line\n")
+
+
+# ---------------------------------------------------------------------- bench
+def test_bench_measures_and_reads_the_real_batches(capsys):
+    """``zephon-ray bench`` (no checkout needed): it times real reads, and the last batch it read is the golden one."""
+    code, out, err = _main(capsys, "bench", "tiny", "--steps", "3", "--warmup", "1", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    local = report["paths"]["local"]
+    assert local["steps"] == 3 and local["last_step"] == 3 and local["last_digest"] == GOLDEN[3]
+    assert local["tokens_per_s"] > 0 and local["step_latency_p99_ms"] >= local["step_latency_p50_ms"] > 0
+    assert report["tokens_per_step"] == 1024 and "ratio_service_over_local" not in report
+
+    code, out, err = _main(capsys, "bench", "tiny", "--steps", "2", "--warmup", "0")
+    assert code == 0 and "M tokens/s" in out and f"step 1 digest {GOLDEN[1]}" in out, (out, err)
+
+
+def test_bench_both_paths_alternate_and_give_a_ratio(capsys, ray_cluster):
+    code, out, err = _main(capsys, "bench", "tiny", "--via", "both", "--steps", "2", "--warmup", "1", "--rounds",
+                           "2", "--producers", "2", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert set(report["paths"]) == {"local", "service"} and len(report["round_ratios"]) == 2
+    for path in report["paths"].values():
+        assert path["steps"] == 4 and path["last_step"] == 4 and path["last_digest"] == GOLDEN[4]
+    assert report["ratio_service_over_local"] > 0 and report["producers"] == 2

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 
 import pyarrow.parquet as pq
+import pytest
 
 from zephon_ray import GlobalBatchSource, Recipe
 from zephon_ray.corpus import write_corpus
+from zephon_ray.errors import UserInputError
 
 
 def tree_digest(root):
@@ -45,3 +47,29 @@ def test_parquet_and_jsonl_copies_give_the_same_batches(tmp_path):
         with GlobalBatchSource(recipe) as source:
             digests[fmt] = [source.batch(s).digest for s in range(3)]
     assert digests["jsonl"] == digests["parquet"]
+
+
+def test_bad_out_dir_is_one_error_and_writes_nothing(tmp_path):
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("mine")
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    for out, needle in ((a_file / "sub", f"{a_file} is not a directory"), (a_file, "is not a directory"),
+                        (full, "not empty"), ("/proc/no/such", "cannot create")):
+        with pytest.raises(UserInputError, match="corpus directory") as info:
+            write_corpus(out, formats=("jsonl",), limit=2)
+        assert needle in str(info.value) and "\n" not in str(info.value)
+    for kwargs, needle in (({"formats": ("xml",)}, "'xml'"), ({"limit": 0}, "limit")):
+        with pytest.raises(UserInputError, match=needle):
+            write_corpus(tmp_path / "new", **kwargs)
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a-file", "full", "keep.txt"]  # nothing written
+
+
+def test_corpus_is_written_whole_into_a_new_or_empty_directory(tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert write_corpus(empty, formats=("jsonl",), limit=3) == {"prose": 3, "code": 3}
+    assert write_corpus(tmp_path / "new" / "parents", formats=("jsonl",), limit=3)["code"] == 3
+    assert tree_digest(empty) == tree_digest(tmp_path / "new" / "parents")
+    assert not [p for p in tmp_path.rglob("*") if ".tmp-" in p.name]  # no work directory left behind

@@ -6,21 +6,32 @@
     zephon-ray inspect STATE_DIR [--json]   (a service's durable state, offline: no Ray)
     zephon-ray corpus OUT_DIR
     zephon-ray serve | status | stop | rescale M | release CONSUMER      (the Ray data service)
-    zephon-ray bench core|service|loader [ARGS]   (runs benchmarks/bench_<name>.py)
+    zephon-ray bench RECIPE [--steps N] [--via local|service|both]   (this node's production rate)
 
 RECIPE is a path, or the bare name of a packaged recipe (``tiny``, ``elastic``, ``demo``, ``mixture``).
-Errors in user input print one line ``zephon-ray: error: ...`` and exit 2, never a traceback
-(tests/test_cli.py). Progress bars (tqdm, on stderr) appear only on a terminal.
+Errors in user input print one line ``zephon-ray: error: ...`` naming what is wrong and exit 2, never a traceback
+(tests/test_cli.py::test_bad_input_is_one_line_naming_it). They are :class:`~zephon_ray.errors.UserInputError` and
+the library's validation errors (``ValueError`` subclasses such as ``RecipeError``), a missing file, and
+``TimeoutError`` (see ``USER_ERRORS``); any other exception is not bad input and keeps its traceback
+(``test_a_bug_is_not_hidden_as_a_user_error``).
+Progress bars (tqdm, on stderr) appear only on a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 
+from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
+
+USER_ERRORS = (UserInputError, ValueError, FileNotFoundError, TimeoutError)
+"""What ``main`` reports as one line: bad input (UserInputError and the library's ValueError subclasses), a path
+that does not exist (the message names it), and a service that did not answer in time. Deliberately not OSError,
+RuntimeError or Exception: other OSErrors on a path the user gave are turned into UserInputError where that path is
+used (``corpus OUT_DIR``, ``show --plot FILE``); anything else is a bug or a broken environment, and its traceback
+is the useful report."""
 
 
 def parse_steps(text: str) -> range:
@@ -32,10 +43,28 @@ def parse_steps(text: str) -> range:
         else:
             steps = range(int(text), int(text) + 1)
     except ValueError:
-        raise ValueError(f"--steps {text!r}: expected A:B (steps A..B-1) or a single step") from None
+        raise UserInputError(f"--steps {text!r}: expected A:B (steps A..B-1) or a single step") from None
     if steps.start < 0 or len(steps) == 0:
-        raise ValueError(f"--steps {text!r}: expected 0 <= A < B")
+        raise UserInputError(f"--steps {text!r}: expected 0 <= A < B")
     return steps
+
+
+def _positive(text: str) -> int:
+    return _int_at_least(text, 1, "a positive integer")
+
+
+def _non_negative(text: str) -> int:
+    return _int_at_least(text, 0, "an integer >= 0")
+
+
+def _int_at_least(text: str, low: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
+    return value
 
 
 def cmd_digest(args: argparse.Namespace) -> int:
@@ -60,6 +89,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     from zephon_ray.source import GlobalBatchSource
     from zephon_ray.tokenizers import build_tokenizer
 
+    if args.plot:
+        from zephon_ray.plots import check_plot_path
+
+        check_plot_path(args.plot, "--plot")  # before any work
     recipe = Recipe.from_toml(args.recipe)
     tokenizer = build_tokenizer(recipe.tokenizer)
     with GlobalBatchSource(recipe) as source:
@@ -173,7 +206,7 @@ def build_step_zero(recipe: Recipe) -> str:
             return source.batch(0).digest
     except Exception as exc:  # noqa: BLE001 - whatever Zephon raises, the user gets one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ValueError(f"{recipe.path}: the recipe loads, but building step 0 failed: "
+        raise UserInputError(f"{recipe.path}: the recipe loads, but building step 0 failed: "
                          f"{type(exc).__name__}: {first}") from None
 
 
@@ -183,49 +216,11 @@ def cmd_fingerprint(args: argparse.Namespace) -> int:
 
 
 def inspect_state_dir(state_dir: str) -> dict:
-    """What a service left under ``state_dir``: format, fingerprint, lanes, checkpoints, commits. Reads the
-    files only (no Ray, no recipe); the layout is zephon_ray/formats/service_state.py's."""
-    import json
-    from pathlib import Path
+    """What a service left under ``state_dir`` (a path or URI): the state format's owner reads it
+    (:func:`zephon_ray.formats.service_state.inspect`; no Ray, no recipe)."""
+    from zephon_ray.formats.service_state import inspect
 
-    from zephon_ray.formats import service_state as layout
-
-    root = Path(state_dir)
-    meta_path = root / layout.SERVICE_FILE
-    if not meta_path.is_file():
-        raise FileNotFoundError(f"{state_dir}: no {layout.SERVICE_FILE}; not a zephon-ray service state_dir")
-    try:
-        meta = json.loads(meta_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ValueError(f"{meta_path}: unreadable ({exc})") from None
-    if not isinstance(meta, dict) or meta.get(layout.KEY_FORMAT) != layout.STATE_FORMAT:
-        found = meta.get(layout.KEY_FORMAT) if isinstance(meta, dict) else type(meta).__name__
-        raise ValueError(f"{meta_path}: format {found!r}, expected {layout.STATE_FORMAT!r}")
-    ckpt_dir = root / layout.CHECKPOINT_DIR
-    steps = sorted(int(m.group(1)) for m in map(layout._CHECKPOINT_RE.match,
-                                                 os.listdir(ckpt_dir) if ckpt_dir.is_dir() else []) if m)
-    commits_path = root / layout.COMMITS_FILE
-    commits = json.loads(commits_path.read_text()) if commits_path.is_file() else {}
-    history = list(commits.get(layout.KEY_COMMITS, [])) if isinstance(commits, dict) else []
-    latest = commits.get("latest") if isinstance(commits, dict) else None
-    if not isinstance(latest, dict):  # newest commit per consumer, from the history when not stored as such
-        latest = {}
-        for entry in history:
-            latest[entry.get(layout.KEY_CONSUMER)] = entry
-    recipe = meta.get(layout.KEY_RECIPE) or {}
-    return {
-        "state_dir": str(root.resolve()),
-        "format": meta.get(layout.KEY_FORMAT),
-        "fingerprint": meta.get(layout.KEY_FINGERPRINT),
-        "lanes": meta.get(layout.KEY_LANES),
-        "created": meta.get(layout.KEY_TIME),
-        "recipe": {k: recipe.get(k) for k in ("seed", "lanes", "microbatches_per_lane", "rows_per_microbatch",
-                                              "seq_len", "packing") if k in recipe},
-        "sources": [s.get("name") for s in recipe.get("sources", [])],
-        "checkpoints": {"count": len(steps), "latest": steps[-1] if steps else None, "steps": steps},
-        "commits": {"count": len(history), "latest_step": history[-1].get(layout.KEY_STEP) if history else None,
-                    "by_consumer": {str(c): e.get(layout.KEY_STEP) for c, e in latest.items()}},
-    }
+    return inspect(state_dir)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -271,24 +266,32 @@ def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_inspect)
 
 
-BENCHMARKS = ("core", "service", "loader", "pretokenize", "materialize")
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
-    """Run benchmarks/bench_<name>.py from the source checkout (benchmarks are not installed as a package)."""
-    import runpy
-    from pathlib import Path
+    """This node's production rate for a recipe (:mod:`zephon_ray.bench`)."""
+    import json
 
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / f"bench_{args.name}.py"
-    if not script.is_file():
-        raise FileNotFoundError(f"benchmark script not found: {script} (benchmarks run from a source checkout)")
-    sys.argv = [str(script), *args.rest]
-    runpy.run_path(str(script), run_name="__main__")
+    from zephon_ray.bench import format_report, run_bench
+
+    recipe = Recipe.from_toml(args.recipe)
+    report = run_bench(recipe, steps=args.steps, warmup=args.warmup, via=args.via, rounds=args.rounds,
+                       producers=args.producers, name=args.name, namespace=args.namespace, address=args.address,
+                       progress=None if args.json else lambda line: print(line, flush=True))
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print("\n".join(format_report(report)))
     return 0
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (the usage is one ``--help`` away)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="zephon-ray", description="Deterministic, step-keyed global batches for training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -297,7 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", required=True, help="A:B for steps A..B-1")
     p.add_argument("--via", choices=("local", "service", "dataset"), default="local")
     p.add_argument("--dataset", default=None, help="materialised directory (--via dataset)")
-    p.add_argument("--producers", type=int, default=1, help="producer actors (service only)")
+    p.add_argument("--producers", type=_positive, default=1, help="producer actors (service only)")
     p.add_argument("--name", default=None, help="use a running service by name instead of starting one")
     p.add_argument("--namespace", default="zephon-ray")
     p.add_argument("--address", default=None, help="Ray address; default starts a private local Ray")
@@ -305,9 +308,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("show", help="summarise one global batch")
     p.add_argument("recipe")
-    p.add_argument("--step", type=int, default=0)
-    p.add_argument("--rows", type=int, default=4)
-    p.add_argument("--chars", type=int, default=72)
+    p.add_argument("--step", type=_non_negative, default=0)
+    p.add_argument("--rows", type=_non_negative, default=4)
+    p.add_argument("--chars", type=_non_negative, default=72)
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="also write a PNG: per-source token share, document-piece lengths, packing per row")
     p.set_defaults(func=cmd_show)
@@ -315,12 +318,21 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("corpus", help="write the stdlib prose/code corpus as JSONL and Parquet shards")
     p.add_argument("out_dir")
     p.add_argument("--formats", default="jsonl,parquet")
-    p.add_argument("--limit", type=int, default=None, help="at most this many records per source")
+    p.add_argument("--limit", type=_positive, default=None, help="at most this many records per source")
     p.set_defaults(func=cmd_corpus)
 
-    p = sub.add_parser("bench", help="run a benchmark from benchmarks/ (" + ", ".join(BENCHMARKS) + ")")
-    p.add_argument("name", choices=BENCHMARKS)
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="arguments passed to the benchmark")
+    p = sub.add_parser("bench", help="measure this node's production rate for a recipe (tokens/s, step latency)")
+    p.add_argument("recipe")
+    p.add_argument("--steps", type=_positive, default=32, help="steps timed per round (default 32)")
+    p.add_argument("--warmup", type=_non_negative, default=2, help="steps read first and timed apart (default 2)")
+    p.add_argument("--rounds", type=_positive, default=None,
+                   help="rounds (default 1; 3 with --via both, which alternates the paths)")
+    p.add_argument("--via", choices=("local", "service", "both"), default="local")
+    p.add_argument("--producers", type=_positive, default=1, help="producer actors of the service it starts")
+    p.add_argument("--name", default=None, help="measure a running service by name instead of starting one")
+    p.add_argument("--namespace", default="zephon-ray-bench")
+    p.add_argument("--address", default=None, help="Ray address; default starts a private local Ray")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=cmd_bench)
 
     add_recipe_commands(sub)
@@ -338,23 +350,13 @@ def digest_via_dataset(recipe: Recipe, steps: range, args: argparse.Namespace) -
     from zephon_ray.formats.materialized import MaterializedSource
 
     if not args.dataset:
-        raise ValueError("--via dataset needs --dataset DIR (a directory written by `zephon-ray materialize`)")
+        raise UserInputError("--via dataset needs --dataset DIR (a directory written by `zephon-ray materialize`)")
     with MaterializedSource(args.dataset, recipe=recipe) as source:
         for step in steps:
             source.digest(step)  # a step outside the materialised range fails before anything is printed
         for step in steps:
             print(f"step {step} {source.batch(step).digest}", flush=True)
     return 0
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 def cmd_pretokenize(args: argparse.Namespace) -> int:
@@ -409,10 +411,13 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "rounds", 0) is None:  # bench: one round, or three alternating ones for --via both
+        args.rounds = 3 if args.via == "both" else 1
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError, TimeoutError) as exc:
-        parser.exit(2, f"zephon-ray: error: {exc}\n")
+    except USER_ERRORS as exc:
+        message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message holds
+        parser.exit(2, f"zephon-ray: error: {message}\n")
     except KeyboardInterrupt:
         return 130
 

@@ -8,18 +8,29 @@ Two sources, so recipes can mix them:
 Guarantee: for a given Python version (the stdlib is the input) and the same arguments, the output files are
 byte-identical. Limit: a different Python version gives a different corpus, and so different fingerprints.
 Files are parsed with ``ast`` and never imported.
+
+The corpus is written whole or not at all: into a temporary sibling of ``OUT_DIR``, renamed into place at the end.
+``OUT_DIR`` must not exist yet (or be an empty directory), and its nearest existing ancestor must be a writable
+directory (missing parents are created); anything
+else is one :class:`~zephon_ray.errors.UserInputError` naming the path, before any work
+(``tests/test_corpus.py::test_bad_out_dir_is_one_error_and_writes_nothing``).
 """
 
 from __future__ import annotations
 
 import ast
 import json
+import os
+import shutil
 import sysconfig
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from zephon_ray.errors import UserInputError
 
 FORMATS = ("jsonl", "parquet")
 
@@ -100,8 +111,42 @@ def write_corpus(
     ``progress``: a tqdm bar per source and format over the stdlib files read (stderr, terminals only)."""
     for fmt in formats:
         if fmt not in FORMATS:
-            raise ValueError(f"unknown corpus format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    out = Path(out_dir)
+            raise UserInputError(f"unknown corpus format {fmt!r}; expected one of {', '.join(FORMATS)}")
+    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
+        raise UserInputError(f"corpus limit must be a positive integer, got {limit!r}")
+    out = check_out_dir(out_dir)
+    work = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        work.mkdir(parents=True)
+    except OSError as exc:  # the user's path: e.g. under /proc, or a read-only mount that os.access cannot see
+        raise UserInputError(f"corpus directory {out_dir}: cannot create it ({exc.strerror or exc})") from None
+    try:
+        counts = _write(work, formats, records_per_shard, limit, code_chars, progress)
+        if out.is_dir():
+            out.rmdir()  # empty (checked above); fails loudly if someone wrote into it meanwhile
+        os.replace(work, out)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return counts
+
+
+def check_out_dir(out_dir: str | Path) -> Path:
+    """``out_dir`` as a path the corpus can be created at, or one :class:`UserInputError` naming it."""
+    out = Path(out_dir).absolute()
+    if out.exists() and not out.is_dir():
+        raise UserInputError(f"corpus directory {out_dir}: exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        raise UserInputError(f"corpus directory {out_dir}: exists and is not empty (choose a new directory)")
+    existing = next(p for p in out.parents if p.exists())  # "/" at worst
+    if not existing.is_dir():
+        raise UserInputError(f"corpus directory {out_dir}: {existing} is not a directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise UserInputError(f"corpus directory {out_dir}: {existing} is not writable")
+    return out
+
+
+def _write(out: Path, formats: tuple[str, ...], records_per_shard: int, limit: int | None, code_chars: int,
+           progress: bool) -> dict[str, int]:
     files = stdlib_files()
     counts: dict[str, int] = {}
     def bar(desc: str) -> list[Path]:

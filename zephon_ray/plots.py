@@ -7,17 +7,21 @@ A *document piece* is a run of tokens whose positions count up from 0 inside one
 every document start, so the pieces are what attention sees. Limit: a document that wraps over a row boundary
 appears as two pieces, and a piece that started in an earlier step is counted from its first token in this batch.
 Packing efficiency is the share of non-pad tokens; ``wrap`` packing never pads, so it is 1.0 there.
-Shown by ``tests/test_cli.py::test_show_plot_writes_a_png``.
+Shown by ``tests/test_cli.py::test_show_plot_writes_a_png``. A path that cannot take the PNG (a directory, a
+missing or read-only parent) is one :class:`~zephon_ray.errors.UserInputError` from :func:`check_plot_path`, before
+any work (``test_bad_input_is_one_line_naming_it``); the PNG is written whole or not at all.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from zephon_ray.batch import GlobalBatch
+from zephon_ray.errors import UserInputError
 
 
 @dataclass(frozen=True)
@@ -53,8 +57,27 @@ def batch_summary(batch: GlobalBatch) -> BatchSummary:
     return BatchSummary(batch.step, batch.source_share(), lengths, per_row, efficiency)
 
 
+def check_plot_path(path: str | Path, what: str = "plot") -> Path:
+    """The file a PNG can be written to, or one :class:`UserInputError` naming ``path`` and why not. The parent
+    directory must exist (nothing is created), and matplotlib (the ``plots`` extra) must be installed."""
+    out = Path(path)
+    if out.is_dir():
+        raise UserInputError(f"{what} {path}: is a directory; give a file name, e.g. {out / 'step.png'}")
+    parent = out.parent if str(out.parent) else Path(".")
+    if not parent.is_dir():
+        raise UserInputError(f"{what} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK) or (out.exists() and not os.access(out, os.W_OK)):
+        raise UserInputError(f"{what} {path}: not writable")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise UserInputError(f"{what} {path}: plots need matplotlib: pip install 'zephon-ray[plots]'") from None
+    return out
+
+
 def plot_batch(batch: GlobalBatch, path: str | Path, *, title: str | None = None) -> Path:
     """Write a PNG with per-source token share, the document-piece length histogram and per-row packing."""
+    out = check_plot_path(path)
     import matplotlib
 
     matplotlib.use("Agg")  # files only; no display needed (headless servers, CI)
@@ -90,8 +113,11 @@ def plot_batch(batch: GlobalBatch, path: str | Path, *, title: str | None = None
 
     fig.suptitle(title or f"step {batch.step}  digest {batch.digest[:16]}")
     fig.tight_layout()
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    try:
+        fig.savefig(tmp, dpi=100, format="png")
+        os.replace(tmp, out)  # whole or not at all
+    finally:
+        plt.close(fig)
+        tmp.unlink(missing_ok=True)
     return out
