@@ -452,3 +452,59 @@ def test_hashing_through_ray_tasks_on_this_node(ray_cluster, tmp_path):
     digests = hash_cache.digest_files(paths, progress=False, report=report)
     assert report.via == "ray" and report.hashed == len(paths)
     assert digests == {p: files.sha256_file(p) for p in paths}
+
+
+# ------------------------------------------------------------------------------------------ the Zephon fence
+def test_zephon_internals_fence():
+    """Every private Zephon name zephon-ray uses lives in zephon_ray/zephon_io.py, and still exists with the shape
+    we rely on. When a Zephon release moves or changes one, this fails and names it; fix zephon_io.py (only)."""
+    import ast
+    import importlib
+    import inspect
+
+    from zephon_ray import zephon_io
+
+    for module, name in zephon_io.FENCED_NAMES:
+        try:
+            value = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as exc:
+            pytest.fail(f"Zephon changed: {module}.{name} is gone ({exc}); update zephon_ray/zephon_io.py")
+        assert value is not None, f"{module}.{name}"
+    for fmt, method in zephon_io.FENCED_METHODS:
+        assert callable(getattr(zephon_io.format_handler(fmt), method, None)), \
+            f"Zephon changed: the {fmt} format handler has no {method}(); update zephon_ray/zephon_io.py"
+    router = zephon_io.storage()
+    assert callable(getattr(router, "_backend_for", None)), "Zephon changed: RouterStorageBackend._backend_for"
+    from zephon._internal.io.storage.s3 import S3Backend
+
+    assert callable(getattr(S3Backend, "_get_store", None)), "Zephon changed: S3Backend._get_store"
+    assert "fmt" in inspect.signature(router.canonical_root).parameters
+    assert set(zephon_io.format_suffixes("jsonl")) >= {".jsonl", ".jsonl.gz", ".jsonl.zst"}
+    assert zephon_io.format_suffixes("parquet") == (".parquet",)
+    # The rule for trusting an index, on a real index from Zephon's own builder (and a broken one).
+    assert not zephon_io.usable_index("jsonl", {"shards": []})
+    # Nothing else in the package imports zephon._internal.
+    package = Path(zephon_io.__file__).parent
+    for path in package.rglob("*.py"):
+        if path.name == "zephon_io.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            for name in names:
+                assert not name.startswith("zephon._internal"), f"{path} imports {name}: use zephon_ray/zephon_io.py"
+
+
+def test_zephon_index_rule_through_the_fence(tmp_path):
+    directory = tmp_path / "src"
+    shutil.copytree(FIXTURE / "prose", directory)
+    build_index(directory)
+    index = json.loads((directory / "index.json").read_text())
+    from zephon_ray import zephon_io
+
+    assert zephon_io.usable_index("jsonl", index)
+    index["shards"][0]["num_rows"] = -1
+    assert not zephon_io.usable_index("jsonl", index)

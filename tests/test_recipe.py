@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -186,3 +187,60 @@ def test_packing_bins_reach_zephon_and_wrapping_packers_build(tmp_path):
     with GlobalBatchSource(recipe) as source:
         batch = source.batch(1)
     assert batch.tokens.shape == (recipe.global_batch_rows, recipe.row_length)
+
+
+def test_mixed_formats_name_the_format_key(tmp_path):
+    """A typed error (MixedFormatsError) picks the key, not the message text."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    data = tmp_path / "data"
+    shutil.copytree(FIXTURE, data)
+    pq.write_table(pa.table({"text": ["x"] * 10}), data / "code" / "extra.parquet")
+    with pytest.raises(RecipeError, match=r"key 'sources\[1\]\.format': .* mixes jsonl and parquet shards"):
+        load(tmp_path, BASE.replace(str(FIXTURE), str(data)))
+
+
+def _load_without_override(recipe_path: Path) -> str:
+    """Load ``recipe_path`` in a child process that cannot read what the test made unreadable; returns its stdout.
+    As root (which reads everything) the child runs under ``setpriv`` without the capabilities that bypass file
+    permissions (CAP_DAC_OVERRIDE, CAP_DAC_READ_SEARCH)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom zephon_ray import Recipe, RecipeError\n"
+            "try:\n    Recipe.from_toml(sys.argv[1])\n    print('LOADED')\n"
+            "except RecipeError as exc:\n    print('ERROR', exc)\n")
+    prefix = []
+    if os.geteuid() == 0:
+        setpriv = shutil.which("setpriv")
+        if setpriv is None:
+            pytest.skip("running as root without setpriv: file permissions cannot be enforced")
+        drop = "-dac_override,-dac_read_search"
+        prefix = [setpriv, f"--inh-caps={drop}", f"--bounding-set={drop}"]
+    env = {**os.environ, "ZEPHON_RAY_CACHE_DIR": str(recipe_path.parent / "cache")}
+    proc = subprocess.run([*prefix, sys.executable, "-c", code, str(recipe_path)], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=str(recipe_path.parent))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip()
+
+
+@pytest.mark.parametrize("what", ["unreadable shard", "unlistable directory"])
+def test_permission_denied_on_a_source_is_one_line(tmp_path, what):
+    """A PermissionError on a source (a shard without read permission, a directory that cannot be listed) is one
+    RecipeError naming the key and the file, never a traceback."""
+    data = tmp_path / "data"
+    shutil.copytree(FIXTURE, data)
+    recipe = write(tmp_path, BASE.replace(str(FIXTURE), str(data)))
+    if what == "unreadable shard":
+        target, needle = data / "code" / "shard-00001.jsonl", "shard-00001.jsonl"
+        os.chmod(target, 0o000)
+    else:
+        target, needle = data / "code", str(data / "code")
+        os.chmod(target, 0o311)  # traverse, but not list
+    try:
+        out = _load_without_override(recipe)
+    finally:
+        os.chmod(target, 0o755)
+    assert out.startswith("ERROR ") and "\n" not in out, out
+    assert "key 'sources[1].path'" in out and needle in out and "Permission denied" in out, out

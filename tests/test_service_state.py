@@ -99,3 +99,55 @@ def test_commits_written_before_per_consumer_format_still_read(tiny_recipe, tmp_
     assert state.consumer_commits() == {"x": 5, "y": 9}
     state.add_commit(6, "x")
     assert json.loads((tmp_path / COMMITS_FILE).read_text())["latest"]["x"]["step"] == 6
+
+
+@pytest.mark.parametrize("entry, needle", [
+    ({"step": "seven", "consumer": "x", "time": 1.0}, "commits[1] is malformed ('step' must be an integer >= 0"),
+    ({"step": 3, "time": 1.0}, "commits[1] is malformed ('consumer' must be a non-empty string"),
+    ("not a table", "commits[1] is malformed (a str, not a table)"),
+])
+def test_a_malformed_commit_entry_is_one_line(tiny_recipe, tmp_path, capsys, entry, needle):
+    """`zephon-ray inspect` (and a restarting coordinator) name the file and the entry; nothing is rewritten."""
+    from zephon_ray.cli import main
+    from zephon_ray.formats.service_state import ServiceStateError, inspect
+
+    state = ServiceState.open(tiny_recipe, tmp_path)
+    state.add_commit(2, "good")
+    path = tmp_path / COMMITS_FILE
+    payload = json.loads(path.read_text())
+    payload["commits"].append(entry)
+    payload.pop("latest")
+    path.write_text(json.dumps(payload))
+    before = path.read_bytes()
+    with pytest.raises(ServiceStateError, match=re_escape(f"{path}: {needle}")):
+        inspect(tmp_path)
+    with pytest.raises(ServiceStateError, match=re_escape(needle)):
+        ServiceState.open(tiny_recipe, tmp_path).consumer_commits()
+    with pytest.raises(SystemExit) as exc:
+        main(["inspect", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and err.count("\n") == 1 and needle in err and str(path) in err, err
+    assert path.read_bytes() == before
+
+
+def test_inspect_reads_a_state_dir_and_old_checkpoint_names(tiny_recipe, real_state, tmp_path, capsys):
+    from zephon_ray.cli import main
+    from zephon_ray.files import write_json as write
+
+    state = ServiceState.open(tiny_recipe, tmp_path)
+    state.write_checkpoint(_at(real_state, tiny_recipe, 16))
+    write(tmp_path / "checkpoints" / "step-00000008.json", _at(real_state, tiny_recipe, 8))  # an older, 8-digit name
+    state.add_commit(12, "trainer")
+    again = ServiceState.open(tiny_recipe, tmp_path)
+    assert again.checkpoint_steps() == [8, 16] and again.read_checkpoint(8)[KEY_NEXT_STEP] == 8
+    assert set(os.listdir(tmp_path / "checkpoints")) == {"step-00000008.json", "step-000000000016.json"}
+    assert main(["inspect", str(tmp_path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["checkpoints"]["steps"] == [8, 16] and report["commits"]["by_consumer"] == {"trainer": 12}
+    assert report["fingerprint"] == tiny_recipe.fingerprint
+
+
+def re_escape(text):
+    import re
+
+    return re.escape(text)
