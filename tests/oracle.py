@@ -212,17 +212,22 @@ def rank_pipeline(recipe: OracleRecipe, rank: int, *, aggregate_dir: str, run_id
     return pipeline.options(**options)
 
 
-def lane_microbatches(recipe: OracleRecipe, steps: int) -> dict[int, list[tuple[np.ndarray, np.ndarray]]]:
-    """``{lane: [(tokens, positions) of microbatch 0, 1, ..., steps*k - 1]}``, each [m, seq_len+1], from 2 ranks."""
+Microbatch = tuple[np.ndarray, np.ndarray, np.ndarray]
+"""(tokens [m, seq_len+1], positions [m, seq_len+1], tokens per source [number of sources], recipe order)."""
+
+
+def lane_microbatches(recipe: OracleRecipe, steps: int) -> dict[int, list[Microbatch]]:
+    """``{lane: [microbatch 0, 1, ..., steps*k - 1]}`` from 2 ranks. Tokens per source are Zephon's per-record
+    ``meta.component_token_counts`` (component id = the source's index in the mixture)."""
     assert recipe.lanes % RANKS == 0, f"{recipe.path}: {recipe.lanes} lanes do not split over {RANKS} ranks"
     per_rank = recipe.lanes // RANKS
     want = steps * recipe.k
-    out: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {}
+    out: dict[int, list[Microbatch]] = {}
     with tempfile.TemporaryDirectory(prefix="zr-oracle-") as agg:
         run_id = f"oracle-{uuid.uuid4().hex[:8]}"
         for rank in range(RANKS):
             owned = range(rank * per_rank, (rank + 1) * per_rank)
-            filed: dict[int, list[tuple[np.ndarray, np.ndarray]]] = {lane: [] for lane in owned}
+            filed: dict[int, list[Microbatch]] = {lane: [] for lane in owned}
             stream = iter(rank_pipeline(recipe, rank, aggregate_dir=agg, run_id=run_id))
             try:
                 while any(len(v) < want for v in filed.values()):
@@ -234,7 +239,11 @@ def lane_microbatches(recipe: OracleRecipe, steps: int) -> dict[int, list[tuple[
                     tokens = np.stack([np.asarray(r.payload["input_ids"]) for r in mb.records])
                     positions = np.stack([np.asarray(r.payload["positions"]) for r in mb.records])
                     assert tokens.shape == (recipe.m, recipe.seq_len + 1), tokens.shape
-                    filed[lane].append((tokens, positions))
+                    per_source = np.zeros(len(recipe.sources), dtype=np.int64)
+                    for r in mb.records:
+                        for component, count in (r.meta.component_token_counts or {}).items():
+                            per_source[int(component)] += int(count)
+                    filed[lane].append((tokens, positions, per_source))
             finally:
                 close = getattr(stream, "close", None)
                 if close is not None:
@@ -248,6 +257,12 @@ class OracleBatch:
     step: int
     tokens: np.ndarray
     positions: np.ndarray
+    source_tokens: np.ndarray
+    """Tokens per source, recipe order."""
+
+    def source_share(self, names: tuple[str, ...]) -> dict[str, float]:
+        total = int(self.source_tokens.sum()) or 1
+        return {name: int(n) / total for name, n in zip(names, self.source_tokens)}
 
     @property
     def digest(self) -> str:
@@ -261,14 +276,15 @@ class OracleBatch:
         return self.tokens[lo:hi], self.positions[lo:hi]
 
 
-def assemble(recipe: OracleRecipe, lanes: dict[int, list[tuple[np.ndarray, np.ndarray]]], step: int,
+def assemble(recipe: OracleRecipe, lanes: dict[int, list[Microbatch]], step: int,
              order: tuple[int, ...] | None = None) -> OracleBatch:
     """Step s: lane-major over lanes 0..L-1, each lane's microbatches s*k .. s*k+k-1 (``order`` permutes those k;
     for tests that show a wrong order is caught)."""
     k = recipe.k
     order = order or tuple(range(k))
     parts = [lanes[lane][step * k + i] for lane in range(recipe.lanes) for i in order]
-    return OracleBatch(step, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+    return OracleBatch(step, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
+                       np.sum([p[2] for p in parts], axis=0))
 
 
 def global_batches(recipe: OracleRecipe, steps: int) -> list[OracleBatch]:

@@ -69,6 +69,12 @@ def test_the_oracle_gives_the_golden_digests_of_every_shipped_recipe(path):
     assert oracle.digests(path, STEPS) == golden["digests"]
 
 
+def test_the_session_reference_is_golden(reference_digests):
+    """tests/conftest.py's ``reference_digests`` (GlobalBatchSource, used by most other test files) is anchored
+    here: its first steps are the oracle's golden digests, so those tests compare with the oracle too."""
+    assert reference_digests[:STEPS] == oracle.load_golden(CASES["k1"])["digests"]
+
+
 def test_every_shipped_recipe_has_goldens():
     assert {p.stem for p in SHIPPED} | {"k2"} == {p.stem for p in oracle.GOLDEN_DIR.glob("*.json")}
 
@@ -99,6 +105,14 @@ def check_rows(case, step: int, tokens, positions, what: str) -> None:
     assert oracle.digest(tokens, positions) == case["golden"][step], f"{what}: step {step}"
 
 
+def check_sources(case, step: int, source_tokens: dict[str, int], what: str) -> None:
+    """Tokens per source (what ``show``, the notebook and the plots report) equal Zephon's per-record accounting
+    as the oracle sums it."""
+    names = tuple(s.name for s in case["recipe"].sources)
+    want = dict(zip(names, (int(n) for n in case["batches"][step].source_tokens)))
+    assert dict(source_tokens) == want, f"{what}: step {step}: tokens per source {dict(source_tokens)} != {want}"
+
+
 def joined(parts) -> tuple[np.ndarray, np.ndarray]:
     parts = list(parts)
     return np.concatenate([p.tokens for p in parts]), np.concatenate([p.positions for p in parts])
@@ -112,6 +126,7 @@ def test_in_process_global_batch_source(case):
         for step in [*range(STEPS), 1]:  # and back: a restore from a checkpoint, then replay
             batch = source.batch(step)
             check_rows(case, step, batch.tokens, batch.positions, "GlobalBatchSource")
+            check_sources(case, step, batch.source_tokens, "GlobalBatchSource")
             assert batch.digest == case["golden"][step]
             for world in (2, 4):
                 check_rows(case, step, *joined(batch.slice(r, world) for r in range(world)),
@@ -141,6 +156,7 @@ def test_service_two_producers_slices_joined(case, service):
             check_rows(case, step, *joined(parts), f"DataService slices W={world}")
         batch = service.batch(step)
         check_rows(case, step, batch.tokens, batch.positions, "DataService.batch")
+        check_sources(case, step, batch.source_tokens, "DataService.batch")
         assert batch.digest == case["golden"][step]
     assert len(service.status()["producers"]) == 2
 
@@ -166,6 +182,7 @@ def test_materialized_dataset(case, materialized):
             assert source.digest(step) == case["golden"][step]  # the manifest's digest
             batch = source.batch(step)
             check_rows(case, step, batch.tokens, batch.positions, "MaterializedSource.batch")
+            check_sources(case, step, batch.source_tokens, "MaterializedSource.batch")
             for world in (2, 4):
                 check_rows(case, step, *joined(source.slice(step, r, world) for r in range(world)),
                            f"MaterializedSource slices W={world}")
