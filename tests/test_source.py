@@ -13,15 +13,16 @@ from zephon import Pipeline
 from zephon.io import Dataset
 from zephon.work import MixtureSpec, StaticMixtureWorkSource
 
+import oracle
 from conftest import TINY
 from zephon_ray import GlobalBatchSource
-from zephon_ray.tokenizers import ByteTokenizer
 
 STEPS = 6
 
 
 def plain_zephon_rank(recipe, rank: int, world: int, tmp_path):
-    """An independent Zephon rank r of W, built straight from Zephon's API (not through zephon_ray.pipeline)."""
+    """An independent Zephon rank r of W, built straight from Zephon's API (not through zephon_ray.pipeline), with
+    the oracle's byte tokenizer (tests/oracle.py), not ours."""
     work = StaticMixtureWorkSource(
         [Dataset.from_path(s.name, str(s.path)) for s in recipe.sources],
         MixtureSpec({s.name: s.weight for s in recipe.sources}),
@@ -34,7 +35,7 @@ def plain_zephon_rank(recipe, rank: int, world: int, tmp_path):
     pipeline = (
         Pipeline(work)
         .decode_text()
-        .tokenize(tokenizer=ByteTokenizer(), field="text", return_tensors="np", add_attention_mask=False)
+        .tokenize(tokenizer=oracle.OracleByteTokenizer(), field="text", return_tensors="np", add_attention_mask=False)
         .pack_flat(max_length=recipe.seq_len + 1, algorithm="wrap", pad_token_id=258)
         .batch(recipe.rows_per_microbatch)
     )

@@ -7,6 +7,7 @@ import pickle
 import numpy as np
 import pytest
 
+import oracle
 from conftest import RECIPES
 from zephon_ray.tokenizers import ByteTokenizer, TokenizerFile, build_tokenizer, tokenizer_identity
 
@@ -76,3 +77,21 @@ def _walk(obj, depth=0, seen=None):
         children = list(vars(obj).values())
     for child in children:
         yield from _walk(child, depth + 1, seen)
+
+
+def test_tokenizers_agree_with_the_oracles_own():
+    """The oracle's tokenizers (tests/oracle.py: written from the documented contract, no zephon_ray import) give
+    the same ids and special tokens as ours, on multi-byte text (and a lone surrogate, which JSON can carry as an
+    escape, for the byte tokenizer: replaced by "?"; the ``tokenizers`` library refuses such a string)."""
+    texts = ["déjà vu — λ 🙂", "def f(x):\n    return x  # \t tabs", "", "a" * 5000]
+    for ours, theirs, extra in ((ByteTokenizer(), oracle.OracleByteTokenizer(), ["bad \udcff surrogate"]),
+                                (TokenizerFile(TOKENIZER_JSON), oracle.OracleJsonTokenizer(TOKENIZER_JSON), [])):
+        texts = texts[:4] + extra
+        assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == \
+               (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id)
+        a, b = ours(texts, add_special_tokens=False)["input_ids"], theirs(texts, add_special_tokens=False)["input_ids"]
+        assert len(a) == len(b) == len(texts)
+        for x, y in zip(a, b):
+            assert np.array_equal(x, y) and x.dtype == y.dtype == np.int64
+        clone = pickle.loads(pickle.dumps(theirs))  # picklable and importable, as Zephon's runners need
+        assert np.array_equal(clone(texts[:1])["input_ids"][0], b[0])

@@ -12,7 +12,8 @@ The digest (format ``v1``) is the hex sha256 of::
     + positions.astype("<i4").tobytes()
 
 It covers the rows only: not the step number, not the recipe. Two steps that happen to hold the same rows
-have the same digest. :func:`compute_digest` is the reference implementation.
+have the same digest. :func:`compute_digest` is the reference implementation; ``tests/test_batch.py`` checks it
+against the formula above, and ``tests/oracle.py`` recomputes it from the rows with its own code.
 """
 
 from __future__ import annotations
