@@ -6,9 +6,9 @@ by stream position, because a restored pipeline may start its round-robin at a d
 
 Guarantee: ``next_step()`` returns the same shards for a given (recipe, lane, step) whichever Zephon rank owns
 the lane and however often the stepper was checkpointed and restored (``tests/test_lanes.py``; the order of a lane's
-k microbatches inside a step against the independent oracle: ``tests/test_oracle.py``, k = 2). Limits: checkpoints exist only at step
-boundaries with no microbatch buffered ahead (``checkpoint()`` raises otherwise), and a collective
-(multi-rank) checkpoint must be taken by every rank at the same step.
+k microbatches inside a step against the independent oracle: ``tests/test_oracle.py``, k = 2). Limits: checkpoints
+exist only at step boundaries with no microbatch buffered ahead (``checkpoint()`` raises otherwise), and a
+collective (multi-rank) checkpoint must be taken by every rank at the same step.
 """
 
 from __future__ import annotations
