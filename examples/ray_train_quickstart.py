@@ -1,4 +1,6 @@
-"""python examples/ray_train_quickstart.py [W] [STEPS]; rerun with another W and more STEPS to resume, same batches."""
+"""python examples/ray_train_quickstart.py [W] [STEPS] [STORAGE]; rerun with another W and more STEPS to resume, same batches.
+
+Needs neither TorchTitan nor triton (tests/test_ray_train_quickstart.py runs it with both imports blocked)."""
 import sys
 import tempfile
 from pathlib import Path
@@ -13,6 +15,7 @@ from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
 
 def train_loop(config):
     shard, checkpoint, rank = get_dataset_shard("train"), get_checkpoint(), get_context().get_world_rank()
+    torch.manual_seed(0)  # the same initial weights on every run
     model = torch.nn.Sequential(torch.nn.Embedding(259, 32), torch.nn.Linear(32, 259))  # the bytes tokenizer's ids
     if checkpoint:
         with checkpoint.as_directory() as d:
@@ -31,9 +34,11 @@ def train_loop(config):
 
 if __name__ == "__main__":
     workers, steps = (int(a) for a in (sys.argv[1:] + ["2", "4"])[:2])
+    storage = sys.argv[3] if len(sys.argv) > 3 else "/tmp/zr-quickstart"
     ray.init(address="local", num_cpus=4)  # on a Ray cluster: ray.init()
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "elastic.toml"  # B = 24 rows, 12 lanes: W | 12
     scaling = ScalingConfig(num_workers=workers, use_gpu=torch.cuda.is_available(), resources_per_worker={"CPU": 0.5})
-    print(TorchTrainer(train_loop, train_loop_config={"steps": steps}, datasets={"train": ZephonDataset(recipe)},
-                       dataset_config=ZephonDataConfig(run_id="quickstart"), scaling_config=scaling,
-                       run_config=RunConfig(name="quickstart", storage_path="/tmp/zr-quickstart")).fit().metrics)
+    result = TorchTrainer(train_loop, train_loop_config={"steps": steps}, datasets={"train": ZephonDataset(recipe)},
+                          dataset_config=ZephonDataConfig(run_id="quickstart"), scaling_config=scaling,
+                          run_config=RunConfig(name="quickstart", storage_path=storage)).fit()
+    print(result.metrics, result.checkpoint.path if result.checkpoint else None)

@@ -6,6 +6,10 @@ step 4, then 2 workers to step 6, then 3 workers to step 8, each a new ``fit()``
 12 lanes, B = 24, so 2, 3 and 4 divide both). ``ZephonDataConfig.configure`` re-runs at every start with the new
 world size. Every step's global digest, gathered from the ranks' slices, must equal ``GlobalBatchSource``'s, and
 every loss the W=1 in-process reference.
+
+The default suite runs the service schedule (the cheapest of the three) and the local-mode worker kill; the local
+schedules (torch:// store, directory) are ``slow`` duplicates. Local mode's resume at another W also runs in the
+default suite through tests/test_ray_train_quickstart.py (4 -> 2 workers, final weights equal the reference).
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ def test_get_dataset_shard_4_2_3_service(ray_cluster, tmp_path, elastic_referenc
     check(records, elastic_reference)
 
 
+@pytest.mark.slow  # ~80 s; the default suite has the service schedule and the quickstart's local 4 -> 2
 def test_get_dataset_shard_4_2_3_local_torch_store(ray_cluster, tmp_path, elastic_reference):
     """Local mode: Zephon's collective checkpoint aggregates through Ray Train's own TCPStore (rank 0's, a new
     port after every restart)."""

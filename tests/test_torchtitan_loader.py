@@ -132,6 +132,20 @@ def test_build_keywords_are_torchtitans_and_required():
         _config().build(dp_world_size=1, dp_rank=0, dp_degree=2, seq_len=64, local_batch_size=4)
 
 
+@pytest.mark.parametrize("kw, message", [
+    ({"dp_world_size": None}, r"build: dp_world_size must be an int in \[1, .*\], got None"),
+    ({"dp_world_size": 2.0}, r"build: dp_world_size must be an int in \[1, .*\], got 2.0"),
+    ({"dp_rank": None}, r"build: dp_rank must be an int in \[0, .*\], got None"),
+    ({"dp_rank": 1}, "dp_rank 1 is not in a data-parallel world of 1"),
+    ({"local_batch_size": 0}, r"build: local_batch_size must be an int in \[1, .*\], got 0"),
+    ({"snapshot_every_n_steps": "10"}, "build: snapshot_every_n_steps must be an int"),
+])
+def test_bad_build_numbers_are_one_line_naming_the_keyword(kw, message):
+    with pytest.raises(ValueError, match=message) as info:
+        _config().build(**{"dp_world_size": 1, "dp_rank": 0, "seq_len": 64, "local_batch_size": 4, **kw})
+    assert "\n" not in str(info.value)
+
+
 # ---------------------------------------------------------------------- state
 def test_state_before_iteration_is_json_safe_and_complete():
     from zephon_ray.formats.loader_state import STATE_KEYS

@@ -65,6 +65,7 @@ class ServiceSlices(PrefetchedSlices):
         (rather than after the write) is safe: an older resume point is still served, by replay."""
         if self.rank == 0:
             with self._lock:
+                self._flush_cursor()  # the steps handed out so far are this reader's reads: the commit follows them
                 self.service.commit(step)
         return None
 
