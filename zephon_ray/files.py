@@ -25,6 +25,8 @@ Commit points (what a reader can see):
   objects are complete at that instant).
 - A process killed during an upload leaves no object (an unfinished multipart upload is invisible; configure a
   bucket lifecycle rule to expire such parts).
+- Deleting through pyarrow leaves a zero-byte ``parent/`` marker object (pyarrow's way of keeping a directory
+  that may have become empty); :func:`listing` and every format here skip such markers.
 
 Endpoints and credentials follow the AWS SDK conventions, the same for pyarrow, Zephon and Ray workers
 (:func:`aws_environment`): ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (Zephon's ``S3_ENDPOINT_URL`` is read
@@ -212,18 +214,25 @@ def s3_endpoint() -> str | None:
     ``S3_ENDPOINT_URL``; None for AWS itself. Two different endpoints set at once are refused."""
     aws = next((os.environ[k] for k in ENDPOINT_ENVS if os.environ.get(k)), None)
     zephon = os.environ.get(ZEPHON_ENDPOINT_ENV) or None
+    if zephon is not None and zephon == _EXPORTED.get(ZEPHON_ENDPOINT_ENV):
+        zephon = None  # set by export_endpoint_for_zephon from the AWS variables, not by the user
     if aws and zephon and aws.rstrip("/") != zephon.rstrip("/"):
         raise StorageError(f"the S3 endpoint is ambiguous: AWS_ENDPOINT_URL(_S3)={aws} but "
                            f"{ZEPHON_ENDPOINT_ENV}={zephon}; set one of them")
     return aws or zephon
 
 
+_EXPORTED: dict[str, str] = {}
+
+
 def export_endpoint_for_zephon() -> None:
     """Set Zephon's ``S3_ENDPOINT_URL`` from the AWS SDK's endpoint variables in this process (Zephon 0.2 reads
     only its own name), so that one environment works for pyarrow, Zephon and Ray workers."""
     endpoint = s3_endpoint()
-    if endpoint and not os.environ.get(ZEPHON_ENDPOINT_ENV):
+    current = os.environ.get(ZEPHON_ENDPOINT_ENV)
+    if endpoint and (not current or current == _EXPORTED.get(ZEPHON_ENDPOINT_ENV)):
         os.environ[ZEPHON_ENDPOINT_ENV] = endpoint
+        _EXPORTED[ZEPHON_ENDPOINT_ENV] = endpoint
 
 
 def aws_environment() -> dict[str, str]:
@@ -272,7 +281,7 @@ def _filesystem(scheme: str) -> Any:
         if scheme == "file":
             fs = pafs.LocalFileSystem()
         elif scheme == "s3":
-            endpoint, region, *_rest, attempts, connect_s, request_s = key
+            _, endpoint, region, *_rest, attempts, connect_s, request_s = key
             kwargs: dict[str, Any] = {
                 "region": region or "us-east-1",
                 "connect_timeout": connect_s,
@@ -344,6 +353,16 @@ def _errors(loc: Location, action: str) -> Iterator[None]:
         raise StorageError(f"{loc.uri}: cannot {action}: {text}") from None
 
 
+def _check_bucket(loc: Location) -> None:
+    """After a not-found on an object store: say so once if the bucket itself is missing (a configuration error,
+    not an absent file)."""
+    import pyarrow.fs as pafs
+
+    bucket = loc.path.split("/", 1)[0]
+    if loc.fs.get_file_info(bucket).type == pafs.FileType.NotFound:
+        raise StorageError(f"{loc.uri}: bucket {bucket!r} does not exist")
+
+
 # ---------------------------------------------------------------------------------------------- queries
 def exists(value: "str | os.PathLike[str] | Location") -> bool:
     """True when a file or a non-empty directory (object prefix) is there. A missing bucket is an error."""
@@ -354,8 +373,8 @@ def exists(value: "str | os.PathLike[str] | Location") -> bool:
 
     with _errors(loc, "look it up"):
         info = loc.fs.get_file_info(loc.path)
-        if info.type == pafs.FileType.NotFound and "/" not in loc.path:
-            raise StorageError(f"{loc.uri}: bucket {loc.path!r} does not exist (look it up)")
+        if info.type == pafs.FileType.NotFound:
+            _check_bucket(loc)
     return info.type != pafs.FileType.NotFound
 
 
@@ -441,6 +460,8 @@ def read_bytes(value: "str | os.PathLike[str] | Location", *, limit: int | None 
         if info.type != pafs.FileType.File:
             if "/" not in loc.path:
                 raise StorageError(f"{loc.uri}: a bucket, not an object")
+            if info.type == pafs.FileType.NotFound:
+                _check_bucket(loc)
             raise FileNotFoundError(f"{loc.uri}: not found")
         if limit is not None and info.size is not None and info.size > limit:
             raise StorageError(f"{loc.uri}: larger than the {limit} bytes allowed here")

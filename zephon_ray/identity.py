@@ -224,6 +224,8 @@ def detect_format(path: str) -> str:
         import os
 
         names = [n for n in names if os.path.isfile(os.path.join(root, n))]
+    elif not names:
+        raise ShardListingError(f"no objects under {root} (a missing prefix, or an empty one)")
     present = [f for f in SUPPORTED_FORMATS if any(n.endswith(format_suffixes(f)) for n in names)]
     if not present:
         wanted = ", ".join(s for f in SUPPORTED_FORMATS for s in format_suffixes(f))
@@ -285,7 +287,7 @@ def _remote_identity(root: str, listing: SourceListing, *, known: Sequence[Shard
         digest = None
         if verify_content:
             try:
-                digest = files.sha256_bytes(zephon_io.read_object(f"{root.rstrip('/')}/{name}"))
+                digest = files.sha256_bytes(zephon_io.read_object(f"{root.rstrip('/')}/{name}", meta.size))
             except zephon_io.ZephonIOError as exc:
                 raise ShardListingError(str(exc)) from None
         out.append(ShardIdentity(name=name, size=meta.size, sha256=digest, rows=rows, etag=meta.etag or "",

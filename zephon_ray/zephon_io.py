@@ -176,10 +176,14 @@ def list_objects(uri: str) -> list[ObjectInfo]:
     return sorted(out, key=lambda o: o.name)
 
 
-def read_object(uri: str) -> bytes:
-    """A source object's bytes through Zephon's router (the bytes Zephon reads)."""
+def read_object(uri: str, size: int | None = None) -> bytes:
+    """A source object's bytes through Zephon's router (the bytes Zephon reads): one ranged GET when ``size`` is
+    known, else Zephon's open (a download to a temp file)."""
     try:
-        return bytes(storage().read_range(uri, 0))
+        if size is not None:
+            return bytes(storage().read_range(uri, 0, length=size)) if size else b""
+        with storage().open(uri, "rb") as fh:
+            return fh.read()
     except FileNotFoundError as exc:
         raise ZephonIOError(f"{uri}: {exc}") from None
     except Exception as exc:
