@@ -1,16 +1,20 @@
-"""ServiceConfig and durable state: validation at construction, atomic writes, fingerprint refusal. No Ray."""
+"""ServiceConfig: validation at construction, no I/O; the durable state's fingerprint refusal. No Ray.
+
+(The state_dir format itself, atomic writes included, is tested in tests/test_service_state.py, its owner's file.)
+"""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
-from zephon_ray.service.config import ServiceConfig
+from zephon_ray.service.config import ActorResources, ServiceConfig
 from zephon_ray.service.errors import FingerprintMismatchError
-from zephon_ray.formats.service_state import SERVICE_FILE, ServiceState, atomic_write_json, check_state_dir
+from zephon_ray.formats.service_state import SERVICE_FILE, ServiceState, check_state_dir
 
 
 def test_valid_defaults():
@@ -55,18 +59,53 @@ def test_recipe_aggregate_fills_unset_fields(tiny_recipe, tmp_path):
     cfg.check_lanes(recipe, 2)  # now a 2-producer rescale is allowed
 
 
-def test_atomic_write_leaves_no_temp_files(tmp_path):
-    target = tmp_path / "a" / "x.json"
-    atomic_write_json(target, {"k": 1})
-    atomic_write_json(target, {"k": 2})
-    assert json.loads(target.read_text()) == {"k": 2}
-    assert os.listdir(target.parent) == ["x.json"]
+@pytest.mark.parametrize("key", ["aggregate_timeout_s", "consumer_ttl_s", "request_timeout_s",
+                                 "progress_timeout_s", "reconnect_timeout_s"])
+@pytest.mark.parametrize("value", ["abc", "60", None, float("nan"), float("inf"), True, -1])
+def test_non_numeric_timeouts_are_one_line(key, value):
+    with pytest.raises(ValueError) as info:
+        ServiceConfig(**{key: value})
+    message = str(info.value)
+    assert message.startswith(f"ServiceConfig: {key} must be a number of seconds > 0, got ") and "\n" not in message
+
+
+def test_resources_as_a_dict_are_converted_or_refused_in_one_line():
+    cfg = ServiceConfig(resources={"producer_num_cpus": 0.5, "producer_resources": {"node_b": 0.1}})
+    assert isinstance(cfg.resources, ActorResources) and cfg.resources.producer_num_cpus == 0.5
+    assert cfg.resources.producer_resources == {"node_b": 0.1} and cfg.resources.replayer_num_cpus == 0.5
+    for bad, words in (({"producer_cpus": 1}, r"resources has unknown key\(s\) \['producer_cpus'\]"),
+                       ("0.5", "resources must be an ActorResources or a dict of its fields, got str"),
+                       ({"producer_num_cpus": "half"}, "resources.producer_num_cpus must be a number"),
+                       ({"coordinator_max_concurrency": 2.5}, "coordinator_max_concurrency must be an integer")):
+        with pytest.raises(ValueError, match=words) as info:
+            ServiceConfig(resources=bad)
+        assert "\n" not in str(info.value)
+
+
+def test_config_does_no_io(tiny_recipe, tmp_path):
+    """Building a config for a materialised dir that does not exist reads nothing: start() checks it (launch.py)."""
+    missing = tmp_path / "not-materialised"
+    cfg = ServiceConfig.build(tiny_recipe, materialized_dir=str(missing), state_dir=str(tmp_path / "state"))
+    assert cfg.materialized_dir == str(missing) and not missing.exists() and not (tmp_path / "state").exists()
+    from zephon_ray.service.launch import prepare
+
+    with pytest.raises(ValueError, match="materialized_dir"):
+        prepare(tiny_recipe, cfg)
+    assert not (tmp_path / "state").exists()
+
+
+def test_lease_steps_and_read_path_validated():
+    assert ServiceConfig(lease_steps=1, read_path="direct").read_path == "direct"
+    with pytest.raises(ValueError, match="lease_steps must be an integer in"):
+        ServiceConfig(lease_steps=0)
+    with pytest.raises(ValueError, match=r"read_path must be one of \['node', 'direct'\]"):
+        ServiceConfig(read_path="fast")
 
 
 def test_state_dir_refuses_another_recipe_without_writing(tiny_recipe, tmp_path):
     state = ServiceState.open(tiny_recipe, tmp_path / "s")
     state.add_commit(5, "t")
-    before = {p.name: p.stat().st_mtime_ns for p in state.root.iterdir()}
+    before = {p.name: p.stat().st_mtime_ns for p in Path(state.root).iterdir()}
     other = replace(tiny_recipe, seed=tiny_recipe.seed + 1)
     other.__dict__.pop("fingerprint", None)
     assert other.fingerprint != tiny_recipe.fingerprint
@@ -74,8 +113,8 @@ def test_state_dir_refuses_another_recipe_without_writing(tiny_recipe, tmp_path)
         ServiceState.open(other, state.root)
     with pytest.raises(FingerprintMismatchError, match=tiny_recipe.fingerprint[:12]):
         check_state_dir(other, state.root)
-    assert {p.name: p.stat().st_mtime_ns for p in state.root.iterdir()} == before
-    assert json.loads((state.root / SERVICE_FILE).read_text())["fingerprint"] == tiny_recipe.fingerprint
+    assert {p.name: p.stat().st_mtime_ns for p in Path(state.root).iterdir()} == before
+    assert json.loads((Path(state.root) / SERVICE_FILE).read_text())["fingerprint"] == tiny_recipe.fingerprint
     assert ServiceState.open(tiny_recipe, state.root).latest_commit() == 5
 
 
@@ -92,9 +131,9 @@ def test_checkpoint_files_validate_and_first_writer_wins(tiny_recipe, tmp_path):
         stepper.close()
     assert state.write_checkpoint(ckpt) == 3
     assert state.checkpoint_steps() == [3] and state.nearest_checkpoint(10) == 3 and state.nearest_checkpoint(2) is None
-    mtime = state.checkpoint_path(3).stat().st_mtime_ns
+    mtime = os.stat(state.checkpoint_path(3)).st_mtime_ns
     state.write_checkpoint(ckpt)
-    assert state.checkpoint_path(3).stat().st_mtime_ns == mtime
+    assert os.stat(state.checkpoint_path(3)).st_mtime_ns == mtime
     bad = dict(ckpt, fingerprint="0" * 64)
     with pytest.raises(StepStateError):
         state.write_checkpoint(bad)

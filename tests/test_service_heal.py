@@ -1,7 +1,15 @@
-"""A coordinator that heals itself: kill -9 it while a W=4 job reads; the job sees only a delay.
+"""A coordinator that heals itself: kill -9 it while every rank of a W=4 job has a read in flight.
 
-Real private Ray, real producers; every global batch the four ranks assemble is checked against the in-process
-reference digests, and each rank must receive every step exactly once, in order.
+A second consumer ("holder") pins the window at [0, 4), so when the job's four ranks ask for step 4 their reads
+wait inside the service (a lease waiting in the coordinator, the ranks' calls waiting in the node reader). The test
+checks that all four reads are in flight (each rank entered ``slice(4)`` and none returned; the coordinator lists
+the four cursors at step 4, which node readers report at once while a lease waits), then kills the coordinator with
+SIGKILL. Ray restarts it; the new incarnation kills the old producers (their shards die with them), starts at the
+job's commit and the in-flight reads complete through a new node reader.
+
+Real private Ray, real producers. Every rank's rows are compared with the reference slice of the step it asked
+for, and the four slices of each step must assemble to the reference digest: a skipped, repeated or stale step
+shows up as wrong rows, never as an echoed step number.
 """
 
 from __future__ import annotations
@@ -15,67 +23,81 @@ import time
 import numpy as np
 import pytest
 
-from zephon_ray import DataService, compute_digest
+from zephon_ray import DataService, GlobalBatchSource, compute_digest
 
 NS = "zr-heal"
 pytestmark = pytest.mark.timeout(400)
 
 
-def test_kill9_coordinator_while_w4_job_reads(ray_cluster, tiny_recipe, reference_digests, tmp_path):
-    world, steps, kill_at = 4, 24, 9
+def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    world, steps, blocked_at = 4, 12, 4
     svc = DataService.start(tiny_recipe, name="heal", namespace=NS, window=4, checkpoint_every=4,
                             state_dir=tmp_path / "heal", consumer="job", reconnect_timeout_s=240)
+    holder = DataService.connect("heal", namespace=NS, consumer="holder")
+    with GlobalBatchSource(tiny_recipe) as source:
+        want = {(s, r): source.batch(s).slice(r, world) for s in range(steps) for r in range(world)}
     got: dict[int, list] = {r: [] for r in range(world)}
-    waits: dict[int, list[tuple[int, float]]] = {r: [] for r in range(world)}
+    entered: dict[int, set] = {r: set() for r in range(world)}
+    waits: dict[int, dict[int, float]] = {r: {} for r in range(world)}
     errors: list[BaseException] = []
-    barrier = threading.Barrier(world + 1)
 
     def rank_loop(rank: int) -> None:
         client = DataService.connect("heal", namespace=NS, consumer="job")
         try:
             for step in range(steps):
-                if step == kill_at:
-                    barrier.wait(timeout=120)  # all ranks are past step kill_at - 1 ...
-                    barrier.wait(timeout=120)  # ... and the coordinator was just killed
+                entered[rank].add(step)
                 t0 = time.monotonic()
                 part = client.slice(step, rank, world)
-                waits[rank].append((step, time.monotonic() - t0))
-                got[rank].append((part.step, np.array(part.tokens), np.array(part.positions)))
-                if rank == 0 and step % 4 == 3:
-                    client.commit(step + 1)
+                waits[rank][step] = time.monotonic() - t0
+                got[rank].append((np.array(part.tokens), np.array(part.positions)))
+                if rank == 0 and step == blocked_at - 1:
+                    client.commit(blocked_at)
         except BaseException as exc:  # noqa: BLE001 - reported by the main thread
             errors.append(exc)
-            barrier.abort()
 
-    threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in range(world)]
+    threads = []
     try:
+        assert holder.slice(0, 0, 1).num_rows == tiny_recipe.global_batch_rows  # pins produce_until at 4
+        threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in range(world)]
         for t in threads:
             t.start()
-        barrier.wait(timeout=120)
-        status = svc.status()
+        deadline = time.monotonic() + 120
+        while True:  # every rank is inside slice(4), none got it, and the coordinator sees them waiting there
+            assert not errors, errors
+            status = svc.status()
+            at = sorted(c["rank"] for c in status["cursors"] if c["consumer"] == "job" and c["step"] == blocked_at)
+            inside = all(blocked_at in entered[r] and blocked_at not in waits[r] for r in range(world))
+            if inside and at == list(range(world)):
+                break
+            assert time.monotonic() < deadline, (status["cursors"], entered, waits)
+            time.sleep(0.1)
+        assert status["window"]["produce_until"] == blocked_at and blocked_at not in status["window"]["held_steps"]
         old_pid, old_producers = status["coordinator"]["pid"], [p["pid"] for p in status["producers"]]
         os.kill(old_pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        barrier.wait(timeout=120)
         for t in threads:
             t.join(timeout=300)
         assert not errors, errors
-        recovery_s = max(w for r in range(world) for s, w in waits[r] if s == kill_at)
         for rank in range(world):
-            assert [s for s, _, _ in got[rank]] == list(range(steps)), f"rank {rank} skipped or repeated a step"
+            assert len(got[rank]) == steps, f"rank {rank} got {len(got[rank])} of {steps} slices"
+            for step, (tokens, positions) in enumerate(got[rank]):
+                np.testing.assert_array_equal(tokens, want[(step, rank)].tokens, err_msg=f"step {step} rank {rank}")
+                np.testing.assert_array_equal(positions, want[(step, rank)].positions)
         for step in range(steps):
-            tokens = np.concatenate([got[r][step][1] for r in range(world)])
-            positions = np.concatenate([got[r][step][2] for r in range(world)])
+            tokens = np.concatenate([got[r][step][0] for r in range(world)])
+            positions = np.concatenate([got[r][step][1] for r in range(world)])
             assert compute_digest(tokens, positions) == reference_digests[step], step
         after = svc.status()
         assert after["coordinator"]["pid"] != old_pid and after["coordinator"]["restarted"]
-        assert after["start"]["latest_commit"] is not None and after["start"]["start_step"] <= kill_at
+        assert after["start"]["latest_commit"] == blocked_at and after["start"]["start_step"] == blocked_at
         live = {e["name"] for e in __import__("ray").util.list_named_actors(all_namespaces=True)
                 if e.get("namespace") == NS and ".producer." in e.get("name", "")}
         assert len(live) == len(after["producers"])  # the dead incarnation's producers were killed, not orphaned
-        print("coordinator kill -9:", json.dumps({"recovery_s": round(recovery_s, 3),
-                                                  "since_kill_s": round(time.monotonic() - killed_at, 3),
-                                                  "old_producers": old_producers,
-                                                  "start": after["start"]}))
+        print("coordinator kill -9 with reads in flight:", json.dumps({
+            "recovery_s": round(max(waits[r][blocked_at] for r in range(world)), 3),
+            "since_kill_s": round(time.monotonic() - killed_at, 3), "old_producers": old_producers,
+            "start": after["start"]}))
     finally:
+        for t in threads:
+            t.join(timeout=1)
         svc.stop()

@@ -1,13 +1,16 @@
 """The Ray data service: producer actors precompute step-keyed global-batch shards for any number of consumers.
 
-Public: :class:`DataService` (client), :class:`ServiceConfig`, errors. See coordinator.py for the mechanics.
+Public: :class:`DataService` (client), :class:`ServiceConfig`, :class:`ActorResources`, errors. The parts: client.py
+(DataService), node.py (a node reader per node), coordinator.py (glue), window.py, pool.py, producer.py, replay.py,
+replayer.py, status.py, launch.py, protocol.py, config.py, metrics.py, cli.py.
 """
 
 from zephon_ray.service.config import ActorResources, ServiceConfig
-from zephon_ray.service.errors import FingerprintMismatchError, ServiceError, ServiceNotFoundError, ShardsLostError
+from zephon_ray.service.errors import (
+    FingerprintMismatchError, ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError)
 
-__all__ = ["ActorResources", "DataService", "FingerprintMismatchError", "ServiceConfig", "ServiceError",
-           "ServiceNotFoundError", "ShardsLostError", "StepRefs"]
+__all__ = ["ActorResources", "DataService", "FingerprintMismatchError", "ReplyTimeoutError", "ServiceConfig",
+           "ServiceError", "ServiceNotFoundError", "ShardsLostError", "StepRefs"]
 
 
 def __getattr__(name: str):

@@ -27,7 +27,7 @@ from typing import Any
 
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, HOSTED_STORE, ActorResources, ServiceConfig
-from zephon_ray.service.errors import ServiceError
+from zephon_ray.service.errors import ServiceError, ServiceNotFoundError
 
 
 @contextlib.contextmanager
@@ -116,9 +116,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 while True:  # until `zephon-ray stop` (the coordinator goes away) or Ctrl-C
                     time.sleep(5)
                     svc.status()
+    except ServiceNotFoundError as exc:
+        if args.block:
+            return 0  # stopped (`zephon-ray stop`) while we watched it: a normal end of a blocking serve
+        return _fail(str(exc))
     except (ServiceError, ConnectionError) as exc:
-        if args.block and "not running" in str(exc):
-            return 0
         return _fail(str(exc))
     return 0
 
@@ -208,13 +210,29 @@ def cmd_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_producers(text: str) -> int:
+    """``rescale M``: M as a positive integer, or a ValueError naming it (checked before Ray is touched)."""
+    try:
+        producers = int(text)
+    except ValueError:
+        producers = 0
+    if producers < 1 or str(producers) != text.strip().lstrip("+"):
+        raise ValueError(f"rescale: producers must be a positive integer (a divisor of the recipe's lanes), "
+                         f"got {text!r}")
+    return producers
+
+
 def cmd_rescale(args: argparse.Namespace) -> int:
     from zephon_ray.service.client import DataService
 
     try:
+        producers = parse_producers(args.producers)
+    except ValueError as exc:
+        return _fail(str(exc))
+    try:
         with ray_session(args.address, private_if_none=False):
             svc = DataService.connect(args.name, namespace=args.namespace, timeout_s=0)
-            svc.rescale(args.producers)  # ValueError (lanes, run_id, aggregation) before any remote change
+            svc.rescale(producers)  # ValueError (lanes, run_id, aggregation) before any remote change
             status = svc.status()
     except (ServiceError, ConnectionError) as exc:
         return _fail(str(exc))
@@ -331,7 +349,7 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_stop)
 
     p = sub.add_parser("rescale", help="change the number of producer actors (must divide the lanes)")
-    p.add_argument("producers", type=int)
+    p.add_argument("producers", help="new producer count M (a divisor of the recipe's lanes)")
     _common(p)
     p.set_defaults(func=cmd_rescale)
 

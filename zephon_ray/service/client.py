@@ -11,39 +11,48 @@
     svc.commit(s + 1)                            # after the trainer checkpoint that resumes at step s + 1
     svc.batch(s).digest                          # the whole GlobalBatch (ad hoc: moves no cursor unless track=True)
 
-Guarantee: ``batch(s)`` and ``slice(s, r, W)`` return exactly the rows of ``GlobalBatchSource(recipe).batch(s)``
-(whole, or the rank's contiguous row range) for any s, any W with B % W == 0, any number of producers, and
-across producer crashes, rescales and service restarts from the same ``state_dir``.
+Reads go to this node's **node reader** (node.py), which leases the refs of up to ``lease_steps`` steps from the
+coordinator in one call for every rank on the node; the rank then fetches only its lanes' bytes from the object
+store (zero-copy, read-only arrays, on the producer's node). ``read_path="direct"`` makes one coordinator call per
+read instead (the path before leases, kept for comparison).
 
-Reads heal themselves: when the coordinator restarts or the node holding a step's shards dies, ``batch``/``slice``
-retry (backoff, at most ``reconnect_timeout_s``), the lost step is replayed, and the caller sees only a delay
+Guarantee: ``batch(s)`` and ``slice(s, r, W)`` return exactly the rows of the reference global batch s (whole, or
+the rank's contiguous row range) for any s, any W with B % W == 0, any number of producers, and across producer
+crashes, rescales and service restarts from the same ``state_dir`` (tests/test_service.py, checked on rows).
+
+Reads heal themselves: when the coordinator restarts (also with reads in flight), a node reader dies, or the
+producer or node holding a step's shards dies, ``batch``/``slice`` retry (backoff, at most
+``reconnect_timeout_s``), the lost step is made again, and the caller sees only a delay
 (tests/test_service_heal.py, tests/test_service_cluster.py). Reads are idempotent.
 
 Limits:
-- Steps inside the live window are served from the object store (zero-copy, read-only arrays). Steps behind it
-  are replayed in a Replayer actor (restore of the nearest durable checkpoint + at most K steps for recent ones,
-  ``anchor_every`` for old ones; sequential reads are cheap); steps more than ``window`` ahead of the slowest live
-  consumer wait for it; reads more than ``max_ahead`` past the head are refused (ValueError).
+- Steps inside the live window are served from the object store. Steps behind it are replayed in a Replayer
+  actor (restore of the nearest durable checkpoint + at most K steps for recent ones, ``anchor_every`` for old
+  ones; sequential reads are cheap); steps more than ``window`` ahead of the slowest live consumer wait for it;
+  reads more than ``max_ahead`` past the head are refused (ValueError).
 - ``slice`` moves the cursor by default (the trainer path); ``batch``, ``refs`` and ``to_dataset`` do not unless
   ``track=True``. The default consumer name is unique per Ray job (``job-<id>``).
-- Returned arrays are read-only views of shared memory; copy them before writing.
+- Returned arrays are read-only views of shared memory; copy them before writing. A slice spanning several lanes
+  is one concatenation (a copy); a slice inside one lane is a view.
 - The cursor of a consumer is keyed by (consumer, rank, world); pass a stable ``consumer`` (e.g. the run id)
   from every rank of one job. A consumer silent for ``consumer_ttl_s`` stops holding the window back;
-  ``release()`` does that at once.
+  ``release()`` does that at once. The coordinator sees cursor moves with the node reader's next lease, up to
+  ``lease_steps`` steps late; ``commit`` and ``status`` carry this client's own moves, so they are exact for it.
 - Errors are raised as clean Python exceptions (ValueError, TimeoutError, ServiceError, ...), never as Ray
-  wrappers.
+  wrappers. This module imports no server class: ``connect`` and reads need only config, errors and protocol.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,14 +70,11 @@ from ray.exceptions import (
 from zephon_ray.batch import GlobalBatch, RankSlice, lane_span, slice_bounds
 from zephon_ray.lanes import LaneShard
 from zephon_ray.recipe import Recipe
-from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
-from zephon_ray.service.coordinator import Coordinator
-from zephon_ray.service.errors import ServiceError, ServiceNotFoundError, ShardsLostError
-from zephon_ray.formats.service_state import check_state_dir
+from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, READ_PATHS, ActorResources, ServiceConfig
+from zephon_ray.service.errors import ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError
+from zephon_ray.service.protocol import KEY_STEPS
 from zephon_ray.source import assemble, pad_token_id
 
-PRODUCER_NAME_INFIX = ".producer."
-REPLAYER_NAME_INFIX = ".replayer."
 _LOST = (ObjectLostError, OwnerDiedError, ObjectFetchTimedOutError)
 
 
@@ -100,7 +106,7 @@ def _ensure_ray(ray_init: bool | dict[str, Any] | None = None) -> None:
 
 
 def _unwrap(exc: BaseException, service: str) -> BaseException:
-    """A Ray error as the clean exception it wraps, or a ServiceError with a one-line reason."""
+    """A Ray error as the clean exception it wraps, or a typed ServiceError with a one-line reason."""
     if isinstance(exc, RayTaskError):
         cause = getattr(exc, "cause", None)
         if isinstance(cause, BaseException) and not isinstance(cause, RayTaskError):
@@ -113,23 +119,24 @@ def _unwrap(exc: BaseException, service: str) -> BaseException:
             f"service {service} is not running (its coordinator died or was stopped); start it again from its "
             "state_dir")
     if isinstance(exc, GetTimeoutError):
-        return TimeoutError(f"service {service}: no reply in time")
+        return ReplyTimeoutError(f"service {service}: no reply in time")
     return exc
 
 
 @dataclass(frozen=True)
 class StepRefs:
-    """One step's lane shards: Ray object refs (a live step) or values (a step replayed on the side).
+    """One step's lane shards as Ray object refs, owned by the producer (or replayer) that made them.
 
-    ``lanes[l]`` is lane l's shard or a ref to it; ``None`` for lanes outside the (rank, world) it was asked for
-    (the coordinator sends a rank only the refs it needs). Keep the object to keep the shards alive; ``slice`` and
-    ``batch`` only fetch the lanes they need.
+    ``lanes[l]`` is a ref to lane l's shard, ``None`` for lanes outside the (rank, world) it was asked for (a rank is
+    handed only the refs it needs). ``generation`` is the producer generation that made it (protocol.REPLAYED for a
+    replay). Keep the object to keep the shards alive; ``slice`` and ``batch`` only fetch the lanes they need.
     """
 
     step: int
     lanes: list[Any]
     recipe: Recipe
     pad_token_id: int | None
+    generation: int = 0
 
     @property
     def is_refs(self) -> bool:
@@ -146,7 +153,7 @@ class StepRefs:
             return ray.get(picked)
         except (*_LOST, RayActorError, ActorUnavailableError) as exc:  # the node, owner, producer or replayer died
             raise ShardsLostError(f"step {self.step}: its shards were lost ({type(exc).__name__}); read it again "
-                                  "to have it replayed") from None
+                                  "to have it made again") from None
         except RayTaskError as exc:
             raise _unwrap(exc, "(replay)") from None
 
@@ -159,13 +166,19 @@ class StepRefs:
         return RankSlice.from_lanes(self.step, rank, world, span, self._fetch(span.lanes), self.pad_token_id)
 
 
+def _reader_key(rank: int | None, world: int | None) -> tuple[int, int]:
+    return (0, 1) if world is None and rank is None else (rank, world)
+
+
 class DataService:
     """A handle on a running data service. Cheap to create; picklable state is just (name, namespace, consumer).
+    One handle may be shared by threads (each reading as its own rank).
 
     Create with :meth:`start` (launch a new service) or :meth:`connect` (find a running one by name).
     """
 
-    def __init__(self, coordinator: Any, *, name: str, namespace: str, consumer: str | None = None) -> None:
+    def __init__(self, coordinator: Any, *, name: str, namespace: str, consumer: str | None = None,
+                 read_path: str | None = None) -> None:
         self._coordinator = coordinator
         self.name = name
         self.namespace = namespace
@@ -175,11 +188,17 @@ class DataService:
         recipe, config = self._call(coordinator.recipe_and_config.remote(), timeout=120)
         self.recipe: Recipe = recipe
         self.config: ServiceConfig = config
+        self.read_path = config.read_path if read_path is None else read_path
+        if self.read_path not in READ_PATHS:
+            raise ValueError(f"read_path must be one of {list(READ_PATHS)}, got {self.read_path!r}")
         self._pad = pad_token_id(recipe)
-        self._prefetched: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._reader: Any = None
+        self._prefetched: dict[tuple[int, int | None, int | None], Any] = {}
+        self._moves: dict[tuple[int, int], tuple[int, float]] = {}  # this client's own (rank, world) -> (step, when)
 
     def __reduce__(self):  # ship to Ray Train workers / tasks as a reconnect, not as actor state
-        return (_reconnect, (self.name, self.namespace, self.consumer))
+        return (_reconnect, (self.name, self.namespace, self.consumer, self.read_path))
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
@@ -197,7 +216,7 @@ class DataService:
         aggregate_dir: str | os.PathLike | None = None,
         run_id: str | None = None,
         consumer: str | None = None,
-        resources: ActorResources | None = None,
+        resources: ActorResources | dict | None = None,
         ray_init: bool | dict[str, Any] | None = None,
         **options: Any,
     ) -> "DataService":
@@ -206,9 +225,11 @@ class DataService:
         ``state_dir`` holds the durable state; start again with the same ``state_dir`` (and recipe) to resume
         where the newest commit left off. Without ``state_dir`` a fresh temporary directory is used (nothing to
         resume from). ``options`` are further :class:`ServiceConfig` fields (``consumer_ttl_s``,
-        ``request_timeout_s``, ``start_step``, ``aggregate_timeout_s``). Invalid settings raise ValueError
-        before anything is created or written. ``ray_init`` (``True`` or ``ray.init`` kwargs) starts Ray when
-        this process has none; by default the service attaches to a running cluster and never starts one.
+        ``request_timeout_s``, ``start_step``, ``lease_steps``, ...); ``resources`` is an :class:`ActorResources`
+        or a dict of its fields. Invalid settings, a ``state_dir`` of another recipe and an unusable
+        ``materialized_dir`` raise before anything is created or written (service/launch.py). ``ray_init``
+        (``True`` or ``ray.init`` kwargs) starts Ray when this process has none; by default the service attaches
+        to a running cluster and never starts one.
 
         Use it as a context manager to stop the service it started when the block exits, also on an error
         (``tests/test_service_client.py``)::
@@ -216,50 +237,34 @@ class DataService:
             with DataService.start("tiny", name="peek", ray_init=True) as svc:
                 svc.batch(3)
         """
+        from zephon_ray.service import launch
+
         if not isinstance(recipe, Recipe):
             recipe = Recipe.from_toml(recipe)
-        if state_dir is None:
-            state_dir = tempfile.mkdtemp(prefix=f"zephon-ray-{name}-")
         config = ServiceConfig.build(
-            recipe, name=name, namespace=namespace, producers=producers, window=window, state_dir=str(state_dir),
-            checkpoint_every=checkpoint_every, aggregate_store=aggregate_store,
-            aggregate_dir=None if aggregate_dir is None else str(aggregate_dir), run_id=run_id,
-            resources=resources or ActorResources(), **options,
+            recipe, name=name, namespace=namespace, producers=producers, window=window,
+            state_dir=None if state_dir is None else str(state_dir), checkpoint_every=checkpoint_every,
+            aggregate_store=aggregate_store, aggregate_dir=None if aggregate_dir is None else str(aggregate_dir),
+            run_id=run_id, resources=ActorResources() if resources is None else resources, **options,
         )
-        if Path(config.state_dir).exists():
-            check_state_dir(recipe, config.state_dir)  # refuse another recipe's state before touching Ray
-        _ = recipe.fingerprint  # computed here, shipped with the recipe (the coordinator's node may differ)
+        config = launch.prepare(recipe, config)  # state_dir and materialized_dir checks: before Ray
+        if config.state_dir is None:
+            config = replace(config, state_dir=tempfile.mkdtemp(prefix=f"zephon-ray-{name}-"))
         _ensure_ray(ray_init)
-        try:
-            ray.get_actor(name, namespace=namespace)
-        except ValueError:
-            pass
-        else:
-            raise ServiceError(f"a service named {name!r} already runs in namespace {namespace!r}; "
-                               "connect() to it or stop() it first")
-        _kill_orphan_producers(name, namespace)  # left by a coordinator that died without stop()
-        res = config.resources
-        handle = ray.remote(Coordinator).options(
-            name=name, namespace=namespace, lifetime="detached", num_cpus=res.coordinator_num_cpus,
-            resources=dict(res.coordinator_resources), max_concurrency=res.coordinator_max_concurrency,
-            # Self-healing: Ray restarts a dead coordinator (it reopens state_dir) and re-sends calls in flight.
-            max_restarts=config.coordinator_max_restarts, max_task_retries=-1,
-        ).remote(recipe, config)
-        try:
-            ray.get(handle.ready.remote(), timeout=300)
-        except Exception as exc:
-            ray.kill(handle, no_restart=True)
-            _kill_orphan_producers(name, namespace)  # the producers/replayers it had launched
-            raise _creation_error(exc, name) from None
+        handle = launch.launch(recipe, config)
         client = cls(handle, name=name, namespace=namespace, consumer=consumer)
         client._started_here = True
         return client
 
     @classmethod
     def connect(cls, name: str = DEFAULT_NAME, *, namespace: str = DEFAULT_NAMESPACE, consumer: str | None = None,
-                timeout_s: float = 60.0) -> "DataService":
+                timeout_s: float = 0.0, read_path: str | None = None) -> "DataService":
         """Find a running service by name. Works from any driver, ``ray job submit`` job, notebook or Ray Train
-        worker of the same cluster. Waits up to ``timeout_s`` for a service that is still starting."""
+        worker of the same cluster. A name that does not exist is a :class:`ServiceNotFoundError` at once; pass
+        ``timeout_s`` to wait that long for a service that is still starting."""
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
+                or timeout_s < 0:
+            raise ValueError(f"connect: timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
         _ensure_ray()
         deadline = time.monotonic() + timeout_s
         while True:
@@ -267,19 +272,19 @@ class DataService:
                 handle = ray.get_actor(name, namespace=namespace)
                 break
             except ValueError:
-                if time.monotonic() > deadline:
-                    raise ServiceNotFoundError(f"no service named {name!r} in namespace {namespace!r}") from None
-                time.sleep(0.5)
-        return cls(handle, name=name, namespace=namespace, consumer=consumer)
+                if time.monotonic() >= deadline:
+                    waited = f" after waiting {timeout_s:g}s" if timeout_s else ""
+                    raise ServiceNotFoundError(f"no service named {name!r} in namespace {namespace!r}{waited}; "
+                                               "start it, or pass timeout_s= to wait for one that is starting"
+                                               ) from None
+                time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+        return cls(handle, name=name, namespace=namespace, consumer=consumer, read_path=read_path)
 
     def stop(self) -> None:
-        """Stop the service: producers and coordinator. Durable state stays in ``state_dir``."""
-        try:
-            ray.get(self._coordinator.stop.remote(), timeout=60)
-        except Exception:
-            pass  # already dead or wedged: kill it below either way
-        ray.kill(self._coordinator, no_restart=True)
-        _kill_orphan_producers(self.name, self.namespace)
+        """Stop the service: producers, replayers, node readers and coordinator. ``state_dir`` stays."""
+        from zephon_ray.service.launch import stop
+
+        stop(self._coordinator, self.name, self.namespace)
 
     def __enter__(self) -> "DataService":
         return self
@@ -296,6 +301,11 @@ class DataService:
 
     def release(self) -> None:
         """Drop this consumer's cursors now, so that it no longer holds the window back."""
+        with self._lock:
+            self._moves.clear()
+            reader = self._reader
+        if reader is not None:
+            reader.release.remote(self.consumer)
         self._call(self._coordinator.release.remote(self.consumer))
 
     # ------------------------------------------------------------------ reading
@@ -305,30 +315,72 @@ class DataService:
         consumer's cursor (the trainer path); the default leaves it where it is (inspection, read-ahead). Fetching
         from the returned refs may raise :class:`ShardsLostError`; ``batch``/``slice`` retry that themselves."""
         step = _as_step(step)
-        pending = self._prefetched.pop(step, None)
+        pending = self._prefetched.pop((step, rank, world), None)
         if pending is not None:
             if track:  # the prefetch did not move the cursor; this read does
                 self.touch(step, rank=rank, world=world)
             reply = self._call(pending)
         else:
-            reply = self._call(self._coordinator.get_step.remote(step, self.consumer, rank, world, track, timeout_s))
-        _, got, lanes = reply
-        return StepRefs(got, lanes, self.recipe, self._pad)
+            reply = self._call(self._request(step, rank, world, track, timeout_s))
+            if track:
+                self._own_move(step, rank, world)
+        if isinstance(reply, dict):  # the direct path: a lease reply of one step
+            reply = reply[KEY_STEPS][0]
+        got, generation, lanes = reply
+        return StepRefs(got, lanes, self.recipe, self._pad, generation)
+
+    def _request(self, step: int, rank: int | None, world: int | None, track: bool,
+                 timeout_s: float | None) -> Any:
+        """One read call: to this node's reader (it answers from its lease), or straight to the coordinator."""
+        if self.read_path == "node":
+            return self._node_reader().read.remote(step, self.consumer, rank, world, track, timeout_s)
+        r, w = _reader_key(rank, world)
+        span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, r, w)
+        moves = [(self.consumer, r, w, step, 0.0)] if track else None
+        return self._coordinator.lease.remote(step, 1, (span.first, span.stop), timeout_s, moves, track)
+
+    def _node_reader(self) -> Any:
+        with self._lock:
+            if self._reader is None:
+                node = ray.get_runtime_context().get_node_id()
+                self._reader = self._call(self._coordinator.node_reader.remote(node), timeout=120)
+            return self._reader
 
     def prefetch(self, steps: Iterable[int], *, rank: int | None = None, world: int | None = None) -> None:
         """Ask for upcoming steps without waiting and without moving the cursor; a later ``slice``/``batch``/
-        ``refs`` of one of them uses the answer. Keep the depth below ``window``: a step beyond the live window
-        is replayed on the side instead."""
+        ``refs`` of one of them (same rank and world) uses the answer. Keep the depth below ``window``: a step
+        beyond the live window is replayed on the side instead."""
         for step in map(_as_step, steps):
-            if step not in self._prefetched:
-                self._prefetched[step] = self._coordinator.get_step.remote(step, self.consumer, rank, world, False)
+            key = (step, rank, world)
+            if key not in self._prefetched:
+                self._prefetched[key] = self._request(step, rank, world, False, None)
         while len(self._prefetched) > 4 * self.config.window:  # forget the oldest unused prefetches
             self._prefetched.pop(next(iter(self._prefetched)))
 
     def touch(self, step: int, *, rank: int | None = None, world: int | None = None) -> None:
         """Move this consumer's cursor (for ``rank`` of ``world``) to ``step`` without reading: for loaders
         that read ahead with ``track=False`` and report what the trainer actually consumed. Fire and forget."""
-        self._coordinator.touch.remote(_as_step(step), self.consumer, rank, world)
+        step = _as_step(step)
+        r, w = _reader_key(rank, world)
+        self._own_move(step, rank, world)
+        if self.read_path == "node":
+            self._node_reader().advance.remote([(self.consumer, r, w, step)])
+        else:
+            self._coordinator.advance.remote([(self.consumer, r, w, step, 0.0)])
+
+    def _own_move(self, step: int, rank: int | None, world: int | None) -> None:
+        key = _reader_key(rank, world)
+        with self._lock:
+            if any(w != key[1] for _, w in self._moves):
+                self._moves.clear()  # one world per consumer, as on the coordinator: the newest world wins
+            old = self._moves.pop(key, None)
+            self._moves[key] = (max(step, old[0]) if old else step, time.monotonic())
+
+    def _own_moves(self) -> list[tuple[str, int, int, int, float]]:
+        """This client's cursor moves, sent with commit() and status() so that both are exact for it."""
+        now = time.monotonic()
+        with self._lock:
+            return [(self.consumer, r, w, step, round(now - when, 3)) for (r, w), (step, when) in self._moves.items()]
 
     def batch(self, step: int, *, track: bool = False) -> GlobalBatch:
         """Global batch ``step`` (all B rows, lane-major); ``.digest`` equals GlobalBatchSource's. Ad hoc by
@@ -342,30 +394,25 @@ class DataService:
         return self._read(step, rank, world, track, lambda refs: refs.slice(rank, world))
 
     def _read(self, step: int, rank: int | None, world: int | None, track: bool, fetch: Any) -> Any:
-        """One read with transparent retries: a restarting coordinator (calls re-sent by Ray, or a fresh handle)
-        and lost shards (the step is invalidated and replayed) cost a delay of at most ``reconnect_timeout_s``."""
+        """One read with transparent retries: a restarting coordinator (calls re-sent by Ray, or a fresh handle),
+        a lost node reader and lost shards (the step is made again) cost a delay of at most
+        ``reconnect_timeout_s``."""
         deadline = time.monotonic() + self.config.reconnect_timeout_s
         delay = 0.1
         while True:
+            refs = None
             try:
-                return fetch(self.refs(step, rank=rank, world=world, track=track))
+                refs = self.refs(step, rank=rank, world=world, track=track)
+                return fetch(refs)
             except ShardsLostError as exc:
                 reason = str(exc)
                 self._prefetched.clear()
-                try:
-                    ray.get(self._coordinator.invalidate.remote(_as_step(step)), timeout=30)
-                except Exception:  # noqa: BLE001 - the coordinator itself may be restarting: retry below
-                    pass
+                if refs is not None:
+                    self._invalidate(refs.step, refs.generation)
             except ServiceNotFoundError as exc:
                 reason = str(exc)
-                self._prefetched.clear()
-                try:
-                    self._coordinator = ray.get_actor(self.name, namespace=self.namespace)
-                except ValueError:
-                    raise exc from None  # stopped for good: nothing to reconnect to
-            except TimeoutError as exc:
-                if "no reply in time" not in str(exc):
-                    raise
+                self._reconnect_or_raise(exc)
+            except ReplyTimeoutError as exc:
                 reason = str(exc)
             if time.monotonic() + delay > deadline:
                 raise ServiceError(f"service {self._where}: step {step} still unreadable after "
@@ -373,16 +420,39 @@ class DataService:
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
+    def _invalidate(self, step: int, generation: int) -> None:
+        try:
+            reader = self._reader if self.read_path == "node" else None
+            target = reader if reader is not None else self._coordinator
+            ray.get(target.invalidate.remote(step, generation), timeout=30)
+        except Exception:  # noqa: BLE001 - the coordinator itself may be restarting: the retry finds out
+            pass
+
+    def _reconnect_or_raise(self, exc: ServiceNotFoundError) -> None:
+        """After a dead coordinator or node reader: a fresh coordinator handle (Ray restarts it under the same
+        name) and, on first use, a fresh node reader. A service stopped for good re-raises ``exc``."""
+        self._prefetched.clear()
+        try:
+            coordinator = ray.get_actor(self.name, namespace=self.namespace)
+        except ValueError:
+            raise exc from None  # stopped for good: nothing to reconnect to
+        with self._lock:
+            self._coordinator = coordinator
+            self._reader = None
+
     # ------------------------------------------------------------------ state and control
     def commit(self, step: int) -> dict[str, Any]:
         """Record durably (atomically, under ``state_dir``) that this consumer's trainer checkpoint resumes at
-        ``step``. A service restarted from the same ``state_dir`` starts its live window there."""
-        return self._call(self._coordinator.commit.remote(_as_step(step, "commit step"), self.consumer))
+        ``step``. A service restarted from the same ``state_dir`` starts its live window there. This client's
+        cursor moves travel with it, so a commit right after a read is never refused as "ahead"."""
+        step = _as_step(step, "commit step")
+        return self._call(self._coordinator.commit.remote(step, self.consumer, self._own_moves()))
 
     def status(self) -> dict[str, Any]:
-        """Producers (pids, lanes, generation), window (held steps and bytes vs. bound), cursors, throughput,
-        durable checkpoints and commits, start-up replay and side-replay counters."""
-        return self._call(self._coordinator.status.remote(), timeout=60)
+        """Producers (pids, lanes, generation), window (held steps and bytes vs. bound), cursors (this client's
+        exact, others' as their node readers last reported them), reads (leases, node readers), throughput,
+        durable checkpoints and commits, start-up replay and side-replay counters (status.py)."""
+        return self._call(self._coordinator.status.remote(self._own_moves()), timeout=60)
 
     def rescale(self, producers: int) -> dict[str, Any]:
         """Go to ``producers`` producer actors (must divide the lanes) without changing any batch."""
@@ -428,28 +498,5 @@ def _as_step(step: Any, what: str = "step") -> int:
     return int(step)
 
 
-def _kill_orphan_producers(name: str, namespace: str) -> None:
-    """Producers and replayers are detached actors named "<service>.producer.<instance>.g<G>.<i>" (".replayer.");
-    kill any of this service's that its coordinator could not (it died, or was killed without ``stop()``)."""
-    for entry in ray.util.list_named_actors(all_namespaces=True):
-        actor_name = entry.get("name", "")
-        if entry.get("namespace") == namespace and (actor_name.startswith(name + PRODUCER_NAME_INFIX)
-                                                    or actor_name.startswith(name + REPLAYER_NAME_INFIX)):
-            try:
-                ray.kill(ray.get_actor(entry["name"], namespace=namespace), no_restart=True)
-            except Exception:
-                pass
-
-
-def _reconnect(name: str, namespace: str, consumer: str) -> DataService:
-    return DataService.connect(name, namespace=namespace, consumer=consumer)
-
-
-def _creation_error(exc: BaseException, name: str) -> BaseException:
-    unwrapped = _unwrap(exc, repr(name))
-    if not isinstance(unwrapped, ServiceNotFoundError):
-        return unwrapped
-    # The coordinator's constructor raised: Ray reports it as a dead actor; keep the original last line.
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    reason = next((ln for ln in reversed(lines) if "Error:" in ln), lines[-1] if lines else repr(exc))
-    return ServiceError(f"service {name!r} failed to start: {reason}")
+def _reconnect(name: str, namespace: str, consumer: str, read_path: str | None = None) -> DataService:
+    return DataService.connect(name, namespace=namespace, consumer=consumer, read_path=read_path)

@@ -1,20 +1,24 @@
-"""Configuration of the Ray data service, validated when it is built.
+"""Configuration of the Ray data service, validated when it is built, with no I/O.
 
-Guarantee: a :class:`ServiceConfig` that constructs is runnable: the producers divide the recipe's lanes, the
-window and checkpoint interval are positive, and a multi-producer service has a ``run_id`` and exactly one
-aggregation point (``aggregate_store`` or ``aggregate_dir``); built for a recipe (:meth:`ServiceConfig.build`), a
-``materialized_dir`` is that recipe's materialisation with its end checkpoint. Anything else is a ``ValueError``
-naming the key (tests/test_service_config.py, tests/test_materialized.py).
-Limit: it cannot check that a ``torch://host:port`` store is reachable or that ``aggregate_dir`` is shared by
-every node; that shows at the first collective checkpoint (bounded by ``aggregate_timeout_s``). It checks
-``materialized_dir`` where it is built, not on the nodes that will read it.
+Guarantee: a :class:`ServiceConfig` that constructs is runnable: the producers divide the recipe's lanes (checked
+by :meth:`ServiceConfig.build` / :meth:`ServiceConfig.for_recipe`), the window, lease length and checkpoint
+interval are positive integers, every ``*_timeout_s`` is a finite number > 0, ``resources`` is an
+:class:`ActorResources` (a dict of its fields is converted, an unknown key is an error), and a multi-producer
+service has a ``run_id`` and exactly one aggregation point (``aggregate_store`` or ``aggregate_dir``). Anything else
+is a ``ValueError`` naming the key (tests/test_service_config.py).
+Limit: it reads no file and touches no Ray. A ``materialized_dir`` is checked (it exists, belongs to the recipe,
+holds its end checkpoint) by ``DataService.start`` before Ray or ``state_dir`` is touched
+(:func:`zephon_ray.service.launch.check_materialized_dir`); a ``torch://host:port`` store or a shared
+``aggregate_dir`` shows at the first collective checkpoint (bounded by ``aggregate_timeout_s``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 
 from zephon_ray.recipe import Recipe
 
@@ -23,6 +27,15 @@ DEFAULT_NAME = "zephon-ray"
 HOSTED_STORE = "torch://"
 """``aggregate_store="torch://"`` inside the service means: the coordinator hosts the TCPStore itself."""
 _STORE_RE = re.compile(r"^torch://([^:/]+):(\d+)$")
+READ_PATHS = ("node", "direct")
+"""How a client reads: ``node`` (one node reader per node leases steps for every rank there), ``direct`` (one
+coordinator call per read, the pre-lease path; kept for comparison in benchmarks/bench_service_load.py)."""
+TIMEOUT_KEYS = ("aggregate_timeout_s", "consumer_ttl_s", "request_timeout_s", "progress_timeout_s",
+                "reconnect_timeout_s")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass(frozen=True)
@@ -44,17 +57,32 @@ class ActorResources:
     def __post_init__(self) -> None:
         for key in ("coordinator_resources", "producer_resources", "replayer_resources"):
             value = getattr(self, key)
-            if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, (int, float)) and v >= 0
+            if not isinstance(value, dict) or not all(isinstance(k, str) and _is_number(v) and v >= 0
                                                       for k, v in value.items()):
                 raise ValueError(f"ServiceConfig: resources.{key} must map resource names to amounts >= 0, "
                                  f"got {value!r}")
         for key in ("coordinator_num_cpus", "producer_num_cpus", "replayer_num_cpus"):
             value = getattr(self, key)
-            if not 0 <= value <= 64:
-                raise ValueError(f"ServiceConfig: resources.{key} must be in [0, 64], got {value!r}")
-        if not 4 <= self.coordinator_max_concurrency <= 100_000:
-            raise ValueError("ServiceConfig: resources.coordinator_max_concurrency must be in [4, 100000] "
-                             f"(waiting reads occupy it), got {self.coordinator_max_concurrency}")
+            if not _is_number(value) or not 0 <= value <= 64:
+                raise ValueError(f"ServiceConfig: resources.{key} must be a number in [0, 64], got {value!r}")
+        value = self.coordinator_max_concurrency
+        if isinstance(value, bool) or not isinstance(value, int) or not 4 <= value <= 100_000:
+            raise ValueError("ServiceConfig: resources.coordinator_max_concurrency must be an integer in [4, 100000] "
+                             f"(waiting reads occupy it), got {value!r}")
+
+    @classmethod
+    def coerce(cls, value: object) -> "ActorResources":
+        """``value`` as ActorResources: itself, or a dict of its fields (an unknown key is a ValueError)."""
+        if isinstance(value, ActorResources):
+            return value
+        if isinstance(value, Mapping):
+            known = [f.name for f in dataclasses.fields(cls)]
+            unknown = sorted(str(k) for k in value if k not in known)
+            if unknown:
+                raise ValueError(f"ServiceConfig: resources has unknown key(s) {unknown}; known: {known}")
+            return cls(**value)
+        raise ValueError(f"ServiceConfig: resources must be an ActorResources or a dict of its fields, "
+                         f"got {type(value).__name__} {value!r}")
 
 
 @dataclass(frozen=True)
@@ -106,6 +134,13 @@ class ServiceConfig:
     those steps from it (in its Replayer actors) and starts its producers at N from the directory's checkpoint
     of step N. It must be readable from the coordinator's and the replayers' nodes. Its manifest is read when the
     service starts: steps appended later are served from the directory after a restart."""
+    lease_steps: int = 4
+    """n: a node reader leases the refs of up to n consecutive produced steps in one coordinator call, and reports
+    its ranks' cursor moves with it; the coordinator sees O(nodes x steps / n) calls, not one per rank-step.
+    Cursors on the coordinator lag by at most n steps (status()); commits carry exact ones."""
+    read_path: str = "node"
+    """The default read path of clients: ``node`` (a node reader per node shares leases among its ranks) or
+    ``direct`` (one coordinator call per read). ``DataService.connect(read_path=...)`` overrides it."""
     resources: ActorResources = field(default_factory=ActorResources)
 
     def __post_init__(self) -> None:
@@ -117,12 +152,16 @@ class ServiceConfig:
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ServiceConfig: {key} must be an integer >= 1, got {value!r}")
-        for key in ("aggregate_timeout_s", "consumer_ttl_s", "request_timeout_s", "progress_timeout_s",
-                    "reconnect_timeout_s"):
-            if not getattr(self, key) > 0:
-                raise ValueError(f"ServiceConfig: {key} must be > 0, got {getattr(self, key)!r}")
+        for key in TIMEOUT_KEYS:
+            value = getattr(self, key)
+            if not _is_number(value) or not value > 0:
+                raise ValueError(f"ServiceConfig: {key} must be a number of seconds > 0, got {value!r}")
+        object.__setattr__(self, "resources", ActorResources.coerce(self.resources))
+        if self.read_path not in READ_PATHS:
+            raise ValueError(f"ServiceConfig: read_path must be one of {list(READ_PATHS)}, got {self.read_path!r}")
         for key, low, high in (("max_ahead", 1, 1_000_000), ("retain_behind", 0, 100_000),
                                ("keep_checkpoints", 1, 10_000), ("replayers", 1, 64),
+                               ("lease_steps", 1, 1024),
                                ("coordinator_max_restarts", -1, 1_000_000)):
             value = getattr(self, key)
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
@@ -167,27 +206,13 @@ class ServiceConfig:
         return cls(**fields).for_recipe(recipe)
 
     def for_recipe(self, recipe: Recipe) -> "ServiceConfig":
-        """This config with the recipe's ``[aggregate]`` table filled in where unset, checked against the recipe."""
+        """This config with the recipe's ``[aggregate]`` table filled in where unset, checked against the recipe.
+        No I/O: ``materialized_dir`` is checked by ``DataService.start`` (see the module docstring)."""
         config = self
         if self.aggregate_store is None and self.aggregate_dir is None:
             config = replace(self, aggregate_store=recipe.aggregate.store, aggregate_dir=recipe.aggregate.dir)
         config.check_lanes(recipe, config.producers)
-        if config.materialized_dir is not None:
-            # Absolute: the coordinator and replayers resolve it in their own working directories.
-            config = replace(config, materialized_dir=str(Path(config.materialized_dir).expanduser().resolve()))
-            config.materialized_prefix(recipe)
         return config
-
-    def materialized_prefix(self, recipe: Recipe) -> tuple[range, dict]:
-        """``(steps [A, N) of materialized_dir, the Zephon state at N)``, checked against ``recipe``; a directory
-        that is missing, damaged, of another recipe or without its step-N checkpoint is a ValueError naming it."""
-        from zephon_ray.formats.materialized import MaterializedError, MaterializedSource
-
-        try:
-            with MaterializedSource(self.materialized_dir, recipe=recipe) as source:
-                return source.steps, source.checkpoint(source.end_step, recipe)
-        except MaterializedError as exc:
-            raise ValueError(f"ServiceConfig: materialized_dir: {exc}") from None
 
     def check_lanes(self, recipe: Recipe, producers: int) -> None:
         if recipe.lanes % producers:

@@ -1,6 +1,14 @@
-"""Errors the data service raises to its users: one clear message each, never a wall of Ray traceback."""
+"""Errors the data service raises to its users: one clear message each, never a wall of Ray traceback.
+
+Callers branch on these types, never on message text (issue 14): :class:`ReplyTimeoutError` is "no reply in time,
+retry", a plain ``TimeoutError`` from the coordinator is "the step was not produced within request_timeout_s".
+"""
 
 from __future__ import annotations
+
+from zephon_ray.formats.service_state import FingerprintMismatchError
+
+__all__ = ["FingerprintMismatchError", "ReplyTimeoutError", "ServiceError", "ServiceNotFoundError", "ShardsLostError"]
 
 
 class ServiceError(RuntimeError):
@@ -8,13 +16,15 @@ class ServiceError(RuntimeError):
 
 
 class ServiceNotFoundError(ServiceError):
-    """No service of that name runs in that namespace (or its coordinator died)."""
-
-
-class FingerprintMismatchError(ValueError):
-    """A ``state_dir`` that belongs to another recipe. Refused before anything is written."""
+    """No service of that name runs in that namespace (or its coordinator died or was stopped)."""
 
 
 class ShardsLostError(ServiceError):
-    """A step's shards were lost (the node holding them, or the coordinator that owned them, died). Reads through
-    :class:`DataService` retry this on their own (replaying the step) for ``reconnect_timeout_s``."""
+    """A step's shards were lost (the node holding them, or the producer or replayer that owned them, died). Reads
+    through :class:`DataService` retry this on their own (the step is made again) for ``reconnect_timeout_s``."""
+
+
+class ReplyTimeoutError(ServiceError, TimeoutError):
+    """A call to the coordinator or a node reader got no reply in time (it may be restarting). Reads retry it for
+    ``reconnect_timeout_s``; it is never raised for a step that is merely not produced yet (that is a plain
+    ``TimeoutError`` naming the window)."""

@@ -2,8 +2,10 @@
 
 Only the coordinator's pump thread drives it. Each call of :meth:`submit` sends produce/skip/checkpoint calls for
 the next steps up to a target; :meth:`collect` returns the steps whose produce calls finished, as lane refs plus
-the small metadata value (``ray.get`` only ever touches metadata and collective checkpoint states, never shard
-bytes). Any failure replaces the whole group from the newest durable checkpoint <= the first unfinished step.
+the small metadata value (``ray.get`` only ever touches that value, which carries the refs of shards the producers
+put and own, and collective checkpoint states; never shard bytes). Any failure replaces the whole group from the
+newest durable checkpoint <= the first step it must make again: the first unfinished one, or the first step of the
+killed group still in the table (its shards died with it; ``on_lost`` tells the coordinator to drop them).
 
 Guarantees:
 - A dead producer (kill -9, OOM, node loss; inside a collective checkpoint too) or one that makes no progress for
@@ -12,6 +14,9 @@ Guarantees:
 - A producer that fails in ``__init__`` is reported once as a configuration error naming its node and reason
   (``fatal``), not restarted again and again (::test_producer_init_failure_is_one_config_error).
 - After :meth:`close` no new producer is launched, so ``stop()`` cannot race a restart into orphans.
+- A rescale retires the old group instead of killing it: its actors stay alive (their pipelines closed) while the
+  table still holds steps they own, and are killed by :meth:`reap` once it does not
+  (tests/test_service.py::test_rescale_2_1_2_keeps_batches reads across two rescales).
 - Each generation gets its own Zephon run id ``<run_id>-<instance>-g<N>``; aggregate dirs of older generations
   are removed when a new one starts.
 Limits: the whole group is replaced, not only the failed producer (Zephon requires every member of a collective
@@ -38,7 +43,8 @@ from zephon_ray.pipeline import LaneGroup
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import HOSTED_STORE, ServiceConfig
 from zephon_ray.service.metrics import NO_METRICS
-from zephon_ray.service.producer import Producer
+from zephon_ray.service.producer import KEY_LANES, Producer
+from zephon_ray.service.protocol import PRODUCER_INFIX
 from zephon_ray.formats.service_state import ServiceState
 
 log = logging.getLogger("zephon_ray.service")
@@ -48,7 +54,6 @@ MAX_CONSECUTIVE_FAILURES = 4
 MAX_CONSECUTIVE_DEATHS = 50
 """Producer *deaths* (kill -9, OOM, node loss) in a row before giving up; each restart backs off a little."""
 PING_EVERY_S = 2.0
-PRODUCER_INFIX = ".producer."
 
 
 @dataclass
@@ -56,6 +61,7 @@ class Finished:
     step: int
     lane_refs: list[Any]
     meta: dict[str, int]
+    generation: int
 
 
 @dataclass
@@ -80,7 +86,10 @@ class ProducerPool:
         self.failures = self.deaths = self.restarts = 0
         self.hung_replacements = 0
         self.metrics = NO_METRICS  # the coordinator sets its ServiceMetrics (metrics.py)
-        self._inflight: dict[int, tuple[list[Any], Any]] = {}  # step -> (lane refs, meta ref)
+        self.on_lost: Callable[[int], int | None] = lambda generation: None
+        """Set by the coordinator: generation G was killed, drop its steps; returns the first one to make again."""
+        self.retired: list[_Generation] = []  # rescaled away, alive while the table holds their shards
+        self._inflight: dict[int, list[Any]] = {}  # step -> one reply ref per producer
         self._skips: dict[int, list[Any]] = {}
         self._ckpts: dict[int, list[Any]] = {}
         self._last_progress = time.monotonic()
@@ -151,12 +160,35 @@ class ProducerPool:
                 self._remove_old_aggregate_dirs(run_id)
 
     def close(self) -> None:
-        """No launch after this; kills the current generation."""
+        """No launch after this; kills the current generation and the retired ones."""
         with self._launch_lock:
             self._closed = True
             if self.gen is not None:
                 self._kill(self.gen)
+            for gen in self.retired:
+                self._kill(gen)
+            self.retired = []
         self._store = None
+
+    def reap(self, in_use: Callable[[int], bool]) -> int:
+        """Kill retired generations whose shards the table no longer holds; returns how many were killed."""
+        keep, killed = [], 0
+        for gen in self.retired:
+            if in_use(gen.number):
+                keep.append(gen)
+            else:
+                self._kill(gen)
+                killed += 1
+        self.retired = keep
+        return killed
+
+    def _retire(self, gen: _Generation) -> None:
+        for actor in gen.actors:
+            try:
+                actor.close.remote()  # frees the Zephon pipeline; the shards it owns stay readable
+            except Exception:  # noqa: BLE001 - already dead: reap() finds nothing to kill
+                pass
+        self.retired.append(gen)
 
     @staticmethod
     def _kill(gen: _Generation) -> None:
@@ -209,6 +241,9 @@ class ProducerPool:
         if self.deaths + self.failures > 1:  # repeated failures: back off instead of spinning
             time.sleep(min(0.25 * 2 ** (self.deaths + self.failures - 2), 5.0))
         pending = list(self._inflight) + list(self._ckpts) + [s for s in self._skips if s >= 0]
+        remake = self.on_lost(gen.number)  # its shards died with it
+        if remake is not None:
+            pending.append(remake)
         first = min(pending) if pending else self.next_step
         self._inflight.clear()
         self._ckpts.clear()
@@ -234,12 +269,7 @@ class ProducerPool:
             if step > 0 and step % k == 0 and not self.state.has_checkpoint(step):
                 self._ckpts[step] = [a.checkpoint.remote(step) for a in gen.actors]
             if wanted(step):
-                lane_refs, meta_refs = [], []
-                for actor, lanes in zip(gen.actors, gen.lanes):
-                    out = actor.produce.options(num_returns=len(lanes) + 1).remote(step)
-                    lane_refs.extend(out[:-1])
-                    meta_refs.append(out[-1])
-                self._inflight[step] = (lane_refs, meta_refs)
+                self._inflight[step] = [actor.produce.remote(step) for actor in gen.actors]
                 submitted(step)
             else:
                 self._skips[step] = [a.skip.remote(step) for a in gen.actors]
@@ -247,7 +277,7 @@ class ProducerPool:
 
     def collect(self, timeout: float) -> list[Finished]:
         """Wait up to ``timeout`` for calls to finish; returns finished steps. Failures restart the group."""
-        waiting = [r for _, metas in self._inflight.values() for r in metas]
+        waiting = [r for metas in self._inflight.values() for r in metas]
         waiting += [r for refs in self._skips.values() for r in refs]
         waiting += [r for refs in self._ckpts.values() for r in refs]
         now = time.monotonic()
@@ -292,16 +322,17 @@ class ProducerPool:
                 if all(r in done for r in refs):
                     del self._skips[step]
             for step in sorted(self._inflight):
-                lane_refs, metas = self._inflight[step]
+                metas = self._inflight[step]
                 for r in metas:
                     if r in done:
-                        ray.get(r)  # a producer error surfaces here: metadata only, never the shard
+                        ray.get(r)  # a producer error surfaces here: metadata and refs only, never the shard
                 if all(r in done for r in metas):
                     meta_values = ray.get(metas)
                     del self._inflight[step]
                     meta = {"step": step, "nbytes": sum(m["nbytes"] for m in meta_values),
                             "tokens": sum(m["tokens"] for m in meta_values)}
-                    out.append(Finished(step, lane_refs, meta))
+                    lane_refs = [ref for m in meta_values for ref in m[KEY_LANES]]
+                    out.append(Finished(step, lane_refs, meta, self.gen.number))
             if out:
                 self.failures = self.deaths = 0
         except RayActorError as exc:
@@ -333,7 +364,7 @@ class ProducerPool:
                                      timeout=self.config.aggregate_timeout_s + 30)
                     state = check_checkpoint_agreement(states)
                     self.metrics.time_checkpoint(self.state.write_checkpoint, state)
-                self._kill(gen)
+                self._retire(gen)  # its shards in the table stay readable until evicted (reap)
                 self.launch(target, step, state)
         except Exception as exc:  # noqa: BLE001 - a producer died mid-rescale: fall back to durable checkpoints
             self.restart(f"rescale: {type(exc).__name__}: {traceback.format_exception_only(type(exc), exc)[-1]}",
@@ -343,4 +374,6 @@ class ProducerPool:
     def describe(self) -> list[dict[str, Any]]:
         gen = self.gen
         return [{"index": i, "generation": gen.number, "lanes": list(lanes), "pid": (info or {}).get("pid"),
-                 "node": (info or {}).get("node"), "node_id": (info or {}).get("node_id")} for i, (lanes, info) in enumerate(zip(gen.lanes, gen.infos))]
+                 "node": (info or {}).get("node"), "node_id": (info or {}).get("node_id"),
+                 "worker_id": (info or {}).get("worker_id")}
+                for i, (lanes, info) in enumerate(zip(gen.lanes, gen.infos))]

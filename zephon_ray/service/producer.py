@@ -1,11 +1,13 @@
 """A producer: one Ray actor that is one Zephon rank owning L/M contiguous lanes of the recipe.
 
-Guarantee: ``produce(s)`` returns this rank's lane shards of step s, one Ray return value per owned lane in lane
-order, bit-identical to the same lanes of ``GlobalBatchSource(recipe).batch(s)``, followed by one small metadata
-value (:func:`shard_meta`). The coordinator fetches only that metadata: shard bytes stay on the producer's node
-until a consumer reads them (tests/test_service_cluster.py). The values are *returned* from the actor call, so
-the caller (the coordinator) owns them and they outlive this actor (a ``kill -9`` of the producer loses only calls
-still running; a lost *node* loses its shards, which the coordinator then replays).
+Guarantee: ``produce(s)`` puts this rank's lane shards of step s into the object store of its own node, one object
+per owned lane, bit-identical to the same lanes of ``GlobalBatchSource(recipe).batch(s)``, and returns one small
+value: :func:`shard_meta` plus the lane refs (:data:`KEY_LANES`). The producer is the **owner** of its shards,
+whatever their size (``ray.put``, not return values: Ray inlines return values under 100 KiB into the caller, which
+would make the coordinator own them). The coordinator only borrows the refs and passes them on; it never holds a
+shard's bytes (tests/test_service.py::test_coordinator_owns_no_shard_bytes, from Ray's own owner and location
+tables). A producer that dies takes its shards with it: the coordinator drops that generation's steps and the
+next group makes them again (tests/test_service.py::test_kill9_producer_at_three_steps).
 A failure in ``__init__`` (missing data, a bad tokenizer, an identity mismatch on this node) does not kill the
 actor: ``info()`` reports it with the node, so the coordinator can report one configuration error instead of
 restarting the group again and again.
@@ -30,6 +32,7 @@ from zephon_ray.recipe import Recipe
 KEY_STEP = "step"
 KEY_NBYTES = "nbytes"
 KEY_TOKENS = "tokens"
+KEY_LANES = "lanes"
 
 
 def shard_nbytes(shard: LaneShard) -> int:
@@ -40,6 +43,22 @@ def shard_meta(step: int, shards: list[LaneShard]) -> dict[str, int]:
     """The small value returned beside a step's shards: what the coordinator needs without their bytes."""
     return {KEY_STEP: step, KEY_NBYTES: sum(shard_nbytes(s) for s in shards),
             KEY_TOKENS: sum(int(s.tokens.size) for s in shards)}
+
+
+def put_shards(step: int, shards: list[LaneShard]) -> dict[str, Any]:
+    """Put ``shards`` into this process's object store (this worker owns them) and return their meta with the refs."""
+    import ray
+
+    return {**shard_meta(step, shards), KEY_LANES: [ray.put(shard) for shard in shards]}
+
+
+def worker_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_worker_id()
+    except Exception:  # noqa: BLE001 - outside Ray
+        return None
 
 
 def node_id() -> str | None:
@@ -76,7 +95,8 @@ class Producer:
             self.init_error = f"producer for lanes {list(self.lanes)} on node {node_name()} failed to start: {last}"
 
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "node": node_name(), "node_id": node_id(), "lanes": list(self.lanes),
+        return {"pid": os.getpid(), "node": node_name(), "node_id": node_id(), "worker_id": worker_id(),
+                "lanes": list(self.lanes),
                 "position": None if self.init_error else self._stepper.position, "error": self.init_error}
 
     def _expect(self, step: int) -> None:
@@ -85,12 +105,11 @@ class Producer:
         if step != self._stepper.position:
             raise RuntimeError(f"producer for lanes {self.lanes} is at step {self._stepper.position}, asked for {step}")
 
-    def produce(self, step: int) -> tuple[Any, ...]:
-        """The owned lanes' shards of ``step``, then :func:`shard_meta` (call with ``num_returns=lanes + 1``)."""
+    def produce(self, step: int) -> dict[str, Any]:
+        """:func:`shard_meta` of the owned lanes' shards of ``step`` and their refs (:func:`put_shards`)."""
         self._expect(step)
         shards = self._stepper.next_step()
-        out = [shards[lane] for lane in self.lanes]
-        return (*out, shard_meta(step, out))
+        return put_shards(step, [shards[lane] for lane in self.lanes])
 
     def skip(self, step: int) -> int:
         """Advance past a step that nobody needs stored (already held, or behind every consumer)."""

@@ -2,15 +2,18 @@
 
 It holds one world-size-1 Zephon pipeline over all lanes. ``replay(step, checkpoint_step, state)`` restores the
 given durable checkpoint (the nearest one <= step, chosen by the coordinator) unless its pipeline already sits at
-most ``reuse_within`` steps before ``step``, then steps forward and returns the L lane shards of ``step`` plus
-:func:`~zephon_ray.service.producer.shard_meta`, as ``num_returns = L + 1`` values owned by the caller.
+most ``reuse_within`` steps before ``step``, then steps forward and puts the L lane shards of ``step`` into its own object store (this actor owns them, as a producer
+owns its shards; :func:`~zephon_ray.service.producer.put_shards`), returning their meta and refs.
 
 Guarantee: the shards equal the same lanes of ``GlobalBatchSource(recipe).batch(step)`` (a world-size-1 pipeline
-restored from a merged checkpoint at a step boundary gives the same lane batches as any topology; see shared notes).
+restored from a merged checkpoint at a step boundary gives the same lane batches as any topology:
+tests/test_service.py::test_replays_run_in_the_replayer_and_are_shared checks the rows against the reference).
 The coordinator never runs this work itself and shares one replay among every rank asking for the same step
 (tests/test_service.py::test_replays_run_in_the_replayer_and_are_shared).
 With a materialised prefix (``ServiceConfig.materialized_dir``), ``read(step)`` returns a step of it in the same
 form, read from the directory with pyarrow and checked against its recorded digest (one row-group read, no Zephon).
+A replayer that dies (it is restarted by Ray) loses the shards it owned; a client that finds them lost has the step
+replayed again.
 
 Limits: one call at a time per actor (sequential), so a prefix read waits behind a replay in the same actor; a
 cold replay costs one restore plus up to ``anchor_every`` steps for a step older than the newest checkpoints;
@@ -31,7 +34,7 @@ from zephon_ray.identity import verify_on_node
 from zephon_ray.lanes import LaneShard, LaneStepper
 from zephon_ray.formats.materialized import MaterializedSource
 from zephon_ray.recipe import Recipe
-from zephon_ray.service.producer import node_name, shard_meta
+from zephon_ray.service.producer import node_name, put_shards, worker_id
 
 
 class Replayer:
@@ -53,10 +56,10 @@ class Replayer:
             self.init_error = f"replayer on node {node_name()} failed to start: {last}"
 
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "node": node_name(), "error": self.init_error,
+        return {"pid": os.getpid(), "node": node_name(), "worker_id": worker_id(), "error": self.init_error,
                 "position": None if self._stepper is None else self._stepper.position, **self.stats}
 
-    def replay(self, step: int, checkpoint_step: int, state: dict[str, Any] | None, reuse_within: int) -> tuple:
+    def replay(self, step: int, checkpoint_step: int, state: dict[str, Any] | None, reuse_within: int) -> dict:
         if self.init_error:
             raise RuntimeError(self.init_error)
         stepper = self._stepper
@@ -76,10 +79,9 @@ class Replayer:
             shards = stepper.next_step()
             if position == step:
                 break
-        out = [shards[lane] for lane in range(self.recipe.lanes)]
-        return (*out, shard_meta(step, out))
+        return put_shards(step, [shards[lane] for lane in range(self.recipe.lanes)])
 
-    def read(self, step: int) -> tuple:
+    def read(self, step: int) -> dict:
         """Step ``step`` of the materialised prefix as L lane shards plus their meta (see module doc)."""
         if self.init_error:
             raise RuntimeError(self.init_error)
@@ -92,7 +94,7 @@ class Replayer:
                          source_tokens=counts if lane == 0 else np.zeros_like(counts))
                for lane in range(self.recipe.lanes)]
         self.stats["materialized_reads"] += 1
-        return (*out, shard_meta(step, out))
+        return put_shards(step, out)
 
     def close(self) -> None:
         if self._stepper is not None:

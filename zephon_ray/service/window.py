@@ -23,8 +23,12 @@ Guarantees (tests/test_window.py):
   highest step a consumer consumed are rejected, rank/world are checked, cursors silent for ``consumer_ttl_s``
   are deleted.
 
+- Cursor moves may arrive late and in batches (node readers report them with their leases, ``touch`` with a
+  ``seen`` time in the past): a cursor is as live as the last time its rank was heard, and a move heard before the
+  consumer's ``release`` is ignored, so a release sticks.
+
 Limits: the clock is passed in (``now``), so the caller decides what "silent" means; it keeps no durable state
-(commits are loaded into it by the coordinator from ``state_dir``).
+(commits are loaded into it by the coordinator from ``state_dir``). ``refresh`` is O(cursors + table).
 """
 
 from __future__ import annotations
@@ -34,8 +38,10 @@ from enum import Enum
 from typing import Any
 
 MAX_CONSUMER_NAME = 200
-MAX_CURSORS = 10_000
+MAX_CURSORS = 100_000
 """Cursors kept at once ((consumer, rank, world) keys); more is a misuse (e.g. a new consumer name per read)."""
+MAX_STATUS_CURSORS = 1024
+"""``status()`` lists at most this many cursors (the slowest first); ``cursor_summary`` covers all of them."""
 
 
 class Read(Enum):
@@ -59,6 +65,8 @@ class Entry:
     lanes: list[Any]
     nbytes: int
     served: int = 0
+    generation: int = 0
+    """The producer generation that made it (its shards die with that generation's actors)."""
 
 
 def check_consumer(consumer: Any) -> str:
@@ -110,6 +118,8 @@ class StepWindow:
         self.cursors: dict[tuple[str, int, int], Cursor] = {}
         self.commits: dict[str, int] = {}
         self.consumed: dict[str, int] = {}  # consumer -> highest step it read (tracked) or touched
+        self.worlds: dict[str, int] = {}  # consumer -> the world size its cursors have
+        self.released: dict[str, float] = {}  # consumer -> when release() dropped its cursors
         self.replay_below = start
         self.keep_from = start
         self.slowest = start
@@ -127,8 +137,19 @@ class StepWindow:
         return self.window + self.retain_behind
 
     def wanted(self, step: int) -> bool:
-        """Should the producers file ``step`` into the table (else they only skip past it)?"""
-        return step >= self.keep_from and step not in self.table
+        """Should the producers file ``step`` into the table (else they only skip past it)? Steps below
+        ``replay_below`` (>= ``keep_from``) are the Replayer's."""
+        return step >= self.replay_below and step not in self.table
+
+    def run(self, first: int, count: int) -> list[tuple[int, Entry]]:
+        """The table's entries of steps ``first, first + 1, ...`` (at most ``count``), up to the first gap."""
+        out = []
+        for step in range(first, first + count):
+            entry = self.table.get(step)
+            if entry is None:
+                break
+            out.append((step, entry))
+        return out
 
     # ------------------------------------------------------------------ requests
     def check_step(self, step: Any, what: str = "step") -> int:
@@ -148,31 +169,46 @@ class StepWindow:
         self.check_step(step)
         if track:
             self.touch(step, consumer, rank, world, now=now)
+        return self.where(step, waits=track)
+
+    def where(self, step: int, *, waits: bool) -> Read:
+        """Where a read of ``step`` is served from. ``waits``: the reader's cursor is at ``step`` (a tracked read),
+        so producers will get there; an untracked read beyond the live window is replayed instead of waiting."""
         if step in self.table:
             return Read.HIT
         if step < self.replay_below:
             return Read.REPLAY
-        if not track and step >= max(self.head, self.produce_until):
+        if not waits and step >= max(self.head, self.produce_until):
             return Read.REPLAY  # no cursor moves the producers there: waiting could last forever
         return Read.WAIT
 
-    def touch(self, step: int, consumer: str, rank: int | None, world: int | None, *, now: float) -> None:
-        """Move a cursor forward (never back) and record what this consumer consumed."""
+    def touch(self, step: int, consumer: str, rank: int | None, world: int | None, *, now: float,
+              seen: float | None = None) -> bool:
+        """Move a cursor forward (never back) and record what this consumer consumed. ``seen`` (default ``now``)
+        is when its rank was last heard; a move heard before the consumer's ``release`` is ignored (False)."""
         self.check_step(step)
         check_consumer(consumer)
         rank, world = check_reader(rank, world, self.rows)
-        for other in [k for k in self.cursors if k[0] == consumer and k[2] != world]:
-            del self.cursors[other]  # one world per consumer: a resized job's old ranks stop holding the window
+        seen = now if seen is None else min(seen, now)
+        released = self.released.get(consumer)
+        if released is not None and seen <= released:
+            return False
+        if self.worlds.get(consumer, world) != world:
+            # one world per consumer: a resized job's old ranks stop holding the window
+            for other in [k for k in self.cursors if k[0] == consumer]:
+                del self.cursors[other]
+        self.worlds[consumer] = world
         key = (consumer, rank, world)
         cursor = self.cursors.get(key)
         if cursor is None:
             if len(self.cursors) >= MAX_CURSORS:
                 raise ValueError(f"too many cursors ({MAX_CURSORS}); reuse consumer names or release() them")
-            self.cursors[key] = Cursor(step, now)
+            self.cursors[key] = Cursor(step, seen)
         else:
             cursor.step = max(cursor.step, step)
-            cursor.seen = now
+            cursor.seen = max(cursor.seen, seen)
         self.consumed[consumer] = max(self.consumed.get(consumer, -1), step)
+        return True
 
     def commit(self, step: int, consumer: str) -> int:
         """Check a commit: at most one past the highest step this consumer consumed (or its previous commit)."""
@@ -188,11 +224,15 @@ class StepWindow:
         self.commits[consumer] = step
         return step
 
-    def release(self, consumer: str) -> int:
+    def release(self, consumer: str, now: float | None = None) -> int:
+        """Drop the consumer's cursors; with ``now``, moves heard before it are ignored from then on."""
         keys = [k for k in self.cursors if k[0] == consumer]
         for k in keys:
             del self.cursors[k]
         self.consumed.pop(consumer, None)
+        self.worlds.pop(consumer, None)
+        if now is not None:
+            self.released[consumer] = now
         return len(keys)
 
     # ------------------------------------------------------------------ producers' side
@@ -208,29 +248,48 @@ class StepWindow:
     def submitted(self, step: int) -> None:
         self.head = max(self.head, step + 1)
 
-    def invalidate(self, step: int) -> Entry | None:
-        """Drop a step whose shards were lost (node loss): from now on the Replayer serves it."""
-        entry = self.table.pop(step, None)
-        if entry is not None:
-            self.held_bytes -= entry.nbytes
+    def invalidate(self, step: int, generation: int | None = None) -> Entry | None:
+        """Drop a step whose shards were lost (node loss); with ``generation``, only if the entry is of that
+        generation (a lost copy reported late must not drop the step made again)."""
+        entry = self.table.get(step)
+        if entry is None or (generation is not None and entry.generation != generation):
+            return None
+        del self.table[step]
+        self.held_bytes -= entry.nbytes
         return entry
 
+    def drop_generation(self, generation: int) -> list[int]:
+        """Drop every step made by producer generation ``generation`` (its actors died): returns those steps."""
+        steps = sorted(s for s, e in self.table.items() if e.generation == generation)
+        for step in steps:
+            self.held_bytes -= self.table.pop(step).nbytes
+        return steps
+
     def refresh(self, now: float) -> list[tuple[int, Entry]]:
-        """Delete expired cursors, recompute the bounds and evict; returns the evicted steps."""
+        """Delete expired cursors, recompute the bounds and evict; returns the evicted steps. One pass over the
+        cursors and one over the table."""
         ttl = self.consumer_ttl_s
-        for key in [k for k, c in self.cursors.items() if now - c.seen > ttl]:
+        lowest: dict[str, int] = {}
+        expired = []
+        for key, cursor in self.cursors.items():
+            if now - cursor.seen > ttl:
+                expired.append(key)
+                continue
+            consumer = key[0]
+            if consumer not in lowest or cursor.step < lowest[consumer]:
+                lowest[consumer] = cursor.step
+        for key in expired:
             del self.cursors[key]
-        live = {k[0] for k in self.cursors}
-        for consumer in [c for c in self.consumed if c not in live]:
+        for consumer in [c for c in self.consumed if c not in lowest]:
             del self.consumed[consumer]
-        if self.cursors:
-            self.slowest = min(c.step for c in self.cursors.values())
+            self.worlds.pop(consumer, None)
+        if lowest:
+            self.slowest = min(lowest.values())
             keep = []
-            for consumer in live:
-                lowest = min(c.step for k, c in self.cursors.items() if k[0] == consumer)
+            for consumer, low in lowest.items():
                 commit = self.commits.get(consumer)
-                own = lowest if commit is None else min(lowest, commit)
-                keep.append(max(own, lowest - self.retain_behind))
+                own = low if commit is None else min(low, commit)
+                keep.append(max(own, low - self.retain_behind))
             self.keep_from = min(keep)
         # With no live cursor the bounds stay where they were. A step below keep_from that is not in the table
         # now (evicted, or skipped by producers) is never produced live again, even if keep_from drops later.
@@ -239,6 +298,18 @@ class StepWindow:
         for _, entry in evicted:
             self.held_bytes -= entry.nbytes
         return evicted
+
+    def cursor_summary(self, now: float) -> dict[str, dict[str, Any]]:
+        """Per consumer: cursor count, world, slowest and fastest step, live count."""
+        out: dict[str, dict[str, Any]] = {}
+        for (consumer, _, world), c in self.cursors.items():
+            s = out.setdefault(consumer, {"cursors": 0, "live": 0, "world": world, "slowest": c.step,
+                                          "fastest": c.step})
+            s["cursors"] += 1
+            s["live"] += now - c.seen <= self.consumer_ttl_s
+            s["slowest"] = min(s["slowest"], c.step)
+            s["fastest"] = max(s["fastest"], c.step)
+        return out
 
     def status(self, now: float) -> dict[str, Any]:
         return {
@@ -250,7 +321,8 @@ class StepWindow:
             "cursors": [
                 {"consumer": k[0], "rank": k[1], "world": k[2], "step": c.step, "idle_s": round(now - c.seen, 3),
                  "live": now - c.seen <= self.consumer_ttl_s}
-                for k, c in sorted(self.cursors.items())
+                for k, c in sorted(self.cursors.items(), key=lambda kc: (kc[1].step, kc[0]))[:MAX_STATUS_CURSORS]
             ],
+            "cursor_summary": self.cursor_summary(now),
             "commits": dict(self.commits),
         }

@@ -1,0 +1,104 @@
+"""Launching a service: the checks that need I/O, then the coordinator actor. Only ``DataService.start`` uses it,
+so a client that connects or reads never imports the server's classes (tests/test_service_client.py).
+
+    prepare(recipe, config)  state_dir of this recipe? materialised prefix usable?   (files only, before Ray)
+    launch(recipe, config)   kill orphans of a dead incarnation, create the named detached coordinator, ready()
+
+Guarantee: ``prepare`` refuses a ``state_dir`` of another recipe (``FingerprintMismatchError``) and a
+``materialized_dir`` that is missing, damaged, of another recipe or without its end checkpoint (ValueError naming
+it) before anything is created or written (tests/test_service.py::test_clean_errors,
+tests/test_materialized.py::test_service_config_checks_the_materialised_prefix_before_anything_starts).
+``launch`` leaves nothing behind when the service fails to start: the coordinator and every helper it launched
+are killed and the error is one ``ServiceError`` naming the reason.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from zephon_ray.formats.service_state import check_state_dir
+from zephon_ray.recipe import Recipe
+from zephon_ray.service.config import ServiceConfig
+from zephon_ray.service.errors import ServiceError
+from zephon_ray.service.protocol import kill_named
+
+READY_TIMEOUT_S = 300
+
+
+def check_materialized_dir(recipe: Recipe, path: str | os.PathLike) -> str:
+    """The absolute path of a materialised directory usable for ``recipe`` (ValueError naming what is wrong)."""
+    from zephon_ray.service.replay import read_materialized_prefix
+
+    path = str(Path(path).expanduser().resolve())  # the coordinator and replayers resolve it elsewhere
+    read_materialized_prefix(recipe, path)
+    return path
+
+
+def prepare(recipe: Recipe, config: ServiceConfig) -> ServiceConfig:
+    """The I/O checks of a start, before Ray is touched; returns the config with absolute paths."""
+    if config.state_dir is not None and os.path.exists(config.state_dir):
+        check_state_dir(recipe, config.state_dir)
+    if config.materialized_dir is not None:
+        config = replace(config, materialized_dir=check_materialized_dir(recipe, config.materialized_dir))
+    _ = recipe.fingerprint  # computed here, shipped with the recipe (the coordinator's node may differ)
+    return config
+
+
+def launch(recipe: Recipe, config: ServiceConfig) -> Any:
+    """Start the coordinator of ``config.name`` and wait until it is ready; returns its actor handle."""
+    import ray
+
+    from zephon_ray.service.coordinator import CONTROL, CONTROL_CONCURRENCY, READS, Coordinator
+
+    name, namespace = config.name, config.namespace
+    try:
+        ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        pass
+    else:
+        raise ServiceError(f"a service named {name!r} already runs in namespace {namespace!r}; "
+                           "connect() to it or stop() it first")
+    kill_named(name, namespace)  # helpers left by a coordinator that died without stop()
+    res = config.resources
+    groups = {READS: res.coordinator_max_concurrency, CONTROL: CONTROL_CONCURRENCY}
+    handle = ray.remote(concurrency_groups=groups)(Coordinator).options(
+        name=name, namespace=namespace, lifetime="detached", num_cpus=res.coordinator_num_cpus,
+        resources=dict(res.coordinator_resources), max_concurrency=res.coordinator_max_concurrency,
+        # Self-healing: Ray restarts a dead coordinator (it reopens state_dir) and re-sends calls in flight.
+        max_restarts=config.coordinator_max_restarts, max_task_retries=-1,
+    ).remote(recipe, config)
+    try:
+        ray.get(handle.ready.remote(), timeout=READY_TIMEOUT_S)
+    except Exception as exc:
+        stop(handle, name, namespace)
+        raise _start_error(exc, name) from None
+    return handle
+
+
+def stop(handle: Any, name: str, namespace: str) -> None:
+    """Stop the coordinator (it stops its helpers), kill it and any helper left over."""
+    import ray
+
+    try:
+        ray.get(handle.stop.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - already dead or wedged: kill it below either way
+        pass
+    try:
+        ray.kill(handle, no_restart=True)
+    except Exception:  # noqa: BLE001
+        pass
+    kill_named(name, namespace)
+
+
+def _start_error(exc: BaseException, name: str) -> BaseException:
+    from ray.exceptions import GetTimeoutError, RayTaskError
+
+    if isinstance(exc, RayTaskError) and isinstance(getattr(exc, "cause", None), Exception):
+        return exc.cause
+    if isinstance(exc, GetTimeoutError):
+        return ServiceError(f"service {name!r} did not become ready within {READY_TIMEOUT_S}s")
+    return ServiceError(f"service {name!r} failed to start: {type(exc).__name__}: "
+                        f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")

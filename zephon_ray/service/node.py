@@ -1,0 +1,247 @@
+"""``NodeReader``: one actor per node that leases step refs from the coordinator for every rank on that node.
+
+    rank 0..7 on node A ──read(s, rank, world)──► NodeReader(A) ── cache hit ──► (s, generation, lane refs)
+                                                      │ miss: one lease call for steps [s, s + n), with the
+                                                      │ cursor moves of every rank on A since the last call
+                                                      ▼
+                                                 Coordinator.lease ──► refs of up to n produced steps
+
+Why a node reader, not one rank per node serving its peers (docs/scaling.md, benchmarks/bench_geometry.py): it
+needs no rendezvous among trainer ranks (ranks of one node may belong to different jobs, consumers and process
+groups), a rank that dies takes nothing with it (the reader lives on), and it is placed by Ray
+(``NodeAffinitySchedulingStrategy``, 0 CPUs) next to the object store the ranks read from. A rank's call to it is
+node-local; the coordinator sees one lease per node per n steps.
+
+Guarantees:
+- Rows: the reader hands out the refs the coordinator leased, unchanged; a rank fetches the bytes itself from the
+  object store (zero-copy on the producer's node). tests/test_service.py checks every row against the reference.
+- Cursors stay exact: a lease moves no cursor. A rank's cursor moves when it reads a step with ``track=True`` or
+  ``touch``-es it; the reader reports those moves with its next lease, at once while a lease waits (that is what
+  lets producers move on), and every ``consumer_ttl_s / 4`` as a keep-alive carrying how long ago each rank was last
+  heard. So the coordinator's cursors lag the ranks by at most n steps and never run ahead of them.
+- A rank that dies holds nothing back beyond ``consumer_ttl_s``: its last-heard age grows in every report and the
+  coordinator expires it; the reader forgets it too. The reader's cache holds only steps >= the coordinator's
+  ``keep_from`` (and a few replayed ones), so its refs keep no evicted step alive for long.
+- One lease in flight per step range: W ranks of a node missing the same step cost one coordinator call.
+
+Limits: the reader is owned by the coordinator and dies with it (clients ask the new incarnation for a new one);
+a reader that dies alone is restarted by Ray with an empty cache (its unreported cursor moves are lost until the
+ranks move again). Between leases ``status()`` shows cursors up to n steps old.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.exceptions import RayTaskError
+
+from zephon_ray.batch import lane_span
+from zephon_ray.service.protocol import KEY_KEEP_FROM, KEY_STEPS, REPLAYED, CursorMove, StepLanes, only_lanes
+from zephon_ray.service.window import check_consumer, check_reader
+
+REPLAYS_KEPT = 8
+"""Replayed steps kept in a reader's cache (ranks of one node reading one past step share one reply)."""
+
+
+@dataclass
+class _Held:
+    generation: int
+    lanes: list[Any]
+
+    def has(self, lo: int, hi: int) -> bool:
+        return all(self.lanes[i] is not None for i in range(lo, hi))
+
+
+@dataclass
+class _Lease:
+    first: int
+    stop: int
+    lo: int
+    hi: int
+    future: asyncio.Future = field(repr=False)
+
+    def covers(self, step: int, lo: int, hi: int) -> bool:
+        return self.first <= step < self.stop and self.lo <= lo and hi <= self.hi
+
+
+class NodeReader:
+    """Plain class; the coordinator wraps it with ``ray.remote`` (0 CPUs, pinned to its node)."""
+
+    def __init__(self, coordinator: Any, *, lanes: int, rows_per_lane: int, lease_steps: int, window: int,
+                 consumer_ttl_s: float, request_timeout_s: float, node_id: str) -> None:
+        self._coordinator = coordinator
+        self.lanes = lanes
+        self.rows_per_lane = rows_per_lane
+        self.lease_steps = lease_steps
+        self.window = window
+        self.ttl = consumer_ttl_s
+        self.request_timeout_s = request_timeout_s
+        self.node_id = node_id
+        self._cache: dict[int, _Held] = {}
+        self._replayed: list[int] = []  # replayed steps in the cache, oldest first
+        self._leases: list[_Lease] = []
+        self._heard: dict[tuple[str, int, int], list] = {}  # (consumer, rank, world) -> [step, monotonic time]
+        self._moved: set[tuple[str, int, int]] = set()  # keys with a move not reported yet
+        self._keep_from = 0
+        self._lo, self._hi = lanes, 0  # union of the lanes ranks here asked for
+        self._wake: asyncio.Event | None = None
+        self._reporter: asyncio.Task | None = None
+        self.stats = {"reads": 0, "hits": 0, "leases": 0, "leased_steps": 0, "reports": 0, "moves_reported": 0}
+
+    # ------------------------------------------------------------------ ranks' calls
+    async def read(self, step: int, consumer: str, rank: int | None, world: int | None, track: bool,
+                   timeout_s: float | None = None) -> StepLanes:
+        """``(step, generation, lanes)``: the refs of the lanes holding this rank's rows (all lanes without a
+        rank), None elsewhere. ``track`` moves this rank's cursor to ``step``."""
+        self._start()
+        check_consumer(consumer)
+        rank, world = check_reader(rank, world, self.lanes * self.rows_per_lane)
+        self.stats["reads"] += 1
+        if track:
+            self._move(consumer, rank, world, step)
+        span = lane_span(self.lanes, self.rows_per_lane, rank, world)
+        lo, hi = span.first, span.stop
+        self._lo, self._hi = min(self._lo, lo), max(self._hi, hi)
+        timeout_s = self.request_timeout_s if timeout_s is None else float(timeout_s)
+        first_look = True
+        while True:
+            held = self._cache.get(step)
+            if held is not None and held.has(lo, hi):
+                if first_look:
+                    self.stats["hits"] += 1
+                return step, held.generation, only_lanes(held.lanes, lo, hi)
+            first_look = False
+            lease = next((x for x in self._leases if x.covers(step, lo, hi)), None)
+            if lease is None:
+                lease = self._lease(step, track, timeout_s)
+            try:
+                await asyncio.shield(lease.future)
+            except Exception:
+                if lease.first == step:
+                    raise  # the coordinator's answer about this step (ValueError, TimeoutError, ServiceError)
+                # a lease for an earlier step failed: ask for this one ourselves
+
+    async def advance(self, moves: list[tuple[str, int, int, int]]) -> None:
+        """Cursor moves ``(consumer, rank, world, step)`` of ranks that took steps read ahead (``touch``)."""
+        self._start()
+        for consumer, rank, world, step in moves:
+            self._move(consumer, rank, world, step)
+
+    async def invalidate(self, step: int, generation: int) -> bool:
+        """A rank found the shards of ``step`` lost: forget them here and tell the coordinator."""
+        held = self._cache.get(step)
+        if held is not None and held.generation == generation:
+            del self._cache[step]
+        return await self._coordinator.invalidate.remote(step, generation)
+
+    async def release(self, consumer: str) -> int:
+        """Forget this consumer's cursors here (the client released it on the coordinator)."""
+        keys = [k for k in self._heard if k[0] == consumer]
+        for key in keys:
+            del self._heard[key]
+            self._moved.discard(key)
+        return len(keys)
+
+    async def info(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "cached_steps": sorted(self._cache), "keep_from": self._keep_from,
+                "cursors": len(self._heard), "lanes": [self._lo, self._hi], **self.stats}
+
+    # ------------------------------------------------------------------ leases
+    def _lease(self, first: int, track: bool, timeout_s: float) -> _Lease:
+        lease = _Lease(first, first + self.lease_steps, self._lo, self._hi,
+                       asyncio.get_running_loop().create_future())
+        # joiners may all have moved on: mark a failure as seen so asyncio does not log it as never retrieved
+        lease.future.add_done_callback(lambda f: None if f.cancelled() else f.exception())
+        self._leases.append(lease)
+        asyncio.ensure_future(self._run_lease(lease, track, timeout_s))
+        return lease
+
+    async def _run_lease(self, lease: _Lease, track: bool, timeout_s: float) -> None:
+        self.stats["leases"] += 1
+        try:
+            reply = await self._coordinator.lease.remote(lease.first, lease.stop - lease.first, (lease.lo, lease.hi),
+                                                         timeout_s, self._moves(), track, self.node_id)
+        except RayTaskError as exc:
+            cause = getattr(exc, "cause", None)
+            lease.future.set_exception(cause if isinstance(cause, Exception) else exc)
+        except Exception as exc:  # noqa: BLE001 - the coordinator died: the client reconnects
+            lease.future.set_exception(exc)
+        else:
+            self._file(reply)
+            lease.future.set_result(None)
+        finally:
+            self._leases.remove(lease)
+
+    def _file(self, reply: dict[str, Any]) -> None:
+        self._keep_from = max(self._keep_from, int(reply[KEY_KEEP_FROM]))
+        filed = {step for step, _, _ in reply[KEY_STEPS]}
+        for step, generation, lanes in reply[KEY_STEPS]:
+            self.stats["leased_steps"] += 1
+            held = self._cache.get(step)
+            if held is not None and held.generation == generation:
+                held.lanes = [new if new is not None else old for old, new in zip(held.lanes, lanes)]
+            else:
+                self._cache[step] = _Held(generation, list(lanes))
+            if generation == REPLAYED:
+                if step in self._replayed:
+                    self._replayed.remove(step)
+                self._replayed.append(step)
+        # Evict: live steps the coordinator no longer holds, replays beyond the newest few, then a hard cap.
+        while len(self._replayed) > REPLAYS_KEPT:
+            self._cache.pop(self._replayed.pop(0), None)
+        replayed = set(self._replayed)
+        for step in [s for s in self._cache if s < self._keep_from and s not in replayed | filed]:
+            del self._cache[step]
+        cap = 2 * (self.window + self.lease_steps) + REPLAYS_KEPT
+        older = sorted(s for s in self._cache if s not in filed)
+        for step in older[:max(0, len(self._cache) - cap)]:
+            del self._cache[step]
+
+    # ------------------------------------------------------------------ cursor reports
+    def _start(self) -> None:
+        if self._reporter is None:
+            self._wake = asyncio.Event()
+            self._reporter = asyncio.ensure_future(self._report_loop())
+
+    def _move(self, consumer: str, rank: int, world: int, step: int) -> None:
+        key = (consumer, rank, world)
+        self._heard[key] = [int(step), time.monotonic()]
+        self._moved.add(key)
+        if self._leases:  # a lease may be waiting for exactly this move: report it now, not with the next lease
+            self._wake.set()
+
+    def _moves(self, everyone: bool = False) -> list[CursorMove]:
+        """The moves not reported yet (``everyone``: every rank heard within the TTL, as a keep-alive)."""
+        now = time.monotonic()
+        for key in [k for k, (_, heard) in self._heard.items() if now - heard > self.ttl]:
+            del self._heard[key]  # silent longer than the TTL: the coordinator expires it too
+            self._moved.discard(key)
+        keys = list(self._heard) if everyone else [k for k in self._moved if k in self._heard]
+        self._moved.clear()
+        out = [(c, r, w, self._heard[(c, r, w)][0], round(now - self._heard[(c, r, w)][1], 3)) for c, r, w in keys]
+        self.stats["moves_reported"] += len(out)
+        return out
+
+    async def _report_loop(self) -> None:
+        keepalive = max(0.5, min(self.ttl / 4, 30.0))
+        last_keepalive = time.monotonic()
+        while True:
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout=keepalive)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+            everyone = time.monotonic() - last_keepalive >= keepalive
+            if everyone:
+                last_keepalive = time.monotonic()
+            moves = self._moves(everyone=everyone)
+            if not moves:
+                continue
+            self.stats["reports"] += 1
+            try:
+                await self._coordinator.advance.remote(moves)
+            except Exception:  # noqa: BLE001 - the coordinator is gone or restarting; the next report retries
+                await asyncio.sleep(0.5)

@@ -1,0 +1,46 @@
+"""The one place the service touches Ray internals (fenced; tests/test_service.py::test_ray_internals_fence fails
+loudly when a Ray upgrade moves them).
+
+- :func:`owner_worker_id`: the worker that owns an object, from the owner address Ray keeps in every ObjectRef
+  (``ObjectRef.owner_address()``, a serialized ``ray.core.generated.common_pb2.Address``). Used by ``status()`` to
+  count who owns the shards the coordinator routes (never the coordinator itself), and by tests and benchmarks.
+- :func:`object_locations`: nodes holding a copy and the object's size in the object store
+  (``ray.experimental.get_object_locations``; an object inlined into a process's memory has no node).
+- :func:`plasma_usage`: the object store's used bytes and object count on every node, from Ray's memory summary
+  (``ray._private.internal_api.memory_summary``), for benchmarks.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+
+def owner_worker_id(ref: Any) -> str:
+    """Hex worker id of the process that owns ``ref``."""
+    from ray.core.generated import common_pb2
+
+    return common_pb2.Address.FromString(ref.owner_address()).worker_id.hex()
+
+
+def object_locations(refs: list[Any], timeout_ms: int = 10_000) -> dict[Any, dict[str, Any]]:
+    """``{ref: {"node_ids": [...], "object_size": bytes}}`` for ``refs`` (Ray's object directory)."""
+    import ray.experimental
+
+    return ray.experimental.get_object_locations(refs, timeout_ms=timeout_ms)
+
+
+_PLASMA_RE = re.compile(r"Plasma memory usage (\d+) MiB, (\d+) objects")
+
+
+def plasma_usage() -> dict[str, int]:
+    """``{"mib": used MiB, "objects": n}`` summed over the cluster's nodes (Ray's memory summary, stats only)."""
+    import ray
+    from ray._private.internal_api import memory_summary
+
+    text = memory_summary(ray.get_runtime_context().gcs_address, stats_only=True)
+    mib = objects = 0
+    for m in _PLASMA_RE.finditer(text):
+        mib += int(m.group(1))
+        objects += int(m.group(2))
+    return {"mib": mib, "objects": objects}

@@ -1,0 +1,185 @@
+"""Replay scheduling: steps outside the live window, served by Replayer actors, never by the coordinator.
+
+    lease(step) ──► ReplayScheduler.lanes(step) ──► shared reply of step? ──yes──► its lane refs
+                                                   │ no
+                                                   ├─ step of a materialised prefix [A, N)? ──► Replayer.read(step)
+                                                   └─ else: the replayer whose pipeline sits just before step
+                                                      (or the least used one) ──► Replayer.replay(step, ckpt, state)
+
+Guarantees:
+- One replay per step, shared by every rank and node asking for it while its reply is among the newest
+  ``REPLAY_SHARED_STEPS`` (``window + REPLAY_SHARED_STEPS`` for a materialised prefix)
+  (tests/test_service.py::test_replays_run_in_the_replayer_and_are_shared).
+- A replay restores the nearest durable checkpoint <= step (at most K steps back for recent steps, ``anchor_every``
+  for old ones) unless a replayer's pipeline already sits at most K steps before it (sequential past reads).
+- A sequential reader of a materialised prefix reads ``window`` steps ahead, as producers do in the live window
+  (tests/test_materialized.py::test_service_serves_a_materialised_prefix_then_producers_from_its_end).
+- The shards are put and owned by the replayer; a reply that failed (replayer died or raised) is dropped and asked
+  again, and :meth:`ReplayScheduler.drop` forgets one whose shards a client found lost.
+
+Limits: a replayer runs one call at a time, so a prefix read can wait behind a replay in the same actor; the
+replies held keep their shards in the object store (``REPLAY_SHARED_STEPS`` steps).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from typing import Any
+
+import ray
+from ray.exceptions import RayError
+
+from zephon_ray.formats.service_state import ServiceState
+from zephon_ray.recipe import Recipe
+from zephon_ray.service.config import ServiceConfig
+from zephon_ray.service.errors import ServiceError
+from zephon_ray.service.metrics import NO_METRICS
+from zephon_ray.service.producer import KEY_LANES
+from zephon_ray.service.protocol import REPLAYER_INFIX
+from zephon_ray.service.replayer import Replayer
+
+REPLAY_SHARED_STEPS = 4
+"""Replays kept (as refs) so that W ranks reading one past step cost one replay, not W."""
+
+
+def read_materialized_prefix(recipe: Recipe, path: str) -> tuple[range, dict[str, Any]]:
+    """``(steps [A, N) of the materialised directory at path, the Zephon state at N)``, checked against ``recipe``;
+    a directory that is missing, damaged, of another recipe or without its step-N checkpoint is one ValueError
+    naming it. Reads the manifest and one checkpoint."""
+    from zephon_ray.formats.materialized import MaterializedError, MaterializedSource
+
+    try:
+        with MaterializedSource(path, recipe=recipe) as source:
+            return source.steps, source.checkpoint(source.end_step, recipe)
+    except MaterializedError as exc:
+        raise ValueError(f"ServiceConfig: materialized_dir: {exc}") from None
+
+
+class ReplayScheduler:
+    """The coordinator's replay bookkeeping. ``lanes`` runs on the coordinator's read event loop."""
+
+    def __init__(self, recipe: Recipe, config: ServiceConfig, state: ServiceState, instance: str,
+                 prefix: range = range(0), metrics: Any = NO_METRICS) -> None:
+        self.recipe = recipe
+        self.config = config
+        self.state = state
+        self.prefix = prefix
+        self.metrics = metrics
+        res = config.resources
+        # Held for the coordinator's lifetime: Ray needs a replayer's constructor argument again to restart it.
+        self._recipe_ref = ray.put(recipe)
+        self.replayers = [ray.remote(Replayer).options(
+            name=f"{config.name}{REPLAYER_INFIX}{instance}.{i}", namespace=config.namespace,
+            lifetime="detached", num_cpus=res.replayer_num_cpus, resources=dict(res.replayer_resources),
+            # A replayer lost with its node comes back elsewhere; calls wait for it (replays are idempotent).
+            max_restarts=-1, max_task_retries=-1,
+        ).remote(self._recipe_ref, config.materialized_dir) for i in range(config.replayers)]
+        self.info_refs = [r.info.remote() for r in self.replayers]
+        self._next: list[int | None] = [None] * config.replayers  # each replayer's position after queued work
+        self._replies: OrderedDict[int, tuple[Any, int]] = OrderedDict()  # step -> (reply ref, how many kept)
+        self.stats = {"requests": 0, "shared": 0, "submitted": 0, "max_replay_steps": 0, "last": None,
+                      "materialized_reads": 0}
+
+    # ------------------------------------------------------------------ serving
+    async def lanes(self, step: int, read_ahead: bool = False) -> list[Any]:
+        """The L lane refs of ``step`` (owned by a replayer), replayed or read once and shared."""
+        self.stats["requests"] += 1
+        ref = self._shared(step)
+        if ref is None:
+            ref = self._read_prefix(step) if step in self.prefix else self._replay(step)
+        else:
+            self.stats["shared"] += 1
+        if read_ahead and step in self.prefix:
+            # A consumer walking through the prefix: read ahead as producers do in the live window.
+            for ahead in range(step + 1, min(step + 1 + self.config.window, self.prefix.stop)):
+                if ahead not in self._replies:
+                    self._read_prefix(ahead)
+        try:
+            reply = await ref
+        except RayError as exc:
+            self.drop(step)
+            raise ServiceError(f"step {step}: its replay failed: {str(exc).strip().splitlines()[-1]}") from None
+        return list(reply[KEY_LANES])
+
+    def drop(self, step: int) -> bool:
+        """Forget the shared reply of ``step`` (a client found its shards lost): the next read replays again."""
+        return self._replies.pop(step, None) is not None
+
+    def _shared(self, step: int) -> Any:
+        held = self._replies.get(step)
+        if held is None:
+            return None
+        ref, _ = held
+        ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
+        if ready:
+            try:
+                ray.get(ref, timeout=0)  # the small reply (meta + refs), never the shards
+            except RayError:
+                del self._replies[step]  # the replayer died or raised: ask again
+                return None
+        self._replies.move_to_end(step)
+        return ref
+
+    def _replay(self, step: int) -> Any:
+        k = self.config.checkpoint_every
+        # Prefer a replayer whose pipeline will sit just before this step; else the one used longest ago.
+        best = None
+        for i, position in enumerate(self._next):
+            if position is not None and position <= step and step - position <= k:
+                best = i
+                break
+        if best is None:
+            best = min(range(len(self.replayers)), key=lambda i: (self._next[i] is not None, i))
+            if all(p is not None for p in self._next):
+                best = self.stats["submitted"] % len(self.replayers)
+        ckpt = self.state.nearest_checkpoint(step) or 0
+        state = self.state.read_checkpoint(ckpt) if ckpt else None
+        position = self._next[best]
+        replayed = step - (position if position is not None and ckpt <= position <= step else ckpt)
+        ref = self.replayers[best].replay.remote(step, ckpt, state, k)
+        self._next[best] = step + 1
+        self.stats["max_replay_steps"] = max(self.stats["max_replay_steps"], replayed)
+        self.stats["last"] = {"step": step, "replay_steps": replayed}
+        self.metrics.replay(replayed)
+        return self._keep(step, ref, REPLAY_SHARED_STEPS)
+
+    def _read_prefix(self, step: int) -> Any:
+        """A materialised step: one row-group read in any replayer (spread round-robin, no pipeline position)."""
+        best = self.stats["submitted"] % len(self.replayers)
+        self.stats["materialized_reads"] += 1
+        return self._keep(step, self.replayers[best].read.remote(step), self.config.window + REPLAY_SHARED_STEPS)
+
+    def _keep(self, step: int, ref: Any, keep: int) -> Any:
+        """Keep the newest replies for ranks that ask for the same step next."""
+        self._replies[step] = (ref, keep)
+        while len(self._replies) > keep:
+            self._replies.popitem(last=False)
+        self.stats["submitted"] += 1
+        return ref
+
+    # ------------------------------------------------------------------ lifecycle
+    async def check_started(self) -> str | None:
+        """The first start-up error a replayer reports (None: all started)."""
+        for info in await asyncio.gather(*self.info_refs):
+            if info.get("error"):
+                return info["error"]
+        return None
+
+    def infos(self) -> list[dict[str, Any] | None]:
+        """Start-up infos of the replayers (pid, node), without waiting for any."""
+        ready, _ = ray.wait(self.info_refs, num_returns=len(self.info_refs), timeout=0, fetch_local=False)
+        out = []
+        for ref in self.info_refs:
+            try:
+                out.append(ray.get(ref, timeout=0) if ref in ready else None)
+            except RayError:
+                out.append(None)
+        return out
+
+    def close(self) -> None:
+        for replayer in self.replayers:
+            try:
+                ray.kill(replayer, no_restart=True)
+            except Exception:  # noqa: BLE001
+                pass
