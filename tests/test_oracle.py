@@ -193,9 +193,9 @@ LOADER_WORLD = 2
 LOCAL_BATCH = 2
 
 
-def loader_rows(loaders, steps: int):
-    """Pull ``steps`` steps from every rank (one thread per rank, as ranks run side by side) and return, per step,
-    the ranks' yielded (input, labels, positions) rows joined in rank order."""
+def loader_rows(loaders, steps: int, per_step: int):
+    """Pull ``steps`` steps of ``per_step`` microbatches from every rank (one thread per rank, as ranks run side by
+    side) and return, per step, the ranks' yielded (input, labels, positions) rows joined in rank order."""
     per_rank: list[list[tuple]] = [[] for _ in loaders]
     errors: list[BaseException] = []
 
@@ -203,7 +203,7 @@ def loader_rows(loaders, steps: int):
         try:
             it = iter(loaders[i])
             for _ in range(steps):
-                got = [next(it) for _ in range(loaders[i].microbatches_per_step)]
+                got = [next(it) for _ in range(per_step)]
                 per_rank[i].append(tuple(
                     np.concatenate([x.numpy() for x in column])
                     for column in zip(*[(inp["input"], labels, inp["positions"]) for inp, labels in got])
@@ -240,7 +240,7 @@ def test_torchtitan_loader(case, mode, request, tmp_path):
     loaders = [cfg.build(dp_world_size=LOADER_WORLD, dp_rank=r, seq_len=recipe.seq_len, local_batch_size=LOCAL_BATCH)
                for r in range(LOADER_WORLD)]
     try:
-        steps = loader_rows(loaders, STEPS)
+        steps = loader_rows(loaders, STEPS, per_step=recipe.rows // LOADER_WORLD // LOCAL_BATCH)
     finally:
         for loader in loaders:
             loader.close()
