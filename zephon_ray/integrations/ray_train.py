@@ -58,7 +58,6 @@ Limits:
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -67,6 +66,7 @@ from typing import Any, NamedTuple
 
 from ray.train import DataConfig
 
+from zephon_ray import files
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.loader import Loader, LoaderConfig, StepBatch
 
@@ -98,11 +98,11 @@ class ZephonDataset:
                 raise ValueError(f"ZephonDataset: service {source.name!r} runs a recipe with no file path; the "
                                  "workers' loader reads the recipe from a file")
             self.mode = "service"
-            self.recipe_path = str(Path(source.recipe.path).resolve())
+            self.recipe_path = _recipe_location(source.recipe.path)
             self.service_name, self.service_namespace = source.name, source.namespace
         elif isinstance(source, (str, os.PathLike)):
             self.mode = "local"
-            self.recipe_path = str(Path(source).resolve())
+            self.recipe_path = _recipe_location(source)
             self.service_name = self.service_namespace = None
         else:
             raise TypeError(f"ZephonDataset: expected a recipe path or a DataService, got {type(source).__name__}")
@@ -279,7 +279,7 @@ class ZephonDatasetShard:
     def save(self, directory: str | os.PathLike) -> dict[str, Any]:
         """Write :meth:`state_dict` to ``<directory>/zephon_loader.json`` (JSON); returns the state."""
         state = self.state_dict()
-        Path(directory, STATE_FILE).write_text(json.dumps(state, sort_keys=True))
+        files.write_json(files.location(directory).join(STATE_FILE), state)  # atomic; a path or a URI
         return state
 
     def restore(self, checkpoint: Any) -> int:
@@ -291,7 +291,7 @@ class ZephonDatasetShard:
                 if not path.is_file():
                     raise FileNotFoundError(f"{self._where()}: checkpoint {checkpoint.path} holds no {STATE_FILE} "
                                             "(was it written with ZephonDatasetShard.save?)")
-                self.load_state_dict(json.loads(path.read_text()))
+                self.load_state_dict(files.read_json(path, what="loader state"))
         return self.next_step
 
     def close(self) -> None:
@@ -304,6 +304,11 @@ class ZephonDatasetShard:
 
     def __repr__(self) -> str:
         return f"ZephonDatasetShard({self.dataset!r}, rank={self.rank}, world={self.world})"
+
+
+def _recipe_location(path: Any) -> str:
+    """An object-store URI as it is (the workers read it from the bucket), a local path made absolute."""
+    return files.location(path).uri if files.is_uri(path) else str(Path(path).resolve())
 
 
 def _to(microbatch: tuple[dict, Any], device: Any) -> tuple[dict, Any]:

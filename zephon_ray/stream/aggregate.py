@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import socket
 import tomllib
-from pathlib import Path
+
+from zephon_ray import files
 
 ENV_AGGREGATE_DIR = "ZEPHON_RAY_AGGREGATE_DIR"
 """Set to a shared directory to aggregate local-mode Zephon checkpoints there instead of through a TCPStore."""
@@ -28,17 +29,15 @@ TORCH_SCHEME = "torch://"
 def recipe_aggregate(recipe_path: str) -> tuple[str | None, str | None]:
     """The recipe's ``[aggregate]`` table, read cheaply (no dataset scan). Paths resolve against the recipe."""
     try:
-        with open(recipe_path, "rb") as fh:
-            table = tomllib.load(fh).get("aggregate", {})
-    except (OSError, tomllib.TOMLDecodeError):
+        table = tomllib.loads(files.read_bytes(recipe_path, limit=1 << 20).decode()).get("aggregate", {})
+    except (OSError, ValueError, tomllib.TOMLDecodeError):
         return None, None  # the recipe itself is validated (with a precise error) when the loader is built
     if not isinstance(table, dict):
         return None, None
     store = table.get("store")
     agg_dir = table.get("dir")
-    if isinstance(agg_dir, str):
-        p = Path(agg_dir).expanduser()
-        agg_dir = str(p if p.is_absolute() else (Path(recipe_path).parent / p).resolve())
+    if isinstance(agg_dir, str):  # a path relative to the recipe, an absolute one, or a URI (s3://...)
+        agg_dir = files.location(agg_dir, base=files.location(recipe_path).parent.uri).uri
     return (store if isinstance(store, str) else None), (agg_dir if isinstance(agg_dir, str) else None)
 
 
