@@ -434,6 +434,28 @@ def listing(value: "str | os.PathLike[str] | Location", *, recursive: bool = Fal
     return dict(sorted(out.items()))
 
 
+def entries(value: "str | os.PathLike[str] | Location") -> list[str]:
+    """Names directly under a directory (files and subdirectories; an object store's common prefixes), sorted;
+    ``[]`` when it does not exist."""
+    loc = _loc(value)
+    import pyarrow.fs as pafs
+
+    with _errors(loc, "list it"):
+        infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, allow_not_found=True, recursive=False))
+    base = loc.path.rstrip("/") + "/"
+    return sorted({i.path[len(base):].strip("/") for i in infos if i.path.startswith(base)} - {""})
+
+
+def ray_train_storage(value: "str | os.PathLike[str]") -> dict[str, Any]:
+    """``RunConfig(**ray_train_storage("s3://bucket/runs"))``: Ray Train's ``storage_path`` plus the pyarrow
+    filesystem of this module, so that Ray Train's checkpoints reach the same endpoint with the same credentials
+    (pyarrow's own URI parsing ignores ``AWS_ENDPOINT_URL``). A local path is passed through."""
+    loc = _loc(value)
+    if not loc.remote:
+        return {"storage_path": loc.path}
+    return {"storage_path": loc.path, "storage_filesystem": loc.fs}
+
+
 # ---------------------------------------------------------------------------------------------- reads
 def read_bytes(value: "str | os.PathLike[str] | Location", *, limit: int | None = None) -> bytes:
     """The whole file. ``FileNotFoundError`` (naming it) when absent; :class:`StorageError` for anything else;
