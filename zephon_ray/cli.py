@@ -144,7 +144,10 @@ def advance_with_progress(source, step: int) -> None:
 # ---------------------------------------------------------------------- validate / fingerprint / inspect
 def recipe_report(recipe: Recipe) -> dict:
     """Fingerprint and geometry: L, k, m, B, seq_len, tokens per step, and the data-parallel sizes W that work
-    (service/dataset: any W dividing B; local mode: W dividing L)."""
+    (service/dataset: any W dividing B; local mode: W dividing L), and the torchft participant counts P per
+    replica-group dp degree (P * dp dividing B: zephon_ray.stream.ft.supported_participants)."""
+    from zephon_ray.stream.ft import supported_participants
+
     B = recipe.global_batch_rows
     return {
         "recipe": str(recipe.path) if recipe.path else None,
@@ -157,6 +160,7 @@ def recipe_report(recipe: Recipe) -> dict:
         "tokens_per_step": recipe.tokens_per_step,
         "world_sizes": [w for w in range(1, B + 1) if B % w == 0],
         "local_world_sizes": [w for w in range(1, recipe.lanes + 1) if recipe.lanes % w == 0],
+        "ft_participants": {dp: supported_participants(recipe, dp=dp) for dp in (1, 2, 4, 8) if B % dp == 0},
         "tokenizer": recipe.tokenizer,
         "packing": recipe.packing,
         "sources": {s.name: {"weight": s.weight, "format": s.format, "shards": len(s.shards),
@@ -187,6 +191,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(f"tokens/step {report['tokens_per_step']}")
     print(f"W (service) {' '.join(map(str, report['world_sizes']))}")
     print(f"W (local)   {' '.join(map(str, report['local_world_sizes']))}")
+    print("P (torchft) " + "; ".join(f"dp={dp}: {' '.join(map(str, ps))}" for dp, ps in report["ft_participants"].items()))
     print(f"tokenizer   {report['tokenizer']}  packing {report['packing']}")
     for name, src in report["sources"].items():
         print(f"source      {name}: weight {src['weight']:g}, {src['shards']} {src['format']} shards, "

@@ -1,0 +1,221 @@
+"""Per-step elasticity with torchft: a slice source driven by a torchft ``Manager`` (the ``ft`` extra).
+
+torchft forms a quorum of live replica groups at every step; a dead group does not stop the others, and a group
+that comes back heals its model from a peer. :class:`FtSlices` gives every step's global batch to whichever groups
+are live now::
+
+    manager.start_quorum()
+    batch = slices.next()          # after the quorum: this group's part of global batch manager.current_step()
+    loss(batch.microbatches).backward(); [manager.allreduce(p.grad).wait() for p in params]
+    if manager.should_commit(): optimizer.step()   # a rejected step is served again by the next next()
+
+Guarantee: at each step, after the quorum, replica group p of the P live participants, rank r of its ``dp`` ranks,
+reads ``slice(s, p·dp + r, P·dp)`` of global batch ``s = manager.current_step()``: the P·dp slices joined in order
+are exactly the fixed-W run's global batch s, whatever P is, so every committed step trains on the same global
+batch (each group's share changes with P). A step that ``should_commit()`` rejects is asked for again (torchft does
+not advance ``current_step()``) and served again; a group that rejoins starts at ``current_step()`` with no data
+checkpoint: the step is the state, and the model comes from a peer, as torchft heals it. Shown by
+``examples/torchft_churn.py`` (3 replica groups as processes, SIGKILL kills and rejoins: every committed step's
+global digest equals the reference, final weights equal the failure-free run's) and ``tests/test_ft.py`` (one kill
+and one rejoin in the default suite).
+
+Prefetch assumes the membership stays as it is: one prefetch thread (:mod:`zephon_ray.stream.prefetch`) reads the
+next ``depth`` steps at the current (rank, world); when the quorum changes the membership, the source for the new
+(rank, world) is reset at the current step and fetches again. The cost of the membership check itself (reading the
+quorum from the manager and comparing) is recorded per step in :attr:`FtSlices.check_seconds`, the cost of a
+change in :attr:`FtSlices.change_seconds` (``benchmarks/bench_ft.py`` measures both).
+
+Sources: the data service (``mode="service"``, any step at any (rank, world)) or a materialised directory
+(``mode="dataset"``). **Local mode is out of scope**: there reader r of W is Zephon lane group r of W, owning lanes
+[r·L/W, (r+1)·L/W) and their Zephon state. A change of P moves lanes between groups, so every membership change
+would need a collective Zephon checkpoint and a restore that replays the lanes' open epoch (seconds), W would have
+to divide L (not only B), and a group that dies takes its lanes' state since the last collective checkpoint with
+it. That is restart-based elasticity (Ray Train's path), not per-step.
+
+Loss weighting: with equal slices (no padding, no loss mask) every group's mean loss averages the same number of
+tokens, so the mean over groups of their mean gradients (``manager.allreduce``'s default AVG) is the global batch's
+mean gradient. Padding packers (``packing`` other than ``"wrap"``, whose pad labels are masked) and loss masks make
+the groups' token counts differ, and the mean of means is then biased. The fix: each group backpropagates its
+*summed* token loss, then all-reduces the gradients and its valid-token count with ``ReduceOp.SUM`` through
+``manager.allreduce`` and divides by the global count (:func:`token_weighted`; ``tests/test_ft.py`` shows both).
+
+Limits: B must divide by every P·dp that can occur (:func:`supported_participants`; ``zephon-ray validate`` lists
+them); a quorum outside that list raises :class:`FtMembershipError`, one line, before the step runs. A group that is
+not participating (healing under ``use_async_quorum=True``) gets None: it trains nothing at that step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from typing import Any
+
+from zephon_ray.recipe import Recipe
+from zephon_ray.stream.geometry import check_int
+from zephon_ray.stream.loader import GET_TIMEOUT_S, LoaderConfig, StepBatch
+from zephon_ray.stream.prefetch import PrefetchedSlices
+from zephon_ray.stream.protocol import source_state
+
+FT_MODES = ("service", "dataset")
+_KEEP_SOURCES = 4  # (rank, world) memberships whose sources are kept (threads stopped) for a quick return
+
+
+class FtMembershipError(ValueError):
+    """The quorum's participant count cannot share the global batch; raised before the step runs."""
+
+
+def supported_participants(recipe: Recipe, *, dp: int = 1, local_batch_size: int = 0) -> list[int]:
+    """The participant counts P for which P·dp readers split the recipe's B rows evenly (and, with a
+    ``local_batch_size``, into whole trainer microbatches)."""
+    B = recipe.global_batch_rows
+    out = []
+    for p in range(1, B // dp + 1):
+        if B % (p * dp):
+            continue
+        if local_batch_size and (B // (p * dp)) % local_batch_size:
+            continue
+        out.append(p)
+    return out
+
+
+def token_weighted(grads_summed: Any, tokens: Any, all_reduce_sum: Any) -> Any:
+    """The global mean gradient from per-group *summed* losses: all-reduce (SUM) each summed gradient and the
+    group's valid-token count, then divide. ``all_reduce_sum(tensor)`` reduces in place, e.g.
+    ``lambda t: manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()``. Returns the reduced gradients."""
+    count = tokens.clone().double()
+    all_reduce_sum(count)
+    for grad in grads_summed:
+        all_reduce_sum(grad)
+        grad.div_(count.to(grad.dtype))
+    return grads_summed
+
+
+class FtSlices:
+    """Replica group ``manager.participating_rank()``'s slices of ``manager.current_step()``'s global batch.
+
+    ``config``: where the rows come from (a :class:`~zephon_ray.stream.loader.LoaderConfig` with ``mode`` "service"
+    or "dataset"; ``prefetch`` is the read-ahead depth). ``manager``: a torchft ``Manager`` (anything with
+    ``current_step()``, ``num_participants()`` and ``participating_rank()``). ``dp``/``dp_rank``: the data-parallel
+    ranks inside one replica group. ``local_batch_size``: rows per trainer microbatch (0: one microbatch).
+    See the module docstring for the guarantee and its limits."""
+
+    def __init__(self, config: LoaderConfig, *, manager: Any, dp: int = 1, dp_rank: int = 0,
+                 local_batch_size: int = 0, recipe: Recipe | None = None) -> None:
+        if not isinstance(config, LoaderConfig):
+            raise TypeError(f"FtSlices: expected a LoaderConfig, got {type(config).__name__}")
+        if config.mode not in FT_MODES:
+            raise ValueError(f"FtSlices: mode {config.mode!r} is not supported; use one of {FT_MODES} (local mode "
+                             "ties a reader to its lanes' Zephon state: see zephon_ray.stream.ft)")
+        for name in ("current_step", "num_participants", "participating_rank"):
+            if not callable(getattr(manager, name, None)):
+                raise TypeError(f"FtSlices: 'manager' has no {name}() (expected a torchft Manager)")
+        self.config, self.manager = config, manager
+        self.dp = check_int("FtSlices: dp", dp, low=1)
+        self.dp_rank = check_int("FtSlices: dp_rank", dp_rank, low=0)
+        if self.dp_rank >= self.dp:
+            raise ValueError(f"FtSlices: dp_rank {dp_rank} is not in [0, dp={dp})")
+        self.local_batch_size = check_int("FtSlices: local_batch_size", local_batch_size, low=0)
+        self.recipe = recipe if recipe is not None else Recipe.from_toml(config.recipe)
+        self.supported = supported_participants(self.recipe, dp=self.dp, local_batch_size=self.local_batch_size)
+        if not self.supported:
+            raise ValueError(f"FtSlices: no participant count works for dp {dp} and local_batch_size "
+                             f"{local_batch_size} with the recipe's global batch of {self.recipe.global_batch_rows} "
+                             f"rows ({self.recipe.describe()})")
+        self._sources: OrderedDict[tuple[int, int], PrefetchedSlices] = OrderedDict()
+        self._active: tuple[int, int] | None = None
+        self._last: StepBatch | None = None
+        self._last_key: tuple[int, int, int] | None = None
+        self.check_seconds: list[float] = []
+        """Per call of :meth:`next`: seconds spent reading the quorum and checking the membership."""
+        self.change_seconds: list[float] = []
+        """Per membership change: seconds spent switching to (and resetting) the new membership's source."""
+        self.membership_changes = 0
+        self.served_again = 0
+
+    # ------------------------------------------------------------------ the step
+    def membership(self) -> tuple[int, int, int] | None:
+        """``(step, rank, world)`` this group reads now, or None when it does not participate. Raises
+        :class:`FtMembershipError` for a participant count outside :attr:`supported`."""
+        step = int(self.manager.current_step())
+        participants = int(self.manager.num_participants())
+        p = self.manager.participating_rank()
+        if p is None:
+            return None
+        if participants not in self.supported:
+            raise FtMembershipError(
+                f"step {step}: a quorum of {participants} participants x dp {self.dp} = {participants * self.dp} "
+                f"readers cannot share the recipe's global batch of {self.recipe.global_batch_rows} rows "
+                f"({self.recipe.describe()}); it supports {self.supported} participants (zephon-ray validate); "
+                "the step was not run")
+        return step, int(p) * self.dp + self.dp_rank, participants * self.dp
+
+    def next(self, timeout: float = GET_TIMEOUT_S) -> StepBatch | None:
+        """This group's part of global batch ``manager.current_step()``; call it after ``start_quorum()``."""
+        t0 = time.perf_counter()
+        key = self.membership()
+        if key is None:
+            self.check_seconds.append(time.perf_counter() - t0)
+            return None
+        step, rank, world = key
+        if key == self._last_key:  # should_commit() rejected it: the same rows again
+            self.check_seconds.append(time.perf_counter() - t0)
+            self.served_again += 1
+            return self._last
+        changed = (rank, world) != self._active
+        self.check_seconds.append(time.perf_counter() - t0)
+        if changed:
+            t1 = time.perf_counter()
+            source = self._source_for(rank, world, step)
+            self.change_seconds.append(time.perf_counter() - t1)
+        else:
+            source = self._source_for(rank, world, step)
+        piece = source.next(timeout)
+        batch = StepBatch(step, piece, list(piece.microbatches(self.local_batch_size or piece.num_rows)))
+        self._last, self._last_key = batch, key
+        return batch
+
+    def _source_for(self, rank: int, world: int, step: int) -> PrefetchedSlices:
+        member = (rank, world)
+        if member != self._active:
+            if self._active is not None:
+                self._sources[self._active].close_thread()  # a service source keeps its connection and cursors
+                self.membership_changes += 1
+            source = self._sources.pop(member, None) or self._make_source(rank, world)
+            self._sources[member] = source
+            while len(self._sources) > _KEEP_SOURCES:
+                _, old = self._sources.popitem(last=False)
+                old.close_thread()
+            self._active = member
+            source.reset(source_state(step))
+            return source
+        source = self._sources[member]
+        if source.position != step:  # a jump (healed to a later step, or a rejected step at a new membership)
+            source.reset(source_state(step))
+        return source
+
+    def _make_source(self, rank: int, world: int) -> PrefetchedSlices:
+        cfg = self.config
+        if cfg.mode == "dataset":
+            from zephon_ray.stream.dataset import DatasetSlices
+
+            return DatasetSlices(self.recipe, cfg.dataset_dir, rank=rank, world=world, depth=cfg.prefetch)
+        from zephon_ray.stream.service import ServiceSlices
+
+        return ServiceSlices(self.recipe, rank=rank, world=world, name=cfg.service_name,
+                             namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch)
+
+    # ------------------------------------------------------------------ shutdown
+    def close(self) -> None:
+        """Stop every prefetch thread and release the service connection. Idempotent."""
+        sources, self._sources, self._active = self._sources, OrderedDict(), None
+        for source in sources.values():
+            try:
+                source.close()
+            except Exception:  # noqa: BLE001 - best effort at shutdown
+                pass
+
+    def __enter__(self) -> "FtSlices":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
