@@ -231,19 +231,20 @@ def test_service_config_checks_the_materialised_prefix_before_anything_starts(ma
                                                                               tmp_path):
     from zephon_ray import DataService, Recipe
     from zephon_ray.service.config import ServiceConfig
+    from zephon_ray.service.launch import check_materialized_dir  # the check start() runs (ServiceConfig: no I/O)
 
     with pytest.raises(ValueError, match="materialized_dir must be a non-empty path string"):
         ServiceConfig(materialized_dir="")
     with pytest.raises(ValueError, match="materialized_dir: materialised directory not found"):
-        ServiceConfig.build(tiny_recipe, materialized_dir=str(tmp_path / "nope"))
+        check_materialized_dir(tiny_recipe, str(tmp_path / "nope"))
     other = Recipe.from_toml(tiny_variant(tmp_path / "other", seed=99))
     with pytest.raises(ValueError, match="materialized_dir: .*materialised from recipe fingerprint"):
-        ServiceConfig.build(other, materialized_dir=str(materialized_dir))
+        check_materialized_dir(other, str(materialized_dir))
     broken = tmp_path / "broken"
     shutil.copytree(materialized_dir, broken)
     (broken / "checkpoints" / f"step-{STEPS:012d}.json").unlink()
     with pytest.raises(ValueError, match=f"step-{STEPS:012d}.json: checkpoint missing"):
-        ServiceConfig.build(tiny_recipe, materialized_dir=str(broken))
+        check_materialized_dir(tiny_recipe, str(broken))
     state_dir = tmp_path / "state"
     with pytest.raises(ValueError, match="materialized_dir"):
         DataService.start(tiny_recipe, state_dir=state_dir, materialized_dir=str(broken))

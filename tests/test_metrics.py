@@ -51,7 +51,7 @@ EXPECTED = {  # series -> minimum value once the scenario below ran
     "ray_zephon_ray_tokens_produced_total": 8 * 1024,
     "ray_zephon_ray_window_held_steps": 1,
     "ray_zephon_ray_window_held_bytes": 1,
-    "ray_zephon_ray_consumer_wait_seconds_count": 8,
+    "ray_zephon_ray_consumer_wait_seconds_count": 2,  # one per lease (node reader or direct read), not per read
     "ray_zephon_ray_replays_total": 1,
     "ray_zephon_ray_replay_steps_count": 1,
     "ray_zephon_ray_producer_restarts_total": 1,

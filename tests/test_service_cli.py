@@ -47,6 +47,15 @@ def test_digest_via_service_equals_local():
     assert out["m2"] == out["local"]
 
 
+@pytest.mark.parametrize("value", ["abc", "0", "-3", "2.5", ""])
+def test_rescale_with_a_bad_count_is_one_line(capsys, value):
+    """Checked before Ray is touched: no cluster needed, nothing changed anywhere."""
+    code, out, err = _main(capsys, "rescale", value, "--name", "nowhere", "--namespace", "nowhere")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [f"zephon-ray: error: rescale: producers must be a positive integer (a "
+                                        f"divisor of the recipe's lanes), got {value!r}"]
+
+
 def test_service_cli_errors_are_one_line():
     proc = subprocess.run(_cli("digest", str(TINY), "--steps", "0:2", "--via", "service", "--producers", "3"),
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)

@@ -44,3 +44,62 @@ def test_ray_init_and_context_manager_stop_what_they_started():
     result = _run(SCRIPT)
     assert "CLEAN" in result.stdout, result.stderr[-3000:]
 
+
+
+CONNECT_AND_READ = textwrap.dedent("""
+    import sys
+    import ray
+    from zephon_ray import DataService
+
+    ray.init(address=sys.argv[1], namespace="zr-import", log_to_driver=False)
+    svc = DataService.connect("import-probe", namespace="zr-import", consumer="probe")
+    digests = [svc.batch(s).digest for s in range(3)] + [svc.slice(1, 1, 4).tokens.shape[0]]
+    svc.release()
+    server = sorted(m for m in sys.modules if m.startswith("zephon_ray.service.") and m.rsplit(".", 1)[1] in (
+        "coordinator", "pool", "producer", "replayer", "replay", "status", "node", "window", "metrics", "launch",
+        "ray_internals"))
+    print("DIGESTS", *digests)
+    print("SERVER", *server)
+    ray.shutdown()
+""")
+
+
+def test_connect_and_reads_import_no_server_class(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    """A fresh process attached to the cluster connects and reads (whole batches and a slice) and has imported no
+    server module: the client needs only config, errors and protocol (issue 14)."""
+    from zephon_ray import DataService
+
+    svc = DataService.start(tiny_recipe, name="import-probe", namespace="zr-import", state_dir=tmp_path / "s")
+    try:
+        address = ray_cluster.get_runtime_context().gcs_address
+        result = subprocess.run([sys.executable, "-c", CONNECT_AND_READ, address], cwd=ROOT, capture_output=True,
+                                text=True, timeout=300, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+        lines = {ln.split(" ", 1)[0]: ln.split()[1:] for ln in result.stdout.splitlines() if " " in ln or ln}
+        assert "DIGESTS" in lines, result.stderr[-3000:]
+        assert lines["DIGESTS"] == reference_digests[:3] + [str(tiny_recipe.global_batch_rows // 4)]
+        assert lines.get("SERVER", []) == [], lines["SERVER"]
+    finally:
+        svc.stop()
+
+
+def test_connect_to_a_missing_name_fails_at_once(ray_cluster, monkeypatch):
+    import time
+
+    import pytest
+
+    from zephon_ray import DataService
+    from zephon_ray.service.errors import ServiceNotFoundError
+
+    slept = []
+    with monkeypatch.context() as patch:
+        patch.setattr(time, "sleep", lambda s: slept.append(s))  # a wait would sleep between lookups
+        with pytest.raises(ServiceNotFoundError) as info:
+            DataService.connect("nope", namespace="zr-none")
+    assert not slept
+    assert str(info.value) == ("no service named 'nope' in namespace 'zr-none'; start it, or pass timeout_s= to "
+                               "wait for one that is starting")
+    with pytest.raises(ServiceNotFoundError, match="after waiting 0.3s"):
+        DataService.connect("nope", namespace="zr-none", timeout_s=0.3)  # asked to wait: it polls, then says so
+    for bad in ("60", -1, float("nan"), True):
+        with pytest.raises(ValueError, match="connect: timeout_s must be a number of seconds >= 0"):
+            DataService.connect("nope", namespace="zr-none", timeout_s=bad)

@@ -1,7 +1,7 @@
 """The coordinator: a named, detached, async Ray actor; the glue between the parts of one service.
 
-    NodeReader (one per node) ──lease(s, n) + cursor moves──► Coordinator ── reads group: lease
-    client ──commit / status / advance / release / rescale──►   │        ── control group: everything else
+    NodeReader (one per node) ──lease(s, n) + cursor moves──► Coordinator ── "reads" event loop: lease
+    client ──commit / status / advance / release / rescale──►   │        ── "control" event loop: the rest
                                                                  ├─ StepWindow      (window.py: refs table, cursors,
                                                                  │                   commits, bounds)
                                                                  ├─ ProducerPool    (pool.py, driven by the pump thread)
@@ -46,7 +46,6 @@ from zephon_ray.service import status as status_report
 from zephon_ray.service.config import ServiceConfig
 from zephon_ray.service.errors import ServiceError
 from zephon_ray.service.metrics import ServiceMetrics
-from zephon_ray.service.node import NodeReader
 from zephon_ray.service.pool import ProducerPool
 from zephon_ray.service.protocol import (
     PRODUCER_INFIX, READER_INFIX, REPLAYED, REPLAYER_INFIX, CursorMove, kill_named, lease_reply, only_lanes)
@@ -55,20 +54,19 @@ from zephon_ray.service.window import Entry, Read, StepWindow, resume_step
 
 log = logging.getLogger("zephon_ray.service")
 
-READS = "reads"
-CONTROL = "control"
-CONTROL_CONCURRENCY = 64
 MAX_LEASE_STEPS = 1024
 _POLL_S = 0.05
 
 
 class Coordinator:
-    """Created by :meth:`zephon_ray.DataService.start` (through service/launch.py); talk to it through
+    """The implementation behind :class:`~zephon_ray.service.actors.CoordinatorActor` (the actor
+    :meth:`zephon_ray.DataService.start` creates through launch.py); talk to it through
     :class:`~zephon_ray.DataService`."""
 
-    def __init__(self, recipe: Recipe, config: ServiceConfig) -> None:
+    def __init__(self, recipe: Recipe, config: ServiceConfig, *, reader_class: Any) -> None:
         self.recipe = recipe
         self.config = config
+        self._reader_class = reader_class  # actors.NodeReaderActor (passed in: no import cycle)
         self._t0 = time.monotonic()
         self._fatal: str | None = None
         self._stopping = False
@@ -172,7 +170,6 @@ class Coordinator:
             self._pump_wake.set()
 
     # ================================================================== reads
-    @ray.method(concurrency_group=READS)
     async def lease(self, first: int, count: int = 1, lanes: tuple[int, int] | None = None,
                     timeout_s: float | None = None, moves: list[CursorMove] | None = None, track: bool = False,
                     node: str | None = None) -> dict[str, Any]:
@@ -232,7 +229,6 @@ class Coordinator:
             self.start_info["first_batch_s"] = round(time.monotonic() - self._t0, 3)
 
     # ================================================================== control
-    @ray.method(concurrency_group=CONTROL)
     async def ready(self, timeout_s: float = 300.0) -> dict[str, Any]:
         """Return once every producer and replayer has started (or raise the configuration error found)."""
         deadline = time.monotonic() + timeout_s
@@ -247,15 +243,6 @@ class Coordinator:
             raise ServiceError(f"service {self.config.name!r}: configuration error: {error}")
         return {"fingerprint": self.recipe.fingerprint, "pid": os.getpid()}
 
-    @ray.method(concurrency_group=CONTROL)
-    async def recipe_and_config(self) -> tuple[Recipe, ServiceConfig]:
-        return self.recipe, self.config
-
-    @ray.method(concurrency_group=CONTROL)
-    async def pid(self) -> int:
-        return os.getpid()
-
-    @ray.method(concurrency_group=CONTROL)
     async def node_reader(self, node_id: str) -> Any:
         """The NodeReader of node ``node_id``, started on first use (owned by this actor: it dies with it)."""
         self._check_running()
@@ -264,7 +251,7 @@ class Coordinator:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             cfg = self.config
-            reader = ray.remote(NodeReader).options(
+            reader = ray.remote(self._reader_class).options(
                 name=f"{cfg.name}{READER_INFIX}{self._instance}.{node_id[:16]}", namespace=cfg.namespace,
                 num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                 max_concurrency=cfg.resources.coordinator_max_concurrency, max_restarts=-1, max_task_retries=-1,
@@ -274,13 +261,11 @@ class Coordinator:
             self.readers[node_id] = reader
         return reader
 
-    @ray.method(concurrency_group=CONTROL)
     async def advance(self, moves: list[CursorMove]) -> None:
         """Cursor moves reported by a node reader (or a direct client's ``touch``)."""
         self.counters["reports"] += 1
         self._advance(moves)
 
-    @ray.method(concurrency_group=CONTROL)
     async def commit(self, step: int, consumer: str, moves: list[CursorMove] | None = None) -> dict[str, Any]:
         """Record durably that ``consumer`` checkpointed and resumes at ``step`` (at most one past what it read,
         counting the cursor ``moves`` sent with the commit)."""
@@ -293,7 +278,6 @@ class Coordinator:
         self.recent_commits = (self.recent_commits + [entry])[-8:]
         return entry
 
-    @ray.method(concurrency_group=CONTROL)
     async def release(self, consumer: str) -> int:
         """Forget every cursor of ``consumer`` (it stops holding the window back); moves heard before are ignored."""
         with self._lock:
@@ -301,7 +285,6 @@ class Coordinator:
         self._pump_wake.set()
         return n
 
-    @ray.method(concurrency_group=CONTROL)
     async def invalidate(self, step: int, generation: int) -> bool:
         """A client found the shards of ``step`` (made by ``generation``) lost: make or replay it again."""
         step = int(step)
@@ -314,7 +297,6 @@ class Coordinator:
         self._notify()
         return dropped
 
-    @ray.method(concurrency_group=CONTROL)
     async def rescale(self, producers: int, timeout_s: float = 300.0) -> dict[str, Any]:
         """Replace the producer group by ``producers`` actors at the current step boundary; no batch changes."""
         if isinstance(producers, bool) or not isinstance(producers, int) or producers < 1:
@@ -335,7 +317,6 @@ class Coordinator:
         gen = self.pool.gen
         return {"producers": len(gen.actors), "generation": gen.number, "at_step": self.pool.next_step}
 
-    @ray.method(concurrency_group=CONTROL)
     async def status(self, moves: list[CursorMove] | None = None) -> dict[str, Any]:
         """The report of status.py; ``moves`` (the caller's own cursor moves) are applied first."""
         if not self._set_up:
@@ -343,7 +324,6 @@ class Coordinator:
         self._advance(moves)
         return status_report.build(self)
 
-    @ray.method(concurrency_group=CONTROL)
     async def stop(self) -> None:
         """Stop producing; kill producers, replayers and node readers. The caller then kills this actor."""
         self._stopping = True

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import os
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
+from zephon_ray import files
 from zephon_ray.formats.service_state import check_state_dir
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import ServiceConfig
@@ -32,15 +32,15 @@ def check_materialized_dir(recipe: Recipe, path: str | os.PathLike) -> str:
     """The absolute path of a materialised directory usable for ``recipe`` (ValueError naming what is wrong)."""
     from zephon_ray.service.replay import read_materialized_prefix
 
-    path = str(Path(path).expanduser().resolve())  # the coordinator and replayers resolve it elsewhere
+    path = files.location(path).uri  # absolute (or a URI): the coordinator and replayers resolve it elsewhere
     read_materialized_prefix(recipe, path)
     return path
 
 
 def prepare(recipe: Recipe, config: ServiceConfig) -> ServiceConfig:
     """The I/O checks of a start, before Ray is touched; returns the config with absolute paths."""
-    if config.state_dir is not None and os.path.exists(config.state_dir):
-        check_state_dir(recipe, config.state_dir)
+    if config.state_dir is not None:
+        check_state_dir(recipe, config.state_dir)  # a path or a URI; an absent state_dir is fine
     if config.materialized_dir is not None:
         config = replace(config, materialized_dir=check_materialized_dir(recipe, config.materialized_dir))
     _ = recipe.fingerprint  # computed here, shipped with the recipe (the coordinator's node may differ)
@@ -51,7 +51,8 @@ def launch(recipe: Recipe, config: ServiceConfig) -> Any:
     """Start the coordinator of ``config.name`` and wait until it is ready; returns its actor handle."""
     import ray
 
-    from zephon_ray.service.coordinator import CONTROL, CONTROL_CONCURRENCY, READS, Coordinator
+    from zephon_ray.service.actors import CoordinatorActor
+    from zephon_ray.service.protocol import CONTROL, CONTROL_CONCURRENCY, READS
 
     name, namespace = config.name, config.namespace
     try:
@@ -64,7 +65,7 @@ def launch(recipe: Recipe, config: ServiceConfig) -> Any:
     kill_named(name, namespace)  # helpers left by a coordinator that died without stop()
     res = config.resources
     groups = {READS: res.coordinator_max_concurrency, CONTROL: CONTROL_CONCURRENCY}
-    handle = ray.remote(concurrency_groups=groups)(Coordinator).options(
+    handle = ray.remote(concurrency_groups=groups)(CoordinatorActor).options(
         name=name, namespace=namespace, lifetime="detached", num_cpus=res.coordinator_num_cpus,
         resources=dict(res.coordinator_resources), max_concurrency=res.coordinator_max_concurrency,
         # Self-healing: Ray restarts a dead coordinator (it reopens state_dir) and re-sends calls in flight.

@@ -5,7 +5,7 @@
     zephon_ray_window_fill               gauge      steps ready at or ahead of the slowest live cursor / window
     zephon_ray_window_held_steps         gauge      steps in the table (window plus retained ones behind it)
     zephon_ray_window_held_bytes         gauge      their bytes in the object store
-    zephon_ray_consumer_wait_seconds     histogram  how long a read waited for its step to be produced
+    zephon_ray_consumer_wait_seconds     histogram  how long a lease waited for its first step to be produced
     zephon_ray_replays                   counter    past steps replayed (restore + replay in a Replayer)
     zephon_ray_replay_steps              histogram  steps replayed per replay (<= anchor interval)
     zephon_ray_producer_restarts         counter    producer-group replacements, any cause
@@ -18,9 +18,9 @@ histograms); ``service/grafana_panel.json`` queries them. Shown by ``tests/test_
 private cluster's metrics endpoint rather than reading these objects.
 
 Limits: Ray exports metrics every few seconds (``RAY_metrics_report_interval_ms``, 10 s by default), so a scrape
-lags by that much; the consumer wait is measured in the coordinator (from the read's arrival to its step being in
-the table), so it excludes the client's transfer of the shards and reads served by a replay (those are counted
-by ``zephon_ray_replays``).
+lags by that much; the consumer wait is measured in the coordinator per lease (a node reader's lease serves the
+ranks of its node for up to ``lease_steps`` steps; a direct read is a lease of one step), from its arrival to its
+first step being in the table or replayed, so it excludes the ranks' transfer of the shards.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class ServiceMetrics(NoMetrics):
         self._fill = gauge("window_fill", "Steps ready at or ahead of the slowest live cursor, over the window size")
         self._held_steps = gauge("window_held_steps", "Steps held in the object store (window + retained)")
         self._held_bytes = gauge("window_held_bytes", "Bytes of the steps held in the object store")
-        self._wait = histogram("consumer_wait_seconds", "Time a read waited for its step to be produced",
+        self._wait = histogram("consumer_wait_seconds", "Time a lease waited for its first step to be produced",
                                WAIT_BOUNDARIES_S)
         self._replays = counter("replays", "Past steps served by restore + replay")
         self._replay_steps = histogram("replay_steps", "Steps replayed per replay", REPLAY_BOUNDARIES_STEPS)

@@ -32,6 +32,7 @@ ranks move again). Between leases ``status()`` shows cursors up to n steps old.
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -146,7 +147,7 @@ class NodeReader:
         return len(keys)
 
     async def info(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "cached_steps": sorted(self._cache), "keep_from": self._keep_from,
+        return {"pid": os.getpid(), "node_id": self.node_id, "cached_steps": sorted(self._cache), "keep_from": self._keep_from,
                 "cursors": len(self._heard), "lanes": [self._lo, self._hi], **self.stats}
 
     # ------------------------------------------------------------------ leases

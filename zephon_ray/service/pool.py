@@ -27,17 +27,16 @@ from __future__ import annotations
 
 import logging
 import re
-import shutil
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Callable
 
 import ray
 from ray.exceptions import RayActorError, RayError
 
+from zephon_ray import files
 from zephon_ray.identity import check_checkpoint_agreement
 from zephon_ray.pipeline import LaneGroup
 from zephon_ray.recipe import Recipe
@@ -125,12 +124,10 @@ class ProducerPool:
         if not self.config.aggregate_dir or not self.config.run_id:
             return
         pattern = re.compile(rf"^{re.escape(self.config.run_id)}-[0-9a-f]{{6}}-g\d+(-\d+)?$")
-        root = Path(self.config.aggregate_dir)
-        if not root.is_dir():
-            return
-        for entry in root.iterdir():
-            if pattern.match(entry.name) and not entry.name.startswith(keep_run_id + "-") and entry.name != keep_run_id:
-                shutil.rmtree(entry, ignore_errors=True)
+        root = files.location(self.config.aggregate_dir)  # a shared directory or an object-store prefix
+        for name in files.entries(root):
+            if pattern.match(name) and not name.startswith(keep_run_id + "-") and name != keep_run_id:
+                files.delete_tree(root.join(name))
 
     def launch(self, producers: int, step: int, state: dict[str, Any] | None) -> None:
         with self._launch_lock:

@@ -13,6 +13,7 @@ Shared by both sides, so the client imports this and never a server class (tests
   (``None`` outside the lanes asked for). ``keep_from`` is the oldest step the coordinator still holds.
 - Actor names: ``<service>.producer.<instance>.g<G>.<i>``, ``<service>.replayer.<instance>.<i>``,
   ``<service>.reader.<instance>.<node id>``.
+- The actor classes clients hold handles of are thin shells in actors.py.
 """
 
 from __future__ import annotations
@@ -58,3 +59,9 @@ def kill_named(name: str, namespace: str, infixes: tuple[str, ...] = HELPER_INFI
             except Exception:  # noqa: BLE001 - already gone
                 pass
     return killed
+
+
+READS = "reads"
+"""Concurrency group of the coordinator's leases: its own event loop, so control calls never queue behind them."""
+CONTROL = "control"
+CONTROL_CONCURRENCY = 64

@@ -1,0 +1,102 @@
+"""The actor classes a client holds handles of: thin shells whose methods delegate to the implementation.
+
+Ray loads an actor's class to build a handle to it (``ray.get_actor``, or a handle arriving in a reply), so a
+client that connected to the coordinator and got its node reader has imported exactly these shells, never
+coordinator.py, node.py or anything behind them: the implementation is imported inside the actor process only
+(tests/test_service_client.py::test_connect_and_reads_import_no_server_class).
+
+    CoordinatorActor  -> coordinator.Coordinator   (wrap with ray.remote(concurrency_groups={READS: n, CONTROL: m}))
+    NodeReaderActor   -> node.NodeReader
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import ray
+
+from zephon_ray.service.protocol import CONTROL, READS, CursorMove, StepLanes
+
+
+class CoordinatorActor:
+    """The coordinator's RPC surface (see coordinator.py for what each call does). Wrap with
+    ``ray.remote(concurrency_groups={READS: n, CONTROL: CONTROL_CONCURRENCY})``."""
+
+    def __init__(self, recipe: Any, config: Any) -> None:
+        from zephon_ray.service.coordinator import Coordinator
+
+        self._impl = Coordinator(recipe, config, reader_class=NodeReaderActor)
+
+    @ray.method(concurrency_group=READS)
+    async def lease(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return await self._impl.lease(*args, **kwargs)
+
+    @ray.method(concurrency_group=CONTROL)
+    async def ready(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return await self._impl.ready(*args, **kwargs)
+
+    @ray.method(concurrency_group=CONTROL)
+    async def recipe_and_config(self) -> tuple[Any, Any]:
+        return self._impl.recipe, self._impl.config
+
+    @ray.method(concurrency_group=CONTROL)
+    async def pid(self) -> int:
+        import os
+
+        return os.getpid()
+
+    @ray.method(concurrency_group=CONTROL)
+    async def node_reader(self, node_id: str) -> Any:
+        return await self._impl.node_reader(node_id)
+
+    @ray.method(concurrency_group=CONTROL)
+    async def advance(self, moves: list[CursorMove]) -> None:
+        return await self._impl.advance(moves)
+
+    @ray.method(concurrency_group=CONTROL)
+    async def commit(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return await self._impl.commit(*args, **kwargs)
+
+    @ray.method(concurrency_group=CONTROL)
+    async def release(self, consumer: str) -> int:
+        return await self._impl.release(consumer)
+
+    @ray.method(concurrency_group=CONTROL)
+    async def invalidate(self, step: int, generation: int) -> bool:
+        return await self._impl.invalidate(step, generation)
+
+    @ray.method(concurrency_group=CONTROL)
+    async def rescale(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return await self._impl.rescale(*args, **kwargs)
+
+    @ray.method(concurrency_group=CONTROL)
+    async def status(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return await self._impl.status(*args, **kwargs)
+
+    @ray.method(concurrency_group=CONTROL)
+    async def stop(self) -> None:
+        return await self._impl.stop()
+
+
+class NodeReaderActor:
+    """A node reader's RPC surface (see node.py). One event loop: its calls are short and node-local."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        from zephon_ray.service.node import NodeReader
+
+        self._impl = NodeReader(*args, **kwargs)
+
+    async def read(self, *args: Any, **kwargs: Any) -> StepLanes:
+        return await self._impl.read(*args, **kwargs)
+
+    async def advance(self, moves: list[tuple[str, int, int, int]]) -> None:
+        return await self._impl.advance(moves)
+
+    async def invalidate(self, step: int, generation: int) -> bool:
+        return await self._impl.invalidate(step, generation)
+
+    async def release(self, consumer: str) -> int:
+        return await self._impl.release(consumer)
+
+    async def info(self) -> dict[str, Any]:
+        return await self._impl.info()
