@@ -2,9 +2,9 @@
 
 One head node (only the coordinator may go there) and two worker nodes (producers, the replayer, the reader).
 1. Shard bytes never reach the coordinator's node unless a consumer there reads them: checked with Ray's own
-   object-location table (``ray.experimental.get_object_locations``). Limit: Ray hands return values smaller
-   than ``max_direct_call_object_size`` (100 KiB by default) to their owner inline, so shards that small do sit
-   in the coordinator's memory; this test lowers that limit so that the tiny recipe's shards behave like real ones.
+   object-location table (``ray.experimental.get_object_locations``) and owner addresses: the producers put and
+   own their shards (the tiny recipe's ~1 KiB shards too, with Ray's default 100 KiB inline limit), so none is
+   inlined into the coordinator.
 2. Node loss: the worker node that holds producers and shards is removed (``Cluster.remove_node``) while a reader
    on the other worker node reads on; lost steps are replayed and every digest equals the reference; the reader
    never sees a raw Ray error.
@@ -47,11 +47,9 @@ def _drive(summary: str) -> None:
     info: dict = {}
     cluster = svc = None
     try:
-        # Ray returns objects under max_direct_call_object_size (100 KiB) inline to their owner, the coordinator.
-        # The tiny recipe's lane shards are ~1 KiB, so lower the limit: real shards (MiBs) always go to plasma.
+        # Ray's default inline limit (100 KiB): the producers ray.put their ~1 KiB shards, so they own them.
         cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "resources": {"zr-coord": 1}, "temp_dir": temp_dir,
-            "_system_config": {"max_direct_call_object_size": 256}})
+            "num_cpus": 2, "resources": {"zr-coord": 1}, "temp_dir": temp_dir})
         workers = [cluster.add_node(num_cpus=2, resources={"zr-work": 1}, temp_dir=temp_dir) for _ in range(2)]
         ray.init(address=cluster.address, namespace="zr-svc-cluster", log_to_driver=False,
                  runtime_env={"env_vars": {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}})
@@ -90,13 +88,17 @@ def _drive(summary: str) -> None:
         read_here = status["window"]["held_steps"][1]
         info["read_here"] = read_here
         info["read_here_digest"] = svc.batch(read_here).digest
-        locations = {}
+        from zephon_ray.service.ray_internals import owner_worker_id
+
+        locations, owners = {}, set()
         for step in status["window"]["held_steps"]:
             refs = svc.refs(step).lanes  # borrowed refs; nothing is fetched
             found = ray.experimental.get_object_locations(refs, timeout_ms=10_000)
             locations[step] = sorted({n for loc in found.values() for n in loc.get("node_ids", [])})
+            owners |= {owner_worker_id(ref) for ref in refs}
             del refs
         info["locations"] = locations
+        info["owners_are_producers"] = owners <= {p["worker_id"] for p in status["producers"]}
 
         # Node loss: remove the worker node that holds producer 0 (and the shards it produced).
         victim = status["producers"][0]["node_id"]
@@ -137,6 +139,7 @@ def test_no_shard_bytes_on_coordinator_node_and_node_loss(tmp_path):
     head = info["head"]
     assert info["coordinator_node"] == head and head not in info["producer_nodes"]
     assert [(s, d, e) for s, _, d, e in info["first"]] == [(s, digests[s], None) for s in range(8)]
+    assert info["owners_are_producers"]
     assert info["read_here_digest"] == digests[info["read_here"]]
     for step, nodes in info["locations"].items():
         assert nodes, f"step {step}: Ray knows no location of its shards"

@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from zephon_ray.service.protocol import CONTROL, READS, CursorMove, StepLanes
+from zephon_ray.service.protocol import CONTROL, READS, CursorMove
 
 
 class CoordinatorActor:
@@ -86,7 +86,7 @@ class NodeReaderActor:
 
         self._impl = NodeReader(*args, **kwargs)
 
-    async def read(self, *args: Any, **kwargs: Any) -> StepLanes:
+    async def read(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return await self._impl.read(*args, **kwargs)
 
     async def advance(self, moves: list[tuple[str, int, int, int]]) -> None:

@@ -72,7 +72,7 @@ from zephon_ray.lanes import LaneShard
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, READ_PATHS, ActorResources, ServiceConfig
 from zephon_ray.service.errors import ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError
-from zephon_ray.service.protocol import KEY_STEPS
+from zephon_ray.service.protocol import KEY_KEEP_FROM, KEY_STEPS, REPLAYED, check_reader, only_lanes
 from zephon_ray.source import assemble, pad_token_id
 
 _LOST = (ObjectLostError, OwnerDiedError, ObjectFetchTimedOutError)
@@ -170,6 +170,34 @@ def _reader_key(rank: int | None, world: int | None) -> tuple[int, int]:
     return (0, 1) if world is None and rank is None else (rank, world)
 
 
+REPLAYS_KEPT = 8
+"""Replayed steps a client keeps (its ranks reading one past step share one reply)."""
+FLUSH_EVERY_S = 0.05
+"""A client sends its ranks' cursor moves to the node reader at most this often (sooner while a read waits)."""
+
+
+@dataclass
+class _Held:
+    """The refs this process holds of one step (None for lanes none of its ranks asked for)."""
+
+    generation: int
+    lanes: list[Any]
+
+    def has(self, lo: int, hi: int) -> bool:
+        return all(self.lanes[i] is not None for i in range(lo, hi))
+
+
+@dataclass
+class _Request:
+    """One read call to the node reader in flight; threads of this process needing ``step`` wait for it."""
+
+    step: int
+    lo: int
+    hi: int
+    done: threading.Event
+    error: BaseException | None = None
+
+
 class DataService:
     """A handle on a running data service. Cheap to create; picklable state is just (name, namespace, consumer).
     One handle may be shared by threads (each reading as its own rank).
@@ -194,8 +222,17 @@ class DataService:
         self._pad = pad_token_id(recipe)
         self._lock = threading.Lock()
         self._reader: Any = None
-        self._prefetched: dict[tuple[int, int | None, int | None], Any] = {}
+        self._prefetched: dict[tuple[int, int | None, int | None], Any] = {}  # direct path's read-ahead
         self._moves: dict[tuple[int, int], tuple[int, float]] = {}  # this client's own (rank, world) -> (step, when)
+        # The node path: what this process's ranks share (one reader call per lease_steps steps, not per read).
+        self._cache: dict[int, _Held] = {}
+        self._replayed: list[int] = []
+        self._requests: list[_Request] = []
+        self._lo, self._hi = recipe.lanes, 0  # union of the lanes this process's ranks asked for
+        self._keep_from = 0
+        self._pending: dict[tuple[int, int], int] = {}  # cursor moves not yet sent to the node reader
+        self._last_flush = 0.0
+        self._flush_timer: threading.Timer | None = None
 
     def __reduce__(self):  # ship to Ray Train workers / tasks as a reconnect, not as actor state
         return (_reconnect, (self.name, self.namespace, self.consumer, self.read_path))
@@ -303,6 +340,7 @@ class DataService:
         """Drop this consumer's cursors now, so that it no longer holds the window back."""
         with self._lock:
             self._moves.clear()
+            self._pending.clear()
             reader = self._reader
         if reader is not None:
             reader.release.remote(self.consumer)
@@ -315,45 +353,163 @@ class DataService:
         consumer's cursor (the trainer path); the default leaves it where it is (inspection, read-ahead). Fetching
         from the returned refs may raise :class:`ShardsLostError`; ``batch``/``slice`` retry that themselves."""
         step = _as_step(step)
+        r, w = check_reader(rank, world, self.recipe.global_batch_rows)
+        span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, r, w)
+        if self.read_path == "node":
+            if track:
+                self._own_move(step, rank, world)
+                self._queue_move(r, w, step)
+            held = self._held(step, span.first, span.stop, track, timeout_s)
+            return StepRefs(step, only_lanes(held.lanes, span.first, span.stop), self.recipe, self._pad,
+                            held.generation)
         pending = self._prefetched.pop((step, rank, world), None)
         if pending is not None:
             if track:  # the prefetch did not move the cursor; this read does
                 self.touch(step, rank=rank, world=world)
             reply = self._call(pending)
         else:
-            reply = self._call(self._request(step, rank, world, track, timeout_s))
+            moves = [(self.consumer, r, w, step, 0.0)] if track else None
+            reply = self._call(self._coordinator.lease.remote(step, 1, (span.first, span.stop), timeout_s, moves,
+                                                              track))
             if track:
                 self._own_move(step, rank, world)
-        if isinstance(reply, dict):  # the direct path: a lease reply of one step
-            reply = reply[KEY_STEPS][0]
-        got, generation, lanes = reply
+        got, generation, lanes = reply[KEY_STEPS][0]
         return StepRefs(got, lanes, self.recipe, self._pad, generation)
 
-    def _request(self, step: int, rank: int | None, world: int | None, track: bool,
-                 timeout_s: float | None) -> Any:
-        """One read call: to this node's reader (it answers from its lease), or straight to the coordinator."""
-        if self.read_path == "node":
-            return self._node_reader().read.remote(step, self.consumer, rank, world, track, timeout_s)
-        r, w = _reader_key(rank, world)
-        span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, r, w)
-        moves = [(self.consumer, r, w, step, 0.0)] if track else None
-        return self._coordinator.lease.remote(step, 1, (span.first, span.stop), timeout_s, moves, track)
+    # ------------------------------------------------------------------ the node path
+    def _held(self, step: int, lo: int, hi: int, track: bool, timeout_s: float | None) -> _Held:
+        """This process's refs of ``step`` covering lanes ``[lo, hi)``: from its cache, from a call in flight of
+        another thread, or from one call to the node reader (which answers for up to ``lease_steps`` steps)."""
+        while True:
+            with self._lock:
+                held = self._cache.get(step)
+                if held is not None and held.has(lo, hi):
+                    return held
+                self._lo, self._hi = min(self._lo, lo), max(self._hi, hi)
+                request = next((q for q in self._requests if q.step == step and q.lo <= lo and hi <= q.hi), None)
+                owner = request is None
+                if owner:
+                    request = _Request(step, self._lo, self._hi, threading.Event())
+                    self._requests.append(request)
+                    moves = self._take_pending()
+            if not owner:
+                request.done.wait()
+                if request.error is not None:
+                    raise request.error
+                continue
+            try:
+                reader = self._node_reader()
+                ref = reader.read.remote(step, self.consumer, (request.lo, request.hi), track, timeout_s, moves)
+                reply = self._wait(ref)
+                with self._lock:
+                    self._file(reply)
+            except BaseException as exc:
+                request.error = exc
+                with self._lock:
+                    for (_, r, w, s) in moves:  # harmless if they arrived: cursor moves are monotonic
+                        self._pending[(r, w)] = max(s, self._pending.get((r, w), s))
+                raise
+            finally:
+                with self._lock:
+                    self._requests.remove(request)
+                request.done.set()
+
+    def _wait(self, ref: Any) -> Any:
+        """The reply of a read call; while it waits, this process's new cursor moves go to the node reader (the
+        step it waits for may be held back by exactly those moves)."""
+        while True:
+            ready, _ = ray.wait([ref], timeout=0.25, fetch_local=False)
+            if ready:
+                return self._call(ref)
+            self._flush_moves(force=True)
+
+    def _file(self, reply: dict[str, Any]) -> None:
+        """File a reply into this process's cache and evict what the coordinator no longer holds (lock held)."""
+        self._keep_from = max(self._keep_from, int(reply[KEY_KEEP_FROM]))
+        filed = set()
+        for step, generation, lanes in reply[KEY_STEPS]:
+            filed.add(step)
+            held = self._cache.get(step)
+            if held is not None and held.generation == generation:
+                held.lanes = [new if new is not None else old for old, new in zip(held.lanes, lanes)]
+            else:
+                self._cache[step] = _Held(generation, list(lanes))
+            if generation == REPLAYED:
+                if step in self._replayed:
+                    self._replayed.remove(step)
+                self._replayed.append(step)
+        while len(self._replayed) > REPLAYS_KEPT:
+            self._cache.pop(self._replayed.pop(0), None)
+        keep = filed | set(self._replayed)
+        for step in [s for s in self._cache if s < self._keep_from and s not in keep]:
+            del self._cache[step]
+        cap = 2 * (self.config.window + self.config.lease_steps) + REPLAYS_KEPT
+        older = sorted(s for s in self._cache if s not in filed)
+        for step in older[:max(0, len(self._cache) - cap)]:
+            del self._cache[step]
+
+    def _queue_move(self, rank: int, world: int, step: int) -> None:
+        with self._lock:
+            self._pending[(rank, world)] = max(step, self._pending.get((rank, world), step))
+        self._flush_moves()
+
+    def _take_pending(self) -> list[tuple[str, int, int, int]]:
+        moves = [(self.consumer, r, w, s) for (r, w), s in self._pending.items()]
+        self._pending.clear()
+        return moves
+
+    def _flush_moves(self, force: bool = False) -> None:
+        """Send pending cursor moves to the node reader, at most once per ``FLUSH_EVERY_S`` (or now, ``force``).
+        Moves held back by that limit go with this process's next read call, or with a timer armed for the end of
+        the interval, whichever comes first: a move is never left behind, and ranks of a process that move
+        together cost a call or two per step, not one each."""
+        now = time.monotonic()
+        with self._lock:
+            if not self._pending:
+                return
+            wait = FLUSH_EVERY_S - (now - self._last_flush)
+            if not force and wait > 0:
+                if self._flush_timer is None:
+                    self._flush_timer = threading.Timer(wait, self._flush_moves, kwargs={"force": True})
+                    self._flush_timer.daemon = True
+                    self._flush_timer.start()
+                return
+            self._last_flush = now
+            self._flush_timer = None
+            moves = self._take_pending()
+        try:
+            self._node_reader().advance.remote(moves)
+        except Exception:  # noqa: BLE001 - the service is restarting: the moves go with the next read call
+            with self._lock:
+                for _, r, w, s in moves:
+                    self._pending[(r, w)] = max(s, self._pending.get((r, w), s))
 
     def _node_reader(self) -> Any:
         with self._lock:
-            if self._reader is None:
-                node = ray.get_runtime_context().get_node_id()
-                self._reader = self._call(self._coordinator.node_reader.remote(node), timeout=120)
-            return self._reader
+            reader = self._reader
+        if reader is None:
+            node = ray.get_runtime_context().get_node_id()
+            reader = self._call(self._coordinator.node_reader.remote(node), timeout=120)
+            with self._lock:
+                self._reader = self._reader or reader
+                reader = self._reader
+        return reader
 
     def prefetch(self, steps: Iterable[int], *, rank: int | None = None, world: int | None = None) -> None:
         """Ask for upcoming steps without waiting and without moving the cursor; a later ``slice``/``batch``/
-        ``refs`` of one of them (same rank and world) uses the answer. Keep the depth below ``window``: a step
-        beyond the live window is replayed on the side instead."""
-        for step in map(_as_step, steps):
+        ``refs`` of one of them (same rank and world) uses the answer. On the node path this is not needed: one
+        call brings the refs of up to ``lease_steps`` steps. Keep the depth below ``window``: a step beyond the
+        live window is replayed on the side instead."""
+        steps = [_as_step(step) for step in steps]
+        if self.read_path == "node":
+            return
+        r, w = check_reader(rank, world, self.recipe.global_batch_rows)
+        span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, r, w)
+        for step in steps:
             key = (step, rank, world)
             if key not in self._prefetched:
-                self._prefetched[key] = self._request(step, rank, world, False, None)
+                self._prefetched[key] = self._coordinator.lease.remote(step, 1, (span.first, span.stop), None,
+                                                                       None, False)
         while len(self._prefetched) > 4 * self.config.window:  # forget the oldest unused prefetches
             self._prefetched.pop(next(iter(self._prefetched)))
 
@@ -361,10 +517,10 @@ class DataService:
         """Move this consumer's cursor (for ``rank`` of ``world``) to ``step`` without reading: for loaders
         that read ahead with ``track=False`` and report what the trainer actually consumed. Fire and forget."""
         step = _as_step(step)
-        r, w = _reader_key(rank, world)
+        r, w = check_reader(rank, world, self.recipe.global_batch_rows)
         self._own_move(step, rank, world)
         if self.read_path == "node":
-            self._node_reader().advance.remote([(self.consumer, r, w, step)])
+            self._queue_move(r, w, step)
         else:
             self._coordinator.advance.remote([(self.consumer, r, w, step, 0.0)])
 
@@ -421,6 +577,10 @@ class DataService:
             delay = min(delay * 2, 2.0)
 
     def _invalidate(self, step: int, generation: int) -> None:
+        with self._lock:
+            held = self._cache.get(step)
+            if held is not None and held.generation == generation:
+                del self._cache[step]
         try:
             reader = self._reader if self.read_path == "node" else None
             target = reader if reader is not None else self._coordinator
@@ -439,6 +599,8 @@ class DataService:
         with self._lock:
             self._coordinator = coordinator
             self._reader = None
+            self._cache.clear()
+            self._replayed.clear()
 
     # ------------------------------------------------------------------ state and control
     def commit(self, step: int) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """``NodeReader``: one actor per node that leases step refs from the coordinator for every rank on that node.
 
-    rank 0..7 on node A ──read(s, rank, world)──► NodeReader(A) ── cache hit ──► (s, generation, lane refs)
+    processes on node A ──read(s, lanes, moves)──► NodeReader(A) ── cache hit ──► refs of steps s.. (<= n)
                                                       │ miss: one lease call for steps [s, s + n), with the
                                                       │ cursor moves of every rank on A since the last call
                                                       ▼
@@ -39,9 +39,8 @@ from typing import Any
 
 from ray.exceptions import RayTaskError
 
-from zephon_ray.batch import lane_span
-from zephon_ray.service.protocol import KEY_KEEP_FROM, KEY_STEPS, REPLAYED, CursorMove, StepLanes, only_lanes
-from zephon_ray.service.window import check_consumer, check_reader
+from zephon_ray.service.protocol import (
+    KEY_KEEP_FROM, KEY_STEPS, REPLAYED, CursorMove, StepLanes, check_consumer, check_reader, lease_reply, only_lanes)
 
 REPLAYS_KEPT = 8
 """Replayed steps kept in a reader's cache (ranks of one node reading one past step share one reply)."""
@@ -93,18 +92,21 @@ class NodeReader:
         self.stats = {"reads": 0, "hits": 0, "leases": 0, "leased_steps": 0, "reports": 0, "moves_reported": 0}
 
     # ------------------------------------------------------------------ ranks' calls
-    async def read(self, step: int, consumer: str, rank: int | None, world: int | None, track: bool,
-                   timeout_s: float | None = None) -> StepLanes:
-        """``(step, generation, lanes)``: the refs of the lanes holding this rank's rows (all lanes without a
-        rank), None elsewhere. ``track`` moves this rank's cursor to ``step``."""
+    async def read(self, step: int, consumer: str, lanes: tuple[int, int] | None = None, track: bool = False,
+                   timeout_s: float | None = None, moves: list[tuple[str, int, int, int]] | None = None
+                   ) -> dict[str, Any]:
+        """A lease reply (protocol.py) for one process: step ``step`` and the cached steps after it (at most
+        ``lease_steps``), with the refs of lanes ``[lo, hi)`` (the union of the process's ranks' lanes; all lanes
+        for None). ``moves`` are the process's cursor moves ``(consumer, rank, world, step)`` since its last
+        call, applied first; ``track``: the caller's cursor is at ``step`` (it may wait for it to be produced)."""
         self._start()
         check_consumer(consumer)
-        rank, world = check_reader(rank, world, self.lanes * self.rows_per_lane)
+        if moves:
+            await self.advance(moves)
+        lo, hi = (0, self.lanes) if lanes is None else (int(lanes[0]), int(lanes[1]))
+        if not 0 <= lo < hi <= self.lanes:
+            raise ValueError(f"lanes [{lo}, {hi}) are not a lane range of a recipe with {self.lanes} lanes")
         self.stats["reads"] += 1
-        if track:
-            self._move(consumer, rank, world, step)
-        span = lane_span(self.lanes, self.rows_per_lane, rank, world)
-        lo, hi = span.first, span.stop
         self._lo, self._hi = min(self._lo, lo), max(self._hi, hi)
         timeout_s = self.request_timeout_s if timeout_s is None else float(timeout_s)
         first_look = True
@@ -113,7 +115,7 @@ class NodeReader:
             if held is not None and held.has(lo, hi):
                 if first_look:
                     self.stats["hits"] += 1
-                return step, held.generation, only_lanes(held.lanes, lo, hi)
+                return lease_reply(self._run(step, lo, hi), self._keep_from)
             first_look = False
             lease = next((x for x in self._leases if x.covers(step, lo, hi)), None)
             if lease is None:
@@ -125,11 +127,24 @@ class NodeReader:
                     raise  # the coordinator's answer about this step (ValueError, TimeoutError, ServiceError)
                 # a lease for an earlier step failed: ask for this one ourselves
 
+    def _run(self, first: int, lo: int, hi: int) -> list[StepLanes]:
+        """Cached steps ``first, first + 1, ...`` (at most ``lease_steps``) that hold lanes ``[lo, hi)``."""
+        out = []
+        for step in range(first, first + self.lease_steps):
+            held = self._cache.get(step)
+            if held is None or not held.has(lo, hi):
+                break
+            out.append((step, held.generation, only_lanes(held.lanes, lo, hi)))
+        return out
+
     async def advance(self, moves: list[tuple[str, int, int, int]]) -> None:
-        """Cursor moves ``(consumer, rank, world, step)`` of ranks that took steps read ahead (``touch``)."""
+        """Cursor moves ``(consumer, rank, world, step)`` of ranks on this node (a read or ``touch``)."""
         self._start()
+        rows = self.lanes * self.rows_per_lane
         for consumer, rank, world, step in moves:
-            self._move(consumer, rank, world, step)
+            check_consumer(consumer)
+            rank, world = check_reader(rank, world, rows)
+            self._move(consumer, rank, world, int(step))
 
     async def invalidate(self, step: int, generation: int) -> bool:
         """A rank found the shards of ``step`` lost: forget them here and tell the coordinator."""

@@ -25,6 +25,7 @@ CursorMove = tuple[str, int, int, int, float]
 StepLanes = tuple[int, int, list]
 """(step, generation, lanes): lane refs of one step, None where not asked for."""
 
+MAX_CONSUMER_NAME = 200
 KEY_STEPS = "steps"
 KEY_KEEP_FROM = "keep_from"
 REPLAYED = -1
@@ -34,6 +35,27 @@ PRODUCER_INFIX = ".producer."
 REPLAYER_INFIX = ".replayer."
 READER_INFIX = ".reader."
 HELPER_INFIXES = (PRODUCER_INFIX, REPLAYER_INFIX, READER_INFIX)
+
+
+def check_consumer(consumer: Any) -> str:
+    if not isinstance(consumer, str) or not consumer or len(consumer) > MAX_CONSUMER_NAME:
+        raise ValueError(f"consumer must be a non-empty string of at most {MAX_CONSUMER_NAME} characters, "
+                         f"got {consumer!r}")
+    return consumer
+
+
+def check_reader(rank: Any, world: Any, rows: int) -> tuple[int, int]:
+    """(rank, world) of a reader; ``world=None`` means one reader of the whole batch (0, 1)."""
+    if world is None and rank is None:
+        return 0, 1
+    for key, value in (("rank", rank), ("world", world)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{key} must be an integer, got {value!r}")
+    if not 1 <= world <= rows or rows % world:
+        raise ValueError(f"world={world} must divide the global batch of {rows} rows")
+    if not 0 <= rank < world:
+        raise ValueError(f"rank={rank} is outside [0, {world})")
+    return rank, world
 
 
 def lease_reply(steps: list[StepLanes], keep_from: int) -> dict[str, Any]:

@@ -37,7 +37,11 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
-MAX_CONSUMER_NAME = 200
+from zephon_ray.service.protocol import MAX_CONSUMER_NAME, check_consumer, check_reader
+
+__all__ = ["MAX_CONSUMER_NAME", "Cursor", "Entry", "Read", "StepWindow", "check_consumer", "check_reader",
+           "resume_step"]
+
 MAX_CURSORS = 100_000
 """Cursors kept at once ((consumer, rank, world) keys); more is a misuse (e.g. a new consumer name per read)."""
 MAX_STATUS_CURSORS = 1024
@@ -67,27 +71,6 @@ class Entry:
     served: int = 0
     generation: int = 0
     """The producer generation that made it (its shards die with that generation's actors)."""
-
-
-def check_consumer(consumer: Any) -> str:
-    if not isinstance(consumer, str) or not consumer or len(consumer) > MAX_CONSUMER_NAME:
-        raise ValueError(f"consumer must be a non-empty string of at most {MAX_CONSUMER_NAME} characters, "
-                         f"got {consumer!r}")
-    return consumer
-
-
-def check_reader(rank: Any, world: Any, rows: int) -> tuple[int, int]:
-    """(rank, world) of a reader; ``world=None`` means one reader of the whole batch (0, 1)."""
-    if world is None and rank is None:
-        return 0, 1
-    for key, value in (("rank", rank), ("world", world)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key} must be an integer, got {value!r}")
-    if not 1 <= world <= rows or rows % world:
-        raise ValueError(f"world={world} must divide the global batch of {rows} rows")
-    if not 0 <= rank < world:
-        raise ValueError(f"rank={rank} is outside [0, {world})")
-    return rank, world
 
 
 def resume_step(commits: dict[str, int], max_ahead: int) -> int:
