@@ -198,9 +198,10 @@ def _sampler_batches(args: argparse.Namespace, recipe, group: int):
                                  num_replicas=1, shuffle=False)
     ids = list(sampler)
     per = B // args.groups
-    for k in range(0, len(ids), per):
-        chunk = ids[k:k + per]
-        yield chunk, tokens[chunk], positions[chunk]
+    while True:  # epochs, as a DataLoader over the sampler would run them
+        for k in range(0, len(ids), per):
+            chunk = ids[k:k + per]
+            yield chunk, tokens[chunk], positions[chunk]
 
 
 # ---------------------------------------------------------------------------------------------- the parent
@@ -419,7 +420,9 @@ def main(argv: list[str] | None = None) -> int:
         lost, repeated = _rows_lost_repeated(churned, B, args.steps) if args.sampler == "torchft" else (0, 0)
         checks = [d for d in churned["done"] if "check_us_p50" in d]
         rejected = sum(1 for r in churned["records"] if not r["committed"])
-        print(f"attempts that should_commit() rejected: {rejected} (each served again at the next quorum)")
+        print(f"attempts that should_commit() rejected: {rejected} ("
+              + ("the sampler moves on: their rows are dropped)" if args.sampler == "torchft"
+                 else "each served again at the next quorum)"))
         if checks:
             print(f"membership check per step: p50 {max(d['check_us_p50'] for d in checks):.1f} us (worst group), "
                   f"max {max(d['check_us_max'] for d in checks):.1f} us; membership changes "
@@ -481,8 +484,10 @@ def _report_batches(result: dict, B: int, expected: list[str], steps: int) -> tu
             continue
         same = got["problem"] is None and got["digest"] == expected[step]
         ok &= same
-        lines.append(f"step {step:>3}  P={got['participants']}  groups {got['groups']}  {got['digest'][:16]}  "
-                     f"{'ok' if same else 'DIFFERS' + (': ' + got['problem'] if got['problem'] else '')}")
+        note = "ok" if same else "DIFFERS" + (": " + got["problem"] if got["problem"] else "")
+        if not same and got["row_ids"] and sorted(got["row_ids"]) == list(range(step * B, (step + 1) * B)):
+            note += " (the step's rows, in another order)"
+        lines.append(f"step {step:>3}  P={got['participants']}  groups {got['groups']}  {got['digest'][:16]}  {note}")
     return ok, lines
 
 

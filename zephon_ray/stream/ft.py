@@ -41,7 +41,8 @@ the groups' token counts differ, and the mean of means is then biased. The fix: 
 
 Limits: B must divide by every P·dp that can occur (:func:`supported_participants`; ``zephon-ray validate`` lists
 them); a quorum outside that list raises :class:`FtMembershipError`, one line, before the step runs. A group that is
-not participating (healing under ``use_async_quorum=True``) gets None: it trains nothing at that step.
+not participating (healing under ``use_async_quorum=True``) gets None (or, asked for a placeholder, participant 0's
+rows, whose gradients torchft zeroes): it trains nothing at that step.
 """
 
 from __future__ import annotations
@@ -64,15 +65,18 @@ class FtMembershipError(ValueError):
     """The quorum's participant count cannot share the global batch; raised before the step runs."""
 
 
-def supported_participants(recipe: Recipe, *, dp: int = 1, local_batch_size: int = 0) -> list[int]:
+def supported_participants(recipe: Recipe, *, dp: int = 1, local_batch_size: int = 0,
+                           microbatches: int = 0) -> list[int]:
     """The participant counts P for which P·dp readers split the recipe's B rows evenly (and, with a
-    ``local_batch_size``, into whole trainer microbatches)."""
+    ``local_batch_size``, into whole trainer microbatches of that many rows; with ``microbatches``, into that many
+    equal microbatches)."""
     B = recipe.global_batch_rows
     out = []
     for p in range(1, B // dp + 1):
         if B % (p * dp):
             continue
-        if local_batch_size and (B // (p * dp)) % local_batch_size:
+        rows = B // (p * dp)
+        if (local_batch_size and rows % local_batch_size) or (microbatches and rows % microbatches):
             continue
         out.append(p)
     return out
@@ -96,11 +100,13 @@ class FtSlices:
     ``config``: where the rows come from (a :class:`~zephon_ray.stream.loader.LoaderConfig` with ``mode`` "service"
     or "dataset"; ``prefetch`` is the read-ahead depth). ``manager``: a torchft ``Manager`` (anything with
     ``current_step()``, ``num_participants()`` and ``participating_rank()``). ``dp``/``dp_rank``: the data-parallel
-    ranks inside one replica group. ``local_batch_size``: rows per trainer microbatch (0: one microbatch).
+    ranks inside one replica group. ``local_batch_size``: rows per trainer microbatch (0: one microbatch), or
+    ``microbatches``: a fixed number of equal microbatches per step whatever P is (a trainer with a fixed gradient
+    accumulation, such as TorchTitan's, pulls the same count every step; their row count then changes with P).
     See the module docstring for the guarantee and its limits."""
 
     def __init__(self, config: LoaderConfig, *, manager: Any, dp: int = 1, dp_rank: int = 0,
-                 local_batch_size: int = 0, recipe: Recipe | None = None) -> None:
+                 local_batch_size: int = 0, microbatches: int = 0, recipe: Recipe | None = None) -> None:
         if not isinstance(config, LoaderConfig):
             raise TypeError(f"FtSlices: expected a LoaderConfig, got {type(config).__name__}")
         if config.mode not in FT_MODES:
@@ -115,8 +121,12 @@ class FtSlices:
         if self.dp_rank >= self.dp:
             raise ValueError(f"FtSlices: dp_rank {dp_rank} is not in [0, dp={dp})")
         self.local_batch_size = check_int("FtSlices: local_batch_size", local_batch_size, low=0)
+        self.microbatches = check_int("FtSlices: microbatches", microbatches, low=0)
+        if self.local_batch_size and self.microbatches:
+            raise ValueError("FtSlices: set at most one of 'local_batch_size' and 'microbatches'")
         self.recipe = recipe if recipe is not None else Recipe.from_toml(config.recipe)
-        self.supported = supported_participants(self.recipe, dp=self.dp, local_batch_size=self.local_batch_size)
+        self.supported = supported_participants(self.recipe, dp=self.dp, local_batch_size=self.local_batch_size,
+                                                microbatches=self.microbatches)
         if not self.supported:
             raise ValueError(f"FtSlices: no participant count works for dp {dp} and local_batch_size "
                              f"{local_batch_size} with the recipe's global batch of {self.recipe.global_batch_rows} "
@@ -136,9 +146,11 @@ class FtSlices:
     def membership(self) -> tuple[int, int, int] | None:
         """``(step, rank, world)`` this group reads now, or None when it does not participate. Raises
         :class:`FtMembershipError` for a participant count outside :attr:`supported`."""
-        step = int(self.manager.current_step())
+        # num_participants() and participating_rank() wait for the quorum (torchft's async quorum included), and a
+        # healing group's step is only set by then: read current_step() last.
         participants = int(self.manager.num_participants())
         p = self.manager.participating_rank()
+        step = int(self.manager.current_step())
         if p is None:
             return None
         if participants not in self.supported:
@@ -149,10 +161,20 @@ class FtSlices:
                 "the step was not run")
         return step, int(p) * self.dp + self.dp_rank, participants * self.dp
 
-    def next(self, timeout: float = GET_TIMEOUT_S) -> StepBatch | None:
-        """This group's part of global batch ``manager.current_step()``; call it after ``start_quorum()``."""
+    def next(self, timeout: float = GET_TIMEOUT_S, *, placeholder: bool = False) -> StepBatch | None:
+        """This group's part of global batch ``manager.current_step()``; call it after ``start_quorum()``.
+
+        A group that does not participate gets None, or with ``placeholder=True`` participant 0's rows of the step
+        (for a trainer that must run its forward and backward anyway: torchft zeroes that group's gradients in
+        ``manager.allreduce``, so they never reach the global batch)."""
         t0 = time.perf_counter()
         key = self.membership()
+        if key is None and placeholder:
+            participants = int(self.manager.num_participants())
+            if participants not in self.supported:
+                raise FtMembershipError(f"step {self.manager.current_step()}: a quorum of {participants} "
+                                        f"participants; this recipe supports {self.supported}")
+            key = (int(self.manager.current_step()), self.dp_rank, participants * self.dp)
         if key is None:
             self.check_seconds.append(time.perf_counter() - t0)
             return None
@@ -170,7 +192,8 @@ class FtSlices:
         else:
             source = self._source_for(rank, world, step)
         piece = source.next(timeout)
-        batch = StepBatch(step, piece, list(piece.microbatches(self.local_batch_size or piece.num_rows)))
+        rows = self.local_batch_size or piece.num_rows // (self.microbatches or 1)
+        batch = StepBatch(step, piece, list(piece.microbatches(rows)))
         self._last, self._last_key = batch, key
         return batch
 

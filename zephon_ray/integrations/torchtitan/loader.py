@@ -112,6 +112,7 @@ class ZephonRayDataLoader(BaseDataLoader):
                            recipe=recipe)
         self.dp_world_size, self.dp_rank, self.local_batch_size = world, rank, lbs
         self._partial = 0
+        self._ft: Any = None
 
     # ------------------------------------------------------------------ what the core knows
     @property
@@ -139,7 +140,27 @@ class ZephonRayDataLoader(BaseDataLoader):
     # ------------------------------------------------------------------ iteration
     def steps(self) -> Iterator[StepBatch]:
         """Whole steps, each with its RankSlice (``StepBatch``): what :meth:`__iter__` cuts into microbatches."""
-        return iter(self.core)
+        return iter(self.core) if self._ft is None else self._ft_steps()
+
+    def use_torchft(self, manager: Any, *, group_size: int) -> None:
+        """Per-step elasticity under TorchTitan's torchft trainer (``torchtitan.experiments.torchft``), which builds
+        the loader with a fixed ``dp_world_size = dp x group_size`` and ``dp_rank = dp x replica_id + r``: from now on
+        each step is read through :class:`zephon_ray.stream.ft.FtSlices` after the quorum (the trainer's
+        ``optimizers.zero_grad()`` starts it), as ``slice(step, p x dp + r, P x dp)`` of ``manager.current_step()``
+        for the P live groups, cut into the trainer's fixed ``microbatches_per_step``. Service or dataset mode only.
+        Shown by ``examples/torchtitan_torchft.py``."""
+        from zephon_ray.stream.ft import FtSlices
+
+        size = check_int("use_torchft: group_size", group_size, low=1)
+        if self.dp_world_size % size:
+            raise ValueError(f"use_torchft: group_size {size} does not divide dp_world_size {self.dp_world_size}")
+        dp = self.dp_world_size // size
+        self._ft = FtSlices(self.core.config, manager=manager, dp=dp, dp_rank=self.dp_rank % dp,
+                            microbatches=self.microbatches_per_step, recipe=self.recipe)
+
+    def _ft_steps(self) -> Iterator[StepBatch]:
+        while True:  # a group that heals under torchft's async quorum still runs the step: rows it never trains on
+            yield self._ft.next(placeholder=True)
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         for batch in self.steps():
@@ -166,6 +187,8 @@ class ZephonRayDataLoader(BaseDataLoader):
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
         """Stop background threads and release the service connection. Idempotent."""
+        if self._ft is not None:
+            self._ft.close()
         self.core.close()
 
     def __enter__(self) -> "ZephonRayDataLoader":
