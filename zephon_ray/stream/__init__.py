@@ -1,1 +1,12 @@
-"""The framework-free stream layer: slice sources behind one narrow protocol, and the loader core."""
+"""The framework-free stream layer (imports no TorchTitan, no Ray Train, no triton).
+
+* ``protocol``: the one narrow protocol of a slice source (reset / next / state / close, state keys as constants);
+* ``prefetch``: the one prefetch thread behind every source;
+* ``local``, ``service``, ``dataset``: the three sources (an in-process Zephon lane group, a DataService, a
+  materialised directory);
+* ``loader``: the loader core (reader r of W, modes, the loader state, trainer microbatches, TP/PP/CP peers) that
+  the TorchTitan and Ray Train integrations adapt;
+* ``geometry``: the trainer's batch geometry against the recipe; ``aggregate``: where local-mode checkpoints meet;
+  ``mesh``: TP/PP/CP peers of a reader;
+* ``ft``: per-step elasticity with torchft (``FtSlices``).
+"""
