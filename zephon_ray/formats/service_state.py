@@ -82,14 +82,14 @@ def read_service_file(state_dir: "str | os.PathLike[str] | files.Location") -> d
 
 
 def check_state_dir(recipe: Any, state_dir: "str | os.PathLike[str] | files.Location") -> None:
-    """Raise :class:`FingerprintMismatchError` if ``state_dir`` belongs to another recipe (or its service.json is
-    unusable); write nothing."""
+    """Raise :class:`FingerprintMismatchError` if ``state_dir`` belongs to another recipe or its service.json is not
+    one, :class:`ServiceStateError` if it cannot be reached (a missing bucket, refused credentials); write nothing."""
     try:
         meta = read_service_file(state_dir)
     except ServiceStateError as exc:
         raise FingerprintMismatchError(f"state_dir {state_dir}: {exc}") from None
     except (files.StorageError, FileNotFoundError) as exc:
-        raise FingerprintMismatchError(f"state_dir unusable: {exc}") from None
+        raise ServiceStateError(f"state_dir unusable: {exc}") from None
     if meta is None:
         return
     if meta.get(KEY_FINGERPRINT) != recipe.fingerprint:
