@@ -25,6 +25,7 @@ os.environ.setdefault("MOTO_RECORDER_FILEPATH", _RECORDING)  # read by moto when
 ACCESS_KEY = "zr-test-key"
 SECRET_KEY = "zr-test-secret"
 REGION = "us-east-1"
+PORT_ENV = "ZR_TEST_S3_PORT"
 
 
 def _free_port() -> int:
@@ -133,7 +134,11 @@ def configure_environment() -> S3Server:
     """Reserve the loopback endpoint and put the AWS settings in this process's environment (idempotent)."""
     global _SERVER
     if _SERVER is None:
-        _SERVER = S3Server(_free_port())
+        # A process spawned by a test (a driver of its own Ray cluster) imports this again: it must reach the
+        # parent's server, on the parent's port.
+        inherited = os.environ.get(PORT_ENV)
+        _SERVER = S3Server(int(inherited) if inherited else _free_port())
+        os.environ[PORT_ENV] = str(_SERVER.port)
         os.environ.update({
             "AWS_ENDPOINT_URL": _SERVER.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
             "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION,
