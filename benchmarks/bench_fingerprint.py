@@ -3,18 +3,23 @@
     python benchmarks/bench_fingerprint.py [--mb 256] [--shards 10000] [--rounds 3]
 
 Part 1, throughput: ``--mb`` MiB of JSONL in 64 shards, hashed with an empty hash cache by
-``identity.digest_files`` (thread pool) and, side by side in the same run, by one thread calling
+``hash_cache.digest_files`` (thread pool) and, side by side in the same run, by one thread calling
 ``hashlib.sha256`` over the same files (the floor). The files were just written, so the OS page cache is warm:
 this measures the hashing, not the disk; a corpus read from disk is bounded by the disk instead.
 
-Part 2, many small shards: ``--shards`` JSONL files of about 1 KiB in one source directory.
-- cold: ``identity.source_identity`` with an empty hash cache (list, stat, hash every file, write the cache);
-- warm: the same with the cache filled (list, stat, read the cache): the cost every later load pays;
-- verify: ``source_identity(known=...)``, what ``verify_on_node`` does per source on a warm node;
-- listing only: ``zephon_shard_listing`` (Zephon's discovery rule without hashing), the floor for warm;
-- zephon counts: Zephon's own ``Dataset.from_path`` row counting, which ``Recipe.from_toml`` runs on an
-  unindexed source anyway (it reads every file; an ``index.json`` makes it O(1)).
-Each is the median of ``--rounds`` runs. Prints a table and one JSON line (prefixed ``RESULT``).
+Part 2, many small shards: ``--shards`` JSONL files of about 1 KiB in one source directory, and a recipe over it.
+- cold: ``Recipe.from_toml`` with an empty hash cache (list, stat, hash every file, write the cache, and Zephon's
+  row counts);
+- warm: ``Recipe.from_toml`` with the cache filled: what every later load pays, Zephon's row counting included (it
+  reads every file of an unindexed source; an ``index.json`` makes it O(1));
+- identity only: ``identity.source_identity(known=())`` (list, stat, read the cache; no row counts): the part of
+  ``warm`` that the hash cache makes cheap;
+- verify: ``source_identity(known=recipe's shards)``, what ``verify_on_node`` does per source on a warm node;
+- listing only: ``zephon_shard_listing`` (Zephon's discovery rule without hashing), the floor;
+- zephon counts: Zephon's own ``Dataset.from_path`` row counting alone.
+Every round runs cold first (it needs the empty cache), then the warm measurements in an order that flips from
+one round to the next. Each figure is the median over ``--rounds`` rounds. Prints a table and one JSON line
+(prefixed ``RESULT``).
 """
 
 from __future__ import annotations
@@ -58,7 +63,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="zr-bench-fp-"))
     os.environ["ZEPHON_RAY_CACHE_DIR"] = str(work / "cache")
-    from zephon_ray import identity
+    from zephon_ray import hash_cache, identity
+    from zephon_ray.hash_cache import HashReport
 
     identity.Environment.capture("bytes")  # import Zephon outside the timed regions
     result: dict = {}
@@ -66,13 +72,15 @@ def main() -> None:
         # ---------------------------------------------------------------- part 1: throughput
         big = write_shards(work / "big", 64, args.mb * (1 << 20) // 64)
         total = sum(p.stat().st_size for p in big)
-        time.sleep(identity.RACY_WINDOW_S)
+        time.sleep(hash_cache.RACY_WINDOW_S)
         pool_s, floor_s = [], []
-        for _ in range(args.rounds):
+        for r in range(args.rounds):  # the two sides alternate which goes first
             for f in (work / "cache").glob("*.json"):
                 f.unlink()
-            floor_s.append(timed(lambda: [hashlib.sha256(p.read_bytes()).hexdigest() for p in big]))
-            pool_s.append(timed(lambda: identity.digest_files(big, progress=False, use_ray=False)))
+            sides = [(floor_s, lambda: [hashlib.sha256(p.read_bytes()).hexdigest() for p in big]),
+                     (pool_s, lambda: hash_cache.digest_files(big, progress=False, use_ray=False))]
+            for times, fn in (sides if r % 2 == 0 else sides[::-1]):
+                times.append(timed(fn))
         mb = total / (1 << 20)
         result["hash_mb"] = round(mb, 1)
         result["hash_pool_mb_s"] = round(mb / statistics.median(pool_s), 1)
@@ -80,31 +88,46 @@ def main() -> None:
         result["hash_pool_vs_one_thread"] = round(statistics.median(floor_s) / statistics.median(pool_s), 2)
 
         # ---------------------------------------------------------------- part 2: many small shards
+        from zephon_ray import Recipe
+
         small_dir = work / "small"
         write_shards(small_dir, args.shards, 1024)
-        time.sleep(identity.RACY_WINDOW_S)
-        cold, warm, verify, listing, counts = [], [], [], [], []
-        known = None
-        for _ in range(args.rounds):
+        recipe_path = work / "small.toml"
+        recipe_path.write_text(f"""seed = 1\nlanes = 2\nmicrobatches_per_lane = 1\nrows_per_microbatch = 2\n
+seq_len = 64\nchunk_size = 64\ntokenizer = "bytes"\n\n[[sources]]\nname = "small"\npath = "{small_dir}"\n""")
+        time.sleep(hash_cache.RACY_WINDOW_S)
+        timings: dict[str, list[float]] = {k: [] for k in ("cold", "warm", "identity", "verify", "listing", "counts")}
+        for r in range(args.rounds):
             for f in (work / "cache").glob("*.json"):
                 f.unlink()
-            cold.append(timed(lambda: identity.source_identity(small_dir, "jsonl", known=())))
-            assert identity.last_report.hashed == args.shards
-            _, known = identity.source_identity(small_dir, "jsonl", known=())
-            assert identity.last_report.cached == args.shards
-            warm.append(timed(lambda: identity.source_identity(small_dir, "jsonl", known=())))
-            verify.append(timed(lambda: identity.source_identity(small_dir, "jsonl", known=known)))
-            listing.append(timed(lambda: identity.zephon_shard_listing(small_dir, "jsonl")))
-        for _ in range(max(1, args.rounds // 2)):
-            counts.append(timed(lambda: identity.zephon_row_counts(small_dir, "jsonl")))
+            report = HashReport()
+            t0 = time.perf_counter()
+            recipe = Recipe.from_toml(recipe_path)
+            timings["cold"].append(time.perf_counter() - t0)
+            _, known = identity.source_identity(small_dir, "jsonl", known=(), report=report)
+            assert report.cached == args.shards  # the cold load filled the cache
+            assert [s.sha256 for s in known] == [s.sha256 for s in recipe.sources[0].shards]
+            measures = {
+                "warm": lambda: Recipe.from_toml(recipe_path),
+                "identity": lambda: identity.source_identity(small_dir, "jsonl", known=()),
+                "verify": lambda: identity.source_identity(small_dir, "jsonl", known=recipe.sources[0].shards),
+                "listing": lambda: identity.zephon_shard_listing(small_dir, "jsonl"),
+                "counts": lambda: identity.zephon_row_counts(str(small_dir), "jsonl"),
+            }
+            order = list(measures) if r % 2 == 0 else list(reversed(measures))
+            for key in order:
+                timings[key].append(timed(measures[key]))
+        med = {k: statistics.median(v) for k, v in timings.items()}
         result.update({
             "shards": args.shards,
-            "cold_s": round(statistics.median(cold), 3),
-            "warm_s": round(statistics.median(warm), 3),
-            "verify_warm_s": round(statistics.median(verify), 3),
-            "listing_only_s": round(statistics.median(listing), 3),
-            "zephon_row_counts_s": round(statistics.median(counts), 3),
-            "warm_per_shard_us": round(1e6 * statistics.median(warm) / args.shards, 1),
+            "cold_s": round(med["cold"], 3),
+            "warm_s": round(med["warm"], 3),
+            "identity_only_warm_s": round(med["identity"], 3),
+            "verify_warm_s": round(med["verify"], 3),
+            "listing_only_s": round(med["listing"], 3),
+            "zephon_row_counts_s": round(med["counts"], 3),
+            "warm_per_shard_us": round(1e6 * med["warm"] / args.shards, 1),
+            "row_counts_share_of_warm": round(med["counts"] / med["warm"], 2),
         })
     finally:
         import shutil
@@ -116,9 +139,10 @@ def main() -> None:
     print(f"  one thread, hashlib          {result['hash_one_thread_mb_s']:>9} MB/s"
           f"   (pool / one thread = {result['hash_pool_vs_one_thread']}x)")
     print(f"{result['shards']} shards of ~1 KiB:")
-    for key, label in (("cold_s", "cold (hash all, write cache)"), ("warm_s", "warm (stat + cache)"),
-                       ("verify_warm_s", "verify_on_node, warm"), ("listing_only_s", "listing only"),
-                       ("zephon_row_counts_s", "Zephon's row counts (from_toml)")):
+    for key, label in (("cold_s", "cold Recipe.from_toml"), ("warm_s", "warm Recipe.from_toml"),
+                       ("identity_only_warm_s", "  of which identity (cache)"),
+                       ("zephon_row_counts_s", "  of which Zephon's row counts"),
+                       ("verify_warm_s", "verify_on_node, warm"), ("listing_only_s", "listing only")):
         print(f"  {label:<32} {result[key]:>8.3f} s")
     print("RESULT " + json.dumps(result))
 

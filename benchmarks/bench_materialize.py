@@ -4,14 +4,16 @@
 
 1. ``materialize`` of steps 0:``--steps`` with M = 1 and M = 2 Ray Data lane-group actors on a private local Ray
    (wall time, actor start-up included; ``steady`` excludes everything before the first committed segment), side
-   by side with the in-process ``GlobalBatchSource`` producing the same steps (and, with ``--service``, the live
+   by side with the in-process ``GlobalBatchSource`` producing the same steps, the three sides rotating their
+   order in each of ``--rounds`` rounds (medians) (and, with ``--service``, the live
    DataService with one producer, read step by step through ``DataService.batch``, against the same service
    over the M=1 directory as a materialised prefix, ``materialized_dir``). The materialised digests are checked
    against the in-process ones.
 2. Random access to past steps: ``--probes`` random steps in [0, steps), read from the materialised directory
    (``MaterializedSource.batch``: one Parquet row group plus a digest check) against the replay path
    (``GlobalBatchSource.batch`` of a step behind its position: a Zephon restore plus up to ``checkpoint_every``
-   steps of replay; this is what the service's replayers do too). p50/p99 of each, and the ratio of p50s
+   steps of replay; this is what the service's replayers do too), the two read the same step back to back, which
+   one first alternating. p50/p99 of each, and the ratio of p50s
    (target >= 20x). With ``--service``, also through each service: untracked reads of steps far behind its
    window (the live service replays them in its Replayer; the prefix service reads them from the directory).
 3. Bytes on disk per million tokens of the materialisation (zstd Parquet, int32 tokens and positions).
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--probes", type=int, default=40)
     parser.add_argument("--segment-steps", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds; the sides' order changes every round")
     parser.add_argument("--service", action="store_true", help="also time the live DataService (M=1)")
     args = parser.parse_args()
 
@@ -62,26 +65,43 @@ def main() -> None:
     out: dict[str, float | int | bool | str] = {"recipe": str(args.recipe), "steps": args.steps,
                                                 "tokens": tokens, "cpus": os.cpu_count() or 1}
     try:
-        t0 = time.perf_counter()
-        with GlobalBatchSource(recipe) as local:
-            reference = [local.batch(s).digest for s in range(args.steps)]
-        out["in_process_tokens_per_s"] = tokens / (time.perf_counter() - t0)
+        def in_process() -> list[str]:
+            with GlobalBatchSource(recipe) as local:
+                return [local.batch(s).digest for s in range(args.steps)]
 
         ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
                  log_to_driver=False, logging_level="ERROR", _temp_dir=ray_tmp)
+        # The same work on every side (steps 0:--steps of the recipe): in-process, M=1, M=2; the order rotates every
+        # round, each materialisation into a fresh directory. Medians per side.
+        sides = ["in_process", "M1", "M2"]
+        walls: dict[str, list[float]] = {k: [] for k in sides}
+        steady: dict[str, list[float]] = {"M1": [], "M2": []}
+        reference: list[str] = []
+        for r in range(args.rounds):
+            for side in sides[r % 3:] + sides[:r % 3]:
+                t0 = time.perf_counter()
+                if side == "in_process":
+                    reference = in_process()
+                    walls[side].append(time.perf_counter() - t0)
+                    continue
+                m = int(side[1])
+                directory = work / (f"m{m}" if r == 0 else f"m{m}-r{r}")
+                materialize(recipe, directory, range(0, args.steps), producers=m, segment_steps=args.segment_steps,
+                            progress=False)
+                walls[side].append(time.perf_counter() - t0)
+                segments = sorted((directory / "segments").glob("*.parquet"), key=lambda p: p.stat().st_mtime)
+                span = segments[-1].stat().st_mtime - segments[0].stat().st_mtime
+                steady_steps = args.steps - args.segment_steps
+                if span > 0 and steady_steps > 0:
+                    steady[side].append(steady_steps * recipe.tokens_per_step / span)
+                if r > 0:
+                    shutil.rmtree(directory, ignore_errors=True)
+        out["in_process_tokens_per_s"] = tokens / statistics.median(walls["in_process"])
         for m in (1, 2):
-            directory = work / f"m{m}"
-            t0 = time.perf_counter()
-            materialize(recipe, directory, range(0, args.steps), producers=m, segment_steps=args.segment_steps,
-                        progress=False)
-            wall = time.perf_counter() - t0
-            segments = sorted((directory / "segments").glob("*.parquet"), key=lambda p: p.stat().st_mtime)
-            span = segments[-1].stat().st_mtime - segments[0].stat().st_mtime
-            steady_steps = args.steps - args.segment_steps
-            out[f"materialize_M{m}_tokens_per_s"] = tokens / wall
-            out[f"materialize_M{m}_steady_tokens_per_s"] = (steady_steps * recipe.tokens_per_step / span
-                                                            if span > 0 and steady_steps > 0 else None)
-            with MaterializedSource(directory, recipe=recipe) as source:
+            out[f"materialize_M{m}_tokens_per_s"] = tokens / statistics.median(walls[f"M{m}"])
+            out[f"materialize_M{m}_steady_tokens_per_s"] = (statistics.median(steady[f"M{m}"])
+                                                            if steady[f"M{m}"] else None)
+            with MaterializedSource(work / f"m{m}", recipe=recipe) as source:
                 out[f"materialize_M{m}_digests_equal"] = [source.digest(s) for s in range(args.steps)] == reference
         out["bytes_per_million_tokens"] = sum(p.stat().st_size for p in (work / "m1" / "segments").glob("*")) \
             / tokens * 1e6
@@ -91,25 +111,31 @@ def main() -> None:
 
             # Past steps well behind the window (retain_behind=32), each read once: the service's past-step path.
             service_probes = random.Random(1).sample(range(args.steps - 64), min(args.probes, 20, args.steps - 64))
-            for key, prefix in (("service_M1", None), ("service_prefix", str(work / "m1"))):
-                service = DataService.start(recipe, name="bench-materialize", namespace="bench-materialize",
-                                            state_dir=work / f"{key}-state", window=8, materialized_dir=prefix)
-                try:
-                    service.batch(0)
-                    t0 = time.perf_counter()
-                    for s in range(1, args.steps):
-                        service.batch(s, track=True)
-                        service.commit(s)
-                    out[f"{key}_tokens_per_s"] = (args.steps - 1) * recipe.tokens_per_step / (time.perf_counter() - t0)
-                    past = []
-                    for s in service_probes:
+            rates: dict[str, list[float]] = {"service_M1": [], "service_prefix": []}
+            pasts: dict[str, list[float]] = {"service_M1": [], "service_prefix": []}
+            kinds = [("service_M1", None), ("service_prefix", str(work / "m1"))]
+            for r in range(args.rounds):  # a fresh service per side and round; the order flips every round
+                for key, prefix in (kinds if r % 2 == 0 else kinds[::-1]):
+                    service = DataService.start(recipe, name="bench-materialize", namespace="bench-materialize",
+                                                state_dir=work / f"{key}-state-{r}", window=8,
+                                                materialized_dir=prefix)
+                    try:
+                        service.batch(0)
                         t0 = time.perf_counter()
-                        assert service.batch(s).digest == reference[s]
-                        past.append(time.perf_counter() - t0)
-                    out[f"{key}_past_p50_ms"] = statistics.median(past) * 1e3
-                    out[f"{key}_past_p99_ms"] = percentile(past, 0.99) * 1e3
-                finally:
-                    service.stop()
+                        for s in range(1, args.steps):
+                            service.batch(s, track=True)
+                            service.commit(s)
+                        rates[key].append((args.steps - 1) * recipe.tokens_per_step / (time.perf_counter() - t0))
+                        for s in service_probes:
+                            t0 = time.perf_counter()
+                            assert service.batch(s).digest == reference[s]
+                            pasts[key].append(time.perf_counter() - t0)
+                    finally:
+                        service.stop()
+            for key in rates:
+                out[f"{key}_tokens_per_s"] = statistics.median(rates[key])
+                out[f"{key}_past_p50_ms"] = statistics.median(pasts[key]) * 1e3
+                out[f"{key}_past_p99_ms"] = percentile(pasts[key], 0.99) * 1e3
             out["service_prefix_read_speedup"] = out["service_prefix_tokens_per_s"] / out["service_M1_tokens_per_s"]
             out["service_past_speedup_p50"] = out["service_M1_past_p50_ms"] / out["service_prefix_past_p50_ms"]
         ray.shutdown()
@@ -120,18 +146,15 @@ def main() -> None:
                         reverse=True)
         source = MaterializedSource(work / "m1", recipe=recipe)
         source.batch(0)  # open the footer cache fairly: the first read of each file pays its footer once
-        materialized_s = []
-        for s in probes:
-            t0 = time.perf_counter()
-            source.batch(s)
-            materialized_s.append(time.perf_counter() - t0)
-        replay_s = []
+        materialized_s, replay_s = [], []
         with GlobalBatchSource(recipe, cache_steps=1) as replay:
             replay.batch(args.steps - 1)  # the head: every probe is a step behind it
-            for s in probes:
-                t0 = time.perf_counter()
-                replay.batch(s)
-                replay_s.append(time.perf_counter() - t0)
+            for i, s in enumerate(probes):  # the same step on both sides, which side goes first alternating
+                pair = [(materialized_s, source.batch), (replay_s, replay.batch)]
+                for times, read in (pair if i % 2 == 0 else pair[::-1]):
+                    t0 = time.perf_counter()
+                    read(s)
+                    times.append(time.perf_counter() - t0)
         out["random_access_materialized_p50_ms"] = statistics.median(materialized_s) * 1e3
         out["random_access_materialized_p99_ms"] = percentile(materialized_s, 0.99) * 1e3
         out["random_access_replay_p50_ms"] = statistics.median(replay_s) * 1e3
