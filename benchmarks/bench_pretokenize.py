@@ -3,8 +3,10 @@
     python benchmarks/bench_pretokenize.py [--records 2000] [--tokens 1000000] [--rounds 3]
 
 1. ``pretokenize`` of a BPE recipe (recipes/tokenizer, the stdlib prose/code corpus written to a temp dir) with 1
-   and 2 tokenizer actors on a private local Ray. Tokens/s is output tokens over wall time, actor start-up
-   included; ``shard_tokens_per_s`` excludes the pool start (first to last finished shard).
+   and 2 tokenizer actors on a private local Ray: the same job into a fresh OUT_DIR each time, the two sides
+   alternating which goes first in each of ``--rounds`` rounds (medians; the 2-vs-1 figure is the median of
+   per-round ratios). Tokens/s is output tokens over wall time, actor start-up included; ``shard_tokens_per_s``
+   excludes the pool start (first to last finished shard).
 2. Producer throughput: a ``LaneStepper`` (what a service producer runs) over the raw BPE recipe and over its
    pre-tokenised copy, about ``--tokens`` tokens each, alternating A/B for ``--rounds`` rounds in one process; the
    ratio is the median of per-round ratios (target >= 3x). The digests of the two are checked equal on the way.
@@ -97,18 +99,29 @@ def main() -> None:
                for name, (seq_len, rows) in GEOMETRIES.items()}
         ray.init(address="local", num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False,
                  log_to_driver=False, logging_level="ERROR", _temp_dir=ray_tmp)
+        # The same job (all shards of the same recipe into a fresh OUT_DIR) with 1 and 2 actors, alternating which
+        # goes first in each of --rounds rounds; medians per side and the median of per-round ratios.
+        runs: dict[int, list[dict]] = {1: [], 2: []}
+        for r in range(args.rounds):
+            for actors in ((1, 2) if r % 2 == 0 else (2, 1)):
+                out = work / (f"tokens-{actors}" if r == 0 else f"tokens-{actors}-r{r}")
+                t0 = time.perf_counter()
+                result = pretokenize(raw["small"], out, actors=actors, progress=False)
+                run = {"wall_s": time.perf_counter() - t0, "tokens": result.tokens, "bytes": result.bytes,
+                       "shards": result.shards}
+                run["tokens_per_s"] = result.tokens / run["wall_s"]
+                shard_times = sorted(p.stat().st_mtime for p in (out / "_progress").rglob("*.json"))
+                span = shard_times[-1] - shard_times[0]
+                run["shard_tokens_per_s"] = (result.tokens * (len(shard_times) - 1) / len(shard_times) / span
+                                             if span > 0 else None)
+                runs[actors].append(run)
         jobs = {}
-        for actors in (1, 2):
-            out = work / f"tokens-{actors}"
-            t0 = time.perf_counter()
-            result = pretokenize(raw["small"], out, actors=actors, progress=False)
-            jobs[actors] = {"wall_s": time.perf_counter() - t0, "tokens": result.tokens, "bytes": result.bytes,
-                            "shards": result.shards}
-            jobs[actors]["tokens_per_s"] = result.tokens / jobs[actors]["wall_s"]
-            shard_times = sorted(p.stat().st_mtime for p in (out / "_progress").rglob("*.json"))
-            span = shard_times[-1] - shard_times[0]
-            jobs[actors]["shard_tokens_per_s"] = (result.tokens * (len(shard_times) - 1) / len(shard_times) / span
-                                                  if span > 0 else None)
+        for actors, values in runs.items():
+            shard_rates = [v["shard_tokens_per_s"] for v in values if v["shard_tokens_per_s"]]
+            jobs[actors] = {**values[0], "wall_s": statistics.median(v["wall_s"] for v in values),
+                            "tokens_per_s": statistics.median(v["tokens_per_s"] for v in values),
+                            "shard_tokens_per_s": statistics.median(shard_rates) if shard_rates else None}
+        scaling_ratios = [b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(runs[1], runs[2])]
         # The same token shards again, with the recipe.toml of the training geometry.
         tokens = {"small": Recipe.from_toml(work / "tokens-1" / "recipe.toml"),
                   "train": Recipe.from_toml(pretokenize(raw["train"], work / "tokens-train", actors=2,
@@ -139,7 +152,8 @@ def main() -> None:
         result = {
             "pretokenize_tokens_per_s_1_actor": one["tokens_per_s"],
             "pretokenize_tokens_per_s_2_actors": jobs[2]["tokens_per_s"],
-            "pretokenize_scaling_2_vs_1": jobs[2]["tokens_per_s"] / one["tokens_per_s"],
+            "pretokenize_scaling_2_vs_1": statistics.median(scaling_ratios),
+            "pretokenize_scaling_round_ratios": scaling_ratios,
             "pretokenize_shard_tokens_per_s_1_actor": one["shard_tokens_per_s"],
             "pretokenize_shard_tokens_per_s_2_actors": jobs[2]["shard_tokens_per_s"],
             "tokens": one["tokens"], "shards": one["shards"], "same_files_1_vs_2_actors": same_files,
