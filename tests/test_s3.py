@@ -6,10 +6,6 @@ same recipe on local disk. The multi-node, kill -9 and Ray Train runs are in tes
 from __future__ import annotations
 
 import json
-import re
-import shutil
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -18,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests import s3_server
-from tests.conftest import RECIPES, ROOT, TINY
+from tests.conftest import RECIPES, TINY
 
 s3_server.configure_environment()  # at collection: before any test starts Ray, so Ray workers inherit it
 
@@ -112,7 +108,7 @@ def test_recipe_from_a_bucket_gives_local_digests(s3, bucket, remote_recipe, tin
         assert [source.batch(s).digest for s in range(STEPS)] == reference_digests[:STEPS]
 
 
-def test_remote_identity_is_the_listing_and_etags(s3, tmp_path):
+def test_remote_identity_is_the_listing_and_etags(s3, tmp_path, capsys):
     """A rewritten object gets a new ETag: the fingerprint changes and verify_on_node names the shard and field.
     --verify-content hashes the bytes (a download) and equals the local sha256."""
     from zephon_ray import Recipe
@@ -130,6 +126,11 @@ def test_remote_identity_is_the_listing_and_etags(s3, tmp_path):
     assert [s.sha256 for s in verified.sources[0].shards] == [s.sha256 for s in local.sources[0].shards]
     assert verified.fingerprint != before.fingerprint
     assert verify_on_node(verified, verified.fingerprint) == verified.fingerprint
+    from zephon_ray.cli import main
+
+    assert main(["fingerprint", str(recipe_path), "--verify-content"]) == 0
+    assert main(["fingerprint", str(recipe_path)]) == 0
+    assert capsys.readouterr().out.split() == [verified.fingerprint, before.fingerprint]
 
     shard = RECIPES / "data" / "tiny" / "code" / "shard-00001.jsonl"
     blob = shard.read_bytes()

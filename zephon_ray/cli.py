@@ -176,7 +176,7 @@ def _shard_size(shard) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     import json
 
-    recipe = Recipe.from_toml(args.recipe)  # every check of from_toml; one RecipeError line
+    recipe = Recipe.from_toml(args.recipe, verify_content=args.verify_content or None)  # one RecipeError line
     report = recipe_report(recipe)
     if not args.no_build:
         report["step0_digest"] = build_step_zero(recipe)
@@ -216,7 +216,7 @@ def build_step_zero(recipe: Recipe) -> str:
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
-    print(Recipe.from_toml(args.recipe).fingerprint)
+    print(Recipe.from_toml(args.recipe, verify_content=args.verify_content or None).fingerprint)
     return 0
 
 
@@ -254,15 +254,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+VERIFY_CONTENT_HELP = ("hash the bytes of every object-store shard (a download) instead of trusting the store's "
+                       "ETags; same as the recipe key verify_content")
+
+
 def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("validate", help="check a recipe and build its step 0; print fingerprint and geometry")
     p.add_argument("recipe")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-build", action="store_true", help="only load the recipe; do not build step 0")
+    p.add_argument("--verify-content", action="store_true", help=VERIFY_CONTENT_HELP)
     p.set_defaults(func=cmd_validate)
 
     p = sub.add_parser("fingerprint", help="print a recipe's fingerprint")
     p.add_argument("recipe")
+    p.add_argument("--verify-content", action="store_true", help=VERIFY_CONTENT_HELP)
     p.set_defaults(func=cmd_fingerprint)
 
     p = sub.add_parser("inspect", help="report a service's durable state_dir offline (no Ray)")
