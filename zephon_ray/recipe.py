@@ -199,11 +199,11 @@ class Recipe:
         else:
             try:
                 local = resolve_recipe_path(path)
-                blob = local.read_bytes()
+                blob = files.read_bytes(local, limit=1 << 20)
             except UnknownRecipeError as exc:
                 raise RecipeError(str(exc)) from None
-            except OSError as exc:
-                raise RecipeError(f"recipe file {path}: cannot be read ({exc.strerror or exc})") from None
+            except (FileNotFoundError, files.StorageError) as exc:
+                raise RecipeError(f"recipe file {exc}") from None
             origin, base_dir = local, str(local.parent)
         try:
             raw = tomllib.loads(blob.decode("utf-8"))
