@@ -128,9 +128,9 @@ class Location:
     @property
     def parent(self) -> "Location":
         if self.remote:
+            if "/" not in self.path.rstrip("/"):
+                return self  # a bucket is its own parent
             head_uri, head_path = self.uri.rstrip("/").rsplit("/", 1)[0], self.path.rstrip("/").rsplit("/", 1)[0]
-            if "/" not in head_path:  # the bucket itself
-                return Location(head_uri, head_path, self.scheme, self.fs)
             return Location(head_uri, head_path, self.scheme, self.fs)
         parent = os.path.dirname(self.path.rstrip("/")) or "/"
         return Location(parent, parent, self.scheme, self.fs)
