@@ -418,3 +418,30 @@ def test_ray_train_checkpoint_on_s3_restores(s3, bucket, tmp_path):
         assert compute_digest(batch.slice.tokens, batch.slice.positions) == expected[2]
     finally:
         fresh.close()
+
+
+def test_missing_bucket_and_wrong_credentials_for_what_we_write(s3, materialized_s3, tiny_recipe):
+    """The storage layer's faults are one line naming the URI, and nothing is written: a state_dir or a
+    materialised directory in a bucket that does not exist, or read with credentials the store refuses."""
+    from zephon_ray import MaterializedSource, files
+    from zephon_ray.formats.materialized import MaterializedError
+    from zephon_ray.formats.service_state import ServiceState, ServiceStateError, check_state_dir
+
+    missing = f"s3://zr-absent-{s3.new_bucket()}"
+    with pytest.raises(ServiceStateError) as info:
+        check_state_dir(tiny_recipe, f"{missing}/state")
+    _one_line(info.value, f"{missing}/state/service.json", "does not exist")
+    with pytest.raises(ServiceStateError):
+        ServiceState.open(tiny_recipe, f"{missing}/state")
+    with pytest.raises(MaterializedError) as info:
+        MaterializedSource(f"{missing}/run")
+    _one_line(info.value, f"{missing}/run", "does not exist")
+    s3.require_auth(True)
+    try:
+        files.clear_filesystem_cache()
+        with pytest.raises(MaterializedError) as info:
+            MaterializedSource(materialized_s3)
+        _one_line(info.value, materialized_s3, "access denied", "check the credentials")
+    finally:
+        s3.require_auth(False)
+        files.clear_filesystem_cache()

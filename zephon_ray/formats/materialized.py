@@ -141,10 +141,14 @@ def read_manifest(directory: "str | files.Location") -> dict[str, Any]:
     for a missing or malformed key, the key."""
     directory = files.location(directory)
     path = directory.join(MANIFEST_NAME)
-    if not files.exists(path):
-        if not files.is_dir(directory):
-            raise MaterializedError(f"materialised directory not found: {directory}")
-        raise MaterializedError(f"{path}: manifest missing (not a materialised directory, or no step committed yet)")
+    try:
+        if not files.exists(path):
+            if not files.is_dir(directory):
+                raise MaterializedError(f"materialised directory not found: {directory}")
+            raise MaterializedError(f"{path}: manifest missing (not a materialised directory, or no step committed "
+                                    "yet)")
+    except files.StorageError as exc:  # a missing bucket, refused credentials, an unreachable endpoint
+        raise MaterializedError(str(exc)) from None
     manifest = files.read_json(path, expect_format=MANIFEST_FORMAT, error=MaterializedError, what="manifest")
     for key in REQUIRED_KEYS:
         if key not in manifest:
@@ -325,7 +329,10 @@ class MaterializedSource:
             for s in manifest[KEY_SEGMENTS]
         ]
         self._starts = [s.first for s in self._segments]
-        present = files.listing(self.location.join(SEGMENTS_DIR)) if self._segments else {}
+        try:
+            present = files.listing(self.location.join(SEGMENTS_DIR)) if self._segments else {}
+        except files.StorageError as exc:
+            raise MaterializedError(str(exc)) from None
         for seg in self._segments:
             size = present.get(seg.file.name)
             if size is None:
