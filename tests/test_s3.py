@@ -166,7 +166,7 @@ def test_bad_remote_sources_are_one_line(s3, bucket, tmp_path, monkeypatch, what
         s3.require_auth(True)
         expect = "access denied"
     else:
-        monkeypatch.delenv("S3_ENDPOINT_URL", raising=False)  # restored after the test: Ray workers inherit it
+        monkeypatch.setenv("S3_ENDPOINT_URL", "")  # recorded, so restored after the test: Ray workers inherit it
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_closed_port()}")
         files.clear_filesystem_cache()
         zephon_io.reset_storage()
