@@ -1,16 +1,18 @@
-"""Data-service throughput and latency, measured side by side in one run on a private local Ray.
+"""Data-service throughput and latency against in-process reading, the same work on both sides, in rounds.
 
     python benchmarks/bench_service.py [--recipe recipes/mixture.toml] [--steps 40] [--rounds 2]
 
-Per round, in this order (alternating so machine noise hits every side):
-- ``local``: ``GlobalBatchSource(recipe).batch(s)`` for steps 1..N (after step 0, which is warm-up);
-- ``service M=1`` and ``service M=2``: a fresh service, ``DataService.batch(s)`` for steps 1..N after step 0.
-Two rates per service: *produced* tokens/s (the service's own count, first to last produced step; producers
-run ahead of the consumer by at most ``window``), and *end-to-end* tokens/s seen by the consumer. Ratios are
-medians over rounds. Then the latency of ``slice(s, r, W)`` for a warm step (inside the live window): p50/p99.
+Each side reads whole global batches of steps 1..N (after step 0, the warm-up) and computes their digests:
+- ``local``: ``GlobalBatchSource(recipe).batch(s).digest`` in this process;
+- ``service M=1`` and ``service M=2``: a fresh service per round, ``DataService.batch(s, track=True).digest``
+  (producers run ahead of the reader by at most ``window``), every digest checked against the local side's.
+The sides alternate: round r runs them in the order local, M=1, M=2 when r is even and reversed when r is odd, so
+machine noise hits every side. Ratios are medians of per-round ratios of end-to-end tokens/s (what the reader
+sees); the producers' own rate (first to last produced step) is reported beside it, never divided by a local rate.
+Then the latency of ``slice(s, r, W)`` for a warm step (inside the live window): p50/p99.
 
 Prints a table and one JSON line (prefixed ``RESULT``). On a 2-core machine M=2 cannot beat M=1 by much: the
-producers, the coordinator, the consumer and Ray itself share the same two cores.
+producers, the coordinator, the reader and Ray itself share the same two cores.
 """
 
 from __future__ import annotations
@@ -29,16 +31,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def run_local(recipe, steps: int) -> float:
+def run_local(recipe, steps: int) -> tuple[float, list[str]]:
     from zephon_ray import GlobalBatchSource
 
     with GlobalBatchSource(recipe) as source:
         source.batch(0)
         t0 = time.perf_counter()
-        for s in range(1, steps + 1):
-            source.batch(s)
+        digests = [source.batch(s).digest for s in range(1, steps + 1)]
         elapsed = time.perf_counter() - t0
-    return steps * recipe.tokens_per_step / elapsed
+    return steps * recipe.tokens_per_step / elapsed, digests
 
 
 def run_service(recipe, steps: int, producers: int, window: int, tag: str) -> dict:
@@ -51,11 +52,11 @@ def run_service(recipe, steps: int, producers: int, window: int, tag: str) -> di
     try:
         svc.batch(0, track=True)  # tracked: this consumer moves the window (untracked reads would be replays)
         t0 = time.perf_counter()
-        for s in range(1, steps + 1):
-            svc.batch(s, track=True)
+        digests = [svc.batch(s, track=True).digest for s in range(1, steps + 1)]
         elapsed = time.perf_counter() - t0
         thr = svc.status()["throughput"]
-        out = {"end_to_end": steps * recipe.tokens_per_step / elapsed, "produced": thr["tokens_per_s"]}
+        out = {"end_to_end": steps * recipe.tokens_per_step / elapsed, "produced": thr["tokens_per_s"],
+               "digests": digests}
         if producers == 1:
             out["slice_ms"] = slice_latency(svc, steps, recipe)
         return out
@@ -99,13 +100,22 @@ def main() -> None:
         run_local(recipe, 2)  # warm caches (catalog, tokenizer, page cache)
         rounds = []
         for r in range(args.rounds):
-            local = run_local(recipe, args.steps)
-            m1 = run_service(recipe, args.steps, 1, args.window, f"m1-{r}")
-            m2 = run_service(recipe, args.steps, 2, args.window, f"m2-{r}")
-            rounds.append({"local": local, "m1": m1, "m2": m2})
-            print(f"round {r}: local {local / 1e6:.3f}  M=1 produced {m1['produced'] / 1e6:.3f} e2e "
-                  f"{m1['end_to_end'] / 1e6:.3f}  M=2 produced {m2['produced'] / 1e6:.3f} e2e "
-                  f"{m2['end_to_end'] / 1e6:.3f}  (M tok/s)", flush=True)
+            order = ["local", "m1", "m2"] if r % 2 == 0 else ["m2", "m1", "local"]
+            got = {}
+            for side in order:
+                if side == "local":
+                    got["local"], got["local_digests"] = run_local(recipe, args.steps)
+                else:
+                    got[side] = run_service(recipe, args.steps, int(side[1]), args.window, f"{side}-{r}")
+            wrong = sum(a != b for side in ("m1", "m2") for a, b in zip(got[side].pop("digests"),
+                                                                         got["local_digests"]))
+            got["wrong_steps"] = wrong
+            del got["local_digests"]
+            rounds.append(got)
+            print(f"round {r} ({', '.join(order)}): local {got['local'] / 1e6:.3f}  M=1 e2e "
+                  f"{got['m1']['end_to_end'] / 1e6:.3f} (produced {got['m1']['produced'] / 1e6:.3f})  M=2 e2e "
+                  f"{got['m2']['end_to_end'] / 1e6:.3f} (produced {got['m2']['produced'] / 1e6:.3f})  (M tok/s), "
+                  f"wrong steps {wrong}", flush=True)
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
@@ -114,30 +124,29 @@ def main() -> None:
     result = {
         "recipe": str(args.recipe), "steps": args.steps, "rounds": args.rounds, "window": args.window,
         "tokens_per_step": recipe.tokens_per_step, "cpus": os.cpu_count(),
+        "wrong_steps": sum(x["wrong_steps"] for x in rounds),
         "local_tokens_per_s": [x["local"] for x in rounds],
-        "m1_produced_tokens_per_s": [x["m1"]["produced"] for x in rounds],
         "m1_end_to_end_tokens_per_s": [x["m1"]["end_to_end"] for x in rounds],
-        "m2_produced_tokens_per_s": [x["m2"]["produced"] for x in rounds],
         "m2_end_to_end_tokens_per_s": [x["m2"]["end_to_end"] for x in rounds],
-        "ratio_m1_produced_vs_local": med(x["m1"]["produced"] / x["local"] for x in rounds),
+        "m1_produced_tokens_per_s": [x["m1"]["produced"] for x in rounds],
+        "m2_produced_tokens_per_s": [x["m2"]["produced"] for x in rounds],
         "ratio_m1_end_to_end_vs_local": med(x["m1"]["end_to_end"] / x["local"] for x in rounds),
-        "ratio_m2_vs_m1_produced": med(x["m2"]["produced"] / x["m1"]["produced"] for x in rounds),
+        "ratio_m2_end_to_end_vs_local": med(x["m2"]["end_to_end"] / x["local"] for x in rounds),
         "ratio_m2_vs_m1_end_to_end": med(x["m2"]["end_to_end"] / x["m1"]["end_to_end"] for x in rounds),
         "slice_warm_ms": rounds[-1]["m1"]["slice_ms"],
     }
     lat = result["slice_warm_ms"]
     print()
-    print(f"{'measure':<44}{'value':>12}")
-    print(f"{'local GlobalBatchSource (M tok/s, median)':<44}{med(result['local_tokens_per_s']) / 1e6:>12.3f}")
-    print(f"{'service M=1 produced (M tok/s, median)':<44}{med(result['m1_produced_tokens_per_s']) / 1e6:>12.3f}")
-    print(f"{'service M=1 end-to-end (M tok/s, median)':<44}{med(result['m1_end_to_end_tokens_per_s']) / 1e6:>12.3f}")
-    print(f"{'service M=2 produced (M tok/s, median)':<44}{med(result['m2_produced_tokens_per_s']) / 1e6:>12.3f}")
-    print(f"{'service M=2 end-to-end (M tok/s, median)':<44}{med(result['m2_end_to_end_tokens_per_s']) / 1e6:>12.3f}")
-    print(f"{'ratio M=1 produced / local (target >= 0.9)':<44}{result['ratio_m1_produced_vs_local']:>12.3f}")
-    print(f"{'ratio M=1 end-to-end / local':<44}{result['ratio_m1_end_to_end_vs_local']:>12.3f}")
-    print(f"{'ratio M=2 / M=1 produced':<44}{result['ratio_m2_vs_m1_produced']:>12.3f}")
-    print(f"{'ratio M=2 / M=1 end-to-end':<44}{result['ratio_m2_vs_m1_end_to_end']:>12.3f}")
-    print(f"{'slice warm p50 / p99 (ms, W=' + str(lat['world']) + ')':<44}{lat['p50']:>6.2f} /{lat['p99']:>5.2f}")
+    print(f"{'measure':<46}{'value':>12}")
+    print(f"{'local GlobalBatchSource (M tok/s, median)':<46}{med(result['local_tokens_per_s']) / 1e6:>12.3f}")
+    print(f"{'service M=1 end-to-end (M tok/s, median)':<46}{med(result['m1_end_to_end_tokens_per_s']) / 1e6:>12.3f}")
+    print(f"{'service M=2 end-to-end (M tok/s, median)':<46}{med(result['m2_end_to_end_tokens_per_s']) / 1e6:>12.3f}")
+    print(f"{'service M=1 producers alone (M tok/s, median)':<46}{med(result['m1_produced_tokens_per_s']) / 1e6:>12.3f}")
+    print(f"{'ratio M=1 end-to-end / local (same work)':<46}{result['ratio_m1_end_to_end_vs_local']:>12.3f}")
+    print(f"{'ratio M=2 end-to-end / local (same work)':<46}{result['ratio_m2_end_to_end_vs_local']:>12.3f}")
+    print(f"{'ratio M=2 / M=1 end-to-end':<46}{result['ratio_m2_vs_m1_end_to_end']:>12.3f}")
+    print(f"{'wrong steps (service digest != local digest)':<46}{result['wrong_steps']:>12d}")
+    print(f"{'slice warm p50 / p99 (ms, W=' + str(lat['world']) + ')':<46}{lat['p50']:>6.2f} /{lat['p99']:>5.2f}")
     print("RESULT " + json.dumps(result))
 
 

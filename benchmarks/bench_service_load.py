@@ -1,25 +1,33 @@
-"""The data service at scale, measured on a private local Ray (issue 8 "Measure"). Every row read is checked.
+"""The data service at scale, measured on a private local Ray (issues 8 and 16). Every row read is checked.
 
-    python benchmarks/bench_service_load.py [--parts load,pending,cpu,resume,kill,long] [--ranks 256] [--steps 50]
+    python benchmarks/bench_service_load.py [--parts load,pending,cpu,resume,kill,long] [--ranks 256] [--steps 10]
+                                            [--rounds 2]
 
-Parts (each prints a line; one JSON line ``RESULT`` at the end):
-- ``load``: one service, 2 jobs x R simulated ranks x S steps, each job reading its slices in lock-step at a
-  fixed step time; p50/p99/max data wait, p99 of ``status()`` latency, all slices checked against the reference
-  (GlobalBatchSource) digests. Run at R=32 and R=``--ranks`` side by side. The recipe is the tiny fixture with
-  B=256 rows (``rows_per_microbatch=32``), so that 256 ranks each get a real, distinct slice.
-- ``pending``: 512 reads waiting at once (a holder consumer pins the window), while ``status()``/``commit()``
-  are timed; then the holder releases and every waiting read must complete with the right rows.
-- ``cpu``: service CPU-seconds per million tokens (coordinator + producers + replayer, summed with psutil over
-  the actor PIDs) at M=1, 2, 4, and tokens/s; coordinator CPU per step, from which one coordinator's capacity is
-  projected.
+Two read paths, side by side in one run, in rounds whose order flips every round (the same work on both sides):
+``direct`` is the path before leases (every rank's read of every step is one coordinator call) and ``node`` is the
+lease path (a node reader per node leases ``lease_steps`` steps at once for every rank there; the coordinator sees
+its leases and cursor reports only). Parts (each prints a line; one JSON line ``RESULT`` at the end):
+- ``load``: one service per side and round, 2 jobs x R simulated ranks (threads) x S steps, each job reading its
+  slices in lock-step at a fixed step time; p50/p99/max data wait, p50/p99 of ``status()`` latency (a prober
+  calls it every 50 ms), coordinator CPU per rank-step (psutil on the coordinator's process), node readers' CPU per
+  rank-step, all slices checked against the reference digests (GlobalBatchSource). Run at R=32 and R=``--ranks``.
+  The recipe is the tiny fixture with B=256 rows (``rows_per_microbatch=32``), so 256 ranks each get a real slice.
+  Targets (issue 16): node coordinator CPU per rank-step <= 0.1 ms at R=256; direct p99 wait / node p99 wait >= 10;
+  node status() p99 <= 100 ms.
+- ``calls``: coordinator CPU per call of each kind (a lease of ``lease_steps`` steps with 8 cursor moves, a
+  report of 8 moves, ``status()``), net of its idle rate, for the projections in docs/scaling.md.
+- ``pending``: 512 reads waiting at once (a holder consumer pins the window), per side, while ``status()`` and
+  ``commit()`` are timed; then the holder releases and every waiting read must complete with the right rows.
+- ``cpu``: service CPU-seconds per million tokens (coordinator + producers + replayer) at M=1, 2, 4 (order flipped
+  every round), and tokens/s; coordinator CPU per step.
 - ``resume``: warm time to first batch for a restarted W=4 job (same consumer, resumes at its commit): retained
-  window (hits) vs the replay path (``retain_behind=0``: every step since the commit is replayed).
+  window (hits) vs the replay path (``retain_behind=0``), order flipped every round.
 - ``kill``: ``kill -9`` the coordinator while a consumer reads: time to the next batch (recovery).
 - ``long``: 5,000 steps with commits every 50: ``state_dir`` file count and bytes, and the object store (Ray's
-  own ``memory_summary``/``list_objects``), sampled every 500 steps, must stay flat.
+  own memory summary), sampled every 500 steps, must stay flat.
 
-On 2 cores every process (producers, coordinator, reader threads, Ray) shares the same CPUs: latencies are
-upper bounds; CPU-seconds per token do not depend on the core count.
+On 2 cores every process (producers, coordinator, node reader, reader threads, Ray) shares the same CPUs:
+latencies are upper bounds; CPU-seconds per token do not depend on the core count.
 """
 
 from __future__ import annotations
@@ -91,12 +99,28 @@ def cpu_seconds(pids) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------- load
-def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, jobs: int = 2) -> dict:
+def reader_pids() -> list[int]:
+    """PIDs of this cluster's node readers (named ``<service>.reader.*``; Ray's actor table, no dashboard)."""
+    import ray
+
+    pids = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if ".reader." in entry.get("name", ""):
+            try:
+                handle = ray.get_actor(entry["name"], namespace=entry["namespace"])
+                pids.append(ray.get(handle.info.remote(), timeout=30).get("pid"))
+            except Exception:  # noqa: BLE001
+                pass
+    return [p for p in pids if p]
+
+
+def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, read_path: str,
+             tag: str, jobs: int = 2) -> dict:
     from zephon_ray import DataService, compute_digest
 
     rows = recipe.global_batch_rows
     world = ranks if rows % ranks == 0 else next(w for w in range(min(ranks, rows), 0, -1) if rows % w == 0)
-    svc = start(recipe, f"load-{ranks}", tmp, window=8)
+    svc = start(recipe, f"load-{ranks}-{read_path}-{tag}", tmp, window=8)
     waits, bad, errors, status_lat = [], [], [], []
     stop = threading.Event()
 
@@ -107,7 +131,7 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, j
             status_lat.append(time.perf_counter() - t0)
 
     def job(j: int):
-        client = DataService.connect(svc.name, namespace=NS, consumer=f"job{j}")
+        client = DataService.connect(svc.name, namespace=NS, consumer=f"job{j}", read_path=read_path)
         barrier = threading.Barrier(ranks)
 
         def rank_loop(r: int):
@@ -133,7 +157,10 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, j
             t.join()
 
     coordinator = svc.status()["coordinator"]["pid"]
-    cpu0 = cpu_seconds([coordinator])
+    if read_path == "node":  # start the node reader before the clock: its start-up is not a read cost
+        svc.refs(0)
+    readers = reader_pids()
+    cpu0, rcpu0 = cpu_seconds([coordinator]), cpu_seconds(readers)
     probe = threading.Thread(target=prober, daemon=True)
     probe.start()
     t0 = time.perf_counter()
@@ -144,22 +171,76 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, j
         t.join()
     elapsed = time.perf_counter() - t0
     coordinator_cpu = cpu_seconds([coordinator]) - cpu0
+    reader_cpu = cpu_seconds(readers) - rcpu0
     stop.set()
     probe.join()
+    reads = svc.status()["reads"]
     svc.stop()
-    return {"jobs": jobs, "ranks": ranks, "world": world, "steps": steps, "step_time_s": step_time,
-            "reads": len(waits), "wrong_rows": len(bad), "coordinator_cpu_s": round(coordinator_cpu, 3),
-            "coordinator_cpu_ms_per_read": coordinator_cpu / max(len(waits), 1) * 1e3, "errors": errors[:3], "elapsed_s": round(elapsed, 2),
+    return {"read_path": read_path, "jobs": jobs, "ranks": ranks, "world": world, "steps": steps,
+            "step_time_s": step_time, "reads": len(waits), "wrong_rows": len(bad),
+            "coordinator_cpu_s": round(coordinator_cpu, 3),
+            "coordinator_cpu_ms_per_rank_step": coordinator_cpu / max(len(waits), 1) * 1e3,
+            "node_reader_cpu_ms_per_rank_step": reader_cpu / max(len(waits), 1) * 1e3,
+            "coordinator_calls": {"leases": reads["leases"], "reports": reads["reports"]},
+            "errors": errors[:3], "elapsed_s": round(elapsed, 2),
             "wait_ms": {"p50": pct(waits, .5) * 1e3, "p99": pct(waits, .99) * 1e3, "max": max(waits) * 1e3},
             "status_ms": {"p50": pct(status_lat, .5) * 1e3, "p99": pct(status_lat, .99) * 1e3,
                           "n": len(status_lat)}}
 
 
+# ---------------------------------------------------------------------------------------------------- calls
+def run_calls(recipe, tmp, n: int = 1500, lease_steps: int = 4, threads: int = 8) -> dict:
+    """Coordinator CPU per call of each kind a node reader makes, for docs/scaling.md: a lease of
+    ``lease_steps`` produced steps and 1 lane with 8 cursor moves (a node of 8 ranks), a report of 8 moves, and
+    ``status()``. Calls come from ``threads`` threads at once; CPU is the coordinator process's (psutil), minus
+    its idle rate measured for as long just before."""
+    import ray
+
+    svc = start(recipe, "calls", tmp, window=8)
+    try:
+        svc.batch(0, track=True)
+        while len(svc.status()["window"]["held_steps"]) < lease_steps:
+            time.sleep(0.1)
+        coordinator = ray.get_actor(svc.name, namespace=NS)
+        pid = svc.status()["coordinator"]["pid"]
+        moves = [("calls", r, 256, 0, 0.0) for r in range(8)]
+        kinds = {
+            "lease": lambda: coordinator.lease.remote(0, lease_steps, (0, 1), 60, moves, False, "node-x"),
+            "report": lambda: coordinator.advance.remote(moves),
+            "status": lambda: coordinator.status.remote(),
+        }
+        out = {}
+        for kind, call in kinds.items():
+            c0, t0 = cpu_seconds([pid]), time.perf_counter()
+            time.sleep(2.0)
+            idle_rate = (cpu_seconds([pid]) - c0) / (time.perf_counter() - t0)
+            per_thread = n // threads if kind != "status" else 100 // threads
+
+            def loop():
+                for _ in range(per_thread):
+                    ray.get(call())
+
+            workers = [threading.Thread(target=loop) for _ in range(threads)]
+            c0, t0 = cpu_seconds([pid]), time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            wall = time.perf_counter() - t0
+            cpu = cpu_seconds([pid]) - c0 - idle_rate * wall
+            calls = per_thread * threads
+            out[kind] = {"calls": calls, "cpu_ms_per_call": cpu / calls * 1e3, "calls_per_s": calls / wall,
+                         "idle_cpu_ms_per_s": idle_rate * 1e3}
+        return out
+    finally:
+        svc.stop()
+
+
 # ---------------------------------------------------------------------------------------------------- pending
-def run_pending(recipe, reference, tmp, n: int = 512) -> dict:
+def run_pending(recipe, reference, tmp, n: int = 512, read_path: str = "node") -> dict:
     from zephon_ray import DataService, compute_digest
 
-    svc = start(recipe, "pending", tmp, window=4)
+    svc = start(recipe, f"pending-{read_path}", tmp, window=4)
     holder = DataService.connect(svc.name, namespace=NS, consumer="holder")
     holder.slice(0, 0, 1)  # pins the window at [0, 4)
     world = 16
@@ -168,7 +249,7 @@ def run_pending(recipe, reference, tmp, n: int = 512) -> dict:
 
     def reader(i):
         try:
-            client = DataService.connect(svc.name, namespace=NS, consumer=f"r{i % 64}")
+            client = DataService.connect(svc.name, namespace=NS, consumer=f"r{i % 64}", read_path=read_path)
             part = client.slice(target, i % world, world)
             results.append(compute_digest(part.tokens, part.positions) == reference[target][(i % world, world)])
         except Exception as exc:  # noqa: BLE001
@@ -197,7 +278,8 @@ def run_pending(recipe, reference, tmp, n: int = 512) -> dict:
         t.join(timeout=600)
     drain = time.perf_counter() - t0
     svc.stop()
-    return {"pending_reads": n, "cursors_while_pending": pending_cursors, "completed_ok": sum(results),
+    return {"read_path": read_path, "pending_reads": n, "cursors_while_pending": pending_cursors,
+            "completed_ok": sum(results),
             "errors": errors[:3], "status_ms": {"p50": pct(lat_status, .5) * 1e3, "p99": pct(lat_status, .99) * 1e3,
                                                 "max": max(lat_status) * 1e3},
             "commit_ms": {"p50": pct(lat_commit, .5) * 1e3, "max": max(lat_commit) * 1e3},
@@ -205,10 +287,21 @@ def run_pending(recipe, reference, tmp, n: int = 512) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- cpu
-def run_cpu(recipe, reference, tmp, steps: int) -> dict:
-    out = {}
-    for m in (1, 2, 4):
-        svc = start(recipe, f"cpu-m{m}", tmp, producers=m, window=8)
+def run_cpu(recipe, reference, tmp, steps: int, rounds: int = 1) -> dict:
+    runs: dict[int, list[dict]] = {1: [], 2: [], 4: []}
+    for r in range(rounds):
+        for m in ((1, 2, 4) if r % 2 == 0 else (4, 2, 1)):
+            runs[m].append(_run_cpu_once(recipe, reference, tmp, steps, m, f"{m}-{r}"))
+    med = statistics.median
+    out = {m: {k: med(x[k] for x in xs) for k in xs[0]} for m, xs in runs.items()}
+    out["ratio_m2_vs_m1_cpu_per_token"] = med(a["cpu_s_per_mtok"] / b["cpu_s_per_mtok"] for a, b in zip(runs[2], runs[1]))
+    out["ratio_m2_vs_m1_tokens_per_s"] = med(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[2], runs[1]))
+    return out
+
+
+def _run_cpu_once(recipe, reference, tmp, steps: int, m: int, tag: str) -> dict:
+    if True:
+        svc = start(recipe, f"cpu-m{tag}", tmp, producers=m, window=8)
         try:
             assert svc.batch(0, track=True).digest == reference[0]
             pids = service_pids(svc)
@@ -220,22 +313,30 @@ def run_cpu(recipe, reference, tmp, steps: int) -> dict:
             elapsed = time.perf_counter() - t0
             c1, all1 = cpu_seconds([coord]), cpu_seconds(pids)
             mtok = steps * recipe.tokens_per_step / 1e6
-            out[m] = {"cpu_s_per_mtok": (all1 - all0) / mtok, "tokens_per_s": mtok * 1e6 / elapsed,
-                      "coordinator_cpu_ms_per_step": (c1 - c0) / steps * 1e3, "processes": len(pids)}
+            return {"cpu_s_per_mtok": (all1 - all0) / mtok, "tokens_per_s": mtok * 1e6 / elapsed,
+                    "coordinator_cpu_ms_per_step": (c1 - c0) / steps * 1e3, "processes": len(pids)}
         finally:
             svc.stop()
-    out["ratio_m2_vs_m1_cpu_per_token"] = out[2]["cpu_s_per_mtok"] / out[1]["cpu_s_per_mtok"]
-    out["ratio_m2_vs_m1_tokens_per_s"] = out[2]["tokens_per_s"] / out[1]["tokens_per_s"]
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- resume
-def run_resume(recipe, reference, tmp, behind: int = 6, world: int = 4) -> dict:
+def run_resume(recipe, reference, tmp, behind: int = 6, world: int = 4, rounds: int = 1) -> dict:
+    runs: dict[str, list[float]] = {"retained": [], "replay_path": []}
+    for r in range(rounds):
+        order = (("retained", 32), ("replay_path", 0)) if r % 2 == 0 else (("replay_path", 0), ("retained", 32))
+        for label, retain in order:
+            runs[label].append(_resume_once(recipe, reference, tmp, behind, world, label, retain, str(r)))
+    med = statistics.median
+    return {"retained": {"first_batch_s": med(runs["retained"])},
+            "replay_path": {"first_batch_s": med(runs["replay_path"])},
+            "ratio_replay_vs_retained": med(a / b for a, b in zip(runs["replay_path"], runs["retained"]))}
+
+
+def _resume_once(recipe, reference, tmp, behind, world, label, retain, tag) -> float:
     from zephon_ray import DataService
 
-    out = {}
-    for label, retain in (("retained", 32), ("replay_path", 0)):
-        svc = start(recipe, f"resume-{label}", tmp, window=4, retain_behind=retain, checkpoint_every=8)
+    if True:
+        svc = start(recipe, f"resume-{label}-{tag}", tmp, window=4, retain_behind=retain, checkpoint_every=8)
         try:
             job = DataService.connect(svc.name, namespace=NS, consumer="job")
             commit_at, read_until = 20, 20 + behind
@@ -255,19 +356,20 @@ def run_resume(recipe, reference, tmp, behind: int = 6, world: int = 4) -> dict:
                 t.join()
             first = time.perf_counter() - t0
             assert restarted.batch(commit_at).digest == reference[commit_at]
-            out[label] = {"first_batch_s": first, "replay": svc.status()["replay"]}
+            return first
         finally:
             svc.stop()
-    out["ratio_replay_vs_retained"] = out["replay_path"]["first_batch_s"] / out["retained"]["first_batch_s"]
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- kill
 def run_kill(recipe, reference, tmp) -> dict:
+    from zephon_ray import compute_digest
+
     svc = start(recipe, "kill", tmp, window=4, checkpoint_every=4)
     try:
         for s in range(10):
-            assert svc.slice(s, 0, 1).step == s
+            part = svc.slice(s, 0, 1)
+            assert compute_digest(part.tokens, part.positions) == reference[s]
             if s % 4 == 3:
                 svc.commit(s + 1)
         pid = svc.status()["coordinator"]["pid"]
@@ -284,23 +386,10 @@ def run_kill(recipe, reference, tmp) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- long
 def object_store_view() -> dict:
-    import ray
-    from ray._private.internal_api import memory_summary
+    from zephon_ray.service.ray_internals import plasma_usage
 
-    out = {}
-    try:
-        from ray.util.state import list_objects
-
-        objs = list_objects(limit=100_000, raise_on_missing_output=False)
-        out["objects"] = len(objs)
-        out["object_bytes"] = sum(int(o.object_size or 0) for o in objs if o.object_size and o.object_size > 0)
-    except Exception as exc:  # noqa: BLE001 - the state API needs the dashboard
-        out["list_objects_error"] = type(exc).__name__
-    summary = memory_summary(ray.get_runtime_context().gcs_address, stats_only=True)
-    for line in summary.splitlines():
-        if "Plasma memory usage" in line:
-            out["plasma"] = line.strip()
-    return out
+    usage = plasma_usage()
+    return {"plasma_mib": usage["mib"], "plasma_objects": usage["objects"]}
 
 
 def run_long(recipe, reference_source, tmp, steps: int = 5000) -> dict:
@@ -326,17 +415,48 @@ def run_long(recipe, reference_source, tmp, steps: int = 5000) -> dict:
     return {"steps": steps, "samples": samples}
 
 
+def _load_line(r: dict) -> str:
+    return (f"{r['read_path']:>6}: wrong rows {r['wrong_rows']}, errors {len(r['errors'])}, wait p50/p99/max "
+            f"{r['wait_ms']['p50']:.1f}/{r['wait_ms']['p99']:.1f}/{r['wait_ms']['max']:.1f} ms, status p50/p99 "
+            f"{r['status_ms']['p50']:.1f}/{r['status_ms']['p99']:.1f} ms, coordinator "
+            f"{r['coordinator_cpu_ms_per_rank_step']:.3f} CPU-ms/rank-step (node readers "
+            f"{r['node_reader_cpu_ms_per_rank_step']:.3f}), coordinator calls {r['coordinator_calls']}")
+
+
+def compare_load(runs: dict[str, list[dict]]) -> dict:
+    med = statistics.median
+    summary = {}
+    for side, xs in runs.items():
+        summary[side] = {"wait_p50_ms": med(x["wait_ms"]["p50"] for x in xs),
+                         "wait_p99_ms": med(x["wait_ms"]["p99"] for x in xs),
+                         "status_p99_ms": med(x["status_ms"]["p99"] for x in xs),
+                         "coordinator_cpu_ms_per_rank_step": med(x["coordinator_cpu_ms_per_rank_step"] for x in xs),
+                         "node_reader_cpu_ms_per_rank_step": med(x["node_reader_cpu_ms_per_rank_step"] for x in xs),
+                         "wrong_rows": sum(x["wrong_rows"] for x in xs), "errors": sum(len(x["errors"]) for x in xs)}
+    if "direct" in runs and "node" in runs:
+        summary["ratio_wait_p99_direct_vs_node"] = med(
+            d["wait_ms"]["p99"] / n["wait_ms"]["p99"] for d, n in zip(runs["direct"], runs["node"]))
+        summary["ratio_coordinator_cpu_direct_vs_node"] = med(
+            d["coordinator_cpu_ms_per_rank_step"] / n["coordinator_cpu_ms_per_rank_step"]
+            for d, n in zip(runs["direct"], runs["node"]))
+    return summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="load,pending,cpu,resume,kill")
+    ap.add_argument("--paths", default="direct,node", help="read paths compared by load and pending")
     ap.add_argument("--ranks", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--small-ranks", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--step-time", type=float, default=0.5)
     ap.add_argument("--cpu-steps", type=int, default=60)
     ap.add_argument("--long-steps", type=int, default=5000)
     ap.add_argument("--pending", type=int, default=512)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
+    paths = args.paths.split(",")
 
     import ray
 
@@ -361,23 +481,33 @@ def main() -> None:
     ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=ray_tmp, log_to_driver=False,
              logging_level="ERROR", namespace=NS)
     result = {"cpus": os.cpu_count(), "recipe_rows": recipe.global_batch_rows,
-              "tokens_per_step": recipe.tokens_per_step}
+              "tokens_per_step": recipe.tokens_per_step, "rounds": args.rounds, "paths": paths}
     try:
         if "load" in parts:
-            for ranks in sorted({32, args.ranks}):
-                r = run_load(recipe, reference, tmp, ranks, args.steps, args.step_time)
-                result[f"load_{ranks}"] = r
-                print(f"load {r['jobs']}x{ranks} ranks x {r['steps']} steps: wrong rows {r['wrong_rows']}, errors "
-                      f"{len(r['errors'])}, wait p50/p99/max {r['wait_ms']['p50']:.1f}/{r['wait_ms']['p99']:.1f}/"
-                      f"{r['wait_ms']['max']:.1f} ms, status p99 {r['status_ms']['p99']:.1f} ms, coordinator "
-                      f"{r['coordinator_cpu_ms_per_read']:.2f} CPU-ms/read", flush=True)
+            for ranks in sorted({args.small_ranks, args.ranks}):
+                runs: dict[str, list[dict]] = {p: [] for p in paths}
+                for rnd in range(args.rounds):
+                    order = paths if rnd % 2 == 0 else paths[::-1]
+                    for path in order:
+                        r = run_load(recipe, reference, tmp, ranks, args.steps, args.step_time, path, str(rnd))
+                        runs[path].append(r)
+                        print(f"load 2x{ranks} ranks x {args.steps} steps, round {rnd}, {_load_line(r)}", flush=True)
+                summary = compare_load(runs)
+                result[f"load_{ranks}"] = {"runs": runs, "summary": summary}
+                print(f"load 2x{ranks}: {json.dumps(summary)}", flush=True)
+        if "calls" in parts:
+            r = result["calls"] = run_calls(recipe, tmp)
+            print("calls: " + ", ".join(f"{k} {v['cpu_ms_per_call']:.3f} coordinator CPU-ms/call ({v['calls_per_s']:.0f}/s)"
+                                        for k, v in r.items()) + f"; idle {r['lease']['idle_cpu_ms_per_s']:.1f} "
+                  "CPU-ms/s", flush=True)
         if "pending" in parts:
-            r = result["pending"] = run_pending(recipe, reference, tmp, args.pending)
-            print(f"pending {r['pending_reads']} reads: status p99 {r['status_ms']['p99']:.1f} ms (max "
-                  f"{r['status_ms']['max']:.1f}), commit max {r['commit_ms']['max']:.1f} ms, completed ok "
-                  f"{r['completed_ok']}, drained in {r['drain_s']} s", flush=True)
+            for path in paths:
+                r = result[f"pending_{path}"] = run_pending(recipe, reference, tmp, args.pending, path)
+                print(f"pending {r['pending_reads']} reads ({path}): status p99 {r['status_ms']['p99']:.1f} ms (max "
+                      f"{r['status_ms']['max']:.1f}), commit max {r['commit_ms']['max']:.1f} ms, completed ok "
+                      f"{r['completed_ok']}, drained in {r['drain_s']} s", flush=True)
         if "cpu" in parts:
-            r = result["cpu"] = run_cpu(recipe, digests, tmp, args.cpu_steps)
+            r = result["cpu"] = run_cpu(recipe, digests, tmp, args.cpu_steps, args.rounds)
             for m in (1, 2, 4):
                 print(f"cpu M={m}: {r[m]['cpu_s_per_mtok']:.2f} service CPU-s per M tokens, "
                       f"{r[m]['tokens_per_s'] / 1e6:.3f} M tok/s, coordinator {r[m]['coordinator_cpu_ms_per_step']:.2f} "
@@ -385,7 +515,7 @@ def main() -> None:
             print(f"cpu ratio M=2/M=1 per token {r['ratio_m2_vs_m1_cpu_per_token']:.2f} (target <= 1.2), tokens/s "
                   f"{r['ratio_m2_vs_m1_tokens_per_s']:.2f}", flush=True)
         if "resume" in parts:
-            r = result["resume"] = run_resume(recipe, digests, tmp)
+            r = result["resume"] = run_resume(recipe, digests, tmp, rounds=args.rounds)
             print(f"resume first batch: retained {r['retained']['first_batch_s']:.3f} s, replay path "
                   f"{r['replay_path']['first_batch_s']:.3f} s, ratio {r['ratio_replay_vs_retained']:.1f}x", flush=True)
         if "kill" in parts:

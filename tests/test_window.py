@@ -22,7 +22,7 @@ def _produce(w: StepWindow, now: float) -> list[int]:
     filed = []
     for step in range(w.head, w.produce_until):
         w.submitted(step)
-        if w.wanted(step) and w.file(step, Entry(lanes=[f"ref{step}"], nbytes=10)):
+        if w.wanted(step) and w.file(step, Entry(containers=[f"ref{step}"], nbytes=10)):
             filed.append(step)
     w.refresh(now)
     return filed

@@ -72,7 +72,7 @@ from zephon_ray.lanes import LaneShard
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, READ_PATHS, ActorResources, ServiceConfig
 from zephon_ray.service.errors import ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError
-from zephon_ray.service.protocol import KEY_KEEP_FROM, KEY_STEPS, REPLAYED, check_reader, only_lanes
+from zephon_ray.service.protocol import KEY_KEEP_FROM, KEY_STEPS, REPLAYED, check_reader, expand, only_lanes
 from zephon_ray.source import assemble, pad_token_id
 
 _LOST = (ObjectLostError, OwnerDiedError, ObjectFetchTimedOutError)
@@ -357,9 +357,10 @@ class DataService:
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, r, w)
         if self.read_path == "node":
             if track:
-                self._own_move(step, rank, world)
-                self._queue_move(r, w, step)
+                self._queue_move(r, w, step)  # travels with the request: the step may wait for this very move
             held = self._held(step, span.first, span.stop, track, timeout_s)
+            if track:
+                self._own_move(step, rank, world)
             return StepRefs(step, only_lanes(held.lanes, span.first, span.stop), self.recipe, self._pad,
                             held.generation)
         pending = self._prefetched.pop((step, rank, world), None)
@@ -373,8 +374,14 @@ class DataService:
                                                               track))
             if track:
                 self._own_move(step, rank, world)
-        got, generation, lanes = reply[KEY_STEPS][0]
-        return StepRefs(got, lanes, self.recipe, self._pad, generation)
+        got, generation, groups, containers = reply[KEY_STEPS][0]
+        try:
+            opened = self._call_refs([c for c in containers if c is not None])
+        except ShardsLostError:
+            self._invalidate(got, generation)
+            raise
+        values = dict(zip((g for g, c in enumerate(containers) if c is not None), opened))
+        return StepRefs(got, expand(groups, values, self.recipe.lanes), self.recipe, self._pad, generation)
 
     # ------------------------------------------------------------------ the node path
     def _held(self, step: int, lo: int, hi: int, track: bool, timeout_s: float | None) -> _Held:
@@ -601,6 +608,7 @@ class DataService:
             self._reader = None
             self._cache.clear()
             self._replayed.clear()
+            self._keep_from = 0  # a new incarnation may start below the old one's window
 
     # ------------------------------------------------------------------ state and control
     def commit(self, step: int) -> dict[str, Any]:
@@ -637,6 +645,13 @@ class DataService:
             _service_step_rows, fn_kwargs={"service": self}, batch_size=1, num_cpus=0.25, batch_format="numpy")
 
     # ------------------------------------------------------------------ helpers
+    def _call_refs(self, refs: list[Any]) -> list[Any]:
+        """Open containers (the direct path): a lost one (its producer died) is a ShardsLostError."""
+        try:
+            return ray.get(refs)
+        except (*_LOST, RayActorError, ActorUnavailableError) as exc:
+            raise ShardsLostError(f"service {self._where}: a step's shards were lost ({type(exc).__name__})") from None
+
     def _call(self, ref: Any, timeout: float | None = None) -> Any:
         try:
             return ray.get(ref, timeout=timeout)

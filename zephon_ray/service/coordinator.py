@@ -48,14 +48,18 @@ from zephon_ray.service.errors import ServiceError
 from zephon_ray.service.metrics import ServiceMetrics
 from zephon_ray.service.pool import ProducerPool
 from zephon_ray.service.protocol import (
-    PRODUCER_INFIX, READER_INFIX, REPLAYED, REPLAYER_INFIX, CursorMove, kill_named, lease_reply, only_lanes)
+    PRODUCER_INFIX, READER_INFIX, REPLAYED, REPLAYER_INFIX, CursorMove, kill_named, lease_reply, only_groups)
 from zephon_ray.service.replay import ReplayScheduler, read_materialized_prefix
 from zephon_ray.service.window import Entry, Read, StepWindow, resume_step
 
 log = logging.getLogger("zephon_ray.service")
 
 MAX_LEASE_STEPS = 1024
-_POLL_S = 0.05
+_BUSY_POLL_S = 0.25
+"""How long the pump waits for a producer call to finish (a finished call ends the wait at once; so does nothing
+else, so a step that a cursor move made wanted is submitted at most this late, while the producers are busy)."""
+_IDLE_WAIT_S = 0.5
+"""How long an idle pump sleeps unless woken (a cursor move, a commit, a release, a rescale wakes it)."""
 
 
 class Coordinator:
@@ -173,8 +177,8 @@ class Coordinator:
     async def lease(self, first: int, count: int = 1, lanes: tuple[int, int] | None = None,
                     timeout_s: float | None = None, moves: list[CursorMove] | None = None, track: bool = False,
                     node: str | None = None) -> dict[str, Any]:
-        """The refs of steps ``first, first + 1, ...`` (at most ``count``, consecutive, all produced) for lanes
-        ``[lo, hi)``: a lease reply (protocol.py). Waits for ``first`` to be produced, or has it replayed when it
+        """The container refs of steps ``first, first + 1, ...`` (at most ``count``, consecutive, all produced)
+        holding lanes ``[lo, hi)``: a lease reply (protocol.py). Waits for ``first`` to be produced, or has it replayed when it
         lies behind the live window (or ahead of it and ``track`` is False: no cursor moves producers there).
         ``moves`` are applied first. Moves no cursor itself."""
         self._bind_loop()
@@ -196,13 +200,14 @@ class Coordinator:
                     for _, entry in run:
                         entry.served += 1
                     self._count_lease(node, len(run), waited, now - t0)
-                    return lease_reply([(s, e.generation, only_lanes(e.lanes, lo, hi)) for s, e in run],
-                                       self.window.keep_from)
+                    lanes = self.recipe.lanes
+                    return lease_reply([(s, e.generation, len(e.containers), only_groups(e.containers, lanes, lo, hi))
+                                        for s, e in run], self.window.keep_from)
                 low, high = self.window.keep_from, self.window.produce_until
             if kind is Read.REPLAY:
-                refs = await self.replay.lanes(first, read_ahead=track or count > 1)
+                container = await self.replay.container(first, read_ahead=track or count > 1)
                 self._count_lease(node, 1, waited, time.monotonic() - t0)
-                return lease_reply([(first, REPLAYED, only_lanes(refs, lo, hi))], self.window.keep_from)
+                return lease_reply([(first, REPLAYED, 1, [container])], self.window.keep_from)
             if now >= deadline:
                 raise TimeoutError(
                     f"step {first} was not produced within {timeout_s:.0f}s: the live window is [{low}, {high}) "
@@ -362,10 +367,12 @@ class Coordinator:
                 pool.submit(target, self._wanted, self._submitted)
                 if not pool.busy:
                     pool.collect(0)  # idle ping
-                    self._pump_wake.wait(_POLL_S)
+                    self._pump_wake.wait(_IDLE_WAIT_S)
                     self._pump_wake.clear()
                     continue
-                finished = pool.collect(_POLL_S)
+                # A long step (seconds at training-sized batches) must not cost the coordinator a wake-up every
+                # 50 ms (measured: 10 CPU-ms/s at seq_len 8,192, benchmarks/bench_geometry.py).
+                finished = pool.collect(_BUSY_POLL_S)
                 if finished:
                     self._file(finished)
                 if pool.fatal:
@@ -416,7 +423,7 @@ class Coordinator:
             for item in finished:
                 c["produced_steps"] += 1
                 c["produced_tokens"] += tokens
-                self.window.file(item.step, Entry(lanes=item.lane_refs, nbytes=item.meta["nbytes"],
+                self.window.file(item.step, Entry(containers=item.containers, nbytes=item.meta["nbytes"],
                                                   generation=item.generation))
             c["first_produced"] = c["first_produced"] or now
             c["last_produced"] = now

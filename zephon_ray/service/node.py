@@ -13,8 +13,9 @@ groups), a rank that dies takes nothing with it (the reader lives on), and it is
 node-local; the coordinator sees one lease per node per n steps.
 
 Guarantees:
-- Rows: the reader hands out the refs the coordinator leased, unchanged; a rank fetches the bytes itself from the
-  object store (zero-copy on the producer's node). tests/test_service.py checks every row against the reference.
+- Rows: the reader opens the containers the coordinator leased (small objects holding lane refs; protocol.py) and
+  hands out those lane refs, unchanged; a rank fetches the bytes itself from the object store (zero-copy on the
+  producer's node). tests/test_service.py checks every row against the reference.
 - Cursors stay exact: a lease moves no cursor. A rank's cursor moves when it reads a step with ``track=True`` or
   ``touch``-es it; the reader reports those moves with its next lease, at once while a lease waits (that is what
   lets producers move on), and every ``consumer_ttl_s / 4`` as a keep-alive carrying how long ago each rank was last
@@ -40,7 +41,8 @@ from typing import Any
 from ray.exceptions import RayTaskError
 
 from zephon_ray.service.protocol import (
-    KEY_KEEP_FROM, KEY_STEPS, REPLAYED, CursorMove, StepLanes, check_consumer, check_reader, lease_reply, only_lanes)
+    KEY_KEEP_FROM, KEY_STEPS, REPLAYED, CursorMove, StepContainers, StepLanes, check_consumer, check_reader, expand,
+    lease_reply, only_lanes)
 
 REPLAYS_KEPT = 8
 """Replayed steps kept in a reader's cache (ranks of one node reading one past step share one reply)."""
@@ -180,16 +182,33 @@ class NodeReader:
         try:
             reply = await self._coordinator.lease.remote(lease.first, lease.stop - lease.first, (lease.lo, lease.hi),
                                                          timeout_s, self._moves(), track, self.node_id)
+            steps = await self._open(reply[KEY_STEPS])
         except RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             lease.future.set_exception(cause if isinstance(cause, Exception) else exc)
         except Exception as exc:  # noqa: BLE001 - the coordinator died: the client reconnects
             lease.future.set_exception(exc)
         else:
-            self._file(reply)
+            self._file(lease_reply(steps, reply[KEY_KEEP_FROM]))
             lease.future.set_result(None)
         finally:
             self._leases.remove(lease)
+
+    async def _open(self, steps: list[StepContainers]) -> list[StepLanes]:
+        """Containers -> lane refs (fetching each container: a small object on its producer's node). A step whose
+        container was lost with its producer is reported to the coordinator and not filed; the read asking for it
+        leases it again (made again, or replayed)."""
+        refs = [c for _, _, _, containers in steps for c in containers if c is not None]
+        values = await asyncio.gather(*refs, return_exceptions=True)
+        opened = dict(zip(map(id, refs), values))
+        out: list[StepLanes] = []
+        for step, generation, groups, containers in steps:
+            got = {g: opened[id(c)] for g, c in enumerate(containers) if c is not None}
+            if any(isinstance(v, BaseException) for v in got.values()):
+                await self._coordinator.invalidate.remote(step, generation)
+                break
+            out.append((step, generation, expand(groups, got, self.lanes)))
+        return out
 
     def _file(self, reply: dict[str, Any]) -> None:
         self._keep_from = max(self._keep_from, int(reply[KEY_KEEP_FROM]))

@@ -42,7 +42,7 @@ from zephon_ray.pipeline import LaneGroup
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import HOSTED_STORE, ServiceConfig
 from zephon_ray.service.metrics import NO_METRICS
-from zephon_ray.service.producer import KEY_LANES, Producer
+from zephon_ray.service.producer import KEY_CONTAINER, Producer
 from zephon_ray.service.protocol import PRODUCER_INFIX
 from zephon_ray.formats.service_state import ServiceState
 
@@ -58,7 +58,8 @@ PING_EVERY_S = 2.0
 @dataclass
 class Finished:
     step: int
-    lane_refs: list[Any]
+    containers: list[Any]
+    """One container ref per producer, in lane-group order (protocol.py)."""
     meta: dict[str, int]
     generation: int
 
@@ -328,8 +329,8 @@ class ProducerPool:
                     del self._inflight[step]
                     meta = {"step": step, "nbytes": sum(m["nbytes"] for m in meta_values),
                             "tokens": sum(m["tokens"] for m in meta_values)}
-                    lane_refs = [ref for m in meta_values for ref in m[KEY_LANES]]
-                    out.append(Finished(step, lane_refs, meta, self.gen.number))
+                    containers = [m[KEY_CONTAINER] for m in meta_values]
+                    out.append(Finished(step, containers, meta, self.gen.number))
             if out:
                 self.failures = self.deaths = 0
         except RayActorError as exc:

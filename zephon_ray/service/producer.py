@@ -2,7 +2,9 @@
 
 Guarantee: ``produce(s)`` puts this rank's lane shards of step s into the object store of its own node, one object
 per owned lane, bit-identical to the same lanes of ``GlobalBatchSource(recipe).batch(s)``, and returns one small
-value: :func:`shard_meta` plus the lane refs (:data:`KEY_LANES`). The producer is the **owner** of its shards,
+value: :func:`shard_meta` plus the ref of a container holding the lane refs (:data:`KEY_CONTAINER`; the
+coordinator's bookkeeping per step then grows with the producers, not the lanes). The producer is the **owner** of
+its shards and the container,
 whatever their size (``ray.put``, not return values: Ray inlines return values under 100 KiB into the caller, which
 would make the coordinator own them). The coordinator only borrows the refs and passes them on; it never holds a
 shard's bytes (tests/test_service.py::test_coordinator_owns_no_shard_bytes, from Ray's own owner and location
@@ -32,7 +34,7 @@ from zephon_ray.recipe import Recipe
 KEY_STEP = "step"
 KEY_NBYTES = "nbytes"
 KEY_TOKENS = "tokens"
-KEY_LANES = "lanes"
+KEY_CONTAINER = "container"
 
 
 def shard_nbytes(shard: LaneShard) -> int:
@@ -46,10 +48,11 @@ def shard_meta(step: int, shards: list[LaneShard]) -> dict[str, int]:
 
 
 def put_shards(step: int, shards: list[LaneShard]) -> dict[str, Any]:
-    """Put ``shards`` into this process's object store (this worker owns them) and return their meta with the refs."""
+    """Put ``shards`` into this process's object store (this worker owns them), then one small container object
+    holding their refs, and return their meta with the container's ref (protocol.py: "containers")."""
     import ray
 
-    return {**shard_meta(step, shards), KEY_LANES: [ray.put(shard) for shard in shards]}
+    return {**shard_meta(step, shards), KEY_CONTAINER: ray.put([ray.put(shard) for shard in shards])}
 
 
 def worker_id() -> str | None:
@@ -106,7 +109,7 @@ class Producer:
             raise RuntimeError(f"producer for lanes {self.lanes} is at step {self._stepper.position}, asked for {step}")
 
     def produce(self, step: int) -> dict[str, Any]:
-        """:func:`shard_meta` of the owned lanes' shards of ``step`` and their refs (:func:`put_shards`)."""
+        """:func:`shard_meta` of the owned lanes' shards of ``step`` and their container (:func:`put_shards`)."""
         self._expect(step)
         shards = self._stepper.next_step()
         return put_shards(step, [shards[lane] for lane in self.lanes])

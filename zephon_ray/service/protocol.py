@@ -8,9 +8,16 @@ Shared by both sides, so the client imports this and never a server class (tests
 
 - A **cursor move** is ``(consumer, rank, world, step, idle_s)``: rank ``rank`` of ``world`` took ``step``, and was
   last heard ``idle_s`` seconds ago. Node readers batch them onto their leases (:data:`CursorMove`).
-- A **lease reply** is ``{"steps": [(step, generation, lanes), ...], "keep_from": k}``: consecutive steps from the
-  first one asked for, each with the generation that made it (:data:`REPLAYED` for a replay) and its lane refs
-  (``None`` outside the lanes asked for). ``keep_from`` is the oldest step the coordinator still holds.
+- A step's shards travel as **containers**: each producer puts its L/M lane shards and then one small object
+  holding their refs (the container), and the coordinator holds only the M container refs of a step, so its
+  bookkeeping per step grows with M, not with L (tests/test_service.py::test_coordinator_owns_no_shard_bytes).
+- A **lease reply** (coordinator -> node reader, or a direct client) is
+  ``{"steps": [(step, generation, groups, containers), ...], "keep_from": k}``: consecutive steps from the first
+  one asked for, each with the generation that made it (:data:`REPLAYED` for a replay, one container of all L
+  lanes), the number of containers (the M of that generation) and the container refs (``None`` for producers
+  whose lanes were not asked for). ``keep_from`` is the oldest step the coordinator still holds.
+- A **read reply** (node reader -> client process) has the same shape with lane refs:
+  ``{"steps": [(step, generation, lanes), ...], "keep_from": k}`` (``None`` for lanes not asked for).
 - Actor names: ``<service>.producer.<instance>.g<G>.<i>``, ``<service>.replayer.<instance>.<i>``,
   ``<service>.reader.<instance>.<node id>``.
 - The actor classes clients hold handles of are thin shells in actors.py.
@@ -23,7 +30,9 @@ from typing import Any
 CursorMove = tuple[str, int, int, int, float]
 """(consumer, rank, world, step, idle_s)."""
 StepLanes = tuple[int, int, list]
-"""(step, generation, lanes): lane refs of one step, None where not asked for."""
+"""(step, generation, lanes): lane refs of one step, None where not asked for (a read reply)."""
+StepContainers = tuple[int, int, int, list]
+"""(step, generation, groups, containers): container refs of one step, None where not asked for (a lease reply)."""
 
 MAX_CONSUMER_NAME = 200
 KEY_STEPS = "steps"
@@ -58,8 +67,24 @@ def check_reader(rank: Any, world: Any, rows: int) -> tuple[int, int]:
     return rank, world
 
 
-def lease_reply(steps: list[StepLanes], keep_from: int) -> dict[str, Any]:
+def lease_reply(steps: list, keep_from: int) -> dict[str, Any]:
     return {KEY_STEPS: steps, KEY_KEEP_FROM: keep_from}
+
+
+def only_groups(containers: list[Any], lanes: int, lo: int, hi: int) -> list[Any]:
+    """``containers`` (one per lane group of ``lanes // len(containers)`` lanes) with None for the groups that hold
+    none of lanes ``[lo, hi)``."""
+    per = lanes // len(containers)
+    return [ref if g * per < hi and lo < (g + 1) * per else None for g, ref in enumerate(containers)]
+
+
+def expand(groups: int, values: dict[int, list[Any]], lanes: int) -> list[Any]:
+    """Lane refs from resolved containers ``{group: [its lanes' refs]}``; None for lanes of other groups."""
+    per = lanes // groups
+    out: list[Any] = [None] * lanes
+    for g, refs in values.items():
+        out[g * per:(g + 1) * per] = refs
+    return out
 
 
 def only_lanes(lanes: list[Any], lo: int, hi: int) -> list[Any]:

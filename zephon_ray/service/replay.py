@@ -1,6 +1,6 @@
 """Replay scheduling: steps outside the live window, served by Replayer actors, never by the coordinator.
 
-    lease(step) ──► ReplayScheduler.lanes(step) ──► shared reply of step? ──yes──► its lane refs
+    lease(step) ──► ReplayScheduler.container(step) ──► shared reply of step? ──yes──► its container
                                                    │ no
                                                    ├─ step of a materialised prefix [A, N)? ──► Replayer.read(step)
                                                    └─ else: the replayer whose pipeline sits just before step
@@ -35,7 +35,7 @@ from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import ServiceConfig
 from zephon_ray.service.errors import ServiceError
 from zephon_ray.service.metrics import NO_METRICS
-from zephon_ray.service.producer import KEY_LANES
+from zephon_ray.service.producer import KEY_CONTAINER
 from zephon_ray.service.protocol import REPLAYER_INFIX
 from zephon_ray.service.replayer import Replayer
 
@@ -82,8 +82,9 @@ class ReplayScheduler:
                       "materialized_reads": 0}
 
     # ------------------------------------------------------------------ serving
-    async def lanes(self, step: int, read_ahead: bool = False) -> list[Any]:
-        """The L lane refs of ``step`` (owned by a replayer), replayed or read once and shared."""
+    async def container(self, step: int, read_ahead: bool = False) -> Any:
+        """The ref of a container of the L lane refs of ``step`` (owned by a replayer), replayed or read once
+        and shared."""
         self.stats["requests"] += 1
         ref = self._shared(step)
         if ref is None:
@@ -100,7 +101,7 @@ class ReplayScheduler:
         except RayError as exc:
             self.drop(step)
             raise ServiceError(f"step {step}: its replay failed: {str(exc).strip().splitlines()[-1]}") from None
-        return list(reply[KEY_LANES])
+        return reply[KEY_CONTAINER]
 
     def drop(self, step: int) -> bool:
         """Forget the shared reply of ``step`` (a client found its shards lost): the next read replays again."""

@@ -5,8 +5,9 @@ uptime), ``producers`` and ``replayers`` (pids, nodes, worker ids, lanes), ``gen
 ``retired_generations``, ``aggregate``, ``window`` (bounds, held steps and bytes vs their bound), ``cursors`` (at
 most ``MAX_STATUS_CURSORS``, slowest first) and ``cursor_summary`` (per consumer), ``reads`` (leases, leased steps,
 cursor moves and reports, node readers), ``throughput``, ``checkpoints``, ``commits``, ``start``, ``replay``,
-``materialized``. ``window.shard_owners`` counts who owns the lane shards of the newest held step, read from Ray's
-owner addresses: producers (and retired producers), never the coordinator. ``zephon-ray status`` prints it as a table
+``materialized``. ``window.shard_owners`` counts who owns the containers of the newest held step (one per producer;
+each holds the refs of its lane shards), read from Ray's owner addresses: producers (and retired producers), never
+the coordinator. ``zephon-ray status`` prints it as a table
 (cli.py), the notebook shows it.
 
 Guarantee: building it takes the window lock once, for a copy of the window's counters, and makes no remote call
@@ -32,11 +33,11 @@ def global_batch_nbytes(recipe: Recipe) -> int:
     return recipe.lanes * (2 * recipe.rows_per_lane * recipe.row_length * 4 + len(recipe.sources) * 8)
 
 
-def shard_owners(lanes: list[Any], pool: Any, coordinator_worker: str) -> dict[str, int]:
-    """How many of ``lanes`` (refs) each kind of process owns, from Ray's owner addresses."""
+def shard_owners(refs: list[Any], pool: Any, coordinator_worker: str) -> dict[str, int]:
+    """How many of ``refs`` each kind of process owns, from Ray's owner addresses."""
     producers = {w for gen in [pool.gen, *pool.retired] for w in [(i or {}).get("worker_id") for i in gen.infos]}
     out = {"producers": 0, "coordinator": 0, "other": 0}
-    for ref in lanes:
+    for ref in refs:
         owner = owner_worker_id(ref)
         kind = "producers" if owner in producers else "coordinator" if owner == coordinator_worker else "other"
         out[kind] += 1
@@ -52,7 +53,7 @@ def build(c: Any) -> dict[str, Any]:
         w = c.window.status(now)
         counters = dict(c.counters)
         lease_nodes = dict(c.lease_nodes)
-        newest = c.window.table[max(c.window.table)].lanes if c.window.table else []
+        newest = c.window.table[max(c.window.table)].containers if c.window.table else []
     cursors = w.pop("cursors")
     summary = w.pop("cursor_summary")
     commits = w.pop("commits")

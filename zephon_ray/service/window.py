@@ -64,9 +64,10 @@ class Cursor:
 
 @dataclass
 class Entry:
-    """One step in the table: opaque lane handles (Ray refs in the service) and their byte count."""
+    """One step in the table: opaque handles (in the service, one container ref per producer: protocol.py) and
+    the step's byte count."""
 
-    lanes: list[Any]
+    containers: list[Any]
     nbytes: int
     served: int = 0
     generation: int = 0
