@@ -15,7 +15,8 @@ recipes/demo.toml DIR`` (done here when DIR is missing). Parts (each prints a li
   the steps they made. Also the *lane stepper* (what a producer computes, in-process, without Ray) for reference.
   The same run gives coordinator CPU per step and object-store bytes per held step (Ray's object directory sizes
   and its memory summary). Every step read is checked against the reference digests (0 wrong rows).
-- ``readers``: slice fetch latency p50/p99 for W = 8 and 64 readers, in 4 reader processes (W/4 ranks each as
+- ``readers``: slice fetch latency p50/p99 for W = 8 and 64 readers, in 4 reader processes (``--reader-processes``;
+  W/4 ranks each as
   threads) on this node, over steps already in the window, after one untimed warm-up read per rank (first pass: the
   processes' and the node reader's leases; later passes: warm). The reads are untracked, so the producers stay
   idle (window full) while they run: on 2 cores a producing producer would starve the readers, which says nothing
@@ -321,7 +322,7 @@ def zero_copy_proof(array) -> dict:
             "owndata": bool(array.flags.owndata), "writeable": bool(array.flags.writeable)}
 
 
-def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3) -> dict:
+def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3, processes: int = READER_PROCESSES) -> dict:
     import ray
 
     out = {}
@@ -334,12 +335,13 @@ def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3) -> dic
             while len(svc.status()["window"]["held_steps"]) < window and time.monotonic() < deadline:
                 time.sleep(0.5)
             steps = list(range(1, window))  # step 0 is each reader process's warm-up
-            per_proc = world // READER_PROCESSES
+            procs_n = min(processes, world)
+            per_proc = world // procs_n
             flat = {f"{s}:{r}": ref[s][(r, world)] for s in steps for r in range(world)}
             tmp = Path(tempfile.mkdtemp(prefix="zr-geo-readers-"))
             ctx = multiprocessing.get_context("spawn")
             procs = []
-            for p in range(READER_PROCESSES):
+            for p in range(procs_n):
                 ranks = list(range(p * per_proc, (p + 1) * per_proc))
                 procs.append(ctx.Process(target=_reader_process, args=(
                     ray.get_runtime_context().gcs_address, svc.name, world, ranks, steps, passes, flat,
@@ -348,12 +350,12 @@ def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3) -> dic
                 proc.start()
             for proc in procs:
                 proc.join(900)
-            results = [json.loads((tmp / f"{p}.json").read_text()) for p in range(READER_PROCESSES)]
+            results = [json.loads((tmp / f"{p}.json").read_text()) for p in range(procs_n)]
             shutil.rmtree(tmp, ignore_errors=True)
             first = [dt for r in results for p, dt in r["samples"] if p == 0]
             warm = [dt for r in results for p, dt in r["samples"] if p > 0]
             reads = svc.status()["reads"]
-            out[world] = {"processes": READER_PROCESSES, "slices": len(first) + len(warm),
+            out[world] = {"processes": procs_n, "slices": len(first) + len(warm),
                           "wrong_slices": sum(r["wrong"] for r in results),
                           "first_pass_ms": {"p50": pct(first, .5) * 1e3, "p99": pct(first, .99) * 1e3},
                           "warm_ms": {"p50": pct(warm, .5) * 1e3, "p99": pct(warm, .99) * 1e3},
@@ -362,7 +364,7 @@ def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3) -> dic
                           "node_readers": reads["node_readers"],
                           "slice_bytes": recipe.tokens_per_step * 8 // world}
             o = out[world]
-            print(f"  W={world} in {READER_PROCESSES} processes: slice p50/p99 {o['all_ms']['p50']:.1f}/"
+            print(f"  W={world} in {procs_n} processes: slice p50/p99 {o['all_ms']['p50']:.1f}/"
                   f"{o['all_ms']['p99']:.1f} ms (first pass {o['first_pass_ms']['p50']:.1f}/"
                   f"{o['first_pass_ms']['p99']:.1f}), wrong {o['wrong_slices']}, zero-copy "
                   f"{o['zero_copy']['in_plasma_mapping'] and not o['zero_copy']['owndata']}, leases {o['leases']}",
@@ -544,6 +546,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--parts", default="producer,readers,positions,cluster")
     ap.add_argument("--cluster-steps", type=int, default=3)
+    ap.add_argument("--reader-processes", type=int, default=READER_PROCESSES)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
 
@@ -573,7 +576,7 @@ def main() -> None:
                       f"{r['object_bytes_per_held_step'] / 2 ** 20:.1f} MiB per held step, wrong steps "
                       f"{r['wrong_steps']}", flush=True)
             if "readers" in parts:
-                out["readers"] = run_readers(recipe, ref)
+                out["readers"] = run_readers(recipe, ref, processes=args.reader_processes)
             if "positions" in parts:
                 r = out["positions"] = run_positions(recipe)
                 print(f"positions: int16 exact {r['int16_exact']}, same digest {r['same_digest']}, bytes/token "

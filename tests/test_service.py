@@ -273,7 +273,7 @@ def test_to_dataset_rows_and_parquet(ray_cluster, tiny_recipe, reference_digests
         svc.stop()
 
 
-def test_clean_errors(ray_cluster, tiny_recipe, tmp_path):
+def test_clean_errors(ray_cluster, tiny_recipe, long_reference, tmp_path):
     with pytest.raises(ValueError, match="producers=3"):
         DataService.start(tiny_recipe, name="bad", namespace=NS, producers=3, run_id="r", aggregate_store="torch://")
     with pytest.raises(ValueError, match="run_id"):
@@ -297,7 +297,7 @@ def test_clean_errors(ray_cluster, tiny_recipe, tmp_path):
             svc.refs(50, timeout_s=1.0, track=True)
         assert "Traceback" not in str(timeout_info.value) and "Ray" not in type(timeout_info.value).__name__
         holder.release()
-        assert svc.refs(50, timeout_s=60, track=True).step == 50
+        assert svc.refs(50, timeout_s=60, track=True).batch().digest == long_reference[50]  # rows, not the step
         svc.commit(3)
     finally:
         svc.stop()
@@ -372,6 +372,25 @@ def test_chaos_random_kills_and_rescales(ray_cluster, tiny_recipe, long_referenc
     print("chaos:", json.dumps({"kills": len(kills), "restarts": status["restarts"],
                                 "generation": status["generation"]}))
     assert len(kills) >= 5 and status["restarts"] >= 1
+
+
+def test_a_silent_rank_holds_nothing_back_beyond_its_ttl(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    """A rank that read step 0 through the node reader (which holds its cursor and leases) and then falls silent,
+    as a dead rank does: the node reader's keep-alives report how long ago it was heard, so after consumer_ttl_s
+    the coordinator drops its cursor and the other consumer reads past the window it held."""
+    svc = _start(tiny_recipe, tmp_path, "ttl", window=4, consumer_ttl_s=3.0)
+    dead = DataService.connect("ttl", namespace=NS, consumer="dead-rank")
+    try:
+        part = dead.slice(0, 1, 2)  # its cursor: step 0; it holds produce_until at 4
+        assert part.num_rows == 8
+        del dead  # no release(): it just stops
+        got = [svc.batch(step, track=True).digest for step in range(10)]  # step 4 waits until the TTL has passed
+        assert got == reference_digests[:10]
+        status = svc.status()
+        assert "dead-rank" not in {c["consumer"] for c in status["cursors"]}, status["cursors"]
+        assert status["window"]["produce_until"] > 10  # far past the 4 the silent rank held it at
+    finally:
+        svc.stop()
 
 
 def test_request_bounds_reject_cleanly(ray_cluster, tiny_recipe, reference_digests, tmp_path):

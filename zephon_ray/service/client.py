@@ -52,7 +52,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -196,6 +196,8 @@ class _Request:
     hi: int
     done: threading.Event
     error: BaseException | None = None
+    waiting: set = field(default_factory=set)
+    """(rank, world) of the tracked reads waiting for it: they are kept alive while it waits."""
 
 
 class DataService:
@@ -321,7 +323,15 @@ class DataService:
         """Stop the service: producers, replayers, node readers and coordinator. ``state_dir`` stays."""
         from zephon_ray.service.launch import stop
 
+        self._quiesce()  # no cursor move may be sent to a node reader being killed
         stop(self._coordinator, self.name, self.namespace)
+
+    def _quiesce(self) -> None:
+        with self._lock:
+            timer, self._flush_timer = self._flush_timer, None
+            self._pending.clear()
+        if timer is not None:
+            timer.cancel()
 
     def __enter__(self) -> "DataService":
         return self
@@ -338,9 +348,9 @@ class DataService:
 
     def release(self) -> None:
         """Drop this consumer's cursors now, so that it no longer holds the window back."""
+        self._quiesce()
         with self._lock:
             self._moves.clear()
-            self._pending.clear()
             reader = self._reader
         if reader is not None:
             reader.release.remote(self.consumer)
@@ -358,7 +368,7 @@ class DataService:
         if self.read_path == "node":
             if track:
                 self._queue_move(r, w, step)  # travels with the request: the step may wait for this very move
-            held = self._held(step, span.first, span.stop, track, timeout_s)
+            held = self._held(step, span.first, span.stop, track, timeout_s, (r, w))
             if track:
                 self._own_move(step, rank, world)
             return StepRefs(step, only_lanes(held.lanes, span.first, span.stop), self.recipe, self._pad,
@@ -384,7 +394,8 @@ class DataService:
         return StepRefs(got, expand(groups, values, self.recipe.lanes), self.recipe, self._pad, generation)
 
     # ------------------------------------------------------------------ the node path
-    def _held(self, step: int, lo: int, hi: int, track: bool, timeout_s: float | None) -> _Held:
+    def _held(self, step: int, lo: int, hi: int, track: bool, timeout_s: float | None,
+              reader: tuple[int, int]) -> _Held:
         """This process's refs of ``step`` covering lanes ``[lo, hi)``: from its cache, from a call in flight of
         another thread, or from one call to the node reader (which answers for up to ``lease_steps`` steps)."""
         while True:
@@ -399,6 +410,8 @@ class DataService:
                     request = _Request(step, self._lo, self._hi, threading.Event())
                     self._requests.append(request)
                     moves = self._take_pending()
+                if track:
+                    request.waiting.add(reader)
             if not owner:
                 request.done.wait()
                 if request.error is not None:
@@ -407,7 +420,7 @@ class DataService:
             try:
                 reader = self._node_reader()
                 ref = reader.read.remote(step, self.consumer, (request.lo, request.hi), track, timeout_s, moves)
-                reply = self._wait(ref)
+                reply = self._wait(ref, request)
                 with self._lock:
                     self._file(reply)
             except BaseException as exc:
@@ -421,13 +434,21 @@ class DataService:
                     self._requests.remove(request)
                 request.done.set()
 
-    def _wait(self, ref: Any) -> Any:
+    def _wait(self, ref: Any, request: _Request) -> Any:
         """The reply of a read call; while it waits, this process's new cursor moves go to the node reader (the
-        step it waits for may be held back by exactly those moves)."""
+        step it waits for may be held back by exactly those moves), and the tracked reads waiting for it are heard
+        again every ``consumer_ttl_s / 4``: a rank waiting for its step is alive, its cursor must not expire."""
+        keepalive = max(0.25, min(self.config.consumer_ttl_s / 4, 10.0))
+        next_keepalive = time.monotonic() + keepalive
         while True:
             ready, _ = ray.wait([ref], timeout=0.25, fetch_local=False)
             if ready:
                 return self._call(ref)
+            if time.monotonic() >= next_keepalive:
+                next_keepalive = time.monotonic() + keepalive
+                with self._lock:
+                    for key in request.waiting:
+                        self._pending[key] = max(request.step, self._pending.get(key, request.step))
             self._flush_moves(force=True)
 
     def _file(self, reply: dict[str, Any]) -> None:

@@ -176,11 +176,12 @@ class Coordinator:
     # ================================================================== reads
     async def lease(self, first: int, count: int = 1, lanes: tuple[int, int] | None = None,
                     timeout_s: float | None = None, moves: list[CursorMove] | None = None, track: bool = False,
-                    node: str | None = None) -> dict[str, Any]:
+                    node: str | None = None, wait: bool = True) -> dict[str, Any]:
         """The container refs of steps ``first, first + 1, ...`` (at most ``count``, consecutive, all produced)
         holding lanes ``[lo, hi)``: a lease reply (protocol.py). Waits for ``first`` to be produced, or has it replayed when it
         lies behind the live window (or ahead of it and ``track`` is False: no cursor moves producers there).
-        ``moves`` are applied first. Moves no cursor itself."""
+        ``moves`` are applied first. Moves no cursor itself. ``wait=False`` (a node reader's read-ahead) answers at
+        once with the produced steps from ``first`` on, possibly none, and never replays."""
         self._bind_loop()
         self._advance(moves)
         timeout_s = self.config.request_timeout_s if timeout_s is None else float(timeout_s)
@@ -204,6 +205,8 @@ class Coordinator:
                     return lease_reply([(s, e.generation, len(e.containers), only_groups(e.containers, lanes, lo, hi))
                                         for s, e in run], self.window.keep_from)
                 low, high = self.window.keep_from, self.window.produce_until
+                if not wait:
+                    return lease_reply([], self.window.keep_from)
             if kind is Read.REPLAY:
                 container = await self.replay.container(first, read_ahead=track or count > 1)
                 self._count_lease(node, 1, waited, time.monotonic() - t0)
@@ -215,6 +218,10 @@ class Coordinator:
                     f"more than `window` steps ahead waits for the slowest one (cursors expire after "
                     f"consumer_ttl_s={self.config.consumer_ttl_s:.0f}s)")
             waited = True
+            if track and moves:
+                # a read waiting for its step is alive: its cursor must not expire while it waits (direct path;
+                # node readers keep theirs alive with their reports)
+                self._advance([(c, r, w, step, 0.0) for c, r, w, step, _ in moves])
             self._pump_wake.set()
             event = self._changed
             try:

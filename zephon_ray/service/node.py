@@ -23,7 +23,9 @@ Guarantees:
 - A rank that dies holds nothing back beyond ``consumer_ttl_s``: its last-heard age grows in every report and the
   coordinator expires it; the reader forgets it too. The reader's cache holds only steps >= the coordinator's
   ``keep_from`` (and a few replayed ones), so its refs keep no evicted step alive for long.
-- One lease in flight per step range: W ranks of a node missing the same step cost one coordinator call.
+- One lease in flight per step range: W ranks of a node missing the same step cost one coordinator call. When a
+  read gets within ``lease_steps`` of the end of what the reader holds, it leases what is already produced beyond
+  it without waiting (read-ahead), so ranks rarely wait for a lease round trip.
 
 Limits: the reader is owned by the coordinator and dies with it (clients ask the new incarnation for a new one);
 a reader that dies alone is restarted by Ray with an empty cache (its unreported cursor moves are lost until the
@@ -46,6 +48,8 @@ from zephon_ray.service.protocol import (
 
 REPLAYS_KEPT = 8
 """Replayed steps kept in a reader's cache (ranks of one node reading one past step share one reply)."""
+READ_AHEAD_BACKOFF_S = 0.2
+"""After a read-ahead lease found nothing produced yet, the next one waits this long."""
 
 
 @dataclass
@@ -91,7 +95,9 @@ class NodeReader:
         self._lo, self._hi = lanes, 0  # union of the lanes ranks here asked for
         self._wake: asyncio.Event | None = None
         self._reporter: asyncio.Task | None = None
-        self.stats = {"reads": 0, "hits": 0, "leases": 0, "leased_steps": 0, "reports": 0, "moves_reported": 0}
+        self._ahead_after = 0.0
+        self.stats = {"reads": 0, "hits": 0, "leases": 0, "read_aheads": 0, "leased_steps": 0, "reports": 0,
+                      "moves_reported": 0}
 
     # ------------------------------------------------------------------ ranks' calls
     async def read(self, step: int, consumer: str, lanes: tuple[int, int] | None = None, track: bool = False,
@@ -117,7 +123,9 @@ class NodeReader:
             if held is not None and held.has(lo, hi):
                 if first_look:
                     self.stats["hits"] += 1
-                return lease_reply(self._run(step, lo, hi), self._keep_from)
+                run = self._run(step, lo, hi)
+                self._read_ahead(step + len(run), step, timeout_s)
+                return lease_reply(run, self._keep_from)
             first_look = False
             lease = next((x for x in self._leases if x.covers(step, lo, hi)), None)
             if lease is None:
@@ -168,21 +176,34 @@ class NodeReader:
                 "cursors": len(self._heard), "lanes": [self._lo, self._hi], **self.stats}
 
     # ------------------------------------------------------------------ leases
-    def _lease(self, first: int, track: bool, timeout_s: float) -> _Lease:
+    def _read_ahead(self, first: int, step: int, timeout_s: float) -> None:
+        """The cache runs out at ``first``, within ``lease_steps`` of the step just read: lease what is produced
+        from there now, without waiting, so that the ranks do not wait for a lease round trip when they get there.
+        At most one read-ahead in flight; after one that found nothing, none for ``READ_AHEAD_BACKOFF_S``."""
+        if first >= step + self.lease_steps or time.monotonic() < self._ahead_after:
+            return
+        if any(x.first <= first < x.stop for x in self._leases):
+            return
+        self.stats["read_aheads"] += 1
+        self._lease(first, False, timeout_s, wait=False)
+
+    def _lease(self, first: int, track: bool, timeout_s: float, wait: bool = True) -> _Lease:
         lease = _Lease(first, first + self.lease_steps, self._lo, self._hi,
                        asyncio.get_running_loop().create_future())
         # joiners may all have moved on: mark a failure as seen so asyncio does not log it as never retrieved
         lease.future.add_done_callback(lambda f: None if f.cancelled() else f.exception())
         self._leases.append(lease)
-        asyncio.ensure_future(self._run_lease(lease, track, timeout_s))
+        asyncio.ensure_future(self._run_lease(lease, track, timeout_s, wait))
         return lease
 
-    async def _run_lease(self, lease: _Lease, track: bool, timeout_s: float) -> None:
+    async def _run_lease(self, lease: _Lease, track: bool, timeout_s: float, wait: bool = True) -> None:
         self.stats["leases"] += 1
         try:
             reply = await self._coordinator.lease.remote(lease.first, lease.stop - lease.first, (lease.lo, lease.hi),
-                                                         timeout_s, self._moves(), track, self.node_id)
+                                                         timeout_s, self._moves(), track, self.node_id, wait)
             steps = await self._open(reply[KEY_STEPS])
+            if not wait and not steps:
+                self._ahead_after = time.monotonic() + READ_AHEAD_BACKOFF_S
         except RayTaskError as exc:
             cause = getattr(exc, "cause", None)
             lease.future.set_exception(cause if isinstance(cause, Exception) else exc)
