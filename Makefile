@@ -36,9 +36,7 @@ test-all: install
 	$(PY) -m pytest -q -ra -m ''
 
 bench: install
-	$(PY) benchmarks/bench_core.py && $(PY) benchmarks/bench_service.py && $(PY) benchmarks/bench_loader.py
-	$(PY) benchmarks/bench_service_load.py && $(PY) benchmarks/bench_fingerprint.py
-	$(PY) benchmarks/bench_pretokenize.py && $(PY) benchmarks/bench_materialize.py
+	for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 clean:
 	rm -rf $(VENV) *.egg-info
