@@ -230,6 +230,7 @@ def _materialize_on_two_nodes(directory: str, summary: str) -> None:
             Path(summary).write_text(json.dumps(info))
 
 
+@pytest.mark.slow  # the default suite's test_digests_match_the_reference_for_M_2_then_M_1 runs M=2 on one node
 @pytest.mark.timeout(MULTINODE_TIMEOUT_S + 60)
 def test_multi_node_lane_groups_match_the_reference_and_extend(tmp_path, reference_digests):
     """M=2 lane-group actors on two different worker nodes of a 3-raylet cluster (``ray.cluster_utils.Cluster``),

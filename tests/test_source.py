@@ -90,7 +90,7 @@ def test_restore_from_ring_then_continue(tiny_recipe, reference_digests, resume_
 
 def test_reverse_and_interleaved_random_access(tiny_recipe, reference_digests):
     with GlobalBatchSource(tiny_recipe, checkpoint_every=2, recent_checkpoints=3, anchor_every=4, cache_steps=1) as source:
-        for s in reversed(range(16)):
+        for s in reversed(range(10)):
             assert source.batch(s).digest == reference_digests[s], s
         for s in [7, 2, 9, 2, 15, 0, 11, 3, 3, 20, 1, 23]:
             assert source.batch(s).digest == reference_digests[s], s
