@@ -136,6 +136,9 @@ def _no_shared_directory_driver(scratch: str, data_bucket: str, out_bucket: str,
     for d in (home, cwd, tmp):
         d.mkdir(parents=True, exist_ok=True)
     os.environ.update(HOME=str(home), TMPDIR=str(tmp), RAY_TMPDIR=str(tmp), XDG_CACHE_HOME=str(tmp / "cache"))
+    # The parent's ray.init sets RAY_AUTH_MODE=token (its ~/.ray holds a token); under the fresh HOME there is
+    # none, and a GCS told to use token auth without one aborts. Let Ray decide, as on a fresh machine.
+    os.environ.pop("RAY_AUTH_MODE", None)
     os.chdir(cwd)
     import tempfile
 
