@@ -28,11 +28,12 @@ demo: install data/corpus
 data/corpus: | install
 	$(VENV)/bin/zephon-ray corpus $@.tmp && mv $@.tmp $@
 
-test: install
+# The corpus (about 10 s) lets tests/test_oracle.py check the demo and mixture recipes' golden digests too.
+test: install data/corpus
 	$(PY) -m pytest -q -ra
 
 # Long chaos, soak and slow end-to-end runs (see README).
-test-all: install
+test-all: install data/corpus
 	$(PY) -m pytest -q -ra -m ''
 
 bench: install

@@ -72,7 +72,8 @@ from zephon_ray.lanes import LaneShard
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, READ_PATHS, ActorResources, ServiceConfig
 from zephon_ray.service.errors import ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError
-from zephon_ray.service.protocol import KEY_KEEP_FROM, KEY_STEPS, REPLAYED, check_reader, expand, only_lanes
+from zephon_ray.service.protocol import (
+    KEY_KEEP_FROM, KEY_STEPS, REPLAYED, HeldStep, check_reader, expand, only_lanes)
 from zephon_ray.source import assemble, pad_token_id
 
 _LOST = (ObjectLostError, OwnerDiedError, ObjectFetchTimedOutError)
@@ -177,17 +178,6 @@ FLUSH_EVERY_S = 0.05
 
 
 @dataclass
-class _Held:
-    """The refs this process holds of one step (None for lanes none of its ranks asked for)."""
-
-    generation: int
-    lanes: list[Any]
-
-    def has(self, lo: int, hi: int) -> bool:
-        return all(self.lanes[i] is not None for i in range(lo, hi))
-
-
-@dataclass
 class _Request:
     """One read call to the node reader in flight; threads of this process needing ``step`` wait for it."""
 
@@ -227,7 +217,7 @@ class DataService:
         self._prefetched: dict[tuple[int, int | None, int | None], Any] = {}  # direct path's read-ahead
         self._moves: dict[tuple[int, int], tuple[int, float]] = {}  # this client's own (rank, world) -> (step, when)
         # The node path: what this process's ranks share (one reader call per lease_steps steps, not per read).
-        self._cache: dict[int, _Held] = {}
+        self._cache: dict[int, HeldStep] = {}
         self._replayed: list[int] = []
         self._requests: list[_Request] = []
         self._lo, self._hi = recipe.lanes, 0  # union of the lanes this process's ranks asked for
@@ -395,7 +385,7 @@ class DataService:
 
     # ------------------------------------------------------------------ the node path
     def _held(self, step: int, lo: int, hi: int, track: bool, timeout_s: float | None,
-              reader: tuple[int, int]) -> _Held:
+              reader: tuple[int, int]) -> HeldStep:
         """This process's refs of ``step`` covering lanes ``[lo, hi)``: from its cache, from a call in flight of
         another thread, or from one call to the node reader (which answers for up to ``lease_steps`` steps)."""
         while True:
@@ -461,7 +451,7 @@ class DataService:
             if held is not None and held.generation == generation:
                 held.lanes = [new if new is not None else old for old, new in zip(held.lanes, lanes)]
             else:
-                self._cache[step] = _Held(generation, list(lanes))
+                self._cache[step] = HeldStep(generation, list(lanes))
             if generation == REPLAYED:
                 if step in self._replayed:
                     self._replayed.remove(step)

@@ -43,22 +43,13 @@ from typing import Any
 from ray.exceptions import RayTaskError
 
 from zephon_ray.service.protocol import (
-    KEY_KEEP_FROM, KEY_STEPS, REPLAYED, CursorMove, StepContainers, StepLanes, check_consumer, check_reader, expand,
-    lease_reply, only_lanes)
+    KEY_KEEP_FROM, KEY_STEPS, REPLAYED, CursorMove, HeldStep, StepContainers, StepLanes, check_consumer, check_reader,
+    expand, lease_reply, only_lanes)
 
 REPLAYS_KEPT = 8
 """Replayed steps kept in a reader's cache (ranks of one node reading one past step share one reply)."""
 READ_AHEAD_BACKOFF_S = 0.2
 """After a read-ahead lease found nothing produced yet, the next one waits this long."""
-
-
-@dataclass
-class _Held:
-    generation: int
-    lanes: list[Any]
-
-    def has(self, lo: int, hi: int) -> bool:
-        return all(self.lanes[i] is not None for i in range(lo, hi))
 
 
 @dataclass
@@ -86,7 +77,7 @@ class NodeReader:
         self.ttl = consumer_ttl_s
         self.request_timeout_s = request_timeout_s
         self.node_id = node_id
-        self._cache: dict[int, _Held] = {}
+        self._cache: dict[int, HeldStep] = {}
         self._replayed: list[int] = []  # replayed steps in the cache, oldest first
         self._leases: list[_Lease] = []
         self._heard: dict[tuple[str, int, int], list] = {}  # (consumer, rank, world) -> [step, monotonic time]
@@ -240,7 +231,7 @@ class NodeReader:
             if held is not None and held.generation == generation:
                 held.lanes = [new if new is not None else old for old, new in zip(held.lanes, lanes)]
             else:
-                self._cache[step] = _Held(generation, list(lanes))
+                self._cache[step] = HeldStep(generation, list(lanes))
             if generation == REPLAYED:
                 if step in self._replayed:
                     self._replayed.remove(step)

@@ -25,6 +25,7 @@ Shared by both sides, so the client imports this and never a server class (tests
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 CursorMove = tuple[str, int, int, int, float]
@@ -33,6 +34,18 @@ StepLanes = tuple[int, int, list]
 """(step, generation, lanes): lane refs of one step, None where not asked for (a read reply)."""
 StepContainers = tuple[int, int, int, list]
 """(step, generation, groups, containers): container refs of one step, None where not asked for (a lease reply)."""
+
+@dataclass
+class HeldStep:
+    """The lane refs a node reader or a client process holds of one step (None for lanes none of its ranks asked
+    for), with the generation that made them."""
+
+    generation: int
+    lanes: list[Any]
+
+    def has(self, lo: int, hi: int) -> bool:
+        return all(self.lanes[i] is not None for i in range(lo, hi))
+
 
 MAX_CONSUMER_NAME = 200
 KEY_STEPS = "steps"
