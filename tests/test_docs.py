@@ -1,6 +1,6 @@
 """The docs stay in step with the code.
 
-- Every relative link in README.md, docs/ and examples/README.md resolves.
+- Every relative link in README.md, docs/ and examples/README.md resolves, and every #anchor names a heading.
 - Every test, benchmark or example cited as evidence (down to ``file.py::test_name``) exists, in those documents and
   in every module docstring of the package.
 - Every command the README shows runs: each ``zephon-ray <subcommand>`` and ``python <script>`` answers ``--help``,
@@ -53,6 +53,25 @@ def test_relative_links_resolve():
         for target in LINK_RE.findall(doc.read_text()):
             if "://" not in target and not target.startswith("mailto:") and not (doc.parent / target).exists():
                 broken.append(f"{doc.relative_to(ROOT)} -> {target}")
+    assert not broken, broken
+
+
+ANCHOR_RE = re.compile(r"\]\(([^)#\s]*\.md)?#([^)\s]+)\)")
+
+
+def _slugs(doc) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation but '-' and '_' dropped, spaces as '-'."""
+    return {re.sub(r"[^\w\- ]", "", m.lower()).replace(" ", "-")
+            for m in re.findall(r"^#+\s+(.+?)\s*$", doc.read_text(), re.MULTILINE)}
+
+
+def test_anchors_name_a_heading():
+    broken = []
+    for doc in DOCS:
+        for target, anchor in ANCHOR_RE.findall(doc.read_text()):
+            page = (doc.parent / target) if target else doc
+            if page.is_file() and anchor not in _slugs(page):
+                broken.append(f"{doc.relative_to(ROOT)} -> {target}#{anchor}")
     assert not broken, broken
 
 
