@@ -35,7 +35,7 @@ def ray_cluster():
     """A private Ray cluster for this test session; never attaches to a cluster someone else started.
 
     Logical CPUs are oversubscribed (8 on a 2-core machine) and actors ask for fractions, so a Ray Data or
-    Train job cannot starve behind actors holding every CPU (see shared notes on Ray hangs on 2 cores).
+    Train job cannot starve behind actors holding every CPU (docs/troubleshooting.md, "A hang, not an error").
     """
     import ray
 
