@@ -41,7 +41,8 @@ def _is_number(value: object) -> bool:
 @dataclass(frozen=True)
 class ActorResources:
     """Ray resources per actor. Fractional CPUs: a 2-core node must still fit a coordinator, producers,
-    trainers and Ray Data tasks (whole CPUs held by actors starve Ray Data: docs/troubleshooting.md, "A hang, not an error")."""
+    trainers and Ray Data tasks (whole CPUs held by actors starve Ray Data: docs/troubleshooting.md, "A hang, not
+    an error")."""
 
     coordinator_num_cpus: float = 0.05
     producer_num_cpus: float = 0.25
