@@ -543,6 +543,34 @@ def test_coordinator_owns_no_shard_bytes(ray_cluster, tiny_recipe, reference_dig
         svc.stop()
 
 
+def test_node_readers_load_neither_torch_nor_zephon(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    """A node reader runs on every node: it routes refs and never touches rows, so its process must not pay for
+    torch or Zephon, which imports torch (about 1 s of import and 180 MB of RSS each). Read from the real actor's
+    memory map: no libtorch in it."""
+    import ray
+
+    from zephon_ray.service.protocol import READER_INFIX
+
+    svc = _start(tiny_recipe, tmp_path, "lean-reader")
+    try:
+        for step in range(3):
+            part = svc.slice(step, rank=1, world=2, track=True)
+            assert part.tokens.shape == (tiny_recipe.global_batch_rows // 2, tiny_recipe.row_length)
+        assert compute_digest(np.concatenate([svc.slice(3, rank=r, world=2).tokens for r in range(2)]),
+                              np.concatenate([svc.slice(3, rank=r, world=2).positions for r in range(2)])) \
+            == reference_digests[3]
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a["namespace"] == NS and a["name"].startswith("lean-reader" + READER_INFIX)]
+        assert len(names) == 1, names
+        pid = ray.get(ray.get_actor(names[0], namespace=NS).info.remote(), timeout=60)["pid"]
+        with open(f"/proc/{pid}/maps") as fh:
+            mapped = {line.split()[-1] for line in fh if "/" in line}
+        heavy = sorted(m for m in mapped if "libtorch" in m)
+        assert not heavy, heavy
+    finally:
+        svc.stop()
+
+
 def test_ray_internals_fence(ray_cluster):
     """The Ray internals the service and its tests use (zephon_ray/service/ray_internals.py) still exist and mean
     what we read from them; a Ray upgrade that moves them fails here, loudly."""

@@ -22,9 +22,12 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:
+    import torch
 
 DIGEST_HEADER = b"zephon-ray/global-batch/v1\n"
 IGNORE_INDEX = -100
@@ -107,6 +110,7 @@ class RankSlice:
 
     def microbatches(self, local_batch_size: int) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """Yield ``({"input", "positions"}, labels)`` of ``local_batch_size`` rows each, in row order."""
+        import torch  # here, not at module level: service actors (coordinator, node readers) never load torch
         if local_batch_size < 1 or self.num_rows % local_batch_size:
             raise ValueError(
                 f"local_batch_size {local_batch_size} does not divide this rank's {self.num_rows} rows "
