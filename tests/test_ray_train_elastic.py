@@ -7,8 +7,8 @@ step 4, then 2 workers to step 6, then 3 workers to step 8, each a new ``fit()``
 world size. Every step's global digest, gathered from the ranks' slices, must equal ``GlobalBatchSource``'s, and
 every loss the W=1 in-process reference.
 
-The default suite runs the service schedule (the cheapest of the three) and the local-mode worker kill; the local
-schedules (torch:// store, directory) are ``slow`` duplicates. Local mode's resume at another W also runs in the
+The default suite runs the service path at 4 -> 3 workers and the local-mode worker kill; the full 4 -> 2 -> 3
+schedule of each (service, local with the torch:// store, local with a directory) is ``slow``. Local mode's resume at another W also runs in the
 default suite through tests/test_ray_train_quickstart.py (4 -> 2 workers, final weights equal the reference).
 """
 
@@ -25,7 +25,18 @@ ROOT = Path(__file__).resolve().parents[1]
 ELASTIC = str(ROOT / "recipes" / "elastic.toml")
 STEPS = 8
 SCHEDULE = ((4, 4), (2, 6), (3, 8))  # (W, train until step)
-WORLDS = [4] * 4 + [2] * 2 + [3] * 2
+
+
+def worlds_of(schedule) -> list[int]:
+    """The worker count that trains each step under ``schedule``."""
+    worlds, start = [], 0
+    for world, until in schedule:
+        worlds += [world] * (until - start)
+        start = until
+    return worlds
+
+
+WORLDS = worlds_of(SCHEDULE)  # [4, 4, 4, 4, 2, 2, 3, 3]
 
 
 @pytest.fixture(scope="module")
@@ -35,11 +46,11 @@ def elastic_reference():
     return digests, bigram.reference_losses(ELASTIC, STEPS)
 
 
-def run_schedule(tmp_path, dataset, run_id):
+def run_schedule(tmp_path, dataset, run_id, schedule=SCHEDULE):
     from examples.torchtitan_ray_train import read_log
 
     log = str(tmp_path / "steps.jsonl")
-    for world, until in SCHEDULE:
+    for world, until in schedule:
         result = fit_bigram(dataset, workers=world, name="elastic", storage_path=str(tmp_path / "ray-results"),
                             log_path=log, steps=until, run_id=run_id)
         assert result.error is None, result.error
@@ -55,7 +66,11 @@ def check(records, elastic_reference, worlds=WORLDS):
         assert r["loss"] == pytest.approx(losses[r["step"]], abs=1e-5), r
 
 
-def test_get_dataset_shard_4_2_3_service(ray_cluster, tmp_path, elastic_reference):
+@pytest.mark.parametrize("schedule", [
+    pytest.param(((4, 4), (3, 8)), id="4_3"),  # 6 rows a rank, then 8: every slice boundary moves
+    pytest.param(SCHEDULE, id="4_2_3", marks=pytest.mark.slow),
+])
+def test_get_dataset_shard_service(ray_cluster, tmp_path, elastic_reference, schedule):
     from zephon_ray import DataService
     from zephon_ray.integrations.ray_train import ZephonDataset
 
@@ -63,10 +78,10 @@ def test_get_dataset_shard_4_2_3_service(ray_cluster, tmp_path, elastic_referenc
                                 state_dir=str(tmp_path / "svc"), checkpoint_every=4, aggregate_store="torch://",
                                 run_id="elastic-svc")
     try:
-        records = run_schedule(tmp_path, ZephonDataset(service), "elastic-svc")
+        records = run_schedule(tmp_path, ZephonDataset(service), "elastic-svc", schedule)
     finally:
         service.stop()
-    check(records, elastic_reference)
+    check(records, elastic_reference, worlds=worlds_of(schedule))
 
 
 @pytest.mark.slow  # ~80 s; the default suite has the service schedule and the quickstart's local 4 -> 2
