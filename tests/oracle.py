@@ -4,7 +4,7 @@ It imports nothing from ``zephon_ray``, so a bug in zephon-ray's recipe parsing,
 filing, assembly or digest cannot cancel out when a test compares zephon-ray's rows with the oracle's. What it
 implements, and where that is written down:
 
-- the recipe: the TOML file read with :mod:`tomllib` here, keys and defaults as in the README's recipe table
+- the recipe: the TOML file read with :mod:`tomllib` here, keys and defaults as in docs/recipes.md
   (``chunk_size`` 64, ``packing`` "wrap", ``repeat`` and every ``[shuffle]`` key true, ``text_field`` "text",
   source ``weight`` 1.0; relative paths resolve against the file);
 - the tokenizers: ``"bytes"`` is UTF-8 bytes as ids 0..255, BOS 256, EOS 257, PAD 258; a path is a HF

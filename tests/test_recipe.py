@@ -176,7 +176,7 @@ def test_shipped_recipes_load():
 def test_packing_bins_reach_zephon_and_wrapping_packers_build(tmp_path):
     """'best_fit' used to load and then fail at first use (Zephon requires num_bins); now the bins are part of the
     recipe and reach the pipeline. Only the wrapping packers are built here: a binned packer on small documents can
-    keep Zephon's round-robin buffer growing for minutes before step 0 (README, Known limits)."""
+    keep Zephon's round-robin buffer growing for minutes before step 0 (docs/limits.md)."""
     from zephon_ray import GlobalBatchSource
     from zephon_ray.pipeline import build_pipeline
 
