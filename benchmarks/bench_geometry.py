@@ -16,8 +16,8 @@ recipes/demo.toml DIR`` (done here when DIR is missing). Parts (each prints a li
   The same run gives coordinator CPU per step and object-store bytes per held step (Ray's object directory sizes
   and its memory summary). Every step read is checked against the reference digests (0 wrong rows).
 - ``readers``: slice fetch latency p50/p99 for W = 8 and 64 readers, in 4 reader processes (``--reader-processes``;
-  W/4 ranks each as
-  threads) on this node, over steps already in the window, after one untimed warm-up read per rank (first pass: the
+  W/4 ranks each as threads; ``--node-ranks 8`` runs only 8 of the W ranks, one node's share of a W-rank job) on
+  this node, over steps already in the window, after one untimed warm-up read per rank (first pass: the
   processes' and the node reader's leases; later passes: warm). The reads are untracked, so the producers stay
   idle (window full) while they run: on 2 cores a producing producer would starve the readers, which says nothing
   about the read path.
@@ -268,7 +268,6 @@ def _reader_process(address: str, name: str, world: int, ranks: list[int], steps
     """One reader process: ``ranks`` as threads, each reading its slice of ``steps`` ``passes`` times."""
     import threading
 
-    import numpy as np
     import ray
 
     from zephon_ray import DataService, compute_digest
@@ -322,7 +321,9 @@ def zero_copy_proof(array) -> dict:
             "owndata": bool(array.flags.owndata), "writeable": bool(array.flags.writeable)}
 
 
-def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3, processes: int = READER_PROCESSES) -> dict:
+def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3, processes: int = READER_PROCESSES,
+                node_ranks: int | None = None) -> dict:
+    """``node_ranks``: only ranks [0, node_ranks) of each W read, as on one node of a W-rank job (default: all W)."""
     import ray
 
     out = {}
@@ -335,9 +336,10 @@ def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3, proces
             while len(svc.status()["window"]["held_steps"]) < window and time.monotonic() < deadline:
                 time.sleep(0.5)
             steps = list(range(1, window))  # step 0 is each reader process's warm-up
-            procs_n = min(processes, world)
-            per_proc = world // procs_n
-            flat = {f"{s}:{r}": ref[s][(r, world)] for s in steps for r in range(world)}
+            here = min(node_ranks or world, world)
+            procs_n = min(processes, here)
+            per_proc = here // procs_n
+            flat = {f"{s}:{r}": ref[s][(r, world)] for s in steps for r in range(here)}
             tmp = Path(tempfile.mkdtemp(prefix="zr-geo-readers-"))
             ctx = multiprocessing.get_context("spawn")
             procs = []
@@ -355,7 +357,8 @@ def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3, proces
             first = [dt for r in results for p, dt in r["samples"] if p == 0]
             warm = [dt for r in results for p, dt in r["samples"] if p > 0]
             reads = svc.status()["reads"]
-            out[world] = {"processes": procs_n, "slices": len(first) + len(warm),
+            out[world] = {"processes": procs_n, "ranks_on_this_node": per_proc * procs_n,
+                          "slices": len(first) + len(warm),
                           "wrong_slices": sum(r["wrong"] for r in results),
                           "first_pass_ms": {"p50": pct(first, .5) * 1e3, "p99": pct(first, .99) * 1e3},
                           "warm_ms": {"p50": pct(warm, .5) * 1e3, "p99": pct(warm, .99) * 1e3},
@@ -364,7 +367,7 @@ def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3, proces
                           "node_readers": reads["node_readers"],
                           "slice_bytes": recipe.tokens_per_step * 8 // world}
             o = out[world]
-            print(f"  W={world} in {procs_n} processes: slice p50/p99 {o['all_ms']['p50']:.1f}/"
+            print(f"  W={world} ({per_proc * procs_n} ranks here) in {procs_n} processes: slice p50/p99 {o['all_ms']['p50']:.1f}/"
                   f"{o['all_ms']['p99']:.1f} ms (first pass {o['first_pass_ms']['p50']:.1f}/"
                   f"{o['first_pass_ms']['p99']:.1f}), wrong {o['wrong_slices']}, zero-copy "
                   f"{o['zero_copy']['in_plasma_mapping'] and not o['zero_copy']['owndata']}, leases {o['leases']}",
@@ -436,8 +439,9 @@ def _cluster_driver(recipe_path: str, steps: int, summary: str) -> None:
         cluster = Cluster(initialize_head=True, head_node_args={
             "num_cpus": 2, "resources": {"zr-coord": 1}, "temp_dir": temp_dir,
             "object_store_memory": 400 * 2 ** 20})
-        workers = [cluster.add_node(num_cpus=2, resources={"zr-work": 1, f"zr-node{i}": 1}, temp_dir=temp_dir,
-                                    object_store_memory=800 * 2 ** 20) for i in range(2)]
+        for i in range(2):
+            cluster.add_node(num_cpus=2, resources={"zr-work": 1, f"zr-node{i}": 1}, temp_dir=temp_dir,
+                             object_store_memory=800 * 2 ** 20)
         ray.init(address=cluster.address, namespace=NS, log_to_driver=False, logging_level="ERROR",
                  runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
         head = ray.get_runtime_context().get_node_id()
@@ -547,6 +551,9 @@ def main() -> None:
     ap.add_argument("--parts", default="producer,readers,positions,cluster")
     ap.add_argument("--cluster-steps", type=int, default=3)
     ap.add_argument("--reader-processes", type=int, default=READER_PROCESSES)
+    ap.add_argument("--node-ranks", type=int, default=None,
+                    help="readers: only this many ranks of each W read here, as on one node of a W-rank job "
+                         "(8 GPUs a node: 8); default all W")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
 
@@ -576,7 +583,8 @@ def main() -> None:
                       f"{r['object_bytes_per_held_step'] / 2 ** 20:.1f} MiB per held step, wrong steps "
                       f"{r['wrong_steps']}", flush=True)
             if "readers" in parts:
-                out["readers"] = run_readers(recipe, ref, processes=args.reader_processes)
+                out["readers"] = run_readers(recipe, ref, processes=args.reader_processes,
+                                             node_ranks=args.node_ranks)
             if "positions" in parts:
                 r = out["positions"] = run_positions(recipe)
                 print(f"positions: int16 exact {r['int16_exact']}, same digest {r['same_digest']}, bytes/token "
