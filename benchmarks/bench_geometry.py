@@ -367,8 +367,8 @@ def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3, proces
                           "node_readers": reads["node_readers"],
                           "slice_bytes": recipe.tokens_per_step * 8 // world}
             o = out[world]
-            print(f"  W={world} ({per_proc * procs_n} ranks here) in {procs_n} processes: slice p50/p99 {o['all_ms']['p50']:.1f}/"
-                  f"{o['all_ms']['p99']:.1f} ms (first pass {o['first_pass_ms']['p50']:.1f}/"
+            print(f"  W={world} ({per_proc * procs_n} ranks here) in {procs_n} processes: slice p50/p99 "
+                  f"{o['all_ms']['p50']:.1f}/{o['all_ms']['p99']:.1f} ms (first pass {o['first_pass_ms']['p50']:.1f}/"
                   f"{o['first_pass_ms']['p99']:.1f}), wrong {o['wrong_slices']}, zero-copy "
                   f"{o['zero_copy']['in_plasma_mapping'] and not o['zero_copy']['owndata']}, leases {o['leases']}",
                   flush=True)

@@ -8,8 +8,9 @@ world size. Every step's global digest, gathered from the ranks' slices, must eq
 every loss the W=1 in-process reference.
 
 The default suite runs the service path at 4 -> 3 workers and the local-mode worker kill; the full 4 -> 2 -> 3
-schedule of each (service, local with the torch:// store, local with a directory) is ``slow``. Local mode's resume at another W also runs in the
-default suite through tests/test_ray_train_quickstart.py (4 -> 2 workers, final weights equal the reference).
+schedule of each (service, local with the torch:// store, local with a directory) is ``slow``. Local mode's resume
+at another W also runs in the default suite through tests/test_ray_train_quickstart.py (4 -> 2 workers, final
+weights equal the reference).
 """
 
 from __future__ import annotations

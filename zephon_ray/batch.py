@@ -110,7 +110,7 @@ class RankSlice:
 
     def microbatches(self, local_batch_size: int) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """Yield ``({"input", "positions"}, labels)`` of ``local_batch_size`` rows each, in row order."""
-        import torch  # here, not at module level: service actors (coordinator, node readers) never load torch
+        import torch  # here, not at module level: a node reader imports this module and never needs torch
         if local_batch_size < 1 or self.num_rows % local_batch_size:
             raise ValueError(
                 f"local_batch_size {local_batch_size} does not divide this rank's {self.num_rows} rows "
