@@ -15,8 +15,8 @@ TCPStore hosted by rank 0 (a new port after every restart), which is what ``aggr
 Per-step records (step, W, global digest, loss) are appended by rank 0 to ``log_path`` (JSON lines), replayed
 steps included; :func:`read_log` reads them. The global digest is computed from every rank's slice (taken from the
 loader's ``steps()``, the core's whole steps), gathered over gloo in rank order (:func:`examples.bigram.global_digest`).
-Shown by tests/test_ray_train_torchtitan.py (2 -> 1 workers) and ``examples/elastic_resume.py --trainer torchtitan``
-(4 -> 2 -> 3).
+Shown by tests/test_ray_train_torchtitan.py (slow; 2 -> 1 workers) and
+``examples/elastic_resume.py --trainer torchtitan`` (4 -> 2 -> 3).
 """
 
 from __future__ import annotations

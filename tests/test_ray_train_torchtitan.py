@@ -1,19 +1,24 @@
 """TorchTitan's real Trainer (llama3 debug model, CPU) under Ray Train: 2 workers to step 2, resumed by 1 worker
-from ``ray.train.get_checkpoint()`` to step 4. Digests and losses equal the single-process reference."""
+from ``ray.train.get_checkpoint()`` to step 4. Digests and losses equal the single-process reference.
+
+Slow (two Ray Train runs of TorchTitan's imports, 40-140 s on 2 cores): the default suite resumes the same Trainer
+at another W under torchrun (tests/test_torchtitan_train.py::test_resume_at_another_world) and resumes Ray Train
+jobs at another W from ``ray.train.get_checkpoint()`` (tests/test_ray_train_quickstart.py,
+tests/test_ray_train_elastic.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+from test_torchtitan_train import REFERENCE_LOSSES
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny.toml")
 
-# The torchrun reference of tests/test_torchtitan_train.py (W=1, same config, seed 0), to 5 decimals.
-REFERENCE_LOSSES = [8.20257, 7.97900, 7.64231, 7.18370]
 
 
+@pytest.mark.slow
 def test_torchtitan_under_ray_train_2_to_1(ray_cluster, tmp_path, reference_digests):
     from examples.torchtitan_ray_train import TitanRun, fit, read_log
 

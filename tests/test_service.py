@@ -121,13 +121,14 @@ def test_refs_prefetch_and_any_consumer_handle(ray_cluster, tiny_recipe, referen
 
 
 @pytest.mark.timeout(600)  # three group restarts (actor start + identity check + restore) on a loaded 2-core box
-def test_kill9_producer_at_three_steps(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+def test_kill9_producer_while_read_and_while_idle(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    """Each producer killed once while read (steps 3 and 10), then one killed while idle: three restarts."""
     svc = _start(tiny_recipe, tmp_path, "kill9", producers=2)
     kills = []
     try:
         served = []
         for step in range(24):
-            if step in (3, 10, 17):
+            if step in (3, 10):
                 status, pids = _live_pids(svc)
                 victim = pids[len(kills) % 2]
                 os.kill(victim, signal.SIGKILL)
@@ -135,7 +136,7 @@ def test_kill9_producer_at_three_steps(ray_cluster, tiny_recipe, reference_diges
             served.append(svc.batch(step, track=True).digest)  # the digest of the rows received, not an echo
         assert served == reference_digests, "a step's rows were wrong, missing or served twice"
         status, pids = _live_pids(svc)
-        assert status["restarts"] >= 3 and status["generation"] >= 3, status
+        assert status["restarts"] >= 2 and status["generation"] >= 2, status
         assert not set(pids) & {k["pid"] for k in kills}
         # An idle producer (window full, nobody reading) killed: replaced without waiting for a consumer.
         os.kill(pids[0], signal.SIGKILL)

@@ -102,6 +102,20 @@ def test_commits_are_per_consumer_and_checked():
         w.commit(10**12 * -1, "a")
 
 
+def test_a_commit_counts_its_own_reads_after_a_release():
+    """Rank 1 of a job closes its loader first (a release of the whole consumer, later than rank 0's moves):
+    rank 0's moves sent with its commit are ignored as cursors, yet its commit one past them is accepted."""
+    w = _window()
+    w.touch(3, "job", 0, 2, now=1)
+    w.release("job", now=2)
+    assert not w.touch(3, "job", 0, 2, now=3, seen=1) and "job" not in w.consumed  # heard before the release
+    with pytest.raises(ValueError, match=r"at most 0 \(it has read nothing yet\)"):
+        w.commit(4, "job")
+    assert w.commit(4, "job", read=3) == 4
+    with pytest.raises(ValueError, match=r"at most 4 \(one past its highest read step 3\)"):
+        w.commit(5, "job", read=3)
+
+
 @pytest.mark.parametrize("rank, world, words", [(2, 2, r"rank=2 is outside \[0, 2\)"), (0, 3, "world=3 must divide"),
                                                 (-1, 4, "rank=-1"), (0, 32, "world=32"), (0, True, "world must be")])
 def test_rank_and_world_are_validated(rank, world, words):

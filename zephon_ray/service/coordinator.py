@@ -282,8 +282,9 @@ class Coordinator:
         """Record durably that ``consumer`` checkpointed and resumes at ``step`` (at most one past what it read,
         counting the cursor ``moves`` sent with the commit)."""
         self._advance(moves)
+        own = [m[3] for m in moves or () if m[0] == consumer and isinstance(m[3], int) and not isinstance(m[3], bool)]
         with self._lock:
-            self.window.commit(step, consumer)
+            self.window.commit(step, consumer, read=max(own, default=None))
         # The fsyncs run on one writer thread, in call order: reads and status() never wait for a disk flush.
         entry = await asyncio.get_running_loop().run_in_executor(self._commit_writer, self.state.add_commit, step,
                                                                  consumer)

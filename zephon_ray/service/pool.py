@@ -10,7 +10,7 @@ killed group still in the table (its shards died with it; ``on_lost`` tells the 
 Guarantees:
 - A dead producer (kill -9, OOM, node loss; inside a collective checkpoint too) or one that makes no progress for
   ``progress_timeout_s`` while calls are in flight (hung: alive but stuck) is replaced with its whole group
-  (tests/test_service.py::test_kill9_producer_at_three_steps, ::test_watchdog_replaces_a_hung_producer).
+  (tests/test_service.py::test_kill9_producer_while_read_and_while_idle, ::test_watchdog_replaces_a_hung_producer).
 - A producer that fails in ``__init__`` is reported once as a configuration error naming its node and reason
   (``fatal``), not restarted again and again (::test_producer_init_failure_is_one_config_error).
 - After :meth:`close` no new producer is launched, so ``stop()`` cannot race a restart into orphans.

@@ -194,14 +194,20 @@ class StepWindow:
         self.consumed[consumer] = max(self.consumed.get(consumer, -1), step)
         return True
 
-    def commit(self, step: int, consumer: str) -> int:
-        """Check a commit: at most one past the highest step this consumer consumed (or its previous commit)."""
+    def commit(self, step: int, consumer: str, read: int | None = None) -> int:
+        """Check a commit: at most one past the highest step this consumer consumed (or its previous commit).
+
+        ``read`` is the highest step the committing client itself read (the cursor moves it sends with the
+        commit). It counts even where those moves were not applied: when another rank of the same consumer
+        released it (closed its loader) in the meantime, its cursors are gone, but what this client read is
+        still read (tests/test_window.py::test_a_commit_counts_its_own_reads_after_a_release)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"commit step must be a non-negative integer, got {step!r}")
         check_consumer(consumer)
-        allowed = max(self.consumed.get(consumer, -1) + 1, self.commits.get(consumer, 0))
+        read = max(self.consumed.get(consumer, -1), -1 if read is None else self.check_step(read, "read step"))
+        allowed = max(read + 1, self.commits.get(consumer, 0))
         if step > allowed:
-            read = self.consumed.get(consumer)
+            read = None if read < 0 else read
             why = "it has read nothing yet" if read is None else f"one past its highest read step {read}"
             raise ValueError(
                 f"commit step {step} of consumer {consumer!r} is ahead of what it consumed: at most {allowed} ({why})")
