@@ -29,12 +29,17 @@ data/corpus: | install
 	$(VENV)/bin/zephon-ray corpus $@.tmp && mv $@.tmp $@
 
 # The corpus (about 10 s) lets tests/test_oracle.py check the demo and mixture recipes' golden digests too.
+# Two pytest-xdist workers: the tests on the session's private Ray run one after another in one, those that start
+# a Ray or process tree of their own in the other, beside the in-process tests (tests/conftest.py;
+# docs/benchmarks.md, "The test suite").
+PYTEST := $(PY) -m pytest -q -ra -n 2 --dist loadgroup
+
 test: install data/corpus
-	$(PY) -m pytest -q -ra
+	$(PYTEST)
 
 # Long chaos, soak and slow end-to-end runs (see README).
 test-all: install data/corpus
-	$(PY) -m pytest -q -ra -m ''
+	$(PYTEST) -m ''
 
 bench: install
 	for b in benchmarks/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done

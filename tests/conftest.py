@@ -20,6 +20,20 @@ RECIPES = ROOT / "recipes"
 TINY = RECIPES / "tiny.toml"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
+def pytest_collection_modifyitems(config, items):
+    """`make test` runs two pytest-xdist workers with ``--dist loadgroup``, and two groups keep the heavy tests
+    apart: the tests on the session's private Ray (they use ``ray_cluster``, or are marked ``session_ray``) run one
+    after another in one worker, as in one process; those that start a Ray or a process tree of their own (marked
+    ``spawns``, or ``slow``) run one after another in the other, beside the in-process tests. One Ray per worker:
+    no session Ray is started twice (docs/benchmarks.md, "The test suite")."""
+    for item in items:
+        if "ray_cluster" in item.fixturenames or item.get_closest_marker("session_ray"):
+            item.add_marker(pytest.mark.xdist_group("session-ray"))
+        elif any(item.get_closest_marker(m) for m in ("spawns", "slow")):
+            item.add_marker(pytest.mark.xdist_group("spawns"))
+
+
 @pytest.fixture(scope="session")
 def tiny_recipe():
     from zephon_ray import Recipe

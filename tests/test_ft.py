@@ -25,6 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.spawns  # Ray, torchrun or other process trees (conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 ELASTIC = str(ROOT / "recipes" / "elastic.toml")
 TINY = str(ROOT / "recipes" / "tiny.toml")

@@ -64,6 +64,7 @@ def _variant_toml(tmp_path: Path) -> Path:
     return out
 
 
+@pytest.mark.spawns
 @pytest.mark.timeout(900)
 def test_notebook_executes_and_computes_what_the_oracle_computes(tmp_path):
     committed = nbformat.read(NOTEBOOK, as_version=4)

@@ -221,7 +221,9 @@ def loader_rows(loaders, steps: int, per_step: int):
             for s in range(steps)]
 
 
-@pytest.mark.parametrize("mode", ["local", "service", "dataset"])
+# service and dataset ask for their fixtures at run time, so they declare the session Ray here (conftest.py)
+@pytest.mark.parametrize("mode", ["local", pytest.param("service", marks=pytest.mark.session_ray),
+                                  pytest.param("dataset", marks=pytest.mark.session_ray)])
 def test_torchtitan_loader(case, mode, request, tmp_path):
     """Rank r of W=2 yields ``input = row[:-1]``, ``labels = row[1:]``, ``positions = positions[:-1]`` of its
     rows, in order: joined over the ranks, exactly the oracle's global batch (every column the loader yields)."""

@@ -9,7 +9,7 @@ every loss the W=1 in-process reference.
 
 The default suite runs the service path at 4 -> 3 workers and the local-mode worker kill; the full 4 -> 2 -> 3
 schedule of each (service, local with the torch:// store, local with a directory) is ``slow``. Local mode's resume
-at another W also runs in the default suite through tests/test_ray_train_quickstart.py (4 -> 2 workers, final
+at another W also runs in the default suite through tests/test_ray_train_quickstart.py (1 -> 2 workers, final
 weights equal the reference).
 """
 
@@ -85,7 +85,7 @@ def test_get_dataset_shard_service(ray_cluster, tmp_path, elastic_reference, sch
     check(records, elastic_reference, worlds=worlds_of(schedule))
 
 
-@pytest.mark.slow  # ~80 s; the default suite has the service schedule and the quickstart's local 4 -> 2
+@pytest.mark.slow  # ~80 s; the default suite has the service schedule and the quickstart's local 1 -> 2
 def test_get_dataset_shard_4_2_3_local_torch_store(ray_cluster, tmp_path, elastic_reference):
     """Local mode: Zephon's collective checkpoint aggregates through Ray Train's own TCPStore (rank 0's, a new
     port after every restart)."""

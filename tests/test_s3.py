@@ -108,6 +108,21 @@ def test_recipe_from_a_bucket_gives_local_digests(s3, bucket, remote_recipe, tin
         assert [source.batch(s).digest for s in range(STEPS)] == reference_digests[:STEPS]
 
 
+def test_two_buckets_read_at_once_on_one_node(s3, remote_recipe, reference_digests):
+    """Two recipes on two buckets read at the same time in one process, as two services (or a service and a
+    notebook) of one node do: each set of remote roots has its own shard cache root, so Zephon's refusal of a root
+    that a live process holds for other datasets (CacheInUseError) never meets them."""
+    from zephon_ray import GlobalBatchSource, Recipe
+
+    other = s3.new_bucket("zr-data-other")
+    s3.upload_tree(RECIPES / "data" / "tiny", other, "recipes/data/tiny")
+    s3.client().upload_file(str(TINY), other, "recipes/tiny.toml")
+    with GlobalBatchSource(remote_recipe) as first, \
+            GlobalBatchSource(Recipe.from_toml(f"s3://{other}/recipes/tiny.toml")) as second:
+        for step in range(3):
+            assert first.batch(step).digest == second.batch(step).digest == reference_digests[step]
+
+
 def test_remote_identity_is_the_listing_and_etags(s3, tmp_path, capsys):
     """A rewritten object gets a new ETag: the fingerprint changes and verify_on_node names the shard and field.
     --verify-content hashes the bytes (a download) and equals the local sha256."""
@@ -191,7 +206,7 @@ def _closed_port() -> int:
 
 
 # ------------------------------------------------------------------------------------------ faults on the read path
-def test_endpoint_stopped_then_restarted(s3, materialized_s3, reference_digests):
+def test_endpoint_stopped_then_restarted(s3, materialized_s3, reference_digests, monkeypatch):
     """Reads of a materialised run on S3 while the endpoint is down: retried within a bound, then one clean error
     naming the object; once the endpoint is back, the same source reads on."""
     from zephon_ray import MaterializedSource, files
@@ -206,7 +221,9 @@ def test_endpoint_stopped_then_restarted(s3, materialized_s3, reference_digests)
     failed_after = time.monotonic() - t0
     _one_line(info.value, materialized_s3)
     assert failed_after < 60, failed_after  # ZEPHON_RAY_S3_MAX_ATTEMPTS=3 attempts, 1 s connects
-    # Down now, back within the retry window: the read in flight succeeds.
+    # Down now, back within the retry window: the read in flight succeeds. 10 attempts keep retrying for about 70 s
+    # against a closed port here (3 attempts: 2.4 s, which a restart on a loaded machine has missed).
+    monkeypatch.setenv(files.MAX_ATTEMPTS_ENV, "10")
     restarter = threading.Timer(0.3, s3.start)
     restarter.start()
     try:

@@ -39,6 +39,16 @@ def _start(recipe, tmp_path, name, **kw):
     return DataService.start(recipe, name=name, namespace=NS, state_dir=kw.pop("state_dir", tmp_path / name), **kw)
 
 
+def _replayer_actors(name):
+    """The live Replayer actors of service ``name``, from Ray's table of named actors."""
+    import ray
+
+    from zephon_ray.service.protocol import REPLAYER_INFIX
+
+    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NS and a["name"].startswith(name + REPLAYER_INFIX)]
+
+
 def _live_pids(svc, timeout=60.0):
     deadline = time.monotonic() + timeout
     while True:
@@ -239,6 +249,7 @@ def test_two_consumers_and_window_bound(ray_cluster, tiny_recipe, reference_dige
         cursors = {(c["consumer"], c["rank"]): c["step"] for c in status["cursors"]}
         assert cursors[(a.consumer, 0)] == 19 and cursors[("notebook", 0)] == 17
         assert w["low"] == 17 and status["replay"]["requests"] == 0  # B holds the window; nobody replayed
+        assert _replayer_actors("two") == [] and status["replayers"] == [None]  # so no replayer was started
         # A third consumer debugging a past step: restore + at most K replay, live window untouched.
         time.sleep(0.2)
         held_before = a.status()["window"]["held_steps"]
@@ -247,6 +258,7 @@ def test_two_consumers_and_window_bound(ray_cluster, tiny_recipe, reference_dige
         assert after["replay"]["last"] == {"step": 2, "replay_steps": 2 % 4}
         assert after["replay"]["max_replay_steps"] <= 4
         assert after["window"]["held_steps"] == held_before
+        assert len(_replayer_actors("two")) == 1 and after["replayers"][0]["pid"] != after["coordinator"]["pid"]
         b.release()
         assert a.batch(20, track=True).digest == reference_digests[20]
     finally:

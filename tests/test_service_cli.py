@@ -28,6 +28,7 @@ def _cli(*args):
     return [sys.executable, "-m", "zephon_ray.cli", *args]
 
 
+@pytest.mark.spawns
 def test_digest_via_service_equals_local():
     steps = "0:12"
     runs = {

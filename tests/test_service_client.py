@@ -11,6 +11,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from conftest import ROOT
 
 SCRIPT = textwrap.dedent("""
@@ -40,6 +42,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
                           env=base)
 
 
+@pytest.mark.spawns
 def test_ray_init_and_context_manager_stop_what_they_started():
     result = _run(SCRIPT)
     assert "CLEAN" in result.stdout, result.stderr[-3000:]

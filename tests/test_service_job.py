@@ -25,7 +25,7 @@ from zephon_ray import GlobalBatchSource, compute_digest
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny.toml"
 RAY = str(Path(sys.executable).with_name("ray"))
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.spawns, pytest.mark.timeout(420)]
 
 
 def _free_ports(n: int) -> list[int]:

@@ -279,6 +279,7 @@ dist.destroy_process_group()
 '''
 
 
+@pytest.mark.spawns
 def test_dcp_save_and_load_at_another_world(tmp_path, reference_digests):
     script = tmp_path / "dcp_worker.py"
     script.write_text(_DCP_WORKER)

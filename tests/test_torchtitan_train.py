@@ -22,6 +22,8 @@ import pytest
 
 from zephon_ray import compute_digest
 
+pytestmark = pytest.mark.spawns  # Ray, torchrun or other process trees (conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny.toml"
 STEPS = 4

@@ -30,13 +30,14 @@ class KillOnce:
     """A ``before_step`` hook: rank ``rank`` SIGKILLs itself before step ``step``, once (``marker`` records it).
 
     It waits ``after_s`` first: Ray Train v2 registers a reported checkpoint at its next poll of the worker group
-    (about every 2 s); a worker dying sooner after a report loses that checkpoint, and the restart then replays
-    from an older one (still the same batches, only more replay)."""
+    (every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``: 0.25 s in the tests, conftest.py); a worker dying sooner after a
+    report loses that checkpoint, and the restart then replays from an older one (still the same batches, only
+    more replay)."""
 
     step: int
     rank: int
     marker: str
-    after_s: float = 5.0
+    after_s: float = 2.0
 
     def __call__(self, step: int, rank: int) -> None:
         if step == self.step and rank == self.rank and not os.path.exists(self.marker):

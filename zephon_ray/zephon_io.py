@@ -13,7 +13,8 @@ release moves or changes one). What it wraps:
 - reading a source object's bytes through the router (pre-tokenisation, ``--verify-content``);
 - the pipeline option Zephon needs to read remote roots: ``io_options={"cache": {"enabled": True, "root": DIR}}``
   (:func:`pipeline_io_options`; Zephon raises "Cannot read remote dataset root ... without the shard cache"
-  otherwise). DIR is node-local (``ZEPHON_RAY_SHARD_CACHE``, default ``<tmp>/zephon-ray-shards-<uid>``).
+  otherwise). DIR is node-local: ``<ZEPHON_RAY_SHARD_CACHE or <tmp>/zephon-ray-shards-<uid>>/<key>``, one key per
+  set of remote roots.
 
 Endpoints: Zephon 0.2 reads ``S3_ENDPOINT_URL`` only; :func:`zephon_ray.files.export_endpoint_for_zephon` sets it
 from ``AWS_ENDPOINT_URL(_S3)`` before any store is built here.
@@ -21,6 +22,7 @@ from ``AWS_ENDPOINT_URL(_S3)`` before any store is built here.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import tempfile
 from dataclasses import dataclass
@@ -190,12 +192,16 @@ def read_object(uri: str, size: int | None = None) -> bytes:
         raise ZephonIOError(f"{uri}: cannot read ({_describe(exc)})") from None
 
 
-def shard_cache_root() -> str:
-    """Node-local directory for Zephon's shard cache of remote sources."""
-    explicit = os.environ.get(SHARD_CACHE_ENV)
-    if explicit:
-        return explicit
-    return os.path.join(tempfile.gettempdir(), f"zephon-ray-shards-{os.getuid()}")
+def shard_cache_root(paths: Any) -> str:
+    """Node-local directory for Zephon's shard cache of the remote sources at ``paths``.
+
+    Each set of remote roots gets its own directory under ``ZEPHON_RAY_SHARD_CACHE`` (default
+    ``<tmp>/zephon-ray-shards-<uid>``): Zephon refuses a cache root that a live process holds for other datasets
+    (``CacheInUseError``), so two pipelines of one node reading different buckets at once (two services, or a
+    service and a notebook) would otherwise fail (tests/test_s3.py::test_two_buckets_read_at_once_on_one_node)."""
+    parent = os.environ.get(SHARD_CACHE_ENV) or os.path.join(tempfile.gettempdir(), f"zephon-ray-shards-{os.getuid()}")
+    roots = sorted(str(p) for p in paths if is_uri(p))
+    return os.path.join(parent, hashlib.sha256("\n".join(roots).encode()).hexdigest()[:16])
 
 
 def pipeline_io_options(paths: Any) -> dict[str, Any]:
@@ -204,4 +210,4 @@ def pipeline_io_options(paths: Any) -> dict[str, Any]:
     if not any(is_uri(p) for p in paths):
         return {}
     export_endpoint_for_zephon()
-    return {"io_options": {"cache": {"enabled": True, "root": shard_cache_root()}}}
+    return {"io_options": {"cache": {"enabled": True, "root": shard_cache_root(paths)}}}

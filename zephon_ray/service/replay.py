@@ -14,11 +14,17 @@ Guarantees:
   for old ones) unless a replayer's pipeline already sits at most K steps before it (sequential past reads).
 - A sequential reader of a materialised prefix reads ``window`` steps ahead, as producers do in the live window
   (tests/test_materialized.py::test_service_serves_a_materialised_prefix_then_producers_from_its_end).
+- A replayer starts at the first read outside the live window (with a materialised prefix: with the service), so a
+  service whose consumers read only the live window runs none
+  (tests/test_service.py::test_two_consumers_and_window_bound).
 - The shards are put and owned by the replayer; a reply that failed (replayer died or raised) is dropped and asked
   again, and :meth:`ReplayScheduler.drop` forgets one whose shards a client found lost.
 
-Limits: a replayer runs one call at a time, so a prefix read can wait behind a replay in the same actor; the
-replies held keep their shards in the object store (``REPLAY_SHARED_STEPS`` steps).
+Limits: the first replay also waits for its replayer's start (a process that imports Zephon: about 1-2 s here), and
+a replayer that cannot read the data on its node fails that read, not the service's start, with a ServiceError
+naming the node (producers check their own nodes at start). A replayer runs one call at a time, so a prefix read
+can wait behind a replay in the same actor; the replies held keep their shards in the object store
+(``REPLAY_SHARED_STEPS`` steps).
 """
 
 from __future__ import annotations
@@ -64,22 +70,34 @@ class ReplayScheduler:
         self.recipe = recipe
         self.config = config
         self.state = state
+        self.instance = instance
         self.prefix = prefix
         self.metrics = metrics
-        res = config.resources
         # Held for the coordinator's lifetime: Ray needs a replayer's constructor argument again to restart it.
         self._recipe_ref = ray.put(recipe)
-        self.replayers = [ray.remote(Replayer).options(
-            name=f"{config.name}{REPLAYER_INFIX}{instance}.{i}", namespace=config.namespace,
-            lifetime="detached", num_cpus=res.replayer_num_cpus, resources=dict(res.replayer_resources),
-            # A replayer lost with its node comes back elsewhere; calls wait for it (replays are idempotent).
-            max_restarts=-1, max_task_retries=-1,
-        ).remote(self._recipe_ref, config.materialized_dir) for i in range(config.replayers)]
-        self.info_refs = [r.info.remote() for r in self.replayers]
+        self.replayers: list[Any] = [None] * config.replayers
+        self.info_refs: list[Any] = [None] * config.replayers
+        if prefix:  # prefix steps are read through the replayers from the first read on: start them with the service
+            for i in range(config.replayers):
+                self._replayer(i)
         self._next: list[int | None] = [None] * config.replayers  # each replayer's position after queued work
         self._replies: OrderedDict[int, tuple[Any, int]] = OrderedDict()  # step -> (reply ref, how many kept)
         self.stats = {"requests": 0, "shared": 0, "submitted": 0, "max_replay_steps": 0, "last": None,
                       "materialized_reads": 0}
+
+    def _replayer(self, i: int) -> Any:
+        """Replayer ``i``, started on its first use: a service that nobody reads outside the live window of never
+        pays for one (a process that imports Zephon and torch, about 270 MB)."""
+        if self.replayers[i] is None:
+            config, res = self.config, self.config.resources
+            self.replayers[i] = ray.remote(Replayer).options(
+                name=f"{config.name}{REPLAYER_INFIX}{self.instance}.{i}", namespace=config.namespace,
+                lifetime="detached", num_cpus=res.replayer_num_cpus, resources=dict(res.replayer_resources),
+                # A replayer lost with its node comes back elsewhere; calls wait for it (replays are idempotent).
+                max_restarts=-1, max_task_retries=-1,
+            ).remote(self._recipe_ref, config.materialized_dir)
+            self.info_refs[i] = self.replayers[i].info.remote()
+        return self.replayers[i]
 
     # ------------------------------------------------------------------ serving
     async def container(self, step: int, read_ahead: bool = False) -> Any:
@@ -138,7 +156,7 @@ class ReplayScheduler:
         state = self.state.read_checkpoint(ckpt) if ckpt else None
         position = self._next[best]
         replayed = step - (position if position is not None and ckpt <= position <= step else ckpt)
-        ref = self.replayers[best].replay.remote(step, ckpt, state, k)
+        ref = self._replayer(best).replay.remote(step, ckpt, state, k)
         self._next[best] = step + 1
         self.stats["max_replay_steps"] = max(self.stats["max_replay_steps"], replayed)
         self.stats["last"] = {"step": step, "replay_steps": replayed}
@@ -149,7 +167,7 @@ class ReplayScheduler:
         """A materialised step: one row-group read in any replayer (spread round-robin, no pipeline position)."""
         best = self.stats["submitted"] % len(self.replayers)
         self.stats["materialized_reads"] += 1
-        return self._keep(step, self.replayers[best].read.remote(step), self.config.window + REPLAY_SHARED_STEPS)
+        return self._keep(step, self._replayer(best).read.remote(step), self.config.window + REPLAY_SHARED_STEPS)
 
     def _keep(self, step: int, ref: Any, keep: int) -> Any:
         """Keep the newest replies for ranks that ask for the same step next."""
@@ -161,15 +179,17 @@ class ReplayScheduler:
 
     # ------------------------------------------------------------------ lifecycle
     async def check_started(self) -> str | None:
-        """The first start-up error a replayer reports (None: all started)."""
-        for info in await asyncio.gather(*self.info_refs):
+        """The first start-up error of a started replayer (None: none failed)."""
+        for info in await asyncio.gather(*(ref for ref in self.info_refs if ref is not None)):
             if info.get("error"):
                 return info["error"]
         return None
 
     def infos(self) -> list[dict[str, Any] | None]:
-        """Start-up infos of the replayers (pid, node), without waiting for any."""
-        ready, _ = ray.wait(self.info_refs, num_returns=len(self.info_refs), timeout=0, fetch_local=False)
+        """Start-up infos of the replayers (pid, node), without waiting for any; None for one that has not started
+        (or not answered yet)."""
+        started = [ref for ref in self.info_refs if ref is not None]
+        ready, _ = ray.wait(started, num_returns=len(started), timeout=0, fetch_local=False) if started else ([], [])
         out = []
         for ref in self.info_refs:
             try:
@@ -179,7 +199,7 @@ class ReplayScheduler:
         return out
 
     def close(self) -> None:
-        for replayer in self.replayers:
+        for replayer in filter(None, self.replayers):
             try:
                 ray.kill(replayer, no_restart=True)
             except Exception:  # noqa: BLE001

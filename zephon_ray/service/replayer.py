@@ -48,7 +48,7 @@ class Replayer:
         self.stats = {"replays": 0, "restores": 0, "steps_replayed": 0, "materialized_reads": 0}
         try:
             verify_on_node(recipe, where="replayer")
-            LaneStepper(recipe).close(background=True)  # fail at start (missing data, tokenizer), not at a read
+            LaneStepper(recipe).close(background=True)  # fail at start (missing data, tokenizer), not mid-replay
             if materialized_dir is not None:
                 self._materialized = MaterializedSource(materialized_dir, recipe=recipe)
         except Exception as exc:  # noqa: BLE001 - reported once, with the node
