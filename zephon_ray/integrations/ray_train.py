@@ -36,7 +36,7 @@ batch s (B rows), the rows ``GlobalBatchSource(recipe).batch(s)`` holds at those
 is the loader state ``{version, run_id, fingerprint, next_step, zephon, replayed_steps}`` of
 :mod:`zephon_ray.formats.loader_state` (every key always present; ``zephon`` is "" in service mode): JSON,
 identical on every rank, so one copy in a Ray Train checkpoint resumes any W with the same global batches.
-Shown by ``tests/test_ray_train_elastic.py`` (4 -> 3 workers, and 4 -> 2 -> 3 in the slow set: every step's
+Shown by ``tests/test_ray_train_elastic.py`` (3 -> 2 workers, and 4 -> 2 -> 3 in the slow set: every step's
 digest gathered from the ranks' slices equals ``GlobalBatchSource``'s, and every loss the W=1 reference; a worker
 killed mid-run replays identical steps), ``tests/test_ray_train_quickstart.py`` (the quickstart, 1 -> 2 workers,
 final weights equal the in-process reference), ``tests/test_ray_train_inplace_resize.py`` (slow: an elastic 2 -> 4
