@@ -48,7 +48,8 @@ class KillOnce:
 
 def fit_bigram(dataset: Any, *, workers: int | tuple[int, int], name: str, storage_path: str, log_path: str,
                steps: int, run_id: str, max_failures: int = 0, cpu_per_worker: float = 0.25,
-               checkpoint_every: int = 2, before_step: Any = None, **scaling: Any) -> Any:
+               checkpoint_every: int = 2, before_step: Any = None, worker_resources: dict | None = None,
+               **scaling: Any) -> Any:
     """One ``TorchTrainer.fit()`` of ``examples/bigram.py`` reading ``dataset`` through ``get_dataset_shard``.
     Reuse ``name``/``storage_path`` to resume from the latest checkpoint at a new W."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -62,7 +63,9 @@ def fit_bigram(dataset: Any, *, workers: int | tuple[int, int], name: str, stora
                            "before_step": before_step},
         datasets={"train": dataset},
         dataset_config=ZephonDataConfig(run_id=run_id, checkpoint_every=checkpoint_every),
-        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": cpu_per_worker}, **scaling),
+        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": cpu_per_worker,
+                                                                                **(worker_resources or {})},
+                                     **scaling),
         run_config=RunConfig(name=name, storage_path=storage_path,
                              failure_config=FailureConfig(max_failures=max_failures)),
     )
