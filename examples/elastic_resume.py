@@ -19,8 +19,8 @@ data API (``ray.train.get_dataset_shard`` over a ``ZephonDataset``). ``--trainer
 real Trainer (llama3 debug model, 2 layers, CPU shims; examples.torchtitan_ray_train) instead, with TorchTitan's
 own DCP checkpoints shared by the fits of a run.
 
-Local mode needs W dividing the recipe's 12 lanes (each worker runs Zephon for whole lanes). Every step's global digest is
-gathered from the ranks' slices; the script prints digests and losses side by side, checks them against the
+Local mode needs W dividing the recipe's 12 lanes (each worker runs Zephon for whole lanes). Every step's global digest
+is gathered from the ranks' slices; the script prints digests and losses side by side, checks them against the
 in-process reference (what `zephon-ray digest` prints), and exits non-zero on any mismatch.
 """
 

@@ -9,15 +9,15 @@ are live now::
     loss(batch.microbatches).backward(); [manager.allreduce(p.grad).wait() for p in params]
     if manager.should_commit(): optimizer.step()   # a rejected step is served again by the next next()
 
-Guarantee: at each step, after the quorum, replica group p of the P live participants, rank r of its ``dp`` ranks,
-reads ``slice(s, p·dp + r, P·dp)`` of global batch ``s = manager.current_step()``: the P·dp slices joined in order
-are exactly the fixed-W run's global batch s, whatever P is (P·dp need not divide B), so every committed step trains on the same global
-batch (each group's share changes with P). A step that ``should_commit()`` rejects is asked for again (torchft does
-not advance ``current_step()``) and served again; a group that rejoins starts at ``current_step()`` with no data
+Guarantee: at each step, after the quorum, replica group p of the P live participants, rank r of its ``dp`` ranks, reads
+``slice(s, p·dp + r, P·dp)`` of global batch ``s = manager.current_step()``: the P·dp slices joined in order are exactly
+the fixed-W run's global batch s, whatever P is (P·dp need not divide B), so every committed step trains on the same
+global batch (each group's share changes with P). A step that ``should_commit()`` rejects is asked for again (torchft
+does not advance ``current_step()``) and served again; a group that rejoins starts at ``current_step()`` with no data
 checkpoint: the step is the state, and the model comes from a peer, as torchft heals it. Shown by
-``examples/torchft_churn.py`` (3 replica groups as processes, SIGKILL kills and rejoins: every committed step's
-global digest equals the reference, final weights equal the failure-free run's) and ``tests/test_ft.py`` (one kill
-and one rejoin in the default suite).
+``examples/torchft_churn.py`` (3 replica groups as processes, SIGKILL kills and rejoins: every committed step's global
+digest equals the reference, final weights equal the failure-free run's) and ``tests/test_ft.py`` (one kill and one
+rejoin in the default suite).
 
 Prefetch assumes the membership stays as it is: one prefetch thread (:mod:`zephon_ray.stream.prefetch`) reads the
 next ``depth`` steps at the current (rank, world); when the quorum changes the membership, the source for the new
@@ -101,7 +101,8 @@ def supported_participants(recipe: Recipe, *, dp: int = 1, local_batch_size: int
 
 def token_weighted(grads_summed: Any, tokens: Any, all_reduce_sum: Any) -> Any:
     """The global mean gradient from per-group *summed* losses, whatever rows each group held (uneven slices,
-    padding rows, masks): all-reduce (SUM) each summed gradient and the group's valid-token count, then divide. ``all_reduce_sum(tensor)`` reduces in place, e.g.
+    padding rows, masks): all-reduce (SUM) each summed gradient and the group's valid-token count, then divide.
+    ``all_reduce_sum(tensor)`` reduces in place, e.g.
     ``lambda t: manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()``. Returns the reduced gradients."""
     count = tokens.clone().double()
     all_reduce_sum(count)

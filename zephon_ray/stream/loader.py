@@ -11,17 +11,17 @@ microbatches, and keeps the loader state. TorchTitan's ``ZephonRayDataLoader`` a
         saved = loader.state_dict()        # at a step boundary: after the step was trained
     loader.close()
 
-Guarantee: for a recipe with B rows per global batch, reader r of any W in [1, B] yields, for every step s from
-its ``next_step`` on, ``batch.slice`` = rows ``[floor(r*B/W), floor((r+1)*B/W))`` of global batch s, cut into
-``({"input", "positions"}, labels)`` microbatches of ``local_batch_size`` rows (padded to equal shapes on every
-reader with ``pad_slices``: rows whose labels are all ignored, never in a digest; :mod:`zephon_ray.stream.geometry`).
-Each :class:`StepBatch` carries the global batch's valid-token count when the source knows it without another read,
-and :meth:`StepBatch.loss_scale` turns a rank's summed token loss into the share of the global mean that makes
-the gradient all-reduce give the fixed-W gradient at any W (``tests/test_uneven_gradients.py``). The rows are the same from the data
-service (``mode="service"``), from an in-process Zephon lane group (``mode="local"``) and from a materialised
-directory (``mode="dataset"``), whatever W and mode were before a resume: concatenating every reader's slice in
-rank order gives the batch ``zephon-ray digest`` describes (``tests/test_stream_loader.py``: all three modes with W
-changing at each resume; ``tests/test_torchtitan_loader.py``; ``tests/test_ray_train_elastic.py``).
+Guarantee: for a recipe with B rows per global batch, reader r of any W in [1, B] yields, for every step s from its
+``next_step`` on, ``batch.slice`` = rows ``[floor(r*B/W), floor((r+1)*B/W))`` of global batch s, cut into ``({"input",
+"positions"}, labels)`` microbatches of ``local_batch_size`` rows (padded to equal shapes on every reader with
+``pad_slices``: rows whose labels are all ignored, never in a digest; :mod:`zephon_ray.stream.geometry`). Each
+:class:`StepBatch` carries the global batch's valid-token count when the source knows it without another read, and
+:meth:`StepBatch.loss_scale` turns a rank's summed token loss into the share of the global mean that makes the gradient
+all-reduce give the fixed-W gradient at any W (``tests/test_uneven_gradients.py``). The rows are the same from the data
+service (``mode="service"``), from an in-process Zephon lane group (``mode="local"``) and from a materialised directory
+(``mode="dataset"``), whatever W and mode were before a resume: concatenating every reader's slice in rank order gives
+the batch ``zephon-ray digest`` describes (``tests/test_stream_loader.py``: all three modes with W changing at each
+resume; ``tests/test_torchtitan_loader.py``; ``tests/test_ray_train_elastic.py``).
 
 State (:mod:`zephon_ray.formats.loader_state`, format v2) is ``{version, run_id, fingerprint, next_step, zephon,
 replayed_steps}``: every key always present (``zephon`` is "" when there is no Zephon checkpoint, which is always
@@ -38,11 +38,11 @@ Limits, each rejected with a clear error rather than worked around:
 * W must be at most B (a reader with no rows is refused); ``local_batch_size`` must divide every reader's rows,
   or slices are padded; when a trainer's global batch and seq_len are given they must be the recipe's (plus the
   padding rows when padded) (:mod:`zephon_ray.stream.geometry`);
-* local mode needs W dividing L (reader r runs Zephon for whole lanes: service and dataset mode serve any W), and a distributed local-mode run needs a ``run_id`` and exactly one of
-  ``aggregate_store`` and ``aggregate_dir``. Its state carries the newest Zephon checkpoint at or before
-  ``next_step`` (taken every ``checkpoint_every`` steps); a resume between checkpoints, or from a state without
-  one, replays the steps in between: it logs a warning with the count, and ``stats`` / the state's
-  ``replayed_steps`` report it (``tests/test_torchtitan_loader.py::test_resume_without_a_zephon_checkpoint_warns_and_reports_the_replay``);
+* local mode needs W dividing L (reader r runs Zephon for whole lanes: service and dataset mode serve any W), and
+  a distributed local-mode run needs a ``run_id`` and exactly one of ``aggregate_store`` and ``aggregate_dir``. Its
+  state carries the newest Zephon checkpoint at or before ``next_step`` (taken every ``checkpoint_every`` steps); a
+  resume between checkpoints, or from a state without one, replays the steps in between: it logs a warning with the
+  count, and ``stats`` / the state's ``replayed_steps`` report it (``tests/test_torchtitan_loader.py::test_resume_without_a_zephon_checkpoint_warns_and_reports_the_replay``);
 * the state describes what the loader has handed out: take it after the step was trained.
 
 Background threads are daemons; :meth:`close` (also run at garbage collection and interpreter exit) stops them and

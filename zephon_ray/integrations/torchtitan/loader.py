@@ -6,14 +6,14 @@ the loader state, TP/PP/CP peers, the geometry checks). This adapter maps TorchT
 (:mod:`zephon_ray.integrations.torchtitan.trainer_checks`), yields the core's trainer microbatches one at a time,
 and refuses a checkpoint in the middle of a step (TorchTitan pulls every microbatch of a step before it saves).
 
-Guarantee (the core's): dp rank r of any W in [1, B] yields, for every step s, the microbatches of rows
-``[floor(r*B/W), floor((r+1)*B/W))`` of global batch s, padded to equal shapes on every rank when W does not divide B
-(rows whose labels are all ignored: TorchTitan's loss, normalised by the all-reduced valid-token count with
-gradients summed, is then the fixed-dp loss; set ``training.global_batch_size`` to the padded batch the error
-names, or -1 with ``local_batch_size = ceil(B/dp)``), whatever W, mode and resume history (``tests/test_torchtitan_loader.py``,
+Guarantee (the core's): dp rank r of any W in [1, B] yields, for every step s, the microbatches of rows ``[floor(r*B/W),
+floor((r+1)*B/W))`` of global batch s, padded to equal shapes on every rank when W does not divide B (rows whose labels
+are all ignored: TorchTitan's loss, normalised by the all-reduced valid-token count with gradients summed, is then the
+fixed-dp loss; set ``training.global_batch_size`` to the padded batch the error names, or -1 with ``local_batch_size =
+ceil(B/dp)``), whatever W, mode and resume history (``tests/test_torchtitan_loader.py``,
 ``tests/test_torchtitan_train.py`` with the real Trainer). Its ``state_dict`` is the loader state of
-:mod:`zephon_ray.formats.loader_state` (``{version, run_id, fingerprint, next_step, zephon, replayed_steps}``,
-every key always present), identical on every rank, so DCP stores it once and it loads at any W
+:mod:`zephon_ray.formats.loader_state` (``{version, run_id, fingerprint, next_step, zephon, replayed_steps}``, every key
+always present), identical on every rank, so DCP stores it once and it loads at any W
 (``test_dcp_save_and_load_at_another_world``); it works before iteration.
 
 Limits: the build keywords are exactly TorchTitan 0.3.0's (``tests/test_torchtitan_internals.py`` checks them
