@@ -128,9 +128,11 @@ class RankSlice:
                              f"{span.first}..{span.stop - 1}, got {len(shards)} shards")
         if len(shards) == 1:  # one lane (or part of one): a zero-copy view
             tokens, positions = shards[0].tokens[span.lo:span.hi], shards[0].positions[span.lo:span.hi]
-        else:
-            tokens = np.concatenate([s.tokens for s in shards])[span.lo:span.hi]
-            positions = np.concatenate([s.positions for s in shards])[span.lo:span.hi]
+        else:  # the rank's rows of its first and last lane, whole lanes between: one copy of exactly its rows
+            per = shards[0].tokens.shape[0]
+            parts = [(max(span.lo - i * per, 0), min(span.hi - i * per, per)) for i in range(len(shards))]
+            tokens = np.concatenate([s.tokens[a:b] for s, (a, b) in zip(shards, parts)])
+            positions = np.concatenate([s.positions[a:b] for s, (a, b) in zip(shards, parts)])
             tokens.setflags(write=False)
             positions.setflags(write=False)
         return cls(step, rank, world, tokens, positions, pad_token_id, global_valid_tokens)
