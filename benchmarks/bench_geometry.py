@@ -15,7 +15,9 @@ recipes/demo.toml DIR`` (done here when DIR is missing). Parts (each prints a li
   the steps they made. Also the *lane stepper* (what a producer computes, in-process, without Ray) for reference.
   The same run gives coordinator CPU per step and object-store bytes per held step (Ray's object directory sizes
   and its memory summary). Every step read is checked against the reference digests (0 wrong rows).
-- ``readers``: slice fetch latency p50/p99 for W = 8 and 64 readers, in 4 reader processes (``--reader-processes``;
+- ``readers``: slice fetch latency p50/p99 for W = 8 and 64 readers (``--worlds``: any W up to 512; with a W that
+  does not divide 512, e.g. ``--worlds 8,7,64,56``, the W values alternate for ``--rounds`` rounds: a slice that
+  crosses lane boundaries unevenly against one that does not), in 4 reader processes (``--reader-processes``;
   W/4 ranks each as threads; ``--node-ranks 8`` runs only 8 of the W ranks, one node's share of a W-rank job) on
   this node, over steps already in the window, after one untimed warm-up read per rank (first pass: the
   processes' and the node reader's leases; later passes: warm). The reads are untracked, so the producers stay
@@ -338,13 +340,12 @@ def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3, proces
             steps = list(range(1, window))  # step 0 is each reader process's warm-up
             here = min(node_ranks or world, world)
             procs_n = min(processes, here)
-            per_proc = here // procs_n
             flat = {f"{s}:{r}": ref[s][(r, world)] for s in steps for r in range(here)}
             tmp = Path(tempfile.mkdtemp(prefix="zr-geo-readers-"))
             ctx = multiprocessing.get_context("spawn")
             procs = []
-            for p in range(procs_n):
-                ranks = list(range(p * per_proc, (p + 1) * per_proc))
+            for p in range(procs_n):  # contiguous rank ranges, as even as the counts allow
+                ranks = list(range(p * here // procs_n, (p + 1) * here // procs_n))
                 procs.append(ctx.Process(target=_reader_process, args=(
                     ray.get_runtime_context().gcs_address, svc.name, world, ranks, steps, passes, flat,
                     str(tmp / f"{p}.json"))))
@@ -357,7 +358,7 @@ def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3, proces
             first = [dt for r in results for p, dt in r["samples"] if p == 0]
             warm = [dt for r in results for p, dt in r["samples"] if p > 0]
             reads = svc.status()["reads"]
-            out[world] = {"processes": procs_n, "ranks_on_this_node": per_proc * procs_n,
+            out[world] = {"processes": procs_n, "ranks_on_this_node": here,
                           "slices": len(first) + len(warm),
                           "wrong_slices": sum(r["wrong"] for r in results),
                           "first_pass_ms": {"p50": pct(first, .5) * 1e3, "p99": pct(first, .99) * 1e3},
@@ -367,7 +368,7 @@ def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3, proces
                           "node_readers": reads["node_readers"],
                           "slice_bytes": recipe.tokens_per_step * 8 // world}
             o = out[world]
-            print(f"  W={world} ({per_proc * procs_n} ranks here) in {procs_n} processes: slice p50/p99 "
+            print(f"  W={world} ({here} ranks here) in {procs_n} processes: slice p50/p99 "
                   f"{o['all_ms']['p50']:.1f}/{o['all_ms']['p99']:.1f} ms (first pass {o['first_pass_ms']['p50']:.1f}/"
                   f"{o['first_pass_ms']['p99']:.1f}), wrong {o['wrong_slices']}, zero-copy "
                   f"{o['zero_copy']['in_plasma_mapping'] and not o['zero_copy']['owndata']}, leases {o['leases']}",
@@ -551,6 +552,9 @@ def main() -> None:
     ap.add_argument("--parts", default="producer,readers,positions,cluster")
     ap.add_argument("--cluster-steps", type=int, default=3)
     ap.add_argument("--reader-processes", type=int, default=READER_PROCESSES)
+    ap.add_argument("--worlds", default="8,64",
+                    help="readers: the W values, in this order, repeated --rounds times when they include a W that "
+                         "does not divide the 512 rows (e.g. 8,7,64,56: a divisor beside a neighbouring non-divisor)")
     ap.add_argument("--node-ranks", type=int, default=None,
                     help="readers: only this many ranks of each W read here, as on one node of a W-rank job "
                          "(8 GPUs a node: 8); default all W")
@@ -568,7 +572,9 @@ def main() -> None:
               f"tokens+positions", flush=True)
         out = result[f"seq_{seq_len}"] = {"tokens_per_step": recipe.tokens_per_step}
         local_parts = parts & {"producer", "readers", "positions"}
-        ref = reference(recipe, max(args.steps + 8, 8)) if parts & {"producer", "readers"} else []
+        worlds = [int(w) for w in args.worlds.split(",")]
+        ref = reference(recipe, max(args.steps + 8, 8), worlds=sorted(set(worlds + [8, 64]))) \
+            if parts & {"producer", "readers"} else []
         ray_tmp = tempfile.mkdtemp(prefix="zr-geo-ray-", dir="/tmp")
         if local_parts:
             ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=ray_tmp, log_to_driver=False,
@@ -583,8 +589,10 @@ def main() -> None:
                       f"{r['object_bytes_per_held_step'] / 2 ** 20:.1f} MiB per held step, wrong steps "
                       f"{r['wrong_steps']}", flush=True)
             if "readers" in parts:
-                out["readers"] = run_readers(recipe, ref, processes=args.reader_processes,
-                                             node_ranks=args.node_ranks)
+                uneven = any(recipe.global_batch_rows % w for w in worlds)
+                rounds = [run_readers(recipe, ref, worlds=worlds, processes=args.reader_processes,
+                                      node_ranks=args.node_ranks) for _ in range(args.rounds if uneven else 1)]
+                out["readers"] = rounds[0] if len(rounds) == 1 else {"rounds": rounds}
             if "positions" in parts:
                 r = out["positions"] = run_positions(recipe)
                 print(f"positions: int16 exact {r['int16_exact']}, same digest {r['same_digest']}, bytes/token "

@@ -4,8 +4,9 @@ Also home of :func:`global_digest` (the examples' and tests' way to check a step
 the wheel).
 
 Used by ``examples/elastic_resume.py`` (the fast default of ``make demo``) and by the Ray Train tests. The loop
-sums gradients over gloo and divides the summed token loss by the step's token count, so its losses are the same
-at every W up to float summation order: :func:`reference_losses` computes them in-process at W=1 from
+scales each rank's summed token loss by ``batch.loss_scale("sum")`` (one over the global batch's valid tokens) and
+sums gradients over gloo, so its losses and gradients are the same at every W, a W that does not divide B
+included, up to float summation order: :func:`reference_losses` computes them in-process at W=1 from
 ``GlobalBatchSource``.
 
 Every ``checkpoint_every`` steps (and at the end) it reports a Ray Train checkpoint holding the loader state
@@ -39,12 +40,14 @@ def bigram_model(vocab: int, dim: int, seed: int):
     return torch.nn.Sequential(torch.nn.Embedding(vocab, dim), torch.nn.Linear(dim, vocab))
 
 
-def _loss(model, inputs, labels, tokens_per_step: int):
+def _loss(model, inputs, labels, scale: float):
+    """The summed token loss of a microbatch times ``scale``: ``batch.loss_scale("sum")`` (1 / the global batch's
+    valid tokens) with the SUM all-reduce below, so every W (uneven slices included) trains the W=1 gradient."""
     import torch
 
     logits = model(inputs["input"])
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                             ignore_index=-100, reduction="sum") / tokens_per_step
+                                             ignore_index=-100, reduction="sum") * scale
 
 
 def train_loop(config: dict[str, Any]) -> None:
@@ -68,15 +71,15 @@ def train_loop(config: dict[str, Any]) -> None:
         with checkpoint.as_directory() as d:
             model.load_state_dict(torch.load(Path(d) / MODEL_FILE, weights_only=True))
             optim.load_state_dict(torch.load(Path(d) / OPTIM_FILE, weights_only=True))
-    tokens_per_step = recipe.global_batch_rows * recipe.seq_len
     try:
         for batch in shard.iter_steps(until=cfg["steps"]):
             if cfg["before_step"] is not None:
                 cfg["before_step"](batch.step, rank)
             optim.zero_grad(set_to_none=True)
             step_loss = torch.zeros(())
+            scale = batch.loss_scale("sum")
             for inputs, labels in batch.microbatches:
-                loss = _loss(model, inputs, labels, tokens_per_step)
+                loss = _loss(model, inputs, labels, scale)
                 loss.backward()
                 step_loss += loss.detach()
             if world > 1:
@@ -115,13 +118,13 @@ def reference_losses(recipe_path: str, steps: int, **overrides: Any) -> list[flo
     recipe = Recipe.from_toml(recipe_path)
     model = bigram_model(int(build_tokenizer(recipe.tokenizer).vocab_size), cfg["dim"], cfg["seed"])
     optim = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
-    tokens_per_step = recipe.global_batch_rows * recipe.seq_len
     losses = []
     with GlobalBatchSource(recipe) as source:
         for step in range(steps):
             optim.zero_grad(set_to_none=True)
-            (inputs, labels), = source.batch(step).slice(0, 1).microbatches(recipe.global_batch_rows)
-            loss = _loss(model, inputs, labels, tokens_per_step)
+            batch = source.batch(step)
+            (inputs, labels), = batch.slice(0, 1).microbatches(recipe.global_batch_rows)
+            loss = _loss(model, inputs, labels, 1.0 / batch.valid_tokens)
             loss.backward()
             optim.step()
             losses.append(float(loss.detach()))
@@ -143,9 +146,15 @@ def global_digest(piece: Any) -> str | None:
     world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         parts = [local]
-    else:
-        parts = [torch.empty_like(local) for _ in range(world)]
-        dist.all_gather(parts, local)
+    else:  # ranks may hold different row counts (W need not divide B): gather the counts, then padded rows
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        dist.all_gather(counts, torch.tensor([local.shape[1]], dtype=torch.int64))
+        most = int(max(counts))
+        padded = torch.zeros((2, most, local.shape[2]), dtype=torch.int64)
+        padded[:, :local.shape[1]] = local
+        parts = [torch.empty_like(padded) for _ in range(world)]
+        dist.all_gather(parts, padded)
+        parts = [part[:, :int(n)] for part, n in zip(parts, counts)]
     if dist.is_initialized() and dist.get_rank() != 0:
         return None
     full = torch.cat(parts, dim=1).numpy()

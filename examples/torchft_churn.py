@@ -23,7 +23,10 @@ digest (the participants' slices, gathered and joined in participant order), and
 
 It exits 1 on NO. ``--sampler torchft`` replaces FtSlices by torchft's ``DistributedSampler`` over a map-style view
 of the same rows (sharded over the maximum group count, as torchft documents it) and reports the rows it lost or
-repeated; it prints NO by design. Default recipe: recipes/elastic.toml (B = 24 rows: P = 1, 2, 3, 4, 6 ... divide it).
+repeated; it prints NO by design. Default recipe: recipes/elastic.toml (B = 24 rows). Any P up to B works: at a P that
+does not divide B the groups hold different row counts, and each scales its summed token loss by
+``batch.loss_scale("mean")`` (P over the global batch's valid tokens), so torchft's averaging all-reduce gives the
+global batch's mean gradient at every P and the final weights do not depend on the churn.
 Tests: tests/test_ft.py (one kill, one rejoin, in the default suite).
 """
 
@@ -137,7 +140,12 @@ def replica(args: argparse.Namespace) -> int:
                 t = torch.from_numpy(tokens.astype(np.int64))
                 inputs, labels = {"input": t[:, :-1]}, t[:, 1:]
             logits = model(inputs["input"])
-            loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
+            if source is not None:  # exact at any P, uneven slices included: the AVG all-reduce of summed losses
+                loss = torch.nn.functional.cross_entropy(  # scaled by P / (the global batch's valid tokens)
+                    logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum",
+                    ignore_index=-100) * batch.loss_scale("mean")
+            else:
+                loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
             loss.backward()
             if step in kills:  # the parent SIGKILLs this process now, in the middle of the step
                 (work / f"dying-g{g}-{step}").write_text(str(os.getpid()))
@@ -399,7 +407,7 @@ def main(argv: list[str] | None = None) -> int:
     B = recipe.global_batch_rows
     supported = supported_participants(recipe)
     print(f"torchft churn: {args.groups} replica groups, {args.steps} steps, recipe {args.recipe} (B={B}, "
-          f"supported participant counts {supported}), kills {args.kill}, rejoins {args.rejoin}, rows from "
+          f"supported participant counts 1-{supported[-1]}), kills {args.kill}, rejoins {args.rejoin}, rows from "
           f"{'torchft DistributedSampler' if args.sampler == 'torchft' else 'FtSlices (' + args.source + ')'}",
           flush=True)
     base = Path(tempfile.mkdtemp(prefix="zr-torchft-churn-"))

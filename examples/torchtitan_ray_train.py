@@ -107,10 +107,13 @@ def torchtitan_train_loop(config: dict[str, Any]) -> None:
     # The run's recipe fixes the batch geometry, whatever recipe the registry function defaulted to.
     recipe = Recipe.from_toml(run.recipe)
     B = recipe.global_batch_rows
-    trainer_config.training.global_batch_size = B
-    trainer_config.training.local_batch_size = B // world
+    # At a W that does not divide B the loader pads every rank to ceil(B/W) rows whose padding labels are ignored;
+    # the trainer's batch counts them (one microbatch of ceil(B/W) rows per rank).
+    rows = -(-B // world)
+    trainer_config.training.global_batch_size = rows * world
+    trainer_config.training.local_batch_size = rows
     trainer_config.training.seq_len = recipe.seq_len
-    trainer_config.dataloader = run.loader_config(global_batch_size=B)
+    trainer_config.dataloader = run.loader_config(global_batch_size=rows * world)
     trainer_config.training.steps = run.total_steps or run.steps
     trainer_config.dump_folder = run.dump_folder
     trainer_config.checkpoint.enable = True

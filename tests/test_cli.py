@@ -72,7 +72,10 @@ def test_validate_prints_fingerprint_and_geometry(capsys, tiny_recipe, reference
     assert f"fingerprint {tiny_recipe.fingerprint}" in out
     assert "L=8 lanes x k=1 microbatches x m=2 rows = B=16 rows of seq_len 64+1" in out
     assert "tokens/step 1024" in out
-    assert "W (service) 1 2 4 8 16" in out and "W (local)   1 2 4 8" in out
+    assert "W (service) 1-16, any count up to B (dataset mode too); every rank gets B/W rows at W = 1 2 4 8 16" \
+        in out and "W (local)   1 2 4 8" in out
+    # ceil(16/W) x W - 16 padding rows per step for equal shapes: 3 -> 2, 5 -> 4, 7 -> 5
+    assert "padding     rows per step for equal shapes (pad_slices) at W = 3: 2 (12%), 5: 4 (25%)," in out
     assert f"step 0      {reference_digests[0]}" in out
 
     code, out, _ = _main(capsys, "fingerprint", str(TINY))

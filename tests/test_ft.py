@@ -1,13 +1,14 @@
 """Per-step elasticity with torchft (``zephon_ray.stream.ft``), with real torchft parts: a Lighthouse, Managers over
 ``ProcessGroupGloo`` and TCPStores of their own.
 
-* ``examples/torchft_churn.py`` end to end: 3 replica groups as processes, one SIGKILL in the middle of a step and
-  one rejoin; every committed step's global batch (the participants' slices joined) equals the golden digests, and
-  the final weights equal the failure-free run's.
-* A quorum whose participant count does not divide the global batch stops with one line before any row is read.
-* Loss weighting: with equal slices the mean of the groups' mean gradients (``manager.allreduce``'s AVG) is the
-  global batch's gradient; a loss mask breaks that, and token-count weights through ``manager.allreduce`` (SUM)
-  fix it.
+* ``examples/torchft_churn.py`` end to end on recipes/tiny.toml (B = 16 rows): 3 replica groups as processes (3 does
+  not divide 16: 5, 5 and 6 rows), one SIGKILL in the middle of a step (2 groups) and one rejoin (3 again); every
+  committed step's global batch (the participants' slices joined) equals the golden digests, and the final weights
+  equal the failure-free run's.
+* A quorum with more readers than the global batch has rows stops with one line before any row is read.
+* Loss weighting at an uneven P: the mean of the groups' mean gradients (``manager.allreduce``'s AVG) is not the
+  global batch's gradient; the summed loss scaled by ``batch.loss_scale()`` with AVG is; with a loss mask,
+  token-count weights through ``manager.allreduce`` (SUM) are too.
 """
 
 from __future__ import annotations
@@ -32,24 +33,24 @@ ELASTIC = str(ROOT / "recipes" / "elastic.toml")
 TINY = str(ROOT / "recipes" / "tiny.toml")
 CHURN = ROOT / "examples" / "torchft_churn.py"
 STEPS = 8
-GOLDEN = {int(k): v for k, v in json.loads((ROOT / "tests" / "golden" / "elastic.json").read_text())["digests"].items()}
+GOLDEN = {int(k): v for k, v in json.loads((ROOT / "tests" / "golden" / "tiny.json").read_text())["digests"].items()}
 
 
 @pytest.fixture(scope="module")
-def elastic_dir(ray_cluster, tmp_path_factory):
-    """Steps 0..7 of recipes/elastic.toml (B = 24 rows: 3 and 2 participants both divide it), materialised."""
+def tiny_dir(ray_cluster, tmp_path_factory):
+    """Steps 0..7 of recipes/tiny.toml (B = 16 rows: 3 participants hold 5, 5 and 6 rows), materialised."""
     from zephon_ray import Recipe
     from zephon_ray.jobs.materialize import materialize
 
-    directory = tmp_path_factory.mktemp("ft") / "elastic"
-    materialize(Recipe.from_toml(ELASTIC), directory, range(0, STEPS), producers=1, segment_steps=8, progress=False)
+    directory = tmp_path_factory.mktemp("ft") / "tiny"
+    materialize(Recipe.from_toml(TINY), directory, range(0, STEPS), producers=1, segment_steps=8, progress=False)
     return str(directory)
 
 
-def test_churn_one_kill_one_rejoin(elastic_dir, tmp_path):
+def test_churn_one_kill_one_rejoin_at_a_participant_count_not_dividing_B(tiny_dir, tmp_path):
     out = tmp_path / "summary.json"
     cmd = [sys.executable, str(CHURN), "--groups", "3", "--steps", str(STEPS), "--kill", "1@2", "--rejoin", "1@5",
-           "--dataset-dir", elastic_dir, "--json", str(out)]
+           "--recipe", TINY, "--dataset-dir", tiny_dir, "--json", str(out)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -97,28 +98,29 @@ def _in_parallel(fn, n: int) -> list:
         return list(pool.map(fn, range(n)))
 
 
-def test_a_quorum_that_cannot_share_the_batch_stops_before_the_step(tmp_path):
-    """tiny.toml has B = 16 rows: 3 participants cannot share it. One line, and nothing was read (the directory
-    the source would read does not even exist)."""
+def test_a_quorum_with_more_readers_than_rows_stops_before_the_step(tmp_path):
+    """tiny.toml has B = 16 rows: 3 participants x dp 6 = 18 readers cannot share it (a reader would get no row).
+    One line, and nothing was read (the directory the source would read does not even exist)."""
     from zephon_ray.stream.ft import FtMembershipError, FtSlices, supported_participants
     from zephon_ray.stream.loader import LoaderConfig
     from zephon_ray import Recipe
 
-    assert supported_participants(Recipe.from_toml(TINY)) == [1, 2, 4, 8, 16]
+    assert supported_participants(Recipe.from_toml(TINY)) == list(range(1, 17))
+    assert supported_participants(Recipe.from_toml(TINY), dp=6) == [1, 2]
     config = LoaderConfig(recipe=TINY, mode="dataset", dataset_dir=str(tmp_path / "never-read"))
     with ft_groups(3) as managers:
         def step(g):
             managers[g].start_quorum()
-            with FtSlices(config, manager=managers[g]) as slices:
+            with FtSlices(config, manager=managers[g], dp=6) as slices:
                 with pytest.raises(FtMembershipError) as info:
                     slices.next()
                 return str(info.value)
         messages = _in_parallel(step, 3)
     for message in messages:
         assert "\n" not in message
-        assert message.startswith("step 0: a quorum of 3 participants x dp 1 = 3 readers cannot share the recipe's "
+        assert message.startswith("step 0: a quorum of 3 participants x dp 6 = 18 readers cannot share the recipe's "
                                   "global batch of 16 rows")
-        assert "it supports [1, 2, 4, 8, 16] participants" in message and "the step was not run" in message
+        assert "it supports 1-2 participants" in message and "the step was not run" in message
 
 
 def test_local_mode_is_refused_with_the_reason():
@@ -160,25 +162,29 @@ def _grads(model, inputs, labels, reduction: str):
     return [p.grad.detach().clone() for p in model.parameters()]
 
 
-def test_loss_weighting_mean_of_means_and_token_weights(elastic_dir):
-    """3 groups read their slices of step 0 through FtSlices. Mean of the groups' mean gradients (AVG) equals the
-    global batch's mean gradient when every group averages the same number of tokens; with a loss mask it does
-    not; summed losses and token counts all-reduced with SUM (token_weighted) give the global gradient again."""
+def test_loss_weighting_at_an_uneven_participant_count(tiny_dir):
+    """3 groups read their slices of step 0 of tiny.toml (16 rows: 5, 5 and 6) through FtSlices. The mean of the
+    groups' mean gradients (AVG) is not the global batch's mean gradient; each group's summed loss scaled by
+    ``batch.loss_scale()`` (3 / 1024 tokens), then AVG, is. With a loss mask (token counts differ by content),
+    summed losses and token counts all-reduced with SUM (token_weighted) give the masked global gradient."""
     import torch
     from torch.distributed import ReduceOp
 
-    from zephon_ray import GlobalBatchSource, Recipe
+    from zephon_ray import Recipe
+    from zephon_ray.formats.materialized import MaterializedSource
     from zephon_ray.stream.ft import FtSlices, token_weighted
     from zephon_ray.stream.loader import LoaderConfig
 
-    recipe = Recipe.from_toml(ELASTIC)
-    with GlobalBatchSource(recipe) as source:
-        (inputs, labels), = source.batch(0).slice(0, 1).microbatches(recipe.global_batch_rows)
+    recipe = Recipe.from_toml(TINY)
+    with MaterializedSource(tiny_dir, recipe=recipe) as source:  # its digest is checked against the golden
+        whole = source.batch(0)
+    assert whole.digest == GOLDEN[0]
+    (inputs, labels), = whole.slice(0, 1).microbatches(recipe.global_batch_rows)
     initial = _bigram()
     want = _grads(copy.deepcopy(initial), inputs, labels, "mean")
     want_masked = _grads(copy.deepcopy(initial), inputs, _masked(labels), "mean")
 
-    config = LoaderConfig(recipe=ELASTIC, mode="dataset", dataset_dir=elastic_dir)
+    config = LoaderConfig(recipe=TINY, mode="dataset", dataset_dir=tiny_dir)
     with ft_groups(3) as managers:
         def group(g):
             m = managers[g]
@@ -187,24 +193,23 @@ def test_loss_weighting_mean_of_means_and_token_weights(elastic_dir):
                 batch = slices.next()
             (x, y), = batch.microbatches
             model = copy.deepcopy(initial)  # not _bigram(): torch.manual_seed is global, the threads would race
-            avg = _grads(model, x, y, "mean")
-            for grad in avg:
+            mean_of_means = _grads(model, x, y, "mean")
+            for grad in mean_of_means:
                 m.allreduce(grad).wait()  # torchft's default: the mean over participants
-            avg_masked = _grads(model, x, _masked(y), "mean")
-            for grad in avg_masked:
+            scaled = [g * batch.loss_scale() for g in _grads(model, x, y, "sum")]
+            for grad in scaled:
                 m.allreduce(grad).wait()
             summed = _grads(model, x, _masked(y), "sum")
             tokens = torch.tensor((_masked(y) != -100).sum().item())
             fixed = token_weighted(summed, tokens, lambda t: m.allreduce(t, reduce_op=ReduceOp.SUM).wait())
-            return batch.slice.num_rows, int(tokens), avg, avg_masked, fixed
+            return batch.slice.num_rows, mean_of_means, scaled, fixed
         results = _in_parallel(group, 3)
 
-    assert [r[0] for r in results] == [8, 8, 8]  # equal slices: B / P rows each
-    assert len({r[1] for r in results}) > 1, "the mask should leave the groups different token counts"
-    for _, _, avg, avg_masked, fixed in results:
-        for got, ref in zip(avg, want):
+    assert [r[0] for r in results] == [5, 5, 6]  # rows [0, 5), [5, 10), [10, 16)
+    for _, mean_of_means, scaled, fixed in results:
+        assert max(float((g - r).abs().max()) for g, r in zip(mean_of_means, want)) > 1e-5
+        for got, ref in zip(scaled, want):
             assert torch.allclose(got, ref, atol=1e-6), float((got - ref).abs().max())
-        assert max(float((g - r).abs().max()) for g, r in zip(avg_masked, want_masked)) > 1e-4
         for got, ref in zip(fixed, want_masked):
             assert torch.allclose(got, ref, atol=1e-6), float((got - ref).abs().max())
 
@@ -214,4 +219,6 @@ def test_validate_lists_the_participant_counts():
                           capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     line = next(l for l in proc.stdout.splitlines() if l.startswith("P (torchft)"))
-    assert line == "P (torchft) dp=1: 1 2 3 4 6 8 12 24; dp=2: 1 2 3 4 6 12; dp=4: 1 2 3 6; dp=8: 1 3"
+    assert line == "P (torchft) dp=1: 1-24; dp=2: 1-12; dp=4: 1-6; dp=8: 1-3"
+    padding = next(l for l in proc.stdout.splitlines() if l.startswith("padding"))
+    assert "at W = 5: 1 (4%), 7: 4 (17%), 9: 3 (12%)" in padding  # ceil(24/W) x W - 24 rows per step

@@ -10,7 +10,8 @@ Each path is checked for k = 1 (recipes/tiny.toml) and k = 2 (tests/recipes/k2.t
 returns, re-digested by the oracle (a path's own ``.digest`` is checked too, never trusted alone):
 
 - in-process: ``zephon_ray.GlobalBatchSource``;
-- the service: ``zephon_ray.DataService`` with 2 producers, slices at W = 2 and W = 4 joined;
+- the service: ``zephon_ray.DataService`` with 2 producers, slices at W = 2, 3 and 4 joined (and every W from 1 to B
+  at one step);
 - the materialised dataset: ``zephon_ray.jobs.materialize.materialize`` (2 lane groups) read by
   ``zephon_ray.MaterializedSource`` (rows, joined slices and the manifest's digests);
 - the TorchTitan loader ``zephon_ray.torchtitan.ZephonRayDataLoader`` in local, service and dataset mode at W = 2:
@@ -133,6 +134,23 @@ def test_in_process_global_batch_source(case):
                            f"GlobalBatchSource slices W={world}")
 
 
+def test_every_world_from_1_to_B_joins_into_the_oracle_batch(case):
+    """Any W, a divisor of B or not: rank r's rows [floor(r*B/W), floor((r+1)*B/W)), joined in rank order, are the
+    oracle's global batch, and each rank's rows are the oracle's rows at the documented positions."""
+    from zephon_ray import GlobalBatchSource, Recipe
+
+    B = case["recipe"].rows
+    with GlobalBatchSource(Recipe.from_toml(case["path"])) as source:
+        for step in (0, STEPS - 1):
+            batch, want = source.batch(step), case["batches"][step]
+            for world in range(1, B + 1):
+                parts = [batch.slice(r, world) for r in range(world)]
+                check_rows(case, step, *joined(parts), f"GlobalBatchSource slices W={world}")
+                for r, part in enumerate(parts):
+                    lo, hi = r * B // world, (r + 1) * B // world
+                    assert np.array_equal(part.tokens, want.tokens[lo:hi]), (step, r, world)
+
+
 # ---------------------------------------------------------------------- the service
 @pytest.fixture(scope="module")
 def service(case, ray_cluster, tmp_path_factory):
@@ -150,9 +168,8 @@ def service(case, ray_cluster, tmp_path_factory):
 
 def test_service_two_producers_slices_joined(case, service):
     for step in range(STEPS):
-        for world in (2, 4):
+        for world in (2, 3, 4) if step else range(1, case["recipe"].rows + 1):  # step 0: every W up to B
             parts = [service.slice(step, rank, world, track=False) for rank in range(world)]
-            assert [(p.step, p.rank, p.world) for p in parts] == [(step, r, world) for r in range(world)]
             check_rows(case, step, *joined(parts), f"DataService slices W={world}")
         batch = service.batch(step)
         check_rows(case, step, batch.tokens, batch.positions, "DataService.batch")
@@ -183,7 +200,7 @@ def test_materialized_dataset(case, materialized):
             batch = source.batch(step)
             check_rows(case, step, batch.tokens, batch.positions, "MaterializedSource.batch")
             check_sources(case, step, batch.source_tokens, "MaterializedSource.batch")
-            for world in (2, 4):
+            for world in (2, 3, 4):
                 check_rows(case, step, *joined(source.slice(step, r, world) for r in range(world)),
                            f"MaterializedSource slices W={world}")
 

@@ -41,13 +41,12 @@ def test_configure_hands_each_rank_its_shard_at_every_world_size():
         assert len(shards) == world
         assert [(s["train"].rank, s["train"].world) for s in shards] == [(r, world) for r in range(world)]
         assert shards[0]["train"].microbatches_per_step == 1  # local_batch_size 0: one microbatch per step
-    assert dataset.aggregate_store == "torch://"  # local mode aggregates through Ray Train's own TCPStore
 
 
 @pytest.mark.parametrize("world, local_batch_size, message", [
-    (5, 0, "5 workers do not divide the global batch of 24 rows"),
+    (5, 0, "local mode needs the worker count to divide the recipe's 12 lanes, got 5 workers"),
     (8, 0, "divide the recipe's 12 lanes, got 8 workers"),
-    (2, 5, "local_batch_size 5 does not divide a rank's 12 rows"),
+    (2, 5, "local_batch_size 5 does not divide every reader's share of the recipe's global batch of 24 rows"),
 ])
 def test_configure_refuses_a_world_that_cannot_be_served(world, local_batch_size, message):
     config = ZephonDataConfig(run_id="r", local_batch_size=local_batch_size)

@@ -295,8 +295,8 @@ def test_clean_errors(ray_cluster, tiny_recipe, long_reference, tmp_path):
     try:
         with pytest.raises(ServiceError, match="already runs"):
             _start(tiny_recipe, tmp_path, "errors")
-        with pytest.raises(ValueError, match="does not divide the global batch of 16 rows") as info:
-            svc.slice(0, 0, 3)
+        with pytest.raises(ValueError, match="a world of 17 ranks exceeds the global batch of 16 rows") as info:
+            svc.slice(0, 0, 17)
         with pytest.raises(ValueError, match="step must be a non-negative integer") as info:
             svc.batch(-1)
         assert "Traceback" not in str(info.value) and "Ray" not in type(info.value).__name__

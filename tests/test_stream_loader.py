@@ -2,8 +2,9 @@
 reader count W changing at every resume, and its bad-input refusals.
 
 One run of 10 steps of recipes/tiny.toml (L = 8 lanes, B = 16 rows), resumed five times from a JSON round trip of
-the loader state: local W=2 -> service W=4 -> dataset W=8 -> service W=1 -> local W=4 -> dataset W=2 (local ->
-service -> dataset and back). Every step's global batch, joined from the readers' slices in rank order, must equal
+the loader state: local W=2 -> service W=3 -> dataset W=5 (padded to equal shapes) -> service W=1 -> local W=4 ->
+dataset W=2 (local -> service -> dataset and back; 3 and 5 do not divide B, so those readers hold 5 or 6 and 3 or 4
+rows). Every step's global batch, joined from the readers' slices in rank order, must equal
 the committed golden digests of tests/golden/tiny.json (made by the independent oracle, tests/oracle.py; steps 0-5)
 and the session's in-process reference (steps 0-9; itself checked against the goldens by
 tests/test_oracle.py::test_the_session_reference_is_golden), and every reader's state must be identical at every
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from zephon_ray import compute_digest
 
@@ -26,8 +28,9 @@ TINY = str(ROOT / "recipes" / "tiny.toml")
 GOLDEN = {int(k): v for k, v in json.loads((ROOT / "tests" / "golden" / "tiny.json").read_text())["digests"].items()}
 STEPS = 10
 # (mode, W, steps this segment trains)
-SCHEDULE = (("local", 2, 2), ("service", 4, 2), ("dataset", 8, 2), ("service", 1, 1), ("local", 4, 2),
+SCHEDULE = (("local", 2, 2), ("service", 3, 2), ("dataset", 5, 2), ("service", 1, 1), ("local", 4, 2),
             ("dataset", 2, 1))
+PADDED = {("dataset", 5)}  # segments that pad every reader's slice to ceil(16/W) rows
 STATE_KEYS = {"version", "run_id", "fingerprint", "next_step", "zephon", "replayed_steps"}
 
 
@@ -47,10 +50,10 @@ def sources(ray_cluster, tiny_recipe, tmp_path_factory):
         service.stop()
 
 
-def _config(mode: str, sources: dict, segment: int):
+def _config(mode: str, sources: dict, segment: int, pad: bool = False):
     from zephon_ray.stream.loader import LoaderConfig
 
-    kw: dict = {"recipe": TINY, "mode": mode, "run_id": "modes"}
+    kw: dict = {"recipe": TINY, "mode": mode, "run_id": "modes", "pad_slices": pad}
     if mode == "local":
         kw.update(aggregate_dir=str(sources["work"] / f"aggregate-{segment}"), checkpoint_every=1)
     elif mode == "service":
@@ -65,7 +68,8 @@ def _segment(config, world: int, state: dict | None, steps: int) -> tuple[list, 
     each, then take their states; returns the per-step slices in rank order and the states."""
     from zephon_ray.stream.loader import Loader
 
-    loaders = [Loader(config, rank=r, world=world, local_batch_size=16 // world) for r in range(world)]
+    lbs = 16 // world if 16 % world == 0 else 0  # 0: one microbatch of the reader's rows (5 or 6 at W=3)
+    loaders = [Loader(config, rank=r, world=world, local_batch_size=lbs) for r in range(world)]
     slices: list[list] = [[] for _ in range(world)]
     states: list = [None] * world
     errors: list = []
@@ -78,7 +82,11 @@ def _segment(config, world: int, state: dict | None, steps: int) -> tuple[list, 
             it = iter(loader)
             for _ in range(steps):
                 batch = next(it)
-                assert batch.slice.step == batch.step and batch.slice.rank == r and batch.slice.world == world
+                rows = torch.cat([labels for _, labels in batch.microbatches])
+                # Padded to the same rows on every reader; the padding rows' labels are all ignored.
+                assert rows.shape[0] == (-(-16 // world) if config.pad_slices else batch.slice.num_rows)
+                assert (rows[batch.slice.num_rows:] == -100).all()
+                assert batch.global_valid_tokens == 16 * 64  # 'wrap' packing: every label of the 16 rows
                 slices[r].append(batch.slice)
             states[r] = loader.state_dict()
         except BaseException as exc:  # noqa: BLE001 - re-raised below
@@ -98,7 +106,7 @@ def test_modes_and_w_change_at_every_resume(sources, reference_digests):
     state = None
     seen: list[tuple[int, str, int]] = []
     for segment, (mode, world, steps) in enumerate(SCHEDULE):
-        per_step, states = _segment(_config(mode, sources, segment), world, state, steps)
+        per_step, states = _segment(_config(mode, sources, segment, (mode, world) in PADDED), world, state, steps)
         for parts in per_step:
             step = parts[0].step
             digest = compute_digest(np.concatenate([p.tokens for p in parts]),
@@ -129,7 +137,9 @@ def _loader(**kw):
     ({"rank": 1, "world": 1}, r"rank 1 is not in \[0, world=1\)"),
     ({"rank": "0"}, "rank must be an int, got '0'"),
     ({"local_batch_size": 2.5}, r"local_batch_size must be an int in \[0, .*\], got 2.5"),
-    ({"world": 3}, "3 readers do not divide the recipe's global batch of 16 rows"),
+    ({"world": 17, "rank": 0}, "a data-parallel degree of 17 does not fit the recipe's global batch of 16 rows"),
+    ({"world": 3}, "local mode needs the data-parallel degree to divide the recipe's 8 lanes, got 3"),
+    ({"world": 3, "local_batch_size": 2}, "local_batch_size 2 does not divide every reader's share"),
 ])
 def test_bad_reader_numbers_are_one_line(kw, message):
     with pytest.raises(ValueError, match=message) as info:

@@ -100,9 +100,14 @@ def test_seq_len_mismatch():
         _config().build(dp_world_size=1, dp_rank=0, seq_len=128, local_batch_size=4)
 
 
-def test_w_not_dividing_the_global_batch():
-    with pytest.raises(ValueError, match="does not divide the recipe's global batch of 16 rows"):
-        _config(mode="service").build(dp_world_size=3, dp_rank=0, seq_len=64, local_batch_size=1)
+def test_w_not_dividing_the_global_batch_is_padded_and_asks_for_the_padded_trainer_batch():
+    """dp 3 on B = 16: every rank is padded to 6 rows (labels ignored); the trainer's global batch must count them
+    (18 = 16 + 2 padding rows), and the error says exactly that; with it set, each rank takes 6 microbatches."""
+    with pytest.raises(ValueError, match=r"set training.global_batch_size = 18 = 16 rows \+ 2 padding rows"):
+        _config(mode="service", global_batch_size=16).build(dp_world_size=3, dp_rank=0, seq_len=64,
+                                                            local_batch_size=1)
+    with pytest.raises(ValueError, match="does not fit the recipe's global batch of 16 rows"):
+        _config(mode="service").build(dp_world_size=17, dp_rank=0, seq_len=64, local_batch_size=1)
 
 
 def test_local_mode_w_not_dividing_lanes(tmp_path):

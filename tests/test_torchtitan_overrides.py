@@ -64,8 +64,8 @@ def test_right_geometry_and_tokenizer_pass_and_reach_the_loader(tmp_path):
 
 
 def test_wrong_global_batch_is_one_line():
-    message = _one_line_error(_cli("--training.global_batch_size", "32"),
-                              "training.global_batch_size 32 differs from the recipe's global batch of 16 rows")
+    message = _one_line_error(_cli("--training.global_batch_size", "8"),
+                              "training.global_batch_size 8 is smaller than the recipe's global batch of 16 rows")
     assert "tiny.toml" in message and "set training.global_batch_size = 16" in message
 
 

@@ -31,7 +31,8 @@ LOSS_RE = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def torchtitan(nproc: int, steps: int, dump: Path, record: Path, *, checkpoint: bool) -> dict[int, float]:
+def torchtitan(nproc: int, steps: int, dump: Path, record: Path, *, checkpoint: bool,
+               env_extra: dict | None = None) -> dict[int, float]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "torchtitan.train", "--module", "titan_helpers", "--config", "zephon_llama3_debugmodel_cpu_recorded",
            "--training.steps", str(steps), "--dump_folder", str(dump)]
@@ -40,6 +41,7 @@ def torchtitan(nproc: int, steps: int, dump: Path, record: Path, *, checkpoint: 
     env = {**os.environ, "ZR_TEST_RECORD_DIR": str(record), "ZEPHON_RAY_RECIPE": str(TINY),
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     env.pop("ZEPHON_RAY_AGGREGATE_DIR", None)
+    env.update(env_extra or {})
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=dump.parent)
     out = ANSI_RE.sub("", proc.stdout + proc.stderr)
     assert proc.returncode == 0, out[-4000:]
@@ -104,7 +106,24 @@ def test_trainer_config_rejects_a_global_batch_or_seq_len_that_is_not_the_recipe
 
     config = zephon_llama3_debugmodel()
     assert config.training.global_batch_size == 16 and config.training.seq_len == 64
-    with pytest.raises(ValueError, match="training.global_batch_size 32 differs from the recipe's global batch of 16"):
-        replace(config, training=replace(config.training, global_batch_size=32))
+    with pytest.raises(ValueError, match="training.global_batch_size 8 is smaller than the recipe's global batch"):
+        replace(config, training=replace(config.training, global_batch_size=8))
     with pytest.raises(ValueError, match="training.seq_len 128 differs from the recipe's seq_len 64"):
         replace(config, training=replace(config.training, seq_len=128))
+
+
+@pytest.mark.slow  # ~40 s: a materialise and a 3-process torchrun
+def test_a_dp_degree_not_dividing_the_batch_trains_the_w1_losses(tmp_path, reference_digests):
+    """dp = 3 on B = 16 rows (dataset mode: local mode needs dp dividing the 8 lanes): ranks hold 5, 5 and 6 rows,
+    each padded to 6 with rows whose labels are all ignored, and the registry sets training.global_batch_size to
+    18. TorchTitan 0.3 divides each rank's summed loss by the all-reduced count of valid labels and sums the
+    gradients (FSDP's division off), so the real Trainer's losses are the W=1 run's as they are: no hook needed."""
+    directory = tmp_path / "materialized"
+    made = subprocess.run([sys.executable, "-m", "zephon_ray.cli", "materialize", str(TINY), "--steps", f"0:{STEPS}",
+                           "--out", str(directory)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert made.returncode == 0, made.stderr[-3000:]
+    losses = torchtitan(3, STEPS, tmp_path / "dump", tmp_path / "record", checkpoint=False,
+                        env_extra={"ZEPHON_RAY_MODE": "dataset", "ZEPHON_RAY_DATASET_DIR": str(directory)})
+    check_run(losses, recorded_digests(tmp_path / "record"), reference_digests)
+    rows = sorted(np.load(p)["tokens"].shape[0] for p in (tmp_path / "record").glob("step-000000-rank-*-of-003.npz"))
+    assert rows == [5, 5, 6]  # the real rows only: the padding never enters the recorded slices or a digest

@@ -116,7 +116,8 @@ def test_a_commit_counts_its_own_reads_after_a_release():
         w.commit(5, "job", read=3)
 
 
-@pytest.mark.parametrize("rank, world, words", [(2, 2, r"rank=2 is outside \[0, 2\)"), (0, 3, "world=3 must divide"),
+@pytest.mark.parametrize("rank, world, words", [(2, 2, r"rank=2 is outside \[0, 2\)"),
+                                                (0, 17, r"world=17 must be in \[1, 16\]"),
                                                 (-1, 4, "rank=-1"), (0, 32, "world=32"), (0, True, "world must be")])
 def test_rank_and_world_are_validated(rank, world, words):
     with pytest.raises(ValueError, match=words):

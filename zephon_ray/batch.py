@@ -44,13 +44,37 @@ def compute_digest(tokens: np.ndarray, positions: np.ndarray) -> str:
 
 
 def slice_bounds(rows: int, rank: int, world: int) -> tuple[int, int]:
-    """Rank r of W reads the contiguous rows [r*B/W, (r+1)*B/W); B % W must be 0."""
-    if world < 1 or not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in a world of {world}")
-    if rows % world:
-        raise ValueError(f"a world of {world} ranks does not divide the global batch of {rows} rows")
-    per = rows // world
-    return rank * per, (rank + 1) * per
+    """Rank r of W reads the contiguous rows ``[floor(r*B/W), floor((r+1)*B/W))`` of a B-row global batch.
+
+    A pure function of (B, W, r) for any ``1 <= W <= B``: the W ranges, in rank order, tile ``[0, B)`` exactly, and
+    their sizes differ by at most one row (``floor(B/W)`` or ``ceil(B/W)``). When W divides B every rank has B/W rows,
+    the same split as before uneven slices existed, so no digest, golden, materialised run or loader state changes.
+    W > B is refused: a rank would get no rows (``tests/test_batch.py``)."""
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be an int >= 1, got {world!r}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
+        raise ValueError(f"rank {rank!r} is not in a world of {world}")
+    if world > rows:
+        raise ValueError(f"a world of {world} ranks exceeds the global batch of {rows} rows: a rank would get no rows "
+                         f"(use at most {rows} readers)")
+    return rank * rows // world, (rank + 1) * rows // world
+
+
+def padded_rows(rows: int, world: int, local_batch_size: int = 1) -> int:
+    """Rows every rank holds when slices are padded to equal shapes: ``ceil(B/W)``, rounded up to a multiple of
+    ``local_batch_size`` so that every rank cuts the same number of whole microbatches."""
+    if world < 1 or local_batch_size < 1:
+        raise ValueError(f"world {world} and local_batch_size {local_batch_size} must be >= 1")
+    most = -(-rows // world)
+    return -(-most // local_batch_size) * local_batch_size
+
+
+def valid_tokens(tokens: np.ndarray, pad_token_id: int | None) -> int:
+    """Labels of these rows that reach the loss: ``row[1:]`` per row, less those equal to the pad id (if any)."""
+    labels = tokens[:, 1:]
+    if pad_token_id is None:
+        return int(labels.size)
+    return int(labels.size - np.count_nonzero(labels == pad_token_id))
 
 
 @dataclass(frozen=True)
@@ -77,7 +101,13 @@ def lane_span(lanes: int, rows_per_lane: int, rank: int, world: int) -> LaneSpan
 
 @dataclass(frozen=True)
 class RankSlice:
-    """One rank's rows of a step, as TorchTitan tensors: ``input``/``labels``/``positions`` are [rows, seq_len]."""
+    """One rank's rows of a step, as TorchTitan tensors: ``input``/``labels``/``positions`` are [rows, seq_len].
+
+    ``tokens``/``positions`` hold the real rows only (``slice_bounds``); padding rows, when a trainer asks for equal
+    shapes, are added by :meth:`microbatches` and never enter a digest. ``global_valid_tokens`` is the number of
+    labels of the whole global batch that reach the loss, when the source knows it without another read
+    (``zephon_ray.source.fixed_valid_tokens``; a materialised step counts it from the rows it reads anyway), else
+    None."""
 
     step: int
     rank: int
@@ -85,10 +115,11 @@ class RankSlice:
     tokens: np.ndarray
     positions: np.ndarray
     pad_token_id: int | None = None
+    global_valid_tokens: int | None = None
 
     @classmethod
     def from_lanes(cls, step: int, rank: int, world: int, span: LaneSpan, shards: list,
-                   pad_token_id: int | None = None) -> "RankSlice":
+                   pad_token_id: int | None = None, global_valid_tokens: int | None = None) -> "RankSlice":
         """Rank r's slice from the lane shards of ``span.lanes`` (in lane order; each has ``tokens`` and
         ``positions`` arrays). The one place a slice is cut from lanes: the service client and local mode use it,
         and ``GlobalBatch.slice`` cuts the same rows from the assembled batch (``tests/test_batch.py``)."""
@@ -97,32 +128,54 @@ class RankSlice:
                              f"{span.first}..{span.stop - 1}, got {len(shards)} shards")
         if len(shards) == 1:  # one lane (or part of one): a zero-copy view
             tokens, positions = shards[0].tokens[span.lo:span.hi], shards[0].positions[span.lo:span.hi]
-        else:
-            tokens = np.concatenate([s.tokens for s in shards])[span.lo:span.hi]
-            positions = np.concatenate([s.positions for s in shards])[span.lo:span.hi]
+        else:  # the rank's rows of its first and last lane, whole lanes between: one copy of exactly its rows
+            per = shards[0].tokens.shape[0]
+            parts = [(max(span.lo - i * per, 0), min(span.hi - i * per, per)) for i in range(len(shards))]
+            tokens = np.concatenate([s.tokens[a:b] for s, (a, b) in zip(shards, parts)])
+            positions = np.concatenate([s.positions[a:b] for s, (a, b) in zip(shards, parts)])
             tokens.setflags(write=False)
             positions.setflags(write=False)
-        return cls(step, rank, world, tokens, positions, pad_token_id)
+        return cls(step, rank, world, tokens, positions, pad_token_id, global_valid_tokens)
 
     @property
     def num_rows(self) -> int:
         return int(self.tokens.shape[0])
 
-    def microbatches(self, local_batch_size: int) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        """Yield ``({"input", "positions"}, labels)`` of ``local_batch_size`` rows each, in row order."""
+    @property
+    def valid_tokens(self) -> int:
+        """This rank's labels that reach the loss (padding rows added by :meth:`microbatches` count none)."""
+        return valid_tokens(self.tokens, self.pad_token_id)
+
+    def microbatches(self, local_batch_size: int, *, pad_to: int | None = None
+                     ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        """Yield ``({"input", "positions"}, labels)`` of ``local_batch_size`` rows each, in row order.
+
+        ``pad_to``: append rows up to that many (equal shapes on every rank, for torch.compile and CUDA graphs).
+        A padding row's labels are all ``IGNORE_INDEX``, so it never reaches a loss that ignores them (TorchTitan's,
+        ``cross_entropy(ignore_index=-100)``); its input is token 0 at positions 0..seq_len-1. The padding rows come
+        last, so the real rows keep their microbatches."""
         import torch  # here, not at module level: a node reader imports this module and never needs torch
-        if local_batch_size < 1 or self.num_rows % local_batch_size:
+        rows = self.num_rows if pad_to is None else pad_to
+        if rows < self.num_rows:
+            raise ValueError(f"pad_to {pad_to} is less than this rank's {self.num_rows} rows (step {self.step}, "
+                             f"rank {self.rank} of {self.world})")
+        if local_batch_size < 1 or rows % local_batch_size:
             raise ValueError(
-                f"local_batch_size {local_batch_size} does not divide this rank's {self.num_rows} rows "
+                f"local_batch_size {local_batch_size} does not divide this rank's {rows} rows "
                 f"(step {self.step}, rank {self.rank} of {self.world})"
             )
         # astype copies into fresh, writable int64 memory: the stored rows are read-only and shared.
         tokens = torch.from_numpy(self.tokens.astype(np.int64))
         positions = torch.from_numpy(self.positions.astype(np.int64))
+        if rows > self.num_rows:
+            extra, width = rows - self.num_rows, self.tokens.shape[1]
+            tokens = torch.cat([tokens, torch.zeros((extra, width), dtype=torch.int64)])
+            positions = torch.cat([positions, torch.arange(width, dtype=torch.int64).repeat(extra, 1)])
         labels = tokens[:, 1:].clone()
         if self.pad_token_id is not None:
             labels[labels == self.pad_token_id] = IGNORE_INDEX
-        for start in range(0, self.num_rows, local_batch_size):
+        labels[self.num_rows:] = IGNORE_INDEX
+        for start in range(0, rows, local_batch_size):
             end = start + local_batch_size
             yield {"input": tokens[start:end, :-1], "positions": positions[start:end, :-1]}, labels[start:end]
 
@@ -155,9 +208,15 @@ class GlobalBatch:
     def digest(self) -> str:
         return self._digest or compute_digest(self.tokens, self.positions)
 
+    @cached_property
+    def valid_tokens(self) -> int:
+        """Labels of the whole batch that reach the loss: the denominator of the global mean token loss."""
+        return valid_tokens(self.tokens, self.pad_token_id)
+
     def slice(self, rank: int, world: int) -> RankSlice:
         lo, hi = slice_bounds(self.num_rows, rank, world)
-        return RankSlice(self.step, rank, world, self.tokens[lo:hi], self.positions[lo:hi], self.pad_token_id)
+        return RankSlice(self.step, rank, world, self.tokens[lo:hi], self.positions[lo:hi], self.pad_token_id,
+                         self.valid_tokens)
 
     def source_share(self) -> dict[str, float]:
         total = sum(self.source_tokens.values()) or 1

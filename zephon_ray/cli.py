@@ -144,11 +144,16 @@ def advance_with_progress(source, step: int) -> None:
 # ---------------------------------------------------------------------- validate / fingerprint / inspect
 def recipe_report(recipe: Recipe) -> dict:
     """Fingerprint and geometry: L, k, m, B, seq_len, tokens per step, and the data-parallel sizes W that work
-    (service/dataset: any W dividing B; local mode: W dividing L), and the torchft participant counts P per
-    replica-group dp degree (P * dp dividing B: zephon_ray.stream.ft.supported_participants)."""
+    (service/dataset: any W up to B, ``even_world_sizes`` those dividing B; local mode: W dividing L), the padding
+    rows per step that equal shapes cost at each W that does not divide B (``pad_slices``), and the torchft
+    participant counts P per replica-group dp degree (any P with P * dp <= B:
+    zephon_ray.stream.ft.supported_participants)."""
     from zephon_ray.stream.ft import supported_participants
+    from zephon_ray.stream.geometry import check_geometry
 
     B = recipe.global_batch_rows
+    padding = {w: check_geometry(recipe, global_batch_size=None, local_batch_size=0, dp_world_size=w, seq_len=None,
+                                 pad=True).padding_rows for w in range(1, B + 1) if B % w}
     return {
         "recipe": str(recipe.path) if recipe.path else None,
         "fingerprint": recipe.fingerprint,
@@ -158,9 +163,11 @@ def recipe_report(recipe: Recipe) -> dict:
         "global_batch_rows": B,
         "seq_len": recipe.seq_len,
         "tokens_per_step": recipe.tokens_per_step,
-        "world_sizes": [w for w in range(1, B + 1) if B % w == 0],
+        "world_sizes": list(range(1, B + 1)),
+        "even_world_sizes": [w for w in range(1, B + 1) if B % w == 0],
         "local_world_sizes": [w for w in range(1, recipe.lanes + 1) if recipe.lanes % w == 0],
-        "ft_participants": {dp: supported_participants(recipe, dp=dp) for dp in (1, 2, 4, 8) if B % dp == 0},
+        "padding_rows": padding,
+        "ft_participants": {dp: supported_participants(recipe, dp=dp) for dp in (1, 2, 4, 8) if dp <= B},
         "tokenizer": recipe.tokenizer,
         "packing": recipe.packing,
         "sources": {s.name: {"weight": s.weight, "format": s.format, "shards": len(s.shards),
@@ -189,9 +196,18 @@ def cmd_validate(args: argparse.Namespace) -> int:
           f"m={report['rows_per_microbatch']} rows = B={report['global_batch_rows']} rows of seq_len "
           f"{report['seq_len']}+1")
     print(f"tokens/step {report['tokens_per_step']}")
-    print(f"W (service) {' '.join(map(str, report['world_sizes']))}")
+    B = report["global_batch_rows"]
+    print(f"W (service) 1-{B}, any count up to B (dataset mode too); every rank gets B/W rows at W = "
+          f"{' '.join(map(str, report['even_world_sizes']))}")
     print(f"W (local)   {' '.join(map(str, report['local_world_sizes']))}")
-    print("P (torchft) " + "; ".join(f"dp={dp}: {' '.join(map(str, ps))}" for dp, ps in report["ft_participants"].items()))
+    shown = list(report["padding_rows"].items())[:12]
+    if shown:
+        more = " ..." if len(report["padding_rows"]) > len(shown) else ""
+        print("padding     rows per step for equal shapes (pad_slices) at W = " + ", ".join(
+            f"{w}: {rows} ({rows / B:.0%})" for w, rows in shown) + more)
+    print("P (torchft) " + "; ".join(f"dp={dp}: 1-{ps[-1]}" if ps == list(range(1, ps[-1] + 1)) else
+                                     f"dp={dp}: {' '.join(map(str, ps))}"
+                                     for dp, ps in report["ft_participants"].items() if ps))
     print(f"tokenizer   {report['tokenizer']}  packing {report['packing']}")
     for name, src in report["sources"].items():
         print(f"source      {name}: weight {src['weight']:g}, {src['shards']} {src['format']} shards, "

@@ -59,6 +59,12 @@ def pad_token_id(recipe: Recipe) -> int | None:
     return None if recipe.packing == "wrap" else build_tokenizer(recipe.tokenizer).pad_token_id
 
 
+def fixed_valid_tokens(recipe: Recipe) -> int | None:
+    """The global batch's valid-token count when it is the same at every step, with no read: B x seq_len for
+    'wrap' packing (no pad ids, every label counts). None for padding packers, whose count depends on the rows."""
+    return recipe.global_batch_rows * recipe.seq_len if recipe.packing == "wrap" else None
+
+
 class GlobalBatchSource:
     def __init__(
         self,

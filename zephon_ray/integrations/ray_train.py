@@ -30,22 +30,26 @@ Each shard runs the framework-free loader core (:class:`zephon_ray.stream.loader
 neither TorchTitan nor triton, so a plain Ray Train user installs neither (``tests/test_ray_train_quickstart.py``
 runs ``examples/ray_train_quickstart.py`` with both imports blocked).
 
-Guarantee: rank r of W yields, for every step s from its ``next_step`` on, rows ``[r*B/W, (r+1)*B/W)`` of global
-batch s (B rows), the rows ``GlobalBatchSource(recipe).batch(s)`` holds at those positions, cut into
-``local_batch_size``-row microbatches ``({"input", "positions"}, labels)``. :meth:`ZephonDatasetShard.state_dict`
-is the loader state ``{version, run_id, fingerprint, next_step, zephon, replayed_steps}`` of
-:mod:`zephon_ray.formats.loader_state` (every key always present; ``zephon`` is "" in service mode): JSON,
-identical on every rank, so one copy in a Ray Train checkpoint resumes any W with the same global batches.
-Shown by ``tests/test_ray_train_elastic.py`` (3 -> 2 workers, and 4 -> 2 -> 3 in the slow set: every step's
-digest gathered from the ranks' slices equals ``GlobalBatchSource``'s, and every loss the W=1 reference; a worker
-killed mid-run replays identical steps), ``tests/test_ray_train_quickstart.py`` (the quickstart, 1 -> 2 workers,
-final weights equal the in-process reference), ``tests/test_ray_train_inplace_resize.py`` (slow: an elastic 2 -> 4
-resize inside one ``fit()``) and ``tests/test_ray_train.py`` (configure at W = 1..12, refusals, save/restore of a
+Guarantee: rank r of any W in [1, B] yields, for every step s from its ``next_step`` on, rows ``[floor(r*B/W),
+floor((r+1)*B/W))`` of global batch s (B rows), the rows ``GlobalBatchSource(recipe).batch(s)`` holds at those
+positions, cut into ``local_batch_size``-row microbatches ``({"input", "positions"}, labels)`` (padded to equal shapes
+with ``ZephonDataConfig(pad_slices=True)``; :mod:`zephon_ray.stream.geometry`). So an elastic run resumes at whatever
+worker count the cluster has, 56 of 64 included. Scale each rank's summed token loss by ``batch.loss_scale()`` and DDP's
+averaging all-reduce gives the fixed-W gradient at any W. :meth:`ZephonDatasetShard.state_dict` is the loader state
+``{version, run_id, fingerprint, next_step, zephon, replayed_steps}`` of :mod:`zephon_ray.formats.loader_state` (every
+key always present; ``zephon`` is "" in service mode): JSON, identical on every rank, so one copy in a Ray Train
+checkpoint resumes any W with the same global batches. Shown by ``tests/test_ray_train_elastic.py`` (3 -> 5 workers on
+24 rows, and 4 -> 2 -> 3 in the slow set: every step's digest gathered from the ranks' slices equals the committed
+goldens, and every loss the W=1 reference; a worker killed mid-run replays identical steps; a multi-node elastic run
+that loses a node resumes at the odd worker count), ``tests/test_ray_train_quickstart.py`` (the quickstart, 1 -> 2
+workers, final weights equal the in-process reference), ``tests/test_ray_train_inplace_resize.py`` (slow: an elastic 2
+-> 4 resize inside one ``fit()``) and ``tests/test_ray_train.py`` (configure at W = 1..12, refusals, save/restore of a
 shard).
 
 Limits:
 
-* W must divide B (service mode) or the recipe's lanes L (local mode), and ``local_batch_size * W`` must divide B;
+* W must be at most B (service mode) or divide the recipe's lanes L (local mode: each worker runs Zephon for whole
+  lanes), and ``local_batch_size`` must divide every rank's rows unless slices are padded;
   :meth:`~ZephonDataConfig.configure` refuses anything else, naming the dataset and the numbers.
 * State exists only at step boundaries, and a shard's state is whatever it has yielded: take it after the step
   is trained. In local mode :meth:`~ZephonDatasetShard.state_dict` is collective (every rank calls it at the same
@@ -69,6 +73,7 @@ from ray.train import DataConfig
 
 from zephon_ray import files
 from zephon_ray.recipe import Recipe
+from zephon_ray.stream.geometry import StepShape, check_geometry
 from zephon_ray.stream.loader import Loader, LoaderConfig, StepBatch
 
 __all__ = ["Microbatch", "StepBatch", "ZephonDataConfig", "ZephonDataset", "ZephonDatasetShard", "STATE_FILE"]
@@ -119,23 +124,20 @@ class ZephonDataset:
             aggregate_store = aggregate_store or "torch://"
         self.aggregate_store, self.aggregate_dir = aggregate_store, aggregate_dir
 
-    def check_world(self, world: int, local_batch_size: int, *, name: str) -> int:
-        """Rows per microbatch for a W-worker group (0 asks for one microbatch per step); raises ValueError."""
+    def check_world(self, world: int, local_batch_size: int, *, name: str, pad: bool = False) -> StepShape:
+        """How a W-worker group cuts its steps (``local_batch_size`` 0: one microbatch per step); raises
+        ValueError naming the dataset and the numbers."""
         B, L = self.recipe.global_batch_rows, self.recipe.lanes
         where = f"dataset {name!r} ({self.recipe.describe()}, {self.mode} mode)"
-        if world < 1:
-            raise ValueError(f"{where}: world size must be >= 1, got {world}")
-        if B % world:
-            raise ValueError(f"{where}: {world} workers do not divide the global batch of {B} rows")
-        if self.mode == "local" and L % world:
+        if self.mode == "local" and world >= 1 and L % world:
             raise ValueError(f"{where}: local mode needs the worker count to divide the recipe's {L} lanes, got "
-                             f"{world} workers; read from a DataService (any W dividing B={B}) or use a W dividing "
-                             f"{L}")
-        lbs = local_batch_size or B // world
-        if (B // world) % lbs:
-            raise ValueError(f"{where}: local_batch_size {lbs} does not divide a rank's {B // world} rows "
-                             f"(B={B}, W={world})")
-        return lbs
+                             f"{world} workers (each runs Zephon for whole lanes); read from a DataService (any W up "
+                             f"to B={B}) or use a W dividing {L}")
+        try:
+            return check_geometry(self.recipe, global_batch_size=None, local_batch_size=local_batch_size,
+                                  dp_world_size=world, seq_len=None, pad=pad)
+        except ValueError as exc:
+            raise ValueError(f"{where}: {exc}") from None
 
     def __repr__(self) -> str:
         where = f"service {self.service_name!r}" if self.mode == "service" else self.recipe_path
@@ -146,17 +148,21 @@ class ZephonDataConfig(DataConfig):
     """A Ray Train ``DataConfig`` handing each worker its :class:`ZephonDatasetShard` of a :class:`ZephonDataset`.
 
     ``run_id`` names the run: it is checked on resume and is the service consumer (one cursor for the whole
-    job). ``local_batch_size`` is rows per microbatch (0: one microbatch per step, B/W rows); ``prefetch`` steps
+    job). ``local_batch_size`` is rows per microbatch (0: one microbatch per step, the rank's rows); ``pad_slices`` pads
+    every rank's rows to the same count (rows whose labels are all ignored) when W does not divide B; ``prefetch`` steps
     are read ahead in a background thread; ``checkpoint_every`` (local mode) is how often Zephon checkpoints are
     taken: align it with the loop's checkpoint interval. Remaining keyword arguments go to Ray's ``DataConfig``
     and apply to plain Ray Data datasets of the same trainer. Validated here, when built.
     """
 
     def __init__(self, *, run_id: str = "ray-train", local_batch_size: int = 0, prefetch: int = 2,
-                 checkpoint_every: int = 0, **data_config: Any) -> None:
+                 checkpoint_every: int = 0, pad_slices: bool = False, **data_config: Any) -> None:
         super().__init__(**data_config)
         if not isinstance(run_id, str) or not run_id:
             raise ValueError(f"ZephonDataConfig: 'run_id' must be a non-empty string, got {run_id!r}")
+        if not isinstance(pad_slices, bool):
+            raise ValueError(f"ZephonDataConfig: 'pad_slices' must be True or False, got {pad_slices!r}")
+        self.pad_slices = pad_slices
         for key, value, low in (("local_batch_size", local_batch_size, 0), ("prefetch", prefetch, 1),
                                 ("checkpoint_every", checkpoint_every, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1_000_000:
@@ -173,11 +179,12 @@ class ZephonDataConfig(DataConfig):
         if others:
             output = super().configure(others, world_size, worker_handles, worker_node_ids, **kwargs)
         for name, dataset in zephon.items():
-            lbs = dataset.check_world(world_size, self.local_batch_size, name=name)
+            dataset.check_world(world_size, self.local_batch_size, name=name, pad=self.pad_slices)
             for rank in range(world_size):
                 output[rank][name] = ZephonDatasetShard(
-                    dataset, _ShardSettings(run_id=self.run_id, local_batch_size=lbs, prefetch=self.prefetch,
-                                            checkpoint_every=self.checkpoint_every),
+                    dataset, _ShardSettings(run_id=self.run_id, local_batch_size=self.local_batch_size,
+                                            prefetch=self.prefetch, checkpoint_every=self.checkpoint_every,
+                                            pad_slices=self.pad_slices),
                     rank=rank, world=world_size, name=name)
         return output
 
@@ -188,6 +195,7 @@ class _ShardSettings:
     local_batch_size: int
     prefetch: int
     checkpoint_every: int
+    pad_slices: bool = False
 
 
 class Microbatch(NamedTuple):
@@ -223,7 +231,8 @@ class ZephonDatasetShard:
                 if d.mode == "service" else {}
             config = LoaderConfig(recipe=d.recipe_path, mode=d.mode, run_id=s.run_id,
                                   aggregate_store=d.aggregate_store, aggregate_dir=d.aggregate_dir,
-                                  prefetch=s.prefetch, checkpoint_every=s.checkpoint_every, **extra)
+                                  prefetch=s.prefetch, checkpoint_every=s.checkpoint_every,
+                                  pad_slices=s.pad_slices, **extra)
             self._loader = Loader(config, rank=self.rank, world=self.world, local_batch_size=s.local_batch_size,
                                   recipe=d.recipe)
         return self._loader
@@ -239,7 +248,10 @@ class ZephonDatasetShard:
 
     @property
     def microbatches_per_step(self) -> int:
-        return self.recipe.global_batch_rows // (self.world * self.settings.local_batch_size)
+        """This rank's microbatches per step (ranks of a W that does not divide B differ unless padded)."""
+        s = self.settings
+        return self.dataset.check_world(self.world, s.local_batch_size, name=self.name,
+                                        pad=s.pad_slices).microbatches(self.rank)
 
     # ------------------------------------------------------------------ iteration
     def iter_steps(self, until: int | None = None, *, device: Any = None) -> Iterator[StepBatch]:

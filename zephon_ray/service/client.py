@@ -74,7 +74,7 @@ from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, READ_PATH
 from zephon_ray.service.errors import ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError
 from zephon_ray.service.protocol import (
     KEY_KEEP_FROM, KEY_STEPS, REPLAYED, HeldStep, check_reader, expand, only_lanes)
-from zephon_ray.source import assemble, pad_token_id
+from zephon_ray.source import assemble, fixed_valid_tokens, pad_token_id
 
 _LOST = (ObjectLostError, OwnerDiedError, ObjectFetchTimedOutError)
 
@@ -164,7 +164,8 @@ class StepRefs:
 
     def slice(self, rank: int, world: int) -> RankSlice:
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, rank, world)
-        return RankSlice.from_lanes(self.step, rank, world, span, self._fetch(span.lanes), self.pad_token_id)
+        return RankSlice.from_lanes(self.step, rank, world, span, self._fetch(span.lanes), self.pad_token_id,
+                                    fixed_valid_tokens(self.recipe))
 
 
 def _reader_key(rank: int | None, world: int | None) -> tuple[int, int]:

@@ -73,8 +73,8 @@ def check_reader(rank: Any, world: Any, rows: int) -> tuple[int, int]:
     for key, value in (("rank", rank), ("world", world)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise ValueError(f"{key} must be an integer, got {value!r}")
-    if not 1 <= world <= rows or rows % world:
-        raise ValueError(f"world={world} must divide the global batch of {rows} rows")
+    if not 1 <= world <= rows:
+        raise ValueError(f"world={world} must be in [1, {rows}] (the global batch's rows: every rank needs one)")
     if not 0 <= rank < world:
         raise ValueError(f"rank={rank} is outside [0, {world})")
     return rank, world

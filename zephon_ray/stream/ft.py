@@ -9,15 +9,15 @@ are live now::
     loss(batch.microbatches).backward(); [manager.allreduce(p.grad).wait() for p in params]
     if manager.should_commit(): optimizer.step()   # a rejected step is served again by the next next()
 
-Guarantee: at each step, after the quorum, replica group p of the P live participants, rank r of its ``dp`` ranks,
-reads ``slice(s, p·dp + r, P·dp)`` of global batch ``s = manager.current_step()``: the P·dp slices joined in order
-are exactly the fixed-W run's global batch s, whatever P is, so every committed step trains on the same global
-batch (each group's share changes with P). A step that ``should_commit()`` rejects is asked for again (torchft does
-not advance ``current_step()``) and served again; a group that rejoins starts at ``current_step()`` with no data
+Guarantee: at each step, after the quorum, replica group p of the P live participants, rank r of its ``dp`` ranks, reads
+``slice(s, p·dp + r, P·dp)`` of global batch ``s = manager.current_step()``: the P·dp slices joined in order are exactly
+the fixed-W run's global batch s, whatever P is (P·dp need not divide B), so every committed step trains on the same
+global batch (each group's share changes with P). A step that ``should_commit()`` rejects is asked for again (torchft
+does not advance ``current_step()``) and served again; a group that rejoins starts at ``current_step()`` with no data
 checkpoint: the step is the state, and the model comes from a peer, as torchft heals it. Shown by
-``examples/torchft_churn.py`` (3 replica groups as processes, SIGKILL kills and rejoins: every committed step's
-global digest equals the reference, final weights equal the failure-free run's) and ``tests/test_ft.py`` (one kill
-and one rejoin in the default suite).
+``examples/torchft_churn.py`` (3 replica groups as processes, SIGKILL kills and rejoins: every committed step's global
+digest equals the reference, final weights equal the failure-free run's) and ``tests/test_ft.py`` (one kill and one
+rejoin in the default suite).
 
 Prefetch assumes the membership stays as it is: one prefetch thread (:mod:`zephon_ray.stream.prefetch`) reads the
 next ``depth`` steps at the current (rank, world); when the quorum changes the membership, the source for the new
@@ -32,27 +32,32 @@ would need a collective Zephon checkpoint and a restore that replays the lanes' 
 to divide L (not only B), and a group that dies takes its lanes' state since the last collective checkpoint with
 it. That is restart-based elasticity (Ray Train's path), not per-step.
 
-Loss weighting: with equal slices (no padding, no loss mask) every group's mean loss averages the same number of
-tokens, so the mean over groups of their mean gradients (``manager.allreduce``'s default AVG) is the global batch's
-mean gradient. Padding packers (``packing`` other than ``"wrap"``, whose pad labels are masked) and loss masks make
-the groups' token counts differ, and the mean of means is then biased. The fix: each group backpropagates its
-*summed* token loss, then all-reduces the gradients and its valid-token count with ``ReduceOp.SUM`` through
-``manager.allreduce`` and divides by the global count (:func:`token_weighted`; ``tests/test_ft.py`` shows both).
+Loss weighting: groups hold different row counts when P·dp does not divide B, and padding packers (``packing``
+other than ``"wrap"``, whose pad labels are masked) and loss masks make token counts differ anyway, so the mean over
+groups of their mean gradients (``manager.allreduce``'s default AVG) is biased. Two exact ways: scale each group's
+*summed* token loss by ``batch.loss_scale()`` (``P·dp / N`` for N global valid tokens, which the batch carries:
+the AVG all-reduce then yields the global mean), or backpropagate the summed loss and all-reduce the gradients and
+the valid-token count with ``ReduceOp.SUM`` (:func:`token_weighted`; ``tests/test_ft.py`` shows both).
 
-Limits: B must divide by every P·dp that can occur (:func:`supported_participants`; ``zephon-ray validate`` lists
-them); a quorum outside that list raises :class:`FtMembershipError`, one line, before the step runs. A group that is
-not participating (healing under ``use_async_quorum=True``) gets None (or, asked for a placeholder, participant 0's
-rows, whose gradients torchft zeroes): it trains nothing at that step.
+Limits: at most B readers (P·dp <= B); a quorum beyond that, or one whose rows cannot be cut into the trainer's
+microbatches, raises :class:`FtMembershipError`, one line, before the step runs (:func:`supported_participants`;
+``zephon-ray validate`` lists the counts and the padding each costs). With ``microbatches`` (a trainer's fixed
+gradient accumulation) or ``pad_slices``, each group's rows are padded to equal shapes (rows whose labels are all
+ignored, never in a digest). A group that is not participating (healing under ``use_async_quorum=True``) gets None
+(or, asked for a placeholder, participant 0's rows, whose gradients torchft zeroes): it trains nothing at that
+step.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from dataclasses import replace
 from typing import Any
 
+from zephon_ray.batch import padded_rows
 from zephon_ray.recipe import Recipe
-from zephon_ray.stream.geometry import check_int
+from zephon_ray.stream.geometry import StepShape, check_geometry, check_int
 from zephon_ray.stream.loader import GET_TIMEOUT_S, LoaderConfig, StepBatch
 from zephon_ray.stream.prefetch import PrefetchedSlices
 from zephon_ray.stream.protocol import source_state
@@ -65,26 +70,39 @@ class FtMembershipError(ValueError):
     """The quorum's participant count cannot share the global batch; raised before the step runs."""
 
 
-def supported_participants(recipe: Recipe, *, dp: int = 1, local_batch_size: int = 0,
-                           microbatches: int = 0) -> list[int]:
-    """The participant counts P for which P·dp readers split the recipe's B rows evenly (and, with a
-    ``local_batch_size``, into whole trainer microbatches of that many rows; with ``microbatches``, into that many
-    equal microbatches)."""
-    B = recipe.global_batch_rows
+def ft_shape(recipe: Recipe, participants: int, *, dp: int = 1, local_batch_size: int = 0, microbatches: int = 0,
+             pad: bool = False) -> StepShape:
+    """How P = ``participants`` groups of ``dp`` readers cut a step; :class:`~zephon_ray.stream.geometry.
+    TrainerMismatchError` (a ValueError) when they cannot. With ``microbatches`` (a fixed count per step) every
+    reader's rows are padded to that many microbatches of ``ceil(ceil(B/(P·dp)) / microbatches)`` rows; with
+    ``local_batch_size`` and ``pad``, to a multiple of ``local_batch_size``."""
+    world = participants * dp
+    if not microbatches:
+        return check_geometry(recipe, global_batch_size=None, local_batch_size=local_batch_size,
+                              dp_world_size=world, seq_len=None, pad=pad)
+    shape = check_geometry(recipe, global_batch_size=None, local_batch_size=0, dp_world_size=world, seq_len=None)
+    rows = -(-padded_rows(recipe.global_batch_rows, world) // microbatches)
+    return replace(shape, local_batch_size=rows, padded_to=rows * microbatches)
+
+
+def supported_participants(recipe: Recipe, *, dp: int = 1, local_batch_size: int = 0, microbatches: int = 0,
+                           pad: bool = False) -> list[int]:
+    """The participant counts P for which P·dp readers can share the recipe's B rows: every P with P·dp <= B, less
+    those whose rows ``local_batch_size`` cannot cut without padding (see :func:`ft_shape`)."""
     out = []
-    for p in range(1, B // dp + 1):
-        if B % (p * dp):
-            continue
-        rows = B // (p * dp)
-        if (local_batch_size and rows % local_batch_size) or (microbatches and rows % microbatches):
+    for p in range(1, recipe.global_batch_rows // dp + 1):
+        try:
+            ft_shape(recipe, p, dp=dp, local_batch_size=local_batch_size, microbatches=microbatches, pad=pad)
+        except ValueError:
             continue
         out.append(p)
     return out
 
 
 def token_weighted(grads_summed: Any, tokens: Any, all_reduce_sum: Any) -> Any:
-    """The global mean gradient from per-group *summed* losses: all-reduce (SUM) each summed gradient and the
-    group's valid-token count, then divide. ``all_reduce_sum(tensor)`` reduces in place, e.g.
+    """The global mean gradient from per-group *summed* losses, whatever rows each group held (uneven slices,
+    padding rows, masks): all-reduce (SUM) each summed gradient and the group's valid-token count, then divide.
+    ``all_reduce_sum(tensor)`` reduces in place, e.g.
     ``lambda t: manager.allreduce(t, reduce_op=ReduceOp.SUM).wait()``. Returns the reduced gradients."""
     count = tokens.clone().double()
     all_reduce_sum(count)
@@ -125,12 +143,13 @@ class FtSlices:
         if self.local_batch_size and self.microbatches:
             raise ValueError("FtSlices: set at most one of 'local_batch_size' and 'microbatches'")
         self.recipe = recipe if recipe is not None else Recipe.from_toml(config.recipe)
+        self.pad = config.pad_slices
         self.supported = supported_participants(self.recipe, dp=self.dp, local_batch_size=self.local_batch_size,
-                                                microbatches=self.microbatches)
+                                                microbatches=self.microbatches, pad=self.pad)
         if not self.supported:
             raise ValueError(f"FtSlices: no participant count works for dp {dp} and local_batch_size "
                              f"{local_batch_size} with the recipe's global batch of {self.recipe.global_batch_rows} "
-                             f"rows ({self.recipe.describe()})")
+                             f"rows ({self.recipe.describe()}); set pad_slices = true")
         self._sources: OrderedDict[tuple[int, int], PrefetchedSlices] = OrderedDict()
         self._active: tuple[int, int] | None = None
         self._last: StepBatch | None = None
@@ -157,8 +176,8 @@ class FtSlices:
             raise FtMembershipError(
                 f"step {step}: a quorum of {participants} participants x dp {self.dp} = {participants * self.dp} "
                 f"readers cannot share the recipe's global batch of {self.recipe.global_batch_rows} rows "
-                f"({self.recipe.describe()}); it supports {self.supported} participants (zephon-ray validate); "
-                "the step was not run")
+                f"({self.recipe.describe()}); it supports {_ranges(self.supported)} participants (zephon-ray "
+                "validate); the step was not run")
         return step, int(p) * self.dp + self.dp_rank, participants * self.dp
 
     def next(self, timeout: float = GET_TIMEOUT_S, *, placeholder: bool = False) -> StepBatch | None:
@@ -173,7 +192,7 @@ class FtSlices:
             participants = int(self.manager.num_participants())
             if participants not in self.supported:
                 raise FtMembershipError(f"step {self.manager.current_step()}: a quorum of {participants} "
-                                        f"participants; this recipe supports {self.supported}")
+                                        f"participants; this recipe supports {_ranges(self.supported)}")
             key = (int(self.manager.current_step()), self.dp_rank, participants * self.dp)
         if key is None:
             self.check_seconds.append(time.perf_counter() - t0)
@@ -192,8 +211,9 @@ class FtSlices:
         else:
             source = self._source_for(rank, world, step)
         piece = source.next(timeout)
-        rows = self.local_batch_size or piece.num_rows // (self.microbatches or 1)
-        batch = StepBatch(step, piece, list(piece.microbatches(rows)))
+        shape = ft_shape(self.recipe, world // self.dp, dp=self.dp, local_batch_size=self.local_batch_size,
+                         microbatches=self.microbatches, pad=self.pad)
+        batch = StepBatch(step, piece, list(piece.microbatches(shape.microbatch_rows(rank), pad_to=shape.padded_to)))
         self._last, self._last_key = batch, key
         return batch
 
@@ -242,3 +262,15 @@ class FtSlices:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _ranges(counts: list[int]) -> str:
+    """``[1, 2, 3, 5]`` as ``"1-3, 5"``: a supported list can hold thousands of counts."""
+    out, start = [], None
+    for i, n in enumerate(counts):
+        if start is None:
+            start = n
+        if i + 1 == len(counts) or counts[i + 1] != n + 1:
+            out.append(str(start) if start == n else f"{start}-{n}")
+            start = None
+    return ", ".join(out) or "none"

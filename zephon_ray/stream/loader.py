@@ -11,13 +11,17 @@ microbatches, and keeps the loader state. TorchTitan's ``ZephonRayDataLoader`` a
         saved = loader.state_dict()        # at a step boundary: after the step was trained
     loader.close()
 
-Guarantee: for a recipe with B rows per global batch, reader r of W (W dividing B) yields, for every step s from
-its ``next_step`` on, ``batch.slice`` = rows ``[r*B/W, (r+1)*B/W)`` of global batch s, cut into
-``({"input", "positions"}, labels)`` microbatches of ``local_batch_size`` rows. The rows are the same from the data
-service (``mode="service"``), from an in-process Zephon lane group (``mode="local"``) and from a materialised
-directory (``mode="dataset"``), whatever W and mode were before a resume: concatenating every reader's slice in
-rank order gives the batch ``zephon-ray digest`` describes (``tests/test_stream_loader.py``: all three modes with W
-changing at each resume; ``tests/test_torchtitan_loader.py``; ``tests/test_ray_train_elastic.py``).
+Guarantee: for a recipe with B rows per global batch, reader r of any W in [1, B] yields, for every step s from its
+``next_step`` on, ``batch.slice`` = rows ``[floor(r*B/W), floor((r+1)*B/W))`` of global batch s, cut into ``({"input",
+"positions"}, labels)`` microbatches of ``local_batch_size`` rows (padded to equal shapes on every reader with
+``pad_slices``: rows whose labels are all ignored, never in a digest; :mod:`zephon_ray.stream.geometry`). Each
+:class:`StepBatch` carries the global batch's valid-token count when the source knows it without another read, and
+:meth:`StepBatch.loss_scale` turns a rank's summed token loss into the share of the global mean that makes the gradient
+all-reduce give the fixed-W gradient at any W (``tests/test_uneven_gradients.py``). The rows are the same from the data
+service (``mode="service"``), from an in-process Zephon lane group (``mode="local"``) and from a materialised directory
+(``mode="dataset"``), whatever W and mode were before a resume: concatenating every reader's slice in rank order gives
+the batch ``zephon-ray digest`` describes (``tests/test_stream_loader.py``: all three modes with W changing at each
+resume; ``tests/test_torchtitan_loader.py``; ``tests/test_ray_train_elastic.py``).
 
 State (:mod:`zephon_ray.formats.loader_state`, format v2) is ``{version, run_id, fingerprint, next_step, zephon,
 replayed_steps}``: every key always present (``zephon`` is "" when there is no Zephon checkpoint, which is always
@@ -31,13 +35,14 @@ its slice itself: the same rows.
 
 Limits, each rejected with a clear error rather than worked around:
 
-* W must divide B, ``local_batch_size * W`` must divide B, and when a trainer's global batch and seq_len are given
-  they must be the recipe's (:mod:`zephon_ray.stream.geometry`);
-* local mode needs W dividing L, and a distributed local-mode run needs a ``run_id`` and exactly one of
-  ``aggregate_store`` and ``aggregate_dir``. Its state carries the newest Zephon checkpoint at or before
-  ``next_step`` (taken every ``checkpoint_every`` steps); a resume between checkpoints, or from a state without
-  one, replays the steps in between: it logs a warning with the count, and ``stats`` / the state's
-  ``replayed_steps`` report it (``tests/test_torchtitan_loader.py::test_resume_without_a_zephon_checkpoint_warns_and_reports_the_replay``);
+* W must be at most B (a reader with no rows is refused); ``local_batch_size`` must divide every reader's rows,
+  or slices are padded; when a trainer's global batch and seq_len are given they must be the recipe's (plus the
+  padding rows when padded) (:mod:`zephon_ray.stream.geometry`);
+* local mode needs W dividing L (reader r runs Zephon for whole lanes: service and dataset mode serve any W), and
+  a distributed local-mode run needs a ``run_id`` and exactly one of ``aggregate_store`` and ``aggregate_dir``. Its
+  state carries the newest Zephon checkpoint at or before ``next_step`` (taken every ``checkpoint_every`` steps); a
+  resume between checkpoints, or from a state without one, replays the steps in between: it logs a warning with the
+  count, and ``stats`` / the state's ``replayed_steps`` report it (``tests/test_torchtitan_loader.py::test_resume_without_a_zephon_checkpoint_warns_and_reports_the_replay``);
 * the state describes what the loader has handed out: take it after the step was trained.
 
 Background threads are daemons; :meth:`close` (also run at garbage collection and interpreter exit) stops them and
@@ -115,6 +120,12 @@ class LoaderConfig:
     """Local mode: take a Zephon checkpoint every N steps (align it with the trainer's checkpoint interval);
     0: none (a resume then replays from the start, or from the checkpoint it was resumed from)."""
 
+    pad_slices: bool = False
+    """Pad every reader's slice to the same row count (``ceil(B/W)`` rounded up to a multiple of
+    ``local_batch_size``) with rows whose labels are all ignored: equal shapes and microbatch counts on every
+    reader when W does not divide B (fixed gradient accumulation, torch.compile, CUDA graphs). A no-op when W and
+    ``local_batch_size`` divide B evenly."""
+
     def __post_init__(self) -> None:
         where = "loader config"
         if not isinstance(self.recipe, str) or not self.recipe:
@@ -123,6 +134,8 @@ class LoaderConfig:
             raise ValueError(f"{where}: 'mode' must be one of {MODES}, got {self.mode!r}")
         check_int(f"{where}: 'prefetch'", self.prefetch, low=1, high=MAX_DEPTH)
         check_int(f"{where}: 'checkpoint_every'", self.checkpoint_every, low=0)
+        if not isinstance(self.pad_slices, bool):
+            raise ValueError(f"{where}: 'pad_slices' must be true or false, got {self.pad_slices!r}")
         if (self.mode == "dataset") != bool(self.dataset_dir):
             raise ValueError(f"{where}: 'dataset_dir' is required with mode='dataset' and only used by it "
                              f"(mode {self.mode!r}, dataset_dir {self.dataset_dir!r})")
@@ -152,14 +165,42 @@ class LoaderConfig:
             aggregate.check_store_reachable(store)
 
 
+LOSS_REDUCTIONS = ("mean", "sum")
+
+
 @dataclass(frozen=True)
 class StepBatch:
-    """Reader r's part of global step ``step``: its ``slice`` (a RankSlice) and ``microbatches`` (one optimizer
-    step's worth of ``({"input", "positions"}, labels)``)."""
+    """Reader r's part of global step ``step``: its ``slice`` (a RankSlice: the real rows only) and
+    ``microbatches`` (one optimizer step's worth of ``({"input", "positions"}, labels)``, padding rows included when
+    slices are padded)."""
 
     step: int
     slice: RankSlice
     microbatches: list
+
+    @property
+    def global_valid_tokens(self) -> int | None:
+        """Labels of the whole global batch that reach the loss (None: the source cannot know it without another
+        read; all-reduce the ranks' ``slice.valid_tokens`` instead, as TorchTitan does)."""
+        return self.slice.global_valid_tokens
+
+    def loss_scale(self, reduce: str = "mean") -> float:
+        """The factor for this rank's **summed** token loss (``cross_entropy(..., reduction="sum",
+        ignore_index=-100)`` over its microbatches) that makes the gradient all-reduce yield the global batch's mean
+        token gradient, at any W and with uneven or padded slices:
+
+        * ``"mean"``: the all-reduce averages over the W readers (DDP's default, FSDP's default): ``W / N``;
+        * ``"sum"``: it sums (TorchTitan 0.3 disables FSDP's division; torchft ``ReduceOp.SUM``): ``1 / N``;
+
+        where N is :attr:`global_valid_tokens`. Each rank's own mean loss averaged over ranks ("mean of means") is
+        not the global mean when ranks hold different row counts; this is (``tests/test_uneven_gradients.py``)."""
+        if reduce not in LOSS_REDUCTIONS:
+            raise ValueError(f"loss_scale: reduce must be one of {LOSS_REDUCTIONS}, got {reduce!r}")
+        count = self.global_valid_tokens
+        if not count:
+            raise ValueError(f"step {self.step}: the global valid-token count is not known to this source (a padding "
+                             "packer in local or service mode); all-reduce the ranks' slice.valid_tokens instead")
+        return (self.slice.world if reduce == "mean" else 1) / count
 
 
 class Loader:
@@ -181,18 +222,15 @@ class Loader:
         lbs = check_int("local_batch_size", local_batch_size, low=0)
         self.recipe = recipe if recipe is not None else Recipe.from_toml(config.recipe)
         B = self.recipe.global_batch_rows
-        if B % self.world:
-            raise ValueError(f"{self.world} readers do not divide the recipe's global batch of {B} rows "
-                             f"({self.recipe.describe()})")
-        self.local_batch_size = lbs or B // self.world
-        self.microbatches_per_step = check_geometry(self.recipe, global_batch_size=global_batch_size,
-                                                    local_batch_size=self.local_batch_size,
-                                                    dp_world_size=self.world, seq_len=seq_len)
+        self.shape = check_geometry(self.recipe, global_batch_size=global_batch_size, local_batch_size=lbs,
+                                    dp_world_size=self.world, seq_len=seq_len, pad=config.pad_slices)
+        self.local_batch_size = self.shape.microbatch_rows(self.rank)
+        self.microbatches_per_step = self.shape.microbatches(self.rank)
         if config.mode == "local" and self.recipe.lanes % self.world:
             raise ValueError(
                 f"recipe {self.recipe.describe()}: local mode needs the data-parallel degree to divide the recipe's "
-                f"{self.recipe.lanes} lanes, got {self.world}; use mode='service' (any W dividing B={B}) or a W "
-                f"dividing {self.recipe.lanes}")
+                f"{self.recipe.lanes} lanes, got {self.world} (each reader runs Zephon for whole lanes); mode="
+                f"'service' or 'dataset' serves any W up to B={B}")
         config.check_distributed_local(self.world)
         self.checkpoint_every = config.checkpoint_every if checkpoint_every is None else \
             check_int("checkpoint_every", checkpoint_every, low=0)
@@ -239,7 +277,7 @@ class Loader:
             step = self._next_step
             piece = self._take(step)
             self._next_step = step + 1
-            yield StepBatch(step, piece, list(piece.microbatches(self.local_batch_size)))
+            yield StepBatch(step, piece, list(piece.microbatches(self.local_batch_size, pad_to=self.shape.padded_to)))
 
     @property
     def _produces(self) -> bool:
@@ -260,12 +298,14 @@ class Loader:
         peers = self.peers
         if peers is None:
             return self._started_source(step).next(timeout=GET_TIMEOUT_S)
-        rows = self.recipe.global_batch_rows // self.world
-        shape = (rows, self.recipe.seq_len + 1)
+        shape = (self.shape.rows(self.rank), self.recipe.seq_len + 1)
         if not peers.is_leader:
             self._replay_started = True  # the leader's source started: keep the states identical
             tokens, positions = peers.share_slice(step, None, None, shape)
-            return RankSlice(step, self.rank, self.world, tokens, positions, self._pad_token_id())
+            from zephon_ray.source import fixed_valid_tokens, pad_token_id
+
+            return RankSlice(step, self.rank, self.world, tokens, positions, pad_token_id(self.recipe),
+                             fixed_valid_tokens(self.recipe))
         try:
             piece = self._started_source(step).next(timeout=GET_TIMEOUT_S)
         except BaseException as exc:
@@ -273,11 +313,6 @@ class Loader:
             raise
         peers.share_slice(step, piece.tokens, piece.positions, shape)
         return piece
-
-    def _pad_token_id(self) -> int | None:
-        from zephon_ray.source import pad_token_id
-
-        return pad_token_id(self.recipe)
 
     def _make_source(self) -> SliceSource:
         """The slice source of ``config.mode``; a new mode adds one branch here and one SliceSource class."""

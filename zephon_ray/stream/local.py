@@ -22,14 +22,15 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
-from zephon_ray.batch import RankSlice, lane_span
+from zephon_ray.batch import RankSlice, lane_span, valid_tokens
 from zephon_ray.identity import verify_on_node
 from zephon_ray.lanes import LaneStepper, StepStateError, check_step_state
 from zephon_ray.pipeline import LaneGroup
 from zephon_ray.recipe import Recipe
-from zephon_ray.source import pad_token_id
+from zephon_ray.source import fixed_valid_tokens, pad_token_id
 from zephon_ray.stream.prefetch import PrefetchedSlices
 
 _KEEP_CHECKPOINTS = 4
@@ -55,6 +56,7 @@ class LocalSlices(PrefetchedSlices):
         self.lane_group = lane_group
         self.checkpoint_every = checkpoint_every
         self._pad = pad_token_id(recipe)
+        self._valid = fixed_valid_tokens(recipe)
         self._cond = threading.Condition()
         self._checkpoints: OrderedDict[int, dict[str, Any] | None] = OrderedDict()
         self._producing = -1
@@ -143,8 +145,11 @@ class LocalSlices(PrefetchedSlices):
                 if sorted(shards) != list(span.lanes):  # Zephon's lane mapping must be the slicing's
                     raise StepStateError(f"step {s}: this Zephon lane group produced lanes {sorted(shards)}, but "
                                          f"reader {self.rank} of {self.world} reads lanes {list(span.lanes)}")
-                yield RankSlice.from_lanes(s, self.rank, self.world, span, [shards[l] for l in span.lanes],
-                                           self._pad)
+                piece = RankSlice.from_lanes(s, self.rank, self.world, span, [shards[l] for l in span.lanes],
+                                             self._pad, self._valid)
+                if self._valid is None and self.world == 1:  # a padding packer: this reader holds every row
+                    piece = replace(piece, global_valid_tokens=valid_tokens(piece.tokens, self._pad))
+                yield piece
                 self._set_producing(s + 1)
         finally:
             stepper.close(background=True)

@@ -90,7 +90,7 @@ class ServiceSlices(PrefetchedSlices):
                 part = self.service.refs(s, rank=self.rank, world=self.world, track=s == step).slice(
                     self.rank, self.world)
             yield RankSlice(s, self.rank, self.world, np.array(part.tokens), np.array(part.positions),
-                            part.pad_token_id)
+                            part.pad_token_id, part.global_valid_tokens)
             s += 1
 
     def close(self) -> None:

@@ -10,7 +10,8 @@ Environment knobs read when the config is built (each can also be changed throug
 TorchTitan fields it sets):
 
 * ``ZEPHON_RAY_RECIPE``: recipe TOML or packaged recipe name (default ``tiny``, packaged with the wheel);
-* ``ZEPHON_RAY_MODE``: ``local`` (default) or ``service``; ``ZEPHON_RAY_RUN_ID`` (default ``zephon-llama3-debug``);
+* ``ZEPHON_RAY_MODE``: ``local`` (default), ``service`` or ``dataset``; ``ZEPHON_RAY_RUN_ID`` (default
+  ``zephon-llama3-debug``); ``ZEPHON_RAY_DATASET_DIR``: the materialised directory of dataset mode;
 * ``ZEPHON_RAY_AGGREGATE_DIR``: aggregate local-mode checkpoints in a directory instead of ``torch://``;
 * ``ZEPHON_RAY_SERVICE`` / ``ZEPHON_RAY_NAMESPACE``: the data service's name and namespace.
 
@@ -37,6 +38,7 @@ from torchtitan.models.common.config_utils import decoder_vocab_size
 from torchtitan.models.llama3 import model_registry
 from torchtitan.trainer import Trainer
 
+from zephon_ray.batch import padded_rows
 from zephon_ray.integrations.torchtitan.loader import ZephonRayDataLoader
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import check_global_batch_setting, check_seq_len
@@ -80,6 +82,7 @@ def zephon_loader_config(recipe_path: str | Path | None = None, **overrides) -> 
         service_name=os.environ.get("ZEPHON_RAY_SERVICE", "zephon-ray"),
         service_namespace=os.environ.get("ZEPHON_RAY_NAMESPACE", "zephon-ray"),
         run_id=os.environ.get("ZEPHON_RAY_RUN_ID", DEFAULT_RUN_ID),
+        dataset_dir=os.environ.get("ZEPHON_RAY_DATASET_DIR"),
         aggregate_store="torch://",
     )
     kwargs.update(overrides)
@@ -94,7 +97,10 @@ def zephon_llama3_debugmodel() -> Trainer.Config:
     # loader itself takes the dp degree from TorchTitan's parallel dims and checks the geometry when built.
     world = int(os.environ.get("WORLD_SIZE", "1"))
     B = recipe.global_batch_rows
-    loader.global_batch_size = B
+    # At a dp degree that does not divide B the loader pads every rank to ceil(B/dp) rows (labels ignored), and the
+    # trainer's global batch counts the padding rows: one microbatch of one row each, ceil(B/dp) of them per rank.
+    trainer_batch = B if B % world == 0 else world * padded_rows(B, world)
+    loader.global_batch_size = trainer_batch
     model_spec = model_registry("debugmodel")
     return ZephonTrainerConfig(
         loss=ChunkedLossWrapper.Config(
@@ -107,7 +113,7 @@ def zephon_llama3_debugmodel() -> Trainer.Config:
                                                   min_lr_factor=0.0),
         training=TrainingConfig(
             local_batch_size=B // world if B % world == 0 else 1,
-            global_batch_size=B,
+            global_batch_size=trainer_batch,
             seq_len=recipe.seq_len,
             steps=10,
         ),

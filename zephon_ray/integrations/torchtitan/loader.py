@@ -6,11 +6,14 @@ the loader state, TP/PP/CP peers, the geometry checks). This adapter maps TorchT
 (:mod:`zephon_ray.integrations.torchtitan.trainer_checks`), yields the core's trainer microbatches one at a time,
 and refuses a checkpoint in the middle of a step (TorchTitan pulls every microbatch of a step before it saves).
 
-Guarantee (the core's): dp rank r of W yields, for every step s, the microbatches of rows ``[r*B/W, (r+1)*B/W)``
-of global batch s, whatever W, mode and resume history (``tests/test_torchtitan_loader.py``,
+Guarantee (the core's): dp rank r of any W in [1, B] yields, for every step s, the microbatches of rows ``[floor(r*B/W),
+floor((r+1)*B/W))`` of global batch s, padded to equal shapes on every rank when W does not divide B (rows whose labels
+are all ignored: TorchTitan's loss, normalised by the all-reduced valid-token count with gradients summed, is then the
+fixed-dp loss; set ``training.global_batch_size`` to the padded batch the error names, or -1 with ``local_batch_size =
+ceil(B/dp)``), whatever W, mode and resume history (``tests/test_torchtitan_loader.py``,
 ``tests/test_torchtitan_train.py`` with the real Trainer). Its ``state_dict`` is the loader state of
-:mod:`zephon_ray.formats.loader_state` (``{version, run_id, fingerprint, next_step, zephon, replayed_steps}``,
-every key always present), identical on every rank, so DCP stores it once and it loads at any W
+:mod:`zephon_ray.formats.loader_state` (``{version, run_id, fingerprint, next_step, zephon, replayed_steps}``, every key
+always present), identical on every rank, so DCP stores it once and it loads at any W
 (``test_dcp_save_and_load_at_another_world``); it works before iteration.
 
 Limits: the build keywords are exactly TorchTitan 0.3.0's (``tests/test_torchtitan_internals.py`` checks them
@@ -57,6 +60,11 @@ class ZephonRayDataLoader(BaseDataLoader):
         checkpoint_every: int = 0
         """Local mode: a Zephon checkpoint every N steps; 0: TorchTitan's checkpoint interval when checkpointing is
         on, else none."""
+        pad_slices: bool = True
+        """On by default here: TorchTitan takes the same number of microbatches on every dp rank, so at a dp degree
+        that does not divide B each rank's rows are padded to ``ceil(B/dp)`` (rounded up to ``local_batch_size``)
+        with rows whose labels are all ignored. TorchTitan 0.3 divides the summed loss by the all-reduced count of
+        valid labels and sums gradients, so the padding changes no gradient. A no-op when dp divides B evenly."""
 
         global_batch_size: int | None = None
         """The trainer's ``training.global_batch_size`` (-1: TorchTitan's default, local_batch_size x dp), copied
@@ -102,7 +110,7 @@ class ZephonRayDataLoader(BaseDataLoader):
         core = config.core()
         recipe = Recipe.from_toml(core.recipe)
         per_step = check_geometry(recipe, global_batch_size=config.global_batch_size, local_batch_size=lbs,
-                                  dp_world_size=world, seq_len=seq_len)
+                                  dp_world_size=world, seq_len=seq_len, pad=core.pad_slices).microbatches(rank)
         check_tokenizer(recipe, tokenizer)
         every = core.checkpoint_every
         if not every and snapshot_every_n_steps:
