@@ -132,21 +132,40 @@ def global_digest(piece: Any) -> str | None:
     """Rank 0: the digest of the global batch whose slice ``piece`` (a ``RankSlice``) this rank holds, gathered
     from every rank's slice in rank order over ``torch.distributed``; other ranks: None. A collective: every rank
     calls it for the same step. Equals ``GlobalBatchSource(recipe).batch(step).digest`` when the ranks hold the
-    right rows; that is how the examples and tests check the guarantee."""
+    right rows; that is how the examples and tests check the guarantee.
+
+    It never digests part of a batch: a slice of a W-rank group needs that group's W-rank process group, and every
+    rank's (step, rank, world) is gathered with the rows and checked. Ray Train destroys the process group in every
+    worker (``TorchBackend.on_shutdown``, from another thread) when it tears a group down for a resize or a
+    restart, possibly in the middle of a step; the gather then raises a RuntimeError naming the step instead of
+    returning the digest of this rank's rows alone (``tests/test_bigram.py``)."""
     import numpy as np
     import torch
     import torch.distributed as dist
 
     from zephon_ray.batch import compute_digest
 
+    step, rank, world = int(piece.step), int(piece.rank), int(piece.world)
+    group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    if (group or 1) != world:
+        held = "no torch.distributed process group is up (Ray Train destroys it when it tears the worker group " \
+            "down)" if group is None else f"the process group has {group} ranks"
+        raise RuntimeError(f"global_digest: step {step}, rank {rank} holds a slice of a {world}-rank group, but "
+                           f"{held}; no digest is made from part of the batch")
     local = torch.from_numpy(np.stack([np.asarray(piece.tokens), np.asarray(piece.positions)]).astype(np.int64))
-    world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         parts = [local]
     else:
+        header = torch.tensor([step, rank, world], dtype=torch.int64)
+        headers = [torch.full_like(header, -1) for _ in range(world)]
+        dist.all_gather(headers, header)
+        got = [tuple(int(v) for v in h) for h in headers]
+        if got != [(step, r, world) for r in range(world)]:
+            raise RuntimeError(f"global_digest: rank {rank} gathered (step, rank, world) {got} at step {step}; "
+                               "the ranks are not at the same step of one group")
         parts = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(parts, local)
-    if dist.is_initialized() and dist.get_rank() != 0:
+    if rank != 0:
         return None
     full = torch.cat(parts, dim=1).numpy()
     return compute_digest(full[0], full[1])
