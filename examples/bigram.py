@@ -14,7 +14,8 @@ whatever W the new worker group has. Rank 0 appends one JSON line per step to ``
 digest gathered from every rank's slice, the loss, its pid and the time (replayed steps included).
 
 ``before_step`` (optional, a picklable ``callable(step, rank)``) runs at the top of each step: the tests inject
-failures through it.
+failures through it. ``before_digest`` (optional, ``callable(step, rank, slice)``) runs after the optimizer step,
+just before the digest gather: the in-place resize test holds a step there until Ray Train tears the group down.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any
 MODEL_FILE = "model.pt"
 OPTIM_FILE = "optim.pt"
 DEFAULTS = {"steps": 8, "checkpoint_every": 2, "lr": 0.05, "dim": 32, "seed": 0, "dataset": "train",
-            "before_step": None}
+            "before_step": None, "before_digest": None}
 
 
 def bigram_model(vocab: int, dim: int, seed: int):
@@ -84,6 +85,8 @@ def train_loop(config: dict[str, Any]) -> None:
                     dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                 dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
             optim.step()
+            if cfg["before_digest"] is not None:
+                cfg["before_digest"](batch.step, rank, batch.slice)
             digest = global_digest(batch.slice)
             if rank == 0:
                 with open(cfg["log_path"], "a") as fh:

@@ -6,6 +6,7 @@ module is pickled by value into Ray Train workers (they cannot import ``tests/``
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
@@ -46,9 +47,52 @@ class KillOnce:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+@dataclass(frozen=True)
+class HoldForRestart:
+    """A ``before_digest`` hook that makes a restart happen at a chosen point of a chosen step, and audits the slices.
+
+    Every rank appends its slice's digest at the end of every step to ``<directory>/slices.jsonl`` (one line each,
+    ``phase`` "end"). In the group of ``world`` ranks, each rank then holds step ``step`` (after its all-reduce and
+    optimizer step, before the digest gather) until Ray Train tears the group down: Ray Train's
+    ``TorchBackend.on_shutdown`` destroys the process group in every worker first, then kills the workers. It writes
+    ``<directory>/holding.r<rank>`` when it starts holding (the test adds the new node only then), records the slice's
+    digest again once the group is gone (phase "teardown"), and returns: the loop then gathers the step's digest from
+    a destroyed group, the moment issue 30's wrong digest came from. A group not torn down within ``timeout_s`` is
+    a RuntimeError (Ray Train noticed no new node: the only time bound of the test, far above the ~25 s measured)."""
+
+    step: int
+    world: int
+    directory: str
+    timeout_s: float = 300.0
+
+    def __call__(self, step: int, rank: int, piece: Any) -> None:
+        import torch.distributed as dist
+
+        from zephon_ray.batch import compute_digest
+
+        def record(phase: str) -> None:
+            line = {"step": step, "rank": rank, "world": piece.world, "phase": phase, "pid": os.getpid(),
+                    "digest": compute_digest(piece.tokens, piece.positions)}
+            with open(Path(self.directory, "slices.jsonl"), "a") as fh:  # one short line per write: no tearing
+                fh.write(json.dumps(line) + "\n")
+
+        record("end")
+        if step != self.step or piece.world != self.world:
+            return
+        Path(self.directory, f"holding.r{rank}").write_text(json.dumps({"step": step, "time": time.time()}))
+        deadline = time.monotonic() + self.timeout_s
+        while dist.is_initialized():
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"step {step}: Ray Train did not tear the {self.world}-worker group down within "
+                                   f"{self.timeout_s:.0f} s of holding it (no resize decision)")
+            time.sleep(0.02)
+        record("teardown")
+
+
 def fit_bigram(dataset: Any, *, workers: int | tuple[int, int], name: str, storage_path: str, log_path: str,
                steps: int, run_id: str, max_failures: int = 0, cpu_per_worker: float = 0.25,
-               checkpoint_every: int = 2, before_step: Any = None, **scaling: Any) -> Any:
+               checkpoint_every: int = 2, before_step: Any = None, before_digest: Any = None,
+               **scaling: Any) -> Any:
     """One ``TorchTrainer.fit()`` of ``examples/bigram.py`` reading ``dataset`` through ``get_dataset_shard``.
     Reuse ``name``/``storage_path`` to resume from the latest checkpoint at a new W."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -59,7 +103,7 @@ def fit_bigram(dataset: Any, *, workers: int | tuple[int, int], name: str, stora
     trainer = TorchTrainer(
         bigram.train_loop,
         train_loop_config={"log_path": log_path, "steps": steps, "checkpoint_every": checkpoint_every,
-                           "before_step": before_step},
+                           "before_step": before_step, "before_digest": before_digest},
         datasets={"train": dataset},
         dataset_config=ZephonDataConfig(run_id=run_id, checkpoint_every=checkpoint_every),
         scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": cpu_per_worker}, **scaling),
