@@ -77,7 +77,12 @@ def lane_span(lanes: int, rows_per_lane: int, rank: int, world: int) -> LaneSpan
 
 @dataclass(frozen=True)
 class RankSlice:
-    """One rank's rows of a step, as TorchTitan tensors: ``input``/``labels``/``positions`` are [rows, seq_len]."""
+    """One rank's rows of a step, as TorchTitan tensors: ``input``/``labels``/``positions`` are [rows, seq_len].
+
+    Immutable while held: ``tokens`` and ``positions`` are made read-only when the slice is built (a write raises),
+    and every source hands out arrays that nothing else writes, frees or reuses, through close, prefetch and
+    restarts; a zero-copy view keeps its backing array alive (``tests/test_stream_immutability.py``, every mode).
+    ``microbatches`` copies the rows into fresh tensors, which belong to the caller."""
 
     step: int
     rank: int
@@ -85,6 +90,11 @@ class RankSlice:
     tokens: np.ndarray
     positions: np.ndarray
     pad_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        for rows in (self.tokens, self.positions):
+            if isinstance(rows, np.ndarray):
+                rows.setflags(write=False)  # the rows are shared (lane shards, a global batch, peers): never written
 
     @classmethod
     def from_lanes(cls, step: int, rank: int, world: int, span: LaneSpan, shards: list,

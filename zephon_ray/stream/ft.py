@@ -182,7 +182,7 @@ class FtSlices:
         if key == self._last_key:  # should_commit() rejected it: the same rows again
             self.check_seconds.append(time.perf_counter() - t0)
             self.served_again += 1
-            return self._last
+            return self._batch(self._last.slice)  # fresh tensors: the trainer may have written into the first ones
         changed = (rank, world) != self._active
         self.check_seconds.append(time.perf_counter() - t0)
         if changed:
@@ -191,11 +191,13 @@ class FtSlices:
             self.change_seconds.append(time.perf_counter() - t1)
         else:
             source = self._source_for(rank, world, step)
-        piece = source.next(timeout)
-        rows = self.local_batch_size or piece.num_rows // (self.microbatches or 1)
-        batch = StepBatch(step, piece, list(piece.microbatches(rows)))
+        batch = self._batch(source.next(timeout))
         self._last, self._last_key = batch, key
         return batch
+
+    def _batch(self, piece: Any) -> StepBatch:
+        rows = self.local_batch_size or piece.num_rows // (self.microbatches or 1)
+        return StepBatch(piece.step, piece, list(piece.microbatches(rows)))
 
     def _source_for(self, rank: int, world: int, step: int) -> PrefetchedSlices:
         member = (rank, world)
