@@ -30,21 +30,40 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 class KillOnce:
     """A ``before_step`` hook: rank ``rank`` SIGKILLs itself before step ``step``, once (``marker`` records it).
 
-    It waits ``after_s`` first: Ray Train v2 registers a reported checkpoint at its next poll of the worker group
-    (every ``RAY_TRAIN_HEALTH_CHECK_INTERVAL_S``: 0.25 s in the tests, conftest.py); a worker dying sooner after a
-    report loses that checkpoint, and the restart then replays from an older one (still the same batches, only
-    more replay)."""
+    With ``snapshot`` (Ray Train's ``<storage_path>/<name>/checkpoint_manager_snapshot.json``) it first waits, at
+    most ``timeout_s``, until Ray Train has registered the checkpoint reported with metric ``step`` =
+    ``registered_step``: Ray Train v2 registers a reported checkpoint at its next poll of the worker group, and a
+    worker dying before that loses it (the restart would replay from an older one). A condition, not a sleep, so the
+    restart point is the same on any machine; past ``timeout_s`` it is a RuntimeError naming the checkpoint."""
 
     step: int
     rank: int
     marker: str
-    after_s: float = 2.0
+    snapshot: str = ""
+    registered_step: int = -1
+    timeout_s: float = 120.0
 
     def __call__(self, step: int, rank: int) -> None:
         if step == self.step and rank == self.rank and not os.path.exists(self.marker):
-            time.sleep(self.after_s)
+            if self.snapshot:
+                deadline = time.monotonic() + self.timeout_s
+                while registered_step(self.snapshot) < self.registered_step:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"Ray Train did not register the checkpoint of step {self.registered_step} "
+                                           f"within {self.timeout_s:.0f} s ({self.snapshot})")
+                    time.sleep(0.05)
             Path(self.marker).write_text(f"killed rank {rank} pid {os.getpid()} before step {step}\n")
             os.kill(os.getpid(), signal.SIGKILL)
+
+
+def registered_step(snapshot: str) -> int:
+    """The ``step`` metric of the latest checkpoint Ray Train registered (its checkpoint manager's snapshot file);
+    -1 while there is none (or the file is being rewritten)."""
+    try:
+        latest = json.loads(Path(snapshot).read_text()).get("latest_checkpoint_result") or {}
+        return int(latest.get("metrics", {}).get("step", -1))
+    except (OSError, ValueError):
+        return -1
 
 
 @dataclass(frozen=True)
