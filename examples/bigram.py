@@ -15,7 +15,8 @@ whatever W the new worker group has. Rank 0 appends one JSON line per step to ``
 digest gathered from every rank's slice, the loss, its pid and the time (replayed steps included).
 
 ``before_step`` (optional, a picklable ``callable(step, rank)``) runs at the top of each step: the tests inject
-failures through it.
+failures through it. ``before_digest`` (optional, ``callable(step, rank, slice)``) runs after the optimizer step,
+just before the digest gather: the in-place resize test holds a step there until Ray Train tears the group down.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 MODEL_FILE = "model.pt"
 OPTIM_FILE = "optim.pt"
 DEFAULTS = {"steps": 8, "checkpoint_every": 2, "lr": 0.05, "dim": 32, "seed": 0, "dataset": "train",
-            "before_step": None}
+            "before_step": None, "before_digest": None}
 
 
 def bigram_model(vocab: int, dim: int, seed: int):
@@ -87,6 +88,8 @@ def train_loop(config: dict[str, Any]) -> None:
                     dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                 dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
             optim.step()
+            if cfg["before_digest"] is not None:
+                cfg["before_digest"](batch.step, rank, batch.slice)
             digest = global_digest(batch.slice)
             if rank == 0:
                 with open(cfg["log_path"], "a") as fh:
@@ -135,27 +138,44 @@ def global_digest(piece: Any) -> str | None:
     """Rank 0: the digest of the global batch whose slice ``piece`` (a ``RankSlice``) this rank holds, gathered
     from every rank's slice in rank order over ``torch.distributed``; other ranks: None. A collective: every rank
     calls it for the same step. Equals ``GlobalBatchSource(recipe).batch(step).digest`` when the ranks hold the
-    right rows; that is how the examples and tests check the guarantee."""
+    right rows; that is how the examples and tests check the guarantee.
+
+    It never digests part of a batch: a slice of a W-rank group needs that group's W-rank process group, and every
+    rank's (step, rank, world) is gathered with the rows and checked. Ray Train destroys the process group in every
+    worker (``TorchBackend.on_shutdown``, from another thread) when it tears a group down for a resize or a
+    restart, possibly in the middle of a step; the gather then raises a RuntimeError naming the step instead of
+    returning the digest of this rank's rows alone (``tests/test_bigram.py``)."""
     import numpy as np
     import torch
     import torch.distributed as dist
 
     from zephon_ray.batch import compute_digest
 
+    step, rank, world = int(piece.step), int(piece.rank), int(piece.world)
+    group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+    if (group or 1) != world:
+        held = "no torch.distributed process group is up (Ray Train destroys it when it tears the worker group " \
+            "down)" if group is None else f"the process group has {group} ranks"
+        raise RuntimeError(f"global_digest: step {step}, rank {rank} holds a slice of a {world}-rank group, but "
+                           f"{held}; no digest is made from part of the batch")
     local = torch.from_numpy(np.stack([np.asarray(piece.tokens), np.asarray(piece.positions)]).astype(np.int64))
-    world = dist.get_world_size() if dist.is_initialized() else 1
     if world == 1:
         parts = [local]
-    else:  # ranks may hold different row counts (W need not divide B): gather the counts, then padded rows
-        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        dist.all_gather(counts, torch.tensor([local.shape[1]], dtype=torch.int64))
-        most = int(max(counts))
-        padded = torch.zeros((2, most, local.shape[2]), dtype=torch.int64)
+    else:  # ranks may hold different row counts (W need not divide B): gather (step, rank, world, rows), then
+        header = torch.tensor([step, rank, world, local.shape[1]], dtype=torch.int64)  # the rows padded to the most
+        headers = [torch.full_like(header, -1) for _ in range(world)]
+        dist.all_gather(headers, header)
+        got = [tuple(int(v) for v in h[:3]) for h in headers]
+        if got != [(step, r, world) for r in range(world)]:
+            raise RuntimeError(f"global_digest: rank {rank} gathered (step, rank, world) {got} at step {step}; "
+                               "the ranks are not at the same step of one group")
+        counts = [int(h[3]) for h in headers]
+        padded = torch.zeros((2, max(counts), local.shape[2]), dtype=torch.int64)
         padded[:, :local.shape[1]] = local
         parts = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(parts, padded)
-        parts = [part[:, :int(n)] for part, n in zip(parts, counts)]
-    if dist.is_initialized() and dist.get_rank() != 0:
+        parts = [part[:, :n] for part, n in zip(parts, counts)]
+    if rank != 0:
         return None
     full = torch.cat(parts, dim=1).numpy()
     return compute_digest(full[0], full[1])

@@ -123,7 +123,9 @@ def test_worker_killed_mid_run_replays_identical_steps(ray_cluster, tmp_path, el
     try:
         result = fit_bigram(ZephonDataset(service or ELASTIC), workers=2, name="chaos",
                             storage_path=str(tmp_path / "ray-results"), log_path=log, steps=6, run_id="chaos",
-                            max_failures=1, before_step=KillOnce(step=3, rank=1, marker=str(marker)))
+                            max_failures=1, before_step=KillOnce(
+                                step=3, rank=1, marker=str(marker), registered_step=1,  # the checkpoint at 2
+                                snapshot=str(tmp_path / "ray-results" / "chaos" / "checkpoint_manager_snapshot.json")))
     finally:
         if service is not None:
             service.stop()

@@ -331,14 +331,16 @@ def test_clean_errors(ray_cluster, tiny_recipe, long_reference, tmp_path):
 @pytest.mark.timeout(900)
 def test_chaos_random_kills_and_rescales(ray_cluster, tiny_recipe, long_reference, tmp_path):
     """Producers killed with -9 at random moments (inside collective checkpoints too) while two consumers read
-    and the service rescales 2 -> 4 -> 1 -> 2: every step served has the reference digest."""
+    and the service rescales 2 -> 4 -> 1 -> 2: every step served has the reference digest. At least 5 kills
+    whatever the machine's speed: at steps 20, 40, .., 100 the reader waits (bounded) until the killer has made one
+    kill per 20 steps, and the killer, asked, kills without waiting for a newly produced step."""
     import random
     import threading
 
     rng = random.Random(7)
     svc = _start(tiny_recipe, tmp_path, "chaos", producers=2, window=3, checkpoint_every=3)
     other = DataService.connect("chaos", namespace=NS, consumer="other")
-    stop = threading.Event()
+    stop, wanted = threading.Event(), threading.Event()
     kills = []
 
     def killer():
@@ -351,11 +353,12 @@ def test_chaos_random_kills_and_rescales(ray_cluster, tiny_recipe, long_referenc
                 status = svc.status()
                 produced = status["throughput"]["produced_steps"]
                 pids = [p["pid"] for p in status["producers"] if p["pid"]]
-                if pids and produced > produced_at_kill:
+                if pids and (produced > produced_at_kill or wanted.is_set()):
                     victim = rng.choice(pids)
                     os.kill(victim, signal.SIGKILL)
                     kills.append(victim)
                     produced_at_kill = produced
+                    wanted.clear()
             except (ProcessLookupError, ServiceError):
                 pass
 
@@ -367,6 +370,12 @@ def test_chaos_random_kills_and_rescales(ray_cluster, tiny_recipe, long_referenc
         for step in range(120):
             if step % 10 == 0:  # shown on a failure: where a slow or stuck run was
                 print(f"chaos: step {step} at {time.monotonic() - t0:.0f} s, {len(kills)} kills", flush=True)
+            if step % 20 == 0 and len(kills) < step // 20:  # a kill count by condition, not by the clock
+                wanted.set()
+                deadline = time.monotonic() + 120
+                while len(kills) < step // 20:
+                    assert time.monotonic() < deadline, f"the killer made no kill in 120 s at step {step}"
+                    time.sleep(0.1)
             assert svc.batch(step, track=True).digest == long_reference[step], step
             if step % 2 == 0 and step >= 4:
                 # untracked: a tracked cursor 4 steps behind would hold the main consumer (window 3) until it

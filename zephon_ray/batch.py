@@ -107,7 +107,12 @@ class RankSlice:
     shapes, are added by :meth:`microbatches` and never enter a digest. ``global_valid_tokens`` is the number of
     labels of the whole global batch that reach the loss, when the source knows it without another read
     (``zephon_ray.source.fixed_valid_tokens``; a materialised step counts it from the rows it reads anyway), else
-    None."""
+    None.
+
+    Immutable while held: ``tokens`` and ``positions`` are made read-only when the slice is built (a write raises),
+    and every source hands out arrays that nothing else writes, frees or reuses, through close, prefetch and
+    restarts; a zero-copy view keeps its backing array alive (``tests/test_stream_immutability.py``, every mode).
+    ``microbatches`` copies the rows into fresh tensors, which belong to the caller."""
 
     step: int
     rank: int
@@ -116,6 +121,11 @@ class RankSlice:
     positions: np.ndarray
     pad_token_id: int | None = None
     global_valid_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        for rows in (self.tokens, self.positions):
+            if isinstance(rows, np.ndarray):
+                rows.setflags(write=False)  # the rows are shared (lane shards, a global batch, peers): never written
 
     @classmethod
     def from_lanes(cls, step: int, rank: int, world: int, span: LaneSpan, shards: list,
@@ -133,8 +143,6 @@ class RankSlice:
             parts = [(max(span.lo - i * per, 0), min(span.hi - i * per, per)) for i in range(len(shards))]
             tokens = np.concatenate([s.tokens[a:b] for s, (a, b) in zip(shards, parts)])
             positions = np.concatenate([s.positions[a:b] for s, (a, b) in zip(shards, parts)])
-            tokens.setflags(write=False)
-            positions.setflags(write=False)
         return cls(step, rank, world, tokens, positions, pad_token_id, global_valid_tokens)
 
     @property

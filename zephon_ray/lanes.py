@@ -95,6 +95,8 @@ class LaneStepper:
         for rec in records:
             for source_index, count in rec.meta.component_token_counts.items():
                 composition[int(source_index)] += count
+        for array in (tokens, positions, composition):
+            array.setflags(write=False)  # fresh copies (np.stack), shared by the slices cut from them: never written
         return LaneShard(lane=lane, tokens=tokens, positions=positions, source_tokens=composition)
 
     # ------------------------------------------------------------------ state

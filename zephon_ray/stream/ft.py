@@ -201,7 +201,7 @@ class FtSlices:
         if key == self._last_key:  # should_commit() rejected it: the same rows again
             self.check_seconds.append(time.perf_counter() - t0)
             self.served_again += 1
-            return self._last
+            return self._batch(self._last.slice)  # fresh tensors: the trainer may have written into the first ones
         changed = (rank, world) != self._active
         self.check_seconds.append(time.perf_counter() - t0)
         if changed:
@@ -210,12 +210,15 @@ class FtSlices:
             self.change_seconds.append(time.perf_counter() - t1)
         else:
             source = self._source_for(rank, world, step)
-        piece = source.next(timeout)
-        shape = ft_shape(self.recipe, world // self.dp, dp=self.dp, local_batch_size=self.local_batch_size,
-                         microbatches=self.microbatches, pad=self.pad)
-        batch = StepBatch(step, piece, list(piece.microbatches(shape.microbatch_rows(rank), pad_to=shape.padded_to)))
+        batch = self._batch(source.next(timeout))
         self._last, self._last_key = batch, key
         return batch
+
+    def _batch(self, piece: Any) -> StepBatch:
+        shape = ft_shape(self.recipe, piece.world // self.dp, dp=self.dp, local_batch_size=self.local_batch_size,
+                         microbatches=self.microbatches, pad=self.pad)
+        rows = shape.microbatch_rows(piece.rank)
+        return StepBatch(piece.step, piece, list(piece.microbatches(rows, pad_to=shape.padded_to)))
 
     def _source_for(self, rank: int, world: int, step: int) -> PrefetchedSlices:
         member = (rank, world)
