@@ -313,7 +313,7 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
 # ---------------------------------------------------------------------------------------------------- profiles
 def start_profilers(folder: str, tag: str, coordinator: int, readers: list[int]) -> list:
     """Profilers on the coordinator and the node readers while the load runs, each writing to ``folder``:
-    ``py-spy record --native`` (the Python frames of every Python thread, with the C++ frames below them) and
+    ``py-spy record`` (the Python frames of every Python thread, sampled without pausing the process) and
     ``perf record -g`` (every thread, Ray's C++ core worker and gRPC included; Ray's ``_raylet.so`` carries its
     symbols). Neither is a dependency of the project (``pip install py-spy``; perf from the OS); a missing one is
     skipped. Both need ptrace/perf_event rights on the processes."""
@@ -325,7 +325,7 @@ def start_profilers(folder: str, tag: str, coordinator: int, readers: list[int])
         if shutil.which("py-spy"):
             path = Path(folder) / f"{tag}-{who}.pyspy.txt"
             cmd = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--output", str(path), "--rate", "250",
-                   "--nonblocking", "--native"]
+                   "--nonblocking"]
             running.append((who + ".pyspy", path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                                                    stderr=subprocess.DEVNULL)))
         if shutil.which("perf"):
