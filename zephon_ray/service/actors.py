@@ -28,7 +28,7 @@ class CoordinatorActor:
         self._impl = Coordinator(recipe, config, reader_class=NodeReaderActor)
 
     @ray.method(concurrency_group=READS)
-    async def lease(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    async def lease(self, *args: Any, **kwargs: Any) -> Any:
         return await self._impl.lease(*args, **kwargs)
 
     @ray.method(concurrency_group=CONTROL)
@@ -86,10 +86,10 @@ class NodeReaderActor:
 
         self._impl = NodeReader(*args, **kwargs)
 
-    async def read(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    async def read(self, *args: Any, **kwargs: Any) -> Any:
         return await self._impl.read(*args, **kwargs)
 
-    async def advance(self, moves: list[tuple[str, int, int, int]]) -> None:
+    async def advance(self, moves: list[CursorMove]) -> None:
         return await self._impl.advance(moves)
 
     async def invalidate(self, step: int, generation: int) -> bool:

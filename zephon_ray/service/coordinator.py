@@ -48,7 +48,8 @@ from zephon_ray.service.errors import ServiceError
 from zephon_ray.service.metrics import ServiceMetrics
 from zephon_ray.service.pool import ProducerPool
 from zephon_ray.service.protocol import (
-    PRODUCER_INFIX, READER_INFIX, REPLAYED, REPLAYER_INFIX, CursorMove, kill_named, lease_reply, only_groups)
+    PRODUCER_INFIX, READER_INFIX, REPLAYED, REPLAYER_INFIX, CursorMove, Reply, StepContainers, kill_named, lease_reply,
+    only_groups)
 from zephon_ray.service.replay import ReplayScheduler, read_materialized_prefix
 from zephon_ray.service.window import Entry, Read, StepWindow, resume_step
 
@@ -176,7 +177,7 @@ class Coordinator:
     # ================================================================== reads
     async def lease(self, first: int, count: int = 1, lanes: tuple[int, int] | None = None,
                     timeout_s: float | None = None, moves: list[CursorMove] | None = None, track: bool = False,
-                    node: str | None = None, wait: bool = True) -> dict[str, Any]:
+                    node: str | None = None, wait: bool = True) -> Reply:
         """The container refs of steps ``first, first + 1, ...`` (at most ``count``, consecutive, all produced)
         holding lanes ``[lo, hi)``: a lease reply (protocol.py). Waits for ``first`` to be produced, or has it replayed when it
         lies behind the live window (or ahead of it and ``track`` is False: no cursor moves producers there).
@@ -202,15 +203,16 @@ class Coordinator:
                         entry.served += 1
                     self._count_lease(node, len(run), waited, now - t0)
                     lanes = self.recipe.lanes
-                    return lease_reply([(s, e.generation, len(e.containers), only_groups(e.containers, lanes, lo, hi))
-                                        for s, e in run], self.window.keep_from)
+                    return lease_reply([StepContainers(s, e.generation, len(e.containers),
+                                                       only_groups(e.containers, lanes, lo, hi)) for s, e in run],
+                                       self.window.keep_from)
                 low, high = self.window.keep_from, self.window.produce_until
                 if not wait:
                     return lease_reply([], self.window.keep_from)
             if kind is Read.REPLAY:
                 container = await self.replay.container(first, read_ahead=track or count > 1)
                 self._count_lease(node, 1, waited, time.monotonic() - t0)
-                return lease_reply([(first, REPLAYED, 1, [container])], self.window.keep_from)
+                return lease_reply([StepContainers(first, REPLAYED, 1, [container])], self.window.keep_from)
             if now >= deadline:
                 raise TimeoutError(
                     f"step {first} was not produced within {timeout_s:.0f}s: the live window is [{low}, {high}) "
