@@ -18,6 +18,8 @@ its leases and cursor reports only). Parts (each prints a line; one JSON line ``
   report of 8 moves, ``status()``), net of its idle rate, for the projections in docs/scaling.md.
 - ``pending``: 512 reads waiting at once (a holder consumer pins the window), per side, while ``status()`` and
   ``commit()`` are timed; then the holder releases and every waiting read must complete with the right rows.
+- ``pump``: coordinator CPU per produced step (the whole process and its pump thread) and its idle rate, at
+  M = 1, 2, 4, 8 producers, with nobody reading but one cursor hopping a window at a time.
 - ``cpu``: service CPU-seconds per million tokens (coordinator + producers + replayer) at M=1, 2, 4 (order flipped
   every round), and tokens/s; coordinator CPU per step.
 - ``resume``: warm time to first batch for a restarted W=4 job (same consumer, resumes at its commit): retained
@@ -99,26 +101,37 @@ def cpu_seconds(pids) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------- load
-def reader_pids() -> list[int]:
-    """PIDs of this cluster's node readers (named ``<service>.reader.*``; Ray's actor table, no dashboard)."""
+def reader_infos() -> list[dict]:
+    """``info()`` of this cluster's node readers (named ``<service>.reader.*``; Ray's actor table, no dashboard):
+    pid and call counters."""
     import ray
 
-    pids = []
+    infos = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if ".reader." in entry.get("name", ""):
             try:
                 handle = ray.get_actor(entry["name"], namespace=entry["namespace"])
-                pids.append(ray.get(handle.info.remote(), timeout=30).get("pid"))
+                infos.append(ray.get(handle.info.remote(), timeout=30))
             except Exception:  # noqa: BLE001
                 pass
-    return [p for p in pids if p]
+    return infos
+
+
+def reader_pids() -> list[int]:
+    return [i["pid"] for i in reader_infos() if i.get("pid")]
+
+
+def _reader_calls(infos: list[dict]) -> dict[str, int]:
+    keys = ("reads", "advances", "leases", "reports")
+    return {k: sum(i.get(k, 0) for i in infos) for k in keys}
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU-seconds of one process by kind of thread, from ``/proc/PID/task/*`` (Linux): ``python`` (threads Python
-    started: the actor's event loops, the pump, executors; they carry the process's name), ``core_worker`` (Ray's
+    """CPU-seconds of one process by kind of thread, from ``/proc/PID/task/*`` (Linux): ``pump`` (the
+    coordinator's pump thread), ``python`` (other threads Python started: the actor's event loops, executors; they
+    carry the process's name), ``core_worker`` (Ray's
     C++ io threads: ``worker.io`` and the like) and ``grpc`` (gRPC's pollers and event engine)."""
-    out = {"python": 0.0, "core_worker": 0.0, "grpc": 0.0}
+    out = {"python": 0.0, "pump": 0.0, "core_worker": 0.0, "grpc": 0.0}
     tick = os.sysconf("SC_CLK_TCK")
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
@@ -131,7 +144,9 @@ def thread_cpu(pid: int) -> dict[str, float]:
         except OSError:
             continue
         cpu = (int(fields[11]) + int(fields[12])) / tick
-        if comm.startswith(("ray::", "python", "default_worker")):
+        if comm.startswith("zr-pump"):  # the coordinator's pump thread names itself
+            out["pump"] += cpu
+        elif comm.startswith(("ray::", "python", "default_worker")):
             out["python"] += cpu
         elif comm.startswith(("client.poll", "server.poll", "event_engine", "grpc", "grpcpp", "resolver",
                               "timer_manager", "default-executo")):
@@ -192,7 +207,8 @@ handle on the node path; ``per_rank``: one handle per rank (``--processes`` proc
 
 
 def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, side: str,
-             tag: str, jobs: int = 2, processes: int = 8, profile: str | None = None) -> dict:
+             tag: str, jobs: int = 2, processes: int = 8, profile: str | None = None,
+             status_every: float = 0.05) -> dict:
     import multiprocessing
 
     import ray
@@ -207,7 +223,7 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
     stop = threading.Event()
 
     def prober():
-        while not stop.wait(0.05):
+        while status_every > 0 and not stop.wait(status_every):
             t0 = time.perf_counter()
             svc.status()
             status_lat.append(time.perf_counter() - t0)
@@ -242,6 +258,7 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
     if read_path == "node":  # start the node reader before the clock: its start-up is not a read cost
         svc.refs(0)
     readers = reader_pids()
+    calls0 = _reader_calls(reader_infos())
     procs, ready, out = [], None, None
     if side == "per_rank":  # connect every handle before the clock: a connect is not a read cost
         ctx = multiprocessing.get_context("spawn")
@@ -287,6 +304,7 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
         for k, v in _split_delta(before, thread_cpu(pid), len(waits)).items():
             rsplit[k] = rsplit.get(k, 0.0) + v
     profiles = stop_profilers(profilers)
+    calls1 = _reader_calls(reader_infos())
     stop.set()
     probe.join()
     if procs:
@@ -304,9 +322,10 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
             "coordinator_threads_ms_per_rank_step": split, "node_reader_threads_ms_per_rank_step": rsplit,
             "coordinator_calls": {"leases": reads["leases"], "reports": reads["reports"],
                                   "cursor_moves": reads["cursor_moves"]},
+            "node_reader_calls": {k: calls1[k] - calls0.get(k, 0) for k in calls1},
             "errors": errors[:3], "elapsed_s": round(elapsed, 2), "profiles": profiles,
             "wait_ms": {"p50": pct(waits, .5) * 1e3, "p99": pct(waits, .99) * 1e3, "max": max(waits) * 1e3},
-            "status_ms": {"p50": pct(status_lat, .5) * 1e3, "p99": pct(status_lat, .99) * 1e3,
+            "status_ms": {"p50": (pct(status_lat, .5) or 0) * 1e3, "p99": (pct(status_lat, .99) or 0) * 1e3,
                           "n": len(status_lat)}}
 
 
@@ -482,6 +501,54 @@ def _run_cpu_once(recipe, reference, tmp, steps: int, m: int, tag: str) -> dict:
             svc.stop()
 
 
+# ---------------------------------------------------------------------------------------------------- pump
+def run_pump(recipe, digests, tmp, steps: int = 48, rounds: int = 1, producers=(1, 2, 4, 8)) -> dict:
+    """The coordinator's CPU per produced step against the number of producers M, with no reader but one: a
+    direct-path client moves its cursor ``window`` steps at a time (``touch``) and waits for the last of them
+    (one lease), so the producers refill the whole window each hop. Reported per produced step: the whole
+    coordinator process, its pump thread alone, and its idle rate (window full, nobody reading) measured just
+    before. Checkpoints (every 8 steps) are included. M order flips every round."""
+    runs: dict[int, list[dict]] = {m: [] for m in producers}
+    for r in range(rounds):
+        for m in (producers if r % 2 == 0 else producers[::-1]):
+            runs[m].append(_pump_once(recipe, digests, tmp, steps, m, f"{m}-{r}"))
+            x = runs[m][-1]
+            print(f"pump M={m}, round {r}: coordinator {x['coordinator_ms_per_step']:.2f} CPU-ms per produced "
+                  f"step (pump thread {x['pump_ms_per_step']:.2f}); idle {x['idle_ms_per_s']:.2f} CPU-ms/s "
+                  f"(pump thread {x['idle_pump_ms_per_s']:.2f})", flush=True)
+    med = statistics.median
+    return {m: {k: med(x[k] for x in xs) for k in xs[0]} for m, xs in runs.items()}
+
+
+def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str) -> dict:
+    svc = start(recipe, f"pump-m{tag}", tmp, producers=m, window=8, read_path="direct")
+    try:
+        window = svc.config.window
+        assert svc.refs(0, track=True).batch().digest == digests[0]
+        assert svc.refs(window - 1).batch().digest == digests[window - 1]  # the window is full
+        pid = svc.status()["coordinator"]["pid"]
+        time.sleep(1.0)
+        s0, t0 = thread_cpu(pid), time.perf_counter()
+        time.sleep(4.0)
+        s1, idle_wall = thread_cpu(pid), time.perf_counter() - t0
+        idle = {k: (s1[k] - s0[k]) / idle_wall * 1e3 for k in s1}
+        produced = 0
+        s0 = thread_cpu(pid)
+        for first in range(window, window + steps, window):
+            svc.touch(first)  # the cursor moves past the window: producers make the next ``window`` steps
+            last = first + window - 1
+            if svc.refs(last, timeout_s=600).batch().digest != digests[last]:
+                raise AssertionError(f"M={m} step {last}: wrong rows")
+            produced += window
+        s1 = thread_cpu(pid)
+        total = sum(s1.values()) - sum(s0.values())
+        return {"producers": m, "produced_steps": produced, "coordinator_ms_per_step": total / produced * 1e3,
+                "pump_ms_per_step": (s1["pump"] - s0["pump"]) / produced * 1e3,
+                "idle_ms_per_s": sum(idle.values()), "idle_pump_ms_per_s": idle["pump"]}
+    finally:
+        svc.stop()
+
+
 # ---------------------------------------------------------------------------------------------------- resume
 def run_resume(recipe, reference, tmp, behind: int = 6, world: int = 4, rounds: int = 1) -> dict:
     runs: dict[str, list[float]] = {"retained": [], "replay_path": []}
@@ -588,10 +655,12 @@ def _load_line(r: dict) -> str:
     return (f"{r['side']:>8} ({r['processes']} processes): wrong rows {r['wrong_rows']}, errors {len(r['errors'])}, "
             f"wait p50/p99/max {r['wait_ms']['p50']:.1f}/{r['wait_ms']['p99']:.1f}/{r['wait_ms']['max']:.1f} ms, "
             f"status p50/p99 {r['status_ms']['p50']:.1f}/{r['status_ms']['p99']:.1f} ms, coordinator "
-            f"{r['coordinator_cpu_ms_per_rank_step']:.3f} CPU-ms/rank-step (python {c.get('python', 0):.3f}, core "
+            f"{r['coordinator_cpu_ms_per_rank_step']:.3f} CPU-ms/rank-step (pump {c.get('pump', 0):.3f}, python "
+            f"{c.get('python', 0):.3f}, core "
             f"worker {c.get('core_worker', 0):.3f}, grpc {c.get('grpc', 0):.3f}), node readers "
             f"{r['node_reader_cpu_ms_per_rank_step']:.3f} (python {n.get('python', 0):.3f}, core worker "
-            f"{n.get('core_worker', 0):.3f}, grpc {n.get('grpc', 0):.3f}), coordinator calls {r['coordinator_calls']}")
+            f"{n.get('core_worker', 0):.3f}, grpc {n.get('grpc', 0):.3f}), coordinator calls {r['coordinator_calls']}, "
+            f"node reader calls {r['node_reader_calls']}")
 
 
 def compare_load(runs: dict[str, list[dict]]) -> dict:
@@ -625,6 +694,8 @@ def main() -> None:
                     help=f"sides compared by load, of {','.join(SIDES)}")
     ap.add_argument("--jobs", type=int, default=2, help="jobs (consumers) reading at once in load")
     ap.add_argument("--processes", type=int, default=8, help="trainer processes per job on the per_rank side")
+    ap.add_argument("--status-every", type=float, default=0.05,
+                    help="load: a prober calls status() this often, timing it (0: no prober)")
     ap.add_argument("--profile", default=None, help="folder: py-spy the coordinator and node readers during load")
     ap.add_argument("--ranks", type=int, default=256)
     ap.add_argument("--small-ranks", type=int, default=32)
@@ -632,6 +703,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--step-time", type=float, default=0.5)
     ap.add_argument("--cpu-steps", type=int, default=60)
+    ap.add_argument("--pump-steps", type=int, default=48)
     ap.add_argument("--long-steps", type=int, default=5000)
     ap.add_argument("--pending", type=int, default=512)
     args = ap.parse_args()
@@ -648,7 +720,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="zr-bench-load-"))
     recipe = load_recipe(32, tmp)  # B = 256 rows
     small = load_recipe(2, tmp)  # the tiny fixture itself, B = 16
-    n_ref = max(args.steps, args.cpu_steps + 1, 30)
+    n_ref = max(args.steps, args.cpu_steps + 1, args.pump_steps + 16, 30)
     with GlobalBatchSource(recipe) as source:
         reference = []
         for s in range(n_ref):
@@ -673,7 +745,8 @@ def main() -> None:
                     order = sides if rnd % 2 == 0 else sides[::-1]
                     for side in order:
                         r = run_load(recipe, reference, tmp, ranks, args.steps, args.step_time, side, str(rnd),
-                                     jobs=args.jobs, processes=args.processes, profile=args.profile)
+                                     jobs=args.jobs, processes=args.processes, profile=args.profile,
+                                     status_every=args.status_every)
                         runs[side].append(r)
                         print(f"load {args.jobs}x{ranks} ranks x {args.steps} steps, round {rnd}, {_load_line(r)}",
                               flush=True)
@@ -699,6 +772,8 @@ def main() -> None:
                       f"CPU-ms/step", flush=True)
             print(f"cpu ratio M=2/M=1 per token {r['ratio_m2_vs_m1_cpu_per_token']:.2f} (target <= 1.2), tokens/s "
                   f"{r['ratio_m2_vs_m1_tokens_per_s']:.2f}", flush=True)
+        if "pump" in parts:
+            result["pump"] = run_pump(recipe, digests, tmp, steps=args.pump_steps, rounds=args.rounds)
         if "resume" in parts:
             r = result["resume"] = run_resume(recipe, digests, tmp, rounds=args.rounds)
             print(f"resume first batch: retained {r['retained']['first_batch_s']:.3f} s, replay path "

@@ -50,6 +50,9 @@ from zephon_ray.service.protocol import (
 
 READ_AHEAD_BACKOFF_S = 0.2
 """After a read-ahead lease found nothing produced yet, the next one waits this long."""
+REPORT_GATHER_S = 0.05
+"""A report woken by a move (a lease waits) goes this much later, with the moves of the other ranks of the node
+that read in the same round: one coordinator call per round, not one per rank."""
 
 
 @dataclass
@@ -89,8 +92,8 @@ class NodeReader:
         self._wake: asyncio.Event | None = None
         self._reporter: asyncio.Task | None = None
         self._ahead_after = 0.0
-        self.stats = {"reads": 0, "hits": 0, "leases": 0, "read_aheads": 0, "leased_steps": 0, "reports": 0,
-                      "moves_reported": 0}
+        self.stats = {"reads": 0, "hits": 0, "advances": 0, "leases": 0, "read_aheads": 0, "leased_steps": 0,
+                      "reports": 0, "moves_reported": 0}
 
     # ------------------------------------------------------------------ ranks' calls
     async def read(self, step: int, consumer: str, lanes: tuple[int, int] | None = None, track: bool = False,
@@ -133,6 +136,7 @@ class NodeReader:
         """Cursor moves ``(consumer, rank, world, step, idle_s)`` of ranks on this node (reads or ``touch``-es a
         process has not sent with a read call yet: it sends them alone only as a keep-alive)."""
         self._start()
+        self.stats["advances"] += 1
         self._apply(moves)
 
     def _apply(self, moves: list[CursorMove]) -> None:
@@ -265,6 +269,8 @@ class NodeReader:
                 await asyncio.wait_for(self._wake.wait(), timeout=keepalive)
             except asyncio.TimeoutError:
                 pass
+            else:
+                await asyncio.sleep(REPORT_GATHER_S)
             self._wake.clear()
             everyone = time.monotonic() - last_keepalive >= keepalive
             if everyone:
