@@ -27,7 +27,9 @@ class CoordinatorActor:
 
         self._impl = Coordinator(recipe, config, reader_class=NodeReaderActor)
 
-    @ray.method(concurrency_group=READS)
+    # Task events off for the hot calls (one per lease or report): Ray records several per call and ships them to
+    # the GCS, CPU in this process and in the caller's for calls nobody inspects (docs/scaling.md).
+    @ray.method(concurrency_group=READS, enable_task_events=False)
     async def lease(self, *args: Any, **kwargs: Any) -> Any:
         return await self._impl.lease(*args, **kwargs)
 
@@ -49,7 +51,7 @@ class CoordinatorActor:
     async def node_reader(self, node_id: str) -> Any:
         return await self._impl.node_reader(node_id)
 
-    @ray.method(concurrency_group=CONTROL)
+    @ray.method(concurrency_group=CONTROL, enable_task_events=False)
     async def advance(self, moves: list[CursorMove]) -> None:
         return await self._impl.advance(moves)
 
@@ -86,9 +88,11 @@ class NodeReaderActor:
 
         self._impl = NodeReader(*args, **kwargs)
 
+    @ray.method(enable_task_events=False)  # one call per process per run of steps: see CoordinatorActor.lease
     async def read(self, *args: Any, **kwargs: Any) -> Any:
         return await self._impl.read(*args, **kwargs)
 
+    @ray.method(enable_task_events=False)
     async def advance(self, moves: list[CursorMove]) -> None:
         return await self._impl.advance(moves)
 

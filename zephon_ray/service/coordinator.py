@@ -70,8 +70,10 @@ MAX_LEASE_STEPS = 1024
 _BUSY_POLL_S = 0.25
 """How long the pump waits for a producer call to finish (a finished call ends the wait at once; so does nothing
 else, so a step that a cursor move made wanted is submitted at most this late, while the producers are busy)."""
-_IDLE_WAIT_S = 0.5
-"""How long an idle pump sleeps unless woken (a cursor move, a commit, a release, a rescale wakes it)."""
+_IDLE_WAIT_S = 2.0
+"""How long an idle pump sleeps unless woken (a cursor move, a commit, a release, a rescale wakes it). Every change
+that gives producers work wakes it at once, so this only paces cursor expiry and the idle pings
+(pool.PING_EVERY_S): at 0.5 s an idle coordinator spent a few CPU-ms per second waking up."""
 
 
 class Coordinator:

@@ -59,9 +59,9 @@ class DirectReads:
         with self._lock:
             pending = self._prefetched.pop((step, rank, world), None)
         if pending is not None:
-            if track:  # the prefetch did not move the cursor; this read does
-                self.move(rank, world, step)
             reply = call(pending, owner._where)
+            if track:  # the prefetch did not move the cursor; this read does, once delivered
+                self.move(rank, world, step)
         else:
             moves = [(owner.consumer, rank, world, step, 0.0)] if track else None
             reply = call(owner._coordinator.lease.remote(step, 1, (lo, hi), timeout_s, moves, track), owner._where)
