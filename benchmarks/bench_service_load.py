@@ -515,7 +515,8 @@ def run_pump(recipe, digests, tmp, steps: int = 48, rounds: int = 1, producers=(
             x = runs[m][-1]
             print(f"pump M={m}, round {r}: coordinator {x['coordinator_ms_per_step']:.2f} CPU-ms per produced "
                   f"step (pump thread {x['pump_ms_per_step']:.2f}); idle {x['idle_ms_per_s']:.2f} CPU-ms/s "
-                  f"(pump thread {x['idle_pump_ms_per_s']:.2f})", flush=True)
+                  f"(pump thread {x['idle_pump_ms_per_s']:.2f}, other python {x['idle_python_ms_per_s']:.2f}, "
+                  f"core worker {x['idle_core_worker_ms_per_s']:.2f}, grpc {x['idle_grpc_ms_per_s']:.2f})", flush=True)
     med = statistics.median
     return {m: {k: med(x[k] for x in xs) for k in xs[0]} for m, xs in runs.items()}
 
@@ -529,7 +530,7 @@ def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str) -> dict:
         pid = svc.status()["coordinator"]["pid"]
         time.sleep(1.0)
         s0, t0 = thread_cpu(pid), time.perf_counter()
-        time.sleep(4.0)
+        time.sleep(10.0)  # /proc counts CPU in 10 ms ticks: 10 s resolve 1 CPU-ms/s
         s1, idle_wall = thread_cpu(pid), time.perf_counter() - t0
         idle = {k: (s1[k] - s0[k]) / idle_wall * 1e3 for k in s1}
         produced = 0
@@ -544,7 +545,8 @@ def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str) -> dict:
         total = sum(s1.values()) - sum(s0.values())
         return {"producers": m, "produced_steps": produced, "coordinator_ms_per_step": total / produced * 1e3,
                 "pump_ms_per_step": (s1["pump"] - s0["pump"]) / produced * 1e3,
-                "idle_ms_per_s": sum(idle.values()), "idle_pump_ms_per_s": idle["pump"]}
+                "idle_ms_per_s": sum(idle.values()), "idle_pump_ms_per_s": idle["pump"],
+                **{f"idle_{k}_ms_per_s": v for k, v in idle.items() if k != "pump"}}
     finally:
         svc.stop()
 

@@ -1,6 +1,6 @@
 """``NodeReader``: one actor per node that leases step refs from the coordinator for every rank on that node.
 
-    processes on node A ──read(s, lanes, moves)──► NodeReader(A) ── cache hit ──► refs of steps s.. (<= n)
+    processes on node A ──read(s, lanes, moves)──► NodeReader(A) ── cache hit ──► refs of steps s.. (<= window)
                                                       │ miss: one lease call for steps [s, s + n), with the
                                                       │ cursor moves of every rank on A since the last call
                                                       ▼
@@ -16,22 +16,28 @@ Guarantees:
 - Rows: the reader opens the containers the coordinator leased (small objects holding lane refs; protocol.py) and
   hands out those lane refs, unchanged; a rank fetches the bytes itself from the object store (zero-copy on the
   producer's node). tests/test_service.py checks every row against the reference.
+- Few calls: a read reply carries the run of cached steps from the one asked for (up to ``window``), so a rank's
+  process calls about once per run (node_reads.py), and its cursor moves ride on those calls. The cache is the one
+  the client uses too (lease_cache.py).
 - Cursors stay exact: a lease moves no cursor. A rank's cursor moves when it reads a step with ``track=True`` or
-  ``touch``-es it; the reader reports those moves with its next lease, at once while a lease waits (that is what
-  lets producers move on), and every ``consumer_ttl_s / 4`` as a keep-alive carrying how long ago each rank was last
-  heard. So the coordinator's cursors lag the ranks by at most n steps and never run ahead of them.
+  ``touch``-es it; the reader reports those moves with its next lease, within ``REPORT_GATHER_S`` while a lease
+  waits (that is what lets producers move on: one report carries the round's moves of every rank here), and every
+  ``consumer_ttl_s / 4`` as a keep-alive carrying how long ago each rank was last heard. Cursors never run ahead of
+  the ranks. One world per consumer, the newest wins, as on the coordinator.
 - A rank that dies holds nothing back beyond ``consumer_ttl_s``: its last-heard age grows in every report and the
   coordinator expires it; the reader forgets it too. The reader's cache holds only steps >= the coordinator's
   ``keep_from`` (and a few replayed ones), so its refs keep no evicted step alive for long.
 - One lease in flight per step range: W ranks of a node missing the same step cost one coordinator call. When a
-  read gets within ``lease_steps`` of the end of what the reader holds, it leases what is already produced beyond
-  it without waiting (read-ahead), so ranks rarely wait for a lease round trip.
+  read gets within a run of the end of what the reader holds, it leases what is already produced beyond it
+  without waiting (read-ahead), so ranks rarely wait for a lease round trip.
+- Its hot calls (``read``, ``advance``) record no Ray task events (actors.py): measured per call in
+  benchmarks/bench_service_load.py.
 - It never touches rows, so its process loads neither torch nor Zephon: 129 MB of RSS instead of 309 MB, and about
   1 s less to start (tests/test_service.py::test_node_readers_load_neither_torch_nor_zephon).
 
 Limits: the reader is owned by the coordinator and dies with it (clients ask the new incarnation for a new one);
 a reader that dies alone is restarted by Ray with an empty cache (its unreported cursor moves are lost until the
-ranks move again). Between leases ``status()`` shows cursors up to n steps old.
+ranks move again). ``status()`` shows cursors up to a run plus a lease old.
 """
 
 from __future__ import annotations
