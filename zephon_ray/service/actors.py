@@ -96,6 +96,10 @@ class NodeReaderActor:
     async def advance(self, moves: list[CursorMove]) -> None:
         return await self._impl.advance(moves)
 
+    @ray.method(enable_task_events=False)
+    async def demand(self, epoch: int, timeout_s: float = 60.0) -> int:
+        return await self._impl.demand(epoch, timeout_s)
+
     async def invalidate(self, step: int, generation: int) -> bool:
         return await self._impl.invalidate(step, generation)
 

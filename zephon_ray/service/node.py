@@ -18,7 +18,10 @@ Guarantees:
   producer's node). tests/test_service.py checks every row against the reference.
 - Few calls: a read reply carries the run of cached steps from the one asked for (up to ``window``), so a rank's
   process calls about once per run (node_reads.py), and its cursor moves ride on those calls. The cache is the one
-  the client uses too (lease_cache.py).
+  the client uses too (lease_cache.py). When a lease here has waited ``DEMAND_AFTER_S``, the processes of this
+  node that hold unsent moves are asked for them (``demand``, a long poll each keeps open): a consumer reading
+  from its own cache never holds another one's step back for longer
+  (tests/test_service.py::test_two_consumers_and_window_bound).
 - Cursors stay exact: a lease moves no cursor. A rank's cursor moves when it reads a step with ``track=True`` or
   ``touch``-es it; the reader reports those moves with its next lease, within ``REPORT_GATHER_S`` while a lease
   waits (that is what lets producers move on: one report carries the round's moves of every rank here), and every
@@ -56,6 +59,11 @@ from zephon_ray.service.protocol import (
 
 READ_AHEAD_BACKOFF_S = 0.2
 """After a read-ahead lease found nothing produced yet, the next one waits this long."""
+DEMAND_AFTER_S = 0.5
+"""A lease that has waited this long raises demand: every process listening (``demand``) sends its unsent cursor
+moves now, since the step may wait for exactly those (a consumer reading from its own cache makes no call)."""
+DEMAND_POLL_S = 60.0
+"""A ``demand`` call with nothing to say returns after this long (the client calls again)."""
 REPORT_GATHER_S = 0.05
 """A report woken by a move (a lease waits) goes this much later, with the moves of the other ranks of the node
 that read in the same round: one coordinator call per round, not one per rank."""
@@ -98,8 +106,10 @@ class NodeReader:
         self._wake: asyncio.Event | None = None
         self._reporter: asyncio.Task | None = None
         self._ahead_after = 0.0
+        self._demand_epoch = 0
+        self._demanded: asyncio.Event | None = None
         self.stats = {"reads": 0, "hits": 0, "advances": 0, "leases": 0, "read_aheads": 0, "leased_steps": 0,
-                      "reports": 0, "moves_reported": 0}
+                      "reports": 0, "moves_reported": 0, "demands": 0}
 
     # ------------------------------------------------------------------ ranks' calls
     async def read(self, step: int, consumer: str, lanes: tuple[int, int] | None = None, track: bool = False,
@@ -153,6 +163,25 @@ class NodeReader:
             rank, world = check_reader(rank, world, rows)
             self._move(consumer, rank, world, int(step), now - max(0.0, float(idle_s)))
 
+    async def demand(self, epoch: int, timeout_s: float = DEMAND_POLL_S) -> int:
+        """A long poll for processes on this node: returns the demand epoch once it is past ``epoch`` (a lease here
+        has waited ``DEMAND_AFTER_S``: send your unsent moves), or after ``timeout_s`` with nothing new. Costs no CPU
+        while it waits; one call per process per demand."""
+        self._start()
+        if self._demand_epoch <= int(epoch):
+            try:
+                await asyncio.wait_for(self._demanded.wait(), timeout=min(float(timeout_s), DEMAND_POLL_S))
+            except asyncio.TimeoutError:
+                pass
+        return self._demand_epoch
+
+    def _raise_demand(self, lease: _Lease) -> None:
+        if lease in self._leases and not lease.future.done():
+            self._demand_epoch += 1
+            self.stats["demands"] += 1
+            event, self._demanded = self._demanded, asyncio.Event()
+            event.set()
+
     async def invalidate(self, step: int, generation: int) -> bool:
         """A rank found the shards of ``step`` lost: forget them here and tell the coordinator."""
         self._cache.drop(step, generation)
@@ -192,6 +221,8 @@ class NodeReader:
         lease.future.add_done_callback(lambda f: None if f.cancelled() else f.exception())
         self._leases.append(lease)
         asyncio.ensure_future(self._run_lease(lease, track, timeout_s, wait))
+        if wait:
+            asyncio.get_running_loop().call_later(DEMAND_AFTER_S, self._raise_demand, lease)
         return lease
 
     async def _run_lease(self, lease: _Lease, track: bool, timeout_s: float, wait: bool = True) -> None:
@@ -232,6 +263,7 @@ class NodeReader:
     # ------------------------------------------------------------------ cursor reports
     def _start(self) -> None:
         if self._reporter is None:
+            self._demanded = asyncio.Event()
             self._wake = asyncio.Event()
             self._reporter = asyncio.ensure_future(self._report_loop())
 

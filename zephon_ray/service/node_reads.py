@@ -13,7 +13,10 @@ Guarantees:
   travels to the node reader with the process's next read call. Moves that wait longer than ``keepalive_s``
   (``consumer_ttl_s / 8``, at most 15 s) for one are sent alone, so a rank reading from the cache stays heard well
   within its TTL; while a read waits for its step, new moves go at once (the step may wait for exactly them), and
-  the ranks waiting are heard again every ``consumer_ttl_s / 4``. A cursor never runs ahead of the rank.
+  the ranks waiting are heard again every ``consumer_ttl_s / 4``. When a lease at the node reader waits (another
+  rank or consumer of the node is held back), the node reader asks for them: each process keeps one long poll
+  open (``NodeReader.demand``, no CPU while it waits) and sends its unsent moves when it answers. A cursor never
+  runs ahead of the rank.
 - Thread-safe: every field is guarded by one lock, never held across a remote call; threads that need the same
   step share one call (tests/test_node_reads.py runs many threads on one handle).
 - The node reader is found (and started) by :meth:`warm`, which ``DataService.connect`` calls: a fresh loader's
@@ -26,10 +29,12 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+from ray.exceptions import GetTimeoutError
 
 from zephon_ray.service.lease_cache import LeaseCache
 from zephon_ray.service.protocol import CursorMove, HeldStep, Reply, only_lanes
@@ -37,6 +42,55 @@ from zephon_ray.service.reads import StepRefs, call
 
 WAIT_POLL_S = 0.25
 """While a read call waits, how often the process's new moves and keep-alives are looked at."""
+DEMAND_POLL_S = 60.0
+"""A process's long poll for demand (node.py ``NodeReader.demand``) returns at least this often."""
+
+
+class _Listener:
+    """One long poll per process and node reader: when a lease at the node reader has waited a while, it answers,
+    and every handle of this process on that node sends its unsent cursor moves (the step may wait for them)."""
+
+    def __init__(self, key: Any, reader: Any) -> None:
+        self.key = key
+        self.reader = reader
+        self.clients: weakref.WeakSet = weakref.WeakSet()
+        self.thread = threading.Thread(target=self._run, name="zephon-ray-demand", daemon=True)
+
+    def _run(self) -> None:
+        epoch = 0
+        while True:
+            with _LISTENERS_LOCK:
+                if not self.clients:
+                    _LISTENERS.pop(self.key, None)
+                    return
+            try:
+                new = ray.get(self.reader.demand.remote(epoch, DEMAND_POLL_S), timeout=DEMAND_POLL_S + 60)
+            except GetTimeoutError:
+                continue
+            except Exception:  # noqa: BLE001 - the reader is gone: handles listen again with the next one
+                with _LISTENERS_LOCK:
+                    _LISTENERS.pop(self.key, None)
+                return
+            if new != epoch:
+                epoch = new
+                for client in list(self.clients):
+                    client.flush()
+
+
+_LISTENERS: dict[Any, _Listener] = {}
+_LISTENERS_LOCK = threading.Lock()
+
+
+def _listen(reader: Any, client: "NodeReads") -> None:
+    key = getattr(reader, "_actor_id", None) or id(reader)
+    with _LISTENERS_LOCK:
+        listener = _LISTENERS.get(key)
+        start = listener is None
+        if start:
+            listener = _LISTENERS[key] = _Listener(key, reader)
+        listener.clients.add(client)
+    if start:
+        listener.thread.start()
 
 
 @dataclass
@@ -67,6 +121,7 @@ class NodeReads:
         self._pending: dict[tuple[int, int], tuple[int, float]] = {}  # (rank, world) -> (step, when), not sent yet
         self._timer: threading.Timer | None = None
         self._sent = 0.0  # when moves last left with a call
+        self._listening: Any = None  # the reader this handle listens to for demand (one long poll per process)
 
     # ------------------------------------------------------------------ the node reader
     def reader(self) -> Any:
@@ -92,6 +147,7 @@ class NodeReads:
         """After a reconnect: a new coordinator incarnation has new node readers and may start below the old one."""
         with self._lock:
             self._reader = None
+            self._listening = None
             self._cache.clear()
 
     # ------------------------------------------------------------------ reads
@@ -175,12 +231,19 @@ class NodeReads:
 
     # ------------------------------------------------------------------ cursor moves
     def move(self, rank: int, world: int, step: int) -> None:
-        """Record a cursor move; it goes with the next read call, or alone once no call went for ``keepalive_s``."""
+        """Record a cursor move; it goes with the next read call, alone once no call went for ``keepalive_s``, or
+        at once when the node reader asks for moves (a lease there waits)."""
         now = time.monotonic()
         with self._lock:
             old = self._pending.get((rank, world))
             self._pending[(rank, world)] = (max(step, old[0]) if old else step, now)
             self._arm(self.keepalive_s)
+            reader = self._reader
+            listen = reader is not None and self._listening is not reader
+            if listen:
+                self._listening = reader
+        if listen:
+            _listen(reader, self)
 
     def _arm(self, delay: float) -> None:
         """(lock held) A timer that sends what is still pending once nothing went for ``keepalive_s``."""
