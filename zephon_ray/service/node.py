@@ -23,8 +23,9 @@ Guarantees:
   from its own cache never holds another one's step back for longer
   (tests/test_service.py::test_two_consumers_and_window_bound).
 - Cursors stay exact: a lease moves no cursor. A rank's cursor moves when it reads a step with ``track=True`` or
-  ``touch``-es it; the reader reports those moves with its next lease, within ``REPORT_GATHER_S`` while a lease
-  waits (that is what lets producers move on: one report carries the round's moves of every rank here), and every
+  ``touch``-es it; the reader reports those moves with its next lease, or within ``REPORT_GATHER_S`` when a lease
+  waits or this node's slowest rank of a consumer moved (that is what lets producers move on: one report carries
+  the round's moves of every rank here), and every
   ``consumer_ttl_s / 4`` as a keep-alive carrying how long ago each rank was last heard. Cursors never run ahead of
   the ranks. One world per consumer, the newest wins, as on the coordinator.
 - A rank that dies holds nothing back beyond ``consumer_ttl_s``: its last-heard age grows in every report and the
@@ -64,9 +65,10 @@ DEMAND_AFTER_S = 0.5
 moves now, since the step may wait for exactly those (a consumer reading from its own cache makes no call)."""
 DEMAND_POLL_S = 60.0
 """A ``demand`` call with nothing to say returns after this long (the client calls again)."""
-REPORT_GATHER_S = 0.05
-"""A report woken by a move (a lease waits) goes this much later, with the moves of the other ranks of the node
-that read in the same round: one coordinator call per round, not one per rank."""
+REPORT_GATHER_S = 0.1
+"""A report woken by a move (a lease waits, or the node's slowest rank of a consumer moved) goes this much later,
+with the moves of the other ranks of the node that read in the same round: one coordinator call per round, not
+one per rank."""
 
 
 @dataclass
@@ -102,6 +104,7 @@ class NodeReader:
         self._heard: dict[tuple[str, int, int], list] = {}  # (consumer, rank, world) -> [step, monotonic time]
         self._moved: set[tuple[str, int, int]] = set()  # keys with a move not reported yet
         self._worlds: dict[str, int] = {}  # consumer -> the world its ranks here read at
+        self._reported_slowest: dict[str, int] = {}  # consumer -> its slowest rank here, as last reported
         self._lo, self._hi = lanes, 0  # union of the lanes ranks here asked for
         self._wake: asyncio.Event | None = None
         self._reporter: asyncio.Task | None = None
@@ -194,6 +197,7 @@ class NodeReader:
             del self._heard[key]
             self._moved.discard(key)
         self._worlds.pop(consumer, None)
+        self._reported_slowest.pop(consumer, None)
         return len(keys)
 
     async def info(self) -> dict[str, Any]:
@@ -279,13 +283,23 @@ class NodeReader:
                     self._moved.discard(old)
             self._worlds[consumer] = world
             self._heard[key] = [step, seen]
+            was = None
         elif step >= heard[0] or seen > heard[1]:
+            was = heard[0]
             heard[0], heard[1] = max(heard[0], step), max(heard[1], seen)
         else:
             return
         self._moved.add(key)
         if any(x.wait for x in self._leases):
             self._wake.set()  # a lease may be waiting for exactly this move: report it now, not with the next lease
+        elif was is not None and step > was and was <= self._reported_slowest.get(consumer, -1) \
+                and self._slowest(consumer) > self._reported_slowest[consumer]:
+            # this node's slowest rank of the consumer moved: producers may move on once the coordinator knows,
+            # so report it (gathered with the round's other moves) rather than with the next lease
+            self._wake.set()
+
+    def _slowest(self, consumer: str) -> int:
+        return min((h[0] for k, h in self._heard.items() if k[0] == consumer), default=-1)
 
     def _moves(self, everyone: bool = False) -> list[CursorMove]:
         """The moves not reported yet (``everyone``: every rank heard within the TTL, as a keep-alive)."""
@@ -295,6 +309,8 @@ class NodeReader:
             self._moved.discard(key)
         keys = list(self._heard) if everyone else [k for k in self._moved if k in self._heard]
         self._moved.clear()
+        for consumer in {k[0] for k in keys}:
+            self._reported_slowest[consumer] = self._slowest(consumer)
         out = [(c, r, w, self._heard[(c, r, w)][0], round(now - self._heard[(c, r, w)][1], 3)) for c, r, w in keys]
         self.stats["moves_reported"] += len(out)
         return out
