@@ -502,7 +502,8 @@ def _run_cpu_once(recipe, reference, tmp, steps: int, m: int, tag: str) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- pump
-def run_pump(recipe, digests, tmp, steps: int = 48, rounds: int = 1, producers=(1, 2, 4, 8)) -> dict:
+def run_pump(recipe, digests, tmp, steps: int = 48, rounds: int = 1, producers=(1, 2, 4, 8),
+             profile: str | None = None) -> dict:
     """The coordinator's CPU per produced step against the number of producers M, with no reader but one: a
     direct-path client moves its cursor ``window`` steps at a time (``touch``) and waits for the last of them
     (one lease), so the producers refill the whole window each hop. Reported per produced step: the whole
@@ -511,7 +512,7 @@ def run_pump(recipe, digests, tmp, steps: int = 48, rounds: int = 1, producers=(
     runs: dict[int, list[dict]] = {m: [] for m in producers}
     for r in range(rounds):
         for m in (producers if r % 2 == 0 else producers[::-1]):
-            runs[m].append(_pump_once(recipe, digests, tmp, steps, m, f"{m}-{r}"))
+            runs[m].append(_pump_once(recipe, digests, tmp, steps, m, f"{m}-{r}", profile))
             x = runs[m][-1]
             print(f"pump M={m}, round {r}: coordinator {x['coordinator_ms_per_step']:.2f} CPU-ms per produced "
                   f"step (pump thread {x['pump_ms_per_step']:.2f}); idle {x['idle_ms_per_s']:.2f} CPU-ms/s "
@@ -521,7 +522,7 @@ def run_pump(recipe, digests, tmp, steps: int = 48, rounds: int = 1, producers=(
     return {m: {k: med(x[k] for x in xs) for k in xs[0]} for m, xs in runs.items()}
 
 
-def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str) -> dict:
+def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str, profile: str | None = None) -> dict:
     svc = start(recipe, f"pump-m{tag}", tmp, producers=m, window=8, read_path="direct")
     try:
         window = svc.config.window
@@ -534,6 +535,7 @@ def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str) -> dict:
         s1, idle_wall = thread_cpu(pid), time.perf_counter() - t0
         idle = {k: (s1[k] - s0[k]) / idle_wall * 1e3 for k in s1}
         produced = 0
+        profilers = start_profilers(profile, f"pump-m{tag}", pid, []) if profile else []
         s0 = thread_cpu(pid)
         for first in range(window, window + steps, window):
             svc.touch(first)  # the cursor moves past the window: producers make the next ``window`` steps
@@ -542,6 +544,7 @@ def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str) -> dict:
                 raise AssertionError(f"M={m} step {last}: wrong rows")
             produced += window
         s1 = thread_cpu(pid)
+        stop_profilers(profilers)
         total = sum(s1.values()) - sum(s0.values())
         return {"producers": m, "produced_steps": produced, "coordinator_ms_per_step": total / produced * 1e3,
                 "pump_ms_per_step": (s1["pump"] - s0["pump"]) / produced * 1e3,
@@ -775,7 +778,8 @@ def main() -> None:
             print(f"cpu ratio M=2/M=1 per token {r['ratio_m2_vs_m1_cpu_per_token']:.2f} (target <= 1.2), tokens/s "
                   f"{r['ratio_m2_vs_m1_tokens_per_s']:.2f}", flush=True)
         if "pump" in parts:
-            result["pump"] = run_pump(recipe, digests, tmp, steps=args.pump_steps, rounds=args.rounds)
+            result["pump"] = run_pump(recipe, digests, tmp, steps=args.pump_steps, rounds=args.rounds,
+                                      profile=args.profile)
         if "resume" in parts:
             r = result["resume"] = run_resume(recipe, digests, tmp, rounds=args.rounds)
             print(f"resume first batch: retained {r['retained']['first_batch_s']:.3f} s, replay path "
