@@ -267,7 +267,9 @@ class ProducerPool:
             if step > 0 and step % k == 0 and not self.state.has_checkpoint(step):
                 self._ckpts[step] = [a.checkpoint.remote(step) for a in gen.actors]
             if wanted(step):
-                self._inflight[step] = [actor.produce.remote(step) for actor in gen.actors]
+                # no Ray task events: M per step, recorded and shipped to the GCS for calls nobody inspects
+                self._inflight[step] = [actor.produce.options(enable_task_events=False).remote(step)
+                                        for actor in gen.actors]
                 submitted(step)
             else:
                 self._skips[step] = [a.skip.remote(step) for a in gen.actors]
