@@ -323,9 +323,10 @@ class ProducerPool:
                     del self._skips[step]
             for step in sorted(self._inflight):
                 metas = self._inflight[step]
-                for r in metas:
-                    if r in done:
-                        ray.get(r)  # a producer error surfaces here: metadata and refs only, never the shard
+                # Read once all are done (a producer error surfaces here: metadata and refs only, never the
+                # shard): each read deserialises the reply and borrows its container ref again, so no early
+                # read of the finished ones, as produce calls (unlike a collective checkpoint) never wait on each
+                # other.
                 if all(r in done for r in metas):
                     meta_values = ray.get(metas)
                     del self._inflight[step]
