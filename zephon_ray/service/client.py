@@ -56,6 +56,7 @@ import socket
 import tempfile
 import threading
 import time
+import uuid
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import Any
