@@ -67,7 +67,8 @@ class _Listener:
                 new = ray.get(self.reader.demand.remote(epoch, DEMAND_POLL_S), timeout=DEMAND_POLL_S + 60)
             except GetTimeoutError:
                 continue
-            except Exception:  # noqa: BLE001 - the reader is gone: handles listen again with the next one
+            except BaseException:  # noqa: BLE001 - the reader is gone (handles listen again with the next one),
+                # or this worker process is exiting (Ray raises SystemExit in its threads' calls)
                 with _LISTENERS_LOCK:
                     _LISTENERS.pop(self.key, None)
                 return
