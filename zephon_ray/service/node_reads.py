@@ -34,7 +34,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError
 
 from zephon_ray.service.lease_cache import LeaseCache
 from zephon_ray.service.protocol import CursorMove, HeldStep, Reply, only_lanes
@@ -64,13 +63,16 @@ class _Listener:
                     _LISTENERS.pop(self.key, None)
                     return
             try:
-                new = ray.get(self.reader.demand.remote(epoch, DEMAND_POLL_S), timeout=DEMAND_POLL_S + 60)
-            except GetTimeoutError:
-                continue
-            except BaseException:  # noqa: BLE001 - the reader is gone (handles listen again with the next one),
-                # or this worker process is exiting (Ray raises SystemExit in its threads' calls)
+                # No retries: a call to a reader that died must fail, not wait for it to come back (it may not).
+                call = self.reader.demand.options(max_task_retries=0).remote(epoch, DEMAND_POLL_S)
+                new = ray.get(call, timeout=DEMAND_POLL_S + 60)
+            except BaseException:  # noqa: BLE001 - the reader is gone or stuck (handles listen again on their next
+                # move), or this worker process is exiting (Ray raises SystemExit in its threads' calls)
                 with _LISTENERS_LOCK:
                     _LISTENERS.pop(self.key, None)
+                    clients = list(self.clients)
+                for client in clients:
+                    client._stop_listening(self.reader)
                 return
             if new != epoch:
                 epoch = new
@@ -252,6 +254,11 @@ class NodeReads:
             self._timer = threading.Timer(delay, self._on_timer)
             self._timer.daemon = True
             self._timer.start()
+
+    def _stop_listening(self, reader: Any) -> None:
+        with self._lock:
+            if self._listening is reader:
+                self._listening = None
 
     def _on_timer(self) -> None:
         with self._lock:
