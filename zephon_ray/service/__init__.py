@@ -1,8 +1,10 @@
 """The Ray data service: producer actors precompute step-keyed global-batch shards for any number of consumers.
 
 Public: :class:`DataService` (client), :class:`ServiceConfig`, :class:`ActorResources`, errors. The parts: client.py
-(DataService), node.py (a node reader per node), coordinator.py (glue), window.py, pool.py, producer.py, replay.py,
-replayer.py, status.py, launch.py, protocol.py, config.py, metrics.py, cli.py.
+(DataService, the handle) with its read paths node_reads.py and direct_reads.py (and reads.py, what they share),
+lease_cache.py (the lease cache of the node reader and the client), node.py (a node reader per node),
+coordinator.py (glue), window.py, pool.py, producer.py, replay.py, replayer.py, status.py, launch.py, protocol.py,
+config.py, metrics.py, cli.py.
 """
 
 from zephon_ray.service.config import ActorResources, ServiceConfig

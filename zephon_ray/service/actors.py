@@ -27,8 +27,10 @@ class CoordinatorActor:
 
         self._impl = Coordinator(recipe, config, reader_class=NodeReaderActor)
 
-    @ray.method(concurrency_group=READS)
-    async def lease(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    # Task events off for the hot calls (one per lease or report): Ray records several per call and ships them to
+    # the GCS, CPU in this process and in the caller's for calls nobody inspects (docs/scaling.md).
+    @ray.method(concurrency_group=READS, enable_task_events=False)
+    async def lease(self, *args: Any, **kwargs: Any) -> Any:
         return await self._impl.lease(*args, **kwargs)
 
     @ray.method(concurrency_group=CONTROL)
@@ -49,7 +51,7 @@ class CoordinatorActor:
     async def node_reader(self, node_id: str) -> Any:
         return await self._impl.node_reader(node_id)
 
-    @ray.method(concurrency_group=CONTROL)
+    @ray.method(concurrency_group=CONTROL, enable_task_events=False)
     async def advance(self, moves: list[CursorMove]) -> None:
         return await self._impl.advance(moves)
 
@@ -86,11 +88,17 @@ class NodeReaderActor:
 
         self._impl = NodeReader(*args, **kwargs)
 
-    async def read(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+    @ray.method(enable_task_events=False)  # one call per process per run of steps: see CoordinatorActor.lease
+    async def read(self, *args: Any, **kwargs: Any) -> Any:
         return await self._impl.read(*args, **kwargs)
 
-    async def advance(self, moves: list[tuple[str, int, int, int]]) -> None:
+    @ray.method(enable_task_events=False)
+    async def advance(self, moves: list[CursorMove]) -> None:
         return await self._impl.advance(moves)
+
+    @ray.method(enable_task_events=False)
+    async def demand(self, epoch: int, timeout_s: float = 60.0) -> int:
+        return await self._impl.demand(epoch, timeout_s)
 
     async def invalidate(self, step: int, generation: int) -> bool:
         return await self._impl.invalidate(step, generation)

@@ -48,18 +48,32 @@ from zephon_ray.service.errors import ServiceError
 from zephon_ray.service.metrics import ServiceMetrics
 from zephon_ray.service.pool import ProducerPool
 from zephon_ray.service.protocol import (
-    PRODUCER_INFIX, READER_INFIX, REPLAYED, REPLAYER_INFIX, CursorMove, kill_named, lease_reply, only_groups)
+    PRODUCER_INFIX, READER_INFIX, REPLAYED, REPLAYER_INFIX, CursorMove, Reply, StepContainers, kill_named, lease_reply,
+    only_groups)
 from zephon_ray.service.replay import ReplayScheduler, read_materialized_prefix
 from zephon_ray.service.window import Entry, Read, StepWindow, resume_step
 
 log = logging.getLogger("zephon_ray.service")
 
+
+def name_thread(name: bytes) -> None:
+    """Name this OS thread (Linux ``prctl(PR_SET_NAME)``; elsewhere nothing), so that per-thread CPU and profilers
+    tell it apart from the process's other Python threads."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(15, name[:15], 0, 0, 0)
+    except Exception:  # noqa: BLE001 - not Linux: the name is only for measurements
+        pass
+
 MAX_LEASE_STEPS = 1024
 _BUSY_POLL_S = 0.25
 """How long the pump waits for a producer call to finish (a finished call ends the wait at once; so does nothing
 else, so a step that a cursor move made wanted is submitted at most this late, while the producers are busy)."""
-_IDLE_WAIT_S = 0.5
-"""How long an idle pump sleeps unless woken (a cursor move, a commit, a release, a rescale wakes it)."""
+_IDLE_WAIT_S = 2.0
+"""How long an idle pump sleeps unless woken (a cursor move, a commit, a release, a rescale wakes it). Every change
+that gives producers work wakes it at once, so this only paces cursor expiry and the idle pings
+(pool.PING_EVERY_S): at 0.5 s an idle coordinator spent a few CPU-ms per second waking up."""
 
 
 class Coordinator:
@@ -176,7 +190,7 @@ class Coordinator:
     # ================================================================== reads
     async def lease(self, first: int, count: int = 1, lanes: tuple[int, int] | None = None,
                     timeout_s: float | None = None, moves: list[CursorMove] | None = None, track: bool = False,
-                    node: str | None = None, wait: bool = True) -> dict[str, Any]:
+                    node: str | None = None, wait: bool = True) -> Reply:
         """The container refs of steps ``first, first + 1, ...`` (at most ``count``, consecutive, all produced)
         holding lanes ``[lo, hi)``: a lease reply (protocol.py). Waits for ``first`` to be produced, or has it replayed when it
         lies behind the live window (or ahead of it and ``track`` is False: no cursor moves producers there).
@@ -202,15 +216,16 @@ class Coordinator:
                         entry.served += 1
                     self._count_lease(node, len(run), waited, now - t0)
                     lanes = self.recipe.lanes
-                    return lease_reply([(s, e.generation, len(e.containers), only_groups(e.containers, lanes, lo, hi))
-                                        for s, e in run], self.window.keep_from)
+                    return lease_reply([StepContainers(s, e.generation, len(e.containers),
+                                                       only_groups(e.containers, lanes, lo, hi)) for s, e in run],
+                                       self.window.keep_from)
                 low, high = self.window.keep_from, self.window.produce_until
                 if not wait:
                     return lease_reply([], self.window.keep_from)
             if kind is Read.REPLAY:
                 container = await self.replay.container(first, read_ahead=track or count > 1)
                 self._count_lease(node, 1, waited, time.monotonic() - t0)
-                return lease_reply([(first, REPLAYED, 1, [container])], self.window.keep_from)
+                return lease_reply([StepContainers(first, REPLAYED, 1, [container])], self.window.keep_from)
             if now >= deadline:
                 raise TimeoutError(
                     f"step {first} was not produced within {timeout_s:.0f}s: the live window is [{low}, {high}) "
@@ -357,6 +372,7 @@ class Coordinator:
 
     # ================================================================== pump (one thread)
     def _pump(self) -> None:
+        name_thread(b"zr-pump")  # its CPU shows apart from the event loops' (benchmarks/bench_service_load.py)
         pool = self.pool
         while not self._stopping and not self._fatal:
             try:

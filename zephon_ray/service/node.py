@@ -1,6 +1,6 @@
 """``NodeReader``: one actor per node that leases step refs from the coordinator for every rank on that node.
 
-    processes on node A ──read(s, lanes, moves)──► NodeReader(A) ── cache hit ──► refs of steps s.. (<= n)
+    processes on node A ──read(s, lanes, moves)──► NodeReader(A) ── cache hit ──► refs of steps s.. (<= window)
                                                       │ miss: one lease call for steps [s, s + n), with the
                                                       │ cursor moves of every rank on A since the last call
                                                       ▼
@@ -16,22 +16,32 @@ Guarantees:
 - Rows: the reader opens the containers the coordinator leased (small objects holding lane refs; protocol.py) and
   hands out those lane refs, unchanged; a rank fetches the bytes itself from the object store (zero-copy on the
   producer's node). tests/test_service.py checks every row against the reference.
+- Few calls: a read reply carries the run of cached steps from the one asked for (up to ``window``), so a rank's
+  process calls about once per run (node_reads.py), and its cursor moves ride on those calls. The cache is the one
+  the client uses too (lease_cache.py). When a lease here has waited ``DEMAND_AFTER_S``, the processes of this
+  node that hold unsent moves are asked for them (``demand``, a long poll each keeps open): a consumer reading
+  from its own cache never holds another one's step back for longer
+  (tests/test_service.py::test_two_consumers_and_window_bound).
 - Cursors stay exact: a lease moves no cursor. A rank's cursor moves when it reads a step with ``track=True`` or
-  ``touch``-es it; the reader reports those moves with its next lease, at once while a lease waits (that is what
-  lets producers move on), and every ``consumer_ttl_s / 4`` as a keep-alive carrying how long ago each rank was last
-  heard. So the coordinator's cursors lag the ranks by at most n steps and never run ahead of them.
+  ``touch``-es it; the reader reports those moves with its next lease, or within ``REPORT_GATHER_S`` when a lease
+  waits or this node's slowest rank of a consumer moved (that is what lets producers move on: one report carries
+  the round's moves of every rank here), and every
+  ``consumer_ttl_s / 4`` as a keep-alive carrying how long ago each rank was last heard. Cursors never run ahead of
+  the ranks. One world per consumer, the newest wins, as on the coordinator.
 - A rank that dies holds nothing back beyond ``consumer_ttl_s``: its last-heard age grows in every report and the
   coordinator expires it; the reader forgets it too. The reader's cache holds only steps >= the coordinator's
   ``keep_from`` (and a few replayed ones), so its refs keep no evicted step alive for long.
 - One lease in flight per step range: W ranks of a node missing the same step cost one coordinator call. When a
-  read gets within ``lease_steps`` of the end of what the reader holds, it leases what is already produced beyond
-  it without waiting (read-ahead), so ranks rarely wait for a lease round trip.
+  read gets within a run of the end of what the reader holds, it leases what is already produced beyond it
+  without waiting (read-ahead), so ranks rarely wait for a lease round trip.
+- Its hot calls (``read``, ``advance``) record no Ray task events (actors.py): measured per call in
+  benchmarks/bench_service_load.py.
 - It never touches rows, so its process loads neither torch nor Zephon: 129 MB of RSS instead of 309 MB, and about
   1 s less to start (tests/test_service.py::test_node_readers_load_neither_torch_nor_zephon).
 
 Limits: the reader is owned by the coordinator and dies with it (clients ask the new incarnation for a new one);
 a reader that dies alone is restarted by Ray with an empty cache (its unreported cursor moves are lost until the
-ranks move again). Between leases ``status()`` shows cursors up to n steps old.
+ranks move again). ``status()`` shows cursors up to a run plus a lease old.
 """
 
 from __future__ import annotations
@@ -44,14 +54,21 @@ from typing import Any
 
 from ray.exceptions import RayTaskError
 
+from zephon_ray.service.lease_cache import LeaseCache
 from zephon_ray.service.protocol import (
-    KEY_KEEP_FROM, KEY_STEPS, REPLAYED, CursorMove, HeldStep, StepContainers, StepLanes, check_consumer, check_reader,
-    expand, lease_reply, only_lanes)
+    CursorMove, Reply, StepContainers, StepLanes, check_consumer, check_reader, expand, lease_reply)
 
-REPLAYS_KEPT = 8
-"""Replayed steps kept in a reader's cache (ranks of one node reading one past step share one reply)."""
 READ_AHEAD_BACKOFF_S = 0.2
 """After a read-ahead lease found nothing produced yet, the next one waits this long."""
+DEMAND_AFTER_S = 0.5
+"""A lease that has waited this long raises demand: every process listening (``demand``) sends its unsent cursor
+moves now, since the step may wait for exactly those (a consumer reading from its own cache makes no call)."""
+DEMAND_POLL_S = 60.0
+"""A ``demand`` call with nothing to say returns after this long (the client calls again)."""
+REPORT_GATHER_S = 0.1
+"""A report woken by a move (a lease waits, or the node's slowest rank of a consumer moved) goes this much later,
+with the moves of the other ranks of the node that read in the same round: one coordinator call per round, not
+one per rank."""
 
 
 @dataclass
@@ -61,6 +78,7 @@ class _Lease:
     lo: int
     hi: int
     future: asyncio.Future = field(repr=False)
+    wait: bool = True
 
     def covers(self, step: int, lo: int, hi: int) -> bool:
         return self.first <= step < self.stop and self.lo <= lo and hi <= self.hi
@@ -79,31 +97,35 @@ class NodeReader:
         self.ttl = consumer_ttl_s
         self.request_timeout_s = request_timeout_s
         self.node_id = node_id
-        self._cache: dict[int, HeldStep] = {}
-        self._replayed: list[int] = []  # replayed steps in the cache, oldest first
+        self._cache = LeaseCache.for_window(lanes, window, lease_steps)
+        self.run_steps = max(lease_steps, window)
+        """Steps one read reply may carry: a rank's process calls about once per run it is handed."""
         self._leases: list[_Lease] = []
         self._heard: dict[tuple[str, int, int], list] = {}  # (consumer, rank, world) -> [step, monotonic time]
         self._moved: set[tuple[str, int, int]] = set()  # keys with a move not reported yet
-        self._keep_from = 0
+        self._worlds: dict[str, int] = {}  # consumer -> the world its ranks here read at
+        self._reported_slowest: dict[str, int] = {}  # consumer -> its slowest rank here, as last reported
         self._lo, self._hi = lanes, 0  # union of the lanes ranks here asked for
         self._wake: asyncio.Event | None = None
         self._reporter: asyncio.Task | None = None
         self._ahead_after = 0.0
-        self.stats = {"reads": 0, "hits": 0, "leases": 0, "read_aheads": 0, "leased_steps": 0, "reports": 0,
-                      "moves_reported": 0}
+        self._demand_epoch = 0
+        self._demanded: asyncio.Event | None = None
+        self.stats = {"reads": 0, "hits": 0, "advances": 0, "leases": 0, "read_aheads": 0, "leased_steps": 0,
+                      "reports": 0, "moves_reported": 0, "demands": 0}
 
     # ------------------------------------------------------------------ ranks' calls
     async def read(self, step: int, consumer: str, lanes: tuple[int, int] | None = None, track: bool = False,
-                   timeout_s: float | None = None, moves: list[tuple[str, int, int, int]] | None = None
-                   ) -> dict[str, Any]:
-        """A lease reply (protocol.py) for one process: step ``step`` and the cached steps after it (at most
-        ``lease_steps``), with the refs of lanes ``[lo, hi)`` (the union of the process's ranks' lanes; all lanes
-        for None). ``moves`` are the process's cursor moves ``(consumer, rank, world, step)`` since its last
-        call, applied first; ``track``: the caller's cursor is at ``step`` (it may wait for it to be produced)."""
+                   timeout_s: float | None = None, moves: list[CursorMove] | None = None) -> Reply:
+        """A read reply (protocol.py) for one process: step ``step`` and the cached steps after it (at most
+        ``run_steps``), with the refs of lanes ``[lo, hi)`` (the union of the process's ranks' lanes; all lanes
+        for None). ``moves`` are the process's cursor moves ``(consumer, rank, world, step, idle_s)`` since its
+        last call, applied first; ``track``: the caller's cursor is at ``step`` (it may wait for it to be
+        produced)."""
         self._start()
         check_consumer(consumer)
         if moves:
-            await self.advance(moves)
+            self._apply(moves)
         lo, hi = (0, self.lanes) if lanes is None else (int(lanes[0]), int(lanes[1]))
         if not 0 <= lo < hi <= self.lanes:
             raise ValueError(f"lanes [{lo}, {hi}) are not a lane range of a recipe with {self.lanes} lanes")
@@ -112,13 +134,12 @@ class NodeReader:
         timeout_s = self.request_timeout_s if timeout_s is None else float(timeout_s)
         first_look = True
         while True:
-            held = self._cache.get(step)
-            if held is not None and held.has(lo, hi):
+            if self._cache.get(step, lo, hi) is not None:
                 if first_look:
                     self.stats["hits"] += 1
-                run = self._run(step, lo, hi)
+                run = self._cache.run(step, lo, hi, self.run_steps)
                 self._read_ahead(step + len(run), step, timeout_s)
-                return lease_reply(run, self._keep_from)
+                return lease_reply(run, self._cache.keep_from)
             first_look = False
             lease = next((x for x in self._leases if x.covers(step, lo, hi)), None)
             if lease is None:
@@ -130,30 +151,43 @@ class NodeReader:
                     raise  # the coordinator's answer about this step (ValueError, TimeoutError, ServiceError)
                 # a lease for an earlier step failed: ask for this one ourselves
 
-    def _run(self, first: int, lo: int, hi: int) -> list[StepLanes]:
-        """Cached steps ``first, first + 1, ...`` (at most ``lease_steps``) that hold lanes ``[lo, hi)``."""
-        out = []
-        for step in range(first, first + self.lease_steps):
-            held = self._cache.get(step)
-            if held is None or not held.has(lo, hi):
-                break
-            out.append((step, held.generation, only_lanes(held.lanes, lo, hi)))
-        return out
-
-    async def advance(self, moves: list[tuple[str, int, int, int]]) -> None:
-        """Cursor moves ``(consumer, rank, world, step)`` of ranks on this node (a read or ``touch``)."""
+    async def advance(self, moves: list[CursorMove]) -> None:
+        """Cursor moves ``(consumer, rank, world, step, idle_s)`` of ranks on this node (reads or ``touch``-es a
+        process has not sent with a read call yet: it sends them alone only as a keep-alive)."""
         self._start()
+        self.stats["advances"] += 1
+        self._apply(moves)
+
+    def _apply(self, moves: list[CursorMove]) -> None:
         rows = self.lanes * self.rows_per_lane
-        for consumer, rank, world, step in moves:
+        now = time.monotonic()
+        for consumer, rank, world, step, idle_s in moves:
             check_consumer(consumer)
             rank, world = check_reader(rank, world, rows)
-            self._move(consumer, rank, world, int(step))
+            self._move(consumer, rank, world, int(step), now - max(0.0, float(idle_s)))
+
+    async def demand(self, epoch: int, timeout_s: float = DEMAND_POLL_S) -> int:
+        """A long poll for processes on this node: returns the demand epoch once it is past ``epoch`` (a lease here
+        has waited ``DEMAND_AFTER_S``: send your unsent moves), or after ``timeout_s`` with nothing new. Costs no CPU
+        while it waits; one call per process per demand."""
+        self._start()
+        if self._demand_epoch <= int(epoch):
+            try:
+                await asyncio.wait_for(self._demanded.wait(), timeout=min(float(timeout_s), DEMAND_POLL_S))
+            except asyncio.TimeoutError:
+                pass
+        return self._demand_epoch
+
+    def _raise_demand(self, lease: _Lease) -> None:
+        if lease in self._leases and not lease.future.done():
+            self._demand_epoch += 1
+            self.stats["demands"] += 1
+            event, self._demanded = self._demanded, asyncio.Event()
+            event.set()
 
     async def invalidate(self, step: int, generation: int) -> bool:
         """A rank found the shards of ``step`` lost: forget them here and tell the coordinator."""
-        held = self._cache.get(step)
-        if held is not None and held.generation == generation:
-            del self._cache[step]
+        self._cache.drop(step, generation)
         return await self._coordinator.invalidate.remote(step, generation)
 
     async def release(self, consumer: str) -> int:
@@ -162,18 +196,22 @@ class NodeReader:
         for key in keys:
             del self._heard[key]
             self._moved.discard(key)
+        self._worlds.pop(consumer, None)
+        self._reported_slowest.pop(consumer, None)
         return len(keys)
 
     async def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "node_id": self.node_id, "cached_steps": sorted(self._cache), "keep_from": self._keep_from,
+        return {"pid": os.getpid(), "node_id": self.node_id, "cached_steps": self._cache.steps(),
+                "keep_from": self._cache.keep_from,
                 "cursors": len(self._heard), "lanes": [self._lo, self._hi], **self.stats}
 
     # ------------------------------------------------------------------ leases
     def _read_ahead(self, first: int, step: int, timeout_s: float) -> None:
-        """The cache runs out at ``first``, within ``lease_steps`` of the step just read: lease what is produced
-        from there now, without waiting, so that the ranks do not wait for a lease round trip when they get there.
-        At most one read-ahead in flight; after one that found nothing, none for ``READ_AHEAD_BACKOFF_S``."""
-        if first >= step + self.lease_steps or time.monotonic() < self._ahead_after:
+        """The cache runs out at ``first``, less than ``run_steps`` past the step just read: lease what is produced
+        from there now, without waiting, so that the ranks find their next run here (one call of theirs per run)
+        and do not wait for a lease round trip. At most one read-ahead in flight; after one that found nothing,
+        none for ``READ_AHEAD_BACKOFF_S``."""
+        if first >= step + self.run_steps or time.monotonic() < self._ahead_after:
             return
         if any(x.first <= first < x.stop for x in self._leases):
             return
@@ -182,11 +220,13 @@ class NodeReader:
 
     def _lease(self, first: int, track: bool, timeout_s: float, wait: bool = True) -> _Lease:
         lease = _Lease(first, first + self.lease_steps, self._lo, self._hi,
-                       asyncio.get_running_loop().create_future())
+                       asyncio.get_running_loop().create_future(), wait)
         # joiners may all have moved on: mark a failure as seen so asyncio does not log it as never retrieved
         lease.future.add_done_callback(lambda f: None if f.cancelled() else f.exception())
         self._leases.append(lease)
         asyncio.ensure_future(self._run_lease(lease, track, timeout_s, wait))
+        if wait:
+            asyncio.get_running_loop().call_later(DEMAND_AFTER_S, self._raise_demand, lease)
         return lease
 
     async def _run_lease(self, lease: _Lease, track: bool, timeout_s: float, wait: bool = True) -> None:
@@ -194,7 +234,7 @@ class NodeReader:
         try:
             reply = await self._coordinator.lease.remote(lease.first, lease.stop - lease.first, (lease.lo, lease.hi),
                                                          timeout_s, self._moves(), track, self.node_id, wait)
-            steps = await self._open(reply[KEY_STEPS])
+            steps = await self._open(reply.steps)
             if not wait and not steps:
                 self._ahead_after = time.monotonic() + READ_AHEAD_BACKOFF_S
         except RayTaskError as exc:
@@ -203,7 +243,7 @@ class NodeReader:
         except Exception as exc:  # noqa: BLE001 - the coordinator died: the client reconnects
             lease.future.set_exception(exc)
         else:
-            self._file(lease_reply(steps, reply[KEY_KEEP_FROM]))
+            self.stats["leased_steps"] += self._cache.file(steps, reply.keep_from)
             lease.future.set_result(None)
         finally:
             self._leases.remove(lease)
@@ -221,46 +261,45 @@ class NodeReader:
             if any(isinstance(v, BaseException) for v in got.values()):
                 await self._coordinator.invalidate.remote(step, generation)
                 break
-            out.append((step, generation, expand(groups, got, self.lanes)))
+            out.append(StepLanes(step, generation, expand(groups, got, self.lanes)))
         return out
-
-    def _file(self, reply: dict[str, Any]) -> None:
-        self._keep_from = max(self._keep_from, int(reply[KEY_KEEP_FROM]))
-        filed = {step for step, _, _ in reply[KEY_STEPS]}
-        for step, generation, lanes in reply[KEY_STEPS]:
-            self.stats["leased_steps"] += 1
-            held = self._cache.get(step)
-            if held is not None and held.generation == generation:
-                held.lanes = [new if new is not None else old for old, new in zip(held.lanes, lanes)]
-            else:
-                self._cache[step] = HeldStep(generation, list(lanes))
-            if generation == REPLAYED:
-                if step in self._replayed:
-                    self._replayed.remove(step)
-                self._replayed.append(step)
-        # Evict: live steps the coordinator no longer holds, replays beyond the newest few, then a hard cap.
-        while len(self._replayed) > REPLAYS_KEPT:
-            self._cache.pop(self._replayed.pop(0), None)
-        replayed = set(self._replayed)
-        for step in [s for s in self._cache if s < self._keep_from and s not in replayed | filed]:
-            del self._cache[step]
-        cap = 2 * (self.window + self.lease_steps) + REPLAYS_KEPT
-        older = sorted(s for s in self._cache if s not in filed)
-        for step in older[:max(0, len(self._cache) - cap)]:
-            del self._cache[step]
 
     # ------------------------------------------------------------------ cursor reports
     def _start(self) -> None:
         if self._reporter is None:
+            self._demanded = asyncio.Event()
             self._wake = asyncio.Event()
             self._reporter = asyncio.ensure_future(self._report_loop())
 
-    def _move(self, consumer: str, rank: int, world: int, step: int) -> None:
+    def _move(self, consumer: str, rank: int, world: int, step: int, seen: float) -> None:
         key = (consumer, rank, world)
-        self._heard[key] = [int(step), time.monotonic()]
+        heard = self._heard.get(key)
+        if heard is None:
+            if self._worlds.get(consumer, world) != world:
+                # one world per consumer, the newest wins (as on the coordinator): a resized job's old ranks are
+                # neither reported again nor kept alive, or their keep-alives would undo the new world's cursors
+                for old in [k for k in self._heard if k[0] == consumer]:
+                    del self._heard[old]
+                    self._moved.discard(old)
+            self._worlds[consumer] = world
+            self._heard[key] = [step, seen]
+            was = None
+        elif step >= heard[0] or seen > heard[1]:
+            was = heard[0]
+            heard[0], heard[1] = max(heard[0], step), max(heard[1], seen)
+        else:
+            return
         self._moved.add(key)
-        if self._leases:  # a lease may be waiting for exactly this move: report it now, not with the next lease
+        if any(x.wait for x in self._leases):
+            self._wake.set()  # a lease may be waiting for exactly this move: report it now, not with the next lease
+        elif was is not None and step > was and was <= self._reported_slowest.get(consumer, -1) \
+                and self._slowest(consumer) > self._reported_slowest[consumer]:
+            # this node's slowest rank of the consumer moved: producers may move on once the coordinator knows,
+            # so report it (gathered with the round's other moves) rather than with the next lease
             self._wake.set()
+
+    def _slowest(self, consumer: str) -> int:
+        return min((h[0] for k, h in self._heard.items() if k[0] == consumer), default=-1)
 
     def _moves(self, everyone: bool = False) -> list[CursorMove]:
         """The moves not reported yet (``everyone``: every rank heard within the TTL, as a keep-alive)."""
@@ -270,6 +309,8 @@ class NodeReader:
             self._moved.discard(key)
         keys = list(self._heard) if everyone else [k for k in self._moved if k in self._heard]
         self._moved.clear()
+        for consumer in {k[0] for k in keys}:
+            self._reported_slowest[consumer] = self._slowest(consumer)
         out = [(c, r, w, self._heard[(c, r, w)][0], round(now - self._heard[(c, r, w)][1], 3)) for c, r, w in keys]
         self.stats["moves_reported"] += len(out)
         return out
@@ -282,6 +323,8 @@ class NodeReader:
                 await asyncio.wait_for(self._wake.wait(), timeout=keepalive)
             except asyncio.TimeoutError:
                 pass
+            else:
+                await asyncio.sleep(REPORT_GATHER_S)
             self._wake.clear()
             everyone = time.monotonic() - last_keepalive >= keepalive
             if everyone:

@@ -11,13 +11,15 @@ Shared by both sides, so the client imports this and never a server class (tests
 - A step's shards travel as **containers**: each producer puts its L/M lane shards and then one small object
   holding their refs (the container), and the coordinator holds only the M container refs of a step, so its
   bookkeeping per step grows with M, not with L (tests/test_service.py::test_coordinator_owns_no_shard_bytes).
-- A **lease reply** (coordinator -> node reader, or a direct client) is
-  ``{"steps": [(step, generation, groups, containers), ...], "keep_from": k}``: consecutive steps from the first
-  one asked for, each with the generation that made it (:data:`REPLAYED` for a replay, one container of all L
-  lanes), the number of containers (the M of that generation) and the container refs (``None`` for producers
-  whose lanes were not asked for). ``keep_from`` is the oldest step the coordinator still holds.
-- A **read reply** (node reader -> client process) has the same shape with lane refs:
-  ``{"steps": [(step, generation, lanes), ...], "keep_from": k}`` (``None`` for lanes not asked for).
+- A **lease reply** (coordinator -> node reader, or a direct client) is a :class:`Reply` of
+  :class:`StepContainers` ``(step, generation, groups, containers)``: consecutive steps from the first one asked
+  for, each with the generation that made it (:data:`REPLAYED` for a replay, one container of all L lanes), the
+  number of containers (the M of that generation) and the container refs (``None`` for producers whose lanes
+  were not asked for). ``keep_from`` is the oldest step the coordinator still holds.
+- A **read reply** (node reader -> client process) is a :class:`Reply` of :class:`StepLanes`
+  ``(step, generation, lanes)`` (``None`` for lanes not asked for).
+- Replies and their steps are named tuples: a field added with a default (say, a per-step count) changes no
+  caller that does not read it.
 - Actor names: ``<service>.producer.<instance>.g<G>.<i>``, ``<service>.replayer.<instance>.<i>``,
   ``<service>.reader.<instance>.<node id>``.
 - The actor classes clients hold handles of are thin shells in actors.py.
@@ -26,14 +28,37 @@ Shared by both sides, so the client imports this and never a server class (tests
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 CursorMove = tuple[str, int, int, int, float]
 """(consumer, rank, world, step, idle_s)."""
-StepLanes = tuple[int, int, list]
-"""(step, generation, lanes): lane refs of one step, None where not asked for (a read reply)."""
-StepContainers = tuple[int, int, int, list]
-"""(step, generation, groups, containers): container refs of one step, None where not asked for (a lease reply)."""
+
+
+class StepLanes(NamedTuple):
+    """One step of a read reply: its lane refs, None where not asked for. Named fields, so that a field added
+    later (with a default) changes no caller."""
+
+    step: int
+    generation: int
+    lanes: list
+
+
+class StepContainers(NamedTuple):
+    """One step of a lease reply: its container refs (one per producer of ``generation``, ``groups`` of them),
+    None for producers whose lanes were not asked for."""
+
+    step: int
+    generation: int
+    groups: int
+    containers: list
+
+
+class Reply(NamedTuple):
+    """A lease reply (``steps`` are :class:`StepContainers`) or a read reply (:class:`StepLanes`)."""
+
+    steps: list
+    keep_from: int
+
 
 @dataclass
 class HeldStep:
@@ -48,8 +73,6 @@ class HeldStep:
 
 
 MAX_CONSUMER_NAME = 200
-KEY_STEPS = "steps"
-KEY_KEEP_FROM = "keep_from"
 REPLAYED = -1
 """The generation of a step served by a Replayer (its shards die with that replayer, not with a producer group)."""
 
@@ -80,8 +103,8 @@ def check_reader(rank: Any, world: Any, rows: int) -> tuple[int, int]:
     return rank, world
 
 
-def lease_reply(steps: list, keep_from: int) -> dict[str, Any]:
-    return {KEY_STEPS: steps, KEY_KEEP_FROM: keep_from}
+def lease_reply(steps: list, keep_from: int) -> Reply:
+    return Reply(steps, int(keep_from))
 
 
 def only_groups(containers: list[Any], lanes: int, lo: int, hi: int) -> list[Any]:

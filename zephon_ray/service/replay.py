@@ -77,11 +77,12 @@ class ReplayScheduler:
         self._recipe_ref = ray.put(recipe)
         self.replayers: list[Any] = [None] * config.replayers
         self.info_refs: list[Any] = [None] * config.replayers
+        self._infos: list[dict[str, Any] | None] = [None] * config.replayers  # filled by the info replies' callbacks
         if prefix:  # prefix steps are read through the replayers from the first read on: start them with the service
             for i in range(config.replayers):
                 self._replayer(i)
         self._next: list[int | None] = [None] * config.replayers  # each replayer's position after queued work
-        self._replies: OrderedDict[int, tuple[Any, int]] = OrderedDict()  # step -> (reply ref, how many kept)
+        self._replies: OrderedDict[int, tuple[Any, int, Any]] = OrderedDict()  # step -> (reply, kept, its future)
         self.stats = {"requests": 0, "shared": 0, "submitted": 0, "max_replay_steps": 0, "last": None,
                       "materialized_reads": 0}
 
@@ -97,7 +98,12 @@ class ReplayScheduler:
                 max_restarts=-1, max_task_retries=-1,
             ).remote(self._recipe_ref, config.materialized_dir)
             self.info_refs[i] = self.replayers[i].info.remote()
+            self.info_refs[i].future().add_done_callback(lambda f, i=i: self._got_info(i, f))
         return self.replayers[i]
+
+    def _got_info(self, i: int, future: Any) -> None:
+        """(Ray's callback thread) Replayer ``i`` answered ``info()``: status() reads it without a ray.get."""
+        self._infos[i] = future.result() if future.exception() is None else None
 
     # ------------------------------------------------------------------ serving
     async def container(self, step: int, read_ahead: bool = False) -> Any:
@@ -129,14 +135,11 @@ class ReplayScheduler:
         held = self._replies.get(step)
         if held is None:
             return None
-        ref, _ = held
-        ready, _ = ray.wait([ref], timeout=0, fetch_local=False)
-        if ready:
-            try:
-                ray.get(ref, timeout=0)  # the small reply (meta + refs), never the shards
-            except RayError:
-                del self._replies[step]  # the replayer died or raised: ask again
-                return None
+        ref, _, done = held
+        # Looked at without a ray.get: this runs on the coordinator's read event loop.
+        if done.done() and done.exception() is not None:
+            del self._replies[step]  # the replayer died or raised: ask again
+            return None
         self._replies.move_to_end(step)
         return ref
 
@@ -171,7 +174,7 @@ class ReplayScheduler:
 
     def _keep(self, step: int, ref: Any, keep: int) -> Any:
         """Keep the newest replies for ranks that ask for the same step next."""
-        self._replies[step] = (ref, keep)
+        self._replies[step] = (ref, keep, ref.future())
         while len(self._replies) > keep:
             self._replies.popitem(last=False)
         self.stats["submitted"] += 1
@@ -186,17 +189,9 @@ class ReplayScheduler:
         return None
 
     def infos(self) -> list[dict[str, Any] | None]:
-        """Start-up infos of the replayers (pid, node), without waiting for any; None for one that has not started
-        (or not answered yet)."""
-        started = [ref for ref in self.info_refs if ref is not None]
-        ready, _ = ray.wait(started, num_returns=len(started), timeout=0, fetch_local=False) if started else ([], [])
-        out = []
-        for ref in self.info_refs:
-            try:
-                out.append(ray.get(ref, timeout=0) if ref in ready else None)
-            except RayError:
-                out.append(None)
-        return out
+        """Start-up infos of the replayers (pid, node), without waiting for any and without a ray.get (it runs on
+        the coordinator's event loop); None for one that has not started (or not answered yet)."""
+        return list(self._infos)
 
     def close(self) -> None:
         for replayer in filter(None, self.replayers):

@@ -11,7 +11,8 @@ the coordinator. ``zephon-ray status`` prints it as a table
 (cli.py), the notebook shows it.
 
 Guarantee: building it takes the window lock once, for a copy of the window's counters, and makes no remote call
-that waits (producer and replayer infos are taken only if they already arrived), so it answers while reads wait
+and no ``ray.get`` (it runs on the coordinator's event loop: producer infos are those the pump thread resolved,
+replayer infos arrive by callback), so it answers while reads wait
 (benchmarks/bench_service_load.py measures its p99 under 2 x 256 lock-step ranks).
 Limit: cursors are as reported by node readers, up to ``lease_steps`` steps behind the ranks (node.py).
 """
@@ -46,8 +47,7 @@ def shard_owners(refs: list[Any], pool: Any, coordinator_worker: str) -> dict[st
 
 def build(c: Any) -> dict[str, Any]:
     """The status of coordinator ``c`` (coordinator.py)."""
-    config, recipe, pool = c.config, c.recipe, c.pool
-    pool.resolve_infos()
+    config, recipe, pool = c.config, c.recipe, c.pool  # producer infos: as the pump last resolved them
     with c._lock:
         now = time.monotonic()
         w = c.window.status(now)

@@ -1,0 +1,94 @@
+"""The client's node read path (service/node_reads.py) on the session's private Ray: many threads on one handle,
+the node reader warmed at connect, and cursor moves that ride on read calls (or go alone as a keep-alive)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from zephon_ray import DataService, GlobalBatchSource
+from zephon_ray.service.protocol import READER_INFIX
+
+NS = "zr-node-reads"
+pytestmark = pytest.mark.timeout(300)
+
+
+def _readers(name: str) -> list[dict]:
+    """info() of the node readers of service ``name`` (Ray's table of named actors)."""
+    out = []
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] == NS and entry["name"].startswith(name + READER_INFIX):
+            out.append(ray.get(ray.get_actor(entry["name"], namespace=NS).info.remote(), timeout=60))
+    return out
+
+
+def test_many_threads_on_one_handle_share_calls_and_read_the_right_rows(ray_cluster, tiny_recipe, tmp_path):
+    world, steps = 16, 6  # B = 16 rows: every thread is a rank with one row
+    svc = DataService.start(tiny_recipe, name="node-threads", namespace=NS, state_dir=tmp_path / "s", window=8)
+    try:
+        assert len(_readers("node-threads")) == 1  # warmed by start()/connect(), before any read
+        client = DataService.connect("node-threads", namespace=NS, consumer="job")
+        got: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(world)
+        calls_after_step_0: list[int] = []
+
+        def rank(r: int) -> None:
+            try:
+                for step in range(steps):
+                    barrier.wait(timeout=120)
+                    if step == 1 and r == 0:
+                        calls_after_step_0.append(_readers("node-threads")[0]["reads"])
+                    barrier.wait(timeout=120)
+                    part = client.slice(step, r, world)
+                    got[(step, r)] = (part.tokens.copy(), part.positions.copy())
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+                barrier.abort()
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        assert not errors, errors[:3]
+        with GlobalBatchSource(tiny_recipe) as source:
+            for step in range(steps):
+                ref = source.batch(step)
+                for r in range(world):
+                    want = ref.slice(r, world)
+                    np.testing.assert_array_equal(got[(step, r)][0], want.tokens)
+                    np.testing.assert_array_equal(got[(step, r)][1], want.positions)
+        (info,) = _readers("node-threads")
+        # Once every rank's lanes are known (after step 0), the 16 threads share the process's calls: at most one
+        # per step, not one per rank and step (80), and fewer still, as each call brings a run of steps.
+        assert 0 <= info["reads"] - calls_after_step_0[0] <= steps - 1, (info, calls_after_step_0)
+        status = client.status()  # carries this client's own moves: exact for every rank
+        cursors = {c["rank"]: c["step"] for c in status["cursors"] if c["consumer"] == "job"}
+        assert cursors == {r: steps - 1 for r in range(world)}, cursors
+    finally:
+        svc.stop()
+
+
+def test_a_touch_alone_reaches_the_coordinator_as_a_keep_alive(ray_cluster, tiny_recipe, tmp_path):
+    """A move no read call carries goes alone after ``keepalive_s`` (consumer_ttl_s / 8 here: 0.25 s), through the
+    node reader's next report; another handle (which carries no move of this one) sees it."""
+    svc = DataService.start(tiny_recipe, name="node-touch", namespace=NS, state_dir=tmp_path / "s", window=4,
+                            consumer_ttl_s=4.0)
+    try:
+        trainer = DataService.connect("node-touch", namespace=NS, consumer="trainer")
+        trainer.slice(0, 1, 2)
+        trainer.touch(2, rank=1, world=2)  # no read follows
+        deadline = time.monotonic() + 30
+        while True:
+            cursors = {(c["consumer"], c["rank"]): c["step"] for c in svc.status()["cursors"]}
+            if cursors.get(("trainer", 1)) == 2:
+                break
+            assert time.monotonic() < deadline, cursors
+            time.sleep(0.1)
+    finally:
+        svc.stop()

@@ -1,0 +1,92 @@
+"""``DirectReads``: a client's direct read path, one coordinator call per read (the path before node readers, kept
+for comparison: ``read_path="direct"``; benchmarks/bench_service_load.py measures both).
+
+    refs(s, rank, world) ──lease(s, 1, lanes, moves)──► Coordinator ──► container refs ──ray.get──► lane refs
+
+Guarantees: the rows are the coordinator's, unchanged (tests/test_service.py); a tracked read moves the cursor
+with the call itself, ``touch`` sends its move at once. ``prefetch`` keeps up to ``4 x window`` lease calls in
+flight, and is thread-safe: its table is guarded by a lock, never held across a remote call
+(tests/test_direct_reads.py reads with many threads on one handle).
+Limits: one coordinator call per read and rank: O(ranks x steps) calls (docs/scaling.md).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from zephon_ray.service.errors import ShardsLostError
+from zephon_ray.service.protocol import expand
+from zephon_ray.service.reads import StepRefs, call, open_containers
+
+
+class DirectReads:
+    """The direct path of one :class:`~zephon_ray.service.client.DataService` handle (module docstring)."""
+
+    def __init__(self, owner: Any) -> None:
+        self._owner = owner
+        self._lock = threading.Lock()
+        self._prefetched: dict[tuple[int, int, int], Any] = {}  # (step, rank, world) -> lease call in flight
+
+    def warm(self, timeout_s: float = 120.0) -> None:  # nothing to start: the coordinator answers every read
+        return None
+
+    def forget_prefetched(self) -> None:
+        with self._lock:
+            self._prefetched.clear()
+
+    def reset(self) -> None:
+        with self._lock:
+            self._prefetched.clear()
+
+    def prefetch(self, steps: list[int], rank: int, world: int, lo: int, hi: int) -> None:
+        coordinator = self._owner._coordinator
+        cap = 4 * self._owner.config.window
+        for step in steps:
+            key = (step, rank, world)
+            with self._lock:
+                if key in self._prefetched:
+                    continue
+            ref = coordinator.lease.remote(step, 1, (lo, hi), None, None, False)
+            with self._lock:
+                self._prefetched.setdefault(key, ref)
+                while len(self._prefetched) > cap:  # forget the oldest unused prefetches
+                    self._prefetched.pop(next(iter(self._prefetched)))
+
+    def refs(self, step: int, rank: int, world: int, lo: int, hi: int, track: bool,
+             timeout_s: float | None) -> StepRefs:
+        owner = self._owner
+        with self._lock:
+            pending = self._prefetched.pop((step, rank, world), None)
+        if pending is not None:
+            reply = call(pending, owner._where)
+            if track:  # the prefetch did not move the cursor; this read does, once delivered
+                self.move(rank, world, step)
+        else:
+            moves = [(owner.consumer, rank, world, step, 0.0)] if track else None
+            reply = call(owner._coordinator.lease.remote(step, 1, (lo, hi), timeout_s, moves, track), owner._where)
+        got, generation, groups, containers = reply.steps[0]
+        try:
+            opened = open_containers([c for c in containers if c is not None], owner._where)
+        except ShardsLostError:
+            self.invalidate(got, generation)
+            raise
+        values = dict(zip((g for g, c in enumerate(containers) if c is not None), opened))
+        return StepRefs(got, expand(groups, values, owner.recipe.lanes), owner.recipe, owner._pad, generation)
+
+    def move(self, rank: int, world: int, step: int) -> None:
+        self._owner._coordinator.advance.remote([(self._owner.consumer, rank, world, step, 0.0)])
+
+    def invalidate(self, step: int, generation: int) -> None:
+        import ray
+
+        ray.get(self._owner._coordinator.invalidate.remote(step, generation), timeout=30)
+
+    def flush(self) -> None:
+        return None
+
+    def quiesce(self) -> None:
+        return None
+
+    def release(self, consumer: str) -> None:
+        return None

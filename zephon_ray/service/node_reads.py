@@ -1,0 +1,318 @@
+"""``NodeReads``: a client's node read path. The ranks of one process share one lease cache and call this node's
+reader (node.py) about once per run of steps it hands them, not once per read.
+
+    rank threads ──refs(s)──► LeaseCache (lease_cache.py) ── hit: no call ──► StepRefs
+                                   │ miss: one read call per process (threads needing s wait for it), carrying
+                                   │ the process's cursor moves since its last call
+                                   ▼
+                              NodeReader(this node).read(s, moves) ──► steps s, s + 1, ... (up to window)
+
+Guarantees:
+- Rows: the refs handed out are the ones the node reader filed, unchanged (tests/test_service.py checks rows).
+- Cursors stay exact: a move is recorded when a rank reads a step with ``track=True`` or ``touch``-es it, and
+  travels to the node reader with the process's next read call. Moves that wait longer than ``keepalive_s``
+  (``consumer_ttl_s / 8``, at most 15 s) for one are sent alone, so a rank reading from the cache stays heard well
+  within its TTL; while a read waits for its step, new moves go at once (the step may wait for exactly them), and
+  the ranks waiting are heard again every ``consumer_ttl_s / 4``. When a lease at the node reader waits (another
+  rank or consumer of the node is held back), the node reader asks for them: each process keeps one long poll
+  open (``NodeReader.demand``, no CPU while it waits) and sends its unsent moves when it answers. A cursor never
+  runs ahead of the rank.
+- Thread-safe: every field is guarded by one lock, never held across a remote call; threads that need the same
+  step share one call (tests/test_node_reads.py runs many threads on one handle).
+- The node reader is found (and started) by :meth:`warm`, which ``DataService.connect`` calls: a fresh loader's
+  first read does not wait for an actor to start.
+Limits: the coordinator sees a rank's moves up to one run (about ``window / 2`` steps in lock-step) plus the
+node reader's next lease late; ``commit`` and ``status`` carry this client's own moves, so they are exact for it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+
+from zephon_ray.service.lease_cache import LeaseCache
+from zephon_ray.service.protocol import CursorMove, HeldStep, Reply, only_lanes
+from zephon_ray.service.reads import StepRefs, call
+
+WAIT_POLL_S = 0.25
+"""While a read call waits, how often the process's new moves and keep-alives are looked at."""
+DEMAND_POLL_S = 60.0
+"""A process's long poll for demand (node.py ``NodeReader.demand``) returns at least this often."""
+
+
+class _Listener:
+    """One long poll per process and node reader: when a lease at the node reader has waited a while, it answers,
+    and every handle of this process on that node sends its unsent cursor moves (the step may wait for them)."""
+
+    def __init__(self, key: Any, reader: Any) -> None:
+        self.key = key
+        self.reader = reader
+        self.clients: weakref.WeakSet = weakref.WeakSet()
+        self.thread = threading.Thread(target=self._run, name="zephon-ray-demand", daemon=True)
+
+    def _run(self) -> None:
+        epoch = 0
+        while True:
+            with _LISTENERS_LOCK:
+                if not self.clients:
+                    _LISTENERS.pop(self.key, None)
+                    return
+            try:
+                # No retries: a call to a reader that died must fail, not wait for it to come back (it may not).
+                call = self.reader.demand.options(max_task_retries=0).remote(epoch, DEMAND_POLL_S)
+                new = ray.get(call, timeout=DEMAND_POLL_S + 60)
+            except BaseException:  # noqa: BLE001 - the reader is gone or stuck (handles listen again on their next
+                # move), or this worker process is exiting (Ray raises SystemExit in its threads' calls)
+                with _LISTENERS_LOCK:
+                    _LISTENERS.pop(self.key, None)
+                    clients = list(self.clients)
+                for client in clients:
+                    client._stop_listening(self.reader)
+                return
+            if new != epoch:
+                epoch = new
+                for client in list(self.clients):
+                    client.flush()
+
+
+_LISTENERS: dict[Any, _Listener] = {}
+_LISTENERS_LOCK = threading.Lock()
+
+
+def _listen(reader: Any, client: "NodeReads") -> None:
+    key = getattr(reader, "_actor_id", None) or id(reader)
+    with _LISTENERS_LOCK:
+        listener = _LISTENERS.get(key)
+        start = listener is None
+        if start:
+            listener = _LISTENERS[key] = _Listener(key, reader)
+        listener.clients.add(client)
+    if start:
+        listener.thread.start()
+
+
+@dataclass
+class _Request:
+    """One read call to the node reader in flight; threads of this process needing ``step`` wait for it."""
+
+    step: int
+    lo: int
+    hi: int
+    done: threading.Event
+    error: BaseException | None = None
+    waiting: set = field(default_factory=set)
+    """(rank, world) of the tracked reads waiting for it: they are kept alive while it waits."""
+
+
+class NodeReads:
+    """The node path of one :class:`~zephon_ray.service.client.DataService` handle (see the module docstring)."""
+
+    def __init__(self, owner: Any) -> None:
+        self._owner = owner  # the handle: its coordinator, consumer, recipe and config
+        config, lanes = owner.config, owner.recipe.lanes
+        self.keepalive_s = max(0.25, min(config.consumer_ttl_s / 8, 15.0))
+        self._lock = threading.Lock()
+        self._reader: Any = None
+        self._cache = LeaseCache.for_window(lanes, config.window, config.lease_steps)
+        self._requests: list[_Request] = []
+        self._lo, self._hi = lanes, 0  # union of the lanes this process's ranks asked for
+        self._pending: dict[tuple[int, int], tuple[int, float]] = {}  # (rank, world) -> (step, when), not sent yet
+        self._timer: threading.Timer | None = None
+        self._sent = 0.0  # when moves last left with a call
+        self._listening: Any = None  # the reader this handle listens to for demand (one long poll per process)
+
+    # ------------------------------------------------------------------ the node reader
+    def reader(self) -> Any:
+        """This node's reader (the coordinator starts it on first use)."""
+        with self._lock:
+            reader = self._reader
+        if reader is None:
+            node = ray.get_runtime_context().get_node_id()
+            reader = call(self._owner._coordinator.node_reader.remote(node), self._owner._where, timeout=120)
+            with self._lock:
+                self._reader = self._reader or reader
+                reader = self._reader
+        return reader
+
+    def warm(self, timeout_s: float = 120.0) -> None:
+        """Find this node's reader and wait until its actor answers."""
+        call(self.reader().info.remote(), self._owner._where, timeout=timeout_s)
+
+    def forget_prefetched(self) -> None:
+        """Nothing is prefetched on this path (a run of steps comes with each read call)."""
+
+    def reset(self) -> None:
+        """After a reconnect: a new coordinator incarnation has new node readers and may start below the old one."""
+        with self._lock:
+            self._reader = None
+            self._listening = None
+            self._cache.clear()
+
+    # ------------------------------------------------------------------ reads
+    def prefetch(self, steps: list[int], rank: int, world: int, lo: int, hi: int) -> None:
+        """Nothing to do: one read call brings a run of steps, and the node reader leases ahead."""
+
+    def refs(self, step: int, rank: int, world: int, lo: int, hi: int, track: bool,
+             timeout_s: float | None) -> StepRefs:
+        if track:
+            self.move(rank, world, step)  # travels with the request: the step may wait for this very move
+        held = self._held(step, lo, hi, track, timeout_s, (rank, world))
+        owner = self._owner
+        return StepRefs(step, only_lanes(held.lanes, lo, hi), owner.recipe, owner._pad, held.generation)
+
+    def _held(self, step: int, lo: int, hi: int, track: bool, timeout_s: float | None,
+              key: tuple[int, int]) -> HeldStep:
+        """This process's refs of ``step`` covering lanes ``[lo, hi)``: from its cache, from a call in flight of
+        another thread, or from one call to the node reader (which answers for a run of steps)."""
+        while True:
+            with self._lock:
+                held = self._cache.get(step, lo, hi)
+                if held is not None:
+                    return held
+                self._lo, self._hi = min(self._lo, lo), max(self._hi, hi)
+                request = next((q for q in self._requests if q.step == step and q.lo <= lo and hi <= q.hi), None)
+                owner = request is None
+                if owner:
+                    request = _Request(step, self._lo, self._hi, threading.Event())
+                    self._requests.append(request)
+                    moves = self._take_pending()
+                if track:
+                    request.waiting.add(key)
+            if not owner:
+                request.done.wait()
+                if request.error is not None:
+                    raise request.error
+                continue
+            try:
+                reader = self.reader()
+                ref = reader.read.remote(step, self._owner.consumer, (request.lo, request.hi), track, timeout_s,
+                                         moves)
+                reply = self._wait(ref, request)
+                with self._lock:
+                    self._cache.file(reply.steps, reply.keep_from)
+            except BaseException as exc:
+                request.error = exc
+                self._requeue(moves)  # harmless if they arrived: cursor moves are monotonic
+                raise
+            finally:
+                with self._lock:
+                    self._requests.remove(request)
+                request.done.set()
+
+    def _wait(self, ref: Any, request: _Request) -> Reply:
+        """The reply of a read call. While it waits, this process's new cursor moves go to the node reader (the
+        step it waits for may be held back by exactly those moves), and the tracked reads waiting for it are heard
+        again every ``consumer_ttl_s / 4``: a rank waiting for its step is alive, its cursor must not expire."""
+        config = self._owner.config
+        keepalive = max(0.25, min(config.consumer_ttl_s / 4, 10.0))
+        next_keepalive = time.monotonic() + keepalive
+        while True:
+            ready, _ = ray.wait([ref], timeout=WAIT_POLL_S, fetch_local=False)
+            if ready:
+                return call(ref, self._owner._where)
+            now = time.monotonic()
+            if now >= next_keepalive:
+                next_keepalive = now + keepalive
+                with self._lock:
+                    for key in request.waiting:
+                        old = self._pending.get(key)
+                        self._pending[key] = (max(request.step, old[0]) if old else request.step, now)
+            self.flush()
+
+    def invalidate(self, step: int, generation: int) -> None:
+        """Shards of ``step`` were found lost: forget them here and tell the node reader (and so the coordinator)."""
+        with self._lock:
+            self._cache.drop(step, generation)
+            reader = self._reader
+        target = reader if reader is not None else self._owner._coordinator
+        ray.get(target.invalidate.remote(step, generation), timeout=30)
+
+    # ------------------------------------------------------------------ cursor moves
+    def move(self, rank: int, world: int, step: int) -> None:
+        """Record a cursor move; it goes with the next read call, alone once no call went for ``keepalive_s``, or
+        at once when the node reader asks for moves (a lease there waits)."""
+        now = time.monotonic()
+        with self._lock:
+            old = self._pending.get((rank, world))
+            self._pending[(rank, world)] = (max(step, old[0]) if old else step, now)
+            self._arm(self.keepalive_s)
+            reader = self._reader
+            listen = reader is not None and self._listening is not reader
+            if listen:
+                self._listening = reader
+        if listen:
+            _listen(reader, self)
+
+    def _arm(self, delay: float) -> None:
+        """(lock held) A timer that sends what is still pending once nothing went for ``keepalive_s``."""
+        if self._timer is None:
+            self._timer = threading.Timer(delay, self._on_timer)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _stop_listening(self, reader: Any) -> None:
+        with self._lock:
+            if self._listening is reader:
+                self._listening = None
+
+    def _on_timer(self) -> None:
+        with self._lock:
+            self._timer = None
+            if not self._pending:
+                return
+            rest = self._sent + self.keepalive_s - time.monotonic()
+            if rest > 0.01:  # a read call carried moves meanwhile: look again when this one is due
+                self._arm(rest)
+                return
+        self.flush()
+
+    def _take_pending(self) -> list[CursorMove]:
+        """The pending moves as cursor moves (lock held); they leave the pending set."""
+        now = time.monotonic()
+        consumer = self._owner.consumer
+        moves = [(consumer, r, w, s, round(max(0.0, now - when), 3)) for (r, w), (s, when) in self._pending.items()]
+        self._pending.clear()
+        self._sent = now
+        return moves
+
+    def _requeue(self, moves: list[CursorMove]) -> None:
+        now = time.monotonic()
+        with self._lock:
+            for _, r, w, s, idle in moves:
+                old = self._pending.get((r, w))
+                if old is None or old[0] < s:
+                    self._pending[(r, w)] = (s, now - idle)
+
+    def flush(self) -> None:
+        """Send the pending moves now, alone (a keep-alive, or moves a waiting read may need)."""
+        with self._lock:
+            if not self._pending:
+                return
+            moves = self._take_pending()
+            reader = self._reader
+        if reader is None:
+            self._requeue(moves)
+            return
+        try:
+            reader.advance.remote(moves)
+        except Exception:  # noqa: BLE001 - the service is restarting: the moves go with the next read call
+            self._requeue(moves)
+
+    def quiesce(self) -> None:
+        """Drop unsent moves and the timer (the service is stopping, or this consumer is released)."""
+        with self._lock:
+            timer, self._timer = self._timer, None
+            self._pending.clear()
+        if timer is not None:
+            timer.cancel()
+
+    def release(self, consumer: str) -> None:
+        with self._lock:
+            reader = self._reader
+        if reader is not None:
+            reader.release.remote(consumer)

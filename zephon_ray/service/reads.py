@@ -1,0 +1,121 @@
+"""What both client read paths share: :class:`StepRefs` (one step's lane refs) and the mapping of Ray's errors to
+the service's own (errors.py).
+
+A read path (node_reads.py, direct_reads.py) turns ``refs(step, rank, world, track)`` into a :class:`StepRefs`;
+``DataService`` (client.py) retries around it. Nothing here imports a server class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import ray
+from ray.exceptions import (
+    ActorUnavailableError,
+    GetTimeoutError,
+    ObjectFetchTimedOutError,
+    ObjectLostError,
+    OwnerDiedError,
+    RayActorError,
+    RayTaskError,
+)
+
+from zephon_ray.batch import GlobalBatch, RankSlice, lane_span
+from zephon_ray.lanes import LaneShard
+from zephon_ray.recipe import Recipe
+from zephon_ray.service.errors import ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError
+from zephon_ray.source import assemble, fixed_valid_tokens
+
+LOST = (ObjectLostError, OwnerDiedError, ObjectFetchTimedOutError)
+"""Ray's errors for an object whose owner or copy is gone."""
+
+
+def unwrap(exc: BaseException, service: str) -> BaseException:
+    """A Ray error as the clean exception it wraps, or a typed ServiceError with a one-line reason."""
+    if isinstance(exc, RayTaskError):
+        cause = getattr(exc, "cause", None)
+        if isinstance(cause, BaseException) and not isinstance(cause, RayTaskError):
+            return cause
+        return ServiceError(f"service {service}: {str(exc).strip().splitlines()[-1]}")
+    if isinstance(exc, LOST):
+        return ShardsLostError(f"service {service}: a reply was lost ({type(exc).__name__})")
+    if isinstance(exc, (RayActorError, ActorUnavailableError)):
+        return ServiceNotFoundError(
+            f"service {service} is not running (its coordinator died or was stopped); start it again from its "
+            "state_dir")
+    if isinstance(exc, GetTimeoutError):
+        return ReplyTimeoutError(f"service {service}: no reply in time")
+    return exc
+
+
+def call(ref: Any, where: str, timeout: float | None = None) -> Any:
+    """The value of a call's reply, with Ray's errors as the service's own."""
+    try:
+        return ray.get(ref, timeout=timeout)
+    except (RayTaskError, RayActorError, ActorUnavailableError, GetTimeoutError, *LOST) as exc:
+        raise unwrap(exc, where) from None
+
+
+def open_containers(refs: list[Any], where: str) -> list[Any]:
+    """Open containers (protocol.py): a lost one (its producer died) is a ShardsLostError."""
+    try:
+        return ray.get(refs)
+    except (*LOST, RayActorError, ActorUnavailableError) as exc:
+        raise ShardsLostError(f"service {where}: a step's shards were lost ({type(exc).__name__})") from None
+
+
+def as_step(step: Any, what: str = "step") -> int:
+    """Steps are plain non-negative ints on the wire (numpy integers are accepted and converted)."""
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
+        raise ValueError(f"{what} must be a non-negative integer, got {step!r}")
+    return int(step)
+
+
+def reader_key(rank: int | None, world: int | None) -> tuple[int, int]:
+    return (0, 1) if world is None and rank is None else (rank, world)
+
+
+@dataclass(frozen=True)
+class StepRefs:
+    """One step's lane shards as Ray object refs, owned by the producer (or replayer) that made them.
+
+    ``lanes[l]`` is a ref to lane l's shard, ``None`` for lanes outside the (rank, world) it was asked for (a rank is
+    handed only the refs it needs). ``generation`` is the producer generation that made it (protocol.REPLAYED for a
+    replay). Keep the object to keep the shards alive; ``slice`` and ``batch`` only fetch the lanes they need.
+    """
+
+    step: int
+    lanes: list[Any]
+    recipe: Recipe
+    pad_token_id: int | None
+    generation: int = 0
+
+    @property
+    def is_refs(self) -> bool:
+        return any(isinstance(lane, ray.ObjectRef) for lane in self.lanes)
+
+    def _fetch(self, lanes: range) -> list[LaneShard]:
+        picked = [self.lanes[lane] for lane in lanes]
+        if any(p is None for p in picked):
+            raise ValueError(f"step {self.step}: these refs were asked for another rank's rows (lanes "
+                             f"{[i for i, p in enumerate(self.lanes) if p is not None]}); read them with refs() again")
+        if not self.is_refs:
+            return picked
+        try:
+            return ray.get(picked)
+        except (*LOST, RayActorError, ActorUnavailableError) as exc:  # the node, owner, producer or replayer died
+            raise ShardsLostError(f"step {self.step}: its shards were lost ({type(exc).__name__}); read it again "
+                                  "to have it made again") from None
+        except RayTaskError as exc:
+            raise unwrap(exc, "(replay)") from None
+
+    def batch(self) -> GlobalBatch:
+        shards = self._fetch(range(self.recipe.lanes))
+        return assemble(self.recipe, self.step, dict(zip(range(self.recipe.lanes), shards)))
+
+    def slice(self, rank: int, world: int) -> RankSlice:
+        span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, rank, world)
+        return RankSlice.from_lanes(self.step, rank, world, span, self._fetch(span.lanes), self.pad_token_id,
+                                    fixed_valid_tokens(self.recipe))
