@@ -365,9 +365,9 @@ class DataService:
                             held.generation)
         pending = self._prefetched.pop((step, rank, world), None)
         if pending is not None:
-            if track:  # the prefetch did not move the cursor; this read does
-                self.touch(step, rank=rank, world=world)
             reply = self._call(pending)
+            if track:  # the prefetch did not move the cursor; this read does, once delivered (commits count it)
+                self.touch(step, rank=rank, world=world)
         else:
             moves = [(self.consumer, r, w, step, 0.0)] if track else None
             reply = self._call(self._coordinator.lease.remote(step, 1, (span.first, span.stop), timeout_s, moves,
