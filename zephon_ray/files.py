@@ -35,7 +35,7 @@ and the profile files, ``AWS_REGION``/``AWS_DEFAULT_REGION``.
 
 Transient faults are waited out (:func:`retry`): every remote read, listing, write and delete here retries a
 connection refused or reset, a timeout, a 5xx answer (503 SlowDown included) and a response cut short, with capped
-exponential backoff and jitter (0.2 s doubling to at most 10 s), for up to ``ZEPHON_RAY_STORAGE_RETRY_S`` seconds
+exponential backoff and jitter (0.2 s doubling to at most 5 s), for up to ``ZEPHON_RAY_STORAGE_RETRY_S`` seconds
 (default 600; :func:`set_retry_budget` changes it for one process, e.g. a service's ``storage_retry_s``). Inside
 each attempt pyarrow makes ``ZEPHON_RAY_S3_MAX_ATTEMPTS`` (default 5) tries with ``ZEPHON_RAY_S3_CONNECT_TIMEOUT_S``
 (default 5) per connection. A permanent fault (a missing bucket, refused credentials, a missing object) is never
@@ -94,7 +94,7 @@ DEFAULT_RETRY_BUDGET_S = 600.0
 MAX_RETRY_BUDGET_S = 7 * 24 * 3600.0
 RETRY_FIRST_S = 0.2
 """The first backoff; each next one doubles, up to :data:`RETRY_CAP_S`, and each is jittered (x 0.5-1.0)."""
-RETRY_CAP_S = 10.0
+RETRY_CAP_S = 5.0
 
 
 class StorageError(OSError):
@@ -518,19 +518,15 @@ def retry(fn: "Callable[[], T]", what: str, *, budget_s: float | None = None,
             if waited + delay > budget:
                 RETRY_STATS["gave_up"] += 1
                 RETRY_STATS["longest_wait_s"] = max(RETRY_STATS["longest_wait_s"], waited)
-                cause = " ".join(str(exc).split())[:400] or type(exc).__name__
-                if what and what not in cause:
-                    cause = f"{what}: {cause}"
+                cause = _with(what, exc)
                 raise StorageError(f"{cause} (still failing after {waited:.0f}s {GAVE_UP} "
                                    f"{budget:g}s, {RETRY_BUDGET_ENV})") from None
             if attempt == 0:
                 RETRY_STATS["retried_calls"] += 1
-                log.warning("storage: %s: %s; retrying for up to %gs", what, " ".join(str(exc).split())[:300],
-                            budget)
+                log.warning("storage: %s; retrying for up to %gs", _with(what, exc), budget)
             elif now - last_log > 30:
                 last_log = now
-                log.warning("storage: %s still failing after %.0fs: %s", what, waited,
-                            " ".join(str(exc).split())[:300])
+                log.warning("storage: still failing after %.0fs: %s", waited, _with(what, exc))
             RETRY_STATS["retries"] += 1
             attempt += 1
             if on_retry is not None:
@@ -540,6 +536,11 @@ def retry(fn: "Callable[[], T]", what: str, *, budget_s: float | None = None,
         if attempt:
             RETRY_STATS["longest_wait_s"] = max(RETRY_STATS["longest_wait_s"], time.monotonic() - t0)
         return result
+
+
+def _with(what: str, exc: BaseException) -> str:
+    text = " ".join(str(exc).split())[:400] or type(exc).__name__
+    return text if not what or what in text else f"{what}: {text}"
 
 
 def _io(loc: Location, action: str, fn: "Callable[[], T]") -> T:
