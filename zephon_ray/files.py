@@ -559,7 +559,10 @@ def _errors(loc: Location, action: str) -> Iterator[None]:
         yield
     except (StorageError, DocumentError):
         raise
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        if loc.remote and action in ("write it", "upload it"):  # GCS: a write into a bucket that does not exist
+            _check_bucket(loc)
+            raise StorageError(f"{loc.uri}: cannot {action}: {describe_error(exc)}") from None
         raise
     except PermissionError as exc:
         raise StorageError(f"{loc.uri}: permission denied ({action}): {exc.strerror or exc}") from None

@@ -49,6 +49,15 @@ def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]
     temp_dir = None
     quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": "ERROR"}
     env = files.worker_environment()
+    # Inside a `ray job submit` job, Ray merges ray.init's runtime_env with the job's and refuses a key set in both:
+    # the job's own settings win, ours only fill in what it lacks.
+    injected = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if injected:
+        try:
+            job_env = (json.loads(injected).get("runtime_env") or {}).get("env_vars") or {}
+        except (ValueError, AttributeError):
+            job_env = {}
+        env = {k: v for k, v in env.items() if k not in job_env}
     if env:  # the job's runtime_env: every actor and task it starts (detached ones too) gets these settings
         quiet["runtime_env"] = {"env_vars": env}
     if address is None and private_if_none and not os.environ.get("RAY_ADDRESS"):
