@@ -113,7 +113,7 @@ class AzureEmulator(Emulator):
             self.dir = tempfile.mkdtemp(prefix="zr-azurite-")
             self.proc = subprocess.Popen(
                 [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location", self.dir,
-                 "--silent", "--skipApiVersionCheck", "--loose", "--inMemoryPersistence"],
+                 "--silent", "--skipApiVersionCheck", "--loose"],
                 stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             _wait_port(self.port, self.proc, "Azurite")
         return self

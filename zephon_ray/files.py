@@ -369,7 +369,10 @@ def _filesystem(scheme: str) -> Any:
                 "region": region or "us-east-1",
                 "connect_timeout": connect_s,
                 "request_timeout": request_s,
-                "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=int(attempts)),
+                # The SDK's legacy strategy backs off 50 ms, 100 ms, ... inside a try; the standard one waits up
+                # to 1 s, 2 s, ... per throttled request, which cost about 0.5 s per 503 SlowDown here
+                # (benchmarks/bench_storage_faults.py). Longer waits are retry()'s, jittered and capped.
+                "retry_strategy": pafs.AwsDefaultS3RetryStrategy(max_attempts=int(attempts)),
             }
             if endpoint:
                 scheme_part, sep, host = endpoint.partition("://")
