@@ -1,6 +1,6 @@
 """A fault-injecting HTTP/1.1 proxy on 127.0.0.1, in front of an object-store emulator, for the storage-fault tests.
 
-    client (pyarrow, obstore, boto3) ──► FaultProxy 127.0.0.1:P ──► emulator 127.0.0.1:U (moto, Azurite, ...)
+    client (pyarrow, obstore, boto3) ──► FaultProxy 127.0.0.1:P ──► emulator 127.0.0.1:U (moto, Azurite)
                                           │ refuse_for(s): the port refuses connections for s seconds (and open
                                           │                connections drop), as a stopped endpoint does
                                           │ slowdown: a share of requests answered 503 SlowDown (S3's throttling)

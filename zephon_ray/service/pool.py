@@ -268,8 +268,9 @@ class ProducerPool:
                           f"row without finishing a step; last error: {reason}")
             return
         if transient and now - self.transient_since > budget:
-            self.fatal = (f"service {self.config.name!r}: producers still failing after {now - self.transient_since:.0f}s "
-                          f"of retries (storage budget {budget:g}s): {reason}")
+            waited = now - self.transient_since
+            self.fatal = (f"service {self.config.name!r}: producers still failing after {waited:.0f}s of retries "
+                          f"(storage budget {budget:g}s): {reason}")
             return
         log.warning("replacing producer group g%d (%s)", gen.number, reason[:300])
         self._kill(gen)
