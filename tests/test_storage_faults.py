@@ -256,8 +256,8 @@ def test_service_rides_through_a_15s_outage(s3, service, oracle_digests):
 def test_service_under_slowdown_and_a_cut_checkpoint_read(s3, service, oracle_digests):
     """20 % of all requests answered 503 SlowDown while the producers make and checkpoint steps 20-39 and the
     trainer commits every other step (every checkpoint and commit written through the throttling): nothing lost,
-    every digest right, no restart. Then a replay's
-    checkpoint read is cut in the middle of its body: retried, and the replayed step is right."""
+    every digest right, no restart. Then a replay's checkpoint read is cut in the middle of its body: retried, and
+    the replayed step is right."""
     svc = service
     before = svc.status()
     stats0 = dict(s3.faults.stats)
