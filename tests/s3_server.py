@@ -5,6 +5,10 @@ follow the AWS SDK conventions (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``/``AW
 ``AWS_REGION``), and :func:`configure_environment` puts them in this process's environment when a test module is
 *collected*, before any test starts Ray, so that every Ray worker the session starts inherits them (as a Ray job's
 workers get them through its runtime_env). The server itself starts on first use, on the port reserved then.
+
+The endpoint the clients under test use is a :class:`tests.fault_proxy.FaultProxy` in front of moto (``faults``):
+it passes everything through until a test asks it for an outage, 503 SlowDown answers, latency or cut responses.
+The tests' own set-up and checks (``client()``, ``keys``) talk to moto directly, past the faults.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ ACCESS_KEY = "zr-test-key"
 SECRET_KEY = "zr-test-secret"
 REGION = "us-east-1"
 PORT_ENV = "ZR_TEST_S3_PORT"
+PROXY_PORT_ENV = "ZR_TEST_S3_PROXY_PORT"
 
 
 def _free_port() -> int:
@@ -38,9 +43,13 @@ class S3Server:
     """One moto server on a fixed loopback port: ``start``/``stop``/``restart`` keep its buckets (moto's state
     lives in this process), which is how the tests stop the endpoint mid-run and bring it back."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, proxy_port: int) -> None:
+        from tests.fault_proxy import FaultProxy
+
         self.port = port
-        self.endpoint = f"http://127.0.0.1:{port}"
+        self.direct_endpoint = f"http://127.0.0.1:{port}"
+        self.faults = FaultProxy(port, proxy_port)
+        self.endpoint = self.faults.endpoint
         self._server = None
         self._lock = threading.Lock()
 
@@ -56,6 +65,7 @@ class S3Server:
                 logging.getLogger("werkzeug").setLevel(logging.ERROR)
                 self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
                 self._server.start()
+            self.faults.start()
         return self
 
     def stop(self) -> None:
@@ -67,7 +77,7 @@ class S3Server:
     def client(self):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=ACCESS_KEY,
+        return boto3.client("s3", endpoint_url=self.direct_endpoint, aws_access_key_id=ACCESS_KEY,
                             aws_secret_access_key=SECRET_KEY, region_name=REGION)
 
     def new_bucket(self, prefix: str = "zr") -> str:
@@ -89,7 +99,7 @@ class S3Server:
         return out
 
     def _post(self, path: str, data: bytes = b"") -> bytes:
-        req = urllib.request.Request(f"{self.endpoint}{path}", data=data, method="POST",
+        req = urllib.request.Request(f"{self.direct_endpoint}{path}", data=data, method="POST",
                                      headers={"Content-Type": "text/plain"})
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.read()
@@ -137,8 +147,11 @@ def configure_environment() -> S3Server:
         # A process spawned by a test (a driver of its own Ray cluster) imports this again: it must reach the
         # parent's server, on the parent's port.
         inherited = os.environ.get(PORT_ENV)
-        _SERVER = S3Server(int(inherited) if inherited else _free_port())
+        inherited_proxy = os.environ.get(PROXY_PORT_ENV)
+        _SERVER = S3Server(int(inherited) if inherited else _free_port(),
+                           int(inherited_proxy) if inherited_proxy else _free_port())
         os.environ[PORT_ENV] = str(_SERVER.port)
+        os.environ[PROXY_PORT_ENV] = str(_SERVER.faults.port)
         os.environ.update({
             "AWS_ENDPOINT_URL": _SERVER.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
             "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION,

@@ -111,14 +111,25 @@ def test_spool_commits_whole_or_nothing(tmp_path):
     assert target.read_bytes() == b"whole" and os.listdir(target.parent) == ["x.parquet"]
 
 
-def test_aws_environment_maps_the_endpoint_for_zephon(monkeypatch):
-    for key in files.AWS_ENV_VARS:
+def test_worker_environment_maps_the_endpoint_and_ships_no_secret_or_local_path(monkeypatch):
+    for key in (*files.WORKER_ENV_VARS, *files.SECRET_ENV_VARS, *files.LOCAL_ONLY_ENV_VARS):
         monkeypatch.delenv(key, raising=False)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_REGION", "eu-west-3")
+    monkeypatch.setenv("ZEPHON_RAY_STORAGE_RETRY_S", "120")
+    for secret in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AZURE_STORAGE_ACCOUNT_KEY"):
+        monkeypatch.setenv(secret, "s3cr3t")
+    for local in ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_CA_BUNDLE", "GOOGLE_APPLICATION_CREDENTIALS"):
+        monkeypatch.setenv(local, "/home/me/only-here")
     assert files.s3_endpoint() == "http://127.0.0.1:9"
-    env = files.aws_environment()
-    assert env["S3_ENDPOINT_URL"] == "http://127.0.0.1:9" and env["AWS_ACCESS_KEY_ID"] == "k"
+    env = files.worker_environment()
+    assert env == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "S3_ENDPOINT_URL": "http://127.0.0.1:9",
+                   "AWS_REGION": "eu-west-3", "ZEPHON_RAY_STORAGE_RETRY_S": "120"}, env
+    assert "s3cr3t" not in str(env) and "only-here" not in str(env)
+    assert files.aws_environment() == env  # the old name: the same safe subset
+    assert set(files.local_credentials()) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
+                                              "AZURE_STORAGE_ACCOUNT_KEY", "AWS_PROFILE", "AWS_CONFIG_FILE",
+                                              "AWS_CA_BUNDLE", "GOOGLE_APPLICATION_CREDENTIALS"}
     files.export_endpoint_for_zephon()
     assert os.environ["S3_ENDPOINT_URL"] == "http://127.0.0.1:9"
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:10")  # the service-specific one wins

@@ -90,7 +90,7 @@ def test_reads_past_max_ahead_are_rejected_tracked_or_not():
 def test_commits_are_per_consumer_and_checked():
     w = _window()
     assert w.commit(0, "a") == 0  # resuming at 0 needs no read
-    with pytest.raises(ValueError, match=r"commit step 12 of consumer 'a' is ahead of what it consumed: at most 0"):
+    with pytest.raises(ValueError, match=r"commit step 12 of consumer 'a' is ahead of what it was delivered: at most 0"):
         w.commit(12, "a")
     w.read(7, "a", 0, 1, track=True, now=0)
     w.read(30, "b", None, None, track=False, now=0)  # an untracked read consumes nothing
@@ -98,6 +98,12 @@ def test_commits_are_per_consumer_and_checked():
     with pytest.raises(ValueError, match="consumer 'b'"):
         w.commit(5, "b")
     assert w.commits == {"a": 8}
+    # Asked for is not delivered: a client's commit counts the reads it was delivered (sent with the commit), not
+    # the cursor its requests moved (step 20 asked for, failed or still waiting; 9 delivered).
+    w.read(20, "a", 0, 1, track=True, now=0)
+    with pytest.raises(ValueError, match=r"at most 10 \(one past its highest delivered step 9\)"):
+        w.commit(20, "a", read=9)
+    assert w.commit(10, "a", read=9, apply=False) == 10 and w.commits == {"a": 8}  # checked, not applied
     with pytest.raises(ValueError, match="commit step must be a non-negative integer"):
         w.commit(10**12 * -1, "a")
 
@@ -109,10 +115,10 @@ def test_a_commit_counts_its_own_reads_after_a_release():
     w.touch(3, "job", 0, 2, now=1)
     w.release("job", now=2)
     assert not w.touch(3, "job", 0, 2, now=3, seen=1) and "job" not in w.consumed  # heard before the release
-    with pytest.raises(ValueError, match=r"at most 0 \(it has read nothing yet\)"):
+    with pytest.raises(ValueError, match=r"at most 0 \(it was delivered nothing yet\)"):
         w.commit(4, "job")
     assert w.commit(4, "job", read=3) == 4
-    with pytest.raises(ValueError, match=r"at most 4 \(one past its highest read step 3\)"):
+    with pytest.raises(ValueError, match=r"at most 4 \(one past its highest delivered step 3\)"):
         w.commit(5, "job", read=3)
 
 

@@ -442,11 +442,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.rounds = 3 if args.via == "both" else 1
     try:
         return args.func(args)
-    except USER_ERRORS as exc:
-        message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message holds
-        parser.exit(2, f"zephon-ray: error: {message}\n")
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:
+        worker = worker_error(exc)
+        if worker is not None:  # from the cluster's workers: one line, never their traceback
+            parser.exit(2, f"zephon-ray: error: {worker}\n")
+        if not isinstance(exc, USER_ERRORS):
+            raise
+        message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message holds
+        parser.exit(2, f"zephon-ray: error: {message}\n")
+
+
+def worker_error(exc: BaseException) -> str | None:
+    """One line for an error raised in a Ray worker (a Ray Data or service actor): the storage failure it names,
+    with its likely cause (service/cli.py), else the cause's last line; None for an error of this process."""
+    from zephon_ray.service.cli import _causes, storage_failure
+
+    if not any(type(c).__module__.startswith("ray.") for c in _causes(exc)):
+        return None
+    line = storage_failure(exc)
+    if line is not None:
+        return line
+    from zephon_ray.service.pool import describe
+
+    return describe(exc)
 
 
 if __name__ == "__main__":

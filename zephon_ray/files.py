@@ -31,14 +31,26 @@ Commit points (what a reader can see):
 Endpoints and credentials follow the AWS SDK conventions, the same for pyarrow, Zephon and Ray workers
 (:func:`aws_environment`): ``AWS_ENDPOINT_URL_S3`` or ``AWS_ENDPOINT_URL`` (Zephon's ``S3_ENDPOINT_URL`` is read
 too and set from them), ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``/``AWS_SESSION_TOKEN``, ``AWS_PROFILE``
-and the profile files, ``AWS_REGION``/``AWS_DEFAULT_REGION``. Bounded retries: ``ZEPHON_RAY_S3_MAX_ATTEMPTS``
-(default 5) attempts per request with the AWS SDK's standard backoff, ``ZEPHON_RAY_S3_CONNECT_TIMEOUT_S``
-(default 5) per connection; after that a :class:`StorageError` names the URI
-(tests/test_s3.py::test_endpoint_stopped_then_restarted).
+and the profile files, ``AWS_REGION``/``AWS_DEFAULT_REGION``.
 
-Limits: ``gs://`` (pyarrow's GcsFileSystem, Google's default credentials) and ``az://`` (pyarrow's
-AzureFileSystem, account from ``AZURE_STORAGE_ACCOUNT_NAME``) are mapped but tested only through their scheme
-parsing; S3 is tested end to end against a real S3 API server on loopback.
+Transient faults are waited out (:func:`retry`): every remote read, listing, write and delete here retries a
+connection refused or reset, a timeout, a 5xx answer (503 SlowDown included) and a response cut short, with capped
+exponential backoff and jitter (0.2 s doubling to at most 5 s), for up to ``ZEPHON_RAY_STORAGE_RETRY_S`` seconds
+(default 600; :func:`set_retry_budget` changes it for one process, e.g. a service's ``storage_retry_s``). Inside
+each attempt pyarrow makes ``ZEPHON_RAY_S3_MAX_ATTEMPTS`` (default 5) tries with ``ZEPHON_RAY_S3_CONNECT_TIMEOUT_S``
+(default 5) per connection. A permanent fault (a missing bucket, refused credentials, a missing object) is never
+retried, and a budget spent is one :class:`StorageError` naming the URI and the last cause
+(tests/test_s3.py::test_endpoint_stopped_then_restarted, tests/test_storage_faults.py). A whole-object read checks
+its length against the store's listing, so a response cut short is retried, never returned.
+
+Other clouds: ``gs://`` is pyarrow's GcsFileSystem (Google's default credentials; ``ZEPHON_RAY_GCS_ENDPOINT`` or
+``STORAGE_EMULATOR_HOST`` for another endpoint, e.g. an emulator), ``az://`` is pyarrow's AzureFileSystem (account
+from ``AZURE_STORAGE_ACCOUNT_NAME``, key from ``AZURE_STORAGE_ACCOUNT_KEY`` or Azure's default credentials,
+``ZEPHON_RAY_AZURE_ENDPOINT`` for another endpoint). All three run end to end against emulators on loopback
+(tests/test_s3.py, tests/test_clouds.py).
+
+Limit: the retry covers one call of this module; a caller holding an open pyarrow file (a Parquet reader) retries
+its own reads (:func:`retry`), as :class:`zephon_ray.formats.materialized.MaterializedSource` does.
 """
 
 from __future__ import annotations
@@ -46,12 +58,19 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
+import random
+import re
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator, TypeVar
+
+log = logging.getLogger("zephon_ray.files")
+T = TypeVar("T")
 
 REMOTE_SCHEMES = {"s3": "s3", "gs": "gs", "gcs": "gs", "az": "az", "abfs": "az", "abfss": "az"}
 """URI schemes mapped to an object-store filesystem (``gcs://`` is ``gs://``; ``abfs(s)://`` is ``az://``)."""
@@ -59,14 +78,6 @@ ENDPOINT_ENVS = ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 """The AWS SDK's endpoint variables, service-specific first."""
 ZEPHON_ENDPOINT_ENV = "S3_ENDPOINT_URL"
 """What Zephon's S3 backend reads (set from :data:`ENDPOINT_ENVS` by :func:`export_endpoint_for_zephon`)."""
-AWS_ENV_VARS = (
-    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN", "AWS_PROFILE", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_CONFIG_FILE",
-    "AWS_SHARED_CREDENTIALS_FILE", "AWS_ALLOW_HTTP", "AWS_CA_BUNDLE", "GOOGLE_APPLICATION_CREDENTIALS",
-    "AZURE_STORAGE_ACCOUNT_NAME", "AZURE_STORAGE_ACCOUNT_KEY",
-    "ZEPHON_RAY_S3_MAX_ATTEMPTS", "ZEPHON_RAY_S3_CONNECT_TIMEOUT_S", "ZEPHON_RAY_S3_REQUEST_TIMEOUT_S",
-)
-"""Settings a Ray job's workers need to reach the same stores (:func:`aws_environment`)."""
 MAX_ATTEMPTS_ENV = "ZEPHON_RAY_S3_MAX_ATTEMPTS"
 CONNECT_TIMEOUT_ENV = "ZEPHON_RAY_S3_CONNECT_TIMEOUT_S"
 REQUEST_TIMEOUT_ENV = "ZEPHON_RAY_S3_REQUEST_TIMEOUT_S"
@@ -78,8 +89,32 @@ MAX_DOCUMENT_BYTES = 256 << 20
 _READ_CHUNK = 1 << 20
 
 
+RETRY_BUDGET_ENV = "ZEPHON_RAY_STORAGE_RETRY_S"
+DEFAULT_RETRY_BUDGET_S = 600.0
+MAX_RETRY_BUDGET_S = 7 * 24 * 3600.0
+RETRY_FIRST_S = 0.2
+"""The first backoff; each next one doubles, up to :data:`RETRY_CAP_S`, and each is jittered (x 0.5-1.0)."""
+RETRY_CAP_S = 5.0
+
+
 class StorageError(OSError):
-    """A store or file that cannot be reached or read as asked; the message names the URI (one line)."""
+    """A store or file that cannot be reached or read as asked; the message names the URI (one line).
+    ``transient``: the cause may pass (an outage, throttling, a cut response); :func:`retry` waits those out and
+    raises one with ``transient=False`` once its budget is spent."""
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""
+
+    def __reduce__(self):  # keep the flag across processes (Ray ships errors by pickle)
+        return (_storage_error, (str(self), self.transient))
+
+
+def _storage_error(message: str, transient: bool) -> "StorageError":
+    return StorageError(message, transient=transient)
 
 
 class DocumentError(ValueError):
@@ -223,6 +258,20 @@ def s3_endpoint() -> str | None:
 
 
 _EXPORTED: dict[str, str] = {}
+GCS_ENDPOINT_ENVS = ("ZEPHON_RAY_GCS_ENDPOINT", "STORAGE_EMULATOR_HOST")
+AZURE_ENDPOINT_ENV = "ZEPHON_RAY_AZURE_ENDPOINT"
+
+
+def gcs_endpoint() -> str | None:
+    """The GCS endpoint when it is not Google's: ``ZEPHON_RAY_GCS_ENDPOINT``, else the Google SDKs'
+    ``STORAGE_EMULATOR_HOST`` (both ``http(s)://host:port``); requests there are anonymous."""
+    return next((os.environ[k] for k in GCS_ENDPOINT_ENVS if os.environ.get(k)), None)
+
+
+def azure_endpoint() -> str | None:
+    """The Azure Blob endpoint when it is not Azure's (``ZEPHON_RAY_AZURE_ENDPOINT``, ``http(s)://host:port``;
+    e.g. Azurite, whose blobs are then at ``<endpoint>/<account>/<container>``)."""
+    return os.environ.get(AZURE_ENDPOINT_ENV) or None
 
 
 def export_endpoint_for_zephon() -> None:
@@ -235,15 +284,46 @@ def export_endpoint_for_zephon() -> None:
         _EXPORTED[ZEPHON_ENDPOINT_ENV] = endpoint
 
 
-def aws_environment() -> dict[str, str]:
-    """The storage settings of this process (:data:`AWS_ENV_VARS` that are set), with Zephon's endpoint name
-    filled in: pass it as ``runtime_env={"env_vars": aws_environment()}`` so that a Ray job's workers reach the
-    same stores with the same credentials."""
-    env = {k: os.environ[k] for k in AWS_ENV_VARS if os.environ.get(k)}
+WORKER_ENV_VARS = (
+    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "S3_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
+    "AWS_ALLOW_HTTP", "AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "AWS_S3_ADDRESSING_STYLE",
+    "ZEPHON_RAY_GCS_ENDPOINT", "STORAGE_EMULATOR_HOST", "GOOGLE_BASE_URL",
+    "AZURE_STORAGE_ACCOUNT_NAME", "ZEPHON_RAY_AZURE_ENDPOINT", "AZURE_STORAGE_USE_EMULATOR",
+    "AZURITE_BLOB_STORAGE_URL",
+    MAX_ATTEMPTS_ENV, CONNECT_TIMEOUT_ENV, REQUEST_TIMEOUT_ENV, RETRY_BUDGET_ENV,
+)
+"""Storage settings that are safe to hand to a Ray job's workers (:func:`worker_environment`): endpoints, region,
+addressing style, account names, retry settings. No secret and no local path."""
+SECRET_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AZURE_STORAGE_ACCOUNT_KEY",
+                   "AZURE_STORAGE_SAS_TOKEN", "AZURE_CLIENT_SECRET", "GCS_KEY", "GCS_SECRET", "GOOGLE_BEARER_TOKEN",
+                   "GOOGLE_SERVICE_ACCOUNT_KEY")
+"""Credentials: never put in a ``runtime_env`` (Ray's job API shows it); the nodes bring their own."""
+LOCAL_ONLY_ENV_VARS = ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CA_BUNDLE",
+                       "GOOGLE_APPLICATION_CREDENTIALS", "ZEPHON_RAY_SHARD_CACHE")
+"""Names and paths that mean something on this machine only (a profile of its files, a file path)."""
+AWS_ENV_VARS = WORKER_ENV_VARS  # the old name
+
+
+def worker_environment() -> dict[str, str]:
+    """The storage settings of this process that a Ray job's workers need and may see: endpoints, region,
+    addressing style, account names and retry settings (:data:`WORKER_ENV_VARS` that are set), with Zephon's
+    endpoint name filled in. Never a secret (:data:`SECRET_ENV_VARS`) nor a local name or path
+    (:data:`LOCAL_ONLY_ENV_VARS`): the nodes bring their own credentials (their environment, an instance role,
+    their own files). The CLI passes it as ``runtime_env={"env_vars": ...}`` (tests/test_files.py)."""
+    env = {k: os.environ[k] for k in WORKER_ENV_VARS if os.environ.get(k)}
     endpoint = s3_endpoint()
     if endpoint:
         env.setdefault(ZEPHON_ENDPOINT_ENV, endpoint)
     return env
+
+
+aws_environment = worker_environment  # the old name; it no longer forwards secrets, profiles or paths
+
+
+def local_credentials() -> list[str]:
+    """Names of the credential settings of this shell that workers do NOT get (secrets, profiles, file paths):
+    what a one-line error mentions when a worker is refused or finds no credentials."""
+    return [k for k in (*SECRET_ENV_VARS, *LOCAL_ONLY_ENV_VARS) if os.environ.get(k) and k != "ZEPHON_RAY_SHARD_CACHE"]
 
 
 def _env_number(name: str, default: float, low: float, high: float) -> float:
@@ -272,8 +352,11 @@ def _filesystem(scheme: str) -> Any:
                _env_number(MAX_ATTEMPTS_ENV, DEFAULT_MAX_ATTEMPTS, 1, 100),
                _env_number(CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S, 0.1, 600),
                _env_number(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S, 0.1, 3600))
+    elif scheme == "gs":
+        key = ("gs", gcs_endpoint(), os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"))
     else:
-        key = (scheme, os.environ.get("AZURE_STORAGE_ACCOUNT_NAME"))
+        key = ("az", os.environ.get("AZURE_STORAGE_ACCOUNT_NAME"), os.environ.get("AZURE_STORAGE_ACCOUNT_KEY"),
+               azure_endpoint())
     with _FS_LOCK:
         fs = _FS_CACHE.get(key)
         if fs is not None:
@@ -286,7 +369,10 @@ def _filesystem(scheme: str) -> Any:
                 "region": region or "us-east-1",
                 "connect_timeout": connect_s,
                 "request_timeout": request_s,
-                "retry_strategy": pafs.AwsStandardS3RetryStrategy(max_attempts=int(attempts)),
+                # The SDK's legacy strategy backs off 50 ms, 100 ms, ... inside a try; the standard one waits up
+                # to 1 s, 2 s, ... per throttled request, which cost about 0.5 s per 503 SlowDown here
+                # (benchmarks/bench_storage_faults.py). Longer waits are retry()'s, jittered and capped.
+                "retry_strategy": pafs.AwsDefaultS3RetryStrategy(max_attempts=int(attempts)),
             }
             if endpoint:
                 scheme_part, sep, host = endpoint.partition("://")
@@ -294,12 +380,27 @@ def _filesystem(scheme: str) -> Any:
                 kwargs["scheme"] = scheme_part if sep else "https"
             fs = pafs.S3FileSystem(**kwargs)
         elif scheme == "gs":
-            fs = pafs.GcsFileSystem()
+            endpoint = key[1]
+            if endpoint:  # an emulator or a private endpoint: Google's SDK convention, anonymous
+                scheme_part, sep, host = endpoint.partition("://")
+                fs = pafs.GcsFileSystem(anonymous=True, endpoint_override=host.rstrip("/") if sep else endpoint,
+                                        scheme=scheme_part if sep else "https")
+            else:
+                fs = pafs.GcsFileSystem()
         else:
-            account = os.environ.get("AZURE_STORAGE_ACCOUNT_NAME")
+            _, account, account_key, endpoint = key
             if not account:
                 raise StorageError("az:// needs AZURE_STORAGE_ACCOUNT_NAME (the storage account) in the environment")
-            fs = pafs.AzureFileSystem(account_name=account)
+            kwargs = {"account_name": account}
+            if account_key:
+                kwargs["account_key"] = account_key
+            if endpoint:
+                scheme_part, sep, host = endpoint.partition("://")
+                host = host.rstrip("/") if sep else endpoint
+                scheme_part = scheme_part if sep else "https"
+                kwargs.update(blob_storage_authority=host, blob_storage_scheme=scheme_part,
+                              dfs_storage_authority=host, dfs_storage_scheme=scheme_part)
+            fs = pafs.AzureFileSystem(**kwargs)
         _FS_CACHE[key] = fs
         return fs
 
@@ -331,26 +432,159 @@ def describe_error(exc: BaseException) -> str:
     return text[:300]
 
 
+_PERMANENT = ("NO_SUCH_BUCKET", "NoSuchBucket", "ACCESS_DENIED", "AccessDenied", "INVALID_ACCESS_KEY_ID",
+              "InvalidAccessKeyId", "SIGNATURE_DOES_NOT_MATCH", "SignatureDoesNotMatch", "AuthenticationFailed",
+              "AuthorizationFailure", "ContainerNotFound", "PERMISSION_DENIED", "UNAUTHENTICATED", "Forbidden")
+_TRANSIENT = ("NETWORK_CONNECTION", "SLOW_DOWN", "SlowDown", "Slow Down", "SERVICE_UNAVAILABLE", "ServiceUnavailable",
+              "INTERNAL_FAILURE", "InternalError", "THROTTLING", "Throttling", "RequestTimeout", "REQUEST_TIMEOUT",
+              "RequestTimeTooSkewed", "Connection reset", "connection reset", "Connection refused",
+              "connection refused", "Connection was reset", "timed out", "Timeout was reached", "Timeout",
+              "Couldn't connect", "Could not connect", "Failed to connect", "Recv failure", "Send failure",
+              "partial file", "Empty reply", "Server returned nothing", "UNAVAILABLE", "DEADLINE_EXCEEDED",
+              "ServerBusy", "OperationTimedOut", "cut short", "Broken pipe", "EOF", "Connection closed",
+              "connection closed", "TooManyRequests", "RESOURCE_EXHAUSTED", "Transferred a partial",
+              "tcp connect error", "error sending request", "cannot connect to the endpoint")
+_TRANSIENT_CODES = re.compile(r"(?:HTTP|http|status|response code|code|Code)[ :=]*(?:429|500|502|503|504)\b"
+                              r"|\b(?:429|500|502|503|504) (?:Service|Internal|Bad Gateway|Gateway|Slow|Too Many)"
+                              r"|curlCode: (?:6|7|18|28|35|52|55|56)\b")
+
+
+def is_permanent_text(text: str) -> bool:
+    return any(m in text for m in _PERMANENT) or "403" in text.split() or "401" in text.split()
+
+
+def is_transient(exc: BaseException) -> bool:
+    """True for a fault that may pass: an outage (connection refused, reset, timed out), throttling (503 SlowDown,
+    429), a server error (5xx) or a response cut short. A :class:`StorageError` (or any error with a ``transient``
+    attribute) says so itself; other errors are judged by their text. Missing objects and buckets and refused
+    credentials are permanent."""
+    flag = getattr(exc, "transient", None)
+    if isinstance(flag, bool):
+        return flag
+    if GAVE_UP in str(exc):  # a spent budget, wrapped by a caller into its own error type: final
+        return False
+    if isinstance(exc, (FileNotFoundError, PermissionError, DocumentError)):
+        return False
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    text = " ".join(str(exc).split())
+    if is_permanent_text(text):
+        return False
+    return any(m in text for m in _TRANSIENT) or bool(_TRANSIENT_CODES.search(text))
+
+
+GAVE_UP = "of retries; the budget is"
+_BUDGET_OVERRIDE: list[float] = []
+RETRY_STATS = {"retried_calls": 0, "retries": 0, "longest_wait_s": 0.0, "gave_up": 0}
+"""Process-wide counters of :func:`retry` (for status reports and benchmarks): calls that retried at least once,
+retries in all, the longest time one call spent waiting before it succeeded or gave up, calls that gave up."""
+
+
+def retry_budget_s() -> float:
+    """Seconds a call keeps retrying transient faults: :func:`set_retry_budget`'s value, else
+    ``ZEPHON_RAY_STORAGE_RETRY_S``, else 600."""
+    if _BUDGET_OVERRIDE:
+        return _BUDGET_OVERRIDE[-1]
+    return _env_number(RETRY_BUDGET_ENV, DEFAULT_RETRY_BUDGET_S, 0, MAX_RETRY_BUDGET_S)
+
+
+def set_retry_budget(seconds: float | None) -> None:
+    """Set this process's retry budget (None: back to the environment's). 0 disables retries."""
+    if seconds is None:
+        _BUDGET_OVERRIDE.clear()
+        return
+    if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= MAX_RETRY_BUDGET_S:
+        raise StorageError(f"storage retry budget must be a number of seconds in [0, {MAX_RETRY_BUDGET_S:g}], "
+                           f"got {seconds!r}")
+    _BUDGET_OVERRIDE[:] = [float(seconds)]
+
+
+def retry(fn: "Callable[[], T]", what: str, *, budget_s: float | None = None,
+          on_retry: "Callable[[BaseException], None] | None" = None) -> T:
+    """``fn()``, called again while it raises a transient fault (:func:`is_transient`), with capped exponential
+    backoff and jitter, for at most ``budget_s`` (default :func:`retry_budget_s`) seconds. A permanent fault is
+    raised at once, unchanged; a budget spent raises one :class:`StorageError` naming ``what`` and the last cause.
+    ``on_retry(exc)`` runs before each retry (e.g. to drop a cached handle)."""
+    budget = retry_budget_s() if budget_s is None else budget_s
+    t0 = time.monotonic()
+    attempt = 0
+    last_log = t0
+    while True:
+        try:
+            result = fn()
+        except BaseException as exc:  # noqa: BLE001 - classified below; anything not transient propagates as is
+            if not isinstance(exc, Exception) or not is_transient(exc):
+                raise
+            now = time.monotonic()
+            waited = now - t0
+            delay = min(RETRY_CAP_S, RETRY_FIRST_S * 2 ** attempt) * random.uniform(0.5, 1.0)
+            if waited + delay > budget:
+                RETRY_STATS["gave_up"] += 1
+                RETRY_STATS["longest_wait_s"] = max(RETRY_STATS["longest_wait_s"], waited)
+                cause = _with(what, exc)
+                raise StorageError(f"{cause} (still failing after {waited:.0f}s {GAVE_UP} "
+                                   f"{budget:g}s, {RETRY_BUDGET_ENV})") from None
+            if attempt == 0:
+                RETRY_STATS["retried_calls"] += 1
+                log.warning("storage: %s; retrying for up to %gs", _with(what, exc), budget)
+            elif now - last_log > 30:
+                last_log = now
+                log.warning("storage: still failing after %.0fs: %s", waited, _with(what, exc))
+            RETRY_STATS["retries"] += 1
+            attempt += 1
+            if on_retry is not None:
+                on_retry(exc)
+            time.sleep(delay)
+            continue
+        if attempt:
+            RETRY_STATS["longest_wait_s"] = max(RETRY_STATS["longest_wait_s"], time.monotonic() - t0)
+        return result
+
+
+def _with(what: str, exc: BaseException) -> str:
+    text = " ".join(str(exc).split())[:400] or type(exc).__name__
+    return text if not what or what in text else f"{what}: {text}"
+
+
+def _io(loc: Location, action: str, fn: "Callable[[], T]") -> T:
+    """One remote operation on ``loc``: store errors mapped to one line (:func:`_errors`), transient ones retried."""
+
+    def attempt() -> T:
+        with _errors(loc, action):
+            return fn()
+
+    return retry(attempt, loc.uri)
+
+
 @contextlib.contextmanager
 def _errors(loc: Location, action: str) -> Iterator[None]:
     try:
         yield
     except (StorageError, DocumentError):
         raise
-    except FileNotFoundError:
+    except FileNotFoundError as exc:
+        if loc.remote and action in ("write it", "upload it"):  # GCS: a write into a bucket that does not exist
+            _check_bucket(loc)
+            raise StorageError(f"{loc.uri}: cannot {action}: {describe_error(exc)}") from None
         raise
     except PermissionError as exc:
         raise StorageError(f"{loc.uri}: permission denied ({action}): {exc.strerror or exc}") from None
     except OSError as exc:
         text = describe_error(exc)
-        if "NO_SUCH_BUCKET" in text or "NoSuchBucket" in text:
+        if "NO_SUCH_BUCKET" in text or "NoSuchBucket" in text or "ContainerNotFound" in text:
             bucket = loc.path.split("/", 1)[0]
             raise StorageError(f"{loc.uri}: bucket {bucket!r} does not exist ({action})") from None
-        if "ACCESS_DENIED" in text or "AccessDenied" in text or "INVALID_ACCESS_KEY_ID" in text \
-                or "InvalidAccessKeyId" in text or "SIGNATURE_DOES_NOT_MATCH" in text or "403" in text.split():
+        if is_permanent_text(text):
             raise StorageError(f"{loc.uri}: access denied ({action}); check the credentials "
-                               f"(AWS_ACCESS_KEY_ID/AWS_PROFILE): {text}") from None
-        raise StorageError(f"{loc.uri}: cannot {action}: {text}") from None
+                               f"({_CREDENTIALS_HINT.get(loc.scheme, 'the store')}): {text}") from None
+        raise StorageError(f"{loc.uri}: cannot {action}: {text}", transient=is_transient(exc)) from None
+
+
+_CREDENTIALS_HINT = {
+    "s3": "AWS_ACCESS_KEY_ID/AWS_PROFILE, or the node's instance role",
+    "gs": "GOOGLE_APPLICATION_CREDENTIALS, or the node's service account",
+    "az": "AZURE_STORAGE_ACCOUNT_KEY, or Azure's default credentials",
+}
 
 
 def _check_bucket(loc: Location) -> None:
@@ -371,11 +605,13 @@ def exists(value: "str | os.PathLike[str] | Location") -> bool:
         return os.path.exists(loc.path)
     import pyarrow.fs as pafs
 
-    with _errors(loc, "look it up"):
+    def look() -> Any:
         info = loc.fs.get_file_info(loc.path)
         if info.type == pafs.FileType.NotFound:
             _check_bucket(loc)
-    return info.type != pafs.FileType.NotFound
+        return info
+
+    return _io(loc, "look it up", look).type != pafs.FileType.NotFound
 
 
 def is_file(value: "str | os.PathLike[str] | Location") -> bool:
@@ -384,8 +620,7 @@ def is_file(value: "str | os.PathLike[str] | Location") -> bool:
         return os.path.isfile(loc.path)
     import pyarrow.fs as pafs
 
-    with _errors(loc, "look it up"):
-        return loc.fs.get_file_info(loc.path).type == pafs.FileType.File
+    return _io(loc, "look it up", lambda: loc.fs.get_file_info(loc.path)).type == pafs.FileType.File
 
 
 def is_dir(value: "str | os.PathLike[str] | Location") -> bool:
@@ -395,8 +630,7 @@ def is_dir(value: "str | os.PathLike[str] | Location") -> bool:
         return os.path.isdir(loc.path)
     import pyarrow.fs as pafs
 
-    with _errors(loc, "look it up"):
-        return loc.fs.get_file_info(loc.path).type == pafs.FileType.Directory
+    return _io(loc, "look it up", lambda: loc.fs.get_file_info(loc.path)).type == pafs.FileType.Directory
 
 
 def size(value: "str | os.PathLike[str] | Location") -> int | None:
@@ -412,8 +646,7 @@ def size(value: "str | os.PathLike[str] | Location") -> int | None:
         return st.st_size if os.path.isfile(loc.path) else None
     import pyarrow.fs as pafs
 
-    with _errors(loc, "stat it"):
-        info = loc.fs.get_file_info(loc.path)
+    info = _io(loc, "stat it", lambda: loc.fs.get_file_info(loc.path))
     return info.size if info.type == pafs.FileType.File else None
 
 
@@ -423,8 +656,8 @@ def listing(value: "str | os.PathLike[str] | Location", *, recursive: bool = Fal
     loc = _loc(value)
     import pyarrow.fs as pafs
 
-    with _errors(loc, "list it"):
-        infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, allow_not_found=True, recursive=recursive))
+    infos = _io(loc, "list it",
+                lambda: loc.fs.get_file_info(pafs.FileSelector(loc.path, allow_not_found=True, recursive=recursive)))
     base = loc.path.rstrip("/") + "/"
     out = {}
     for info in infos:
@@ -440,8 +673,8 @@ def entries(value: "str | os.PathLike[str] | Location") -> list[str]:
     loc = _loc(value)
     import pyarrow.fs as pafs
 
-    with _errors(loc, "list it"):
-        infos = loc.fs.get_file_info(pafs.FileSelector(loc.path, allow_not_found=True, recursive=False))
+    infos = _io(loc, "list it",
+                lambda: loc.fs.get_file_info(pafs.FileSelector(loc.path, allow_not_found=True, recursive=False)))
     base = loc.path.rstrip("/") + "/"
     return sorted({i.path[len(base):].strip("/") for i in infos if i.path.startswith(base)} - {""})
 
@@ -477,7 +710,7 @@ def read_bytes(value: "str | os.PathLike[str] | Location", *, limit: int | None 
             raise StorageError(f"{loc.uri}: cannot read: {exc.strerror or exc}") from None
     import pyarrow.fs as pafs
 
-    with _errors(loc, "read it"):
+    def read() -> bytes:
         info = loc.fs.get_file_info(loc.path)
         if info.type != pafs.FileType.File:
             if "/" not in loc.path:
@@ -488,14 +721,19 @@ def read_bytes(value: "str | os.PathLike[str] | Location", *, limit: int | None 
         if limit is not None and info.size is not None and info.size > limit:
             raise StorageError(f"{loc.uri}: larger than the {limit} bytes allowed here")
         with loc.fs.open_input_stream(loc.path) as fh:
-            return fh.read()
+            data = fh.read()
+        if info.size is not None and len(data) != info.size:
+            # A response cut mid-body that the client did not notice: never hand back a prefix of the object.
+            raise StorageError(f"{loc.uri}: response cut short ({len(data)} of {info.size} bytes)", transient=True)
+        return data
+
+    return _io(loc, "read it", read)
 
 
 def open_input_file(value: "str | os.PathLike[str] | Location") -> Any:
     """A random-access pyarrow file (for Parquet footers and row groups: ranged reads on an object store)."""
     loc = _loc(value)
-    with _errors(loc, "open it"):
-        return loc.fs.open_input_file(loc.path)
+    return _io(loc, "open it", lambda: loc.fs.open_input_file(loc.path))
 
 
 def read_json(value: "str | os.PathLike[str] | Location", *, expect_format: str | None = None,
@@ -533,7 +771,6 @@ def sha256_file(path: "str | os.PathLike[str]") -> str:
 def sha256(value: "str | os.PathLike[str] | Location") -> str:
     """sha256 of the file's bytes (streamed; an object is downloaded once)."""
     loc = _loc(value)
-    h = hashlib.sha256()
     if not loc.remote:
         try:
             return sha256_file(loc.path)
@@ -541,11 +778,15 @@ def sha256(value: "str | os.PathLike[str] | Location") -> str:
             raise FileNotFoundError(f"{loc.uri}: not found") from None
         except PermissionError as exc:
             raise StorageError(f"{loc.uri}: permission denied (read): {exc.strerror}") from None
-    with _errors(loc, "read it"):
+
+    def digest() -> str:
+        h = hashlib.sha256()
         with loc.fs.open_input_stream(loc.path) as fh:
             while chunk := fh.read(_READ_CHUNK):
                 h.update(chunk)
-    return h.hexdigest()
+        return h.hexdigest()
+
+    return _io(loc, "read it", digest)
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -599,9 +840,11 @@ def write_atomic(value: "str | os.PathLike[str] | Location", data: bytes) -> Non
             raise
         fsync_dir(loc.parent.path)
         return
-    with _errors(loc, "write it"):
+    def write() -> None:
         with loc.fs.open_output_stream(loc.path) as fh:  # one object: visible whole when the upload completes
             fh.write(data)
+
+    _io(loc, "write it", write)  # a PUT of the whole object: safe to repeat
 
 
 def write_json(value: "str | os.PathLike[str] | Location", obj: Any, *, compact: bool = False) -> None:
@@ -630,10 +873,12 @@ def upload(local_file: "str | os.PathLike[str]", value: "str | os.PathLike[str] 
             os.unlink(local_file)
         fsync_dir(loc.parent.path)
         return
-    with _errors(loc, "upload it"):
+    def put() -> None:
         with open(local_file, "rb") as src, loc.fs.open_output_stream(loc.path) as dst:
             while chunk := src.read(8 * _READ_CHUNK):
                 dst.write(chunk)
+
+    _io(loc, "upload it", put)  # the spool is read again from its start on each try
     os.unlink(local_file)
 
 
@@ -675,9 +920,11 @@ def delete(value: "str | os.PathLike[str] | Location") -> None:
         return
     import pyarrow.fs as pafs
 
-    with _errors(loc, "delete it"):
+    def remove() -> None:
         if loc.fs.get_file_info(loc.path).type == pafs.FileType.File:
             loc.fs.delete_file(loc.path)
+
+    _io(loc, "delete it", remove)
 
 
 def delete_tree(value: "str | os.PathLike[str] | Location") -> None:
@@ -690,6 +937,8 @@ def delete_tree(value: "str | os.PathLike[str] | Location") -> None:
         return
     import pyarrow.fs as pafs
 
-    with _errors(loc, "delete it"):
+    def remove() -> None:
         if loc.fs.get_file_info(loc.path).type == pafs.FileType.Directory:
             loc.fs.delete_dir(loc.path)
+
+    _io(loc, "delete it", remove)

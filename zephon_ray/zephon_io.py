@@ -50,7 +50,19 @@ FENCED_METHODS = (
 
 
 class ZephonIOError(ValueError):
-    """A listing or read that Zephon's storage cannot do; the message names the path or URI."""
+    """A listing or read that Zephon's storage cannot do; the message names the path or URI. ``transient``: the
+    cause may pass (zephon_ray.files.retry waits those out)."""
+
+    def __init__(self, message: str, *, transient: bool = False) -> None:
+        super().__init__(message)
+        self.transient = transient
+
+    def __reduce__(self):
+        return (_zephon_io_error, (str(self), self.transient))
+
+
+def _zephon_io_error(message: str, transient: bool) -> "ZephonIOError":
+    return ZephonIOError(message, transient=transient)
 
 
 @dataclass(frozen=True)
@@ -147,8 +159,18 @@ def _describe(exc: BaseException) -> str:
 
 def list_objects(uri: str) -> list[ObjectInfo]:
     """The objects directly under ``uri`` (a prefix; not in sub-prefixes), sorted by name, with size, ETag and
-    version, from ONE listing through the obstore store Zephon builds for the bucket. A missing bucket, refused
-    credentials or an unreachable endpoint is one :class:`ZephonIOError` naming the URI."""
+    version, from ONE listing through the obstore store Zephon builds for the bucket. A missing bucket or refused
+    credentials is one :class:`ZephonIOError` naming the URI; an unreachable endpoint, throttling or a server error
+    is retried (obstore's own retry inside each try, zephon_ray.files.retry's budget around them) before it is."""
+    from zephon_ray.files import StorageError, retry
+
+    try:
+        return retry(lambda: _list_objects(uri), uri)
+    except StorageError as exc:  # the budget spent
+        raise ZephonIOError(str(exc)) from None
+
+
+def _list_objects(uri: str) -> list[ObjectInfo]:
     import obstore as obs
 
     scheme, bucket, key = _split(uri)
@@ -174,7 +196,10 @@ def list_objects(uri: str) -> list[ObjectInfo]:
                 or "403" in detail:
             raise ZephonIOError(f"{uri}: access denied ({detail}); check the credentials "
                                 "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)") from None
-        raise ZephonIOError(f"{uri}: cannot list ({detail})") from None
+        from zephon_ray.files import is_transient
+
+        raise ZephonIOError(f"{uri}: cannot list ({detail})",
+                            transient=is_transient(exc) or "cannot connect" in detail) from None
     return sorted(out, key=lambda o: o.name)
 
 

@@ -400,12 +400,20 @@ class MaterializedSource:
     def batch(self, step: int) -> GlobalBatch:
         step = self._check_step(step)
         seg = self._segments[bisect.bisect_right(self._starts, step) - 1]
+
+        def read() -> Any:
+            return self._file(seg).read_row_group(step - seg.first, columns=["step", "tokens", "positions"])
+
+        def forget(_exc: BaseException) -> None:
+            self._files.pop(seg.file.uri, None)  # a failed read (an unreachable store) must not poison the cache
+
         try:
-            table = self._file(seg).read_row_group(step - seg.first, columns=["step", "tokens", "positions"])
+            # transient faults (an outage, 503 SlowDown, a response cut short) retried for the storage budget
+            table = files.retry(read, str(seg.file), on_retry=forget)
         except MaterializedError:
             raise
         except Exception as exc:
-            self._files.pop(seg.file.uri, None)  # a failed read (an unreachable store) must not poison the cache
+            forget(exc)
             raise MaterializedError(f"{seg.file}: cannot read step {step} ({files.describe_error(exc)})") from None
         tokens = _matrix(table.column("tokens"), self.row_length)
         positions = _matrix(table.column("positions"), self.row_length)

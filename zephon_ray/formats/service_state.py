@@ -23,6 +23,11 @@ newest ``keep_checkpoints`` plus anchors every ``anchor_every`` steps (so any pa
 at most ``anchor_every`` steps, recent ones at most K); commits keep the newest per consumer for at most
 ``MAX_CONSUMERS`` consumers and ``MAX_COMMITS`` history entries; ``nearest_checkpoint`` is a bisect over an
 in-memory index built from one listing, not a listing per call.
+Object stores: every read and write retries transient faults (an outage, 503 SlowDown, a timeout, a response cut
+short) for the storage budget (zephon_ray/files.py), so a checkpoint or commit made during a 15 s outage lands when
+the store answers again; a spent budget is one :class:`ServiceStateError` (or ``StorageError``) naming the object.
+The in-memory index is guarded by a lock (the coordinator's pump, commit writer and read loop share it); I/O runs
+outside it, so a write waiting out an outage never blocks a lookup.
 Limits: one writer at a time (the coordinator); no locking against two services pointed at the same
 ``state_dir``. Anchors themselves accumulate (one file of tens of KiB per ``anchor_every`` steps).
 """
@@ -33,6 +38,7 @@ import bisect
 import math
 import os
 import re
+import threading
 import time
 from typing import Any
 
@@ -159,6 +165,7 @@ class ServiceState:
         self._names: dict[int, str] = {}
         self._commits: dict[str, Any] | None = None  # this process is the one writer: read once, then kept
         self.pinned: set[int] = set()  # never pruned by this process (a materialised prefix's end)
+        self._lock = threading.RLock()  # the index; never held across I/O except the first listing
 
     @classmethod
     def open(cls, recipe: Any, state_dir: "str | os.PathLike[str] | files.Location", *, keep_checkpoints: int = 4,
@@ -184,18 +191,24 @@ class ServiceState:
     def checkpoint_path(self, step: int) -> files.Location:
         """Where the checkpoint of ``step`` is (an older 8-digit name when that is what is there)."""
         self.checkpoint_steps()
-        return self.root.join(CHECKPOINT_DIR, self._names.get(step, checkpoint_name(step)))
+        with self._lock:
+            return self.root.join(CHECKPOINT_DIR, self._names.get(step, checkpoint_name(step)))
 
     def checkpoint_steps(self) -> list[int]:
         if self._steps is None:  # one listing per open; later writes and prunes keep the index current
-            self._names = checkpoint_index(self.root)
-            self._steps = sorted(self._names)
-        return list(self._steps)
+            names = checkpoint_index(self.root)
+            with self._lock:
+                if self._steps is None:
+                    self._names = names
+                    self._steps = sorted(names)
+        with self._lock:
+            return list(self._steps)
 
     def has_checkpoint(self, step: int) -> bool:
         self.checkpoint_steps()
-        i = bisect.bisect_left(self._steps, step)
-        return i < len(self._steps) and self._steps[i] == step
+        with self._lock:
+            i = bisect.bisect_left(self._steps, step)
+            return i < len(self._steps) and self._steps[i] == step
 
     def write_checkpoint(self, state: dict[str, Any], *, pin: bool = False) -> int:
         """Validate (recipe, step boundary) and store a merged checkpoint; returns its step. First writer wins:
@@ -206,9 +219,11 @@ class ServiceState:
         if pin:
             self.pinned.add(step)
         if not self.has_checkpoint(step):
-            files.write_json(self.checkpoint_path(step), state, compact=True)
-            self._names[step] = checkpoint_name(step)
-            bisect.insort(self._steps, step)
+            files.write_json(self.checkpoint_path(step), state, compact=True)  # listed only once it is whole
+            with self._lock:
+                if step not in self._names:
+                    self._names[step] = checkpoint_name(step)
+                    bisect.insort(self._steps, step)
         self.prune()
         return step
 
@@ -220,13 +235,15 @@ class ServiceState:
         steps = self.checkpoint_steps()
         recent = set(steps[-self.keep_checkpoints:])
         doomed = [s for s in steps if s not in recent and s % self.anchor_every and s not in self.pinned]
-        for step in doomed:
-            files.delete(self.checkpoint_path(step))
-        if doomed:
+        if doomed:  # out of the index first: no reader picks a checkpoint being deleted
+            paths = [self.checkpoint_path(step) for step in doomed]
             gone = set(doomed)
-            self._steps = [s for s in self._steps if s not in gone]
-            for step in doomed:
-                self._names.pop(step, None)
+            with self._lock:
+                self._steps = [s for s in self._steps if s not in gone]
+                for step in doomed:
+                    self._names.pop(step, None)
+            for path in paths:
+                files.delete(path)
         return doomed
 
     def read_checkpoint(self, step: int) -> dict[str, Any]:
@@ -237,8 +254,9 @@ class ServiceState:
     def nearest_checkpoint(self, step: int) -> int | None:
         """The newest durable checkpoint step <= ``step`` (None: start from a fresh pipeline at step 0)."""
         self.checkpoint_steps()
-        i = bisect.bisect_right(self._steps, step)
-        return self._steps[i - 1] if i else None
+        with self._lock:
+            i = bisect.bisect_right(self._steps, step)
+            return self._steps[i - 1] if i else None
 
     # ------------------------------------------------------------------ commits
     def _read_commits(self) -> dict[str, Any]:

@@ -8,6 +8,12 @@ whatever ``DataService.status()`` reports (known sections first, any others afte
 Without ``--address`` the ``digest`` command starts a private local Ray (its own temp dir) and shuts it down
 again; ``serve``/``status``/``stop`` attach to an existing cluster (``--address``, ``RAY_ADDRESS`` or the one
 this process runs in, e.g. a ``ray job submit`` job) and never start one.
+
+Storage settings reach the actors these commands start: :func:`ray_session` attaches with
+``runtime_env={"env_vars": files.worker_environment()}`` (endpoints, region, addressing style, account names, retry
+settings; never a secret, a profile name or a local path), so a cluster started before the exports still sees the
+endpoint. Credentials come from the nodes themselves. A worker-side storage failure is one line naming the object
+and the likely cause (:func:`storage_failure`), exit 2 (tests/test_storage_cli.py).
 """
 
 from __future__ import annotations
@@ -38,8 +44,22 @@ def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]
     if ray.is_initialized():
         yield
         return
+    from zephon_ray import files
+
     temp_dir = None
-    quiet = {"log_to_driver": False, "logging_level": "ERROR"}
+    quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": "ERROR"}
+    env = files.worker_environment()
+    # Inside a `ray job submit` job, Ray merges ray.init's runtime_env with the job's and refuses a key set in both:
+    # the job's own settings win, ours only fill in what it lacks.
+    injected = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if injected:
+        try:
+            job_env = (json.loads(injected).get("runtime_env") or {}).get("env_vars") or {}
+        except (ValueError, AttributeError):
+            job_env = {}
+        env = {k: v for k, v in env.items() if k not in job_env}
+    if env:  # the job's runtime_env: every actor and task it starts (detached ones too) gets these settings
+        quiet["runtime_env"] = {"env_vars": env}
     if address is None and private_if_none and not os.environ.get("RAY_ADDRESS"):
         temp_dir = tempfile.mkdtemp(prefix="zephon-ray-local-", dir="/tmp")
         ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
@@ -57,6 +77,55 @@ def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]
 def _fail(message: str) -> int:
     print(f"zephon-ray: error: {message}", file=sys.stderr)
     return 2
+
+
+_STORAGE_WORDS = ("s3://", "gs://", "az://", "abfs", "bucket", "endpoint", "credential", "access denied",
+                  "AccessDenied", "Could not resolve host", "Could not connect", "NETWORK_CONNECTION",
+                  "InvalidAccessKeyId", "NoSuchBucket", "does not exist", "still failing after")
+
+
+def _causes(exc: BaseException) -> list[BaseException]:
+    seen, out, todo = set(), [], [exc]
+    while todo:
+        e = todo.pop(0)
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        out.append(e)
+        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
+    return out
+
+
+def storage_failure(exc: BaseException) -> str | None:
+    """One line for an error that came back from the cluster's workers because of storage (an object they could not
+    reach or read), naming the object and the likely cause; None for anything else."""
+    from zephon_ray import files
+
+    texts = []
+    for cause in _causes(exc):
+        lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
+        texts += [ln for ln in lines if not ln.startswith(("File ", "Traceback", "^", "~"))]
+    hits = [t for t in texts if any(w in t for w in _STORAGE_WORDS)]
+    if not hits:
+        return None
+    line = min(hits, key=lambda t: (("://" not in t), len(t)))  # the shortest that names an object
+    for prefix in ("ray.exceptions.RayTaskError", "RayTaskError"):
+        line = line.split("): ", 1)[-1] if line.startswith(prefix) else line
+    line = " ".join(line.split())[:500]
+    lower = line.lower()
+    if "access denied" in lower or "accessdenied" in lower or "invalidaccesskeyid" in lower or "403" in line \
+            or "credential" in lower:
+        local = files.local_credentials()
+        hint = ("the workers have no credentials for it, or not these: credentials are never shipped to the "
+                "cluster" + (f" ({', '.join(local)} stay in this shell)" if local else "")
+                + "; give the nodes their own (instance role, their environment or files)")
+    elif "resolve host" in lower or "connect" in lower or "endpoint" in lower:
+        hint = ("the workers have no endpoint for it or cannot reach it: set AWS_ENDPOINT_URL (or "
+                "ZEPHON_RAY_GCS_ENDPOINT / ZEPHON_RAY_AZURE_ENDPOINT) where this command runs; it reaches the "
+                "workers through the job's runtime_env")
+    else:
+        hint = "the workers could not use it"
+    return f"{line} ({hint})"
 
 
 def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -> int:

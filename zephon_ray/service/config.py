@@ -142,6 +142,10 @@ class ServiceConfig:
     read_path: str = "node"
     """The default read path of clients: ``node`` (a node reader per node shares leases among its ranks) or
     ``direct`` (one coordinator call per read). ``DataService.connect(read_path=...)`` overrides it."""
+    storage_retry_s: float | None = None
+    """How long the coordinator, producers and replayers keep retrying a transient object-store fault (an outage,
+    503 SlowDown, a timeout, a cut response) before it is fatal. None: the environment's
+    ``ZEPHON_RAY_STORAGE_RETRY_S``, else 600 s (zephon_ray/files.py)."""
     resources: ActorResources = field(default_factory=ActorResources)
 
     def __post_init__(self) -> None:
@@ -158,6 +162,10 @@ class ServiceConfig:
             if not _is_number(value) or not value > 0:
                 raise ValueError(f"ServiceConfig: {key} must be a number of seconds > 0, got {value!r}")
         object.__setattr__(self, "resources", ActorResources.coerce(self.resources))
+        if self.storage_retry_s is not None and (not _is_number(self.storage_retry_s)
+                                                 or not 0 <= self.storage_retry_s <= 7 * 24 * 3600):
+            raise ValueError(f"ServiceConfig: storage_retry_s must be None or a number of seconds in [0, 604800], "
+                             f"got {self.storage_retry_s!r}")
         if self.read_path not in READ_PATHS:
             raise ValueError(f"ServiceConfig: read_path must be one of {list(READ_PATHS)}, got {self.read_path!r}")
         for key, low, high in (("max_ahead", 1, 1_000_000), ("retain_behind", 0, 100_000),

@@ -21,6 +21,12 @@ Guarantees (each shown by the test named):
   producers and replayers (its node readers died with it) and starts at the consumers' newest commits; clients
   retry, also reads in flight at the kill (tests/test_service_heal.py).
 - A configuration error found while starting is reported once by ``ready()``, naming what is wrong.
+- An object-store outage or throttling is waited out (``storage_retry_s``, zephon_ray/files.py): the steps it
+  holds are served on, reads of other steps wait, production resumes when the store answers again, with no
+  restart (tests/test_storage_faults.py). Only a spent budget or a permanent fault is fatal, as one line naming the
+  object and the cause; no message carries a traceback (the log does).
+- A commit is durable when it returns: it is refused beyond what the consumer was delivered, and one that cannot
+  be written within the storage budget raises instead of returning.
 
 Limits: cursors and the refs table live in memory; a restart costs a restore plus up to K steps of replay, and
 the steps the old producers held are made again. See window.py for the window's bounds.
@@ -33,20 +39,20 @@ import logging
 import os
 import threading
 import time
-import traceback
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import ray
 
+from zephon_ray import files
 from zephon_ray.formats.service_state import ServiceState
 from zephon_ray.recipe import Recipe
 from zephon_ray.service import status as status_report
 from zephon_ray.service.config import ServiceConfig
 from zephon_ray.service.errors import ServiceError
 from zephon_ray.service.metrics import ServiceMetrics
-from zephon_ray.service.pool import ProducerPool
+from zephon_ray.service.pool import ProducerPool, describe
 from zephon_ray.service.protocol import (
     PRODUCER_INFIX, READER_INFIX, REPLAYED, REPLAYER_INFIX, CursorMove, Reply, StepContainers, kill_named, lease_reply,
     only_groups)
@@ -91,13 +97,14 @@ class Coordinator:
         self._reads_loop: asyncio.AbstractEventLoop | None = None
         self._changed: asyncio.Event | None = None
         self._set_up = False
+        if config.storage_retry_s is not None:
+            files.set_retry_budget(config.storage_retry_s)
         try:
             self._setup()
             self._set_up = True
         except Exception as exc:  # noqa: BLE001 - ready() reports it once, as a ServiceError naming it
-            self._fatal = (f"service {config.name!r} failed to start: "
-                           f"{traceback.format_exception_only(type(exc), exc)[-1].strip()}")
-            log.error("%s", self._fatal)
+            log.exception("service %r failed to start", config.name)
+            self._fatal = f"service {config.name!r} failed to start: {describe(exc)}"
 
     def _setup(self) -> None:
         recipe, config = self.recipe, self.config
@@ -299,10 +306,19 @@ class Coordinator:
         self._advance(moves)
         own = [m[3] for m in moves or () if m[0] == consumer and isinstance(m[3], int) and not isinstance(m[3], bool)]
         with self._lock:
+            self._check_running()
+            self.window.commit(step, consumer, read=max(own, default=None), apply=False)
+        # The writes run on one writer thread, in call order: reads and status() never wait for a disk flush or an
+        # object-store outage (the write retries transient faults for the storage budget).
+        try:
+            entry = await asyncio.get_running_loop().run_in_executor(self._commit_writer, self.state.add_commit,
+                                                                     step, consumer)
+        except Exception as exc:  # noqa: BLE001 - never report success without a durable record
+            log.exception("commit of step %d for %r not durable", step, consumer)
+            raise ServiceError(f"service {self.config.name!r}: commit of step {step} for consumer {consumer!r} "
+                               f"is not durable: {describe(exc)}") from None
+        with self._lock:
             self.window.commit(step, consumer, read=max(own, default=None))
-        # The fsyncs run on one writer thread, in call order: reads and status() never wait for a disk flush.
-        entry = await asyncio.get_running_loop().run_in_executor(self._commit_writer, self.state.add_commit, step,
-                                                                 consumer)
         self.recent_commits = (self.recent_commits + [entry])[-8:]
         return entry
 
@@ -401,17 +417,25 @@ class Coordinator:
                     self._file(finished)
                 if pool.fatal:
                     self._fail(pool.fatal)
-            except Exception:  # noqa: BLE001 - never let the pump die silently: replace the group, or give up
+            except Exception as exc:  # noqa: BLE001 - never let the pump die silently: replace the group, or give up
+                log.exception("pump: replacing the producer group")
                 try:
-                    pool.restart(traceback.format_exc(limit=3))
+                    # A storage fault that got here has spent its budget (or is permanent): fatal in restart().
+                    pool.restart(f"pump: {describe(exc)}", transient=files.is_transient(exc))
                     if pool.fatal:
                         self._fail(pool.fatal)
-                except Exception:  # noqa: BLE001
-                    self._fail(f"service {self.config.name!r}: pump failed: {traceback.format_exc(limit=3)}")
+                except Exception as again:  # noqa: BLE001
+                    log.exception("pump: the replacement failed too")
+                    self._fail(f"service {self.config.name!r}: pump failed: {describe(again)}")
 
     def _fail(self, reason: str) -> None:
-        self._fatal = reason
-        log.error("%s", reason)
+        # One line, always: a traceback goes to the log, never into the ServiceError every read raises.
+        lines = [ln for ln in str(reason).splitlines() if ln.strip()]
+        if any("Traceback (most recent call last)" in ln for ln in lines):
+            log.error("%s", reason)
+            lines = lines[-1:]
+        self._fatal = " ".join(" ".join(lines).split())[:1000]
+        log.error("%s", self._fatal)
         self._notify()
 
     def _wanted(self, step: int) -> bool:
@@ -463,7 +487,7 @@ class Coordinator:
             if self.pool.fatal:
                 self._rescale_error = self.pool.fatal
         except Exception as exc:  # noqa: BLE001
-            self._rescale_error = f"rescale failed: {exc}"
+            self._rescale_error = f"rescale failed: {describe(exc)}"
         finally:
             self._rescale_to = None
             self._notify()

@@ -19,6 +19,12 @@ Guarantees:
   (tests/test_service.py::test_rescale_2_1_2_keeps_batches reads across two rescales).
 - Each generation gets its own Zephon run id ``<run_id>-<instance>-g<N>``; aggregate dirs of older generations
   are removed when a new one starts.
+- Storage faults are waited out, not fatal: checkpoint writes and reads retry transient object-store faults for the
+  storage budget (``storage_retry_s``, zephon_ray/files.py), so a 15 s outage only pauses the pump
+  (tests/test_storage_faults.py); a producer call that failed on a transient fault (its Zephon read of a source)
+  replaces the group with backoff for as long as that budget, without counting towards
+  ``MAX_CONSECUTIVE_FAILURES``. Only a spent budget or a permanent fault (a missing bucket, refused credentials,
+  a corrupt checkpoint) is fatal, as one line naming the object and the cause.
 Limits: the whole group is replaced, not only the failed producer (Zephon requires every member of a collective
 checkpoint group to restore the same checkpoint); the watchdog cannot tell a very slow producer from a hung one.
 """
@@ -26,6 +32,7 @@ checkpoint group to restore the same checkpoint); the watchdog cannot tell a ver
 from __future__ import annotations
 
 import logging
+import random
 import re
 import threading
 import time
@@ -37,6 +44,7 @@ import ray
 from ray.exceptions import RayActorError, RayError
 
 from zephon_ray import files
+from zephon_ray.formats.service_state import ServiceStateError
 from zephon_ray.identity import check_checkpoint_agreement
 from zephon_ray.pipeline import LaneGroup
 from zephon_ray.recipe import Recipe
@@ -53,6 +61,22 @@ MAX_CONSECUTIVE_FAILURES = 4
 MAX_CONSECUTIVE_DEATHS = 50
 """Producer *deaths* (kill -9, OOM, node loss) in a row before giving up; each restart backs off a little."""
 PING_EVERY_S = 2.0
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an error: a Ray task error's cause, its last line only (the traceback goes to the log)."""
+    cause = exc
+    while isinstance(cause, RayError) and isinstance(getattr(cause, "cause", None), BaseException) \
+            and cause.cause is not cause:
+        cause = cause.cause
+    try:
+        last = traceback.format_exception_only(type(cause), cause)[-1]
+    except Exception:  # noqa: BLE001 - an exception whose str() fails
+        last = type(cause).__name__
+    if isinstance(cause, RayError) or "Traceback (most recent call last)" in last:
+        lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]
+        last = lines[-1] if lines else type(cause).__name__
+    return " ".join(last.split())[:600]
 
 
 @dataclass
@@ -84,6 +108,7 @@ class ProducerPool:
         self.next_step = 0
         self.fatal: str | None = None
         self.failures = self.deaths = self.restarts = 0
+        self.transient_since: float | None = None  # start of a run of restarts caused by transient storage faults
         self.hung_replacements = 0
         self.metrics = NO_METRICS  # the coordinator sets its ServiceMetrics (metrics.py)
         self.on_lost: Callable[[int], int | None] = lambda generation: None
@@ -149,7 +174,7 @@ class ProducerPool:
                     # Detached: producers must outlive the job that started the service; the group kills them.
                     lifetime="detached", num_cpus=res.producer_num_cpus, resources=dict(res.producer_resources),
                     max_restarts=0,
-                ).remote(self.recipe, group, state))
+                ).remote(self.recipe, group, state, storage_retry_s=self.config.storage_retry_s))
                 lanes.append(group.owned_lanes(self.recipe.lanes))
             self.gen = _Generation(number=number, actors=actors, lanes=lanes, run_id=run_id,
                                    info_refs=[a.info.remote() for a in actors], infos=[None] * producers)
@@ -218,26 +243,42 @@ class ProducerPool:
     def started(self) -> bool:
         return self.gen is not None and all(i is not None for i in self.gen.infos)
 
-    def restart(self, reason: str, producers: int | None = None, death: bool = False) -> None:
-        """Replace the whole group from the newest durable checkpoint <= the first unfinished step."""
+    def restart(self, reason: str, producers: int | None = None, death: bool = False,
+                transient: bool = False) -> None:
+        """Replace the whole group from the newest durable checkpoint <= the first unfinished step. ``transient``:
+        the cause may pass (a storage outage): retried with backoff for the storage budget, not counted as a
+        failure."""
         gen = self.gen
         producers = producers or len(gen.actors)
+        reason = " ".join(reason.split())[:600]  # one line, always (the log has the traceback)
         self.resolve_infos()  # a producer that could not start answered info() before failing its first call
         if self.fatal:
             return
-        if death:
+        now = time.monotonic()
+        if transient:
+            self.transient_since = self.transient_since or now
+        elif death:
             self.deaths += 1
         else:
             self.failures += 1
         self.restarts += 1
         self.metrics.producer_restart(death=death)
+        budget = files.retry_budget_s()
         if self.failures > MAX_CONSECUTIVE_FAILURES or self.deaths > MAX_CONSECUTIVE_DEATHS:
             self.fatal = (f"service {self.config.name!r}: producers failed {self.failures + self.deaths} times in a "
                           f"row without finishing a step; last error: {reason}")
             return
-        log.warning("replacing producer group g%d (%s)", gen.number, reason.splitlines()[0][:300])
+        if transient and now - self.transient_since > budget:
+            waited = now - self.transient_since
+            self.fatal = (f"service {self.config.name!r}: producers still failing after {waited:.0f}s of retries "
+                          f"(storage budget {budget:g}s): {reason}")
+            return
+        log.warning("replacing producer group g%d (%s)", gen.number, reason[:300])
         self._kill(gen)
-        if self.deaths + self.failures > 1:  # repeated failures: back off instead of spinning
+        streak = self.deaths + self.failures + (self.restarts if transient else 0)
+        if transient:  # a storage fault: capped exponential backoff with jitter, as files.retry does
+            time.sleep(min(files.RETRY_CAP_S, files.RETRY_FIRST_S * 2 ** min(streak, 10)) * random.uniform(0.5, 1))
+        elif self.deaths + self.failures > 1:  # repeated failures: back off instead of spinning
             time.sleep(min(0.25 * 2 ** (self.deaths + self.failures - 2), 5.0))
         pending = list(self._inflight) + list(self._ckpts) + [s for s in self._skips if s >= 0]
         remake = self.on_lost(gen.number)  # its shards died with it
@@ -248,7 +289,12 @@ class ProducerPool:
         self._ckpts.clear()
         self._skips.clear()
         ckpt = self.state.nearest_checkpoint(first) or 0
-        self.launch(producers, ckpt, self.state.read_checkpoint(ckpt) if ckpt else None)
+        try:
+            state = self.state.read_checkpoint(ckpt) if ckpt else None  # transient faults retried inside
+        except (ServiceStateError, OSError) as exc:
+            self.fatal = f"service {self.config.name!r}: cannot restore producers at step {ckpt}: {describe(exc)}"
+            return
+        self.launch(producers, ckpt, state)
 
     # ------------------------------------------------------------------ running
     @property
@@ -317,7 +363,8 @@ class ProducerPool:
                 if all(r in done for r in refs):
                     states = ray.get(refs)  # small merged Zephon states, not shard bytes
                     check_checkpoint_agreement(states)
-                    self.metrics.time_checkpoint(self.state.write_checkpoint, states[0])
+                    if not self.persist(step, states[0]):
+                        return out
                     del self._ckpts[step]
             for step in sorted(self._skips):
                 refs = self._skips[step]
@@ -341,11 +388,26 @@ class ProducerPool:
                     out.append(Finished(step, containers, meta, self.gen.number))
             if out:
                 self.failures = self.deaths = 0
+                self.transient_since = None
         except RayActorError as exc:
-            self.restart(f"{type(exc).__name__}: {exc}", death=True)
+            log.warning("producer died: %s", exc)
+            self.restart(f"{type(exc).__name__}: {describe(exc)}", death=True)
         except RayError as exc:
-            self.restart(f"{type(exc).__name__}: {exc}")
+            log.warning("producer call failed: %s", exc)
+            self.restart(describe(exc), transient=files.is_transient(getattr(exc, "cause", None) or exc)
+                         or files.is_transient(Exception(describe(exc))))
         return out
+
+    def persist(self, step: int, state: dict[str, Any]) -> bool:
+        """Write a merged checkpoint durably (transient faults are retried inside, for the storage budget). False,
+        with ``fatal`` set to one line naming the object and the cause, when it cannot be made durable."""
+        try:
+            self.metrics.time_checkpoint(self.state.write_checkpoint, state)
+            return True
+        except (files.StorageError, ServiceStateError, OSError) as exc:
+            self.fatal = (f"service {self.config.name!r}: the checkpoint of step {step} cannot be made durable: "
+                          f"{describe(exc)}")
+            return False
 
     def drain(self) -> list[Finished]:
         out: list[Finished] = []
@@ -369,12 +431,12 @@ class ProducerPool:
                     states = ray.get([a.checkpoint.remote(step) for a in gen.actors],
                                      timeout=self.config.aggregate_timeout_s + 30)
                     state = check_checkpoint_agreement(states)
-                    self.metrics.time_checkpoint(self.state.write_checkpoint, state)
+                    if not self.persist(step, state):
+                        return out
                 self._retire(gen)  # its shards in the table stay readable until evicted (reap)
                 self.launch(target, step, state)
         except Exception as exc:  # noqa: BLE001 - a producer died mid-rescale: fall back to durable checkpoints
-            self.restart(f"rescale: {type(exc).__name__}: {traceback.format_exception_only(type(exc), exc)[-1]}",
-                         producers=target, death=isinstance(exc, RayActorError))
+            self.restart(f"rescale: {describe(exc)}", producers=target, death=isinstance(exc, RayActorError))
         return out
 
     def describe(self) -> list[dict[str, Any]]:

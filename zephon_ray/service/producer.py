@@ -85,14 +85,30 @@ def node_name() -> str:
 class Producer:
     """Plain class; the coordinator wraps it with ``ray.remote`` and fractional CPUs."""
 
-    def __init__(self, recipe: Recipe, group: LaneGroup, state: dict[str, Any] | None = None) -> None:
+    def __init__(self, recipe: Recipe, group: LaneGroup, state: dict[str, Any] | None = None, *,
+                 storage_retry_s: float | None = None) -> None:
+        from zephon_ray import files
+
         self.lanes = group.owned_lanes(recipe.lanes)
         self.init_error: str | None = None
-        try:
+        if storage_retry_s is not None:
+            files.set_retry_budget(storage_retry_s)
+
+        def start() -> LaneStepper:
             verify_on_node(recipe, where=f"producer for lanes {list(self.lanes)}")
-            self._stepper = LaneStepper(recipe, group)
-            if state is not None:
-                self._stepper.restore(state)
+            stepper = LaneStepper(recipe, group)
+            try:
+                if state is not None:
+                    stepper.restore(state)
+            except BaseException:
+                stepper.close()
+                raise
+            return stepper
+
+        try:
+            # A storage outage while starting (a replacement group during an outage) is waited out, within the
+            # storage budget; a permanent problem is reported once (info()).
+            self._stepper = files.retry(start, f"producer for lanes {list(self.lanes)}")
         except Exception as exc:  # noqa: BLE001 - reported once by the coordinator, see info()
             last = traceback.format_exception_only(type(exc), exc)[-1].strip()
             self.init_error = f"producer for lanes {list(self.lanes)} on node {node_name()} failed to start: {last}"

