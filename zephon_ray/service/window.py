@@ -199,8 +199,9 @@ class StepWindow:
 
         ``read`` is the highest step the committing client itself was *delivered* (the client records a read only
         once it returned, and sends it with the commit): a read that was asked for but failed or still waits does
-        not count, so a commit beyond what was delivered is refused (tests/test_window.py,
-        tests/test_storage_faults.py::test_commit_beyond_delivery_is_refused). It counts even where those moves were
+        not count, so a commit beyond what was delivered is refused
+        (tests/test_window.py::test_commits_are_per_consumer_and_checked,
+        tests/test_storage_faults.py::test_service_rides_through_a_15s_outage). It counts even where those moves were
         not applied as cursors: when another rank of the same consumer released it (closed its loader) in the
         meantime, its cursors are gone, but what this client read is still read
         (tests/test_window.py::test_a_commit_counts_its_own_reads_after_a_release). Limit: a commit from a handle
