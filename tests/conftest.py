@@ -41,13 +41,18 @@ def tiny_recipe():
     return Recipe.from_toml(TINY)
 
 
-@pytest.fixture(scope="session")
-def reference_digests(tiny_recipe):
-    """Per-step digests of the tiny recipe from a fresh in-process run: the reference every test compares with."""
-    from zephon_ray import GlobalBatchSource
+def golden_digests(recipe_path) -> list[str]:
+    """The committed golden digests of steps 0..169 of a recipe (tests/golden/, made by the independent oracle
+    tests/oracle.py from Zephon's public API; tests/test_oracle.py checks they are the oracle's here)."""
+    import oracle
 
-    with GlobalBatchSource(tiny_recipe) as source:
-        return [source.batch(step).digest for step in range(24)]
+    return oracle.load_golden(recipe_path)["digests"]
+
+
+@pytest.fixture(scope="session")
+def reference_digests():
+    """Per-step digests of the tiny recipe, steps 0..169: the committed goldens every test compares with."""
+    return golden_digests(TINY)
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import pytest
 
 from tests import emulators

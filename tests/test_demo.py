@@ -2,7 +2,7 @@
 
     examples/elastic_resume.py --recipe recipes/demo.toml     (after `zephon-ray corpus data/corpus` if missing)
 
-It must end with ``identical global batches: YES`` and exit 0, and the digests it prints for steps 0..5 (the
+It must end with ``identical global batches: YES`` and exit 0, and the digests it prints for steps 0..7 (the
 reference run's and the elastic run's, W = 2 and W = 4 -> 2 -> 3) must be the golden digests of recipes/demo.toml,
 which the independent oracle made (tests/oracle.py): the demo checks itself against GlobalBatchSource, this test
 checks it against a reference that shares no code with it. The faster default test of the same promise is
@@ -40,9 +40,7 @@ def test_make_demo_ends_with_identical_global_batches():
 
     rows = {int(m.group(1)): m.groups() for m in map(ROW.match, lines) if m}
     assert sorted(rows) == list(range(8)) and all(r[5] == "yes" for r in rows.values()), tail
-    golden = oracle.load_golden(DEMO_RECIPE)
-    if "skip" in golden:
-        pytest.skip(f"the demo passed; its digests were not compared with the goldens: {golden['skip']}")
-    for step, digest in enumerate(golden["digests"]):
+    golden = oracle.load_golden(DEMO_RECIPE)  # other library versions fail here, naming the regenerate command
+    for step, digest in enumerate(golden["digests"][:len(rows)]):
         _, ref_world, ref, elastic_world, elastic, _ = rows[step]
         assert ref == elastic == digest[:16], (step, ref_world, ref, elastic_world, elastic, digest)

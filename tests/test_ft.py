@@ -23,7 +23,6 @@ from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 pytestmark = pytest.mark.spawns  # Ray, torchrun or other process trees (conftest.py)

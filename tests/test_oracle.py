@@ -3,8 +3,9 @@
 The oracle (tests/oracle.py) imports nothing from zephon_ray: it reads the recipe with tomllib, tokenizes with its
 own byte tokenizer or the ``tokenizers`` library, runs Zephon as 2 ranks through Zephon's public API, files
 microbatches by ``lane_ids``, assembles lane-major and computes the documented digest itself. The golden digests
-(tests/golden/*.json) fix steps 0..5 of every shipped recipe and of the k = 2 test recipe (tests/recipes/k2.toml)
-for the zephon version (and, where it matters, the tokenizers and Python versions) they were made with.
+(tests/golden/*.json) fix steps 0..169 of every shipped recipe and of the k = 2 test recipe (tests/recipes/k2.toml)
+for the zephon version (and, where it matters, the tokenizers and Python versions) they were made with; other
+versions fail with the command that regenerates them (``python tests/oracle.py --all``), never skip.
 
 Each path is checked for k = 1 (recipes/tiny.toml) and k = 2 (tests/recipes/k2.toml), always on the rows the path
 returns, re-digested by the oracle (a path's own ``.digest`` is checked too, never trusted alone):
@@ -20,8 +21,8 @@ returns, re-digested by the oracle (a path's own ``.digest`` is checked too, nev
 
 from __future__ import annotations
 
+import json
 import threading
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,7 +32,10 @@ from conftest import ROOT
 
 pytestmark = pytest.mark.timeout(600)
 
-STEPS = oracle.GOLDEN_STEPS
+STEPS = 6
+"""Every delivery path is checked row by row against the oracle's batches of these first steps."""
+FAR_STEPS = (21, 157, 169)
+"""Far steps, read by random access: past checkpoint intervals and the prose source's first epoch end."""
 NS = "zr-oracle"
 CASES = {"k1": ROOT / "recipes" / "tiny.toml", "k2": ROOT / "tests" / "recipes" / "k2.toml"}
 SHIPPED = sorted((ROOT / "recipes").glob("*.toml"))
@@ -44,7 +48,6 @@ def case(request):
     """One test recipe: its path, its golden digests and the oracle's batches of steps 0..STEPS-1."""
     path = CASES[request.param]
     golden = oracle.load_golden(path)
-    assert "skip" not in golden, golden["skip"]  # byte tokenizer, committed fixture: only the zephon version counts
     recipe = oracle.read_recipe(path)
     lanes = oracle.lane_microbatches(recipe, STEPS)
     assert recipe.k == int(request.param[1:])
@@ -53,31 +56,47 @@ def case(request):
 
 
 def test_the_oracle_gives_the_golden_digests(case):
-    assert [b.digest for b in case["batches"]] == case["golden"]
-    assert len(set(case["golden"])) == STEPS
+    assert [b.digest for b in case["batches"]] == case["golden"][:STEPS]
+    assert len(set(case["golden"])) == oracle.GOLDEN_STEPS
 
 
-@pytest.mark.parametrize("path", [p for p in SHIPPED if p.stem not in ("tiny",)], ids=lambda p: p.stem)
-def test_the_oracle_gives_the_golden_digests_of_every_shipped_recipe(path):
-    """tiny is covered by ``case`` above; demo and mixture read the corpus generated from this Python's stdlib."""
-    golden = oracle.load_golden(path)
+CORPUS_STEPS = 40
+"""The corpus recipes (demo, mixture) are checked to this step by default, to the end with ``-m slow``."""
+
+
+@pytest.mark.parametrize("path, steps", [
+    pytest.param(p, n, id=f"{p.stem}-{n}", marks=[pytest.mark.slow] if n == oracle.GOLDEN_STEPS and
+                 oracle.reads_corpus(oracle.read_recipe(p)) else [])
+    for p in oracle.shipped_recipes()
+    for n in ((CORPUS_STEPS, oracle.GOLDEN_STEPS) if oracle.reads_corpus(oracle.read_recipe(p))
+              else (oracle.GOLDEN_STEPS,))])
+def test_the_oracle_gives_the_golden_digests_of_every_shipped_recipe(path, steps):
+    """The committed goldens are the oracle's digests here, all 170 steps; demo and mixture read the corpus
+    generated from this Python's stdlib."""
     recipe = oracle.read_recipe(path)
     if oracle.reads_corpus(recipe) and not CORPUS.is_dir():
         pytest.skip(f"{path.name} reads {CORPUS}, which is not generated here (run `zephon-ray corpus data/corpus` "
                     "or `make demo`)")
-    if "skip" in golden:
-        pytest.skip(golden["skip"])
-    assert oracle.digests(path, STEPS) == golden["digests"]
+    assert oracle.digests(path, steps) == oracle.load_golden(path)["digests"][:steps]
 
 
-def test_the_session_reference_is_golden(reference_digests):
-    """tests/conftest.py's ``reference_digests`` (GlobalBatchSource, used by most other test files) is anchored
-    here: its first steps are the oracle's golden digests, so those tests compare with the oracle too."""
-    assert reference_digests[:STEPS] == oracle.load_golden(CASES["k1"])["digests"]
+def test_a_golden_of_other_versions_fails_with_the_command_that_regenerates_it(tmp_path, monkeypatch):
+    record = {**json.loads(oracle.golden_path(CASES["k1"]).read_text()),
+              "environment": {"zephon": "0.0.1"}}
+    monkeypatch.setattr(oracle, "GOLDEN_DIR", tmp_path)
+    oracle.golden_path(CASES["k1"]).write_text(json.dumps(record))
+    with pytest.raises(oracle.GoldenVersionError, match=r"zephon 0\.0\.1 \(here .*python tests/oracle.py --all"):
+        oracle.load_golden(CASES["k1"])
+
+
+def test_the_session_reference_is_the_golden(reference_digests):
+    """tests/conftest.py's ``reference_digests``, which most other test files compare with, is the committed
+    golden of the tiny recipe (the oracle's digests), not another path through zephon_ray."""
+    assert reference_digests == oracle.load_golden(CASES["k1"])["digests"]
 
 
 def test_every_shipped_recipe_has_goldens():
-    assert {p.stem for p in SHIPPED} | {"k2"} == {p.stem for p in oracle.GOLDEN_DIR.glob("*.json")}
+    assert {p.stem for p in oracle.shipped_recipes()} == {p.stem for p in oracle.GOLDEN_DIR.glob("*.json")}
 
 
 def test_the_oracle_sees_a_wrong_microbatch_or_lane_order(case):
@@ -132,6 +151,9 @@ def test_in_process_global_batch_source(case):
             for world in (2, 4):
                 check_rows(case, step, *joined(batch.slice(r, world) for r in range(world)),
                            f"GlobalBatchSource slices W={world}")
+        for step in FAR_STEPS:  # random access far ahead, rows re-digested by the oracle's own digest function
+            batch = source.batch(step)
+            assert oracle.digest(batch.tokens, batch.positions) == batch.digest == case["golden"][step], step
 
 
 def test_every_world_from_1_to_B_joins_into_the_oracle_batch(case):

@@ -34,7 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import run_spawned_driver
+from tests.conftest import golden_digests, run_spawned_driver
+
 from zephon_ray import GlobalBatchSource, Recipe, compute_digest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,6 +121,7 @@ def test_inplace_upsize_in_one_fit_keeps_global_batches(tmp_path):
         slice_digests = {(s, r, w): compute_digest(part.tokens, part.positions)
                          for s, b in enumerate(batches) for w in (MIN_W, MAX_W) for r in range(w)
                          for part in [b.slice(r, w)]}
+    assert digests == golden_digests(ELASTIC)[:STEPS]  # the in-process reference is the oracle's
     assert all(digests[s] == GOLDEN[s] for s in GOLDEN if s < STEPS)  # the reference is the oracle's
 
     log, summary = str(tmp_path / "steps.jsonl"), tmp_path / "summary.json"

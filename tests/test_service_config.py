@@ -51,12 +51,27 @@ def test_recipe_aggregate_fills_unset_fields(tiny_recipe, tmp_path):
     recipe = replace(tiny_recipe, aggregate=replace(tiny_recipe.aggregate, dir=str(tmp_path)))
     cfg = ServiceConfig.build(recipe, producers=2, run_id="r")  # the recipe's [aggregate] dir makes M=2 valid
     assert cfg.aggregate_dir == str(tmp_path) and cfg.producers == 2
-    with pytest.raises(ValueError, match="exactly one of aggregate_store and aggregate_dir"):
-        ServiceConfig.build(tiny_recipe, producers=2, run_id="r")
+    with pytest.raises(ValueError, match="not both"):
+        ServiceConfig.build(recipe, producers=2, run_id="r", aggregate_store="torch://h:1", aggregate_dir="/x")
     base = ServiceConfig(run_id="r")
     cfg = base.for_recipe(recipe)
     assert cfg.aggregate_dir == str(tmp_path) and cfg.aggregate_store is None
     cfg.check_lanes(recipe, 2)  # now a 2-producer rescale is allowed
+
+
+def test_build_defaults_run_id_and_hosted_store(tiny_recipe, tmp_path):
+    """A service's run_id defaults to its name and its aggregation to the TCPStore it hosts, so producers=2 needs
+    no more arguments than producers=1; explicit values win, and the recipe's [aggregate] table comes first."""
+    cfg = ServiceConfig.build(tiny_recipe, name="x", producers=2)
+    assert (cfg.run_id, cfg.aggregate_store, cfg.aggregate_dir) == ("x", "torch://", None)
+    cfg = ServiceConfig.build(tiny_recipe, name="x", producers=2, run_id="r7", aggregate_dir=str(tmp_path))
+    assert (cfg.run_id, cfg.aggregate_store, cfg.aggregate_dir) == ("r7", None, str(tmp_path))
+    cfg = ServiceConfig.build(tiny_recipe, name="x", aggregate_store="torch://h:1")
+    assert cfg.aggregate_store == "torch://h:1" and cfg.run_id == "x"
+    recipe = replace(tiny_recipe, aggregate=replace(tiny_recipe.aggregate, dir=str(tmp_path)))
+    cfg = ServiceConfig.build(recipe, name="x", producers=4)
+    assert (cfg.aggregate_store, cfg.aggregate_dir) == (None, str(tmp_path))
+    cfg.check_lanes(tiny_recipe, 8)  # a rescale to 8 producers is allowed as built
 
 
 @pytest.mark.parametrize("key", ["aggregate_timeout_s", "consumer_ttl_s", "request_timeout_s",

@@ -107,9 +107,8 @@ def test_job_submit_starts_service_and_second_job_reads_slices(head_cluster, tin
                                                                  tmp_path):
     name, ns, world, steps = "job-svc", "zr-job", 4, range(0, 6)
     out = _submit(head_cluster, str(ROOT / "service" / "start.py"), str(TINY), "--name", name, "--namespace", ns,
-                  "--producers", "2", "--window", "4", "--state-dir", str(tmp_path / "state"),
-                  "--aggregate-store", "torch://", "--run-id", "job-svc")
-    assert f"serving" in out and "2 producers" in out, out[-2000:]
+                  "--producers", "2", "--window", "4", "--state-dir", str(tmp_path / "state"))  # defaults: run_id, store
+    assert "serving" in out and "2 producers" in out, out[-2000:]
     try:
         out = _submit(head_cluster, str(ROOT / "service" / "read_slices.py"), "--name", name, "--namespace", ns,
                       "--steps", f"{steps.start}:{steps.stop}", "--world", str(world))

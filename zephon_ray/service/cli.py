@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from zephon_ray.recipe import Recipe
-from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, HOSTED_STORE, ActorResources, ServiceConfig
+from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
 from zephon_ray.service.errors import ServiceError, ServiceNotFoundError
 
 
@@ -134,7 +134,7 @@ def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -
 
     producers = getattr(args, "producers", 1) or 1
     if not getattr(args, "name", None):  # bad settings fail here, before a Ray cluster is started for nothing
-        ServiceConfig(producers=producers, run_id="check", aggregate_store=HOSTED_STORE).for_recipe(recipe)
+        ServiceConfig.build(recipe, producers=producers)
     try:
         with ray_session(getattr(args, "address", None), private_if_none=True):
             if getattr(args, "name", None):
@@ -146,11 +146,8 @@ def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -
             else:
                 run = f"digest-{uuid.uuid4().hex[:8]}"
                 state_dir = tempfile.mkdtemp(prefix=f"zephon-ray-{run}-")
-                aggregate = {}
-                if producers > 1 and recipe.aggregate.store is None and recipe.aggregate.dir is None:
-                    aggregate = {"aggregate_store": HOSTED_STORE}
                 svc = DataService.start(recipe, name=run, namespace=args.namespace or DEFAULT_NAMESPACE,
-                                        producers=producers, state_dir=state_dir, run_id=run, **aggregate)
+                                        producers=producers, state_dir=state_dir)  # run_id, store: defaults
                 owned = True
             try:
                 for step in steps:

@@ -1,8 +1,7 @@
 """``DataService``: the client of the Ray data service. This is the API trainers, loaders and notebooks use.
 
     svc = DataService.start(recipe, name="run7", namespace="zr", producers=2, window=8,
-                            state_dir="/shared/run7", checkpoint_every=8,
-                            aggregate_store="torch://", run_id="run7")
+                            state_dir="/shared/run7", checkpoint_every=8)   # run_id "run7", hosted TCPStore
     svc = DataService.connect("run7", namespace="zr", consumer="trainer")   # any driver, job, Train worker
     svc.prefetch(range(s + 1, s + 4), rank=r, world=W)   # optional: start fetching upcoming steps
     part = svc.slice(s, rank, world)             # RankSlice: rows [r*B/W, (r+1)*B/W) of global batch s (tracked)

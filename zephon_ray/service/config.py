@@ -208,10 +208,19 @@ class ServiceConfig:
 
     @classmethod
     def build(cls, recipe: Recipe, **fields) -> "ServiceConfig":
-        """Construct for ``recipe``: unset aggregation comes from the recipe's ``[aggregate]`` table *before*
-        validation, then the producers are checked against the recipe's lanes."""
+        """Construct for ``recipe`` with the defaults a service needs to run any number of producers, applied
+        *before* validation: an unset ``run_id`` is the service's name; unset aggregation comes from the recipe's
+        ``[aggregate]`` table, else it is the TCPStore the coordinator hosts (``torch://``, created only once
+        more than one producer runs). Explicit values win; a store and a dir together are still refused here.
+        Then the producers are checked against the recipe's lanes
+        (tests/test_service_config.py::test_build_defaults_run_id_and_hosted_store)."""
+        fields.setdefault("name", DEFAULT_NAME)
+        if not fields.get("run_id"):
+            fields["run_id"] = fields["name"]
         if fields.get("aggregate_store") is None and fields.get("aggregate_dir") is None:
             fields["aggregate_store"], fields["aggregate_dir"] = recipe.aggregate.store, recipe.aggregate.dir
+            if recipe.aggregate.store is None and recipe.aggregate.dir is None:
+                fields["aggregate_store"] = HOSTED_STORE
         return cls(**fields).for_recipe(recipe)
 
     def for_recipe(self, recipe: Recipe) -> "ServiceConfig":

@@ -27,6 +27,7 @@ node reader's next lease late; ``commit`` and ``status`` carry this client's own
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 import weakref
@@ -65,7 +66,9 @@ class _Listener:
             try:
                 # No retries: a call to a reader that died must fail, not wait for it to come back (it may not).
                 call = self.reader.demand.options(max_task_retries=0).remote(epoch, DEMAND_POLL_S)
-                new = ray.get(call, timeout=DEMAND_POLL_S + 60)
+                new = self._answer(call)
+                if new is None:  # this process is exiting (stop_listening)
+                    return
             except BaseException:  # noqa: BLE001 - the reader is gone or stuck (handles listen again on their next
                 # move), or this worker process is exiting (Ray raises SystemExit in its threads' calls)
                 with _LISTENERS_LOCK:
@@ -80,8 +83,36 @@ class _Listener:
                     client.flush()
 
 
+    @staticmethod
+    def _answer(call: Any) -> int | None:
+        """The long poll's answer, or None once ``stop_listening`` was called. It waits in short slices, not in one
+        ``ray.get``: a thread blocked inside Ray while the process exits made ``ray job submit`` drivers exit 1."""
+        deadline = time.monotonic() + DEMAND_POLL_S + 60
+        while not _STOPPING.is_set():
+            ready, _ = ray.wait([call], timeout=STOP_POLL_S)
+            if ready:
+                return ray.get(ready[0])
+            if time.monotonic() > deadline:
+                raise TimeoutError("the node reader's demand poll did not answer")
+        return None
+
+
 _LISTENERS: dict[Any, _Listener] = {}
 _LISTENERS_LOCK = threading.Lock()
+_STOPPING = threading.Event()
+STOP_POLL_S = 0.5
+"""How soon a demand poll notices ``stop_listening``."""
+
+
+def stop_listening(timeout_s: float = 5.0) -> None:
+    """End this process's demand polls and wait for their threads. Registered with atexit when the first poll
+    starts, which is after ``ray.init``, so it runs before Ray's own shutdown hook (atexit runs in reverse)."""
+    _STOPPING.set()
+    with _LISTENERS_LOCK:
+        listeners = list(_LISTENERS.values())
+    for listener in listeners:
+        if listener.thread is not threading.current_thread():
+            listener.thread.join(timeout_s)
 
 
 def _listen(reader: Any, client: "NodeReads") -> None:
@@ -93,7 +124,18 @@ def _listen(reader: Any, client: "NodeReads") -> None:
             listener = _LISTENERS[key] = _Listener(key, reader)
         listener.clients.add(client)
     if start:
+        if not _STOP_HOOKED:
+            _hook_stop()
         listener.thread.start()
+
+
+_STOP_HOOKED = False
+
+
+def _hook_stop() -> None:
+    global _STOP_HOOKED
+    _STOP_HOOKED = True
+    atexit.register(stop_listening)
 
 
 @dataclass
