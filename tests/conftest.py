@@ -14,6 +14,8 @@ import pytest
 # examples/ray_train_quickstart.py run here (38-42 s vs 45-48 s). The private Rays, spawned drivers and subprocesses
 # the tests start inherit it.
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
+# Ray exports application metrics every 10 s by default; tests/test_metrics.py scrapes them, and waits less at 2 s.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
@@ -22,14 +24,15 @@ TINY = RECIPES / "tiny.toml"
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """`make test` runs two pytest-xdist workers with ``--dist loadgroup``, and two groups keep the heavy tests
-    apart: the tests on the session's private Ray (they use ``ray_cluster``, or are marked ``session_ray``) run one
-    after another in one worker, as in one process; those that start a Ray or a process tree of their own (marked
-    ``spawns``, or ``slow``) run one after another in the other, beside the in-process tests. One Ray per worker:
-    no session Ray is started twice (docs/benchmarks.md, "The test suite")."""
+    """`make test` runs two pytest-xdist workers with ``--dist loadgroup``. The tests on a worker's private session
+    Ray (they use ``ray_cluster``, or are marked ``session_ray``) are grouped by module, so a module's fixtures (a
+    service, a materialised dataset) are built once and the modules spread over both workers; each worker starts
+    its session Ray once, when it first needs it. Those that start a Ray or a process tree of their own (marked
+    ``spawns``, or ``slow``) run one after another in one group, so at most two Rays are busy at once
+    (docs/benchmarks.md, "The test suite")."""
     for item in items:
         if "ray_cluster" in item.fixturenames or item.get_closest_marker("session_ray"):
-            item.add_marker(pytest.mark.xdist_group("session-ray"))
+            item.add_marker(pytest.mark.xdist_group(f"session-ray:{item.module.__name__}"))
         elif any(item.get_closest_marker(m) for m in ("spawns", "slow")):
             item.add_marker(pytest.mark.xdist_group("spawns"))
 

@@ -82,7 +82,6 @@ def test_metrics_on_the_prometheus_endpoint(ray_cluster, tiny_recipe, reference_
                 break
             assert time.monotonic() < deadline, f"metrics missing or too low (seen, expected): {short}"
             time.sleep(2)
-        assert 0 <= seen["ray_zephon_ray_window_fill"] <= 1
         assert seen["ray_zephon_ray_producer_deaths_total"] <= seen["ray_zephon_ray_producer_restarts_total"]
         assert seen["ray_zephon_ray_checkpoint_write_seconds_sum"] > 0
         print("metrics:", {k: seen[k] for k in sorted(seen)})

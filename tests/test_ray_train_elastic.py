@@ -7,12 +7,13 @@ step 4, then 2 workers to step 6, then 3 workers to step 8, each a new ``fit()``
 world size. Every step's global digest, gathered from the ranks' slices, must equal the committed golden's (tests/oracle.py), and
 every loss the W=1 in-process reference.
 
-The default suite runs the service path at 2 -> 5 workers (5 does not divide B: ranks hold 4 or 5 rows, and the
-losses are still the W=1 reference's, since the loop scales summed losses by ``batch.loss_scale``) and the
-local-mode worker kill; the full 4 -> 2 -> 3
-schedule of each (service, local with the torch:// store, local with a directory) is ``slow``. Local mode's resume
-at another W also runs in the default suite through tests/test_ray_train_quickstart.py (1 -> 2 workers, final
-weights equal the reference).
+The default suite runs one service-mode job that meets both events: at 2 workers a rank is SIGKILLed before step 3
+(Ray Train restarts the group from the step-2 checkpoint and step 2 is replayed), then the job resumes at 5 workers
+(5 does not divide B: ranks hold 4 or 5 rows, and the losses are still the W=1 reference's, since the loop scales
+summed losses by ``batch.loss_scale``). The full 4 -> 2 -> 3 schedule of each mode (service, local with the torch://
+store, local with a directory) and the worker kill in local mode are ``slow``. Local mode's resume at another W
+also runs in the default suite through tests/test_ray_train_quickstart.py (1 -> 2 workers, final weights equal the
+reference).
 """
 
 from __future__ import annotations
@@ -68,26 +69,56 @@ def check(records, elastic_reference, worlds=WORLDS):
         assert r["loss"] == pytest.approx(losses[r["step"]], abs=1e-5), r
 
 
-@pytest.mark.parametrize("schedule", [
-    # 12 rows a rank, then 4 or 5 (5 does not divide B = 24): every slice boundary moves
-    pytest.param(((2, 4), (5, 8)), id="2_5"),
-    pytest.param(SCHEDULE, id="4_2_3", marks=pytest.mark.slow),
-])
-def test_get_dataset_shard_service(ray_cluster, tmp_path, elastic_reference, schedule):
+def _kill_before_step_3(tmp_path, name: str) -> KillOnce:
+    """Rank 1 SIGKILLs itself before step 3, once Ray Train registered the checkpoint at step 2."""
+    return KillOnce(step=3, rank=1, marker=str(tmp_path / "killed"), registered_step=1,
+                    snapshot=str(tmp_path / "ray-results" / name / "checkpoint_manager_snapshot.json"))
+
+
+def test_service_worker_killed_then_resized_2_to_5(ray_cluster, tmp_path, elastic_reference):
+    """One job, two events: a worker dies at W=2 (steps 2.. replayed after the restart), then the job resumes at
+    W=5, a count that does not divide B = 24 (12 rows a rank, then 4 or 5: every slice boundary moves). Every
+    record, replays included, has the golden digest and the W=1 reference's loss."""
+    from examples.torchtitan_ray_train import read_log
+    from zephon_ray import DataService
+    from zephon_ray.integrations.ray_train import ZephonDataset
+
+    log = str(tmp_path / "steps.jsonl")
+    service = DataService.start(ELASTIC, name="elastic-svc", namespace="zr-elastic-tests", producers=2, window=8,
+                                state_dir=str(tmp_path / "svc"), checkpoint_every=4)
+    try:
+        for workers, until, hook in ((2, 4, _kill_before_step_3(tmp_path, "elastic")), (5, STEPS, None)):
+            result = fit_bigram(ZephonDataset(service), workers=workers, name="elastic", run_id="elastic-svc",
+                                storage_path=str(tmp_path / "ray-results"), log_path=log, steps=until,
+                                max_failures=1, before_step=hook)
+            assert result.error is None, result.error
+    finally:
+        service.stop()
+    assert (tmp_path / "killed").exists(), "the failure was not injected"
+    records = read_log(log)
+    assert [r["step"] for r in records] == [0, 1, 2, 2, 3, 4, 5, 6, 7]  # the kill hit before step 3; 2 replayed
+    assert [r["world"] for r in records] == [2] * 5 + [5] * 4
+    digests, losses = elastic_reference
+    for r in records:
+        assert r["digest"] == digests[r["step"]], r
+        assert r["loss"] == pytest.approx(losses[r["step"]], abs=1e-5), r
+
+
+@pytest.mark.slow
+def test_get_dataset_shard_4_2_3_service(ray_cluster, tmp_path, elastic_reference):
     from zephon_ray import DataService
     from zephon_ray.integrations.ray_train import ZephonDataset
 
     service = DataService.start(ELASTIC, name="elastic-svc", namespace="zr-elastic-tests", producers=2, window=8,
-                                state_dir=str(tmp_path / "svc"), checkpoint_every=4, aggregate_store="torch://",
-                                run_id="elastic-svc")
+                                state_dir=str(tmp_path / "svc"), checkpoint_every=4)
     try:
-        records = run_schedule(tmp_path, ZephonDataset(service), "elastic-svc", schedule)
+        records = run_schedule(tmp_path, ZephonDataset(service), "elastic-svc")
     finally:
         service.stop()
-    check(records, elastic_reference, worlds=worlds_of(schedule))
+    check(records, elastic_reference)
 
 
-@pytest.mark.slow  # ~80 s; the default suite has the service schedule and the quickstart's local 1 -> 2
+@pytest.mark.slow  # ~80 s; the default suite has the service job and the quickstart's local 1 -> 2
 def test_get_dataset_shard_4_2_3_local_torch_store(ray_cluster, tmp_path, elastic_reference):
     """Local mode: Zephon's collective checkpoint aggregates through Ray Train's own TCPStore (rank 0's, a new
     port after every restart)."""
@@ -104,7 +135,8 @@ def test_get_dataset_shard_4_2_3_local_dir(ray_cluster, tmp_path, elastic_refere
     check(run_schedule(tmp_path, dataset, "elastic-dir"), elastic_reference)
 
 
-@pytest.mark.parametrize("mode", ["local", pytest.param("service", marks=pytest.mark.slow)])
+@pytest.mark.slow  # the default suite kills a worker in service mode (above)
+@pytest.mark.parametrize("mode", ["local", "service"])
 def test_worker_killed_mid_run_replays_identical_steps(ray_cluster, tmp_path, elastic_reference, mode):
     """Rank 1 of 2 SIGKILLs itself before step 3; Ray Train restarts the group from the step-2 checkpoint
     (FailureConfig(max_failures=1)), configure() hands the new group fresh shards, steps 2.. are replayed, and
@@ -118,7 +150,7 @@ def test_worker_killed_mid_run_replays_identical_steps(ray_cluster, tmp_path, el
     service = None
     if mode == "service":
         service = DataService.start(ELASTIC, name="chaos-svc", namespace="zr-elastic-tests", producers=2,
-                                    state_dir=str(tmp_path / "svc"), aggregate_store="torch://", run_id="chaos-svc")
+                                    state_dir=str(tmp_path / "svc"))
     try:
         result = fit_bigram(ZephonDataset(service or ELASTIC), workers=2, name="chaos",
                             storage_path=str(tmp_path / "ray-results"), log_path=log, steps=6, run_id="chaos",

@@ -69,6 +69,9 @@ def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]
     try:
         yield
     finally:
+        from zephon_ray.service.node_reads import stop_background
+
+        stop_background()  # no thread of ours may call into Ray after shutdown: Ray would exit the process with 1
         ray.shutdown()
         if temp_dir:
             shutil.rmtree(temp_dir, ignore_errors=True)

@@ -54,6 +54,7 @@ class _Listener:
         self.key = key
         self.reader = reader
         self.clients: weakref.WeakSet = weakref.WeakSet()
+        self.stopped = threading.Event()
         self.thread = threading.Thread(target=self._run, name="zephon-ray-demand", daemon=True)
 
     def _run(self) -> None:
@@ -67,12 +68,13 @@ class _Listener:
                 # No retries: a call to a reader that died must fail, not wait for it to come back (it may not).
                 call = self.reader.demand.options(max_task_retries=0).remote(epoch, DEMAND_POLL_S)
                 new = self._answer(call)
-                if new is None:  # this process is exiting (stop_listening)
-                    return
             except BaseException:  # noqa: BLE001 - the reader is gone or stuck (handles listen again on their next
                 # move), or this worker process is exiting (Ray raises SystemExit in its threads' calls)
+                new = None
+            if new is None:
                 with _LISTENERS_LOCK:
-                    _LISTENERS.pop(self.key, None)
+                    if _LISTENERS.get(self.key) is self:
+                        del _LISTENERS[self.key]
                     clients = list(self.clients)
                 for client in clients:
                     client._stop_listening(self.reader)
@@ -82,13 +84,12 @@ class _Listener:
                 for client in list(self.clients):
                     client.flush()
 
-
-    @staticmethod
-    def _answer(call: Any) -> int | None:
-        """The long poll's answer, or None once ``stop_listening`` was called. It waits in short slices, not in one
-        ``ray.get``: a thread blocked inside Ray while the process exits made ``ray job submit`` drivers exit 1."""
+    def _answer(self, call: Any) -> int | None:
+        """The long poll's answer; None once stopped or once Ray is shut down. It waits in short slices, never in
+        one long ``ray.get``: a thread that calls into Ray after ``ray.shutdown()`` makes Ray end the whole process
+        with exit code 1 (seen as ``ray job submit`` drivers failing after their last line; tests/test_service_job.py)."""
         deadline = time.monotonic() + DEMAND_POLL_S + 60
-        while not _STOPPING.is_set():
+        while not self.stopped.is_set() and ray.is_initialized():
             ready, _ = ray.wait([call], timeout=STOP_POLL_S)
             if ready:
                 return ray.get(ready[0])
@@ -99,20 +100,31 @@ class _Listener:
 
 _LISTENERS: dict[Any, _Listener] = {}
 _LISTENERS_LOCK = threading.Lock()
-_STOPPING = threading.Event()
+_HANDLES: weakref.WeakSet = weakref.WeakSet()
+"""Every node path of this process: their keep-alive timers stop with the polls."""
 STOP_POLL_S = 0.5
-"""How soon a demand poll notices ``stop_listening``."""
+"""How soon a demand poll notices ``stop_background``."""
 
 
-def stop_listening(timeout_s: float = 5.0) -> None:
-    """End this process's demand polls and wait for their threads. Registered with atexit when the first poll
-    starts, which is after ``ray.init``, so it runs before Ray's own shutdown hook (atexit runs in reverse)."""
-    _STOPPING.set()
+def stop_background(timeout_s: float = 5.0) -> None:
+    """Stop this process's background Ray calls (demand polls, keep-alive timers) and wait for the polls to end.
+
+    Call it before ``ray.shutdown()`` (``zephon_ray.service.cli.ray_session`` does); it also runs at exit, before
+    Ray's own exit hook (registered after ``ray.init``, and atexit runs in reverse). Unsent cursor moves are
+    dropped. Handles used after a new ``ray.init`` listen again on their next move."""
     with _LISTENERS_LOCK:
         listeners = list(_LISTENERS.values())
+        _LISTENERS.clear()
+    for listener in listeners:
+        listener.stopped.set()
+    for handle in list(_HANDLES):
+        handle.quiesce()
     for listener in listeners:
         if listener.thread is not threading.current_thread():
             listener.thread.join(timeout_s)
+
+
+_EXIT_HOOKED = threading.Event()
 
 
 def _listen(reader: Any, client: "NodeReads") -> None:
@@ -124,18 +136,10 @@ def _listen(reader: Any, client: "NodeReads") -> None:
             listener = _LISTENERS[key] = _Listener(key, reader)
         listener.clients.add(client)
     if start:
-        if not _STOP_HOOKED:
-            _hook_stop()
+        if not _EXIT_HOOKED.is_set():
+            _EXIT_HOOKED.set()
+            atexit.register(stop_background)
         listener.thread.start()
-
-
-_STOP_HOOKED = False
-
-
-def _hook_stop() -> None:
-    global _STOP_HOOKED
-    _STOP_HOOKED = True
-    atexit.register(stop_listening)
 
 
 @dataclass
@@ -167,6 +171,7 @@ class NodeReads:
         self._timer: threading.Timer | None = None
         self._sent = 0.0  # when moves last left with a call
         self._listening: Any = None  # the reader this handle listens to for demand (one long poll per process)
+        _HANDLES.add(self)
 
     # ------------------------------------------------------------------ the node reader
     def reader(self) -> Any:
@@ -337,7 +342,7 @@ class NodeReads:
                 return
             moves = self._take_pending()
             reader = self._reader
-        if reader is None:
+        if reader is None or not ray.is_initialized():  # Ray is down: see stop_background
             self._requeue(moves)
             return
         try:
