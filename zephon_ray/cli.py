@@ -388,7 +388,7 @@ def digest_via_dataset(recipe: Recipe, steps: range, args: argparse.Namespace) -
 
 def cmd_pretokenize(args: argparse.Namespace) -> int:
     from zephon_ray.jobs.pretokenize import pretokenize
-    from zephon_ray.service.cli import ray_session
+    from zephon_ray.service.session import ray_session
 
     recipe = Recipe.from_toml(args.recipe)
     with ray_session(args.address, private_if_none=True):
@@ -401,7 +401,7 @@ def cmd_pretokenize(args: argparse.Namespace) -> int:
 
 def cmd_materialize(args: argparse.Namespace) -> int:
     from zephon_ray.jobs.materialize import materialize
-    from zephon_ray.service.cli import ray_session
+    from zephon_ray.service.session import ray_session
 
     recipe = Recipe.from_toml(args.recipe)
     steps = parse_steps(args.steps)

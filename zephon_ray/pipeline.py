@@ -80,7 +80,7 @@ def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup()) -> Any:
         tokens_field = "auto"
     else:
         # Token-id copies written by zephon_ray.jobs.pretokenize hold exactly what decode_text + tokenize emit.
-        from zephon_ray.formats.pretokenized import TOKEN_FIELD
+        from zephon_ray.pretokenized_manifest import TOKEN_FIELD
 
         tokens_field = TOKEN_FIELD
     pipeline = (

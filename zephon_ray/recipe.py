@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from zephon_ray import files
-from zephon_ray.formats.pretokenized import PretokenizedError, check_manifest, check_sources
+from zephon_ray.pretokenized_manifest import PretokenizedError, check_manifest, check_sources
 from zephon_ray.identity import (
     SUPPORTED_FORMATS, Environment, MixedFormatsError, ShardIdentity, ShardListingError, detect_format,
     source_identity,

@@ -42,9 +42,11 @@ import numpy as np
 
 from zephon_ray import files, zephon_io
 from zephon_ray.formats.pretokenized import (
+    build_manifest, output_name, progress_location, read_progress, shard_location, write_manifest, write_progress,
+)
+from zephon_ray.pretokenized_manifest import (
     KEY_SOURCE_FINGERPRINT, KEY_TOTALS, MANIFEST_FORMAT, MANIFEST_NAME, PROGRESS_DIR, RECIPE_NAME, SOURCES_DIR,
-    SPECIAL_TOKENS, TOKEN_FIELD, PretokenizedError, build_manifest, output_name, progress_location, read_progress,
-    shard_location, write_manifest, write_progress,
+    SPECIAL_TOKENS, TOKEN_FIELD, PretokenizedError,
 )
 from zephon_ray.recipe import Recipe
 from zephon_ray.tokenizers import build_tokenizer, tokenizer_identity

@@ -9,7 +9,7 @@ Without ``--address`` the ``digest`` command starts a private local Ray (its own
 again; ``serve``/``status``/``stop`` attach to an existing cluster (``--address``, ``RAY_ADDRESS`` or the one
 this process runs in, e.g. a ``ray job submit`` job) and never start one.
 
-Storage settings reach the actors these commands start: :func:`ray_session` attaches with
+Storage settings reach the actors these commands start: ``ray_session`` (service/session.py) attaches with
 ``runtime_env={"env_vars": files.worker_environment()}`` (endpoints, region, addressing style, account names, retry
 settings; never a secret, a profile name or a local path), so a cluster started before the exports still sees the
 endpoint. Credentials come from the nodes themselves. A worker-side storage failure is one line naming the object
@@ -19,10 +19,8 @@ and the likely cause (:func:`storage_failure`), exit 2 (tests/test_storage_cli.p
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -34,47 +32,7 @@ from typing import Any
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
 from zephon_ray.service.errors import ServiceError, ServiceNotFoundError
-
-
-@contextlib.contextmanager
-def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]:
-    """Attach to ``address`` (or the ambient cluster), or start a private local Ray when asked to."""
-    import ray
-
-    if ray.is_initialized():
-        yield
-        return
-    from zephon_ray import files
-
-    temp_dir = None
-    quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": "ERROR"}
-    env = files.worker_environment()
-    # Inside a `ray job submit` job, Ray merges ray.init's runtime_env with the job's and refuses a key set in both:
-    # the job's own settings win, ours only fill in what it lacks.
-    injected = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
-    if injected:
-        try:
-            job_env = (json.loads(injected).get("runtime_env") or {}).get("env_vars") or {}
-        except (ValueError, AttributeError):
-            job_env = {}
-        env = {k: v for k, v in env.items() if k not in job_env}
-    if env:  # the job's runtime_env: every actor and task it starts (detached ones too) gets these settings
-        quiet["runtime_env"] = {"env_vars": env}
-    if address is None and private_if_none and not os.environ.get("RAY_ADDRESS"):
-        temp_dir = tempfile.mkdtemp(prefix="zephon-ray-local-", dir="/tmp")
-        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
-                 _temp_dir=temp_dir, **quiet)
-    else:
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", **quiet)
-    try:
-        yield
-    finally:
-        from zephon_ray.service.node_reads import stop_background
-
-        stop_background()  # no thread of ours may call into Ray after shutdown: Ray would exit the process with 1
-        ray.shutdown()
-        if temp_dir:
-            shutil.rmtree(temp_dir, ignore_errors=True)
+from zephon_ray.service.session import ray_session
 
 
 def _fail(message: str) -> int:

@@ -1,0 +1,58 @@
+"""Attach to a Ray cluster, or start a private local one, for the length of a command or a job's driver.
+
+The attaching process passes ``runtime_env={"env_vars": files.worker_environment()}`` (storage endpoints, region,
+addressing style, account names, retry settings; never a secret, a profile name or a local path), so the actors a
+command starts see the same storage settings as the command (tests/test_storage_cli.py). Before Ray shuts down, the
+node read path's background threads stop (:func:`zephon_ray.service.node_reads.stop_background`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+
+@contextlib.contextmanager
+def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]:
+    """Attach to ``address`` (or the ambient cluster), or start a private local Ray when asked to."""
+    import ray
+
+    if ray.is_initialized():
+        yield
+        return
+    from zephon_ray import files
+
+    temp_dir = None
+    quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": "ERROR"}
+    env = files.worker_environment()
+    # Inside a `ray job submit` job, Ray merges ray.init's runtime_env with the job's and refuses a key set in both:
+    # the job's own settings win, ours only fill in what it lacks.
+    injected = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if injected:
+        try:
+            job_env = (json.loads(injected).get("runtime_env") or {}).get("env_vars") or {}
+        except (ValueError, AttributeError):
+            job_env = {}
+        env = {k: v for k, v in env.items() if k not in job_env}
+    if env:  # the job's runtime_env: every actor and task it starts (detached ones too) gets these settings
+        quiet["runtime_env"] = {"env_vars": env}
+    if address is None and private_if_none and not os.environ.get("RAY_ADDRESS"):
+        temp_dir = tempfile.mkdtemp(prefix="zephon-ray-local-", dir="/tmp")
+        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
+                 _temp_dir=temp_dir, **quiet)
+    else:
+        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", **quiet)
+    try:
+        yield
+    finally:
+        from zephon_ray.service.node_reads import stop_background
+
+        stop_background()  # no thread of ours may call into Ray after shutdown: Ray would exit the process with 1
+        ray.shutdown()
+        if temp_dir:
+            shutil.rmtree(temp_dir, ignore_errors=True)
