@@ -383,3 +383,21 @@ def test_old_state_version_is_refused_by_key():
             loader.load_state_dict(old)
         with pytest.raises(LoaderStateError, match="key 'replayed_steps' must be a non-negative int"):
             loader.load_state_dict(loader.state_dict() | {"replayed_steps": -1})
+
+
+def test_the_torchtitan_config_declares_every_loader_config_field_with_its_default():
+    """ZephonRayDataLoader.Config restates LoaderConfig's fields for TorchTitan's config system (which reads the
+    class, not a factory): this keeps the two from drifting. The differences are deliberate: TorchTitan needs a
+    default for ``recipe``, and pads by default (it takes equal microbatch counts on every dp rank)."""
+    from dataclasses import MISSING, fields
+
+    from zephon_ray.stream.loader import LoaderConfig
+    from zephon_ray.torchtitan import ZephonRayDataLoader
+
+    titan = {f.name: f for f in fields(ZephonRayDataLoader.Config)}
+    deliberate = {"recipe": "", "pad_slices": True}
+    for f in fields(LoaderConfig):
+        assert f.name in titan, f"ZephonRayDataLoader.Config lacks LoaderConfig.{f.name}"
+        want = deliberate.get(f.name, f.default)
+        assert titan[f.name].default == want and want is not MISSING, (f.name, titan[f.name].default, want)
+        assert titan[f.name].type == f.type, (f.name, titan[f.name].type, f.type)
