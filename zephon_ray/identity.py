@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import socket
 import sys
 from collections import Counter
@@ -49,6 +50,8 @@ from typing import Any, Sequence
 
 from zephon_ray import files, hash_cache, zephon_io
 from zephon_ray.hash_cache import HashReport
+
+log = logging.getLogger("zephon_ray")
 
 IDENTITY_FORMAT = "zephon-ray/identity/v1"
 SUPPORTED_FORMATS = ("jsonl", "parquet")
@@ -319,8 +322,8 @@ def node_description() -> str:
         try:
             parts.append(f"ray node {ray.get_runtime_context().get_node_id()[:12]}")
             parts.append(f"ip {ray.util.get_node_ip_address()}")
-        except Exception:  # describing the node must never hide the real error
-            pass
+        except Exception as exc:  # describing the node must never hide the real error
+            log.debug("ignored (%s): %r", "describing the node must never hide the real error", exc)
     return ", ".join(parts)
 
 

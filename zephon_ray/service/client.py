@@ -49,6 +49,7 @@ Limits:
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -72,6 +73,8 @@ from zephon_ray.service.node_reads import NodeReads
 from zephon_ray.service.protocol import check_reader
 from zephon_ray.service.reads import StepRefs, as_step, call, reader_key
 from zephon_ray.source import pad_token_id
+
+log = logging.getLogger("zephon_ray")
 
 __all__ = ["DataService", "StepRefs", "default_consumer"]
 
@@ -240,8 +243,8 @@ class DataService:
         else:
             try:
                 self.release()
-            except Exception:  # noqa: BLE001 - leaving a block must not mask the error that ended it
-                pass
+            except Exception as err:  # noqa: BLE001 - leaving a block must not mask the error that ended it
+                log.debug("ignored (%s): %r", "leaving a block must not mask the error that ended it", err)
 
     def release(self) -> None:
         """Drop this consumer's cursors now, so that it no longer holds the window back."""
@@ -338,8 +341,8 @@ class DataService:
     def _invalidate(self, step: int, generation: int) -> None:
         try:
             self._reads.invalidate(step, generation)
-        except Exception:  # noqa: BLE001 - the coordinator itself may be restarting: the retry finds out
-            pass
+        except Exception as exc:  # noqa: BLE001 - the coordinator itself may be restarting: the retry finds out
+            log.debug("ignored (%s): %r", "the coordinator itself may be restarting: the retry finds out", exc)
 
     def _reconnect_or_raise(self, exc: ServiceNotFoundError) -> None:
         """After a dead coordinator or node reader: a fresh coordinator handle (Ray restarts it under the same

@@ -69,8 +69,8 @@ def name_thread(name: bytes) -> None:
         import ctypes
 
         ctypes.CDLL(None).prctl(15, name[:15], 0, 0, 0)
-    except Exception:  # noqa: BLE001 - not Linux: the name is only for measurements
-        pass
+    except Exception as exc:  # noqa: BLE001 - not Linux: the name is only for measurements
+        log.debug("ignored (%s): %r", "not Linux: the name is only for measurements", exc)
 
 MAX_LEASE_STEPS = 1024
 _BUSY_POLL_S = 0.25
@@ -383,8 +383,8 @@ class Coordinator:
         for reader in self.readers.values():
             try:
                 ray.kill(reader, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as exc:  # noqa: BLE001
+                log.debug("ignored (%s): %r", "best effort", exc)
 
     # ================================================================== pump (one thread)
     def _pump(self) -> None:

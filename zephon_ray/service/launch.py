@@ -14,6 +14,7 @@ are killed and the error is one ``ServiceError`` naming the reason.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 from typing import Any
@@ -24,6 +25,8 @@ from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import ServiceConfig
 from zephon_ray.service.errors import ServiceError
 from zephon_ray.service.protocol import kill_named
+
+log = logging.getLogger("zephon_ray")
 
 READY_TIMEOUT_S = 300
 
@@ -85,12 +88,12 @@ def stop(handle: Any, name: str, namespace: str) -> None:
 
     try:
         ray.get(handle.stop.remote(), timeout=60)
-    except Exception:  # noqa: BLE001 - already dead or wedged: kill it below either way
-        pass
+    except Exception as exc:  # noqa: BLE001 - already dead or wedged: kill it below either way
+        log.debug("ignored (%s): %r", "already dead or wedged: kill it below either way", exc)
     try:
         ray.kill(handle, no_restart=True)
-    except Exception:  # noqa: BLE001
-        pass
+    except Exception as exc:  # noqa: BLE001
+        log.debug("ignored (%s): %r", "best effort", exc)
     kill_named(name, namespace)
 
 

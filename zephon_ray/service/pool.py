@@ -210,8 +210,8 @@ class ProducerPool:
         for actor in gen.actors:
             try:
                 actor.close.remote()  # frees the Zephon pipeline; the shards it owns stay readable
-            except Exception:  # noqa: BLE001 - already dead: reap() finds nothing to kill
-                pass
+            except Exception as exc:  # noqa: BLE001 - already dead: reap() finds nothing to kill
+                log.debug("ignored (%s): %r", "already dead: reap() finds nothing to kill", exc)
         self.retired.append(gen)
 
     @staticmethod
@@ -219,8 +219,8 @@ class ProducerPool:
         for actor in gen.actors:
             try:
                 ray.kill(actor, no_restart=True)
-            except Exception:  # noqa: BLE001 - already dead
-                pass
+            except Exception as exc:  # noqa: BLE001 - already dead
+                log.debug("ignored (%s): %r", "already dead", exc)
 
     def resolve_infos(self) -> None:
         """Non-blocking: collect producer infos that arrived; a start-up error becomes ``fatal``."""

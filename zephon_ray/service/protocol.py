@@ -27,8 +27,12 @@ Shared by both sides, so the client imports this and never a server class (tests
 
 from __future__ import annotations
 
+import logging
+
 from dataclasses import dataclass
 from typing import Any, NamedTuple
+
+log = logging.getLogger("zephon_ray")
 
 CursorMove = tuple[str, int, int, int, float]
 """(consumer, rank, world, step, idle_s)."""
@@ -139,8 +143,8 @@ def kill_named(name: str, namespace: str, infixes: tuple[str, ...] = HELPER_INFI
             try:
                 ray.kill(ray.get_actor(actor_name, namespace=namespace), no_restart=True)
                 killed += 1
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+            except Exception as exc:  # noqa: BLE001 - already gone
+                log.debug("ignored (%s): %r", "already gone", exc)
     return killed
 
 

@@ -30,6 +30,7 @@ can wait behind a replay in the same actor; the replies held keep their shards i
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import OrderedDict
 from typing import Any
 
@@ -44,6 +45,8 @@ from zephon_ray.service.metrics import NO_METRICS
 from zephon_ray.service.producer import KEY_CONTAINER
 from zephon_ray.service.protocol import REPLAYER_INFIX
 from zephon_ray.service.replayer import Replayer
+
+log = logging.getLogger("zephon_ray")
 
 REPLAY_SHARED_STEPS = 4
 """Replays kept (as refs) so that W ranks reading one past step cost one replay, not W."""
@@ -206,5 +209,5 @@ class ReplayScheduler:
         for replayer in filter(None, self.replayers):
             try:
                 ray.kill(replayer, no_restart=True)
-            except Exception:  # noqa: BLE001
-                pass
+            except Exception as exc:  # noqa: BLE001
+                log.debug("ignored (%s): %r", "best effort", exc)

@@ -50,6 +50,7 @@ step.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from dataclasses import replace
@@ -61,6 +62,8 @@ from zephon_ray.stream.geometry import StepShape, check_geometry, check_int
 from zephon_ray.stream.loader import GET_TIMEOUT_S, LoaderConfig, StepBatch
 from zephon_ray.stream.prefetch import PrefetchedSlices
 from zephon_ray.stream.protocol import source_state
+
+log = logging.getLogger("zephon_ray")
 
 FT_MODES = ("service", "dataset")
 _KEEP_SOURCES = 4  # (rank, world) memberships whose sources are kept (threads stopped) for a quick return
@@ -257,8 +260,8 @@ class FtSlices:
         for source in sources.values():
             try:
                 source.close()
-            except Exception:  # noqa: BLE001 - best effort at shutdown
-                pass
+            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
+                log.debug("ignored (%s): %r", "best effort at shutdown", exc)
 
     def __enter__(self) -> "FtSlices":
         return self

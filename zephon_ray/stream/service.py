@@ -19,6 +19,7 @@ follows the slowest rank and two jobs never share cursors.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -28,6 +29,8 @@ import numpy as np
 from zephon_ray.batch import RankSlice
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.prefetch import PrefetchedSlices
+
+log = logging.getLogger("zephon_ray")
 
 
 class ServiceSlices(PrefetchedSlices):
@@ -99,5 +102,5 @@ class ServiceSlices(PrefetchedSlices):
         try:
             with self._lock:
                 self.service.release()
-        except Exception:  # noqa: BLE001 - the service may already be gone
-            pass
+        except Exception as exc:  # noqa: BLE001 - the service may already be gone
+            log.debug("ignored (%s): %r", "the service may already be gone", exc)
