@@ -1,4 +1,4 @@
-"""The one place the service touches Ray internals (fenced; tests/test_service.py::test_ray_internals_fence fails
+"""The one place the package touches Ray internals (fenced; tests/test_service.py::test_ray_internals_fence fails
 loudly when a Ray upgrade moves them).
 
 - :func:`owner_worker_id`: the worker that owns an object, from the owner address Ray keeps in every ObjectRef
@@ -8,6 +8,10 @@ loudly when a Ray upgrade moves them).
   (``ray.experimental.get_object_locations``; an object inlined into a process's memory has no node).
 - :func:`plasma_usage`: the object store's used bytes and object count on every node, from Ray's memory summary
   (``ray._private.internal_api.memory_summary``), for benchmarks.
+- :func:`init_private_local`: a private local Ray whose session files live in a directory of ours
+  (``ray.init(_temp_dir=...)``, a private keyword).
+
+No other module of the package uses a private Ray name (tests/test_ray_internals.py scans them).
 """
 
 from __future__ import annotations
@@ -44,3 +48,10 @@ def plasma_usage() -> dict[str, int]:
         mib += int(m.group(1))
         objects += int(m.group(2))
     return {"mib": mib, "objects": objects}
+
+
+def init_private_local(temp_dir: str, **kwargs: Any) -> Any:
+    """``ray.init`` of a new local Ray (never an existing cluster) with its session files under ``temp_dir``."""
+    import ray
+
+    return ray.init(address="local", _temp_dir=temp_dir, **kwargs)

@@ -16,6 +16,8 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
+from zephon_ray.service.ray_internals import init_private_local
+
 
 @contextlib.contextmanager
 def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]:
@@ -43,8 +45,7 @@ def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]
         quiet["runtime_env"] = {"env_vars": env}
     if address is None and private_if_none and not os.environ.get("RAY_ADDRESS"):
         temp_dir = tempfile.mkdtemp(prefix="zephon-ray-local-", dir="/tmp")
-        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
-                 _temp_dir=temp_dir, **quiet)
+        init_private_local(temp_dir, num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, **quiet)
     else:
         ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", **quiet)
     try:
