@@ -284,7 +284,8 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.mark.spawns
+@pytest.mark.slow  # two torchruns (~35 s); the default suite saves and loads through DCP at another world with the
+# real Trainer: tests/test_torchtitan_train.py::test_resume_at_another_world
 def test_dcp_save_and_load_at_another_world(tmp_path, reference_digests):
     script = tmp_path / "dcp_worker.py"
     script.write_text(_DCP_WORKER)

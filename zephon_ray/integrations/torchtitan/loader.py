@@ -14,7 +14,7 @@ ceil(B/dp)``), whatever W, mode and resume history (``tests/test_torchtitan_load
 ``tests/test_torchtitan_train.py`` with the real Trainer). Its ``state_dict`` is the loader state of
 :mod:`zephon_ray.formats.loader_state` (``{version, run_id, fingerprint, next_step, zephon, replayed_steps}``, every key
 always present), identical on every rank, so DCP stores it once and it loads at any W
-(``test_dcp_save_and_load_at_another_world``); it works before iteration.
+(``tests/test_torchtitan_train.py::test_resume_at_another_world``); it works before iteration.
 
 Limits: the build keywords are exactly TorchTitan 0.3.0's (``tests/test_torchtitan_internals.py`` checks them
 against ``Trainer.__init__``); an unknown one is a TypeError naming it, a bad value (``dp_world_size=None``) one
