@@ -151,18 +151,23 @@ class ZephonDataConfig(DataConfig):
     job). ``local_batch_size`` is rows per microbatch (0: one microbatch per step, the rank's rows); ``pad_slices`` pads
     every rank's rows to the same count (rows whose labels are all ignored) when W does not divide B; ``prefetch`` steps
     are read ahead in a background thread; ``checkpoint_every`` (local mode) is how often Zephon checkpoints are
-    taken: align it with the loop's checkpoint interval. Remaining keyword arguments go to Ray's ``DataConfig``
+    taken: align it with the loop's checkpoint interval. ``ledger_dir`` (a path or URI every worker reaches, one per
+run) receives every rank's ledger segment at each save (``zephon-ray audit``, :mod:`zephon_ray.formats.ledger`).
+Remaining keyword arguments go to Ray's ``DataConfig``
     and apply to plain Ray Data datasets of the same trainer. Validated here, when built.
     """
 
     def __init__(self, *, run_id: str = "ray-train", local_batch_size: int = 0, prefetch: int = 2,
-                 checkpoint_every: int = 0, pad_slices: bool = False, **data_config: Any) -> None:
+                 checkpoint_every: int = 0, pad_slices: bool = False, ledger_dir: str | None = None,
+                 **data_config: Any) -> None:
         super().__init__(**data_config)
         if not isinstance(run_id, str) or not run_id:
             raise ValueError(f"ZephonDataConfig: 'run_id' must be a non-empty string, got {run_id!r}")
         if not isinstance(pad_slices, bool):
             raise ValueError(f"ZephonDataConfig: 'pad_slices' must be True or False, got {pad_slices!r}")
-        self.pad_slices = pad_slices
+        if ledger_dir is not None and (not isinstance(ledger_dir, str) or not ledger_dir):
+            raise ValueError(f"ZephonDataConfig: 'ledger_dir' must be a non-empty path or URI, got {ledger_dir!r}")
+        self.pad_slices, self.ledger_dir = pad_slices, ledger_dir
         for key, value, low in (("local_batch_size", local_batch_size, 0), ("prefetch", prefetch, 1),
                                 ("checkpoint_every", checkpoint_every, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1_000_000:
@@ -184,7 +189,7 @@ class ZephonDataConfig(DataConfig):
                 output[rank][name] = ZephonDatasetShard(
                     dataset, _ShardSettings(run_id=self.run_id, local_batch_size=self.local_batch_size,
                                             prefetch=self.prefetch, checkpoint_every=self.checkpoint_every,
-                                            pad_slices=self.pad_slices),
+                                            pad_slices=self.pad_slices, ledger_dir=self.ledger_dir),
                     rank=rank, world=world_size, name=name)
         return output
 
@@ -196,6 +201,7 @@ class _ShardSettings:
     prefetch: int
     checkpoint_every: int
     pad_slices: bool = False
+    ledger_dir: str | None = None
 
 
 class Microbatch(NamedTuple):
@@ -232,7 +238,7 @@ class ZephonDatasetShard:
             config = LoaderConfig(recipe=d.recipe_path, mode=d.mode, run_id=s.run_id,
                                   aggregate_store=d.aggregate_store, aggregate_dir=d.aggregate_dir,
                                   prefetch=s.prefetch, checkpoint_every=s.checkpoint_every,
-                                  pad_slices=s.pad_slices, **extra)
+                                  pad_slices=s.pad_slices, ledger_dir=s.ledger_dir, **extra)
             self._loader = Loader(config, rank=self.rank, world=self.world, local_batch_size=s.local_batch_size,
                                   recipe=d.recipe)
         return self._loader

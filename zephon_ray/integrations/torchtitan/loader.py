@@ -60,6 +60,8 @@ class ZephonRayDataLoader(BaseDataLoader):
         checkpoint_every: int = 0
         """Local mode: a Zephon checkpoint every N steps; 0: TorchTitan's checkpoint interval when checkpointing is
         on, else none."""
+        ledger_dir: str | None = None
+        """Where each dp rank writes its ledger segment at every checkpoint (see LoaderConfig.ledger_dir)."""
         pad_slices: bool = True
         """On by default here: TorchTitan takes the same number of microbatches on every dp rank, so at a dp degree
         that does not divide B each rank's rows are padded to ``ceil(B/dp)`` (rounded up to ``local_batch_size``)
