@@ -1,0 +1,238 @@
+"""``zephon-ray audit`` end to end over real local-mode loaders (in-process Zephon lane groups, W > 1 aggregated
+through a real shared directory): a clean elastic run W 2 -> 4 audits clean, with every recorded slice digest equal
+to the same rows of the independent oracle's global batches (tests/oracle.py, checked against the committed goldens),
+and each fault, provoked through the public API, is named by step in one line with a non-zero exit:
+
+* a loop that calls ``next()`` twice in one step (a dropped batch): ``skipped``;
+* a loop that trains one batch twice: ``trained twice``;
+* a resume from an older checkpoint: the abandoned steps are a ``discarded branch`` note, not duplicates (clean);
+* the wrong recipe: ``other recipe`` and ``other rows``; a tampered digest: ``other rows``; a lost part: ``split``;
+* a trainer checkpoint older than its loader state, and another run's state: refused at load, naming the numbers;
+* a corrupt or unknown-version segment: exit 2, one line naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "tiny.toml")
+K2 = str(ROOT / "tests" / "recipes" / "k2.toml")
+GOLDEN = {int(k): v for k, v in json.loads((ROOT / "tests" / "golden" / "tiny.json").read_text())["digests"].items()}
+
+
+def _config(work: Path, segment: str, **kw):
+    from zephon_ray.stream.loader import LoaderConfig
+
+    return LoaderConfig(recipe=TINY, mode="local", run_id=kw.pop("run_id", "audit"),
+                        aggregate_dir=str(work / f"aggregate-{segment}"), ledger_dir=str(work / "ledger"),
+                        checkpoint_every=1, **kw)
+
+
+def _run(config, world: int, state: dict | None, steps: int, *, loop=None) -> dict:
+    """W readers (threads) load ``state``, run ``loop(loader, it)`` (default: ``steps`` steps, each committed once),
+    then take their states; returns rank 0's state (asserted identical on every rank)."""
+    from zephon_ray.stream.loader import Loader
+
+    def default(loader, it):
+        for _ in range(steps):
+            loader.commit(next(it).step)
+
+    loop = loop or default
+    loaders = [Loader(config, rank=r, world=world) for r in range(world)]
+    states: list = [None] * world
+    errors: list = []
+
+    def read(r: int) -> None:
+        try:
+            if state is not None:
+                loaders[r].load_state_dict(json.loads(json.dumps(state)))
+            loop(loaders[r], iter(loaders[r]))
+            states[r] = loaders[r].state_dict()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+        finally:
+            loaders[r].close()
+
+    threads = [threading.Thread(target=read, args=(r,)) for r in range(world)]
+    [t.start() for t in threads]
+    [t.join(300) for t in threads]
+    if errors:
+        raise errors[0]
+    assert all(s == states[0] for s in states), "the readers' states differ"
+    return states[0]
+
+
+def _audit(capsys, *args: str) -> tuple[int, list[str]]:
+    from zephon_ray.cli import main
+
+    try:
+        rc = main(["audit", *args])
+    except SystemExit as exc:
+        rc = exc.code
+    out = capsys.readouterr()
+    return rc, [line for line in (out.out + out.err).splitlines() if line]
+
+
+def _save(work: Path, state: dict, name: str) -> str:
+    path = work / name
+    path.write_text(json.dumps(state))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory):
+    """W=2 for 3 steps, saved; 2 more, saved; resumed at W=4 for 3 steps, saved: steps 0..7 in three segments."""
+    work = tmp_path_factory.mktemp("audit-elastic")
+    first = _run(_config(work, "a"), 2, None, 3)
+    second = _run(_config(work, "a"), 2, first, 2)
+    third = _run(_config(work, "b"), 4, second, 3)
+    return work, third
+
+
+def test_a_clean_elastic_run_audits_clean_and_its_digests_are_the_oracles(elastic, capsys):
+    import oracle
+    from zephon_ray.formats.ledger import read_segment, slice_digest
+    from zephon_ray.audit import read_ledger
+
+    work, state = elastic
+    rc, lines = _audit(capsys, _save(work, state, "zephon_loader.json"), "--ledger", str(work / "ledger"),
+                       "--recipe", TINY)
+    assert rc == 0, lines
+    assert lines[-1].startswith("audit: clean: steps [0, 8) each trained exactly once in a lineage of 3 segment(s) "
+                                "(W 2 -> 4); 22 slice digests matched"), lines
+    # The recorded digests are the oracle's rows (its own code, checked against the committed goldens) cut at W.
+    batches = oracle.global_batches(oracle.read_recipe(TINY), 8)
+    assert all(b.digest == GOLDEN[b.step] for b in batches if b.step in GOLDEN)
+    recorded = {}
+    for seg in read_ledger(str(work / "ledger")).values():
+        for rank, records in seg.parts.items():
+            for rec in records:
+                recorded[(rec.step, rec.world, rec.rank)] = rec.digest
+    assert len(recorded) == 3 * 2 + 2 * 2 + 3 * 4
+    for (step, world, rank), digest in recorded.items():
+        tokens, positions = batches[step].slice(rank, world)
+        assert digest == slice_digest(tokens, positions), (step, world, rank)
+    assert read_segment(str(work / "ledger"), state["ledger"]).world == 4
+
+
+def test_a_ledger_directory_audits_its_newest_head(elastic, capsys):
+    work, _ = elastic
+    rc, lines = _audit(capsys, str(work / "ledger"))
+    assert rc == 0 and lines[-1].startswith("audit: clean: steps [0, 8)") and "rows not checked" in lines[-1], lines
+
+
+def test_a_loop_that_calls_next_twice_in_one_step_is_a_skip(tmp_path, capsys):
+    def loop(loader, it):
+        for step in range(4):
+            batch = next(it)
+            if step == 1:
+                batch = next(it)  # the bug: step 1's batch is dropped, step 2's is trained in its place
+            loader.commit(batch.step)
+
+    state = _run(_config(tmp_path, "a"), 2, None, 0, loop=loop)
+    rc, lines = _audit(capsys, _save(tmp_path, state, "s.json"), "--ledger", str(tmp_path / "ledger"))
+    assert rc == 1
+    assert lines[:-1] == ["step 1: skipped: rank 0 of 2 was handed it but never trained it; rank 1 of 2 was handed "
+                          "it but never trained it"], lines
+    assert lines[-1] == "audit: 1 finding(s) in steps [0, 5) (W 2)"
+
+
+def test_a_loop_that_trains_one_batch_twice_is_named(tmp_path, capsys):
+    def loop(loader, it):
+        for step in range(3):
+            batch = next(it)
+            loader.commit(batch.step)
+            if step == 2 and loader.rank == 1:
+                loader.commit(batch.step)  # the bug: rank 1 runs its step-2 batch through a second optimizer step
+
+    state = _run(_config(tmp_path, "a"), 2, None, 0, loop=loop)
+    rc, lines = _audit(capsys, _save(tmp_path, state, "s.json"), "--ledger", str(tmp_path / "ledger"))
+    assert rc == 1 and lines[:-1] == ["step 2: trained twice: rank 1 of 2 trained it 2 times"], lines
+
+
+def test_a_resume_from_an_older_checkpoint_is_a_discarded_branch_not_a_duplicate(tmp_path, capsys):
+    old = _run(_config(tmp_path, "a"), 1, None, 2)
+    newer = _run(_config(tmp_path, "a"), 1, old, 3)          # steps 2..4, later abandoned
+    again = _run(_config(tmp_path, "b"), 1, old, 4)          # rollback to step 2: steps 2..5 again
+    assert newer["ledger"] != again["ledger"]
+    rc, lines = _audit(capsys, _save(tmp_path, again, "s.json"), "--ledger", str(tmp_path / "ledger"),
+                       "--recipe", TINY)
+    assert rc == 0, lines
+    assert lines[0] == (f"note: discarded branch: steps 2..4 at W=1 (segment {newer['ledger']}): abandoned by a "
+                        "resume from an older state, not in this checkpoint's lineage")
+    assert lines[-1].startswith("audit: clean: steps [0, 6) each trained exactly once in a lineage of 2 segment(s)")
+
+
+def test_the_wrong_recipe_and_tampered_rows_are_named(elastic, tmp_path, capsys):
+    import shutil
+
+    work, state = elastic
+    ledger = tmp_path / "ledger"
+    shutil.copytree(work / "ledger", ledger)
+    rc, lines = _audit(capsys, str(ledger), "--recipe", K2)
+    assert rc == 1
+    assert any(line.startswith("steps 0..2: other recipe: segment ") for line in lines), lines
+    assert "step 0: other rows: rank(s) 0, 1 of 2 trained rows that are not the recipe's global batch" in "\n".join(
+        lines)
+    # One digest of rank 3 at step 6 replaced: that step alone is named.
+    part = ledger / state["ledger"] / "rank-00003-of-00004.json"
+    doc = json.loads(part.read_text())
+    doc["records"][1][3] = "0" * 32
+    part.write_text(json.dumps(doc))
+    rc, lines = _audit(capsys, str(ledger), "--recipe", TINY)
+    assert rc == 1 and lines[:-1] == ["step 6: other rows: rank(s) 3 of 4 trained rows that are not the recipe's "
+                                      "global batch of this step"], lines
+    part.unlink()  # a rank's part lost: its steps are split across the ranks inconsistently
+    rc, lines = _audit(capsys, str(ledger))
+    assert rc == 1 and lines[:-1] == [f"steps 5..7: split: rank 3 of 4 wrote no part of segment {state['ledger']}: "
+                                      "its records are lost"], lines
+
+
+def test_a_corrupt_or_unknown_segment_is_one_line(elastic, tmp_path, capsys):
+    import shutil
+
+    work, state = elastic
+    ledger = tmp_path / "ledger"
+    shutil.copytree(work / "ledger", ledger)
+    part = ledger / state["ledger"] / "rank-00000-of-00004.json"
+    doc = json.loads(part.read_text())
+    part.write_text(json.dumps(doc | {"version": 9}))
+    rc, lines = _audit(capsys, str(ledger))
+    assert rc == 2 and lines == [f"zephon-ray: error: {part}: ledger segment version 9 is not supported (expected "
+                                 "1)"], lines
+    part.write_text(part.read_text()[:40])
+    rc, lines = _audit(capsys, str(ledger))
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"zephon-ray: error: {part}: corrupt ledger segment"), \
+        lines
+
+
+def test_a_trainer_checkpoint_older_than_its_loader_state_and_another_runs_state_are_refused(tmp_path):
+    from zephon_ray.formats.loader_state import LoaderStateError
+    from zephon_ray.stream.loader import Loader
+
+    state = _run(_config(tmp_path, "a"), 1, None, 3)
+    loader = Loader(_config(tmp_path, "b"), rank=0, world=1)
+    with pytest.raises(LoaderStateError, match=r"^loader state key 'next_step' is 3 but the trainer's checkpoint is "
+                                               r"at step 2: resuming would skip 1 step\(s\)"):
+        loader.load_state_dict(state, trainer_step=2)
+    loader.load_state_dict(state, trainer_step=3)
+    other = Loader(_config(tmp_path, "c", run_id="another-run"), rank=0, world=1)
+    with pytest.raises(LoaderStateError, match="belongs to run_id 'audit', but this loader has run_id 'another-run'"):
+        other.load_state_dict(state)
+
+
+def test_commit_of_a_step_not_handed_out_is_one_line(tmp_path):
+    from zephon_ray.stream.loader import Loader
+
+    loader = Loader(_config(tmp_path, "a"), rank=0, world=1)
+    next(iter(loader))
+    with pytest.raises(ValueError, match=r"^commit: step 5 was not handed out by this loader since its last save "
+                                         r"\(steps handed out: \[0, 1\)\)$"):
+        loader.commit(5)
+    loader.close()
