@@ -36,7 +36,8 @@ positions, cut into ``local_batch_size``-row microbatches ``({"input", "position
 with ``ZephonDataConfig(pad_slices=True)``; :mod:`zephon_ray.stream.geometry`). So an elastic run resumes at whatever
 worker count the cluster has, 56 of 64 included. Scale each rank's summed token loss by ``batch.loss_scale()`` and DDP's
 averaging all-reduce gives the fixed-W gradient at any W. :meth:`ZephonDatasetShard.state_dict` is the loader state
-``{version, run_id, fingerprint, next_step, zephon, replayed_steps}`` of :mod:`zephon_ray.formats.loader_state` (every
+``{version, run_id, fingerprint, next_step, zephon, replayed_steps, ledger}`` of
+:mod:`zephon_ray.formats.loader_state` (every
 key always present; ``zephon`` is "" in service mode): JSON, identical on every rank, so one copy in a Ray Train
 checkpoint resumes any W with the same global batches. Shown by ``tests/test_ray_train_elastic.py`` (3 -> 5 workers on
 24 rows, and 4 -> 2 -> 3 in the slow set: every step's digest gathered from the ranks' slices equals the committed

@@ -5,7 +5,7 @@ microbatches, and keeps the loader state. TorchTitan's ``ZephonRayDataLoader`` a
 ::
 
     loader = Loader(LoaderConfig(recipe="recipes/tiny.toml", mode="local"), rank=0, world=1, local_batch_size=4)
-    loader.load_state_dict(saved)          # optional: resume (format v2, identical on every reader)
+    loader.load_state_dict(saved)          # optional: resume (format v3, identical on every reader)
     for batch in loader:                   # StepBatch(step, slice, microbatches), forever (repeat = true recipes)
         for inputs, labels in batch.microbatches: ...
         saved = loader.state_dict()        # at a step boundary: after the step was trained
@@ -363,7 +363,7 @@ class Loader:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The loader state at ``next_step`` (format v2, identical on every reader). In local mode with W > 1 it
+        """The loader state at ``next_step`` (format v3, identical on every reader). In local mode with W > 1 it
         may wait for the collective Zephon checkpoint of that boundary: call it on every reader."""
         if not self._produces:
             return self.peers.share_object(None)  # the leader's state, bit for bit

@@ -12,7 +12,8 @@ are all ignored: TorchTitan's loss, normalised by the all-reduced valid-token co
 fixed-dp loss; set ``training.global_batch_size`` to the padded batch the error names, or -1 with ``local_batch_size =
 ceil(B/dp)``), whatever W, mode and resume history (``tests/test_torchtitan_loader.py``,
 ``tests/test_torchtitan_train.py`` with the real Trainer). Its ``state_dict`` is the loader state of
-:mod:`zephon_ray.formats.loader_state` (``{version, run_id, fingerprint, next_step, zephon, replayed_steps}``, every key
+:mod:`zephon_ray.formats.loader_state` (``{version, run_id, fingerprint, next_step, zephon, replayed_steps,
+ledger}``, every key
 always present), identical on every rank, so DCP stores it once and it loads at any W
 (``test_dcp_save_and_load_at_another_world``); it works before iteration.
 
