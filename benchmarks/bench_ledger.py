@@ -8,10 +8,10 @@ Part 1, hash cost: random int32 slices of 1, 4, 8 and 16 rows of 8,193 tokens (s
 installed, xxh3-128; the median of 50 repetitions.
 
 Part 2, share of a step: a real local-mode loader (W = 1) over the demo corpus with the recipe's seq_len set to
-8,192 (12 lanes x 1 row: a 12-row slice of 8,193 tokens), ``--steps`` steps after one warm-up step; each step's
-loader time (``next()``: Zephon's production, the slice, the microbatch tensors and the ledger record) against the
-``slice_digest`` of the same slice, timed again on its own. The local mode is the slowest source (it tokenizes);
-the share is also given against the microbatch copy alone, the floor of any source's per-step work.
+8,192 (12 lanes x 1 row: a 12-row slice of 8,193 tokens), ``--steps`` steps consumed back to back after one warm-up
+step: the loader time per step as the trainer sees it (production when the prefetch thread falls behind, the
+microbatch tensors, the ledger record), with the ledger's hashing and with it replaced by a constant, alternating
+over 3 rounds; and ``slice_digest`` of the same slice timed on its own, as a share of that step time.
 
 Part 3, audit: a synthetic ledger of ``--audit-steps`` steps at W = ``--audit-world`` written through
 ``formats.ledger.write_part`` (a segment every ``--save-every`` steps, as a trainer saving that often writes it), then
@@ -74,9 +74,32 @@ def hash_costs() -> dict:
     return out
 
 
-def step_share(steps: int) -> dict:
-    from zephon_ray.formats.ledger import slice_digest
+def _period(recipe: str, steps: int, hashing: bool) -> tuple[float, object]:
+    """Milliseconds per step of a local-mode loader consumed back to back (the trainer's view: everything on its
+    path, production included when the prefetch thread falls behind); with ``hashing`` False the ledger's digest is
+    a constant (the loader without the ledger's cost)."""
+    from zephon_ray.formats import ledger
     from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    real = ledger.slice_digest
+    if not hashing:
+        ledger.slice_digest = lambda tokens, positions: "0" * 32
+    try:
+        loader = Loader(LoaderConfig(recipe=recipe, mode="local", prefetch=2), rank=0, world=1)
+        it = iter(loader)
+        next(it)  # warm-up: the pipeline starts
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            batch = next(it)
+        period = (time.perf_counter() - t0) * 1e3 / steps
+        loader.close()
+    finally:
+        ledger.slice_digest = real
+    return period, batch.slice
+
+
+def step_share(steps: int, rounds: int = 3) -> dict:
+    from zephon_ray.formats.ledger import slice_digest
 
     text = (ROOT / "recipes" / "demo.toml").read_text().replace("seq_len = 128", f"seq_len = {SEQ}")
     text = text.replace('"tokenizer/tokenizer.json"', f'"{ROOT / "recipes" / "tokenizer" / "tokenizer.json"}"')
@@ -84,26 +107,19 @@ def step_share(steps: int) -> dict:
     with tempfile.TemporaryDirectory() as work:
         recipe = Path(work, "demo-8192.toml")
         recipe.write_text(text)
-        loader = Loader(LoaderConfig(recipe=str(recipe), mode="local", prefetch=1), rank=0, world=1)
-        it = iter(loader)
-        next(it)  # warm-up: the pipeline starts
-        step_ms, hash_ms, copy_ms, rows = [], [], [], 0
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            batch = next(it)
-            step_ms.append((time.perf_counter() - t0) * 1e3)
-            piece = batch.slice
-            rows = piece.tokens.shape[0]
-            t0 = time.perf_counter()
-            slice_digest(piece.tokens, piece.positions)
-            hash_ms.append((time.perf_counter() - t0) * 1e3)
-            t0 = time.perf_counter()
-            list(piece.microbatches(rows))
-            copy_ms.append((time.perf_counter() - t0) * 1e3)
-        loader.close()
-    step, hashed, copied = (statistics.median(v) for v in (step_ms, hash_ms, copy_ms))
-    return {"rows": rows, "row_tokens": SEQ + 1, "step_ms": step, "hash_ms": hashed, "copy_ms": copied,
-            "share_of_step": hashed / step, "hash_over_copy": hashed / copied}
+        on, off = [], []
+        for r in range(rounds):  # alternate the order from one round to the next
+            for hashing in ((True, False) if r % 2 == 0 else (False, True)):
+                period, piece = _period(str(recipe), steps, hashing)
+                (on if hashing else off).append(period)
+    hash_ms = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        slice_digest(piece.tokens, piece.positions)
+        hash_ms.append((time.perf_counter() - t0) * 1e3)
+    hashed, with_ledger, without = statistics.median(hash_ms), statistics.median(on), statistics.median(off)
+    return {"rows": int(piece.tokens.shape[0]), "row_tokens": SEQ + 1, "step_ms": with_ledger,
+            "step_ms_without_hashing": without, "hash_ms": hashed, "share_of_step": hashed / with_ledger}
 
 
 def audit_cost(steps: int, world: int, every: int) -> dict:
@@ -152,11 +168,11 @@ def main() -> None:
     for rows, row in costs.items():
         print(f"{rows:>5} " + " ".join(f"{row[n]:>13.3f}" for n in names))
     share = step_share(args.steps)
-    print(f"\nlocal-mode loader, W=1, {share['rows']} rows x {share['row_tokens']} tokens per step (median of "
-          f"{args.steps} steps)")
-    print(f"  step {share['step_ms']:.1f} ms, slice_digest {share['hash_ms']:.2f} ms "
-          f"({share['share_of_step']:.2%} of the step), microbatch copy {share['copy_ms']:.2f} ms "
-          f"(hash = {share['hash_over_copy']:.2f}x the copy)")
+    print(f"\nlocal-mode loader, W=1, {share['rows']} rows x {share['row_tokens']} tokens per step ({args.steps} "
+          "steps back to back, median of 3 rounds)")
+    print(f"  slice_digest {share['hash_ms']:.2f} ms = {share['share_of_step']:.2%} of a step's loader time "
+          f"({share['step_ms']:.1f} ms per step with the ledger, {share['step_ms_without_hashing']:.1f} ms without "
+          "hashing: the digest is taken in the prefetch thread)")
     cost = audit_cost(args.audit_steps, args.audit_world, args.save_every)
     print(f"\naudit of {cost['steps']} steps at W={cost['world']} ({cost['segments']} segments, "
           f"{cost['bytes'] / 1e6:.1f} MB, {cost['bytes_per_step_per_rank']:.1f} bytes per step per rank): "

@@ -9,7 +9,8 @@ handed out but never confirmed is recorded as skipped (``trained`` 0), one confi
 
 Limits: the records prove which rows were handed to the trainer (and, with ``commit``, which steps the loop says it
 trained), not that the optimizer applied them. A TP/PP/CP peer records nothing (its leader records the rank). The
-hashing costs one sha256 pass over the slice per step (``benchmarks/bench_ledger.py``).
+hashing costs one sha256 pass over the slice per step, done by the prefetch thread (``RankSlice.ledger_digest``) so
+the trainer waits for it only when the source falls behind (``benchmarks/bench_ledger.py``).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ class LedgerRecorder:
         self._confirms = False  # the loop calls commit(): unconfirmed steps are skipped ones
 
     def handed(self, piece: RankSlice, attempt: int = 0) -> None:
-        self._pending[piece.step] = [ledger.slice_digest(piece.tokens, piece.positions), attempt, 0]
+        self._pending[piece.step] = [piece.ledger_digest, attempt, 0]
 
     def commit(self, step: int) -> None:
         entry = self._pending.get(step)
