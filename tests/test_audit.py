@@ -236,3 +236,50 @@ def test_commit_of_a_step_not_handed_out_is_one_line(tmp_path):
                                          r"\(steps handed out: \[0, 1\)\)$"):
         loader.commit(5)
     loader.close()
+
+
+def test_ray_train_shards_write_the_ledger_beside_their_checkpoints(tmp_path, capsys):
+    """``ZephonDatasetShard.save`` seals the segment; a checkpoint directory audits clean against the recipe, and a
+    restore whose weights are at another step is refused naming both."""
+    from ray.train import Checkpoint
+
+    from zephon_ray.formats.loader_state import LoaderStateError
+    from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
+
+    def shard(world: int, rank: int = 0):
+        config = ZephonDataConfig(run_id="rt", ledger_dir=str(tmp_path / "ledger"))
+        return config.configure({"train": ZephonDataset(TINY)}, world, None, None)[rank]["train"]
+
+    first = shard(1)
+    for batch in first.iter_steps(until=2):
+        first.loader.commit(batch.step)
+    first.save(tmp_path / "ckpt-2")
+    first.close()
+    second = shard(1)
+    with pytest.raises(LoaderStateError, match="'next_step' is 2 but the trainer's checkpoint is at step 1"):
+        second.restore(Checkpoint.from_directory(str(tmp_path / "ckpt-2")), trainer_step=1)
+    assert second.restore(Checkpoint.from_directory(str(tmp_path / "ckpt-2")), trainer_step=2) == 2
+    for batch in second.iter_steps(until=4):
+        second.loader.commit(batch.step)
+    second.save(tmp_path / "ckpt-4")
+    second.close()
+    rc, lines = _audit(capsys, str(tmp_path / "ckpt-4"), "--ledger", str(tmp_path / "ledger"), "--recipe", TINY)
+    assert rc == 0 and lines == ["audit: clean: steps [0, 4) each trained exactly once in a lineage of 2 segment(s) "
+                                 "(W 1); 4 slice digests matched the recipe's global batches"], lines
+
+
+def test_the_torchtitan_loader_carries_the_ledger_in_its_state(tmp_path, capsys):
+    from zephon_ray.torchtitan import ZephonRayDataLoader
+
+    config = ZephonRayDataLoader.Config(recipe=TINY, mode="local", run_id="tt", ledger_dir=str(tmp_path / "ledger"))
+    with config.build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4) as loader:
+        it = iter(loader)
+        for _ in range(3 * loader.microbatches_per_step):  # three steps of microbatches, as TorchTitan pulls them
+            next(it)
+        state = loader.state_dict()
+    assert state["next_step"] == 3 and state["ledger"]
+    segment = json.loads((tmp_path / "ledger" / state["ledger"] / "rank-00000-of-00001.json").read_text())
+    assert [r[0] for r in segment["records"]] == [0, 1, 2]
+    rc, lines = _audit(capsys, _save(tmp_path, state, "s.json"), "--ledger", str(tmp_path / "ledger"),
+                       "--recipe", TINY)
+    assert rc == 0 and lines[-1].startswith("audit: clean: steps [0, 3)"), lines

@@ -293,8 +293,9 @@ class ZephonDatasetShard:
         """The loader state at ``next_step`` (local mode: collective, every rank calls it at the same step)."""
         return self.loader.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+    def load_state_dict(self, state: dict[str, Any], *, trainer_step: int | None = None) -> None:
+        """Resume at the state's ``next_step`` (``trainer_step``: see :meth:`Loader.load_state_dict`)."""
+        self.loader.load_state_dict(state, trainer_step=trainer_step)
 
     def save(self, directory: str | os.PathLike) -> dict[str, Any]:
         """Write :meth:`state_dict` to ``<directory>/zephon_loader.json`` (JSON); returns the state."""
@@ -302,16 +303,17 @@ class ZephonDatasetShard:
         files.write_json(files.location(directory).join(STATE_FILE), state)  # atomic; a path or a URI
         return state
 
-    def restore(self, checkpoint: Any) -> int:
+    def restore(self, checkpoint: Any, *, trainer_step: int | None = None) -> int:
         """Load the state a :meth:`save` left in a ``ray.train.Checkpoint`` (None: start at step 0); returns
-        ``next_step``. A checkpoint without ``zephon_loader.json``, or of another recipe or run, is refused."""
+        ``next_step``. A checkpoint without ``zephon_loader.json``, or of another recipe or run, is refused, and so is
+        one whose ``next_step`` is not ``trainer_step`` (the step of the weights restored from it), naming both."""
         if checkpoint is not None:
             with checkpoint.as_directory() as d:
                 path = Path(d, STATE_FILE)
                 if not path.is_file():
                     raise FileNotFoundError(f"{self._where()}: checkpoint {checkpoint.path} holds no {STATE_FILE} "
                                             "(was it written with ZephonDatasetShard.save?)")
-                self.load_state_dict(files.read_json(path, what="loader state"))
+                self.load_state_dict(files.read_json(path, what="loader state"), trainer_step=trainer_step)
         return self.next_step
 
     def close(self) -> None:
