@@ -283,3 +283,12 @@ def test_the_torchtitan_loader_carries_the_ledger_in_its_state(tmp_path, capsys)
     rc, lines = _audit(capsys, _save(tmp_path, state, "s.json"), "--ledger", str(tmp_path / "ledger"),
                        "--recipe", TINY)
     assert rc == 0 and lines[-1].startswith("audit: clean: steps [0, 3)"), lines
+
+
+def test_two_runs_under_one_run_id_are_named(tmp_path, capsys):
+    """Two fresh runs share run_id and ledger: both continue step 0 without a resume, which no rollback does."""
+    _run(_config(tmp_path, "a"), 1, None, 3)
+    second = _run(_config(tmp_path, "b"), 2, None, 2)
+    rc, lines = _audit(capsys, _save(tmp_path, second, "s.json"), "--ledger", str(tmp_path / "ledger"))
+    assert rc == 1 and lines[-2].startswith(f"steps 0..1: other run: segments {second['ledger']} and ") \
+        and lines[-2].endswith("both continue step 0 without a resume: two runs write under run_id 'audit'"), lines

@@ -9,7 +9,9 @@ ledger directory) and reports one :class:`Finding` per step and kind:
 * ``trained twice``: a step a rank confirmed more than once, or two segments of the lineage that both hold it;
 * ``other rows``: a rank's slice digest differs from the same rows of the recipe's global batch (computed in-process
   from the recipe, or read from a materialised directory; each is a reference the loader's code does not produce);
-* ``other recipe`` / ``other run``: a segment of the lineage written under another recipe fingerprint or run_id;
+* ``other recipe`` / ``other run``: a segment of the lineage written under another recipe fingerprint or run_id,
+  or one that another segment of the same run_id also continues without a resume (two runs under one run_id: a
+  rollback always starts its branch with a resume);
 * ``split``: a rank of W with no part, or a record naming another rank or W than its segment;
 * ``lineage``: a parent segment missing from the ledger.
 
@@ -122,8 +124,19 @@ def audit(segments: dict[str, Segment], head: str, *, fingerprint: str | None = 
     run_id = top.run_id if run_id is None else run_id
     report = AuditReport(head, top.next_step, lineage, findings)
 
+    continuing: dict[str, list[Segment]] = {}  # parent -> the segments that continue it without a resume
+    for other in segments.values():
+        if not other.resumed:
+            continuing.setdefault(other.parent, []).append(other)
     expected = 0 if not findings else lineage[0].first_step
     for seg in lineage:
+        rivals = [o for o in continuing.get(seg.parent, []) if o.id != seg.id and o.run_id == seg.run_id] \
+            if not seg.resumed else []
+        if rivals:
+            since = f"segment {seg.parent}" if seg.parent else "step 0"
+            findings.append(Finding(seg.first_step, seg.next_step - 1, "other run",
+                                    f"segments {seg.id} and {rivals[0].id} both continue {since} without a resume: "
+                                    f"two runs write under run_id {seg.run_id!r}"))
         if seg.first_step > expected:
             findings.append(Finding(expected, seg.first_step - 1, "skipped",
                                     f"in no segment of the lineage (segment {seg.id} starts at {seg.first_step})"))
