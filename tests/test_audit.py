@@ -292,3 +292,34 @@ def test_two_runs_under_one_run_id_are_named(tmp_path, capsys):
     rc, lines = _audit(capsys, _save(tmp_path, second, "s.json"), "--ledger", str(tmp_path / "ledger"))
     assert rc == 1 and lines[-2].startswith(f"steps 0..1: other run: segments {second['ledger']} and ") \
         and lines[-2].endswith("both continue step 0 without a resume: two runs write under run_id 'audit'"), lines
+
+
+def test_service_and_dataset_modes_audit_clean_against_the_service_and_the_materialised_rows(
+        ray_cluster, tiny_recipe, tmp_path, capsys):
+    """Service mode at W=3 (not dividing B=16), then dataset mode at W=5; the audit's reference is the running
+    service (``--service``), then the materialised directory (``--dataset``), each checked against the goldens."""
+    from zephon_ray import DataService
+    from zephon_ray.formats.materialized import MaterializedSource
+    from zephon_ray.jobs.materialize import materialize
+    from zephon_ray.stream.loader import LoaderConfig
+
+    materialize(tiny_recipe, tmp_path / "materialized", range(0, 6), producers=1, segment_steps=8, progress=False)
+    with MaterializedSource(tmp_path / "materialized", recipe=tiny_recipe) as source:
+        assert [source.batch(s).digest for s in range(6)] == [GLOBAL for _, GLOBAL in sorted(GOLDEN.items())]
+    service = DataService.start(TINY, name="audit", namespace="zr-audit", producers=1, state_dir=str(tmp_path / "svc"))
+    try:
+        common = dict(recipe=TINY, run_id="modes", ledger_dir=str(tmp_path / "ledger"))
+        state = _run(LoaderConfig(mode="service", service_name="audit", service_namespace="zr-audit", **common), 3,
+                     None, 3)
+        state = _run(LoaderConfig(mode="dataset", dataset_dir=str(tmp_path / "materialized"), **common), 5, state, 3)
+        path = _save(tmp_path, state, "s.json")
+        rc, lines = _audit(capsys, path, "--ledger", str(tmp_path / "ledger"), "--recipe", TINY,
+                           "--service", "audit", "--namespace", "zr-audit")
+        assert rc == 0 and lines == ["audit: clean: steps [0, 6) each trained exactly once in a lineage of 2 "
+                                     "segment(s) (W 3 -> 5); 24 slice digests matched the recipe's global batches"], \
+            lines
+    finally:
+        service.stop()
+    rc, lines = _audit(capsys, path, "--ledger", str(tmp_path / "ledger"), "--recipe", TINY,
+                       "--dataset", str(tmp_path / "materialized"))
+    assert rc == 0 and lines[-1].endswith("24 slice digests matched the recipe's global batches"), lines

@@ -8,7 +8,7 @@ ledger directory) and reports one :class:`Finding` per step and kind:
   (``Loader.commit``), or a gap between a segment and its parent;
 * ``trained twice``: a step a rank confirmed more than once, or two segments of the lineage that both hold it;
 * ``other rows``: a rank's slice digest differs from the same rows of the recipe's global batch (computed in-process
-  from the recipe, or read from a materialised directory; each is a reference the loader's code does not produce);
+  from the recipe, read from a materialised directory, or asked of a running service);
 * ``other recipe`` / ``other run``: a segment of the lineage written under another recipe fingerprint or run_id,
   or one that another segment of the same run_id also continues without a resume (two runs under one run_id: a
   rollback always starts its branch with a resume);
