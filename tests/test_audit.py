@@ -71,6 +71,7 @@ def _run(config, world: int, state: dict | None, steps: int, *, loop=None) -> di
 def _audit(capsys, *args: str) -> tuple[int, list[str]]:
     from zephon_ray.cli import main
 
+    capsys.readouterr()  # what ran before (a Ray Data job's logs) is not the audit's output
     try:
         rc = main(["audit", *args])
     except SystemExit as exc:
@@ -294,6 +295,7 @@ def test_two_runs_under_one_run_id_are_named(tmp_path, capsys):
         and lines[-2].endswith("both continue step 0 without a resume: two runs write under run_id 'audit'"), lines
 
 
+@pytest.mark.slow  # ~50 s on 2 cores: a Ray Data materialize job and a service
 def test_service_and_dataset_modes_audit_clean_against_the_service_and_the_materialised_rows(
         ray_cluster, tiny_recipe, tmp_path, capsys):
     """Service mode at W=3 (not dividing B=16), then dataset mode at W=5; the audit's reference is the running
