@@ -253,7 +253,7 @@ def test_ray_train_shards_write_the_ledger_beside_their_checkpoints(tmp_path, ca
 
     first = shard(1)
     for batch in first.iter_steps(until=2):
-        first.loader.commit(batch.step)
+        first.commit(batch.step)
     first.save(tmp_path / "ckpt-2")
     first.close()
     second = shard(1)
@@ -261,7 +261,7 @@ def test_ray_train_shards_write_the_ledger_beside_their_checkpoints(tmp_path, ca
         second.restore(Checkpoint.from_directory(str(tmp_path / "ckpt-2")), trainer_step=1)
     assert second.restore(Checkpoint.from_directory(str(tmp_path / "ckpt-2")), trainer_step=2) == 2
     for batch in second.iter_steps(until=4):
-        second.loader.commit(batch.step)
+        second.commit(batch.step)
     second.save(tmp_path / "ckpt-4")
     second.close()
     rc, lines = _audit(capsys, str(tmp_path / "ckpt-4"), "--ledger", str(tmp_path / "ledger"), "--recipe", TINY)

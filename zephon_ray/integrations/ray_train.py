@@ -297,6 +297,11 @@ class ZephonDatasetShard:
         """Resume at the state's ``next_step`` (``trainer_step``: see :meth:`Loader.load_state_dict`)."""
         self.loader.load_state_dict(state, trainer_step=trainer_step)
 
+    def commit(self, step: int) -> None:
+        """Confirm that ``step`` was trained, after the optimizer step (see :meth:`Loader.commit`: the ledger then
+        records a step handed out but not confirmed as skipped)."""
+        self.loader.commit(step)
+
     def save(self, directory: str | os.PathLike) -> dict[str, Any]:
         """Write :meth:`state_dict` to ``<directory>/zephon_loader.json`` (JSON); returns the state."""
         state = self.state_dict()
