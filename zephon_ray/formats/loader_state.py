@@ -13,10 +13,11 @@ Layout (format version 3); every key is always present::
       "ledger":         "<segment id>", # the ledger segment that ends at next_step ("" at step 0): the lineage
     }                                   # of the weights (zephon_ray.formats.ledger)
 
-Version 2 added ``replayed_steps``, version 3 ``ledger`` (an older state is refused with a message saying so: DCP loads by key, so
-the key set is part of the format; ``tests/test_ledger.py::test_the_loader_state_carries_a_valid_ledger_head``).
-:func:`check_state` refuses a state that lacks a key or has one more, naming
-it (``tests/test_stream_loader.py::test_bad_loader_states_are_one_line_naming_the_key``).
+Version 2 added ``replayed_steps``, version 3 ``ledger`` (an older state is refused with a message saying so: DCP
+loads by key, so the key set is part of the format;
+``tests/test_ledger.py::test_the_loader_state_carries_a_valid_ledger_head``). :func:`check_state` refuses a state
+that lacks a key or has one more, naming it
+(``tests/test_stream_loader.py::test_bad_loader_states_are_one_line_naming_the_key``).
 
 Every value is a str or an int, so DCP stores each key once (every rank holds the same value) and the state loads
 at any data-parallel degree. The merged Zephon checkpoint is kept as one JSON string rather than a nested dict so
