@@ -24,9 +24,9 @@ the batch ``zephon-ray digest`` describes (``tests/test_stream_loader.py``: all 
 resume; ``tests/test_torchtitan_loader.py``; ``tests/test_ray_train_elastic.py``).
 
 State (:mod:`zephon_ray.formats.loader_state`, format v3) is ``{version, run_id, fingerprint, next_step, zephon,
-replayed_steps, ledger}``: every key always present (``zephon`` is "" when there is no Zephon checkpoint, which is always
-so outside local mode), JSON-safe and identical on every reader, so it is stored once and loads at any W and in
-any mode. ``state_dict()`` works before iteration.
+replayed_steps, ledger}``: every key always present (``zephon`` is "" when there is no Zephon checkpoint, which is
+always so outside local mode), JSON-safe and identical on every reader, so it is stored once and loads at any W and
+in any mode. ``state_dict()`` works before iteration.
 
 Ledger (:mod:`zephon_ray.stream.ledger`): every step handed out is recorded with its slice's digest; each
 ``state_dict()`` seals the records since the last save into a segment that the state's ``ledger`` key names, written
