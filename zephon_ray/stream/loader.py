@@ -260,9 +260,9 @@ class Loader:
         self._replayed_before = 0  # replayed steps carried by the loaded state (earlier resumes)
         self._replaying = 0  # steps the current resume replays
         self._replay_started = False  # counted in replayed_steps once the source started (and so replays)
-        # Runs at garbage collection and at interpreter exit: a trainer may never call close().
         self._ledger = LedgerRecorder(run_id=config.run_id or "", fingerprint=self.recipe.fingerprint, rank=self.rank,
                                       world=self.world, ledger_dir=config.ledger_dir)
+        # Runs at garbage collection and at interpreter exit: a trainer may never call close().
         self._finalizer = weakref.finalize(self, _close_source, self.__dict__)
         if config.mode == "dataset":
             self._source = self._make_source()  # a missing or mismatched directory fails when the loader is built
