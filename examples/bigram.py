@@ -88,6 +88,7 @@ def train_loop(config: dict[str, Any]) -> None:
                     dist.all_reduce(p.grad, op=dist.ReduceOp.SUM)
                 dist.all_reduce(step_loss, op=dist.ReduceOp.SUM)
             optim.step()
+            shard.commit(batch.step)  # the ledger: this step was trained (zephon-ray audit)
             if cfg["before_digest"] is not None:
                 cfg["before_digest"](batch.step, rank, batch.slice)
             digest = global_digest(batch.slice)

@@ -21,7 +21,9 @@ own DCP checkpoints shared by the fits of a run.
 
 Local mode needs W dividing the recipe's 12 lanes (each worker runs Zephon for whole lanes). Every step's global digest
 is gathered from the ranks' slices; the script prints digests and losses side by side, checks them against the
-in-process reference (what `zephon-ray digest` prints), and exits non-zero on any mismatch.
+in-process reference (what `zephon-ray digest` prints), and exits non-zero on any mismatch. With the bigram
+trainer every rank writes its ledger segment at each checkpoint, and the demo ends with `zephon-ray audit`'s verdict
+on the elastic run's last checkpoint: every step in [0, steps) trained exactly once, on the recipe's rows.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -96,7 +99,8 @@ def main() -> int:
                 ZephonDataset(RECIPE, aggregate_dir=loader.get("aggregate_dir"))
             return TorchTrainer(
                 train_loop, train_loop_config={"log_path": str(log), "steps": until, "checkpoint_every": 2},
-                datasets={"train": dataset}, dataset_config=ZephonDataConfig(run_id=f"demo-{name}"),
+                datasets={"train": dataset},
+                dataset_config=ZephonDataConfig(run_id=f"demo-{name}", ledger_dir=str(work / f"ledger-{name}")),
                 scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 0.25}),
                 run_config=RunConfig(name=name, storage_path=str(work / "ray-results")),
             ).fit()
@@ -108,12 +112,13 @@ def main() -> int:
                            log_path=str(log), steps=until, total_steps=args.steps, checkpoint_every=2, **loader)
             return fit(run, workers=world, name=name, storage_path=str(work / "ray-results"))
 
-        def phase(label: str, name: str, world: int, until: int, log: Path) -> None:
+        def phase(label: str, name: str, world: int, until: int, log: Path) -> Any:
             t = time.time()
             result = (fit_torchtitan if args.trainer == "torchtitan" else fit_bigram)(name, world, until, log)
             if result.error is not None:
                 raise RuntimeError(f"{label} failed: {result.error}")
             print(f"  {label:<44} W={world}  until step {until:<3} {time.time() - t:5.1f} s", flush=True)
+            return result
 
         print(f"zephon-ray elastic resume demo: trainer {args.trainer}, recipe {RECIPE}, mode {args.mode}, "
               f"{args.steps} steps")
@@ -121,7 +126,7 @@ def main() -> int:
         phase("reference run (fixed W)", "reference", args.reference_world, args.steps, ref_log)
         phase(f"run at W1, checkpoint at step k={args.k}", "elastic", w1, args.k, el_log)
         phase("resume at W2 (ray.train.get_checkpoint)", "elastic", w2, args.k2, el_log)
-        phase("resume at W3 (ray.train.get_checkpoint)", "elastic", w3, args.steps, el_log)
+        last = phase("resume at W3 (ray.train.get_checkpoint)", "elastic", w3, args.steps, el_log)
 
         with GlobalBatchSource(Recipe.from_toml(RECIPE)) as source:
             expected = [source.batch(s).digest for s in range(args.steps)]
@@ -151,6 +156,11 @@ def main() -> int:
         print(f"largest loss difference: {worst:.1e} (tolerance {tolerance:.0e}: gradient sums are reduced in a "
               "different order at each W)")
         print(f"identical global batches: {'YES' if ok else 'NO'}   ({time.time() - t0:.0f} s)")
+        if args.trainer == "bigram":  # the ledger of the elastic run's last checkpoint, back to step 0
+            from zephon_ray.cli import main as cli
+
+            ok &= cli(["audit", last.checkpoint.path, "--ledger", str(work / "ledger-elastic"),
+                       "--recipe", RECIPE]) == 0
         return 0 if ok else 1
     finally:
         if service is not None:

@@ -27,7 +27,7 @@ ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+([0-9a-f]{16})\s+(\d+)\s+([0-9a-f]{16})\s
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_make_demo_ends_with_identical_global_batches():
+def test_make_demo_ends_with_identical_global_batches_and_a_clean_audit():
     if not CORPUS.is_dir():  # what `make demo` does first; written whole or not at all (zephon_ray/corpus.py)
         subprocess.run([sys.executable, "-m", "zephon_ray.cli", "corpus", str(CORPUS)], cwd=ROOT, check=True,
                        timeout=900, capture_output=True)
@@ -36,7 +36,8 @@ def test_make_demo_ends_with_identical_global_batches():
     tail = "\n".join(result.stdout.splitlines()[-30:]) + "\n" + result.stderr[-3000:]
     assert result.returncode == 0, tail
     lines = result.stdout.strip().splitlines()
-    assert lines[-1].startswith("identical global batches: YES"), tail
+    assert lines[-2].startswith("identical global batches: YES"), tail
+    assert lines[-1].startswith("audit: clean: steps [0, 8) each trained exactly once in a lineage of "), tail
 
     rows = {int(m.group(1)): m.groups() for m in map(ROW.match, lines) if m}
     assert sorted(rows) == list(range(8)) and all(r[5] == "yes" for r in rows.values()), tail

@@ -98,7 +98,7 @@ def _run(tmp_path: Path, block: Path, env: dict) -> None:
     installed = (block / "installed.log").read_text()
     assert "ray_train_quickstart.py" in installed and "default_worker.py" in installed, installed[-2000:]
 
-    # The newest checkpoint: the loader state at step 4 (the keys of format v2) and the reference weights.
+    # The newest checkpoint: the loader state at step 4 (the keys of format v3) and the reference weights.
     import torch
 
     checkpoints = [p for p in storage.rglob("zephon_loader.json")]
@@ -106,7 +106,7 @@ def _run(tmp_path: Path, block: Path, env: dict) -> None:
     assert sorted(states) == [1, 2, 3, 4], sorted(states)
     final = states[4]
     state = json.loads((final / "zephon_loader.json").read_text())
-    assert set(state) == {"version", "run_id", "fingerprint", "next_step", "zephon", "replayed_steps"}
+    assert set(state) == {"version", "run_id", "fingerprint", "next_step", "zephon", "replayed_steps", "ledger"}
     assert state["run_id"] == "quickstart" and state["zephon"] == ""  # no Zephon checkpoints asked for
     weights = torch.load(final / "model.pt", weights_only=True)
     reference = _reference_weights(4)

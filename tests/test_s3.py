@@ -441,6 +441,38 @@ def test_ray_train_checkpoint_on_s3_restores(s3, bucket, tmp_path):
         fresh.close()
 
 
+def test_a_ledger_and_its_loader_state_in_a_bucket_audit_clean(s3, bucket, capsys):
+    """Every save writes its ledger segment to the bucket (``ledger_dir = s3://...``), and ``zephon-ray audit`` reads
+    the loader state and the ledger from there; a resume from an older state is a discarded branch there too."""
+    from zephon_ray import files
+    from zephon_ray.cli import main
+    from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    base = f"s3://{s3.new_bucket('zr-ledger')}/run"
+    config = LoaderConfig(recipe=f"s3://{bucket}/recipes/tiny.toml", mode="local", run_id="s3",
+                          ledger_dir=f"{base}/ledger")
+
+    def train(state, steps):
+        with Loader(config, rank=0, world=1) as loader:
+            if state is not None:
+                loader.load_state_dict(state)
+            it = iter(loader)
+            for _ in range(steps):
+                loader.commit(next(it).step)
+            return loader.state_dict()
+
+    first = train(None, 2)
+    train(first, 2)  # abandoned: the run resumes from `first` again
+    final = train(first, 3)
+    files.write_json(f"{base}/ckpt/zephon_loader.json", final)
+    capsys.readouterr()
+    assert main(["audit", f"{base}/ckpt", "--ledger", f"{base}/ledger", "--recipe", config.recipe]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("note: discarded branch: steps 2..3 at W=1") and lines[1] == (
+        "audit: clean: steps [0, 5) each trained exactly once in a lineage of 2 segment(s) (W 1); 5 slice digests "
+        "matched the recipe's global batches"), lines
+
+
 def test_missing_bucket_and_wrong_credentials_for_what_we_write(s3, materialized_s3, tiny_recipe):
     """The storage layer's faults are one line naming the URI, and nothing is written: a state_dir or a
     materialised directory in a bucket that does not exist, or read with credentials the store refuses."""

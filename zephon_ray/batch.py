@@ -154,6 +154,14 @@ class RankSlice:
         """This rank's labels that reach the loss (padding rows added by :meth:`microbatches` count none)."""
         return valid_tokens(self.tokens, self.pad_token_id)
 
+    @cached_property
+    def ledger_digest(self) -> str:
+        """The ledger's digest of these rows (:func:`zephon_ray.formats.ledger.slice_digest`); the prefetch thread
+        computes it before the trainer asks for the slice, so the hashing stays off the trainer's path."""
+        from zephon_ray.formats.ledger import slice_digest
+
+        return slice_digest(self.tokens, self.positions)
+
     def microbatches(self, local_batch_size: int, *, pad_to: int | None = None
                      ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """Yield ``({"input", "positions"}, labels)`` of ``local_batch_size`` rows each, in row order.

@@ -270,6 +270,61 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_audit(args: argparse.Namespace) -> int:
+    """``zephon-ray audit``: see :mod:`zephon_ray.audit`."""
+    from contextlib import ExitStack
+
+    from zephon_ray.audit import Finding, audit, find_head, locate, read_ledger
+
+    ledger_dir, head, state = locate(args.path, args.ledger)
+    recipe = Recipe.from_toml(args.recipe) if args.recipe else None
+    if args.dataset and args.service:
+        raise UserInputError("give at most one of --dataset DIR and --service NAME")
+    if (args.dataset or args.service) and recipe is None:
+        raise UserInputError(f"{'--dataset DIR' if args.dataset else '--service NAME'} needs --recipe R (the recipe "
+                             "the run trained on)")
+    segments = read_ledger(ledger_dir)
+    head = head or find_head(segments)
+    with ExitStack() as stack:
+        reference = None
+        if args.service:
+            from zephon_ray.service.cli import ray_session
+            from zephon_ray.service.client import DataService
+
+            stack.enter_context(ray_session(args.address, private_if_none=False))
+            source = DataService.connect(args.service, namespace=args.namespace)
+            if source.recipe.fingerprint != recipe.fingerprint:
+                raise UserInputError(f"service {args.service!r} serves recipe fingerprint "
+                                     f"{source.recipe.fingerprint[:12]}, not {recipe.describe()}")
+            batch_of = source.batch  # ad hoc reads: no consumer cursor moves
+        elif args.dataset:
+            from zephon_ray.formats.materialized import MaterializedSource
+
+            batch_of = stack.enter_context(MaterializedSource(args.dataset, recipe=recipe)).batch
+        elif recipe is not None:
+            from zephon_ray.source import GlobalBatchSource
+
+            batch_of = stack.enter_context(GlobalBatchSource(recipe)).batch
+        if recipe is not None:
+            def reference(step: int):
+                batch = batch_of(step)
+                return batch.tokens, batch.positions
+        report = audit(segments, head, fingerprint=recipe.fingerprint if recipe else None,
+                       run_id=state["run_id"] if state else None, reference=reference,
+                       rows=recipe.global_batch_rows if recipe else None)
+    if state is not None and state["next_step"] != report.next_step:
+        report.findings.append(Finding(min(state["next_step"], report.next_step),
+                                       max(state["next_step"], report.next_step) - 1, "lineage",
+                                       f"the loader state is at step {state['next_step']} but its segment {head} "
+                                       f"ends at {report.next_step}"))
+    for line in report.notes:
+        print(f"note: {line}")
+    for finding in report.findings:
+        print(finding.line)
+    print(report.verdict())
+    return 0 if report.clean else 1
+
+
 VERIFY_CONTENT_HELP = ("hash the bytes of every object-store shard (a download) instead of trusting the store's "
                        "ETags; same as the recipe key verify_content")
 
@@ -286,6 +341,20 @@ def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("recipe")
     p.add_argument("--verify-content", action="store_true", help=VERIFY_CONTENT_HELP)
     p.set_defaults(func=cmd_fingerprint)
+
+    p = sub.add_parser("audit", help="check a checkpoint's ledger: every step in [0, s) trained exactly once, on the "
+                                     "recipe's rows; one line per finding, exit 1 on any")
+    p.add_argument("path", metavar="CHECKPOINT_OR_LEDGER",
+                   help="a loader state (zephon_loader.json, or a directory holding one) or a ledger directory")
+    p.add_argument("--ledger", metavar="DIR", help="the run's ledger directory (needed with a loader state)")
+    p.add_argument("--recipe", metavar="R", help="check every slice against this recipe's global batches (computed "
+                                                 "in-process) and that the lineage was trained on it")
+    p.add_argument("--dataset", metavar="DIR", help="read the global batches from this materialised directory")
+    p.add_argument("--service", metavar="NAME", help="ask this running DataService for the global batches")
+    p.add_argument("--namespace", default="zephon-ray", help="the service's Ray namespace (with --service)")
+    p.add_argument("--address", default=None, help="the Ray cluster of the service (with --service; default: "
+                                                   "RAY_ADDRESS or the ambient cluster)")
+    p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("inspect", help="report a service's durable state_dir offline (no Ray)")
     p.add_argument("state_dir")

@@ -1,20 +1,23 @@
 """The loader state: small, JSON-safe, versioned, and identical on every reader. Owner of the format.
 
-Layout (format version 2); every key is always present::
+Layout (format version 3); every key is always present::
 
     {
-      "version":        2,              # STATE_VERSION; anything else is refused
+      "version":        3,              # STATE_VERSION; anything else is refused
       "run_id":         "my-run",       # the loader config's run_id ("" when unset)
       "fingerprint":    "<sha256>",     # Recipe.fingerprint
       "next_step":      12,             # first global step not yet consumed
       "zephon":         "<json>" | "",  # local mode: newest merged Zephon checkpoint at or before next_step;
                                         # "" when there is none (always so in service and dataset mode)
       "replayed_steps": 0,              # steps this run re-produced to resume without an exact checkpoint, so far
-    }
+      "ledger":         "<segment id>", # the ledger segment that ends at next_step ("" at step 0): the lineage
+    }                                   # of the weights (zephon_ray.formats.ledger)
 
-Version 2 added ``replayed_steps`` (a version-1 state is refused with a message saying so: DCP loads by key, so
-the key set is part of the format). :func:`check_state` refuses a state that lacks a key or has one more, naming
-it (``tests/test_stream_loader.py::test_bad_loader_states_are_one_line_naming_the_key``).
+Version 2 added ``replayed_steps``, version 3 ``ledger`` (an older state is refused with a message saying so: DCP
+loads by key, so the key set is part of the format;
+``tests/test_ledger.py::test_the_loader_state_carries_a_valid_ledger_head``). :func:`check_state` refuses a state
+that lacks a key or has one more, naming it
+(``tests/test_stream_loader.py::test_bad_loader_states_are_one_line_naming_the_key``).
 
 Every value is a str or an int, so DCP stores each key once (every rank holds the same value) and the state loads
 at any data-parallel degree. The merged Zephon checkpoint is kept as one JSON string rather than a nested dict so
@@ -27,14 +30,15 @@ from __future__ import annotations
 import json
 from typing import Any
 
-STATE_VERSION = 2
+STATE_VERSION = 3
 KEY_VERSION = "version"
 KEY_RUN_ID = "run_id"
 KEY_FINGERPRINT = "fingerprint"
 KEY_NEXT_STEP = "next_step"
 KEY_ZEPHON = "zephon"
 KEY_REPLAYED_STEPS = "replayed_steps"
-STATE_KEYS = (KEY_VERSION, KEY_RUN_ID, KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_ZEPHON, KEY_REPLAYED_STEPS)
+KEY_LEDGER = "ledger"
+STATE_KEYS = (KEY_VERSION, KEY_RUN_ID, KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_ZEPHON, KEY_REPLAYED_STEPS, KEY_LEDGER)
 
 
 class LoaderStateError(ValueError):
@@ -42,7 +46,7 @@ class LoaderStateError(ValueError):
 
 
 def make_state(*, run_id: str | None, fingerprint: str, next_step: int, zephon: dict[str, Any] | None,
-               replayed_steps: int = 0) -> dict:
+               replayed_steps: int = 0, ledger: str = "") -> dict:
     return {
         KEY_VERSION: STATE_VERSION,
         KEY_RUN_ID: run_id or "",
@@ -50,6 +54,7 @@ def make_state(*, run_id: str | None, fingerprint: str, next_step: int, zephon: 
         KEY_NEXT_STEP: int(next_step),
         KEY_ZEPHON: "" if zephon is None else json.dumps(zephon, sort_keys=True, separators=(",", ":")),
         KEY_REPLAYED_STEPS: int(replayed_steps),
+        KEY_LEDGER: ledger,
     }
 
 
@@ -62,7 +67,8 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
     version = state[KEY_VERSION]
     if version != STATE_VERSION:
         raise LoaderStateError(f"loader state key '{KEY_VERSION}': version {version!r} is not supported (expected "
-                               f"{STATE_VERSION}; version 2 added '{KEY_REPLAYED_STEPS}')")
+                               f"{STATE_VERSION}; version 2 added '{KEY_REPLAYED_STEPS}', version 3 "
+                               f"'{KEY_LEDGER}')")
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
         raise LoaderStateError(f"loader state lacks key '{missing[0]}' (format {STATE_VERSION} has {STATE_KEYS}; "
@@ -87,6 +93,10 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
     step = state[KEY_NEXT_STEP]
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         raise LoaderStateError(f"loader state key '{KEY_NEXT_STEP}' must be a non-negative int, got {step!r}")
+    head = state[KEY_LEDGER]
+    if not isinstance(head, str) or (head and not (len(head) == 24 and all(c in "0123456789abcdef" for c in head))):
+        raise LoaderStateError(f"loader state key '{KEY_LEDGER}' must be a ledger segment id (24 hex digits) or \"\", "
+                               f"got {str(head)[:40]!r}")
     return step
 
 

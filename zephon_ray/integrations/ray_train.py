@@ -36,7 +36,8 @@ positions, cut into ``local_batch_size``-row microbatches ``({"input", "position
 with ``ZephonDataConfig(pad_slices=True)``; :mod:`zephon_ray.stream.geometry`). So an elastic run resumes at whatever
 worker count the cluster has, 56 of 64 included. Scale each rank's summed token loss by ``batch.loss_scale()`` and DDP's
 averaging all-reduce gives the fixed-W gradient at any W. :meth:`ZephonDatasetShard.state_dict` is the loader state
-``{version, run_id, fingerprint, next_step, zephon, replayed_steps}`` of :mod:`zephon_ray.formats.loader_state` (every
+``{version, run_id, fingerprint, next_step, zephon, replayed_steps, ledger}`` of
+:mod:`zephon_ray.formats.loader_state` (every
 key always present; ``zephon`` is "" in service mode): JSON, identical on every rank, so one copy in a Ray Train
 checkpoint resumes any W with the same global batches. Shown by ``tests/test_ray_train_elastic.py`` (3 -> 5 workers on
 24 rows, and 4 -> 2 -> 3 in the slow set: every step's digest gathered from the ranks' slices equals the committed
@@ -151,18 +152,23 @@ class ZephonDataConfig(DataConfig):
     job). ``local_batch_size`` is rows per microbatch (0: one microbatch per step, the rank's rows); ``pad_slices`` pads
     every rank's rows to the same count (rows whose labels are all ignored) when W does not divide B; ``prefetch`` steps
     are read ahead in a background thread; ``checkpoint_every`` (local mode) is how often Zephon checkpoints are
-    taken: align it with the loop's checkpoint interval. Remaining keyword arguments go to Ray's ``DataConfig``
+    taken: align it with the loop's checkpoint interval. ``ledger_dir`` (a path or URI every worker reaches, one per
+run) receives every rank's ledger segment at each save (``zephon-ray audit``, :mod:`zephon_ray.formats.ledger`).
+Remaining keyword arguments go to Ray's ``DataConfig``
     and apply to plain Ray Data datasets of the same trainer. Validated here, when built.
     """
 
     def __init__(self, *, run_id: str = "ray-train", local_batch_size: int = 0, prefetch: int = 2,
-                 checkpoint_every: int = 0, pad_slices: bool = False, **data_config: Any) -> None:
+                 checkpoint_every: int = 0, pad_slices: bool = False, ledger_dir: str | None = None,
+                 **data_config: Any) -> None:
         super().__init__(**data_config)
         if not isinstance(run_id, str) or not run_id:
             raise ValueError(f"ZephonDataConfig: 'run_id' must be a non-empty string, got {run_id!r}")
         if not isinstance(pad_slices, bool):
             raise ValueError(f"ZephonDataConfig: 'pad_slices' must be True or False, got {pad_slices!r}")
-        self.pad_slices = pad_slices
+        if ledger_dir is not None and (not isinstance(ledger_dir, str) or not ledger_dir):
+            raise ValueError(f"ZephonDataConfig: 'ledger_dir' must be a non-empty path or URI, got {ledger_dir!r}")
+        self.pad_slices, self.ledger_dir = pad_slices, ledger_dir
         for key, value, low in (("local_batch_size", local_batch_size, 0), ("prefetch", prefetch, 1),
                                 ("checkpoint_every", checkpoint_every, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1_000_000:
@@ -184,7 +190,7 @@ class ZephonDataConfig(DataConfig):
                 output[rank][name] = ZephonDatasetShard(
                     dataset, _ShardSettings(run_id=self.run_id, local_batch_size=self.local_batch_size,
                                             prefetch=self.prefetch, checkpoint_every=self.checkpoint_every,
-                                            pad_slices=self.pad_slices),
+                                            pad_slices=self.pad_slices, ledger_dir=self.ledger_dir),
                     rank=rank, world=world_size, name=name)
         return output
 
@@ -196,6 +202,7 @@ class _ShardSettings:
     prefetch: int
     checkpoint_every: int
     pad_slices: bool = False
+    ledger_dir: str | None = None
 
 
 class Microbatch(NamedTuple):
@@ -232,7 +239,7 @@ class ZephonDatasetShard:
             config = LoaderConfig(recipe=d.recipe_path, mode=d.mode, run_id=s.run_id,
                                   aggregate_store=d.aggregate_store, aggregate_dir=d.aggregate_dir,
                                   prefetch=s.prefetch, checkpoint_every=s.checkpoint_every,
-                                  pad_slices=s.pad_slices, **extra)
+                                  pad_slices=s.pad_slices, ledger_dir=s.ledger_dir, **extra)
             self._loader = Loader(config, rank=self.rank, world=self.world, local_batch_size=s.local_batch_size,
                                   recipe=d.recipe)
         return self._loader
@@ -286,8 +293,14 @@ class ZephonDatasetShard:
         """The loader state at ``next_step`` (local mode: collective, every rank calls it at the same step)."""
         return self.loader.state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+    def load_state_dict(self, state: dict[str, Any], *, trainer_step: int | None = None) -> None:
+        """Resume at the state's ``next_step`` (``trainer_step``: see :meth:`Loader.load_state_dict`)."""
+        self.loader.load_state_dict(state, trainer_step=trainer_step)
+
+    def commit(self, step: int) -> None:
+        """Confirm that ``step`` was trained, after the optimizer step (see :meth:`Loader.commit`: the ledger then
+        records a step handed out but not confirmed as skipped)."""
+        self.loader.commit(step)
 
     def save(self, directory: str | os.PathLike) -> dict[str, Any]:
         """Write :meth:`state_dict` to ``<directory>/zephon_loader.json`` (JSON); returns the state."""
@@ -295,16 +308,17 @@ class ZephonDatasetShard:
         files.write_json(files.location(directory).join(STATE_FILE), state)  # atomic; a path or a URI
         return state
 
-    def restore(self, checkpoint: Any) -> int:
+    def restore(self, checkpoint: Any, *, trainer_step: int | None = None) -> int:
         """Load the state a :meth:`save` left in a ``ray.train.Checkpoint`` (None: start at step 0); returns
-        ``next_step``. A checkpoint without ``zephon_loader.json``, or of another recipe or run, is refused."""
+        ``next_step``. A checkpoint without ``zephon_loader.json``, or of another recipe or run, is refused, and so is
+        one whose ``next_step`` is not ``trainer_step`` (the step of the weights restored from it), naming both."""
         if checkpoint is not None:
             with checkpoint.as_directory() as d:
                 path = Path(d, STATE_FILE)
                 if not path.is_file():
                     raise FileNotFoundError(f"{self._where()}: checkpoint {checkpoint.path} holds no {STATE_FILE} "
                                             "(was it written with ZephonDatasetShard.save?)")
-                self.load_state_dict(files.read_json(path, what="loader state"))
+                self.load_state_dict(files.read_json(path, what="loader state"), trainer_step=trainer_step)
         return self.next_step
 
     def close(self) -> None:

@@ -5,7 +5,7 @@ microbatches, and keeps the loader state. TorchTitan's ``ZephonRayDataLoader`` a
 ::
 
     loader = Loader(LoaderConfig(recipe="recipes/tiny.toml", mode="local"), rank=0, world=1, local_batch_size=4)
-    loader.load_state_dict(saved)          # optional: resume (format v2, identical on every reader)
+    loader.load_state_dict(saved)          # optional: resume (format v3, identical on every reader)
     for batch in loader:                   # StepBatch(step, slice, microbatches), forever (repeat = true recipes)
         for inputs, labels in batch.microbatches: ...
         saved = loader.state_dict()        # at a step boundary: after the step was trained
@@ -23,10 +23,15 @@ service (``mode="service"``), from an in-process Zephon lane group (``mode="loca
 the batch ``zephon-ray digest`` describes (``tests/test_stream_loader.py``: all three modes with W changing at each
 resume; ``tests/test_torchtitan_loader.py``; ``tests/test_ray_train_elastic.py``).
 
-State (:mod:`zephon_ray.formats.loader_state`, format v2) is ``{version, run_id, fingerprint, next_step, zephon,
-replayed_steps}``: every key always present (``zephon`` is "" when there is no Zephon checkpoint, which is always
-so outside local mode), JSON-safe and identical on every reader, so it is stored once and loads at any W and in
-any mode. ``state_dict()`` works before iteration.
+State (:mod:`zephon_ray.formats.loader_state`, format v3) is ``{version, run_id, fingerprint, next_step, zephon,
+replayed_steps, ledger}``: every key always present (``zephon`` is "" when there is no Zephon checkpoint, which is
+always so outside local mode), JSON-safe and identical on every reader, so it is stored once and loads at any W and
+in any mode. ``state_dict()`` works before iteration.
+
+Ledger (:mod:`zephon_ray.stream.ledger`): every step handed out is recorded with its slice's digest; each
+``state_dict()`` seals the records since the last save into a segment that the state's ``ledger`` key names, written
+beside the others under ``ledger_dir`` when one is set; ``commit(step)`` confirms a step was trained.
+``zephon-ray audit`` checks the lineage (``tests/test_audit.py``).
 
 TP/PP/CP: readers that share a rank (TorchTitan's dp_rank) are **peers** and get the same slice. In local mode
 only the lowest of them runs Zephon and broadcasts each slice (and the state) to the others
@@ -59,6 +64,7 @@ from typing import Any
 
 from zephon_ray.batch import RankSlice
 from zephon_ray.formats.loader_state import (
+    KEY_LEDGER,
     LoaderStateError,
     check_state,
     make_state,
@@ -68,6 +74,7 @@ from zephon_ray.formats.loader_state import (
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream import aggregate
 from zephon_ray.stream.geometry import check_geometry, check_int
+from zephon_ray.stream.ledger import LedgerRecorder
 from zephon_ray.stream.mesh import DpPeers, dp_peers
 from zephon_ray.stream.prefetch import MAX_DEPTH
 from zephon_ray.stream.protocol import STATE_CHECKPOINT, SliceSource, check_reader, source_state
@@ -120,6 +127,11 @@ class LoaderConfig:
     """Local mode: take a Zephon checkpoint every N steps (align it with the trainer's checkpoint interval);
     0: none (a resume then replays from the start, or from the checkpoint it was resumed from)."""
 
+    ledger_dir: str | None = None
+    """Where every reader writes its part of a ledger segment at each ``state_dict()`` (a path or object-storage
+    URI every reader can reach; one directory per run). None: records are kept and the lineage is carried in the
+    state, but nothing is written (``zephon-ray audit`` then has nothing to read)."""
+
     pad_slices: bool = False
     """Pad every reader's slice to the same row count (``ceil(B/W)`` rounded up to a multiple of
     ``local_batch_size``) with rows whose labels are all ignored: equal shapes and microbatch counts on every
@@ -136,6 +148,8 @@ class LoaderConfig:
         check_int(f"{where}: 'checkpoint_every'", self.checkpoint_every, low=0)
         if not isinstance(self.pad_slices, bool):
             raise ValueError(f"{where}: 'pad_slices' must be true or false, got {self.pad_slices!r}")
+        if self.ledger_dir is not None and (not isinstance(self.ledger_dir, str) or not self.ledger_dir):
+            raise ValueError(f"{where}: 'ledger_dir' must be a non-empty path or URI, got {self.ledger_dir!r}")
         if (self.mode == "dataset") != bool(self.dataset_dir):
             raise ValueError(f"{where}: 'dataset_dir' is required with mode='dataset' and only used by it "
                              f"(mode {self.mode!r}, dataset_dir {self.dataset_dir!r})")
@@ -246,6 +260,8 @@ class Loader:
         self._replayed_before = 0  # replayed steps carried by the loaded state (earlier resumes)
         self._replaying = 0  # steps the current resume replays
         self._replay_started = False  # counted in replayed_steps once the source started (and so replays)
+        self._ledger = LedgerRecorder(run_id=config.run_id or "", fingerprint=self.recipe.fingerprint, rank=self.rank,
+                                      world=self.world, ledger_dir=config.ledger_dir)
         # Runs at garbage collection and at interpreter exit: a trainer may never call close().
         self._finalizer = weakref.finalize(self, _close_source, self.__dict__)
         if config.mode == "dataset":
@@ -276,8 +292,18 @@ class Loader:
         while True:
             step = self._next_step
             piece = self._take(step)
+            if self._produces:
+                self._ledger.handed(piece)
             self._next_step = step + 1
             yield StepBatch(step, piece, list(piece.microbatches(self.local_batch_size, pad_to=self.shape.padded_to)))
+
+    def commit(self, step: int) -> None:
+        """Confirm that the trainer trained ``step`` (optional; call it once per step, after the optimizer step). Once
+        a loop confirms, a step it was handed but never confirmed enters the ledger as skipped, and one confirmed
+        twice as trained twice; without it the ledger records what was handed out. A step not handed out since the
+        last save is one ValueError naming it."""
+        if self._produces:
+            self._ledger.commit(step)
 
     @property
     def _produces(self) -> bool:
@@ -337,7 +363,7 @@ class Loader:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The loader state at ``next_step`` (format v2, identical on every reader). In local mode with W > 1 it
+        """The loader state at ``next_step`` (format v3, identical on every reader). In local mode with W > 1 it
         may wait for the collective Zephon checkpoint of that boundary: call it on every reader."""
         if not self._produces:
             return self.peers.share_object(None)  # the leader's state, bit for bit
@@ -348,19 +374,26 @@ class Loader:
         elif self.config.mode == "local" and step > 0 and step == self._loaded_at:
             zephon = self._loaded_zephon
         state = make_state(run_id=self.config.run_id, fingerprint=self.recipe.fingerprint, next_step=step,
-                           zephon=zephon, replayed_steps=self._replayed_steps())
+                           zephon=zephon, replayed_steps=self._replayed_steps(), ledger=self._ledger.seal(step))
         if self.peers is not None:
             self.peers.share_object(state)
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], *, trainer_step: int | None = None) -> None:
         """Resume at the state's ``next_step``; a state from another recipe or run, or of another format, is one
-        :class:`~zephon_ray.formats.loader_state.LoaderStateError` naming the key. An empty dict is ignored
-        (TorchTitan passes one for a component with nothing saved)."""
+        :class:`~zephon_ray.formats.loader_state.LoaderStateError` naming the key, and so is a ``trainer_step`` (the
+        step of the weights restored with it) other than ``next_step``: a trainer checkpoint older or newer than its
+        loader state would skip or repeat steps. An empty dict is ignored (TorchTitan passes one for a component
+        with nothing saved)."""
         if isinstance(state, dict) and not state:
             return
         step = check_state(state, run_id=self.config.run_id, fingerprint=self.recipe.fingerprint,
                            recipe_name=str(self.recipe.path or "<recipe>"))
+        if trainer_step is not None and trainer_step != step:
+            raise LoaderStateError(f"loader state key 'next_step' is {step} but the trainer's checkpoint is at step "
+                                   f"{trainer_step}: resuming would {'skip' if step > trainer_step else 'repeat'} "
+                                   f"{abs(step - trainer_step)} step(s); restore the loader state saved with those "
+                                   "weights")
         loaded = zephon_state(state, next_step=step) if self.config.mode == "local" else None
         if loaded is not None:
             from zephon_ray.lanes import check_step_state
@@ -387,6 +420,7 @@ class Loader:
                                step - self._replaying, self._replaying)
         self._loaded_at = step
         self._next_step = step
+        self._ledger.resume(state[KEY_LEDGER], step)
         _close_source(self.__dict__)
 
     # ------------------------------------------------------------------ shutdown

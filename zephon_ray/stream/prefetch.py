@@ -154,6 +154,7 @@ class PrefetchedSlices(SliceSource):
         try:
             for item in produced:
                 s = item.step
+                item.ledger_digest  # the ledger's hash, here rather than on the trainer's path
                 while not stop.is_set():
                     try:
                         out.put((s, item), timeout=0.05)

@@ -12,7 +12,8 @@ are all ignored: TorchTitan's loss, normalised by the all-reduced valid-token co
 fixed-dp loss; set ``training.global_batch_size`` to the padded batch the error names, or -1 with ``local_batch_size =
 ceil(B/dp)``), whatever W, mode and resume history (``tests/test_torchtitan_loader.py``,
 ``tests/test_torchtitan_train.py`` with the real Trainer). Its ``state_dict`` is the loader state of
-:mod:`zephon_ray.formats.loader_state` (``{version, run_id, fingerprint, next_step, zephon, replayed_steps}``, every key
+:mod:`zephon_ray.formats.loader_state` (``{version, run_id, fingerprint, next_step, zephon, replayed_steps,
+ledger}``, every key
 always present), identical on every rank, so DCP stores it once and it loads at any W
 (``tests/test_torchtitan_train.py::test_resume_at_another_world``); it works before iteration.
 
@@ -60,6 +61,8 @@ class ZephonRayDataLoader(BaseDataLoader):
         checkpoint_every: int = 0
         """Local mode: a Zephon checkpoint every N steps; 0: TorchTitan's checkpoint interval when checkpointing is
         on, else none."""
+        ledger_dir: str | None = None
+        """Where each dp rank writes its ledger segment at every checkpoint (see LoaderConfig.ledger_dir)."""
         pad_slices: bool = True
         """On by default here: TorchTitan takes the same number of microbatches on every dp rank, so at a dp degree
         that does not divide B each rank's rows are padded to ``ceil(B/dp)`` (rounded up to ``local_batch_size``)

@@ -1,0 +1,185 @@
+"""The ledger's costs: hashing a rank's slice per step at seq_len 8,192, ledger bytes per step per rank, and the time
+``zephon-ray audit`` takes over 100,000 steps.
+
+    python benchmarks/bench_ledger.py [--steps 12] [--audit-steps 100000] [--audit-world 8] [--save-every 1000]
+
+Part 1, hash cost: random int32 slices of 1, 4, 8 and 16 rows of 8,193 tokens (seq_len 8,192 + 1), each hashed
+(tokens then positions) with sha256 (what ``formats.ledger.slice_digest`` uses), blake2b-128 and, when the package is
+installed, xxh3-128; the median of 50 repetitions.
+
+Part 2, share of a step: a real local-mode loader (W = 1) over the demo corpus with the recipe's seq_len set to
+8,192 (12 lanes x 1 row: a 12-row slice of 8,193 tokens), ``--steps`` steps consumed back to back after one warm-up
+step: the loader time per step as the trainer sees it (production when the prefetch thread falls behind, the
+microbatch tensors, the ledger record), with the ledger's hashing and with it replaced by a constant, alternating
+over 3 rounds; and ``slice_digest`` of the same slice timed on its own, as a share of that step time.
+
+Part 3, audit: a synthetic ledger of ``--audit-steps`` steps at W = ``--audit-world`` written through
+``formats.ledger.write_part`` (a segment every ``--save-every`` steps, as a trainer saving that often writes it), then
+read back and audited (structure only: no reference rows) as ``zephon-ray audit LEDGER`` does. Prints a table and one
+JSON line (prefixed ``RESULT``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SEQ = 8192
+
+
+def hash_costs() -> dict:
+    from zephon_ray.formats.ledger import slice_digest
+
+    hashers = {"sha256": lambda: hashlib.sha256(), "blake2b-128": lambda: hashlib.blake2b(digest_size=16)}
+    try:
+        import xxhash
+
+        hashers["xxh3-128"] = lambda: xxhash.xxh3_128()
+    except ImportError:
+        pass
+    rng = np.random.default_rng(0)
+    out: dict = {}
+    for rows in (1, 4, 8, 16):
+        tokens = rng.integers(0, 100_000, size=(rows, SEQ + 1), dtype=np.int32)
+        positions = np.tile(np.arange(SEQ + 1, dtype=np.int32), (rows, 1))
+        row: dict = {}
+        for name, make in hashers.items():
+            times = []
+            for _ in range(50):
+                t0 = time.perf_counter()
+                h = make()
+                h.update(tokens.data)
+                h.update(positions.data)
+                h.hexdigest()
+                times.append(time.perf_counter() - t0)
+            row[name] = statistics.median(times) * 1e3
+        times = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            slice_digest(tokens, positions)
+            times.append(time.perf_counter() - t0)
+        row["slice_digest"] = statistics.median(times) * 1e3
+        out[rows] = row
+    return out
+
+
+def _period(recipe: str, steps: int, hashing: bool) -> tuple[float, object]:
+    """Milliseconds per step of a local-mode loader consumed back to back (the trainer's view: everything on its
+    path, production included when the prefetch thread falls behind); with ``hashing`` False the ledger's digest is
+    a constant (the loader without the ledger's cost)."""
+    from zephon_ray.formats import ledger
+    from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    real = ledger.slice_digest
+    if not hashing:
+        ledger.slice_digest = lambda tokens, positions: "0" * 32
+    try:
+        loader = Loader(LoaderConfig(recipe=recipe, mode="local", prefetch=2), rank=0, world=1)
+        it = iter(loader)
+        next(it)  # warm-up: the pipeline starts
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            batch = next(it)
+        period = (time.perf_counter() - t0) * 1e3 / steps
+        loader.close()
+    finally:
+        ledger.slice_digest = real
+    return period, batch.slice
+
+
+def step_share(steps: int, rounds: int = 3) -> dict:
+    from zephon_ray.formats.ledger import slice_digest
+
+    text = (ROOT / "recipes" / "demo.toml").read_text().replace("seq_len = 128", f"seq_len = {SEQ}")
+    text = text.replace('"tokenizer/tokenizer.json"', f'"{ROOT / "recipes" / "tokenizer" / "tokenizer.json"}"')
+    text = text.replace('"../data/', f'"{ROOT / "data"}/')
+    with tempfile.TemporaryDirectory() as work:
+        recipe = Path(work, "demo-8192.toml")
+        recipe.write_text(text)
+        on, off = [], []
+        for r in range(rounds):  # alternate the order from one round to the next
+            for hashing in ((True, False) if r % 2 == 0 else (False, True)):
+                period, piece = _period(str(recipe), steps, hashing)
+                (on if hashing else off).append(period)
+    hash_ms = []
+    for _ in range(20):
+        t0 = time.perf_counter()
+        slice_digest(piece.tokens, piece.positions)
+        hash_ms.append((time.perf_counter() - t0) * 1e3)
+    hashed, with_ledger, without = statistics.median(hash_ms), statistics.median(on), statistics.median(off)
+    return {"rows": int(piece.tokens.shape[0]), "row_tokens": SEQ + 1, "step_ms": with_ledger,
+            "step_ms_without_hashing": without, "hash_ms": hashed, "share_of_step": hashed / with_ledger}
+
+
+def audit_cost(steps: int, world: int, every: int) -> dict:
+    from zephon_ray import audit
+    from zephon_ray.formats import ledger
+
+    with tempfile.TemporaryDirectory() as work:
+        parent, t0 = "", time.perf_counter()
+        for first in range(0, steps, every):
+            end = min(steps, first + every)
+            seg = ledger.segment_id(run_id="bench", fingerprint="f" * 64, parent=parent, first_step=first,
+                                    next_step=end, world=world, resumed=False)
+            for rank in range(world):
+                records = [ledger.Record(s, world, rank, hashlib.sha256(f"{s} {rank}".encode()).hexdigest()[:32])
+                           for s in range(first, end)]
+                ledger.write_part(work, ledger.make_part(run_id="bench", fingerprint="f" * 64, segment=seg,
+                                                         parent=parent, first_step=first, next_step=end, world=world,
+                                                         rank=rank, resumed=False, records=records))
+            parent = seg
+        write_s = time.perf_counter() - t0
+        size = sum(p.stat().st_size for p in Path(work).rglob("*.json"))
+        t0 = time.perf_counter()
+        segments = audit.read_ledger(work)
+        read_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        report = audit.audit(segments, audit.find_head(segments))
+        check_s = time.perf_counter() - t0
+        assert report.clean and report.next_step == steps, report.findings[:3]
+    return {"steps": steps, "world": world, "segments": len(segments), "bytes": size,
+            "bytes_per_step_per_rank": size / (steps * world), "write_s": write_s, "read_s": read_s,
+            "check_s": check_s, "audit_s": read_s + check_s}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--audit-steps", type=int, default=100_000)
+    parser.add_argument("--audit-world", type=int, default=8)
+    parser.add_argument("--save-every", type=int, default=1000)
+    args = parser.parse_args()
+
+    costs = hash_costs()
+    names = list(next(iter(costs.values())))
+    print(f"hash cost per slice of seq_len {SEQ} rows, ms (median of 50)")
+    print(f"{'rows':>5} " + " ".join(f"{n:>13}" for n in names))
+    for rows, row in costs.items():
+        print(f"{rows:>5} " + " ".join(f"{row[n]:>13.3f}" for n in names))
+    share = step_share(args.steps)
+    print(f"\nlocal-mode loader, W=1, {share['rows']} rows x {share['row_tokens']} tokens per step ({args.steps} "
+          "steps back to back, median of 3 rounds)")
+    print(f"  slice_digest {share['hash_ms']:.2f} ms = {share['share_of_step']:.2%} of a step's loader time "
+          f"({share['step_ms']:.1f} ms per step with the ledger, {share['step_ms_without_hashing']:.1f} ms without "
+          "hashing: the digest is taken in the prefetch thread)")
+    cost = audit_cost(args.audit_steps, args.audit_world, args.save_every)
+    print(f"\naudit of {cost['steps']} steps at W={cost['world']} ({cost['segments']} segments, "
+          f"{cost['bytes'] / 1e6:.1f} MB, {cost['bytes_per_step_per_rank']:.1f} bytes per step per rank): "
+          f"read {cost['read_s']:.2f} s + check {cost['check_s']:.2f} s = {cost['audit_s']:.2f} s "
+          f"(writing it took {cost['write_s']:.2f} s)")
+    print("RESULT " + json.dumps({"hash_ms": costs, "step": share, "audit": cost}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,327 @@
+"""``zephon-ray audit`` end to end over real local-mode loaders (in-process Zephon lane groups, W > 1 aggregated
+through a real shared directory): a clean elastic run W 2 -> 4 audits clean, with every recorded slice digest equal
+to the same rows of the independent oracle's global batches (tests/oracle.py, checked against the committed goldens),
+and each fault, provoked through the public API, is named by step in one line with a non-zero exit:
+
+* a loop that calls ``next()`` twice in one step (a dropped batch): ``skipped``;
+* a loop that trains one batch twice: ``trained twice``;
+* a resume from an older checkpoint: the abandoned steps are a ``discarded branch`` note, not duplicates (clean);
+* the wrong recipe: ``other recipe`` and ``other rows``; a tampered digest: ``other rows``; a lost part: ``split``;
+* a trainer checkpoint older than its loader state, and another run's state: refused at load, naming the numbers;
+* a corrupt or unknown-version segment: exit 2, one line naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "recipes" / "tiny.toml")
+K2 = str(ROOT / "tests" / "recipes" / "k2.toml")
+GOLDEN = {int(k): v for k, v in json.loads((ROOT / "tests" / "golden" / "tiny.json").read_text())["digests"].items()}
+
+
+def _config(work: Path, segment: str, **kw):
+    from zephon_ray.stream.loader import LoaderConfig
+
+    return LoaderConfig(recipe=TINY, mode="local", run_id=kw.pop("run_id", "audit"),
+                        aggregate_dir=str(work / f"aggregate-{segment}"), ledger_dir=str(work / "ledger"),
+                        checkpoint_every=1, **kw)
+
+
+def _run(config, world: int, state: dict | None, steps: int, *, loop=None) -> dict:
+    """W readers (threads) load ``state``, run ``loop(loader, it)`` (default: ``steps`` steps, each committed once),
+    then take their states; returns rank 0's state (asserted identical on every rank)."""
+    from zephon_ray.stream.loader import Loader
+
+    def default(loader, it):
+        for _ in range(steps):
+            loader.commit(next(it).step)
+
+    loop = loop or default
+    loaders = [Loader(config, rank=r, world=world) for r in range(world)]
+    states: list = [None] * world
+    errors: list = []
+
+    def read(r: int) -> None:
+        try:
+            if state is not None:
+                loaders[r].load_state_dict(json.loads(json.dumps(state)))
+            loop(loaders[r], iter(loaders[r]))
+            states[r] = loaders[r].state_dict()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+        finally:
+            loaders[r].close()
+
+    threads = [threading.Thread(target=read, args=(r,)) for r in range(world)]
+    [t.start() for t in threads]
+    [t.join(300) for t in threads]
+    if errors:
+        raise errors[0]
+    assert all(s == states[0] for s in states), "the readers' states differ"
+    return states[0]
+
+
+def _audit(capsys, *args: str) -> tuple[int, list[str]]:
+    from zephon_ray.cli import main
+
+    capsys.readouterr()  # what ran before (a Ray Data job's logs) is not the audit's output
+    try:
+        rc = main(["audit", *args])
+    except SystemExit as exc:
+        rc = exc.code
+    out = capsys.readouterr()
+    return rc, [line for line in (out.out + out.err).splitlines() if line]
+
+
+def _save(work: Path, state: dict, name: str) -> str:
+    path = work / name
+    path.write_text(json.dumps(state))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def elastic(tmp_path_factory):
+    """W=2 for 3 steps, saved; 2 more, saved; resumed at W=4 for 3 steps, saved: steps 0..7 in three segments."""
+    work = tmp_path_factory.mktemp("audit-elastic")
+    first = _run(_config(work, "a"), 2, None, 3)
+    second = _run(_config(work, "a"), 2, first, 2)
+    third = _run(_config(work, "b"), 4, second, 3)
+    return work, third
+
+
+def test_a_clean_elastic_run_audits_clean_and_its_digests_are_the_oracles(elastic, capsys):
+    import oracle
+    from zephon_ray.formats.ledger import read_segment, slice_digest
+    from zephon_ray.audit import read_ledger
+
+    work, state = elastic
+    rc, lines = _audit(capsys, _save(work, state, "zephon_loader.json"), "--ledger", str(work / "ledger"),
+                       "--recipe", TINY)
+    assert rc == 0, lines
+    assert lines[-1].startswith("audit: clean: steps [0, 8) each trained exactly once in a lineage of 3 segment(s) "
+                                "(W 2 -> 4); 22 slice digests matched"), lines
+    # The recorded digests are the oracle's rows (its own code, checked against the committed goldens) cut at W.
+    batches = oracle.global_batches(oracle.read_recipe(TINY), 8)
+    assert all(b.digest == GOLDEN[b.step] for b in batches if b.step in GOLDEN)
+    recorded = {}
+    for seg in read_ledger(str(work / "ledger")).values():
+        for rank, records in seg.parts.items():
+            for rec in records:
+                recorded[(rec.step, rec.world, rec.rank)] = rec.digest
+    assert len(recorded) == 3 * 2 + 2 * 2 + 3 * 4
+    for (step, world, rank), digest in recorded.items():
+        tokens, positions = batches[step].slice(rank, world)
+        assert digest == slice_digest(tokens, positions), (step, world, rank)
+    assert read_segment(str(work / "ledger"), state["ledger"]).world == 4
+
+
+def test_a_ledger_directory_audits_its_newest_head(elastic, capsys):
+    work, _ = elastic
+    rc, lines = _audit(capsys, str(work / "ledger"))
+    assert rc == 0 and lines[-1].startswith("audit: clean: steps [0, 8)") and "rows not checked" in lines[-1], lines
+
+
+def test_a_loop_that_calls_next_twice_in_one_step_is_a_skip(tmp_path, capsys):
+    def loop(loader, it):
+        for step in range(4):
+            batch = next(it)
+            if step == 1:
+                batch = next(it)  # the bug: step 1's batch is dropped, step 2's is trained in its place
+            loader.commit(batch.step)
+
+    state = _run(_config(tmp_path, "a"), 2, None, 0, loop=loop)
+    rc, lines = _audit(capsys, _save(tmp_path, state, "s.json"), "--ledger", str(tmp_path / "ledger"))
+    assert rc == 1
+    assert lines[:-1] == ["step 1: skipped: rank 0 of 2 was handed it but never trained it; rank 1 of 2 was handed "
+                          "it but never trained it"], lines
+    assert lines[-1] == "audit: 1 finding(s) in steps [0, 5) (W 2)"
+
+
+def test_a_loop_that_trains_one_batch_twice_is_named(tmp_path, capsys):
+    def loop(loader, it):
+        for step in range(3):
+            batch = next(it)
+            loader.commit(batch.step)
+            if step == 2 and loader.rank == 1:
+                loader.commit(batch.step)  # the bug: rank 1 runs its step-2 batch through a second optimizer step
+
+    state = _run(_config(tmp_path, "a"), 2, None, 0, loop=loop)
+    rc, lines = _audit(capsys, _save(tmp_path, state, "s.json"), "--ledger", str(tmp_path / "ledger"))
+    assert rc == 1 and lines[:-1] == ["step 2: trained twice: rank 1 of 2 trained it 2 times"], lines
+
+
+def test_a_resume_from_an_older_checkpoint_is_a_discarded_branch_not_a_duplicate(tmp_path, capsys):
+    old = _run(_config(tmp_path, "a"), 1, None, 2)
+    newer = _run(_config(tmp_path, "a"), 1, old, 3)          # steps 2..4, later abandoned
+    again = _run(_config(tmp_path, "b"), 1, old, 4)          # rollback to step 2: steps 2..5 again
+    assert newer["ledger"] != again["ledger"]
+    rc, lines = _audit(capsys, _save(tmp_path, again, "s.json"), "--ledger", str(tmp_path / "ledger"),
+                       "--recipe", TINY)
+    assert rc == 0, lines
+    assert lines[0] == (f"note: discarded branch: steps 2..4 at W=1 (segment {newer['ledger']}): abandoned by a "
+                        "resume from an older state, not in this checkpoint's lineage")
+    assert lines[-1].startswith("audit: clean: steps [0, 6) each trained exactly once in a lineage of 2 segment(s)")
+
+
+def test_the_wrong_recipe_and_tampered_rows_are_named(elastic, tmp_path, capsys):
+    import shutil
+
+    work, state = elastic
+    ledger = tmp_path / "ledger"
+    shutil.copytree(work / "ledger", ledger)
+    rc, lines = _audit(capsys, str(ledger), "--recipe", K2)
+    assert rc == 1
+    assert any(line.startswith("steps 0..2: other recipe: segment ") for line in lines), lines
+    assert "step 0: other rows: rank(s) 0, 1 of 2 trained rows that are not the recipe's global batch" in "\n".join(
+        lines)
+    # One digest of rank 3 at step 6 replaced: that step alone is named.
+    part = ledger / state["ledger"] / "rank-00003-of-00004.json"
+    doc = json.loads(part.read_text())
+    doc["records"][1][3] = "0" * 32
+    part.write_text(json.dumps(doc))
+    rc, lines = _audit(capsys, str(ledger), "--recipe", TINY)
+    assert rc == 1 and lines[:-1] == ["step 6: other rows: rank(s) 3 of 4 trained rows that are not the recipe's "
+                                      "global batch of this step"], lines
+    part.unlink()  # a rank's part lost: its steps are split across the ranks inconsistently
+    rc, lines = _audit(capsys, str(ledger))
+    assert rc == 1 and lines[:-1] == [f"steps 5..7: split: rank 3 of 4 wrote no part of segment {state['ledger']}: "
+                                      "its records are lost"], lines
+
+
+def test_a_corrupt_or_unknown_segment_is_one_line(elastic, tmp_path, capsys):
+    import shutil
+
+    work, state = elastic
+    ledger = tmp_path / "ledger"
+    shutil.copytree(work / "ledger", ledger)
+    part = ledger / state["ledger"] / "rank-00000-of-00004.json"
+    doc = json.loads(part.read_text())
+    part.write_text(json.dumps(doc | {"version": 9}))
+    rc, lines = _audit(capsys, str(ledger))
+    assert rc == 2 and lines == [f"zephon-ray: error: {part}: ledger segment version 9 is not supported (expected "
+                                 "1)"], lines
+    part.write_text(part.read_text()[:40])
+    rc, lines = _audit(capsys, str(ledger))
+    assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"zephon-ray: error: {part}: corrupt ledger segment"), \
+        lines
+
+
+def test_a_trainer_checkpoint_older_than_its_loader_state_and_another_runs_state_are_refused(tmp_path):
+    from zephon_ray.formats.loader_state import LoaderStateError
+    from zephon_ray.stream.loader import Loader
+
+    state = _run(_config(tmp_path, "a"), 1, None, 3)
+    loader = Loader(_config(tmp_path, "b"), rank=0, world=1)
+    with pytest.raises(LoaderStateError, match=r"^loader state key 'next_step' is 3 but the trainer's checkpoint is "
+                                               r"at step 2: resuming would skip 1 step\(s\)"):
+        loader.load_state_dict(state, trainer_step=2)
+    loader.load_state_dict(state, trainer_step=3)
+    other = Loader(_config(tmp_path, "c", run_id="another-run"), rank=0, world=1)
+    with pytest.raises(LoaderStateError, match="belongs to run_id 'audit', but this loader has run_id 'another-run'"):
+        other.load_state_dict(state)
+
+
+def test_commit_of_a_step_not_handed_out_is_one_line(tmp_path):
+    from zephon_ray.stream.loader import Loader
+
+    loader = Loader(_config(tmp_path, "a"), rank=0, world=1)
+    next(iter(loader))
+    with pytest.raises(ValueError, match=r"^commit: step 5 was not handed out by this loader since its last save "
+                                         r"\(steps handed out: \[0, 1\)\)$"):
+        loader.commit(5)
+    loader.close()
+
+
+def test_ray_train_shards_write_the_ledger_beside_their_checkpoints(tmp_path, capsys):
+    """``ZephonDatasetShard.save`` seals the segment; a checkpoint directory audits clean against the recipe, and a
+    restore whose weights are at another step is refused naming both."""
+    from ray.train import Checkpoint
+
+    from zephon_ray.formats.loader_state import LoaderStateError
+    from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
+
+    def shard(world: int, rank: int = 0):
+        config = ZephonDataConfig(run_id="rt", ledger_dir=str(tmp_path / "ledger"))
+        return config.configure({"train": ZephonDataset(TINY)}, world, None, None)[rank]["train"]
+
+    first = shard(1)
+    for batch in first.iter_steps(until=2):
+        first.commit(batch.step)
+    first.save(tmp_path / "ckpt-2")
+    first.close()
+    second = shard(1)
+    with pytest.raises(LoaderStateError, match="'next_step' is 2 but the trainer's checkpoint is at step 1"):
+        second.restore(Checkpoint.from_directory(str(tmp_path / "ckpt-2")), trainer_step=1)
+    assert second.restore(Checkpoint.from_directory(str(tmp_path / "ckpt-2")), trainer_step=2) == 2
+    for batch in second.iter_steps(until=4):
+        second.commit(batch.step)
+    second.save(tmp_path / "ckpt-4")
+    second.close()
+    rc, lines = _audit(capsys, str(tmp_path / "ckpt-4"), "--ledger", str(tmp_path / "ledger"), "--recipe", TINY)
+    assert rc == 0 and lines == ["audit: clean: steps [0, 4) each trained exactly once in a lineage of 2 segment(s) "
+                                 "(W 1); 4 slice digests matched the recipe's global batches"], lines
+
+
+def test_the_torchtitan_loader_carries_the_ledger_in_its_state(tmp_path, capsys):
+    from zephon_ray.torchtitan import ZephonRayDataLoader
+
+    config = ZephonRayDataLoader.Config(recipe=TINY, mode="local", run_id="tt", ledger_dir=str(tmp_path / "ledger"))
+    with config.build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4) as loader:
+        it = iter(loader)
+        for _ in range(3 * loader.microbatches_per_step):  # three steps of microbatches, as TorchTitan pulls them
+            next(it)
+        state = loader.state_dict()
+    assert state["next_step"] == 3 and state["ledger"]
+    segment = json.loads((tmp_path / "ledger" / state["ledger"] / "rank-00000-of-00001.json").read_text())
+    assert [r[0] for r in segment["records"]] == [0, 1, 2]
+    rc, lines = _audit(capsys, _save(tmp_path, state, "s.json"), "--ledger", str(tmp_path / "ledger"),
+                       "--recipe", TINY)
+    assert rc == 0 and lines[-1].startswith("audit: clean: steps [0, 3)"), lines
+
+
+def test_two_runs_under_one_run_id_are_named(tmp_path, capsys):
+    """Two fresh runs share run_id and ledger: both continue step 0 without a resume, which no rollback does."""
+    _run(_config(tmp_path, "a"), 1, None, 3)
+    second = _run(_config(tmp_path, "b"), 2, None, 2)
+    rc, lines = _audit(capsys, _save(tmp_path, second, "s.json"), "--ledger", str(tmp_path / "ledger"))
+    assert rc == 1 and lines[-2].startswith(f"steps 0..1: other run: segments {second['ledger']} and ") \
+        and lines[-2].endswith("both continue step 0 without a resume: two runs write under run_id 'audit'"), lines
+
+
+@pytest.mark.slow  # ~50 s on 2 cores: a Ray Data materialize job and a service
+def test_service_and_dataset_modes_audit_clean_against_the_service_and_the_materialised_rows(
+        ray_cluster, tiny_recipe, tmp_path, capsys):
+    """Service mode at W=3 (not dividing B=16), then dataset mode at W=5; the audit's reference is the running
+    service (``--service``), then the materialised directory (``--dataset``), each checked against the goldens."""
+    from zephon_ray import DataService
+    from zephon_ray.formats.materialized import MaterializedSource
+    from zephon_ray.jobs.materialize import materialize
+    from zephon_ray.stream.loader import LoaderConfig
+
+    materialize(tiny_recipe, tmp_path / "materialized", range(0, 6), producers=1, segment_steps=8, progress=False)
+    with MaterializedSource(tmp_path / "materialized", recipe=tiny_recipe) as source:
+        assert [source.batch(s).digest for s in range(6)] == [GLOBAL for _, GLOBAL in sorted(GOLDEN.items())]
+    service = DataService.start(TINY, name="audit", namespace="zr-audit", producers=1, state_dir=str(tmp_path / "svc"))
+    try:
+        common = dict(recipe=TINY, run_id="modes", ledger_dir=str(tmp_path / "ledger"))
+        state = _run(LoaderConfig(mode="service", service_name="audit", service_namespace="zr-audit", **common), 3,
+                     None, 3)
+        state = _run(LoaderConfig(mode="dataset", dataset_dir=str(tmp_path / "materialized"), **common), 5, state, 3)
+        path = _save(tmp_path, state, "s.json")
+        rc, lines = _audit(capsys, path, "--ledger", str(tmp_path / "ledger"), "--recipe", TINY,
+                           "--service", "audit", "--namespace", "zr-audit")
+        assert rc == 0 and lines == ["audit: clean: steps [0, 6) each trained exactly once in a lineage of 2 "
+                                     "segment(s) (W 3 -> 5); 24 slice digests matched the recipe's global batches"], \
+            lines
+    finally:
+        service.stop()
+    rc, lines = _audit(capsys, path, "--ledger", str(tmp_path / "ledger"), "--recipe", TINY,
+                       "--dataset", str(tmp_path / "materialized"))
+    assert rc == 0 and lines[-1].endswith("24 slice digests matched the recipe's global batches"), lines
