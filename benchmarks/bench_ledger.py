@@ -123,7 +123,7 @@ def step_share(steps: int, rounds: int = 3) -> dict:
 
 
 def audit_cost(steps: int, world: int, every: int) -> dict:
-    from zephon_ray import audit
+    from zephon_ray.jobs import audit
     from zephon_ray.formats import ledger
 
     with tempfile.TemporaryDirectory() as work:

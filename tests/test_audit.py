@@ -17,7 +17,6 @@ import json
 import threading
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,7 +98,7 @@ def elastic(tmp_path_factory):
 def test_a_clean_elastic_run_audits_clean_and_its_digests_are_the_oracles(elastic, capsys):
     import oracle
     from zephon_ray.formats.ledger import read_segment, slice_digest
-    from zephon_ray.audit import read_ledger
+    from zephon_ray.jobs.audit import read_ledger
 
     work, state = elastic
     rc, lines = _audit(capsys, _save(work, state, "zephon_loader.json"), "--ledger", str(work / "ledger"),

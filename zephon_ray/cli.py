@@ -271,10 +271,10 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_audit(args: argparse.Namespace) -> int:
-    """``zephon-ray audit``: see :mod:`zephon_ray.audit`."""
+    """``zephon-ray audit``: see :mod:`zephon_ray.jobs.audit`."""
     from contextlib import ExitStack
 
-    from zephon_ray.audit import Finding, audit, find_head, locate, read_ledger
+    from zephon_ray.jobs.audit import Finding, audit, find_head, locate, read_ledger
 
     ledger_dir, head, state = locate(args.path, args.ledger)
     recipe = Recipe.from_toml(args.recipe) if args.recipe else None
@@ -286,10 +286,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     segments = read_ledger(ledger_dir)
     head = head or find_head(segments)
     with ExitStack() as stack:
-        reference = None
         if args.service:
-            from zephon_ray.service.cli import ray_session
             from zephon_ray.service.client import DataService
+            from zephon_ray.service.session import ray_session
 
             stack.enter_context(ray_session(args.address, private_if_none=False))
             source = DataService.connect(args.service, namespace=args.namespace)
@@ -305,6 +304,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             from zephon_ray.source import GlobalBatchSource
 
             batch_of = stack.enter_context(GlobalBatchSource(recipe)).batch
+        reference = None
         if recipe is not None:
             def reference(step: int):
                 batch = batch_of(step)

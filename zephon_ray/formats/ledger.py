@@ -43,14 +43,11 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from zephon_ray import files
+from zephon_ray.batch import DIGEST_HEX, SLICE_DIGEST_HEADER, slice_digest  # noqa: F401 - part of the format
 
 FORMAT = "zephon-ray/ledger-segment"
 VERSION = 1
-SLICE_DIGEST_HEADER = b"zephon-ray/ledger-slice/v1\n"
-DIGEST_HEX = 32
 """A slice digest is sha256 truncated to 128 bits: collision-safe for any run, and 16 bytes fewer per record."""
 MAX_RECORDS = 1 << 20
 """Records one part may hold (about 70 MB of JSON); a save at least every million steps stays under it."""
@@ -63,20 +60,6 @@ _SEGMENT_ID = re.compile(r"^[0-9a-f]{24}$")
 
 class LedgerError(ValueError):
     """A ledger document that cannot be read or trusted; the message names the file and the key."""
-
-
-def slice_digest(tokens: np.ndarray, positions: np.ndarray) -> str:
-    """The digest of a rank's rows: sha256 of header, ``"<rows> <row length>\\n"``, the tokens then the positions as
-    little-endian int32, truncated to 32 hex digits. The same rows give the same digest whoever computes them (the
-    audit recomputes it from the recipe's global batch cut at ``slice_bounds``). sha256 rather than a faster hash:
-    it is in every Python, and it costs under a millisecond per seq_len 8192 slice (``benchmarks/bench_ledger.py``)."""
-    if tokens.shape != positions.shape or tokens.ndim != 2:
-        raise ValueError(f"tokens {tokens.shape} and positions {positions.shape} must be equal 2-D shapes")
-    h = hashlib.sha256(SLICE_DIGEST_HEADER)
-    h.update(f"{tokens.shape[0]} {tokens.shape[1]}\n".encode())
-    h.update(np.ascontiguousarray(tokens, dtype="<i4").data)
-    h.update(np.ascontiguousarray(positions, dtype="<i4").data)
-    return h.hexdigest()[:DIGEST_HEX]
 
 
 @dataclass(frozen=True)
