@@ -104,6 +104,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"rows        {batch.num_rows} x {recipe.row_length} tokens "
           f"({recipe.lanes} lanes x {recipe.microbatches_per_lane} microbatches x {recipe.rows_per_microbatch} rows)")
     print(f"tokens      {batch.tokens.size}")
+    if recipe.phases:
+        index = recipe.phase_index(batch.step)
+        print(f"phase       {recipe.segment_name(index)} (from step {recipe.segment_start(index)})")
     shares = ", ".join(f"{name} {share:.1%}" for name, share in batch.source_share().items())
     print(f"sources     {shares}")
     for row in range(min(args.rows, batch.num_rows)):
@@ -165,7 +168,9 @@ def recipe_report(recipe: Recipe) -> dict:
         "tokens_per_step": recipe.tokens_per_step,
         "world_sizes": list(range(1, B + 1)),
         "even_world_sizes": [w for w in range(1, B + 1) if B % w == 0],
-        "local_world_sizes": [w for w in range(1, recipe.lanes + 1) if recipe.lanes % w == 0],
+        # Mixture phases need one lane group (zephon_ray.lanes, "Phases"): local mode at W = 1 only.
+        "local_world_sizes": [w for w in range(1, recipe.lanes + 1) if recipe.lanes % w == 0 and
+                              (w == 1 or not recipe.phases)],
         "padding_rows": padding,
         "ft_participants": {dp: supported_participants(recipe, dp=dp) for dp in (1, 2, 4, 8) if dp <= B},
         "tokenizer": recipe.tokenizer,
@@ -173,6 +178,9 @@ def recipe_report(recipe: Recipe) -> dict:
         "sources": {s.name: {"weight": s.weight, "format": s.format, "shards": len(s.shards),
                              "bytes": sum(_shard_size(x) for x in s.shards), "path": str(s.path)}
                     for s in recipe.sources},
+        "phases": [{"name": recipe.segment_name(i), "start_step": recipe.segment_start(i),
+                    "weights": dict(zip(recipe.source_names, recipe.segment_weights(i)))}
+                   for i in range(1, len(recipe.phases) + 1)],
     }
 
 
@@ -212,6 +220,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for name, src in report["sources"].items():
         print(f"source      {name}: weight {src['weight']:g}, {src['shards']} {src['format']} shards, "
               f"{src['bytes']} B in {src['path']}")
+    for ph in report["phases"]:
+        print(f"phase       {ph['name']}: from step {ph['start_step']}, weights " +
+              ", ".join(f"{k} {v:.3g}" for k, v in ph["weights"].items()))
     if "step0_digest" in report:
         print(f"step 0      {report['step0_digest']} (the pipeline builds)")
     return 0
