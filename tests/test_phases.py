@@ -290,3 +290,36 @@ def test_service_and_materialised_runs_cross_the_boundaries(ray_cluster, tmp_pat
     with MaterializedSource(out, recipe=recipe) as source:
         assert [source.digest(s) for s in range(len(want))] == want
         assert [source.batch(s).digest for s in range(len(want))] == want
+
+
+def test_local_loader_crosses_the_boundaries_and_resumes_between_them(tmp_path):
+    """The trainer-side loader in local mode (W = 1, TorchTitan's and Ray Train's in-process path): steps 0..2, a
+    saved state (with its Zephon checkpoint) in the 'main' phase, then a new loader resumed from it for steps 3..5:
+    every slice equals the goldens. Local mode with several ranks is refused with one line (one lane group only)."""
+    import numpy as np
+
+    from zephon_ray.batch import compute_digest
+    from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    config = LoaderConfig(recipe=str(PHASED), mode="local", run_id="phases", checkpoint_every=1)
+    digests = []
+    with Loader(config, rank=0, world=1, local_batch_size=16) as loader:
+        it = iter(loader)
+        for _ in range(3):
+            batch = next(it)
+            digests.append(compute_digest(batch.slice.tokens, batch.slice.positions))
+        state = json.loads(json.dumps(loader.state_dict()))
+    assert state["next_step"] == 3
+    with Loader(config, rank=0, world=1, local_batch_size=16) as loader:
+        loader.load_state_dict(state)
+        it = iter(loader)
+        for _ in range(3):
+            batch = next(it)
+            digests.append(compute_digest(np.asarray(batch.slice.tokens), np.asarray(batch.slice.positions)))
+    assert digests == [GOLDEN[str(s)] for s in range(6)]
+
+    with pytest.raises(ValueError) as info:
+        with Loader(LoaderConfig(recipe=str(PHASED), mode="local", run_id="phases-w2",
+                                 aggregate_dir=str(tmp_path / "agg")), rank=0, world=2, local_batch_size=8) as loader:
+            next(iter(loader))
+    assert "one lane group" in str(info.value) and "\n" not in str(info.value)
