@@ -264,21 +264,22 @@ def test_zephon_state_format_fence():
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_service_and_materialised_runs_cross_the_boundaries(ray_cluster, tmp_path):
-    """The three-phase recipe's goldens through the service (one producer; slices at W = 2 before and W = 4 after
-    each boundary) and a materialised directory."""
+    """The three-phase recipe's goldens through the service (2 producers, which exchange their lanes' last chunks
+    through the service's TCPStore; slices at W = 2 and W = 4, and step 1 again after step 5: a replay from a
+    durable checkpoint) and a materialised directory (2 lane groups)."""
     from zephon_ray import DataService, MaterializedSource
     from zephon_ray.jobs.materialize import materialize
 
     recipe = Recipe.from_toml(PHASED)
     want = [GOLDEN[str(s)] for s in range(len(GOLDEN))]
-    service = DataService.start(recipe, name="zr-phases", namespace="zr-phases", producers=1,
-                                state_dir=str(tmp_path / "state"))
+    service = DataService.start(recipe, name="zr-phases", namespace="zr-phases", producers=2,
+                                state_dir=str(tmp_path / "state"), checkpoint_every=2)
     try:
         import numpy as np
 
         from zephon_ray.batch import compute_digest
 
-        for step in range(len(want)):
+        for step in list(range(len(want))) + [1, 3]:
             world = 2 if step % 2 == 0 else 4
             tokens = np.concatenate([service.slice(step, r, world).tokens for r in range(world)])
             positions = np.concatenate([service.slice(step, r, world).positions for r in range(world)])
@@ -286,40 +287,67 @@ def test_service_and_materialised_runs_cross_the_boundaries(ray_cluster, tmp_pat
     finally:
         service.stop()
     out = tmp_path / "materialised"
-    materialize(recipe, out, range(len(want)), producers=1, segment_steps=3, progress=False)
+    materialize(recipe, out, range(len(want)), producers=2, segment_steps=3, progress=False)
     with MaterializedSource(out, recipe=recipe) as source:
         assert [source.digest(s) for s in range(len(want))] == want
         assert [source.batch(s).digest for s in range(len(want))] == want
 
 
-def test_local_loader_crosses_the_boundaries_and_resumes_between_them(tmp_path):
-    """The trainer-side loader in local mode (W = 1, TorchTitan's and Ray Train's in-process path): steps 0..2, a
-    saved state (with its Zephon checkpoint) in the 'main' phase, then a new loader resumed from it for steps 3..5:
-    every slice equals the goldens. Local mode with several ranks is refused with one line (one lane group only)."""
+def _local_readers(config, world: int, state: dict | None, steps: int) -> tuple[list[str], dict]:
+    """W local-mode readers (threads: their checkpoints are collective) load ``state`` and read ``steps`` steps;
+    returns each step's digest of the joined slices and the (identical) states they take afterwards."""
+    import threading
+
     import numpy as np
 
     from zephon_ray.batch import compute_digest
-    from zephon_ray.stream.loader import Loader, LoaderConfig
+    from zephon_ray.stream.loader import Loader
 
-    config = LoaderConfig(recipe=str(PHASED), mode="local", run_id="phases", checkpoint_every=1)
-    digests = []
-    with Loader(config, rank=0, world=1, local_batch_size=16) as loader:
-        it = iter(loader)
-        for _ in range(3):
-            batch = next(it)
-            digests.append(compute_digest(batch.slice.tokens, batch.slice.positions))
-        state = json.loads(json.dumps(loader.state_dict()))
+    loaders = [Loader(config, rank=r, world=world, local_batch_size=16 // world) for r in range(world)]
+    slices: list[list] = [[] for _ in range(world)]
+    states: list = [None] * world
+    errors: list = []
+
+    def read(r: int) -> None:
+        try:
+            if state is not None:
+                loaders[r].load_state_dict(json.loads(json.dumps(state)))
+            it = iter(loaders[r])
+            for _ in range(steps):
+                slices[r].append(next(it).slice)
+            states[r] = loaders[r].state_dict()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+        finally:
+            loaders[r].close()
+
+    threads = [threading.Thread(target=read, args=(r,)) for r in range(world)]
+    [t.start() for t in threads]
+    [t.join(300) for t in threads]
+    if errors:
+        raise errors[0]
+    assert all(s == states[0] for s in states)
+    digests = [compute_digest(np.concatenate([p.tokens for p in parts]), np.concatenate([p.positions for p in parts]))
+               for parts in zip(*slices)]
+    return digests, json.loads(json.dumps(states[0]))
+
+
+def test_local_loader_crosses_the_boundaries_at_every_w(tmp_path):
+    """The trainer-side loader in local mode (each rank runs Zephon for its own lanes; TorchTitan's and Ray Train's
+    in-process path): W = 2 for steps 0..2 (across the boundary at 2), a saved state in the 'main' phase, W = 4 for
+    steps 3..4 (across the boundary at 4), then W = 1 for step 5. Every step equals the goldens. The ranks exchange
+    their lanes' last chunks through the aggregate directory at the boundaries and checkpoints."""
+    from zephon_ray.stream.loader import LoaderConfig
+
+    def config(segment: int) -> LoaderConfig:
+        return LoaderConfig(recipe=str(PHASED), mode="local", run_id="phases", checkpoint_every=1,
+                            aggregate_dir=str(tmp_path / f"agg-{segment}"))
+
+    digests, state = _local_readers(config(0), 2, None, 3)
     assert state["next_step"] == 3
-    with Loader(config, rank=0, world=1, local_batch_size=16) as loader:
-        loader.load_state_dict(state)
-        it = iter(loader)
-        for _ in range(3):
-            batch = next(it)
-            digests.append(compute_digest(np.asarray(batch.slice.tokens), np.asarray(batch.slice.positions)))
-    assert digests == [GOLDEN[str(s)] for s in range(6)]
-
-    with pytest.raises(ValueError) as info:
-        with Loader(LoaderConfig(recipe=str(PHASED), mode="local", run_id="phases-w2",
-                                 aggregate_dir=str(tmp_path / "agg")), rank=0, world=2, local_batch_size=8) as loader:
-            next(iter(loader))
-    assert "one lane group" in str(info.value) and "\n" not in str(info.value)
+    assert len(list((tmp_path / "agg-0").rglob("boundary-*/group-*.json"))) == 2  # the exchange at step 2
+    assert sorted(json.loads(state["zephon"])["segment"]["last_chunk"]) == [str(lane) for lane in range(8)]
+    more, state = _local_readers(config(1), 4, state, 2)
+    last, state = _local_readers(config(2), 1, state, 1)
+    assert digests + more + last == [GOLDEN[str(s)] for s in range(6)]
+    assert state["next_step"] == 6

@@ -168,9 +168,7 @@ def recipe_report(recipe: Recipe) -> dict:
         "tokens_per_step": recipe.tokens_per_step,
         "world_sizes": list(range(1, B + 1)),
         "even_world_sizes": [w for w in range(1, B + 1) if B % w == 0],
-        # Mixture phases need one lane group (zephon_ray.lanes, "Phases"): local mode at W = 1 only.
-        "local_world_sizes": [w for w in range(1, recipe.lanes + 1) if recipe.lanes % w == 0 and
-                              (w == 1 or not recipe.phases)],
+        "local_world_sizes": [w for w in range(1, recipe.lanes + 1) if recipe.lanes % w == 0],
         "padding_rows": padding,
         "ft_participants": {dp: supported_participants(recipe, dp=dp) for dp in (1, 2, 4, 8) if dp <= B},
         "tokenizer": recipe.tokenizer,

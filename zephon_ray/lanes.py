@@ -20,8 +20,9 @@ across the boundary, so no record drawn before S is drawn again after it within 
 how far Zephon had prefetched, so step s stays a pure function of (recipe, s)
 (tests/test_phases.py::test_random_access_and_restores_across_the_boundary). Limits: records in chunks that lanes
 had drawn but not yet emitted at S (at most about one chunk per lane, plus the rest of a record cut by packing) are
-skipped, never repeated; phases need one lane group (``count == 1``: in-process, a one-producer service, one-group
-materialisation, or local mode at W = 1) in this version.
+skipped, never repeated. With several lane groups (producers, local-mode ranks, materialise groups) each knows only
+its own lanes' chunks: at a boundary, and at every checkpoint of a phased recipe, the groups exchange them over
+their checkpoint channel (:mod:`zephon_ray.lane_exchange`), so any group's state can cross the next boundary.
 """
 
 from __future__ import annotations
@@ -73,10 +74,6 @@ class LaneStepper:
         self.recipe = recipe
         self.group = group
         self.lanes = group.owned_lanes(recipe.lanes)
-        if recipe.phases and group.count > 1:
-            raise StepStateError(
-                f"{recipe.describe()}: mixture phases need one lane group in this version (the boundary reads every "
-                f"lane's rows), got {group.count}: use one producer, one materialise group or in-process batches")
         self._segment = 0
         self._segment_state: dict[str, Any] | None = None
         self._last_chunk: dict[int, int] | None = {lane: -1 for lane in self.lanes}
@@ -132,13 +129,29 @@ class LaneStepper:
         lanes = self.recipe.lanes
         work = build_work_source(self.recipe, self._segment, self._segment_state)
         first = int(work.state_dict()["global_chunk_index"])
-        used = {lane: cid for lane, cid in self._last_chunk.items() if cid >= 0}
+        last_chunk = self._all_last_chunks(f"boundary-{self.recipe.schedule_fingerprints[self._segment][:16]}-"
+                                           f"{self._next_step}")
+        used = {lane: cid for lane, cid in last_chunk.items() if cid >= 0}
         boundary = max(global_chunk_index(work, lanes, first, used).values()) + 1 if used else first
         start_state = work_source_state_at(work, lanes, boundary)
         self.close(background=True)
         self._segment, self._segment_state = index, start_state
         self._last_chunk = {lane: -1 for lane in self.lanes}
         self._pipeline = build_pipeline(self.recipe, self.group, build_work_source(self.recipe, index, start_state))
+
+    def _all_last_chunks(self, key: str) -> dict[int, int]:
+        """Every lane's last contributing chunk of this segment: this group's own, and with several lane groups the
+        others' through their checkpoint channel (:mod:`zephon_ray.lane_exchange`). ``key`` names a value that is a
+        pure function of the run."""
+        assert self._last_chunk is not None
+        if self.group.count == 1:
+            return dict(self._last_chunk)
+        from zephon_ray.lane_exchange import gather
+
+        merged: dict[int, int] = {}
+        for part in gather(self.group, key, {str(k): v for k, v in self._last_chunk.items()}):
+            merged.update({int(k): int(v) for k, v in part.items()})
+        return merged
 
     def _shard(self, lane: int, microbatches: list[Any]) -> LaneShard:
         recipe = self.recipe
@@ -171,6 +184,11 @@ class LaneStepper:
             )
         # A JSON round trip makes the state exactly what a durable copy will restore (int keys become str).
         zephon_state = json.loads(json.dumps(self._pipeline.checkpoint()))
+        last_chunk = self._last_chunk
+        if last_chunk is not None and self.recipe.phases and self.group.count > 1:
+            # Every group's state must be able to cross the next boundary: record every lane's position.
+            last_chunk = self._all_last_chunks(
+                f"checkpoint-{self.recipe.history_fingerprint(self._next_step)[:16]}-{self._next_step}")
         return {
             KEY_VERSION: STATE_VERSION,
             KEY_FINGERPRINT: self.recipe.history_fingerprint(self._next_step),
@@ -180,7 +198,7 @@ class LaneStepper:
             KEY_SEGMENT: {
                 "index": self._segment,
                 "start_state": self._segment_state,
-                "last_chunk": None if self._last_chunk is None else {str(k): v for k, v in self._last_chunk.items()},
+                "last_chunk": None if last_chunk is None else {str(k): v for k, v in sorted(last_chunk.items())},
             },
         }
 
@@ -191,7 +209,8 @@ class LaneStepper:
         segment = state.get(KEY_SEGMENT) or {"index": 0, "start_state": None, "last_chunk": None}
         self._segment, self._segment_state = int(segment["index"]), segment["start_state"]
         last = segment["last_chunk"]
-        self._last_chunk = None if last is None else {lane: int(last[str(lane)]) for lane in self.lanes}
+        self._last_chunk = None if last is None or any(str(lane) not in last for lane in self.lanes) else {
+            lane: int(last[str(lane)]) for lane in self.lanes}
         # A fresh pipeline object: the old one may still be shutting down its threads in the background.
         self._pipeline = build_pipeline(self.recipe, self.group,
                                         build_work_source(self.recipe, self._segment, self._segment_state))

@@ -14,8 +14,7 @@ restores that checkpoint and replays the steps up to s, the same restore-and-rep
 
 Limits: a collective checkpoint blocks until every rank reaches it (Zephon's aggregate timeout, 120 s), so ranks must
 consume in lock-step (they do: every optimizer step needs every rank). Resuming between checkpoints replays up to
-``checkpoint_every - 1`` steps (or every step since the start, when checkpoints are off). A recipe with mixture phases
-runs at W = 1 only (tests/test_phases.py::test_local_loader_crosses_the_boundaries_and_resumes_between_them).
+``checkpoint_every - 1`` steps (or every step since the start, when checkpoints are off).
 """
 
 from __future__ import annotations
@@ -48,10 +47,6 @@ class LocalSlices(PrefetchedSlices):
         if recipe.lanes % self.world:
             raise ValueError(f"local mode needs the reader count to divide the recipe's {recipe.lanes} lanes, got "
                              f"{self.world} ({recipe.describe()})")
-        if recipe.phases and self.world > 1:
-            raise ValueError(f"local mode with mixture phases needs one reader (one lane group: the boundary reads "
-                             f"every lane's rows), got {self.world}; use the service or a materialised dataset for "
-                             f"W > 1 ({recipe.describe()})")
         if (lane_group.index, lane_group.count) not in ((self.rank, self.world), (0, 1) if self.world == 1 else None):
             raise ValueError(f"reader {self.rank} of {self.world} must be lane group {self.rank} of {self.world}, "
                              f"got lane group {lane_group.index} of {lane_group.count}")
