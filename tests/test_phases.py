@@ -273,7 +273,8 @@ def test_service_and_materialised_runs_cross_the_boundaries(ray_cluster, tmp_pat
     recipe = Recipe.from_toml(PHASED)
     want = [GOLDEN[str(s)] for s in range(len(GOLDEN))]
     service = DataService.start(recipe, name="zr-phases", namespace="zr-phases", producers=2,
-                                state_dir=str(tmp_path / "state"), checkpoint_every=2)
+                                state_dir=str(tmp_path / "state"), checkpoint_every=2,
+                                run_id="zr-phases", aggregate_store="torch://")
     try:
         import numpy as np
 
