@@ -352,3 +352,30 @@ def test_local_loader_crosses_the_boundaries_at_every_w(tmp_path):
     last, state = _local_readers(config(2), 1, state, 1)
     assert digests + more + last == [GOLDEN[str(s)] for s in range(6)]
     assert state["next_step"] == 6
+
+
+def test_loader_resume_keeps_the_past_and_accepts_a_new_future(tmp_path):
+    """The trainer-side loader state (local mode, W = 1) saved at step 3: a recipe that moves and rewrites the future
+    phase 'anneal' resumes (and gives that recipe's steps), one that rewrites the past phase 'main' is one line naming
+    it and the step."""
+    from zephon_ray.formats.loader_state import LoaderStateError
+    from zephon_ray.stream.loader import LoaderConfig
+
+    text = PHASED.read_text().replace('"data/tiny/', f'"{DATA}/')
+    (tmp_path / "phased.toml").write_text(text)
+    (tmp_path / "future.toml").write_text(text.replace("start_step = 4", "start_step = 5").replace(
+        "prose = 1.0 }", "code = 1.0 }"))
+    (tmp_path / "past.toml").write_text(text.replace("prose = 0.2, code = 0.8", "prose = 0.3, code = 0.7"))
+
+    def config(name: str) -> LoaderConfig:
+        return LoaderConfig(recipe=str(tmp_path / name), mode="local", run_id="resume", checkpoint_every=1)
+
+    _, state = _local_readers(config("phased.toml"), 1, None, 3)
+    resumed, _ = _local_readers(config("future.toml"), 1, state, 3)
+    fresh, _ = run(Recipe.from_toml(tmp_path / "future.toml"), 6)
+    assert resumed == [b.digest for b in fresh[3:]]
+    assert resumed[:1] == [GOLDEN["3"]] and resumed[1] != GOLDEN["4"]
+    with pytest.raises(LoaderStateError) as info:
+        _local_readers(config("past.toml"), 1, state, 1)
+    message = str(info.value)
+    assert "phase 'main' (start_step 2) differs" in message and "step 3" in message and "\n" not in message, message

@@ -347,8 +347,8 @@ class Loader:
             zephon = self._source.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT]
         elif self.config.mode == "local" and step > 0 and step == self._loaded_at:
             zephon = self._loaded_zephon
-        state = make_state(run_id=self.config.run_id, fingerprint=self.recipe.fingerprint, next_step=step,
-                           zephon=zephon, replayed_steps=self._replayed_steps())
+        state = make_state(run_id=self.config.run_id, fingerprint=self.recipe.history_fingerprint(step),
+                           next_step=step, zephon=zephon, replayed_steps=self._replayed_steps())
         if self.peers is not None:
             self.peers.share_object(state)
         return state
@@ -359,7 +359,7 @@ class Loader:
         (TorchTitan passes one for a component with nothing saved)."""
         if isinstance(state, dict) and not state:
             return
-        step = check_state(state, run_id=self.config.run_id, fingerprint=self.recipe.fingerprint,
+        step = check_state(state, run_id=self.config.run_id, fingerprint=self.recipe.fingerprint, recipe=self.recipe,
                            recipe_name=str(self.recipe.path or "<recipe>"))
         loaded = zephon_state(state, next_step=step) if self.config.mode == "local" else None
         if loaded is not None:
