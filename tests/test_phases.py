@@ -10,8 +10,8 @@ What is checked, and against what:
 - each phase's per-source token shares follow its weights (a zero weight gives no tokens at all);
 - random access and restores on either side of a boundary, and resumes that keep or rewrite the past;
 - the Zephon fence for the work-source state (zephon_io).
-The service and the materialised path across boundaries: tests/test_phases.py::test_service_and_materialised_runs_cross_the_boundaries
-(slow: a private Ray).
+The local loader at W = 2, 4 and 1 across boundaries runs by default; the service (2 producers) and the materialised
+path: test_service_and_materialised_runs_cross_the_boundaries (slow: a private Ray).
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def phase(name: str, start: int, **weights: float) -> str:
 def run(recipe: Recipe, steps: int) -> tuple[list, list[dict[int, list]]]:
     """Batches 0..steps-1 from one LaneStepper, and per step each lane's contributing sample ids."""
     stepper = LaneStepper(recipe)
+    stepper.record_contributors = True
     try:
         batches, contributors = [], []
         for step in range(steps):

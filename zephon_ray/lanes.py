@@ -37,7 +37,9 @@ import numpy as np
 
 from zephon_ray.pipeline import LaneGroup, build_pipeline, build_work_source
 from zephon_ray.recipe import Recipe, ScheduleError
-from zephon_ray.zephon_io import contributing_chunks, global_chunk_index, work_source_state_at
+from zephon_ray.zephon_io import (
+    contributing_chunks, global_chunk_index, last_contributing_chunk, work_source_state_at,
+)
 
 ROW_DTYPE = np.int32
 """Dtype of stored rows (tokens and positions). Every tokenizer here has fewer than 2**31 ids."""
@@ -78,8 +80,9 @@ class LaneStepper:
         self._segment_state: dict[str, Any] | None = None
         self._last_chunk: dict[int, int] | None = {lane: -1 for lane in self.lanes}
         self.contributors: dict[int, list[tuple[int, ...]]] = {}
-        """The sample ids ``(dataset id, shard id, index)`` of the source records in each lane's rows of the last
-        step, in row order (a record cut across rows appears in each)."""
+        """With ``record_contributors`` set: the sample ids ``(dataset id, shard id, index)`` of the source records in
+        each lane's rows of the last step, in row order (a record cut across rows appears in each)."""
+        self.record_contributors = False
         self._pipeline = build_pipeline(recipe, group)
         self._iter: Any = None
         self._pending: dict[int, deque] = {lane: deque() for lane in self.lanes}
@@ -156,10 +159,10 @@ class LaneStepper:
     def _shard(self, lane: int, microbatches: list[Any]) -> LaneShard:
         recipe = self.recipe
         records = [rec for mb in microbatches for rec in mb.records]
-        contributors = [contributing_chunks(rec) for rec in records]
         if self._last_chunk is not None:
-            self._last_chunk[lane] = max([self._last_chunk[lane]] + [cid for row in contributors for cid, _ in row])
-        self.contributors[lane] = [sample for row in contributors for _, sample in row]
+            self._last_chunk[lane] = max(self._last_chunk[lane], last_contributing_chunk(records))
+        if self.record_contributors:
+            self.contributors[lane] = [sample for rec in records for _, sample in contributing_chunks(rec)]
         tokens = np.stack([rec.payload["input_ids"] for rec in records]).astype(ROW_DTYPE, copy=False)
         positions = np.stack([rec.payload["positions"] for rec in records]).astype(ROW_DTYPE, copy=False)
         if tokens.shape != (recipe.rows_per_lane, recipe.row_length):
@@ -185,10 +188,12 @@ class LaneStepper:
         # A JSON round trip makes the state exactly what a durable copy will restore (int keys become str).
         zephon_state = json.loads(json.dumps(self._pipeline.checkpoint()))
         last_chunk = self._last_chunk
-        if last_chunk is not None and self.recipe.phases and self.group.count > 1:
-            # Every group's state must be able to cross the next boundary: record every lane's position.
+        if last_chunk is not None and self.group.count > 1:
+            # The state must be the same in every group and able to cross the next boundary: with phases, every
+            # lane's position (exchanged); without, none (a phase added to such a run is refused at its boundary).
             last_chunk = self._all_last_chunks(
-                f"checkpoint-{self.recipe.history_fingerprint(self._next_step)[:16]}-{self._next_step}")
+                f"checkpoint-{self.recipe.history_fingerprint(self._next_step)[:16]}-{self._next_step}"
+            ) if self.recipe.phases else None
         return {
             KEY_VERSION: STATE_VERSION,
             KEY_FINGERPRINT: self.recipe.history_fingerprint(self._next_step),
@@ -214,7 +219,9 @@ class LaneStepper:
         # A fresh pipeline object: the old one may still be shutting down its threads in the background.
         self._pipeline = build_pipeline(self.recipe, self.group,
                                         build_work_source(self.recipe, self._segment, self._segment_state))
-        if self._next_step > self.recipe.segment_start(self._segment):
+        # At the first step of the next phase the pipeline is replaced anyway (next_step): skip Zephon's restore.
+        if self.recipe.segment_start(self._segment) < self._next_step and \
+                self.recipe.phase_index(self._next_step) == self._segment:
             # Zephon 0.2.0 cannot restore a step-0 checkpoint (it reads lane_next_cid 0 as missing: "Lane 0 does
             # not have next cid"); a fresh pipeline is exactly that state.
             self._pipeline.restore(state[KEY_ZEPHON])

@@ -319,7 +319,8 @@ def global_chunk_index(work_source: Any, lanes: int, start: int, positions: dict
     seen = {lane: 0 for lane in positions}
     out: dict[int, int] = {}
     g = start
-    limit = start + lanes * (max(positions.values(), default=0) + 2)  # every block of `lanes` chunks hands each lane one
+    # Every block of `lanes` chunks hands each lane one.
+    limit = start + lanes * (max(positions.values(), default=0) + 2)
     while len(out) < len(positions):
         if g > limit:
             raise ZephonStateError(f"chunk routing did not reach lane positions {positions} by global chunk {g}")
@@ -336,3 +337,8 @@ def contributing_chunks(record: Any) -> list[tuple[int, tuple[int, ...]]]:
     """``(lane chunk id, sample id)`` of every source record that contributed tokens to a packed row, from Zephon's
     public ``SampleMeta.contribution_cursors()`` (a sample id is ``(dataset id, shard id, index in shard)``)."""
     return [(int(c.chunk_id), tuple(int(x) for x in c.sample_id)) for c in record.meta.contribution_cursors()]
+
+
+def last_contributing_chunk(records: Any) -> int:
+    """The highest lane chunk id that any of ``records`` (packed rows of one lane) drew from; -1 for none."""
+    return max((c.chunk_id for rec in records for c in rec.meta.contribution_cursors()), default=-1)

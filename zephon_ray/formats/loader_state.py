@@ -119,11 +119,13 @@ def _schedule_mismatch(state: dict, recipe: Any, step: int) -> str:
     saved = state[KEY_FINGERPRINT]
     if saved in chain and chain.index(saved) < used:
         first = recipe.phases[chain.index(saved)]
-        return (f"phase '{first.name}' starts at step {first.start_step}, before step {step}, which the run has already "
-                f"produced without it; a resume at step {step} may only add phases starting at or after step {step}")
+        return (f"phase '{first.name}' starts at step {first.start_step}, before step {step}, which the run has "
+                f"already produced without it; a resume at step {step} may only add phases starting at or after step "
+                f"{step}")
     before = ", ".join(f"'{p.name}' (start_step {p.start_step})" for p in recipe.phases[:used]) or "none"
-    return (f"the checkpoint's schedule before step {step} (fingerprint {str(saved)[:12]}) is not {recipe.describe()}'s "
-            f"(its phases before step {step}: {before}): a resume at step {step} may only change phases starting at or "
+    return (f"the checkpoint's schedule before step {step} (fingerprint {str(saved)[:12]}) is not "
+            f"{recipe.describe()}'s (its phases before step {step}: {before}): a resume at step {step} may only change "
+            f"phases starting at or "
             f"after step {step}")
 
 
