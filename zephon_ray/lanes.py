@@ -251,6 +251,11 @@ def check_step_state(state: dict[str, Any], recipe: Recipe) -> None:
         recipe.check_history(history, step, what="step state")
     except ScheduleError as exc:
         raise StepStateError(str(exc)) from None
+    if state.get(KEY_FINGERPRINT) != recipe.history_fingerprint(step):
+        raise StepStateError(
+            f"step state belongs to recipe fingerprint {str(state.get(KEY_FINGERPRINT))[:12]}, "
+            f"not {recipe.describe()}"
+        )
     segment = int((state.get(KEY_SEGMENT) or {}).get("index", 0))
     if segment != len(history) - 1:
         raise StepStateError(f"step state for step {step} is in mixture segment {segment}, which its schedule "
