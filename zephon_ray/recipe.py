@@ -17,7 +17,10 @@ exactly as Zephon's own discovery lists them (a usable ``index.json`` first, els
 and sha256 and the row count Zephon's discovery assigns it (from the index when it uses one); the tokenizer's content
 hash; and the zephon, tokenizers and digest-format versions (:mod:`zephon_ray.identity`). It ignores how paths are
 spelled, files Zephon does not read, and the run-time-only ``[aggregate]`` table. Each of these is checked against
-the batch digests in ``tests/test_identity.py``. The fingerprint is computed once, where the recipe is loaded, and
+the batch digests in ``tests/test_identity.py``. With ``[[phases]]`` (a mixture schedule keyed by step) the
+fingerprint is the end of a chain that starts at :attr:`Recipe.base_fingerprint` (everything but the phases) and
+hashes in one phase at a time, so a state at step t can be checked against the phases before t alone
+(:meth:`Recipe.check_history`; docs/recipes.md "Mixture schedules"; tests/test_phases.py). The fingerprint is computed once, where the recipe is loaded, and
 travels with the recipe together with the per-shard detail, so that :func:`zephon_ray.identity.verify_on_node` can
 name the file that differs on another node.
 
