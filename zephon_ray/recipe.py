@@ -20,9 +20,9 @@ spelled, files Zephon does not read, and the run-time-only ``[aggregate]`` table
 the batch digests in ``tests/test_identity.py``. With ``[[phases]]`` (a mixture schedule keyed by step) the
 fingerprint is the end of a chain that starts at :attr:`Recipe.base_fingerprint` (everything but the phases) and
 hashes in one phase at a time, so a state at step t can be checked against the phases before t alone
-(:meth:`Recipe.check_history`; docs/recipes.md "Mixture schedules"; tests/test_phases.py). The fingerprint is computed once, where the recipe is loaded, and
-travels with the recipe together with the per-shard detail, so that :func:`zephon_ray.identity.verify_on_node` can
-name the file that differs on another node.
+(:meth:`Recipe.check_history`; docs/recipes.md "Mixture schedules"; tests/test_phases.py). The fingerprint is
+computed once, where the recipe is loaded, and travels with the recipe together with the per-shard detail, so that
+:func:`zephon_ray.identity.verify_on_node` can name the file that differs on another node.
 
 Cost: a sha256 of every local shard once per node (cached by path, size, mtime, ctime and inode; see
 :mod:`zephon_ray.hash_cache` for the limits of that cache), then a listing and a ``stat`` per shard; for a remote
