@@ -18,6 +18,17 @@ implements, and where that is written down:
 - the digest (README "The digest"): sha256 of ``b"zephon-ray/global-batch/v1\\n"``, then ``f"{B} {seq_len+1}\\n"``,
   then the tokens and then the positions as row-major little-endian int32.
 
+- mixture phases (docs/recipes.md "Mixture schedules"): a ``[[phases]]`` entry starting at step S sets the weights
+  (normalised; a source it does not name gets 0) of a new *segment*, drawn by fresh Zephon pipelines whose work
+  source continues Zephon's global chunk stream at G_S = one past the highest global chunk that any lane's rows of
+  steps < S drew from (Zephon's public ``SampleMeta.contribution_cursors()``). The oracle finds G_S and the stream's
+  state there with public calls only: a lane clone (``clone_for_lane``) of the segment's work source draws
+  ``next_chunk()`` up to the lane's last contributing chunk, and its ``state_dict()["global_chunk_index"]`` is then
+  one past that chunk's global index; the lane whose clone ends furthest holds the stream's state at G_S. Loading that
+  state into a new, unbound work source takes the oracle's one private touch: Zephon's ``load_state_dict`` checks the
+  lane binding (``_lane``, ``_canon``), which an unbound work source does not have, so the oracle sets it around the
+  call.
+
 Limits: recipes with ``pretokenized`` are not supported (that path is checked against raw-text digests elsewhere);
 the oracle produces steps 0..n-1 from a fresh start, nothing else.
 """
@@ -136,6 +147,18 @@ class OracleRecipe:
     repeat: bool = True
     flush_every_k_chunks: int | None = None
     shuffle: dict[str, bool] = field(default_factory=dict)
+    phases: tuple[tuple[int, tuple[float, ...]], ...] = ()
+    """``(start_step, weights in source order)`` per ``[[phases]]`` entry."""
+
+    def segments(self, steps: int) -> list[tuple[int, int, tuple[float, ...]]]:
+        """``(first step, end step, raw weights)`` of every segment that steps 0..steps-1 touch."""
+        starts = [(0, tuple(s.weight for s in self.sources))] + list(self.phases)
+        out = []
+        for i, (start, weights) in enumerate(starts):
+            end = starts[i + 1][0] if i + 1 < len(starts) else steps
+            if start < steps:
+                out.append((start, min(end, steps), weights))
+        return out
 
     @property
     def rows(self) -> int:
@@ -168,6 +191,8 @@ def read_recipe(path: str | Path, *, root: str | Path | None = None) -> OracleRe
         text_field=raw.get("text_field", "text"), chunk_size=raw.get("chunk_size", 64),
         packing=raw.get("packing", "wrap"), packing_bins=raw.get("packing_bins"), repeat=raw.get("repeat", True),
         flush_every_k_chunks=raw.get("flush_every_k_chunks"), shuffle=shuffle,
+        phases=tuple((p["start_step"], tuple(float(p["weights"].get(s["name"], 0.0)) for s in raw["sources"]))
+                     for p in raw.get("phases", [])),
     )
 
 
@@ -176,15 +201,17 @@ def make_tokenizer(spec: str) -> OracleByteTokenizer | OracleJsonTokenizer:
 
 
 # ---------------------------------------------------------------------- Zephon, public API only
-def rank_pipeline(recipe: OracleRecipe, rank: int, *, aggregate_dir: str, run_id: str) -> Any:
-    """Zephon rank ``rank`` of :data:`RANKS`, owning lanes [rank*L/2, (rank+1)*L/2) (contiguous mapping)."""
-    from zephon import Dataset, MixtureSpec, Pipeline, StaticMixtureWorkSource
+def work_source(recipe: OracleRecipe, weights: tuple[float, ...] | None = None,
+                state: dict[str, Any] | None = None) -> Any:
+    """An unbound StaticMixtureWorkSource: the recipe's own (no arguments), or the global chunk stream at ``state``
+    drawing with ``weights`` (normalised here; zero allowed) from there on."""
+    from zephon import Dataset, MixtureSpec, StaticMixtureWorkSource
 
     datasets = [Dataset.from_path(s.name, str(s.path), **({"fmt": s.format} if s.format else {}))
                 for s in recipe.sources]
     work = StaticMixtureWorkSource(
         datasets,
-        MixtureSpec({s.name: s.weight for s in recipe.sources}),
+        MixtureSpec({s.name: (s.weight if state is None else 1.0) for s in recipe.sources}),
         chunk_size=recipe.chunk_size,
         seed=recipe.seed,
         shuffle_shards=recipe.shuffle["shards"],
@@ -192,6 +219,40 @@ def rank_pipeline(recipe: OracleRecipe, rank: int, *, aggregate_dir: str, run_id
         reshuffle_on_repeat=recipe.shuffle["reshuffle_on_repeat"],
         exhausted_policy="repeat" if recipe.repeat else None,
     )
+    if state is not None:
+        if weights is not None:
+            total = sum(weights)
+            state = {**state, "weights": {s.name: w / total for s, w in zip(recipe.sources, weights)}}
+        work._lane, work._canon = state["lane_id"], state["canonical_replicas"]  # the one private touch (see top)
+        try:
+            work.load_state_dict(state)
+        finally:
+            work._lane, work._canon = None, None
+    return work
+
+
+def stream_state_after(work: Any, lanes: int, last_chunk: dict[int, int]) -> dict[str, Any]:
+    """The global chunk stream's state one past the furthest chunk ``last_chunk[l]`` (lane l's own chunk number) of
+    any lane, from public calls: each lane's clone draws up to its chunk and reports its global position."""
+    best: dict[str, Any] | None = None
+    for lane, last in sorted(last_chunk.items()):
+        clone = work.clone_for_lane(lane, lanes)
+        for _ in range(last + 1):
+            assert clone.next_chunk() is not None
+        state = clone.state_dict()
+        if best is None or state["global_chunk_index"] > best["global_chunk_index"]:
+            best = state
+    assert best is not None
+    return best
+
+
+def rank_pipeline(recipe: OracleRecipe, rank: int, *, aggregate_dir: str, run_id: str, work: Any = None) -> Any:
+    """Zephon rank ``rank`` of :data:`RANKS`, owning lanes [rank*L/2, (rank+1)*L/2) (contiguous mapping), drawing
+    from ``work`` (default: the recipe's own work source)."""
+    from zephon import Pipeline
+
+    if work is None:
+        work = work_source(recipe)
     tokenizer = make_tokenizer(recipe.tokenizer)
     pipeline = (
         Pipeline(work)
@@ -217,18 +278,37 @@ Microbatch = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def lane_microbatches(recipe: OracleRecipe, steps: int) -> dict[int, list[Microbatch]]:
-    """``{lane: [microbatch 0, 1, ..., steps*k - 1]}`` from 2 ranks. Tokens per source are Zephon's per-record
-    ``meta.component_token_counts`` (component id = the source's index in the mixture)."""
+    """``{lane: [microbatch 0, 1, ..., steps*k - 1]}`` from 2 ranks, one set of pipelines per mixture segment. Tokens
+    per source are Zephon's per-record ``meta.component_token_counts`` (component id = the source's index in the
+    mixture)."""
+    out: dict[int, list[Microbatch]] = {lane: [] for lane in range(recipe.lanes)}
+    work = None
+    for i, (start, end, weights) in enumerate(recipe.segments(steps)):
+        part, last_chunk = _segment_microbatches(recipe, end - start, work)
+        for lane, mbs in part.items():
+            out[lane].extend(mbs)
+        if i + 1 < len(recipe.segments(steps)):
+            state = stream_state_after(work if work is not None else work_source(recipe), recipe.lanes, last_chunk)
+            work = work_source(recipe, recipe.segments(steps)[i + 1][2], state)
+    return out
+
+
+def _segment_microbatches(recipe: OracleRecipe, steps: int, work: Any) -> tuple[dict[int, list[Microbatch]],
+                                                                                 dict[int, int]]:
+    """One segment from fresh pipelines: each lane's microbatches, and the highest chunk number of the lane that
+    they drew from (Zephon's ``contribution_cursors``)."""
     assert recipe.lanes % RANKS == 0, f"{recipe.path}: {recipe.lanes} lanes do not split over {RANKS} ranks"
     per_rank = recipe.lanes // RANKS
     want = steps * recipe.k
     out: dict[int, list[Microbatch]] = {}
+    last_chunk: dict[int, int] = {}
     with tempfile.TemporaryDirectory(prefix="zr-oracle-") as agg:
         run_id = f"oracle-{uuid.uuid4().hex[:8]}"
         for rank in range(RANKS):
             owned = range(rank * per_rank, (rank + 1) * per_rank)
             filed: dict[int, list[Microbatch]] = {lane: [] for lane in owned}
-            stream = iter(rank_pipeline(recipe, rank, aggregate_dir=agg, run_id=run_id))
+            stream = iter(rank_pipeline(recipe, rank, aggregate_dir=agg, run_id=run_id,
+                                        work=None if work is None else _copy_work(recipe, work)))
             try:
                 while any(len(v) < want for v in filed.values()):
                     mb = next(stream)
@@ -243,13 +323,23 @@ def lane_microbatches(recipe: OracleRecipe, steps: int) -> dict[int, list[Microb
                     for r in mb.records:
                         for component, count in (r.meta.component_token_counts or {}).items():
                             per_source[int(component)] += int(count)
+                    if len(filed[lane]) < want:
+                        last_chunk[lane] = max([last_chunk.get(lane, -1)] + [
+                            int(c.chunk_id) for r in mb.records for c in r.meta.contribution_cursors()])
                     filed[lane].append((tokens, positions, per_source))
             finally:
                 close = getattr(stream, "close", None)
                 if close is not None:
                     close()
             out.update({lane: mbs[:want] for lane, mbs in filed.items()})
-    return out
+    return out, last_chunk
+
+
+def _copy_work(recipe: OracleRecipe, work: Any) -> Any:
+    """A second unbound work source in ``work``'s state (each rank's pipeline clones its own)."""
+    state = work.state_dict()
+    state["lane_id"], state["canonical_replicas"] = 0, 1  # an unbound source's state: any binding loads it
+    return work_source(recipe, None, state)
 
 
 @dataclass(frozen=True)

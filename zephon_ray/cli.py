@@ -104,6 +104,9 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"rows        {batch.num_rows} x {recipe.row_length} tokens "
           f"({recipe.lanes} lanes x {recipe.microbatches_per_lane} microbatches x {recipe.rows_per_microbatch} rows)")
     print(f"tokens      {batch.tokens.size}")
+    if recipe.phases:
+        index = recipe.phase_index(batch.step)
+        print(f"phase       {recipe.segment_name(index)} (from step {recipe.segment_start(index)})")
     shares = ", ".join(f"{name} {share:.1%}" for name, share in batch.source_share().items())
     print(f"sources     {shares}")
     for row in range(min(args.rows, batch.num_rows)):
@@ -173,6 +176,9 @@ def recipe_report(recipe: Recipe) -> dict:
         "sources": {s.name: {"weight": s.weight, "format": s.format, "shards": len(s.shards),
                              "bytes": sum(_shard_size(x) for x in s.shards), "path": str(s.path)}
                     for s in recipe.sources},
+        "phases": [{"name": recipe.segment_name(i), "start_step": recipe.segment_start(i),
+                    "weights": dict(zip(recipe.source_names, recipe.segment_weights(i)))}
+                   for i in range(1, len(recipe.phases) + 1)],
     }
 
 
@@ -212,6 +218,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for name, src in report["sources"].items():
         print(f"source      {name}: weight {src['weight']:g}, {src['shards']} {src['format']} shards, "
               f"{src['bytes']} B in {src['path']}")
+    for ph in report["phases"]:
+        print(f"phase       {ph['name']}: from step {ph['start_step']}, weights " +
+              ", ".join(f"{k} {v:.3g}" for k, v in ph["weights"].items()))
     if "step0_digest" in report:
         print(f"step 0      {report['step0_digest']} (the pipeline builds)")
     return 0

@@ -9,6 +9,20 @@ the lane and however often the stepper was checkpointed and restored (``tests/te
 k microbatches inside a step against the independent oracle: ``tests/test_oracle.py``, k = 2). Limits: checkpoints
 exist only at step boundaries with no microbatch buffered ahead (``checkpoint()`` raises otherwise), and a
 collective (multi-rank) checkpoint must be taken by every rank at the same step.
+
+Phases (a recipe's ``[[phases]]``): the run is cut into *segments*, one per phase, each drawn by its own Zephon
+pipeline. Zephon's work source emits one global chunk stream that every lane computes (it keeps the chunks routed
+to it); the segment that starts at step S continues that stream, with the new weights, at global chunk G_S = one
+past the last chunk that any lane's rows up to step S drew from (read from each emitted row's contributing source
+records). Each source's read position (Zephon's per-dataset cursors and allocation accumulators) therefore carries
+across the boundary, so no record drawn before S is drawn again after it within that source's epoch
+(tests/test_phases.py::test_no_record_repeats_across_the_boundary); G_S depends only on the emitted rows, never on
+how far Zephon had prefetched, so step s stays a pure function of (recipe, s)
+(tests/test_phases.py::test_random_access_and_restores_across_the_boundary). Limits: records in chunks that lanes
+had drawn but not yet emitted at S (at most about one chunk per lane, plus the rest of a record cut by packing) are
+skipped, never repeated. With several lane groups (producers, local-mode ranks, materialise groups) each knows only
+its own lanes' chunks: at a boundary, and at every checkpoint of a phased recipe, the groups exchange them over
+their checkpoint channel (:mod:`zephon_ray.lane_exchange`), so any group's state can cross the next boundary.
 """
 
 from __future__ import annotations
@@ -21,8 +35,11 @@ from typing import Any
 
 import numpy as np
 
-from zephon_ray.pipeline import LaneGroup, build_pipeline
-from zephon_ray.recipe import Recipe
+from zephon_ray.pipeline import LaneGroup, build_pipeline, build_work_source
+from zephon_ray.recipe import Recipe, ScheduleError
+from zephon_ray.zephon_io import (
+    contributing_chunks, global_chunk_index, last_contributing_chunk, work_source_state_at,
+)
 
 ROW_DTYPE = np.int32
 """Dtype of stored rows (tokens and positions). Every tokenizer here has fewer than 2**31 ids."""
@@ -32,6 +49,11 @@ KEY_VERSION = "version"
 KEY_NEXT_STEP = "next_step"
 KEY_FINGERPRINT = "fingerprint"
 KEY_ZEPHON = "zephon"
+KEY_SCHEDULE = "schedule"
+"""``Recipe.schedule_history(next_step)``: the phases that produced the steps before ``next_step``."""
+KEY_SEGMENT = "segment"
+"""``{"index": i, "start_state": work-source state where segment i starts (None: a fresh stream), "last_chunk":
+{lane: highest lane chunk id any emitted row of this segment drew from}}``."""
 
 
 class StepStateError(ValueError):
@@ -54,6 +76,13 @@ class LaneStepper:
         self.recipe = recipe
         self.group = group
         self.lanes = group.owned_lanes(recipe.lanes)
+        self._segment = 0
+        self._segment_state: dict[str, Any] | None = None
+        self._last_chunk: dict[int, int] | None = {lane: -1 for lane in self.lanes}
+        self.contributors: dict[int, list[tuple[int, ...]]] = {}
+        """With ``record_contributors`` set: the sample ids ``(dataset id, shard id, index)`` of the source records in
+        each lane's rows of the last step, in row order (a record cut across rows appears in each)."""
+        self.record_contributors = False
         self._pipeline = build_pipeline(recipe, group)
         self._iter: Any = None
         self._pending: dict[int, deque] = {lane: deque() for lane in self.lanes}
@@ -64,8 +93,15 @@ class LaneStepper:
         """The step that the next call to :meth:`next_step` returns."""
         return self._next_step
 
+    @property
+    def segment(self) -> int:
+        """The mixture segment the last step came from (0: the sources' weights; i: ``recipe.phases[i-1]``)."""
+        return self._segment
+
     def next_step(self) -> dict[int, LaneShard]:
         k = self.recipe.microbatches_per_lane
+        if self.recipe.phase_index(self._next_step) != self._segment:
+            self._enter_segment(self.recipe.phase_index(self._next_step))
         if self._iter is None:
             self._iter = iter(self._pipeline)
         while any(len(q) < k for q in self._pending.values()):
@@ -83,9 +119,50 @@ class LaneStepper:
         self._next_step += 1
         return shards
 
+    def _enter_segment(self, index: int) -> None:
+        """Switch to segment ``index`` at its start step: continue the global chunk stream one past the last chunk
+        any lane's emitted rows drew from, with the segment's weights, in a fresh pipeline."""
+        if index != self._segment + 1 or self.recipe.segment_start(index) != self._next_step:
+            raise StepStateError(f"cannot enter mixture segment {index} at step {self._next_step} from segment "
+                                 f"{self._segment}")
+        if self._last_chunk is None:
+            raise StepStateError(
+                f"cannot start phase '{self.recipe.segment_name(index)}' at step {self._next_step}: the state this "
+                "run resumed from predates mixture phases (it does not record which chunks the rows drew from)")
+        lanes = self.recipe.lanes
+        work = build_work_source(self.recipe, self._segment, self._segment_state)
+        first = int(work.state_dict()["global_chunk_index"])
+        last_chunk = self._all_last_chunks(f"boundary-{self.recipe.schedule_fingerprints[self._segment][:16]}-"
+                                           f"{self._next_step}")
+        used = {lane: cid for lane, cid in last_chunk.items() if cid >= 0}
+        boundary = max(global_chunk_index(work, lanes, first, used).values()) + 1 if used else first
+        start_state = work_source_state_at(work, lanes, boundary)
+        self.close(background=True)
+        self._segment, self._segment_state = index, start_state
+        self._last_chunk = {lane: -1 for lane in self.lanes}
+        self._pipeline = build_pipeline(self.recipe, self.group, build_work_source(self.recipe, index, start_state))
+
+    def _all_last_chunks(self, key: str) -> dict[int, int]:
+        """Every lane's last contributing chunk of this segment: this group's own, and with several lane groups the
+        others' through their checkpoint channel (:mod:`zephon_ray.lane_exchange`). ``key`` names a value that is a
+        pure function of the run."""
+        assert self._last_chunk is not None
+        if self.group.count == 1:
+            return dict(self._last_chunk)
+        from zephon_ray.lane_exchange import gather
+
+        merged: dict[int, int] = {}
+        for part in gather(self.group, key, {str(k): v for k, v in self._last_chunk.items()}):
+            merged.update({int(k): int(v) for k, v in part.items()})
+        return merged
+
     def _shard(self, lane: int, microbatches: list[Any]) -> LaneShard:
         recipe = self.recipe
         records = [rec for mb in microbatches for rec in mb.records]
+        if self._last_chunk is not None:
+            self._last_chunk[lane] = max(self._last_chunk[lane], last_contributing_chunk(records))
+        if self.record_contributors:
+            self.contributors[lane] = [sample for rec in records for _, sample in contributing_chunks(rec)]
         tokens = np.stack([rec.payload["input_ids"] for rec in records]).astype(ROW_DTYPE, copy=False)
         positions = np.stack([rec.payload["positions"] for rec in records]).astype(ROW_DTYPE, copy=False)
         if tokens.shape != (recipe.rows_per_lane, recipe.row_length):
@@ -110,20 +187,41 @@ class LaneStepper:
             )
         # A JSON round trip makes the state exactly what a durable copy will restore (int keys become str).
         zephon_state = json.loads(json.dumps(self._pipeline.checkpoint()))
+        last_chunk = self._last_chunk
+        if last_chunk is not None and self.group.count > 1:
+            # The state must be the same in every group and able to cross the next boundary: with phases, every
+            # lane's position (exchanged); without, none (a phase added to such a run is refused at its boundary).
+            last_chunk = self._all_last_chunks(
+                f"checkpoint-{self.recipe.history_fingerprint(self._next_step)[:16]}-{self._next_step}"
+            ) if self.recipe.phases else None
         return {
             KEY_VERSION: STATE_VERSION,
-            KEY_FINGERPRINT: self.recipe.fingerprint,
+            KEY_FINGERPRINT: self.recipe.history_fingerprint(self._next_step),
             KEY_NEXT_STEP: self._next_step,
             KEY_ZEPHON: zephon_state,
+            KEY_SCHEDULE: self.recipe.schedule_history(self._next_step),
+            KEY_SEGMENT: {
+                "index": self._segment,
+                "start_state": self._segment_state,
+                "last_chunk": None if last_chunk is None else {str(k): v for k, v in sorted(last_chunk.items())},
+            },
         }
 
     def restore(self, state: dict[str, Any]) -> None:
         check_step_state(state, self.recipe)
         self.close(background=True)
         self._next_step = int(state[KEY_NEXT_STEP])
+        segment = state.get(KEY_SEGMENT) or {"index": 0, "start_state": None, "last_chunk": None}
+        self._segment, self._segment_state = int(segment["index"]), segment["start_state"]
+        last = segment["last_chunk"]
+        self._last_chunk = None if last is None or any(str(lane) not in last for lane in self.lanes) else {
+            lane: int(last[str(lane)]) for lane in self.lanes}
         # A fresh pipeline object: the old one may still be shutting down its threads in the background.
-        self._pipeline = build_pipeline(self.recipe, self.group)
-        if self._next_step > 0:
+        self._pipeline = build_pipeline(self.recipe, self.group,
+                                        build_work_source(self.recipe, self._segment, self._segment_state))
+        # At the first step of the next phase the pipeline is replaced anyway (next_step): skip Zephon's restore.
+        if self.recipe.segment_start(self._segment) < self._next_step and \
+                self.recipe.phase_index(self._next_step) == self._segment:
             # Zephon 0.2.0 cannot restore a step-0 checkpoint (it reads lane_next_cid 0 as missing: "Lane 0 does
             # not have next cid"); a fresh pipeline is exactly that state.
             self._pipeline.restore(state[KEY_ZEPHON])
@@ -147,14 +245,23 @@ def check_step_state(state: dict[str, Any], recipe: Recipe) -> None:
     if not isinstance(state, dict) or state.get(KEY_VERSION) != STATE_VERSION:
         got = state.get(KEY_VERSION) if isinstance(state, dict) else type(state).__name__
         raise StepStateError(f"step state version {got!r} is not supported (expected {STATE_VERSION})")
-    if state.get(KEY_FINGERPRINT) != recipe.fingerprint:
+    step = int(state[KEY_NEXT_STEP])
+    history = state.get(KEY_SCHEDULE) or [[0, "sources", state.get(KEY_FINGERPRINT)]]
+    try:
+        recipe.check_history(history, step, what="step state")
+    except ScheduleError as exc:
+        raise StepStateError(str(exc)) from None
+    if state.get(KEY_FINGERPRINT) != recipe.history_fingerprint(step):
         raise StepStateError(
             f"step state belongs to recipe fingerprint {str(state.get(KEY_FINGERPRINT))[:12]}, "
             f"not {recipe.describe()}"
         )
-    step = int(state[KEY_NEXT_STEP])
+    segment = int((state.get(KEY_SEGMENT) or {}).get("index", 0))
+    if segment != len(history) - 1:
+        raise StepStateError(f"step state for step {step} is in mixture segment {segment}, which its schedule "
+                             f"history ({len(history)} entries) does not reach")
     emitted = state[KEY_ZEPHON].get("lane_emitted", {})
-    want = step * recipe.microbatches_per_lane
+    want = (step - recipe.segment_start(segment)) * recipe.microbatches_per_lane
     off = {lane: n for lane, n in emitted.items() if int(n) != want}
     if off:
         raise StepStateError(

@@ -8,8 +8,9 @@ packaged ``<arg>.toml``; anything else is an :class:`UnknownRecipeError` (a ``Va
 re-raises it as its ``RecipeError``) that lists the packaged names. Shown by ``tests/test_packaging.py`` (from an
 installed wheel, outside the checkout).
 Limit: ``demo`` and ``mixture`` read the stdlib corpus at ``../data/corpus`` next to the recipe directory, which a
-wheel cannot ship (it is generated per Python version by ``zephon-ray corpus``); only ``tiny`` and ``elastic``
-are self-contained. Copy those two recipes and point their ``[[sources]] path`` at your corpus instead.
+wheel cannot ship (it is generated per Python version by ``zephon-ray corpus``); only ``tiny``, ``elastic`` and
+``phased`` (tiny's fixture with a mixture schedule) are self-contained. Copy those recipes and point their
+``[[sources]] path`` at your corpus instead.
 """
 
 from __future__ import annotations

@@ -55,16 +55,23 @@ class LaneGroup:
         return tuple(range(self.index * per, (self.index + 1) * per))
 
 
-def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup()) -> Any:
-    from zephon import Pipeline
+def build_work_source(recipe: Recipe, segment: int = 0, start_state: dict[str, Any] | None = None) -> Any:
+    """The Zephon work source of mixture segment ``segment`` (0: the sources' weights; i: ``recipe.phases[i-1]``),
+    unbound. ``start_state``: the global chunk stream's state where the segment starts (None: a fresh stream). With
+    no start state and all weights > 0 this is exactly the pre-phase work source; otherwise the stream's state is
+    loaded with the segment's weights through the Zephon fence (zephon_io), which also admits weight 0."""
     from zephon.io import Dataset
     from zephon.work import MixtureSpec, StaticMixtureWorkSource
 
-    group.owned_lanes(recipe.lanes)  # validates divisibility before Zephon only warns about it
+    from zephon_ray.zephon_io import load_work_source_state
+
+    weights = recipe.segment_weights(segment)
+    plain = start_state is None and all(w > 0 for w in weights)
     datasets = [Dataset.from_path(s.name, str(s.path), fmt=s.format) for s in recipe.sources]
     work = StaticMixtureWorkSource(
         datasets,
-        MixtureSpec({s.name: s.weight for s in recipe.sources}),
+        # Zephon's MixtureSpec refuses weight 0: a placeholder, replaced by load_work_source_state below.
+        MixtureSpec({s.name: (s.weight if plain else 1.0) for s in recipe.sources}),
         chunk_size=recipe.chunk_size,
         seed=recipe.seed,
         shuffle_shards=recipe.shuffle.shards,
@@ -72,6 +79,19 @@ def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup()) -> Any:
         exhausted_policy="repeat" if recipe.repeat else None,
         reshuffle_on_repeat=recipe.shuffle.reshuffle_on_repeat,
     )
+    if not plain:
+        load_work_source_state(work, start_state if start_state is not None else work.state_dict(),
+                               dict(zip(recipe.source_names, weights)))
+    return work
+
+
+def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup(), work: Any = None) -> Any:
+    """The recipe's pipeline for ``group``'s lanes, drawing from ``work`` (default: segment 0's work source)."""
+    from zephon import Pipeline
+
+    group.owned_lanes(recipe.lanes)  # validates divisibility before Zephon only warns about it
+    if work is None:
+        work = build_work_source(recipe)
     tokenizer = build_tokenizer(recipe.tokenizer)
     pipeline = Pipeline(work)
     if recipe.pretokenized is None:

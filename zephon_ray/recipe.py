@@ -17,9 +17,12 @@ exactly as Zephon's own discovery lists them (a usable ``index.json`` first, els
 and sha256 and the row count Zephon's discovery assigns it (from the index when it uses one); the tokenizer's content
 hash; and the zephon, tokenizers and digest-format versions (:mod:`zephon_ray.identity`). It ignores how paths are
 spelled, files Zephon does not read, and the run-time-only ``[aggregate]`` table. Each of these is checked against
-the batch digests in ``tests/test_identity.py``. The fingerprint is computed once, where the recipe is loaded, and
-travels with the recipe together with the per-shard detail, so that :func:`zephon_ray.identity.verify_on_node` can
-name the file that differs on another node.
+the batch digests in ``tests/test_identity.py``. With ``[[phases]]`` (a mixture schedule keyed by step) the
+fingerprint is the end of a chain that starts at :attr:`Recipe.base_fingerprint` (everything but the phases) and
+hashes in one phase at a time, so a state at step t can be checked against the phases before t alone
+(:meth:`Recipe.check_history`; docs/recipes.md "Mixture schedules"; tests/test_phases.py). The fingerprint is
+computed once, where the recipe is loaded, and travels with the recipe together with the per-shard detail, so that
+:func:`zephon_ray.identity.verify_on_node` can name the file that differs on another node.
 
 Cost: a sha256 of every local shard once per node (cached by path, size, mtime, ctime and inode; see
 :mod:`zephon_ray.hash_cache` for the limits of that cache), then a listing and a ``stat`` per shard; for a remote
@@ -72,6 +75,25 @@ class Source:
 
 
 @dataclass(frozen=True)
+class Phase:
+    """From ``start_step`` on, the mixture draws new chunks with ``weights`` (one per recipe source, recipe order;
+    a source the phase does not name has weight 0). Each source's read position carries over from the phase before
+    (see :mod:`zephon_ray.lanes`, "Phases")."""
+
+    name: str
+    start_step: int
+    weights: tuple[float, ...]
+
+    def canonical(self, source_names: tuple[str, ...]) -> dict[str, Any]:
+        return {"name": self.name, "start_step": self.start_step,
+                "weights": {n: w for n, w in zip(source_names, self.weights)}}
+
+
+class ScheduleError(RecipeError):
+    """A resume whose recipe rewrites a phase that some already-produced step used."""
+
+
+@dataclass(frozen=True)
 class Shuffle:
     shards: bool = True
     within_shard: bool = True
@@ -114,6 +136,9 @@ class Recipe:
     verify_content: bool = False
     """Hash the bytes of every object-store shard (a download) in the fingerprint and on every node that verifies
     it, instead of trusting the store's ETags alone. Local shards are always hashed."""
+    phases: tuple[Phase, ...] = ()
+    """The mixture schedule after step 0 (``[[phases]]``), by strictly increasing ``start_step`` > 0. Step s uses
+    the last phase that starts at or before s (the sources' own weights before the first)."""
     environment: Environment | None = None
     """Tokenizer content hash and library versions, captured where the recipe was loaded (and carried to other
     nodes, which compare their own with it). ``dataclasses.replace`` keeps it: pass ``environment=None`` to
@@ -147,6 +172,24 @@ class Recipe:
     def source_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.sources)
 
+    # ------------------------------------------------------------------ schedule
+    def phase_index(self, step: int) -> int:
+        """0 for the sources' own weights, i for ``phases[i-1]``: the segment that produces ``step``."""
+        return sum(1 for p in self.phases if p.start_step <= step)
+
+    def segment_start(self, index: int) -> int:
+        """The first step of segment ``index`` (0 for the sources' own weights)."""
+        return 0 if index == 0 else self.phases[index - 1].start_step
+
+    def segment_weights(self, index: int) -> tuple[float, ...]:
+        """Segment ``index``'s weights, normalised to sum to 1, in recipe source order."""
+        raw = tuple(s.weight for s in self.sources) if index == 0 else self.phases[index - 1].weights
+        total = sum(raw)
+        return tuple(w / total for w in raw)
+
+    def segment_name(self, index: int) -> str:
+        return "sources" if index == 0 else self.phases[index - 1].name
+
     # ------------------------------------------------------------------ identity
     def canonical(self) -> dict[str, Any]:
         """The data-defining content, independent of how paths are spelled."""
@@ -176,9 +219,66 @@ class Recipe:
         }
 
     @cached_property
-    def fingerprint(self) -> str:
+    def base_fingerprint(self) -> str:
+        """Everything but the phases: the fingerprint of the steps before the first phase."""
         blob = json.dumps(self.canonical(), sort_keys=True, separators=(",", ":")).encode()
         return hashlib.sha256(blob).hexdigest()
+
+    @cached_property
+    def schedule_fingerprints(self) -> tuple[str, ...]:
+        """A chain: entry 0 is :attr:`base_fingerprint`, entry i hashes entry i-1 with phase i. Entry i identifies
+        every step of segment i and of all segments before it, and nothing after."""
+        chain = [self.base_fingerprint]
+        for phase in self.phases:
+            blob = json.dumps(phase.canonical(self.source_names), sort_keys=True, separators=(",", ":"))
+            chain.append(hashlib.sha256(f"{chain[-1]}:{blob}".encode()).hexdigest())
+        return tuple(chain)
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """Identifies every step: the last entry of :attr:`schedule_fingerprints` (the base fingerprint, unchanged,
+        for a recipe without phases)."""
+        return self.schedule_fingerprints[-1]
+
+    def history_fingerprint(self, next_step: int) -> str:
+        """Identifies steps ``0 .. next_step-1`` only: phases starting at or after ``next_step`` do not enter it."""
+        return self.schedule_fingerprints[self.phase_index(max(next_step - 1, 0))]
+
+    def schedule_history(self, next_step: int) -> list[list[Any]]:
+        """What a state at ``next_step`` records of the schedule it used: ``[start_step, name, chain entry]`` for the
+        sources' weights and each phase that starts before ``next_step``."""
+        last = self.phase_index(max(next_step - 1, 0))
+        return [[self.segment_start(i), self.segment_name(i), self.schedule_fingerprints[i]] for i in range(last + 1)]
+
+    def check_history(self, history: Any, next_step: int, *, what: str = "the state") -> None:
+        """Refuse a resume at ``next_step`` whose recipe changes a phase that an already-produced step used, naming
+        the phase and the step (tests/test_phases.py::test_resume_refuses_a_rewritten_past). Phases that start at or
+        after ``next_step`` may be added, moved or removed."""
+        if not isinstance(history, list) or not history:
+            raise ScheduleError(f"{what}: schedule history {history!r} is not a non-empty list")
+        mine = self.schedule_history(next_step)
+        for i, entry in enumerate(history):
+            start, name, chain = (entry + [None, None, None])[:3] if isinstance(entry, list) else (None, None, None)
+            if i >= len(mine):
+                raise ScheduleError(
+                    f"{what}: phase '{name}' (start_step {start}) produced steps before step {next_step}, but "
+                    f"{self.describe()} has no phase there; a resume at step {next_step} may only change phases "
+                    f"starting at or after step {next_step}")
+            if chain != mine[i][2]:
+                theirs = "the sources' weights" if i == 0 else f"phase '{name}' (start_step {start})"
+                ours = "the sources' weights" if i == 0 else f"phase '{mine[i][1]}' (start_step {mine[i][0]})"
+                if i == 0:
+                    raise ScheduleError(
+                        f"{what} belongs to recipe fingerprint {str(chain)[:12]}, not {self.describe()}")
+                raise ScheduleError(
+                    f"{what}: {ours} differs from {theirs}, which produced steps up to step {next_step - 1}; a resume "
+                    f"at step {next_step} may only change phases starting at or after step {next_step}")
+        if len(mine) > len(history):
+            extra = mine[len(history)]
+            raise ScheduleError(
+                f"{what}: phase '{extra[1]}' starts at step {extra[0]}, before step {next_step}, which the run has "
+                f"already produced without it; a resume at step {next_step} may only add phases starting at or after "
+                f"step {next_step}")
 
     def describe(self) -> str:
         return f"{self.path or '<recipe>'} (fingerprint {self.fingerprint[:12]})"
@@ -221,10 +321,12 @@ class Recipe:
 _TOP_KEYS = {
     "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer", "text_field",
     "chunk_size", "packing", "packing_bins", "repeat", "flush_every_k_chunks", "shuffle", "sources", "aggregate",
-    "pretokenized", "verify_content",
+    "pretokenized", "verify_content", "phases",
 }
+MAX_PHASES = 64
 _REQUIRED = ("sources", "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer")
 _SOURCE_KEYS = {"name", "path", "format", "weight"}
+_PHASE_KEYS = {"name", "start_step", "weights"}
 _SHUFFLE_KEYS = {"shards", "within_shard", "reshuffle_on_repeat"}
 _AGGREGATE_KEYS = {"store", "dir"}
 
@@ -332,12 +434,13 @@ class _RecipeParser:
             except (PretokenizedError, files.StorageError) as exc:
                 raise self.fail("pretokenized", str(exc)) from None
         sources = self.parse_sources(raw["sources"], chunk_size, verify_content)
+        phases = self.parse_phases(raw.get("phases", []), tuple(s.name for s in sources))
         recipe = Recipe(
             sources=sources, seed=seed, lanes=lanes, microbatches_per_lane=k, rows_per_microbatch=m,
             seq_len=seq_len, tokenizer=tokenizer, text_field=text_field, chunk_size=chunk_size, packing=packing,
             packing_bins=packing_bins, repeat=repeat, flush_every_k_chunks=flush, shuffle=shuffle,
             aggregate=Aggregate(store=store, dir=agg_dir), path=self.origin, pretokenized=pretokenized,
-            verify_content=verify_content,
+            verify_content=verify_content, phases=phases,
         )
         if pretokenized is not None:
             try:
@@ -370,8 +473,8 @@ class _RecipeParser:
             seen.add(name)
             weight = src.get("weight", 1.0)
             if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
-                    or weight <= 0:
-                raise self.fail(prefix + "weight", f"must be a positive number, got {weight!r}")
+                    or weight < 0:
+                raise self.fail(prefix + "weight", f"must be a number >= 0, got {weight!r}")
             path = self.resolve(self.typed(src, "path", str, ..., prefix), prefix + "path")
             fmt = self.typed(src, "format", str, None, prefix) if "format" in src else None
             if fmt is not None and fmt not in SUPPORTED_FORMATS:
@@ -385,6 +488,43 @@ class _RecipeParser:
                     "Zephon would drop the whole source as a trailing partial chunk",
                 )
             out.append(Source(name=name, path=path, format=fmt, weight=float(weight), shards=shards, listing=listing))
+        if not any(s.weight > 0 for s in out):
+            raise self.fail("sources", "at least one source needs a weight > 0")
+        return tuple(out)
+
+    def parse_phases(self, raw_phases: Any, names: tuple[str, ...]) -> tuple[Phase, ...]:
+        """``[[phases]]``: each with ``start_step`` (> 0, strictly increasing), ``weights`` (a table naming recipe
+        sources; unnamed ones get 0; at least one > 0) and an optional unique ``name``."""
+        if not isinstance(raw_phases, list) or any(not isinstance(p, dict) for p in raw_phases):
+            raise self.fail("phases", "must be an array of tables ([[phases]])")
+        if len(raw_phases) > MAX_PHASES:
+            raise self.fail("phases", f"at most {MAX_PHASES} phases, got {len(raw_phases)}")
+        out: list[Phase] = []
+        seen = {"sources"}
+        for i, ph in enumerate(raw_phases):
+            prefix = f"phases[{i}]."
+            self.check_keys(ph, _PHASE_KEYS, prefix)
+            name = self.typed(ph, "name", str, f"phase{i + 1}", prefix)
+            if not name or name in seen:
+                raise self.fail(prefix + "name", f"must be non-empty and unique (and not 'sources'), got {name!r}")
+            seen.add(name)
+            start = self.positive_int(ph, "start_step", prefix)
+            if out and start <= out[-1].start_step:
+                raise self.fail(prefix + "start_step", f"phase '{name}' starts at step {start}, not after phase "
+                                                       f"'{out[-1].name}' (step {out[-1].start_step})")
+            table = self.typed(ph, "weights", dict, ..., prefix)
+            for key, value in table.items():
+                if key not in names:
+                    raise self.fail(f"{prefix}weights.{key}", f"phase '{name}' names no source of this recipe "
+                                                             f"(sources: {', '.join(names)}); a phase cannot add a "
+                                                             "source: declare it in [[sources]] with weight 0")
+                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                        or value < 0:
+                    raise self.fail(f"{prefix}weights.{key}", f"must be a number >= 0, got {value!r}")
+            weights = tuple(float(table.get(n, 0.0)) for n in names)
+            if not any(w > 0 for w in weights):
+                raise self.fail(prefix + "weights", f"phase '{name}' needs at least one weight > 0")
+            out.append(Phase(name=name, start_step=start, weights=weights))
         return tuple(out)
 
     def list_shards(self, path: str, fmt: str | None, prefix: str,

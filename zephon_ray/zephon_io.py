@@ -16,6 +16,13 @@ release moves or changes one). What it wraps:
   otherwise). DIR is node-local: ``<ZEPHON_RAY_SHARD_CACHE or <tmp>/zephon-ray-shards-<uid>>/<key>``, one key per
   set of remote roots.
 
+- mixture phases (:mod:`zephon_ray.lanes`, "Phases"): the state of ``StaticMixtureWorkSource``'s *global* chunk
+  stream at a given global chunk index, with its weights replaced, loaded into an unbound work source that a new
+  pipeline then clones for each lane (:func:`work_source_state_at`, :func:`load_work_source_state`), and the global
+  chunk index of a lane's c-th chunk (:func:`global_chunk_index`), from Zephon's own chunk-to-lane routing.
+  ``WORK_SOURCE_STATE_KEYS`` are the state keys read or written; tests/test_phases.py::test_zephon_state_format_fence
+  fails loudly, naming the key, when a Zephon release changes them.
+
 Endpoints: Zephon 0.2 reads ``S3_ENDPOINT_URL`` only; :func:`zephon_ray.files.export_endpoint_for_zephon` sets it
 from ``AWS_ENDPOINT_URL(_S3)`` before any store is built here.
 """
@@ -42,6 +49,12 @@ FENCED_NAMES = (
     ("zephon._internal.io.suffixes", "PARQUET_SUFFIXES"),
     ("zephon._internal.io.storage", "RouterStorageBackend"),
 )
+FENCED_WORK_SOURCE_ATTRS = ("_lane", "_canon", "_lane_for_chunk", "clone_for_lane", "next_chunk", "state_dict",
+                            "load_state_dict")
+"""StaticMixtureWorkSource attributes used for phases: ``_lane``/``_canon`` (its lane binding, which
+``load_state_dict`` checks) and ``_lane_for_chunk`` (its chunk-to-lane routing) are private."""
+WORK_SOURCE_STATE_KEYS = ("global_chunk_index", "weights", "component_order", "lane_id", "canonical_replicas",
+                          "cursor_states", "accumulators", "allocation_mode")
 FENCED_METHODS = (
     ("jsonl", "_is_valid_jsonl_index"),
     ("parquet", "_is_valid_parquet_index"),
@@ -236,3 +249,96 @@ def pipeline_io_options(paths: Any) -> dict[str, Any]:
         return {}
     export_endpoint_for_zephon()
     return {"io_options": {"cache": {"enabled": True, "root": shard_cache_root(paths)}}}
+
+
+# ---------------------------------------------------------------------- mixture phases
+class ZephonStateError(RuntimeError):
+    """Zephon's work-source state is not the format this module was written for (a Zephon upgrade)."""
+
+
+def _check_work_source_state(state: Any) -> None:
+    missing = [k for k in WORK_SOURCE_STATE_KEYS if not isinstance(state, dict) or k not in state]
+    if missing:
+        raise ZephonStateError(
+            f"Zephon's StaticMixtureWorkSource state has no key {missing[0]!r}: this zephon release changed its "
+            "state format, which zephon_ray.zephon_io (mixture phases) was written for (zephon 0.2.0)")
+    if state["allocation_mode"] != "accumulator":
+        raise ZephonStateError(f"mixture phases support Zephon's 'accumulator' allocation only, got "
+                               f"{state['allocation_mode']!r}")
+
+
+def load_work_source_state(work_source: Any, state: dict[str, Any], weights: dict[str, float] | None = None) -> None:
+    """Put an unbound (not yet cloned for a lane) work source in ``state``, with ``weights`` (normalised, one per
+    dataset, zero allowed) replacing the state's. Zephon's ``load_state_dict`` takes the weights from the state, as it
+    does seed and chunk_size; it checks the lane binding, so the binding is set around the call and cleared again
+    (a pipeline clones the work source for each of its lanes afterwards)."""
+    _check_work_source_state(state)
+    state = dict(state)
+    if state["lane_id"] is None:  # an unbound work source's own state: any binding the loader accepts
+        state["lane_id"], state["canonical_replicas"] = 0, 1
+    if weights is not None:
+        if sorted(weights) != sorted(state["component_order"]):
+            raise ZephonStateError(f"weights for {sorted(weights)}, but the work source mixes "
+                                   f"{state['component_order']}")
+        state["weights"] = {name: float(weights[name]) for name in state["component_order"]}
+    work_source._lane, work_source._canon = state["lane_id"], state["canonical_replicas"]
+    try:
+        work_source.load_state_dict(state)
+    finally:
+        work_source._lane, work_source._canon = None, None
+
+
+def work_source_state_at(work_source: Any, lanes: int, index: int) -> dict[str, Any]:
+    """The state of ``work_source``'s global chunk stream (every lane's view of it is the same) once ``index``
+    global chunks have been drawn. ``work_source`` is unbound and at or before ``index``; it is not changed (a
+    lane clone advances). Cost: one allocation per global chunk in between (no I/O)."""
+    state = work_source.state_dict()
+    _check_work_source_state(state)
+    start = int(state["global_chunk_index"])
+    if index < start:
+        raise ValueError(f"global chunk {index} is before the work source's position {start}")
+    if index == start:
+        return state
+    owner = work_source.clone_for_lane(0, lanes)._lane_for_chunk(index - 1)
+    clone = work_source.clone_for_lane(owner, lanes)
+    while int(clone.state_dict()["global_chunk_index"]) < index:
+        if clone.next_chunk() is None:
+            raise ValueError(f"the mixture ran out of data before global chunk {index}")
+    out = clone.state_dict()
+    if int(out["global_chunk_index"]) != index:  # the owner of chunk index-1 stops right after it
+        raise ZephonStateError(f"reached global chunk {out['global_chunk_index']}, not {index}: Zephon's chunk "
+                               "routing is not what zephon_ray.zephon_io expects")
+    return out
+
+
+def global_chunk_index(work_source: Any, lanes: int, start: int, positions: dict[int, int]) -> dict[int, int]:
+    """For each lane l in ``positions``, the global index of its ``positions[l]``-th chunk (0-based) of a pipeline
+    whose work source started at global chunk ``start``: Zephon routes global chunk g to one lane
+    (``_lane_for_chunk``, a pure function of the seed and g), and a lane numbers its chunks 0, 1, ... in order."""
+    router = work_source.clone_for_lane(0, lanes)
+    seen = {lane: 0 for lane in positions}
+    out: dict[int, int] = {}
+    g = start
+    # Every block of `lanes` chunks hands each lane one.
+    limit = start + lanes * (max(positions.values(), default=0) + 2)
+    while len(out) < len(positions):
+        if g > limit:
+            raise ZephonStateError(f"chunk routing did not reach lane positions {positions} by global chunk {g}")
+        lane = router._lane_for_chunk(g)
+        if lane in seen and lane not in out:
+            if seen[lane] == positions[lane]:
+                out[lane] = g
+            seen[lane] += 1
+        g += 1
+    return out
+
+
+def contributing_chunks(record: Any) -> list[tuple[int, tuple[int, ...]]]:
+    """``(lane chunk id, sample id)`` of every source record that contributed tokens to a packed row, from Zephon's
+    public ``SampleMeta.contribution_cursors()`` (a sample id is ``(dataset id, shard id, index in shard)``)."""
+    return [(int(c.chunk_id), tuple(int(x) for x in c.sample_id)) for c in record.meta.contribution_cursors()]
+
+
+def last_contributing_chunk(records: Any) -> int:
+    """The highest lane chunk id that any of ``records`` (packed rows of one lane) drew from; -1 for none."""
+    return max((c.chunk_id for rec in records for c in rec.meta.contribution_cursors()), default=-1)

@@ -58,8 +58,13 @@ def make_state(*, run_id: str | None, fingerprint: str, next_step: int, zephon: 
     }
 
 
-def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name: str) -> int:
-    """Validate a saved state against this run; return its ``next_step``. Raises :class:`LoaderStateError`."""
+def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name: str, recipe: Any = None) -> int:
+    """Validate a saved state against this run; return its ``next_step``. Raises :class:`LoaderStateError`.
+
+    With ``recipe`` (a :class:`~zephon_ray.recipe.Recipe`), the state's fingerprint is compared with
+    ``recipe.history_fingerprint(next_step)``: a recipe with mixture phases may change the phases that start at or after
+    the state's ``next_step`` (docs/recipes.md, "Mixture schedules"); ``make_state`` then takes that fingerprint too.
+    For a recipe without phases it is ``recipe.fingerprint``."""
     if not isinstance(state, dict):
         raise LoaderStateError(f"loader state must be a dict, got {type(state).__name__}")
     if KEY_VERSION not in state:
@@ -76,6 +81,13 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
     extra = sorted(str(k) for k in state if k not in STATE_KEYS)
     if extra:
         raise LoaderStateError(f"loader state has unknown key '{extra[0]}' (format {STATE_VERSION} has {STATE_KEYS})")
+    if recipe is not None:
+        step = state[KEY_NEXT_STEP]
+        if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+            fingerprint = recipe.history_fingerprint(step)
+            if state[KEY_FINGERPRINT] != fingerprint and recipe.phases:
+                raise LoaderStateError(
+                    f"loader state key '{KEY_FINGERPRINT}': " + _schedule_mismatch(state, recipe, step))
     if state[KEY_FINGERPRINT] != fingerprint:
         raise LoaderStateError(
             f"loader state key '{KEY_FINGERPRINT}': the checkpoint was written for recipe fingerprint "
@@ -98,6 +110,33 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
         raise LoaderStateError(f"loader state key '{KEY_LEDGER}' must be a ledger segment id (24 hex digits) or \"\", "
                                f"got {str(head)[:40]!r}")
     return step
+
+
+def _schedule_mismatch(state: dict, recipe: Any, step: int) -> str:
+    """Name the phase that differs: exactly from the schedule a local-mode Zephon state records, else from where the
+    saved fingerprint sits in the recipe's chain."""
+    try:
+        inner = json.loads(state[KEY_ZEPHON]) if state[KEY_ZEPHON] else None
+    except ValueError:
+        inner = None
+    if isinstance(inner, dict) and isinstance(inner.get("schedule"), list):
+        try:
+            recipe.check_history(inner["schedule"], step, what="the checkpoint")
+        except ValueError as exc:
+            return str(exc)
+    chain = list(recipe.schedule_fingerprints)
+    used = recipe.phase_index(max(step - 1, 0))
+    saved = state[KEY_FINGERPRINT]
+    if saved in chain and chain.index(saved) < used:
+        first = recipe.phases[chain.index(saved)]
+        return (f"phase '{first.name}' starts at step {first.start_step}, before step {step}, which the run has "
+                f"already produced without it; a resume at step {step} may only add phases starting at or after step "
+                f"{step}")
+    before = ", ".join(f"'{p.name}' (start_step {p.start_step})" for p in recipe.phases[:used]) or "none"
+    return (f"the checkpoint's schedule before step {step} (fingerprint {str(saved)[:12]}) is not "
+            f"{recipe.describe()}'s (its phases before step {step}: {before}): a resume at step {step} may only change "
+            f"phases starting at or "
+            f"after step {step}")
 
 
 def zephon_state(state: dict, *, next_step: int | None = None) -> dict[str, Any] | None:

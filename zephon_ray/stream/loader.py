@@ -373,8 +373,9 @@ class Loader:
             zephon = self._source.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT]
         elif self.config.mode == "local" and step > 0 and step == self._loaded_at:
             zephon = self._loaded_zephon
-        state = make_state(run_id=self.config.run_id, fingerprint=self.recipe.fingerprint, next_step=step,
-                           zephon=zephon, replayed_steps=self._replayed_steps(), ledger=self._ledger.seal(step))
+        state = make_state(run_id=self.config.run_id, fingerprint=self.recipe.history_fingerprint(step),
+                           next_step=step, zephon=zephon, replayed_steps=self._replayed_steps(),
+                           ledger=self._ledger.seal(step))
         if self.peers is not None:
             self.peers.share_object(state)
         return state
@@ -387,7 +388,7 @@ class Loader:
         with nothing saved)."""
         if isinstance(state, dict) and not state:
             return
-        step = check_state(state, run_id=self.config.run_id, fingerprint=self.recipe.fingerprint,
+        step = check_state(state, run_id=self.config.run_id, fingerprint=self.recipe.fingerprint, recipe=self.recipe,
                            recipe_name=str(self.recipe.path or "<recipe>"))
         if trainer_step is not None and trainer_step != step:
             raise LoaderStateError(f"loader state key 'next_step' is {step} but the trainer's checkpoint is at step "

@@ -1,0 +1,380 @@
+"""Mixture schedules keyed by step (issue 29): recipes/phased.toml and recipes derived from recipes/tiny.toml.
+
+What is checked, and against what:
+- the recipe: ``[[phases]]`` validation (one line naming the phase and key), the fingerprint chain;
+- steps before a boundary are byte-identical with and without the phase (tiny's goldens), and every step of the
+  three-phase recipe equals the committed goldens, which the independent oracle (tests/oracle.py, Zephon's public
+  API) computes in test_oracle.py;
+- no record (Zephon sample id) is drawn twice across a boundary within its source's epoch, while a naive restart at
+  the boundary (a fresh recipe with the new weights) does repeat records: the check can fail;
+- each phase's per-source token shares follow its weights (a zero weight gives no tokens at all);
+- random access and restores on either side of a boundary, and resumes that keep or rewrite the past;
+- the Zephon fence for the work-source state (zephon_io).
+The local loader at W = 2, 4 and 1 across boundaries runs by default; the service (2 producers) and the materialised
+path: test_service_and_materialised_runs_cross_the_boundaries (slow: a private Ray).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, TINY
+from zephon_ray import GlobalBatchSource, Recipe
+from zephon_ray.lanes import LaneStepper, StepStateError
+from zephon_ray.recipe import RecipeError
+from zephon_ray.source import assemble
+
+PHASED = ROOT / "recipes" / "phased.toml"
+GOLDEN = json.loads((ROOT / "tests" / "golden" / "phased.json").read_text())["digests"]
+TINY_GOLDEN = json.loads((ROOT / "tests" / "golden" / "tiny.json").read_text())["digests"]
+DATA = ROOT / "recipes" / "data" / "tiny"
+
+
+def phased_text(phases: str, weights: tuple[float, float] = (0.6, 0.4)) -> str:
+    """recipes/tiny.toml with absolute source paths, the given source weights and ``phases`` appended."""
+    text = TINY.read_text().replace('"data/tiny/', f'"{DATA}/')
+    text = text.replace("weight = 0.6", f"weight = {weights[0]}").replace("weight = 0.4", f"weight = {weights[1]}")
+    return text + "\n" + phases
+
+
+def load(tmp_path: Path, text: str, name: str = "r.toml") -> Recipe:
+    path = tmp_path / name
+    path.write_text(text)
+    return Recipe.from_toml(path)
+
+
+def phase(name: str, start: int, **weights: float) -> str:
+    table = ", ".join(f"{k} = {v}" for k, v in weights.items())
+    return f'[[phases]]\nname = "{name}"\nstart_step = {start}\nweights = {{ {table} }}\n'
+
+
+def run(recipe: Recipe, steps: int) -> tuple[list, list[dict[int, list]]]:
+    """Batches 0..steps-1 from one LaneStepper, and per step each lane's contributing sample ids."""
+    stepper = LaneStepper(recipe)
+    stepper.record_contributors = True
+    try:
+        batches, contributors = [], []
+        for step in range(steps):
+            batches.append(assemble(recipe, step, stepper.next_step()))
+            contributors.append({lane: list(ids) for lane, ids in stepper.contributors.items()})
+        return batches, contributors
+    finally:
+        stepper.close()
+
+
+# ---------------------------------------------------------------------- the recipe
+BAD_PHASES = [
+    ("start at 0", phase("a", 0, prose=1.0), "'phases[0].start_step'"),
+    ("not increasing", phase("a", 4, prose=1.0) + phase("b", 4, code=1.0), "'phases[1].start_step'"),
+    ("unknown source", phase("a", 4, poetry=1.0), "'phases[0].weights.poetry'"),
+    ("negative weight", phase("a", 4, prose=-1.0), "'phases[0].weights.prose'"),
+    ("all zero", phase("a", 4, prose=0.0), "'phases[0].weights'"),
+    ("duplicate name", phase("a", 4, prose=1.0) + phase("a", 6, code=1.0), "'phases[1].name'"),
+    ("unknown key", phase("a", 4, prose=1.0).replace("start_step", "start"), "'phases[0].start'"),
+]
+
+
+@pytest.mark.parametrize("what,phases,needle", BAD_PHASES, ids=[b[0] for b in BAD_PHASES])
+def test_bad_phases_raise_one_clear_error(tmp_path, what, phases, needle):
+    with pytest.raises(RecipeError) as info:
+        load(tmp_path, phased_text(phases))
+    message = str(info.value)
+    assert needle in message and "\n" not in message, message
+
+
+def test_a_phase_cannot_add_a_source_but_names_the_way(tmp_path):
+    """Zephon refuses a checkpoint whose dataset set differs ("Checkpoint dataset_ids do not match"), so the set of
+    sources is fixed for the run: a source that joins later is declared with weight 0."""
+    with pytest.raises(RecipeError, match="declare it in \\[\\[sources\\]\\] with weight 0"):
+        load(tmp_path, phased_text(phase("a", 4, poetry=1.0)))
+
+
+def test_fingerprint_chain(tmp_path):
+    tiny = Recipe.from_toml(TINY)
+    phased = Recipe.from_toml(PHASED)
+    assert phased.base_fingerprint == tiny.fingerprint == tiny.base_fingerprint  # the past before the first phase
+    assert phased.fingerprint != tiny.fingerprint and len(set(phased.schedule_fingerprints)) == 3
+    assert [phased.history_fingerprint(t) for t in (0, 1, 2, 3, 4, 5)] == [
+        phased.schedule_fingerprints[i] for i in (0, 0, 0, 1, 1, 2)]
+    moved = load(tmp_path, PHASED.read_text().replace("start_step = 4", "start_step = 5").replace(
+        '"data/tiny/', f'"{DATA}/'))
+    assert moved.schedule_fingerprints[:2] == phased.schedule_fingerprints[:2]
+    assert moved.fingerprint != phased.fingerprint
+
+
+# ---------------------------------------------------------------------- the batches
+def test_every_step_matches_the_goldens_and_the_past_is_unchanged():
+    """Steps 0..5 of recipes/phased.toml (boundaries at 2 and 4) equal the oracle's goldens; steps before the first
+    boundary equal recipes/tiny.toml's goldens (the same recipe without phases)."""
+    batches, _ = run(Recipe.from_toml(PHASED), len(GOLDEN))
+    assert [b.digest for b in batches] == [GOLDEN[str(s)] for s in range(len(GOLDEN))]
+    assert [b.digest for b in batches[:2]] == [TINY_GOLDEN["0"], TINY_GOLDEN["1"]]
+    assert batches[2].digest != TINY_GOLDEN["2"]
+
+
+def test_a_later_phase_changes_no_earlier_step(tmp_path, reference_digests):
+    recipe = load(tmp_path, phased_text(phase("late", 7, code=1.0)))
+    batches, _ = run(recipe, 9)
+    assert [b.digest for b in batches[:7]] == reference_digests[:7]
+    assert [b.digest for b in batches[7:]] != reference_digests[7:9]
+
+
+def distinct_draws(contributors: list[dict[int, list]], lanes: int) -> list[tuple[int, ...]]:
+    """Each record once per draw: a record that wrap packing cut across rows shows up in consecutive rows of one
+    lane (across steps too), which is one draw."""
+    draws = []
+    for lane in range(lanes):
+        previous = None
+        for step in contributors:
+            for sample in step[lane]:
+                if sample != previous:
+                    draws.append(tuple(sample))
+                previous = sample
+    return draws
+
+
+def source_sizes(recipe: Recipe) -> dict[int, int]:
+    return {i: sum(s.rows for s in src.shards) for i, src in enumerate(recipe.sources)}
+
+
+@pytest.mark.parametrize("boundaries", [(2, 5)], ids=["two"])
+def test_no_record_repeats_across_the_boundary(tmp_path, boundaries):
+    """Counted per source by Zephon sample id over a window shorter than each source's epoch (asserted), so every
+    record may be drawn at most once. A naive switch (a fresh run with the new weights from the boundary on) repeats
+    records in the same window: the check can fail."""
+    phases = "".join(phase(f"p{i}", start, prose=0.5, code=0.5) for i, start in enumerate(boundaries))
+    recipe = load(tmp_path, phased_text(phases))
+    steps = boundaries[-1] + 3
+    _, contributors = run(recipe, steps)
+    draws = distinct_draws(contributors, recipe.lanes)
+    sizes = source_sizes(recipe)
+    for source, size in sizes.items():
+        mine = [d for d in draws if d[0] == source]
+        assert len(mine) < size, f"window too long for source {source}: {len(mine)} draws of {size} records"
+        assert len(set(mine)) == len(mine), f"source {source}: a record drawn twice"
+    assert {d[0] for d in draws[-len(draws) // 3:]} == {0, 1}
+
+    # The naive switch: steps before the boundary from the unphased recipe, then a fresh run of the new weights.
+    fresh = load(tmp_path, phased_text("", weights=(0.5, 0.5)), "fresh.toml")
+    _, before = run(load(tmp_path, phased_text(""), "base.toml"), boundaries[0])
+    _, after = run(fresh, steps - boundaries[0])
+    naive = distinct_draws(before + after, recipe.lanes)
+    assert len(set(naive)) < len(naive)
+
+
+def test_each_phase_follows_its_weights(tmp_path):
+    recipe = load(tmp_path, phased_text(phase("code", 6, prose=0.1, code=0.9) + phase("prose", 12, prose=1.0)))
+    batches, _ = run(recipe, 18)
+
+    def share(lo: int, hi: int) -> float:
+        prose = sum(b.source_tokens["prose"] for b in batches[lo:hi])
+        return prose / sum(sum(b.source_tokens.values()) for b in batches[lo:hi])
+
+    # Whole chunks of 8 records are drawn by weight, and records differ in length: shares converge loosely.
+    assert 0.45 < share(0, 6) < 0.85
+    assert share(7, 12) < 0.3  # the first step after a boundary may still finish records cut by packing
+    assert all(b.source_tokens["code"] == 0 for b in batches[13:])  # weight 0: nothing at all
+
+
+def test_a_source_joins_later_with_weight_zero(tmp_path):
+    recipe = load(tmp_path, phased_text(phase("join", 3, prose=0.5, code=0.5), weights=(1.0, 0.0)))
+    batches, _ = run(recipe, 6)
+    assert all(b.source_tokens["code"] == 0 for b in batches[:3])
+    assert sum(b.source_tokens["code"] for b in batches[3:]) > 0
+
+
+def test_random_access_and_restores_across_the_boundary():
+    recipe = Recipe.from_toml(PHASED)
+    stepper = LaneStepper(recipe)
+    states, want = {}, []
+    for step in range(7):
+        states[step] = stepper.checkpoint() if stepper.position else None
+        want.append(assemble(recipe, step, stepper.next_step()).digest)
+    stepper.close()
+    assert want[:6] == [GOLDEN[str(s)] for s in range(6)]
+    for at in (1, 4, 5):  # before both boundaries, at the second one (2 and 4), after both
+        resumed = LaneStepper(recipe)
+        resumed.restore(json.loads(json.dumps(states[at])))
+        assert [assemble(recipe, s, resumed.next_step()).digest for s in range(at, 7)] == want[at:], at
+        resumed.close()
+    with GlobalBatchSource(recipe, checkpoint_every=2, anchor_every=2, cache_steps=1) as source:
+        for step in (5, 3):  # step 3 behind: a restore at 2 (in 'main'), then a replay
+            assert source.batch(step).digest == want[step], step
+
+
+def test_resume_refuses_a_rewritten_past(tmp_path):
+    """A state at next_step t accepts a recipe whose phases starting before t are unchanged, whatever it does from t
+    on; a rewritten, added or removed earlier phase is one line naming the phase and the step."""
+    text = PHASED.read_text().replace('"data/tiny/', f'"{DATA}/')
+    recipe = load(tmp_path, text)
+    stepper = LaneStepper(recipe)
+    for _ in range(3):
+        stepper.next_step()
+    state = stepper.checkpoint()  # next_step 3: 'main' (start 2) is the past, 'anneal' (start 4) the future
+    stepper.close()
+
+    rewritten = load(tmp_path, text.replace("prose = 0.2, code = 0.8", "prose = 0.3, code = 0.7"), "a.toml")
+    added = load(tmp_path, text.replace("start_step = 2", "start_step = 1"), "b.toml")
+    removed = load(tmp_path, text.split("[[phases]]")[0], "c.toml")
+    for other, needle in ((rewritten, "phase 'main' (start_step 2) differs"), (added, "phase 'main'"),
+                          (removed, "phase 'main' (start_step 2) produced steps before step 3")):
+        with pytest.raises(StepStateError) as info:
+            LaneStepper(other).restore(state)
+        message = str(info.value)
+        assert needle in message and "step 3" in message and "\n" not in message, message
+
+    future = load(tmp_path, text.replace("start_step = 4", "start_step = 5").replace("prose = 1.0 }", "code = 1.0 }"),
+                  "d.toml")
+    resumed = LaneStepper(future)
+    resumed.restore(state)
+    batches = [assemble(future, s, resumed.next_step()) for s in range(3, 6)]
+    resumed.close()
+    fresh, _ = run(future, 6)
+    assert [b.digest for b in batches] == [b.digest for b in fresh[3:6]]
+    assert batches[1].digest != GOLDEN["4"]  # step 4 is still in 'main' under this recipe, not in 'anneal'
+    assert batches[2].source_tokens["prose"] == 0  # the new future phase
+
+
+def test_zephon_state_format_fence():
+    """Fails loudly, naming the key or attribute, when a Zephon release changes what the phases rely on."""
+    from zephon.work import StaticMixtureWorkSource
+
+    from zephon_ray import zephon_io
+    from zephon_ray.pipeline import build_work_source
+
+    for name in zephon_io.FENCED_WORK_SOURCE_ATTRS:
+        assert name in ("_lane", "_canon") or hasattr(StaticMixtureWorkSource, name), name
+    recipe = Recipe.from_toml(PHASED)
+    work = build_work_source(recipe)
+    assert work._lane is None and work._canon is None  # the unbound binding load_work_source_state sets and clears
+    state = work.state_dict()
+    for key in zephon_io.WORK_SOURCE_STATE_KEYS:
+        assert key in state, f"Zephon's work-source state lost key {key!r}"
+    at = zephon_io.work_source_state_at(work, recipe.lanes, 13)
+    assert at["global_chunk_index"] == 13 and state["global_chunk_index"] == 0
+    broken = {k: v for k, v in at.items() if k != "cursor_states"}
+    with pytest.raises(zephon_io.ZephonStateError, match="no key 'cursor_states'"):
+        zephon_io.load_work_source_state(build_work_source(recipe), broken)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_service_and_materialised_runs_cross_the_boundaries(ray_cluster, tmp_path):
+    """The three-phase recipe's goldens through the service (2 producers, which exchange their lanes' last chunks
+    through the service's TCPStore; slices at W = 2 and W = 4, and step 1 again after step 5: a replay from a
+    durable checkpoint) and a materialised directory (2 lane groups)."""
+    from zephon_ray import DataService, MaterializedSource
+    from zephon_ray.jobs.materialize import materialize
+
+    recipe = Recipe.from_toml(PHASED)
+    want = [GOLDEN[str(s)] for s in range(len(GOLDEN))]
+    service = DataService.start(recipe, name="zr-phases", namespace="zr-phases", producers=2,
+                                state_dir=str(tmp_path / "state"), checkpoint_every=2,
+                                run_id="zr-phases", aggregate_store="torch://")
+    try:
+        import numpy as np
+
+        from zephon_ray.batch import compute_digest
+
+        for step in list(range(len(want))) + [1, 3]:
+            world = 2 if step % 2 == 0 else 4
+            tokens = np.concatenate([service.slice(step, r, world).tokens for r in range(world)])
+            positions = np.concatenate([service.slice(step, r, world).positions for r in range(world)])
+            assert compute_digest(tokens, positions) == want[step], step
+    finally:
+        service.stop()
+    out = tmp_path / "materialised"
+    materialize(recipe, out, range(len(want)), producers=2, segment_steps=3, progress=False)
+    with MaterializedSource(out, recipe=recipe) as source:
+        assert [source.digest(s) for s in range(len(want))] == want
+        assert [source.batch(s).digest for s in range(len(want))] == want
+
+
+def _local_readers(config, world: int, state: dict | None, steps: int) -> tuple[list[str], dict]:
+    """W local-mode readers (threads: their checkpoints are collective) load ``state`` and read ``steps`` steps;
+    returns each step's digest of the joined slices and the (identical) states they take afterwards."""
+    import threading
+
+    import numpy as np
+
+    from zephon_ray.batch import compute_digest
+    from zephon_ray.stream.loader import Loader
+
+    loaders = [Loader(config, rank=r, world=world, local_batch_size=16 // world) for r in range(world)]
+    slices: list[list] = [[] for _ in range(world)]
+    states: list = [None] * world
+    errors: list = []
+
+    def read(r: int) -> None:
+        try:
+            if state is not None:
+                loaders[r].load_state_dict(json.loads(json.dumps(state)))
+            it = iter(loaders[r])
+            for _ in range(steps):
+                slices[r].append(next(it).slice)
+            states[r] = loaders[r].state_dict()
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+        finally:
+            loaders[r].close()
+
+    threads = [threading.Thread(target=read, args=(r,)) for r in range(world)]
+    [t.start() for t in threads]
+    [t.join(300) for t in threads]
+    if errors:
+        raise errors[0]
+    assert all(s == states[0] for s in states)
+    digests = [compute_digest(np.concatenate([p.tokens for p in parts]), np.concatenate([p.positions for p in parts]))
+               for parts in zip(*slices)]
+    return digests, json.loads(json.dumps(states[0]))
+
+
+def test_local_loader_crosses_the_boundaries_at_every_w(tmp_path):
+    """The trainer-side loader in local mode (each rank runs Zephon for its own lanes; TorchTitan's and Ray Train's
+    in-process path): W = 2 for steps 0..2 (across the boundary at 2), a saved state in the 'main' phase, W = 4 for
+    steps 3..4 (across the boundary at 4), then W = 1 for step 5. Every step equals the goldens. The ranks exchange
+    their lanes' last chunks through the aggregate directory at the boundaries and checkpoints."""
+    from zephon_ray.stream.loader import LoaderConfig
+
+    def config(segment: int) -> LoaderConfig:
+        return LoaderConfig(recipe=str(PHASED), mode="local", run_id="phases", checkpoint_every=1,
+                            aggregate_dir=str(tmp_path / f"agg-{segment}"))
+
+    digests, state = _local_readers(config(0), 2, None, 3)
+    assert state["next_step"] == 3
+    assert len(list((tmp_path / "agg-0").rglob("boundary-*/group-*.json"))) == 2  # the exchange at step 2
+    assert sorted(json.loads(state["zephon"])["segment"]["last_chunk"]) == [str(lane) for lane in range(8)]
+    more, state = _local_readers(config(1), 4, state, 2)
+    last, state = _local_readers(config(2), 1, state, 1)
+    assert digests + more + last == [GOLDEN[str(s)] for s in range(6)]
+    assert state["next_step"] == 6
+
+
+def test_loader_resume_keeps_the_past_and_accepts_a_new_future(tmp_path):
+    """The trainer-side loader state (local mode, W = 1) saved at step 3: a recipe that moves and rewrites the future
+    phase 'anneal' resumes (and gives that recipe's steps), one that rewrites the past phase 'main' is one line naming
+    it and the step."""
+    from zephon_ray.formats.loader_state import LoaderStateError
+    from zephon_ray.stream.loader import LoaderConfig
+
+    text = PHASED.read_text().replace('"data/tiny/', f'"{DATA}/')
+    (tmp_path / "phased.toml").write_text(text)
+    (tmp_path / "future.toml").write_text(text.replace("start_step = 4", "start_step = 5").replace(
+        "prose = 1.0 }", "code = 1.0 }"))
+    (tmp_path / "past.toml").write_text(text.replace("prose = 0.2, code = 0.8", "prose = 0.3, code = 0.7"))
+
+    def config(name: str) -> LoaderConfig:
+        return LoaderConfig(recipe=str(tmp_path / name), mode="local", run_id="resume", checkpoint_every=1)
+
+    _, state = _local_readers(config("phased.toml"), 1, None, 3)
+    resumed, _ = _local_readers(config("future.toml"), 1, state, 3)
+    fresh, _ = run(Recipe.from_toml(tmp_path / "future.toml"), 6)
+    assert resumed == [b.digest for b in fresh[3:]]
+    assert resumed[:1] == [GOLDEN["3"]] and resumed[1] != GOLDEN["4"]
+    with pytest.raises(LoaderStateError) as info:
+        _local_readers(config("past.toml"), 1, state, 1)
+    message = str(info.value)
+    assert "phase 'main' (start_step 2) differs" in message and "step 3" in message and "\n" not in message, message

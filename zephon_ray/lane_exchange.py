@@ -1,0 +1,80 @@
+"""All-gather of small JSON values between the lane groups of one run, over the channel their Zephon checkpoints
+already use (``LaneGroup.aggregate_store``: a c10d TCPStore; or ``aggregate_dir``: a shared directory or URI).
+
+Used at mixture-phase boundaries and checkpoints (:mod:`zephon_ray.lanes`, "Phases"), where every group needs every
+lane's last contributing chunk. Guarantee: ``gather(group, key, value)`` returns every group's value for ``key``, in
+group order, or raises :class:`ExchangeError` naming the key and the groups missing after
+``group.aggregate_timeout_s``. Keys must name values that are a pure function of the run (the phases' are), so a key
+left over from an earlier attempt (a restart replaying the same boundary) holds the same value and is harmless:
+nothing is ever deleted. Limits: every group must call it with the same key (the lane groups of a run step in
+lock-step, as their collective Zephon checkpoints require); the directory channel polls every 20 ms.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+from zephon_ray import files
+from zephon_ray.pipeline import LaneGroup
+
+PREFIX = "zephon-ray-lanes"
+POLL_S = 0.02
+
+
+class ExchangeError(RuntimeError):
+    """A lane group's value did not arrive in time; the message names the key and the groups."""
+
+
+def gather(group: LaneGroup, key: str, value: Any) -> list[Any]:
+    if group.count == 1:
+        return [value]
+    name = f"{PREFIX}/{group.run_id}/{key}"
+    if group.aggregate_store is not None:
+        return _gather_store(group, name, value)
+    return _gather_dir(group, name, value)
+
+
+def _store_address(spec: str) -> tuple[str, int]:
+    rest = spec[len("torch://"):] if spec.startswith("torch://") else spec
+    if not rest:
+        return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    host, _, port = rest.rpartition(":")
+    return host, int(port)
+
+
+def _gather_store(group: LaneGroup, name: str, value: Any) -> list[Any]:
+    from torch.distributed import TCPStore
+
+    host, port = _store_address(group.aggregate_store or "")
+    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=group.aggregate_timeout_s))
+    store.set(f"{name}/{group.index}", json.dumps(value))
+    out = []
+    for index in range(group.count):
+        try:
+            out.append(json.loads(store.get(f"{name}/{index}")))
+        except Exception as exc:  # c10d raises its own timeout types
+            raise ExchangeError(f"lane group {index} of {group.count} sent no '{name}' within "
+                                f"{group.aggregate_timeout_s:g} s ({type(exc).__name__})") from None
+    return out
+
+
+def _gather_dir(group: LaneGroup, name: str, value: Any) -> list[Any]:
+    base = files.location(group.aggregate_dir or "").join(name)
+    files.write_json(base.join(f"group-{group.index}.json"), value, compact=True)
+    deadline = time.monotonic() + group.aggregate_timeout_s
+    out: dict[int, Any] = {}
+    while True:
+        for index in range(group.count):
+            if index not in out and files.exists(base.join(f"group-{index}.json")):
+                out[index] = json.loads(files.read_bytes(base.join(f"group-{index}.json"), limit=1 << 20))
+        if len(out) == group.count:
+            return [out[i] for i in range(group.count)]
+        if time.monotonic() > deadline:
+            missing = sorted(set(range(group.count)) - set(out))
+            raise ExchangeError(f"lane groups {missing} of {group.count} wrote no '{name}' under "
+                                f"{group.aggregate_dir} within {group.aggregate_timeout_s:g} s")
+        time.sleep(POLL_S)
