@@ -179,9 +179,9 @@ def service(case, ray_cluster, tmp_path_factory):
     from zephon_ray import DataService
 
     name = f"oracle-{case['name']}"
+    # 2 producers with the defaults: run_id = the name, a TCPStore the service hosts
     svc = DataService.start(str(case["path"]), name=name, namespace=NS, producers=2, window=4, checkpoint_every=4,
-                            aggregate_store="torch://", run_id=name, consumer="oracle-test",
-                            state_dir=tmp_path_factory.mktemp(name) / "state")
+                            consumer="oracle-test", state_dir=tmp_path_factory.mktemp(name) / "state")
     try:
         yield svc
     finally:

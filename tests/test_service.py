@@ -59,7 +59,11 @@ def _live_pids(svc, timeout=60.0):
         time.sleep(0.2)
 
 
-@pytest.mark.parametrize("producers, aggregate", [(1, None), (2, "hosted-store"), (2, "external-store"), (2, "dir")])
+@pytest.mark.parametrize("producers, aggregate", [
+    (1, None),
+    # the default aggregation: tests/test_oracle.py::test_service_two_producers_slices_joined runs it in the default suite
+    pytest.param(2, "hosted-store", marks=pytest.mark.slow),
+    (2, "external-store"), (2, "dir")])
 def test_digests_and_slices_match_reference(ray_cluster, tiny_recipe, reference_digests, tmp_path, producers,
                                              aggregate):
     kw, store = {}, None
