@@ -159,14 +159,20 @@ class ZephonRayDataLoader(BaseDataLoader):
         each step is read through :class:`zephon_ray.stream.ft.FtSlices` after the quorum (the trainer's
         ``optimizers.zero_grad()`` starts it), as ``slice(step, p x dp + r, P x dp)`` of ``manager.current_step()``
         for the P live groups, cut into the trainer's fixed ``microbatches_per_step``. Service or dataset mode only.
-        Shown by ``examples/torchtitan_torchft.py``."""
+        Shown by ``examples/torchtitan_torchft.py``.
+
+        No ledger on this route: FtSlices records a step when the loop confirms it (``FtSlices.commit``), and
+        TorchTitan's FaultTolerantTrainer steps its optimizer inside torchft's ``OptimizerWrapper`` without telling
+        the loader whether ``should_commit()`` passed, so the ledger is off here (``ledger_dir`` is ignored)."""
+        from dataclasses import replace
+
         from zephon_ray.stream.ft import FtSlices
 
         size = check_int("use_torchft: group_size", group_size, low=1)
         if self.dp_world_size % size:
             raise ValueError(f"use_torchft: group_size {size} does not divide dp_world_size {self.dp_world_size}")
         dp = self.dp_world_size // size
-        self._ft = FtSlices(self.core.config, manager=manager, dp=dp, dp_rank=self.dp_rank % dp,
+        self._ft = FtSlices(replace(self.core.config, ledger_dir=None), manager=manager, dp=dp, dp_rank=self.dp_rank % dp,
                             microbatches=self.microbatches_per_step, recipe=self.recipe)
 
     def _ft_steps(self) -> Iterator[StepBatch]:
