@@ -124,6 +124,7 @@ class ZephonRayDataLoader(BaseDataLoader):
         self.dp_world_size, self.dp_rank, self.local_batch_size = world, rank, lbs
         self._partial = 0
         self._ft: Any = None
+        self._trainer_step: int | None = None
 
     # ------------------------------------------------------------------ what the core knows
     @property
@@ -151,7 +152,24 @@ class ZephonRayDataLoader(BaseDataLoader):
     # ------------------------------------------------------------------ iteration
     def steps(self) -> Iterator[StepBatch]:
         """Whole steps, each with its RankSlice (``StepBatch``): what :meth:`__iter__` cuts into microbatches."""
+        self._check_trainer_step()
         return iter(self.core) if self._ft is None else self._ft_steps()
+
+    def expect_trainer_step(self, step: int) -> None:
+        """The trainer restored its weights at ``step`` (``ZephonTrainer.load_state_dict`` calls this): before the
+        first batch, a ``next_step`` other than ``step`` is one LoaderStateError naming both. Checked lazily, so it
+        holds whichever of the trainer's and the loader's states DCP loads first, and when the loader's is not
+        loaded at all."""
+        self._trainer_step = check_int("expect_trainer_step: step", step, low=0)
+
+    def _check_trainer_step(self) -> None:
+        trainer, self._trainer_step = self._trainer_step, None
+        loader = self.core.next_step
+        if trainer is not None and trainer != loader:
+            raise LoaderStateError(
+                f"the trainer's checkpoint is at step {trainer} but the data loader's next_step is {loader}: "
+                f"resuming would {'skip' if loader > trainer else 'repeat'} {abs(loader - trainer)} step(s); load the "
+                "loader state saved with those weights (is 'dataloader' in checkpoint.exclude_from_loading?)")
 
     def use_torchft(self, manager: Any, *, group_size: int) -> None:
         """Per-step elasticity under TorchTitan's torchft trainer (``torchtitan.experiments.torchft``), which builds
