@@ -19,6 +19,14 @@ checkpoint: the step is the state, and the model comes from a peer, as torchft h
 digest equals the reference, final weights equal the failure-free run's) and ``tests/test_ft.py`` (one kill and one
 rejoin in the default suite).
 
+Ledger (``config.ledger_dir`` and ``run_id``; :class:`~zephon_ray.stream.ledger.FtLedger`): call
+``slices.commit(step)`` after the optimizer step that ``should_commit()`` allowed, and put ``slices.state_dict()`` in
+the Manager's ``state_dict`` (``slices.load_state_dict`` in its ``load_state_dict``) so a healing group continues
+the lineage. Only committed steps enter the ledger, one segment per step at its W; a step served again is recorded
+with its attempt number; an attempt applied though torchft rejected it is recorded as trained twice; a request for
+a step other than the one last served or the one after is one :class:`~zephon_ray.stream.ledger.FtLedgerError`
+line (``tests/test_ft.py``, docs/audit.md).
+
 Prefetch assumes the membership stays as it is: one prefetch thread (:mod:`zephon_ray.stream.prefetch`) reads the
 next ``depth`` steps at the current (rank, world); when the quorum changes the membership, the source for the new
 (rank, world) is reset at the current step and fetches again. The cost of the membership check itself (reading the
