@@ -21,7 +21,9 @@ digest (the participants' slices, gathered and joined in participant order), and
     identical global batches: YES|NO          (every committed step against GlobalBatchSource's digests)
     final weights equal the failure-free run: YES|NO (max abs diff X)
 
-It exits 1 on NO. ``--sampler torchft`` replaces FtSlices by torchft's ``DistributedSampler`` over a map-style view
+It exits 1 on NO. ``--ledger DIR``: every group's FtSlices writes the churned run's ledger there (``commit`` after
+each committed optimizer step; the ledger head travels in the state torchft heals a group with), and the run ends
+with ``zephon-ray audit`` of it against the recipe's rows; a finding exits 1 too. ``--sampler torchft`` replaces FtSlices by torchft's ``DistributedSampler`` over a map-style view
 of the same rows (sharded over the maximum group count, as torchft documents it) and reports the rows it lost or
 repeated; it prints NO by design. Default recipe: recipes/elastic.toml (B = 24 rows). Any P up to B works: at a P that
 does not divide B the groups hold different row counts, and each scales its summed token loss by
@@ -165,7 +167,7 @@ def replica(args: argparse.Namespace) -> int:
             for param in model.parameters():
                 manager.allreduce(param.grad).wait()
             committed = manager.should_commit()
-            if committed or g in args.apply_rejected:  # --apply-rejected: the bug of a loop that ignores the vote
+            if committed:
                 optim.step()
                 if source is not None:
                     source.commit(step)  # the ledger: this group applied this step
@@ -239,9 +241,6 @@ def _spawn(args: argparse.Namespace, work: Path, group: int, life: int, lighthou
     cmd = [sys.executable, str(Path(__file__).resolve()), "--replica", "--group", str(group), "--life", str(life),
            "--work", str(work), "--lighthouse", lighthouse, "--recipe", args.recipe, "--steps", str(args.steps),
            "--groups", str(args.groups), "--sampler", args.sampler, "--source", args.source]
-    if extra.get("ledger"):
-        for g in args.apply_rejected:
-            cmd += ["--apply-rejected", str(g)]
     for s in die_at:
         cmd += ["--die-at", str(s)]
     for key, value in extra.items():
@@ -403,8 +402,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the summary here")
     parser.add_argument("--ledger", default=None, help="FtSlices write the churned run's ledger here; the run ends "
                         "with `zephon-ray audit` of it")
-    parser.add_argument("--apply-rejected", type=int, action="append", default=[], metavar="G",
-                        help="group G applies every attempt, also those torchft rejected (a fault the audit names)")
     # replica-process arguments (internal)
     parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--group", type=int, help=argparse.SUPPRESS)
