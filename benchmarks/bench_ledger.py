@@ -15,8 +15,13 @@ over 3 rounds; and ``slice_digest`` of the same slice timed on its own, as a sha
 
 Part 3, audit: a synthetic ledger of ``--audit-steps`` steps at W = ``--audit-world`` written through
 ``formats.ledger.write_part`` (a segment every ``--save-every`` steps, as a trainer saving that often writes it), then
-read back and audited (structure only: no reference rows) as ``zephon-ray audit LEDGER`` does. Prints a table and one
-JSON line (prefixed ``RESULT``).
+read back and audited (structure only: no reference rows) as ``zephon-ray audit LEDGER`` does.
+
+Part 4, torchft: ``--ft-world`` readers' ``stream.ledger.FtLedger`` (what ``FtSlices`` uses) serve and commit
+``--ft-steps`` steps, each commit writing the reader's part of that step's segment (one file per step per reader):
+the commit time per step, the bytes per step per reader, and the audit of that ledger (read + check).
+
+Prints a table and one JSON line (prefixed ``RESULT``).
 """
 
 from __future__ import annotations
@@ -153,12 +158,40 @@ def audit_cost(steps: int, world: int, every: int) -> dict:
             "check_s": check_s, "audit_s": read_s + check_s}
 
 
+def ft_cost(steps: int, world: int) -> dict:
+    from zephon_ray.jobs import audit
+    from zephon_ray.stream.ledger import FtLedger
+
+    with tempfile.TemporaryDirectory() as work:
+        readers = [FtLedger(run_id="bench", fingerprint="f" * 64, ledger_dir=work) for _ in range(world)]
+        commit_s = 0.0
+        for step in range(steps):
+            for rank, reader in enumerate(readers):
+                reader.served(step, rank, world, hashlib.sha256(f"{step} {rank}".encode()).hexdigest()[:32])
+                t0 = time.perf_counter()
+                reader.commit(step)
+                commit_s += time.perf_counter() - t0
+        size = sum(p.stat().st_size for p in Path(work).rglob("*.json"))
+        t0 = time.perf_counter()
+        segments = audit.read_ledger(work)
+        read_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        report = audit.audit(segments, audit.find_head(segments))
+        check_s = time.perf_counter() - t0
+        assert report.clean and report.next_step == steps, report.findings[:3]
+    return {"steps": steps, "world": world, "files": steps * world, "bytes_per_step_per_reader": size / (steps * world),
+            "commit_ms_per_step": 1e3 * commit_s / (steps * world), "read_s": read_s, "check_s": check_s,
+            "audit_s": read_s + check_s}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--audit-steps", type=int, default=100_000)
     parser.add_argument("--audit-world", type=int, default=8)
     parser.add_argument("--save-every", type=int, default=1000)
+    parser.add_argument("--ft-steps", type=int, default=2000)
+    parser.add_argument("--ft-world", type=int, default=3)
     args = parser.parse_args()
 
     costs = hash_costs()
@@ -178,7 +211,11 @@ def main() -> None:
           f"{cost['bytes'] / 1e6:.1f} MB, {cost['bytes_per_step_per_rank']:.1f} bytes per step per rank): "
           f"read {cost['read_s']:.2f} s + check {cost['check_s']:.2f} s = {cost['audit_s']:.2f} s "
           f"(writing it took {cost['write_s']:.2f} s)")
-    print("RESULT " + json.dumps({"hash_ms": costs, "step": share, "audit": cost}))
+    ft = ft_cost(args.ft_steps, args.ft_world)
+    print(f"\ntorchft (FtLedger): {ft['steps']} committed steps at W={ft['world']} ({ft['files']} files): "
+          f"{ft['commit_ms_per_step']:.2f} ms per commit per reader, {ft['bytes_per_step_per_reader']:.0f} bytes per "
+          f"step per reader; audit read {ft['read_s']:.2f} s + check {ft['check_s']:.2f} s = {ft['audit_s']:.2f} s")
+    print("RESULT " + json.dumps({"hash_ms": costs, "step": share, "audit": cost, "torchft": ft}))
 
 
 if __name__ == "__main__":

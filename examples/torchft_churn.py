@@ -21,7 +21,9 @@ digest (the participants' slices, gathered and joined in participant order), and
     identical global batches: YES|NO          (every committed step against GlobalBatchSource's digests)
     final weights equal the failure-free run: YES|NO (max abs diff X)
 
-It exits 1 on NO. ``--sampler torchft`` replaces FtSlices by torchft's ``DistributedSampler`` over a map-style view
+It exits 1 on NO. ``--ledger DIR``: every group's FtSlices writes the churned run's ledger there (``commit`` after
+each committed optimizer step; the ledger head travels in the state torchft heals a group with), and the run ends
+with ``zephon-ray audit`` of it against the recipe's rows; a finding exits 1 too. ``--sampler torchft`` replaces FtSlices by torchft's ``DistributedSampler`` over a map-style view
 of the same rows (sharded over the maximum group count, as torchft documents it) and reports the rows it lost or
 repeated; it prints NO by design. Default recipe: recipes/elastic.toml (B = 24 rows). Any P up to B works: at a P that
 does not divide B the groups hold different row counts, and each scales its summed token loss by
@@ -88,10 +90,20 @@ def replica(args: argparse.Namespace) -> int:
     def load_state(state):
         model.load_state_dict(state["model"])
         optim.load_state_dict(state["optim"])
+        if source is not None:  # the ledger head travels with the model when torchft heals this group
+            source.load_state_dict(state["data"])
+
+    def state_dict():
+        state = {"model": model.state_dict(), "optim": optim.state_dict()}
+        if source is not None:
+            state["data"] = source.state_dict()
+        return state
+
+    source = None
 
     manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), min_replica_size=1,
                       load_state_dict=load_state,
-                      state_dict=lambda: {"model": model.state_dict(), "optim": optim.state_dict()},
+                      state_dict=state_dict,
                       replica_id=f"group_{g}", lighthouse_addr=args.lighthouse, store_addr="127.0.0.1",
                       store_port=store.port, rank=0, world_size=1, use_async_quorum=False,
                       timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=EVENT_TIMEOUT_S))
@@ -108,9 +120,10 @@ def replica(args: argparse.Namespace) -> int:
 
             ray.init(address=args.ray_address, namespace="zr-torchft-churn", log_to_driver=False)
             config = LoaderConfig(recipe=args.recipe, mode="service", service_name=args.service,
-                                  service_namespace="zr-torchft-churn", run_id="churn")
+                                  service_namespace="zr-torchft-churn", run_id="churn", ledger_dir=args.ledger)
         else:
-            config = LoaderConfig(recipe=args.recipe, mode="dataset", dataset_dir=args.dataset_dir)
+            config = LoaderConfig(recipe=args.recipe, mode="dataset", dataset_dir=args.dataset_dir, run_id="churn",
+                                  ledger_dir=args.ledger)
         source = FtSlices(config, manager=manager, recipe=recipe)
     records = open(work / f"records-g{g}-life{life}.jsonl", "a")
     (work / f"ready-g{g}-life{life}").write_text(str(os.getpid()))
@@ -156,6 +169,8 @@ def replica(args: argparse.Namespace) -> int:
             committed = manager.should_commit()
             if committed:
                 optim.step()
+                if source is not None:
+                    source.commit(step)  # the ledger: this group applied this step
             optim.zero_grad(set_to_none=True)
             name = f"rows-s{step}-g{g}-life{life}-a{attempt}.npz"
             np.savez(work / name, tokens=tokens, positions=positions)
@@ -385,6 +400,8 @@ def main(argv: list[str] | None = None) -> int:
                         "covering steps 0..steps-1 (default: materialise one on a private Ray)")
     parser.add_argument("--sampler", choices=("zephon", "torchft"), default="zephon")
     parser.add_argument("--json", default=None, help="write the summary here")
+    parser.add_argument("--ledger", default=None, help="FtSlices write the churned run's ledger here; the run ends "
+                        "with `zephon-ray audit` of it")
     # replica-process arguments (internal)
     parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--group", type=int, help=argparse.SUPPRESS)
@@ -415,7 +432,7 @@ def main(argv: list[str] | None = None) -> int:
     service = None
     try:
         extra, service = _prepare_source(args, base)
-        churned = run(args, base / "churn", args.kill, args.rejoin, extra)
+        churned = run(args, base / "churn", args.kill, args.rejoin, {**extra, "ledger": args.ledger})
         print(f"  churned run done ({time.time() - t0:.0f} s); failure-free run ...", flush=True)
         reference = run(args, base / "reference", [], [], extra)
         with GlobalBatchSource(recipe) as source:
@@ -442,6 +459,13 @@ def main(argv: list[str] | None = None) -> int:
                   "trained more than once")
         print(f"identical global batches: {'YES' if ok_batches else 'NO'}")
         print(f"final weights equal the failure-free run: {'YES' if ok_weights else 'NO'} (max abs diff {diff:.3g})")
+        audited = 0
+        if args.ledger:
+            from zephon_ray.cli import main as cli
+
+            print("zephon-ray audit of the churned run's ledger:", flush=True)
+            audited = cli(["audit", args.ledger, "--recipe", args.recipe]
+                          + (["--dataset", extra["dataset_dir"]] if extra.get("dataset_dir") else []))
         print(f"({time.time() - t0:.0f} s)")
         if args.json:
             Path(args.json).write_text(json.dumps({
@@ -449,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
                 "rows_lost": lost, "rows_repeated": repeated, "done": churned["done"],
                 "steps": {str(s): v for s, v in global_batches(churned, B).items()},
                 "expected": expected}, indent=1))
-        return 0 if ok_batches and ok_weights else 1
+        return 0 if ok_batches and ok_weights and not audited else 1
     finally:
         if service is not None:
             service.stop()

@@ -46,10 +46,27 @@ def tiny_dir(ray_cluster, tmp_path_factory):
     return str(directory)
 
 
-def test_churn_one_kill_one_rejoin_at_a_participant_count_not_dividing_B(tiny_dir, tmp_path):
+CHURNS = {  # events -> participants per step, each step's W in the ledger, the records served again (step, rank)
+    "one kill": (["--kill", "1@2", "--rejoin", "1@5"], [3, 3, 2, 2, 2, 3, 3, 3], [(2, 0), (2, 1)]),
+    "two kills": (["--kill", "1@2", "--rejoin", "1@4", "--kill", "2@6"], [3, 3, 2, 2, 3, 3, 2, 2],
+                  [(2, 0), (2, 1), (6, 0), (6, 1)]),
+}
+
+
+@pytest.mark.parametrize("churn", [
+    "one kill", pytest.param("two kills", marks=pytest.mark.slow)])  # ~45 s: the issue's churn, outside the default
+def test_churn_kills_and_a_rejoin_at_a_participant_count_not_dividing_B_audit_clean(tiny_dir, tmp_path, churn):
+    """Group 1 is killed in step 2 (2 participants from there) and comes back (3 again); in "two kills", group 2 is
+    killed in step 6 too. Also the ledger: every group's FtSlices writes its committed steps, and the run ends with
+    ``zephon-ray audit`` of it (against the materialised rows, themselves checked against the goldens): clean, each
+    step once at the W it was committed at, and a step a kill hit is recorded as served again (attempt 1), its
+    rejected attempt nowhere."""
+    from zephon_ray.jobs.audit import read_ledger
+
+    events, participants, served_again = CHURNS[churn]
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, str(CHURN), "--groups", "3", "--steps", str(STEPS), "--kill", "1@2", "--rejoin", "1@5",
-           "--recipe", TINY, "--dataset-dir", tiny_dir, "--json", str(out)]
+    cmd = [sys.executable, str(CHURN), "--groups", "3", "--steps", str(STEPS), *events, "--recipe", TINY,
+           "--dataset-dir", tiny_dir, "--json", str(out), "--ledger", str(tmp_path / "ledger")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -58,14 +75,25 @@ def test_churn_one_kill_one_rejoin_at_a_participant_count_not_dividing_B(tiny_di
     summary = json.loads(out.read_text())
     steps = {int(s): v for s, v in summary["steps"].items()}
     assert sorted(steps) == list(range(STEPS))
-    # 3 groups, group 1 killed in step 2 (2 participants from there), back at step 5 (3 again)
-    assert [steps[s]["participants"] for s in range(STEPS)] == [3, 3, 2, 2, 2, 3, 3, 3], steps
+    assert [steps[s]["participants"] for s in range(STEPS)] == participants, steps
     assert all(steps[s]["problem"] is None for s in steps)
     for s in range(STEPS):  # against the committed goldens (tests/oracle.py), not only GlobalBatchSource
         assert steps[s]["digest"] == summary["expected"][s] == GOLDEN.get(s, steps[s]["digest"]), s
     assert "attempts that should_commit() rejected: " in proc.stdout
     rejected = int(proc.stdout.split("attempts that should_commit() rejected: ")[1].split()[0])
-    assert rejected >= 1, proc.stdout  # the kill hit step 2 in flight: the survivors' attempt did not commit
+    assert rejected >= len(served_again) // 2, proc.stdout  # each kill hit a step in flight: the survivors' attempt
+    verdict = next(line for line in proc.stdout.splitlines() if line.startswith("audit: "))  # did not commit
+    worlds = " -> ".join(str(p) for i, p in enumerate(participants) if i == 0 or participants[i - 1] != p)
+    assert verdict == (f"audit: clean: steps [0, {STEPS}) each trained exactly once in a lineage of {STEPS} "
+                       f"segment(s) (W {worlds}); {sum(participants)} slice digests matched the recipe's global "
+                       "batches"), proc.stdout
+    records = {(r.step, r.world, r.rank): r for seg in read_ledger(str(tmp_path / "ledger")).values()
+               for rs in seg.parts.values() for r in rs}
+    assert sorted({s for s, _, _ in records}) == list(range(STEPS))
+    assert all(r.trained == 1 for r in records.values())
+    assert {s: w for s, w, _ in records} == dict(enumerate(participants))  # no record of a rejected attempt
+    assert len(records) == sum(participants)
+    assert sorted((s, r) for (s, _, r), rec in records.items() if rec.attempt) == served_again
 
 
 # ---------------------------------------------------------------------- real torchft Managers, one thread each
@@ -221,3 +249,88 @@ def test_validate_lists_the_participant_counts():
     assert line == "P (torchft) dp=1: 1-24; dp=2: 1-12; dp=4: 1-6; dp=8: 1-3"
     padding = next(l for l in proc.stdout.splitlines() if l.startswith("padding"))
     assert "at W = 5: 1 (4%), 7: 4 (17%), 9: 3 (12%)" in padding  # ceil(24/W) x W - 24 rows per step
+
+
+# ---------------------------------------------------------------------- the ledger of a torchft run
+def _ft_ledger_config(tiny_dir, ledger, run_id="ft-ledger"):
+    from zephon_ray.stream.loader import LoaderConfig
+
+    return LoaderConfig(recipe=TINY, mode="dataset", dataset_dir=tiny_dir, run_id=run_id, ledger_dir=str(ledger))
+
+
+def test_an_attempt_applied_after_a_rejection_is_named_by_the_audit(tiny_dir, tmp_path, capsys):
+    """2 real torchft groups train steps 0..2; at step 1 both report an error (as a failed all-reduce does), so
+    ``should_commit()`` rejects the attempt on both and torchft serves step 1 again. Group 1's loop applies the
+    rejected attempt anyway (the bug) and confirms it. The audit names step 1, one line: rank 1 trained it twice,
+    the second time as attempt 1. Group 0's ledger shows the rejected attempt nowhere."""
+    from zephon_ray.cli import main
+    from zephon_ray.jobs.audit import read_ledger
+    from zephon_ray.stream.ft import FtSlices
+
+    config = _ft_ledger_config(tiny_dir, tmp_path / "ledger")
+    with ft_groups(2) as managers:
+        def group(g):
+            m, injected = managers[g], False
+            with FtSlices(config, manager=m) as slices:
+                while m.current_step() < 3:
+                    m.start_quorum()
+                    step = m.current_step()
+                    slices.next()
+                    if step == 1 and not injected:
+                        m.report_error(RuntimeError("injected: a failed all-reduce"))
+                        injected = True
+                    if m.should_commit() or g == 1:  # group 1 ignores the vote
+                        slices.commit(step)
+                return slices.ledger.rejected_attempts, slices.ledger.applied_rejected
+        assert _in_parallel(group, 2) == [(1, 0), (1, 1)]
+    records = sorted((r.step, r.rank, r.attempt, r.trained) for seg in read_ledger(str(tmp_path / "ledger")).values()
+                     for part in seg.parts.values() for r in part)
+    assert records == [(0, 0, 0, 1), (0, 1, 0, 1), (1, 0, 1, 1), (1, 1, 1, 2), (2, 0, 0, 1), (2, 1, 0, 1)]
+    capsys.readouterr()
+    rc = main(["audit", str(tmp_path / "ledger"), "--recipe", TINY, "--dataset", tiny_dir])
+    lines = [line for line in capsys.readouterr().out.splitlines() if line]
+    assert rc == 1 and lines == [
+        "step 1: trained twice: rank 1 of 2 trained it 2 times (its record is attempt 1: an earlier attempt that "
+        "torchft rejected was applied too)",
+        "audit: 1 finding(s) in steps [0, 3) (W 2)"], lines
+
+
+def test_a_reader_asked_for_a_step_its_ledger_did_not_reach_stops_and_a_healed_one_continues(tiny_dir, tmp_path):
+    """A real Manager trains steps 0 and 1; a new FtSlices on it (a restarted reader that was not healed with the
+    state) is asked for step 2 though its ledger is at step 0: one line, before any row. With the first reader's
+    state (what torchft's heal carries) it continues the lineage; another run's state is refused, naming it."""
+    from zephon_ray.formats.loader_state import LoaderStateError
+    from zephon_ray.stream.ft import FtSlices
+    from zephon_ray.stream.ledger import FtLedgerError
+
+    config = _ft_ledger_config(tiny_dir, tmp_path / "ledger")
+    with ft_groups(1) as (manager,):
+        with FtSlices(config, manager=manager) as first:
+            for step in range(2):
+                manager.start_quorum()
+                assert first.next().step == manager.current_step() == step
+                assert manager.should_commit()  # torchft's step moves on here
+                first.commit(step)
+            state = first.state_dict()
+        assert state["next_step"] == 2 and state["ledger"] == first.ledger.head
+        manager.start_quorum()
+        with FtSlices(config, manager=manager) as restarted:
+            with pytest.raises(FtLedgerError) as info:
+                restarted.next()
+            assert str(info.value) == (
+                "FtSlices: asked for step 2, but this reader's ledger is at its next step 0: steps would be skipped "
+                "or repeated unseen (a healing group must receive FtSlices.state_dict() through the torchft "
+                "Manager's state_dict / load_state_dict)")
+            with pytest.raises(LoaderStateError, match="belongs to run_id 'ft-ledger', but this loader has run_id "
+                                                       "'other'"):
+                FtSlices(_ft_ledger_config(tiny_dir, tmp_path / "x", "other"), manager=manager).load_state_dict(state)
+            restarted.load_state_dict(state)
+            assert restarted.next().step == 2
+            assert manager.should_commit()
+            restarted.commit(2)
+            assert restarted.ledger.head != state["ledger"]
+    from zephon_ray.jobs.audit import audit, find_head, read_ledger
+
+    segments = read_ledger(str(tmp_path / "ledger"))
+    report = audit(segments, find_head(segments))
+    assert report.clean and report.next_step == 3 and len(report.lineage) == 3, [f.line for f in report.findings]

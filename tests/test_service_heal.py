@@ -10,6 +10,10 @@ job's commit and the in-flight reads complete through a new node reader.
 Real private Ray, real producers. Every rank's rows are compared with the reference slice of the step it asked
 for, and the four slices of each step must assemble to the reference digest: a skipped, repeated or stale step
 shows up as wrong rows, never as an echoed step number.
+
+The ranks also keep the ledger as the loader does (``LedgerRecorder``: each slice handed, confirmed, and sealed into
+a segment at steps 4, 8 and 12, the first before the kill), and ``zephon-ray audit``'s check of that ledger against
+GlobalBatchSource's global batches is clean: every step once, in three segments, 48 slice digests matched.
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ import numpy as np
 import pytest
 
 from zephon_ray import DataService, GlobalBatchSource, compute_digest
+from zephon_ray.jobs.audit import audit, read_ledger
+from zephon_ray.stream.ledger import LedgerRecorder
 
 NS = "zr-heal"
 pytestmark = pytest.mark.timeout(400)
@@ -35,20 +41,28 @@ def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, refere
                             state_dir=tmp_path / "heal", consumer="job", reconnect_timeout_s=240)
     holder = DataService.connect("heal", namespace=NS, consumer="holder")
     with GlobalBatchSource(tiny_recipe) as source:
-        want = {(s, r): source.batch(s).slice(r, world) for s in range(steps) for r in range(world)}
+        full = {s: source.batch(s) for s in range(steps)}
+        want = {(s, r): full[s].slice(r, world) for s in range(steps) for r in range(world)}
     got: dict[int, list] = {r: [] for r in range(world)}
     entered: dict[int, set] = {r: set() for r in range(world)}
     waits: dict[int, dict[int, float]] = {r: {} for r in range(world)}
     errors: list[BaseException] = []
+    heads: dict[int, str] = {}
 
     def rank_loop(rank: int) -> None:
         client = DataService.connect("heal", namespace=NS, consumer="job")
+        recorder = LedgerRecorder(run_id="job", fingerprint=tiny_recipe.fingerprint, rank=rank, world=world,
+                                  ledger_dir=str(tmp_path / "ledger"))
         try:
             for step in range(steps):
                 entered[rank].add(step)
                 t0 = time.monotonic()
                 part = client.slice(step, rank, world)
                 waits[rank][step] = time.monotonic() - t0
+                recorder.handed(part)
+                recorder.commit(step)
+                if (step + 1) % blocked_at == 0:  # a save: at step 4 (before the kill), 8 and 12
+                    heads[rank] = recorder.seal(step + 1)
                 got[rank].append((np.array(part.tokens), np.array(part.positions)))
                 if rank == 0 and step == blocked_at - 1:
                     client.commit(blocked_at)
@@ -87,6 +101,13 @@ def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, refere
             tokens = np.concatenate([got[r][step][0] for r in range(world)])
             positions = np.concatenate([got[r][step][1] for r in range(world)])
             assert compute_digest(tokens, positions) == reference_digests[step], step
+        assert len(set(heads.values())) == 1, heads  # every rank computed the same head segment
+        segments = read_ledger(str(tmp_path / "ledger"))
+        report = audit(segments, heads[0], reference=lambda s: (full[s].tokens, full[s].positions),
+                       rows=tiny_recipe.global_batch_rows)
+        assert report.clean and report.verdict() == (
+            "audit: clean: steps [0, 12) each trained exactly once in a lineage of 3 segment(s) (W 4); 48 slice "
+            "digests matched the recipe's global batches"), [f.line for f in report.findings]
         after = svc.status()
         assert after["coordinator"]["pid"] != old_pid and after["coordinator"]["restarted"]
         assert after["start"]["latest_commit"] == blocked_at and after["start"]["start_step"] == blocked_at

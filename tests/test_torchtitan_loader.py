@@ -402,3 +402,37 @@ def test_the_torchtitan_config_declares_every_loader_config_field_with_its_defau
         want = deliberate.get(f.name, f.default)
         assert titan[f.name].default == want and want is not MISSING, (f.name, titan[f.name].default, want)
         assert titan[f.name].type == f.type, (f.name, titan[f.name].type, f.type)
+
+
+def test_a_trainer_step_other_than_the_loaders_next_step_is_refused_before_the_first_batch():
+    """``ZephonTrainer.load_state_dict`` hands the restored step to the loader (``expect_trainer_step``; the real
+    Trainer's route: tests/test_torchtitan_train.py::test_a_checkpoint_whose_loader_state_was_not_loaded_is_refused).
+    A loader state at step 3 under weights of step 2, or no loader state at all under weights of step 2, stops at
+    the first batch naming both numbers; the same step trains on."""
+    from zephon_ray.formats.loader_state import LoaderStateError
+
+    loader = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    loader.close()
+    for loaded, trainer, message in [
+            (state, 2, "the trainer's checkpoint is at step 2 but the data loader's next_step is 3: resuming would "
+                       "skip 1 step(s); load the loader state saved with those weights (is 'dataloader' in "
+                       "checkpoint.exclude_from_loading?)"),
+            (None, 2, "the trainer's checkpoint is at step 2 but the data loader's next_step is 0: resuming would "
+                      "repeat 2 step(s)")]:
+        resumed = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
+        resumed.expect_trainer_step(trainer)  # TorchTitan's DCP loads train_state first
+        if loaded is not None:
+            resumed.load_state_dict(loaded)
+        with pytest.raises(LoaderStateError) as info:
+            next(iter(resumed))
+        assert str(info.value).startswith(message) and "\n" not in str(info.value)
+        resumed.close()
+    resumed = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
+    resumed.load_state_dict(state)
+    resumed.expect_trainer_step(3)
+    assert next(resumed.steps()).slice.step == 3
+    resumed.close()

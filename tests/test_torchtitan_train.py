@@ -32,18 +32,23 @@ ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 
 
 def torchtitan(nproc: int, steps: int, dump: Path, record: Path, *, checkpoint: bool,
-               env_extra: dict | None = None) -> dict[int, float]:
+               env_extra: dict | None = None, args: tuple = (), fails: bool = False) -> "dict[int, float] | str":
+    """The per-step losses; with ``fails``, the output of a run that must exit non-zero."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "torchtitan.train", "--module", "titan_helpers", "--config", "zephon_llama3_debugmodel_cpu_recorded",
            "--training.steps", str(steps), "--dump_folder", str(dump)]
     if checkpoint:
         cmd += ["--checkpoint.enable", "--checkpoint.interval", "2"]
+    cmd += list(args)
     env = {**os.environ, "ZR_TEST_RECORD_DIR": str(record), "ZEPHON_RAY_RECIPE": str(TINY),
            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
     env.pop("ZEPHON_RAY_AGGREGATE_DIR", None)
     env.update(env_extra or {})
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=dump.parent)
     out = ANSI_RE.sub("", proc.stdout + proc.stderr)
+    if fails:
+        assert proc.returncode != 0, out[-4000:]
+        return out
     assert proc.returncode == 0, out[-4000:]
     losses: dict[int, float] = {}
     for step, loss in LOSS_RE.findall(out):
@@ -97,6 +102,19 @@ def test_resume_at_another_world(tmp_path, reference_digests, w1, w2):
     second = torchtitan(w2, STEPS, tmp_path / "dump", tmp_path / "record", checkpoint=True)
     assert sorted(first) == [1, 2] and sorted(second) == [3, 4], (first, second)
     check_run({**first, **second}, recorded_digests(tmp_path / "record"), reference_digests)
+
+
+@pytest.mark.slow  # two torchruns (~30 s); the check itself: tests/test_torchtitan_loader.py
+def test_a_checkpoint_whose_loader_state_was_not_loaded_is_refused(tmp_path):
+    """The real Trainer (``ZephonTrainer``) saves at step 2; a resume that leaves the data loader's state out
+    (``checkpoint.exclude_from_loading``) restores the weights at step 2 and a loader at step 0. The run stops
+    before its first batch, naming both numbers, instead of training steps 0 and 1 again."""
+    torchtitan(1, 2, tmp_path / "dump", tmp_path / "record", checkpoint=True)
+    out = torchtitan(1, STEPS, tmp_path / "dump", tmp_path / "record", checkpoint=True, fails=True,
+                     args=("--checkpoint.exclude_from_loading", "dataloader"))
+    assert ("LoaderStateError: the trainer's checkpoint is at step 2 but the data loader's next_step is 0: resuming "
+            "would repeat 2 step(s)") in out, out[-4000:]
+    assert "step:  3" not in out and "step: 3" not in out
 
 
 def test_trainer_config_rejects_a_global_batch_or_seq_len_that_is_not_the_recipes():

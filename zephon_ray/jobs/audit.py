@@ -184,6 +184,7 @@ def _check_segment(seg: Segment, findings: list[Finding]) -> None:
                                     f"rank {rank} of {W} wrote no part of segment {seg.id}: its records are lost"))
             continue
         by_step: dict[int, int] = {}
+        attempts: dict[int, int] = {}
         for rec in records:
             if rec.step not in seg.steps:
                 note(rec.step, "split", f"rank {rank} of {W} recorded it in segment {seg.id}, which holds steps "
@@ -193,6 +194,7 @@ def _check_segment(seg: Segment, findings: list[Finding]) -> None:
                 note(rec.step, "split", f"the part of rank {rank} of {W} holds a record of rank {rec.rank} of "
                                         f"{rec.world}")
             by_step[rec.step] = by_step.get(rec.step, 0) + rec.trained
+            attempts[rec.step] = max(attempts.get(rec.step, 0), rec.attempt)
         for step in seg.steps:
             trained = by_step.get(step)
             if trained is None:
@@ -200,7 +202,9 @@ def _check_segment(seg: Segment, findings: list[Finding]) -> None:
             elif trained == 0:
                 note(step, "skipped", f"rank {rank} of {W} was handed it but never trained it")
             elif trained > 1:
-                note(step, "trained twice", f"rank {rank} of {W} trained it {trained} times")
+                served_again = f" (its record is attempt {attempts[step]}: an earlier attempt that torchft " \
+                    "rejected was applied too)" if attempts[step] else ""
+                note(step, "trained twice", f"rank {rank} of {W} trained it {trained} times{served_again}")
     for (step, kind), whats in sorted(problems.items()):
         findings.append(Finding(step, step, kind, "; ".join(whats)))
 

@@ -19,6 +19,14 @@ checkpoint: the step is the state, and the model comes from a peer, as torchft h
 digest equals the reference, final weights equal the failure-free run's) and ``tests/test_ft.py`` (one kill and one
 rejoin in the default suite).
 
+Ledger (``config.ledger_dir`` and ``run_id``; :class:`~zephon_ray.stream.ledger.FtLedger`): call
+``slices.commit(step)`` after the optimizer step that ``should_commit()`` allowed, and put ``slices.state_dict()`` in
+the Manager's ``state_dict`` (``slices.load_state_dict`` in its ``load_state_dict``) so a healing group continues
+the lineage. Only committed steps enter the ledger, one segment per step at its W; a step served again is recorded
+with its attempt number; an attempt applied though torchft rejected it is recorded as trained twice; a request for
+a step other than the one last served or the one after is one :class:`~zephon_ray.stream.ledger.FtLedgerError`
+line (``tests/test_ft.py``, docs/audit.md).
+
 Prefetch assumes the membership stays as it is: one prefetch thread (:mod:`zephon_ray.stream.prefetch`) reads the
 next ``depth`` steps at the current (rank, world); when the quorum changes the membership, the source for the new
 (rank, world) is reset at the current step and fetches again. The cost of the membership check itself (reading the
@@ -57,8 +65,10 @@ from dataclasses import replace
 from typing import Any
 
 from zephon_ray.batch import padded_rows
+from zephon_ray.formats.loader_state import KEY_LEDGER, check_state, make_state
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import StepShape, check_geometry, check_int
+from zephon_ray.stream.ledger import FtLedger
 from zephon_ray.stream.loader import GET_TIMEOUT_S, LoaderConfig, StepBatch
 from zephon_ray.stream.prefetch import PrefetchedSlices
 from zephon_ray.stream.protocol import source_state
@@ -163,6 +173,11 @@ class FtSlices:
         """Per membership change: seconds spent switching to (and resetting) the new membership's source."""
         self.membership_changes = 0
         self.served_again = 0
+        self.ledger: FtLedger | None = None
+        """With ``config.ledger_dir``: this reader's records (see :meth:`commit`, :meth:`state_dict`)."""
+        if config.ledger_dir:
+            self.ledger = FtLedger(run_id=config.run_id or "", fingerprint=self.recipe.fingerprint,
+                                   ledger_dir=config.ledger_dir)
 
     # ------------------------------------------------------------------ the step
     def membership(self) -> tuple[int, int, int] | None:
@@ -199,12 +214,24 @@ class FtSlices:
             key = (int(self.manager.current_step()), self.dp_rank, participants * self.dp)
         if key is None:
             self.check_seconds.append(time.perf_counter() - t0)
+            if self.ledger is not None:
+                self.ledger.placeholder()
             return None
         step, rank, world = key
+        if self.ledger is not None:
+            if placeholder and self.manager.participating_rank() is None:
+                self.ledger.placeholder()
+                placeholder_rows = True
+            else:
+                self.ledger.check(step)
+                placeholder_rows = False
         if key == self._last_key:  # should_commit() rejected it: the same rows again
             self.check_seconds.append(time.perf_counter() - t0)
             self.served_again += 1
-            return self._batch(self._last.slice)  # fresh tensors: the trainer may have written into the first ones
+            batch = self._batch(self._last.slice)  # fresh tensors: the trainer may have written into the first ones
+            if self.ledger is not None and not placeholder_rows:
+                self.ledger.served(step, rank, world, batch.slice.ledger_digest)
+            return batch
         changed = (rank, world) != self._active
         self.check_seconds.append(time.perf_counter() - t0)
         if changed:
@@ -215,7 +242,35 @@ class FtSlices:
             source = self._source_for(rank, world, step)
         batch = self._batch(source.next(timeout))
         self._last, self._last_key = batch, key
+        if self.ledger is not None and not placeholder_rows:
+            self.ledger.served(step, rank, world, batch.slice.ledger_digest)
         return batch
+
+    # ------------------------------------------------------------------ the ledger
+    def commit(self, step: int) -> None:
+        """Confirm that the trainer applied ``step`` (call it when ``manager.should_commit()`` is True, after the
+        optimizer step). With a ``ledger_dir`` it writes this reader's part of the step's segment (a rejected
+        attempt never comes here, unless the loop applies it anyway: see :class:`~zephon_ray.stream.ledger.
+        FtLedger`); without one it does nothing."""
+        if self.ledger is not None:
+            self.ledger.commit(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loader state (format v3) at the first step this reader's trainer has not confirmed, naming its
+        ledger head. Put it in the torchft Manager's ``state_dict`` so that a healing group continues the lineage
+        (torchft heals a group from a peer: the step is the data state, the head is the ledger's)."""
+        ledger = self.ledger
+        step = 0 if ledger is None else int(ledger.next_step or 0)
+        return make_state(run_id=self.config.run_id, fingerprint=self.recipe.history_fingerprint(step),
+                          next_step=step, zephon=None, ledger="" if ledger is None else ledger.head)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue a peer's (or a checkpoint's) state: another run's or recipe's state is one
+        :class:`~zephon_ray.formats.loader_state.LoaderStateError` naming the key."""
+        step = check_state(state, run_id=self.config.run_id, fingerprint=self.recipe.fingerprint, recipe=self.recipe,
+                           recipe_name=str(self.recipe.path or "<recipe>"))
+        if self.ledger is not None:
+            self.ledger.resume(state[KEY_LEDGER], step)
 
     def _batch(self, piece: Any) -> StepBatch:
         shape = ft_shape(self.recipe, piece.world // self.dp, dp=self.dp, local_batch_size=self.local_batch_size,

@@ -15,8 +15,13 @@ the trainer waits for it only when the source falls behind (``benchmarks/bench_l
 
 from __future__ import annotations
 
+import logging
+
+from zephon_ray import files
 from zephon_ray.batch import RankSlice
 from zephon_ray.formats import ledger
+
+logger = logging.getLogger(__name__)
 
 
 class LedgerRecorder:
@@ -62,3 +67,94 @@ class LedgerRecorder:
                 resumed=self._resumed, records=records))
         self.head, self._first, self._resumed, self._pending = segment, next_step, False, {}
         return segment
+
+
+class FtLedgerError(ValueError):
+    """A torchft group asked for a step its ledger cannot follow, or confirmed one it was not served."""
+
+
+class FtLedger:
+    """A torchft replica group's side of the ledger (:class:`~zephon_ray.stream.ft.FtSlices` with a ``ledger_dir``).
+
+    torchft decides at every step whether it counts (``manager.should_commit()``), and a group can die or heal at any
+    step, so each committed step is its own segment ``[s, s+1)`` at that step's W = P·dp, written by every reader when
+    its trainer confirms the step (``FtSlices.commit``): a group killed later loses nothing it committed, and the
+    segments of the live groups chain by ``parent`` as the loader's do. Only confirmed steps enter the ledger: an
+    attempt that ``should_commit()`` rejected and the trainer did not apply is served again (``attempt`` counts the
+    times the step was served to this reader) and leaves no record. An attempt the trainer applied though torchft
+    rejected it (the step is then served again) is the fault this records: its part is withdrawn, a warning is
+    logged, and the step's final record counts both applications (``trained`` 2: the audit's ``trained twice``).
+
+    A group that heals receives the peer's state (``FtSlices.state_dict`` in the Manager's ``state_dict``) and
+    continues its head; a request for any step other than the one it last served (served again) or the one after
+    (torchft moved on) is one :class:`FtLedgerError` line, before any row is handed out.
+    """
+
+    def __init__(self, *, run_id: str, fingerprint: str, ledger_dir: str) -> None:
+        self.run_id, self.fingerprint, self.ledger_dir = run_id, fingerprint, ledger_dir
+        self.head = ""          # the segment of the last step this reader's trainer confirmed
+        self.next_step: int | None = 0  # the step after it (None: unknown until a heal, after a placeholder)
+        self._served: dict | None = None  # the step handed out and not yet moved past
+        self._carried = 0       # applications of earlier attempts of that step that torchft rejected
+        self.rejected_attempts = 0
+        self.applied_rejected = 0
+
+    def check(self, step: int) -> None:
+        """Before a step is handed out: it must be the served step again or the one after."""
+        cur = self._served
+        allowed = {cur["step"], cur["step"] + 1} if cur is not None else \
+            ({self.next_step} if self.next_step is not None else None)
+        if allowed is not None and step not in allowed:
+            last = f"last served step {cur['step']}" if cur is not None else f"next step {self.next_step}"
+            raise FtLedgerError(
+                f"FtSlices: asked for step {step}, but this reader's ledger is at its {last}: steps would be skipped "
+                "or repeated unseen (a healing group must receive FtSlices.state_dict() through the torchft "
+                "Manager's state_dict / load_state_dict)")
+
+    def served(self, step: int, rank: int, world: int, digest: str) -> None:
+        cur = self._served
+        if cur is not None and cur["step"] == step:  # torchft rejected the attempt: served again
+            self.rejected_attempts += 1
+            attempt = cur["attempt"] + 1
+            if cur["trained"]:
+                self.applied_rejected += 1
+                logger.warning("zephon-ray FtSlices (reader %d of %d): step %d attempt %d was applied (commit) "
+                               "though torchft rejected it; it is served again and the ledger records the step as "
+                               "trained %d times", cur["rank"], cur["world"], step, cur["attempt"],
+                               cur["trained"] + self._carried + 1)
+                files.delete(cur["written"])
+                self.head, self.next_step = cur["parent"], step
+                self._carried += cur["trained"]
+        else:
+            if cur is not None and not cur["trained"]:  # torchft moved on but the trainer never confirmed it
+                self._write(cur, trained=self._carried)
+            self._carried, attempt = 0, 0
+        self._served = {"step": step, "rank": rank, "world": world, "digest": digest, "attempt": attempt,
+                        "trained": 0, "parent": self.head, "written": None}
+
+    def placeholder(self) -> None:
+        """Not participating this step (rows that torchft zeroes): nothing is recorded; torchft heals the group."""
+        self._served, self._carried, self.next_step = None, 0, None
+
+    def commit(self, step: int) -> None:
+        cur = self._served
+        if cur is None or cur["step"] != step:
+            raise FtLedgerError(f"FtSlices.commit: step {step} is not the step this reader last served "
+                                f"({'none' if cur is None else cur['step']})")
+        cur["trained"] += 1
+        self._write(cur, trained=cur["trained"] + self._carried)
+
+    def _write(self, cur: dict, *, trained: int) -> None:
+        step, world = cur["step"], cur["world"]
+        segment = ledger.segment_id(run_id=self.run_id, fingerprint=self.fingerprint, parent=cur["parent"],
+                                    first_step=step, next_step=step + 1, world=world, resumed=False)
+        record = ledger.Record(step, world, cur["rank"], cur["digest"], cur["attempt"], trained)
+        cur["written"] = ledger.write_part(self.ledger_dir, ledger.make_part(
+            run_id=self.run_id, fingerprint=self.fingerprint, segment=segment, parent=cur["parent"],
+            first_step=step, next_step=step + 1, world=world, rank=cur["rank"], resumed=False, records=[record]))
+        self.head, self.next_step = segment, step + 1
+
+    def resume(self, head: str, next_step: int) -> None:
+        """A heal (or a restore): continue the peer's head. An attempt this reader applied though torchft rejected
+        it stays written: the peer's weights replace the ones it went into."""
+        self.head, self.next_step, self._served, self._carried = head, next_step, None, 0

@@ -67,6 +67,23 @@ class ZephonTrainerConfig(Trainer.Config):
         loader.global_batch_size = self.training.global_batch_size
 
 
+class ZephonTrainer(Trainer):
+    """TorchTitan's ``Trainer`` (what a :class:`ZephonTrainerConfig` builds), plus one check at load: the step of
+    the restored ``train_state`` is handed to the data loader, which refuses, before its first batch, a ``next_step``
+    that differs, naming both numbers (a checkpoint loaded with ``exclude_from_loading = ["dataloader"]``, or a
+    loader state from elsewhere, would skip or repeat steps). TorchTitan loads ``train_state`` and ``dataloader`` as
+    separate entries of one DCP load, and the loader holds no reference to the trainer: this override is the public
+    way to join them. Test: ``tests/test_torchtitan_train.py::test_a_checkpoint_whose_loader_state_was_not_loaded_is_refused``."""
+
+    Config = ZephonTrainerConfig
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        Trainer.load_state_dict(self, state_dict)
+        expect = getattr(self.dataloader, "expect_trainer_step", None)
+        if expect is not None:
+            expect(int(self.step))
+
+
 def hf_assets_for(recipe: Recipe) -> str:
     """The directory TorchTitan builds its tokenizer from (the loader itself never uses that tokenizer)."""
     if recipe.tokenizer == "bytes":

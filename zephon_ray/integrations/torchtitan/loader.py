@@ -124,6 +124,7 @@ class ZephonRayDataLoader(BaseDataLoader):
         self.dp_world_size, self.dp_rank, self.local_batch_size = world, rank, lbs
         self._partial = 0
         self._ft: Any = None
+        self._trainer_step: int | None = None
 
     # ------------------------------------------------------------------ what the core knows
     @property
@@ -151,7 +152,24 @@ class ZephonRayDataLoader(BaseDataLoader):
     # ------------------------------------------------------------------ iteration
     def steps(self) -> Iterator[StepBatch]:
         """Whole steps, each with its RankSlice (``StepBatch``): what :meth:`__iter__` cuts into microbatches."""
+        self._check_trainer_step()
         return iter(self.core) if self._ft is None else self._ft_steps()
+
+    def expect_trainer_step(self, step: int) -> None:
+        """The trainer restored its weights at ``step`` (``ZephonTrainer.load_state_dict`` calls this): before the
+        first batch, a ``next_step`` other than ``step`` is one LoaderStateError naming both. Checked lazily, so it
+        holds whichever of the trainer's and the loader's states DCP loads first, and when the loader's is not
+        loaded at all."""
+        self._trainer_step = check_int("expect_trainer_step: step", step, low=0)
+
+    def _check_trainer_step(self) -> None:
+        trainer, self._trainer_step = self._trainer_step, None
+        loader = self.core.next_step
+        if trainer is not None and trainer != loader:
+            raise LoaderStateError(
+                f"the trainer's checkpoint is at step {trainer} but the data loader's next_step is {loader}: "
+                f"resuming would {'skip' if loader > trainer else 'repeat'} {abs(loader - trainer)} step(s); load the "
+                "loader state saved with those weights (is 'dataloader' in checkpoint.exclude_from_loading?)")
 
     def use_torchft(self, manager: Any, *, group_size: int) -> None:
         """Per-step elasticity under TorchTitan's torchft trainer (``torchtitan.experiments.torchft``), which builds
@@ -159,14 +177,20 @@ class ZephonRayDataLoader(BaseDataLoader):
         each step is read through :class:`zephon_ray.stream.ft.FtSlices` after the quorum (the trainer's
         ``optimizers.zero_grad()`` starts it), as ``slice(step, p x dp + r, P x dp)`` of ``manager.current_step()``
         for the P live groups, cut into the trainer's fixed ``microbatches_per_step``. Service or dataset mode only.
-        Shown by ``examples/torchtitan_torchft.py``."""
+        Shown by ``examples/torchtitan_torchft.py``.
+
+        No ledger on this route: FtSlices records a step when the loop confirms it (``FtSlices.commit``), and
+        TorchTitan's FaultTolerantTrainer steps its optimizer inside torchft's ``OptimizerWrapper`` without telling
+        the loader whether ``should_commit()`` passed, so the ledger is off here (``ledger_dir`` is ignored)."""
+        from dataclasses import replace
+
         from zephon_ray.stream.ft import FtSlices
 
         size = check_int("use_torchft: group_size", group_size, low=1)
         if self.dp_world_size % size:
             raise ValueError(f"use_torchft: group_size {size} does not divide dp_world_size {self.dp_world_size}")
         dp = self.dp_world_size // size
-        self._ft = FtSlices(self.core.config, manager=manager, dp=dp, dp_rank=self.dp_rank % dp,
+        self._ft = FtSlices(replace(self.core.config, ledger_dir=None), manager=manager, dp=dp, dp_rank=self.dp_rank % dp,
                             microbatches=self.microbatches_per_step, recipe=self.recipe)
 
     def _ft_steps(self) -> Iterator[StepBatch]:
