@@ -6,6 +6,7 @@
     zephon-ray inspect STATE_DIR [--json]   (a service's durable state, offline: no Ray)
     zephon-ray corpus OUT_DIR
     zephon-ray serve | status | stop | rescale M | release CONSUMER      (the Ray data service)
+    zephon-ray add-phase PHASE --start-step S --weight SRC=W ... --name SERVICE   (a running service's schedule)
     zephon-ray bench RECIPE [--steps N] [--via local|service|both]   (this node's production rate)
 
 RECIPE is a path, or the bare name of a packaged recipe (``tiny``, ``elastic``, ``demo``, ``mixture``).
