@@ -444,7 +444,7 @@ class Coordinator:
                 self._phase_result = refused
                 return
             pool = self.pool
-            finished = [f for f in pool.drain() if f.step < start]
+            finished = [f for f in pool.collect(0) if f.step < start]  # what is done; the rest is made again
             if finished:
                 self._file(finished)
             if pool.fatal:
@@ -458,7 +458,7 @@ class Coordinator:
             self.recipe = pool.recipe = new
             durable = True
             self.replay.set_recipe(new)
-            restart_from = pool.adopt(min(pool.next_step, start))
+            restart_from = pool.adopt(start)
             self._phase_result = {"phase": name, "start_step": start, "fingerprint": new.fingerprint,
                                   "dropped_steps": dropped, "dropped_checkpoints": removed,
                                   "restart_from": restart_from}
