@@ -274,6 +274,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                                              if k != "lanes")
           + f"; sources {', '.join(map(str, report['sources']))}")
     print(f"checkpoints {ck['count']} (latest before step {ck['latest']}): {shown}")
+    for i, seg in enumerate(report.get("schedule") or []):  # the mixture schedule: sources' weights, then phases
+        weights = ", ".join(f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}"
+                            for k, v in (seg.get("weights") or {}).items())
+        print(f"{'schedule' if i == 0 else '':<12}from step {seg.get('start_step')}: {seg.get('name')} ({weights})"
+              + ("  [added while running]" if seg.get("added") else ""))
     print(f"commits     {co['count']} (latest step {co['latest_step']})")
     for consumer, step in sorted(co["by_consumer"].items()):
         print(f"  {consumer}: resumes at step {step}")

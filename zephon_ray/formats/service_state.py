@@ -388,8 +388,11 @@ def _schedule(recipe: dict[str, Any], meta: dict[str, Any]) -> list[dict[str, An
     out = [{"name": "sources", "start_step": 0, "weights": {s.get("name"): s.get("weight") for s in sources},
             "added": False}]
     added = {(p.get("name"), p.get("start_step")) for p in meta.get(KEY_ADDED_PHASES) or [] if isinstance(p, dict)}
+    order = [s.get("name") for s in sources]
     for p in meta.get(KEY_PHASES) or []:
         if isinstance(p, dict):
-            out.append({"name": p.get("name"), "start_step": p.get("start_step"), "weights": p.get("weights"),
+            weights = p.get("weights") if isinstance(p.get("weights"), dict) else {}
+            weights = {n: weights[n] for n in order if n in weights} | weights  # recipe order (the file sorts keys)
+            out.append({"name": p.get("name"), "start_step": p.get("start_step"), "weights": weights,
                         "added": (p.get("name"), p.get("start_step")) in added})
     return out
