@@ -27,6 +27,9 @@ Guarantees (each shown by the test named):
   object and the cause; no message carries a traceback (the log does).
 - A commit is durable when it returns: it is refused beyond what the consumer was delivered, and one that cannot
   be written within the storage budget raises instead of returning.
+- ``add_phase`` changes the mixture of a running service from a step no consumer has read (or was leased),
+  durably in ``state_dir``; the steps made ahead under the old weights are made again by a new producer group
+  (tests/test_phases.py::test_a_phase_added_to_a_running_service; docs/recipes.md "Mixture schedules").
 
 Limits: cursors and the refs table live in memory; a restart costs a restore plus up to K steps of replay, and
 the steps the old producers held are made again. See window.py for the window's bounds.
