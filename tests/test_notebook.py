@@ -26,6 +26,7 @@ import oracle
 from conftest import TINY
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "notebook.ipynb"
+PHASED = Path(__file__).resolve().parents[1] / "recipes" / "phased.toml"
 STEPS = 16  # the notebook's `steps = range(16)`
 PROBE_MARK = "NOTEBOOK-PROBE "
 PROBE = f'''import json as _json
@@ -35,6 +36,8 @@ print({PROBE_MARK!r} + _json.dumps({{
     "variant_digests": [b.digest for b in variant_batches],
     "fingerprints": [recipe.fingerprint, variant.fingerprint],
     "export_steps": table.column("step").to_pylist(), "export_digests": table.column("digest").to_pylist(),
+    "phased_digests": [b.digest for b in phased_batches], "phased_phases": phased_phases,
+    "phased_shares": phased_shares.tolist(),
 }}))'''
 
 
@@ -104,5 +107,12 @@ def test_notebook_executes_and_computes_what_the_oracle_computes(tmp_path):
 
     assert "padding share over 16 steps: 0.0 " in text  # wrap packing: the oracle's rows hold no pad id either
     assert not any((b.tokens == oracle.make_tokenizer(tiny.tokenizer).pad_token_id).any() for b in want)
+    # the mixture schedule section: each step's phase, and the rows of the phased recipe's goldens (the oracle's)
+    phased = oracle.global_batches(oracle.read_recipe(PHASED), 8)
+    assert probe["phased_digests"] == [b.digest for b in phased] == oracle.load_golden(PHASED)["digests"][:8]
+    assert probe["phased_phases"] == ["sources", "sources", "main", "main", "anneal", "anneal", "anneal", "anneal"]
+    np.testing.assert_allclose(probe["phased_shares"], [[b.source_share(names)[n] for n in names] for b in phased],
+                               rtol=0, atol=1e-12)
+    assert [row[1] for row in probe["phased_shares"][4:]] == [0.0] * 4  # anneal: prose only, no code token
     assert "no live cursor" in text  # dozens of notebook reads, and not one cursor that could hold a trainer back
     assert _pngs(nb) >= 2
