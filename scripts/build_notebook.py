@@ -165,7 +165,7 @@ fig, ax = plt.subplots(figsize=(7, 3.5))
 ax.stackplot(list(phased_steps), phased_shares.T, labels=names, step="post")
 for p in phased.phases:
     ax.axvline(p.start_step, color="black", linestyle="--")
-    ax.text(p.start_step + 0.05, 1.02, p.name)
+    ax.text(p.start_step + 0.08, 0.5, p.name, bbox={"facecolor": "white", "alpha": 0.8})
 ax.set(title="per-source token share across the phase boundaries", xlabel="step", ylabel="share", ylim=(0, 1))
 ax.legend(loc="lower left")
 plt.show()"""),
