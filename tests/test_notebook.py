@@ -4,8 +4,9 @@ what it computes is right: checked against the independent oracle (tests/oracle.
 The committed copy carries its outputs (built by scripts/build_notebook.py); this test executes it again with one
 probe cell inserted before the last cell (which stops the service). The probe prints, as JSON, the values the
 notebook computed: the 16 service batches' digests and per-source token shares it plots, the 90/10 variant's
-digests, both fingerprints, and the exported Parquet rows. The test recomputes each of them with the oracle, which
-imports nothing from zephon_ray. If the notebook renames one of those variables, the probe fails with a NameError
+digests, both fingerprints, the exported Parquet rows, and the mixture-schedule section's phased digests, phases and
+shares. The test recomputes each of them with the oracle, which imports nothing from zephon_ray (the phased digests:
+against the committed goldens, which test_oracle.py recomputes with it). If the notebook renames one of those variables, the probe fails with a NameError
 naming it: update PROBE with the notebook.
 """
 
