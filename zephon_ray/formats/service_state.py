@@ -3,7 +3,8 @@
 Layout (``state_dir`` is a local directory or an object-store prefix, :mod:`zephon_ray.files`)::
 
     state_dir/
-      service.json                       # format version, recipe fingerprint, lanes, the recipe's canonical content
+      service.json                       # format version, recipe fingerprint, lanes, the recipe's canonical content,
+                                         # its phases and the ones a running service accepted (add_phase)
       checkpoints/step-000000000032.json # merged Zephon checkpoint at the boundary *before* step 32 (LaneStepper state)
       commits.json                       # newest commit per consumer, plus a short history
 
@@ -14,7 +15,9 @@ from the last complete checkpoint and commit (tests/test_service_heal.py; on S3,
 names read: ``step-`` and 8 or more digits (older state_dirs used 8); written: 12 digits, as everywhere else.
 
 Guarantee: a reader never sees a half-written file, and a ``state_dir`` is only ever paired with the recipe
-whose fingerprint it records: :meth:`ServiceState.open` refuses any other recipe before writing anything. A
+whose fingerprint it records: :meth:`ServiceState.open` refuses any other recipe before writing anything, except
+the recipe without the phases a running service accepted (:meth:`ServiceState.add_phase`), which it runs with them
+(tests/test_service_state.py::test_add_phase_records_the_phase_and_drops_later_checkpoints). A
 damaged file (not JSON, another format, a malformed commit entry) is one :class:`ServiceStateError` naming the
 file and the entry (tests/test_service_state.py). :func:`inspect` reads a state_dir offline, for
 ``zephon-ray inspect``.
