@@ -362,8 +362,8 @@ class Coordinator:
         if isinstance(producers, bool) or not isinstance(producers, int) or producers < 1:
             raise ValueError(f"producers must be an integer >= 1, got {producers!r}")
         self.config.check_lanes(self.recipe, producers)
-        if self._rescale_to is not None:
-            raise ServiceError("a rescale is already in progress")
+        if self._rescale_to is not None or self._phase_request is not None:
+            raise ServiceError("a rescale or an add_phase is already in progress")
         deadline = time.monotonic() + timeout_s
         self._rescale_error = None
         self._rescale_to = producers
