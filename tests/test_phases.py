@@ -352,17 +352,26 @@ def test_a_phase_added_to_a_running_service(ray_cluster, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_service_restarted_after_add_phase_keeps_it(ray_cluster, tmp_path):
-    """After add_phase, a service restarted on the state_dir from the recipe it started from, and one started from
-    the recipe file with the phase written in, serve the new schedule (the phased goldens), past steps too."""
+    """After add_phase, a coordinator killed with SIGKILL (Ray restarts it with the recipe it was started with),
+    a service restarted on the state_dir from that recipe, and one started from the recipe file with the phases
+    written in all serve the new schedule (the phased goldens), past steps too."""
+    import os
+    import signal
+
     from zephon_ray import DataService
 
     tiny, phased = Recipe.from_toml(TINY), Recipe.from_toml(PHASED)
     state_dir = str(tmp_path / "state")
-    service = DataService.start(tiny, producers=1, state_dir=state_dir, **ADD_PHASE_OPTS)
+    service = DataService.start(tiny, producers=1, state_dir=state_dir, reconnect_timeout_s=120, **ADD_PHASE_OPTS)
     try:
         service.add_phase("main", 2, {"prose": 0.2, "code": 0.8})
         service.add_phase("anneal", 4, {"prose": 1.0})
-        assert [service.batch(s, track=True).digest for s in range(6)] == [GOLDEN[str(s)] for s in range(6)]
+        assert [service.batch(s, track=True).digest for s in range(3)] == [GOLDEN[str(s)] for s in range(3)]
+        old_pid = service.status()["coordinator"]["pid"]
+        os.kill(old_pid, signal.SIGKILL)
+        assert [service.batch(s, track=True).digest for s in range(3, 6)] == [GOLDEN[str(s)] for s in range(3, 6)]
+        status = service.status()
+        assert status["coordinator"]["pid"] != old_pid and status["fingerprint"] == phased.fingerprint
         service.commit(6)
     finally:
         service.stop()
