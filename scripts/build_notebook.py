@@ -143,6 +143,32 @@ for label, bs in (("60/40 (recipe)", batches), ("90/10 (variant)", variant_batch
 ax.set(title=f"share of '{names[0]}' tokens per step", xlabel="step", ylabel="share", ylim=(0, 1))
 ax.legend()
 print("identical steps:", sum(a.digest == b.digest for a, b in zip(batches, variant_batches)), "of", len(batches))"""),
+    ("markdown", """## A mixture schedule
+
+`recipes/phased.toml` is tiny with two `[[phases]]`: a code-heavy `main` mix from step 2 and a prose-only `anneal`
+from step 4 (docs/recipes.md, "Mixture schedules"). Each step belongs to one phase; steps before the first boundary
+are tiny's own steps, byte for byte. A running service takes a new phase the same way, from a step no consumer has
+read: `svc.add_phase("anneal", 4, {"prose": 1.0})`."""),
+    ("code", """phased = Recipe.from_toml(RECIPE.parent / "phased.toml")
+for i in range(len(phased.phases) + 1):
+    print(f"from step {phased.segment_start(i)}: {phased.segment_name(i):<8}",
+          dict(zip(names, (round(w, 2) for w in phased.segment_weights(i)))))
+phased_steps = range(8)
+with GlobalBatchSource(phased) as source:
+    phased_batches = [source.batch(s) for s in phased_steps]
+phased_phases = [phased.segment_name(phased.phase_index(s)) for s in phased_steps]
+phased_shares = np.array([[b.source_share()[n] for n in names] for b in phased_batches])
+for s, phase, b, share in zip(phased_steps, phased_phases, phased_batches, phased_shares):
+    print(f"step {s}  phase {phase:<8} {b.digest[:12]}  same as tiny: {b.digest == batches[s].digest!s:<5}",
+          {n: round(float(x), 3) for n, x in zip(names, share)})
+fig, ax = plt.subplots(figsize=(7, 3.5))
+ax.stackplot(list(phased_steps), phased_shares.T, labels=names, step="post")
+for p in phased.phases:
+    ax.axvline(p.start_step, color="black", linestyle="--")
+    ax.text(p.start_step + 0.08, 0.5, p.name, bbox={"facecolor": "white", "alpha": 0.8})
+ax.set(title="per-source token share across the phase boundaries", xlabel="step", ylabel="share", ylim=(0, 1))
+ax.legend(loc="lower left")
+plt.show()"""),
     ("markdown", """## Export
 
 A lazy Ray Dataset over steps (one row per batch row: `step`, `lane`, `row`, `tokens`, `positions` and the step's

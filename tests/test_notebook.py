@@ -4,8 +4,9 @@ what it computes is right: checked against the independent oracle (tests/oracle.
 The committed copy carries its outputs (built by scripts/build_notebook.py); this test executes it again with one
 probe cell inserted before the last cell (which stops the service). The probe prints, as JSON, the values the
 notebook computed: the 16 service batches' digests and per-source token shares it plots, the 90/10 variant's
-digests, both fingerprints, and the exported Parquet rows. The test recomputes each of them with the oracle, which
-imports nothing from zephon_ray. If the notebook renames one of those variables, the probe fails with a NameError
+digests, both fingerprints, the exported Parquet rows, and the mixture-schedule section's phased digests, phases and
+shares. The test recomputes each of them with the oracle, which imports nothing from zephon_ray (the phased digests:
+against the committed goldens, which test_oracle.py recomputes with it). If the notebook renames one of those variables, the probe fails with a NameError
 naming it: update PROBE with the notebook.
 """
 
@@ -26,6 +27,7 @@ import oracle
 from conftest import TINY
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "notebook.ipynb"
+PHASED = Path(__file__).resolve().parents[1] / "recipes" / "phased.toml"
 STEPS = 16  # the notebook's `steps = range(16)`
 PROBE_MARK = "NOTEBOOK-PROBE "
 PROBE = f'''import json as _json
@@ -35,6 +37,8 @@ print({PROBE_MARK!r} + _json.dumps({{
     "variant_digests": [b.digest for b in variant_batches],
     "fingerprints": [recipe.fingerprint, variant.fingerprint],
     "export_steps": table.column("step").to_pylist(), "export_digests": table.column("digest").to_pylist(),
+    "phased_digests": [b.digest for b in phased_batches], "phased_phases": phased_phases,
+    "phased_shares": phased_shares.tolist(),
 }}))'''
 
 
@@ -104,5 +108,11 @@ def test_notebook_executes_and_computes_what_the_oracle_computes(tmp_path):
 
     assert "padding share over 16 steps: 0.0 " in text  # wrap packing: the oracle's rows hold no pad id either
     assert not any((b.tokens == oracle.make_tokenizer(tiny.tokenizer).pad_token_id).any() for b in want)
+    # the mixture schedule section: each step's phase, and the rows of the phased recipe's committed goldens (which
+    # test_oracle.py recomputes with the oracle; not again here: 7 s); anneal draws prose only: no code token
+    assert probe["phased_digests"] == oracle.load_golden(PHASED)["digests"][:8]
+    assert probe["phased_phases"] == ["sources", "sources", "main", "main", "anneal", "anneal", "anneal", "anneal"]
+    assert [row[1] for row in probe["phased_shares"][4:]] == [0.0] * 4
+    np.testing.assert_allclose([sum(row) for row in probe["phased_shares"]], [1.0] * 8, rtol=0, atol=1e-12)
     assert "no live cursor" in text  # dozens of notebook reads, and not one cursor that could hold a trainer back
     assert _pngs(nb) >= 2

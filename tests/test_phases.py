@@ -17,6 +17,7 @@ path: test_service_and_materialised_runs_cross_the_boundaries (slow: a private R
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -297,6 +298,90 @@ def test_service_and_materialised_runs_cross_the_boundaries(ray_cluster, tmp_pat
     with MaterializedSource(out, recipe=recipe) as source:
         assert [source.digest(s) for s in range(len(want))] == want
         assert [source.batch(s).digest for s in range(len(want))] == want
+
+
+ADD_PHASE_OPTS = dict(name="zr-add-phase", namespace="zr-add-phase", checkpoint_every=2, read_path="direct")
+
+
+@pytest.mark.timeout(300)
+def test_a_phase_added_to_a_running_service(ray_cluster, tmp_path):
+    """A service started from tiny (no phases; 2 producers, which then record every lane's position in their
+    checkpoints) has consumer 'trainer' read steps 0-1 while its producers run ahead, then is given recipes/
+    phased.toml's two phases at steps 2 and 4 without a restart: the steps produced ahead are dropped, and steps
+    2-7 equal the phased goldens (the in-process run of the recipe with those phases, which the oracle checks in
+    test_oracle.py). A phase at or before a step the consumer read is refused naming the consumer and step, an
+    invalid one naming the key. The phases are recorded in state_dir: opened with tiny.toml (what a restarted
+    coordinator does) or with phased.toml it runs under them; a restarted service serves them:
+    test_a_service_restarted_after_add_phase_keeps_it (slow)."""
+    from zephon_ray import DataService
+    from zephon_ray.formats.service_state import ServiceState, check_state_dir, inspect
+
+    tiny, phased = Recipe.from_toml(TINY), Recipe.from_toml(PHASED)
+    assert tiny.with_phase("main", 2, {"prose": 0.2, "code": 0.8}).with_phase(
+        "anneal", 4, {"prose": 1.0}).fingerprint == phased.fingerprint
+    state_dir = str(tmp_path / "state")
+    service = DataService.start(tiny, producers=2, run_id="zr-add-phase", aggregate_store="torch://",
+                                state_dir=state_dir, **ADD_PHASE_OPTS)
+    trainer = DataService.connect("zr-add-phase", namespace="zr-add-phase", consumer="trainer", read_path="direct")
+    try:
+        assert [trainer.batch(s, track=True).digest for s in (0, 1)] == [GOLDEN["0"], GOLDEN["1"]]
+        deadline = time.monotonic() + 60
+        while max(service.status()["window"]["held_steps"], default=0) < 4:  # producers ran ahead of step 1
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        with pytest.raises(ValueError, match="consumer 'trainer' has read step 1; a phase must start after"):
+            service.add_phase("main", 1, {"prose": 0.2, "code": 0.8})
+        with pytest.raises(ValueError, match="phases\\[0\\].weights.poetry"):
+            service.add_phase("main", 2, {"poetry": 1.0})
+        main = service.add_phase("main", 2, {"prose": 0.2, "code": 0.8})
+        assert main["dropped_steps"] and min(main["dropped_steps"]) >= 2 and main["restart_from"] <= 2
+        anneal = service.add_phase("anneal", 4, {"prose": 1.0})
+        assert anneal["fingerprint"] == phased.fingerprint
+        assert [trainer.batch(s, track=True).digest for s in range(2, 8)] == [GOLDEN[str(s)] for s in range(2, 8)]
+        with pytest.raises(ValueError, match="consumer 'trainer' has read step 7"):
+            service.add_phase("late", 6, {"code": 1.0})
+        trainer.commit(8)
+    finally:
+        service.stop()
+    assert [(p["name"], p["start_step"], p["added"]) for p in inspect(state_dir)["schedule"]] == [
+        ("sources", 0, False), ("main", 2, True), ("anneal", 4, True)]
+    assert ServiceState.open(tiny, state_dir).recipe.fingerprint == phased.fingerprint
+    assert check_state_dir(phased, state_dir) is phased
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_service_restarted_after_add_phase_keeps_it(ray_cluster, tmp_path):
+    """After add_phase, a coordinator killed with SIGKILL (Ray restarts it with the recipe it was started with),
+    a service restarted on the state_dir from that recipe, and one started from the recipe file with the phases
+    written in all serve the new schedule (the phased goldens), past steps too."""
+    import os
+    import signal
+
+    from zephon_ray import DataService
+
+    tiny, phased = Recipe.from_toml(TINY), Recipe.from_toml(PHASED)
+    state_dir = str(tmp_path / "state")
+    service = DataService.start(tiny, producers=1, state_dir=state_dir, reconnect_timeout_s=120, **ADD_PHASE_OPTS)
+    try:
+        service.add_phase("main", 2, {"prose": 0.2, "code": 0.8})
+        service.add_phase("anneal", 4, {"prose": 1.0})
+        assert [service.batch(s, track=True).digest for s in range(3)] == [GOLDEN[str(s)] for s in range(3)]
+        old_pid = service.status()["coordinator"]["pid"]
+        os.kill(old_pid, signal.SIGKILL)
+        assert [service.batch(s, track=True).digest for s in range(3, 6)] == [GOLDEN[str(s)] for s in range(3, 6)]
+        status = service.status()
+        assert status["coordinator"]["pid"] != old_pid and status["fingerprint"] == phased.fingerprint
+        service.commit(6)
+    finally:
+        service.stop()
+    for recipe in (tiny, phased):
+        service = DataService.start(recipe, producers=1, state_dir=state_dir, **ADD_PHASE_OPTS)
+        try:
+            assert service.recipe.fingerprint == phased.fingerprint
+            assert [service.batch(s).digest for s in (6, 7, 3)] == [GOLDEN[str(s)] for s in (6, 7, 3)]
+        finally:
+            service.stop()
 
 
 def _local_readers(config, world: int, state: dict | None, steps: int) -> tuple[list[str], dict]:

@@ -359,6 +359,14 @@ def test_inspect_a_state_dir_on_s3(s3, tiny_recipe, capsys):
     assert report["commits"]["by_consumer"] == {"trainer": 4}
     reopened = ServiceState.open(tiny_recipe, state_dir)
     assert reopened.read_checkpoint(4)["next_step"] == 4 and reopened.consumer_commits() == {"trainer": 4}
+    # a phase a running service accepted is recorded in the bucket: the checkpoint after it goes, the phase stays
+    added = tiny_recipe.with_phase("anneal", 2, {"prose": 1.0})
+    assert reopened.add_phase(added, "anneal") == [4]
+    assert ServiceState.open(tiny_recipe, state_dir).recipe.fingerprint == added.fingerprint
+    assert main(["inspect", state_dir, "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fingerprint"] == added.fingerprint and report["checkpoints"]["steps"] == []
+    assert [(p["name"], p["added"]) for p in report["schedule"]] == [("sources", False), ("anneal", True)]
 
 
 def test_service_two_producers_state_dir_on_s3_and_a_cold_restart(ray_cluster, s3, remote_recipe, reference_digests):

@@ -56,6 +56,15 @@ def test_rescale_with_a_bad_count_is_one_line(capsys, value):
                                         f"divisor of the recipe's lanes), got {value!r}"]
 
 
+@pytest.mark.parametrize("weight", ["prose", "=1", "prose=x"])
+def test_add_phase_with_a_bad_weight_is_one_line(capsys, weight):
+    """Checked before Ray is touched."""
+    code, out, err = _main(capsys, "add-phase", "p", "--start-step", "9", "--weight", weight, "--name", "nowhere")
+    assert code == 2 and out == ""
+    assert err.strip().splitlines() == [f"zephon-ray: error: add-phase: --weight {weight!r} is not SOURCE=WEIGHT "
+                                        f"(e.g. --weight prose=0.2)"]
+
+
 def test_service_cli_errors_are_one_line():
     proc = subprocess.run(_cli("digest", str(TINY), "--steps", "0:2", "--via", "service", "--producers", "3"),
                           capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
@@ -144,6 +153,13 @@ def test_serve_status_rescale_release_stop_then_inspect_offline(ray_cluster, cap
         assert svc.batch(6).digest == reference_digests[6]
         assert len(svc.status()["producers"]) == 2
 
+        # add-phase: refused at or before a step the consumer read (one line naming it), then accepted ahead
+        add = ("add-phase", "anneal", "--weight", "prose=1", *where)
+        code, out, err = _main(capsys, *add, "--start-step", "3")
+        assert code == 2 and "consumer 'trainer' has read step 4" in err and len(err.strip().splitlines()) == 1
+        code, out, err = _main(capsys, *add, "--start-step", "40")
+        assert code == 0 and "phase 'anneal' from step 40 added" in out, err
+
         code, out, err = _main(capsys, "release", "trainer", *where)
         assert code == 0, err
         assert not [c for c in svc.status()["cursors"] if c["consumer"] == "trainer" and c["live"]]
@@ -160,11 +176,16 @@ def test_serve_status_rescale_release_stop_then_inspect_offline(ray_cluster, cap
                           cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
-    assert report["fingerprint"] == svc.recipe.fingerprint and report["lanes"] == 8
+    added = svc.recipe.with_phase("anneal", 40, {"prose": 1.0})
+    assert report["fingerprint"] == added.fingerprint and report["lanes"] == 8
+    assert [(p["name"], p["start_step"], p["added"]) for p in report["schedule"]] == [
+        ("sources", 0, False), ("anneal", 40, True)]
     assert report["checkpoints"]["count"] >= 1 and all(s % 2 == 0 for s in report["checkpoints"]["steps"])
     assert report["commits"]["latest_step"] == 4 and report["commits"]["by_consumer"] == {"trainer": 4}
     code, out, _ = _main(capsys, "inspect", state_dir)
     assert code == 0 and "trainer: resumes at step 4" in out
+    assert "schedule    from step 0: sources (prose 0.6, code 0.4)" in out
+    assert "from step 40: anneal (prose 1, code 0)  [added while running]" in out
 
     code, _, err = _main(capsys, "inspect", tmp_path / "nothing-here")
     assert code == 2 and "service.json" in err and len(err.strip().splitlines()) == 1

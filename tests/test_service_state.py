@@ -14,7 +14,8 @@ import pytest
 
 from zephon_ray.lanes import KEY_NEXT_STEP, LaneStepper
 from zephon_ray.files import write_json
-from zephon_ray.formats.service_state import CHECKPOINT_RE, COMMITS_FILE, MAX_CONSUMERS, ServiceState
+from zephon_ray.formats.service_state import (
+    CHECKPOINT_RE, COMMITS_FILE, MAX_CONSUMERS, FingerprintMismatchError, ServiceState, checkpoint_index)
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,24 @@ def _at(state, recipe, step):
     for lane in emitted:
         emitted[lane] = step * recipe.microbatches_per_lane
     return out
+
+
+def test_add_phase_records_the_phase_and_drops_later_checkpoints(tiny_recipe, real_state, tmp_path):
+    """A phase a running service accepted (Coordinator.add_phase) deletes the checkpoints after its start (made
+    under the old schedule) and is recorded in service.json: the state_dir then opens with the recipe the service
+    started from (it gets the phase) or with the phase written in, and refuses another schedule."""
+    state = ServiceState.open(tiny_recipe, tmp_path)
+    for step in (2, 4, 6):
+        state.write_checkpoint(_at(real_state, tiny_recipe, step))
+    added = tiny_recipe.with_phase("anneal", 4, {"prose": 1.0})
+    assert state.add_phase(added, "anneal") == [6]
+    assert state.checkpoint_steps() == [2, 4] and sorted(checkpoint_index(tmp_path)) == [2, 4]
+    for recipe in (tiny_recipe, added):
+        reopened = ServiceState.open(recipe, tmp_path)
+        assert reopened.recipe.fingerprint == added.fingerprint
+        assert reopened.read_checkpoint(4)[KEY_NEXT_STEP] == 4
+    with pytest.raises(FingerprintMismatchError, match="belongs to recipe fingerprint"):
+        ServiceState.open(tiny_recipe.with_phase("anneal", 5, {"prose": 1.0}), tmp_path)
 
 
 def test_retention_keeps_newest_and_anchors(tiny_recipe, real_state, tmp_path):

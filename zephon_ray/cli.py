@@ -6,6 +6,7 @@
     zephon-ray inspect STATE_DIR [--json]   (a service's durable state, offline: no Ray)
     zephon-ray corpus OUT_DIR
     zephon-ray serve | status | stop | rescale M | release CONSUMER      (the Ray data service)
+    zephon-ray add-phase PHASE --start-step S --weight SRC=W ... --name SERVICE   (a running service's schedule)
     zephon-ray bench RECIPE [--steps N] [--via local|service|both]   (this node's production rate)
 
 RECIPE is a path, or the bare name of a packaged recipe (``tiny``, ``elastic``, ``demo``, ``mixture``).
@@ -273,6 +274,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
                                                              if k != "lanes")
           + f"; sources {', '.join(map(str, report['sources']))}")
     print(f"checkpoints {ck['count']} (latest before step {ck['latest']}): {shown}")
+    for i, seg in enumerate(report.get("schedule") or []):  # the mixture schedule: sources' weights, then phases
+        weights = ", ".join(f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}"
+                            for k, v in (seg.get("weights") or {}).items())
+        print(f"{'schedule' if i == 0 else '':<12}from step {seg.get('start_step')}: {seg.get('name')} ({weights})"
+              + ("  [added while running]" if seg.get("added") else ""))
     print(f"commits     {co['count']} (latest step {co['latest_step']})")
     for consumer, step in sorted(co["by_consumer"].items()):
         print(f"  {consumer}: resumes at step {step}")

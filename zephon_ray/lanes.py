@@ -83,6 +83,9 @@ class LaneStepper:
         """With ``record_contributors`` set: the sample ids ``(dataset id, shard id, index)`` of the source records in
         each lane's rows of the last step, in row order (a record cut across rows appears in each)."""
         self.record_contributors = False
+        self.keep_positions = False
+        """With several lane groups and no phases, checkpoints record every lane's position (an exchange) anyway,
+        so that a phase added later (a running service's ``add_phase``) can start from them."""
         self._pipeline = build_pipeline(recipe, group)
         self._iter: Any = None
         self._pending: dict[int, deque] = {lane: deque() for lane in self.lanes}
@@ -190,10 +193,11 @@ class LaneStepper:
         last_chunk = self._last_chunk
         if last_chunk is not None and self.group.count > 1:
             # The state must be the same in every group and able to cross the next boundary: with phases, every
-            # lane's position (exchanged); without, none (a phase added to such a run is refused at its boundary).
+            # lane's position (exchanged); without, none unless keep_positions (a phase added to a run without them
+            # is refused at its boundary).
             last_chunk = self._all_last_chunks(
                 f"checkpoint-{self.recipe.history_fingerprint(self._next_step)[:16]}-{self._next_step}"
-            ) if self.recipe.phases else None
+            ) if self.recipe.phases or self.keep_positions else None
         return {
             KEY_VERSION: STATE_VERSION,
             KEY_FINGERPRINT: self.recipe.history_fingerprint(self._next_step),

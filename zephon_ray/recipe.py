@@ -283,6 +283,20 @@ class Recipe:
     def describe(self) -> str:
         return f"{self.path or '<recipe>'} (fingerprint {self.fingerprint[:12]})"
 
+    def with_phase(self, name: str, start_step: int, weights: dict[str, float]) -> "Recipe":
+        """This recipe with one more phase (inserted by ``start_step``), checked as ``[[phases]]`` are: one
+        :class:`RecipeError` naming the phase and the key (a running service's ``add_phase``; tests/test_phases.py::
+        test_a_phase_added_to_a_running_service)."""
+        from dataclasses import replace
+
+        if not isinstance(weights, dict):
+            raise RecipeError(f"phase {name!r}: weights must be a table of source weights, got {weights!r}")
+        raw = [p.canonical(self.source_names) for p in self.phases]
+        raw.append({"name": name, "start_step": start_step, "weights": dict(weights)})
+        raw.sort(key=lambda p: p["start_step"] if isinstance(p["start_step"], int) else -1)
+        parser = _RecipeParser({}, ".", self.path or "phase", None)
+        return replace(self, phases=parser.parse_phases(raw, self.source_names))
+
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_toml(cls, path: str | Path, *, verify_content: bool | None = None) -> "Recipe":

@@ -3,7 +3,8 @@
 Layout (``state_dir`` is a local directory or an object-store prefix, :mod:`zephon_ray.files`)::
 
     state_dir/
-      service.json                       # format version, recipe fingerprint, lanes, the recipe's canonical content
+      service.json                       # format version, recipe fingerprint, lanes, the recipe's canonical content,
+                                         # its phases and the ones a running service accepted (add_phase)
       checkpoints/step-000000000032.json # merged Zephon checkpoint at the boundary *before* step 32 (LaneStepper state)
       commits.json                       # newest commit per consumer, plus a short history
 
@@ -14,7 +15,9 @@ from the last complete checkpoint and commit (tests/test_service_heal.py; on S3,
 names read: ``step-`` and 8 or more digits (older state_dirs used 8); written: 12 digits, as everywhere else.
 
 Guarantee: a reader never sees a half-written file, and a ``state_dir`` is only ever paired with the recipe
-whose fingerprint it records: :meth:`ServiceState.open` refuses any other recipe before writing anything. A
+whose fingerprint it records: :meth:`ServiceState.open` refuses any other recipe before writing anything, except
+the recipe without the phases a running service accepted (:meth:`ServiceState.add_phase`), which it runs with them
+(tests/test_service_state.py::test_add_phase_records_the_phase_and_drops_later_checkpoints). A
 damaged file (not JSON, another format, a malformed commit entry) is one :class:`ServiceStateError` naming the
 file and the entry (tests/test_service_state.py). :func:`inspect` reads a state_dir offline, for
 ``zephon-ray inspect``.
@@ -58,6 +61,9 @@ KEY_STEP = "step"
 KEY_CONSUMER = "consumer"
 KEY_TIME = "time"
 KEY_LATEST = "latest"
+KEY_ADDED_PHASES = "added_phases"
+"""Phases a running service accepted (``add_phase``), oldest first: ``{"name", "start_step", "weights"}``."""
+KEY_PHASES = "phases"
 MAX_COMMITS = 200
 """History entries kept in commits.json (newest last); older ones are dropped so the file stays small."""
 MAX_CONSUMERS = 256
@@ -87,9 +93,12 @@ def read_service_file(state_dir: "str | os.PathLike[str] | files.Location") -> d
     return meta
 
 
-def check_state_dir(recipe: Any, state_dir: "str | os.PathLike[str] | files.Location") -> None:
-    """Raise :class:`FingerprintMismatchError` if ``state_dir`` belongs to another recipe or its service.json is not
-    one, :class:`ServiceStateError` if it cannot be reached (a missing bucket, refused credentials); write nothing."""
+def check_state_dir(recipe: Any, state_dir: "str | os.PathLike[str] | files.Location") -> Any:
+    """The recipe to run on ``state_dir``: ``recipe`` itself, or ``recipe`` with the phases a running service
+    accepted there (``add_phase``: recorded in ``service.json``, so a restart with the recipe file it started from,
+    or with that file updated, resumes under the same schedule). Raise :class:`FingerprintMismatchError` if
+    ``state_dir`` belongs to another recipe or its service.json is not one, :class:`ServiceStateError` if it cannot
+    be reached (a missing bucket, refused credentials); write nothing."""
     try:
         meta = read_service_file(state_dir)
     except ServiceStateError as exc:
@@ -97,11 +106,35 @@ def check_state_dir(recipe: Any, state_dir: "str | os.PathLike[str] | files.Loca
     except (files.StorageError, FileNotFoundError) as exc:
         raise ServiceStateError(f"state_dir unusable: {exc}") from None
     if meta is None:
-        return
-    if meta.get(KEY_FINGERPRINT) != recipe.fingerprint:
-        raise FingerprintMismatchError(
-            f"state_dir {state_dir} belongs to recipe fingerprint {str(meta.get(KEY_FINGERPRINT))[:12]}, not "
-            f"{recipe.describe()}; start with the original recipe or use a new state_dir")
+        return recipe
+    if meta.get(KEY_FINGERPRINT) == recipe.fingerprint:
+        return recipe
+    updated = with_added_phases(recipe, meta.get(KEY_ADDED_PHASES))
+    if updated is not None and updated.fingerprint == meta.get(KEY_FINGERPRINT):
+        return updated
+    raise FingerprintMismatchError(
+        f"state_dir {state_dir} belongs to recipe fingerprint {str(meta.get(KEY_FINGERPRINT))[:12]}, not "
+        f"{recipe.describe()}; start with the original recipe or use a new state_dir")
+
+
+def with_added_phases(recipe: Any, added: Any) -> Any:
+    """``recipe`` with the phases a running service accepted (``service.json`` ``added_phases``) that it does not
+    already have; None when there are none or one of them does not apply to it."""
+    if not isinstance(added, list) or not added:
+        return None
+    out = recipe
+    for entry in added:
+        if not isinstance(entry, dict):
+            return None
+        name, start, weights = entry.get("name"), entry.get("start_step"), entry.get("weights")
+        same = [p for p in out.phases if p.name == name and p.start_step == start]
+        if same and same[0].canonical(out.source_names)["weights"] == weights:
+            continue  # the recipe file was updated with it
+        try:
+            out = out.with_phase(name, start, weights)
+        except ValueError:
+            return None
+    return out
 
 
 def checkpoint_index(state_dir: "str | os.PathLike[str] | files.Location") -> dict[int, str]:
@@ -151,6 +184,19 @@ def read_commits(state_dir: "str | os.PathLike[str] | files.Location") -> dict[s
     return {KEY_COMMITS: history, KEY_LATEST: latest}
 
 
+def service_meta(recipe: Any, added_phases: list[dict[str, Any]]) -> dict[str, Any]:
+    """The content of ``service.json`` for ``recipe`` (its schedule included, for ``inspect``)."""
+    return {
+        KEY_FORMAT: STATE_FORMAT,
+        KEY_FINGERPRINT: recipe.fingerprint,
+        KEY_LANES: recipe.lanes,
+        KEY_RECIPE: recipe.canonical(),
+        KEY_PHASES: [p.canonical(recipe.source_names) for p in recipe.phases],
+        KEY_ADDED_PHASES: added_phases,
+        KEY_TIME: time.time(),
+    }
+
+
 class ServiceState:
     """Durable state of one service. Open it with :meth:`open`. ``root`` is a :class:`zephon_ray.files.Location`
     (``str(root)`` is the path or URI)."""
@@ -173,19 +219,38 @@ class ServiceState:
         """Check the fingerprint first; create the directory and ``service.json`` only when it matches.
         ``anchor_every=0`` keeps every checkpoint (no pruning)."""
         root = files.location(state_dir)
-        check_state_dir(recipe, root)
+        recipe = check_state_dir(recipe, root)  # with the phases a running service accepted here
         state = cls(root, recipe, keep_checkpoints=keep_checkpoints, anchor_every=anchor_every)
         meta_path = root.join(SERVICE_FILE)
         if not files.exists(meta_path):
-            files.write_json(meta_path, {
-                KEY_FORMAT: STATE_FORMAT,
-                KEY_FINGERPRINT: recipe.fingerprint,
-                KEY_LANES: recipe.lanes,
-                KEY_RECIPE: recipe.canonical(),
-                KEY_TIME: time.time(),
-            }, compact=True)
+            files.write_json(meta_path, service_meta(recipe, []), compact=True)
         files.make_dirs(root.join(CHECKPOINT_DIR))
         return state
+
+    def add_phase(self, recipe: Any, name: str) -> list[int]:
+        """Adopt ``recipe`` (this state's recipe plus phase ``name``, checked by the caller against what consumers
+        read): first delete the checkpoints after the phase's start (made under the old schedule; a restore there
+        would be refused), then record the phase in ``service.json`` (one atomic write: the commit point). A crash
+        between the two leaves the old schedule with fewer checkpoints, never a checkpoint of the old schedule under
+        the new one. Returns the deleted checkpoint steps."""
+        phase = next(p for p in recipe.phases if p.name == name)
+        doomed = [s for s in self.checkpoint_steps() if s > phase.start_step]
+        paths = [self.checkpoint_path(step) for step in doomed]
+        with self._lock:
+            gone = set(doomed)
+            self._steps = [s for s in self._steps if s not in gone]
+            for step in doomed:
+                self._names.pop(step, None)
+        for path in paths:
+            files.delete(path)
+        meta_path = self.root.join(SERVICE_FILE)
+        meta = read_service_file(self.root) or {}
+        added = list(meta.get(KEY_ADDED_PHASES) or [])
+        added.append(phase.canonical(recipe.source_names))
+        files.write_json(meta_path, {**service_meta(recipe, added), KEY_TIME: meta.get(KEY_TIME, time.time())},
+                         compact=True)
+        self.recipe = recipe
+        return doomed
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_path(self, step: int) -> files.Location:
@@ -312,7 +377,25 @@ def inspect(state_dir: "str | os.PathLike[str]") -> dict[str, Any]:
         "recipe": {k: recipe.get(k) for k in ("seed", "lanes", "microbatches_per_lane", "rows_per_microbatch",
                                               "seq_len", "packing") if k in recipe},
         "sources": [s.get("name") for s in sources if isinstance(s, dict)],
+        "schedule": _schedule(recipe, meta),
         "checkpoints": {"count": len(steps), "latest": steps[-1] if steps else None, "steps": steps},
         "commits": {"count": len(history), "latest_step": history[-1][KEY_STEP] if history else None,
                     "by_consumer": {c: e[KEY_STEP] for c, e in latest.items()}},
     }
+
+
+def _schedule(recipe: dict[str, Any], meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """The mixture schedule a state_dir records: the sources' weights from step 0, then each phase (``added``: a
+    running service accepted it with ``add_phase``)."""
+    sources = [s for s in recipe.get("sources") or [] if isinstance(s, dict)]
+    out = [{"name": "sources", "start_step": 0, "weights": {s.get("name"): s.get("weight") for s in sources},
+            "added": False}]
+    added = {(p.get("name"), p.get("start_step")) for p in meta.get(KEY_ADDED_PHASES) or [] if isinstance(p, dict)}
+    order = [s.get("name") for s in sources]
+    for p in meta.get(KEY_PHASES) or []:
+        if isinstance(p, dict):
+            weights = p.get("weights") if isinstance(p.get("weights"), dict) else {}
+            weights = {n: weights[n] for n in order if n in weights} | weights  # recipe order (the file sorts keys)
+            out.append({"name": p.get("name"), "start_step": p.get("start_step"), "weights": weights,
+                        "added": (p.get("name"), p.get("start_step")) in added})
+    return out

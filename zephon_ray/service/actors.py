@@ -72,6 +72,10 @@ class CoordinatorActor:
         return await self._impl.rescale(*args, **kwargs)
 
     @ray.method(concurrency_group=CONTROL)
+    async def add_phase(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        return await self._impl.add_phase(*args, **kwargs)
+
+    @ray.method(concurrency_group=CONTROL)
     async def status(self, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return await self._impl.status(*args, **kwargs)
 

@@ -1,4 +1,4 @@
-"""``zephon-ray serve | status | stop | rescale | release`` and ``zephon-ray digest --via service``.
+"""``zephon-ray serve | status | stop | rescale | add-phase | release`` and ``zephon-ray digest --via service``.
 
 ``serve`` has one flag per :class:`ServiceConfig` field (``--window``, ``--consumer-ttl-s``, ...; nested
 ``resources`` fields as ``--resources.producer-num-cpus``), generated from the dataclass so that it cannot drift
@@ -268,6 +268,42 @@ def cmd_rescale(args: argparse.Namespace) -> int:
     return 0
 
 
+def parse_weights(items: list[str]) -> dict[str, float]:
+    """``--weight SOURCE=W`` (repeated) as ``{source: W}``, or a ValueError naming the item (before Ray)."""
+    out: dict[str, float] = {}
+    for item in items or []:
+        source, sep, value = item.partition("=")
+        try:
+            weight = float(value) if sep and source.strip() else None
+        except ValueError:
+            weight = None
+        if weight is None:
+            raise ValueError(f"add-phase: --weight {item!r} is not SOURCE=WEIGHT (e.g. --weight prose=0.2)")
+        out[source.strip()] = weight
+    if not out:
+        raise ValueError("add-phase: give at least one --weight SOURCE=WEIGHT")
+    return out
+
+
+def cmd_add_phase(args: argparse.Namespace) -> int:
+    from zephon_ray.service.client import DataService
+
+    try:
+        weights = parse_weights(args.weight)
+    except ValueError as exc:
+        return _fail(str(exc))
+    try:
+        with ray_session(args.address, private_if_none=False):
+            svc = DataService.connect(args.name, namespace=args.namespace, timeout_s=0)
+            result = svc.add_phase(args.phase, args.start_step, weights)
+    except (ServiceError, ConnectionError, ValueError) as exc:
+        return _fail(str(exc))
+    print(f"phase {args.phase!r} from step {args.start_step} added to {args.name!r} (namespace {args.namespace!r}) "
+          f"in {result['applied_s']:.2f}s: fingerprint {result['fingerprint'][:12]}, steps made again from "
+          f"{result['restart_from']}, dropped {len(result.get('dropped_steps', []))} produced steps")
+    return 0
+
+
 def cmd_release(args: argparse.Namespace) -> int:
     from zephon_ray.service.client import DataService
 
@@ -379,6 +415,15 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("producers", help="new producer count M (a divisor of the recipe's lanes)")
     _common(p)
     p.set_defaults(func=cmd_rescale)
+
+    p = sub.add_parser("add-phase", help="add a mixture phase to a running service (from a step no consumer "
+                                         "has read yet; durable in its state_dir)")
+    p.add_argument("phase", help="the phase's name (unique in the schedule)")
+    p.add_argument("--start-step", type=int, required=True, help="the first step of the phase")
+    p.add_argument("--weight", action="append", metavar="SOURCE=W",
+                   help="a source's weight from that step on (repeat; unnamed sources get 0)")
+    _common(p)
+    p.set_defaults(func=cmd_add_phase)
 
     p = sub.add_parser("release", help="drop a consumer's cursors so it no longer holds the window back")
     p.add_argument("consumer", help="the consumer id, as `status` lists it")

@@ -377,6 +377,17 @@ class DataService:
         self.config = replace(self.config, producers=producers)
         return result
 
+    def add_phase(self, name: str, start_step: int, weights: dict[str, float]) -> dict[str, Any]:
+        """Add mixture phase ``name`` (``weights`` by source name; unnamed sources get 0) from ``start_step`` on to
+        the running service, durably (``state_dir``); steps it produced ahead from there are made again under the
+        new weights. Refused with one line (ValueError) when a consumer has read ``start_step`` or a later step,
+        naming the consumer and the step. Returns ``{"phase", "start_step", "fingerprint", "dropped_steps",
+        "dropped_checkpoints", "restart_from", "applied_s"}`` (Coordinator.add_phase;
+        tests/test_phases.py::test_a_phase_added_to_a_running_service)."""
+        result = self._call(self._coordinator.add_phase.remote(name, start_step, dict(weights)))
+        self.recipe = self.recipe.with_phase(name, start_step, weights)
+        return result
+
     def to_dataset(self, steps: Iterable[int]) -> "ray.data.Dataset":
         """A lazy ``ray.data.Dataset`` with one row per batch row: ``step``, ``lane``, ``row`` (index in the
         global batch), ``tokens`` and ``positions`` (fixed-size int32 lists), ``digest`` (of the step). For

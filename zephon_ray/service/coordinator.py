@@ -27,6 +27,9 @@ Guarantees (each shown by the test named):
   object and the cause; no message carries a traceback (the log does).
 - A commit is durable when it returns: it is refused beyond what the consumer was delivered, and one that cannot
   be written within the storage budget raises instead of returning.
+- ``add_phase`` changes the mixture of a running service from a step no consumer has read (or was leased),
+  durably in ``state_dir``; the steps made ahead under the old weights are made again by a new producer group
+  (tests/test_phases.py::test_a_phase_added_to_a_running_service; docs/recipes.md "Mixture schedules").
 
 Limits: cursors and the refs table live in memory; a restart costs a restore plus up to K steps of replay, and
 the steps the old producers held are made again. See window.py for the window's bounds.
@@ -112,6 +115,8 @@ class Coordinator:
             raise ValueError("Coordinator: config.state_dir is required")
         self.state = ServiceState.open(recipe, config.state_dir, keep_checkpoints=config.keep_checkpoints,
                                        anchor_every=config.anchor_every)
+        # The state_dir may record phases an earlier incarnation accepted (add_phase): run under them.
+        recipe = self.recipe = self.state.recipe
         self._instance = uuid.uuid4().hex[:6]  # actor names and Zephon run ids never collide with an earlier one
         self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
         # A restarted incarnation: the previous one's producers and replayers are orphans now.
@@ -142,6 +147,11 @@ class Coordinator:
         self.recent_commits: list[dict[str, Any]] = []
         self._rescale_to: int | None = None
         self._rescale_error: str | None = None
+        self._prefix = prefix
+        self._leased_until = -1  # the highest step any lease handed out (node readers and clients may cache it)
+        self._hold_from: int | None = None  # while a phase is applied: steps >= it are neither leased nor replayed
+        self._phase_request: tuple[Recipe, str] | None = None
+        self._phase_result: dict[str, Any] | str | None = None
         self._pump_wake = threading.Event()
         self._commit_writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-ray-commit")
         self.metrics = ServiceMetrics.for_config(config)  # Ray metrics: metrics.py
@@ -217,8 +227,12 @@ class Coordinator:
                 self._check_running()
                 now = time.monotonic()
                 kind = self.window.where(self.window.check_step(first), waits=track)
+                hold = self._hold_from
+                if hold is not None and first >= hold:
+                    kind = Read.WAIT  # a phase is being applied from `hold` on: wait for its steps
                 if kind is Read.HIT:
-                    run = self.window.run(first, count)
+                    run = [(s, e) for s, e in self.window.run(first, count) if hold is None or s < hold]
+                    self._leased_until = max(self._leased_until, run[-1][0])
                     for _, entry in run:
                         entry.served += 1
                     self._count_lease(node, len(run), waited, now - t0)
@@ -230,6 +244,8 @@ class Coordinator:
                 if not wait:
                     return lease_reply([], self.window.keep_from)
             if kind is Read.REPLAY:
+                with self._lock:
+                    self._leased_until = max(self._leased_until, first)
                 container = await self.replay.container(first, read_ahead=track or count > 1)
                 self._count_lease(node, 1, waited, time.monotonic() - t0)
                 return lease_reply([StepContainers(first, REPLAYED, 1, [container])], self.window.keep_from)
@@ -346,8 +362,8 @@ class Coordinator:
         if isinstance(producers, bool) or not isinstance(producers, int) or producers < 1:
             raise ValueError(f"producers must be an integer >= 1, got {producers!r}")
         self.config.check_lanes(self.recipe, producers)
-        if self._rescale_to is not None:
-            raise ServiceError("a rescale is already in progress")
+        if self._rescale_to is not None or self._phase_request is not None:
+            raise ServiceError("a rescale or an add_phase is already in progress")
         deadline = time.monotonic() + timeout_s
         self._rescale_error = None
         self._rescale_to = producers
@@ -360,6 +376,107 @@ class Coordinator:
             raise ServiceError(self._rescale_error or self._fatal)
         gen = self.pool.gen
         return {"producers": len(gen.actors), "generation": gen.number, "at_step": self.pool.next_step}
+
+    async def add_phase(self, name: str, start_step: int, weights: dict[str, float],
+                        timeout_s: float = 300.0) -> dict[str, Any]:
+        """Add mixture phase ``name`` from ``start_step`` on, without a restart. Refused (ValueError, one line)
+        when ``start_step`` is at or before a step some consumer has read (naming that consumer and step) or that
+        a lease already handed out (a node reader or client may serve it from its cache), inside a materialised
+        prefix, or when the phase itself is invalid (naming the key). Otherwise durable before it returns: the
+        phase is recorded in ``state_dir`` (a restarted service, from the recipe it started with or from that
+        recipe with the phase added, runs under it), checkpoints after ``start_step`` are deleted, the steps
+        produced ahead from ``start_step`` on under the old weights are dropped and the producers (and any
+        replayer) restart under the new schedule from the newest checkpoint at or before the first step they
+        must make again (tests/test_phases.py::test_a_phase_added_to_a_running_service)."""
+        t0 = time.monotonic()
+        self._check_running()
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 1:
+            raise ValueError(f"add_phase: start_step must be an integer >= 1, got {start_step!r}")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"add_phase: name must be a non-empty string, got {name!r}")
+        new = self.recipe.with_phase(name, start_step, weights)  # RecipeError (a ValueError) naming the key
+        if self._prefix and start_step < self._prefix.stop:
+            raise ValueError(f"add_phase: phase {name!r} starts at step {start_step}, inside the materialised "
+                             f"prefix [{self._prefix.start}, {self._prefix.stop}), which is fixed")
+        if self._phase_request is not None or self._rescale_to is not None:
+            raise ServiceError("a rescale or another add_phase is in progress")
+        self._phase_result = None
+        self._phase_request = (new, name)
+        self._pump_wake.set()
+        deadline = time.monotonic() + timeout_s
+        while self._phase_request is not None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"add_phase {name!r} did not finish within {timeout_s:.0f}s")
+            await asyncio.sleep(0.02)
+        result = self._phase_result
+        if isinstance(result, str):
+            raise ValueError(result)
+        if self._fatal:
+            raise ServiceError(self._fatal)
+        assert isinstance(result, dict)
+        result["applied_s"] = round(time.monotonic() - t0, 4)
+        return result
+
+    def _refuse_phase(self, name: str, start: int) -> str | None:
+        """(Under the lock) why a phase starting at ``start`` would rewrite a step already handed out, or None."""
+        read = dict(self.window.consumed)
+        for consumer, commit in self.window.commits.items():
+            read[consumer] = max(read.get(consumer, -1), commit - 1)
+        late = {c: s for c, s in read.items() if s >= start}
+        if late:
+            consumer, step = max(late.items(), key=lambda kv: kv[1])
+            return (f"add_phase: phase {name!r} starts at step {start}, but consumer {consumer!r} has read step "
+                    f"{step}; a phase must start after every step a consumer has read")
+        if self._leased_until >= start:
+            return (f"add_phase: phase {name!r} starts at step {start}, but step {self._leased_until} was already "
+                    f"leased (a node reader or client may serve it from its cache); start it after step "
+                    f"{self._leased_until}")
+        return None
+
+    def _do_add_phase(self) -> None:
+        """(Pump thread) Apply the requested phase: see :meth:`add_phase`."""
+        new, name = self._phase_request
+        start = next(p.start_step for p in new.phases if p.name == name)
+        durable = False
+        try:
+            with self._lock:
+                refused = self._refuse_phase(name, start)
+                if refused is None:
+                    self._hold_from = start
+            if refused is not None:
+                self._phase_result = refused
+                return
+            pool = self.pool
+            finished = [f for f in pool.collect(0) if f.step < start]  # what is done; the rest is made again
+            if finished:
+                self._file(finished)
+            if pool.fatal:
+                self._fail(pool.fatal)
+                return
+            with self._lock:
+                dropped = [s for s in sorted(self.window.table) if s >= start]
+                for step in dropped:
+                    self.window.invalidate(step)
+            removed = self.state.add_phase(new, name)  # durable from here on
+            self.recipe = pool.recipe = new
+            durable = True
+            self.replay.set_recipe(new)
+            restart_from = pool.adopt(start)
+            self._phase_result = {"phase": name, "start_step": start, "fingerprint": new.fingerprint,
+                                  "dropped_steps": dropped, "dropped_checkpoints": removed,
+                                  "restart_from": restart_from}
+        except Exception as exc:  # noqa: BLE001 - one line to the caller
+            log.exception("add_phase %r failed", name)
+            if durable:  # recorded: the service runs under it from now on, whatever failed after that
+                self._phase_result = {"phase": name, "start_step": start, "fingerprint": new.fingerprint,
+                                      "warning": f"recorded, then: {describe(exc)}"}
+                self.pool.restart(f"add_phase: {describe(exc)}")
+            else:
+                self._phase_result = f"add_phase: phase {name!r} failed: {describe(exc)}"
+        finally:
+            self._hold_from = None
+            self._phase_request = None
+            self._notify()
 
     async def status(self, moves: list[CursorMove] | None = None) -> dict[str, Any]:
         """The report of status.py; ``moves`` (the caller's own cursor moves) are applied first."""
@@ -397,6 +514,9 @@ class Coordinator:
                     target = self.window.produce_until
                 if self._rescale_to is not None:
                     self._do_rescale()
+                    continue
+                if self._phase_request is not None:
+                    self._do_add_phase()
                     continue
                 pool.resolve_infos()
                 if pool.fatal:

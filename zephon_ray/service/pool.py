@@ -439,6 +439,23 @@ class ProducerPool:
             self.restart(f"rescale: {describe(exc)}", producers=target, death=isinstance(exc, RayActorError))
         return out
 
+    def adopt(self, first: int) -> int:
+        """After the recipe changed from ``first`` on (a phase added, ``self.recipe`` already the new one): abandon
+        the calls in flight (no wait: a group still starting would cost its start), retire the group (its shards of
+        earlier steps stay readable) and launch one of the same size under the new recipe from the newest durable
+        checkpoint <= ``first`` and <= every abandoned step; returns that checkpoint step."""
+        gen = self.gen
+        pending = list(self._inflight) + list(self._ckpts) + [s for s in self._skips if s >= 0]
+        self._inflight.clear()
+        self._ckpts.clear()
+        self._skips.clear()
+        first = min(pending + [first, self.next_step])
+        ckpt = self.state.nearest_checkpoint(first) or 0
+        state = self.state.read_checkpoint(ckpt) if ckpt else None
+        self._retire(gen)
+        self.launch(len(gen.actors), ckpt, state)
+        return ckpt
+
     def describe(self) -> list[dict[str, Any]]:
         gen = self.gen
         return [{"index": i, "generation": gen.number, "lanes": list(lanes), "pid": (info or {}).get("pid"),

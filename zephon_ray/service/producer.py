@@ -97,6 +97,7 @@ class Producer:
         def start() -> LaneStepper:
             verify_on_node(recipe, where=f"producer for lanes {list(self.lanes)}")
             stepper = LaneStepper(recipe, group)
+            stepper.keep_positions = True  # a running service may be given a phase (Coordinator.add_phase)
             try:
                 if state is not None:
                     stepper.restore(state)

@@ -78,6 +78,7 @@ class ReplayScheduler:
         self.metrics = metrics
         # Held for the coordinator's lifetime: Ray needs a replayer's constructor argument again to restart it.
         self._recipe_ref = ray.put(recipe)
+        self._version = 0  # bumped by set_recipe: a new replayer never takes the name of one being killed
         self.replayers: list[Any] = [None] * config.replayers
         self.info_refs: list[Any] = [None] * config.replayers
         self._infos: list[dict[str, Any] | None] = [None] * config.replayers  # filled by the info replies' callbacks
@@ -95,7 +96,8 @@ class ReplayScheduler:
         if self.replayers[i] is None:
             config, res = self.config, self.config.resources
             self.replayers[i] = ray.remote(Replayer).options(
-                name=f"{config.name}{REPLAYER_INFIX}{self.instance}.{i}", namespace=config.namespace,
+                name=f"{config.name}{REPLAYER_INFIX}{self.instance}.{i}" + (f".v{self._version}" if self._version
+                                                                            else ""), namespace=config.namespace,
                 lifetime="detached", num_cpus=res.replayer_num_cpus, resources=dict(res.replayer_resources),
                 # A replayer lost with its node comes back elsewhere; calls wait for it (replays are idempotent).
                 max_restarts=-1, max_task_retries=-1,
@@ -191,6 +193,22 @@ class ReplayScheduler:
             self._replies.popitem(last=False)
         self.stats["submitted"] += 1
         return ref
+
+    def set_recipe(self, recipe: Recipe) -> None:
+        """Run under ``recipe`` from now on (a phase was added): the replayers started under the old one are
+        killed (the next replay starts a new one) and the replies they own are forgotten."""
+        self.close()
+        self._version += 1
+        self.recipe = recipe
+        self._recipe_ref = ray.put(recipe)
+        self.replayers = [None] * self.config.replayers
+        self.info_refs = [None] * self.config.replayers
+        self._infos = [None] * self.config.replayers
+        self._next = [None] * self.config.replayers
+        self._replies.clear()
+        if self.prefix:
+            for i in range(self.config.replayers):
+                self._replayer(i)
 
     # ------------------------------------------------------------------ lifecycle
     async def check_started(self) -> str | None:
