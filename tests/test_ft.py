@@ -259,40 +259,39 @@ def _ft_ledger_config(tiny_dir, ledger, run_id="ft-ledger"):
 
 
 def test_an_attempt_applied_after_a_rejection_is_named_by_the_audit(tiny_dir, tmp_path, capsys):
-    """2 real torchft groups train steps 0..2; at step 1 both report an error (as a failed all-reduce does), so
-    ``should_commit()`` rejects the attempt on both and torchft serves step 1 again. Group 1's loop applies the
-    rejected attempt anyway (the bug) and confirms it. The audit names step 1, one line: rank 1 trained it twice,
-    the second time as attempt 1. Group 0's ledger shows the rejected attempt nowhere."""
+    """A real torchft group (Lighthouse, Manager) trains steps 0..2; at step 1 it reports an error (as a failed
+    all-reduce does), so ``should_commit()`` rejects the attempt and torchft serves step 1 again. The loop applies
+    the rejected attempt anyway (the bug) and confirms it. The audit names step 1, one line: the rank trained it
+    twice, the second time as attempt 1. One group: two groups healing each other made the test's timing depend on
+    the machine's load (a heal under load outlasted the process group's timeout)."""
     from zephon_ray.cli import main
     from zephon_ray.jobs.audit import read_ledger
     from zephon_ray.stream.ft import FtSlices
 
     config = _ft_ledger_config(tiny_dir, tmp_path / "ledger")
-    with ft_groups(2) as managers:
-        def group(g):
-            m, injected = managers[g], False
-            with FtSlices(config, manager=m) as slices:
-                while m.current_step() < 3:
-                    m.start_quorum()
-                    step = m.current_step()
-                    slices.next()
-                    if step == 1 and not injected:
-                        m.report_error(RuntimeError("injected: a failed all-reduce"))
-                        injected = True
-                    if m.should_commit() or g == 1:  # group 1 ignores the vote
-                        slices.commit(step)
-                return slices.ledger.rejected_attempts, slices.ledger.applied_rejected
-        assert _in_parallel(group, 2) == [(1, 0), (1, 1)]
+    with ft_groups(1) as (m,):
+        injected = False
+        with FtSlices(config, manager=m) as slices:
+            while m.current_step() < 3:
+                m.start_quorum()
+                step = m.current_step()
+                slices.next()
+                if step == 1 and not injected:
+                    m.report_error(RuntimeError("injected: a failed all-reduce"))
+                    injected = True
+                m.should_commit()
+                slices.commit(step)  # the bug: applied whatever the vote said
+            assert (slices.ledger.rejected_attempts, slices.ledger.applied_rejected) == (1, 1)
     records = sorted((r.step, r.rank, r.attempt, r.trained) for seg in read_ledger(str(tmp_path / "ledger")).values()
                      for part in seg.parts.values() for r in part)
-    assert records == [(0, 0, 0, 1), (0, 1, 0, 1), (1, 0, 1, 1), (1, 1, 1, 2), (2, 0, 0, 1), (2, 1, 0, 1)]
+    assert records == [(0, 0, 0, 1), (1, 0, 1, 2), (2, 0, 0, 1)]
     capsys.readouterr()
     rc = main(["audit", str(tmp_path / "ledger"), "--recipe", TINY, "--dataset", tiny_dir])
     lines = [line for line in capsys.readouterr().out.splitlines() if line]
     assert rc == 1 and lines == [
-        "step 1: trained twice: rank 1 of 2 trained it 2 times (its record is attempt 1: an earlier attempt that "
+        "step 1: trained twice: rank 0 of 1 trained it 2 times (its record is attempt 1: an earlier attempt that "
         "torchft rejected was applied too)",
-        "audit: 1 finding(s) in steps [0, 3) (W 2)"], lines
+        "audit: 1 finding(s) in steps [0, 3) (W 1)"], lines
 
 
 def test_a_reader_asked_for_a_step_its_ledger_did_not_reach_stops_and_a_healed_one_continues(tiny_dir, tmp_path):
