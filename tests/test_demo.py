@@ -5,8 +5,9 @@
 It must print ``identical global batches: YES``, then the audit's clean verdict, and exit 0; and the digests it
 prints for steps 0..7 (the reference run's and the elastic run's, W = 2 and W = 4 -> 5 -> 3) must be the golden
 digests of recipes/demo.toml, which the independent oracle made (tests/oracle.py): the demo checks itself against
-GlobalBatchSource, this test checks it against a reference that shares no code with it. The faster default test of the same promise is
-tests/test_oracle.py (every path against the oracle) with tests/test_ray_train_elastic.py (W changes at resume).
+GlobalBatchSource, this test checks it against a reference that shares no code with it. The faster default test
+of the same promise is tests/test_oracle.py (every path against the oracle) with tests/test_ray_train_elastic.py
+(W changes at resume).
 """
 
 from __future__ import annotations
