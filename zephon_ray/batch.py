@@ -33,14 +33,19 @@ DIGEST_HEADER = b"zephon-ray/global-batch/v1\n"
 IGNORE_INDEX = -100
 
 
-def compute_digest(tokens: np.ndarray, positions: np.ndarray) -> str:
+def _rows_sha256(header: bytes, tokens: np.ndarray, positions: np.ndarray) -> str:
+    """sha256 of ``header``, ``"<rows> <row length>\n"``, then the tokens and the positions as little-endian int32."""
     if tokens.shape != positions.shape or tokens.ndim != 2:
         raise ValueError(f"tokens {tokens.shape} and positions {positions.shape} must be equal 2-D shapes")
-    h = hashlib.sha256(DIGEST_HEADER)
+    h = hashlib.sha256(header)
     h.update(f"{tokens.shape[0]} {tokens.shape[1]}\n".encode())
     h.update(np.ascontiguousarray(tokens, dtype="<i4").data)
     h.update(np.ascontiguousarray(positions, dtype="<i4").data)
     return h.hexdigest()
+
+
+def compute_digest(tokens: np.ndarray, positions: np.ndarray) -> str:
+    return _rows_sha256(DIGEST_HEADER, tokens, positions)
 
 
 SLICE_DIGEST_HEADER = b"zephon-ray/ledger-slice/v1\n"
@@ -52,13 +57,7 @@ def slice_digest(tokens: np.ndarray, positions: np.ndarray) -> str:
     little-endian int32, truncated to 32 hex digits. The same rows give the same digest whoever computes them (the
     audit recomputes it from the recipe's global batch cut at ``slice_bounds``). sha256 rather than a faster hash:
     it is in every Python, and it costs under a millisecond per seq_len 8192 slice (``benchmarks/bench_ledger.py``)."""
-    if tokens.shape != positions.shape or tokens.ndim != 2:
-        raise ValueError(f"tokens {tokens.shape} and positions {positions.shape} must be equal 2-D shapes")
-    h = hashlib.sha256(SLICE_DIGEST_HEADER)
-    h.update(f"{tokens.shape[0]} {tokens.shape[1]}\n".encode())
-    h.update(np.ascontiguousarray(tokens, dtype="<i4").data)
-    h.update(np.ascontiguousarray(positions, dtype="<i4").data)
-    return h.hexdigest()[:DIGEST_HEX]
+    return _rows_sha256(SLICE_DIGEST_HEADER, tokens, positions)[:DIGEST_HEX]
 
 
 def slice_bounds(rows: int, rank: int, world: int) -> tuple[int, int]:
