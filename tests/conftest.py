@@ -101,3 +101,23 @@ def run_spawned_driver(target, args: tuple, summary: Path, timeout_s: float, det
         pytest.fail(f"the driver did not finish within {timeout_s} s{detail()}")
     assert summary.is_file(), f"the driver exited with code {driver.exitcode} and wrote no summary{detail()}"
     return json.loads(summary.read_text())
+
+
+def run_ranks(world: int, read, timeout_s: float = 300) -> None:
+    """Run ``read(rank)`` for every rank of ``world`` in threads, as the readers of one job (a local-mode
+    checkpoint with W > 1 is collective, so they must run at once); re-raise the first error."""
+    import threading
+
+    errors: list[BaseException] = []
+
+    def guarded(rank: int) -> None:
+        try:
+            read(rank)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
+    [t.start() for t in threads]
+    [t.join(timeout_s) for t in threads]
+    if errors:
+        raise errors[0]

@@ -14,10 +14,11 @@ and each fault, provoked through the public API, is named by step in one line wi
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import pytest
+
+from conftest import run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny.toml")
@@ -45,7 +46,6 @@ def _run(config, world: int, state: dict | None, steps: int, *, loop=None) -> di
     loop = loop or default
     loaders = [Loader(config, rank=r, world=world) for r in range(world)]
     states: list = [None] * world
-    errors: list = []
 
     def read(r: int) -> None:
         try:
@@ -53,16 +53,10 @@ def _run(config, world: int, state: dict | None, steps: int, *, loop=None) -> di
                 loaders[r].load_state_dict(json.loads(json.dumps(state)))
             loop(loaders[r], iter(loaders[r]))
             states[r] = loaders[r].state_dict()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
         finally:
             loaders[r].close()
 
-    threads = [threading.Thread(target=read, args=(r,)) for r in range(world)]
-    [t.start() for t in threads]
-    [t.join(300) for t in threads]
-    if errors:
-        raise errors[0]
+    run_ranks(world, read)
     assert all(s == states[0] for s in states), "the readers' states differ"
     return states[0]
 

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, run_ranks
 from zephon_ray import GlobalBatchSource, Recipe
 from zephon_ray.lanes import LaneStepper, StepStateError
 from zephon_ray.recipe import RecipeError
@@ -387,8 +387,6 @@ def test_a_service_restarted_after_add_phase_keeps_it(ray_cluster, tmp_path):
 def _local_readers(config, world: int, state: dict | None, steps: int) -> tuple[list[str], dict]:
     """W local-mode readers (threads: their checkpoints are collective) load ``state`` and read ``steps`` steps;
     returns each step's digest of the joined slices and the (identical) states they take afterwards."""
-    import threading
-
     import numpy as np
 
     from zephon_ray.batch import compute_digest
@@ -397,7 +395,6 @@ def _local_readers(config, world: int, state: dict | None, steps: int) -> tuple[
     loaders = [Loader(config, rank=r, world=world, local_batch_size=16 // world) for r in range(world)]
     slices: list[list] = [[] for _ in range(world)]
     states: list = [None] * world
-    errors: list = []
 
     def read(r: int) -> None:
         try:
@@ -407,16 +404,10 @@ def _local_readers(config, world: int, state: dict | None, steps: int) -> tuple[
             for _ in range(steps):
                 slices[r].append(next(it).slice)
             states[r] = loaders[r].state_dict()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
         finally:
             loaders[r].close()
 
-    threads = [threading.Thread(target=read, args=(r,)) for r in range(world)]
-    [t.start() for t in threads]
-    [t.join(300) for t in threads]
-    if errors:
-        raise errors[0]
+    run_ranks(world, read)
     assert all(s == states[0] for s in states)
     digests = [compute_digest(np.concatenate([p.tokens for p in parts]), np.concatenate([p.positions for p in parts]))
                for parts in zip(*slices)]

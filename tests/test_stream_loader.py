@@ -12,12 +12,12 @@ every reader's state must be identical at every resume.
 from __future__ import annotations
 
 import json
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from conftest import run_ranks
 
 from zephon_ray import compute_digest
 
@@ -69,7 +69,6 @@ def _segment(config, world: int, state: dict | None, steps: int) -> tuple[list, 
     loaders = [Loader(config, rank=r, world=world, local_batch_size=lbs) for r in range(world)]
     slices: list[list] = [[] for _ in range(world)]
     states: list = [None] * world
-    errors: list = []
 
     def read(r: int) -> None:
         try:
@@ -86,16 +85,10 @@ def _segment(config, world: int, state: dict | None, steps: int) -> tuple[list, 
                 assert batch.global_valid_tokens == 16 * 64  # 'wrap' packing: every label of the 16 rows
                 slices[r].append(batch.slice)
             states[r] = loader.state_dict()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
         finally:
             loaders[r].close()
 
-    threads = [threading.Thread(target=read, args=(r,)) for r in range(world)]
-    [t.start() for t in threads]
-    [t.join(300) for t in threads]
-    if errors:
-        raise errors[0]
+    run_ranks(world, read)
     return [list(step) for step in zip(*slices)], states
 
 
