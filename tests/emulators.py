@@ -63,8 +63,8 @@ class Emulator:
     def stop(self) -> None:
         if self.proc is not None:
             self.proc.terminate()
-            try:
-                self.proc.wait(10)
+            try:  # an emulator keeps nothing worth flushing; fake-gcs-server can sit on SIGTERM for 10 s
+                self.proc.wait(1)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
