@@ -182,7 +182,7 @@ table = pq.read_table(out)
 print(table.num_rows, "rows written;", sorted(set(table.column("step").to_pylist())), "steps")
 table.select(["step", "lane", "row", "digest"]).slice(0, 3).to_pandas()"""),
     ("markdown", """## Service status as a table"""),
-    ("code", """from zephon_ray.service.cli import format_status   # the table `zephon-ray status` prints
+    ("code", """from zephon_ray.cli.service import format_status   # the table `zephon-ray status` prints
 
 print(format_status(svc.status()))"""),
     ("code", """svc.stop()           # producers and coordinator; durable state stays in state_dir

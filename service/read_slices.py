@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from zephon_ray import DataService, compute_digest
-from zephon_ray.cli import parse_steps
+from zephon_ray.cli.data import parse_steps
 from zephon_ray.service.session import ray_session
 
 

@@ -183,23 +183,24 @@ def test_bad_input_from_a_real_process_is_one_line():
 def test_a_bug_is_not_hidden_as_a_user_error(capsys, monkeypatch):
     """main() reports user errors as one line, and nothing else: a bug keeps its traceback."""
     import zephon_ray.cli as cli
+    import zephon_ray.cli.data as data
     from zephon_ray.errors import UserInputError
 
     def buggy(args):
         raise KeyError("a bug")
 
-    monkeypatch.setattr(cli, "cmd_fingerprint", buggy)
+    monkeypatch.setattr(data, "cmd_fingerprint", buggy)
     with pytest.raises(KeyError, match="a bug"):
         cli.main(["fingerprint", str(TINY)])
     for error in (RuntimeError("a bug"), PermissionError(13, "Permission denied", "/x"), AttributeError("bug")):
-        monkeypatch.setattr(cli, "cmd_fingerprint", lambda args, error=error: (_ for _ in ()).throw(error))
+        monkeypatch.setattr(data, "cmd_fingerprint", lambda args, error=error: (_ for _ in ()).throw(error))
         with pytest.raises(type(error)):
             cli.main(["fingerprint", str(TINY)])
 
     def user_error(args):
         raise UserInputError("--thing 7: not a thing\nsecond line")
 
-    monkeypatch.setattr(cli, "cmd_fingerprint", user_error)
+    monkeypatch.setattr(data, "cmd_fingerprint", user_error)
     code, out, err = _main(capsys, "fingerprint", str(TINY))
     assert (code, out, err) == (2, "", "zephon-ray: error: --thing 7: not a thing second line\n")
 

@@ -92,7 +92,7 @@ def test_serve_has_a_flag_for_every_service_config_field():
     import typing
 
     from zephon_ray.cli import build_parser
-    from zephon_ray.service.cli import service_config_fields
+    from zephon_ray.cli.service import service_config_fields
     from zephon_ray.service.config import ServiceConfig
 
     def leaves(cls, prefix=""):  # every field, nested dataclasses (resources) as "resources.<field>"

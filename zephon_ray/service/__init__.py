@@ -4,7 +4,7 @@ Public: :class:`DataService` (client), :class:`ServiceConfig`, :class:`ActorReso
 (DataService, the handle) with its read paths node_reads.py and direct_reads.py (and reads.py, what they share),
 lease_cache.py (the lease cache of the node reader and the client), node.py (a node reader per node),
 coordinator.py (glue), window.py, pool.py, producer.py, replay.py, replayer.py, status.py, launch.py, protocol.py,
-config.py, metrics.py, cli.py.
+config.py, metrics.py; session.py (attach to a Ray cluster). The commands are zephon_ray/cli/service.py.
 """
 
 from zephon_ray.service.config import ActorResources, ServiceConfig

@@ -8,7 +8,7 @@ cursor moves and reports, node readers), ``throughput``, ``checkpoints``, ``comm
 ``materialized``. ``window.shard_owners`` counts who owns the containers of the newest held step (one per producer;
 each holds the refs of its lane shards), read from Ray's owner addresses: producers (and retired producers), never
 the coordinator. ``zephon-ray status`` prints it as a table
-(cli.py), the notebook shows it.
+(zephon_ray/cli/service.py), the notebook shows it.
 
 Guarantee: building it takes the window lock once, for a copy of the window's counters, and makes no remote call
 and no ``ray.get`` (it runs on the coordinator's event loop: producer infos are those the pump thread resolved,

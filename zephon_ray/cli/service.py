@@ -12,8 +12,12 @@ this process runs in, e.g. a ``ray job submit`` job) and never start one.
 Storage settings reach the actors these commands start: ``ray_session`` (service/session.py) attaches with
 ``runtime_env={"env_vars": files.worker_environment()}`` (endpoints, region, addressing style, account names, retry
 settings; never a secret, a profile name or a local path), so a cluster started before the exports still sees the
-endpoint. Credentials come from the nodes themselves. A worker-side storage failure is one line naming the object
-and the likely cause (:func:`storage_failure`), exit 2 (tests/test_storage_cli.py).
+endpoint. Credentials come from the nodes themselves.
+
+Errors: the commands raise (a ``ServiceError`` such as "no service of that name", a ``ValueError`` for a bad count,
+weight or phase, a ``ConnectionError`` for an unreachable cluster) and ``main`` reports each as one line, exit 2
+(errors.py; a worker-side storage failure as one line naming the object and the likely cause,
+tests/test_storage_cli.py).
 """
 
 from __future__ import annotations
@@ -22,71 +26,17 @@ import argparse
 import dataclasses
 import json
 import shutil
-import sys
 import tempfile
 import uuid
 import typing
 from collections.abc import Iterator
 from typing import Any
 
+from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
-from zephon_ray.service.errors import ServiceError, ServiceNotFoundError
+from zephon_ray.service.errors import ServiceNotFoundError
 from zephon_ray.service.session import ray_session
-
-
-def _fail(message: str) -> int:
-    print(f"zephon-ray: error: {message}", file=sys.stderr)
-    return 2
-
-
-_STORAGE_WORDS = ("s3://", "gs://", "az://", "abfs", "bucket", "endpoint", "credential", "access denied",
-                  "AccessDenied", "Could not resolve host", "Could not connect", "NETWORK_CONNECTION",
-                  "InvalidAccessKeyId", "NoSuchBucket", "does not exist", "still failing after")
-
-
-def _causes(exc: BaseException) -> list[BaseException]:
-    seen, out, todo = set(), [], [exc]
-    while todo:
-        e = todo.pop(0)
-        if e is None or id(e) in seen:
-            continue
-        seen.add(id(e))
-        out.append(e)
-        todo += [getattr(e, "cause", None), e.__cause__, e.__context__]
-    return out
-
-
-def storage_failure(exc: BaseException) -> str | None:
-    """One line for an error that came back from the cluster's workers because of storage (an object they could not
-    reach or read), naming the object and the likely cause; None for anything else."""
-    from zephon_ray import files
-
-    texts = []
-    for cause in _causes(exc):
-        lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
-        texts += [ln for ln in lines if not ln.startswith(("File ", "Traceback", "^", "~"))]
-    hits = [t for t in texts if any(w in t for w in _STORAGE_WORDS)]
-    if not hits:
-        return None
-    line = min(hits, key=lambda t: (("://" not in t), len(t)))  # the shortest that names an object
-    for prefix in ("ray.exceptions.RayTaskError", "RayTaskError"):
-        line = line.split("): ", 1)[-1] if line.startswith(prefix) else line
-    line = " ".join(line.split())[:500]
-    lower = line.lower()
-    if "access denied" in lower or "accessdenied" in lower or "invalidaccesskeyid" in lower or "403" in line \
-            or "credential" in lower:
-        local = files.local_credentials()
-        hint = ("the workers have no credentials for it, or not these: credentials are never shipped to the "
-                "cluster" + (f" ({', '.join(local)} stay in this shell)" if local else "")
-                + "; give the nodes their own (instance role, their environment or files)")
-    elif "resolve host" in lower or "connect" in lower or "endpoint" in lower:
-        hint = ("the workers have no endpoint for it or cannot reach it: set AWS_ENDPOINT_URL (or "
-                "ZEPHON_RAY_GCS_ENDPOINT / ZEPHON_RAY_AZURE_ENDPOINT) where this command runs; it reaches the "
-                "workers through the job's runtime_env")
-    else:
-        hint = "the workers could not use it"
-    return f"{line} ({hint})"
 
 
 def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -> int:
@@ -96,30 +46,27 @@ def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -
     producers = getattr(args, "producers", 1) or 1
     if not getattr(args, "name", None):  # bad settings fail here, before a Ray cluster is started for nothing
         ServiceConfig.build(recipe, producers=producers)
-    try:
-        with ray_session(getattr(args, "address", None), private_if_none=True):
-            if getattr(args, "name", None):
-                svc = DataService.connect(args.name, namespace=args.namespace)
-                if svc.recipe.fingerprint != recipe.fingerprint:
-                    return _fail(f"service {args.name!r} serves recipe fingerprint {svc.recipe.fingerprint[:12]}, "
-                                 f"not {recipe.describe()}")
-                owned, state_dir = False, None
-            else:
-                run = f"digest-{uuid.uuid4().hex[:8]}"
-                state_dir = tempfile.mkdtemp(prefix=f"zephon-ray-{run}-")
-                svc = DataService.start(recipe, name=run, namespace=args.namespace or DEFAULT_NAMESPACE,
-                                        producers=producers, state_dir=state_dir)  # run_id, store: defaults
-                owned = True
-            try:
-                for step in steps:
-                    # our own service: read tracked so its window follows; someone else's: ad hoc, no cursor
-                    print(f"step {step} {svc.batch(step, track=owned).digest}", flush=True)
-            finally:
-                if owned:
-                    svc.stop()
-                    shutil.rmtree(state_dir, ignore_errors=True)
-    except (ServiceError, ConnectionError) as exc:
-        return _fail(str(exc))
+    with ray_session(getattr(args, "address", None), private_if_none=True):
+        if getattr(args, "name", None):
+            svc = DataService.connect(args.name, namespace=args.namespace)
+            if svc.recipe.fingerprint != recipe.fingerprint:
+                raise UserInputError(f"service {args.name!r} serves recipe fingerprint "
+                                     f"{svc.recipe.fingerprint[:12]}, not {recipe.describe()}")
+            owned, state_dir = False, None
+        else:
+            run = f"digest-{uuid.uuid4().hex[:8]}"
+            state_dir = tempfile.mkdtemp(prefix=f"zephon-ray-{run}-")
+            svc = DataService.start(recipe, name=run, namespace=args.namespace or DEFAULT_NAMESPACE,
+                                    producers=producers, state_dir=state_dir)  # run_id, store: defaults
+            owned = True
+        try:
+            for step in steps:
+                # our own service: read tracked so its window follows; someone else's: ad hoc, no cursor
+                print(f"step {step} {svc.batch(step, track=owned).digest}", flush=True)
+        finally:
+            if owned:
+                svc.stop()
+                shutil.rmtree(state_dir, ignore_errors=True)
     return 0
 
 
@@ -130,36 +77,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
     recipe = Recipe.from_toml(args.recipe)
     fields = service_config_fields(args)
     ServiceConfig.build(recipe, **fields)  # every bad setting fails here, in one line, before touching Ray
-    try:
-        with ray_session(args.address, private_if_none=False):
-            svc = DataService.start(recipe, **fields)
-            status = svc.status()
-            print(f"serving {recipe.describe()} as {fields['name']!r} in namespace {fields['namespace']!r}: "
-                  f"{len(status['producers'])} producers, window {status['window']['size']}, "
-                  f"state_dir {status['state_dir']}, starting at step {status['start']['start_step']}", flush=True)
-            if args.block:
-                import time
+    with ray_session(args.address, private_if_none=False):
+        svc = DataService.start(recipe, **fields)
+        status = svc.status()
+        print(f"serving {recipe.describe()} as {fields['name']!r} in namespace {fields['namespace']!r}: "
+              f"{len(status['producers'])} producers, window {status['window']['size']}, "
+              f"state_dir {status['state_dir']}, starting at step {status['start']['start_step']}", flush=True)
+        if args.block:
+            import time
 
+            try:
                 while True:  # until `zephon-ray stop` (the coordinator goes away) or Ctrl-C
                     time.sleep(5)
                     svc.status()
-    except ServiceNotFoundError as exc:
-        if args.block:
-            return 0  # stopped (`zephon-ray stop`) while we watched it: a normal end of a blocking serve
-        return _fail(str(exc))
-    except (ServiceError, ConnectionError) as exc:
-        return _fail(str(exc))
+            except ServiceNotFoundError:
+                return 0  # stopped (`zephon-ray stop`) while we watched it: a normal end of a blocking serve
     return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
     from zephon_ray.service.client import DataService
 
-    try:
-        with ray_session(args.address, private_if_none=False):
-            status = DataService.connect(args.name, namespace=args.namespace, timeout_s=args.wait).status()
-    except (ServiceError, ConnectionError) as exc:
-        return _fail(str(exc))
+    with ray_session(args.address, private_if_none=False):
+        status = DataService.connect(args.name, namespace=args.namespace, timeout_s=args.wait).status()
     if args.json:
         print(json.dumps(status, indent=2, sort_keys=True, default=str))
         return 0
@@ -228,11 +168,8 @@ def format_status(status: dict[str, Any]) -> str:
 def cmd_stop(args: argparse.Namespace) -> int:
     from zephon_ray.service.client import DataService
 
-    try:
-        with ray_session(args.address, private_if_none=False):
-            DataService.connect(args.name, namespace=args.namespace, timeout_s=0).stop()
-    except (ServiceError, ConnectionError) as exc:
-        return _fail(str(exc))
+    with ray_session(args.address, private_if_none=False):
+        DataService.connect(args.name, namespace=args.namespace, timeout_s=0).stop()
     print(f"stopped {args.name!r} (namespace {args.namespace!r})")
     return 0
 
@@ -252,17 +189,11 @@ def parse_producers(text: str) -> int:
 def cmd_rescale(args: argparse.Namespace) -> int:
     from zephon_ray.service.client import DataService
 
-    try:
-        producers = parse_producers(args.producers)
-    except ValueError as exc:
-        return _fail(str(exc))
-    try:
-        with ray_session(args.address, private_if_none=False):
-            svc = DataService.connect(args.name, namespace=args.namespace, timeout_s=0)
-            svc.rescale(producers)  # ValueError (lanes, run_id, aggregation) before any remote change
-            status = svc.status()
-    except (ServiceError, ConnectionError) as exc:
-        return _fail(str(exc))
+    producers = parse_producers(args.producers)  # before Ray is touched
+    with ray_session(args.address, private_if_none=False):
+        svc = DataService.connect(args.name, namespace=args.namespace, timeout_s=0)
+        svc.rescale(producers)  # ValueError (lanes, run_id, aggregation) before any remote change
+        status = svc.status()
     print(f"rescaled {args.name!r} (namespace {args.namespace!r}) to {len(status['producers'])} producers "
           f"(generation {status['generation']}); batches are unchanged")
     return 0
@@ -288,16 +219,10 @@ def parse_weights(items: list[str]) -> dict[str, float]:
 def cmd_add_phase(args: argparse.Namespace) -> int:
     from zephon_ray.service.client import DataService
 
-    try:
-        weights = parse_weights(args.weight)
-    except ValueError as exc:
-        return _fail(str(exc))
-    try:
-        with ray_session(args.address, private_if_none=False):
-            svc = DataService.connect(args.name, namespace=args.namespace, timeout_s=0)
-            result = svc.add_phase(args.phase, args.start_step, weights)
-    except (ServiceError, ConnectionError, ValueError) as exc:
-        return _fail(str(exc))
+    weights = parse_weights(args.weight)  # before Ray is touched
+    with ray_session(args.address, private_if_none=False):
+        svc = DataService.connect(args.name, namespace=args.namespace, timeout_s=0)
+        result = svc.add_phase(args.phase, args.start_step, weights)  # a refusal: one ValueError naming the reader
     print(f"phase {args.phase!r} from step {args.start_step} added to {args.name!r} (namespace {args.namespace!r}) "
           f"in {result['applied_s']:.2f}s: fingerprint {result['fingerprint'][:12]}, steps made again from "
           f"{result['restart_from']}, dropped {len(result.get('dropped_steps', []))} produced steps")
@@ -307,11 +232,8 @@ def cmd_add_phase(args: argparse.Namespace) -> int:
 def cmd_release(args: argparse.Namespace) -> int:
     from zephon_ray.service.client import DataService
 
-    try:
-        with ray_session(args.address, private_if_none=False):
-            DataService.connect(args.name, namespace=args.namespace, consumer=args.consumer, timeout_s=0).release()
-    except (ServiceError, ConnectionError) as exc:
-        return _fail(str(exc))
+    with ray_session(args.address, private_if_none=False):
+        DataService.connect(args.name, namespace=args.namespace, consumer=args.consumer, timeout_s=0).release()
     print(f"released consumer {args.consumer!r} of {args.name!r}: it no longer holds the window back")
     return 0
 

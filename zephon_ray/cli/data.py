@@ -1,38 +1,17 @@
-"""The ``zephon-ray`` command.
+"""The recipe, batch, dataset and job commands of ``zephon-ray``: digest, show, corpus, bench, validate,
+fingerprint, audit, inspect, pretokenize, materialize (``digest --via service`` is in service.py).
 
-    zephon-ray digest RECIPE --steps A:B [--via local|service] [--producers M]
-    zephon-ray show RECIPE --step S [--plot out.png]
-    zephon-ray validate RECIPE | fingerprint RECIPE
-    zephon-ray inspect STATE_DIR [--json]   (a service's durable state, offline: no Ray)
-    zephon-ray corpus OUT_DIR
-    zephon-ray serve | status | stop | rescale M | release CONSUMER      (the Ray data service)
-    zephon-ray add-phase PHASE --start-step S --weight SRC=W ... --name SERVICE   (a running service's schedule)
-    zephon-ray bench RECIPE [--steps N] [--via local|service|both]   (this node's production rate)
-
-RECIPE is a path, or the bare name of a packaged recipe (``tiny``, ``elastic``, ``demo``, ``mixture``).
-Errors in user input print one line ``zephon-ray: error: ...`` naming what is wrong and exit 2, never a traceback
-(tests/test_cli.py::test_bad_input_is_one_line_naming_it). They are :class:`~zephon_ray.errors.UserInputError` and
-the library's validation errors (``ValueError`` subclasses such as ``RecipeError``), a missing file, and
-``TimeoutError`` (see ``USER_ERRORS``); any other exception is not bad input and keeps its traceback
-(``test_a_bug_is_not_hidden_as_a_user_error``).
-Progress bars (tqdm, on stderr) appear only on a terminal.
+Each command returns its exit code or raises; bad input raises :class:`~zephon_ray.errors.UserInputError` (or a
+library ``ValueError``) naming the flag, path or value at fault, and ``main`` prints it as one line, exit 2
+(errors.py; tests/test_cli.py::test_bad_input_is_one_line_naming_it).
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
-from collections.abc import Sequence
 
 from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
-
-USER_ERRORS = (UserInputError, ValueError, FileNotFoundError, TimeoutError)
-"""What ``main`` reports as one line: bad input (UserInputError and the library's ValueError subclasses), a path
-that does not exist (the message names it), and a service that did not answer in time. Deliberately not OSError,
-RuntimeError or Exception: other OSErrors on a path the user gave are turned into UserInputError where that path is
-used (``corpus OUT_DIR``, ``show --plot FILE``); anything else is a bug or a broken environment, and its traceback
-is the useful report."""
 
 
 def parse_steps(text: str) -> range:
@@ -81,7 +60,7 @@ def cmd_digest(args: argparse.Namespace) -> int:
             for step in steps:
                 print(f"step {step} {source.batch(step).digest}", flush=True)
         return 0
-    from zephon_ray.service.cli import digest_via_service
+    from zephon_ray.cli.service import digest_via_service
 
     return digest_via_service(recipe, steps, args)
 
@@ -384,7 +363,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from zephon_ray.bench import format_report, run_bench
 
     recipe = Recipe.from_toml(args.recipe)
-    report = run_bench(recipe, steps=args.steps, warmup=args.warmup, via=args.via, rounds=args.rounds,
+    rounds = args.rounds if args.rounds is not None else 3 if args.via == "both" else 1  # both: paths alternate
+    report = run_bench(recipe, steps=args.steps, warmup=args.warmup, via=args.via, rounds=rounds,
                        producers=args.producers, name=args.name, namespace=args.namespace, address=args.address,
                        progress=None if args.json else lambda line: print(line, flush=True))
     if args.json:
@@ -394,18 +374,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors as one line (the usage is one ``--help`` away)."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="zephon-ray", description="Deterministic, step-keyed global batches for training on Ray.")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+def add_batch_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("digest", help="print 'step <s> <sha256>' for each step")
     p.add_argument("recipe")
     p.add_argument("--steps", required=True, help="A:B for steps A..B-1")
@@ -445,13 +414,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--address", default=None, help="Ray address; default starts a private local Ray")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.set_defaults(func=cmd_bench)
-
-    add_recipe_commands(sub)
-    from zephon_ray.service.cli import add_service_commands
-
-    add_service_commands(sub)
-    add_data_commands(sub)
-    return parser
 
 
 # ---------------------------------------------------------------------- Ray Data jobs: pretokenize, materialize
@@ -497,7 +459,7 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_data_commands(sub: argparse._SubParsersAction) -> None:
+def add_job_commands(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("pretokenize", help="Ray Data job: token-id Parquet copies of a recipe's sources")
     p.add_argument("recipe")
     p.add_argument("out_dir")
@@ -517,41 +479,3 @@ def add_data_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default=None, help="Ray address; default starts a private local Ray")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_materialize)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if getattr(args, "rounds", 0) is None:  # bench: one round, or three alternating ones for --via both
-        args.rounds = 3 if args.via == "both" else 1
-    try:
-        return args.func(args)
-    except KeyboardInterrupt:
-        return 130
-    except Exception as exc:
-        worker = worker_error(exc)
-        if worker is not None:  # from the cluster's workers: one line, never their traceback
-            parser.exit(2, f"zephon-ray: error: {worker}\n")
-        if not isinstance(exc, USER_ERRORS):
-            raise
-        message = " ".join(str(exc).split()) or type(exc).__name__  # one line, whatever the message holds
-        parser.exit(2, f"zephon-ray: error: {message}\n")
-
-
-def worker_error(exc: BaseException) -> str | None:
-    """One line for an error raised in a Ray worker (a Ray Data or service actor): the storage failure it names,
-    with its likely cause (service/cli.py), else the cause's last line; None for an error of this process."""
-    from zephon_ray.service.cli import _causes, storage_failure
-
-    if not any(type(c).__module__.startswith("ray.") for c in _causes(exc)):
-        return None
-    line = storage_failure(exc)
-    if line is not None:
-        return line
-    from zephon_ray.service.pool import describe
-
-    return describe(exc)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
