@@ -37,10 +37,10 @@ data/corpus: | install
 	$(VENV)/bin/zephon-ray corpus $@.tmp && mv $@.tmp $@
 
 # The corpus (about 10 s) lets tests/test_oracle.py check the demo and mixture recipes' golden digests too.
-# Two pytest-xdist workers: the tests on the session's private Ray run one after another in one, those that start
-# a Ray or process tree of their own in the other, beside the in-process tests (tests/conftest.py;
-# docs/benchmarks.md, "The test suite").
-PYTEST := $(PY) -m pytest -q -ra -n 2 --dist loadgroup
+# Three pytest-xdist workers, even on 2 cores: much of a Ray test is waiting on process starts, so a third worker
+# took the suite from 634 s to 549 s (docs/benchmarks.md, "The test suite"). Tests on a worker's session Ray are
+# grouped by module; those that start a Ray or process tree of their own run one after another (tests/conftest.py).
+PYTEST := $(PY) -m pytest -q -ra -n 3 --dist loadgroup
 
 test: install data/corpus
 	$(PYTEST)

@@ -24,11 +24,11 @@ TINY = RECIPES / "tiny.toml"
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups
 def pytest_collection_modifyitems(config, items):
-    """`make test` runs two pytest-xdist workers with ``--dist loadgroup``. The tests on a worker's private session
+    """`make test` runs three pytest-xdist workers with ``--dist loadgroup``. The tests on a worker's private session
     Ray (they use ``ray_cluster``, or are marked ``session_ray``) are grouped by module, so a module's fixtures (a
-    service, a materialised dataset) are built once and the modules spread over both workers; each worker starts
+    service, a materialised dataset) are built once and the modules spread over the workers; each worker starts
     its session Ray once, when it first needs it. Those that start a Ray or a process tree of their own (marked
-    ``spawns``, or ``slow``) run one after another in one group, so at most two Rays are busy at once
+    ``spawns``, or ``slow``) run one after another in one group, so at most three Rays are busy at once
     (docs/benchmarks.md, "The test suite")."""
     for item in items:
         if "ray_cluster" in item.fixturenames or item.get_closest_marker("session_ray"):
