@@ -1,7 +1,7 @@
 """Durable service state: checkpoint retention (newest N + anchors), the in-memory index, per-consumer commits.
 
 No Ray. Checkpoint files here are one real merged LaneStepper state re-labelled at other step boundaries: the
-tests are about which files are kept, not about restoring them (test_service.py restores real ones).
+tests are about which files are kept, not about restoring them (test_service_faults.py restores real ones).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ reader, so the first read waits for no actor start.
 
 Guarantee: ``batch(s)`` and ``slice(s, r, W)`` return exactly the rows of the reference global batch s (whole, or
 the rank's contiguous row range) for any s, any W with B % W == 0, any number of producers, and across producer
-crashes, rescales and service restarts from the same ``state_dir`` (tests/test_service.py, checked on rows).
+crashes, rescales and service restarts from the same ``state_dir`` (tests/test_service_faults.py, checked on rows).
 
 Reads heal themselves: when the coordinator restarts (also with reads in flight), a node reader dies, or the
 producer or node holding a step's shards dies, ``batch``/``slice`` retry (backoff, at most

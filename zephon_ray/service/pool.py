@@ -10,13 +10,13 @@ killed group still in the table (its shards died with it; ``on_lost`` tells the 
 Guarantees:
 - A dead producer (kill -9, OOM, node loss; inside a collective checkpoint too) or one that makes no progress for
   ``progress_timeout_s`` while calls are in flight (hung: alive but stuck) is replaced with its whole group
-  (tests/test_service.py::test_kill9_producer_while_read_and_while_idle, ::test_watchdog_replaces_a_hung_producer).
+  (tests/test_service_faults.py::test_kill9_producer_while_read_and_while_idle, ::test_watchdog_replaces_a_hung_producer).
 - A producer that fails in ``__init__`` is reported once as a configuration error naming its node and reason
   (``fatal``), not restarted again and again (::test_producer_init_failure_is_one_config_error).
 - After :meth:`close` no new producer is launched, so ``stop()`` cannot race a restart into orphans.
 - A rescale retires the old group instead of killing it: its actors stay alive (their pipelines closed) while the
   table still holds steps they own, and are killed by :meth:`reap` once it does not
-  (tests/test_service.py::test_rescale_2_1_2_keeps_batches reads across two rescales).
+  (tests/test_service_faults.py::test_rescale_2_1_2_keeps_batches reads across two rescales).
 - Each generation gets its own Zephon run id ``<run_id>-<instance>-g<N>``; aggregate dirs of older generations
   are removed when a new one starts.
 - Storage faults are waited out, not fatal: checkpoint writes and reads retry transient object-store faults for the

@@ -9,7 +9,7 @@ whatever their size (``ray.put``, not return values: Ray inlines return values u
 would make the coordinator own them). The coordinator only borrows the refs and passes them on; it never holds a
 shard's bytes (tests/test_service.py::test_coordinator_owns_no_shard_bytes, from Ray's own owner and location
 tables). A producer that dies takes its shards with it: the coordinator drops that generation's steps and the
-next group makes them again (tests/test_service.py::test_kill9_producer_while_read_and_while_idle).
+next group makes them again (tests/test_service_faults.py::test_kill9_producer_while_read_and_while_idle).
 A failure in ``__init__`` (missing data, a bad tokenizer, an identity mismatch on this node) does not kill the
 actor: ``info()`` reports it with the node, so the coordinator can report one configuration error instead of
 restarting the group again and again.
