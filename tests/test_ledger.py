@@ -63,7 +63,7 @@ def test_the_segment_id_depends_on_every_header_field():
     ({"format": "other"}, "not a ledger segment (key 'format' is 'other'"),
     ({"version": 2}, "ledger segment version 2 is not supported (expected 1)"),
     ({"extra": 1}, "ledger segment has unknown key 'extra'"),
-    ({"world": 0}, "ledger key 'world' must be an int >= 1, got 0"),
+    ({"world": 0}, "ledger key 'world' must be an int in [1, 10**12], got 0"),
     ({"rank": 5}, "rank 5 of 2 is impossible"),
     ({"next_step": 9}, "does not match its header"),
     ({"records": [[0, 2, 1, "a", 0]]}, "ledger record 0 must be [step, world, rank, digest, attempt, trained]"),

@@ -121,7 +121,7 @@ def test_commits_written_before_per_consumer_format_still_read(tiny_recipe, tmp_
 
 
 @pytest.mark.parametrize("entry, needle", [
-    ({"step": "seven", "consumer": "x", "time": 1.0}, "commits[1] is malformed ('step' must be an integer >= 0"),
+    ({"step": "seven", "consumer": "x", "time": 1.0}, "commits[1] is malformed: 'step' must be an int in [0, 10**12], got 'seven'"),
     ({"step": 3, "time": 1.0}, "commits[1] is malformed ('consumer' must be a non-empty string"),
     ("not a table", "commits[1] is malformed (a str, not a table)"),
 ])

@@ -74,9 +74,9 @@ def test_bad_source_states_and_arguments_fail_early(tiny_recipe, state, message)
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"rank": 2, "world": 2, "depth": 1}, r"rank 2 is not in \[0, world=2\)"),
-    ({"rank": 0, "world": None, "depth": 1}, "world must be an int, got None"),
-    ({"rank": 0, "world": 1, "depth": 0}, "prefetch depth must be an int in"),
+    ({"rank": 2, "world": 2, "depth": 1}, r"rank must be an int in \[0, world=2\), got 2"),
+    ({"rank": 0, "world": None, "depth": 1}, r"world must be an int in \[1, .*\], got None"),
+    ({"rank": 0, "world": 1, "depth": 0}, r"prefetch depth must be an int in \[1, 1024\], got 0"),
 ])
 def test_bad_reader_arguments_fail_when_built(tiny_recipe, kwargs, message):
     with pytest.raises(ValueError, match=message):

@@ -26,6 +26,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from zephon_ray.checks import check_reader
+
 if TYPE_CHECKING:
     import torch
 
@@ -67,10 +69,7 @@ def slice_bounds(rows: int, rank: int, world: int) -> tuple[int, int]:
     their sizes differ by at most one row (``floor(B/W)`` or ``ceil(B/W)``). When W divides B every rank has B/W rows,
     the same split as before uneven slices existed, so no digest, golden, materialised run or loader state changes.
     W > B is refused: a rank would get no rows (``tests/test_batch.py``)."""
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise ValueError(f"world must be an int >= 1, got {world!r}")
-    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise ValueError(f"rank {rank!r} is not in a world of {world}")
+    rank, world = check_reader(rank, world)
     if world > rows:
         raise ValueError(f"a world of {world} ranks exceeds the global batch of {rows} rows: a rank would get no rows "
                          f"(use at most {rows} readers)")

@@ -32,6 +32,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from zephon_ray.checks import check_int
 from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
 
@@ -148,8 +149,7 @@ def run_bench(recipe: Recipe, *, steps: int, warmup: int, via: str, rounds: int,
     """Measure and return the report (see the module docstring); ``progress`` gets one line per round."""
     for flag, value, low in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--rounds", rounds, 1),
                              ("--producers", producers, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise UserInputError(f"{flag} must be an integer >= {low}, got {value!r}")
+        check_int(flag, value, low=low, error=UserInputError)
     if via not in VIAS:
         raise UserInputError(f"--via must be one of {', '.join(VIAS)}, got {via!r}")
     if recipe.lanes % producers:

@@ -30,6 +30,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from zephon_ray.checks import check_int
 from zephon_ray.errors import UserInputError
 
 FORMATS = ("jsonl", "parquet")
@@ -112,8 +113,8 @@ def write_corpus(
     for fmt in formats:
         if fmt not in FORMATS:
             raise UserInputError(f"unknown corpus format {fmt!r}; expected one of {', '.join(FORMATS)}")
-    if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-        raise UserInputError(f"corpus limit must be a positive integer, got {limit!r}")
+    if limit is not None:
+        check_int("corpus limit", limit, low=1, error=UserInputError)
     out = check_out_dir(out_dir)
     work = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
     try:

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from zephon_ray import files
+from zephon_ray.checks import check_int
 from zephon_ray.pretokenized_manifest import PretokenizedError, check_manifest, check_sources
 from zephon_ray.identity import (
     SUPPORTED_FORMATS, Environment, MixedFormatsError, ShardIdentity, ShardListingError, detect_format,
@@ -367,11 +368,7 @@ class _RecipeParser:
         value = table.get(key, default)
         if value is ...:
             raise self.fail(prefix + key, "is required")
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise self.fail(prefix + key, f"must be an integer, got {type(value).__name__} {value!r}")
-        if value <= 0:
-            raise self.fail(prefix + key, f"must be positive, got {value}")
-        return value
+        return check_int(f"{self.where}: key '{prefix + key}'", value, low=1, error=RecipeError)
 
     def typed(self, table: dict[str, Any], key: str, kind: type, default: Any, prefix: str = "") -> Any:
         value = table.get(key, default)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from zephon_ray.batch import GlobalBatch
+from zephon_ray.checks import check_int
 from zephon_ray.lanes import LaneShard, LaneStepper, StepStateError
 from zephon_ray.recipe import Recipe
 from zephon_ray.tokenizers import build_tokenizer
@@ -77,8 +78,7 @@ class GlobalBatchSource:
     ) -> None:
         for name, value in (("checkpoint_every", checkpoint_every), ("recent_checkpoints", recent_checkpoints),
                             ("anchor_every", anchor_every), ("cache_steps", cache_steps)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"GlobalBatchSource: {name} must be a positive integer, got {value!r}")
+            check_int(f"GlobalBatchSource: {name}", value, low=1)
         if anchor_every % checkpoint_every:
             raise ValueError(
                 f"GlobalBatchSource: anchor_every ({anchor_every}) must be a multiple of checkpoint_every "
@@ -100,9 +100,7 @@ class GlobalBatchSource:
         return self._stepper.position
 
     def batch(self, step: int) -> GlobalBatch:
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-            raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        step = int(step)
+        step = check_int("step", step, low=0, numpy_ok=True)
         cached = self._cache.get(step)
         if cached is not None:
             self._cache.move_to_end(step)

@@ -45,6 +45,7 @@ from typing import Any
 
 from zephon_ray import files
 from zephon_ray.batch import DIGEST_HEX, SLICE_DIGEST_HEADER, slice_digest  # noqa: F401 - part of the format
+from zephon_ray.checks import check_int
 
 FORMAT = "zephon-ray/ledger-segment"
 VERSION = 1
@@ -103,10 +104,7 @@ def write_part(ledger_dir: "str | files.Location", part: dict[str, Any]) -> file
 
 
 def _int(doc: dict, key: str, where: str, low: int = 0) -> int:
-    value = doc[key]
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise LedgerError(f"{where}: ledger key '{key}' must be an int >= {low}, got {value!r}")
-    return value
+    return check_int(f"{where}: ledger key '{key}'", doc[key], low=low, error=LedgerError)
 
 
 def check_part(doc: Any, *, where: str) -> dict[str, Any]:

@@ -30,6 +30,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from zephon_ray.checks import check_int
+
 STATE_VERSION = 3
 KEY_VERSION = "version"
 KEY_RUN_ID = "run_id"
@@ -102,9 +104,7 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
             f"loader state key '{KEY_RUN_ID}': the checkpoint belongs to run_id {saved_run!r}, "
             f"but this loader has run_id {run_id!r}"
         )
-    step = state[KEY_NEXT_STEP]
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise LoaderStateError(f"loader state key '{KEY_NEXT_STEP}' must be a non-negative int, got {step!r}")
+    check_int(f"loader state key '{KEY_NEXT_STEP}'", state[KEY_NEXT_STEP], low=0, error=LoaderStateError)
     head = state[KEY_LEDGER]
     if not isinstance(head, str) or (head and not (len(head) == 24 and all(c in "0123456789abcdef" for c in head))):
         raise LoaderStateError(f"loader state key '{KEY_LEDGER}' must be a ledger segment id (24 hex digits) or \"\", "
@@ -154,10 +154,8 @@ def zephon_state(state: dict, *, next_step: int | None = None) -> dict[str, Any]
         raise LoaderStateError(f"loader state key '{KEY_ZEPHON}' is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise LoaderStateError(f"loader state key '{KEY_ZEPHON}' must hold a JSON object")
-    at = value.get(KEY_NEXT_STEP)
-    if isinstance(at, bool) or not isinstance(at, int) or at < 0:
-        raise LoaderStateError(f"loader state key '{KEY_ZEPHON}': the Zephon checkpoint's '{KEY_NEXT_STEP}' must be "
-                               f"a non-negative int, got {at!r}")
+    at = check_int(f"loader state key '{KEY_ZEPHON}': the Zephon checkpoint's '{KEY_NEXT_STEP}'",
+                   value.get(KEY_NEXT_STEP), low=0, error=LoaderStateError)
     if next_step is not None and at > next_step:
         raise LoaderStateError(f"loader state key '{KEY_ZEPHON}': the Zephon checkpoint is at step {at}, after "
                                f"'{KEY_NEXT_STEP}' {next_step}")
@@ -166,7 +164,5 @@ def zephon_state(state: dict, *, next_step: int | None = None) -> dict[str, Any]
 
 def replayed_steps(state: dict) -> int:
     """The ``replayed_steps`` a state carries (non-negative)."""
-    value = state.get(KEY_REPLAYED_STEPS, 0)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise LoaderStateError(f"loader state key '{KEY_REPLAYED_STEPS}' must be a non-negative int, got {value!r}")
-    return value
+    return check_int(f"loader state key '{KEY_REPLAYED_STEPS}'", state.get(KEY_REPLAYED_STEPS, 0), low=0,
+                     error=LoaderStateError)

@@ -44,6 +44,7 @@ import numpy as np
 
 from zephon_ray import files
 from zephon_ray.batch import GlobalBatch, RankSlice, compute_digest
+from zephon_ray.checks import check_int
 
 MANIFEST_FORMAT = "zephon-ray/materialized/v1"
 MANIFEST_NAME = "manifest.json"
@@ -352,9 +353,7 @@ class MaterializedSource:
         return range(self.first_step, self.end_step)
 
     def _check_step(self, step: Any) -> int:
-        if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
-            raise MaterializedError(f"step must be an integer, got {step!r}")
-        step = int(step)
+        step = check_int("step", step, low=0, numpy_ok=True, error=MaterializedError)
         if not self.first_step <= step < self.end_step:
             raise MaterializedError(
                 f"step {step} is not materialised in {self.directory} (steps {self.first_step}..{self.end_step - 1}; "

@@ -46,6 +46,7 @@ import time
 from typing import Any
 
 from zephon_ray import files
+from zephon_ray.checks import check_int
 from zephon_ray.lanes import KEY_NEXT_STEP, check_step_state
 
 STATE_FORMAT = "zephon-ray/service-state/v1"
@@ -151,8 +152,7 @@ def _check_entry(path: files.Location, where: str, entry: Any) -> dict[str, Any]
     if not isinstance(entry, dict):
         raise ServiceStateError(f"{path}: {where} is malformed (a {type(entry).__name__}, not a table)")
     step, consumer, when = entry.get(KEY_STEP), entry.get(KEY_CONSUMER), entry.get(KEY_TIME, 0.0)
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        raise ServiceStateError(f"{path}: {where} is malformed ('{KEY_STEP}' must be an integer >= 0, got {step!r})")
+    check_int(f"{path}: {where} is malformed: '{KEY_STEP}'", step, low=0, error=ServiceStateError)
     if not isinstance(consumer, str) or not consumer:
         raise ServiceStateError(f"{path}: {where} is malformed ('{KEY_CONSUMER}' must be a non-empty string, got "
                                 f"{consumer!r})")

@@ -73,6 +73,7 @@ from typing import Any, NamedTuple
 from ray.train import DataConfig
 
 from zephon_ray import files
+from zephon_ray.checks import check_int
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import StepShape, check_geometry
 from zephon_ray.stream.loader import Loader, LoaderConfig, StepBatch
@@ -171,8 +172,7 @@ Remaining keyword arguments go to Ray's ``DataConfig``
         self.pad_slices, self.ledger_dir = pad_slices, ledger_dir
         for key, value, low in (("local_batch_size", local_batch_size, 0), ("prefetch", prefetch, 1),
                                 ("checkpoint_every", checkpoint_every, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= 1_000_000:
-                raise ValueError(f"ZephonDataConfig: '{key}' must be an int in [{low}, 1000000], got {value!r}")
+            check_int(f"ZephonDataConfig: '{key}'", value, low=low, high=1_000_000)
         self.run_id, self.local_batch_size = run_id, local_batch_size
         self.prefetch, self.checkpoint_every = prefetch, checkpoint_every
 
@@ -284,9 +284,7 @@ class ZephonDatasetShard:
     def _check_until(self, until: int | None) -> int | None:
         if until is None:
             return None
-        if isinstance(until, bool) or not isinstance(until, int) or not 0 <= until <= MAX_STEPS:
-            raise ValueError(f"{self._where()}: 'until' must be an int in [0, {MAX_STEPS}], got {until!r}")
-        return until
+        return check_int(f"{self._where()}: 'until'", until, low=0, high=MAX_STEPS)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

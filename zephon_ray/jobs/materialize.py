@@ -44,6 +44,7 @@ from typing import Any, Iterator
 import numpy as np
 
 from zephon_ray import files
+from zephon_ray.checks import check_int
 from zephon_ray.formats.materialized import (
     CHECKPOINTS_DIR, KEY_CHECKPOINTS, KEY_DIGESTS, KEY_END, KEY_FINGERPRINT, KEY_FIRST, KEY_FORMAT, KEY_GEOMETRY,
     KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_SOURCE_TOKENS, MANIFEST_FORMAT, MANIFEST_NAME, MAX_STEP, SEGMENTS_DIR,
@@ -166,8 +167,7 @@ def materialize(recipe: Recipe, directory: "str | os.PathLike[str]", steps: rang
     steps = parse_step_range(steps)
     for name, value, high in (("producers", producers, recipe.lanes), ("segment_steps", segment_steps,
                                                                         MAX_SEGMENT_STEPS)):
-        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-            raise MaterializedError(f"{name} must be an integer in [1, {high}], got {value!r}")
+        check_int(name, value, low=1, high=high, error=MaterializedError)
     if recipe.lanes % producers:
         raise MaterializedError(f"--producers {producers} does not divide the recipe's {recipe.lanes} lanes")
     directory = files.location(directory)

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from zephon_ray import files, zephon_io
+from zephon_ray.checks import check_int
 from zephon_ray.formats.pretokenized import (
     build_manifest, output_name, progress_location, read_progress, shard_location, write_manifest, write_progress,
 )
@@ -255,8 +256,7 @@ def pretokenize(recipe: Recipe, out_dir: "str | Any", *, actors: int | None = No
             )
     if actors is None:
         actors = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    if isinstance(actors, bool) or not isinstance(actors, int) or not 1 <= actors <= 1024:
-        raise PretokenizeError(f"actors must be an integer in [1, 1024], got {actors!r}")
+    check_int("actors", actors, low=1, high=1024, error=PretokenizeError)
 
     tasks = plan(recipe, out)
     entries: dict[tuple[str, str], dict[str, Any]] = {}

@@ -20,6 +20,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from zephon_ray.checks import check_int
 from zephon_ray.recipe import Recipe
 
 DEFAULT_NAMESPACE = "zephon-ray"
@@ -66,10 +67,8 @@ class ActorResources:
             value = getattr(self, key)
             if not _is_number(value) or not 0 <= value <= 64:
                 raise ValueError(f"ServiceConfig: resources.{key} must be a number in [0, 64], got {value!r}")
-        value = self.coordinator_max_concurrency
-        if isinstance(value, bool) or not isinstance(value, int) or not 4 <= value <= 100_000:
-            raise ValueError("ServiceConfig: resources.coordinator_max_concurrency must be an integer in [4, 100000] "
-                             f"(waiting reads occupy it), got {value!r}")
+        check_int("ServiceConfig: resources.coordinator_max_concurrency", self.coordinator_max_concurrency, low=4,
+                  high=100_000, why="waiting reads occupy it")
 
     @classmethod
     def coerce(cls, value: object) -> "ActorResources":
@@ -154,9 +153,7 @@ class ServiceConfig:
             if not isinstance(value, str) or not value or "/" in value:
                 raise ValueError(f"ServiceConfig: {key} must be a non-empty string without '/', got {value!r}")
         for key in ("producers", "window", "checkpoint_every"):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ServiceConfig: {key} must be an integer >= 1, got {value!r}")
+            check_int(f"ServiceConfig: {key}", getattr(self, key), low=1)
         for key in TIMEOUT_KEYS:
             value = getattr(self, key)
             if not _is_number(value) or not value > 0:
@@ -172,18 +169,15 @@ class ServiceConfig:
                                ("keep_checkpoints", 1, 10_000), ("replayers", 1, 64),
                                ("lease_steps", 1, 1024),
                                ("coordinator_max_restarts", -1, 1_000_000)):
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                raise ValueError(f"ServiceConfig: {key} must be an integer in [{low}, {high}], got {value!r}")
+            check_int(f"ServiceConfig: {key}", getattr(self, key), low=low, high=high)
         if self.anchor_every is None:
             object.__setattr__(self, "anchor_every", 16 * self.checkpoint_every)
         if isinstance(self.anchor_every, bool) or not isinstance(self.anchor_every, int) or self.anchor_every < 0 \
                 or self.anchor_every % self.checkpoint_every:
             raise ValueError(f"ServiceConfig: anchor_every must be 0 or a positive multiple of checkpoint_every="
                              f"{self.checkpoint_every}, got {self.anchor_every!r}")
-        if self.start_step is not None and (isinstance(self.start_step, bool) or not isinstance(self.start_step, int)
-                                            or self.start_step < 0):
-            raise ValueError(f"ServiceConfig: start_step must be an integer >= 0, got {self.start_step!r}")
+        if self.start_step is not None:
+            check_int("ServiceConfig: start_step", self.start_step, low=0)
         if self.materialized_dir is not None and (not isinstance(self.materialized_dir, str)
                                                   or not self.materialized_dir):
             raise ValueError(f"ServiceConfig: materialized_dir must be a non-empty path string, "

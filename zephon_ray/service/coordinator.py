@@ -49,6 +49,7 @@ from typing import Any
 import ray
 
 from zephon_ray import files
+from zephon_ray.checks import check_int
 from zephon_ray.formats.service_state import ServiceState
 from zephon_ray.recipe import Recipe
 from zephon_ray.service import status as status_report
@@ -359,8 +360,7 @@ class Coordinator:
 
     async def rescale(self, producers: int, timeout_s: float = 300.0) -> dict[str, Any]:
         """Replace the producer group by ``producers`` actors at the current step boundary; no batch changes."""
-        if isinstance(producers, bool) or not isinstance(producers, int) or producers < 1:
-            raise ValueError(f"producers must be an integer >= 1, got {producers!r}")
+        check_int("producers", producers, low=1)
         self.config.check_lanes(self.recipe, producers)
         if self._rescale_to is not None or self._phase_request is not None:
             raise ServiceError("a rescale or an add_phase is already in progress")
@@ -390,8 +390,7 @@ class Coordinator:
         must make again (tests/test_phases.py::test_a_phase_added_to_a_running_service)."""
         t0 = time.monotonic()
         self._check_running()
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 1:
-            raise ValueError(f"add_phase: start_step must be an integer >= 1, got {start_step!r}")
+        check_int("add_phase: start_step", start_step, low=1)
         if not isinstance(name, str) or not name:
             raise ValueError(f"add_phase: name must be a non-empty string, got {name!r}")
         new = self.recipe.with_phase(name, start_step, weights)  # RecipeError (a ValueError) naming the key

@@ -32,6 +32,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from zephon_ray import checks
+
 log = logging.getLogger("zephon_ray")
 
 CursorMove = tuple[str, int, int, int, float]
@@ -94,17 +96,11 @@ def check_consumer(consumer: Any) -> str:
 
 
 def check_reader(rank: Any, world: Any, rows: int) -> tuple[int, int]:
-    """(rank, world) of a reader; ``world=None`` means one reader of the whole batch (0, 1)."""
+    """(rank, world) of a reader of a ``rows``-row global batch (:func:`zephon_ray.checks.check_reader`, at most
+    ``rows`` readers: every rank needs a row); ``rank=world=None`` means one reader of the whole batch (0, 1)."""
     if world is None and rank is None:
         return 0, 1
-    for key, value in (("rank", rank), ("world", world)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{key} must be an integer, got {value!r}")
-    if not 1 <= world <= rows:
-        raise ValueError(f"world={world} must be in [1, {rows}] (the global batch's rows: every rank needs one)")
-    if not 0 <= rank < world:
-        raise ValueError(f"rank={rank} is outside [0, {world})")
-    return rank, world
+    return checks.check_reader(rank, world, max_world=rows, why_max="the global batch's rows: every rank needs one")
 
 
 def lease_reply(steps: list, keep_from: int) -> Reply:

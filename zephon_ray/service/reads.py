@@ -10,7 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import ray
 from ray.exceptions import (
     ActorUnavailableError,
@@ -23,6 +22,7 @@ from ray.exceptions import (
 )
 
 from zephon_ray.batch import GlobalBatch, RankSlice, lane_span
+from zephon_ray.checks import check_int
 from zephon_ray.lanes import LaneShard
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.errors import ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError
@@ -68,9 +68,7 @@ def open_containers(refs: list[Any], where: str) -> list[Any]:
 
 def as_step(step: Any, what: str = "step") -> int:
     """Steps are plain non-negative ints on the wire (numpy integers are accepted and converted)."""
-    if isinstance(step, bool) or not isinstance(step, (int, np.integer)) or step < 0:
-        raise ValueError(f"{what} must be a non-negative integer, got {step!r}")
-    return int(step)
+    return check_int(what, step, low=0, numpy_ok=True)
 
 
 def reader_key(rank: int | None, world: int | None) -> tuple[int, int]:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any
 
+from zephon_ray.checks import check_int
 from zephon_ray.service.protocol import MAX_CONSUMER_NAME, check_consumer, check_reader
 
 __all__ = ["MAX_CONSUMER_NAME", "Cursor", "Entry", "Read", "StepWindow", "check_consumer", "check_reader",
@@ -89,10 +90,8 @@ class StepWindow:
     def __init__(self, *, window: int, start: int = 0, max_ahead: int = 512, retain_behind: int = 32,
                  consumer_ttl_s: float = 120.0, rows: int = 1 << 30) -> None:
         for key, value in (("window", window), ("max_ahead", max_ahead)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"StepWindow: {key} must be an integer >= 1, got {value!r}")
-        if isinstance(retain_behind, bool) or not isinstance(retain_behind, int) or retain_behind < 0:
-            raise ValueError(f"StepWindow: retain_behind must be an integer >= 0, got {retain_behind!r}")
+            check_int(f"StepWindow: {key}", value, low=1)
+        check_int("StepWindow: retain_behind", retain_behind, low=0)
         self.window = window
         self.max_ahead = max_ahead
         self.retain_behind = retain_behind
@@ -137,8 +136,7 @@ class StepWindow:
 
     # ------------------------------------------------------------------ requests
     def check_step(self, step: Any, what: str = "step") -> int:
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"{what} must be a non-negative integer, got {step!r}")
+        check_int(what, step, low=0)
         limit = max(self.head, self.produce_until) + self.max_ahead
         if step > limit:
             raise ValueError(
@@ -207,8 +205,7 @@ class StepWindow:
         (tests/test_window.py::test_a_commit_counts_its_own_reads_after_a_release). Limit: a commit from a handle
         that read nothing itself (``read=None``) is checked against the consumer's cursors, i.e. what its ranks
         asked for. ``apply=False`` only checks (the coordinator applies it once the commit is durable)."""
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            raise ValueError(f"commit step must be a non-negative integer, got {step!r}")
+        check_int("commit step", step, low=0)
         check_consumer(consumer)
         read = self.consumed.get(consumer, -1) if read is None else self.check_step(read, "read step")
         allowed = max(read + 1, self.commits.get(consumer, 0))

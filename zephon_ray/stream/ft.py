@@ -65,9 +65,10 @@ from dataclasses import replace
 from typing import Any
 
 from zephon_ray.batch import padded_rows
+from zephon_ray.checks import check_int
 from zephon_ray.formats.loader_state import KEY_LEDGER, check_state, make_state
 from zephon_ray.recipe import Recipe
-from zephon_ray.stream.geometry import StepShape, check_geometry, check_int
+from zephon_ray.stream.geometry import StepShape, check_geometry
 from zephon_ray.stream.ledger import FtLedger
 from zephon_ray.stream.loader import GET_TIMEOUT_S, LoaderConfig, StepBatch
 from zephon_ray.stream.prefetch import PrefetchedSlices

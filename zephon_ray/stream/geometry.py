@@ -27,7 +27,6 @@ padded trainer's global batch is W x padded rows (B real rows plus the padding).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from zephon_ray.batch import padded_rows, slice_bounds
 from zephon_ray.recipe import Recipe
@@ -38,13 +37,6 @@ TRAINER_DERIVES_GLOBAL_BATCH = -1
 
 class TrainerMismatchError(ValueError):
     """The trainer's geometry (or tokenizer) differs from the recipe's; the message names the setting to change."""
-
-
-def check_int(name: str, value: Any, *, low: int, high: int = 10**12) -> int:
-    """``value`` as an int in [low, high], or one ValueError naming ``name`` and the value (None, bool, 2.5, ...)."""
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise ValueError(f"{name} must be an int in [{low}, {high}], got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zephon_ray.batch import RankSlice
+from zephon_ray.checks import check_int, check_reader
 from zephon_ray.formats.loader_state import (
     KEY_LEDGER,
     LoaderStateError,
@@ -73,11 +74,11 @@ from zephon_ray.formats.loader_state import (
 )
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream import aggregate
-from zephon_ray.stream.geometry import check_geometry, check_int
+from zephon_ray.stream.geometry import check_geometry
 from zephon_ray.stream.ledger import LedgerRecorder
 from zephon_ray.stream.mesh import DpPeers, dp_peers
 from zephon_ray.stream.prefetch import MAX_DEPTH
-from zephon_ray.stream.protocol import STATE_CHECKPOINT, SliceSource, check_reader, source_state
+from zephon_ray.stream.protocol import STATE_CHECKPOINT, SliceSource, source_state
 
 logger = logging.getLogger(__name__)
 

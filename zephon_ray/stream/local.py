@@ -26,6 +26,7 @@ from dataclasses import replace
 from typing import Any
 
 from zephon_ray.batch import RankSlice, lane_span, valid_tokens
+from zephon_ray.checks import check_int
 from zephon_ray.identity import verify_on_node
 from zephon_ray.lanes import LaneStepper, StepStateError, check_step_state
 from zephon_ray.pipeline import LaneGroup
@@ -50,8 +51,7 @@ class LocalSlices(PrefetchedSlices):
         if (lane_group.index, lane_group.count) not in ((self.rank, self.world), (0, 1) if self.world == 1 else None):
             raise ValueError(f"reader {self.rank} of {self.world} must be lane group {self.rank} of {self.world}, "
                              f"got lane group {lane_group.index} of {lane_group.count}")
-        if isinstance(checkpoint_every, bool) or not isinstance(checkpoint_every, int) or checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every must be an int >= 0, got {checkpoint_every!r}")
+        check_int("checkpoint_every", checkpoint_every, low=0)
         self.recipe = recipe
         self.lane_group = lane_group
         self.checkpoint_every = checkpoint_every

@@ -21,12 +21,12 @@ from collections.abc import Iterator
 from typing import Any
 
 from zephon_ray.batch import RankSlice
+from zephon_ray.checks import check_int, check_reader
 from zephon_ray.stream.protocol import (
     STATE_CHECKPOINT,
     STATE_NEXT_STEP,
     SliceSource,
     SourceError,
-    check_reader,
     check_source_state,
     source_state,
 )
@@ -48,9 +48,7 @@ class PrefetchedSlices(SliceSource):
 
     def __init__(self, *, rank: int, world: int, depth: int, name: str) -> None:
         self.rank, self.world = check_reader(rank, world)
-        if isinstance(depth, bool) or not isinstance(depth, int) or not 1 <= depth <= MAX_DEPTH:
-            raise ValueError(f"prefetch depth must be an int in [1, {MAX_DEPTH}], got {depth!r}")
-        self.depth = depth
+        self.depth = check_int("prefetch depth", depth, low=1, high=MAX_DEPTH)
         self._name = name
         self._queue: queue.Queue = queue.Queue(maxsize=depth)
         self._stop = threading.Event()

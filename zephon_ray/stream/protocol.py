@@ -30,6 +30,7 @@ import abc
 from typing import Any
 
 from zephon_ray.batch import RankSlice
+from zephon_ray.checks import check_int
 
 STATE_NEXT_STEP = "next_step"
 """Source state key: the first step the source has not handed out (the boundary the state describes)."""
@@ -60,26 +61,12 @@ def check_source_state(state: Any) -> dict[str, Any]:
     extra = sorted(set(state) - set(SOURCE_STATE_KEYS))
     if extra:
         raise ValueError(f"source state has unknown key {extra[0]!r} (expected {SOURCE_STATE_KEYS})")
-    step = state[STATE_NEXT_STEP]
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
-        raise ValueError(f"source state key {STATE_NEXT_STEP!r} must be an int in [0, {MAX_STEP}], got {step!r}")
+    check_int(f"source state key {STATE_NEXT_STEP!r}", state[STATE_NEXT_STEP], low=0, high=MAX_STEP)
     checkpoint = state[STATE_CHECKPOINT]
     if checkpoint is not None and not isinstance(checkpoint, dict):
         raise ValueError(f"source state key {STATE_CHECKPOINT!r} must be a dict or None, "
                          f"got {type(checkpoint).__name__}")
     return state
-
-
-def check_reader(rank: Any, world: Any, *, rank_name: str = "rank", world_name: str = "world") -> tuple[int, int]:
-    """Validate a reader's ``rank`` of ``world`` early; the error names the argument and its value."""
-    for name, value in ((world_name, world), (rank_name, rank)):
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"{name} must be an int, got {value!r}")
-    if world < 1:
-        raise ValueError(f"{world_name} must be >= 1, got {world}")
-    if not 0 <= rank < world:
-        raise ValueError(f"{rank_name} {rank} is not in [0, {world_name}={world})")
-    return rank, world
 
 
 class SliceSource(abc.ABC):

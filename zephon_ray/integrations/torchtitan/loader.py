@@ -33,9 +33,10 @@ from typing import Any
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
+from zephon_ray.checks import check_int
 from zephon_ray.formats.loader_state import LoaderStateError
 from zephon_ray.recipe import Recipe
-from zephon_ray.stream.geometry import check_geometry, check_int
+from zephon_ray.stream.geometry import check_geometry
 from zephon_ray.stream.loader import Loader, LoaderConfig, StepBatch
 from zephon_ray.integrations.torchtitan.trainer_checks import check_tokenizer
 
