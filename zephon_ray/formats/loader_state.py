@@ -104,7 +104,7 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
             f"loader state key '{KEY_RUN_ID}': the checkpoint belongs to run_id {saved_run!r}, "
             f"but this loader has run_id {run_id!r}"
         )
-    check_int(f"loader state key '{KEY_NEXT_STEP}'", state[KEY_NEXT_STEP], low=0, error=LoaderStateError)
+    step = check_int(f"loader state key '{KEY_NEXT_STEP}'", state[KEY_NEXT_STEP], low=0, error=LoaderStateError)
     head = state[KEY_LEDGER]
     if not isinstance(head, str) or (head and not (len(head) == 24 and all(c in "0123456789abcdef" for c in head))):
         raise LoaderStateError(f"loader state key '{KEY_LEDGER}' must be a ledger segment id (24 hex digits) or \"\", "
