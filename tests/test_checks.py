@@ -75,6 +75,10 @@ def test_check_reader_bounds_the_world_and_keeps_names_and_error_type():
         check_reader(2, 2, rank_name="dp_rank", world_name="dp_world_size", error=LedgerError)
     with pytest.raises(LedgerError, match=r"^dp_world_size must be an int in \[1, 10\*\*12\], got 0$"):
         check_reader(0, 0, rank_name="dp_rank", world_name="dp_world_size", error=LedgerError)
+    with pytest.raises(ValueError, match=r"^FtSlices: dp_rank must be an int in \[0, dp=2\), got 2$"):
+        check_reader(2, 2, rank_name="dp_rank", world_name="dp", where="FtSlices: ")
+    with pytest.raises(ValueError, match=r"^FtSlices: dp must be an int in \[1, 10\*\*12\], got None$"):
+        check_reader(0, None, rank_name="dp_rank", world_name="dp", where="FtSlices: ")
 
 
 def test_service_reader_none_means_one_reader_of_the_whole_batch():

@@ -140,8 +140,8 @@ def test_build_keywords_are_torchtitans_and_required():
 @pytest.mark.parametrize("kw, message", [
     ({"dp_world_size": None}, r"build: dp_world_size must be an int in \[1, .*\], got None"),
     ({"dp_world_size": 2.0}, r"build: dp_world_size must be an int in \[1, .*\], got 2.0"),
-    ({"dp_rank": None}, r"build: dp_rank must be an int in \[0, .*\], got None"),
-    ({"dp_rank": 1}, "dp_rank 1 is not in a data-parallel world of 1"),
+    ({"dp_rank": None}, r"build: dp_rank must be an int in \[0, dp_world_size=1\), got None"),
+    ({"dp_rank": 1}, r"build: dp_rank must be an int in \[0, dp_world_size=1\), got 1"),
     ({"local_batch_size": 0}, r"build: local_batch_size must be an int in \[1, .*\], got 0"),
     ({"snapshot_every_n_steps": "10"}, "build: snapshot_every_n_steps must be an int"),
 ])

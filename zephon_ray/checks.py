@@ -53,15 +53,16 @@ def check_int(name: str, value: Any, *, low: int, high: int = MAX_INT, error: ty
 
 
 def check_reader(rank: Any, world: Any, *, max_world: int = MAX_INT, why_max: str = "", rank_name: str = "rank",
-                 world_name: str = "world", error: type[Exception] = ValueError) -> tuple[int, int]:
+                 world_name: str = "world", where: str = "", error: type[Exception] = ValueError) -> tuple[int, int]:
     """``(rank, world)`` of reader ``rank`` of ``world``: ``world`` an int in ``[1, max_world]``, then ``rank`` an int
     in ``[0, world)``; else ``error`` with one line naming the argument (``rank_name``/``world_name``, e.g.
-    ``dp_rank``) and its value. The world is checked first, so a rank's message can state its range.
+    ``dp_rank``) and its value, after ``where`` (``"FtSlices: "``) if given. The world is checked first, so a rank's
+    message can state its range: ``FtSlices: dp_rank must be an int in [0, dp=2), got 2``.
 
     ``max_world`` bounds the readers (a reader that would get no rows: pass the global batch's rows, with
     ``why_max`` saying so). Limits: no ``None`` shorthand for "one reader"; callers that allow it map it to
     ``(0, 1)`` before calling. Tests: ``tests/test_checks.py``."""
-    world = check_int(world_name, world, low=1, high=max_world, why=why_max, error=error)
+    world = check_int(where + world_name, world, low=1, high=max_world, why=why_max, error=error)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
-        raise error(f"{rank_name} must be an int in [0, {world_name}={world}), got {rank!r}")
+        raise error(f"{where}{rank_name} must be an int in [0, {world_name}={world}), got {rank!r}")
     return rank, world

@@ -44,7 +44,7 @@ import numpy as np
 
 from zephon_ray import files
 from zephon_ray.batch import GlobalBatch, RankSlice, compute_digest
-from zephon_ray.checks import check_int
+from zephon_ray.checks import MAX_INT, check_int
 
 MANIFEST_FORMAT = "zephon-ray/materialized/v1"
 MANIFEST_NAME = "manifest.json"
@@ -353,7 +353,8 @@ class MaterializedSource:
         return range(self.first_step, self.end_step)
 
     def _check_step(self, step: Any) -> int:
-        step = check_int("step", step, low=0, numpy_ok=True, error=MaterializedError)
+        # Only the type here: a step out of range is told which steps are materialised, below.
+        step = check_int("step", step, low=-MAX_INT, numpy_ok=True, error=MaterializedError)
         if not self.first_step <= step < self.end_step:
             raise MaterializedError(
                 f"step {step} is not materialised in {self.directory} (steps {self.first_step}..{self.end_step - 1}; "

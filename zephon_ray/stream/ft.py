@@ -65,7 +65,7 @@ from dataclasses import replace
 from typing import Any
 
 from zephon_ray.batch import padded_rows
-from zephon_ray.checks import check_int
+from zephon_ray.checks import check_int, check_reader
 from zephon_ray.formats.loader_state import KEY_LEDGER, check_state, make_state
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import StepShape, check_geometry
@@ -148,10 +148,7 @@ class FtSlices:
             if not callable(getattr(manager, name, None)):
                 raise TypeError(f"FtSlices: 'manager' has no {name}() (expected a torchft Manager)")
         self.config, self.manager = config, manager
-        self.dp = check_int("FtSlices: dp", dp, low=1)
-        self.dp_rank = check_int("FtSlices: dp_rank", dp_rank, low=0)
-        if self.dp_rank >= self.dp:
-            raise ValueError(f"FtSlices: dp_rank {dp_rank} is not in [0, dp={dp})")
+        self.dp_rank, self.dp = check_reader(dp_rank, dp, rank_name="dp_rank", world_name="dp", where="FtSlices: ")
         self.local_batch_size = check_int("FtSlices: local_batch_size", local_batch_size, low=0)
         self.microbatches = check_int("FtSlices: microbatches", microbatches, low=0)
         if self.local_batch_size and self.microbatches:

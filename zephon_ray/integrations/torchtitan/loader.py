@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
 
-from zephon_ray.checks import check_int
+from zephon_ray.checks import check_int, check_reader
 from zephon_ray.formats.loader_state import LoaderStateError
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import check_geometry
@@ -101,10 +101,8 @@ class ZephonRayDataLoader(BaseDataLoader):
     ) -> None:
         # The keywords are exactly TorchTitan 0.3.0's (Trainer.__init__); no **kwargs, so a renamed one fails here.
         where = "ZephonRayDataLoader.build"
-        world = check_int(f"{where}: dp_world_size", dp_world_size, low=1)
-        rank = check_int(f"{where}: dp_rank", dp_rank, low=0)
-        if rank >= world:
-            raise ValueError(f"{where}: dp_rank {rank} is not in a data-parallel world of {world}")
+        rank, world = check_reader(dp_rank, dp_world_size, rank_name="dp_rank", world_name="dp_world_size",
+                                   where=f"{where}: ")
         lbs = check_int(f"{where}: local_batch_size", local_batch_size, low=1)
         if seq_len is not None:
             check_int(f"{where}: seq_len", seq_len, low=1)
