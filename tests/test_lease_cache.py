@@ -73,5 +73,5 @@ def test_drop_only_the_generation_found_lost_and_clear():
 
 
 def test_bad_cap():
-    with pytest.raises(ValueError, match="cap must be >= 1"):
+    with pytest.raises(ValueError, match=r"LeaseCache: cap must be an int in \[1, .*\], got 0"):
         LeaseCache(LANES, cap=0)

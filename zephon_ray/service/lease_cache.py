@@ -19,6 +19,7 @@ lock). It holds refs, never shard bytes.
 
 from __future__ import annotations
 
+from zephon_ray.checks import check_int
 from zephon_ray.service.protocol import REPLAYED, HeldStep, StepLanes, only_lanes
 
 REPLAYS_KEPT = 8
@@ -29,8 +30,7 @@ class LeaseCache:
     """Held steps by step number; see the module docstring."""
 
     def __init__(self, lanes: int, cap: int) -> None:
-        if cap < 1:
-            raise ValueError(f"LeaseCache: cap must be >= 1, got {cap!r}")
+        check_int("LeaseCache: cap", cap, low=1)
         self.lanes = lanes
         self.cap = cap
         self.keep_from = 0
