@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from zephon_ray.checks import check_int
 from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
 
@@ -30,21 +31,20 @@ def parse_steps(text: str) -> range:
 
 
 def _positive(text: str) -> int:
-    return _int_at_least(text, 1, "a positive integer")
+    return _int_at_least(text, 1)
 
 
 def _non_negative(text: str) -> int:
-    return _int_at_least(text, 0, "an integer >= 0")
+    return _int_at_least(text, 0)
 
 
-def _int_at_least(text: str, low: int, what: str) -> int:
+def _int_at_least(text: str, low: int) -> int:
+    """An argparse type: the one integer validator (zephon_ray.checks), its message under argparse's flag name."""
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if value < low:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {value}")
-    return value
+        raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+    return check_int("the value", value, low=low, error=argparse.ArgumentTypeError)
 
 
 def cmd_digest(args: argparse.Namespace) -> int:
@@ -298,13 +298,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
             from zephon_ray.source import GlobalBatchSource
 
             batch_of = stack.enter_context(GlobalBatchSource(recipe)).batch
-        reference = None
-        if recipe is not None:
-            def reference(step: int):
-                batch = batch_of(step)
-                return batch.tokens, batch.positions
+        def reference(step: int):
+            batch = batch_of(step)
+            return batch.tokens, batch.positions
+
         report = audit(segments, head, fingerprint=recipe.fingerprint if recipe else None,
-                       run_id=state["run_id"] if state else None, reference=reference,
+                       run_id=state["run_id"] if state else None,
+                       reference=reference if recipe is not None else None,
                        rows=recipe.global_batch_rows if recipe else None)
     if state is not None and state["next_step"] != report.next_step:
         report.findings.append(Finding(min(state["next_step"], report.next_step),
