@@ -1,5 +1,6 @@
 """The client's node read path (service/node_reads.py) on the session's private Ray: many threads on one handle,
-many handles in one process, the node reader warmed at connect, and cursor moves that ride on read calls (or go alone as a keep-alive)."""
+many handles in one process, the node reader warmed at connect, and cursor moves that ride on read calls (or go
+alone as a keep-alive)."""
 
 from __future__ import annotations
 
