@@ -1,5 +1,6 @@
 """The client's node read path (service/node_reads.py) on the session's private Ray: many threads on one handle,
-the node reader warmed at connect, and cursor moves that ride on read calls (or go alone as a keep-alive)."""
+many handles in one process, the node reader warmed at connect, and cursor moves that ride on read calls (or go
+alone as a keep-alive)."""
 
 from __future__ import annotations
 
@@ -70,6 +71,56 @@ def test_many_threads_on_one_handle_share_calls_and_read_the_right_rows(ray_clus
         status = client.status()  # carries this client's own moves: exact for every rank
         cursors = {c["rank"]: c["step"] for c in status["cursors"] if c["consumer"] == "job"}
         assert cursors == {r: steps - 1 for r in range(world)}, cursors
+    finally:
+        svc.stop()
+
+
+def test_many_handles_in_one_process_share_calls_and_keep_their_cursors(ray_cluster, tiny_recipe, tmp_path):
+    """One handle per rank, two consumers, all in this process (as the benchmark's ``per_rank`` side runs 32 rank
+    handles per process): the handles share the process's node path, so the node reader sees at most one read
+    call per step once every rank's lanes are known, and every (consumer, rank) cursor still arrives exactly."""
+    world, steps = 8, 6
+    svc = DataService.start(tiny_recipe, name="node-handles", namespace=NS, state_dir=tmp_path / "s", window=8)
+    try:
+        handles = {(c, r): DataService.connect("node-handles", namespace=NS, consumer=c)
+                   for c in ("a", "b") for r in range(world)}
+        got: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
+        errors: list[BaseException] = []
+        barrier = threading.Barrier(len(handles))
+        calls_after_step_0: list[int] = []
+
+        def rank(consumer: str, r: int) -> None:
+            try:
+                for step in range(steps):
+                    barrier.wait(timeout=120)
+                    if step == 1 and (consumer, r) == ("a", 0):
+                        calls_after_step_0.append(_readers("node-handles")[0]["reads"])
+                    barrier.wait(timeout=120)
+                    part = handles[(consumer, r)].slice(step, r, world)
+                    got[(consumer, step, r)] = (part.tokens.copy(), part.positions.copy())
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+                barrier.abort()
+
+        threads = [threading.Thread(target=rank, args=key) for key in handles]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(240)
+        assert not errors, errors[:3]
+        with GlobalBatchSource(tiny_recipe) as source:
+            for step in range(steps):
+                ref = source.batch(step)
+                for (consumer, r) in handles:
+                    want = ref.slice(r, world)
+                    np.testing.assert_array_equal(got[(consumer, step, r)][0], want.tokens)
+                    np.testing.assert_array_equal(got[(consumer, step, r)][1], want.positions)
+        (info,) = _readers("node-handles")
+        assert 0 <= info["reads"] - calls_after_step_0[0] <= steps - 1, (info, calls_after_step_0)
+        for handle in handles.values():
+            status = handle.status()  # each carries its own moves; the last one sees every cursor
+        cursors = {(c["consumer"], c["rank"]): c["step"] for c in status["cursors"]}
+        assert cursors == {key: steps - 1 for key in handles}, cursors
     finally:
         svc.stop()
 

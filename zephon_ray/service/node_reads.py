@@ -1,11 +1,17 @@
-"""``NodeReads``: a client's node read path. The ranks of one process share one lease cache and call this node's
-reader (node.py) about once per run of steps it hands them, not once per read.
+"""``NodeReads``: a client's node read path. Every handle of one process on one service (one coordinator actor)
+shares one :class:`ProcessReads`: one lease cache, one read call in flight per step and one set of unsent cursor
+moves. The process calls this node's reader (node.py) about once per run of steps it hands out, however many
+handles (ranks, consumers) the process holds.
 
-    rank threads ──refs(s)──► LeaseCache (lease_cache.py) ── hit: no call ──► StepRefs
+    rank threads, any handle ──refs(s)──► ProcessReads: LeaseCache (lease_cache.py) ── hit: no call ──► StepRefs
                                    │ miss: one read call per process (threads needing s wait for it), carrying
-                                   │ the process's cursor moves since its last call
+                                   │ the cursor moves of every handle of the process since its last call
                                    ▼
                               NodeReader(this node).read(s, moves) ──► steps s, s + 1, ... (up to window)
+
+Why per process, not per handle: a read reply is the same for every consumer (refs of produced steps; only the
+cursors differ, and moves carry their consumer), so a second handle's call would fetch what the first one holds.
+Each node-reader call costs it about 0.7-1 CPU-ms of Ray's per-call work (docs/scaling.md), so calls are the cost.
 
 Guarantees:
 - Rows: the refs handed out are the ones the node reader filed, unchanged (tests/test_service.py checks rows).
@@ -18,11 +24,14 @@ Guarantees:
   open (``NodeReader.demand``, no CPU while it waits) and sends its unsent moves when it answers. A cursor never
   runs ahead of the rank.
 - Thread-safe: every field is guarded by one lock, never held across a remote call; threads that need the same
-  step share one call (tests/test_node_reads.py runs many threads on one handle).
+  step share one call, whichever handle they read through (tests/test_node_reads.py runs many threads on one
+  handle, and many handles in one process).
 - The node reader is found (and started) by :meth:`warm`, which ``DataService.connect`` calls: a fresh loader's
   first read does not wait for an actor to start.
 Limits: the coordinator sees a rank's moves up to one run (about ``window / 2`` steps in lock-step) plus the
 node reader's next lease late; ``commit`` and ``status`` carry this client's own moves, so they are exact for it.
+Sharing helps only processes with several handles (the benchmark's 32 rank threads per process, notebooks, a
+process serving several consumers); a trainer with one rank per process makes one call per run either way.
 """
 
 from __future__ import annotations
@@ -127,7 +136,7 @@ def stop_background(timeout_s: float = 5.0) -> None:
 _EXIT_HOOKED = threading.Event()
 
 
-def _listen(reader: Any, client: "NodeReads") -> None:
+def _listen(reader: Any, client: "ProcessReads") -> None:
     key = getattr(reader, "_actor_id", None) or id(reader)
     with _LISTENERS_LOCK:
         listener = _LISTENERS.get(key)
@@ -152,25 +161,29 @@ class _Request:
     done: threading.Event
     error: BaseException | None = None
     waiting: set = field(default_factory=set)
-    """(rank, world) of the tracked reads waiting for it: they are kept alive while it waits."""
+    """(consumer, rank, world) of the tracked reads waiting for it: they are kept alive while it waits."""
 
 
-class NodeReads:
-    """The node path of one :class:`~zephon_ray.service.client.DataService` handle (see the module docstring)."""
+class ProcessReads:
+    """The node path shared by every handle of this process on one service (one coordinator actor): one lease
+    cache, one read call in flight per step, one set of unsent cursor moves keyed by (consumer, rank, world), so a
+    process's handles cost the node reader what one handle does. See the module docstring."""
 
-    def __init__(self, owner: Any) -> None:
-        self._owner = owner  # the handle: its coordinator, consumer, recipe and config
-        config, lanes = owner.config, owner.recipe.lanes
+    def __init__(self, coordinator: Any, where: str, config: Any, lanes: int) -> None:
+        self._coordinator = coordinator
+        self._where = where
+        self.config = config
         self.keepalive_s = max(0.25, min(config.consumer_ttl_s / 8, 15.0))
         self._lock = threading.Lock()
         self._reader: Any = None
         self._cache = LeaseCache.for_window(lanes, config.window, config.lease_steps)
         self._requests: list[_Request] = []
         self._lo, self._hi = lanes, 0  # union of the lanes this process's ranks asked for
-        self._pending: dict[tuple[int, int], tuple[int, float]] = {}  # (rank, world) -> (step, when), not sent yet
+        # (consumer, rank, world) -> (step, when): moves not sent yet, of every handle of this process
+        self._pending: dict[tuple[str, int, int], tuple[int, float]] = {}
         self._timer: threading.Timer | None = None
         self._sent = 0.0  # when moves last left with a call
-        self._listening: Any = None  # the reader this handle listens to for demand (one long poll per process)
+        self._listening: Any = None  # the reader this path listens to for demand (one long poll per process)
         _HANDLES.add(self)
 
     # ------------------------------------------------------------------ the node reader
@@ -180,7 +193,7 @@ class NodeReads:
             reader = self._reader
         if reader is None:
             node = ray.get_runtime_context().get_node_id()
-            reader = call(self._owner._coordinator.node_reader.remote(node), self._owner._where, timeout=120)
+            reader = call(self._coordinator.node_reader.remote(node), self._where, timeout=120)
             with self._lock:
                 self._reader = self._reader or reader
                 reader = self._reader
@@ -188,10 +201,7 @@ class NodeReads:
 
     def warm(self, timeout_s: float = 120.0) -> None:
         """Find this node's reader and wait until its actor answers."""
-        call(self.reader().info.remote(), self._owner._where, timeout=timeout_s)
-
-    def forget_prefetched(self) -> None:
-        """Nothing is prefetched on this path (a run of steps comes with each read call)."""
+        call(self.reader().info.remote(), self._where, timeout=timeout_s)
 
     def reset(self) -> None:
         """After a reconnect: a new coordinator incarnation has new node readers and may start below the old one."""
@@ -201,21 +211,16 @@ class NodeReads:
             self._cache.clear()
 
     # ------------------------------------------------------------------ reads
-    def prefetch(self, steps: list[int], rank: int, world: int, lo: int, hi: int) -> None:
-        """Nothing to do: one read call brings a run of steps, and the node reader leases ahead."""
-
-    def refs(self, step: int, rank: int, world: int, lo: int, hi: int, track: bool,
-             timeout_s: float | None) -> StepRefs:
-        if track:
-            self.move(rank, world, step)  # travels with the request: the step may wait for this very move
-        held = self._held(step, lo, hi, track, timeout_s, (rank, world))
-        owner = self._owner
-        return StepRefs(step, only_lanes(held.lanes, lo, hi), owner.recipe, owner._pad, held.generation)
-
-    def _held(self, step: int, lo: int, hi: int, track: bool, timeout_s: float | None,
-              key: tuple[int, int]) -> HeldStep:
+    def held(self, consumer: str, step: int, rank: int, world: int, lo: int, hi: int, track: bool,
+             timeout_s: float | None) -> HeldStep:
         """This process's refs of ``step`` covering lanes ``[lo, hi)``: from its cache, from a call in flight of
-        another thread, or from one call to the node reader (which answers for a run of steps)."""
+        another thread (of any handle), or from one call to the node reader (which answers for a run of steps)."""
+        if track:
+            self.move(consumer, rank, world, step)  # travels with the request: the step may wait for this move
+        return self._held(consumer, step, lo, hi, track, timeout_s, (consumer, rank, world))
+
+    def _held(self, consumer: str, step: int, lo: int, hi: int, track: bool, timeout_s: float | None,
+              key: tuple[str, int, int]) -> HeldStep:
         while True:
             with self._lock:
                 held = self._cache.get(step, lo, hi)
@@ -237,8 +242,7 @@ class NodeReads:
                 continue
             try:
                 reader = self.reader()
-                ref = reader.read.remote(step, self._owner.consumer, (request.lo, request.hi), track, timeout_s,
-                                         moves)
+                ref = reader.read.remote(step, consumer, (request.lo, request.hi), track, timeout_s, moves)
                 reply = self._wait(ref, request)
                 with self._lock:
                     self._cache.file(reply.steps, reply.keep_from)
@@ -255,13 +259,12 @@ class NodeReads:
         """The reply of a read call. While it waits, this process's new cursor moves go to the node reader (the
         step it waits for may be held back by exactly those moves), and the tracked reads waiting for it are heard
         again every ``consumer_ttl_s / 4``: a rank waiting for its step is alive, its cursor must not expire."""
-        config = self._owner.config
-        keepalive = max(0.25, min(config.consumer_ttl_s / 4, 10.0))
+        keepalive = max(0.25, min(self.config.consumer_ttl_s / 4, 10.0))
         next_keepalive = time.monotonic() + keepalive
         while True:
             ready, _ = ray.wait([ref], timeout=WAIT_POLL_S, fetch_local=False)
             if ready:
-                return call(ref, self._owner._where)
+                return call(ref, self._where)
             now = time.monotonic()
             if now >= next_keepalive:
                 next_keepalive = now + keepalive
@@ -276,17 +279,18 @@ class NodeReads:
         with self._lock:
             self._cache.drop(step, generation)
             reader = self._reader
-        target = reader if reader is not None else self._owner._coordinator
+        target = reader if reader is not None else self._coordinator
         ray.get(target.invalidate.remote(step, generation), timeout=30)
 
     # ------------------------------------------------------------------ cursor moves
-    def move(self, rank: int, world: int, step: int) -> None:
-        """Record a cursor move; it goes with the next read call, alone once no call went for ``keepalive_s``, or
-        at once when the node reader asks for moves (a lease there waits)."""
+    def move(self, consumer: str, rank: int, world: int, step: int) -> None:
+        """Record a cursor move; it goes with the next read call of any handle of this process, alone once no call
+        went for ``keepalive_s``, or at once when the node reader asks for moves (a lease there waits)."""
         now = time.monotonic()
+        key = (consumer, rank, world)
         with self._lock:
-            old = self._pending.get((rank, world))
-            self._pending[(rank, world)] = (max(step, old[0]) if old else step, now)
+            old = self._pending.get(key)
+            self._pending[key] = (max(step, old[0]) if old else step, now)
             self._arm(self.keepalive_s)
             reader = self._reader
             listen = reader is not None and self._listening is not reader
@@ -321,8 +325,7 @@ class NodeReads:
     def _take_pending(self) -> list[CursorMove]:
         """The pending moves as cursor moves (lock held); they leave the pending set."""
         now = time.monotonic()
-        consumer = self._owner.consumer
-        moves = [(consumer, r, w, s, round(max(0.0, now - when), 3)) for (r, w), (s, when) in self._pending.items()]
+        moves = [(c, r, w, s, round(max(0.0, now - when), 3)) for (c, r, w), (s, when) in self._pending.items()]
         self._pending.clear()
         self._sent = now
         return moves
@@ -330,10 +333,10 @@ class NodeReads:
     def _requeue(self, moves: list[CursorMove]) -> None:
         now = time.monotonic()
         with self._lock:
-            for _, r, w, s, idle in moves:
-                old = self._pending.get((r, w))
+            for c, r, w, s, idle in moves:
+                old = self._pending.get((c, r, w))
                 if old is None or old[0] < s:
-                    self._pending[(r, w)] = (s, now - idle)
+                    self._pending[(c, r, w)] = (s, now - idle)
 
     def flush(self) -> None:
         """Send the pending moves now, alone (a keep-alive, or moves a waiting read may need)."""
@@ -350,11 +353,17 @@ class NodeReads:
         except Exception:  # noqa: BLE001 - the service is restarting: the moves go with the next read call
             self._requeue(moves)
 
-    def quiesce(self) -> None:
-        """Drop unsent moves and the timer (the service is stopping, or this consumer is released)."""
+    def quiesce(self, consumer: str | None = None) -> None:
+        """Drop the unsent moves of ``consumer`` (this consumer is released), or all of them and the timer (the
+        service is stopping)."""
         with self._lock:
-            timer, self._timer = self._timer, None
-            self._pending.clear()
+            if consumer is not None:
+                for key in [k for k in self._pending if k[0] == consumer]:
+                    del self._pending[key]
+            timer = None
+            if consumer is None or not self._pending:
+                timer, self._timer = self._timer, None
+                self._pending.clear()
         if timer is not None:
             timer.cancel()
 
@@ -363,3 +372,71 @@ class NodeReads:
             reader = self._reader
         if reader is not None:
             reader.release.remote(consumer)
+
+
+_PATHS: "weakref.WeakValueDictionary[Any, ProcessReads]" = weakref.WeakValueDictionary()
+"""This process's shared node paths by coordinator actor (an ``ActorHandle`` hashes and compares by actor id)."""
+_PATHS_LOCK = threading.Lock()
+
+
+def process_reads(owner: Any) -> ProcessReads:
+    """The node path of this process for ``owner``'s service (its coordinator actor), made on first use."""
+    with _PATHS_LOCK:
+        path = _PATHS.get(owner._coordinator)
+        if path is None:
+            path = _PATHS[owner._coordinator] = ProcessReads(owner._coordinator, owner._where, owner.config,
+                                                             owner.recipe.lanes)
+        return path
+
+
+class NodeReads:
+    """The node path of one :class:`~zephon_ray.service.client.DataService` handle: a view, with the handle's
+    consumer, of this process's :class:`ProcessReads` for the service. Handles of one process on one service share
+    its lease cache, calls and unsent moves: W ranks' handles in one process cost the node reader one call per run
+    (benchmarks/bench_service_load.py ``per_rank``; tests/test_node_reads.py)."""
+
+    def __init__(self, owner: Any) -> None:
+        self._owner = owner
+        self._path = process_reads(owner)
+
+    def reader(self) -> Any:
+        return self._path.reader()
+
+    def warm(self, timeout_s: float = 120.0) -> None:
+        self._path.warm(timeout_s)
+
+    def forget_prefetched(self) -> None:
+        """Nothing is prefetched on this path (a run of steps comes with each read call)."""
+
+    def reset(self) -> None:
+        """After a reconnect (a new coordinator incarnation: new node readers): the shared path starts over, for
+        every handle of this process on the service."""
+        path = process_reads(self._owner)
+        if path is self._path:
+            path.reset()
+        self._path = path
+
+    def prefetch(self, steps: list[int], rank: int, world: int, lo: int, hi: int) -> None:
+        """Nothing to do: one read call brings a run of steps, and the node reader leases ahead."""
+
+    def refs(self, step: int, rank: int, world: int, lo: int, hi: int, track: bool,
+             timeout_s: float | None) -> StepRefs:
+        owner = self._owner
+        held = self._path.held(owner.consumer, step, rank, world, lo, hi, track, timeout_s)
+        return StepRefs(step, only_lanes(held.lanes, lo, hi), owner.recipe, owner._pad, held.generation)
+
+    def move(self, rank: int, world: int, step: int) -> None:
+        self._path.move(self._owner.consumer, rank, world, step)
+
+    def flush(self) -> None:
+        self._path.flush()
+
+    def invalidate(self, step: int, generation: int) -> None:
+        self._path.invalidate(step, generation)
+
+    def quiesce(self) -> None:
+        """Drop this handle's consumer's unsent moves (it is released, or the service is stopping)."""
+        self._path.quiesce(self._owner.consumer)
+
+    def release(self, consumer: str) -> None:
+        self._path.release(consumer)

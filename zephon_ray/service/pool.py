@@ -334,7 +334,8 @@ class ProducerPool:
                 # Idle producers (window full) are pinged, so that one killed while idle is replaced before a
                 # consumer needs the next step rather than when it does.
                 self._last_ping = now
-                self._skips[-1] = [a.info.remote() for a in self.gen.actors]
+                # no task events: one ping per producer every PING_EVERY_S, for life, that nobody inspects
+                self._skips[-1] = [a.info.options(enable_task_events=False).remote() for a in self.gen.actors]
             return []
         ready, _ = ray.wait(waiting, num_returns=len(waiting), timeout=timeout, fetch_local=False)
         if not self.started:
