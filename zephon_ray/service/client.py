@@ -406,7 +406,7 @@ class DataService:
         return call(ref, self._where, timeout)
 
 
-def _service_step_rows(batch: dict[str, np.ndarray], service: "DataService") -> "pa.Table":
+def _service_step_rows(batch: dict[str, np.ndarray], service: "DataService") -> Any:  # a pyarrow.Table
     """Ray Data task body of ``to_dataset``: the rows of the steps in ``batch`` (read without moving a cursor)."""
     import pyarrow as pa
 
