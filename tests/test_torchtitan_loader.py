@@ -457,6 +457,23 @@ def test_torchtitan_help_shows_every_field_docstring(monkeypatch, capsys):
         assert re.search(re.escape(flag) + r"\S* \S+ " + re.escape(" ".join(doc.split())), help_text), (flag, doc)
 
 
+def test_torchtitans_cli_sets_the_derived_fields():
+    """TorchTitan's own parser (ConfigManager, tyro) on the config registry: ``--dataloader.*`` flags reach the
+    derived class, LoaderConfig's fields and TorchTitan's alike, and a bad value is LoaderConfig's one-line error."""
+    from torchtitan.config import ConfigManager
+
+    from zephon_ray.torchtitan import ZephonRayDataLoader
+
+    base = ["--module", "zephon_ray.integrations.torchtitan", "--config", "zephon_llama3_debugmodel"]
+    config = ConfigManager().parse_args(base + ["--dataloader.prefetch", "3", "--dataloader.no-pad-slices",
+                                                "--dataloader.run-id", "cli", "--dataloader.infinite"])
+    loader = config.dataloader
+    assert isinstance(loader, ZephonRayDataLoader.Config)
+    assert (loader.prefetch, loader.pad_slices, loader.run_id, loader.core().prefetch) == (3, False, "cli", 3)
+    with pytest.raises(ValueError, match="loader config: 'mode' must be one of"):
+        ConfigManager().parse_args(base + ["--dataloader.mode", "nowhere"])
+
+
 def test_a_trainer_step_other_than_the_loaders_next_step_is_refused_before_the_first_batch():
     """``ZephonTrainer.load_state_dict`` hands the restored step to the loader (``expect_trainer_step``; the real
     Trainer's route: tests/test_torchtitan_train.py::test_a_checkpoint_whose_loader_state_was_not_loaded_is_refused).
