@@ -457,9 +457,9 @@ def test_torchtitan_help_shows_every_field_docstring(monkeypatch, capsys):
         assert re.search(re.escape(flag) + r"\S* \S+ " + re.escape(" ".join(doc.split())), help_text), (flag, doc)
 
 
-def test_torchtitans_cli_sets_the_derived_fields():
+def test_torchtitans_cli_sets_the_derived_fields(monkeypatch, capsys):
     """TorchTitan's own parser (ConfigManager, tyro) on the config registry: ``--dataloader.*`` flags reach the
-    derived class, LoaderConfig's fields and TorchTitan's alike, and a bad value is LoaderConfig's one-line error."""
+    derived class, LoaderConfig's fields and TorchTitan's alike; a bad value is LoaderConfig's error (tyro boxes it)."""
     from torchtitan.config import ConfigManager
 
     from zephon_ray.torchtitan import ZephonRayDataLoader
@@ -470,8 +470,12 @@ def test_torchtitans_cli_sets_the_derived_fields():
     loader = config.dataloader
     assert isinstance(loader, ZephonRayDataLoader.Config)
     assert (loader.prefetch, loader.pad_slices, loader.run_id, loader.core().prefetch) == (3, False, "cli", 3)
-    with pytest.raises(ValueError, match="loader config: 'mode' must be one of"):
+    monkeypatch.setenv("COLUMNS", "2000")  # tyro prints the error in a box: one line, nothing wrapped
+    with pytest.raises(SystemExit):
         ConfigManager().parse_args(base + ["--dataloader.mode", "nowhere"])
+    printed = capsys.readouterr()
+    assert "loader config: 'mode' must be one of ('service', 'local', 'dataset'), got 'nowhere'" in (
+        printed.out + printed.err)
 
 
 def test_a_trainer_step_other_than_the_loaders_next_step_is_refused_before_the_first_batch():
