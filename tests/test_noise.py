@@ -17,7 +17,15 @@ from pathlib import Path
 
 import pytest
 
-from zephon_ray.noise import PACK_SEQUENCES_LOGGER, PACK_TAIL_DROP_PREFIX, PackTailDropFilter, quiet_known_noise
+from zephon_ray.noise import (
+    KNOWN_HARMLESS,
+    PACK_SEQUENCES_LOGGER,
+    PACK_TAIL_DROP_PREFIX,
+    RAY_DATA_BARS_OFF_PREFIX,
+    RAY_DATA_PROGRESS_LOGGER,
+    KnownHarmlessFilter,
+    quiet_known_noise,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -39,14 +47,28 @@ def test_only_the_pack_tail_drop_line_is_filtered(caplog):
     assert any("EnsureMixture strict mode discarded 3" in m for m in messages), messages
 
 
-def test_the_filter_matches_the_installed_zephons_wording_and_installs_once():
-    """If Zephon rewords the line, this fails (the line would show again, never something else be hidden)."""
+def test_ray_datas_bars_off_line_is_filtered_and_its_other_warnings_are_not(caplog):
+    quiet_known_noise()
+    ray_data = logging.getLogger(RAY_DATA_PROGRESS_LOGGER)
+    with caplog.at_level(logging.WARNING):
+        ray_data.warning("Progress bars disabled. To enable, set `ray.data.DataContext.get_current()."
+                         "enable_progress_bars = True`.")
+        ray_data.warning("Progress bars for operators disabled. To enable, set ...")
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["Progress bars for operators disabled. To enable, set ..."], messages
+
+
+def test_the_filters_match_the_installed_libraries_wording_and_install_once():
+    """If Zephon or Ray Data rewords a line, this fails (the line would show again, never something else hidden)."""
+    from ray.data._internal import progress
     from zephon._internal.ops import pack_sequences
 
     assert f'"{PACK_TAIL_DROP_PREFIX}%s trailing token(s)' in inspect.getsource(pack_sequences)
+    assert f'"{RAY_DATA_BARS_OFF_PREFIX}"' in inspect.getsource(progress)
     quiet_known_noise()
     quiet_known_noise()
-    assert sum(isinstance(f, PackTailDropFilter) for f in logging.getLogger(PACK_SEQUENCES_LOGGER).filters) == 1
+    for name in KNOWN_HARMLESS:
+        assert sum(isinstance(f, KnownHarmlessFilter) for f in logging.getLogger(name).filters) == 1, name
 
 
 def _lighthouse_stderr(rust_log: str | None) -> str:
