@@ -51,6 +51,20 @@ WEIGHT_TOLERANCE = 1e-5  # gradients are averaged over P groups: the summation o
 HEARTBEAT_TIMEOUT_MS = 1000  # a SIGKILLed group leaves the quorum after this
 JOIN_TIMEOUT_MS = 2000  # the first quorum waits this long for every ready group
 EVENT_TIMEOUT_S = 120.0
+_RUST_LOG = "RUST_LOG"
+_RUST_LOG_SET_HERE = False
+
+
+def quiet_torchft_info() -> None:
+    """torchft's Rust side (the Lighthouse in this process) logs every quorum poll at INFO: about 90% of this
+    script's output, and harmless. torchft reads ``RUST_LOG`` when it is imported; default it to ``warn`` so its
+    warnings and errors still show. A ``RUST_LOG`` you set wins (``RUST_LOG=info`` brings the quorum lines back).
+    The replica processes get your setting, not this default: their logs are files read when something fails.
+    Test: tests/test_noise.py::test_torchft_info_is_quiet_by_default_and_rust_log_wins."""
+    global _RUST_LOG_SET_HERE
+    if _RUST_LOG not in os.environ:
+        os.environ[_RUST_LOG] = "warn"
+        _RUST_LOG_SET_HERE = True
 
 
 # ---------------------------------------------------------------------------------------------- replica group
@@ -248,6 +262,8 @@ def _spawn(args: argparse.Namespace, work: Path, group: int, life: int, lighthou
             cmd += [f"--{key.replace('_', '-')}", str(value)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "OMP_NUM_THREADS": "1"}
+    if _RUST_LOG_SET_HERE:
+        env.pop(_RUST_LOG)  # see quiet_torchft_info
     log = open(work / f"replica-g{group}-life{life}.log", "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
@@ -415,6 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.replica:
         return replica(args)
 
+    quiet_torchft_info()  # before torchft is imported: it reads RUST_LOG once, at import
     args.recipe = str(Path(args.recipe).resolve())
     _check_events(parser, args)
     from zephon_ray import GlobalBatchSource, Recipe

@@ -103,6 +103,12 @@ def main() -> int:
     parser.add_argument("--fixed", action="store_true", help="the trainer's fixed dp rank instead of FtSlices")
     args = parser.parse_args()
 
+    # torchft's Rust Lighthouse (in this process) logs every quorum poll at INFO, harmless and most of the output;
+    # torchft reads RUST_LOG at import, so default it to warn first (warnings and errors still show; a RUST_LOG you
+    # set wins). The groups get your setting: their logs are files, read when something fails.
+    user_rust_log = os.environ.get("RUST_LOG")
+    os.environ.setdefault("RUST_LOG", "warn")
+
     import ray
     from torchft.coordination import LighthouseServer
 
@@ -121,6 +127,8 @@ def main() -> int:
             env = {**os.environ, "PYTHONPATH": str(ROOT), "TORCHFT_LIGHTHOUSE": lighthouse.address(),
                    "ZR_FT_REPLICA": str(g), "ZR_FT_GROUPS": str(args.groups), "ZR_FT_DATASET": str(work / "rows"),
                    "ZEPHON_RAY_RECIPE": TINY, "ZR_FT_FIXED": "1" if args.fixed else "0"}
+            if user_rust_log is None:
+                env.pop("RUST_LOG")
             cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
                    "-m", "torchtitan.train", "--module", "examples.torchtitan_torchft", "--config", "zephon_ft_cpu",
                    "--training.steps", str(args.steps), "--training.local_batch_size", str(B // args.groups),

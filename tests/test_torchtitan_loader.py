@@ -386,22 +386,96 @@ def test_old_state_version_is_refused_by_key():
             loader.load_state_dict(loader.state_dict() | {"replayed_steps": -1})
 
 
-def test_the_torchtitan_config_declares_every_loader_config_field_with_its_default():
-    """ZephonRayDataLoader.Config restates LoaderConfig's fields for TorchTitan's config system (which reads the
-    class, not a factory): this keeps the two from drifting. The differences are deliberate: TorchTitan needs a
-    default for ``recipe``, and pads by default (it takes equal microbatch counts on every dp rank)."""
-    from dataclasses import MISSING, fields
+def test_the_torchtitan_config_derives_every_loader_config_field():
+    """ZephonRayDataLoader.Config is made from LoaderConfig's fields (derived_config.derive_config), not a copy of
+    them: each LoaderConfig field is there with its type and default, except the deliberate differences (TorchTitan
+    needs a default for ``recipe``, and pads by default: it takes equal microbatch counts on every dp rank); a field
+    added to the source reaches the made class; the class passes TorchTitan's Configurable checks (slots, keyword
+    only, ``build()`` wired to the loader) and pickles."""
+    import pickle
+    import typing
+    from dataclasses import dataclass, fields
 
+    from torchtitan.components.dataloader import BaseDataLoader
+
+    from zephon_ray.integrations.torchtitan.derived_config import Extra, derive_config
     from zephon_ray.stream.loader import LoaderConfig
     from zephon_ray.torchtitan import ZephonRayDataLoader
 
-    titan = {f.name: f for f in fields(ZephonRayDataLoader.Config)}
+    config_cls = ZephonRayDataLoader.Config
+    titan = {f.name: f for f in fields(config_cls)}
+    hints = typing.get_type_hints(LoaderConfig)
     deliberate = {"recipe": "", "pad_slices": True}
     for f in fields(LoaderConfig):
         assert f.name in titan, f"ZephonRayDataLoader.Config lacks LoaderConfig.{f.name}"
-        want = deliberate.get(f.name, f.default)
-        assert titan[f.name].default == want and want is not MISSING, (f.name, titan[f.name].default, want)
-        assert titan[f.name].type == f.type, (f.name, titan[f.name].type, f.type)
+        assert titan[f.name].default == deliberate.get(f.name, f.default), (f.name, titan[f.name].default)
+        assert titan[f.name].type == hints[f.name] and titan[f.name].kw_only, (f.name, titan[f.name].type)
+    assert set(titan) == {f.name for f in fields(LoaderConfig)} | {f.name for f in fields(BaseDataLoader.Config)} | {
+        "global_batch_size", "infinite"}
+    assert "__slots__" in config_cls.__dict__ and config_cls._owner is ZephonRayDataLoader
+    assert config_cls.__qualname__ == "ZephonRayDataLoader.Config"
+    config = _config(run_id="r")
+    assert pickle.loads(pickle.dumps(config)) == config and config.core().run_id == "r"
+
+    @dataclass(frozen=True, kw_only=True)
+    class Grown:
+        recipe: str
+        new_knob: int = 7
+        """A field only the source declares."""
+
+    made = derive_config("Made", source=Grown, bases=(BaseDataLoader.Config,), summary="s.",
+                         extras={"recipe": Extra(str, "", "r.")}, namespace={"__module__": __name__,
+                                                                             "__qualname__": "Made"})
+    assert made().new_knob == 7 and "new_knob: A field only the source declares." in made.__doc__
+
+
+def test_torchtitan_help_shows_every_field_docstring(monkeypatch, capsys):
+    """A made class has no source for tyro to read field docstrings from; derive_config writes LoaderConfig's (and
+    TorchTitan's own) into the class docstring, and TorchTitan's CLI parser (tyro) shows each in ``--help``."""
+    import re
+    from dataclasses import fields
+
+    import tyro
+
+    from zephon_ray.integrations.torchtitan.derived_config import attribute_docs
+    from zephon_ray.integrations.torchtitan.loader import _TORCHTITAN_FIELDS
+    from zephon_ray.stream.loader import LoaderConfig
+    from zephon_ray.torchtitan import ZephonRayDataLoader
+
+    monkeypatch.setenv("COLUMNS", "2000")  # one help line per field, nothing wrapped
+    config_cls = ZephonRayDataLoader.Config
+    with pytest.raises(SystemExit):
+        tyro.cli(config_cls, args=["--help"], default=_config())
+    help_text = re.sub(r"\s+", " ", capsys.readouterr().out)
+    source_docs = attribute_docs(LoaderConfig)
+    assert set(source_docs) == {f.name for f in fields(LoaderConfig)}, "every LoaderConfig field has a docstring"
+    for f in fields(config_cls):
+        if f.name in ("dataset", "dataset_path"):  # TorchTitan's own, undocumented there
+            continue
+        doc = _TORCHTITAN_FIELDS[f.name].doc if f.name in _TORCHTITAN_FIELDS else source_docs[f.name]
+        flag = "--" + f.name.replace("_", "-")
+        assert re.search(re.escape(flag) + r"\S* \S+ " + re.escape(" ".join(doc.split())), help_text), (flag, doc)
+
+
+def test_torchtitans_cli_sets_the_derived_fields(monkeypatch, capsys):
+    """TorchTitan's own parser (ConfigManager, tyro) on the config registry: ``--dataloader.*`` flags reach the
+    derived class, LoaderConfig's fields and TorchTitan's alike; a bad value is LoaderConfig's error (tyro boxes it)."""
+    from torchtitan.config import ConfigManager
+
+    from zephon_ray.torchtitan import ZephonRayDataLoader
+
+    base = ["--module", "zephon_ray.integrations.torchtitan", "--config", "zephon_llama3_debugmodel"]
+    config = ConfigManager().parse_args(base + ["--dataloader.prefetch", "3", "--dataloader.no-pad-slices",
+                                                "--dataloader.run-id", "cli", "--dataloader.infinite"])
+    loader = config.dataloader
+    assert isinstance(loader, ZephonRayDataLoader.Config)
+    assert (loader.prefetch, loader.pad_slices, loader.run_id, loader.core().prefetch) == (3, False, "cli", 3)
+    monkeypatch.setenv("COLUMNS", "2000")  # tyro prints the error in a box: one line, nothing wrapped
+    with pytest.raises(SystemExit):
+        ConfigManager().parse_args(base + ["--dataloader.mode", "nowhere"])
+    printed = capsys.readouterr()
+    assert "loader config: 'mode' must be one of ('service', 'local', 'dataset'), got 'nowhere'" in (
+        printed.out + printed.err)
 
 
 def test_a_trainer_step_other_than_the_loaders_next_step_is_refused_before_the_first_batch():

@@ -36,16 +36,20 @@ from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
 from zephon_ray.service.errors import ServiceNotFoundError
-from zephon_ray.service.session import ray_session
+from zephon_ray.service.session import ray_session, starts_private_cluster
 
 
 def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -> int:
     """Print ``step <s> <sha256>`` per step, read through the service (started here unless ``--name``)."""
+    from zephon_ray.progress import note, step_bar
     from zephon_ray.service.client import DataService
 
     producers = getattr(args, "producers", 1) or 1
     if not getattr(args, "name", None):  # bad settings fail here, before a Ray cluster is started for nothing
         ServiceConfig.build(recipe, producers=producers)
+    # Starting Ray and a service takes tens of seconds before the first line: say so on stderr (stdout unchanged).
+    if starts_private_cluster(getattr(args, "address", None), private_if_none=True):
+        note("starting a private Ray cluster ...")
     with ray_session(getattr(args, "address", None), private_if_none=True):
         if getattr(args, "name", None):
             svc = DataService.connect(args.name, namespace=args.namespace)
@@ -54,17 +58,20 @@ def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -
                                      f"{svc.recipe.fingerprint[:12]}, not {recipe.describe()}")
             owned, state_dir = False, None
         else:
+            note(f"starting the data service ({producers} producer(s)) ...")
             run = f"digest-{uuid.uuid4().hex[:8]}"
             state_dir = tempfile.mkdtemp(prefix=f"zephon-ray-{run}-")
             svc = DataService.start(recipe, name=run, namespace=args.namespace or DEFAULT_NAMESPACE,
                                     producers=producers, state_dir=state_dir)  # run_id, store: defaults
             owned = True
         try:
-            for step in steps:
-                # our own service: read tracked so its window follows; someone else's: ad hoc, no cursor
-                print(f"step {step} {svc.batch(step, track=owned).digest}", flush=True)
+            with step_bar(len(steps), "digest") as emit:
+                for step in steps:
+                    # our own service: read tracked so its window follows; someone else's: ad hoc, no cursor
+                    emit(f"step {step} {svc.batch(step, track=owned).digest}")
         finally:
             if owned:
+                note("stopping the data service ...")
                 svc.stop()
                 shutil.rmtree(state_dir, ignore_errors=True)
     return 0

@@ -51,6 +51,7 @@ from zephon_ray.formats.materialized import (
     TMP_PREFIX, WORK_PREFIX, MaterializedError, SegmentWriter, clean_leftovers, load_checkpoint, read_manifest,
 )
 from zephon_ray.identity import verify_on_node
+from zephon_ray.noise import quiet_known_noise
 from zephon_ray.recipe import Recipe
 
 MAX_SEGMENT_STEPS = 4096
@@ -221,6 +222,7 @@ def _stream(recipe: Recipe, todo: range, *, producers: int, start_state: dict[st
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False
+    quiet_known_noise()  # Ray Data's 'Progress bars disabled' line, which the line above causes
     ctx.print_on_execution_start = False
     dataset = ray.data.from_items([{"group": g} for g in range(producers)], override_num_blocks=producers)
     dataset = dataset.map_batches(

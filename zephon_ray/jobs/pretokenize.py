@@ -49,6 +49,7 @@ from zephon_ray.pretokenized_manifest import (
     KEY_SOURCE_FINGERPRINT, KEY_TOTALS, MANIFEST_FORMAT, MANIFEST_NAME, PROGRESS_DIR, RECIPE_NAME, SOURCES_DIR,
     SPECIAL_TOKENS, TOKEN_FIELD, PretokenizedError,
 )
+from zephon_ray.noise import quiet_known_noise
 from zephon_ray.recipe import Recipe
 from zephon_ray.tokenizers import build_tokenizer, tokenizer_identity
 
@@ -298,6 +299,7 @@ def _run_actor_pool(recipe: Recipe, todo: list[ShardTask], entries: dict, *, act
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # one tqdm bar of our own, in shards and tokens
+    quiet_known_noise()  # Ray Data's 'Progress bars disabled' line, which the line above causes
     ctx.print_on_execution_start = False
     rows = [{key: getattr(t, key) for key in ShardTask.__dataclass_fields__} for t in todo]
     dataset = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(

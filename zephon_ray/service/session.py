@@ -19,6 +19,14 @@ from typing import Any
 from zephon_ray.service.ray_internals import init_private_local
 
 
+def starts_private_cluster(address: str | None, *, private_if_none: bool) -> bool:
+    """Whether :func:`ray_session` with these arguments starts a private local Ray (not yet initialised here, no
+    address given, none in ``RAY_ADDRESS``)."""
+    import ray
+
+    return not ray.is_initialized() and address is None and private_if_none and not os.environ.get("RAY_ADDRESS")
+
+
 @contextlib.contextmanager
 def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]:
     """Attach to ``address`` (or the ambient cluster), or start a private local Ray when asked to."""
@@ -43,7 +51,7 @@ def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]
         env = {k: v for k, v in env.items() if k not in job_env}
     if env:  # the job's runtime_env: every actor and task it starts (detached ones too) gets these settings
         quiet["runtime_env"] = {"env_vars": env}
-    if address is None and private_if_none and not os.environ.get("RAY_ADDRESS"):
+    if starts_private_cluster(address, private_if_none=private_if_none):
         temp_dir = tempfile.mkdtemp(prefix="zephon-ray-local-", dir="/tmp")
         init_private_local(temp_dir, num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, **quiet)
     else:

@@ -110,7 +110,10 @@ class LoaderConfig:
     """Dataset mode: the materialised directory (local or shared storage), from the same recipe."""
 
     service_name: str = "zephon-ray"
+    """Service mode: the DataService's Ray actor name (``zephon-ray serve --name``)."""
+
     service_namespace: str = "zephon-ray"
+    """Service mode: the Ray namespace the DataService runs in (``zephon-ray serve --namespace``)."""
 
     run_id: str | None = None
     """Names the run; checked on resume; the service consumer. Required for a distributed local-mode run."""

@@ -27,7 +27,7 @@ TorchTitan never closes its data loader: :meth:`close` runs at garbage collectio
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from typing import Any
 
 import torch
@@ -38,55 +38,55 @@ from zephon_ray.formats.loader_state import LoaderStateError
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import check_geometry
 from zephon_ray.stream.loader import Loader, LoaderConfig, StepBatch
+from zephon_ray.integrations.torchtitan.derived_config import Extra, derive_config
 from zephon_ray.integrations.torchtitan.trainer_checks import check_tokenizer
 
 _CORE_FIELDS = tuple(f.name for f in fields(LoaderConfig))
 
 
+def _validate_when_built(self) -> None:
+    self.core()  # validate now, when the config is built (after CLI overrides)
+
+
+def _core(self) -> LoaderConfig:
+    """The loader core's config (validated; a bad value is one ValueError naming the field)."""
+    return LoaderConfig(**{name: getattr(self, name) for name in _CORE_FIELDS})
+
+
+def _resolved_aggregation(self) -> tuple[str | None, str | None, str]:
+    return self.core().resolved_aggregation()
+
+
+# What TorchTitan's Config declares beyond LoaderConfig, or declares otherwise. Every other field, its type, default and
+# docstring, is LoaderConfig's (derived_config.py says why a made class serves TorchTitan's config system).
+_TORCHTITAN_FIELDS = {
+    "recipe": Extra(str, "", "Path to the recipe TOML (or a packaged recipe's name, e.g. \"tiny\"); required (the "
+                             "empty default only lets TorchTitan's CLI fill it in)."),
+    "checkpoint_every": Extra(int, 0, "Local mode: a Zephon checkpoint every N steps; 0: TorchTitan's checkpoint "
+                                      "interval when checkpointing is on, else none."),
+    "pad_slices": Extra(bool, True, (
+        "On by default here: TorchTitan takes the same number of microbatches on every dp rank, so at a dp degree "
+        "that does not divide B each rank's rows are padded to ``ceil(B/dp)`` (rounded up to ``local_batch_size``) "
+        "with rows whose labels are all ignored. TorchTitan 0.3 divides the summed loss by the all-reduced count of "
+        "valid labels and sums gradients, so the padding changes no gradient. A no-op when dp divides B evenly.")),
+    "global_batch_size": Extra(int | None, None, (
+        "The trainer's ``training.global_batch_size`` (-1: TorchTitan's default, local_batch_size x dp), copied in by "
+        "the config registry and the ``--override.imports`` hook and checked against the recipe's B when the loader "
+        "is built. None: no trainer (standalone use); a step is then B rows by definition.")),
+    "infinite": Extra(bool, True, "Kept for TorchTitan's validator contract; a recipe with ``repeat = true`` never "
+                                  "runs out."),
+}
+
+
 class ZephonRayDataLoader(BaseDataLoader):
     """TorchTitan data loader over zephon-ray global batches. See the module docstring."""
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(BaseDataLoader.Config):
-        """The fields of :class:`zephon_ray.stream.loader.LoaderConfig` (documented there) plus TorchTitan's."""
-
-        recipe: str = ""
-        mode: str = "service"
-        dataset_dir: str | None = None
-        service_name: str = "zephon-ray"
-        service_namespace: str = "zephon-ray"
-        run_id: str | None = None
-        aggregate_store: str | None = None
-        aggregate_dir: str | None = None
-        prefetch: int = 2
-        checkpoint_every: int = 0
-        """Local mode: a Zephon checkpoint every N steps; 0: TorchTitan's checkpoint interval when checkpointing is
-        on, else none."""
-        ledger_dir: str | None = None
-        """Where each dp rank writes its ledger segment at every checkpoint (see LoaderConfig.ledger_dir)."""
-        pad_slices: bool = True
-        """On by default here: TorchTitan takes the same number of microbatches on every dp rank, so at a dp degree
-        that does not divide B each rank's rows are padded to ``ceil(B/dp)`` (rounded up to ``local_batch_size``)
-        with rows whose labels are all ignored. TorchTitan 0.3 divides the summed loss by the all-reduced count of
-        valid labels and sums gradients, so the padding changes no gradient. A no-op when dp divides B evenly."""
-
-        global_batch_size: int | None = None
-        """The trainer's ``training.global_batch_size`` (-1: TorchTitan's default, local_batch_size x dp), copied
-        in by the config registry and the ``--override.imports`` hook and checked against the recipe's B when the
-        loader is built. None: no trainer (standalone use); a step is then B rows by definition."""
-
-        infinite: bool = True
-        """Kept for TorchTitan's validator contract; a recipe with ``repeat = true`` never runs out."""
-
-        def __post_init__(self) -> None:
-            self.core()  # validate now, when the config is built (after CLI overrides)
-
-        def core(self) -> LoaderConfig:
-            """The loader core's config (validated; a bad value is one ValueError naming the field)."""
-            return LoaderConfig(**{name: getattr(self, name) for name in _CORE_FIELDS})
-
-        def resolved_aggregation(self) -> tuple[str | None, str | None, str]:
-            return self.core().resolved_aggregation()
+    Config = derive_config(
+        "Config", source=LoaderConfig, bases=(BaseDataLoader.Config,), extras=_TORCHTITAN_FIELDS,
+        summary="The fields of :class:`zephon_ray.stream.loader.LoaderConfig` (derived from it) plus TorchTitan's.",
+        namespace={"__module__": __name__, "__qualname__": "ZephonRayDataLoader.Config",
+                   "__post_init__": _validate_when_built, "core": _core,
+                   "resolved_aggregation": _resolved_aggregation})
 
     def __init__(
         self,
