@@ -61,7 +61,7 @@ SLOW = {  # command -> the slow test (in this module) that runs it
     "ray start --head --num-cpus=8 --include-dashboard=true --dashboard-host=127.0.0.1": DEPLOYMENT,
     "export RAY_AUTH_MODE=token": DEPLOYMENT,
     "ray job submit --address http://127.0.0.1:8265 --entrypoint-num-cpus 0 --working-dir . -- python "
-    "service/start.py recipes/demo.toml --name run7 --namespace zr --producers 2 --window 8 --checkpoint-every 8 "
+    "service/start.py recipes/tiny.toml --name run7 --namespace zr --producers 2 --window 8 --checkpoint-every 8 "
     "--state-dir /shared/zr/run7 --aggregate-store torch:// --run-id run7": DEPLOYMENT,
     "zephon-ray status --name run7 --namespace zr --address 127.0.0.1:6379": DEPLOYMENT,
     "zephon-ray rescale 4 --name run7 --namespace zr --address 127.0.0.1:6379": DEPLOYMENT,
@@ -70,7 +70,7 @@ SLOW = {  # command -> the slow test (in this module) that runs it
     "zephon-ray stop --name run7 --namespace zr": DEPLOYMENT,
     "zephon-ray inspect /shared/zr/run7": DEPLOYMENT,
     "ray job submit --address http://127.0.0.1:8265 --entrypoint-num-cpus 0 --working-dir . -- python "
-    "service/start.py recipes/demo.toml --name run7 --namespace zr --producers 2 --state-dir /shared/zr/run7 "
+    "service/start.py recipes/tiny.toml --name run7 --namespace zr --producers 2 --state-dir /shared/zr/run7 "
     "--aggregate-store torch:// --run-id run7": DEPLOYMENT,
     "QS=$(mktemp -d)": QUICKSTART,
     "python examples/ray_train_quickstart.py 4 4 --storage $QS": QUICKSTART,
@@ -234,9 +234,10 @@ def test_quickstart_commands(tmp_path):
 @pytest.mark.timeout(900)
 def test_torchtitan_cpu_commands(tmp_path):
     """examples/README.md's (and docs/torchtitan.md's, the same text) torchrun pair on the CPU registry."""
-    done = run_in_order(_mine(TITAN, "examples/README.md"), Here(tmp_path), shell_env({"TMPDIR": str(tmp_path)}),
-                        timeout=800)
-    assert all(c.text.startswith("TITAN") or "step:" in out or "step" in out for c, out in done)
+    run_in_order(_mine(TITAN, "examples/README.md"), Here(tmp_path), shell_env({"TMPDIR": str(tmp_path)}),
+                 timeout=800)
+    steps = sorted(p.name for p in tmp_path.glob("tmp.*/checkpoint/step-*"))  # TITAN: mktemp -d in TMPDIR
+    assert steps == ["step-2", "step-4"], steps  # the second run resumed at step 2 and trained to 4
 
 
 @pytest.mark.slow
