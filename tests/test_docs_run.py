@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -54,6 +57,7 @@ DEPLOYMENT = "test_deployment_cluster_commands"
 QUICKSTART = "test_quickstart_commands"
 TITAN = "test_torchtitan_cpu_commands"
 ELASTIC = "test_elastic_resume_commands"
+S3 = "test_deployment_object_storage_commands"
 SLOW = {  # command -> the slow test (in this module) that runs it
     "zephon-ray digest tiny --steps 0:4 --via service --producers 2": README_RAY,
     "zephon-ray materialize tiny --steps 0:32 --out /tmp/zr-tiny": README_RAY,
@@ -86,10 +90,26 @@ SLOW = {  # command -> the slow test (in this module) that runs it
     "python examples/elastic_resume.py --mode local": ELASTIC,
     "ZEPHON_RAY_AGGREGATE_DIR=/tmp/agg python examples/elastic_resume.py --mode local": ELASTIC,
     "python examples/elastic_resume.py --trainer torchtitan": ELASTIC,
+    "python -c \"import pyarrow.fs as pafs; from zephon_ray import files; d = files.location('s3://$BUCKET/recipes'); "
+    "pafs.copy_files('recipes', d.path, destination_filesystem=files.filesystem(d))\"": S3,
+    "zephon-ray validate s3://$BUCKET/recipes/tiny.toml": S3,
+    "zephon-ray fingerprint s3://$BUCKET/recipes/tiny.toml --verify-content": S3,
+    "zephon-ray serve s3://$BUCKET/recipes/tiny.toml --name run7 --namespace zr --producers 2 --state-dir "
+    "s3://$BUCKET/runs/run7/state --aggregate-store torch:// --run-id run7 --address 127.0.0.1:6379": S3,
+    "zephon-ray digest s3://$BUCKET/recipes/tiny.toml --steps 0:4 --via service --name run7 --namespace zr "
+    "--address 127.0.0.1:6379": S3,
+    "zephon-ray inspect s3://$BUCKET/runs/run7/state": S3,
+    "zephon-ray stop --name run7 --namespace zr --address 127.0.0.1:6379": S3,
+    "zephon-ray materialize s3://$BUCKET/recipes/tiny.toml --steps 0:32 --out s3://$BUCKET/runs/run7/materialized "
+    "--producers 2 --address 127.0.0.1:6379 --quiet": S3,
+    "zephon-ray digest s3://$BUCKET/recipes/tiny.toml --steps 0:4 --via dataset --dataset "
+    "s3://$BUCKET/runs/run7/materialized": S3,
+    "zephon-ray pretokenize s3://$BUCKET/recipes/tiny.toml s3://$BUCKET/tokens/tiny --address 127.0.0.1:6379 "
+    "--quiet": S3,
 }
 
-_S3 = ("needs an S3 bucket, its credentials and a cluster (placeholders `...`, minio.internal); the same service, "
-       "materialise and inspect flow runs against a local S3 in tests/test_s3_cluster.py (slow) and tests/test_s3.py")
+_S3 = ("placeholders (`...`, minio.internal, my-bucket) for the user's S3 settings: " + S3 + " sets the same "
+       "variables to its local S3's, and runs the rest of the block as written")
 NOT_RUN = {  # command -> why no test runs it here, and what covers its code
     "make demo": "creates .venv and installs everything (network); its program, examples/elastic_resume.py --recipe "
                  "recipes/demo.toml, runs in tests/test_demo.py (slow)",
@@ -101,22 +121,6 @@ NOT_RUN = {  # command -> why no test runs it here, and what covers its code
     "export AWS_REGION=us-east-1 AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=...": _S3,
     "export AWS_ENDPOINT_URL=http://minio.internal:9000": _S3,
     "export BUCKET=my-bucket RAY_AUTH_MODE=token": _S3,
-    "python -c \"import pyarrow.fs as pafs; from zephon_ray import files; d = files.location('s3://$BUCKET/recipes'); "
-    "pafs.copy_files('recipes', d.path, destination_filesystem=files.filesystem(d))\"": _S3,
-    "zephon-ray validate s3://$BUCKET/recipes/tiny.toml": _S3,
-    "zephon-ray fingerprint s3://$BUCKET/recipes/tiny.toml --verify-content": _S3,
-    "zephon-ray serve s3://$BUCKET/recipes/tiny.toml --name run7 --namespace zr --producers 2 --state-dir "
-    "s3://$BUCKET/runs/run7/state --aggregate-store torch:// --run-id run7 --address 127.0.0.1:6379": _S3,
-    "zephon-ray digest s3://$BUCKET/recipes/tiny.toml --steps 0:4 --via service --name run7 --namespace zr "
-    "--address 127.0.0.1:6379": _S3,
-    "zephon-ray inspect s3://$BUCKET/runs/run7/state": _S3,
-    "zephon-ray stop --name run7 --namespace zr --address 127.0.0.1:6379": _S3,
-    "zephon-ray materialize s3://$BUCKET/recipes/tiny.toml --steps 0:32 --out s3://$BUCKET/runs/run7/materialized "
-    "--producers 2 --address 127.0.0.1:6379 --quiet": _S3,
-    "zephon-ray digest s3://$BUCKET/recipes/tiny.toml --steps 0:4 --via dataset --dataset "
-    "s3://$BUCKET/runs/run7/materialized": _S3,
-    "zephon-ray pretokenize s3://$BUCKET/recipes/tiny.toml s3://$BUCKET/tokens/tiny --address 127.0.0.1:6379 "
-    "--quiet": _S3,
     "torchrun --nproc_per_node 8 -m torchtitan.train --module zephon_ray.integrations.torchtitan --config "
     "zephon_llama3_debugmodel --training.steps 100": "needs 8 GPUs; the CPU registry's torchrun pair runs in " + TITAN,
 }
@@ -219,15 +223,28 @@ def test_deployment_cluster_commands(private_head):
     run_in_order([stop], here, node_env, timeout=120)
 
 
+@pytest.fixture
+def short_tmp():
+    """A TMPDIR for commands that make their own (``$(mktemp -d)``) and start a Ray under it: short, because Ray's
+    socket paths live under it and may not exceed 107 bytes."""
+    path = Path(tempfile.mkdtemp(prefix="zrdoc-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_quickstart_commands(tmp_path):
+def test_quickstart_commands(short_tmp):
     """examples/README.md's quickstart pair: 4 workers to step 4, then 2 to step 8 from its checkpoint, every
     step's printed digest the golden one; run again, the first command refuses rather than train nothing."""
     mine = _mine(QUICKSTART, "examples/README.md")
-    done = run_in_order(mine, Here(tmp_path), shell_env({"TMPDIR": str(tmp_path)}), timeout=800)
+    done = run_in_order(mine, Here(short_tmp), shell_env({"TMPDIR": str(short_tmp)}), timeout=800)
     steps = [ln for _, out in done for ln in out.splitlines() if re.match(r"step \d+ [0-9a-f]{64}$", ln)]
     assert steps == _golden_lines("elastic.toml", 0, 8), done[-1][1][-3000:]
+    storage, = short_tmp.glob("tmp.*")  # QS
+    again = subprocess.run([sys.executable, "examples/ray_train_quickstart.py", "4", "4", "--storage", str(storage)],
+                           cwd=ROOT, env=shell_env(), capture_output=True, text=True, timeout=120)
+    assert again.returncode == 2 and "has trained to step 8 already" in again.stderr, again.stderr[-2000:]
 
 
 @pytest.mark.slow
@@ -243,9 +260,33 @@ def test_torchtitan_cpu_commands(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("text", [t for t, owner in SLOW.items() if owner == ELASTIC])
-def test_elastic_resume_commands(text, tmp_path):
+def test_elastic_resume_commands(text, short_tmp):
     """Each of examples/README.md's elastic_resume commands (minutes each; the torchtitan one about a quarter hour
     on 2 cores)."""
-    (_, out), = run_in_order(_doc_commands("examples/README.md", {text}), Here(tmp_path),
-                             shell_env({"TMPDIR": str(tmp_path)}), timeout=1750)
+    (_, out), = run_in_order(_doc_commands("examples/README.md", {text}), Here(short_tmp),
+                             shell_env({"TMPDIR": str(short_tmp)}), timeout=1750)
     assert "identical global batches: YES" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_deployment_object_storage_commands(private_head):
+    """docs/deployment.md's cloud block on a private head (its `ray start --head` as above) and a local S3 (moto,
+    tests/s3_server.py): the recipe copied into the bucket, validated, served with its state in the bucket, read,
+    inspected, stopped, materialised there, read back and pre-tokenised. The block's three `export` lines are
+    placeholders; the environment holds the same variables, set to the local S3's."""
+    import s3_server
+
+    here, s3 = private_head, s3_server.server()
+    env = shell_env({"BUCKET": s3.new_bucket("zr-docs"), "RAY_AUTH_MODE": "token"})
+    head = next(c for c in commands() if c.text.startswith("ray start --head"))
+    done = run_in_order([head, *_mine(S3, "docs/deployment.md")], here, env, timeout=800)
+    out = {c.text: o for c, o in done}
+    digests = [o for t, o in out.items() if t.startswith("zephon-ray digest")]
+    want = _golden_lines("tiny.toml", 0, 4)
+    assert [[ln for ln in o.splitlines() if ln.startswith("step ")] for o in digests] == [want, want], digests
+    validated = re.search(r"fingerprint ([0-9a-f]{16,})", next(o for t, o in out.items()
+                                                               if t.startswith("zephon-ray validate")))
+    verified = next(o for t, o in out.items() if t.startswith("zephon-ray fingerprint")).strip()
+    # other identities than the checkout's (ETags; the bytes hashed), the same batches (tests/test_s3.py)
+    assert validated and re.fullmatch(r"[0-9a-f]{16,}", verified) and verified != validated.group(1), out
