@@ -89,10 +89,11 @@ def _run(tmp_path: Path, block: Path, env: dict) -> None:
 
     storage = tmp_path / "results"
     for world, steps in ((1, 2), (2, 4)):  # 4 workers: 8 s more here for the same W change
-        proc = subprocess.run([sys.executable, str(QUICKSTART), str(world), str(steps), str(storage)], env=env,
+        proc = subprocess.run([sys.executable, str(QUICKSTART), str(world), str(steps), "--storage", str(storage)], env=env,
                               capture_output=True, text=True, timeout=400, cwd=tmp_path)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        assert f"'step': {steps - 1}" in proc.stdout, proc.stdout[-2000:]
+        assert f"step {steps - 1} " in proc.stdout and f"--storage {storage} --name quickstart" in proc.stdout, \
+            proc.stdout[-2000:]
 
     # The block was active in the driver and in the Ray workers (the train workers among them).
     installed = (block / "installed.log").read_text()
