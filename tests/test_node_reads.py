@@ -27,47 +27,55 @@ def _readers(name: str) -> list[dict]:
     return out
 
 
+def _read_in_lock_step(name, readers, world, steps, recipe):
+    """Each ``readers[key] = (handle, rank)`` reads its slice of steps 0..steps-1 in its own thread, all in lock step;
+    asserts every slice's rows against GlobalBatchSource and returns the node reader's read calls after step 0."""
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(readers))
+    got, calls_after_step_0 = {}, []
+    first = next(iter(readers))
+
+    def read(key) -> None:
+        handle, r = readers[key]
+        try:
+            for step in range(steps):
+                barrier.wait(timeout=120)
+                if step == 1 and key == first:
+                    calls_after_step_0.append(_readers(name)[0]["reads"])
+                barrier.wait(timeout=120)
+                part = handle.slice(step, r, world)
+                got[(key, step)] = (part.tokens.copy(), part.positions.copy())
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=read, args=(key,)) for key in readers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(240)
+    assert not errors, errors[:3]
+    with GlobalBatchSource(recipe) as source:
+        for step in range(steps):
+            ref = source.batch(step)
+            for key, (_, r) in readers.items():
+                want = ref.slice(r, world)
+                np.testing.assert_array_equal(got[(key, step)][0], want.tokens)
+                np.testing.assert_array_equal(got[(key, step)][1], want.positions)
+    (info,) = _readers(name)
+    return info["reads"] - calls_after_step_0[0]
+
+
 def test_many_threads_on_one_handle_share_calls_and_read_the_right_rows(ray_cluster, tiny_recipe, tmp_path):
     world, steps = 16, 6  # B = 16 rows: every thread is a rank with one row
     svc = DataService.start(tiny_recipe, name="node-threads", namespace=NS, state_dir=tmp_path / "s", window=8)
     try:
         assert len(_readers("node-threads")) == 1  # warmed by start()/connect(), before any read
         client = DataService.connect("node-threads", namespace=NS, consumer="job")
-        got: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
-        errors: list[BaseException] = []
-        barrier = threading.Barrier(world)
-        calls_after_step_0: list[int] = []
-
-        def rank(r: int) -> None:
-            try:
-                for step in range(steps):
-                    barrier.wait(timeout=120)
-                    if step == 1 and r == 0:
-                        calls_after_step_0.append(_readers("node-threads")[0]["reads"])
-                    barrier.wait(timeout=120)
-                    part = client.slice(step, r, world)
-                    got[(step, r)] = (part.tokens.copy(), part.positions.copy())
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-                barrier.abort()
-
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(240)
-        assert not errors, errors[:3]
-        with GlobalBatchSource(tiny_recipe) as source:
-            for step in range(steps):
-                ref = source.batch(step)
-                for r in range(world):
-                    want = ref.slice(r, world)
-                    np.testing.assert_array_equal(got[(step, r)][0], want.tokens)
-                    np.testing.assert_array_equal(got[(step, r)][1], want.positions)
-        (info,) = _readers("node-threads")
+        calls = _read_in_lock_step("node-threads", {r: (client, r) for r in range(world)}, world, steps, tiny_recipe)
         # Once every rank's lanes are known (after step 0), the 16 threads share the process's calls: at most one
         # per step, not one per rank and step (80), and fewer still, as each call brings a run of steps.
-        assert 0 <= info["reads"] - calls_after_step_0[0] <= steps - 1, (info, calls_after_step_0)
+        assert 0 <= calls <= steps - 1, calls
         status = client.status()  # carries this client's own moves: exact for every rank
         cursors = {c["rank"]: c["step"] for c in status["cursors"] if c["consumer"] == "job"}
         assert cursors == {r: steps - 1 for r in range(world)}, cursors
@@ -84,39 +92,9 @@ def test_many_handles_in_one_process_share_calls_and_keep_their_cursors(ray_clus
     try:
         handles = {(c, r): DataService.connect("node-handles", namespace=NS, consumer=c)
                    for c in ("a", "b") for r in range(world)}
-        got: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray]] = {}
-        errors: list[BaseException] = []
-        barrier = threading.Barrier(len(handles))
-        calls_after_step_0: list[int] = []
-
-        def rank(consumer: str, r: int) -> None:
-            try:
-                for step in range(steps):
-                    barrier.wait(timeout=120)
-                    if step == 1 and (consumer, r) == ("a", 0):
-                        calls_after_step_0.append(_readers("node-handles")[0]["reads"])
-                    barrier.wait(timeout=120)
-                    part = handles[(consumer, r)].slice(step, r, world)
-                    got[(consumer, step, r)] = (part.tokens.copy(), part.positions.copy())
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
-                barrier.abort()
-
-        threads = [threading.Thread(target=rank, args=key) for key in handles]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(240)
-        assert not errors, errors[:3]
-        with GlobalBatchSource(tiny_recipe) as source:
-            for step in range(steps):
-                ref = source.batch(step)
-                for (consumer, r) in handles:
-                    want = ref.slice(r, world)
-                    np.testing.assert_array_equal(got[(consumer, step, r)][0], want.tokens)
-                    np.testing.assert_array_equal(got[(consumer, step, r)][1], want.positions)
-        (info,) = _readers("node-handles")
-        assert 0 <= info["reads"] - calls_after_step_0[0] <= steps - 1, (info, calls_after_step_0)
+        readers = {key: (handle, key[1]) for key, handle in handles.items()}
+        calls = _read_in_lock_step("node-handles", readers, world, steps, tiny_recipe)
+        assert 0 <= calls <= steps - 1, calls
         for handle in handles.values():
             status = handle.status()  # each carries its own moves; the last one sees every cursor
         cursors = {(c["consumer"], c["rank"]): c["step"] for c in status["cursors"]}
