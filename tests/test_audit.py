@@ -8,7 +8,8 @@ and each fault, provoked through the public API, is named by step in one line wi
 * a resume from an older checkpoint: the abandoned steps are a ``discarded branch`` note, not duplicates (clean);
 * the wrong recipe: ``other recipe`` and ``other rows``; a tampered digest: ``other rows``; a lost part: ``split``;
 * a trainer checkpoint older than its loader state, and another run's state: refused at load, naming the numbers;
-* a corrupt or unknown-version segment: exit 2, one line naming the file.
+* a corrupt or unknown-version segment: exit 2, one line naming the file;
+* a state whose ``next_step`` is not where its ledger head ends: ``lineage``.
 """
 
 from __future__ import annotations
@@ -119,6 +120,16 @@ def test_a_ledger_directory_audits_its_newest_head(elastic, capsys):
     work, _ = elastic
     rc, lines = _audit(capsys, str(work / "ledger"))
     assert rc == 0 and lines[-1].startswith("audit: clean: steps [0, 8)") and "rows not checked" in lines[-1], lines
+
+
+def test_a_state_that_does_not_end_where_its_ledger_head_ends_is_a_lineage_finding(elastic, capsys):
+    """A loader state at step 10 whose ledger head ends at step 8 (a state saved by other code, or edited): the
+    audit names the gap between them as ``lineage`` and exits 1, not clean."""
+    work, state = elastic
+    rc, lines = _audit(capsys, _save(work, {**state, "next_step": 10}, "ahead.json"), "--ledger", str(work / "ledger"))
+    assert rc == 1, lines
+    assert any("lineage" in line and "the loader state is at step 10" in line and "ends at 8" in line
+               for line in lines), lines
 
 
 def test_a_loop_that_calls_next_twice_in_one_step_is_a_skip(tmp_path, capsys):
