@@ -122,7 +122,6 @@ def replica(args: argparse.Namespace) -> int:
                       store_port=store.port, rank=0, world_size=1, use_async_quorum=False,
                       timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=EVENT_TIMEOUT_S))
     kills = {int(s) for s in args.die_at} if life == 0 else set()
-    B = recipe.global_batch_rows
     if args.sampler == "torchft":
         source, rows = None, _sampler_batches(args, recipe, g)
     else:
