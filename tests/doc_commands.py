@@ -95,9 +95,10 @@ class Here:
 
 
 def as_run_here(text: str, here: Here) -> str:
-    activate = Path(sys.executable).with_name("activate")
-    text = re.sub(r"(^|\s)\. \.venv/bin/activate\b", rf"\1. {activate}", text)
     text = re.sub(r"(?<![\w.])/(tmp|shared)/", lambda m: f"{here.tmp}/{m.group(1)}/", text)
+    # after the /tmp rewrite: the test's own virtualenv may itself live under /tmp (a fresh clone, CI)
+    activate = Path(sys.executable).with_name("activate")
+    text = re.sub(r"(^|\s)\. \.venv/bin/activate\b", lambda m: f"{m.group(1)}. {activate}", text)
     if here.dashboard:
         text = text.replace("127.0.0.1:8265", here.dashboard)
     if here.gcs:
