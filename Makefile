@@ -17,9 +17,10 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml tests/emulators/package-lock.json
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q '$(TORCH_SPEC)' $(TORCH_PIP_ARGS)
-	$(PY) -m pip install -q -e '.[all,test]'
-	$(MAKE) emulators
+	@# npm (the emulators) and pip share nothing: side by side they take the time of pip alone
+	$(MAKE) emulators & npm=$$!; \
+	$(PY) -m pip install -q '$(TORCH_SPEC)' $(TORCH_PIP_ARGS) && $(PY) -m pip install -q -e '.[all,test]'; pip=$$?; \
+	wait $$npm && test $$pip -eq 0
 	touch $@
 
 # The object-store emulators the tests start on 127.0.0.1 (tests/emulators.py): Azurite from npm, pinned by

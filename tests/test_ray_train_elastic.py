@@ -11,9 +11,9 @@ The default suite runs one service-mode job that meets both events: at 2 workers
 (Ray Train restarts the group from the step-2 checkpoint and step 2 is replayed), then the job resumes at 5 workers
 (5 does not divide B: ranks hold 4 or 5 rows, and the losses are still the W=1 reference's, since the loop scales
 summed losses by ``batch.loss_scale``). The full 4 -> 2 -> 3 schedule of each mode (service, local with the torch://
-store, local with a directory) and the worker kill in local mode are ``slow``. Local mode's resume at another W
-also runs in the default suite through tests/test_ray_train_quickstart.py (1 -> 2 workers, final weights equal the
-reference).
+store, local with a directory) and the worker kill in local mode are ``slow``, as is the quickstart's local 1 -> 2
+(tests/test_ray_train_quickstart.py); the loader core's local mode changes W at every resume in the default suite
+(tests/test_stream_loader.py).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def test_get_dataset_shard_4_2_3_service(ray_cluster, tmp_path, elastic_referenc
     check(records, elastic_reference)
 
 
-@pytest.mark.slow  # ~80 s; the default suite has the service job and the quickstart's local 1 -> 2
+@pytest.mark.slow  # ~80 s; the default suite has the service job (above)
 def test_get_dataset_shard_4_2_3_local_torch_store(ray_cluster, tmp_path, elastic_reference):
     """Local mode: Zephon's collective checkpoint aggregates through Ray Train's own TCPStore (rank 0's, a new
     port after every restart)."""
