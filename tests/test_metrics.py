@@ -3,7 +3,8 @@
 
 One service (2 producers, tags service/run_id) serves steps to a tracked reader, replays an evicted step, loses a
 producer to kill -9 and writes durable checkpoints; every metric of zephon_ray/service/metrics.py must then show
-up with those tags and plausible values. The batches are checked against the reference digests on the way.
+up with those tags and plausible values, and the gauges must still be there after the service sat idle for
+two of Ray's gauge lifetimes. The batches are checked against the reference digests on the way.
 """
 
 from __future__ import annotations
@@ -82,6 +83,12 @@ def test_metrics_on_the_prometheus_endpoint(ray_cluster, tiny_recipe, reference_
                 break
             assert time.monotonic() < deadline, f"metrics missing or too low (seen, expected): {short}"
             time.sleep(2)
+        # Idle now (window full, nobody reading): Ray drops a gauge not set for two export intervals, so the
+        # gauges must be set again while nothing is produced.
+        time.sleep(2.5 * 2 * int(os.environ["RAY_metrics_report_interval_ms"]) / 1000)
+        idle = scrape(ray_cluster)
+        gauges = ["ray_zephon_ray_window_fill", "ray_zephon_ray_window_held_steps", "ray_zephon_ray_window_held_bytes"]
+        assert all(g in idle for g in gauges), f"gauges gone while idle: {sorted(set(gauges) - set(idle))}"
         assert seen["ray_zephon_ray_producer_deaths_total"] <= seen["ray_zephon_ray_producer_restarts_total"]
         assert seen["ray_zephon_ray_checkpoint_write_seconds_sum"] > 0
         print("metrics:", {k: seen[k] for k in sorted(seen)})

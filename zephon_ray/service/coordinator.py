@@ -55,7 +55,7 @@ from zephon_ray.recipe import Recipe
 from zephon_ray.service import status as status_report
 from zephon_ray.service.config import ServiceConfig
 from zephon_ray.service.errors import ServiceError
-from zephon_ray.service.metrics import ServiceMetrics
+from zephon_ray.service.metrics import GAUGE_REFRESH_S, ServiceMetrics
 from zephon_ray.service.pool import ProducerPool, describe
 from zephon_ray.service.protocol import (
     PRODUCER_INFIX, READER_INFIX, REPLAYED, REPLAYER_INFIX, CursorMove, Reply, StepContainers, kill_named, lease_reply,
@@ -506,11 +506,16 @@ class Coordinator:
     def _pump(self) -> None:
         name_thread(b"zr-pump")  # its CPU shows apart from the event loops' (benchmarks/bench_service_load.py)
         pool = self.pool
+        gauges_set = 0.0
         while not self._stopping and not self._fatal:
             try:
+                now = time.monotonic()
                 with self._lock:
-                    self.window.refresh(time.monotonic())
+                    self.window.refresh(now)
                     target = self.window.produce_until
+                    if now - gauges_set >= GAUGE_REFRESH_S:
+                        self.metrics.window_gauges(self.window)
+                        gauges_set = now
                 if self._rescale_to is not None:
                     self._do_rescale()
                     continue
@@ -594,7 +599,8 @@ class Coordinator:
                                                   generation=item.generation))
             c["first_produced"] = c["first_produced"] or now
             c["last_produced"] = now
-            self.metrics.produced(len(finished), len(finished) * tokens, self.window)
+            self.metrics.produced(len(finished), len(finished) * tokens)
+            self.metrics.window_gauges(self.window)
         self._notify()
 
     def _do_rescale(self) -> None:

@@ -17,6 +17,11 @@ Ray's Prometheus exporter adds its own suffixes (``_total`` on counters, ``_buck
 histograms); ``service/grafana_panel.json`` queries them. Shown by ``tests/test_metrics.py``, which scrapes a
 private cluster's metrics endpoint rather than reading these objects.
 
+Gauges are set again every 1-2 s while the service runs, idle or not (``GAUGE_REFRESH_S``): Ray 2.60's metrics
+agent drops a gauge that was not set for two export intervals, so a gauge set only when steps are produced vanished
+from Prometheus whenever the window sat full (measured: gone 4 s after its last set at a 2 s interval; the
+idle-scrape part of ``tests/test_metrics.py`` shows it stays).
+
 Limits: Ray exports metrics every few seconds (``RAY_metrics_report_interval_ms``, 10 s by default), so a scrape
 lags by that much; the consumer wait is measured in the coordinator per lease (a node reader's lease serves the
 ranks of its node for up to ``lease_steps`` steps; a direct read is a lease of one step), from its arrival to its
@@ -34,13 +39,19 @@ TAG_KEYS = ("service", "run_id")
 WAIT_BOUNDARIES_S = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0]
 REPLAY_BOUNDARIES_STEPS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 CHECKPOINT_BOUNDARIES_S = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]
+GAUGE_REFRESH_S = 1.0
+"""A busy pump sets the gauges again this often; an idle one every time it wakes (2 s). Ray evicts a gauge not set
+for two export intervals (at least 2 s, 20 s at Ray's default), so below a 1 s interval one may blink out."""
 T = TypeVar("T")
 
 
 class NoMetrics:
     """The same calls, recording nothing (components used outside a service, unit tests)."""
 
-    def produced(self, steps: int, tokens: int, window: Any) -> None:
+    def produced(self, steps: int, tokens: int) -> None:
+        pass
+
+    def window_gauges(self, window: Any) -> None:
         pass
 
     def consumer_wait(self, seconds: float) -> None:
@@ -100,11 +111,12 @@ class ServiceMetrics(NoMetrics):
     def for_config(cls, config: Any) -> "ServiceMetrics":
         return cls(config.name, config.run_id)
 
-    def produced(self, steps: int, tokens: int, window: Any) -> None:
-        """After finished steps were filed into ``window`` (a StepWindow); call with its lock held."""
-        if steps:
-            self._steps.inc(steps)
-            self._tokens.inc(tokens)
+    def produced(self, steps: int, tokens: int) -> None:
+        self._steps.inc(steps)
+        self._tokens.inc(tokens)
+
+    def window_gauges(self, window: Any) -> None:
+        """Set the gauges from ``window`` (a StepWindow); call with its lock held."""
         ready = sum(1 for s in window.table if s >= window.slowest)
         self._fill.set(min(1.0, ready / window.window))
         self._held_steps.set(len(window.table))
