@@ -17,6 +17,12 @@ os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.25")
 # Ray exports application metrics every 10 s by default; tests/test_metrics.py scrapes them, and waits less at 2 s.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
+# One intra-op thread per process: three pytest workers already share two cores, and torch's OpenMP threads in each
+# torchrun rank, DDP rank and in-process model only spin against each other. The TorchTitan resume and the uneven
+# -gradient runs took 29.2 CPU-s and 50 s alone at torch's default, 21.6 CPU-s and 41 s at 1 (the same losses, within
+# the tests' tolerances). Ray already gives its workers 1 unless told otherwise.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 TINY = RECIPES / "tiny.toml"

@@ -24,21 +24,22 @@ pytestmark = pytest.mark.timeout(300)
 
 @pytest.mark.timeout(600)  # three group restarts (actor start + identity check + restore) on a loaded 2-core box
 def test_kill9_producer_while_read_and_while_idle(ray_cluster, tiny_recipe, reference_digests, tmp_path):
-    """Each producer killed once while read (steps 3 and 10), then one killed while idle: three restarts."""
+    """Producer 1 killed while read (step 3), then producer 0 of the new group while idle: two restarts. The
+    slow test_chaos_random_kills_and_rescales kills at random moments, in collective checkpoints too."""
     svc = start_service(tiny_recipe, tmp_path, "kill9", producers=2)
     kills = []
     try:
         served = []
-        for step in range(24):
-            if step in (3, 10):
+        for step in range(16):
+            if step == 3:
                 status, pids = live_pids(svc)
-                victim = pids[len(kills) % 2]
+                victim = pids[1]
                 os.kill(victim, signal.SIGKILL)
                 kills.append({"step": step, "pid": victim, "generation": status["generation"]})
             served.append(svc.batch(step, track=True).digest)  # the digest of the rows received, not an echo
-        assert served == reference_digests[:24], "a step's rows were wrong, missing or served twice"
+        assert served == reference_digests[:16], "a step's rows were wrong, missing or served twice"
         status, pids = live_pids(svc)
-        assert status["restarts"] >= 2 and status["generation"] >= 2, status
+        assert status["restarts"] >= 1 and status["generation"] >= 1, status
         assert not set(pids) & {k["pid"] for k in kills}
         # An idle producer (window full, nobody reading) killed: replaced without waiting for a consumer.
         os.kill(pids[0], signal.SIGKILL)
@@ -46,7 +47,7 @@ def test_kill9_producer_while_read_and_while_idle(ray_cluster, tiny_recipe, refe
         while svc.status()["restarts"] == status["restarts"]:
             assert time.monotonic() < deadline, "an idle producer killed with -9 was never replaced"
             time.sleep(0.5)
-        assert [svc.batch(s, track=True).digest for s in range(22, 24)] == reference_digests[22:24]
+        assert [svc.batch(s, track=True).digest for s in range(16, 18)] == reference_digests[16:18]
         print("kill -9 results:", json.dumps({"kills": kills, "restarts": svc.status()["restarts"]}))
     finally:
         svc.stop()
