@@ -4,7 +4,7 @@
 One service (2 producers, tags service/run_id) serves steps to a tracked reader, replays an evicted step, loses a
 producer to kill -9 and writes durable checkpoints; every metric of zephon_ray/service/metrics.py must then show
 up with those tags and plausible values, and the gauges must still be there after the service sat idle for
-two of Ray's gauge lifetimes. The batches are checked against the reference digests on the way.
+2.5 of Ray's gauge lifetimes. The batches are checked against the reference digests on the way.
 """
 
 from __future__ import annotations

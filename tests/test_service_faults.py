@@ -22,7 +22,7 @@ from zephon_ray.service.errors import ServiceError
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.timeout(600)  # three group restarts (actor start + identity check + restore) on a loaded 2-core box
+@pytest.mark.timeout(600)  # two group restarts (actor start + identity check + restore) on a loaded 2-core box
 def test_kill9_producer_while_read_and_while_idle(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     """Producer 1 killed while read (step 3), then producer 0 of the new group while idle: two restarts. The
     slow test_chaos_random_kills_and_rescales kills at random moments, in collective checkpoints too."""

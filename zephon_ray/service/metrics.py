@@ -41,7 +41,8 @@ REPLAY_BOUNDARIES_STEPS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 CHECKPOINT_BOUNDARIES_S = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]
 GAUGE_REFRESH_S = 1.0
 """A busy pump sets the gauges again this often; an idle one every time it wakes (2 s). Ray evicts a gauge not set
-for two export intervals (at least 2 s, 20 s at Ray's default), so below a 1 s interval one may blink out."""
+for two export intervals (20 s at Ray's default); at a 1 s interval, the least Ray allows, an idle gauge may blink
+out between two sets."""
 T = TypeVar("T")
 
 
