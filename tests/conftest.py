@@ -20,7 +20,8 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 # One intra-op thread per process: three pytest workers already share two cores, and torch's OpenMP threads in each
 # torchrun rank, DDP rank and in-process model only spin against each other. Alone, the TorchTitan resume and the
 # uneven-gradient tests took 29.2 CPU-s and 50 s at torch's default, 21.6 CPU-s and 41 s at 1 (their losses within
-# the same tolerances). Ray already gives its workers 1 unless told otherwise.
+# the same tolerances; the command: docs/benchmarks.md, "The test suite"). Ray already gives its workers 1 unless
+# told otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]

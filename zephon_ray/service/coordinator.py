@@ -601,8 +601,7 @@ class Coordinator:
                                                   generation=item.generation))
             c["first_produced"] = c["first_produced"] or now
             c["last_produced"] = now
-            self.metrics.produced(len(finished), len(finished) * tokens)
-            self.metrics.window_gauges(self.window)
+            self.metrics.produced(len(finished), len(finished) * tokens)  # the gauges: the pump, once a second
         self._notify()
 
     def _do_rescale(self) -> None:

@@ -6,6 +6,10 @@ retry", a plain ``TimeoutError`` from the coordinator is "the step was not produ
 
 from __future__ import annotations
 
+import traceback
+
+from ray.exceptions import RayError
+
 from zephon_ray.formats.service_state import FingerprintMismatchError
 
 __all__ = ["FingerprintMismatchError", "ReplyTimeoutError", "ServiceError", "ServiceNotFoundError", "ShardsLostError"]
@@ -28,3 +32,19 @@ class ReplyTimeoutError(ServiceError, TimeoutError):
     """A call to the coordinator or a node reader got no reply in time (it may be restarting). Reads retry it for
     ``reconnect_timeout_s``; it is never raised for a step that is merely not produced yet (that is a plain
     ``TimeoutError`` naming the window)."""
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an error: a Ray task error's cause, its last line only (the traceback goes to the log)."""
+    cause = exc
+    while isinstance(cause, RayError) and isinstance(getattr(cause, "cause", None), BaseException) \
+            and cause.cause is not cause:
+        cause = cause.cause
+    try:
+        last = traceback.format_exception_only(type(cause), cause)[-1]
+    except Exception:  # noqa: BLE001 - an exception whose str() fails
+        last = type(cause).__name__
+    if isinstance(cause, RayError) or "Traceback (most recent call last)" in last:
+        lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]
+        last = lines[-1] if lines else type(cause).__name__
+    return " ".join(last.split())[:600]

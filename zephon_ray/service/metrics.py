@@ -17,10 +17,10 @@ Ray's Prometheus exporter adds its own suffixes (``_total`` on counters, ``_buck
 histograms); ``service/grafana_panel.json`` queries them. Shown by ``tests/test_metrics.py``, which scrapes a
 private cluster's metrics endpoint rather than reading these objects.
 
-Gauges are set again every 1-2 s while the service runs, idle or not (``GAUGE_REFRESH_S``): Ray 2.60's metrics
+Gauges are set by the coordinator's pump every 1-2 s while the service runs, idle or not (``GAUGE_REFRESH_S``): Ray 2.60's metrics
 agent drops a gauge that was not set for two export intervals, so a gauge set only when steps are produced vanished
-from Prometheus whenever the window sat full (measured: gone 4 s after its last set at a 2 s interval; the
-idle-scrape part of ``tests/test_metrics.py`` shows it stays).
+from Prometheus whenever the window sat full (Ray's ``open_telemetry_metric_recorder.py``: TTL = 2 × the export
+interval). The idle scrape of ``tests/test_metrics.py`` shows the gauges stay.
 
 Limits: Ray exports metrics every few seconds (``RAY_metrics_report_interval_ms``, 10 s by default), so a scrape
 lags by that much; the consumer wait is measured in the coordinator per lease (a node reader's lease serves the
@@ -40,7 +40,8 @@ WAIT_BOUNDARIES_S = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0]
 REPLAY_BOUNDARIES_STEPS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 CHECKPOINT_BOUNDARIES_S = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]
 GAUGE_REFRESH_S = 1.0
-"""A busy pump sets the gauges again this often; an idle one every time it wakes (2 s). Ray evicts a gauge not set
+"""The pump sets the gauges (one place, not per produced step) at most this often while busy, and every time it
+wakes while idle (2 s). Ray evicts a gauge not set
 for two export intervals (20 s at Ray's default); at a 1 s interval, the least Ray allows, an idle gauge may blink
 out between two sets."""
 T = TypeVar("T")

@@ -36,7 +36,6 @@ import random
 import re
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -49,6 +48,7 @@ from zephon_ray.identity import check_checkpoint_agreement
 from zephon_ray.pipeline import LaneGroup
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import HOSTED_STORE, ServiceConfig
+from zephon_ray.service.errors import describe
 from zephon_ray.service.metrics import NO_METRICS
 from zephon_ray.service.producer import KEY_CONTAINER, Producer
 from zephon_ray.service.protocol import PRODUCER_INFIX
@@ -61,22 +61,6 @@ MAX_CONSECUTIVE_FAILURES = 4
 MAX_CONSECUTIVE_DEATHS = 50
 """Producer *deaths* (kill -9, OOM, node loss) in a row before giving up; each restart backs off a little."""
 PING_EVERY_S = 2.0
-
-
-def describe(exc: BaseException) -> str:
-    """One line for an error: a Ray task error's cause, its last line only (the traceback goes to the log)."""
-    cause = exc
-    while isinstance(cause, RayError) and isinstance(getattr(cause, "cause", None), BaseException) \
-            and cause.cause is not cause:
-        cause = cause.cause
-    try:
-        last = traceback.format_exception_only(type(cause), cause)[-1]
-    except Exception:  # noqa: BLE001 - an exception whose str() fails
-        last = type(cause).__name__
-    if isinstance(cause, RayError) or "Traceback (most recent call last)" in last:
-        lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]
-        last = lines[-1] if lines else type(cause).__name__
-    return " ".join(last.split())[:600]
 
 
 @dataclass

@@ -22,13 +22,16 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import logging
 import socket
-import traceback
 
 from zephon_ray.identity import verify_on_node
 from zephon_ray.lanes import LaneShard, LaneStepper
 from zephon_ray.pipeline import LaneGroup
 from zephon_ray.recipe import Recipe
+from zephon_ray.service.errors import describe
+
+log = logging.getLogger("zephon_ray.service")
 
 
 KEY_STEP = "step"
@@ -111,7 +114,8 @@ class Producer:
             # storage budget; a permanent problem is reported once (info()).
             self._stepper = files.retry(start, f"producer for lanes {list(self.lanes)}")
         except Exception as exc:  # noqa: BLE001 - reported once by the coordinator, see info()
-            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            log.warning("start failed", exc_info=True)  # the trace stays in the log; the message is one line
+            last = describe(exc)
             self.init_error = f"producer for lanes {list(self.lanes)} on node {node_name()} failed to start: {last}"
 
     def info(self) -> dict[str, Any]:

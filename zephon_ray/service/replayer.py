@@ -25,7 +25,7 @@ prefix step's lane 0 shard carries the whole step's ``source_tokens`` and the ot
 from __future__ import annotations
 
 import os
-import traceback
+import logging
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,10 @@ from zephon_ray.identity import verify_on_node
 from zephon_ray.lanes import LaneShard, LaneStepper
 from zephon_ray.formats.materialized import MaterializedSource
 from zephon_ray.recipe import Recipe
+from zephon_ray.service.errors import describe
 from zephon_ray.service.producer import node_name, put_shards, worker_id
+
+log = logging.getLogger("zephon_ray.service")
 
 
 class Replayer:
@@ -61,7 +64,8 @@ class Replayer:
         try:
             files.retry(start, "replayer")  # a storage outage while starting is waited out (storage budget)
         except Exception as exc:  # noqa: BLE001 - reported once, with the node
-            last = traceback.format_exception_only(type(exc), exc)[-1].strip()
+            log.warning("start failed", exc_info=True)  # the trace stays in the log; the message is one line
+            last = describe(exc)
             self.init_error = f"replayer on node {node_name()} failed to start: {last}"
 
     def info(self) -> dict[str, Any]:
