@@ -8,8 +8,6 @@ from __future__ import annotations
 
 import traceback
 
-from ray.exceptions import RayError
-
 from zephon_ray.formats.service_state import FingerprintMismatchError
 
 __all__ = ["FingerprintMismatchError", "ReplyTimeoutError", "ServiceError", "ServiceNotFoundError", "ShardsLostError"]
@@ -36,6 +34,8 @@ class ReplyTimeoutError(ServiceError, TimeoutError):
 
 def describe(exc: BaseException) -> str:
     """One line for an error: a Ray task error's cause, its last line only (the traceback goes to the log)."""
+    from ray.exceptions import RayError  # here: `zephon-ray inspect` imports this module and never Ray
+
     cause = exc
     while isinstance(cause, RayError) and isinstance(getattr(cause, "cause", None), BaseException) \
             and cause.cause is not cause:
