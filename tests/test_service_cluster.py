@@ -88,12 +88,12 @@ def _drive(summary: str) -> None:
         read_here = status["window"]["held_steps"][1]
         info["read_here"] = read_here
         info["read_here_digest"] = svc.batch(read_here).digest
-        from zephon_ray.service.ray_internals import owner_worker_id
+        from zephon_ray.service.ray_internals import object_locations, owner_worker_id
 
         locations, owners = {}, set()
         for step in status["window"]["held_steps"]:
             refs = svc.refs(step).lanes  # borrowed refs; nothing is fetched
-            found = ray.experimental.get_object_locations(refs, timeout_ms=10_000)
+            found = object_locations(refs)
             locations[step] = sorted({n for loc in found.values() for n in loc.get("node_ids", [])})
             owners |= {owner_worker_id(ref) for ref in refs}
             del refs

@@ -27,11 +27,22 @@ def owner_worker_id(ref: Any) -> str:
     return common_pb2.Address.FromString(ref.owner_address()).worker_id.hex()
 
 
-def object_locations(refs: list[Any], timeout_ms: int = 10_000) -> dict[Any, dict[str, Any]]:
-    """``{ref: {"node_ids": [...], "object_size": bytes}}`` for ``refs`` (Ray's object directory)."""
+def object_locations(refs: list[Any]) -> dict[Any, dict[str, Any]]:
+    """``{ref: {"node_ids": [...], "object_size": bytes}}`` for ``refs`` (Ray's object directory), asked of one
+    owner at a time and without a timeout. Ray 2.60's ``CoreWorker::GetLocationFromOwner`` counts its pending
+    requests up while it sends them, so when one owner replies before the next owner's request is counted, its
+    promise is set twice and the calling process aborts ("std::future_error: Promise already satisfied"; it killed
+    a pytest worker in tests/test_service.py::test_coordinator_owns_no_shard_bytes, whose refs have two owners).
+    Its ``timeout_ms`` is also waited as microseconds. A dead owner fails its request, which ends the wait."""
     import ray.experimental
 
-    return ray.experimental.get_object_locations(refs, timeout_ms=timeout_ms)
+    by_owner: dict[str, list[Any]] = {}
+    for ref in refs:
+        by_owner.setdefault(owner_worker_id(ref), []).append(ref)
+    found: dict[Any, dict[str, Any]] = {}
+    for owned in by_owner.values():
+        found.update(ray.experimental.get_object_locations(owned, timeout_ms=-1))
+    return found
 
 
 _PLASMA_RE = re.compile(r"Plasma memory usage (\d+) MiB, (\d+) objects")
