@@ -554,6 +554,61 @@ def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str, profile: str 
         svc.stop()
 
 
+def _bare_actors():
+    """Two actors with no code of ours (one async, one threaded), for Ray's own idle floor beside the service's."""
+    import ray
+
+    @ray.remote(num_cpus=0.01)
+    class BareAsync:
+        async def pid(self):
+            return os.getpid()
+
+    @ray.remote(num_cpus=0.01)
+    class BareThreaded:
+        def pid(self):
+            return os.getpid()
+
+    return [BareAsync.remote(), BareThreaded.remote()]
+
+
+def run_idle(recipe, reference, tmp, seconds: float = 20.0, rounds: int = 1) -> dict:
+    """Idle CPU (CPU-ms per second, by kind of thread, from ``/proc``) of every service process beside two bare Ray
+    actors, all measured over the same seconds: the coordinator with a full window (one tracked consumer, nobody
+    reading), the node reader that served that consumer's read, a producer, and Ray's floor."""
+    import ray
+
+    from zephon_ray import compute_digest
+
+    runs: dict[str, list[dict]] = {}
+    for rnd in range(rounds):
+        bare = _bare_actors()
+        svc = start(recipe, f"idle-{rnd}", tmp, read_path="node")
+        try:
+            part = svc.connect(svc.name, namespace=NS, consumer="idle").slice(0, 0, 4)  # through a node reader
+            assert compute_digest(part.tokens, part.positions) == reference[0][(0, 4)], "step 0: wrong rows"
+            last = svc.config.window - 1
+            assert svc.refs(last).batch().digest == reference[last]["digest"], "the window is not full"
+            status = svc.status()
+            pids = {"coordinator": status["coordinator"]["pid"], "producer": status["producers"][0]["pid"],
+                    "node_reader": reader_pids()[0], "bare_async": ray.get(bare[0].pid.remote()),
+                    "bare_threaded": ray.get(bare[1].pid.remote())}
+            time.sleep(2.0)  # the last reply's work done
+            before, t0 = {k: thread_cpu(p) for k, p in pids.items()}, time.perf_counter()
+            time.sleep(seconds)
+            after, wall = {k: thread_cpu(p) for k, p in pids.items()}, time.perf_counter() - t0
+            for k in pids:
+                by_kind = {t: (after[k][t] - before[k][t]) / wall * 1e3 for t in after[k]}
+                runs.setdefault(k, []).append({"ms_per_s": sum(by_kind.values()), **by_kind})
+        finally:
+            svc.stop()
+            for a in bare:
+                ray.kill(a)
+        print(f"idle round {rnd} ({seconds:.0f} s): " + ", ".join(
+            f"{k} {v[-1]['ms_per_s']:.1f}" for k, v in runs.items()) + " CPU-ms/s", flush=True)
+    med = statistics.median
+    return {k: {f: med(x[f] for x in xs) for f in xs[0]} for k, xs in runs.items()}
+
+
 # ---------------------------------------------------------------------------------------------------- resume
 def run_resume(recipe, reference, tmp, behind: int = 6, world: int = 4, rounds: int = 1) -> dict:
     runs: dict[str, list[float]] = {"retained": [], "replay_path": []}
@@ -711,6 +766,7 @@ def main() -> None:
     ap.add_argument("--pump-steps", type=int, default=48)
     ap.add_argument("--long-steps", type=int, default=5000)
     ap.add_argument("--pending", type=int, default=512)
+    ap.add_argument("--idle-seconds", type=float, default=20.0)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
     paths = args.paths.split(",")
@@ -780,6 +836,11 @@ def main() -> None:
         if "pump" in parts:
             result["pump"] = run_pump(recipe, digests, tmp, steps=args.pump_steps, rounds=args.rounds,
                                       profile=args.profile)
+        if "idle" in parts:
+            r = result["idle"] = run_idle(recipe, reference, tmp, args.idle_seconds, args.rounds)
+            print("idle (median of rounds): " + "; ".join(
+                f"{k} {v['ms_per_s']:.1f} CPU-ms/s (" + ", ".join(f"{t} {v[t]:.1f}" for t in v if t != "ms_per_s") + ")"
+                for k, v in r.items()), flush=True)
         if "resume" in parts:
             r = result["resume"] = run_resume(recipe, digests, tmp, rounds=args.rounds)
             print(f"resume first batch: retained {r['retained']['first_batch_s']:.3f} s, replay path "
