@@ -68,7 +68,10 @@ DEMAND_POLL_S = 60.0
 REPORT_GATHER_S = 0.1
 """A report woken by a move (a lease waits, or the node's slowest rank of a consumer moved) goes this much later,
 with the moves of the other ranks of the node that read in the same round: one coordinator call per round, not
-one per rank."""
+one per rank. It goes at once when the node's slowest rank of a consumer with unsent moves is past the last
+report (the node's part of the round is complete), as in lock-step when the node's last process calls. At the
+edge of the window the producers wait for this report, so the gather was most of a rank's data-wait p99 with
+one handle per rank (benchmarks/bench_service_load.py, docs/scaling.md)."""
 
 
 @dataclass
@@ -107,6 +110,7 @@ class NodeReader:
         self._reported_slowest: dict[str, int] = {}  # consumer -> its slowest rank here, as last reported
         self._lo, self._hi = lanes, 0  # union of the lanes ranks here asked for
         self._wake: asyncio.Event | None = None
+        self._round_complete: asyncio.Event | None = None
         self._reporter: asyncio.Task | None = None
         self._ahead_after = 0.0
         self._demand_epoch = 0
@@ -165,6 +169,12 @@ class NodeReader:
             check_consumer(consumer)
             rank, world = check_reader(rank, world, rows)
             self._move(consumer, rank, world, int(step), now - max(0.0, float(idle_s)))
+        if self._wake.is_set() and self._slowest_moved():
+            self._round_complete.set()
+
+    def _slowest_moved(self) -> bool:
+        """The node's slowest rank of a consumer with unsent moves is past the last report."""
+        return any(self._slowest(c) > self._reported_slowest.get(c, -1) for c in {key[0] for key in self._moved})
 
     async def demand(self, epoch: int, timeout_s: float = DEMAND_POLL_S) -> int:
         """A long poll for processes on this node: returns the demand epoch once it is past ``epoch`` (a lease here
@@ -269,6 +279,7 @@ class NodeReader:
         if self._reporter is None:
             self._demanded = asyncio.Event()
             self._wake = asyncio.Event()
+            self._round_complete = asyncio.Event()
             self._reporter = asyncio.ensure_future(self._report_loop())
 
     def _move(self, consumer: str, rank: int, world: int, step: int, seen: float) -> None:
@@ -324,8 +335,12 @@ class NodeReader:
             except asyncio.TimeoutError:
                 pass
             else:
-                await asyncio.sleep(REPORT_GATHER_S)
+                try:
+                    await asyncio.wait_for(self._round_complete.wait(), timeout=REPORT_GATHER_S)
+                except asyncio.TimeoutError:
+                    pass
             self._wake.clear()
+            self._round_complete.clear()
             everyone = time.monotonic() - last_keepalive >= keepalive
             if everyone:
                 last_keepalive = time.monotonic()

@@ -1,0 +1,47 @@
+"""The node reader's cursor reports (service/node.py): a NodeReader in this process, against a real service's
+coordinator on the session's private Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from zephon_ray import DataService
+from zephon_ray.service import node
+
+NS = "zr-node"
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_a_complete_round_is_reported_without_waiting_for_the_gather(ray_cluster, tiny_recipe, tmp_path,
+                                                                      monkeypatch):
+    """A report woken by a move waits REPORT_GATHER_S for the node's other ranks, unless the node's slowest rank of
+    the consumer already moved past the last report: then nothing is left to gather and it goes at once (at the
+    window's edge the producers wait for it). The gather is 60 s here; the round's report still reaches the
+    coordinator within seconds, and the cursors it carries are exact."""
+    monkeypatch.setattr(node, "REPORT_GATHER_S", 60.0)
+    svc = DataService.start(tiny_recipe, name="node-round", namespace=NS, state_dir=tmp_path / "s", window=4,
+                            consumer_ttl_s=600.0)  # keep-alive reports every 30 s: none in this test's seconds
+    try:
+        reader = node.NodeReader(svc._coordinator, lanes=tiny_recipe.lanes, rows_per_lane=tiny_recipe.rows_per_lane,
+                                 lease_steps=4, window=4, consumer_ttl_s=600.0, request_timeout_s=60.0,
+                                 node_id="this-process")
+
+        def cursors() -> dict[int, int]:
+            return {c["rank"]: c["step"] for c in svc.status()["cursors"] if c["consumer"] == "job"}
+
+        async def scenario() -> dict[int, int]:
+            # rank 0 reads step 0 (a lease: it carries both ranks' moves, the first report of this consumer)
+            await reader.read(0, "job", track=True, moves=[("job", 0, 2, 0, 0.0), ("job", 1, 2, 0, 0.0)])
+            await reader.advance([("job", 0, 2, 2, 0.0)])  # the node's slowest rank (1) has not moved: gather
+            await reader.advance([("job", 1, 2, 2, 0.0)])  # now it has: the round is complete
+            deadline = time.monotonic() + 20  # far under the 60 s gather
+            while (got := await asyncio.to_thread(cursors)) != {0: 2, 1: 2} and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            return got
+
+        assert asyncio.run(scenario()) == {0: 2, 1: 2}
+    finally:
+        svc.stop()
