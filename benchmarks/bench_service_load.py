@@ -1,7 +1,7 @@
 """The data service at scale, measured on a private local Ray (issues 8 and 16). Every row read is checked.
 
-    python benchmarks/bench_service_load.py [--parts load,pending,cpu,resume,kill,long] [--ranks 256] [--steps 10]
-                                            [--rounds 2]
+    python benchmarks/bench_service_load.py [--parts load,calls,pending,pump,idle,cpu,resume,kill,long] [--ranks 256]
+                                            [--steps 10] [--rounds 2]
 
 Two read paths, side by side in one run, in rounds whose order flips every round (the same work on both sides):
 ``direct`` is the path before leases (every rank's read of every step is one coordinator call) and ``node`` is the
@@ -20,6 +20,8 @@ its leases and cursor reports only). Parts (each prints a line; one JSON line ``
   ``commit()`` are timed; then the holder releases and every waiting read must complete with the right rows.
 - ``pump``: coordinator CPU per produced step (the whole process and its pump thread) and its idle rate, at
   M = 1, 2, 4, 8 producers, with nobody reading but one cursor hopping a window at a time.
+- ``idle``: idle CPU (per second, by kind of thread) of the coordinator (full window, nobody reading), the node
+  reader, a producer and two bare Ray actors (async, threaded: Ray's own floor), over the same ``--idle-seconds``.
 - ``cpu``: service CPU-seconds per million tokens (coordinator + producers + replayer) at M=1, 2, 4 (order flipped
   every round), and tokens/s; coordinator CPU per step.
 - ``resume``: warm time to first batch for a restarted W=4 job (same consumer, resumes at its commit): retained
