@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from pathlib import Path
 
 import pytest
 
@@ -43,5 +44,18 @@ def test_a_complete_round_is_reported_without_waiting_for_the_gather(ray_cluster
             return got
 
         assert asyncio.run(scenario()) == {0: 2, 1: 2}
+        # ... and the coordinator's process made no ray.get, on its event loops or elsewhere (Ray logs "Using
+        # blocking ray.get inside async actor" into the worker's log at the first one; pool.get_off_loop)
+        assert_no_blocking_get(svc.status()["coordinator"]["pid"])
     finally:
         svc.stop()
+
+
+def assert_no_blocking_get(pid: int) -> None:
+    import ray
+
+    logs = Path(ray._private.worker.global_worker.node.get_logs_dir_path())
+    files = [f for f in logs.glob(f"worker-*-{pid}.*") if f.suffix in (".out", ".err")]
+    assert files, f"no Ray worker log for pid {pid} in {logs}"
+    for f in files:
+        assert "blocking ray.get" not in f.read_text(errors="replace"), f"{f.name}: a blocking ray.get"

@@ -31,6 +31,8 @@ checkpoint group to restore the same checkpoint); the watchdog cannot tell a ver
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import logging
 import random
 import re
@@ -40,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import ray
-from ray.exceptions import RayActorError, RayError
+from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from zephon_ray import files
 from zephon_ray.formats.service_state import ServiceStateError
@@ -61,6 +63,29 @@ MAX_CONSECUTIVE_FAILURES = 4
 MAX_CONSECUTIVE_DEATHS = 50
 """Producer *deaths* (kill -9, OOM, node loss) in a row before giving up; each restart backs off a little."""
 PING_EVERY_S = 2.0
+
+
+def get_off_loop(refs: Any, timeout: float | None = None) -> Any:
+    """The values of ``refs`` (one ref or a list), for the pump thread, where every one of the pool's reads runs;
+    errors as ``ray.get`` raises them. On an event loop it raises instead: there a wait would stall every call the
+    coordinator serves. Through ``ObjectRef.future()``, not ``ray.get``: Ray 2.60 logs "Using blocking ray.get
+    inside async actor" for a ``ray.get`` on any thread of an async actor's process (``ray/_private/worker.py``
+    ``get`` looks only at whether the actor is async), so the coordinator's log keeps that warning for a real one
+    (tests/test_node.py reads the coordinator's log for it)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        pass
+    else:
+        raise RuntimeError("a wait for producer replies on an event loop would stall every call the coordinator "
+                           "serves")
+    many = isinstance(refs, list)
+    futures = [r.future() for r in (refs if many else [refs])]
+    try:
+        values = [f.result(timeout) for f in futures]
+    except concurrent.futures.TimeoutError:
+        raise GetTimeoutError(f"no reply within {timeout} s") from None
+    return values if many else values[0]
 
 
 @dataclass
@@ -217,7 +242,7 @@ class ProducerPool:
         for i, ref in enumerate(gen.info_refs):
             if gen.infos[i] is None and ref in ready:
                 try:
-                    info = ray.get(ref)
+                    info = get_off_loop(ref)
                 except RayError:
                     continue  # died while starting: the pump's restart path handles it
                 gen.infos[i] = info
@@ -355,10 +380,10 @@ class ProducerPool:
                     if r in done and r not in self._ckpt_checked:
                         # surface a dead rank while the others still wait inside the collective; once per call:
                         # every read deserialises its state again (at M = 8, 40 % of the pump's CPU went here)
-                        ray.get(r)
+                        get_off_loop(r)
                         self._ckpt_checked.add(r)
                 if all(r in done for r in refs):
-                    states = ray.get(refs)  # small merged Zephon states, not shard bytes
+                    states = get_off_loop(refs)  # small merged Zephon states, not shard bytes
                     check_checkpoint_agreement(states)
                     if not self.persist(step, states[0]):
                         return out
@@ -367,7 +392,7 @@ class ProducerPool:
                 refs = self._skips[step]
                 for r in refs:
                     if r in done:
-                        ray.get(r)
+                        get_off_loop(r)
                 if all(r in done for r in refs):
                     del self._skips[step]
             for step in sorted(self._inflight):
@@ -377,7 +402,7 @@ class ProducerPool:
                 # read of the finished ones, as produce calls (unlike a collective checkpoint) never wait on each
                 # other.
                 if all(r in done for r in metas):
-                    meta_values = ray.get(metas)
+                    meta_values = get_off_loop(metas)
                     del self._inflight[step]
                     meta = {"step": step, "nbytes": sum(m["nbytes"] for m in meta_values),
                             "tokens": sum(m["tokens"] for m in meta_values)}
@@ -425,8 +450,8 @@ class ProducerPool:
                 step = self.next_step
                 state = None
                 if step > 0:
-                    states = ray.get([a.checkpoint.remote(step) for a in gen.actors],
-                                     timeout=self.config.aggregate_timeout_s + 30)
+                    states = get_off_loop([a.checkpoint.remote(step) for a in gen.actors],
+                                          timeout=self.config.aggregate_timeout_s + 30)
                     state = check_checkpoint_agreement(states)
                     if not self.persist(step, state):
                         return out
