@@ -17,9 +17,9 @@ Ray's Prometheus exporter adds its own suffixes (``_total`` on counters, ``_buck
 histograms); ``service/grafana_panel.json`` queries them. Shown by ``tests/test_metrics.py``, which scrapes a
 private cluster's metrics endpoint rather than reading these objects.
 
-Gauges are set by the coordinator's pump every 1-2 s while the service runs, idle or not (``GAUGE_REFRESH_S``): Ray 2.60's metrics
-agent drops a gauge that was not set for two export intervals, so a gauge set only when steps are produced vanished
-from Prometheus whenever the window sat full (Ray's ``open_telemetry_metric_recorder.py``: TTL = 2 × the export
+Gauges are set by the coordinator's pump every 1-2 s while the service runs, idle or not (``GAUGE_REFRESH_S``):
+Ray 2.60's metrics agent drops a gauge that was not set for two export intervals, so a gauge set only when steps
+are produced vanished from Prometheus whenever the window sat full (Ray's ``open_telemetry_metric_recorder.py``: TTL = 2 × the export
 interval). The idle scrape of ``tests/test_metrics.py`` shows the gauges stay.
 
 Limits: Ray exports metrics every few seconds (``RAY_metrics_report_interval_ms``, 10 s by default), so a scrape
@@ -41,9 +41,8 @@ REPLAY_BOUNDARIES_STEPS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 CHECKPOINT_BOUNDARIES_S = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]
 GAUGE_REFRESH_S = 1.0
 """The pump sets the gauges (one place, not per produced step) at most this often while busy, and every time it
-wakes while idle (2 s). Ray evicts a gauge not set
-for two export intervals (20 s at Ray's default); at a 1 s interval, the least Ray allows, an idle gauge may blink
-out between two sets."""
+wakes while idle (2 s). Ray evicts a gauge not set for two export intervals (20 s at Ray's default); at a 1 s
+interval, the least Ray allows, an idle gauge may blink out between two sets."""
 T = TypeVar("T")
 
 

@@ -19,11 +19,10 @@ coordinator replaces the whole group instead (see coordinator.py).
 
 from __future__ import annotations
 
-import os
-from typing import Any
-
 import logging
+import os
 import socket
+from typing import Any
 
 from zephon_ray.identity import verify_on_node
 from zephon_ray.lanes import LaneShard, LaneStepper

@@ -24,8 +24,8 @@ prefix step's lane 0 shard carries the whole step's ``source_tokens`` and the ot
 
 from __future__ import annotations
 
-import os
 import logging
+import os
 from typing import Any
 
 import numpy as np

@@ -1,0 +1,32 @@
+"""One-line error messages (service/errors.py ``describe``): what a user sees when a producer, a replayer or the
+pump fails, with the traceback left to the log."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from zephon_ray.service.errors import describe
+
+
+def test_an_exception_whose_message_holds_a_traceback_becomes_its_last_line():
+    message = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n    f()\n"
+               "OSError: s3://bucket/key: Not Found")
+    assert describe(OSError(message)) == "OSError: s3://bucket/key: Not Found"
+
+
+def test_a_multi_line_message_is_one_line():
+    got = describe(ValueError("recipe recipes/x.toml:\n  key 'lanes' must divide\n  rows_per_step 56"))
+    assert "\n" not in got and got.startswith("ValueError: recipe recipes/x.toml:") and "rows_per_step 56" in got
+
+
+def test_a_ray_task_error_is_its_cause_without_the_remote_traceback(ray_cluster):
+    @ray.remote
+    def fails():
+        raise KeyError("lane 7 of step 12")
+
+    with pytest.raises(ray.exceptions.RayTaskError) as info:
+        ray.get(fails.remote())
+    assert 'File "' in str(info.value)  # Ray's own message carries the remote frames, over several lines
+    got = describe(info.value)
+    assert "\n" not in got and 'File "' not in got and "lane 7 of step 12" in got, got
