@@ -8,7 +8,8 @@ Two read paths, side by side in one run, in rounds whose order flips every round
 lease path (a node reader per node leases ``lease_steps`` steps at once for every rank there; the coordinator sees
 its leases and cursor reports only). Parts (each prints a line; one JSON line ``RESULT`` at the end):
 - ``load``: one service per side and round, 2 jobs x R simulated ranks (threads) x S steps, each job reading its
-  slices in lock-step at a fixed step time; p50/p99/max data wait, p50/p99 of ``status()`` latency (a prober
+  slices in lock-step at a fixed step time; p50/p99/max data wait and the longest after step 0 (a round's
+  first read is cold: a process's first fetch), p50/p99 of ``status()`` latency (a prober
   calls it every 50 ms), coordinator CPU per rank-step (psutil on the coordinator's process), node readers' CPU per
   rank-step, all slices checked against the reference digests (GlobalBatchSource). Run at R=32 and R=``--ranks``.
   The recipe is the tiny fixture with B=256 rows (``rows_per_microbatch=32``), so 256 ranks each get a real slice.
@@ -170,10 +171,11 @@ def _rank_process(address: str, name: str, consumer: str, world: int, ranks: lis
     import ray
 
     from zephon_ray import DataService, compute_digest
+    from zephon_ray.service.node_reads import stop_background
 
     ray.init(address=address, namespace=NS, log_to_driver=False, logging_level="ERROR")
     handles = {r: DataService.connect(name, namespace=NS, consumer=consumer) for r in ranks}
-    waits, bad, errors = [], [], []
+    waits, later, bad, errors = [], [], [], []
     ready.wait()  # every process connected: the parent starts the clock
 
     def rank_loop(r: int) -> None:
@@ -183,6 +185,8 @@ def _rank_process(address: str, name: str, consumer: str, world: int, ranks: lis
                 t_step = time.perf_counter()
                 part = client.slice(step, r, world)
                 waits.append(time.perf_counter() - t_step)
+                if step:
+                    later.append(waits[-1])
                 if compute_digest(part.tokens, part.positions) != ref[(step, r)]:
                     bad.append((r, step))
                 barrier.wait(timeout=600)
@@ -198,8 +202,9 @@ def _rank_process(address: str, name: str, consumer: str, world: int, ranks: lis
         t.start()
     for t in threads:
         t.join()
-    out.put({"waits": waits, "bad": bad, "errors": errors})
+    out.put({"waits": waits, "later": later, "bad": bad, "errors": errors})
     ready.wait()  # the parent took its CPU reading: now leave (handles released with the process)
+    stop_background()  # as zephon_ray's own sessions do: no thread of ours may call into Ray after shutdown
     ray.shutdown()
 
 
@@ -221,7 +226,7 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
     world = ranks if rows % ranks == 0 else next(w for w in range(min(ranks, rows), 0, -1) if rows % w == 0)
     read_path = "direct" if side == "direct" else "node"
     svc = start(recipe, f"load-{ranks}-{side}-{tag}", tmp, window=8)
-    waits, bad, errors, status_lat = [], [], [], []
+    waits, later, bad, errors, status_lat = [], [], [], [], []
     stop = threading.Event()
 
     def prober():
@@ -240,6 +245,8 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
                     t_step = time.perf_counter()
                     part = client.slice(step, r % world, world)
                     waits.append(time.perf_counter() - t_step)
+                    if step:
+                        later.append(waits[-1])
                     if compute_digest(part.tokens, part.positions) != reference[step][(r % world, world)]:
                         bad.append((j, r, step))
                     barrier.wait(timeout=600)  # lock-step: the job's next step starts when all ranks have theirs
@@ -289,6 +296,7 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
         for _ in procs:
             got = out.get(timeout=1800)
             waits += got["waits"]
+            later += got["later"]
             bad += got["bad"]
             errors += got["errors"]
     else:
@@ -331,7 +339,8 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
                                   "cursor_moves": reads["cursor_moves"]},
             "node_reader_calls": {k: calls1[k] - calls0.get(k, 0) for k in calls1},
             "errors": errors[:3], "elapsed_s": round(elapsed, 2), "profiles": profiles,
-            "wait_ms": {"p50": pct(waits, .5) * 1e3, "p99": pct(waits, .99) * 1e3, "max": max(waits) * 1e3},
+            "wait_ms": {"p50": pct(waits, .5) * 1e3, "p99": pct(waits, .99) * 1e3, "max": max(waits) * 1e3,
+                        "max_after_step_0": max(later, default=0.0) * 1e3},
             "status_ms": {"p50": (pct(status_lat, .5) or 0) * 1e3, "p99": (pct(status_lat, .99) or 0) * 1e3,
                           "n": len(status_lat)}}
 
@@ -720,7 +729,8 @@ def run_long(recipe, reference_source, tmp, steps: int = 5000) -> dict:
 def _load_line(r: dict) -> str:
     c, n = r["coordinator_threads_ms_per_rank_step"], r["node_reader_threads_ms_per_rank_step"]
     return (f"{r['side']:>8} ({r['processes']} processes): wrong rows {r['wrong_rows']}, errors {len(r['errors'])}, "
-            f"wait p50/p99/max {r['wait_ms']['p50']:.1f}/{r['wait_ms']['p99']:.1f}/{r['wait_ms']['max']:.1f} ms, "
+            f"wait p50/p99/max {r['wait_ms']['p50']:.1f}/{r['wait_ms']['p99']:.1f}/{r['wait_ms']['max']:.1f} ms "
+            f"(max after step 0 {r['wait_ms']['max_after_step_0']:.1f}), "
             f"status p50/p99 {r['status_ms']['p50']:.1f}/{r['status_ms']['p99']:.1f} ms, coordinator "
             f"{r['coordinator_cpu_ms_per_rank_step']:.3f} CPU-ms/rank-step (pump {c.get('pump', 0):.3f}, python "
             f"{c.get('python', 0):.3f}, core "
@@ -737,6 +747,7 @@ def compare_load(runs: dict[str, list[dict]]) -> dict:
     for side, xs in runs.items():
         summary[side] = {"wait_p50_ms": med(x["wait_ms"]["p50"] for x in xs),
                          "wait_p99_ms": med(x["wait_ms"]["p99"] for x in xs),
+                         "wait_max_after_step_0_ms": med(x["wait_ms"]["max_after_step_0"] for x in xs),
                          "status_p99_ms": med(x["status_ms"]["p99"] for x in xs),
                          "coordinator_cpu_ms_per_rank_step": med(x["coordinator_cpu_ms_per_rank_step"] for x in xs),
                          "node_reader_cpu_ms_per_rank_step": med(x["node_reader_cpu_ms_per_rank_step"] for x in xs),

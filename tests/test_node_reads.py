@@ -12,6 +12,7 @@ import pytest
 import ray
 
 from zephon_ray import DataService, GlobalBatchSource
+from zephon_ray.service.node_reads import process_reads
 from zephon_ray.service.protocol import READER_INFIX
 
 NS = "zr-node-reads"
@@ -119,5 +120,31 @@ def test_a_touch_alone_reaches_the_coordinator_as_a_keep_alive(ray_cluster, tiny
                 break
             assert time.monotonic() < deadline, cursors
             time.sleep(0.1)
+    finally:
+        svc.stop()
+
+
+def test_the_last_step_held_fetches_the_next_steps_before_the_rank_asks(ray_cluster, tiny_recipe, tmp_path):
+    """Read-ahead (node_reads.py): a tracked read of the last step this process holds starts its next read call in
+    the background, with the cursor move, so the next steps are made and held here before the rank asks for them,
+    across the window's edge (step 8 needs the move of step 1 at the coordinator), with the right rows. Without it
+    no call goes before the rank's own read of the step, and the first step past a run never shows up here."""
+    steps = 14
+    svc = DataService.start(tiny_recipe, name="node-ahead", namespace=NS, state_dir=tmp_path / "s", window=8)
+    try:
+        client = DataService.connect("node-ahead", namespace=NS, consumer="trainer")
+        path = process_reads(client)
+        got = {0: client.slice(0, 0, 1)}
+        for step in range(1, steps):
+            deadline = time.monotonic() + 30
+            while step not in path.cached_steps():
+                assert time.monotonic() < deadline, f"step {step} not held before it is read: {path.cached_steps()}"
+                time.sleep(0.02)
+            got[step] = client.slice(step, 0, 1)
+        with GlobalBatchSource(tiny_recipe) as source:
+            for step, part in got.items():
+                want = source.batch(step).slice(0, 1)
+                np.testing.assert_array_equal(part.tokens, want.tokens)
+                np.testing.assert_array_equal(part.positions, want.positions)
     finally:
         svc.stop()

@@ -15,6 +15,12 @@ Each node-reader call costs it about 0.7-1 CPU-ms of Ray's per-call work (docs/s
 
 Guarantees:
 - Rows: the refs handed out are the ones the node reader filed, unchanged (tests/test_service.py checks rows).
+- No wait at the end of a run: when a tracked read finds fewer than ``window // 8`` (at least 1) steps after it
+  in the cache, the process's next read call starts in the background with its cursor moves, so the producers
+  move the window on while the ranks still hold steps (32 ranks in lock-step, one per process: the longest data
+  wait after step 0 13-19 ms, against 146-150 ms at the window's edges without it; benchmarks/
+  bench_service_load.py, docs/scaling.md; tests/test_node_reads.py). Its failure is nobody's: a rank that joined
+  it asks again itself.
 - Cursors stay exact: a move is recorded when a rank reads a step with ``track=True`` or ``touch``-es it, and
   travels to the node reader with the process's next read call. Moves that wait longer than ``keepalive_s``
   (``consumer_ttl_s / 8``, at most 15 s) for one are sent alone, so a rank reading from the cache stays heard well
@@ -29,7 +35,8 @@ Guarantees:
 - The node reader is found (and started) by :meth:`warm`, which ``DataService.connect`` calls: a fresh loader's
   first read does not wait for an actor to start.
 Limits: the coordinator sees a rank's moves up to one run (about ``window / 2`` steps in lock-step) plus the
-node reader's next lease late; ``commit`` and ``status`` carry this client's own moves, so they are exact for it.
+node reader's next lease late; a read-ahead holds a thread of the process until its step is made (at most
+``request_timeout_s``); ``commit`` and ``status`` carry this client's own moves, so they are exact for it.
 Sharing helps only processes with several handles (the benchmark's 32 rank threads per process, notebooks, a
 process serving several consumers); a trainer with one rank per process makes one call per run either way.
 """
@@ -37,6 +44,7 @@ process serving several consumers); a trainer with one rank per process makes on
 from __future__ import annotations
 
 import atexit
+import logging
 import threading
 import time
 import weakref
@@ -45,12 +53,21 @@ from typing import Any
 
 import ray
 
+from zephon_ray.service.errors import describe
 from zephon_ray.service.lease_cache import LeaseCache
 from zephon_ray.service.protocol import CursorMove, HeldStep, Reply, only_lanes
 from zephon_ray.service.reads import StepRefs, call
 
+log = logging.getLogger("zephon_ray")
+
 WAIT_POLL_S = 0.25
 """While a read call waits, how often the process's new moves and keep-alives are looked at."""
+READ_AHEAD_PER_WINDOW = 8
+"""A tracked read that finds fewer than ``window // 8`` (at least 1) steps after it in the process's cache starts
+the process's next read call in the background (``ProcessReads._read_ahead``): that many steps' time to get the
+next steps made and here. One rank per process, window 8 (1 step ahead): 4-9 % more calls than without
+read-aheads and no wait at the window's edge; 2 steps ahead made 16-20 % more (shorter runs). Measured with
+benchmarks/bench_service_load.py (docs/scaling.md)."""
 DEMAND_POLL_S = 60.0
 """A process's long poll for demand (node.py ``NodeReader.demand``) returns at least this often."""
 
@@ -126,11 +143,14 @@ def stop_background(timeout_s: float = 5.0) -> None:
         _LISTENERS.clear()
     for listener in listeners:
         listener.stopped.set()
-    for handle in list(_HANDLES):
+    handles = list(_HANDLES)
+    for handle in handles:
         handle.quiesce()
     for listener in listeners:
         if listener.thread is not threading.current_thread():
             listener.thread.join(timeout_s)
+    for handle in handles:
+        handle.join_background(timeout_s)
 
 
 _EXIT_HOOKED = threading.Event()
@@ -151,6 +171,10 @@ def _listen(reader: Any, client: "ProcessReads") -> None:
         listener.thread.start()
 
 
+class _ReadAheadStopped(Exception):
+    """A read-ahead gave up its wait: this process's background calls are stopping (``stop_background``)."""
+
+
 @dataclass
 class _Request:
     """One read call to the node reader in flight; threads of this process needing ``step`` wait for it."""
@@ -162,6 +186,9 @@ class _Request:
     error: BaseException | None = None
     waiting: set = field(default_factory=set)
     """(consumer, rank, world) of the tracked reads waiting for it: they are kept alive while it waits."""
+    ahead: bool = False
+    """A read-ahead (``ProcessReads._read_ahead``): no rank asked for it yet, so its failure is nobody's error;
+    a rank that joined it asks again itself."""
 
 
 class ProcessReads:
@@ -184,6 +211,9 @@ class ProcessReads:
         self._timer: threading.Timer | None = None
         self._sent = 0.0  # when moves last left with a call
         self._listening: Any = None  # the reader this path listens to for demand (one long poll per process)
+        self.ahead_steps = max(1, config.window // READ_AHEAD_PER_WINDOW)
+        self._ahead_threads: set[threading.Thread] = set()
+        self._stopping = threading.Event()  # set by quiesce(): no new read-ahead, those in flight give up
         _HANDLES.add(self)
 
     # ------------------------------------------------------------------ the node reader
@@ -211,6 +241,11 @@ class ProcessReads:
             self._cache.clear()
 
     # ------------------------------------------------------------------ reads
+    def cached_steps(self) -> list[int]:
+        """The steps this process holds refs of (any lanes)."""
+        with self._lock:
+            return self._cache.steps()
+
     def held(self, consumer: str, step: int, rank: int, world: int, lo: int, hi: int, track: bool,
              timeout_s: float | None) -> HeldStep:
         """This process's refs of ``step`` covering lanes ``[lo, hi)``: from its cache, from a call in flight of
@@ -225,9 +260,11 @@ class ProcessReads:
             with self._lock:
                 held = self._cache.get(step, lo, hi)
                 if held is not None:
+                    if track:
+                        self._read_ahead(step, consumer, lo, hi, timeout_s)
                     return held
                 self._lo, self._hi = min(self._lo, lo), max(self._hi, hi)
-                request = next((q for q in self._requests if q.step == step and q.lo <= lo and hi <= q.hi), None)
+                request = self._in_flight(step, lo, hi)
                 owner = request is None
                 if owner:
                     request = _Request(step, self._lo, self._hi, threading.Event())
@@ -237,23 +274,61 @@ class ProcessReads:
                     request.waiting.add(key)
             if not owner:
                 request.done.wait()
-                if request.error is not None:
+                if request.error is not None and not request.ahead:
                     raise request.error
                 continue
-            try:
-                reader = self.reader()
-                ref = reader.read.remote(step, consumer, (request.lo, request.hi), track, timeout_s, moves)
-                reply = self._wait(ref, request)
-                with self._lock:
-                    self._cache.file(reply.steps, reply.keep_from)
-            except BaseException as exc:
-                request.error = exc
-                self._requeue(moves)  # harmless if they arrived: cursor moves are monotonic
+            self._call(request, consumer, track, timeout_s, moves)
+
+    def _in_flight(self, step: int, lo: int, hi: int) -> _Request | None:
+        """(lock held) The read call in flight that will bring ``step``'s lanes ``[lo, hi)``, if any."""
+        return next((q for q in self._requests if q.step == step and q.lo <= lo and hi <= q.hi), None)
+
+    def _call(self, request: _Request, consumer: str, track: bool, timeout_s: float | None,
+              moves: list[CursorMove]) -> None:
+        """One read call to the node reader for ``request``, its reply filed in the cache; the threads waiting for
+        it are woken either way. A read-ahead's failure is only logged (a rank that joined it asks again)."""
+        try:
+            reader = self.reader()
+            ref = reader.read.remote(request.step, consumer, (request.lo, request.hi), track, timeout_s, moves)
+            reply = self._wait(ref, request)
+            with self._lock:
+                self._cache.file(reply.steps, reply.keep_from)
+        except BaseException as exc:
+            request.error = exc
+            self._requeue(moves)  # harmless if they arrived: cursor moves are monotonic
+            if not request.ahead:
                 raise
-            finally:
-                with self._lock:
-                    self._requests.remove(request)
-                request.done.set()
+            log.debug("read-ahead of step %d ended: %s", request.step, describe(exc))
+        finally:
+            with self._lock:
+                self._requests.remove(request)
+            request.done.set()
+
+    def _read_ahead(self, step: int, consumer: str, lo: int, hi: int, timeout_s: float | None) -> None:
+        """(lock held) A tracked read of ``step`` hit the cache: when fewer than ``ahead_steps`` steps after it are
+        held, ask the node reader for the next ones now, in the background, with this process's cursor moves.
+        Why: the moves reach the coordinator while the ranks still have steps in hand, so the producers move the
+        window on before the ranks run out (without it a process's moves travel only with the call it makes once
+        its run is used up, and every rank waits there for the report and the next step's production:
+        benchmarks/bench_service_load.py, docs/scaling.md). It is the call the process would make a few steps
+        later anyway, and waits like a tracked read (producers will get there: the cursor is a few steps behind)."""
+        first = next((s for s in range(step + 1, step + 1 + self.ahead_steps) if self._cache.get(s, lo, hi) is None),
+                     None)
+        if first is None or self._stopping.is_set() or self._in_flight(first, lo, hi) is not None:
+            return
+        request = _Request(first, self._lo, self._hi, threading.Event(), ahead=True)
+        self._requests.append(request)
+        thread = threading.Thread(target=self._ahead, args=(request, consumer, timeout_s, self._take_pending()),
+                                  name="zephon-ray-read-ahead", daemon=True)
+        self._ahead_threads.add(thread)
+        thread.start()
+
+    def _ahead(self, request: _Request, consumer: str, timeout_s: float | None, moves: list[CursorMove]) -> None:
+        try:
+            self._call(request, consumer, True, timeout_s, moves)
+        finally:
+            with self._lock:
+                self._ahead_threads.discard(threading.current_thread())
 
     def _wait(self, ref: Any, request: _Request) -> Reply:
         """The reply of a read call. While it waits, this process's new cursor moves go to the node reader (the
@@ -262,6 +337,8 @@ class ProcessReads:
         keepalive = max(0.25, min(self.config.consumer_ttl_s / 4, 10.0))
         next_keepalive = time.monotonic() + keepalive
         while True:
+            if request.ahead and (self._stopping.is_set() or not ray.is_initialized()):
+                raise _ReadAheadStopped(f"read-ahead of step {request.step} stopped")  # see stop_background
             ready, _ = ray.wait([ref], timeout=WAIT_POLL_S, fetch_local=False)
             if ready:
                 return call(ref, self._where)
@@ -360,12 +437,21 @@ class ProcessReads:
             if consumer is not None:
                 for key in [k for k in self._pending if k[0] == consumer]:
                     del self._pending[key]
+            else:
+                self._stopping.set()
             timer = None
             if consumer is None or not self._pending:
                 timer, self._timer = self._timer, None
                 self._pending.clear()
         if timer is not None:
             timer.cancel()
+
+    def join_background(self, timeout_s: float) -> None:
+        """Wait for the read-aheads in flight to give up (after ``quiesce()``): within ``WAIT_POLL_S`` each."""
+        with self._lock:
+            threads = [t for t in self._ahead_threads if t is not threading.current_thread()]
+        for thread in threads:
+            thread.join(timeout_s)
 
     def release(self, consumer: str) -> None:
         with self._lock:
