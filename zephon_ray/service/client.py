@@ -230,7 +230,7 @@ class DataService:
         """Stop the service: producers, replayers, node readers and coordinator. ``state_dir`` stays."""
         from zephon_ray.service.launch import stop
 
-        self._reads.quiesce()  # no cursor move may be sent to a node reader being killed
+        self._reads.quiesce(stopping=True)  # nothing of ours may still call a node reader being killed
         stop(self._coordinator, self.name, self.namespace)
 
     def __enter__(self) -> "DataService":

@@ -85,7 +85,7 @@ class DirectReads:
     def flush(self) -> None:
         return None
 
-    def quiesce(self) -> None:
+    def quiesce(self, stopping: bool = False) -> None:
         return None
 
     def release(self, consumer: str) -> None:

@@ -171,6 +171,17 @@ def _listen(reader: Any, client: "ProcessReads") -> None:
         listener.thread.start()
 
 
+def _cancel(ref: Any, timeout_s: float = 2.0) -> None:
+    """Cancel a read call that nobody waits for any more, and wait (briefly) until the node reader let it go: a call
+    still pending when its actor is killed makes Ray print a task failure on the driver's stdout (seen as a line too
+    many in tests/test_service_cli.py's digests)."""
+    try:
+        ray.cancel(ref)
+        ray.wait([ref], timeout=timeout_s, fetch_local=False)
+    except Exception as exc:  # noqa: BLE001 - the reader is gone already: nothing is pending there
+        log.debug("ignored (%s): %r", "the reader is gone already", exc)
+
+
 class _ReadAheadStopped(Exception):
     """A read-ahead gave up its wait: this process's background calls are stopping (``stop_background``)."""
 
@@ -186,9 +197,11 @@ class _Request:
     error: BaseException | None = None
     waiting: set = field(default_factory=set)
     """(consumer, rank, world) of the tracked reads waiting for it: they are kept alive while it waits."""
-    ahead: bool = False
-    """A read-ahead (``ProcessReads._read_ahead``): no rank asked for it yet, so its failure is nobody's error;
-    a rank that joined it asks again itself."""
+    ahead: str | None = None
+    """The consumer of a read-ahead (``ProcessReads._read_ahead``): no rank asked for it yet, so its failure is
+    nobody's error; a rank that joined it asks again itself. None for a rank's own call."""
+    stopped: bool = False
+    """A read-ahead whose consumer was released or whose service is stopping: it gives up its wait."""
 
 
 class ProcessReads:
@@ -213,7 +226,7 @@ class ProcessReads:
         self._listening: Any = None  # the reader this path listens to for demand (one long poll per process)
         self.ahead_steps = max(1, config.window // READ_AHEAD_PER_WINDOW)
         self._ahead_threads: set[threading.Thread] = set()
-        self._stopping = threading.Event()  # set by quiesce(): no new read-ahead, those in flight give up
+        self._stopping = threading.Event()  # set by quiesce() of every consumer: no new read-ahead
         _HANDLES.add(self)
 
     # ------------------------------------------------------------------ the node reader
@@ -274,7 +287,7 @@ class ProcessReads:
                     request.waiting.add(key)
             if not owner:
                 request.done.wait()
-                if request.error is not None and not request.ahead:
+                if request.error is not None and request.ahead is None:
                     raise request.error
                 continue
             self._call(request, consumer, track, timeout_s, moves)
@@ -286,18 +299,25 @@ class ProcessReads:
     def _call(self, request: _Request, consumer: str, track: bool, timeout_s: float | None,
               moves: list[CursorMove]) -> None:
         """One read call to the node reader for ``request``, its reply filed in the cache; the threads waiting for
-        it are woken either way. A read-ahead's failure is only logged (a rank that joined it asks again)."""
+        it are woken either way. A read-ahead's failure is only logged (a rank that joined it asks again); one
+        that gives up is cancelled at the node reader, and is never retried on a restarted one (no rank waits
+        for it)."""
+        ref = None
         try:
-            reader = self.reader()
-            ref = reader.read.remote(request.step, consumer, (request.lo, request.hi), track, timeout_s, moves)
+            read = self.reader().read
+            if request.ahead is not None:
+                read = read.options(max_task_retries=0)
+            ref = read.remote(request.step, consumer, (request.lo, request.hi), track, timeout_s, moves)
             reply = self._wait(ref, request)
             with self._lock:
                 self._cache.file(reply.steps, reply.keep_from)
         except BaseException as exc:
             request.error = exc
             self._requeue(moves)  # harmless if they arrived: cursor moves are monotonic
-            if not request.ahead:
+            if request.ahead is None:
                 raise
+            if isinstance(exc, _ReadAheadStopped) and ref is not None and ray.is_initialized():
+                _cancel(ref)
             log.debug("read-ahead of step %d ended: %s", request.step, describe(exc))
         finally:
             with self._lock:
@@ -316,7 +336,7 @@ class ProcessReads:
                      None)
         if first is None or self._stopping.is_set() or self._in_flight(first, lo, hi) is not None:
             return
-        request = _Request(first, self._lo, self._hi, threading.Event(), ahead=True)
+        request = _Request(first, self._lo, self._hi, threading.Event(), ahead=consumer)
         self._requests.append(request)
         thread = threading.Thread(target=self._ahead, args=(request, consumer, timeout_s, self._take_pending()),
                                   name="zephon-ray-read-ahead", daemon=True)
@@ -337,7 +357,7 @@ class ProcessReads:
         keepalive = max(0.25, min(self.config.consumer_ttl_s / 4, 10.0))
         next_keepalive = time.monotonic() + keepalive
         while True:
-            if request.ahead and (self._stopping.is_set() or not ray.is_initialized()):
+            if request.ahead is not None and (request.stopped or not ray.is_initialized()):
                 raise _ReadAheadStopped(f"read-ahead of step {request.step} stopped")  # see stop_background
             ready, _ = ray.wait([ref], timeout=WAIT_POLL_S, fetch_local=False)
             if ready:
@@ -439,6 +459,9 @@ class ProcessReads:
                     del self._pending[key]
             else:
                 self._stopping.set()
+            for request in self._requests:
+                if request.ahead is not None and consumer in (None, request.ahead):
+                    request.stopped = True
             timer = None
             if consumer is None or not self._pending:
                 timer, self._timer = self._timer, None
@@ -447,7 +470,8 @@ class ProcessReads:
             timer.cancel()
 
     def join_background(self, timeout_s: float) -> None:
-        """Wait for the read-aheads in flight to give up (after ``quiesce()``): within ``WAIT_POLL_S`` each."""
+        """Wait for the read-aheads in flight to give up (after ``quiesce()``): within ``WAIT_POLL_S`` each, plus
+        their cancellation."""
         with self._lock:
             threads = [t for t in self._ahead_threads if t is not threading.current_thread()]
         for thread in threads:
@@ -520,9 +544,14 @@ class NodeReads:
     def invalidate(self, step: int, generation: int) -> None:
         self._path.invalidate(step, generation)
 
-    def quiesce(self) -> None:
-        """Drop this handle's consumer's unsent moves (it is released, or the service is stopping)."""
-        self._path.quiesce(self._owner.consumer)
+    def quiesce(self, stopping: bool = False) -> None:
+        """Drop this handle's consumer's unsent moves and stop its read-aheads (it is released); ``stopping``: the
+        service is stopping, so every handle's in this process, waiting until they let go of the node reader."""
+        if stopping:
+            self._path.quiesce()
+            self._path.join_background(5.0)
+        else:
+            self._path.quiesce(self._owner.consumer)
 
     def release(self, consumer: str) -> None:
         self._path.release(consumer)
