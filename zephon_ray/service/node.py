@@ -125,7 +125,7 @@ class NodeReader:
         ``run_steps``), with the refs of lanes ``[lo, hi)`` (the union of the process's ranks' lanes; all lanes
         for None). ``moves`` are the process's cursor moves ``(consumer, rank, world, step, idle_s)`` since its
         last call, applied first; ``track``: the caller's cursor is at ``step`` (it may wait for it to be
-        produced)."""
+        produced), or a step behind it (a process's read-ahead, node_reads.py)."""
         self._start()
         check_consumer(consumer)
         if moves:

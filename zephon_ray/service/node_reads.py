@@ -338,14 +338,14 @@ class ProcessReads:
             return
         request = _Request(first, self._lo, self._hi, threading.Event(), ahead=consumer)
         self._requests.append(request)
-        thread = threading.Thread(target=self._ahead, args=(request, consumer, timeout_s, self._take_pending()),
+        thread = threading.Thread(target=self._ahead, args=(request, timeout_s, self._take_pending()),
                                   name="zephon-ray-read-ahead", daemon=True)
         self._ahead_threads.add(thread)
         thread.start()
 
-    def _ahead(self, request: _Request, consumer: str, timeout_s: float | None, moves: list[CursorMove]) -> None:
+    def _ahead(self, request: _Request, timeout_s: float | None, moves: list[CursorMove]) -> None:
         try:
-            self._call(request, consumer, True, timeout_s, moves)
+            self._call(request, request.ahead, True, timeout_s, moves)
         finally:
             with self._lock:
                 self._ahead_threads.discard(threading.current_thread())
