@@ -125,7 +125,7 @@ def reader_pids() -> list[int]:
 
 
 def _reader_calls(infos: list[dict]) -> dict[str, int]:
-    keys = ("reads", "advances", "leases", "reports")
+    keys = ("reads", "hits", "advances", "leases", "reports")
     return {k: sum(i.get(k, 0) for i in infos) for k in keys}
 
 
