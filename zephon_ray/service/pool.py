@@ -81,10 +81,10 @@ def get_off_loop(refs: Any, timeout: float | None = None) -> Any:
                            "serves")
     many = isinstance(refs, list)
     futures = [r.future() for r in (refs if many else [refs])]
-    try:
-        values = [f.result(timeout) for f in futures]
-    except concurrent.futures.TimeoutError:
-        raise GetTimeoutError(f"no reply within {timeout} s") from None
+    _, late = concurrent.futures.wait(futures, timeout=timeout)  # one deadline for all, as ray.get has
+    if late:
+        raise GetTimeoutError(f"no reply within {timeout} s")
+    values = [f.result() for f in futures]
     return values if many else values[0]
 
 
