@@ -39,6 +39,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _bindable(port: int) -> bool:
+    """Whether a server could listen on ``port`` now (with SO_REUSEADDR, as werkzeug's does)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
 class S3Server:
     """One moto server on a fixed loopback port: ``start``/``stop``/``restart`` keep its buckets (moto's state
     lives in this process), which is how the tests stop the endpoint mid-run and bring it back."""
@@ -47,7 +58,6 @@ class S3Server:
         from tests.fault_proxy import FaultProxy
 
         self.port = port
-        self.direct_endpoint = f"http://127.0.0.1:{port}"
         self.faults = FaultProxy(port, proxy_port)
         self.endpoint = self.faults.endpoint
         self._server = None
@@ -57,10 +67,22 @@ class S3Server:
     def running(self) -> bool:
         return self._server is not None
 
+    @property
+    def direct_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
     def start(self) -> "S3Server":
         with self._lock:
             if self._server is None:
                 from moto.server import ThreadedMotoServer
+
+                if not _bindable(self.port):
+                    # Reserved when the module was collected, minutes ago: another process (a Ray worker, an
+                    # emulator) may hold it now, and moto's start would then wait forever (its server thread exits
+                    # without signalling). Only the fault proxy and this process's own client use this port
+                    # (Ray's workers reach the proxy), so moto moves.
+                    self.port = self.faults.upstream_port = _free_port()
+                    os.environ[PORT_ENV] = str(self.port)
 
                 logging.getLogger("werkzeug").setLevel(logging.ERROR)
                 self._server = ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
