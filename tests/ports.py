@@ -1,0 +1,54 @@
+"""Loopback ports for the tests' storage servers: reserved when a test module is collected, held until the server
+takes them, and out of the range where Ray and everything else pick ports.
+
+Why: the endpoints must be in the environment before any test starts Ray (its workers inherit them), but the servers
+start minutes later, and the S3 fault tests take the proxy down for seconds at a time. A port found by binding port
+0 comes from the kernel's ephemeral range, where every Ray node picks its own ports too: in a CI run a Ray metrics
+agent took the S3 proxy's port in that gap, and every S3 test then got HTTP 405 from a Prometheus page.
+
+So a :class:`Reserved` port lies between Ray's worker ports (10002-19999 by default) and the kernel's ephemeral range
+(from /proc/sys/net/ipv4/ip_local_port_range), where nothing that asks the kernel for a free port can land, and a
+bound socket holds it (not listening: a connection is refused, as with no server) until :meth:`Reserved.release`.
+The holder binds without SO_REUSEADDR, so other pytest-xdist workers reserving at the same time pick other ports.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+ABOVE_RAY_WORKER_PORTS = 20000
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+class Reserved:
+    """One loopback port, held by a bound socket until :meth:`release` (idempotent)."""
+
+    def __init__(self) -> None:
+        self._holder: socket.socket | None = None
+        low, high = ABOVE_RAY_WORKER_PORTS, _ephemeral_low()
+        candidates = random.sample(range(low, high), min(200, high - low)) if high - low >= 1000 else []
+        for port in candidates + [0]:  # 0: an unusual port range; the kernel's choice is better than none
+            sock = socket.socket()
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                sock.close()
+                continue
+            self._holder, self.port = sock, sock.getsockname()[1]
+            return
+        raise OSError("no free loopback port to reserve")
+
+    def release(self) -> int:
+        """Let go of the port (its server binds it next) and return it."""
+        if self._holder is not None:
+            self._holder.close()
+            self._holder = None
+        return self.port
