@@ -19,6 +19,7 @@ import socket
 from pathlib import Path
 
 ABOVE_RAY_WORKER_PORTS = 20000
+WELL_KNOWN = {29400, 29500}  # torchrun's rendezvous and torch.distributed's MASTER_PORT defaults
 
 
 def _ephemeral_low() -> int:
@@ -35,6 +36,7 @@ class Reserved:
         self._holder: socket.socket | None = None
         low, high = ABOVE_RAY_WORKER_PORTS, _ephemeral_low()
         candidates = random.sample(range(low, high), min(200, high - low)) if high - low >= 1000 else []
+        candidates = [p for p in candidates if p not in WELL_KNOWN]
         for port in candidates + [0]:  # 0: an unusual port range; the kernel's choice is better than none
             sock = socket.socket()
             try:
