@@ -1,6 +1,7 @@
 """The data service at scale, measured on a private local Ray (issues 8 and 16). Every row read is checked.
 
-    python benchmarks/bench_service_load.py [--parts load,calls,pending,pump,idle,cpu,resume,kill,long] [--ranks 256]
+    python benchmarks/bench_service_load.py [--parts load,calls,pending,pump,idle,replies,cpu,resume,kill,long]
+                                            [--ranks 256]
                                             [--steps 10] [--rounds 2]
 
 Two read paths, side by side in one run, in rounds whose order flips every round (the same work on both sides):
@@ -23,6 +24,9 @@ its leases and cursor reports only). Parts (each prints a line; one JSON line ``
   M = 1, 2, 4, 8 producers, with nobody reading but one cursor hopping a window at a time.
 - ``idle``: idle CPU (per second, by kind of thread) of the coordinator (full window, nobody reading), the node
   reader, a producer and two bare Ray actors (async, threaded: Ray's own floor), over the same ``--idle-seconds``.
+- ``replies``: Ray's own cost to a caller of one produce-like call (no service: a driver and one actor), its
+  reply carrying the ref of a ``ray.put`` container as the producers' replies do (the caller borrows it) vs the
+  same container's id as bytes (no ref travels): what a ref in a reply costs the pump per producer and step.
 - ``cpu``: service CPU-seconds per million tokens (coordinator + producers + replayer) at M=1, 2, 4 (order flipped
   every round), and tokens/s; coordinator CPU per step.
 - ``resume``: warm time to first batch for a restarted W=4 job (same consumer, resumes at its commit): retained
@@ -570,6 +574,49 @@ def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str, profile: str 
         svc.stop()
 
 
+def run_replies(calls: int = 1500, rounds: int = 2) -> dict:
+    """See the module docstring (``replies``). The caller's process CPU per call, read as the pump reads replies
+    (``ObjectRef.future()``), the last 16 replies held; the two kinds alternate, order flipped every round."""
+    import concurrent.futures
+
+    import psutil
+    import ray
+
+    @ray.remote(num_cpus=0.01)
+    class Replier:
+        def __init__(self) -> None:
+            self.keep: list = []
+
+        def with_ref(self, step: int) -> dict:
+            return {"step": step, "nbytes": 100, "container": ray.put([ray.put(b"x" * 100)])}
+
+        def with_id(self, step: int) -> dict:
+            ref = ray.put([ray.put(b"x" * 100)])
+            self.keep = (self.keep + [ref])[-32:]  # alive as long as the caller holds replies
+            return {"step": step, "nbytes": 100, "container": ref.binary()}
+
+    actor = Replier.remote()
+    ray.get(actor.with_ref.remote(0))
+    me = psutil.Process()
+    runs: dict[str, list[float]] = {"with_ref": [], "with_id": []}
+    for r in range(rounds):
+        for kind in (("with_ref", "with_id") if r % 2 == 0 else ("with_id", "with_ref")):
+            method, held = getattr(actor, kind).options(enable_task_events=False), []
+            time.sleep(0.3)
+            t = me.cpu_times()
+            c0 = t.user + t.system
+            for step in range(calls):
+                future = method.remote(step).future()
+                concurrent.futures.wait([future])
+                held = (held + [future.result()])[-16:]
+            t = me.cpu_times()
+            runs[kind].append((t.user + t.system - c0) / calls * 1e3)
+            print(f"replies round {r}: {kind} {runs[kind][-1]:.3f} caller CPU-ms per call", flush=True)
+    ray.kill(actor)
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    return {"caller_ms_per_call": med, "ref_in_reply_ms": med["with_ref"] - med["with_id"]}
+
+
 def _bare_actors():
     """Two actors with no code of ours (one async, one threaded), for Ray's own idle floor beside the service's."""
     import ray
@@ -860,6 +907,10 @@ def main() -> None:
             print("idle (median of rounds): " + "; ".join(
                 f"{k} {v['ms_per_s']:.1f} CPU-ms/s (" + ", ".join(f"{t} {v[t]:.1f}" for t in v if t != "ms_per_s") + ")"
                 for k, v in r.items()), flush=True)
+        if "replies" in parts:
+            r = result["replies"] = run_replies(rounds=args.rounds)
+            print(f"replies: a borrowed ref in the reply costs the caller {r['ref_in_reply_ms']:.3f} CPU-ms per call "
+                  f"({r['caller_ms_per_call']['with_ref']:.3f} vs {r['caller_ms_per_call']['with_id']:.3f})", flush=True)
         if "resume" in parts:
             r = result["resume"] = run_resume(recipe, digests, tmp, rounds=args.rounds)
             print(f"resume first batch: retained {r['retained']['first_batch_s']:.3f} s, replay path "

@@ -15,6 +15,7 @@ import pytest
 
 from tests import s3_server
 from tests.conftest import RECIPES, TINY
+from tests.ports import Reserved
 
 s3_server.configure_environment()  # at collection: before any test starts Ray, so Ray workers inherit it
 
@@ -167,6 +168,7 @@ def test_bad_remote_sources_are_one_line(s3, bucket, tmp_path, monkeypatch, what
 
     source = f"s3://{bucket}/recipes/data/tiny/code"
     needle = source
+    closed = Reserved()  # held for the whole test: refuses connections, and no server can take it meanwhile
     if what == "missing bucket":
         source = needle = f"s3://zr-absent-{bucket}/data"
         expect = "does not exist"
@@ -182,7 +184,7 @@ def test_bad_remote_sources_are_one_line(s3, bucket, tmp_path, monkeypatch, what
         expect = "access denied"
     else:
         monkeypatch.setenv("S3_ENDPOINT_URL", "")  # recorded, so restored after the test: Ray workers inherit it
-        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_closed_port()}")
+        monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed.port}")
         monkeypatch.setenv(files.RETRY_BUDGET_ENV, "2")  # a spent budget (default 600 s) is what is shown here
         files.clear_filesystem_cache()
         zephon_io.reset_storage()
@@ -195,15 +197,12 @@ def test_bad_remote_sources_are_one_line(s3, bucket, tmp_path, monkeypatch, what
         with pytest.raises(RecipeError) as info:
             Recipe.from_toml(recipe_path)
     finally:
+        closed.release()
         s3.require_auth(False)
         files.clear_filesystem_cache()
         zephon_io.reset_storage()
     _one_line(info.value, "key 'sources[1].path'", needle, expect)
     assert time.monotonic() - t0 < 180  # bounded (obstore's own retry inside each try, then the 2 s budget)
-
-
-def _closed_port() -> int:
-    return s3_server._free_port()
 
 
 # ------------------------------------------------------------------------------------------ faults on the read path
