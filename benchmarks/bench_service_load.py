@@ -1,8 +1,7 @@
 """The data service at scale, measured on a private local Ray (issues 8 and 16). Every row read is checked.
 
     python benchmarks/bench_service_load.py [--parts load,calls,pending,pump,idle,replies,cpu,resume,kill,long]
-                                            [--ranks 256]
-                                            [--steps 10] [--rounds 2]
+                                            [--ranks 256] [--steps 10] [--rounds 2]
 
 Two read paths, side by side in one run, in rounds whose order flips every round (the same work on both sides):
 ``direct`` is the path before leases (every rank's read of every step is one coordinator call) and ``node`` is the
