@@ -54,3 +54,16 @@ class Reserved:
             self._holder.close()
             self._holder = None
         return self.port
+
+
+def bindable(port: int, *, reuse: bool = True) -> bool:
+    """Whether a server could bind ``port`` on 127.0.0.1 now (``reuse``: with SO_REUSEADDR, as werkzeug's and
+    Python's HTTP servers bind)."""
+    with socket.socket() as sock:
+        if reuse:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True

@@ -24,7 +24,7 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from tests.ports import Reserved
+from tests.ports import Reserved, bindable
 
 _RECORDING = os.path.join(tempfile.gettempdir(), f"zr-moto-recording-{os.getpid()}.jsonl")
 os.environ.setdefault("MOTO_RECORDER_FILEPATH", _RECORDING)  # read by moto when it is imported
@@ -41,17 +41,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _bindable(port: int) -> bool:
-    """Whether a server could listen on ``port`` now (with SO_REUSEADDR, as werkzeug's does)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 class S3Server:
@@ -84,7 +73,7 @@ class S3Server:
             if self._server is None:
                 from moto.server import ThreadedMotoServer
 
-                if not _bindable(self.port):
+                if not bindable(self.port):
                     # Free between a stop() and this start (or, in a spawned driver, never held): if another
                     # process took it, moto's start would wait forever (its server thread exits without
                     # signalling). Only the fault proxy and this process's own client use this port (Ray's workers

@@ -13,18 +13,7 @@ import prometheus_client
 import pytest
 
 from tests.fault_proxy import FaultProxy
-from tests.ports import Reserved, _ephemeral_low
-
-
-def _bind(port: int, *, reuse: bool) -> bool:
-    with socket.socket() as sock:
-        if reuse:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
+from tests.ports import Reserved, _ephemeral_low, bindable
 
 
 def test_a_reserved_port_is_held_until_released_and_outside_the_kernels_free_port_range():
@@ -37,11 +26,11 @@ def test_a_reserved_port_is_held_until_released_and_outside_the_kernels_free_por
         any_free.bind(("127.0.0.1", 0))
         assert any_free.getsockname()[1] not in ports
     first = reserved[0]
-    assert not _bind(first.port, reuse=True) and not _bind(first.port, reuse=False)  # as HTTPServer binds
+    assert not bindable(first.port, reuse=True) and not bindable(first.port, reuse=False)  # as HTTPServer binds
     with pytest.raises(ConnectionRefusedError):  # held, not listening: like no server at all
         socket.create_connection(("127.0.0.1", first.port), timeout=2)
     assert first.release() == first.port and first.release() == first.port
-    assert _bind(first.port, reuse=True)
+    assert bindable(first.port, reuse=True)
     for r in reserved:
         r.release()
 
@@ -62,10 +51,10 @@ def test_a_fault_proxy_whose_port_another_server_holds_fails_to_start_in_one_lin
 def test_a_fault_proxy_takes_its_reserved_port_and_serves_on_it():
     upstream, held = Reserved(), Reserved()
     proxy = FaultProxy(upstream_port=upstream.release(), port=held.port, held=held)
-    assert not _bind(held.port, reuse=True)
+    assert not bindable(held.port, reuse=True)
     proxy.start()
     try:
         assert not proxy.refusing
-        assert not _bind(held.port, reuse=True)  # now the proxy's listener holds it
+        assert not bindable(held.port, reuse=True)  # now the proxy's listener holds it
     finally:
         proxy.stop()
