@@ -68,6 +68,30 @@ def _variant_toml(tmp_path: Path) -> Path:
     return out
 
 
+RAY_START_TIMEOUT = "The current node timed out during startup"
+"""Ray's own message when its raylet does not register within a fixed 30 s (ray/_private/node.py, not
+configurable): seen once, from a fresh clone on an overloaded afternoon (the suite took 913 s instead of 607-691)."""
+
+
+def _execute(nb) -> None:
+    """Run every cell (raises on any cell error). Only a notebook whose ``ray.init`` hit Ray's fixed start-up timeout
+    runs once more, in a fresh kernel: that is the machine's load, not the notebook; any other error fails."""
+    from nbclient.exceptions import CellExecutionError
+
+    for attempt in (1, 2):
+        for cell in nb.cells:
+            if cell.cell_type == "code":
+                cell.outputs = []
+        try:
+            NotebookClient(nb, timeout=600, kernel_name="python3",
+                           resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+            return
+        except CellExecutionError as exc:
+            if attempt == 2 or RAY_START_TIMEOUT not in str(exc):
+                raise
+            print("notebook: Ray did not start within its fixed 30 s; running the notebook once more")
+
+
 @pytest.mark.spawns
 @pytest.mark.timeout(900)
 def test_notebook_executes_and_computes_what_the_oracle_computes(tmp_path):
@@ -78,8 +102,7 @@ def test_notebook_executes_and_computes_what_the_oracle_computes(tmp_path):
             cell.outputs = []
     last_code = max(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
     nb.cells.insert(last_code, nbformat.v4.new_code_cell(PROBE))
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()  # raises on any cell error
+    _execute(nb)
     text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
     probe = json.loads(next(line for line in text.splitlines() if line.startswith(PROBE_MARK))[len(PROBE_MARK):])
 
