@@ -25,7 +25,9 @@ its leases and cursor reports only). Parts (each prints a line; one JSON line ``
   reader, a producer and two bare Ray actors (async, threaded: Ray's own floor), over the same ``--idle-seconds``.
 - ``replies``: Ray's own cost to a caller of one produce-like call (no service: a driver and one actor), its
   reply carrying the ref of a ``ray.put`` container as the producers' replies do (the caller borrows it) vs the
-  same container's id as bytes (no ref travels): what a ref in a reply costs the pump per producer and step.
+  same container's id as bytes (no ref travels): what a ref in a reply costs the pump per producer and step; and
+  the same replies as the items of one streaming-generator call (``num_returns="streaming"``), paced one item
+  ahead (``_generator_backpressure_num_objects=1``) as a pump that wants steps one at a time would consume them.
 - ``cpu``: service CPU-seconds per million tokens (coordinator + producers + replayer) at M=1, 2, 4 (order flipped
   every round), and tokens/s; coordinator CPU per step.
 - ``resume``: warm time to first batch for a restarted W=4 job (same consumer, resumes at its commit): retained
@@ -594,18 +596,32 @@ def run_replies(calls: int = 1500, rounds: int = 2) -> dict:
             self.keep = (self.keep + [ref])[-32:]  # alive as long as the caller holds replies
             return {"step": step, "nbytes": 100, "container": ref.binary()}
 
+        def streamed(self, calls: int):
+            for step in range(calls):
+                yield self.with_ref(step)
+
+    def stream_items(calls: int):
+        gen = actor.streamed.options(num_returns="streaming", enable_task_events=False,
+                                     _generator_backpressure_num_objects=1).remote(calls)
+        return (next(gen) for _ in range(calls))
+
     actor = Replier.remote()
     ray.get(actor.with_ref.remote(0))
     me = psutil.Process()
-    runs: dict[str, list[float]] = {"with_ref": [], "with_id": []}
+    runs: dict[str, list[float]] = {"with_ref": [], "with_id": [], "streamed": []}
     for r in range(rounds):
-        for kind in (("with_ref", "with_id") if r % 2 == 0 else ("with_id", "with_ref")):
-            method, held = getattr(actor, kind).options(enable_task_events=False), []
+        for kind in (("with_ref", "with_id", "streamed") if r % 2 == 0 else ("streamed", "with_id", "with_ref")):
+            held = []
             time.sleep(0.3)
             t = me.cpu_times()
             c0 = t.user + t.system
-            for step in range(calls):
-                future = method.remote(step).future()
+            if kind == "streamed":
+                refs = stream_items(calls)
+            else:
+                method = getattr(actor, kind).options(enable_task_events=False)
+                refs = (method.remote(step) for step in range(calls))
+            for ref in refs:
+                future = ref.future()
                 concurrent.futures.wait([future])
                 held = (held + [future.result()])[-16:]
             t = me.cpu_times()
@@ -613,7 +629,8 @@ def run_replies(calls: int = 1500, rounds: int = 2) -> dict:
             print(f"replies round {r}: {kind} {runs[kind][-1]:.3f} caller CPU-ms per call", flush=True)
     ray.kill(actor)
     med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"caller_ms_per_call": med, "ref_in_reply_ms": med["with_ref"] - med["with_id"]}
+    return {"caller_ms_per_call": med, "ref_in_reply_ms": med["with_ref"] - med["with_id"],
+            "streamed_saves_ms": med["with_ref"] - med["streamed"]}
 
 
 def _bare_actors():
@@ -909,7 +926,9 @@ def main() -> None:
         if "replies" in parts:
             r = result["replies"] = run_replies(rounds=args.rounds)
             print(f"replies: a borrowed ref in the reply costs the caller {r['ref_in_reply_ms']:.3f} CPU-ms per call "
-                  f"({r['caller_ms_per_call']['with_ref']:.3f} vs {r['caller_ms_per_call']['with_id']:.3f})", flush=True)
+                  f"({r['caller_ms_per_call']['with_ref']:.3f} vs {r['caller_ms_per_call']['with_id']:.3f}); as streamed "
+                  f"items {r['caller_ms_per_call']['streamed']:.3f} ({r['streamed_saves_ms']:.3f} less than a call)",
+                  flush=True)
         if "resume" in parts:
             r = result["resume"] = run_resume(recipe, digests, tmp, rounds=args.rounds)
             print(f"resume first batch: retained {r['retained']['first_batch_s']:.3f} s, replay path "
