@@ -58,7 +58,6 @@ def _drive(work: str, log: str, summary: str) -> None:
     from train_helpers import HoldForRestart, fit_bigram
 
     from zephon_ray.integrations.ray_train import ZephonDataset
-    from examples.torchtitan_ray_train import read_log
 
     temp_dir = tempfile.mkdtemp(prefix="zr-inplace-", dir="/tmp")
     # Cluster() records its address in <RAY_TMPDIR>/ray/ray_current_cluster: keep that in our own dir, not /tmp/ray.
