@@ -24,6 +24,12 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 # told otherwise.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+# A driver's first connection makes Ray prestart idle Python workers without the job's runtime_env. Every session Ray
+# here sets one (PYTHONPATH, below), so its actors and tasks start workers of their own and the prestarted ones only
+# import Ray and idle. Off: `benchmarks/suite_cpu.py` counted 17 `ray::IDLE` processes (19 CPU-s) in the suite
+# against 31 (31 CPU-s) (docs/benchmarks.md, "The test suite").
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 TINY = RECIPES / "tiny.toml"
