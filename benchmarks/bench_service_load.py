@@ -220,7 +220,7 @@ handle on the node path; ``per_rank``: one handle per rank (``--processes`` proc
 
 def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, side: str,
              tag: str, jobs: int = 2, processes: int = 8, profile: str | None = None,
-             status_every: float = 0.05) -> dict:
+             status_every: float = 0.05, window: int = 8) -> dict:
     import multiprocessing
 
     import ray
@@ -230,7 +230,7 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
     rows = recipe.global_batch_rows
     world = ranks if rows % ranks == 0 else next(w for w in range(min(ranks, rows), 0, -1) if rows % w == 0)
     read_path = "direct" if side == "direct" else "node"
-    svc = start(recipe, f"load-{ranks}-{side}-{tag}", tmp, window=8)
+    svc = start(recipe, f"load-{ranks}-{side}-{tag}", tmp, window=window)
     waits, later, bad, errors, status_lat = [], [], [], [], []
     stop = threading.Event()
 
@@ -842,6 +842,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=256)
     ap.add_argument("--small-ranks", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--window", type=int, default=8, help="load: the service's window (steps held ahead)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--step-time", type=float, default=0.5)
     ap.add_argument("--cpu-steps", type=int, default=60)
@@ -889,7 +890,7 @@ def main() -> None:
                     for side in order:
                         r = run_load(recipe, reference, tmp, ranks, args.steps, args.step_time, side, str(rnd),
                                      jobs=args.jobs, processes=args.processes, profile=args.profile,
-                                     status_every=args.status_every)
+                                     status_every=args.status_every, window=args.window)
                         runs[side].append(r)
                         print(f"load {args.jobs}x{ranks} ranks x {args.steps} steps, round {rnd}, {_load_line(r)}",
                               flush=True)
