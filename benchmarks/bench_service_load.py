@@ -135,10 +135,13 @@ def _reader_calls(infos: list[dict]) -> dict[str, int]:
 
 
 def thread_cpu(pid: int) -> dict[str, float]:
-    """CPU-seconds of one process by kind of thread, from ``/proc/PID/task/*`` (Linux): ``pump`` (the
+    """CPU-seconds of one process's living threads by kind, from ``/proc/PID/task/*`` (Linux): ``pump`` (the
     coordinator's pump thread), ``python`` (other threads Python started: the actor's event loops, executors; they
-    carry the process's name), ``core_worker`` (Ray's
-    C++ io threads: ``worker.io`` and the like) and ``grpc`` (gRPC's pollers and event engine)."""
+    carry the process's name), ``core_worker`` (Ray's C++ io threads: ``worker.io`` and the like) and ``grpc``
+    (gRPC's pollers and event engine). Read from ``schedstat`` (the scheduler's run time, in ns): a thread's
+    ``stat`` counts 10 ms ticks by sampling, which missed up to 2/3 of the coordinator's CPU per W = 256 round
+    (threads that run for microseconds at a time), where the process's own ``stat`` total, scaled from run time,
+    did not. Falls back to ``stat`` where the kernel has no schedstat."""
     out = {"python": 0.0, "pump": 0.0, "core_worker": 0.0, "grpc": 0.0}
     tick = os.sysconf("SC_CLK_TCK")
     try:
@@ -148,10 +151,13 @@ def thread_cpu(pid: int) -> dict[str, float]:
     for tid in tasks:
         try:
             comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            try:
+                cpu = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+            except (OSError, IndexError, ValueError):
+                fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+                cpu = (int(fields[11]) + int(fields[12])) / tick
         except OSError:
             continue
-        cpu = (int(fields[11]) + int(fields[12])) / tick
         if comm.startswith("zr-pump"):  # the coordinator's pump thread names itself
             out["pump"] += cpu
         elif comm.startswith(("ray::", "python", "default_worker")):
@@ -161,6 +167,16 @@ def thread_cpu(pid: int) -> dict[str, float]:
             out["grpc"] += cpu
         else:
             out["core_worker"] += cpu
+    return out
+
+
+def _tids(pids) -> set[str]:
+    out = set()
+    for pid in pids:
+        try:
+            out |= {f"{pid}/{t}" for t in os.listdir(f"/proc/{pid}/task")}
+        except OSError:
+            pass
     return out
 
 
@@ -292,6 +308,7 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
         ready.wait(timeout=900)
     split0 = thread_cpu(coordinator)
     rsplit0 = [thread_cpu(p) for p in readers]
+    tids0 = _tids([coordinator, *readers])
     cpu0, rcpu0 = cpu_seconds([coordinator]), cpu_seconds(readers)
     profilers = start_profilers(profile, f"{side}-{ranks}-{tag}", coordinator, readers) if profile else []
     probe = threading.Thread(target=prober, daemon=True)
@@ -314,15 +331,11 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
     coordinator_cpu = cpu_seconds([coordinator]) - cpu0
     reader_cpu = cpu_seconds(readers) - rcpu0
     split = _split_delta(split0, thread_cpu(coordinator), len(waits))
-    # the process's total less its threads' (/proc/PID/stat against /proc/PID/task/*/stat): up to 2/3 of it in some
-    # rounds, with no thread ending within them (a tid count before and after found none); the cause is not known,
-    # so the process total is the figure and this shows what the split misses
-    split["unattributed"] = max(0.0, coordinator_cpu / max(len(waits), 1) * 1e3 - sum(split.values()))
     rsplit = {}
     for before, pid in zip(rsplit0, readers):
         for k, v in _split_delta(before, thread_cpu(pid), len(waits)).items():
             rsplit[k] = rsplit.get(k, 0.0) + v
-    rsplit["unattributed"] = max(0.0, reader_cpu / max(len(waits), 1) * 1e3 - sum(rsplit.values()))
+    threads_gone = len(tids0 - _tids([coordinator, *readers]))  # their CPU is in the tick totals, not the splits
     profiles = stop_profilers(profilers)
     calls1 = _reader_calls(reader_infos())
     stop.set()
@@ -337,8 +350,11 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
     return {"side": side, "read_path": read_path, "jobs": jobs, "ranks": ranks, "world": world, "steps": steps,
             "processes": len(procs) if procs else 1, "step_time_s": step_time, "reads": len(waits),
             "wrong_rows": len(bad), "coordinator_cpu_s": round(coordinator_cpu, 3),
-            "coordinator_cpu_ms_per_rank_step": coordinator_cpu / n * 1e3,
-            "node_reader_cpu_ms_per_rank_step": reader_cpu / n * 1e3,
+            # the figures: the threads' run time (ns); the processes' 10 ms-tick totals beside them as a check
+            "coordinator_cpu_ms_per_rank_step": sum(split.values()),
+            "node_reader_cpu_ms_per_rank_step": sum(rsplit.values()),
+            "coordinator_ticks_ms_per_rank_step": coordinator_cpu / n * 1e3,
+            "node_reader_ticks_ms_per_rank_step": reader_cpu / n * 1e3, "threads_gone": threads_gone,
             "coordinator_threads_ms_per_rank_step": split, "node_reader_threads_ms_per_rank_step": rsplit,
             "coordinator_calls": {"leases": reads["leases"], "reports": reads["reports"],
                                   "cursor_moves": reads["cursor_moves"]},
@@ -552,7 +568,7 @@ def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str, profile: str 
         pid = svc.status()["coordinator"]["pid"]
         time.sleep(1.0)
         s0, t0 = thread_cpu(pid), time.perf_counter()
-        time.sleep(10.0)  # /proc counts CPU in 10 ms ticks: 10 s resolve 1 CPU-ms/s
+        time.sleep(10.0)  # an average over Ray's periodic work (metrics export every 2-10 s)
         s1, idle_wall = thread_cpu(pid), time.perf_counter() - t0
         idle = {k: (s1[k] - s0[k]) / idle_wall * 1e3 for k in s1}
         produced = 0
@@ -797,11 +813,12 @@ def _load_line(r: dict) -> str:
             f"status p50/p99 {r['status_ms']['p50']:.1f}/{r['status_ms']['p99']:.1f} ms, coordinator "
             f"{r['coordinator_cpu_ms_per_rank_step']:.3f} CPU-ms/rank-step (pump {c.get('pump', 0):.3f}, python "
             f"{c.get('python', 0):.3f}, core "
-            f"worker {c.get('core_worker', 0):.3f}, grpc {c.get('grpc', 0):.3f}, unattributed "
-            f"{c.get('unattributed', 0):.3f}), node readers {r['node_reader_cpu_ms_per_rank_step']:.3f} (python "
-            f"{n.get('python', 0):.3f}, core worker {n.get('core_worker', 0):.3f}, grpc {n.get('grpc', 0):.3f}, "
-            f"unattributed {n.get('unattributed', 0):.3f}), coordinator calls {r['coordinator_calls']}, "
-            f"node reader calls {r['node_reader_calls']}")
+            f"worker {c.get('core_worker', 0):.3f}, grpc {c.get('grpc', 0):.3f}; in 10 ms ticks "
+            f"{r['coordinator_ticks_ms_per_rank_step']:.3f}), node readers {r['node_reader_cpu_ms_per_rank_step']:.3f} "
+            f"(python {n.get('python', 0):.3f}, core worker {n.get('core_worker', 0):.3f}, grpc "
+            f"{n.get('grpc', 0):.3f}; in ticks {r['node_reader_ticks_ms_per_rank_step']:.3f}), threads gone "
+            f"{r['threads_gone']}, coordinator calls {r['coordinator_calls']}, node reader calls "
+            f"{r['node_reader_calls']}")
 
 
 def compare_load(runs: dict[str, list[dict]]) -> dict:
