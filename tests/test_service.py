@@ -123,9 +123,13 @@ def test_two_consumers_and_window_bound(ray_cluster, tiny_recipe, reference_dige
         assert cursors[(a.consumer, 0)] == 19 and cursors[("notebook", 0)] == 17
         assert w["low"] == 17 and status["replay"]["requests"] == 0  # B holds the window; nobody replayed
         assert replayer_actors("two") == [] and status["replayers"] == [None]  # so no replayer was started
-        # A third consumer debugging a past step: restore + at most K replay, live window untouched.
-        time.sleep(0.2)
-        held_before = a.status()["window"]["held_steps"]
+        # A third consumer debugging a past step: restore + at most K replay, live window untouched. The window is
+        # compared once it is full (steps low .. low + window - 1): a produce call still in flight when it was read
+        # (seen once under load, 0.2 s after the last read) would otherwise file its step in between.
+        deadline = time.monotonic() + 60
+        while (held_before := a.status()["window"]["held_steps"]) != list(range(17, 17 + window)):
+            assert time.monotonic() < deadline, f"the window never filled: {held_before}"
+            time.sleep(0.05)
         assert debugger.batch(2).digest == reference_digests[2]
         after = a.status()
         assert after["replay"]["last"] == {"step": 2, "replay_steps": 2 % 4}
