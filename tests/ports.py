@@ -1,5 +1,6 @@
-"""Loopback ports for the tests' storage servers: reserved when a test module is collected, held until the server
-takes them, and out of the range where Ray and everything else pick ports.
+"""Loopback ports for the tests' servers (storage emulators, `ray start`, torch's rendezvous): reserved when a test
+module is collected or a test needs them, held until the server takes them, and out of the range where Ray and
+everything else pick ports.
 
 Why: the endpoints must be in the environment before any test starts Ray (its workers inherit them), but the servers
 start minutes later, and the S3 fault tests take the proxy down for seconds at a time. A port found by binding port
@@ -54,6 +55,13 @@ class Reserved:
             self._holder.close()
             self._holder = None
         return self.port
+
+
+def free_ports(n: int = 1) -> list[int]:
+    """``n`` distinct ports nothing holds now, from the reserved range, for a server or ``ray start`` that takes them
+    at once (all held until every one is picked, so they differ)."""
+    reserved = [Reserved() for _ in range(n)]
+    return [r.release() for r in reserved]
 
 
 def bindable(port: int, *, reuse: bool = True) -> bool:

@@ -17,14 +17,13 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import tempfile
 import threading
 import urllib.request
 import uuid
 from pathlib import Path
 
-from tests.ports import Reserved, bindable
+from tests.ports import Reserved, bindable, free_ports
 
 _RECORDING = os.path.join(tempfile.gettempdir(), f"zr-moto-recording-{os.getpid()}.jsonl")
 os.environ.setdefault("MOTO_RECORDER_FILEPATH", _RECORDING)  # read by moto when it is imported
@@ -34,13 +33,6 @@ SECRET_KEY = "zr-test-secret"
 REGION = "us-east-1"
 PORT_ENV = "ZR_TEST_S3_PORT"
 PROXY_PORT_ENV = "ZR_TEST_S3_PROXY_PORT"
-
-
-def _free_port() -> int:
-    """A port nothing listens on now (for a test's own use at once, not for a server that starts later)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class S3Server:
@@ -78,7 +70,7 @@ class S3Server:
                     # process took it, moto's start would wait forever (its server thread exits without
                     # signalling). Only the fault proxy and this process's own client use this port (Ray's workers
                     # reach the proxy), so moto moves.
-                    self.port = self.faults.upstream_port = _free_port()
+                    self.port = self.faults.upstream_port = free_ports()[0]
                     os.environ[PORT_ENV] = str(self.port)
 
                 logging.getLogger("werkzeug").setLevel(logging.ERROR)

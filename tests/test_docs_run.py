@@ -185,10 +185,12 @@ def test_readme_ray_commands(tmp_path):
 def private_head(tmp_path):
     """The flags that make the doc's `ray start --head` a private cluster (its own --temp-dir, free ports), and
     its cleanup: the processes that name that temp dir, by PID (tests/test_service_job.py; never `ray stop`)."""
-    from test_service_job import _free_ports, _pids_with, _stop_cluster
+    from test_service_job import _pids_with, _stop_cluster
+
+    from tests.ports import free_ports
 
     temp_dir = tempfile.mkdtemp(prefix="zrdoc-", dir="/tmp")  # short: Ray's socket paths live under it
-    gcs, dash, client, nm, om, agent, agent_grpc, metrics, rt_env = _free_ports(9)
+    gcs, dash, client, nm, om, agent, agent_grpc, metrics, rt_env = free_ports(9)
     flags = (f"--temp-dir={temp_dir} --port={gcs} --dashboard-port={dash} --ray-client-server-port={client} "
              f"--node-manager-port={nm} --object-manager-port={om} --dashboard-agent-listen-port={agent} "
              f"--dashboard-agent-grpc-port={agent_grpc} --metrics-export-port={metrics} "

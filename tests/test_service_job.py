@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -20,25 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_ports
 from zephon_ray import GlobalBatchSource, compute_digest
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "recipes" / "tiny.toml"
 RAY = str(Path(sys.executable).with_name("ray"))
 pytestmark = [pytest.mark.spawns, pytest.mark.timeout(420)]
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _pids_with(marker: str) -> list[int]:
@@ -73,7 +60,7 @@ def _stop_cluster(temp_dir: str) -> list[int]:
 @pytest.fixture
 def head_cluster():
     temp_dir = tempfile.mkdtemp(prefix="zrjob-", dir="/tmp")  # short: Ray's socket paths live under it
-    gcs, dash, client, nm, om, agent, agent_grpc, metrics, rt_env = _free_ports(9)
+    gcs, dash, client, nm, om, agent, agent_grpc, metrics, rt_env = free_ports(9)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "token"  # Ray 2.60 enables token auth; CLI clients must send the token
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")

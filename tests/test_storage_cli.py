@@ -18,6 +18,7 @@ import pytest
 
 from tests import s3_server
 from tests.conftest import ROOT, TINY
+from tests.ports import free_ports
 
 s3_server.configure_environment()
 
@@ -68,7 +69,7 @@ def test_deployment_cloud_section_runs_as_written(tmp_path):
 
     s3 = s3_server.server()
     bucket = s3.new_bucket("zr-deploy")
-    port = s3_server._free_port()
+    port = free_ports()[0]
     node_env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_ENDPOINT", "S3_ENDPOINT", "AWS_REGION",
                                                                              "ZR_TEST_"))}
     node_env["PATH"] = f"{ROOT / '.venv' / 'bin'}{os.pathsep}{node_env.get('PATH', '')}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.ports import free_ports
 from zephon_ray import compute_digest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,12 +40,6 @@ def _build_dp2(cfg):
     return cfg.build(dp_world_size=2, dp_rank=0, seq_len=64, local_batch_size=2)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 # ---------------------------------------------------------------------- validation when the Config / loader is built
 def test_distributed_local_run_needs_run_id(distributed_env):
     with pytest.raises(ValueError, match=r"data-parallel degree 2\) needs 'run_id'"):
@@ -66,11 +60,11 @@ def test_distributed_local_run_needs_an_aggregation_point(distributed_env):
 
 def test_unreachable_torch_store_is_an_error(distributed_env):
     distributed_env.setenv("MASTER_ADDR", "127.0.0.1")
-    distributed_env.setenv("MASTER_PORT", str(_free_port()))
+    distributed_env.setenv("MASTER_PORT", str(free_ports()[0]))
     with pytest.raises(ValueError, match="no TCPStore is reachable at 127.0.0.1"):
         _build_dp2(_config(run_id="r", aggregate_store="torch://"))
     with pytest.raises(ValueError, match="no TCPStore is reachable"):
-        _build_dp2(_config(run_id="r", aggregate_store=f"torch://127.0.0.1:{_free_port()}"))
+        _build_dp2(_config(run_id="r", aggregate_store=f"torch://127.0.0.1:{free_ports()[0]}"))
 
 
 def test_reachable_torch_store_and_env_dir_override(distributed_env, tmp_path):
