@@ -139,9 +139,10 @@ def thread_cpu(pid: int) -> dict[str, float]:
     coordinator's pump thread), ``python`` (other threads Python started: the actor's event loops, executors; they
     carry the process's name), ``core_worker`` (Ray's C++ io threads: ``worker.io`` and the like) and ``grpc``
     (gRPC's pollers and event engine). Read from ``schedstat`` (the scheduler's run time, in ns): a thread's
-    ``stat`` counts 10 ms ticks by sampling, which missed up to 2/3 of the coordinator's CPU per W = 256 round
-    (threads that run for microseconds at a time), where the process's own ``stat`` total, scaled from run time,
-    did not. Falls back to ``stat`` where the kernel has no schedstat."""
+    ``stat`` is charged 10 ms ticks by sampling and under-counts threads that run for microseconds at a time, where
+    the process's own ``stat`` total, scaled from run time, does not (``bench_cpu_accounting.py``; before this read
+    schedstat, the split missed 0.015 of 0.023 ms per rank-step in one W = 256 round, docs/scaling.md). Falls back
+    to ``stat`` where the kernel has no schedstat."""
     out = {"python": 0.0, "pump": 0.0, "core_worker": 0.0, "grpc": 0.0}
     tick = os.sysconf("SC_CLK_TCK")
     try:
@@ -568,7 +569,7 @@ def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str, profile: str 
         pid = svc.status()["coordinator"]["pid"]
         time.sleep(1.0)
         s0, t0 = thread_cpu(pid), time.perf_counter()
-        time.sleep(10.0)  # an average over Ray's periodic work (metrics export every 2-10 s)
+        time.sleep(10.0)  # an average over Ray's periodic work (its metrics export: every 10 s by default)
         s1, idle_wall = thread_cpu(pid), time.perf_counter() - t0
         idle = {k: (s1[k] - s0[k]) / idle_wall * 1e3 for k in s1}
         produced = 0
