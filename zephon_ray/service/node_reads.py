@@ -259,6 +259,11 @@ class ProcessReads:
         with self._lock:
             return self._cache.steps()
 
+    def steps_in_flight(self) -> list[int]:
+        """The first steps of this process's read calls in flight (a rank's, or a read-ahead's)."""
+        with self._lock:
+            return sorted(request.step for request in self._requests)
+
     def held(self, consumer: str, step: int, rank: int, world: int, lo: int, hi: int, track: bool,
              timeout_s: float | None) -> HeldStep:
         """This process's refs of ``step`` covering lanes ``[lo, hi)``: from its cache, from a call in flight of
