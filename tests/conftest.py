@@ -71,6 +71,36 @@ def reference_digests():
     return golden_digests(TINY)
 
 
+RAY_START_TIMEOUT = "The current node timed out during startup"
+"""Ray's own message when its raylet does not register within a fixed 30 s (ray/_private/node.py, not
+configurable): seen once, from a fresh clone on an overloaded afternoon (the suite took 913 s instead of 607-691)."""
+
+
+def init_ray_retrying_start_timeout(**kwargs) -> None:
+    """``ray.init(**kwargs)``; once more if it hit Ray's fixed start-up timeout (:data:`RAY_START_TIMEOUT`), which is
+    the machine's load, not the code under test: a worker's session Ray failing to start would fail every test of
+    that worker. The processes the failed start left (GCS, raylet, reaper: children of this process started during
+    the attempt) are killed first. Any other error is raised."""
+    import psutil
+    import ray
+
+    me = psutil.Process()
+    before = {child.pid for child in me.children(recursive=True)}
+    try:
+        ray.init(**kwargs)
+        return
+    except Exception as exc:  # noqa: BLE001 - only Ray's start-up timeout is retried
+        if RAY_START_TIMEOUT not in str(exc):
+            raise
+    left = [child for child in me.children(recursive=True) if child.pid not in before]
+    for child in left:
+        child.kill()
+    psutil.wait_procs(left, timeout=30)
+    ray.shutdown()
+    print(f"Ray did not start within its fixed 30 s; killed {len(left)} process(es) it left and starting it again")
+    ray.init(**kwargs)
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A private Ray cluster for this test session; never attaches to a cluster someone else started.
@@ -81,7 +111,7 @@ def ray_cluster():
     import ray
 
     temp_dir = tempfile.mkdtemp(prefix="zr-ray-", dir="/tmp")
-    ray.init(
+    init_ray_retrying_start_timeout(
         address="local",
         num_cpus=8,
         include_dashboard=False,

@@ -24,7 +24,7 @@ import pytest
 from nbclient import NotebookClient
 
 import oracle
-from conftest import TINY
+from conftest import RAY_START_TIMEOUT, TINY
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "notebook.ipynb"
 PHASED = Path(__file__).resolve().parents[1] / "recipes" / "phased.toml"
@@ -66,11 +66,6 @@ def _variant_toml(tmp_path: Path) -> Path:
     out = tmp_path / "variant.toml"
     out.write_text(text)
     return out
-
-
-RAY_START_TIMEOUT = "The current node timed out during startup"
-"""Ray's own message when its raylet does not register within a fixed 30 s (ray/_private/node.py, not
-configurable): seen once, from a fresh clone on an overloaded afternoon (the suite took 913 s instead of 607-691)."""
 
 
 def _execute(nb) -> None:
