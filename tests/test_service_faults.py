@@ -189,8 +189,11 @@ def test_watchdog_replaces_a_hung_producer(ray_cluster, tiny_recipe, reference_d
     """SIGSTOP a producer: alive but stuck. The progress watchdog replaces the group; reads go on, rows right. With
     two producers the other one's calls keep finishing: a finished call of a step still waiting on the stuck one is
     not progress (it once was, and a pump that spun on it never replaced the group)."""
-    # no collective checkpoint in the way (it would hold the healthy producer's calls too)
-    svc = start_service(tiny_recipe, tmp_path, f"hung{producers}", window=3, progress_timeout_s=3.0,
+    # No collective checkpoint in the way (it would hold the healthy producer's calls too). 10 s: a replacement
+    # group's first call (its pipeline's start, then skipping from step 0) must not look hung on a loaded machine,
+    # where 3 s could make five replacements in a row (fatal: a review found it, no run has shown it); the stopped
+    # one is still found well within the reads' 60 s.
+    svc = start_service(tiny_recipe, tmp_path, f"hung{producers}", window=3, progress_timeout_s=10.0,
                         producers=producers, checkpoint_every=64)
     stopped = None
     try:
