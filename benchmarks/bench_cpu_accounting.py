@@ -15,21 +15,11 @@ import shutil
 import tempfile
 import time
 
-
-def _threads(pid: int, field: str) -> float:
-    total = 0.0
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        if field == "schedstat":
-            total += int(open(f"/proc/{pid}/task/{tid}/schedstat").read().split()[0]) / 1e9
-        else:
-            f = open(f"/proc/{pid}/task/{tid}/stat").read().rsplit(")", 1)[1].split()
-            total += (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
-    return total
+from bench_service_load import cpu_seconds, thread_seconds
 
 
-def _process(pid: int) -> float:
-    f = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
+def _threads(pid: int, source: str) -> float:
+    return sum(thread_seconds(pid, tid, source) for tid in os.listdir(f"/proc/{pid}/task"))
 
 
 def main() -> None:
@@ -49,7 +39,7 @@ def main() -> None:
         actor = Bare.remote()
         pid = ray.get(actor.pid.remote())
         time.sleep(3.0)  # start-up done
-        readers = {"process total": _process, "threads' stat ticks": lambda p: _threads(p, "stat"),
+        readers = {"process total": lambda p: cpu_seconds([p]), "threads' stat ticks": lambda p: _threads(p, "stat"),
                    "threads' schedstat": lambda p: _threads(p, "schedstat")}
         before, t0 = {k: f(pid) for k, f in readers.items()}, time.perf_counter()
         time.sleep(args.seconds)

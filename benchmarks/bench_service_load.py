@@ -134,6 +134,18 @@ def _reader_calls(infos: list[dict]) -> dict[str, int]:
     return {k: sum(i.get(k, 0) for i in infos) for k in keys}
 
 
+def thread_seconds(pid: int, tid: str, source: str = "schedstat") -> float:
+    """One thread's CPU-seconds: its ``schedstat`` run time (ns; its ``stat`` where the kernel has no schedstat), or
+    its ``stat`` (``source="stat"``: 10 ms ticks charged by sampling). OSError: the thread is gone."""
+    if source == "schedstat":
+        try:
+            return int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
+        except (OSError, IndexError, ValueError):
+            pass
+    fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
     """CPU-seconds of one process's living threads by kind, from ``/proc/PID/task/*`` (Linux): ``pump`` (the
     coordinator's pump thread), ``python`` (other threads Python started: the actor's event loops, executors; they
@@ -144,7 +156,6 @@ def thread_cpu(pid: int) -> dict[str, float]:
     schedstat, the split missed 0.015 of 0.023 ms per rank-step in one W = 256 round, docs/scaling.md). Falls back
     to ``stat`` where the kernel has no schedstat."""
     out = {"python": 0.0, "pump": 0.0, "core_worker": 0.0, "grpc": 0.0}
-    tick = os.sysconf("SC_CLK_TCK")
     try:
         tasks = os.listdir(f"/proc/{pid}/task")
     except OSError:
@@ -152,11 +163,7 @@ def thread_cpu(pid: int) -> dict[str, float]:
     for tid in tasks:
         try:
             comm = Path(f"/proc/{pid}/task/{tid}/comm").read_text().strip()
-            try:
-                cpu = int(Path(f"/proc/{pid}/task/{tid}/schedstat").read_text().split()[0]) / 1e9
-            except (OSError, IndexError, ValueError):
-                fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-                cpu = (int(fields[11]) + int(fields[12])) / tick
+            cpu = thread_seconds(pid, tid)
         except OSError:
             continue
         if comm.startswith("zr-pump"):  # the coordinator's pump thread names itself
