@@ -14,3 +14,13 @@ from __future__ import annotations
 
 class UserInputError(ValueError):
     """Input the user can fix; the message names the argument, path or value at fault."""
+
+
+def one_line(text: object, limit: int | None = None) -> str:
+    """``text`` with every run of whitespace (newlines included) as one space; longer than ``limit`` characters, it
+    is cut at a word boundary and ends with "…" (a message is never cut mid-word)."""
+    line = " ".join(str(text).split())
+    if limit is None or len(line) <= limit:
+        return line
+    cut = line.rfind(" ", 0, limit)
+    return line[:cut if cut > limit // 2 else limit - 1].rstrip() + " …"

@@ -69,6 +69,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, TypeVar
 
+from zephon_ray.errors import one_line
+
 log = logging.getLogger("zephon_ray.files")
 T = TypeVar("T")
 
@@ -429,7 +431,7 @@ def describe_error(exc: BaseException) -> str:
     cut = text.find(" (Request ID")
     if cut > 0:
         text = text[:cut]
-    return text[:300]
+    return one_line(text, 300)
 
 
 _PERMANENT = ("NO_SUCH_BUCKET", "NoSuchBucket", "ACCESS_DENIED", "AccessDenied", "INVALID_ACCESS_KEY_ID",
@@ -480,12 +482,34 @@ RETRY_STATS = {"retried_calls": 0, "retries": 0, "longest_wait_s": 0.0, "gave_up
 retries in all, the longest time one call spent waiting before it succeeded or gave up, calls that gave up."""
 
 
+_THREAD_BUDGET = threading.local()
+START_BUDGET_S = 20.0
+"""The retry budget of a start's first contact with its storage (:func:`first_contact`): an unresolvable endpoint,
+refused credentials or a missing bucket is one line within it, not an outage waited out for the full budget."""
+
+
 def retry_budget_s() -> float:
-    """Seconds a call keeps retrying transient faults: :func:`set_retry_budget`'s value, else
-    ``ZEPHON_RAY_STORAGE_RETRY_S``, else 600."""
+    """Seconds a call keeps retrying transient faults: this thread's :func:`first_contact` budget, else
+    :func:`set_retry_budget`'s value, else ``ZEPHON_RAY_STORAGE_RETRY_S``, else 600."""
+    local = getattr(_THREAD_BUDGET, "seconds", None)
+    if local is not None:
+        return local
     if _BUDGET_OVERRIDE:
         return _BUDGET_OVERRIDE[-1]
     return _env_number(RETRY_BUDGET_ENV, DEFAULT_RETRY_BUDGET_S, 0, MAX_RETRY_BUDGET_S)
+
+
+@contextlib.contextmanager
+def first_contact(seconds: float = START_BUDGET_S) -> Iterator[None]:
+    """Storage calls of this thread inside the block retry transient faults for at most ``seconds`` (never more
+    than the usual budget): for a start, whose storage has not answered yet, so that a misconfiguration is one
+    line at once. The long budget is for outages of storage that has answered before."""
+    old = getattr(_THREAD_BUDGET, "seconds", None)
+    _THREAD_BUDGET.seconds = min(seconds, retry_budget_s())
+    try:
+        yield
+    finally:
+        _THREAD_BUDGET.seconds = old
 
 
 def set_retry_budget(seconds: float | None) -> None:
@@ -542,7 +566,7 @@ def retry(fn: "Callable[[], T]", what: str, *, budget_s: float | None = None,
 
 
 def _with(what: str, exc: BaseException) -> str:
-    text = " ".join(str(exc).split())[:400] or type(exc).__name__
+    text = one_line(exc, 400) or type(exc).__name__
     return text if not what or what in text else f"{what}: {text}"
 
 

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zephon_ray.files import export_endpoint_for_zephon, is_uri
+from zephon_ray.errors import one_line
 
 SHARD_CACHE_ENV = "ZEPHON_RAY_SHARD_CACHE"
 
@@ -167,7 +168,7 @@ def _describe(exc: BaseException) -> str:
             return f"{code}: {msg}".strip(": ")
     if "Connect" in text or "connection" in text.lower():
         return "cannot connect to the endpoint (" + (os.environ.get("S3_ENDPOINT_URL") or "default AWS") + ")"
-    return text[:300]
+    return one_line(text, 300)
 
 
 def list_objects(uri: str) -> list[ObjectInfo]:

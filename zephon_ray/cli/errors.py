@@ -26,7 +26,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from zephon_ray.errors import UserInputError
+from zephon_ray.errors import UserInputError, one_line
 from zephon_ray.service.errors import ServiceError
 
 PROG = "zephon-ray"
@@ -47,20 +47,23 @@ Exception: other OSErrors on a path the user gave are turned into UserInputError
 (``corpus OUT_DIR``, ``show --plot FILE``); anything else keeps its traceback, the useful report of a bug."""
 
 
-def one_line(text: str) -> str:
-    """``text`` with every run of whitespace (newlines included) as one space."""
-    return " ".join(str(text).split())
+MAX_LINE = 1000
+"""The longest error line printed (cut at a word boundary)."""
 
 
 def error_line(exc: BaseException) -> str | None:
-    """The one line that reports ``exc`` to the user, or None when ``exc`` is not the user's to fix (a bug)."""
+    """The one line that reports ``exc`` to the user, or None when ``exc`` is not the user's to fix (a bug). A
+    service's error about storage (its actors could not use a bucket) carries the same hint as a worker's."""
+    if isinstance(exc, ServiceError):
+        line = one_line(exc, MAX_LINE) or type(exc).__name__
+        return (with_storage_hint(line) if "://" in line else None) or line
     if isinstance(exc, OWN_MESSAGE_ERRORS):
-        return one_line(str(exc)) or type(exc).__name__
+        return one_line(exc, MAX_LINE) or type(exc).__name__
     worker = worker_error(exc)
     if worker is not None:
         return worker
     if isinstance(exc, USER_ERRORS):
-        return one_line(str(exc)) or type(exc).__name__
+        return one_line(exc, MAX_LINE) or type(exc).__name__
     return None
 
 
@@ -127,8 +130,6 @@ def storage_failure(exc: BaseException) -> str | None:
     """One line for an error that came back from the cluster's workers because of storage (an object they could not
     reach or read), naming the object and the likely cause; None for anything else. Never a secret: the hint names
     only which credential variables stay in this shell (tests/test_storage_cli.py)."""
-    from zephon_ray import files
-
     texts = []
     for cause in causes(exc):
         lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]
@@ -137,7 +138,16 @@ def storage_failure(exc: BaseException) -> str | None:
     if not hits:
         return None
     line = min(hits, key=lambda t: (("://" not in t), len(t)))  # the shortest that names an object
-    line = one_line(strip_ray_prefix(line))[:500]
+    return with_storage_hint(one_line(strip_ray_prefix(line), 500))
+
+
+def with_storage_hint(line: str) -> str | None:
+    """``line`` (a failure of the cluster's workers) with the likely cause of a storage failure it names appended;
+    None when it names none."""
+    from zephon_ray import files
+
+    if not any(w in line for w in _STORAGE_WORDS):
+        return None
     lower = line.lower()
     if "access denied" in lower or "accessdenied" in lower or "invalidaccesskeyid" in lower or "403" in line \
             or "credential" in lower:

@@ -222,9 +222,9 @@ class ServiceState:
         recipe = check_state_dir(recipe, root)  # with the phases a running service accepted here
         state = cls(root, recipe, keep_checkpoints=keep_checkpoints, anchor_every=anchor_every)
         meta_path = root.join(SERVICE_FILE)
-        if not files.exists(meta_path):
-            files.write_json(meta_path, service_meta(recipe, []), compact=True)
         files.make_dirs(root.join(CHECKPOINT_DIR))
+        if not files.exists(meta_path):
+            files.write_json(meta_path, service_meta(recipe, []), compact=True)  # last: the commit point
         return state
 
     def add_phase(self, recipe: Any, name: str) -> list[int]:

@@ -68,7 +68,8 @@ from zephon_ray.batch import GlobalBatch, RankSlice, lane_span, slice_bounds
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, READ_PATHS, ActorResources, ServiceConfig
 from zephon_ray.service.direct_reads import DirectReads
-from zephon_ray.service.errors import ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError
+from zephon_ray.service.errors import (
+    ReadTimeoutError, ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError)
 from zephon_ray.service.node_reads import NodeReads
 from zephon_ray.service.protocol import check_reader
 from zephon_ray.service.reads import StepRefs, as_step, call, reader_key
@@ -77,6 +78,18 @@ from zephon_ray.source import pad_token_id
 log = logging.getLogger("zephon_ray")
 
 __all__ = ["DataService", "StepRefs", "default_consumer"]
+
+REPLY_GRACE_S = 5.0
+"""A read's own waits end this long after the deadline it gave the coordinator, whose answer (naming the window)
+comes first; the client's answer is for a coordinator or node reader that cannot answer at all."""
+CONTROL_TIMEOUT_S = 60.0
+"""The bound of ``status`` and ``release`` (they wait for nothing but the coordinator's reply)."""
+
+
+def _check_timeout(what: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{what}: timeout_s must be a number of seconds > 0, got {value!r}")
+    return float(value)
 
 
 def default_consumer() -> str:
@@ -99,8 +112,10 @@ def _ensure_ray(ray_init: bool | dict[str, Any] | None = None) -> None:
     elif isinstance(ray_init, dict):
         ray.init(**ray_init)
     else:
+        from zephon_ray.service.session import attach
+
         try:
-            ray.init(address=os.environ.get("RAY_ADDRESS") or "auto", log_to_driver=False)
+            attach(None, log_to_driver=False)
         except ConnectionError as exc:
             raise ServiceError(f"no Ray cluster to attach to ({exc}); start one (`ray start --head`), set "
                                "RAY_ADDRESS, or pass ray_init=True to start a private local Ray") from None
@@ -127,7 +142,7 @@ class DataService:
         self.consumer = consumer or default_consumer()
         self._started_here = False  # set by start(): only then does leaving a `with` block stop the service
         self._where = f"{name!r} (namespace {namespace!r})"
-        recipe, config = call(coordinator.recipe_and_config.remote(), self._where, timeout=120)
+        recipe, config = call(coordinator.recipe_and_config.remote(), self._where, timeout=120, what="the recipe")
         self.recipe: Recipe = recipe
         self.config: ServiceConfig = config
         self.read_path = config.read_path if read_path is None else read_path
@@ -252,18 +267,26 @@ class DataService:
         with self._lock:
             self._moves.clear()
         self._reads.release(self.consumer)
-        self._call(self._coordinator.release.remote(self.consumer))
+        self._call(self._coordinator.release.remote(self.consumer), CONTROL_TIMEOUT_S, f"release of {self.consumer!r}")
 
     # ------------------------------------------------------------------ reading
     def refs(self, step: int, *, rank: int | None = None, world: int | None = None, track: bool = False,
              timeout_s: float | None = None) -> StepRefs:
-        """Step ``step``'s lane shards as refs; blocks until produced or replayed. ``track=True`` moves this
+        """Step ``step``'s lane shards as refs; blocks until produced or replayed, at most ``timeout_s`` (default
+        ``request_timeout_s``; then a TimeoutError naming the step and the window). ``track=True`` moves this
         consumer's cursor (the trainer path); the default leaves it where it is (inspection, read-ahead). Fetching
         from the returned refs may raise :class:`ShardsLostError`; ``batch``/``slice`` retry that themselves."""
+        limit = self.config.request_timeout_s if timeout_s is None else _check_timeout("refs", timeout_s)
+        return self._refs(step, rank, world, track, time.monotonic() + limit)
+
+    def _refs(self, step: int, rank: int | None, world: int | None, track: bool, deadline: float) -> StepRefs:
+        """``refs`` by a deadline (``time.monotonic()``): the coordinator waits for the step until then at most,
+        and every wait on this side ends a little later (its answer, which names the window, comes first)."""
         step = as_step(step)
         r, w = check_reader(rank, world, self.recipe.global_batch_rows)
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, r, w)
-        got = self._reads.refs(step, r, w, span.first, span.stop, track, timeout_s)
+        wait_s = max(0.0, min(self.config.request_timeout_s, deadline - time.monotonic()))
+        got = self._reads.refs(step, r, w, span.first, span.stop, track, wait_s, deadline + REPLY_GRACE_S)
         if track:
             self._own_move(step, rank, world)
         return got
@@ -300,28 +323,36 @@ class DataService:
         with self._lock:
             return [(self.consumer, r, w, step, round(now - when, 3)) for (r, w), (step, when) in self._moves.items()]
 
-    def batch(self, step: int, *, track: bool = False) -> GlobalBatch:
+    def batch(self, step: int, *, track: bool = False, timeout_s: float | None = None) -> GlobalBatch:
         """Global batch ``step`` (all B rows, lane-major); ``.digest`` equals GlobalBatchSource's. Ad hoc by
-        default: moves no cursor unless ``track=True``."""
-        return self._read(step, None, None, track, lambda refs: refs.batch())
+        default: moves no cursor unless ``track=True``. Returns or raises within ``timeout_s`` (default
+        ``read_timeout_s``), retries included."""
+        return self._read(step, None, None, track, timeout_s, lambda refs, t: refs.batch(timeout_s=t))
 
-    def slice(self, step: int, rank: int, world: int, *, track: bool = True) -> RankSlice:
+    def slice(self, step: int, rank: int, world: int, *, track: bool = True,
+              timeout_s: float | None = None) -> RankSlice:
         """Rank ``rank`` of ``world``'s rows of step ``step``; only the lanes covering them are fetched. Moves
-        this consumer's cursor for (rank, world) unless ``track=False``."""
+        this consumer's cursor for (rank, world) unless ``track=False``. Returns or raises within ``timeout_s``
+        (default ``read_timeout_s``), retries included."""
         slice_bounds(self.recipe.global_batch_rows, rank, world)  # validate before any remote call
-        return self._read(step, rank, world, track, lambda refs: refs.slice(rank, world))
+        return self._read(step, rank, world, track, timeout_s, lambda refs, t: refs.slice(rank, world, timeout_s=t))
 
-    def _read(self, step: int, rank: int | None, world: int | None, track: bool, fetch: Any) -> Any:
+    def _read(self, step: int, rank: int | None, world: int | None, track: bool, timeout_s: float | None,
+              fetch: Any) -> Any:
         """One read with transparent retries: a restarting coordinator (calls re-sent by Ray, or a fresh handle),
         a lost node reader and lost shards (the step is made again) cost a delay of at most
-        ``reconnect_timeout_s``."""
-        deadline = time.monotonic() + self.config.reconnect_timeout_s
+        ``reconnect_timeout_s``. Every wait inside ends by the read's deadline (``read_timeout_s``, or
+        ``timeout_s``): past it, a :class:`ReadTimeoutError` names the step, what it waited for and how long."""
+        limit = self.config.read_timeout_s if timeout_s is None else _check_timeout("read", timeout_s)
+        t0 = time.monotonic()
+        deadline = t0 + limit
+        retry_until = min(deadline, t0 + self.config.reconnect_timeout_s)
         delay = 0.1
         while True:
             refs = None
             try:
-                refs = self.refs(step, rank=rank, world=world, track=track)
-                return fetch(refs)
+                refs = self._refs(step, rank, world, track, deadline)
+                return fetch(refs, max(1.0, deadline - time.monotonic()))
             except ShardsLostError as exc:
                 reason = str(exc)
                 self._reads.forget_prefetched()
@@ -332,9 +363,11 @@ class DataService:
                 self._reconnect_or_raise(exc)
             except ReplyTimeoutError as exc:
                 reason = str(exc)
-            if time.monotonic() + delay > deadline:
-                raise ServiceError(f"service {self._where}: step {step} still unreadable after "
-                                   f"reconnect_timeout_s={self.config.reconnect_timeout_s:.0f}s: {reason}")
+            now = time.monotonic()
+            if now + delay > retry_until:
+                budget = "read_timeout_s" if retry_until == deadline else "reconnect_timeout_s"
+                raise ReadTimeoutError(f"service {self._where}: step {step} not read within "
+                                       f"{budget}={retry_until - t0:.0f}s (waited {now - t0:.0f}s): {reason}")
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -362,18 +395,20 @@ class DataService:
         ``step``. A service restarted from the same ``state_dir`` starts its live window there. This client's
         cursor moves travel with it, so a commit right after a read is never refused as "ahead"."""
         step = as_step(step, "commit step")
-        return self._call(self._coordinator.commit.remote(step, self.consumer, self._own_moves()))
+        return self._call(self._coordinator.commit.remote(step, self.consumer, self._own_moves()),
+                          self.config.read_timeout_s, f"the commit of step {step}")
 
     def status(self) -> dict[str, Any]:
         """Producers (pids, lanes, generation), window (held steps and bytes vs. bound), cursors (this client's
         exact, others' as their node readers last reported them), reads (leases, node readers), throughput,
         durable checkpoints and commits, start-up replay and side-replay counters (status.py)."""
-        return self._call(self._coordinator.status.remote(self._own_moves()), timeout=60)
+        return self._call(self._coordinator.status.remote(self._own_moves()), CONTROL_TIMEOUT_S, "status")
 
     def rescale(self, producers: int) -> dict[str, Any]:
         """Go to ``producers`` producer actors (must divide the lanes) without changing any batch."""
         self.config.check_lanes(self.recipe, producers)
-        result = self._call(self._coordinator.rescale.remote(producers))
+        result = self._call(self._coordinator.rescale.remote(producers), self.config.read_timeout_s,
+                            f"the rescale to {producers} producers")
         self.config = replace(self.config, producers=producers)
         return result
 
@@ -384,7 +419,8 @@ class DataService:
         naming the consumer and the step. Returns ``{"phase", "start_step", "fingerprint", "dropped_steps",
         "dropped_checkpoints", "restart_from", "applied_s"}`` (Coordinator.add_phase;
         tests/test_phases.py::test_a_phase_added_to_a_running_service)."""
-        result = self._call(self._coordinator.add_phase.remote(name, start_step, dict(weights)))
+        result = self._call(self._coordinator.add_phase.remote(name, start_step, dict(weights)),
+                            self.config.read_timeout_s, f"adding phase {name!r}")
         self.recipe = self.recipe.with_phase(name, start_step, weights)
         return result
 
@@ -402,8 +438,8 @@ class DataService:
             _service_step_rows, fn_kwargs={"service": self}, batch_size=1, num_cpus=0.25, batch_format="numpy")
 
     # ------------------------------------------------------------------ helpers
-    def _call(self, ref: Any, timeout: float | None = None) -> Any:
-        return call(ref, self._where, timeout)
+    def _call(self, ref: Any, timeout: float, what: str) -> Any:
+        return call(ref, self._where, timeout=timeout, what=what)
 
 
 def _service_step_rows(batch: dict[str, np.ndarray], service: "DataService") -> Any:  # a pyarrow.Table

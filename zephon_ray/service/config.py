@@ -32,7 +32,7 @@ READ_PATHS = ("node", "direct")
 """How a client reads: ``node`` (one node reader per node leases steps for every rank there), ``direct`` (one
 coordinator call per read, the pre-lease path; kept for comparison in benchmarks/bench_service_load.py)."""
 TIMEOUT_KEYS = ("aggregate_timeout_s", "consumer_ttl_s", "request_timeout_s", "progress_timeout_s",
-                "reconnect_timeout_s")
+                "reconnect_timeout_s", "read_timeout_s")
 
 
 def _is_number(value: object) -> bool:
@@ -129,6 +129,10 @@ class ServiceConfig:
     """Ray restarts a dead coordinator this many times (-1: always); it reopens ``state_dir`` and clients retry."""
     reconnect_timeout_s: float = 300.0
     """How long a client keeps retrying a read while the coordinator restarts or lost shards are replayed."""
+    read_timeout_s: float = 900.0
+    """The longest one client call waits: a read (``slice``, ``batch``, a loader's next step) with its retries, a
+    ``commit``, ``add_phase`` or ``rescale``. Past it, one line names the step or call, what it waited for and how
+    long (``ReadTimeoutError``). It covers a coordinator restart and a storage outage within their budgets."""
     materialized_dir: str | None = None
     """A directory written by ``zephon-ray materialize`` for this recipe, covering steps [A, N). The service reads
     those steps from it (in its Replayer actors) and starts its producers at N from the directory's checkpoint

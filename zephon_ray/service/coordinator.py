@@ -38,6 +38,7 @@ the steps the old producers held are made again. See window.py for the window's 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import threading
@@ -50,6 +51,7 @@ import ray
 
 from zephon_ray import files
 from zephon_ray.checks import check_int
+from zephon_ray.errors import one_line
 from zephon_ray.formats.service_state import ServiceState
 from zephon_ray.recipe import Recipe
 from zephon_ray.service import status as status_report
@@ -116,12 +118,15 @@ class Coordinator:
         recipe, config = self.recipe, self.config
         if config.state_dir is None:
             raise ValueError("Coordinator: config.state_dir is required")
-        self.state = ServiceState.open(recipe, config.state_dir, keep_checkpoints=config.keep_checkpoints,
-                                       anchor_every=config.anchor_every)
+        self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        # A first start's storage has not answered yet: a misconfiguration is one line within the start budget. A
+        # restarted incarnation rides out an outage of storage that answered before, for the full budget.
+        with contextlib.nullcontext() if self._restarted else files.first_contact():
+            self.state = ServiceState.open(recipe, config.state_dir, keep_checkpoints=config.keep_checkpoints,
+                                           anchor_every=config.anchor_every)
         # The state_dir may record phases an earlier incarnation accepted (add_phase): run under them.
         recipe = self.recipe = self.state.recipe
         self._instance = uuid.uuid4().hex[:6]  # actor names and Zephon run ids never collide with an earlier one
-        self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
         # A restarted incarnation: the previous one's producers and replayers are orphans now.
         kill_named(config.name, config.namespace, (PRODUCER_INFIX, REPLAYER_INFIX))
         commits = self.state.consumer_commits()
@@ -137,7 +142,7 @@ class Coordinator:
         self._lock = threading.Lock()  # guards the window and counters (pump thread vs the two event loops)
         self.window = StepWindow(window=config.window, start=start, max_ahead=config.max_ahead,
                                  retain_behind=config.retain_behind, consumer_ttl_s=config.consumer_ttl_s,
-                                 rows=recipe.global_batch_rows)
+                                 rows=recipe.global_batch_rows, reach=max(self.state.checkpoint_steps(), default=0))
         self.window.commits = dict(commits)
         ckpt = self.state.nearest_checkpoint(start) or 0
         self.start_info = {"start_step": start, "checkpoint_step": ckpt, "replay_steps": start - ckpt,
@@ -259,9 +264,12 @@ class Coordinator:
                     f"more than `window` steps ahead waits for the slowest one (cursors expire after "
                     f"consumer_ttl_s={self.config.consumer_ttl_s:.0f}s)")
             waited = True
-            if track and moves:
-                # a read waiting for its step is alive: its cursor must not expire while it waits (direct path;
-                # node readers keep theirs alive with their reports)
+            if track and moves and node is None:
+                # a direct read waiting for its step is alive: its cursor (its one move) must not expire while it
+                # waits. A node reader's lease carries the moves of every rank of its node, other consumers' too:
+                # refreshing those would keep a silent consumer alive for as long as any lease waits, and so hold
+                # the window back forever (tests/test_service_fuzz.py); node readers keep their waiting ranks alive
+                # with their own reports.
                 self._advance([(c, r, w, step, 0.0) for c, r, w, step, _ in moves])
             self._pump_wake.set()
             event = self._changed
@@ -515,6 +523,7 @@ class Coordinator:
                 with self._lock:
                     self.window.refresh(now)
                     target = self.window.produce_until
+                    skip_below = self.window.replay_below
                     if now - gauges_set >= GAUGE_REFRESH_S:
                         self.metrics.window_gauges(self.window)
                         gauges_set = now
@@ -530,6 +539,7 @@ class Coordinator:
                     break
                 if pool.retired:
                     pool.reap(self._generation_in_use)
+                pool.catch_up(skip_below)
                 pool.submit(target, self._wanted, self._submitted)
                 if not pool.busy:
                     pool.collect(0)  # idle ping
@@ -560,7 +570,7 @@ class Coordinator:
         if any("Traceback (most recent call last)" in ln for ln in lines):
             log.error("%s", reason)
             lines = lines[-1:]
-        self._fatal = " ".join(" ".join(lines).split())[:1000]
+        self._fatal = one_line(" ".join(lines), 1000)
         log.error("%s", self._fatal)
         self._notify()
 

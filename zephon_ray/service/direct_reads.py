@@ -13,6 +13,7 @@ Limits: one coordinator call per read and rank: O(ranks x steps) calls (docs/sca
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 from zephon_ray.service.errors import ShardsLostError
@@ -53,21 +54,24 @@ class DirectReads:
                 while len(self._prefetched) > cap:  # forget the oldest unused prefetches
                     self._prefetched.pop(next(iter(self._prefetched)))
 
-    def refs(self, step: int, rank: int, world: int, lo: int, hi: int, track: bool,
-             timeout_s: float | None) -> StepRefs:
+    def refs(self, step: int, rank: int, world: int, lo: int, hi: int, track: bool, timeout_s: float,
+             deadline: float) -> StepRefs:
         owner = self._owner
         with self._lock:
             pending = self._prefetched.pop((step, rank, world), None)
+        what = f"the read of step {step}"
         if pending is not None:
-            reply = call(pending, owner._where)
+            reply = call(pending, owner._where, timeout=max(0.0, deadline - time.monotonic()), what=what)
             if track:  # the prefetch did not move the cursor; this read does, once delivered
                 self.move(rank, world, step)
         else:
             moves = [(owner.consumer, rank, world, step, 0.0)] if track else None
-            reply = call(owner._coordinator.lease.remote(step, 1, (lo, hi), timeout_s, moves, track), owner._where)
+            reply = call(owner._coordinator.lease.remote(step, 1, (lo, hi), timeout_s, moves, track), owner._where,
+                         timeout=max(0.0, deadline - time.monotonic()), what=what)
         got, generation, groups, containers = reply.steps[0]
         try:
-            opened = open_containers([c for c in containers if c is not None], owner._where)
+            opened = open_containers([c for c in containers if c is not None], owner._where,
+                                     max(1.0, deadline - time.monotonic()))
         except ShardsLostError:
             self.invalidate(got, generation)
             raise

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import traceback
 
+from zephon_ray.errors import one_line
 from zephon_ray.formats.service_state import FingerprintMismatchError
 
-__all__ = ["FingerprintMismatchError", "ReplyTimeoutError", "ServiceError", "ServiceNotFoundError", "ShardsLostError"]
+__all__ = ["FingerprintMismatchError", "ReadTimeoutError", "ReplyTimeoutError", "ServiceError", "ServiceNotFoundError",
+           "ShardsLostError"]
 
 
 class ServiceError(RuntimeError):
@@ -32,6 +34,11 @@ class ReplyTimeoutError(ServiceError, TimeoutError):
     ``TimeoutError`` naming the window)."""
 
 
+class ReadTimeoutError(ServiceError, TimeoutError):
+    """A read did not finish by its deadline (``read_timeout_s``, or the ``timeout_s`` passed), retries included.
+    The message names the step, what it waited for and how long. Raised once: it is the read's answer."""
+
+
 def describe(exc: BaseException) -> str:
     """One line for an error: a Ray task error's cause, its last line only (the traceback goes to the log)."""
     from ray.exceptions import RayError  # here: `zephon-ray inspect` imports this module and never Ray
@@ -47,4 +54,4 @@ def describe(exc: BaseException) -> str:
     if isinstance(cause, RayError) or "Traceback (most recent call last)" in last:
         lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]
         last = lines[-1] if lines else type(cause).__name__
-    return " ".join(last.split())[:600]
+    return one_line(last, 600)

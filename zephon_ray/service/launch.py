@@ -41,12 +41,14 @@ def check_materialized_dir(recipe: Recipe, path: str | os.PathLike) -> str:
 
 
 def prepare(recipe: Recipe, config: ServiceConfig) -> ServiceConfig:
-    """The I/O checks of a start, before Ray is touched; returns the config with absolute paths."""
-    if config.state_dir is not None:
-        check_state_dir(recipe, config.state_dir)  # a path or a URI; an absent state_dir is fine
-    if config.materialized_dir is not None:
-        config = replace(config, materialized_dir=check_materialized_dir(recipe, config.materialized_dir))
-    _ = recipe.fingerprint  # computed here, shipped with the recipe (the coordinator's node may differ)
+    """The I/O checks of a start, before Ray is touched; returns the config with absolute paths. Storage that does
+    not answer within ``files.START_BUDGET_S`` (an unresolvable endpoint, an outage) is one line, at once."""
+    with files.first_contact():
+        if config.state_dir is not None:
+            check_state_dir(recipe, config.state_dir)  # a path or a URI; an absent state_dir is fine
+        if config.materialized_dir is not None:
+            config = replace(config, materialized_dir=check_materialized_dir(recipe, config.materialized_dir))
+        _ = recipe.fingerprint  # computed here, shipped with the recipe (the coordinator's node may differ)
     return config
 
 

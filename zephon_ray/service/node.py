@@ -295,11 +295,13 @@ class NodeReader:
             self._worlds[consumer] = world
             self._heard[key] = [step, seen]
             was = None
-        elif step >= heard[0] or seen > heard[1]:
+        elif seen >= heard[1]:
+            # the newest move wins, even with a lower step: only the coordinator keeps cursors monotonic, and a
+            # move it refused (a read past max_ahead) must never shadow the rank's later ones
             was = heard[0]
-            heard[0], heard[1] = max(heard[0], step), max(heard[1], seen)
+            heard[0], heard[1] = step, seen
         else:
-            return
+            return  # older than what this reader heard of the rank (it came through a slower call)
         self._moved.add(key)
         if any(x.wait for x in self._leases):
             self._wake.set()  # a lease may be waiting for exactly this move: report it now, not with the next lease

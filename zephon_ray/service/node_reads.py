@@ -53,7 +53,7 @@ from typing import Any
 
 import ray
 
-from zephon_ray.service.errors import describe
+from zephon_ray.service.errors import ReplyTimeoutError, describe
 from zephon_ray.service.lease_cache import LeaseCache
 from zephon_ray.service.protocol import CursorMove, HeldStep, Reply, only_lanes
 from zephon_ray.service.reads import StepRefs, call
@@ -265,21 +265,20 @@ class ProcessReads:
             return sorted(request.step for request in self._requests)
 
     def held(self, consumer: str, step: int, rank: int, world: int, lo: int, hi: int, track: bool,
-             timeout_s: float | None) -> HeldStep:
+             timeout_s: float, deadline: float) -> HeldStep:
         """This process's refs of ``step`` covering lanes ``[lo, hi)``: from its cache, from a call in flight of
-        another thread (of any handle), or from one call to the node reader (which answers for a run of steps)."""
-        if track:
-            self.move(consumer, rank, world, step)  # travels with the request: the step may wait for this move
-        return self._held(consumer, step, lo, hi, track, timeout_s, (consumer, rank, world))
-
-    def _held(self, consumer: str, step: int, lo: int, hi: int, track: bool, timeout_s: float | None,
-              key: tuple[str, int, int]) -> HeldStep:
+        another thread (of any handle), or from one call to the node reader (which answers for a run of steps).
+        ``timeout_s`` bounds the coordinator's wait for the step; ``deadline`` (``time.monotonic()``) bounds every
+        wait here, past it a :class:`ReplyTimeoutError` names the step and what it waited for."""
+        key = (consumer, rank, world)
         while True:
             with self._lock:
+                if track:  # travels with the request: the step may wait for this move
+                    self._note(key, step, time.monotonic())
                 held = self._cache.get(step, lo, hi)
                 if held is not None:
                     if track:
-                        self._read_ahead(step, consumer, lo, hi, timeout_s)
+                        self._read_ahead(step, consumer, lo, hi)
                     return held
                 self._lo, self._hi = min(self._lo, lo), max(self._hi, hi)
                 request = self._in_flight(step, lo, hi)
@@ -290,90 +289,105 @@ class ProcessReads:
                     moves = self._take_pending()
                 if track:
                     request.waiting.add(key)
-            if not owner:
-                request.done.wait()
-                if request.error is not None and request.ahead is None:
-                    raise request.error
+            if owner:
+                self._call(request, consumer, track, timeout_s, deadline, moves)
                 continue
-            self._call(request, consumer, track, timeout_s, moves)
+            since = time.monotonic()
+            if not request.done.wait(max(0.0, deadline - since)):
+                raise ReplyTimeoutError(f"service {self._where}: step {step}: another thread's read call of it did "
+                                        f"not return within {time.monotonic() - since:.0f}s")
+            if request.error is not None and request.ahead is None \
+                    and not isinstance(request.error, ReplyTimeoutError):
+                raise request.error  # the service's answer about this step (a refusal, a lost service)
+            # a read-ahead, or a call that gave up at its own deadline: ask again ourselves (this read's deadline
+            # bounds that too)
 
     def _in_flight(self, step: int, lo: int, hi: int) -> _Request | None:
         """(lock held) The read call in flight that will bring ``step``'s lanes ``[lo, hi)``, if any."""
         return next((q for q in self._requests if q.step == step and q.lo <= lo and hi <= q.hi), None)
 
-    def _call(self, request: _Request, consumer: str, track: bool, timeout_s: float | None,
+    def _call(self, request: _Request, consumer: str, track: bool, timeout_s: float, deadline: float,
               moves: list[CursorMove]) -> None:
         """One read call to the node reader for ``request``, its reply filed in the cache; the threads waiting for
         it are woken either way. A read-ahead's failure is only logged (a rank that joined it asks again); one
         that gives up is cancelled at the node reader, and is never retried on a restarted one (no rank waits
-        for it)."""
+        for it). A refused read's cursor moves are not sent again (they would be refused again, forever)."""
         ref = None
         try:
             read = self.reader().read
             if request.ahead is not None:
                 read = read.options(max_task_retries=0)
             ref = read.remote(request.step, consumer, (request.lo, request.hi), track, timeout_s, moves)
-            reply = self._wait(ref, request)
+            reply = self._wait(ref, request, deadline)
             with self._lock:
                 self._cache.file(reply.steps, reply.keep_from)
         except BaseException as exc:
             request.error = exc
-            self._requeue(moves)  # harmless if they arrived: cursor moves are monotonic
+            refused = isinstance(exc, ValueError)  # the coordinator refused this step (and any move to it or past)
+            self._requeue([m for m in moves if not (refused and m[3] >= request.step)])
+            if isinstance(exc, (_ReadAheadStopped, ReplyTimeoutError)) and ref is not None and ray.is_initialized():
+                _cancel(ref)  # nobody waits for it any more
             if request.ahead is None:
                 raise
-            if isinstance(exc, _ReadAheadStopped) and ref is not None and ray.is_initialized():
-                _cancel(ref)
             log.debug("read-ahead of step %d ended: %s", request.step, describe(exc))
         finally:
             with self._lock:
                 self._requests.remove(request)
             request.done.set()
 
-    def _read_ahead(self, step: int, consumer: str, lo: int, hi: int, timeout_s: float | None) -> None:
+    def _read_ahead(self, step: int, consumer: str, lo: int, hi: int) -> None:
         """(lock held) A tracked read of ``step`` hit the cache: when fewer than ``ahead_steps`` steps after it are
         held, ask the node reader for the next ones now, in the background, with this process's cursor moves.
         Why: the moves reach the coordinator while the ranks still have steps in hand, so the producers move the
         window on before the ranks run out (without it a process's moves travel only with the call it makes once
         its run is used up, and every rank waits there for the report and the next step's production:
         benchmarks/bench_service_load.py, docs/scaling.md). It is the call the process would make a few steps
-        later anyway, and waits like a tracked read (producers will get there: the cursor is a few steps behind)."""
+        later anyway, and waits like a tracked read (producers will get there: the cursor is a few steps behind),
+        within the service's ``read_timeout_s``."""
         first = next((s for s in range(step + 1, step + 1 + self.ahead_steps) if self._cache.get(s, lo, hi) is None),
                      None)
         if first is None or self._stopping.is_set() or self._in_flight(first, lo, hi) is not None:
             return
         request = _Request(first, self._lo, self._hi, threading.Event(), ahead=consumer)
         self._requests.append(request)
-        thread = threading.Thread(target=self._ahead, args=(request, timeout_s, self._take_pending()),
+        thread = threading.Thread(target=self._ahead, args=(request, self._take_pending()),
                                   name="zephon-ray-read-ahead", daemon=True)
         self._ahead_threads.add(thread)
         thread.start()
 
-    def _ahead(self, request: _Request, timeout_s: float | None, moves: list[CursorMove]) -> None:
+    def _ahead(self, request: _Request, moves: list[CursorMove]) -> None:
+        timeout_s = self.config.read_timeout_s
         try:
-            self._call(request, request.ahead, True, timeout_s, moves)
+            self._call(request, request.ahead, True, min(timeout_s, self.config.request_timeout_s),
+                       time.monotonic() + timeout_s, moves)
         finally:
             with self._lock:
                 self._ahead_threads.discard(threading.current_thread())
 
-    def _wait(self, ref: Any, request: _Request) -> Reply:
-        """The reply of a read call. While it waits, this process's new cursor moves go to the node reader (the
-        step it waits for may be held back by exactly those moves), and the tracked reads waiting for it are heard
-        again every ``consumer_ttl_s / 4``: a rank waiting for its step is alive, its cursor must not expire."""
+    def _wait(self, ref: Any, request: _Request, deadline: float) -> Reply:
+        """The reply of a read call, or a :class:`ReplyTimeoutError` at ``deadline``. While it waits, this
+        process's new cursor moves go to the node reader (the step it waits for may be held back by exactly those
+        moves), and the tracked reads waiting for it are heard again every ``consumer_ttl_s / 4``: a rank waiting
+        for its step is alive, its cursor must not expire."""
         keepalive = max(0.25, min(self.config.consumer_ttl_s / 4, 10.0))
-        next_keepalive = time.monotonic() + keepalive
+        since = time.monotonic()
+        next_keepalive = since + keepalive
         while True:
             if request.ahead is not None and (request.stopped or not ray.is_initialized()):
                 raise _ReadAheadStopped(f"read-ahead of step {request.step} stopped")  # see stop_background
-            ready, _ = ray.wait([ref], timeout=WAIT_POLL_S, fetch_local=False)
+            now = time.monotonic()
+            if now >= deadline:
+                raise ReplyTimeoutError(f"service {self._where}: step {request.step}: the node reader did not "
+                                        f"answer a read call within {now - since:.0f}s")
+            ready, _ = ray.wait([ref], timeout=min(WAIT_POLL_S, deadline - now), fetch_local=False)
             if ready:
-                return call(ref, self._where)
+                return call(ref, self._where, timeout=max(1.0, deadline - time.monotonic()))
             now = time.monotonic()
             if now >= next_keepalive:
                 next_keepalive = now + keepalive
                 with self._lock:
                     for key in request.waiting:
-                        old = self._pending.get(key)
-                        self._pending[key] = (max(request.step, old[0]) if old else request.step, now)
+                        self._note(key, request.step, now)
             self.flush()
 
     def invalidate(self, step: int, generation: int) -> None:
@@ -388,17 +402,19 @@ class ProcessReads:
     def move(self, consumer: str, rank: int, world: int, step: int) -> None:
         """Record a cursor move; it goes with the next read call of any handle of this process, alone once no call
         went for ``keepalive_s``, or at once when the node reader asks for moves (a lease there waits)."""
-        now = time.monotonic()
-        key = (consumer, rank, world)
         with self._lock:
-            old = self._pending.get(key)
-            self._pending[key] = (max(step, old[0]) if old else step, now)
-            self._arm(self.keepalive_s)
-            reader = self._reader
-            listen = reader is not None and self._listening is not reader
-            if listen:
-                self._listening = reader
-        if listen:
+            self._note((consumer, rank, world), step, time.monotonic())
+
+    def _note(self, key: tuple[str, int, int], step: int, now: float) -> None:
+        """(lock held) Keep ``step`` as the newest move of ``key`` (a rank's newer move replaces an older one even
+        when its step is lower: only the coordinator keeps cursors monotonic, and a move it refused, such as a read
+        past ``max_ahead``, must never shadow the rank's later ones), and make sure it is sent."""
+        self._pending[key] = (step, now)
+        self._arm(self.keepalive_s)
+        reader = self._reader
+        if reader is not None and self._listening is not reader:
+            self._listening = reader
+            # _listen takes only its own lock and starts a thread: no remote call under ours
             _listen(reader, self)
 
     def _arm(self, delay: float) -> None:
@@ -433,11 +449,12 @@ class ProcessReads:
         return moves
 
     def _requeue(self, moves: list[CursorMove]) -> None:
+        """Moves a failed call carried go back to the pending set, unless the rank moved again since."""
         now = time.monotonic()
         with self._lock:
             for c, r, w, s, idle in moves:
                 old = self._pending.get((c, r, w))
-                if old is None or old[0] < s:
+                if old is None or old[1] < now - idle:
                     self._pending[(c, r, w)] = (s, now - idle)
 
     def flush(self) -> None:
@@ -534,10 +551,10 @@ class NodeReads:
     def prefetch(self, steps: list[int], rank: int, world: int, lo: int, hi: int) -> None:
         """Nothing to do: one read call brings a run of steps, and the node reader leases ahead."""
 
-    def refs(self, step: int, rank: int, world: int, lo: int, hi: int, track: bool,
-             timeout_s: float | None) -> StepRefs:
+    def refs(self, step: int, rank: int, world: int, lo: int, hi: int, track: bool, timeout_s: float,
+             deadline: float) -> StepRefs:
         owner = self._owner
-        held = self._path.held(owner.consumer, step, rank, world, lo, hi, track, timeout_s)
+        held = self._path.held(owner.consumer, step, rank, world, lo, hi, track, timeout_s, deadline)
         return StepRefs(step, only_lanes(held.lanes, lo, hi), owner.recipe, owner._pad, held.generation)
 
     def move(self, rank: int, world: int, step: int) -> None:

@@ -45,6 +45,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from zephon_ray import files
+from zephon_ray.errors import one_line
 from zephon_ray.formats.service_state import ServiceStateError
 from zephon_ray.identity import check_checkpoint_agreement
 from zephon_ray.pipeline import LaneGroup
@@ -260,7 +261,7 @@ class ProducerPool:
         failure."""
         gen = self.gen
         producers = producers or len(gen.actors)
-        reason = " ".join(reason.split())[:600]  # one line, always (the log has the traceback)
+        reason = one_line(reason, 600)  # one line, always (the log has the traceback)
         self.resolve_infos()  # a producer that could not start answered info() before failing its first call
         if self.fatal:
             return
@@ -313,6 +314,27 @@ class ProducerPool:
 
     def inflight_steps(self) -> list[int]:
         return sorted(self._inflight)
+
+    def catch_up(self, first_wanted: int) -> None:
+        """When the first step the window wants lies more than K steps past the producers (the consumers are far
+        past the commit a restarted service began at), relaunch the group from the newest durable checkpoint <= it
+        instead of stepping through the steps between: serving step s costs a restore and at most K steps, as
+        after any restart. Only between calls (nothing in flight)."""
+        if self.busy or self.gen is None:
+            return
+        ckpt = self.state.nearest_checkpoint(first_wanted)
+        if ckpt is None or ckpt <= self.next_step + self.config.checkpoint_every:
+            return
+        log.info("producers at step %d catch up to step %d from its checkpoint", self.next_step, ckpt)
+        self._relaunch(ckpt)
+
+    def _relaunch(self, ckpt: int) -> None:
+        """Retire the group (its shards in the table stay readable until reaped) and launch one of the same size
+        from durable checkpoint ``ckpt`` (0: a fresh pipeline)."""
+        gen = self.gen
+        state = self.state.read_checkpoint(ckpt) if ckpt else None
+        self._retire(gen)
+        self.launch(len(gen.actors), ckpt, state)
 
     def submit(self, target: int, wanted: Callable[[int], bool], submitted: Callable[[int], None]) -> None:
         """Send calls for steps ``next_step .. target - 1`` (bounded in flight): produce the wanted ones, skip the
@@ -466,16 +488,13 @@ class ProducerPool:
         the calls in flight (no wait: a group still starting would cost its start), retire the group (its shards of
         earlier steps stay readable) and launch one of the same size under the new recipe from the newest durable
         checkpoint <= ``first`` and <= every abandoned step; returns that checkpoint step."""
-        gen = self.gen
         pending = list(self._inflight) + list(self._ckpts) + [s for s in self._skips if s >= 0]
         self._inflight.clear()
         self._ckpts.clear()
         self._skips.clear()
         first = min(pending + [first, self.next_step])
         ckpt = self.state.nearest_checkpoint(first) or 0
-        state = self.state.read_checkpoint(ckpt) if ckpt else None
-        self._retire(gen)
-        self.launch(len(gen.actors), ckpt, state)
+        self._relaunch(ckpt)
         return ckpt
 
     def describe(self) -> list[dict[str, Any]]:

@@ -10,6 +10,9 @@ loudly when a Ray upgrade moves them).
   (``ray._private.internal_api.memory_summary``), for benchmarks.
 - :func:`init_private_local`: a private local Ray whose session files live in a directory of ours
   (``ray.init(_temp_dir=...)``, a private keyword).
+- :func:`bootstrap_address`: the ``host:port`` that ``ray.init(address=...)`` would connect to (``auto`` resolved
+  the way Ray resolves it: ``RAY_ADDRESS``, then the newest ``ray start`` of this machine), so that it can be probed
+  before Ray waits minutes for a cluster that is not there.
 
 No other module of the package uses a private Ray name (tests/test_ray_internals.py scans them).
 """
@@ -59,6 +62,16 @@ def plasma_usage() -> dict[str, int]:
         mib += int(m.group(1))
         objects += int(m.group(2))
     return {"mib": mib, "objects": objects}
+
+
+def bootstrap_address(address: str) -> str | None:
+    """``host:port`` of the cluster ``address`` names (None: Ray would start a local one). Ray's own resolution,
+    ``ray._private.services.canonicalize_bootstrap_address``; a ``ray://`` client address is returned as written."""
+    if address.startswith("ray://"):
+        return address[len("ray://"):]
+    from ray._private.services import canonicalize_bootstrap_address
+
+    return canonicalize_bootstrap_address(address)
 
 
 def init_private_local(temp_dir: str, **kwargs: Any) -> Any:

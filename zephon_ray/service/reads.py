@@ -30,6 +30,9 @@ from zephon_ray.source import assemble, fixed_valid_tokens
 
 LOST = (ObjectLostError, OwnerDiedError, ObjectFetchTimedOutError)
 """Ray's errors for an object whose owner or copy is gone."""
+FETCH_TIMEOUT_S = 300.0
+"""How long fetching a step's shards from the object store may take (a read through ``DataService`` passes what is
+left of its own deadline instead)."""
 
 
 def unwrap(exc: BaseException, service: str) -> BaseException:
@@ -50,18 +53,24 @@ def unwrap(exc: BaseException, service: str) -> BaseException:
     return exc
 
 
-def call(ref: Any, where: str, timeout: float | None = None) -> Any:
-    """The value of a call's reply, with Ray's errors as the service's own."""
+def call(ref: Any, where: str, *, timeout: float, what: str = "a call") -> Any:
+    """The value of a call's reply within ``timeout`` seconds, with Ray's errors as the service's own (a timeout is
+    a :class:`ReplyTimeoutError` naming ``what`` and the seconds waited)."""
     try:
         return ray.get(ref, timeout=timeout)
-    except (RayTaskError, RayActorError, ActorUnavailableError, GetTimeoutError, *LOST) as exc:
+    except GetTimeoutError:
+        raise ReplyTimeoutError(f"service {where}: no reply to {what} within {timeout:.0f}s") from None
+    except (RayTaskError, RayActorError, ActorUnavailableError, *LOST) as exc:
         raise unwrap(exc, where) from None
 
 
-def open_containers(refs: list[Any], where: str) -> list[Any]:
+def open_containers(refs: list[Any], where: str, timeout_s: float) -> list[Any]:
     """Open containers (protocol.py): a lost one (its producer died) is a ShardsLostError."""
     try:
-        return ray.get(refs)
+        return ray.get(refs, timeout=timeout_s)
+    except GetTimeoutError:
+        raise ReplyTimeoutError(f"service {where}: a step's containers were not fetched within {timeout_s:.0f}s"
+                                ) from None
     except (*LOST, RayActorError, ActorUnavailableError) as exc:
         raise ShardsLostError(f"service {where}: a step's shards were lost ({type(exc).__name__})") from None
 
@@ -94,7 +103,7 @@ class StepRefs:
     def is_refs(self) -> bool:
         return any(isinstance(lane, ray.ObjectRef) for lane in self.lanes)
 
-    def _fetch(self, lanes: range) -> list[LaneShard]:
+    def _fetch(self, lanes: range, timeout_s: float) -> list[LaneShard]:
         picked = [self.lanes[lane] for lane in lanes]
         if any(p is None for p in picked):
             raise ValueError(f"step {self.step}: these refs were asked for another rank's rows (lanes "
@@ -102,18 +111,23 @@ class StepRefs:
         if not self.is_refs:
             return picked
         try:
-            return ray.get(picked)
+            return ray.get(picked, timeout=timeout_s)
+        except GetTimeoutError:
+            raise ReplyTimeoutError(f"step {self.step}: its shards were not fetched within {timeout_s:.0f}s"
+                                    ) from None
         except (*LOST, RayActorError, ActorUnavailableError) as exc:  # the node, owner, producer or replayer died
             raise ShardsLostError(f"step {self.step}: its shards were lost ({type(exc).__name__}); read it again "
                                   "to have it made again") from None
         except RayTaskError as exc:
             raise unwrap(exc, "(replay)") from None
 
-    def batch(self) -> GlobalBatch:
-        shards = self._fetch(range(self.recipe.lanes))
+    def batch(self, *, timeout_s: float = FETCH_TIMEOUT_S) -> GlobalBatch:
+        """The whole global batch, fetched within ``timeout_s`` (else a :class:`ReplyTimeoutError`)."""
+        shards = self._fetch(range(self.recipe.lanes), timeout_s)
         return assemble(self.recipe, self.step, dict(zip(range(self.recipe.lanes), shards)))
 
-    def slice(self, rank: int, world: int) -> RankSlice:
+    def slice(self, rank: int, world: int, *, timeout_s: float = FETCH_TIMEOUT_S) -> RankSlice:
+        """Rank ``rank`` of ``world``'s rows, fetched within ``timeout_s`` (else a :class:`ReplyTimeoutError`)."""
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, rank, world)
-        return RankSlice.from_lanes(self.step, rank, world, span, self._fetch(span.lanes), self.pad_token_id,
-                                    fixed_valid_tokens(self.recipe))
+        return RankSlice.from_lanes(self.step, rank, world, span, self._fetch(span.lanes, timeout_s),
+                                    self.pad_token_id, fixed_valid_tokens(self.recipe))

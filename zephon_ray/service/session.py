@@ -16,7 +16,38 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from zephon_ray.service.ray_internals import init_private_local
+from zephon_ray.service.ray_internals import bootstrap_address, init_private_local
+
+CONNECT_TIMEOUT_S = 10.0
+"""How long attaching to a cluster may take to find its head answering; Ray itself waits minutes."""
+
+
+def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+    """Raise one line (``ConnectionError``) unless the cluster ``address`` names (``auto``: as Ray resolves it)
+    accepts a TCP connection within ``timeout_s``. A cluster that is there costs one connect."""
+    import socket
+
+    target = bootstrap_address(address)
+    if target is None:
+        return
+    host, _, port = target.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except (OSError, ValueError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
+        raise ConnectionError(f"no Ray cluster answers at {target} (address {address!r}): {reason} within "
+                              f"{timeout_s:g}s; start one (`ray start --head`) or pass the head's address") from None
+
+
+def attach(address: str | None, **init_kwargs: Any) -> None:
+    """``ray.init`` attached to ``address`` (default: ``RAY_ADDRESS``, else the running cluster), after checking
+    within ``CONNECT_TIMEOUT_S`` that a cluster answers there."""
+    import ray
+
+    target = address or os.environ.get("RAY_ADDRESS") or "auto"
+    check_reachable(target)
+    ray.init(address=target, **init_kwargs)
 
 
 def starts_private_cluster(address: str | None, *, private_if_none: bool) -> bool:
@@ -55,7 +86,7 @@ def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]
         temp_dir = tempfile.mkdtemp(prefix="zephon-ray-local-", dir="/tmp")
         init_private_local(temp_dir, num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False, **quiet)
     else:
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", **quiet)
+        attach(address, **quiet)
     try:
         yield
     finally:

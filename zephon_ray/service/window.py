@@ -19,7 +19,8 @@ Guarantees (tests/test_window.py):
   ``window + retain_behind`` steps (``bound_steps``).
 - A cursor never moves back (an out-of-order ``touch`` is ignored); a consumer reading at another world size
   drops its cursors of the old world size.
-- Reads more than ``max_ahead`` steps past the head are rejected (tracked or not), commits more than one past the
+- Reads more than ``max_ahead`` steps past the head (or past ``reach``, where an earlier incarnation got to) are
+  rejected (tracked or not), commits more than one past the
   highest step a consumer consumed are rejected, rank/world are checked, cursors silent for ``consumer_ttl_s``
   are deleted.
 
@@ -88,7 +89,7 @@ class StepWindow:
     """The table, cursors, commits and the bounds. Every method is O(cursors + table)."""
 
     def __init__(self, *, window: int, start: int = 0, max_ahead: int = 512, retain_behind: int = 32,
-                 consumer_ttl_s: float = 120.0, rows: int = 1 << 30) -> None:
+                 consumer_ttl_s: float = 120.0, rows: int = 1 << 30, reach: int = 0) -> None:
         for key, value in (("window", window), ("max_ahead", max_ahead)):
             check_int(f"StepWindow: {key}", value, low=1)
         check_int("StepWindow: retain_behind", retain_behind, low=0)
@@ -107,6 +108,9 @@ class StepWindow:
         self.keep_from = start
         self.slowest = start
         self.head = start
+        self.reach = max(start, reach)
+        """How far an earlier incarnation of the service got (its newest durable checkpoint): after a restart at
+        the consumers' commits, their ranks may be that far ahead, and their reads must not be refused."""
         self.held_bytes = 0
         self.peak_bytes = 0
 
@@ -137,12 +141,12 @@ class StepWindow:
     # ------------------------------------------------------------------ requests
     def check_step(self, step: Any, what: str = "step") -> int:
         check_int(what, step, low=0)
-        limit = max(self.head, self.produce_until) + self.max_ahead
-        if step > limit:
+        head = max(self.head, self.produce_until, self.reach)
+        if step > head + self.max_ahead:
             raise ValueError(
                 f"{what} {step} is more than max_ahead={self.max_ahead} steps past the service's head "
-                f"({max(self.head, self.produce_until)}): no read may make the producers grind that far (to begin "
-                f"there, start the service with start_step=)")
+                f"({head}): no read may make the producers grind that far (to begin there, start the service with "
+                f"start_step=)")
         return step
 
     def read(self, step: int, consumer: str, rank: int | None, world: int | None, *, track: bool,
