@@ -96,3 +96,18 @@ def test_the_service_message_wins_over_the_ray_error_it_wraps(capsys):
     except ValueError as exc:
         assert _run(capsys, exc) == (USER_ERROR_EXIT, "",
                                      "zephon-ray: error: add_phase: consumer 'trainer' has read step 4\n")
+
+
+def test_a_service_failing_on_its_storage_is_one_line_with_the_hint_never_cut_mid_word(monkeypatch):
+    """A service whose actors could not use its bucket: the one line names the object, carries the documented hint
+    (credentials stay in this shell), and a long store message is cut at a word boundary, never mid-word."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE")
+    dump = " ".join(f"word{i:03d}" for i in range(150))  # a long client dump (obstore's run to ~700 characters)
+    exc = ServiceError(f"service 'run7' failed to start: s3://zr-b/run7/service.json: access denied (read it); "
+                       f"check the credentials: Generic S3 error: {dump}")
+    line = error_line(exc)
+    assert "\n" not in line and "s3://zr-b/run7/service.json" in line and "never shipped" in line, line
+    assert "AWS_ACCESS_KEY_ID" in line.split("never shipped")[1] and "AKIAEXAMPLE" not in line, line
+    assert len(line) < 1000, len(line)
+    cut = line.split(" (the workers have")[0]
+    assert cut.endswith(" …") and cut[:-2].split()[-1].startswith("word") and len(cut[:-2].split()[-1]) == 7, cut

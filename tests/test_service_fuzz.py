@@ -498,13 +498,18 @@ def test_regression_ranks_far_past_their_commit_after_a_restart(ray_cluster, tin
     """A trainer more than ``max_ahead`` steps past its last commit when the coordinator restarts: the new incarnation
     starts at the commit, and refused the trainer's next read as past ``max_ahead`` (a ValueError that ends a
     training job). Now the limit counts from where the old incarnation got (its newest durable checkpoint), and the
-    producers restore from there instead of stepping through the gap."""
+    producers restore from there instead of stepping through the gap. (Limit: ranks more than ``max_ahead`` past
+    that checkpoint are still refused; checkpoints made during a storage outage are durable only after it.)"""
     reference = _Reference.get(tiny_recipe)
     svc = _service(tiny_recipe, tmp_path, "far-past-commit", max_ahead=8)
     try:
         for step in range(30):
             svc.slice(step, 0, 1)
         svc.commit(2)
+        deadline = time.monotonic() + 60  # the old incarnation's checkpoints of these steps are durable
+        while svc.status()["checkpoints"]["unwritten"] or svc.status()["checkpoints"]["latest"] < 28:
+            assert time.monotonic() < deadline, svc.status()["checkpoints"]
+            time.sleep(0.2)
         _kill_coordinator(svc)
         time.sleep(1.0)  # the restart begins; the process's cached steps are dropped by the failed reads
         for step in range(30, 34):

@@ -7,8 +7,9 @@ against the independent oracle (tests/oracle.py, Zephon's public API only) and t
 - the storage layer: transient faults are retried with capped backoff and jitter, permanent ones are one line at
   once, a spent budget is one line naming the object;
 - a running service whose sources and ``state_dir`` are in the bucket rides through a 15 s endpoint outage with no
-  restart: the steps it holds are served, reads of the others wait, production resumes when the endpoint answers;
-  a commit made during the outage returns once it is durable; a commit beyond what was delivered is refused;
+  restart and no stall: its sources are in the shard cache, so production goes on while its checkpoints wait to be
+  written; a commit made during the outage returns once it is durable; a commit beyond what was delivered is
+  refused;
 - 20 % of requests answered 503 SlowDown for a stretch of production: nothing lost, every digest right;
 - a checkpoint read cut in the middle of its body (a replay's restore) is retried, never half-used.
 
@@ -190,9 +191,10 @@ def _durable_commits(s3, bucket: str) -> dict:
 
 
 def test_service_rides_through_a_15s_outage(s3, service, oracle_digests):
-    """The issue's scenario: the endpoint refuses connections for 15 s after step 5. Every step is served with the
-    oracle's rows, production resumes by itself (same producers, same coordinator, no restart), a commit made
-    during the outage returns once durable, and one beyond what was delivered is refused in one line."""
+    """The endpoint refuses connections for 15 s after step 5. Every step is served with the oracle's rows and
+    production does not stop (the sources are in the shard cache; checkpoints are written in the background, and
+    made durable once the endpoint answers), with the same producers and coordinator; a commit made during the
+    outage returns once durable, and one beyond what was delivered is refused in one line."""
     svc = service
     assert [svc.batch(s, track=True).digest for s in range(6)] == oracle_digests[:6]
     before = svc.status()
@@ -223,12 +225,17 @@ def test_service_rides_through_a_15s_outage(s3, service, oracle_digests):
     assert [p["pid"] for p in after["producers"]] == [p["pid"] for p in before["producers"]]
     assert after["storage"]["retried_calls"] > before["storage"]["retried_calls"]  # the coordinator did wait
     longest = max(d for _, d, _ in delays)
-    waited = [(s, d) for s, d, _ in delays if d > 1.0]
-    assert waited and longest < OUTAGE_S + 30, delays  # reads waited for the outage, none failed
-    recovered = min(done for _, _, done in delays if done >= up_at) - up_at
-    print(f"15 s outage: longest read delay {longest:.1f} s (steps that waited: {[s for s, _ in waited]}); "
-          f"first step after the endpoint returned: {recovered:.1f} s; commit made durable "
-          f"{committed['at'] - up_at:.1f} s after")
+    during = [s for s, _, done in delays if done < up_at]
+    # Production went on: most of the steps were served while the endpoint was down, and no read waited for the
+    # outage (a loose bound on a busy machine; benchmarks/bench_storage_faults.py reports the figure).
+    assert len(during) >= 7 and longest < OUTAGE_S / 3, (delays, up_at)
+    deadline = time.monotonic() + 60  # the checkpoints made during the outage become durable once it is over
+    while svc.status()["checkpoints"]["unwritten"]:
+        assert time.monotonic() < deadline, svc.status()["checkpoints"]
+        time.sleep(0.5)
+    assert svc.status()["checkpoints"]["latest"] >= 18
+    print(f"15 s outage: longest read delay {longest:.2f} s; {len(during)} steps served while the endpoint was "
+          f"down; commit made durable {committed['at'] - up_at:.1f} s after it returned")
 
     # Commits stay honest: beyond what was delivered is refused, even where the cursor asked for more.
     from zephon_ray import DataService

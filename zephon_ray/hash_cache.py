@@ -45,6 +45,9 @@ RAY_MIN_FILES = 256
 """With Ray initialised, at least this many uncached files are hashed by Ray tasks pinned to this node."""
 PROGRESS_MIN_BYTES = 1 << 30
 PROGRESS_MIN_FILES = 2000
+HASH_TASK_TIMEOUT_S = 1800.0
+"""The longest a hashing task may run before the fingerprint gives up with one line (a task holds at most a
+``1 / parts`` share of the files)."""
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
@@ -148,9 +151,12 @@ def _hash_with_ray(todo: list[str], sizes: list[int], progress: bool) -> list[st
               disable=not progress, file=sys.stderr) as bar:
         pending = list(refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1)
+            done, pending = ray.wait(pending, num_returns=1, timeout=HASH_TASK_TIMEOUT_S)
+            if not done:
+                raise TimeoutError(f"hashing shards: no task of {len(pending)} finished within "
+                                   f"{HASH_TASK_TIMEOUT_S:.0f}s")
             a, b = refs[done[0]]
-            out[a:b] = ray.get(done[0])
+            out[a:b] = ray.get(done[0], timeout=60)  # finished: only its digests to read
             bar.update(sum(sizes[a:b]))
     return out
 

@@ -49,6 +49,8 @@ Exception: other OSErrors on a path the user gave are turned into UserInputError
 
 MAX_LINE = 1000
 """The longest error line printed (cut at a word boundary)."""
+MAX_STORAGE_LINE = 500
+"""The longest storage failure before its hint: the object and the store's reason, not a client's whole dump."""
 
 
 def error_line(exc: BaseException) -> str | None:
@@ -56,7 +58,8 @@ def error_line(exc: BaseException) -> str | None:
     service's error about storage (its actors could not use a bucket) carries the same hint as a worker's."""
     if isinstance(exc, ServiceError):
         line = one_line(exc, MAX_LINE) or type(exc).__name__
-        return (with_storage_hint(line) if "://" in line else None) or line
+        hinted = with_storage_hint(one_line(exc, MAX_STORAGE_LINE)) if "://" in line else None
+        return hinted or line
     if isinstance(exc, OWN_MESSAGE_ERRORS):
         return one_line(exc, MAX_LINE) or type(exc).__name__
     worker = worker_error(exc)
@@ -138,7 +141,7 @@ def storage_failure(exc: BaseException) -> str | None:
     if not hits:
         return None
     line = min(hits, key=lambda t: (("://" not in t), len(t)))  # the shortest that names an object
-    return with_storage_hint(one_line(strip_ray_prefix(line), 500))
+    return with_storage_hint(one_line(strip_ray_prefix(line), MAX_STORAGE_LINE))
 
 
 def with_storage_hint(line: str) -> str | None:

@@ -254,7 +254,12 @@ class Coordinator:
             if kind is Read.REPLAY:
                 with self._lock:
                     self._leased_until = max(self._leased_until, first)
-                container = await self.replay.container(first, read_ahead=track or count > 1)
+                try:  # shared by every read of the step: one that gives up must not cancel it for the others
+                    container = await asyncio.wait_for(asyncio.shield(self.replay.container(
+                        first, read_ahead=track or count > 1)), max(1.0, deadline - time.monotonic()))
+                except asyncio.TimeoutError:
+                    raise TimeoutError(f"step {first} was not replayed within {timeout_s:.0f}s (its replayer is "
+                                       f"restoring or stuck; replayers={self.config.replayers})") from None
                 self._count_lease(node, 1, waited, time.monotonic() - t0)
                 return lease_reply([StepContainers(first, REPLAYED, 1, [container])], self.window.keep_from)
             if now >= deadline:

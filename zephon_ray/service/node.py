@@ -65,6 +65,11 @@ DEMAND_AFTER_S = 0.5
 moves now, since the step may wait for exactly those (a consumer reading from its own cache makes no call)."""
 DEMAND_POLL_S = 60.0
 """A ``demand`` call with nothing to say returns after this long (the client calls again)."""
+REPLY_GRACE_S = 30.0
+"""A lease waits for the coordinator's answer this much longer than the coordinator itself waits for the step; past
+it the lease fails with one line (a coordinator that cannot answer), and the reads waiting for it learn so."""
+CALL_TIMEOUT_S = 60.0
+"""The bound of the node reader's other calls to the coordinator (reports, lost shards)."""
 REPORT_GATHER_S = 0.1
 """A report woken by a move (a lease waits, or the node's slowest rank of a consumer moved) goes this much later,
 with the moves of the other ranks of the node that read in the same round: one coordinator call per round, not
@@ -198,7 +203,7 @@ class NodeReader:
     async def invalidate(self, step: int, generation: int) -> bool:
         """A rank found the shards of ``step`` lost: forget them here and tell the coordinator."""
         self._cache.drop(step, generation)
-        return await self._coordinator.invalidate.remote(step, generation)
+        return await asyncio.wait_for(self._coordinator.invalidate.remote(step, generation), CALL_TIMEOUT_S)
 
     async def release(self, consumer: str) -> int:
         """Forget this consumer's cursors here (the client released it on the coordinator)."""
@@ -242,8 +247,13 @@ class NodeReader:
     async def _run_lease(self, lease: _Lease, track: bool, timeout_s: float, wait: bool = True) -> None:
         self.stats["leases"] += 1
         try:
-            reply = await self._coordinator.lease.remote(lease.first, lease.stop - lease.first, (lease.lo, lease.hi),
-                                                         timeout_s, self._moves(), track, self.node_id, wait)
+            call = self._coordinator.lease.remote(lease.first, lease.stop - lease.first, (lease.lo, lease.hi),
+                                                  timeout_s, self._moves(), track, self.node_id, wait)
+            try:
+                reply = await asyncio.wait_for(call, timeout_s + REPLY_GRACE_S)
+            except asyncio.TimeoutError:
+                raise TimeoutError(f"step {lease.first}: the coordinator did not answer a lease within "
+                                   f"{timeout_s + REPLY_GRACE_S:.0f}s") from None
             steps = await self._open(reply.steps)
             if not wait and not steps:
                 self._ahead_after = time.monotonic() + READ_AHEAD_BACKOFF_S
@@ -269,7 +279,7 @@ class NodeReader:
         for step, generation, groups, containers in steps:
             got = {g: opened[id(c)] for g, c in enumerate(containers) if c is not None}
             if any(isinstance(v, BaseException) for v in got.values()):
-                await self._coordinator.invalidate.remote(step, generation)
+                await asyncio.wait_for(self._coordinator.invalidate.remote(step, generation), CALL_TIMEOUT_S)
                 break
             out.append(StepLanes(step, generation, expand(groups, got, self.lanes)))
         return out
@@ -351,6 +361,6 @@ class NodeReader:
                 continue
             self.stats["reports"] += 1
             try:
-                await self._coordinator.advance.remote(moves)
+                await asyncio.wait_for(self._coordinator.advance.remote(moves), CALL_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - the coordinator is gone or restarting; the next report retries
                 await asyncio.sleep(0.5)

@@ -118,7 +118,7 @@ class _Listener:
         while not self.stopped.is_set() and ray.is_initialized():
             ready, _ = ray.wait([call], timeout=STOP_POLL_S)
             if ready:
-                return ray.get(ready[0])
+                return ray.get(ready[0], timeout=STOP_POLL_S + 30)  # answered: only its small value to read
             if time.monotonic() > deadline:
                 raise TimeoutError("the node reader's demand poll did not answer")
         return None
@@ -271,10 +271,10 @@ class ProcessReads:
         ``timeout_s`` bounds the coordinator's wait for the step; ``deadline`` (``time.monotonic()``) bounds every
         wait here, past it a :class:`ReplyTimeoutError` names the step and what it waited for."""
         key = (consumer, rank, world)
+        if track:
+            self.move(consumer, rank, world, step)  # travels with the request: the step may wait for this move
         while True:
             with self._lock:
-                if track:  # travels with the request: the step may wait for this move
-                    self._note(key, step, time.monotonic())
                 held = self._cache.get(step, lo, hi)
                 if held is not None:
                     if track:

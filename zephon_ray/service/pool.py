@@ -64,9 +64,15 @@ MAX_CONSECUTIVE_FAILURES = 4
 MAX_CONSECUTIVE_DEATHS = 50
 """Producer *deaths* (kill -9, OOM, node loss) in a row before giving up; each restart backs off a little."""
 PING_EVERY_S = 2.0
+MAX_UNWRITTEN_CHECKPOINTS = 16
+"""Merged checkpoints (25-350 KiB each) held while storage is out before production waits for the oldest one."""
 
 
-def get_off_loop(refs: Any, timeout: float | None = None) -> Any:
+REPLY_READ_S = 60.0
+"""Reading the reply of a call ``ray.wait`` found done (small metadata, or a merged checkpoint state)."""
+
+
+def get_off_loop(refs: Any, timeout: float = REPLY_READ_S) -> Any:
     """The values of ``refs`` (one ref or a list), for the pump thread, where every one of the pool's reads runs;
     errors as ``ray.get`` raises them. On an event loop it raises instead: there a wait would stall every call the
     coordinator serves. Through ``ObjectRef.future()``, not ``ray.get``: Ray 2.60 logs "Using blocking ray.get
@@ -135,6 +141,10 @@ class ProducerPool:
         self._store_address: str | None = None
         self._closed = False
         self._launch_lock = threading.Lock()
+        # Checkpoints are written by one thread of their own, in order: production goes on while storage is out
+        # (a write retries transient faults for the storage budget), and only durable ones are ever restored.
+        self._writer = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-ray-ckpt")
+        self._writing: dict[int, concurrent.futures.Future] = {}
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -195,7 +205,9 @@ class ProducerPool:
                 self._remove_old_aggregate_dirs(run_id)
 
     def close(self) -> None:
-        """No launch after this; kills the current generation and the retired ones."""
+        """No launch after this; kills the current generation and the retired ones. Checkpoints not yet written are
+        dropped (the durable ones are what a restart uses)."""
+        self._writer.shutdown(wait=False, cancel_futures=True)
         with self._launch_lock:
             self._closed = True
             if self.gen is not None:
@@ -343,7 +355,7 @@ class ProducerPool:
         k = self.config.checkpoint_every
         while self.next_step < target and len(self._inflight) + len(self._skips) < 2 * self.config.window:
             step = self.next_step
-            if step > 0 and step % k == 0 and not self.state.has_checkpoint(step):
+            if step > 0 and step % k == 0 and step not in self._writing and not self.state.has_checkpoint(step):
                 self._ckpts[step] = [a.checkpoint.remote(step) for a in gen.actors]
             if wanted(step):
                 # no Ray task events: M per step, recorded and shipped to the GCS for calls nobody inspects
@@ -356,6 +368,8 @@ class ProducerPool:
 
     def collect(self, timeout: float) -> list[Finished]:
         """Wait up to ``timeout`` for calls to finish; returns finished steps. Failures restart the group."""
+        if not self._written():
+            return []
         waiting = [r for metas in self._inflight.values() for r in metas]
         waiting += [r for refs in self._skips.values() for r in refs]
         waiting += [r for refs in self._ckpts.values() for r in refs]
@@ -443,15 +457,37 @@ class ProducerPool:
         return out
 
     def persist(self, step: int, state: dict[str, Any]) -> bool:
-        """Write a merged checkpoint durably (transient faults are retried inside, for the storage budget). False,
-        with ``fatal`` set to one line naming the object and the cause, when it cannot be made durable."""
-        try:
-            self.metrics.time_checkpoint(self.state.write_checkpoint, state)
-            return True
-        except (files.StorageError, ServiceStateError, OSError) as exc:
-            self.fatal = (f"service {self.config.name!r}: the checkpoint of step {step} cannot be made durable: "
-                          f"{describe(exc)}")
+        """Hand a merged checkpoint to the writer thread and go on producing: it is written in order, retrying
+        transient faults for the storage budget (tests/test_storage_faults.py: a 15 s outage does not stall
+        production). At most ``MAX_UNWRITTEN_CHECKPOINTS`` wait; beyond that (a long outage) this waits for the
+        oldest, so memory stays bounded. False, with ``fatal`` set to one line naming the object and the cause,
+        once one cannot be made durable."""
+        while self._written() and len(self._writing) >= MAX_UNWRITTEN_CHECKPOINTS:
+            oldest = self._writing[min(self._writing)]
+            # bounded: the write gives up itself when the storage budget is spent
+            concurrent.futures.wait([oldest], timeout=files.retry_budget_s() + 60)
+        if self.fatal:
             return False
+        self._writing[step] = self._writer.submit(self.metrics.time_checkpoint, self.state.write_checkpoint, state)
+        return True
+
+    def _written(self) -> bool:
+        """Forget the checkpoint writes that finished; False, with ``fatal`` set, if one failed for good."""
+        for step in sorted(self._writing):
+            future = self._writing[step]
+            if not future.done():
+                continue
+            del self._writing[step]
+            exc = None if future.cancelled() else future.exception()
+            if isinstance(exc, (files.StorageError, ServiceStateError, OSError)):
+                self.fatal = (f"service {self.config.name!r}: the checkpoint of step {step} cannot be made durable: "
+                              f"{describe(exc)}")
+            elif exc is not None:
+                raise exc
+        return not self.fatal
+
+    def unwritten_checkpoints(self) -> list[int]:
+        return sorted(self._writing)
 
     def drain(self) -> list[Finished]:
         out: list[Finished] = []

@@ -132,7 +132,7 @@ class LocalSlices(PrefetchedSlices):
                 if self._due(s):
                     with self._cond:  # wait until this reader's trainer took step s - 1
                         while not stop.is_set() and self._consumer_next < s:
-                            self._cond.wait(0.2)
+                            self._cond.wait(0.2)  # this reader's own trainer; close() sets stop
                     if stop.is_set():
                         return
                     checkpoint = stepper.checkpoint()  # collective when world > 1

@@ -1,0 +1,133 @@
+"""A seeded fuzzer of the loader core (``zephon_ray.stream.loader.Loader``): random sequences of segments, each in a
+random mode (local, service, dataset) at a random reader count W, resumed from a random saved state (the newest, an
+older one: a rollback, or none: a crash before the save), checked against the committed golden digests of
+tests/golden/tiny.json (made by the independent oracle, tests/oracle.py).
+
+Each segment: W readers (threads: a local-mode checkpoint with W > 1 is collective) load the chosen state, take a
+random number of steps, and (most of the time) save. The model: a segment starts at its state's ``next_step`` and
+yields the golden global batches from there, whatever came before; every reader's state is identical.
+
+The default suite runs ``SEEDS`` (a few segments each); ``ZR_LOADER_FUZZ_SEEDS=1-40 pytest -m slow
+tests/test_stream_loader_fuzz.py`` runs more. A failure prints the schedule that failed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+from conftest import TINY, run_ranks
+
+from zephon_ray import compute_digest
+
+STEPS = 16
+"""Steps materialised and read: every segment stays below it."""
+SEEDS = (7,)
+SEGMENTS = 6
+WORLDS = {"local": (1, 2, 4), "service": (1, 2, 3, 5, 6, 16), "dataset": (1, 3, 4, 7)}
+pytestmark = pytest.mark.timeout(1200)
+
+
+@pytest.fixture(scope="module")
+def sources(ray_cluster, tiny_recipe, tmp_path_factory):
+    from zephon_ray import DataService
+    from zephon_ray.jobs.materialize import materialize
+
+    work = tmp_path_factory.mktemp("loader-fuzz")
+    materialize(tiny_recipe, work / "materialized", range(0, STEPS), producers=1, segment_steps=8, progress=False)
+    service = DataService.start(str(TINY), name="loader-fuzz", namespace="zr-loader-fuzz", producers=1,
+                                state_dir=str(work / "svc"))
+    try:
+        yield {"dataset_dir": str(work / "materialized"), "work": work}
+    finally:
+        service.stop()
+
+
+def _config(mode: str, sources: dict, tag: str, pad: bool):
+    from zephon_ray.stream.loader import LoaderConfig
+
+    kw: dict = {"recipe": str(TINY), "mode": mode, "run_id": "fuzz", "pad_slices": pad}
+    if mode == "local":
+        kw.update(aggregate_dir=str(sources["work"] / f"aggregate-{tag}"), checkpoint_every=random.Random(tag).choice(
+            [0, 1, 2]))
+    elif mode == "service":
+        kw.update(service_name="loader-fuzz", service_namespace="zr-loader-fuzz")
+    else:
+        kw.update(dataset_dir=sources["dataset_dir"])
+    return LoaderConfig(**kw)
+
+
+def _segment(config, world: int, state: dict | None, steps: int, save: bool):
+    from zephon_ray.stream.loader import Loader
+
+    loaders = [Loader(config, rank=r, world=world) for r in range(world)]
+    slices: list[list] = [[] for _ in range(world)]
+    states: list = [None] * world
+
+    def read(r: int) -> None:
+        try:
+            if state is not None:
+                loaders[r].load_state_dict(json.loads(json.dumps(state)))
+            it = iter(loaders[r])
+            for _ in range(steps):
+                slices[r].append(next(it).slice)
+            if save:
+                states[r] = loaders[r].state_dict()
+        finally:
+            loaders[r].close()
+
+    run_ranks(world, read)
+    return [list(step) for step in zip(*slices)], states
+
+
+def _run(seed: int, sources: dict, golden: list[str], log: list[str]) -> None:
+    rng = random.Random(seed)
+    saved: list[dict] = []  # every state saved so far, oldest first
+    for segment in range(SEGMENTS):
+        mode = rng.choice(list(WORLDS))
+        world = rng.choice(WORLDS[mode])
+        pick = rng.random()
+        state = None if not saved or pick < 0.1 else saved[-1] if pick < 0.75 else rng.choice(saved)
+        start = 0 if state is None else state["next_step"]
+        steps = rng.randint(1, min(3, STEPS - start)) if start < STEPS else 0
+        save = rng.random() < 0.85
+        pad = rng.random() < 0.3
+        log.append(f"segment {segment}: {mode} W={world} from step {start} ({'no state' if state is None else 'state'})"
+                   f", {steps} steps, {'save' if save else 'crash before the save'}, pad={pad}")
+        if steps == 0:
+            continue
+        per_step, states = _segment(_config(mode, sources, f"{seed}-{segment}", pad), world, state, steps, save)
+        for offset, parts in enumerate(per_step):
+            step = parts[0].step
+            assert step == start + offset, f"{log[-1]}: reader yielded step {step}, expected {start + offset}"
+            digest = compute_digest(np.concatenate([p.tokens for p in parts]),
+                                    np.concatenate([p.positions for p in parts]))
+            assert digest == golden[step], f"{log[-1]}: step {step} differs from the golden"
+        if save:
+            assert all(s == states[0] for s in states), f"{log[-1]}: the readers' states differ"
+            assert states[0]["next_step"] == start + steps
+            saved.append(states[0])
+
+
+def _check(seed: int, sources: dict, golden: list[str]) -> None:
+    log: list[str] = []
+    try:
+        _run(seed, sources, golden, log)
+    except BaseException:
+        print(f"loader fuzz seed {seed} failed; its segments so far:\n" + "\n".join(log))
+        raise
+
+
+def test_loader_fuzz_short_seeded(sources, reference_digests):
+    for seed in SEEDS:
+        _check(seed, sources, reference_digests)
+
+
+@pytest.mark.slow
+def test_loader_fuzz_long(sources, reference_digests):
+    first, _, last = os.environ.get("ZR_LOADER_FUZZ_SEEDS", "1-40").partition("-")
+    for seed in range(int(first), int(last or first) + 1):
+        _check(seed, sources, reference_digests)
