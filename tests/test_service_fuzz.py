@@ -1,8 +1,9 @@
 """A stateful fault fuzzer of the service's client protocol: random sequences of reads, commits, handles, processes
 and kill -9s against a real service, each step checked against a simple model.
 
-Hypothesis's ``RuleBasedStateMachine`` draws the sequences; on a failure it shrinks the sequence and prints it as a
-script (``state = ServiceFuzz(); state.start(...); state.read(...); ...``) that reproduces it against this module.
+A sequence is a list of operations (tuples, :data:`OPS`) run by :func:`run_sequence` against a fresh service; every
+failure prints the sequence as a script (``state = ServiceFuzz(); h0 = state.start(); state.read(h0, ...); ...``)
+that reproduces it against this module.
 
 Operations: tracked and untracked reads (``slice``, ``batch``) at steps near the consumer's position, in the past, at
 random, far past ``max_ahead`` and negative, with good and bad rank/world; commits (valid, ahead of what was
@@ -18,11 +19,10 @@ Checks:
   allow is never refused;
 - at the end the service is healthy: no fatal error, and a fresh handle reads a step with the reference rows.
 
-The default suite runs a short seeded budget: ``FUZZ_SEQUENCES`` sequences of ``FUZZ_STEPS`` operations drawn by a
-``random.Random`` of fixed seeds from the same operations and arguments (Hypothesis starts from its simplest
-example, a sequence of one rule, which a budget this small cannot afford); a failure prints the sequence as a script.
-``ZR_FUZZ_MINUTES=30 pytest -m slow tests/test_service_fuzz.py -s`` runs Hypothesis's random sequences for that
-long, shrinking any failure, and prints the counts (sequences, operations, kills, refusals).
+The default suite runs a short seeded budget: the sequences ``random.Random(seed)`` draws for ``FUZZ_SEQUENCES``.
+``ZR_FUZZ_MINUTES=30 pytest -m slow tests/test_service_fuzz.py -k long -s`` draws sequences with Hypothesis
+(``st.lists`` of the same operations) for that long; Hypothesis shrinks a failing sequence (fewer and simpler
+operations) before it reports it, and the counts (sequences, operations, kills, refusals) are printed.
 """
 
 from __future__ import annotations
@@ -39,8 +39,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings, strategies as st
-from hypothesis.stateful import Bundle, RuleBasedStateMachine, initialize, invariant, rule, run_state_machine_as_test
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from zephon_ray import DataService, GlobalBatchSource
 from zephon_ray.service.protocol import READER_INFIX
@@ -126,24 +125,38 @@ def _bounded(what: str, fn, bound: float = LIVENESS_S):
     return box
 
 
-class ServiceFuzz(RuleBasedStateMachine):
-    """One sequence: a fresh service, then the drawn operations (the class attributes are set by the test)."""
+WHERES = ["near", "near", "near", "near", "past", "random", "random", "far", "negative"]
+KINDS = ["slice", "slice", "batch"]
+READERS = ["0/1", "0/1", "0/2", "1/2", "2/4", "3/4", "1/3", "2/3", "0/16", "bad:4/4", "bad:0/17", "bad:-1/2"]
+COMMITS = ["own", "own", "ahead", "huge", "negative"]
+NAMES = ["trainer", "notebook", "eval"]
+TARGETS = ["coordinator", "node reader", "producer"]
+OPS = {
+    # name: (weight, takes a handle, {argument: choices (a list) or an inclusive int range (a tuple)})
+    "read": (6, True, {"where": WHERES, "offset": (0, 60), "kind": KINDS, "track": [True, False],
+                       "reader": READERS}),
+    "commit": (2, True, {"how": COMMITS}),
+    "new_handle": (1, True, {"same": [True, False], "name": NAMES}),
+    "release": (1, True, {}),
+    "status": (1, True, {}),
+    "kill": (1, False, {"what": TARGETS}),
+    "reader_process": (1, False, {"consumer": ["trainer", "worker"], "first": (0, 20), "count": (1, 4),
+                                  "world": [1, 2], "kill_after": [None, None, 1]}),
+}
+"""The operations of a sequence. An operation is ``(name, handle index, {argument: value})``; the handle index is
+taken modulo the handles open at that point (``start``'s and each ``new_handle``'s)."""
+
+
+class ServiceFuzz:
+    """One sequence: a fresh service (:meth:`start`), then operations, then :meth:`teardown` (which checks that the
+    service is healthy). The model of what the service must do lives in the operations' checks."""
 
     recipe = None
     workdir: Path = Path("/tmp")
     counts = Counts()
     number = 0
 
-    handles = Bundle("handles")
-    wheres = ["near", "near", "near", "near", "past", "random", "random", "far", "negative"]
-    kinds = ["slice", "slice", "batch"]
-    readers = ["0/1", "0/1", "0/2", "1/2", "2/4", "3/4", "1/3", "2/3", "0/16", "bad:4/4", "bad:0/17", "bad:-1/2"]
-    commits_how = ["own", "own", "ahead", "huge", "negative"]
-    names = ["trainer", "notebook", "eval"]
-    targets = ["coordinator", "node reader", "producer"]
-
     def __init__(self) -> None:
-        super().__init__()
         self.svc: DataService | None = None
         self.reference = _Reference.get(self.recipe)
         self.delivered: dict[str, int] = {}  # consumer -> highest step a tracked read of it delivered
@@ -153,7 +166,6 @@ class ServiceFuzz(RuleBasedStateMachine):
         self.procs: list[subprocess.Popen] = []
 
     # ------------------------------------------------------------------ set-up and teardown
-    @initialize(target=handles)
     def start(self):
         ServiceFuzz.number += 1
         name = f"fz{os.getpid()}x{ServiceFuzz.number}"
@@ -206,7 +218,6 @@ class ServiceFuzz(RuleBasedStateMachine):
         return offset % STEPS
 
     # ------------------------------------------------------------------ operations
-    @rule(target=handles, handle=handles, same=st.booleans(), name=st.sampled_from(names))
     def new_handle(self, handle, same, name):
         consumer = handle.consumer if same else name
         box = _bounded("connect", lambda: DataService.connect(self.name, namespace=NS, consumer=consumer))
@@ -214,8 +225,6 @@ class ServiceFuzz(RuleBasedStateMachine):
         self.counts.operations += 1
         return self._track(box["value"])
 
-    @rule(handle=handles, where=st.sampled_from(wheres), offset=st.integers(0, 60), kind=st.sampled_from(kinds),
-          track=st.booleans(), reader=st.sampled_from(readers))
     def read(self, handle, where, offset, kind, track, reader):
         self.counts.operations += 1
         self.counts.reads += 1
@@ -250,7 +259,6 @@ class ServiceFuzz(RuleBasedStateMachine):
             own[key] = max(own.get(key, -1), step)
             self.position[c] = max(self.position[c], step)
 
-    @rule(handle=handles, how=st.sampled_from(commits_how))
     def commit(self, handle, how):
         self.counts.operations += 1
         own = self.own[id(handle)]
@@ -272,21 +280,18 @@ class ServiceFuzz(RuleBasedStateMachine):
         self.commits[c] = step
         self.counts.commits += 1
 
-    @rule(handle=handles)
     def release(self, handle):
         self.counts.operations += 1
         box = _bounded("release", handle.release)
         assert "error" not in box, f"release failed: {box.get('error')!r}"
         self.own[id(handle)].clear()  # the client forgets its own moves with its cursors
 
-    @rule(handle=handles)
     def status(self, handle):
         self.counts.operations += 1
         box = _bounded("status", handle.status)
         assert "error" not in box, f"status failed: {box.get('error')!r}"
         assert not box["value"].get("fatal"), box["value"]["fatal"]
 
-    @rule(what=st.sampled_from(targets))
     def kill(self, what):
         self.counts.operations += 1
         import ray
@@ -317,8 +322,6 @@ class ServiceFuzz(RuleBasedStateMachine):
             return
         self.counts.kills[what] = self.counts.kills.get(what, 0) + 1
 
-    @rule(consumer=st.sampled_from(["trainer", "worker"]), first=st.integers(0, 20), count=st.integers(1, 4),
-          world=st.sampled_from([1, 2]), kill_after=st.sampled_from([None, None, 1]))
     def reader_process(self, consumer, first, count, world, kill_after):
         """A reader of its own (a trainer rank in another process): its rows are checked here; with ``kill_after``
         it is killed -9 after its first step (its cursor then holds the window until it expires)."""
@@ -357,68 +360,60 @@ class ServiceFuzz(RuleBasedStateMachine):
             self.delivered[consumer] = max(self.delivered.get(consumer, -1), asked)
         self.procs.remove(proc)
 
-    @invariant()
-    def no_stray_threads(self):
-        # a hang is caught by _bounded; here only that no operation left a fuzz thread running
-        assert not any(t.name.startswith("fuzz-") and t.is_alive() for t in threading.enumerate())
 
 
-def _hypothesis(recipe, workdir: Path, examples: int, steps: int) -> None:
+def run_sequence(recipe, workdir: Path, ops: list) -> None:
+    """Run ``ops`` against a fresh service; on a failure, print the sequence as a script and re-raise."""
     ServiceFuzz.recipe, ServiceFuzz.workdir = recipe, workdir
-    run_state_machine_as_test(ServiceFuzz, settings=settings(
-        max_examples=examples, stateful_step_count=steps, database=None, deadline=None,
-        suppress_health_check=list(HealthCheck), print_blob=True))
-
-
-def _seeded(recipe, workdir: Path, seed: int, steps: int) -> None:
-    """One sequence of ``steps`` operations drawn by ``random.Random(seed)``, with the machine's own argument
-    lists; on a failure the sequence so far is printed as a script."""
-    import random
-
-    rng = random.Random(seed)
-    m = ServiceFuzz
-    m.recipe, m.workdir = recipe, workdir
-    machine = m()
+    machine = ServiceFuzz()
     script = ["state = ServiceFuzz()", "h0 = state.start()"]
-    handles = [machine.start()]
-    ops = [(6, "read"), (2, "commit"), (1, "new_handle"), (1, "release"), (1, "status"), (1, "kill"),
-           (1, "reader_process")]
     try:
-        for _ in range(steps):
-            op = rng.choices([o for _, o in ops], weights=[w for w, _ in ops])[0]
-            h = rng.randrange(len(handles))
-            if op == "read":
-                args = dict(where=rng.choice(m.wheres), offset=rng.randrange(61), kind=rng.choice(m.kinds),
-                            track=rng.random() < 0.5, reader=rng.choice(m.readers))
-            elif op == "commit":
-                args = dict(how=rng.choice(m.commits_how))
-            elif op == "new_handle":
-                args = dict(same=rng.random() < 0.5, name=rng.choice(m.names))
-            elif op == "kill":
-                args = dict(what=rng.choice(m.targets))
-            elif op == "reader_process":
-                args = dict(consumer=rng.choice(["trainer", "worker"]), first=rng.randrange(21),
-                            count=rng.randint(1, 4), world=rng.choice([1, 2]), kill_after=rng.choice([None, None, 1]))
-            else:
-                args = {}
-            takes_handle = op in ("read", "commit", "new_handle", "release", "status")
-            shown = ", ".join([f"handle=h{h}"] * takes_handle + [f"{k}={v!r}" for k, v in args.items()])
-            call = f"state.{op}({shown})"
-            script.append(f"h{len(handles)} = {call}" if op == "new_handle" else call)
-            got = getattr(machine, op)(*([handles[h]] if takes_handle else []), **args)
-            if op == "new_handle":
+        handles = [machine.start()]
+        for name, index, args in ops:
+            takes_handle = OPS[name][1]
+            h = index % len(handles)
+            shown = ", ".join([f"h{h}"] * takes_handle + [f"{k}={v!r}" for k, v in args.items()])
+            call = f"state.{name}({shown})"
+            script.append(f"h{len(handles)} = {call}" if name == "new_handle" else call)
+            got = getattr(machine, name)(*([handles[h]] if takes_handle else []), **args)
+            if name == "new_handle":
                 handles.append(got)
         script.append("state.teardown()")
         machine.teardown()
     except BaseException:
-        print(f"seed {seed}: the failing sequence, as a script (tests/test_service_fuzz.py):\n" + "\n".join(script))
+        print("the failing sequence, as a script (tests/test_service_fuzz.py):\n" + "\n".join(script))
         raise
+
+
+def seeded_ops(seed: int, steps: int) -> list:
+    """``steps`` operations drawn by ``random.Random(seed)`` with :data:`OPS`' weights."""
+    import random
+
+    rng = random.Random(seed)
+    names = list(OPS)
+    out = []
+    for _ in range(steps):
+        name = rng.choices(names, weights=[OPS[n][0] for n in names])[0]
+        args = {k: rng.randint(*v) if isinstance(v, tuple) else rng.choice(v) for k, v in OPS[name][2].items()}
+        out.append((name, rng.randrange(8), args))
+    return out
+
+
+def _op_strategy():
+    """Hypothesis's operations: the same names and arguments; ``status`` first, so its simplest sequence is cheap."""
+    def one(name):
+        fields = {k: st.integers(*v) if isinstance(v, tuple) else st.sampled_from(v) for k, v in OPS[name][2].items()}
+        return st.tuples(st.just(name), st.integers(0, 7), st.fixed_dictionaries(fields))
+
+    order = ["status"] + [n for n in OPS if n != "status"]
+    return st.one_of(*[one(n) for n in order for _ in range(OPS[n][0])])
 
 
 def test_fuzz_service_short_seeded(ray_cluster, tiny_recipe, tmp_path):
     ServiceFuzz.counts = Counts()
     for seed in FUZZ_SEQUENCES:
-        _seeded(tiny_recipe, tmp_path, seed, FUZZ_STEPS)
+        print(f"seed {seed}")
+        run_sequence(tiny_recipe, tmp_path, seeded_ops(seed, FUZZ_STEPS))
     counts = ServiceFuzz.counts
     print("service fuzz:", counts.line())
     assert counts.sequences == len(FUZZ_SEQUENCES) and counts.reads > 0
@@ -426,15 +421,21 @@ def test_fuzz_service_short_seeded(ray_cluster, tiny_recipe, tmp_path):
 
 @pytest.mark.slow
 def test_fuzz_service_long(ray_cluster, tiny_recipe, tmp_path):
-    """``ZR_FUZZ_MINUTES`` (default 30) of Hypothesis's random sequences, in rounds of a few; the counts are printed
-    and written to ``$ZR_FUZZ_SUMMARY`` when set."""
+    """``ZR_FUZZ_MINUTES`` (default 30) of Hypothesis's sequences of 5-40 operations, in rounds of 10; a failure is
+    shrunk, then reported. The counts are printed and written to ``$ZR_FUZZ_SUMMARY`` when set."""
     minutes = float(os.environ.get("ZR_FUZZ_MINUTES", "30"))
     ServiceFuzz.counts = Counts()
+
+    @settings(max_examples=10, database=None, deadline=None, suppress_health_check=list(HealthCheck),
+              print_blob=True)
+    @given(ops=st.lists(_op_strategy(), min_size=5, max_size=40))
+    def sequence(ops):
+        run_sequence(tiny_recipe, tmp_path, ops)
+
     t0 = time.monotonic()
     while time.monotonic() - t0 < minutes * 60:
-        _hypothesis(tiny_recipe, tmp_path, 3, 30)
-    counts = ServiceFuzz.counts
-    line = counts.line()
+        sequence()
+    line = ServiceFuzz.counts.line()
     print(f"service fuzz, {minutes:g} min:", line)
     if os.environ.get("ZR_FUZZ_SUMMARY"):
         Path(os.environ["ZR_FUZZ_SUMMARY"]).write_text(line + "\n")

@@ -91,8 +91,9 @@ STAT_REPLAYED_STEPS = "replayed_steps"
 STAT_RESUME_REPLAY = "resume_replay"
 STAT_RESUMED_FROM = "resumed_from_checkpoint"
 
-GET_TIMEOUT_S = 600.0
-"""How long a reader waits for one step's slice (or a local-mode checkpoint) before a TimeoutError."""
+GET_TIMEOUT_S = 960.0
+"""How long a reader waits for one step's slice (or a local-mode checkpoint) before a TimeoutError: longer than a
+service read's own deadline (``ServiceConfig.read_timeout_s``, 900 s), whose one line says what it waited for."""
 
 
 @dataclass(frozen=True, kw_only=True)
