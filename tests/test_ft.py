@@ -61,7 +61,7 @@ def test_churn_kills_and_a_rejoin_at_a_participant_count_not_dividing_B_audit_cl
     ``zephon-ray audit`` of it (against the materialised rows, themselves checked against the goldens): clean, each
     step once at the W it was committed at, and a step a kill hit is recorded as served again (attempt 1), its
     rejected attempt nowhere."""
-    from zephon_ray.jobs.audit import read_ledger
+    from zephon_ray.formats.ledger import read_ledger
 
     events, participants, served_again = CHURNS[churn]
     out = tmp_path / "summary.json"
@@ -265,7 +265,7 @@ def test_an_attempt_applied_after_a_rejection_is_named_by_the_audit(tiny_dir, tm
     twice, the second time as attempt 1. One group: two groups healing each other made the test's timing depend on
     the machine's load (a heal under load outlasted the process group's timeout)."""
     from zephon_ray.cli import main
-    from zephon_ray.jobs.audit import read_ledger
+    from zephon_ray.formats.ledger import read_ledger
     from zephon_ray.stream.ft import FtSlices
 
     config = _ft_ledger_config(tiny_dir, tmp_path / "ledger")
@@ -328,8 +328,7 @@ def test_a_reader_asked_for_a_step_its_ledger_did_not_reach_stops_and_a_healed_o
             assert manager.should_commit()
             restarted.commit(2)
             assert restarted.ledger.head != state["ledger"]
-    from zephon_ray.jobs.audit import audit, find_head, read_ledger
+    from zephon_ray.jobs.audit import audit
 
-    segments = read_ledger(str(tmp_path / "ledger"))
-    report = audit(segments, find_head(segments))
+    report = audit(str(tmp_path / "ledger"))
     assert report.clean and report.next_step == 3 and len(report.lineage) == 3, [f.line for f in report.findings]
