@@ -302,3 +302,27 @@ def test_a_spool_line_cut_short_is_left_out_and_a_later_line_of_a_step_wins(tmp_
     spool.write_text(json.dumps(part)[:30] + "\n" + json.dumps(again) + "\n")
     with pytest.raises(LedgerError, match=f"^{spool}: line 1 of the ledger spool is not JSON$"):
         ledger.read_spool(spool)
+
+
+def test_what_the_audit_finds_in_a_part_survives_compaction(tmp_path):
+    """A pack stores a record column only where it differs from the part's default (its steps, W and rank, attempt 0,
+    trained once): a step never trained, one trained twice on a later attempt, a step missing and a record of
+    another rank read back the same, and the audit names the same findings after compaction."""
+    seg = ledger.segment_id(run_id="r", fingerprint="f" * 64, parent="", first_step=0, next_step=4, world=2,
+                            resumed=False)
+    records = {0: [Record(0, 2, 0, _digest(0, 0, 2), 0, 0), Record(1, 2, 0, _digest(1, 0, 2), 1, 2),
+                   Record(3, 2, 0, _digest(3, 0, 2))],
+               1: [Record(s, 2, 1 if s != 2 else 0, _digest(s, 1, 2)) for s in range(4)]}
+    for rank, recs in records.items():
+        ledger.write_part(tmp_path, ledger.make_part(run_id="r", fingerprint="f" * 64, segment=seg, parent="",
+                                                     first_step=0, next_step=4, world=2, rank=rank, resumed=False,
+                                                     records=recs))
+    before, lines = ledger.read_ledger(tmp_path), _audit_lines(tmp_path)
+    assert lines[0] == ["step 0: skipped: rank 0 of 2 was handed it but never trained it",
+                        "step 1: trained twice: rank 0 of 2 trained it 2 times (its record is attempt 1: an earlier "
+                        "attempt that torchft rejected was applied too)",
+                        "step 2: skipped: rank 0 of 2 has no record of it",
+                        "step 2: split: the part of rank 1 of 2 holds a record of rank 0 of 2",
+                        "audit: 4 finding(s) in steps [0, 4) (W 2)"], lines
+    ledger.compact(tmp_path)
+    assert ledger.read_ledger(tmp_path) == before and _audit_lines(tmp_path) == lines

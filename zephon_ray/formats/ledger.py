@@ -40,6 +40,9 @@ Where parts live, under ``<ledger_dir>`` (a local path or an object-store URI; e
                                          "rows", "records"}, "replaces": ["<older pack>", ...]}
     packs/<pack>.segments.parquet        one row per segment: its header
     packs/<pack>.parts.parquet           one row per part: segment row, rank, and its records as list columns
+                                         (steps, worlds, ranks, attempts, trained: null when every record has the
+                                         part's default: its segment's steps, W and rank, attempt 0, trained 1;
+                                         digests: 16 bytes each, always)
 
 **Compaction** (:func:`compact`, ``zephon-ray ledger compact DIR``) merges loose parts, batches and the smaller packs
 into one new pack: data objects first, then the manifest naming the packs it replaces, then the deletes of its
@@ -258,7 +261,9 @@ RECORD_COLUMNS = ("steps", "worlds", "ranks", "attempts", "trained")
 class Parts:
     """Parts in columns: part i is segment ``code[i]`` (a :class:`SegmentTable` code), rank ``rank[i]``; its records
     are entries ``[offsets[i], offsets[i+1])`` of the flat record columns (``digests``: 32 hex digits as bytes, only
-    when asked for). ``where``: the file they came from."""
+    when asked for), except a **dense** part (``dense[i]`` records, none materialised): one record per step of its
+    segment, each naming the part's W and rank, attempt 0, trained once, as a pack stores it (read without digests
+    only). ``where``: the file they came from."""
 
     code: np.ndarray
     rank: np.ndarray
@@ -270,15 +275,17 @@ class Parts:
     trained: np.ndarray
     digests: np.ndarray | None
     where: str
+    dense: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.code)
 
     @property
     def records(self) -> int:
-        return int(self.offsets[-1])
+        return int(self.offsets[-1]) + (0 if self.dense is None else int(self.dense.sum()))
 
     def record_list(self, i: int) -> list[Record]:
+        assert self.dense is None or not self.dense[i], "a dense part's records are not materialised"
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         digests = self.digests[lo:hi].astype(str).tolist() if self.digests is not None else [""] * (hi - lo)
         cols = [c[lo:hi].tolist() for c in (self.steps, self.worlds, self.ranks, self.attempts, self.trained)]
@@ -294,7 +301,8 @@ class Parts:
         offsets = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
         return Parts(self.code[keep], self.rank[keep], offsets, *(c[rec] for c in (
             self.steps, self.worlds, self.ranks, self.attempts, self.trained)),
-            None if self.digests is None else self.digests[rec], self.where)
+            None if self.digests is None else self.digests[rec], self.where,
+            None if self.dense is None else self.dense[keep])
 
 
 def _parts_from_docs(docs: list[dict], table: SegmentTable, where: str, digests: bool) -> Parts:
@@ -593,7 +601,7 @@ def read_pack(base: files.Location, name: str, manifest: dict, table: SegmentTab
             raise LedgerError(f"{loc.uri}: ledger pack object is {files.size(loc)} bytes, its manifest says "
                               f"{manifest[key]['bytes']} (missing, cut short or replaced)")
     seg_loc = base.join(PACKS, manifest["segments"]["object"])
-    segs = pq.read_table(files.open_input_file(seg_loc)).to_pydict()
+    segs = pq.ParquetFile(files.open_input_file(seg_loc)).read().to_pydict()  # not read_table: it imports pandas
     codes = []
     for i in range(len(segs["segment"])):
         seg = Segment(*(segs[k][i] for k in ("segment", "parent", "run_id", "fingerprint", "first_step",
@@ -602,6 +610,7 @@ def read_pack(base: files.Location, name: str, manifest: dict, table: SegmentTab
         codes.append(table.add(seg, seg_loc.uri))
     mapping = np.array(codes, dtype=np.int64)
     worlds = np.array(segs["world"], dtype=np.int64)
+    firsts, ends = np.array(segs["first_step"], dtype=np.int64), np.array(segs["next_step"], dtype=np.int64)
     pf = pq.ParquetFile(files.open_input_file(where))
     columns = ["seg", "rank", *RECORD_COLUMNS] + (["digests"] if digests else [])
     for g in range(pf.num_row_groups):
@@ -612,16 +621,56 @@ def read_pack(base: files.Location, name: str, manifest: dict, table: SegmentTab
                            or rank.min() < 0):
             raise LedgerError(f"{where.uri}: row group {g} names a segment row or rank outside the pack")
         lists = [batch.column(c).combine_chunks() for c in columns[2:]]
-        offsets = np.asarray(lists[0].offsets, dtype=np.int64)
-        if any(not np.array_equal(np.asarray(col.offsets, dtype=np.int64), offsets) for col in lists[1:]):
-            raise LedgerError(f"{where.uri}: row group {g}: the record columns of a part differ in length")
-        flat = [np.asarray(col.flatten().to_numpy(zero_copy_only=False), dtype=np.int64) for col in lists[:5]]
-        hexes = None
-        if digests:
-            raw = lists[5].flatten()
-            buf = raw.buffers()[1].to_pybytes()[raw.offset * 16:(raw.offset + len(raw)) * 16]
-            hexes = np.frombuffer(binascii.hexlify(buf), dtype="S32")
-        yield Parts(mapping[local], rank, offsets - offsets[0], *flat, hexes, where.uri)
+        try:
+            yield _decode(mapping[local], rank, firsts[local], ends[local], worlds[local], lists, digests,
+                          where.uri)
+        except ValueError as exc:
+            raise LedgerError(f"{where.uri}: row group {g}: {exc}") from None
+
+
+def _list_parts(col: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(null per part, length per part, flat values) of a list column."""
+    offsets = np.asarray(col.offsets, dtype=np.int64)
+    return (np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=bool), np.diff(offsets),
+            col.flatten())
+
+
+def _decode(code: np.ndarray, rank: np.ndarray, first: np.ndarray, end: np.ndarray, world: np.ndarray,
+            lists: list, digests: bool, where: str) -> Parts:
+    """A pack's row group as :class:`Parts`. A null record column is the part's default (steps ``first..end-1``,
+    its W, its rank, attempt 0, trained 1); a part with every column null stays dense unless digests are read."""
+    cols = [_list_parts(col) for col in lists[:5]]
+    null_steps, len_steps, _ = cols[0]
+    count = np.where(null_steps, end - first, len_steps)
+    for name, (null, length, _) in zip(RECORD_COLUMNS[1:], cols[1:]):
+        if (~null & (length != count)).any():
+            raise ValueError(f"record column '{name}' of a part has another length than its steps")
+    dense = np.logical_and.reduce([c[0] for c in cols])
+    show = np.ones(len(code), dtype=bool) if digests else ~dense
+    n = np.where(show, count, 0)
+    offsets = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
+    total = int(offsets[-1])
+    pos = np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], n)
+    defaults = [np.repeat(first, n) + pos, np.repeat(world, n), np.repeat(rank, n),
+                np.zeros(total, dtype=np.int64), np.ones(total, dtype=np.int64)]
+    flat = []
+    for default, (null, length, values) in zip(defaults, cols):
+        stored = show & ~null  # parts whose stored list is read
+        if stored.any():
+            values = np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.int64)
+            starts = np.concatenate([[0], np.cumsum(length)])[:-1]
+            take = np.repeat(starts[stored], n[stored]) + (np.arange(int(n[stored].sum()))
+                                                             - np.repeat(np.cumsum(n[stored]) - n[stored], n[stored]))
+            default[np.repeat(stored, n)] = values[take]
+        flat.append(default)
+    hexes = None
+    if digests:
+        null, length, raw = _list_parts(lists[5])
+        if (null | (length != count)).any():
+            raise ValueError("a part's digests are not one per record")
+        buf = raw.buffers()[1].to_pybytes()[raw.offset * 16:(raw.offset + len(raw)) * 16]
+        hexes = np.frombuffer(binascii.hexlify(buf), dtype="S32")
+    return Parts(code, rank, offsets, *flat, hexes, where, None if digests else np.where(dense, count, 0))
 
 
 class PackWriter:
@@ -662,10 +711,25 @@ class PackWriter:
         offsets = [np.asarray(p.offsets) for p in self._pending]
         shifts = np.cumsum([0] + [o[-1] for o in offsets[:-1]])
         joined = np.concatenate([offsets[0][:1]] + [o[1:] + s for o, s in zip(offsets, shifts)]).astype(np.int32)
-        arrays = [pa.array(lookup(codes)), pa.array(np.concatenate([p.rank for p in self._pending]))]
-        for col in RECORD_COLUMNS:
-            values = pa.array(np.concatenate([getattr(p, col) for p in self._pending]), pa.int64())
-            arrays.append(pa.ListArray.from_arrays(pa.array(joined), values))
+        rank = np.concatenate([p.rank for p in self._pending])
+        arrays = [pa.array(lookup(codes)), pa.array(rank)]
+        counts = np.diff(joined).astype(np.int64)
+        segs = [self.table.segments[c] for c in codes.tolist()]
+        first = np.array([s.first_step for s in segs], dtype=np.int64)
+        end = np.array([s.next_step for s in segs], dtype=np.int64)
+        pos = np.arange(int(joined[-1]), dtype=np.int64) - np.repeat(joined[:-1].astype(np.int64), counts)
+        defaults = [np.repeat(first, counts) + pos, np.repeat([s.world for s in segs], counts),
+                    np.repeat(rank, counts), 0, 1]
+        for col, default in zip(RECORD_COLUMNS, defaults):
+            values = np.concatenate([getattr(p, col) for p in self._pending])
+            differs = np.bincount(np.repeat(np.arange(len(codes)), counts)[values != default],
+                                  minlength=len(codes)) > 0
+            if col == "steps":
+                differs |= counts != end - first
+            kept = np.where(differs, counts, 0)  # a part whose column is all default stores null
+            offsets = pa.array(np.concatenate([[0], np.cumsum(kept)]).astype(np.int32))
+            arrays.append(pa.ListArray.from_arrays(offsets, pa.array(values[np.repeat(differs, counts)], pa.int64()),
+                                                   mask=pa.array(~differs)))
         hexes = np.concatenate([p.digests for p in self._pending])
         try:
             raw = binascii.unhexlify(hexes.tobytes())
@@ -775,7 +839,7 @@ def _choose_packs(found: Containers) -> list[str]:
     for name, manifest in found.packs.items():
         if wanted:
             seg_loc = found.base.join(PACKS, manifest["segments"]["object"])
-            ids = pq.read_table(files.open_input_file(seg_loc), columns=["segment"]).column(0).to_pylist()
+            ids = pq.ParquetFile(files.open_input_file(seg_loc)).read(columns=["segment"]).column(0).to_pylist()
             if wanted.intersection(ids):
                 chosen.append(name)
                 gathered += manifest["parts"]["records"]

@@ -149,11 +149,13 @@ class _Checks:
         order = np.argsort(inv, kind="stable")
         for code, ranks in zip(uniq.tolist(), np.split(parts.rank[order], np.cumsum(np.bincount(inv))[:-1])):
             self.ranks.setdefault(code, []).append(ranks.astype(np.int32))
-        counts = np.diff(parts.offsets)
-        pos = np.arange(parts.records, dtype=np.int64) - np.repeat(parts.offsets[:-1], counts)
+        counts = np.diff(parts.offsets)  # materialised records; a dense part has none and is exact by its encoding
+        pos = np.arange(int(parts.offsets[-1]), dtype=np.int64) - np.repeat(parts.offsets[:-1], counts)
         wrong = ((parts.steps != np.repeat(first, counts) + pos) | (parts.trained != 1)
                  | (parts.worlds != np.repeat(world, counts)) | (parts.ranks != np.repeat(parts.rank, counts)))
         bad = counts != end - first
+        if parts.dense is not None:
+            bad &= parts.dense == 0
         bad[np.repeat(np.arange(n), counts)[wrong]] = True
         for i in np.flatnonzero(bad).tolist():
             self._explain(self.table.segments[int(parts.code[i])], int(parts.rank[i]), parts.record_list(i))
