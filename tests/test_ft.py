@@ -100,11 +100,11 @@ def test_churn_kills_and_a_rejoin_at_a_participant_count_not_dividing_B_audit_cl
     assert sorted((s, r) for (s, _, r), rec in records.items() if rec.attempt) == served_again
     found = containers(tmp_path / "ledger")
     assert not found.loose and not found.packs and not found.spools and len(found.batches) >= 3, found
-    assert found.files < sum(participants), found  # batch files, not one file per committed step per reader
+    assert found.file_count < sum(participants), found  # batch files, not one file per committed step per reader
     before = audit(str(tmp_path / "ledger"))
     compact(tmp_path / "ledger")
     after = audit(str(tmp_path / "ledger"))
-    assert containers(tmp_path / "ledger").files == 3 and after.clean and after.records == before.records == \
+    assert containers(tmp_path / "ledger").file_count == 3 and after.clean and after.records == before.records == \
         sum(participants) and after.verdict() == before.verdict()
 
 

@@ -326,3 +326,21 @@ def test_what_the_audit_finds_in_a_part_survives_compaction(tmp_path):
                         "audit: 4 finding(s) in steps [0, 4) (W 2)"], lines
     ledger.compact(tmp_path)
     assert ledger.read_ledger(tmp_path) == before and _audit_lines(tmp_path) == lines
+
+
+def test_the_compact_command_says_what_it_merged_and_refuses_a_directory_without_a_ledger(tmp_path, capsys):
+    from zephon_ray.cli import main
+
+    directory = tmp_path / "ledger"
+    _write_run(directory, world=2, saves=[3, 6])
+    assert main(["ledger", "compact", str(directory)]) == 0
+    line, = capsys.readouterr().out.splitlines()
+    pack = ledger.containers(directory).packs
+    assert line == f"{directory}: packed 4 part(s), 12 record(s) into {next(iter(pack))}; 4 -> 3 ledger file(s)"
+    assert main(["ledger", "compact", str(directory)]) == 0
+    assert capsys.readouterr().out == f"{directory}: nothing to merge; 3 -> 3 ledger file(s)\n"
+    with pytest.raises(SystemExit) as info:
+        main(["ledger", "compact", str(tmp_path / "empty")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err == (f"zephon-ray: error: {tmp_path / 'empty'}: no ledger segments there (not a "
+                                            "ledger directory, or nothing was saved)\n"), err

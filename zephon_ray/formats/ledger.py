@@ -334,7 +334,7 @@ class Containers:
     bytes_unpacked: int = 0  # loose parts and batches
 
     @property
-    def files(self) -> int:
+    def file_count(self) -> int:
         """Files a reader opens (a pack counts its two data objects and its manifest)."""
         return sum(len(v) for v in self.loose.values()) + len(self.batches) + len(self.spools) + 3 * len(self.packs)
 
@@ -794,11 +794,11 @@ def compact(ledger_dir: "str | files.Location", *, hook: Any = None) -> CompactR
     found = containers(base)
     if not found:
         raise LedgerError(f"{base.uri}: no ledger segments there (not a ledger directory, or nothing was saved)")
-    before = found.files + len(found.garbage)
+    before = found.file_count + len(found.garbage)
     _delete(found.base, found.garbage)
     chosen = _choose_packs(found)
     if not found.loose and not found.batches and len(chosen) < 2:
-        return CompactResult(before, containers(base).files, 0, 0, None)
+        return CompactResult(before, containers(base).file_count, 0, 0, None)
     sub = Containers(base, loose=found.loose, batches=found.batches, packs={n: found.packs[n] for n in chosen})
     table = SegmentTable()
     writer = PackWriter(base, table)
@@ -814,7 +814,7 @@ def compact(ledger_dir: "str | files.Location", *, hook: Any = None) -> CompactR
     inputs = [f"{seg}/{n}" for seg, names in found.loose.items() for n in names] + found.batches
     _delete(base, inputs + [f"{PACKS}/{n}.json" for n in chosen]
             + [f"{PACKS}/{found.packs[n][k]['object']}" for n in chosen for k in ("segments", "parts")])
-    return CompactResult(before, containers(base).files, manifest["parts"]["rows"], manifest["parts"]["records"],
+    return CompactResult(before, containers(base).file_count, manifest["parts"]["rows"], manifest["parts"]["records"],
                          manifest["pack"])
 
 
