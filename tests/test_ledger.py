@@ -1,6 +1,8 @@
 """The ledger format (``zephon_ray.formats.ledger``) and the loader state's ``ledger`` key: the slice digest against its
 written formula, a part's round trip through a local path, the segment id every rank computes alike, and one line
-naming the file and key for each bad document."""
+naming the file and key for each bad document; compaction into packs (what it merges, how few packs remain, a real
+process SIGKILLed at each of its commit points, findings that survive it, the command); the torchft spool (a real
+process SIGKILLed between two flushes, a line cut short)."""
 
 from __future__ import annotations
 

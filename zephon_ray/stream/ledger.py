@@ -11,6 +11,9 @@ Limits: the records prove which rows were handed to the trainer (and, with ``com
 trained), not that the optimizer applied them. A TP/PP/CP peer records nothing (its leader records the rank). The
 hashing costs one sha256 pass over the slice per step, done by the prefetch thread (``RankSlice.ledger_digest``) so
 the trainer waits for it only when the source falls behind (``benchmarks/bench_ledger.py``).
+
+:class:`FtLedger` is the torchft side: a segment per committed step, spooled at each commit and batched into one file
+per reader per flush interval (its docstring says how a killed group loses nothing it committed).
 """
 
 from __future__ import annotations
