@@ -23,7 +23,9 @@ digest (the participants' slices, gathered and joined in participant order), and
 
 It exits 1 on NO. ``--ledger DIR``: every group's FtSlices writes the churned run's ledger there (``commit`` after
 each committed optimizer step; the ledger head travels in the state torchft heals a group with), and the run ends
-with ``zephon-ray audit`` of it against the recipe's rows; a finding exits 1 too. ``--sampler torchft`` replaces FtSlices by torchft's ``DistributedSampler`` over a map-style view
+with ``zephon-ray audit`` of it against the recipe's rows; a finding exits 1 too (``--ledger-flush-records N``: each
+group moves its spooled parts into a batch file once more than N wait; a killed group's spool is flushed by its next
+life, or read where it is). ``--sampler torchft`` replaces FtSlices by torchft's ``DistributedSampler`` over a map-style view
 of the same rows (sharded over the maximum group count, as torchft documents it) and reports the rows it lost or
 repeated; it prints NO by design. Default recipe: recipes/elastic.toml (B = 24 rows). Any P up to B works: at a P that
 does not divide B the groups hold different row counts, and each scales its summed token loss by
@@ -137,7 +139,7 @@ def replica(args: argparse.Namespace) -> int:
         else:
             config = LoaderConfig(recipe=args.recipe, mode="dataset", dataset_dir=args.dataset_dir, run_id="churn",
                                   ledger_dir=args.ledger)
-        source = FtSlices(config, manager=manager, recipe=recipe)
+        source = FtSlices(config, manager=manager, recipe=recipe, ledger_flush_records=args.ledger_flush_records)
     records = open(work / f"records-g{g}-life{life}.jsonl", "a")
     (work / f"ready-g{g}-life{life}").write_text(str(os.getpid()))
     _wait_for(work / "go")
@@ -417,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", default=None, help="write the summary here")
     parser.add_argument("--ledger", default=None, help="FtSlices write the churned run's ledger here; the run ends "
                         "with `zephon-ray audit` of it")
+    parser.add_argument("--ledger-flush-records", type=int, default=1024, help="each group's ledger moves its "
+                        "spooled parts into a batch file once more than this many wait (FtSlices)")
     # replica-process arguments (internal)
     parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--group", type=int, help=argparse.SUPPRESS)
@@ -448,7 +452,8 @@ def main(argv: list[str] | None = None) -> int:
     service = None
     try:
         extra, service = _prepare_source(args, base)
-        churned = run(args, base / "churn", args.kill, args.rejoin, {**extra, "ledger": args.ledger})
+        churned = run(args, base / "churn", args.kill, args.rejoin, {
+            **extra, "ledger": args.ledger, "ledger_flush_records": args.ledger_flush_records})
         print(f"  churned run done ({time.time() - t0:.0f} s); failure-free run ...", flush=True)
         reference = run(args, base / "reference", [], [], extra)
         with GlobalBatchSource(recipe) as source:

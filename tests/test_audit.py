@@ -92,8 +92,7 @@ def elastic(tmp_path_factory):
 
 def test_a_clean_elastic_run_audits_clean_and_its_digests_are_the_oracles(elastic, capsys):
     import oracle
-    from zephon_ray.formats.ledger import read_segment, slice_digest
-    from zephon_ray.jobs.audit import read_ledger
+    from zephon_ray.formats.ledger import read_ledger, read_segment, slice_digest
 
     work, state = elastic
     rc, lines = _audit(capsys, _save(work, state, "zephon_loader.json"), "--ledger", str(work / "ledger"),
@@ -295,8 +294,73 @@ def test_two_runs_under_one_run_id_are_named(tmp_path, capsys):
     _run(_config(tmp_path, "a"), 1, None, 3)
     second = _run(_config(tmp_path, "b"), 2, None, 2)
     rc, lines = _audit(capsys, _save(tmp_path, second, "s.json"), "--ledger", str(tmp_path / "ledger"))
-    assert rc == 1 and lines[-2].startswith(f"steps 0..1: other run: segments {second['ledger']} and ") \
-        and lines[-2].endswith("both continue step 0 without a resume: two runs write under run_id 'audit'"), lines
+    assert rc == 1 and len(lines) == 2, lines  # one finding: the first run's segment is not also a branch note
+    assert lines[0].startswith(f"steps 0..1: other run: segments {second['ledger']} and ") \
+        and lines[0].endswith("both continue step 0 without a resume: two runs write under run_id 'audit'"), lines
+
+
+def test_a_checkpoint_that_does_not_exist_or_is_not_a_loader_state_is_one_line(elastic, tmp_path, capsys):
+    """With or without --ledger: a path that is not there, a directory without a loader state, and a JSON file that
+    is not one (a ledger part) are each one line and exit 2, never the ledger's verdict."""
+    work, state = elastic
+    ledger = str(work / "ledger")
+    part = work / "ledger" / state["ledger"] / "rank-00000-of-00004.json"
+    for args, message in [
+            ([str(tmp_path / "no-such-file.json"), "--ledger", ledger],
+             f"{tmp_path / 'no-such-file.json'}: no such file or directory"),
+            ([str(tmp_path / "no-such-file.json")], f"{tmp_path / 'no-such-file.json'}: no such file or directory"),
+            ([str(tmp_path), "--ledger", ledger], f"{tmp_path} is not a loader state (no zephon_loader.json in it)"),
+            ([str(part), "--ledger", ledger], f"{part}: not a loader state: "),
+            ([str(part)], f"{part}: not a loader state: ")]:
+        rc, lines = _audit(capsys, *args)
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"zephon-ray: error: {message}"), (args, lines)
+
+
+def test_a_missing_parent_is_the_lineage_finding_alone_and_the_steps_before_it_are_unverifiable(elastic, tmp_path,
+                                                                                             capsys):
+    """The elastic run's middle segment (steps 3..4) is lost: the audit of the directory and of the state name the
+    gap once (``lineage``); the intact first segment is unverifiable, not a branch that a resume abandoned."""
+    import shutil
+
+    from zephon_ray.formats.ledger import read_ledger
+
+    work, state = elastic
+    ledger = tmp_path / "ledger"
+    shutil.copytree(work / "ledger", ledger)
+    segments = sorted(read_ledger(str(ledger)).values(), key=lambda s: s.first_step)
+    first, middle, last = segments
+    shutil.rmtree(ledger / middle.id)
+    expected = [f"note: unverifiable: steps 0..2 at W=2 (segment {first.id}): not connected to the audited lineage, "
+                f"whose parent segment {middle.id} is missing",
+                f"steps 0..4: lineage: segment {middle.id} (parent of {last.id}) is missing from the ledger: these "
+                "steps cannot be checked",
+                "audit: 1 finding(s) in steps [0, 8) (W 4)"]
+    assert _audit(capsys, str(ledger)) == (1, expected)
+    assert _audit(capsys, _save(tmp_path, state, "s.json"), "--ledger", str(ledger)) == (1, expected)
+
+
+def test_a_ledger_directory_after_a_rollback_audits_the_newest_branch(tmp_path, capsys):
+    """One run saves at steps 2 and 5 (a segment continuing the first without a resume); it is rolled back to its
+    step-2 state and trains steps 2..3. The directory's newest head is the rollback's (though it ends earlier); the
+    steps 2..4 it replaced are the discarded branch, and the newest is never called abandoned."""
+    saved = {}
+
+    def two_saves(loader, it):
+        for _ in range(2):
+            loader.commit(next(it).step)
+        saved["at-2"] = loader.state_dict()
+        for _ in range(3):
+            loader.commit(next(it).step)
+
+    first = _run(_config(tmp_path, "a"), 1, None, 0, loop=two_saves)
+    rollback = _run(_config(tmp_path, "b"), 1, saved["at-2"], 2)
+    rc, lines = _audit(capsys, str(tmp_path / "ledger"), "--recipe", TINY)
+    assert rc == 0 and lines == [
+        f"note: discarded branch: steps 2..4 at W=1 (segment {first['ledger']}): abandoned by a resume from an older "
+        "state, not in this checkpoint's lineage",
+        "audit: clean: steps [0, 4) each trained exactly once in a lineage of 2 segment(s) (W 1); 4 slice digests "
+        "matched the recipe's global batches"], lines
+    assert rollback["ledger"] not in "\n".join(lines[:-1])
 
 
 @pytest.mark.slow  # ~50 s on 2 cores: a Ray Data materialize job and a service
@@ -311,7 +375,7 @@ def test_service_and_dataset_modes_audit_clean_against_the_service_and_the_mater
 
     materialize(tiny_recipe, tmp_path / "materialized", range(0, 6), producers=1, segment_steps=8, progress=False)
     with MaterializedSource(tmp_path / "materialized", recipe=tiny_recipe) as source:
-        assert [source.batch(s).digest for s in range(6)] == [GLOBAL for _, GLOBAL in sorted(GOLDEN.items())]
+        assert [source.batch(s).digest for s in range(6)] == [GOLDEN[s] for s in range(6)]
     service = DataService.start(TINY, name="audit", namespace="zr-audit", producers=1, state_dir=str(tmp_path / "svc"))
     try:
         common = dict(recipe=TINY, run_id="modes", ledger_dir=str(tmp_path / "ledger"))

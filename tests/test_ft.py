@@ -60,13 +60,18 @@ def test_churn_kills_and_a_rejoin_at_a_participant_count_not_dividing_B_audit_cl
     killed in step 6 too. Also the ledger: every group's FtSlices writes its committed steps, and the run ends with
     ``zephon-ray audit`` of it (against the materialised rows, themselves checked against the goldens): clean, each
     step once at the W it was committed at, and a step a kill hit is recorded as served again (attempt 1), its
-    rejected attempt nowhere."""
-    from zephon_ray.jobs.audit import read_ledger
+    rejected attempt nowhere. Each group's ledger moves its spooled parts into a batch file once more than 2 wait:
+    group 1 is killed with steps 0 and 1 only in its spool (between two flushes), which its next life flushes; the
+    run writes batch files, not a file per step, and compacted into one pack (a dead group's spool included) it
+    audits the same."""
+    from zephon_ray.formats.ledger import compact, containers, read_ledger
+    from zephon_ray.jobs.audit import audit
 
     events, participants, served_again = CHURNS[churn]
     out = tmp_path / "summary.json"
     cmd = [sys.executable, str(CHURN), "--groups", "3", "--steps", str(STEPS), *events, "--recipe", TINY,
-           "--dataset-dir", tiny_dir, "--json", str(out), "--ledger", str(tmp_path / "ledger")]
+           "--dataset-dir", tiny_dir, "--json", str(out), "--ledger", str(tmp_path / "ledger"),
+           "--ledger-flush-records", "2"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -94,6 +99,17 @@ def test_churn_kills_and_a_rejoin_at_a_participant_count_not_dividing_B_audit_cl
     assert {s: w for s, w, _ in records} == dict(enumerate(participants))  # no record of a rejected attempt
     assert len(records) == sum(participants)
     assert sorted((s, r) for (s, _, r), rec in records.items() if rec.attempt) == served_again
+    found = containers(tmp_path / "ledger")
+    # A group killed and never rejoined ("two kills": group 2) leaves its spool, read where it is; a rejoined one's
+    # next life flushed it.
+    assert not found.loose and not found.packs and len(found.batches) >= 3, found
+    assert len(found.spools) == (churn == "two kills"), found
+    assert found.file_count < sum(participants), found  # batch files, not one file per committed step per reader
+    before = audit(str(tmp_path / "ledger"))
+    compact(tmp_path / "ledger")
+    after = audit(str(tmp_path / "ledger"))
+    assert containers(tmp_path / "ledger").file_count == 3 and after.clean and after.records == before.records == \
+        sum(participants) and after.verdict() == before.verdict()
 
 
 # ---------------------------------------------------------------------- real torchft Managers, one thread each
@@ -265,7 +281,7 @@ def test_an_attempt_applied_after_a_rejection_is_named_by_the_audit(tiny_dir, tm
     twice, the second time as attempt 1. One group: two groups healing each other made the test's timing depend on
     the machine's load (a heal under load outlasted the process group's timeout)."""
     from zephon_ray.cli import main
-    from zephon_ray.jobs.audit import read_ledger
+    from zephon_ray.formats.ledger import read_ledger
     from zephon_ray.stream.ft import FtSlices
 
     config = _ft_ledger_config(tiny_dir, tmp_path / "ledger")
@@ -328,8 +344,7 @@ def test_a_reader_asked_for_a_step_its_ledger_did_not_reach_stops_and_a_healed_o
             assert manager.should_commit()
             restarted.commit(2)
             assert restarted.ledger.head != state["ledger"]
-    from zephon_ray.jobs.audit import audit, find_head, read_ledger
+    from zephon_ray.jobs.audit import audit
 
-    segments = read_ledger(str(tmp_path / "ledger"))
-    report = audit(segments, find_head(segments))
+    report = audit(str(tmp_path / "ledger"))
     assert report.clean and report.next_step == 3 and len(report.lineage) == 3, [f.line for f in report.findings]

@@ -1,6 +1,8 @@
 """The ledger format (``zephon_ray.formats.ledger``) and the loader state's ``ledger`` key: the slice digest against its
 written formula, a part's round trip through a local path, the segment id every rank computes alike, and one line
-naming the file and key for each bad document."""
+naming the file and key for each bad document; compaction into packs (what it merges, how few packs remain, a real
+process SIGKILLed at each of its commit points, findings that survive it, the command); the torchft spool (a real
+process SIGKILLed between two flushes, a line cut short)."""
 
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ def test_a_part_round_trips_and_its_segment_reads_back(tmp_path):
     assert (seg.first_step, seg.next_step, seg.world, seg.parent) == (0, 2, 2, "")
     assert seg.parts == {0: [Record(0, 2, 0, "c" * 32, 0, 0)],
                          1: [Record(0, 2, 1, "a" * 32), Record(1, 2, 1, "b" * 32)]}
-    assert ledger.list_segments(tmp_path) == [part["segment"]]
+    assert list(ledger.read_ledger(tmp_path)) == [part["segment"]]
 
 
 def test_the_segment_id_depends_on_every_header_field():
@@ -66,7 +68,9 @@ def test_the_segment_id_depends_on_every_header_field():
     ({"world": 0}, "ledger key 'world' must be an int in [1, 10**12], got 0"),
     ({"rank": 5}, "rank 5 of 2 is impossible"),
     ({"next_step": 9}, "does not match its header"),
-    ({"records": [[0, 2, 1, "a", 0]]}, "ledger record 0 must be [step, world, rank, digest, attempt, trained]"),
+    ({"records": [[0, 2, 1, "a", 0]]}, "ledger record 0 must be [step, world, rank, digest (32 hex digits), "
+                                       "attempt, trained]"),
+    ({"records": [[0, 2, 1, "A" * 32, 0, 1]]}, "ledger record 0 must be"),
     ({"records": [[0, 2, 1, "a", -1, 1]]}, "ledger record 0 must be"),
 ])
 def test_a_bad_part_is_one_line_naming_the_file_and_key(tmp_path, change, message):
@@ -88,7 +92,7 @@ def test_a_missing_key_a_missing_file_and_a_mixed_segment_are_named(tmp_path):
     with pytest.raises(LedgerError, match="ledger segment missing"):
         ledger.read_part(tmp_path / "none.json")
     with pytest.raises(LedgerError, match="no ledger segments there"):
-        ledger.list_segments(tmp_path / "empty")
+        ledger.read_ledger(tmp_path / "empty")
     ledger.write_part(tmp_path, part)
     stray = _part(first_step=0, next_step=3)  # another segment's part filed under this one
     (tmp_path / part["segment"] / "rank-00000-of-00002.json").write_text(json.dumps(stray))
@@ -107,3 +111,238 @@ def test_the_loader_state_carries_a_valid_ledger_head():
     with pytest.raises(LoaderStateError, match="version 2 is not supported.*version 3 'ledger'"):
         check_state({k: v for k, v in state.items() if k != "ledger"} | {"version": 2}, run_id="r",
                     fingerprint="f", recipe_name="x")
+
+
+# ---------------------------------------------------------------------------------------------- compaction
+def _digest(step: int, rank: int, world: int) -> str:
+    return hashlib.sha256(f"{step} {rank} {world}".encode()).hexdigest()[:32]
+
+
+def _write_run(ledger_dir, *, world: int, saves: list[int], parent: str = "", start: int = 0,
+               run_id: str = "r") -> str:
+    """A run's loose parts as LedgerRecorder writes them: every rank's part at each save (the first from step
+    ``start``, continuing ``parent``); returns the head."""
+    for end in saves:
+        seg = ledger.segment_id(run_id=run_id, fingerprint="f" * 64, parent=parent, first_step=start, next_step=end,
+                                world=world, resumed=False)
+        for rank in range(world):
+            ledger.write_part(ledger_dir, ledger.make_part(
+                run_id=run_id, fingerprint="f" * 64, segment=seg, parent=parent, first_step=start, next_step=end,
+                world=world, rank=rank, resumed=False,
+                records=[Record(s, world, rank, _digest(s, rank, world)) for s in range(start, end)]))
+        parent, start = seg, end
+    return parent
+
+
+def _ledger_files(ledger_dir) -> list[str]:
+    return sorted(str(p.relative_to(ledger_dir)) for p in ledger_dir.rglob("*") if p.is_file())
+
+
+def _audit_lines(ledger_dir) -> tuple[list[str], int]:
+    from zephon_ray.jobs.audit import audit
+
+    report = audit(ledger_dir)
+    return [f.line for f in report.findings] + report.notes + [report.verdict()], report.records
+
+
+def test_compaction_merges_loose_parts_and_batches_into_one_pack_that_reads_the_same(tmp_path):
+    """20 loose parts (W=4, 5 saves) and a torchft batch become one pack (3 files: two Parquet objects and the
+    manifest); every record reads back equal, digests included, and the audit says the same."""
+    head = _write_run(tmp_path, world=4, saves=[2, 4, 6, 8, 10])
+    seg = ledger.segment_id(run_id="r", fingerprint="f" * 64, parent=head, first_step=10, next_step=11, world=2,
+                            resumed=False)
+    ledger.write_batch(tmp_path, [ledger.make_part(run_id="r", fingerprint="f" * 64, segment=seg, parent=head,
+                                                   first_step=10, next_step=11, world=2, rank=r, resumed=False,
+                                                   records=[Record(10, 2, r, _digest(10, r, 2), 1, 1)])
+                                  for r in range(2)])
+    before, lines = ledger.read_ledger(tmp_path), _audit_lines(tmp_path)
+    assert lines == (["audit: clean: steps [0, 11) each trained exactly once in a lineage of 6 segment(s) (W 4 -> 2); "
+                      "rows not checked (no --recipe or --dataset)"], 42)
+    assert len(_ledger_files(tmp_path)) == 21
+    result = ledger.compact(tmp_path)
+    assert (result.files_before, result.files_after, result.parts, result.records) == (21, 3, 22, 42)
+    assert _ledger_files(tmp_path) == [f"packs/{result.pack}.json", f"packs/{result.pack}.parts.parquet",
+                                       f"packs/{result.pack}.segments.parquet"]
+    assert ledger.read_ledger(tmp_path) == before
+    assert _audit_lines(tmp_path) == lines
+    assert ledger.compact(tmp_path).pack is None  # nothing left to merge
+
+
+def test_packs_stay_few_as_compactions_repeat(tmp_path):
+    """40 saves, a compaction after each: a new pack merges the packs no larger than what it gathers, so the ledger
+    holds O(log saves) packs, and every record is still there once."""
+    head, counts = "", []
+    for k in range(40):
+        head = _write_run(tmp_path, world=2, saves=[5 * k + 5], parent=head, start=5 * k)
+        ledger.compact(tmp_path)
+        counts.append(len(ledger.containers(tmp_path).packs))
+    assert max(counts) <= 6, counts  # log2(40) + 1
+    lines, records = _audit_lines(tmp_path)
+    assert records == 400 and lines[-1].startswith("audit: clean: steps [0, 200) each trained exactly once in a "
+                                                   "lineage of 40 segment(s)"), lines
+
+
+KILLER = """
+import os, sys, time
+from zephon_ray.formats import ledger
+
+def hook(stage):
+    if stage == sys.argv[2]:
+        open(sys.argv[3], "w").close()
+        time.sleep(600)  # the test SIGKILLs this process here
+
+ledger.compact(sys.argv[1], hook=hook)
+"""
+
+
+@pytest.mark.parametrize("stage", ["packed", "committed"])
+def test_a_compaction_killed_at_each_point_audits_clean_and_a_rerun_finishes(tmp_path, stage):
+    """A real process compacting a ledger (an older pack and new loose parts) is SIGKILLed after it uploaded the
+    new pack's data objects ("packed": no manifest yet) or after its manifest ("committed": nothing deleted yet).
+    The audit then reads the same records once each, with no duplicate counted; a re-run cleans up and finishes
+    with one pack."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    head = _write_run(tmp_path / "ledger", world=3, saves=[4, 8])
+    ledger.compact(tmp_path / "ledger")
+    _write_run(tmp_path / "ledger", world=3, saves=[12, 16], parent=head, start=8)
+    before, lines = ledger.read_ledger(tmp_path / "ledger"), _audit_lines(tmp_path / "ledger")
+    assert lines == (["audit: clean: steps [0, 16) each trained exactly once in a lineage of 4 segment(s) (W 3); "
+                      "rows not checked (no --recipe or --dataset)"], 48)
+    files_before = _ledger_files(tmp_path / "ledger")
+    marker = tmp_path / "at-stage"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen([sys.executable, "-c", KILLER, str(tmp_path / "ledger"), stage, str(marker)],
+                            env={**os.environ, "PYTHONPATH": str(root)})
+    deadline = time.monotonic() + 60
+    while not marker.exists():
+        assert proc.poll() is None and time.monotonic() < deadline, "the compaction never reached " + stage
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+    left = _ledger_files(tmp_path / "ledger")
+    new = sorted(set(left) - set(files_before))
+    assert set(files_before) <= set(left)  # nothing was deleted before the manifest
+    pack = new[0].split(".")[0]  # the killed compaction's pack: its data, and its manifest once committed
+    assert new == [f"{pack}.json"] * (stage == "committed") + [f"{pack}.parts.parquet", f"{pack}.segments.parquet"]
+    assert ledger.read_ledger(tmp_path / "ledger") == before
+    assert _audit_lines(tmp_path / "ledger") == lines  # 48 records: the copies were read once
+    result = ledger.compact(tmp_path / "ledger")
+    assert result.files_after == 3 and len(_ledger_files(tmp_path / "ledger")) == 3
+    assert ledger.read_ledger(tmp_path / "ledger") == before
+    assert _audit_lines(tmp_path / "ledger") == lines
+
+
+def test_a_pack_of_an_unknown_version_or_cut_short_is_one_line(tmp_path):
+    _write_run(tmp_path, world=2, saves=[3])
+    pack = ledger.compact(tmp_path).pack
+    manifest = tmp_path / "packs" / f"{pack}.json"
+    doc = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps(doc | {"version": 7}))
+    with pytest.raises(LedgerError, match=f"^{manifest}: ledger pack version 7 is not supported \\(expected 1\\)$"):
+        ledger.read_ledger(tmp_path)
+    manifest.write_text(json.dumps(doc))
+    data = tmp_path / "packs" / f"{pack}.parts.parquet"
+    data.write_bytes(data.read_bytes()[:-10])
+    with pytest.raises(LedgerError, match=f"^{data}: ledger pack object is .* bytes, its manifest says"):
+        ledger.read_ledger(tmp_path)
+
+
+# ---------------------------------------------------------------------------------------------- torchft spool
+FT_KILLER = """
+import os, signal, sys
+from zephon_ray.stream.ledger import FtLedger
+
+ft = FtLedger(run_id="ft", fingerprint="f" * 64, ledger_dir=sys.argv[1], flush_records=3)
+for step in range(int(sys.argv[2])):
+    ft.served(step, 1, 2, "%032x" % step)
+    ft.commit(step)
+os.kill(os.getpid(), signal.SIGKILL)  # between two flushes: steps since the last batch are only in the spool
+"""
+
+
+def test_a_torchft_reader_killed_between_flushes_loses_nothing_it_committed(tmp_path):
+    """A real process commits steps 0..10 through FtLedger (a batch file once more than 3 parts wait; the step in
+    flight stays spooled) and SIGKILLs itself after step 10's commit returned: steps 9 and 10 are only in its spool. The audit reads them there; the next
+    FtLedger on this host flushes the dead reader's spool into a batch, and compaction packs the lot."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from zephon_ray.formats.ledger import read_spool
+    from zephon_ray.stream.ledger import FtLedger
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", FT_KILLER, str(tmp_path), "11"], timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert proc.returncode == -9
+    spools = sorted((tmp_path / "spool").iterdir())
+    assert len(spools) == 1 and [p["first_step"] for p in read_spool(spools[0])] == [9, 10]
+    assert len(list((tmp_path / "batches").iterdir())) == 3  # steps 0..2, 3..5, 6..8: one file per flush
+    records = sorted((r.step, r.rank, r.world) for seg in ledger.read_ledger(tmp_path).values()
+                     for rs in seg.parts.values() for r in rs)
+    assert records == [(s, 1, 2) for s in range(11)]
+    FtLedger(run_id="ft", fingerprint="f" * 64, ledger_dir=str(tmp_path))  # flushed on restart
+    assert not list((tmp_path / "spool").iterdir()) and len(list((tmp_path / "batches").iterdir())) == 4
+    ledger.compact(tmp_path)
+    assert sorted((r.step, r.rank, r.world) for seg in ledger.read_ledger(tmp_path).values()
+                  for rs in seg.parts.values() for r in rs) == records
+
+
+def test_a_spool_line_cut_short_is_left_out_and_a_later_line_of_a_step_wins(tmp_path):
+    part = _part(first_step=0, next_step=1, world=1, rank=0, records=[Record(0, 1, 0, "a" * 32)])
+    again = _part(first_step=0, next_step=1, world=1, rank=0, records=[Record(0, 1, 0, "a" * 32, 1, 2)])
+    spool = tmp_path / "x.jsonl"
+    spool.write_text(json.dumps(part) + "\n" + json.dumps(again) + "\n" + json.dumps(part)[:30])
+    assert ledger.read_spool(spool) == [again]
+    spool.write_text(json.dumps(part)[:30] + "\n" + json.dumps(again) + "\n")
+    with pytest.raises(LedgerError, match=f"^{spool}: line 1 of the ledger spool is not JSON$"):
+        ledger.read_spool(spool)
+
+
+def test_what_the_audit_finds_in_a_part_survives_compaction(tmp_path):
+    """A pack stores a record column only where it differs from the part's default (its steps, W and rank, attempt 0,
+    trained once): a step never trained, one trained twice on a later attempt, a step missing and a record of
+    another rank read back the same, and the audit names the same findings after compaction."""
+    seg = ledger.segment_id(run_id="r", fingerprint="f" * 64, parent="", first_step=0, next_step=4, world=2,
+                            resumed=False)
+    records = {0: [Record(0, 2, 0, _digest(0, 0, 2), 0, 0), Record(1, 2, 0, _digest(1, 0, 2), 1, 2),
+                   Record(3, 2, 0, _digest(3, 0, 2))],
+               1: [Record(s, 2, 1 if s != 2 else 0, _digest(s, 1, 2)) for s in range(4)]}
+    for rank, recs in records.items():
+        ledger.write_part(tmp_path, ledger.make_part(run_id="r", fingerprint="f" * 64, segment=seg, parent="",
+                                                     first_step=0, next_step=4, world=2, rank=rank, resumed=False,
+                                                     records=recs))
+    before, lines = ledger.read_ledger(tmp_path), _audit_lines(tmp_path)
+    assert lines[0] == ["step 0: skipped: rank 0 of 2 was handed it but never trained it",
+                        "step 1: trained twice: rank 0 of 2 trained it 2 times (its record is attempt 1: an earlier "
+                        "attempt that torchft rejected was applied too)",
+                        "step 2: skipped: rank 0 of 2 has no record of it",
+                        "step 2: split: the part of rank 1 of 2 holds a record of rank 0 of 2",
+                        "audit: 4 finding(s) in steps [0, 4) (W 2)"], lines
+    ledger.compact(tmp_path)
+    assert ledger.read_ledger(tmp_path) == before and _audit_lines(tmp_path) == lines
+
+
+def test_the_compact_command_says_what_it_merged_and_refuses_a_directory_without_a_ledger(tmp_path, capsys):
+    from zephon_ray.cli import main
+
+    directory = tmp_path / "ledger"
+    _write_run(directory, world=2, saves=[3, 6])
+    assert main(["ledger", "compact", str(directory)]) == 0
+    line, = capsys.readouterr().out.splitlines()
+    pack = ledger.containers(directory).packs
+    assert line == f"{directory}: packed 4 part(s), 12 record(s) into {next(iter(pack))}; 4 -> 3 ledger file(s)"
+    assert main(["ledger", "compact", str(directory)]) == 0
+    assert capsys.readouterr().out == f"{directory}: nothing to merge; 3 -> 3 ledger file(s)\n"
+    with pytest.raises(SystemExit) as info:
+        main(["ledger", "compact", str(tmp_path / "empty")])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and err == (f"zephon-ray: error: {tmp_path / 'empty'}: no ledger segments there (not a "
+                                            "ledger directory, or nothing was saved)\n"), err

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from zephon_ray import DataService, GlobalBatchSource, compute_digest
-from zephon_ray.jobs.audit import audit, read_ledger
+from zephon_ray.jobs.audit import audit
 from zephon_ray.stream.ledger import LedgerRecorder
 
 NS = "zr-heal"
@@ -102,8 +102,7 @@ def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, refere
             positions = np.concatenate([got[r][step][1] for r in range(world)])
             assert compute_digest(tokens, positions) == reference_digests[step], step
         assert len(set(heads.values())) == 1, heads  # every rank computed the same head segment
-        segments = read_ledger(str(tmp_path / "ledger"))
-        report = audit(segments, heads[0], reference=lambda s: (full[s].tokens, full[s].positions),
+        report = audit(str(tmp_path / "ledger"), heads[0], reference=lambda s: (full[s].tokens, full[s].positions),
                        rows=tiny_recipe.global_batch_rows)
         assert report.clean and report.verdict() == (
             "audit: clean: steps [0, 12) each trained exactly once in a lineage of 3 segment(s) (W 4); 48 slice "

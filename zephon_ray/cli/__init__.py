@@ -4,6 +4,7 @@
     zephon-ray show RECIPE --step S [--plot out.png]
     zephon-ray validate RECIPE | fingerprint RECIPE
     zephon-ray audit CHECKPOINT_OR_LEDGER [--ledger DIR] [--recipe R [--dataset DIR | --service NAME]]
+    zephon-ray ledger compact DIR   (merge a ledger's files into a bounded number)
     zephon-ray inspect STATE_DIR [--json]   (a service's durable state, offline: no Ray)
     zephon-ray corpus OUT_DIR
     zephon-ray bench RECIPE [--steps N] [--via local|service|both]   (this node's production rate)
@@ -45,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Deterministic, step-keyed global batches for training on Ray.")
     sub = parser.add_subparsers(dest="command", required=True)
     data.add_batch_commands(sub)  # digest, show, corpus, bench
-    data.add_recipe_commands(sub)  # validate, fingerprint, audit, inspect
+    data.add_recipe_commands(sub)  # validate, fingerprint, audit, ledger, inspect
     service.add_service_commands(sub)  # serve, status, stop, rescale, add-phase, release
     data.add_job_commands(sub)  # pretokenize, materialize
     return parser

@@ -1,5 +1,5 @@
 """The recipe, batch, dataset and job commands of ``zephon-ray``: digest, show, corpus, bench, validate,
-fingerprint, audit, inspect, pretokenize, materialize (``digest --via service`` is in service.py).
+fingerprint, audit, ledger compact, inspect, pretokenize, materialize (``digest --via service`` is in service.py).
 
 Each command returns its exit code or raises; bad input raises :class:`~zephon_ray.errors.UserInputError` (or a
 library ``ValueError``) naming the flag, path or value at fault, and ``main`` prints it as one line, exit 2
@@ -268,7 +268,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     """``zephon-ray audit``: see :mod:`zephon_ray.jobs.audit`."""
     from contextlib import ExitStack
 
-    from zephon_ray.jobs.audit import Finding, audit, find_head, locate, read_ledger
+    from zephon_ray.jobs.audit import Finding, audit, locate
 
     ledger_dir, head, state = locate(args.path, args.ledger)
     recipe = Recipe.from_toml(args.recipe) if args.recipe else None
@@ -277,8 +277,6 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if (args.dataset or args.service) and recipe is None:
         raise UserInputError(f"{'--dataset DIR' if args.dataset else '--service NAME'} needs --recipe R (the recipe "
                              "the run trained on)")
-    segments = read_ledger(ledger_dir)
-    head = head or find_head(segments)
     with ExitStack() as stack:
         if args.service:
             from zephon_ray.service.client import DataService
@@ -302,7 +300,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             batch = batch_of(step)
             return batch.tokens, batch.positions
 
-        report = audit(segments, head, fingerprint=recipe.fingerprint if recipe else None,
+        report = audit(ledger_dir, head, fingerprint=recipe.fingerprint if recipe else None,
                        run_id=state["run_id"] if state else None,
                        reference=reference if recipe is not None else None,
                        rows=recipe.global_batch_rows if recipe else None)
@@ -317,6 +315,17 @@ def cmd_audit(args: argparse.Namespace) -> int:
         print(finding.line)
     print(report.verdict())
     return 0 if report.clean else 1
+
+
+def cmd_ledger_compact(args: argparse.Namespace) -> int:
+    """``zephon-ray ledger compact DIR``: see :func:`zephon_ray.formats.ledger.compact`."""
+    from zephon_ray.formats.ledger import compact
+
+    result = compact(args.ledger_dir)
+    done = f"packed {result.parts} part(s), {result.records} record(s) into {result.pack}" if result.pack else \
+        "nothing to merge"
+    print(f"{args.ledger_dir}: {done}; {result.files_before} -> {result.files_after} ledger file(s)")
+    return 0
 
 
 VERIFY_CONTENT_HELP = ("hash the bytes of every object-store shard (a download) instead of trusting the store's "
@@ -349,6 +358,13 @@ def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default=None, help="the Ray cluster of the service (with --service; default: "
                                                    "RAY_ADDRESS or the ambient cluster)")
     p.set_defaults(func=cmd_audit)
+
+    p = sub.add_parser("ledger", help="maintain a ledger directory")
+    ledger_sub = p.add_subparsers(dest="ledger_command", required=True)
+    p = ledger_sub.add_parser("compact", help="merge the ledger's loose parts, torchft batches and smaller packs "
+                                              "into one pack (safe to kill and re-run; docs/audit.md)")
+    p.add_argument("ledger_dir", metavar="DIR", help="the ledger directory (a path or URI)")
+    p.set_defaults(func=cmd_ledger_compact)
 
     p = sub.add_parser("inspect", help="report a service's durable state_dir offline (no Ray)")
     p.add_argument("state_dir")

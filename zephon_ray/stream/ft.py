@@ -22,8 +22,9 @@ rejoin in the default suite).
 Ledger (``config.ledger_dir`` and ``run_id``; :class:`~zephon_ray.stream.ledger.FtLedger`): call
 ``slices.commit(step)`` after the optimizer step that ``should_commit()`` allowed, and put ``slices.state_dict()`` in
 the Manager's ``state_dict`` (``slices.load_state_dict`` in its ``load_state_dict``) so a healing group continues
-the lineage. Only committed steps enter the ledger, one segment per step at its W; a step served again is recorded
-with its attempt number; an attempt applied though torchft rejected it is recorded as trained twice; a request for
+the lineage. Only committed steps enter the ledger, one segment per step at its W, appended to the reader's spool when
+it commits and moved into one batch file per reader every ``ledger_flush_records`` parts or ``ledger_flush_seconds``
+(and at ``close``); a step served again is recorded with its attempt number; an attempt applied though torchft rejected it is recorded as trained twice; a request for
 a step other than the one last served or the one after is one :class:`~zephon_ray.stream.ledger.FtLedgerError`
 line (``tests/test_ft.py``, docs/audit.md).
 
@@ -69,7 +70,7 @@ from zephon_ray.checks import check_int, check_reader
 from zephon_ray.formats.loader_state import KEY_LEDGER, check_state, make_state
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import StepShape, check_geometry
-from zephon_ray.stream.ledger import FtLedger
+from zephon_ray.stream.ledger import FLUSH_RECORDS, FLUSH_SECONDS, FtLedger
 from zephon_ray.stream.loader import GET_TIMEOUT_S, LoaderConfig, StepBatch
 from zephon_ray.stream.prefetch import PrefetchedSlices
 from zephon_ray.stream.protocol import source_state
@@ -135,10 +136,12 @@ class FtSlices:
     ranks inside one replica group. ``local_batch_size``: rows per trainer microbatch (0: one microbatch), or
     ``microbatches``: a fixed number of equal microbatches per step whatever P is (a trainer with a fixed gradient
     accumulation, such as TorchTitan's, pulls the same count every step; their row count then changes with P).
-    See the module docstring for the guarantee and its limits."""
+    ``ledger_flush_records``/``ledger_flush_seconds``: how often the ledger's spool becomes a batch file
+    (:class:`~zephon_ray.stream.ledger.FtLedger`). See the module docstring for the guarantee and its limits."""
 
     def __init__(self, config: LoaderConfig, *, manager: Any, dp: int = 1, dp_rank: int = 0,
-                 local_batch_size: int = 0, microbatches: int = 0, recipe: Recipe | None = None) -> None:
+                 local_batch_size: int = 0, microbatches: int = 0, recipe: Recipe | None = None,
+                 ledger_flush_records: int = FLUSH_RECORDS, ledger_flush_seconds: float = FLUSH_SECONDS) -> None:
         if not isinstance(config, LoaderConfig):
             raise TypeError(f"FtSlices: expected a LoaderConfig, got {type(config).__name__}")
         if config.mode not in FT_MODES:
@@ -175,7 +178,10 @@ class FtSlices:
         """With ``config.ledger_dir``: this reader's records (see :meth:`commit`, :meth:`state_dict`)."""
         if config.ledger_dir:
             self.ledger = FtLedger(run_id=config.run_id or "", fingerprint=self.recipe.fingerprint,
-                                   ledger_dir=config.ledger_dir)
+                                   ledger_dir=config.ledger_dir,
+                                   flush_records=check_int("FtSlices: ledger_flush_records", ledger_flush_records,
+                                                           low=1),
+                                   flush_seconds=float(ledger_flush_seconds))
 
     # ------------------------------------------------------------------ the step
     def membership(self) -> tuple[int, int, int] | None:
@@ -308,7 +314,9 @@ class FtSlices:
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
-        """Stop every prefetch thread and release the service connection. Idempotent."""
+        """Stop every prefetch thread, release the service connection and flush the ledger's spool. Idempotent."""
+        if self.ledger is not None:
+            self.ledger.close()
         sources, self._sources, self._active = self._sources, OrderedDict(), None
         for source in sources.values():
             try:

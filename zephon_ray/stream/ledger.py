@@ -11,13 +11,16 @@ Limits: the records prove which rows were handed to the trainer (and, with ``com
 trained), not that the optimizer applied them. A TP/PP/CP peer records nothing (its leader records the rank). The
 hashing costs one sha256 pass over the slice per step, done by the prefetch thread (``RankSlice.ledger_digest``) so
 the trainer waits for it only when the source falls behind (``benchmarks/bench_ledger.py``).
+
+:class:`FtLedger` is the torchft side: a segment per committed step, spooled at each commit and batched into one file
+per reader per flush interval (its docstring says how a killed group loses nothing it committed).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
-from zephon_ray import files
 from zephon_ray.batch import RankSlice
 from zephon_ray.formats import ledger
 
@@ -73,25 +76,53 @@ class FtLedgerError(ValueError):
     """A torchft group asked for a step its ledger cannot follow, or confirmed one it was not served."""
 
 
+FLUSH_RECORDS = 1024
+"""A torchft reader's parts per batch file at most (a flush starts once more are waiting)."""
+FLUSH_SECONDS = 300.0
+"""A torchft reader flushes its spool into a batch file at least this often while it commits steps."""
+
+
 class FtLedger:
     """A torchft replica group's side of the ledger (:class:`~zephon_ray.stream.ft.FtSlices` with a ``ledger_dir``).
 
     torchft decides at every step whether it counts (``manager.should_commit()``), and a group can die or heal at any
-    step, so each committed step is its own segment ``[s, s+1)`` at that step's W = P·dp, written by every reader when
-    its trainer confirms the step (``FtSlices.commit``): a group killed later loses nothing it committed, and the
-    segments of the live groups chain by ``parent`` as the loader's do. Only confirmed steps enter the ledger: an
-    attempt that ``should_commit()`` rejected and the trainer did not apply is served again (``attempt`` counts the
-    times the step was served to this reader) and leaves no record. An attempt the trainer applied though torchft
-    rejected it (the step is then served again) is the fault this records: its part is withdrawn, a warning is
-    logged, and the step's final record counts both applications (``trained`` 2: the audit's ``trained twice``).
+    step, so each committed step is its own segment ``[s, s+1)`` at that step's W = P·dp, and each reader records its
+    part when its trainer confirms the step (``FtSlices.commit``): appended to the reader's **spool** (an append-only
+    file, :class:`~zephon_ray.formats.ledger.Spool`) before ``commit`` returns, then moved with the others of its
+    interval into one **batch** file per reader every ``flush_records`` parts or ``flush_seconds`` (whichever comes
+    first; and at ``close``). A group killed between two flushes loses nothing it committed: on a local ledger the
+    spool is in ``<ledger_dir>/spool`` and the audit reads it there; on object storage it is a local file that the
+    next FtLedger (or ``zephon-ray ledger compact``) on the same host flushes once its writer is dead
+    (:func:`~zephon_ray.formats.ledger.adopt_spools`). The segments of the live groups chain by ``parent`` as the
+    loader's do.
+
+    Only confirmed steps enter the ledger: an attempt that ``should_commit()`` rejected and the trainer did not apply
+    is served again (``attempt`` counts the times the step was served to this reader) and leaves no record. An
+    attempt the trainer applied though torchft rejected it (the step is then served again) is the fault this
+    records: a warning is logged, and the step's final part, appended later to the same spool, replaces the rejected
+    attempt's and counts both applications (``trained`` 2: the audit's ``trained twice``). A flush never moves the
+    part of the step in flight out of the spool, so that replacement stays possible.
 
     A group that heals receives the peer's state (``FtSlices.state_dict`` in the Manager's ``state_dict``) and
     continues its head; a request for any step other than the one it last served (served again) or the one after
     (torchft moved on) is one :class:`FtLedgerError` line, before any row is handed out.
+
+    Limits: on object storage, the spool of a group whose host is lost is lost with it (at most ``flush_records``
+    parts or ``flush_seconds`` of them); a spool survives a SIGKILL of its process, not a crash of its machine
+    (appends are not fsynced). The audit reads every committed step's part: its cost grows with readers x steps
+    (``benchmarks/bench_ledger_scale.py``).
     """
 
-    def __init__(self, *, run_id: str, fingerprint: str, ledger_dir: str) -> None:
+    def __init__(self, *, run_id: str, fingerprint: str, ledger_dir: str, flush_records: int = FLUSH_RECORDS,
+                 flush_seconds: float = FLUSH_SECONDS, spool_dir: str | None = None) -> None:
         self.run_id, self.fingerprint, self.ledger_dir = run_id, fingerprint, ledger_dir
+        self.flush_records, self.flush_seconds = flush_records, flush_seconds
+        self._spool_dir = ledger.spool_dir(ledger_dir, spool_dir)
+        ledger.adopt_spools(ledger_dir, spool_dir)  # what a killed reader on this host left: flushed on restart
+        self._spool: ledger.Spool | None = None
+        self._unflushed: dict[int, dict] = {}  # step -> this reader's part of it, in the spool
+        self._flushed_at = time.monotonic()
+        self.batches_written = 0
         self.head = ""          # the segment of the last step this reader's trainer confirmed
         self.next_step: int | None = 0  # the step after it (None: unknown until a heal, after a placeholder)
         self._served: dict | None = None  # the step handed out and not yet moved past
@@ -122,7 +153,6 @@ class FtLedger:
                                "though torchft rejected it; it is served again and the ledger records the step as "
                                "trained %d times", cur["rank"], cur["world"], step, cur["attempt"],
                                cur["trained"] + self._carried + 1)
-                files.delete(cur["written"])
                 self.head, self.next_step = cur["parent"], step
                 self._carried += cur["trained"]
         else:
@@ -130,7 +160,7 @@ class FtLedger:
                 self._write(cur, trained=self._carried)
             self._carried, attempt = 0, 0
         self._served = {"step": step, "rank": rank, "world": world, "digest": digest, "attempt": attempt,
-                        "trained": 0, "parent": self.head, "written": None}
+                        "trained": 0, "parent": self.head}
 
     def placeholder(self) -> None:
         """Not participating this step (rows that torchft zeroes): nothing is recorded; torchft heals the group."""
@@ -149,12 +179,43 @@ class FtLedger:
         segment = ledger.segment_id(run_id=self.run_id, fingerprint=self.fingerprint, parent=cur["parent"],
                                     first_step=step, next_step=step + 1, world=world, resumed=False)
         record = ledger.Record(step, world, cur["rank"], cur["digest"], cur["attempt"], trained)
-        cur["written"] = ledger.write_part(self.ledger_dir, ledger.make_part(
-            run_id=self.run_id, fingerprint=self.fingerprint, segment=segment, parent=cur["parent"],
-            first_step=step, next_step=step + 1, world=world, rank=cur["rank"], resumed=False, records=[record]))
+        part = ledger.make_part(run_id=self.run_id, fingerprint=self.fingerprint, segment=segment,
+                                parent=cur["parent"], first_step=step, next_step=step + 1, world=world,
+                                rank=cur["rank"], resumed=False, records=[record])
+        if self._spool is None:
+            self._spool = ledger.Spool(self._spool_dir)
+        self._spool.append(part)  # durable before commit returns: a kill from here on loses nothing
+        self._unflushed[step] = part
         self.head, self.next_step = segment, step + 1
+        if len(self._unflushed) > self.flush_records or time.monotonic() - self._flushed_at >= self.flush_seconds:
+            self.flush(before=step)
+
+    def flush(self, before: int | None = None) -> None:
+        """Move the spooled parts of the steps before ``before`` (all: None) into one batch file, then start a new
+        spool with the rest. Killed in between, both copies are read as one."""
+        out = [p for s, p in sorted(self._unflushed.items()) if before is None or s < before]
+        if not out:
+            return
+        ledger.write_batch(self.ledger_dir, out)
+        self.batches_written += 1
+        keep = {s: p for s, p in self._unflushed.items() if before is not None and s >= before}
+        old, self._spool = self._spool, None
+        if keep:
+            self._spool = ledger.Spool(self._spool_dir)
+            for part in keep.values():
+                self._spool.append(part)
+        if old is not None:
+            old.close(remove=True)
+        self._unflushed, self._flushed_at = keep, time.monotonic()
+
+    def close(self) -> None:
+        """Flush every spooled part (the trainer is done with them). Idempotent."""
+        self.flush()
+        if self._spool is not None:
+            self._spool.close(remove=not self._unflushed)
+            self._spool = None
 
     def resume(self, head: str, next_step: int) -> None:
         """A heal (or a restore): continue the peer's head. An attempt this reader applied though torchft rejected
-        it stays written: the peer's weights replace the ones it went into."""
+        it stays recorded: the peer's weights replace the ones it went into."""
         self.head, self.next_step, self._served, self._carried = head, next_step, None, 0
