@@ -392,7 +392,8 @@ def _local_readers(config, world: int, state: dict | None, steps: int) -> tuple[
     from zephon_ray.batch import compute_digest
     from zephon_ray.stream.loader import Loader
 
-    loaders = [Loader(config, rank=r, world=world, local_batch_size=16 // world) for r in range(world)]
+    lbs = 16 // world if 16 % world == 0 else 0  # 0: one microbatch of the reader's rows
+    loaders = [Loader(config, rank=r, world=world, local_batch_size=lbs) for r in range(world)]
     slices: list[list] = [[] for _ in range(world)]
     states: list = [None] * world
 
@@ -460,3 +461,75 @@ def test_loader_resume_keeps_the_past_and_accepts_a_new_future(tmp_path):
         _local_readers(config("past.toml"), 1, state, 1)
     message = str(info.value)
     assert "phase 'main' (start_step 2) differs" in message and "step 3" in message and "\n" not in message, message
+
+
+@pytest.mark.timeout(600)
+def test_a_run_time_phase_travels_with_the_loader_state(ray_cluster, tmp_path, capsys):
+    """Issue 44: a service started from tiny.toml takes recipes/phased.toml's two phases (steps 2 and 4) at run time,
+    before anyone reads. Service-mode readers given tiny.toml itself (W = 2) read steps 0-1 and save at step 2: the
+    state records both phases, which lie in its future. Resumes from that state with tiny.toml unchanged serve the
+    run's schedule, steps 2-5 equal to the phased goldens (the oracle's, test_oracle.py): in local mode at W = 4, in
+    dataset mode at W = 3 over a fresh materialisation of the run's schedule, and from a service started afresh on a
+    new state_dir (the readers add the phases to it). A directory materialised from tiny.toml alone, and a recipe file
+    whose phase contradicts the recorded one, are each refused in one line. ``zephon-ray inspect`` prints the recorded
+    phases, and ``zephon-ray digest --schedule-from`` gives the run's digests."""
+    from zephon_ray import DataService
+    from zephon_ray.cli import main
+    from zephon_ray.formats.loader_state import LoaderStateError, added_phases
+    from zephon_ray.formats.materialized import MaterializedError
+    from zephon_ray.jobs.materialize import materialize
+    from zephon_ray.stream.loader import LoaderConfig
+
+    tiny = Recipe.from_toml(TINY)
+    want = [GOLDEN[str(s)] for s in range(2, 6)]
+    first = DataService.start(tiny, name="zr-run-phase", namespace="zr-run-phase", state_dir=str(tmp_path / "svc"))
+    try:
+        first.add_phase("main", 2, {"prose": 0.2, "code": 0.8})
+        first.add_phase("anneal", 4, {"prose": 1.0})
+        service = LoaderConfig(recipe=str(TINY), mode="service", run_id="run-phase", service_name="zr-run-phase",
+                               service_namespace="zr-run-phase")
+        digests, state = _local_readers(service, 2, None, 2)
+    finally:
+        first.stop()
+    assert digests == [GOLDEN["0"], GOLDEN["1"]] and state["next_step"] == 2
+    assert [(p["name"], p["start_step"]) for p in added_phases(state)] == [("main", 2), ("anneal", 4)]
+
+    local = LoaderConfig(recipe=str(TINY), mode="local", run_id="run-phase", checkpoint_every=1,
+                         aggregate_dir=str(tmp_path / "agg"))
+    assert _local_readers(local, 4, state, 4)[0] == want
+
+    plain, run_dir = tmp_path / "plain", tmp_path / "run"
+    materialize(tiny, plain, range(0, 6), progress=False)
+    with pytest.raises(MaterializedError) as info:
+        _local_readers(LoaderConfig(recipe=str(TINY), mode="dataset", run_id="run-phase", dataset_dir=str(plain)),
+                       3, state, 1)
+    assert "phase(s) 'main' from step 2, 'anneal' from step 4" in str(info.value) and "\n" not in str(info.value)
+    state_file = tmp_path / "state.json"
+    state_file.write_text(json.dumps(state))
+    assert main(["materialize", str(TINY), "--steps", "0:6", "--out", str(run_dir), "--schedule-from",
+                 str(state_file), "--quiet", "--address", ray_cluster.get_runtime_context().gcs_address]) == 0
+    dataset = LoaderConfig(recipe=str(TINY), mode="dataset", run_id="run-phase", dataset_dir=str(run_dir))
+    assert _local_readers(dataset, 3, state, 4)[0] == want
+
+    fresh = DataService.start(tiny, name="zr-run-phase", namespace="zr-run-phase", state_dir=str(tmp_path / "new"))
+    try:
+        digests, resumed = _local_readers(service, 5, state, 4)
+        assert fresh.refresh_recipe().fingerprint == Recipe.from_toml(PHASED).fingerprint  # the readers added them
+    finally:
+        fresh.stop()
+    assert digests == want and added_phases(resumed) == added_phases(state)
+
+    (tmp_path / "other.toml").write_text(phased_text(phase("anneal", 4, code=1.0)))
+    with pytest.raises(LoaderStateError) as info:
+        _local_readers(LoaderConfig(recipe=str(tmp_path / "other.toml"), mode="local", run_id="run-phase"), 1,
+                       state, 1)
+    message = str(info.value)
+    assert "recorded phase 'anneal' from step 4 with weights {prose 1, code 0}" in message, message
+    assert "has phase 'anneal' from step 4 with weights {prose 0, code 1}" in message and "\n" not in message
+
+    capsys.readouterr()
+    assert main(["inspect", str(state_file)]) == 0
+    out = capsys.readouterr().out
+    assert "phase       main: from step 2 (prose 0.2, code 0.8)  [decided while running]" in out, out
+    assert main(["digest", str(TINY), "--steps", "2:6", "--schedule-from", str(state_file)]) == 0
+    assert capsys.readouterr().out.split() == [w for s, d in zip(range(2, 6), want) for w in ("step", str(s), d)]

@@ -91,7 +91,17 @@ class Phase:
 
 
 class ScheduleError(RecipeError):
-    """A resume whose recipe rewrites a phase that some already-produced step used."""
+    """A resume whose recipe rewrites a phase that some already-produced step used, or contradicts a phase the run
+    recorded."""
+
+
+def _weights_text(weights: Any, order: tuple[str, ...] = ()) -> str:
+    """``{prose 0.2, code 0.8}``: the sources in ``order`` (a recipe's) first."""
+    if not isinstance(weights, dict):
+        return repr(weights)
+    keys = [k for k in order if k in weights] + [k for k in weights if k not in order]
+    return "{" + ", ".join(f"{k} {weights[k]:g}" if isinstance(weights[k], (int, float)) else f"{k} {weights[k]!r}"
+                           for k in keys) + "}"
 
 
 @dataclass(frozen=True)
@@ -297,6 +307,41 @@ class Recipe:
         raw.sort(key=lambda p: p["start_step"] if isinstance(p["start_step"], int) else -1)
         parser = _RecipeParser({}, ".", self.path or "phase", None)
         return replace(self, phases=parser.parse_phases(raw, self.source_names))
+
+    def run_phases(self, base: "Recipe") -> list[dict[str, Any]]:
+        """The phases of this recipe that ``base`` does not have, canonical (``{"name", "start_step", "weights"}``):
+        what a run decided beyond its recipe file (``add_phase``), which its state records so that every resume
+        replays it."""
+        theirs = {(p.name, p.start_step, p.weights) for p in base.phases}
+        return [p.canonical(self.source_names) for p in self.phases if (p.name, p.start_step, p.weights) not in theirs]
+
+    def with_run_phases(self, recorded: Any, *, what: str = "the run") -> "Recipe":
+        """This recipe with the phases a run recorded (:meth:`run_phases` of the run's schedule): one already here is
+        kept, a new one is added; one that contradicts a phase of this recipe (the same name or start step, other
+        weights) is a :class:`ScheduleError` naming both, never a silent choice
+        (tests/test_phases.py::test_a_run_time_phase_travels_with_the_loader_state)."""
+        if not isinstance(recorded, list) or not all(isinstance(p, dict) for p in recorded):
+            raise ScheduleError(f"{what}: recorded phases must be a list of tables, got {str(recorded)[:200]!r}")
+        out = self
+        for entry in recorded:
+            name, start, weights = entry.get("name"), entry.get("start_step"), entry.get("weights")
+            clash = [p for p in out.phases if p.name == name or p.start_step == start]
+            if any(p.canonical(out.source_names) == entry for p in clash):
+                continue
+            if clash:
+                mine = clash[0].canonical(out.source_names)
+                raise ScheduleError(
+                    f"{what} recorded phase '{name}' from step {start} with weights "
+                    f"{_weights_text(weights, self.source_names)}, but "
+                    f"{self.describe()} has phase '{mine['name']}' from step {mine['start_step']} with weights "
+                    f"{_weights_text(mine['weights'])}; resume with the recipe the run recorded, or without that "
+                    "phase in the file")
+            try:
+                out = out.with_phase(name, start, weights)
+            except RecipeError as exc:
+                raise ScheduleError(f"{what} recorded phase {name!r}, which does not fit {self.describe()}: {exc}"
+                                    ) from None
+        return out
 
     # ------------------------------------------------------------------ loading
     @classmethod

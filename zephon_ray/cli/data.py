@@ -9,6 +9,7 @@ library ``ValueError``) naming the flag, path or value at fault, and ``main`` pr
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from zephon_ray.checks import check_int
 from zephon_ray.errors import UserInputError
@@ -47,8 +48,37 @@ def _int_at_least(text: str, low: int) -> int:
     return check_int("the value", value, low=low, error=argparse.ArgumentTypeError)
 
 
+SCHEDULE_FROM_HELP = ("take the mixture phases a run decided while it trained from this loader state (a JSON file, "
+                      "or a directory holding zephon_loader.json) or service state_dir, on top of the recipe's")
+
+
+def load_recipe(args: argparse.Namespace, **kw: Any) -> Recipe:
+    """``args.recipe``, with the run-time phases of ``args.schedule_from`` (a loader state or a service
+    ``state_dir``) when given: a phase that contradicts the recipe file is one line naming both."""
+    recipe = Recipe.from_toml(args.recipe, **kw)
+    path = getattr(args, "schedule_from", None)
+    return recipe if path is None else recipe_with_schedule(recipe, path)
+
+
+def recipe_with_schedule(recipe: Recipe, path: str) -> Recipe:
+    from zephon_ray import files
+    from zephon_ray.formats.loader_state import check_state, run_recipe
+    from zephon_ray.formats.service_state import SERVICE_FILE, check_state_dir
+
+    loc = files.location(path)
+    if files.is_file(loc.join(SERVICE_FILE)):
+        return check_state_dir(recipe, loc)
+    state_file = loc if files.is_file(loc) else loc.join("zephon_loader.json")
+    if not files.is_file(state_file):
+        raise UserInputError(f"--schedule-from {path}: neither a loader state nor a service state_dir")
+    state = files.read_json(state_file, error=UserInputError, what="loader state")
+    check_state(state, run_id=state.get("run_id") if isinstance(state, dict) else None, fingerprint=recipe.fingerprint,
+                recipe=recipe, recipe_name=recipe.describe())
+    return run_recipe(state, recipe)
+
+
 def cmd_digest(args: argparse.Namespace) -> int:
-    recipe = Recipe.from_toml(args.recipe)
+    recipe = load_recipe(args)
     steps = parse_steps(args.steps)
     if args.via == "dataset":
         return digest_via_dataset(recipe, steps, args)
@@ -73,7 +103,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         from zephon_ray.plots import check_plot_path
 
         check_plot_path(args.plot, "--plot")  # before any work
-    recipe = Recipe.from_toml(args.recipe)
+    recipe = load_recipe(args)
     tokenizer = build_tokenizer(recipe.tokenizer)
     with GlobalBatchSource(recipe) as source:
         advance_with_progress(source, args.step)
@@ -169,7 +199,7 @@ def _shard_size(shard) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     import json
 
-    recipe = Recipe.from_toml(args.recipe, verify_content=args.verify_content or None)  # one RecipeError line
+    recipe = load_recipe(args, verify_content=args.verify_content or None)  # one RecipeError line
     report = recipe_report(recipe)
     if not args.no_build:
         report["step0_digest"] = build_step_zero(recipe)
@@ -237,6 +267,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import datetime
     import json
 
+    from zephon_ray import files
+    from zephon_ray.formats.service_state import SERVICE_FILE
+
+    loc = files.location(args.state_dir)
+    if not files.is_file(loc.join(SERVICE_FILE)) and (files.is_file(loc) or files.is_file(loc.join(
+            "zephon_loader.json"))):
+        return inspect_loader_state(loc, args.json)
     report = inspect_state_dir(args.state_dir)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
@@ -261,6 +298,36 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"commits     {co['count']} (latest step {co['latest_step']})")
     for consumer, step in sorted(co["by_consumer"].items()):
         print(f"  {consumer}: resumes at step {step}")
+    return 0
+
+
+def inspect_loader_state(loc, as_json: bool) -> int:
+    """``zephon-ray inspect`` of a loader state: its step, ledger head and the run's recorded phases."""
+    import json
+
+    from zephon_ray import files
+    from zephon_ray.formats.loader_state import added_phases, check_state
+
+    state_file = loc if files.is_file(loc) else loc.join("zephon_loader.json")
+    state = files.read_json(state_file, error=UserInputError, what="loader state")
+    if not isinstance(state, dict):
+        raise UserInputError(f"{state_file.uri}: not a loader state (a JSON {type(state).__name__})")
+    check_state(state, run_id=state.get("run_id"), fingerprint=state.get("fingerprint"), recipe_name="its own")
+    phases = added_phases(state)
+    if as_json:
+        print(json.dumps({**{k: v for k, v in state.items() if k != "zephon"}, "added_phases": phases,
+                          "zephon": bool(state["zephon"])}, indent=2, sort_keys=True))
+        return 0
+    print(f"loader state {state_file.uri} (format {state['version']})")
+    print(f"run_id      {state['run_id'] or '-'}; next_step {state['next_step']}; fingerprint "
+          f"{state['fingerprint'][:12]} (the schedule before step {state['next_step']})")
+    print(f"ledger      {state['ledger'] or '-'}; replayed_steps {state['replayed_steps']}; zephon checkpoint "
+          f"{'yes' if state['zephon'] else 'no'}")
+    for phase in phases:
+        weights = ", ".join(f"{k} {v:g}" for k, v in phase["weights"].items())
+        print(f"phase       {phase['name']}: from step {phase['start_step']} ({weights})  [decided while running]")
+    if not phases:
+        print("phases      none beyond the recipe file's")
     return 0
 
 
@@ -337,6 +404,7 @@ def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("recipe")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-build", action="store_true", help="only load the recipe; do not build step 0")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP)
     p.add_argument("--verify-content", action="store_true", help=VERIFY_CONTENT_HELP)
     p.set_defaults(func=cmd_validate)
 
@@ -366,8 +434,8 @@ def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("ledger_dir", metavar="DIR", help="the ledger directory (a path or URI)")
     p.set_defaults(func=cmd_ledger_compact)
 
-    p = sub.add_parser("inspect", help="report a service's durable state_dir offline (no Ray)")
-    p.add_argument("state_dir")
+    p = sub.add_parser("inspect", help="report a service's durable state_dir, or a loader state, offline (no Ray)")
+    p.add_argument("state_dir", metavar="STATE_DIR_OR_LOADER_STATE")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
@@ -400,6 +468,7 @@ def add_batch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default=None, help="use a running service by name instead of starting one")
     p.add_argument("--namespace", default="zephon-ray")
     p.add_argument("--address", default=None, help="Ray address; default starts a private local Ray")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP)
     p.set_defaults(func=cmd_digest)
 
     p = sub.add_parser("show", help="summarise one global batch")
@@ -409,6 +478,7 @@ def add_batch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--chars", type=_non_negative, default=72)
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="also write a PNG: per-source token share, document-piece lengths, packing per row")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("corpus", help="write the stdlib prose/code corpus as JSONL and Parquet shards")
@@ -465,7 +535,7 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     from zephon_ray.jobs.materialize import materialize
     from zephon_ray.service.session import ray_session
 
-    recipe = Recipe.from_toml(args.recipe)
+    recipe = load_recipe(args)
     steps = parse_steps(args.steps)
     with ray_session(args.address, private_if_none=True):
         result = materialize(recipe, args.out, steps, producers=args.producers, segment_steps=args.segment_steps,
@@ -494,4 +564,5 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpus-per-actor", type=float, default=0.5)
     p.add_argument("--address", default=None, help="Ray address; default starts a private local Ray")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP)
     p.set_defaults(func=cmd_materialize)

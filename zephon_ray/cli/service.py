@@ -32,6 +32,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
+from zephon_ray.cli.data import SCHEDULE_FROM_HELP, load_recipe
 from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
@@ -81,7 +82,7 @@ def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -
 def cmd_serve(args: argparse.Namespace) -> int:
     from zephon_ray.service.client import DataService
 
-    recipe = Recipe.from_toml(args.recipe)
+    recipe = load_recipe(args)
     fields = service_config_fields(args)
     ServiceConfig.build(recipe, **fields)  # every bad setting fails here, in one line, before touching Ray
     with ray_session(args.address, private_if_none=False):
@@ -328,6 +329,7 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or the running cluster)")
     add_service_config_flags(p)  # --name, --namespace, --producers, --window, --state-dir, ... (every field)
     p.add_argument("--block", action="store_true", help="stay in the foreground until the service is stopped")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("status", help="report a running service")

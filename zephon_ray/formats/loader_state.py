@@ -1,9 +1,9 @@
 """The loader state: small, JSON-safe, versioned, and identical on every reader. Owner of the format.
 
-Layout (format version 3); every key is always present::
+Layout (format version 4); every key is always present::
 
     {
-      "version":        3,              # STATE_VERSION; anything else is refused
+      "version":        4,              # STATE_VERSION; anything else is refused
       "run_id":         "my-run",       # the loader config's run_id ("" when unset)
       "fingerprint":    "<sha256>",     # Recipe.fingerprint
       "next_step":      12,             # first global step not yet consumed
@@ -11,10 +11,12 @@ Layout (format version 3); every key is always present::
                                         # "" when there is none (always so in service and dataset mode)
       "replayed_steps": 0,              # steps this run re-produced to resume without an exact checkpoint, so far
       "ledger":         "<segment id>", # the ledger segment that ends at next_step ("" at step 0): the lineage
-    }                                   # of the weights (zephon_ray.formats.ledger)
+                                        # of the weights (zephon_ray.formats.ledger)
+      "added_phases":   "<json>" | "",  # the mixture phases the run decided beyond its recipe file (a service's
+    }                                   # add_phase, Loader.add_phase), past and future: every resume replays them
 
-Version 2 added ``replayed_steps``, version 3 ``ledger`` (an older state is refused with a message saying so: DCP
-loads by key, so the key set is part of the format;
+Version 2 added ``replayed_steps``, version 3 ``ledger``, version 4 ``added_phases`` (an older state is refused with a
+message saying so: DCP loads by key, so the key set is part of the format;
 ``tests/test_ledger.py::test_the_loader_state_carries_a_valid_ledger_head``). :func:`check_state` refuses a state
 that lacks a key or has one more, naming it
 (``tests/test_stream_loader.py::test_bad_loader_states_are_one_line_naming_the_key``).
@@ -32,7 +34,7 @@ from typing import Any
 
 from zephon_ray.checks import check_int
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 KEY_VERSION = "version"
 KEY_RUN_ID = "run_id"
 KEY_FINGERPRINT = "fingerprint"
@@ -40,7 +42,11 @@ KEY_NEXT_STEP = "next_step"
 KEY_ZEPHON = "zephon"
 KEY_REPLAYED_STEPS = "replayed_steps"
 KEY_LEDGER = "ledger"
-STATE_KEYS = (KEY_VERSION, KEY_RUN_ID, KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_ZEPHON, KEY_REPLAYED_STEPS, KEY_LEDGER)
+KEY_ADDED_PHASES = "added_phases"
+STATE_KEYS = (KEY_VERSION, KEY_RUN_ID, KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_ZEPHON, KEY_REPLAYED_STEPS, KEY_LEDGER,
+              KEY_ADDED_PHASES)
+MAX_ADDED_PHASES = 4096
+"""Phases one state may record (a recipe allows as many)."""
 
 
 class LoaderStateError(ValueError):
@@ -48,7 +54,7 @@ class LoaderStateError(ValueError):
 
 
 def make_state(*, run_id: str | None, fingerprint: str, next_step: int, zephon: dict[str, Any] | None,
-               replayed_steps: int = 0, ledger: str = "") -> dict:
+               replayed_steps: int = 0, ledger: str = "", added_phases: list[dict[str, Any]] | None = None) -> dict:
     return {
         KEY_VERSION: STATE_VERSION,
         KEY_RUN_ID: run_id or "",
@@ -57,16 +63,37 @@ def make_state(*, run_id: str | None, fingerprint: str, next_step: int, zephon: 
         KEY_ZEPHON: "" if zephon is None else json.dumps(zephon, sort_keys=True, separators=(",", ":")),
         KEY_REPLAYED_STEPS: int(replayed_steps),
         KEY_LEDGER: ledger,
+        KEY_ADDED_PHASES: json.dumps(added_phases, separators=(",", ":")) if added_phases else "",  # source order
     }
+
+
+def added_phases(state: dict) -> list[dict[str, Any]]:
+    """The run-time phases a (checked) state records, oldest first: ``[{"name", "start_step", "weights"}, ...]``."""
+    blob = state.get(KEY_ADDED_PHASES, "")
+    if not isinstance(blob, str):
+        raise LoaderStateError(f"loader state key '{KEY_ADDED_PHASES}' must be a JSON string or \"\", got "
+                               f"{type(blob).__name__}")
+    if not blob:
+        return []
+    try:
+        value = json.loads(blob)
+    except ValueError as exc:
+        raise LoaderStateError(f"loader state key '{KEY_ADDED_PHASES}' is not valid JSON: {exc}") from None
+    if not isinstance(value, list) or len(value) > MAX_ADDED_PHASES or not all(
+            isinstance(p, dict) and set(p) == {"name", "start_step", "weights"} for p in value):
+        raise LoaderStateError(f"loader state key '{KEY_ADDED_PHASES}' must be a list of at most {MAX_ADDED_PHASES} "
+                               "{name, start_step, weights} tables")
+    return value
 
 
 def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name: str, recipe: Any = None) -> int:
     """Validate a saved state against this run; return its ``next_step``. Raises :class:`LoaderStateError`.
 
-    With ``recipe`` (a :class:`~zephon_ray.recipe.Recipe`), the state's fingerprint is compared with
-    ``recipe.history_fingerprint(next_step)``: a recipe with mixture phases may change the phases that start at or after
-    the state's ``next_step`` (docs/recipes.md, "Mixture schedules"); ``make_state`` then takes that fingerprint too.
-    For a recipe without phases it is ``recipe.fingerprint``."""
+    With ``recipe`` (a :class:`~zephon_ray.recipe.Recipe`), the state's fingerprint is compared with the history
+    fingerprint at ``next_step`` of ``recipe`` with the phases the state records (:func:`run_recipe`): a recipe with
+    mixture phases may change the phases that start at or after the state's ``next_step`` (docs/recipes.md, "Mixture
+    schedules"), except the ones the run recorded; ``make_state`` then takes that fingerprint too. For a recipe
+    without phases it is ``recipe.fingerprint``."""
     if not isinstance(state, dict):
         raise LoaderStateError(f"loader state must be a dict, got {type(state).__name__}")
     if KEY_VERSION not in state:
@@ -75,7 +102,7 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
     if version != STATE_VERSION:
         raise LoaderStateError(f"loader state key '{KEY_VERSION}': version {version!r} is not supported (expected "
                                f"{STATE_VERSION}; version 2 added '{KEY_REPLAYED_STEPS}', version 3 "
-                               f"'{KEY_LEDGER}')")
+                               f"'{KEY_LEDGER}', version 4 '{KEY_ADDED_PHASES}')")
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
         raise LoaderStateError(f"loader state lacks key '{missing[0]}' (format {STATE_VERSION} has {STATE_KEYS}; "
@@ -84,6 +111,7 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
     if extra:
         raise LoaderStateError(f"loader state has unknown key '{extra[0]}' (format {STATE_VERSION} has {STATE_KEYS})")
     if recipe is not None:
+        recipe = run_recipe(state, recipe)
         step = state[KEY_NEXT_STEP]
         if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
             fingerprint = recipe.history_fingerprint(step)
@@ -110,6 +138,17 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
         raise LoaderStateError(f"loader state key '{KEY_LEDGER}' must be a ledger segment id (24 hex digits) or \"\", "
                                f"got {str(head)[:40]!r}")
     return step
+
+
+def run_recipe(state: dict, recipe: Any) -> Any:
+    """``recipe`` with the phases the state records (``added_phases``): the run's schedule, which a resume serves
+    whatever the recipe file says about them; one that contradicts the file is one :class:`LoaderStateError`."""
+    try:
+        return recipe.with_run_phases(added_phases(state), what="the loader state's run")
+    except ValueError as exc:
+        if isinstance(exc, LoaderStateError):
+            raise
+        raise LoaderStateError(f"loader state key '{KEY_ADDED_PHASES}': {exc}") from None
 
 
 def _schedule_mismatch(state: dict, recipe: Any, step: int) -> str:

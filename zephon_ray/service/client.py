@@ -412,6 +412,12 @@ class DataService:
         self.config = replace(self.config, producers=producers)
         return result
 
+    def refresh_recipe(self) -> Recipe:
+        """The recipe the service runs now (one control call): with every phase it accepted while running."""
+        recipe, _ = self._call(self._coordinator.recipe_and_config.remote(), CONTROL_TIMEOUT_S, "the recipe")
+        self.recipe = recipe
+        return recipe
+
     def add_phase(self, name: str, start_step: int, weights: dict[str, float]) -> dict[str, Any]:
         """Add mixture phase ``name`` (``weights`` by source name; unnamed sources get 0) from ``start_step`` on to
         the running service, durably (``state_dir``); steps it produced ahead from there are made again under the

@@ -5,7 +5,7 @@ microbatches, and keeps the loader state. TorchTitan's ``ZephonRayDataLoader`` a
 ::
 
     loader = Loader(LoaderConfig(recipe="recipes/tiny.toml", mode="local"), rank=0, world=1, local_batch_size=4)
-    loader.load_state_dict(saved)          # optional: resume (format v3, identical on every reader)
+    loader.load_state_dict(saved)          # optional: resume (format v4, identical on every reader)
     for batch in loader:                   # StepBatch(step, slice, microbatches), forever (repeat = true recipes)
         for inputs, labels in batch.microbatches: ...
         saved = loader.state_dict()        # at a step boundary: after the step was trained
@@ -23,10 +23,10 @@ service (``mode="service"``), from an in-process Zephon lane group (``mode="loca
 the batch ``zephon-ray digest`` describes (``tests/test_stream_loader.py``: all three modes with W changing at each
 resume; ``tests/test_torchtitan_loader.py``; ``tests/test_ray_train_elastic.py``).
 
-State (:mod:`zephon_ray.formats.loader_state`, format v3) is ``{version, run_id, fingerprint, next_step, zephon,
-replayed_steps, ledger}``: every key always present (``zephon`` is "" when there is no Zephon checkpoint, which is
-always so outside local mode), JSON-safe and identical on every reader, so it is stored once and loads at any W and
-in any mode. ``state_dict()`` works before iteration.
+State (:mod:`zephon_ray.formats.loader_state` owns the layout) is JSON-safe and identical on every reader, so it is
+stored once and loads at any W and in any mode. ``state_dict()`` works before iteration. It records the run's
+mixture schedule beyond the recipe file (phases a service accepted while running, or :meth:`Loader.add_phase`), and a
+resume from it serves that schedule with the recipe file unchanged, in any mode (``tests/test_phases.py``).
 
 Ledger (:mod:`zephon_ray.stream.ledger`): every step handed out is recorded with its slice's digest; each
 ``state_dict()`` seals the records since the last save into a segment that the state's ``ledger`` key names, written
@@ -70,6 +70,7 @@ from zephon_ray.formats.loader_state import (
     check_state,
     make_state,
     replayed_steps,
+    run_recipe,
     zephon_state,
 )
 from zephon_ray.recipe import Recipe
@@ -239,7 +240,9 @@ class Loader:
         self.config = config
         self.rank, self.world = check_reader(rank, world)
         lbs = check_int("local_batch_size", local_batch_size, low=0)
-        self.recipe = recipe if recipe is not None else Recipe.from_toml(config.recipe)
+        self.base_recipe = recipe if recipe is not None else Recipe.from_toml(config.recipe)
+        self.recipe = self.base_recipe
+        """The run's schedule: the recipe file's, plus the phases the run decided (a loaded state's, a service's)."""
         B = self.recipe.global_batch_rows
         self.shape = check_geometry(self.recipe, global_batch_size=global_batch_size, local_batch_size=lbs,
                                     dp_world_size=self.world, seq_len=seq_len, pad=config.pad_slices)
@@ -265,7 +268,7 @@ class Loader:
         self._replayed_before = 0  # replayed steps carried by the loaded state (earlier resumes)
         self._replaying = 0  # steps the current resume replays
         self._replay_started = False  # counted in replayed_steps once the source started (and so replays)
-        self._ledger = LedgerRecorder(run_id=config.run_id or "", fingerprint=self.recipe.fingerprint, rank=self.rank,
+        self._ledger = LedgerRecorder(run_id=config.run_id or "", fingerprint=self.base_recipe.fingerprint, rank=self.rank,
                                       world=self.world, ledger_dir=config.ledger_dir)
         # Runs at garbage collection and at interpreter exit: a trainer may never call close().
         self._finalizer = weakref.finalize(self, _close_source, self.__dict__)
@@ -360,15 +363,20 @@ class Loader:
         if cfg.mode == "dataset":
             from zephon_ray.stream.dataset import DatasetSlices
 
-            return DatasetSlices(recipe, cfg.dataset_dir, rank=self.rank, world=self.world, depth=cfg.prefetch)
+            source = DatasetSlices(recipe, cfg.dataset_dir, rank=self.rank, world=self.world, depth=cfg.prefetch)
+            self.recipe = source.recipe  # the directory's schedule: ours plus the run-time phases it was made under
+            return source
         from zephon_ray.stream.service import ServiceSlices
 
-        return ServiceSlices(recipe, rank=self.rank, world=self.world, name=cfg.service_name,
-                             namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch)
+        source = ServiceSlices(recipe, rank=self.rank, world=self.world, name=cfg.service_name,
+                               namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch,
+                               base=self.base_recipe)
+        self.recipe = source.recipe  # the service's schedule: ours plus the phases it accepted while running
+        return source
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The loader state at ``next_step`` (format v3, identical on every reader). In local mode with W > 1 it
+        """The loader state at ``next_step`` (format v4, identical on every reader). In local mode with W > 1 it
         may wait for the collective Zephon checkpoint of that boundary: call it on every reader."""
         if not self._produces:
             return self.peers.share_object(None)  # the leader's state, bit for bit
@@ -378,9 +386,11 @@ class Loader:
             zephon = self._source.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT]
         elif self.config.mode == "local" and step > 0 and step == self._loaded_at:
             zephon = self._loaded_zephon
+        if hasattr(self._source, "sync_recipe"):  # a service may have accepted a phase since: record it too
+            self.recipe = self._source.sync_recipe()
         state = make_state(run_id=self.config.run_id, fingerprint=self.recipe.history_fingerprint(step),
                            next_step=step, zephon=zephon, replayed_steps=self._replayed_steps(),
-                           ledger=self._ledger.seal(step))
+                           ledger=self._ledger.seal(step), added_phases=self.recipe.run_phases(self.base_recipe))
         if self.peers is not None:
             self.peers.share_object(state)
         return state
@@ -393,8 +403,15 @@ class Loader:
         with nothing saved)."""
         if isinstance(state, dict) and not state:
             return
-        step = check_state(state, run_id=self.config.run_id, fingerprint=self.recipe.fingerprint, recipe=self.recipe,
-                           recipe_name=str(self.recipe.path or "<recipe>"))
+        base = self.base_recipe
+        step = check_state(state, run_id=self.config.run_id, fingerprint=base.fingerprint, recipe=base,
+                           recipe_name=str(base.path or "<recipe>"))
+        recipe = run_recipe(state, base)  # the run's schedule, which the resume serves whatever the file says
+        if recipe.fingerprint != self.recipe.fingerprint:
+            logger.info("zephon-ray loader (reader %d of %d): resuming under the run's schedule: %s", self.rank,
+                        self.world, ", ".join(f"{p['name']} from step {p['start_step']}"
+                                              for p in recipe.run_phases(base)) or "the recipe file's")
+        self.recipe = recipe
         if trainer_step is not None and trainer_step != step:
             raise LoaderStateError(f"loader state key 'next_step' is {step} but the trainer's checkpoint is at step "
                                    f"{trainer_step}: resuming would {'skip' if step > trainer_step else 'repeat'} "
@@ -405,7 +422,7 @@ class Loader:
             from zephon_ray.lanes import check_step_state
 
             try:
-                check_step_state(loaded, self.recipe)
+                check_step_state(loaded, recipe)
             except ValueError as exc:
                 raise LoaderStateError(f"loader state key 'zephon': {exc}") from None
         self._loaded_zephon = loaded
