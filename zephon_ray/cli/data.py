@@ -338,7 +338,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from zephon_ray.jobs.audit import Finding, audit, locate
 
     ledger_dir, head, state = locate(args.path, args.ledger)
-    recipe = Recipe.from_toml(args.recipe) if args.recipe else None
+    base = Recipe.from_toml(args.recipe) if args.recipe else None
+    recipe = base
+    if base is not None and (state is not None or args.schedule_from):
+        from zephon_ray.formats.loader_state import run_recipe
+
+        # the run's schedule: the phases it decided while it trained, from its state (or --schedule-from)
+        recipe = run_recipe(state, base) if state is not None else recipe_with_schedule(base, args.schedule_from)
     if args.dataset and args.service:
         raise UserInputError("give at most one of --dataset DIR and --service NAME")
     if (args.dataset or args.service) and recipe is None:
@@ -367,7 +373,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
             batch = batch_of(step)
             return batch.tokens, batch.positions
 
-        report = audit(ledger_dir, head, fingerprint=recipe.fingerprint if recipe else None,
+        report = audit(ledger_dir, head, fingerprint=base.fingerprint if base else None,
                        run_id=state["run_id"] if state else None,
                        reference=reference if recipe is not None else None,
                        rows=recipe.global_batch_rows if recipe else None)
@@ -421,6 +427,8 @@ def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", metavar="R", help="check every slice against this recipe's global batches (computed "
                                                  "in-process) and that the lineage was trained on it")
     p.add_argument("--dataset", metavar="DIR", help="read the global batches from this materialised directory")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP + " (a loader state given as the "
+                                                                             "checkpoint is used by itself)")
     p.add_argument("--service", metavar="NAME", help="ask this running DataService for the global batches")
     p.add_argument("--namespace", default="zephon-ray", help="the service's Ray namespace (with --service)")
     p.add_argument("--address", default=None, help="the Ray cluster of the service (with --service; default: "

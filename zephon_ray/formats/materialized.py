@@ -188,8 +188,10 @@ def read_manifest(directory: "str | files.Location") -> dict[str, Any]:
     return manifest
 
 
-def _with_phases(recipe: Any, phases: Any) -> Any:
-    """``recipe`` with the run-time phases a manifest records beyond it; None when they contradict it."""
+def recipe_of(manifest: dict[str, Any], recipe: Any) -> Any:
+    """``recipe`` with the run-time phases ``manifest`` records beyond it (the directory's schedule); None when they
+    contradict it."""
+    phases = manifest.get(KEY_PHASES)
     if not isinstance(phases, list):
         return recipe
     mine = [p.canonical(recipe.source_names) for p in recipe.phases]
@@ -325,7 +327,7 @@ class MaterializedSource:
         self.fingerprint: str = manifest[KEY_FINGERPRINT]
         self.recipe = recipe
         if recipe is not None and recipe.fingerprint != self.fingerprint:
-            self.recipe = _with_phases(recipe, manifest.get(KEY_PHASES))
+            self.recipe = recipe_of(manifest, recipe)
             if self.recipe is None or self.recipe.fingerprint != self.fingerprint:
                 made = manifest.get(KEY_PHASES)
                 missing = "" if not isinstance(made, list) else ", ".join(

@@ -49,8 +49,8 @@ from zephon_ray.formats.materialized import (
     CHECKPOINTS_DIR, KEY_CHECKPOINTS, KEY_DIGESTS, KEY_END, KEY_FINGERPRINT, KEY_FIRST, KEY_FORMAT, KEY_GEOMETRY,
     KEY_PHASES, KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_SOURCE_TOKENS, MANIFEST_FORMAT, MANIFEST_NAME, MAX_STEP,
     SEGMENTS_DIR,
-    TMP_PREFIX, WORK_PREFIX, MaterializedError, MaterializedSource, SegmentWriter, clean_leftovers, load_checkpoint,
-    read_manifest,
+    TMP_PREFIX, WORK_PREFIX, MaterializedError, SegmentWriter, clean_leftovers, load_checkpoint, read_manifest,
+    recipe_of,
 )
 from zephon_ray.identity import verify_on_node
 from zephon_ray.noise import quiet_known_noise
@@ -143,8 +143,8 @@ def _prepare_directory(directory: files.Location, recipe: Recipe) -> tuple[dict[
     manifest = None
     if files.exists(directory.join(MANIFEST_NAME)):
         manifest = read_manifest(directory)
-        recipe = MaterializedSource(directory, recipe=recipe).recipe if manifest[KEY_FINGERPRINT] != \
-            recipe.fingerprint else recipe  # the directory's schedule, or one line saying why not
+        joined = recipe_of(manifest, recipe)  # the run-time phases the directory was made under
+        recipe = joined if joined is not None and joined.fingerprint == manifest[KEY_FINGERPRINT] else recipe
         if manifest[KEY_FINGERPRINT] != recipe.fingerprint:
             raise MaterializedError(
                 f"{directory}: holds a materialisation of recipe fingerprint {manifest[KEY_FINGERPRINT][:12]}, not "
