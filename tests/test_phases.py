@@ -384,9 +384,11 @@ def test_a_service_restarted_after_add_phase_keeps_it(ray_cluster, tmp_path):
             service.stop()
 
 
-def _local_readers(config, world: int, state: dict | None, steps: int) -> tuple[list[str], dict]:
-    """W local-mode readers (threads: their checkpoints are collective) load ``state`` and read ``steps`` steps;
-    returns each step's digest of the joined slices and the (identical) states they take afterwards."""
+def _local_readers(config, world: int, state: dict | None, steps: int, add: tuple | None = None
+                   ) -> tuple[list[str], dict]:
+    """W readers (threads: local-mode checkpoints are collective) load ``state``, each add phase ``add`` (name,
+    start, weights) when given, and read ``steps`` steps; returns each step's digest of the joined slices and the
+    (identical) states they take afterwards."""
     import numpy as np
 
     from zephon_ray.batch import compute_digest
@@ -401,6 +403,8 @@ def _local_readers(config, world: int, state: dict | None, steps: int) -> tuple[
         try:
             if state is not None:
                 loaders[r].load_state_dict(json.loads(json.dumps(state)))
+            if add is not None:
+                loaders[r].add_phase(*add)
             it = iter(loaders[r])
             for _ in range(steps):
                 slices[r].append(next(it).slice)
@@ -478,7 +482,7 @@ def test_a_run_time_phase_travels_with_the_loader_state(ray_cluster, tmp_path, c
     from zephon_ray.formats.loader_state import LoaderStateError, added_phases
     from zephon_ray.formats.materialized import MaterializedError
     from zephon_ray.jobs.materialize import materialize
-    from zephon_ray.stream.loader import LoaderConfig
+    from zephon_ray.stream.loader import Loader, LoaderConfig
 
     tiny = Recipe.from_toml(TINY)
     want = [GOLDEN[str(s)] for s in range(2, 6)]
@@ -510,6 +514,8 @@ def test_a_run_time_phase_travels_with_the_loader_state(ray_cluster, tmp_path, c
                  str(state_file), "--quiet", "--address", ray_cluster.get_runtime_context().gcs_address]) == 0
     dataset = LoaderConfig(recipe=str(TINY), mode="dataset", run_id="run-phase", dataset_dir=str(run_dir))
     assert _local_readers(dataset, 3, state, 4)[0] == want
+    with Loader(dataset, rank=0, world=1) as fixed, pytest.raises(ValueError, match="schedule is fixed"):
+        fixed.add_phase("late", 20, {"code": 1.0})  # a materialised directory's schedule cannot change
 
     fresh = DataService.start(tiny, name="zr-run-phase", namespace="zr-run-phase", state_dir=str(tmp_path / "new"))
     try:
@@ -533,3 +539,69 @@ def test_a_run_time_phase_travels_with_the_loader_state(ray_cluster, tmp_path, c
     assert "phase       main: from step 2 (prose 0.2, code 0.8)  [decided while running]" in out, out
     assert main(["digest", str(TINY), "--steps", "2:6", "--schedule-from", str(state_file)]) == 0
     assert capsys.readouterr().out.split() == [w for s, d in zip(range(2, 6), want) for w in ("step", str(s), d)]
+
+
+def _main_file(tmp_path: Path) -> Path:
+    """tiny.toml with phased.toml's first phase ('main' from step 2) written in: 'anneal' (step 4) is added while
+    running, so the run's schedule is phased.toml's, whose goldens the independent oracle computes."""
+    path = tmp_path / "main.toml"
+    path.write_text(phased_text(phase("main", 2, prose=0.2, code=0.8)))
+    return path
+
+
+def test_a_phase_added_in_local_mode_on_every_reader(tmp_path):
+    """Issue 44: local-mode readers (W = 2, a collective checkpoint every 2 steps) each call add_phase('anneal', 4)
+    before reading; steps 0-5 equal phased.toml's goldens, and the state saved at step 6 records the phase. A resume
+    at W = 4 with the recipe file unchanged gives steps 6-7 of the goldens. A phase that starts too early (the
+    producer may have made it, or no checkpoint lies between: the readers could not check that they agree) is one
+    line."""
+    from zephon_ray.formats.loader_state import added_phases
+    from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    recipe = _main_file(tmp_path)
+
+    def config(segment: int) -> LoaderConfig:
+        return LoaderConfig(recipe=str(recipe), mode="local", run_id="local-phase", checkpoint_every=2,
+                            aggregate_dir=str(tmp_path / f"agg-{segment}"))
+
+    early = Loader(config(9), rank=0, world=2)
+    with pytest.raises(ValueError) as info:
+        early.add_phase("anneal", 3, {"prose": 1.0})
+    message = str(info.value)
+    assert "too early" in message and "checkpoint of step 4" in message and "\n" not in message, message
+
+    digests, state = _local_readers(config(0), 2, None, 6, add=("anneal", 4, {"prose": 1.0}))
+    assert digests == [GOLDEN[str(s)] for s in range(6)]
+    assert [(p["name"], p["start_step"]) for p in added_phases(state)] == [("anneal", 4)]
+    assert _local_readers(config(1), 4, state, 2)[0] == [GOLDEN["6"], GOLDEN["7"]]
+
+
+@pytest.mark.timeout(300)
+def test_a_reader_that_misses_a_local_phase_stops_every_reader_in_one_line(tmp_path):
+    """Only reader 0 of 2 adds the phase: at the next collective checkpoint (step 2) the readers' schedules differ,
+    so they never meet there and both stop with one line, once the checkpoint channel's timeout passes. Neither was
+    served a step of the phase, or any step after the checkpoint."""
+    from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    config = LoaderConfig(recipe=str(_main_file(tmp_path)), mode="local", run_id="missed-phase", checkpoint_every=2,
+                          aggregate_dir=str(tmp_path / "agg"), aggregate_timeout_s=8)
+    loaders = [Loader(config, rank=r, world=2, local_batch_size=8) for r in range(2)]
+    got: dict[int, list[int]] = {0: [], 1: []}
+    errors: dict[int, str] = {}
+
+    def read(r: int) -> None:
+        try:
+            if r == 0:
+                loaders[r].add_phase("anneal", 4, {"prose": 1.0})
+            it = iter(loaders[r])
+            for _ in range(6):
+                got[r].append(next(it).slice.step)
+        except Exception as exc:  # noqa: BLE001 - the expected stop, checked below
+            errors[r] = str(exc)
+        finally:
+            loaders[r].close()
+
+    run_ranks(2, read, timeout_s=240)
+    assert got == {0: [0, 1], 1: [0, 1]}, got
+    for r in (0, 1):
+        assert "did not all arrive with this schedule" in errors[r] and "\n" not in errors[r], errors

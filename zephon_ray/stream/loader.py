@@ -126,6 +126,10 @@ class LoaderConfig:
     aggregate_dir: str | None = None
     """Local mode: a directory every reader can reach. ``$ZEPHON_RAY_AGGREGATE_DIR`` overrides both."""
 
+    aggregate_timeout_s: float = 120.0
+    """Local mode: how long a collective checkpoint (and the readers' exchange with it) waits for every reader
+    before it fails with one line naming the readers missing."""
+
     prefetch: int = 2
     """Steps fetched (service, dataset) or produced (local) ahead of the trainer, in a background thread."""
 
@@ -152,6 +156,10 @@ class LoaderConfig:
             raise ValueError(f"{where}: 'mode' must be one of {MODES}, got {self.mode!r}")
         check_int(f"{where}: 'prefetch'", self.prefetch, low=1, high=MAX_DEPTH)
         check_int(f"{where}: 'checkpoint_every'", self.checkpoint_every, low=0)
+        if isinstance(self.aggregate_timeout_s, bool) or not isinstance(self.aggregate_timeout_s, (int, float)) \
+                or not 0 < self.aggregate_timeout_s <= 86400:
+            raise ValueError(f"{where}: 'aggregate_timeout_s' must be a number of seconds in (0, 86400], got "
+                             f"{self.aggregate_timeout_s!r}")
         if not isinstance(self.pad_slices, bool):
             raise ValueError(f"{where}: 'pad_slices' must be true or false, got {self.pad_slices!r}")
         if self.ledger_dir is not None and (not isinstance(self.ledger_dir, str) or not self.ledger_dir):
@@ -357,7 +365,8 @@ class Loader:
 
             store, agg_dir, _ = cfg.resolved_aggregation()
             lane_group = LaneGroup(count=self.world, index=self.rank, run_id=cfg.run_id, aggregate_store=store,
-                                   aggregate_dir=agg_dir) if self.world > 1 else LaneGroup()
+                                   aggregate_dir=agg_dir, aggregate_timeout_s=cfg.aggregate_timeout_s) \
+                if self.world > 1 else LaneGroup()
             return LocalSlices(recipe, rank=self.rank, world=self.world, lane_group=lane_group, depth=cfg.prefetch,
                                checkpoint_every=self.checkpoint_every)
         if cfg.mode == "dataset":
@@ -373,6 +382,51 @@ class Loader:
                                base=self.base_recipe)
         self.recipe = source.recipe  # the service's schedule: ours plus the phases it accepted while running
         return source
+
+    # ------------------------------------------------------------------ the schedule
+    def add_phase(self, name: str, start_step: int, weights: dict[str, float]) -> int:
+        """Add mixture phase ``name`` (``weights`` by source name; unnamed sources get 0) from ``start_step`` on to
+        the run's schedule, and record it in every loader state from now on, so every resume replays it. Returns
+        the earliest step a phase could have started at. Refused in one line (ValueError): an invalid phase (as
+        ``[[phases]]``), one that starts too early, or dataset mode (a materialised directory's schedule is fixed).
+
+        - Service mode: the service takes it (``DataService.add_phase``: durable, for every consumer), refused from
+          a step some consumer has read.
+        - Local mode: call it **on every reader**, with the same phase, before reaching the step it returns: the
+          phase must start past what the producer thread can have made (``next_step + prefetch + 1``) and, with
+          W > 1, at or after the next collective checkpoint (``checkpoint_every`` must be set). At that checkpoint
+          the readers check that they agree on the whole schedule: a reader that missed the call, or made another,
+          stops every reader with one line (after the checkpoint channel's timeout), before any of them makes a
+          step of the phase; no reader is ever served other rows
+          (``tests/test_phases.py::test_a_phase_added_in_local_mode_on_every_reader``)."""
+        mode = self.config.mode
+        if mode == "dataset":
+            raise ValueError(f"add_phase: dataset mode reads a materialised directory, whose schedule is fixed; "
+                             f"materialise the later steps with the phase (zephon-ray materialize --schedule-from) "
+                             f"or read them from the service")
+        new = self.recipe.with_phase(name, start_step, weights)  # one RecipeError naming the key
+        if mode == "service":
+            if self._source is None:
+                self._source = self._make_source()  # connects; iteration starts it
+            source = self._source
+            source.service.add_phase(name, start_step, weights)
+            self.recipe = source.sync_recipe()
+            return self._next_step
+        earliest = self._next_step + self.config.prefetch + 1
+        if self.world > 1:
+            if not self.checkpoint_every:
+                raise ValueError("add_phase: a distributed local-mode run needs checkpoint_every > 0: the readers "
+                                 "check that they agree on a phase added while running at a collective checkpoint")
+            earliest = -(-earliest // self.checkpoint_every) * self.checkpoint_every
+        if start_step < earliest:
+            raise ValueError(f"add_phase: phase {name!r} from step {start_step} is too early: this reader is at step "
+                             f"{self._next_step} and may have made steps up to {self._next_step + self.config.prefetch}"
+                             + (f"; the readers check the schedule at the checkpoint of step {earliest}"
+                                if self.world > 1 else "") + f"; start it at step {earliest} or later")
+        if self._source is not None and self._active:
+            self._source.adopt(new, start_step)
+        self.recipe = new
+        return earliest
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
