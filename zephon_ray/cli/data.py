@@ -231,6 +231,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for ph in report["phases"]:
         print(f"phase       {ph['name']}: from step {ph['start_step']}, weights " +
               ", ".join(f"{k} {v:.3g}" for k, v in ph["weights"].items()))
+    for skip, first, end in recipe.skipped_data():
+        print(f"skip        {skip.name}: training step {skip.start_step} on reads data step "
+              f"{recipe.data_step(skip.start_step)} on (data steps {first}..{end - 1} skipped)")
     if "step0_digest" in report:
         print(f"step 0      {report['step0_digest']} (the pipeline builds)")
     return 0
@@ -302,32 +305,35 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def inspect_loader_state(loc, as_json: bool) -> int:
-    """``zephon-ray inspect`` of a loader state: its step, ledger head and the run's recorded phases."""
+    """``zephon-ray inspect`` of a loader state: its step, ledger head and the run's recorded schedule."""
     import json
 
     from zephon_ray import files
-    from zephon_ray.formats.loader_state import added_phases, check_state
+    from zephon_ray.formats.loader_state import check_state, run_schedule
 
     state_file = loc if files.is_file(loc) else loc.join("zephon_loader.json")
     state = files.read_json(state_file, error=UserInputError, what="loader state")
     if not isinstance(state, dict):
         raise UserInputError(f"{state_file.uri}: not a loader state (a JSON {type(state).__name__})")
     check_state(state, run_id=state.get("run_id"), fingerprint=state.get("fingerprint"), recipe_name="its own")
-    phases = added_phases(state)
+    schedule = run_schedule(state)
     if as_json:
-        print(json.dumps({**{k: v for k, v in state.items() if k != "zephon"}, "added_phases": phases,
-                          "zephon": bool(state["zephon"])}, indent=2, sort_keys=True))
+        print(json.dumps({**{k: v for k, v in state.items() if k not in ("zephon", "run_schedule")},
+                          "run_schedule": schedule, "zephon": bool(state["zephon"])}, indent=2, sort_keys=True))
         return 0
     print(f"loader state {state_file.uri} (format {state['version']})")
     print(f"run_id      {state['run_id'] or '-'}; next_step {state['next_step']}; fingerprint "
-          f"{state['fingerprint'][:12]} (the schedule before step {state['next_step']})")
+          f"{state['fingerprint'][:12]} (the schedule of the data read so far)")
     print(f"ledger      {state['ledger'] or '-'}; replayed_steps {state['replayed_steps']}; zephon checkpoint "
           f"{'yes' if state['zephon'] else 'no'}")
-    for phase in phases:
+    for phase in schedule["phases"]:
         weights = ", ".join(f"{k} {v:g}" for k, v in phase["weights"].items())
         print(f"phase       {phase['name']}: from step {phase['start_step']} ({weights})  [decided while running]")
-    if not phases:
+    if not schedule["phases"]:
         print("phases      none beyond the recipe file's")
+    for skip in schedule["skips"]:
+        print(f"skip        {skip['name']}: training steps from {skip['start_step']} read the data "
+              f"{skip['end_step'] - skip['start_step']} steps later")
     return 0
 
 
@@ -369,8 +375,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
             from zephon_ray.source import GlobalBatchSource
 
             batch_of = stack.enter_context(GlobalBatchSource(recipe)).batch
-        def reference(step: int):
-            batch = batch_of(step)
+        def reference(step: int):  # a training step's rows: those of the data step it read
+            batch = batch_of(recipe.data_step(step))
             return batch.tokens, batch.positions
 
         report = audit(ledger_dir, head, fingerprint=base.fingerprint if base else None,
@@ -382,6 +388,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
                                        max(state["next_step"], report.next_step) - 1, "lineage",
                                        f"the loader state is at step {state['next_step']} but its segment {head} "
                                        f"ends at {report.next_step}"))
+    if recipe is not None:
+        from zephon_ray.jobs.audit import skip_notes
+
+        report.notes.extend(skip_notes(recipe, report.next_step))
     for line in report.notes:
         print(f"note: {line}")
     for finding in report.findings:

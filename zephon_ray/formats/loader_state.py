@@ -12,10 +12,15 @@ Layout (format version 4); every key is always present::
       "replayed_steps": 0,              # steps this run re-produced to resume without an exact checkpoint, so far
       "ledger":         "<segment id>", # the ledger segment that ends at next_step ("" at step 0): the lineage
                                         # of the weights (zephon_ray.formats.ledger)
-      "added_phases":   "<json>" | "",  # the mixture phases the run decided beyond its recipe file (a service's
-    }                                   # add_phase, Loader.add_phase), past and future: every resume replays them
+      "run_schedule":   "<json>" | "",  # {"phases": [...], "skips": [...]}: the mixture phases the run decided
+    }                                   # beyond its recipe file (a service's add_phase, Loader.add_phase) and
+                                        # every deliberate skip of its schedule; every resume replays them
 
-Version 2 added ``replayed_steps``, version 3 ``ledger``, version 4 ``added_phases`` (an older state is refused with a
+``next_step`` counts training steps; the data step a training step reads is ``Recipe.data_step`` of it (the same
+unless the run skips data: ``[[skips]]``), and ``fingerprint`` and ``zephon`` describe the data read so far
+(``Recipe.data_next``).
+
+Version 2 added ``replayed_steps``, version 3 ``ledger``, version 4 ``run_schedule`` (an older state is refused with a
 message saying so: DCP loads by key, so the key set is part of the format;
 ``tests/test_ledger.py::test_the_loader_state_carries_a_valid_ledger_head``). :func:`check_state` refuses a state
 that lacks a key or has one more, naming it
@@ -42,11 +47,11 @@ KEY_NEXT_STEP = "next_step"
 KEY_ZEPHON = "zephon"
 KEY_REPLAYED_STEPS = "replayed_steps"
 KEY_LEDGER = "ledger"
-KEY_ADDED_PHASES = "added_phases"
+KEY_RUN_SCHEDULE = "run_schedule"
 STATE_KEYS = (KEY_VERSION, KEY_RUN_ID, KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_ZEPHON, KEY_REPLAYED_STEPS, KEY_LEDGER,
-              KEY_ADDED_PHASES)
-MAX_ADDED_PHASES = 4096
-"""Phases one state may record (a recipe allows as many)."""
+              KEY_RUN_SCHEDULE)
+MAX_SCHEDULE_ENTRIES = 4096
+"""Phases, and skips, one state may record."""
 
 
 class LoaderStateError(ValueError):
@@ -54,7 +59,8 @@ class LoaderStateError(ValueError):
 
 
 def make_state(*, run_id: str | None, fingerprint: str, next_step: int, zephon: dict[str, Any] | None,
-               replayed_steps: int = 0, ledger: str = "", added_phases: list[dict[str, Any]] | None = None) -> dict:
+               replayed_steps: int = 0, ledger: str = "", schedule: dict[str, list] | None = None) -> dict:
+    """``schedule``: :func:`schedule_of` the run's recipe (its run-time phases and its skips)."""
     return {
         KEY_VERSION: STATE_VERSION,
         KEY_RUN_ID: run_id or "",
@@ -63,27 +69,44 @@ def make_state(*, run_id: str | None, fingerprint: str, next_step: int, zephon: 
         KEY_ZEPHON: "" if zephon is None else json.dumps(zephon, sort_keys=True, separators=(",", ":")),
         KEY_REPLAYED_STEPS: int(replayed_steps),
         KEY_LEDGER: ledger,
-        KEY_ADDED_PHASES: json.dumps(added_phases, separators=(",", ":")) if added_phases else "",  # source order
+        # phases' weights in recipe source order (no sort_keys): readable, and the same on every rank
+        KEY_RUN_SCHEDULE: json.dumps(schedule, separators=(",", ":")) if schedule and any(schedule.values()) else "",
     }
 
 
-def added_phases(state: dict) -> list[dict[str, Any]]:
-    """The run-time phases a (checked) state records, oldest first: ``[{"name", "start_step", "weights"}, ...]``."""
-    blob = state.get(KEY_ADDED_PHASES, "")
+def schedule_of(recipe: Any, base: Any) -> dict[str, list]:
+    """What a state records of the run's schedule ``recipe`` beyond its recipe file ``base``: the phases the run
+    decided while it trained, and every skip (a resume then refuses a file that rewrites a past one)."""
+    return {"phases": recipe.run_phases(base), "skips": [s.canonical() for s in recipe.skips]}
+
+
+_SCHEDULE_KEYS = {"phases": {"name", "start_step", "weights"}, "skips": {"name", "start_step", "end_step"}}
+
+
+def run_schedule(state: dict) -> dict[str, list]:
+    """The run's schedule a (checked) state records: ``{"phases": [...], "skips": [...]}``, oldest first."""
+    blob = state.get(KEY_RUN_SCHEDULE, "")
     if not isinstance(blob, str):
-        raise LoaderStateError(f"loader state key '{KEY_ADDED_PHASES}' must be a JSON string or \"\", got "
+        raise LoaderStateError(f"loader state key '{KEY_RUN_SCHEDULE}' must be a JSON string or \"\", got "
                                f"{type(blob).__name__}")
     if not blob:
-        return []
+        return {"phases": [], "skips": []}
     try:
         value = json.loads(blob)
     except ValueError as exc:
-        raise LoaderStateError(f"loader state key '{KEY_ADDED_PHASES}' is not valid JSON: {exc}") from None
-    if not isinstance(value, list) or len(value) > MAX_ADDED_PHASES or not all(
-            isinstance(p, dict) and set(p) == {"name", "start_step", "weights"} for p in value):
-        raise LoaderStateError(f"loader state key '{KEY_ADDED_PHASES}' must be a list of at most {MAX_ADDED_PHASES} "
-                               "{name, start_step, weights} tables")
+        raise LoaderStateError(f"loader state key '{KEY_RUN_SCHEDULE}' is not valid JSON: {exc}") from None
+    if not isinstance(value, dict) or set(value) != set(_SCHEDULE_KEYS) or not all(
+            isinstance(value[k], list) and len(value[k]) <= MAX_SCHEDULE_ENTRIES
+            and all(isinstance(e, dict) and set(e) == fields for e in value[k]) for k, fields in _SCHEDULE_KEYS.items()):
+        raise LoaderStateError(f"loader state key '{KEY_RUN_SCHEDULE}' must be a table of 'phases' {{name, "
+                               f"start_step, weights}} and 'skips' {{name, start_step, end_step}} lists of at most "
+                               f"{MAX_SCHEDULE_ENTRIES} each")
     return value
+
+
+def added_phases(state: dict) -> list[dict[str, Any]]:
+    """The phases a (checked) state records that the run decided while it trained."""
+    return run_schedule(state)["phases"]
 
 
 def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name: str, recipe: Any = None) -> int:
@@ -102,7 +125,7 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
     if version != STATE_VERSION:
         raise LoaderStateError(f"loader state key '{KEY_VERSION}': version {version!r} is not supported (expected "
                                f"{STATE_VERSION}; version 2 added '{KEY_REPLAYED_STEPS}', version 3 "
-                               f"'{KEY_LEDGER}', version 4 '{KEY_ADDED_PHASES}')")
+                               f"'{KEY_LEDGER}', version 4 '{KEY_RUN_SCHEDULE}')")
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
         raise LoaderStateError(f"loader state lacks key '{missing[0]}' (format {STATE_VERSION} has {STATE_KEYS}; "
@@ -111,13 +134,14 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
     if extra:
         raise LoaderStateError(f"loader state has unknown key '{extra[0]}' (format {STATE_VERSION} has {STATE_KEYS})")
     if recipe is not None:
-        recipe = run_recipe(state, recipe)
         step = state[KEY_NEXT_STEP]
         if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
-            fingerprint = recipe.history_fingerprint(step)
+            recipe = run_recipe(state, recipe)
+            fingerprint = recipe.history_fingerprint(recipe.data_next(step))
             if state[KEY_FINGERPRINT] != fingerprint and recipe.phases:
                 raise LoaderStateError(
-                    f"loader state key '{KEY_FINGERPRINT}': " + _schedule_mismatch(state, recipe, step))
+                    f"loader state key '{KEY_FINGERPRINT}': " + _schedule_mismatch(state, recipe,
+                                                                                     recipe.data_next(step)))
     if state[KEY_FINGERPRINT] != fingerprint:
         raise LoaderStateError(
             f"loader state key '{KEY_FINGERPRINT}': the checkpoint was written for recipe fingerprint "
@@ -141,19 +165,22 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
 
 
 def run_recipe(state: dict, recipe: Any) -> Any:
-    """``recipe`` with the phases the state records (``added_phases``): the run's schedule, which a resume serves
-    whatever the recipe file says about them; one that contradicts the file is one :class:`LoaderStateError`."""
+    """``recipe`` with the schedule the state records (``run_schedule``): the run's phases and skips, which a resume
+    serves whatever the recipe file says about them; one that contradicts the file, or a skip of the file that
+    rewrites the run's past, is one :class:`LoaderStateError`."""
+    schedule = run_schedule(state)
     try:
-        return recipe.with_run_phases(added_phases(state), what="the loader state's run")
+        return recipe.with_run_phases(schedule["phases"], what="the loader state's run").with_run_skips(
+            schedule["skips"], int(state[KEY_NEXT_STEP]), what="the loader state's run")
     except ValueError as exc:
         if isinstance(exc, LoaderStateError):
             raise
-        raise LoaderStateError(f"loader state key '{KEY_ADDED_PHASES}': {exc}") from None
+        raise LoaderStateError(f"loader state key '{KEY_RUN_SCHEDULE}': {exc}") from None
 
 
 def _schedule_mismatch(state: dict, recipe: Any, step: int) -> str:
-    """Name the phase that differs: exactly from the schedule a local-mode Zephon state records, else from where the
-    saved fingerprint sits in the recipe's chain."""
+    """Name the phase that differs at data step ``step``: exactly from the schedule a local-mode Zephon state
+    records, else from where the saved fingerprint sits in the recipe's chain."""
     try:
         inner = json.loads(state[KEY_ZEPHON]) if state[KEY_ZEPHON] else None
     except ValueError:

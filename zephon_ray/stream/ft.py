@@ -67,7 +67,7 @@ from typing import Any
 
 from zephon_ray.batch import padded_rows
 from zephon_ray.checks import check_int, check_reader
-from zephon_ray.formats.loader_state import KEY_LEDGER, check_state, make_state, run_recipe
+from zephon_ray.formats.loader_state import KEY_LEDGER, check_state, make_state, run_recipe, schedule_of
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import StepShape, check_geometry
 from zephon_ray.stream.ledger import FLUSH_RECORDS, FLUSH_SECONDS, FtLedger
@@ -234,19 +234,20 @@ class FtSlices:
         if key == self._last_key:  # should_commit() rejected it: the same rows again
             self.check_seconds.append(time.perf_counter() - t0)
             self.served_again += 1
-            batch = self._batch(self._last.slice)  # fresh tensors: the trainer may have written into the first ones
+            batch = self._batch(self._last.slice, step)  # fresh tensors: the trainer may have written into the first
             if self.ledger is not None and not placeholder_rows:
                 self.ledger.served(step, rank, world, batch.slice.ledger_digest)
             return batch
         changed = (rank, world) != self._active
         self.check_seconds.append(time.perf_counter() - t0)
+        data = self.recipe.data_step(step)  # the data it reads: later than the step after a deliberate skip
         if changed:
             t1 = time.perf_counter()
-            source = self._source_for(rank, world, step)
+            source = self._source_for(rank, world, data)
             self.change_seconds.append(time.perf_counter() - t1)
         else:
-            source = self._source_for(rank, world, step)
-        batch = self._batch(source.next(timeout))
+            source = self._source_for(rank, world, data)
+        batch = self._batch(source.next(timeout), step)
         self._last, self._last_key = batch, key
         if self.ledger is not None and not placeholder_rows:
             self.ledger.served(step, rank, world, batch.slice.ledger_digest)
@@ -267,9 +268,10 @@ class FtSlices:
         (torchft heals a group from a peer: the step is the data state, the head is the ledger's)."""
         ledger = self.ledger
         step = 0 if ledger is None else int(ledger.next_step or 0)
-        return make_state(run_id=self.config.run_id, fingerprint=self.recipe.history_fingerprint(step),
+        return make_state(run_id=self.config.run_id,
+                          fingerprint=self.recipe.history_fingerprint(self.recipe.data_next(step)),
                           next_step=step, zephon=None, ledger="" if ledger is None else ledger.head,
-                          added_phases=self.recipe.run_phases(self.base_recipe))
+                          schedule=schedule_of(self.recipe, self.base_recipe))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a peer's (or a checkpoint's) state: another run's or recipe's state is one
@@ -284,11 +286,11 @@ class FtSlices:
         if self.ledger is not None:
             self.ledger.resume(state[KEY_LEDGER], step)
 
-    def _batch(self, piece: Any) -> StepBatch:
+    def _batch(self, piece: Any, step: int) -> StepBatch:
         shape = ft_shape(self.recipe, piece.world // self.dp, dp=self.dp, local_batch_size=self.local_batch_size,
                          microbatches=self.microbatches, pad=self.pad)
         rows = shape.microbatch_rows(piece.rank)
-        return StepBatch(piece.step, piece, list(piece.microbatches(rows, pad_to=shape.padded_to)))
+        return StepBatch(step, piece, list(piece.microbatches(rows, pad_to=shape.padded_to)))
 
     def _source_for(self, rank: int, world: int, step: int) -> PrefetchedSlices:
         member = (rank, world)

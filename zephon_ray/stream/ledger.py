@@ -37,8 +37,10 @@ class LedgerRecorder:
         self._pending: dict[int, list] = {}  # step -> [digest, attempt, trained]
         self._confirms = False  # the loop calls commit(): unconfirmed steps are skipped ones
 
-    def handed(self, piece: RankSlice, attempt: int = 0) -> None:
-        self._pending[piece.step] = [piece.ledger_digest, attempt, 0]
+    def handed(self, piece: RankSlice, attempt: int = 0, *, step: int | None = None) -> None:
+        """Record ``piece`` as handed out at training step ``step`` (default: its own step; they differ after a
+        deliberate skip, where the rows are a later data step's)."""
+        self._pending[piece.step if step is None else step] = [piece.ledger_digest, attempt, 0]
 
     def commit(self, step: int) -> None:
         entry = self._pending.get(step)

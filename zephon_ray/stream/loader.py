@@ -71,6 +71,7 @@ from zephon_ray.formats.loader_state import (
     make_state,
     replayed_steps,
     run_recipe,
+    schedule_of,
     zephon_state,
 )
 from zephon_ray.recipe import Recipe
@@ -198,9 +199,10 @@ LOSS_REDUCTIONS = ("mean", "sum")
 
 @dataclass(frozen=True)
 class StepBatch:
-    """Reader r's part of global step ``step``: its ``slice`` (a RankSlice: the real rows only) and
-    ``microbatches`` (one optimizer step's worth of ``({"input", "positions"}, labels)``, padding rows included when
-    slices are padded)."""
+    """Reader r's part of training step ``step``: its ``slice`` (a RankSlice: the real rows only, of data step
+    ``slice.step``, which is ``step`` unless the schedule skips data: ``Recipe.data_step``) and ``microbatches`` (one
+    optimizer step's worth of ``({"input", "positions"}, labels)``, padding rows included when slices are
+    padded)."""
 
     step: int
     slice: RankSlice
@@ -309,7 +311,7 @@ class Loader:
             step = self._next_step
             piece = self._take(step)
             if self._produces:
-                self._ledger.handed(piece)
+                self._ledger.handed(piece, step=step)
             self._next_step = step + 1
             yield StepBatch(step, piece, list(piece.microbatches(self.local_batch_size, pad_to=self.shape.padded_to)))
 
@@ -327,11 +329,18 @@ class Loader:
         return self.peers is None or self.peers.is_leader
 
     def _started_source(self, step: int) -> SliceSource:
+        """The source, serving data step ``recipe.data_step(step)`` next: started there, or moved there at a
+        deliberate skip (local mode replays from its newest Zephon checkpoint, the others read it directly)."""
+        data = self.recipe.data_step(step)
         if self._source is not None and self._active:
+            if self._source.position != data:  # a skip starts at this step: the data jumps ahead
+                checkpoint = self._source.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT] \
+                    if self.config.mode == "local" else None
+                self._source.reset(source_state(data, checkpoint))
             return self._source
         if self._source is None:
             self._source = self._make_source()
-        self._source.reset(source_state(step, self._loaded_zephon if step == self._loaded_at else None))
+        self._source.reset(source_state(data, self._loaded_zephon if step == self._loaded_at else None))
         self._active = True
         self._replay_started = True
         return self._source
@@ -412,7 +421,7 @@ class Loader:
             source.service.add_phase(name, start_step, weights)
             self.recipe = source.sync_recipe()
             return self._next_step
-        earliest = self._next_step + self.config.prefetch + 1
+        earliest = self.recipe.data_step(self._next_step) + self.config.prefetch + 1  # phases count data steps
         if self.world > 1:
             if not self.checkpoint_every:
                 raise ValueError("add_phase: a distributed local-mode run needs checkpoint_every > 0: the readers "
@@ -442,9 +451,10 @@ class Loader:
             zephon = self._loaded_zephon
         if hasattr(self._source, "sync_recipe"):  # a service may have accepted a phase since: record it too
             self.recipe = self._source.sync_recipe()
-        state = make_state(run_id=self.config.run_id, fingerprint=self.recipe.history_fingerprint(step),
+        state = make_state(run_id=self.config.run_id,
+                           fingerprint=self.recipe.history_fingerprint(self.recipe.data_next(step)),
                            next_step=step, zephon=zephon, replayed_steps=self._replayed_steps(),
-                           ledger=self._ledger.seal(step), added_phases=self.recipe.run_phases(self.base_recipe))
+                           ledger=self._ledger.seal(step), schedule=schedule_of(self.recipe, self.base_recipe))
         if self.peers is not None:
             self.peers.share_object(state)
         return state
@@ -471,7 +481,7 @@ class Loader:
                                    f"{trainer_step}: resuming would {'skip' if step > trainer_step else 'repeat'} "
                                    f"{abs(step - trainer_step)} step(s); restore the loader state saved with those "
                                    "weights")
-        loaded = zephon_state(state, next_step=step) if self.config.mode == "local" else None
+        loaded = zephon_state(state, next_step=recipe.data_next(step)) if self.config.mode == "local" else None
         if loaded is not None:
             from zephon_ray.lanes import check_step_state
 
@@ -485,7 +495,7 @@ class Loader:
         self._replay_started = False
         if self.config.mode == "local" and step > 0:
             start = 0 if loaded is None else int(loaded["next_step"])
-            self._replaying = step - start  # the same on every reader: the state is
+            self._replaying = recipe.data_step(step) - start  # the same on every reader: the state is
         if self._replaying and self._produces:
             if loaded is None:
                 logger.warning("zephon-ray loader (reader %d of %d): the loaded state at step %d has no Zephon "

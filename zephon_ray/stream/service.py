@@ -21,7 +21,7 @@ picks up phases the service accepted since, for the state saved next.
 Limits: the service must run the loader's recipe file, plus run-time phases (checked at connect). Every reader of a
 job uses the same consumer name (the run_id, or without one the service client's default, one per Ray job), so the
 service's window follows the slowest rank and two jobs never share cursors. Readers saving at the moment a phase is
-added may record it or not (their states then differ in ``added_phases``); a phase starts past every step served, so
+added may record it or not (their states then differ in ``run_schedule``); a phase starts past every step served, so
 both states resume the same batches up to it.
 """
 
@@ -60,6 +60,7 @@ class ServiceSlices(PrefetchedSlices):
         self.service = DataService.connect(name, namespace=namespace, consumer=run_id)  # None: one per Ray job
         self._where = f"service {name!r} (namespace {namespace!r})"
         self.base = recipe if base is None else base
+        self._skips = recipe.skips  # the reader's own: a service serves data steps, whatever a run skips
         self._lock = threading.Lock()  # the client is used by one thread at a time
         self.recipe = self._join(recipe)
         self._consumed: int | None = None
@@ -72,7 +73,7 @@ class ServiceSlices(PrefetchedSlices):
         from zephon_ray.recipe import ScheduleError
         from zephon_ray.service.errors import ServiceError
 
-        served = self.service.recipe
+        served = self._ours(self.service.recipe)
         if served.fingerprint == recipe.fingerprint:
             return recipe
         recorded = recipe.run_phases(self.base)
@@ -87,7 +88,7 @@ class ServiceSlices(PrefetchedSlices):
                 raise ValueError(f"{self._where}: {exc}; start the loader with the service's recipe") from None
             missing = joined.run_phases(served)
             if not missing:
-                return served
+                return joined
             phase = missing[0]  # recorded by the run, unknown to this service: its schedule too
             try:
                 self.service.add_phase(phase["name"], phase["start_step"], phase["weights"])
@@ -98,18 +99,25 @@ class ServiceSlices(PrefetchedSlices):
                     raise ValueError(f"{self._where}: cannot add the run's phase {phase['name']!r} (from step "
                                      f"{phase['start_step']}): {exc}") from None
                 time.sleep(0.2)
-            served = self.service.refresh_recipe()
+            served = self._ours(self.service.refresh_recipe())
 
     def sync_recipe(self, expect: Recipe | None = None) -> Recipe:
         """The service's schedule now (one control call), which keeps every phase this reader knew of."""
         with self._lock:
-            served = self.service.refresh_recipe()
+            served = self._ours(self.service.refresh_recipe())
         known = expect or self.recipe
         if known.run_phases(served):
             missing = ", ".join(f"'{p['name']}' from step {p['start_step']}" for p in known.run_phases(served))
             raise ValueError(f"{self._where} no longer runs phase(s) {missing} of this run's schedule")
         self.recipe = served
         return served
+
+    def _ours(self, served: Recipe) -> Recipe:
+        """The service's schedule with this reader's skips (a skip maps training steps to data steps: the reader's
+        business, not the service's)."""
+        from dataclasses import replace
+
+        return replace(served, skips=self._skips)
 
     def _on_reset(self, step: int, checkpoint: dict[str, Any] | None) -> None:
         self._consumed = self._touched = None
