@@ -89,7 +89,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         svc = DataService.start(recipe, **fields)
         status = svc.status()
         print(f"serving {recipe.describe()} as {fields['name']!r} in namespace {fields['namespace']!r}: "
-              f"{len(status['producers'])} producers, window {status['window']['size']}, "
+              f"{len(status['producers'])} producer{'s' if len(status['producers']) != 1 else ''}, window "
+              f"{status['window']['size']}, "
               f"state_dir {status['state_dir']}, starting at step {status['start']['start_step']}", flush=True)
         if args.block:
             import time
@@ -241,7 +242,13 @@ def cmd_release(args: argparse.Namespace) -> int:
     from zephon_ray.service.client import DataService
 
     with ray_session(args.address, private_if_none=False):
-        DataService.connect(args.name, namespace=args.namespace, consumer=args.consumer, timeout_s=0).release()
+        svc = DataService.connect(args.name, namespace=args.namespace, consumer=args.consumer, timeout_s=0)
+        status = svc.status()
+        known = sorted(set(status["cursor_summary"]) | set(status["commits"]))
+        if args.consumer not in known:
+            raise UserInputError(f"service {args.name!r} has no consumer {args.consumer!r} (consumers with cursors or "
+                                 f"commits: {', '.join(map(repr, known[:20])) or 'none'})")
+        svc.release()
     print(f"released consumer {args.consumer!r} of {args.name!r}: it no longer holds the window back")
     return 0
 

@@ -236,7 +236,7 @@ class DataService:
                 if time.monotonic() >= deadline:
                     waited = f" after waiting {timeout_s:g}s" if timeout_s else ""
                     raise ServiceNotFoundError(f"no service named {name!r} in namespace {namespace!r}{waited}; "
-                                               "start it, or pass timeout_s= to wait for one that is starting"
+                                               "start it, or wait for one that is starting (connect(timeout_s=...); `zephon-ray status --wait SECONDS`)"
                                                ) from None
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return cls(handle, name=name, namespace=namespace, consumer=consumer, read_path=read_path)
