@@ -19,13 +19,16 @@ coordinator call per read instead (the path before leases, kept for comparison).
 reader, so the first read waits for no actor start.
 
 Guarantee: ``batch(s)`` and ``slice(s, r, W)`` return exactly the rows of the reference global batch s (whole, or
-the rank's contiguous row range) for any s, any W with B % W == 0, any number of producers, and across producer
+the rank's contiguous row range) for any s, any W up to B, any number of producers, and across producer
 crashes, rescales and service restarts from the same ``state_dir`` (tests/test_service_faults.py, checked on rows).
 
 Reads heal themselves: when the coordinator restarts (also with reads in flight), a node reader dies, or the
 producer or node holding a step's shards dies, ``batch``/``slice`` retry (backoff, at most
 ``reconnect_timeout_s``), the lost step is made again, and the caller sees only a delay
-(tests/test_service_heal.py, tests/test_service_cluster.py). Reads are idempotent.
+(tests/test_service_heal.py, tests/test_service_cluster.py). Reads are idempotent. No call waits without a deadline:
+a read returns or raises within ``read_timeout_s`` (or its ``timeout_s``), its retries included, with one line naming
+the step, what it waited for and how long; a refused read (past ``max_ahead``, a bad rank) moves no cursor
+(tests/test_service_fuzz.py: random sequences of reads, commits, handles and kill -9s, and named regressions).
 
 Limits:
 - Steps inside the live window are served from the object store. Steps behind it are replayed in a Replayer
