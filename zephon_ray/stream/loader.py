@@ -410,9 +410,9 @@ class Loader:
           (``tests/test_phases.py::test_a_phase_added_in_local_mode_on_every_reader``)."""
         mode = self.config.mode
         if mode == "dataset":
-            raise ValueError(f"add_phase: dataset mode reads a materialised directory, whose schedule is fixed; "
-                             f"materialise the later steps with the phase (zephon-ray materialize --schedule-from) "
-                             f"or read them from the service")
+            raise ValueError("add_phase: dataset mode reads a materialised directory, whose schedule is fixed; "
+                             "materialise the later steps with the phase (zephon-ray materialize --schedule-from) "
+                             "or read them from the service")
         new = self.recipe.with_phase(name, start_step, weights)  # one RecipeError naming the key
         if mode == "service":
             if self._source is None:
