@@ -39,7 +39,7 @@ class ServiceSlices(PrefetchedSlices):
     reraise = (Exception,)  # service errors already name the service, the step and the cause
 
     def __init__(self, recipe: Recipe, *, rank: int, world: int, name: str, namespace: str, run_id: str | None,
-                 depth: int) -> None:
+                 depth: int, source_ids: bool = False) -> None:
         from zephon_ray.service.client import DataService
 
         super().__init__(rank=rank, world=world, depth=depth, name="service")
@@ -52,6 +52,7 @@ class ServiceSlices(PrefetchedSlices):
                 f"loader uses {recipe.describe()}; start the loader with the service's recipe"
             )
         self._lock = threading.Lock()  # the client is used by one thread at a time
+        self.source_ids = source_ids
         self._consumed: int | None = None
         self._touched: int | None = None
 
@@ -92,8 +93,12 @@ class ServiceSlices(PrefetchedSlices):
                 # cursors this consumer left at another world size (a resized group never closed its loader).
                 part = self.service.refs(s, rank=self.rank, world=self.world, track=s == step).slice(
                     self.rank, self.world)
-            yield RankSlice(s, self.rank, self.world, np.array(part.tokens), np.array(part.positions),
-                            part.pad_token_id, part.global_valid_tokens)
+            tokens, positions = np.array(part.tokens), np.array(part.positions)
+            ids = None
+            if self.source_ids:  # this process replays the step's provenance, checked against the rows read
+                ids = self.service.provenance(s, self.rank, self.world, rows=(tokens, positions)).source_ids()
+            yield RankSlice(s, self.rank, self.world, tokens, positions, part.pad_token_id, part.global_valid_tokens,
+                            ids)
             s += 1
 
     def close(self) -> None:
