@@ -49,6 +49,8 @@ def test_no_cluster_at_the_address_is_one_line_at_once():
 def test_an_unresolvable_storage_endpoint_is_one_line_within_the_start_budget(monkeypatch):
     from zephon_ray import DataService, files
 
+    for name in ("S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):  # the tests' own endpoint, set by other modules
+        monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://no-such-host.invalid:9000")
     monkeypatch.setenv("ZEPHON_RAY_S3_CONNECT_TIMEOUT_S", "1")
     files.clear_filesystem_cache()

@@ -384,15 +384,18 @@ def test_a_service_restarted_after_add_phase_keeps_it(ray_cluster, tmp_path):
             service.stop()
 
 
-def _local_readers(config, world: int, state: dict | None, steps: int) -> tuple[list[str], dict]:
-    """W local-mode readers (threads: their checkpoints are collective) load ``state`` and read ``steps`` steps;
-    returns each step's digest of the joined slices and the (identical) states they take afterwards."""
+def _local_readers(config, world: int, state: dict | None, steps: int, add: tuple | None = None
+                   ) -> tuple[list[str], dict]:
+    """W readers (threads: local-mode checkpoints are collective) load ``state``, each add phase ``add`` (name,
+    start, weights) when given, and read ``steps`` steps; returns each step's digest of the joined slices and the
+    (identical) states they take afterwards."""
     import numpy as np
 
     from zephon_ray.batch import compute_digest
     from zephon_ray.stream.loader import Loader
 
-    loaders = [Loader(config, rank=r, world=world, local_batch_size=16 // world) for r in range(world)]
+    lbs = 16 // world if 16 % world == 0 else 0  # 0: one microbatch of the reader's rows
+    loaders = [Loader(config, rank=r, world=world, local_batch_size=lbs) for r in range(world)]
     slices: list[list] = [[] for _ in range(world)]
     states: list = [None] * world
 
@@ -400,6 +403,8 @@ def _local_readers(config, world: int, state: dict | None, steps: int) -> tuple[
         try:
             if state is not None:
                 loaders[r].load_state_dict(json.loads(json.dumps(state)))
+            if add is not None:
+                loaders[r].add_phase(*add)
             it = iter(loaders[r])
             for _ in range(steps):
                 slices[r].append(next(it).slice)
@@ -460,3 +465,143 @@ def test_loader_resume_keeps_the_past_and_accepts_a_new_future(tmp_path):
         _local_readers(config("past.toml"), 1, state, 1)
     message = str(info.value)
     assert "phase 'main' (start_step 2) differs" in message and "step 3" in message and "\n" not in message, message
+
+
+@pytest.mark.timeout(600)
+def test_a_run_time_phase_travels_with_the_loader_state(ray_cluster, tmp_path, capsys):
+    """Issue 44: a service started from tiny.toml takes recipes/phased.toml's two phases (steps 2 and 4) at run time,
+    before anyone reads. Service-mode readers given tiny.toml itself (W = 2) read steps 0-1 and save at step 2: the
+    state records both phases, which lie in its future. Resumes from that state with tiny.toml unchanged serve the
+    run's schedule, steps 2-5 equal to the phased goldens (the oracle's, test_oracle.py): in local mode at W = 4, in
+    dataset mode at W = 3 over a fresh materialisation of the run's schedule, and from a service started afresh on a
+    new state_dir (the readers add the phases to it). A directory materialised from tiny.toml alone, and a recipe file
+    whose phase contradicts the recorded one, are each refused in one line. ``zephon-ray inspect`` prints the recorded
+    phases, and ``zephon-ray digest --schedule-from`` gives the run's digests."""
+    from zephon_ray import DataService
+    from zephon_ray.cli import main
+    from zephon_ray.formats.loader_state import LoaderStateError, added_phases
+    from zephon_ray.formats.materialized import MaterializedError
+    from zephon_ray.jobs.materialize import materialize
+    from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    tiny = Recipe.from_toml(TINY)
+    want = [GOLDEN[str(s)] for s in range(2, 6)]
+    first = DataService.start(tiny, name="zr-run-phase", namespace="zr-run-phase", state_dir=str(tmp_path / "svc"))
+    try:
+        first.add_phase("main", 2, {"prose": 0.2, "code": 0.8})
+        first.add_phase("anneal", 4, {"prose": 1.0})
+        service = LoaderConfig(recipe=str(TINY), mode="service", run_id="run-phase", service_name="zr-run-phase",
+                               service_namespace="zr-run-phase")
+        digests, state = _local_readers(service, 2, None, 2)
+    finally:
+        first.stop()
+    assert digests == [GOLDEN["0"], GOLDEN["1"]] and state["next_step"] == 2
+    assert [(p["name"], p["start_step"]) for p in added_phases(state)] == [("main", 2), ("anneal", 4)]
+
+    local = LoaderConfig(recipe=str(TINY), mode="local", run_id="run-phase", checkpoint_every=1,
+                         aggregate_dir=str(tmp_path / "agg"))
+    assert _local_readers(local, 4, state, 4)[0] == want
+
+    plain, run_dir = tmp_path / "plain", tmp_path / "run"
+    materialize(tiny, plain, range(0, 6), progress=False)
+    with pytest.raises(MaterializedError) as info:
+        _local_readers(LoaderConfig(recipe=str(TINY), mode="dataset", run_id="run-phase", dataset_dir=str(plain)),
+                       3, state, 1)
+    assert "phase(s) 'main' from step 2, 'anneal' from step 4" in str(info.value) and "\n" not in str(info.value)
+    state_file = tmp_path / "state.json"
+    state_file.write_text(json.dumps(state))
+    assert main(["materialize", str(TINY), "--steps", "0:6", "--out", str(run_dir), "--schedule-from",
+                 str(state_file), "--quiet", "--address", ray_cluster.get_runtime_context().gcs_address]) == 0
+    dataset = LoaderConfig(recipe=str(TINY), mode="dataset", run_id="run-phase", dataset_dir=str(run_dir))
+    assert _local_readers(dataset, 3, state, 4)[0] == want
+    with Loader(dataset, rank=0, world=1) as fixed, pytest.raises(ValueError, match="schedule is fixed"):
+        fixed.add_phase("late", 20, {"code": 1.0})  # a materialised directory's schedule cannot change
+
+    fresh = DataService.start(tiny, name="zr-run-phase", namespace="zr-run-phase", state_dir=str(tmp_path / "new"))
+    try:
+        digests, resumed = _local_readers(service, 5, state, 4)
+        assert fresh.refresh_recipe().fingerprint == Recipe.from_toml(PHASED).fingerprint  # the readers added them
+    finally:
+        fresh.stop()
+    assert digests == want and added_phases(resumed) == added_phases(state)
+
+    (tmp_path / "other.toml").write_text(phased_text(phase("anneal", 4, code=1.0)))
+    with pytest.raises(LoaderStateError) as info:
+        _local_readers(LoaderConfig(recipe=str(tmp_path / "other.toml"), mode="local", run_id="run-phase"), 1,
+                       state, 1)
+    message = str(info.value)
+    assert "recorded phase 'anneal' from step 4 with weights {prose 1, code 0}" in message, message
+    assert "has phase 'anneal' from step 4 with weights {prose 0, code 1}" in message and "\n" not in message
+
+    capsys.readouterr()
+    assert main(["inspect", str(state_file)]) == 0
+    out = capsys.readouterr().out
+    assert "phase       main: from step 2 (prose 0.2, code 0.8)  [decided while running]" in out, out
+    assert main(["digest", str(TINY), "--steps", "2:6", "--schedule-from", str(state_file)]) == 0
+    assert capsys.readouterr().out.split() == [w for s, d in zip(range(2, 6), want) for w in ("step", str(s), d)]
+
+
+def _main_file(tmp_path: Path) -> Path:
+    """tiny.toml with phased.toml's first phase ('main' from step 2) written in: 'anneal' (step 4) is added while
+    running, so the run's schedule is phased.toml's, whose goldens the independent oracle computes."""
+    path = tmp_path / "main.toml"
+    path.write_text(phased_text(phase("main", 2, prose=0.2, code=0.8)))
+    return path
+
+
+def test_a_phase_added_in_local_mode_on_every_reader(tmp_path):
+    """Issue 44: local-mode readers (W = 2, a collective checkpoint every 2 steps) each call add_phase('anneal', 4)
+    before reading; steps 0-5 equal phased.toml's goldens, and the state saved at step 6 records the phase. A resume
+    at W = 4 with the recipe file unchanged gives steps 6-7 of the goldens. A phase that starts too early (the
+    producer may have made it, or no checkpoint lies between: the readers could not check that they agree) is one
+    line."""
+    from zephon_ray.formats.loader_state import added_phases
+    from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    recipe = _main_file(tmp_path)
+
+    def config(segment: int) -> LoaderConfig:
+        return LoaderConfig(recipe=str(recipe), mode="local", run_id="local-phase", checkpoint_every=2,
+                            aggregate_dir=str(tmp_path / f"agg-{segment}"))
+
+    early = Loader(config(9), rank=0, world=2)
+    with pytest.raises(ValueError) as info:
+        early.add_phase("anneal", 3, {"prose": 1.0})
+    message = str(info.value)
+    assert "too early" in message and "checkpoint of step 4" in message and "\n" not in message, message
+
+    digests, state = _local_readers(config(0), 2, None, 6, add=("anneal", 4, {"prose": 1.0}))
+    assert digests == [GOLDEN[str(s)] for s in range(6)]
+    assert [(p["name"], p["start_step"]) for p in added_phases(state)] == [("anneal", 4)]
+    assert _local_readers(config(1), 4, state, 2)[0] == [GOLDEN["6"], GOLDEN["7"]]
+
+
+@pytest.mark.timeout(300)
+def test_a_reader_that_misses_a_local_phase_stops_every_reader_in_one_line(tmp_path):
+    """Only reader 0 of 2 adds the phase: at the next collective checkpoint (step 2) the readers' schedules differ,
+    so they never meet there and both stop with one line, once the checkpoint channel's timeout passes. Neither was
+    served a step of the phase, or any step after the checkpoint."""
+    from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    config = LoaderConfig(recipe=str(_main_file(tmp_path)), mode="local", run_id="missed-phase", checkpoint_every=2,
+                          aggregate_dir=str(tmp_path / "agg"), aggregate_timeout_s=8)
+    loaders = [Loader(config, rank=r, world=2, local_batch_size=8) for r in range(2)]
+    got: dict[int, list[int]] = {0: [], 1: []}
+    errors: dict[int, str] = {}
+
+    def read(r: int) -> None:
+        try:
+            if r == 0:
+                loaders[r].add_phase("anneal", 4, {"prose": 1.0})
+            it = iter(loaders[r])
+            for _ in range(6):
+                got[r].append(next(it).slice.step)
+        except Exception as exc:  # noqa: BLE001 - the expected stop, checked below
+            errors[r] = str(exc)
+        finally:
+            loaders[r].close()
+
+    run_ranks(2, read, timeout_s=240)
+    assert got == {0: [0, 1], 1: [0, 1]}, got
+    for r in (0, 1):
+        assert "did not all arrive with this schedule" in errors[r] and "\n" not in errors[r], errors

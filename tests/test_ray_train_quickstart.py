@@ -149,7 +149,8 @@ def _run(tmp_path: Path, block: Path, env: dict) -> None:
     assert sorted(states) == [1, 2, 3, 4], sorted(states)
     final = states[4]
     state = json.loads((final / "zephon_loader.json").read_text())
-    assert set(state) == {"version", "run_id", "fingerprint", "next_step", "zephon", "replayed_steps", "ledger"}
+    assert set(state) == {"version", "run_id", "fingerprint", "next_step", "zephon", "replayed_steps", "ledger",
+                          "run_schedule"}
     assert state["run_id"] == "quickstart" and state["zephon"] == ""  # no Zephon checkpoints asked for
     weights = torch.load(final / "model.pt", weights_only=True)
     reference = _reference_weights(4)

@@ -150,6 +150,9 @@ def test_serve_status_rescale_release_stop_then_inspect_offline(ray_cluster, cap
         code, out, err = _main(capsys, *add, "--start-step", "40")
         assert code == 0 and "phase 'anneal' from step 40 added" in out, err
 
+        code, out, err = _main(capsys, "release", "nobody", *where)  # never read, never committed: refused
+        assert code == 2 and "has no consumer 'nobody'" in err and "'trainer'" in err, err
+        assert len(err.strip().splitlines()) == 1
         code, out, err = _main(capsys, "release", "trainer", *where)
         assert code == 0, err
         assert not [c for c in svc.status()["cursors"] if c["consumer"] == "trainer" and c["live"]]

@@ -30,3 +30,24 @@ def test_a_ray_task_error_is_its_cause_without_the_remote_traceback(ray_cluster)
     assert 'File "' in str(info.value)  # Ray's own message carries the remote frames, over several lines
     got = describe(info.value)
     assert "\n" not in got and 'File "' not in got and "lane 7 of step 12" in got, got
+
+
+def test_reply_within_keeps_a_calls_own_timeout_apart_from_its_bound():
+    """asyncio.TimeoutError is TimeoutError since Python 3.11: a bound built on asyncio.wait_for would take a call's
+    own TimeoutError (the coordinator's "not produced within ... the live window is ...") for its own expiry and
+    replace the message (seen: "did not answer a lease within 31s" after a 1 s wait)."""
+    import asyncio
+
+    from zephon_ray.service.errors import NoReply, reply_within
+
+    async def answers_timeout():
+        raise TimeoutError("step 50 was not produced within 1s: the live window is [0, 4)")
+
+    async def never():
+        await asyncio.sleep(3600)
+
+    with pytest.raises(TimeoutError, match="live window"):
+        asyncio.run(reply_within(answers_timeout(), 5))
+    with pytest.raises(NoReply, match="no reply within 0.05s"):
+        asyncio.run(reply_within(never(), 0.05))
+    assert asyncio.run(reply_within(asyncio.sleep(0, result=7), 1)) == 7

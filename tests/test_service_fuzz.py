@@ -420,6 +420,7 @@ def test_fuzz_service_short_seeded(ray_cluster, tiny_recipe, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(int(float(os.environ.get("ZR_FUZZ_MINUTES", "30")) * 60) + 1800)  # a round may end late
 def test_fuzz_service_long(ray_cluster, tiny_recipe, tmp_path):
     """``ZR_FUZZ_MINUTES`` (default 30) of Hypothesis's sequences of 5-40 operations, in rounds of 10; a failure is
     shrunk, then reported. The counts are printed and written to ``$ZR_FUZZ_SUMMARY`` when set."""

@@ -28,7 +28,7 @@ STEPS = 10
 SCHEDULE = (("local", 2, 2), ("service", 3, 2), ("dataset", 5, 2), ("service", 1, 1), ("local", 4, 2),
             ("dataset", 2, 1))
 PADDED = {("dataset", 5)}  # segments that pad every reader's slice to ceil(16/W) rows
-STATE_KEYS = {"version", "run_id", "fingerprint", "next_step", "zephon", "replayed_steps", "ledger"}
+STATE_KEYS = {"version", "run_id", "fingerprint", "next_step", "zephon", "replayed_steps", "ledger", "run_schedule"}
 
 
 @pytest.fixture(scope="module")

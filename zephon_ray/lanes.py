@@ -201,10 +201,19 @@ class LaneStepper:
         if last_chunk is not None and self.group.count > 1:
             # The state must be the same in every group and able to cross the next boundary: with phases, every
             # lane's position (exchanged); without, none unless keep_positions (a phase added to a run without them
-            # is refused at its boundary).
-            last_chunk = self._all_last_chunks(
-                f"checkpoint-{self.recipe.history_fingerprint(self._next_step)[:16]}-{self._next_step}"
-            ) if self.recipe.phases or self.keep_positions else None
+            # is refused at its boundary). The key names the whole schedule, future phases included: groups that
+            # disagree on it (a phase added while running on some of them only) never meet, and every one of them
+            # stops here with one line before any step of that phase is made.
+            try:
+                last_chunk = self._all_last_chunks(
+                    f"checkpoint-{self.recipe.history_fingerprint(self._next_step)[:16]}-"
+                    f"{self.recipe.fingerprint[:16]}-{self._next_step}"
+                ) if self.recipe.phases or self.keep_positions else None
+            except RuntimeError as exc:  # the exchange's timeout: a group that is gone, or on another schedule
+                raise StepStateError(
+                    f"checkpoint at step {self._next_step}: the lane groups did not all arrive with this schedule "
+                    f"({self.recipe.describe()}, phases: {', '.join(p.name for p in self.recipe.phases) or 'none'}); "
+                    f"a phase added while running must be added by every group before this step: {exc}") from None
         return {
             KEY_VERSION: STATE_VERSION,
             KEY_FINGERPRINT: self.recipe.history_fingerprint(self._next_step),

@@ -90,8 +90,38 @@ class Phase:
                 "weights": {n: w for n, w in zip(source_names, self.weights)}}
 
 
+@dataclass(frozen=True)
+class Skip:
+    """Deliberate skip (``[[skips]]``): from training step ``start_step`` on, the run reads the data it would have read
+    ``end_step - start_step`` steps later (it skips the data of training steps ``[start_step, end_step)``). A skip
+    changes which data step a training step reads, never what a data step holds: it is not in the recipe's
+    fingerprint (a service, a materialised run and a state_dir serve data steps and stay valid), and a loader state
+    records it, so a resume keeps it and refuses a recipe that rewrites it."""
+
+    name: str
+    start_step: int
+    end_step: int
+
+    @property
+    def length(self) -> int:
+        return self.end_step - self.start_step
+
+    def canonical(self) -> dict[str, Any]:
+        return {"name": self.name, "start_step": self.start_step, "end_step": self.end_step}
+
+
 class ScheduleError(RecipeError):
-    """A resume whose recipe rewrites a phase that some already-produced step used."""
+    """A resume whose recipe rewrites a phase that some already-produced step used, or contradicts a phase the run
+    recorded."""
+
+
+def _weights_text(weights: Any, order: tuple[str, ...] = ()) -> str:
+    """``{prose 0.2, code 0.8}``: the sources in ``order`` (a recipe's) first."""
+    if not isinstance(weights, dict):
+        return repr(weights)
+    keys = [k for k in order if k in weights] + [k for k in weights if k not in order]
+    return "{" + ", ".join(f"{k} {weights[k]:g}" if isinstance(weights[k], (int, float)) else f"{k} {weights[k]!r}"
+                           for k in keys) + "}"
 
 
 @dataclass(frozen=True)
@@ -140,6 +170,9 @@ class Recipe:
     phases: tuple[Phase, ...] = ()
     """The mixture schedule after step 0 (``[[phases]]``), by strictly increasing ``start_step`` > 0. Step s uses
     the last phase that starts at or before s (the sources' own weights before the first)."""
+    skips: tuple[Skip, ...] = ()
+    """Deliberate skips (``[[skips]]``), by strictly increasing ``start_step``: training step t reads data step
+    :meth:`data_step` (t). Phases are keyed by data step."""
     environment: Environment | None = None
     """Tokenizer content hash and library versions, captured where the recipe was loaded (and carried to other
     nodes, which compare their own with it). ``dataclasses.replace`` keeps it: pass ``environment=None`` to
@@ -190,6 +223,24 @@ class Recipe:
 
     def segment_name(self, index: int) -> str:
         return "sources" if index == 0 else self.phases[index - 1].name
+
+    def data_step(self, step: int) -> int:
+        """The data step training step ``step`` reads: ``step`` plus the length of every skip that starts at or
+        before it."""
+        return step + sum(s.length for s in self.skips if s.start_step <= step)
+
+    def data_next(self, next_step: int) -> int:
+        """One past the last data step that training steps ``0 .. next_step-1`` read (0 for 0): where a state at
+        ``next_step`` stands in the data, which a resume replays up to :meth:`data_step` (``next_step``)."""
+        return 0 if next_step <= 0 else self.data_step(next_step - 1) + 1
+
+    def skipped_data(self) -> list[tuple[Skip, int, int]]:
+        """Each skip with the data steps ``[first, end)`` it skipped."""
+        out = []
+        for skip in self.skips:
+            first = self.data_step(skip.start_step - 1) + 1 if skip.start_step else 0
+            out.append((skip, first, first + skip.length))
+        return out
 
     # ------------------------------------------------------------------ identity
     def canonical(self) -> dict[str, Any]:
@@ -298,6 +349,79 @@ class Recipe:
         parser = _RecipeParser({}, ".", self.path or "phase", None)
         return replace(self, phases=parser.parse_phases(raw, self.source_names))
 
+    def with_skip(self, name: str, start_step: int, end_step: int) -> "Recipe":
+        """This recipe with one more skip, checked as ``[[skips]]`` are (one :class:`RecipeError` naming the key)."""
+        from dataclasses import replace
+
+        raw = [s.canonical() for s in self.skips] + [{"name": name, "start_step": start_step, "end_step": end_step}]
+        raw.sort(key=lambda s: s["start_step"] if isinstance(s["start_step"], int) else -1)
+        return replace(self, skips=_RecipeParser({}, ".", self.path or "skip", None).parse_skips(raw))
+
+    def with_run_skips(self, recorded: Any, next_step: int, *, what: str = "the run") -> "Recipe":
+        """This recipe with the skips a run recorded (every skip of its schedule): a new one is added; one that
+        contradicts a skip here, or a skip here that starts before ``next_step`` and the run never made (a rewritten
+        past), is a :class:`ScheduleError` naming it."""
+        if not isinstance(recorded, list) or not all(isinstance(s, dict) for s in recorded):
+            raise ScheduleError(f"{what}: recorded skips must be a list of tables, got {str(recorded)[:200]!r}")
+        out = self
+        for entry in recorded:
+            clash = [s for s in out.skips if s.name == entry.get("name") or s.start_step == entry.get("start_step")]
+            if any(s.canonical() == entry for s in clash):
+                continue
+            if clash:
+                raise ScheduleError(
+                    f"{what} recorded skip '{entry.get('name')}' (training steps from {entry.get('start_step')} "
+                    f"read the data of {entry.get('end_step')} on), but {self.describe()} has skip "
+                    f"'{clash[0].name}' from {clash[0].start_step} to {clash[0].end_step}; resume with the recipe "
+                    "the run recorded")
+            try:
+                out = out.with_skip(entry.get("name"), entry.get("start_step"), entry.get("end_step"))
+            except RecipeError as exc:
+                raise ScheduleError(f"{what} recorded skip {entry.get('name')!r}, which does not fit "
+                                    f"{self.describe()}: {exc}") from None
+        for skip in self.skips:
+            if skip.start_step < next_step and skip.canonical() not in recorded:
+                raise ScheduleError(
+                    f"{what}: skip '{skip.name}' starts at step {skip.start_step}, before step {next_step}, which "
+                    f"the run has already trained without it; a resume at step {next_step} may only add skips "
+                    f"starting at or after step {next_step}")
+        return out
+
+    def run_phases(self, base: "Recipe") -> list[dict[str, Any]]:
+        """The phases of this recipe that ``base`` does not have, canonical (``{"name", "start_step", "weights"}``):
+        what a run decided beyond its recipe file (``add_phase``), which its state records so that every resume
+        replays it."""
+        theirs = {(p.name, p.start_step, p.weights) for p in base.phases}
+        return [p.canonical(self.source_names) for p in self.phases if (p.name, p.start_step, p.weights) not in theirs]
+
+    def with_run_phases(self, recorded: Any, *, what: str = "the run") -> "Recipe":
+        """This recipe with the phases a run recorded (:meth:`run_phases` of the run's schedule): one already here is
+        kept, a new one is added; one that contradicts a phase of this recipe (the same name or start step, other
+        weights) is a :class:`ScheduleError` naming both, never a silent choice
+        (tests/test_phases.py::test_a_run_time_phase_travels_with_the_loader_state)."""
+        if not isinstance(recorded, list) or not all(isinstance(p, dict) for p in recorded):
+            raise ScheduleError(f"{what}: recorded phases must be a list of tables, got {str(recorded)[:200]!r}")
+        out = self
+        for entry in recorded:
+            name, start, weights = entry.get("name"), entry.get("start_step"), entry.get("weights")
+            clash = [p for p in out.phases if p.name == name or p.start_step == start]
+            if any(p.canonical(out.source_names) == entry for p in clash):
+                continue
+            if clash:
+                mine = clash[0].canonical(out.source_names)
+                raise ScheduleError(
+                    f"{what} recorded phase '{name}' from step {start} with weights "
+                    f"{_weights_text(weights, self.source_names)}, but "
+                    f"{self.describe()} has phase '{mine['name']}' from step {mine['start_step']} with weights "
+                    f"{_weights_text(mine['weights'])}; resume with the recipe the run recorded, or without that "
+                    "phase in the file")
+            try:
+                out = out.with_phase(name, start, weights)
+            except RecipeError as exc:
+                raise ScheduleError(f"{what} recorded phase {name!r}, which does not fit {self.describe()}: {exc}"
+                                    ) from None
+        return out
+
     # ------------------------------------------------------------------ loading
     @classmethod
     def from_toml(cls, path: str | Path, *, verify_content: bool | None = None) -> "Recipe":
@@ -336,12 +460,15 @@ class Recipe:
 _TOP_KEYS = {
     "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer", "text_field",
     "chunk_size", "packing", "packing_bins", "repeat", "flush_every_k_chunks", "shuffle", "sources", "aggregate",
-    "pretokenized", "verify_content", "phases",
+    "pretokenized", "verify_content", "phases", "skips",
 }
 MAX_PHASES = 64
 _REQUIRED = ("sources", "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer")
 _SOURCE_KEYS = {"name", "path", "format", "weight"}
 _PHASE_KEYS = {"name", "start_step", "weights"}
+_SKIP_KEYS = {"name", "start_step", "end_step"}
+MAX_SKIPS = 1024
+MAX_SKIP_STEPS = 10**9
 _SHUFFLE_KEYS = {"shards", "within_shard", "reshuffle_on_repeat"}
 _AGGREGATE_KEYS = {"store", "dir"}
 
@@ -446,12 +573,13 @@ class _RecipeParser:
                 raise self.fail("pretokenized", str(exc)) from None
         sources = self.parse_sources(raw["sources"], chunk_size, verify_content)
         phases = self.parse_phases(raw.get("phases", []), tuple(s.name for s in sources))
+        skips = self.parse_skips(raw.get("skips", []))
         recipe = Recipe(
             sources=sources, seed=seed, lanes=lanes, microbatches_per_lane=k, rows_per_microbatch=m,
             seq_len=seq_len, tokenizer=tokenizer, text_field=text_field, chunk_size=chunk_size, packing=packing,
             packing_bins=packing_bins, repeat=repeat, flush_every_k_chunks=flush, shuffle=shuffle,
             aggregate=Aggregate(store=store, dir=agg_dir), path=self.origin, pretokenized=pretokenized,
-            verify_content=verify_content, phases=phases,
+            verify_content=verify_content, phases=phases, skips=skips,
         )
         if pretokenized is not None:
             try:
@@ -536,6 +664,33 @@ class _RecipeParser:
             if not any(w > 0 for w in weights):
                 raise self.fail(prefix + "weights", f"phase '{name}' needs at least one weight > 0")
             out.append(Phase(name=name, start_step=start, weights=weights))
+        return tuple(out)
+
+    def parse_skips(self, raw_skips: Any) -> tuple[Skip, ...]:
+        """``[[skips]]``: each with a unique ``name``, ``start_step`` >= 0 (strictly increasing) and ``end_step`` >
+        ``start_step`` (at most 10**9 steps later)."""
+        if not isinstance(raw_skips, list) or any(not isinstance(s, dict) for s in raw_skips):
+            raise self.fail("skips", "must be an array of tables ([[skips]])")
+        if len(raw_skips) > MAX_SKIPS:
+            raise self.fail("skips", f"at most {MAX_SKIPS} skips, got {len(raw_skips)}")
+        out: list[Skip] = []
+        for i, sk in enumerate(raw_skips):
+            prefix = f"skips[{i}]."
+            self.check_keys(sk, _SKIP_KEYS, prefix)
+            name = self.typed(sk, "name", str, ..., prefix)
+            if not name or any(s.name == name for s in out):
+                raise self.fail(prefix + "name", f"must be non-empty and unique, got {name!r}")
+            start = sk.get("start_step")
+            if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+                raise self.fail(prefix + "start_step", f"must be an int >= 0, got {start!r}")
+            if out and start <= out[-1].start_step:
+                raise self.fail(prefix + "start_step", f"skip '{name}' starts at step {start}, not after skip "
+                                                       f"'{out[-1].name}' (step {out[-1].start_step})")
+            end = sk.get("end_step")
+            if isinstance(end, bool) or not isinstance(end, int) or not start < end <= start + MAX_SKIP_STEPS:
+                raise self.fail(prefix + "end_step", f"must be an int in ({start}, {start + MAX_SKIP_STEPS}], got "
+                                                     f"{end!r}")
+            out.append(Skip(name=name, start_step=start, end_step=end))
         return tuple(out)
 
     def list_shards(self, path: str, fmt: str | None, prefix: str,

@@ -9,6 +9,7 @@ library ``ValueError``) naming the flag, path or value at fault, and ``main`` pr
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
 from zephon_ray.checks import check_int
 from zephon_ray.errors import UserInputError
@@ -47,8 +48,37 @@ def _int_at_least(text: str, low: int) -> int:
     return check_int("the value", value, low=low, error=argparse.ArgumentTypeError)
 
 
+SCHEDULE_FROM_HELP = ("take the mixture phases a run decided while it trained from this loader state (a JSON file, "
+                      "or a directory holding zephon_loader.json) or service state_dir, on top of the recipe's")
+
+
+def load_recipe(args: argparse.Namespace, **kw: Any) -> Recipe:
+    """``args.recipe``, with the run-time phases of ``args.schedule_from`` (a loader state or a service
+    ``state_dir``) when given: a phase that contradicts the recipe file is one line naming both."""
+    recipe = Recipe.from_toml(args.recipe, **kw)
+    path = getattr(args, "schedule_from", None)
+    return recipe if path is None else recipe_with_schedule(recipe, path)
+
+
+def recipe_with_schedule(recipe: Recipe, path: str) -> Recipe:
+    from zephon_ray import files
+    from zephon_ray.formats.loader_state import check_state, run_recipe
+    from zephon_ray.formats.service_state import SERVICE_FILE, check_state_dir
+
+    loc = files.location(path)
+    if files.is_file(loc.join(SERVICE_FILE)):
+        return check_state_dir(recipe, loc)
+    state_file = loc if files.is_file(loc) else loc.join("zephon_loader.json")
+    if not files.is_file(state_file):
+        raise UserInputError(f"--schedule-from {path}: neither a loader state nor a service state_dir")
+    state = files.read_json(state_file, error=UserInputError, what="loader state")
+    check_state(state, run_id=state.get("run_id") if isinstance(state, dict) else None, fingerprint=recipe.fingerprint,
+                recipe=recipe, recipe_name=recipe.describe())
+    return run_recipe(state, recipe)
+
+
 def cmd_digest(args: argparse.Namespace) -> int:
-    recipe = Recipe.from_toml(args.recipe)
+    recipe = load_recipe(args)
     steps = parse_steps(args.steps)
     if args.via == "dataset":
         return digest_via_dataset(recipe, steps, args)
@@ -79,7 +109,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         raise UserInputError("give --step S or --steps A:B, not both")
     if (args.rank is None) != (args.world is None):
         raise UserInputError("give both --rank R and --world W, or neither")
-    recipe = Recipe.from_toml(args.recipe)
+    recipe = load_recipe(args)
     if args.steps is not None:
         return show_docs_summary(recipe, check_step_range(parse_steps(args.steps)), args)
     step = 0 if args.step is None else args.step
@@ -300,7 +330,7 @@ def _shard_size(shard) -> int:
 def cmd_validate(args: argparse.Namespace) -> int:
     import json
 
-    recipe = Recipe.from_toml(args.recipe, verify_content=args.verify_content or None)  # one RecipeError line
+    recipe = load_recipe(args, verify_content=args.verify_content or None)  # one RecipeError line
     report = recipe_report(recipe)
     if not args.no_build:
         report["step0_digest"] = build_step_zero(recipe)
@@ -332,6 +362,9 @@ def cmd_validate(args: argparse.Namespace) -> int:
     for ph in report["phases"]:
         print(f"phase       {ph['name']}: from step {ph['start_step']}, weights " +
               ", ".join(f"{k} {v:.3g}" for k, v in ph["weights"].items()))
+    for skip, first, end in recipe.skipped_data():
+        print(f"skip        {skip.name}: training step {skip.start_step} on reads data step "
+              f"{recipe.data_step(skip.start_step)} on (data steps {first}..{end - 1} skipped)")
     if "step0_digest" in report:
         print(f"step 0      {report['step0_digest']} (the pipeline builds)")
     return 0
@@ -368,6 +401,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import datetime
     import json
 
+    from zephon_ray import files
+    from zephon_ray.formats.service_state import SERVICE_FILE
+
+    loc = files.location(args.state_dir)
+    if not files.is_file(loc.join(SERVICE_FILE)) and (files.is_file(loc) or files.is_file(loc.join(
+            "zephon_loader.json"))):
+        return inspect_loader_state(loc, args.json)
     report = inspect_state_dir(args.state_dir)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
@@ -395,6 +435,39 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def inspect_loader_state(loc, as_json: bool) -> int:
+    """``zephon-ray inspect`` of a loader state: its step, ledger head and the run's recorded schedule."""
+    import json
+
+    from zephon_ray import files
+    from zephon_ray.formats.loader_state import check_state, run_schedule
+
+    state_file = loc if files.is_file(loc) else loc.join("zephon_loader.json")
+    state = files.read_json(state_file, error=UserInputError, what="loader state")
+    if not isinstance(state, dict):
+        raise UserInputError(f"{state_file.uri}: not a loader state (a JSON {type(state).__name__})")
+    check_state(state, run_id=state.get("run_id"), fingerprint=state.get("fingerprint"), recipe_name="its own")
+    schedule = run_schedule(state)
+    if as_json:
+        print(json.dumps({**{k: v for k, v in state.items() if k not in ("zephon", "run_schedule")},
+                          "run_schedule": schedule, "zephon": bool(state["zephon"])}, indent=2, sort_keys=True))
+        return 0
+    print(f"loader state {state_file.uri} (format {state['version']})")
+    print(f"run_id      {state['run_id'] or '-'}; next_step {state['next_step']}; fingerprint "
+          f"{state['fingerprint'][:12]} (the schedule of the data read so far)")
+    print(f"ledger      {state['ledger'] or '-'}; replayed_steps {state['replayed_steps']}; zephon checkpoint "
+          f"{'yes' if state['zephon'] else 'no'}")
+    for phase in schedule["phases"]:
+        weights = ", ".join(f"{k} {v:g}" for k, v in phase["weights"].items())
+        print(f"phase       {phase['name']}: from step {phase['start_step']} ({weights})  [decided while running]")
+    if not schedule["phases"]:
+        print("phases      none beyond the recipe file's")
+    for skip in schedule["skips"]:
+        print(f"skip        {skip['name']}: training steps from {skip['start_step']} read the data "
+              f"{skip['end_step'] - skip['start_step']} steps later")
+    return 0
+
+
 def cmd_audit(args: argparse.Namespace) -> int:
     """``zephon-ray audit``: see :mod:`zephon_ray.jobs.audit`."""
     from contextlib import ExitStack
@@ -402,7 +475,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from zephon_ray.jobs.audit import Finding, audit, locate
 
     ledger_dir, head, state = locate(args.path, args.ledger)
-    recipe = Recipe.from_toml(args.recipe) if args.recipe else None
+    base = Recipe.from_toml(args.recipe) if args.recipe else None
+    recipe = base
+    if base is not None and (state is not None or args.schedule_from):
+        from zephon_ray.formats.loader_state import run_recipe
+
+        # the run's schedule: the phases it decided while it trained, from its state (or --schedule-from)
+        recipe = run_recipe(state, base) if state is not None else recipe_with_schedule(base, args.schedule_from)
     if args.dataset and args.service:
         raise UserInputError("give at most one of --dataset DIR and --service NAME")
     if (args.dataset or args.service) and recipe is None:
@@ -427,11 +506,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
             from zephon_ray.source import GlobalBatchSource
 
             batch_of = stack.enter_context(GlobalBatchSource(recipe)).batch
-        def reference(step: int):
-            batch = batch_of(step)
+        def reference(step: int):  # a training step's rows: those of the data step it read
+            batch = batch_of(recipe.data_step(step))
             return batch.tokens, batch.positions
 
-        report = audit(ledger_dir, head, fingerprint=recipe.fingerprint if recipe else None,
+        report = audit(ledger_dir, head, fingerprint=base.fingerprint if base else None,
                        run_id=state["run_id"] if state else None,
                        reference=reference if recipe is not None else None,
                        rows=recipe.global_batch_rows if recipe else None)
@@ -440,6 +519,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
                                        max(state["next_step"], report.next_step) - 1, "lineage",
                                        f"the loader state is at step {state['next_step']} but its segment {head} "
                                        f"ends at {report.next_step}"))
+    if recipe is not None:
+        from zephon_ray.jobs.audit import skip_notes
+
+        report.notes.extend(skip_notes(recipe, report.next_step))
     for line in report.notes:
         print(f"note: {line}")
     for finding in report.findings:
@@ -468,6 +551,7 @@ def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("recipe")
     p.add_argument("--json", action="store_true")
     p.add_argument("--no-build", action="store_true", help="only load the recipe; do not build step 0")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP)
     p.add_argument("--verify-content", action="store_true", help=VERIFY_CONTENT_HELP)
     p.set_defaults(func=cmd_validate)
 
@@ -484,6 +568,8 @@ def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--recipe", metavar="R", help="check every slice against this recipe's global batches (computed "
                                                  "in-process) and that the lineage was trained on it")
     p.add_argument("--dataset", metavar="DIR", help="read the global batches from this materialised directory")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP + " (a loader state given as the "
+                                                                             "checkpoint is used by itself)")
     p.add_argument("--service", metavar="NAME", help="ask this running DataService for the global batches")
     p.add_argument("--namespace", default="zephon-ray", help="the service's Ray namespace (with --service)")
     p.add_argument("--address", default=None, help="the Ray cluster of the service (with --service; default: "
@@ -497,8 +583,8 @@ def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("ledger_dir", metavar="DIR", help="the ledger directory (a path or URI)")
     p.set_defaults(func=cmd_ledger_compact)
 
-    p = sub.add_parser("inspect", help="report a service's durable state_dir offline (no Ray)")
-    p.add_argument("state_dir")
+    p = sub.add_parser("inspect", help="report a service's durable state_dir, or a loader state, offline (no Ray)")
+    p.add_argument("state_dir", metavar="STATE_DIR_OR_LOADER_STATE")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_inspect)
 
@@ -531,6 +617,7 @@ def add_batch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--name", default=None, help="use a running service by name instead of starting one")
     p.add_argument("--namespace", default="zephon-ray")
     p.add_argument("--address", default=None, help="Ray address; default starts a private local Ray")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP)
     p.set_defaults(func=cmd_digest)
 
     p = sub.add_parser("show", help="summarise one global batch; --docs: the documents of every row")
@@ -547,6 +634,7 @@ def add_batch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--rank", type=_non_negative, default=None, help="with --docs: only rank R's rows (with --world)")
     p.add_argument("--world", type=_positive, default=None, help="with --docs: the reader count W")
     p.add_argument("--json", action="store_true", help="with --docs: one JSON object")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP)
     p.set_defaults(func=cmd_show)
 
     p = sub.add_parser("locate", help="every step, row and token span of a step range that holds one record "
@@ -620,7 +708,7 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     from zephon_ray.jobs.materialize import materialize
     from zephon_ray.service.session import ray_session
 
-    recipe = Recipe.from_toml(args.recipe)
+    recipe = load_recipe(args)
     steps = parse_steps(args.steps)
     with ray_session(args.address, private_if_none=True):
         result = materialize(recipe, args.out, steps, producers=args.producers, segment_steps=args.segment_steps,
@@ -649,4 +737,5 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--cpus-per-actor", type=float, default=0.5)
     p.add_argument("--address", default=None, help="Ray address; default starts a private local Ray")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP)
     p.set_defaults(func=cmd_materialize)

@@ -32,6 +32,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
+from zephon_ray.cli.data import SCHEDULE_FROM_HELP, load_recipe
 from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
@@ -81,14 +82,15 @@ def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -
 def cmd_serve(args: argparse.Namespace) -> int:
     from zephon_ray.service.client import DataService
 
-    recipe = Recipe.from_toml(args.recipe)
+    recipe = load_recipe(args)
     fields = service_config_fields(args)
     ServiceConfig.build(recipe, **fields)  # every bad setting fails here, in one line, before touching Ray
     with ray_session(args.address, private_if_none=False):
         svc = DataService.start(recipe, **fields)
         status = svc.status()
         print(f"serving {recipe.describe()} as {fields['name']!r} in namespace {fields['namespace']!r}: "
-              f"{len(status['producers'])} producers, window {status['window']['size']}, "
+              f"{len(status['producers'])} producer{'s' if len(status['producers']) != 1 else ''}, window "
+              f"{status['window']['size']}, "
               f"state_dir {status['state_dir']}, starting at step {status['start']['start_step']}", flush=True)
         if args.block:
             import time
@@ -240,7 +242,13 @@ def cmd_release(args: argparse.Namespace) -> int:
     from zephon_ray.service.client import DataService
 
     with ray_session(args.address, private_if_none=False):
-        DataService.connect(args.name, namespace=args.namespace, consumer=args.consumer, timeout_s=0).release()
+        svc = DataService.connect(args.name, namespace=args.namespace, consumer=args.consumer, timeout_s=0)
+        status = svc.status()
+        known = sorted(set(status["cursor_summary"]) | set(status["commits"]))
+        if args.consumer not in known:
+            raise UserInputError(f"service {args.name!r} has no consumer {args.consumer!r} (consumers with cursors or "
+                                 f"commits: {', '.join(map(repr, known[:20])) or 'none'})")
+        svc.release()
     print(f"released consumer {args.consumer!r} of {args.name!r}: it no longer holds the window back")
     return 0
 
@@ -328,6 +336,7 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default=None, help="Ray address (default: RAY_ADDRESS or the running cluster)")
     add_service_config_flags(p)  # --name, --namespace, --producers, --window, --state-dir, ... (every field)
     p.add_argument("--block", action="store_true", help="stay in the foreground until the service is stopped")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP)
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("status", help="report a running service")

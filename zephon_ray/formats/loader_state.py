@@ -1,9 +1,9 @@
 """The loader state: small, JSON-safe, versioned, and identical on every reader. Owner of the format.
 
-Layout (format version 3); every key is always present::
+Layout (format version 4); every key is always present::
 
     {
-      "version":        3,              # STATE_VERSION; anything else is refused
+      "version":        4,              # STATE_VERSION; anything else is refused
       "run_id":         "my-run",       # the loader config's run_id ("" when unset)
       "fingerprint":    "<sha256>",     # Recipe.fingerprint
       "next_step":      12,             # first global step not yet consumed
@@ -11,10 +11,17 @@ Layout (format version 3); every key is always present::
                                         # "" when there is none (always so in service and dataset mode)
       "replayed_steps": 0,              # steps this run re-produced to resume without an exact checkpoint, so far
       "ledger":         "<segment id>", # the ledger segment that ends at next_step ("" at step 0): the lineage
-    }                                   # of the weights (zephon_ray.formats.ledger)
+                                        # of the weights (zephon_ray.formats.ledger)
+      "run_schedule":   "<json>" | "",  # {"phases": [...], "skips": [...]}: the mixture phases the run decided
+    }                                   # beyond its recipe file (a service's add_phase, Loader.add_phase) and
+                                        # every deliberate skip of its schedule; every resume replays them
 
-Version 2 added ``replayed_steps``, version 3 ``ledger`` (an older state is refused with a message saying so: DCP
-loads by key, so the key set is part of the format;
+``next_step`` counts training steps; the data step a training step reads is ``Recipe.data_step`` of it (the same
+unless the run skips data: ``[[skips]]``), and ``fingerprint`` and ``zephon`` describe the data read so far
+(``Recipe.data_next``).
+
+Version 2 added ``replayed_steps``, version 3 ``ledger``, version 4 ``run_schedule`` (an older state is refused with a
+message saying so: DCP loads by key, so the key set is part of the format;
 ``tests/test_ledger.py::test_the_loader_state_carries_a_valid_ledger_head``). :func:`check_state` refuses a state
 that lacks a key or has one more, naming it
 (``tests/test_stream_loader.py::test_bad_loader_states_are_one_line_naming_the_key``).
@@ -32,7 +39,7 @@ from typing import Any
 
 from zephon_ray.checks import check_int
 
-STATE_VERSION = 3
+STATE_VERSION = 4
 KEY_VERSION = "version"
 KEY_RUN_ID = "run_id"
 KEY_FINGERPRINT = "fingerprint"
@@ -40,7 +47,11 @@ KEY_NEXT_STEP = "next_step"
 KEY_ZEPHON = "zephon"
 KEY_REPLAYED_STEPS = "replayed_steps"
 KEY_LEDGER = "ledger"
-STATE_KEYS = (KEY_VERSION, KEY_RUN_ID, KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_ZEPHON, KEY_REPLAYED_STEPS, KEY_LEDGER)
+KEY_RUN_SCHEDULE = "run_schedule"
+STATE_KEYS = (KEY_VERSION, KEY_RUN_ID, KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_ZEPHON, KEY_REPLAYED_STEPS, KEY_LEDGER,
+              KEY_RUN_SCHEDULE)
+MAX_SCHEDULE_ENTRIES = 4096
+"""Phases, and skips, one state may record."""
 
 
 class LoaderStateError(ValueError):
@@ -48,7 +59,8 @@ class LoaderStateError(ValueError):
 
 
 def make_state(*, run_id: str | None, fingerprint: str, next_step: int, zephon: dict[str, Any] | None,
-               replayed_steps: int = 0, ledger: str = "") -> dict:
+               replayed_steps: int = 0, ledger: str = "", schedule: dict[str, list] | None = None) -> dict:
+    """``schedule``: :func:`schedule_of` the run's recipe (its run-time phases and its skips)."""
     return {
         KEY_VERSION: STATE_VERSION,
         KEY_RUN_ID: run_id or "",
@@ -57,16 +69,54 @@ def make_state(*, run_id: str | None, fingerprint: str, next_step: int, zephon: 
         KEY_ZEPHON: "" if zephon is None else json.dumps(zephon, sort_keys=True, separators=(",", ":")),
         KEY_REPLAYED_STEPS: int(replayed_steps),
         KEY_LEDGER: ledger,
+        # phases' weights in recipe source order (no sort_keys): readable, and the same on every rank
+        KEY_RUN_SCHEDULE: json.dumps(schedule, separators=(",", ":")) if schedule and any(schedule.values()) else "",
     }
+
+
+def schedule_of(recipe: Any, base: Any) -> dict[str, list]:
+    """What a state records of the run's schedule ``recipe`` beyond its recipe file ``base``: the phases the run
+    decided while it trained, and every skip (a resume then refuses a file that rewrites a past one)."""
+    return {"phases": recipe.run_phases(base), "skips": [s.canonical() for s in recipe.skips]}
+
+
+_SCHEDULE_KEYS = {"phases": {"name", "start_step", "weights"}, "skips": {"name", "start_step", "end_step"}}
+
+
+def run_schedule(state: dict) -> dict[str, list]:
+    """The run's schedule a (checked) state records: ``{"phases": [...], "skips": [...]}``, oldest first."""
+    blob = state.get(KEY_RUN_SCHEDULE, "")
+    if not isinstance(blob, str):
+        raise LoaderStateError(f"loader state key '{KEY_RUN_SCHEDULE}' must be a JSON string or \"\", got "
+                               f"{type(blob).__name__}")
+    if not blob:
+        return {"phases": [], "skips": []}
+    try:
+        value = json.loads(blob)
+    except ValueError as exc:
+        raise LoaderStateError(f"loader state key '{KEY_RUN_SCHEDULE}' is not valid JSON: {exc}") from None
+    if not isinstance(value, dict) or set(value) != set(_SCHEDULE_KEYS) or not all(
+            isinstance(value[k], list) and len(value[k]) <= MAX_SCHEDULE_ENTRIES
+            and all(isinstance(e, dict) and set(e) == fields for e in value[k]) for k, fields in _SCHEDULE_KEYS.items()):
+        raise LoaderStateError(f"loader state key '{KEY_RUN_SCHEDULE}' must be a table of 'phases' {{name, "
+                               f"start_step, weights}} and 'skips' {{name, start_step, end_step}} lists of at most "
+                               f"{MAX_SCHEDULE_ENTRIES} each")
+    return value
+
+
+def added_phases(state: dict) -> list[dict[str, Any]]:
+    """The phases a (checked) state records that the run decided while it trained."""
+    return run_schedule(state)["phases"]
 
 
 def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name: str, recipe: Any = None) -> int:
     """Validate a saved state against this run; return its ``next_step``. Raises :class:`LoaderStateError`.
 
-    With ``recipe`` (a :class:`~zephon_ray.recipe.Recipe`), the state's fingerprint is compared with
-    ``recipe.history_fingerprint(next_step)``: a recipe with mixture phases may change the phases that start at or after
-    the state's ``next_step`` (docs/recipes.md, "Mixture schedules"); ``make_state`` then takes that fingerprint too.
-    For a recipe without phases it is ``recipe.fingerprint``."""
+    With ``recipe`` (a :class:`~zephon_ray.recipe.Recipe`), the state's fingerprint is compared with the history
+    fingerprint at ``next_step`` of ``recipe`` with the phases the state records (:func:`run_recipe`): a recipe with
+    mixture phases may change the phases that start at or after the state's ``next_step`` (docs/recipes.md, "Mixture
+    schedules"), except the ones the run recorded; ``make_state`` then takes that fingerprint too. For a recipe
+    without phases it is ``recipe.fingerprint``."""
     if not isinstance(state, dict):
         raise LoaderStateError(f"loader state must be a dict, got {type(state).__name__}")
     if KEY_VERSION not in state:
@@ -75,7 +125,7 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
     if version != STATE_VERSION:
         raise LoaderStateError(f"loader state key '{KEY_VERSION}': version {version!r} is not supported (expected "
                                f"{STATE_VERSION}; version 2 added '{KEY_REPLAYED_STEPS}', version 3 "
-                               f"'{KEY_LEDGER}')")
+                               f"'{KEY_LEDGER}', version 4 '{KEY_RUN_SCHEDULE}')")
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
         raise LoaderStateError(f"loader state lacks key '{missing[0]}' (format {STATE_VERSION} has {STATE_KEYS}; "
@@ -86,10 +136,12 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
     if recipe is not None:
         step = state[KEY_NEXT_STEP]
         if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
-            fingerprint = recipe.history_fingerprint(step)
+            recipe = run_recipe(state, recipe)
+            fingerprint = recipe.history_fingerprint(recipe.data_next(step))
             if state[KEY_FINGERPRINT] != fingerprint and recipe.phases:
                 raise LoaderStateError(
-                    f"loader state key '{KEY_FINGERPRINT}': " + _schedule_mismatch(state, recipe, step))
+                    f"loader state key '{KEY_FINGERPRINT}': " + _schedule_mismatch(state, recipe,
+                                                                                     recipe.data_next(step)))
     if state[KEY_FINGERPRINT] != fingerprint:
         raise LoaderStateError(
             f"loader state key '{KEY_FINGERPRINT}': the checkpoint was written for recipe fingerprint "
@@ -112,9 +164,23 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
     return step
 
 
+def run_recipe(state: dict, recipe: Any) -> Any:
+    """``recipe`` with the schedule the state records (``run_schedule``): the run's phases and skips, which a resume
+    serves whatever the recipe file says about them; one that contradicts the file, or a skip of the file that
+    rewrites the run's past, is one :class:`LoaderStateError`."""
+    schedule = run_schedule(state)
+    try:
+        return recipe.with_run_phases(schedule["phases"], what="the loader state's run").with_run_skips(
+            schedule["skips"], int(state[KEY_NEXT_STEP]), what="the loader state's run")
+    except ValueError as exc:
+        if isinstance(exc, LoaderStateError):
+            raise
+        raise LoaderStateError(f"loader state key '{KEY_RUN_SCHEDULE}': {exc}") from None
+
+
 def _schedule_mismatch(state: dict, recipe: Any, step: int) -> str:
-    """Name the phase that differs: exactly from the schedule a local-mode Zephon state records, else from where the
-    saved fingerprint sits in the recipe's chain."""
+    """Name the phase that differs at data step ``step``: exactly from the schedule a local-mode Zephon state
+    records, else from where the saved fingerprint sits in the recipe's chain."""
     try:
         inner = json.loads(state[KEY_ZEPHON]) if state[KEY_ZEPHON] else None
     except ValueError:

@@ -11,8 +11,8 @@ Parquet columns (:func:`segment_schema`): ``step`` (int64), ``lane`` (int32), ``
 batch), ``tokens`` and ``positions`` (fixed_size_list<int32>[seq_len+1]). ONE row schema for every Ray Data view
 (:func:`dataset_schema`: the segment columns plus ``digest``, the step's): ``MaterializedSource.to_dataset`` and
 the service's ``to_dataset`` (:func:`batch_table`) give the same schema (tests/test_materialized.py). The manifest
-holds the recipe fingerprint, the geometry, every segment's size and sha256, and the digest and per-source token
-counts of every step.
+holds the recipe fingerprint and mixture schedule, the geometry, every segment's size and sha256, and the digest and
+per-source token counts of every step.
 
 Commit order (:class:`SegmentWriter`): the segment is written whole (a local rename, or one upload), then the
 checkpoint, then the manifest. On an object store each is one object, visible whole; the manifest names only
@@ -71,6 +71,9 @@ KEY_SEGMENTS = "segments"
 KEY_DIGESTS = "digests"
 KEY_SOURCE_TOKENS = "source_tokens"
 KEY_CHECKPOINTS = "checkpoints"
+KEY_PHASES = "phases"
+"""The mixture schedule the directory was made under (``[{"name", "start_step", "weights"}]``; optional: a directory
+written before it is the recipe file's): so a run-time phase travels with the directory as with a loader state."""
 REQUIRED_KEYS = (KEY_FINGERPRINT, KEY_GEOMETRY, KEY_FIRST, KEY_END, KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_DIGESTS,
                  KEY_SOURCE_TOKENS, KEY_CHECKPOINTS)
 GEOMETRY_KEYS = ("lanes", "rows", "row_length", "sources")
@@ -185,6 +188,19 @@ def read_manifest(directory: "str | files.Location") -> dict[str, Any]:
     return manifest
 
 
+def recipe_of(manifest: dict[str, Any], recipe: Any) -> Any:
+    """``recipe`` with the run-time phases ``manifest`` records beyond it (the directory's schedule); None when they
+    contradict it."""
+    phases = manifest.get(KEY_PHASES)
+    if not isinstance(phases, list):
+        return recipe
+    mine = [p.canonical(recipe.source_names) for p in recipe.phases]
+    try:
+        return recipe.with_run_phases([p for p in phases if p not in mine], what="the directory's run")
+    except ValueError:
+        return None
+
+
 def write_manifest(directory: files.Location, manifest: dict[str, Any]) -> None:
     """The commit point: written after the segments and checkpoints it names."""
     files.write_json(directory.join(MANIFEST_NAME), manifest)
@@ -297,8 +313,9 @@ class MaterializedSource:
     """Random access to a materialised run: ``batch(s)``, ``slice(s, rank, world)``, ``digest(s)``.
 
     ``directory`` is a local path or an object-store URI. ``recipe`` (optional) must have the manifest's
-    fingerprint; pass it wherever a run's identity matters (the loader and the CLI do). ``cache_files`` bounds the
-    open Parquet footers kept.
+    fingerprint, or be the recipe it was made from less phases decided at run time, which the manifest records
+    (:attr:`recipe` is then the directory's schedule); pass it wherever a run's identity matters (the loader and the
+    CLI do). ``cache_files`` bounds the open Parquet footers kept.
     """
 
     def __init__(self, directory: "str | os.PathLike[str] | files.Location", *, recipe: Any = None,
@@ -310,11 +327,19 @@ class MaterializedSource:
         manifest = read_manifest(self.location)
         self._manifest_path = self.location.join(MANIFEST_NAME)
         self.fingerprint: str = manifest[KEY_FINGERPRINT]
+        self.recipe = recipe
         if recipe is not None and recipe.fingerprint != self.fingerprint:
-            raise MaterializedError(
-                f"{self._manifest_path}: materialised from recipe fingerprint {self.fingerprint[:12]}, not "
-                f"{recipe.describe()}"
-            )
+            self.recipe = recipe_of(manifest, recipe)
+            if self.recipe is None or self.recipe.fingerprint != self.fingerprint:
+                made = manifest.get(KEY_PHASES)
+                missing = "" if not isinstance(made, list) else ", ".join(
+                    f"'{p.name}' from step {p.start_step}" for p in recipe.phases
+                    if p.canonical(recipe.source_names) not in made)
+                raise MaterializedError(
+                    f"{self._manifest_path}: materialised from recipe fingerprint {self.fingerprint[:12]}, not "
+                    f"{recipe.describe()}" + (f" (the run's schedule has phase(s) {missing}, which it was not made "
+                                              "with: materialise these steps with the run's schedule, `zephon-ray "
+                                              "materialize --schedule-from STATE`)" if missing else ""))
         geometry = manifest[KEY_GEOMETRY]
         self.rows = int(geometry["rows"])
         self.row_length = int(geometry["row_length"])

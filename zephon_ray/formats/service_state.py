@@ -120,22 +120,13 @@ def check_state_dir(recipe: Any, state_dir: "str | os.PathLike[str] | files.Loca
 
 def with_added_phases(recipe: Any, added: Any) -> Any:
     """``recipe`` with the phases a running service accepted (``service.json`` ``added_phases``) that it does not
-    already have; None when there are none or one of them does not apply to it."""
+    already have (:meth:`Recipe.with_run_phases`); None when there are none or one of them contradicts it."""
     if not isinstance(added, list) or not added:
         return None
-    out = recipe
-    for entry in added:
-        if not isinstance(entry, dict):
-            return None
-        name, start, weights = entry.get("name"), entry.get("start_step"), entry.get("weights")
-        same = [p for p in out.phases if p.name == name and p.start_step == start]
-        if same and same[0].canonical(out.source_names)["weights"] == weights:
-            continue  # the recipe file was updated with it
-        try:
-            out = out.with_phase(name, start, weights)
-        except ValueError:
-            return None
-    return out
+    try:
+        return recipe.with_run_phases(added)
+    except ValueError:
+        return None
 
 
 def checkpoint_index(state_dir: "str | os.PathLike[str] | files.Location") -> dict[int, str]:

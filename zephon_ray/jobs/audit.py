@@ -50,6 +50,14 @@ Reference = Callable[[int], tuple[np.ndarray, np.ndarray]]
 """step -> (tokens, positions) of the recipe's global batch."""
 
 
+def skip_notes(recipe, next_step: int) -> list[str]:
+    """One note per deliberate skip (``[[skips]]``, or one a loader state records) of the steps ``[0, next_step)``:
+    training steps count on, the data jumps, and the skipped data steps are declared, not found."""
+    return [f"step {skip.start_step}: data steps {first}..{end - 1} skipped by schedule entry '{skip.name}' "
+            f"(training step {skip.start_step} on reads data step {recipe.data_step(skip.start_step)} on)"
+            for skip, first, end in recipe.skipped_data() if skip.start_step < next_step]
+
+
 @dataclass(frozen=True)
 class Finding:
     first: int

@@ -47,8 +47,10 @@ from zephon_ray import files
 from zephon_ray.checks import check_int
 from zephon_ray.formats.materialized import (
     CHECKPOINTS_DIR, KEY_CHECKPOINTS, KEY_DIGESTS, KEY_END, KEY_FINGERPRINT, KEY_FIRST, KEY_FORMAT, KEY_GEOMETRY,
-    KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_SOURCE_TOKENS, MANIFEST_FORMAT, MANIFEST_NAME, MAX_STEP, SEGMENTS_DIR,
+    KEY_PHASES, KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_SOURCE_TOKENS, MANIFEST_FORMAT, MANIFEST_NAME, MAX_STEP,
+    SEGMENTS_DIR,
     TMP_PREFIX, WORK_PREFIX, MaterializedError, SegmentWriter, clean_leftovers, load_checkpoint, read_manifest,
+    recipe_of,
 )
 from zephon_ray.identity import verify_on_node
 from zephon_ray.jobs.lane_groups import run_lane_groups
@@ -133,13 +135,16 @@ def _geometry(recipe: Recipe) -> dict[str, Any]:
     }
 
 
-def _prepare_directory(directory: files.Location, recipe: Recipe) -> dict[str, Any] | None:
-    """The committed manifest (None for a new directory), after removing leftovers of a killed run."""
+def _prepare_directory(directory: files.Location, recipe: Recipe) -> tuple[dict[str, Any] | None, Recipe]:
+    """The committed manifest (None for a new directory), after removing leftovers of a killed run, and the recipe
+    to extend it with: ``recipe``, or ``recipe`` with the run-time phases the directory was made under."""
     if not directory.remote and os.path.exists(directory.path) and not os.path.isdir(directory.path):
         raise MaterializedError(f"--out {directory}: exists and is not a directory")
     manifest = None
     if files.exists(directory.join(MANIFEST_NAME)):
         manifest = read_manifest(directory)
+        joined = recipe_of(manifest, recipe)  # the run-time phases the directory was made under
+        recipe = joined if joined is not None and joined.fingerprint == manifest[KEY_FINGERPRINT] else recipe
         if manifest[KEY_FINGERPRINT] != recipe.fingerprint:
             raise MaterializedError(
                 f"{directory}: holds a materialisation of recipe fingerprint {manifest[KEY_FINGERPRINT][:12]}, not "
@@ -157,7 +162,7 @@ def _prepare_directory(directory: files.Location, recipe: Recipe) -> dict[str, A
             raise MaterializedError(f"--out {directory}: not empty and holds no {MANIFEST_NAME} (found {foreign[0]})")
     files.make_dirs(directory)
     clean_leftovers(directory)  # committed files are never touched
-    return manifest
+    return manifest, recipe
 
 
 def materialize(recipe: Recipe, directory: "str | os.PathLike[str]", steps: range, *, producers: int = 1,
@@ -172,10 +177,11 @@ def materialize(recipe: Recipe, directory: "str | os.PathLike[str]", steps: rang
     if recipe.lanes % producers:
         raise MaterializedError(f"--producers {producers} does not divide the recipe's {recipe.lanes} lanes")
     directory = files.location(directory)
-    manifest = _prepare_directory(directory, recipe)
+    manifest, recipe = _prepare_directory(directory, recipe)
     if manifest is None:
         manifest = {
             KEY_FORMAT: MANIFEST_FORMAT, KEY_FINGERPRINT: recipe.fingerprint, KEY_GEOMETRY: _geometry(recipe),
+            KEY_PHASES: [p.canonical(recipe.source_names) for p in recipe.phases],
             KEY_FIRST: steps.start, KEY_END: steps.start, KEY_SEGMENT_STEPS: segment_steps, KEY_SEGMENTS: [],
             KEY_DIGESTS: [], KEY_SOURCE_TOKENS: [], KEY_CHECKPOINTS: {},
         }

@@ -56,7 +56,7 @@ from zephon_ray.formats.service_state import ServiceState
 from zephon_ray.recipe import Recipe
 from zephon_ray.service import status as status_report
 from zephon_ray.service.config import ServiceConfig
-from zephon_ray.service.errors import ServiceError
+from zephon_ray.service.errors import NoReply, ServiceError, reply_within
 from zephon_ray.service.metrics import GAUGE_REFRESH_S, ServiceMetrics
 from zephon_ray.service.pool import ProducerPool, describe
 from zephon_ray.service.protocol import (
@@ -255,9 +255,9 @@ class Coordinator:
                 with self._lock:
                     self._leased_until = max(self._leased_until, first)
                 try:  # shared by every read of the step: one that gives up must not cancel it for the others
-                    container = await asyncio.wait_for(asyncio.shield(self.replay.container(
+                    container = await reply_within(asyncio.shield(self.replay.container(
                         first, read_ahead=track or count > 1)), max(1.0, deadline - time.monotonic()))
-                except asyncio.TimeoutError:
+                except NoReply:
                     raise TimeoutError(f"step {first} was not replayed within {timeout_s:.0f}s (its replayer is "
                                        f"restoring or stuck; replayers={self.config.replayers})") from None
                 self._count_lease(node, 1, waited, time.monotonic() - t0)

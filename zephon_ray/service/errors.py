@@ -6,7 +6,9 @@ retry", a plain ``TimeoutError`` from the coordinator is "the step was not produ
 
 from __future__ import annotations
 
+import asyncio
 import traceback
+from typing import Any
 
 from zephon_ray.errors import one_line
 from zephon_ray.formats.service_state import FingerprintMismatchError
@@ -37,6 +39,23 @@ class ReplyTimeoutError(ServiceError, TimeoutError):
 class ReadTimeoutError(ServiceError, TimeoutError):
     """A read did not finish by its deadline (``read_timeout_s``, or the ``timeout_s`` passed), retries included.
     The message names the step, what it waited for and how long. Raised once: it is the read's answer."""
+
+
+class NoReply(Exception):
+    """:func:`reply_within`'s bound passed. Not a ``TimeoutError``: a call's own TimeoutError (the coordinator's
+    "not produced within", say) is its answer and stays what it is."""
+
+
+async def reply_within(awaitable: Any, timeout_s: float) -> Any:
+    """The result of ``awaitable`` (an actor call's ref, a coroutine, a shielded future), or :class:`NoReply` after
+    ``timeout_s``. Unlike ``asyncio.wait_for``, an exception the awaitable raises itself, a ``TimeoutError``
+    included, comes through unchanged (``asyncio.TimeoutError`` is ``TimeoutError`` since Python 3.11)."""
+    future = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait({future}, timeout=timeout_s)
+    if not done:
+        future.cancel()
+        raise NoReply(f"no reply within {timeout_s:g}s")
+    return future.result()
 
 
 def describe(exc: BaseException) -> str:

@@ -47,6 +47,7 @@ ranks move again). ``status()`` shows cursors up to a run plus a lease old.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -54,6 +55,7 @@ from typing import Any
 
 from ray.exceptions import RayTaskError
 
+from zephon_ray.service.errors import NoReply, reply_within
 from zephon_ray.service.lease_cache import LeaseCache
 from zephon_ray.service.protocol import (
     CursorMove, Reply, StepContainers, StepLanes, check_consumer, check_reader, expand, lease_reply)
@@ -203,7 +205,7 @@ class NodeReader:
     async def invalidate(self, step: int, generation: int) -> bool:
         """A rank found the shards of ``step`` lost: forget them here and tell the coordinator."""
         self._cache.drop(step, generation)
-        return await asyncio.wait_for(self._coordinator.invalidate.remote(step, generation), CALL_TIMEOUT_S)
+        return await reply_within(self._coordinator.invalidate.remote(step, generation), CALL_TIMEOUT_S)
 
     async def release(self, consumer: str) -> int:
         """Forget this consumer's cursors here (the client released it on the coordinator)."""
@@ -250,8 +252,8 @@ class NodeReader:
             call = self._coordinator.lease.remote(lease.first, lease.stop - lease.first, (lease.lo, lease.hi),
                                                   timeout_s, self._moves(), track, self.node_id, wait)
             try:
-                reply = await asyncio.wait_for(call, timeout_s + REPLY_GRACE_S)
-            except asyncio.TimeoutError:
+                reply = await reply_within(call, timeout_s + REPLY_GRACE_S)
+            except NoReply:
                 raise TimeoutError(f"step {lease.first}: the coordinator did not answer a lease within "
                                    f"{timeout_s + REPLY_GRACE_S:.0f}s") from None
             steps = await self._open(reply.steps)
@@ -279,7 +281,8 @@ class NodeReader:
         for step, generation, groups, containers in steps:
             got = {g: opened[id(c)] for g, c in enumerate(containers) if c is not None}
             if any(isinstance(v, BaseException) for v in got.values()):
-                await asyncio.wait_for(self._coordinator.invalidate.remote(step, generation), CALL_TIMEOUT_S)
+                with contextlib.suppress(NoReply):  # the read that asks for the step leases it again either way
+                    await reply_within(self._coordinator.invalidate.remote(step, generation), CALL_TIMEOUT_S)
                 break
             out.append(StepLanes(step, generation, expand(groups, got, self.lanes)))
         return out
@@ -361,6 +364,6 @@ class NodeReader:
                 continue
             self.stats["reports"] += 1
             try:
-                await asyncio.wait_for(self._coordinator.advance.remote(moves), CALL_TIMEOUT_S)
+                await reply_within(self._coordinator.advance.remote(moves), CALL_TIMEOUT_S)
             except Exception:  # noqa: BLE001 - the coordinator is gone or restarting; the next report retries
                 await asyncio.sleep(0.5)

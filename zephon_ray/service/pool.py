@@ -65,7 +65,8 @@ MAX_CONSECUTIVE_DEATHS = 50
 """Producer *deaths* (kill -9, OOM, node loss) in a row before giving up; each restart backs off a little."""
 PING_EVERY_S = 2.0
 MAX_UNWRITTEN_CHECKPOINTS = 16
-"""Merged checkpoints (25-350 KiB each) held while storage is out before production waits for the oldest one."""
+"""Merged checkpoints (25-350 KiB each) held unwritten while storage is out; past it the oldest one a newer one
+supersedes is dropped (:meth:`ProducerPool.persist`)."""
 
 
 REPLY_READ_S = 60.0
@@ -459,10 +460,13 @@ class ProducerPool:
     def persist(self, step: int, state: dict[str, Any]) -> bool:
         """Hand a merged checkpoint to the writer thread and go on producing: it is written in order, retrying
         transient faults for the storage budget (tests/test_storage_faults.py: a 15 s outage does not stall
-        production). At most ``MAX_UNWRITTEN_CHECKPOINTS`` wait; beyond that (a long outage) this waits for the
-        oldest, so memory stays bounded. False, with ``fatal`` set to one line naming the object and the cause,
-        once one cannot be made durable."""
+        production). At most ``MAX_UNWRITTEN_CHECKPOINTS`` wait: beyond that (a long outage) the oldest one a newer
+        one supersedes is dropped (anchors never are; with ``anchor_every = 0``, which keeps every checkpoint, this
+        waits for the oldest instead), so memory stays bounded. False, with ``fatal`` set to one line naming the
+        object and the cause, once one cannot be made durable."""
         while self._written() and len(self._writing) >= MAX_UNWRITTEN_CHECKPOINTS:
+            if self._drop_superseded():
+                continue
             oldest = self._writing[min(self._writing)]
             # bounded: the write gives up itself when the storage budget is spent
             concurrent.futures.wait([oldest], timeout=files.retry_budget_s() + 60)
@@ -470,6 +474,16 @@ class ProducerPool:
             return False
         self._writing[step] = self._writer.submit(self.metrics.time_checkpoint, self.state.write_checkpoint, state)
         return True
+
+    def _drop_superseded(self) -> bool:
+        """Drop the oldest unwritten checkpoint that a newer one supersedes (not an anchor, not being written): a
+        restart restores the newest durable one, and the pruning would delete it anyway. True if one was dropped."""
+        anchor = self.state.anchor_every
+        for step in sorted(self._writing)[:-1]:
+            if (not anchor or step % anchor) and self._writing[step].cancel():
+                del self._writing[step]
+                return True
+        return False
 
     def _written(self) -> bool:
         """Forget the checkpoint writes that finished; False, with ``fatal`` set, if one failed for good."""

@@ -8,8 +8,9 @@ any resume, at any W (tests/test_stream_loader.py::test_modes_and_w_change_at_ev
 
 Limits: only materialised steps can be read; the step after the last one fails with a
 :class:`~zephon_ray.formats.materialized.MaterializedError` naming the range (extend the directory with
-``zephon-ray materialize``). The directory must have been materialised from the loader's recipe (checked when the
-source is built).
+``zephon-ray materialize``). The directory must have been materialised from the loader's recipe, or from it with
+phases decided at run time, which its manifest records and the loader then records too (checked when the source is
+built).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ class DatasetSlices(PrefetchedSlices):
                  source_ids: bool = False) -> None:
         super().__init__(rank=rank, world=world, depth=depth, name="dataset")
         self.source = MaterializedSource(directory, recipe=recipe)
+        self.recipe = self.source.recipe
+        """The run's schedule: ``recipe``'s, with the run-time phases the directory was made under."""
         self.source_ids = source_ids
         self.source.batch(self.source.first_step).slice(rank, world)  # W must divide B: fail when built
 

@@ -67,7 +67,7 @@ from typing import Any
 
 from zephon_ray.batch import padded_rows
 from zephon_ray.checks import check_int, check_reader
-from zephon_ray.formats.loader_state import KEY_LEDGER, check_state, make_state
+from zephon_ray.formats.loader_state import KEY_LEDGER, check_state, make_state, run_recipe, schedule_of
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import StepShape, check_geometry
 from zephon_ray.stream.ledger import FLUSH_RECORDS, FLUSH_SECONDS, FtLedger
@@ -156,7 +156,9 @@ class FtSlices:
         self.microbatches = check_int("FtSlices: microbatches", microbatches, low=0)
         if self.local_batch_size and self.microbatches:
             raise ValueError("FtSlices: set at most one of 'local_batch_size' and 'microbatches'")
-        self.recipe = recipe if recipe is not None else Recipe.from_toml(config.recipe)
+        self.base_recipe = recipe if recipe is not None else Recipe.from_toml(config.recipe)
+        self.recipe = self.base_recipe
+        """The run's schedule: the recipe file's plus the run-time phases its state or its source carries."""
         self.pad = config.pad_slices
         self.supported = supported_participants(self.recipe, dp=self.dp, local_batch_size=self.local_batch_size,
                                                 microbatches=self.microbatches, pad=self.pad)
@@ -232,19 +234,20 @@ class FtSlices:
         if key == self._last_key:  # should_commit() rejected it: the same rows again
             self.check_seconds.append(time.perf_counter() - t0)
             self.served_again += 1
-            batch = self._batch(self._last.slice)  # fresh tensors: the trainer may have written into the first ones
+            batch = self._batch(self._last.slice, step)  # fresh tensors: the trainer may have written into the first
             if self.ledger is not None and not placeholder_rows:
                 self.ledger.served(step, rank, world, batch.slice.ledger_digest)
             return batch
         changed = (rank, world) != self._active
         self.check_seconds.append(time.perf_counter() - t0)
+        data = self.recipe.data_step(step)  # the data it reads: later than the step after a deliberate skip
         if changed:
             t1 = time.perf_counter()
-            source = self._source_for(rank, world, step)
+            source = self._source_for(rank, world, data)
             self.change_seconds.append(time.perf_counter() - t1)
         else:
-            source = self._source_for(rank, world, step)
-        batch = self._batch(source.next(timeout))
+            source = self._source_for(rank, world, data)
+        batch = self._batch(source.next(timeout), step)
         self._last, self._last_key = batch, key
         if self.ledger is not None and not placeholder_rows:
             self.ledger.served(step, rank, world, batch.slice.ledger_digest)
@@ -260,27 +263,34 @@ class FtSlices:
             self.ledger.commit(step)
 
     def state_dict(self) -> dict[str, Any]:
-        """The loader state (format v3) at the first step this reader's trainer has not confirmed, naming its
+        """The loader state (format v4) at the first step this reader's trainer has not confirmed, naming its
         ledger head. Put it in the torchft Manager's ``state_dict`` so that a healing group continues the lineage
         (torchft heals a group from a peer: the step is the data state, the head is the ledger's)."""
         ledger = self.ledger
         step = 0 if ledger is None else int(ledger.next_step or 0)
-        return make_state(run_id=self.config.run_id, fingerprint=self.recipe.history_fingerprint(step),
-                          next_step=step, zephon=None, ledger="" if ledger is None else ledger.head)
+        return make_state(run_id=self.config.run_id,
+                          fingerprint=self.recipe.history_fingerprint(self.recipe.data_next(step)),
+                          next_step=step, zephon=None, ledger="" if ledger is None else ledger.head,
+                          schedule=schedule_of(self.recipe, self.base_recipe))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a peer's (or a checkpoint's) state: another run's or recipe's state is one
         :class:`~zephon_ray.formats.loader_state.LoaderStateError` naming the key."""
-        step = check_state(state, run_id=self.config.run_id, fingerprint=self.recipe.fingerprint, recipe=self.recipe,
-                           recipe_name=str(self.recipe.path or "<recipe>"))
+        base = self.base_recipe
+        step = check_state(state, run_id=self.config.run_id, fingerprint=base.fingerprint, recipe=base,
+                           recipe_name=str(base.path or "<recipe>"))
+        recipe = run_recipe(state, base)
+        if recipe.fingerprint != self.recipe.fingerprint:  # sources made under the old schedule go
+            self.close()
+        self.recipe = recipe
         if self.ledger is not None:
             self.ledger.resume(state[KEY_LEDGER], step)
 
-    def _batch(self, piece: Any) -> StepBatch:
+    def _batch(self, piece: Any, step: int) -> StepBatch:
         shape = ft_shape(self.recipe, piece.world // self.dp, dp=self.dp, local_batch_size=self.local_batch_size,
                          microbatches=self.microbatches, pad=self.pad)
         rows = shape.microbatch_rows(piece.rank)
-        return StepBatch(piece.step, piece, list(piece.microbatches(rows, pad_to=shape.padded_to)))
+        return StepBatch(step, piece, list(piece.microbatches(rows, pad_to=shape.padded_to)))
 
     def _source_for(self, rank: int, world: int, step: int) -> PrefetchedSlices:
         member = (rank, world)
@@ -306,11 +316,15 @@ class FtSlices:
         if cfg.mode == "dataset":
             from zephon_ray.stream.dataset import DatasetSlices
 
-            return DatasetSlices(self.recipe, cfg.dataset_dir, rank=rank, world=world, depth=cfg.prefetch)
-        from zephon_ray.stream.service import ServiceSlices
+            source = DatasetSlices(self.recipe, cfg.dataset_dir, rank=rank, world=world, depth=cfg.prefetch)
+        else:
+            from zephon_ray.stream.service import ServiceSlices
 
-        return ServiceSlices(self.recipe, rank=rank, world=world, name=cfg.service_name,
-                             namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch)
+            source = ServiceSlices(self.recipe, rank=rank, world=world, name=cfg.service_name,
+                                   namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch,
+                                   base=self.base_recipe)
+        self.recipe = source.recipe  # the source's schedule: ours plus the run-time phases it runs under
+        return source
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:

@@ -5,7 +5,7 @@ microbatches, and keeps the loader state. TorchTitan's ``ZephonRayDataLoader`` a
 ::
 
     loader = Loader(LoaderConfig(recipe="recipes/tiny.toml", mode="local"), rank=0, world=1, local_batch_size=4)
-    loader.load_state_dict(saved)          # optional: resume (format v3, identical on every reader)
+    loader.load_state_dict(saved)          # optional: resume (format v4, identical on every reader)
     for batch in loader:                   # StepBatch(step, slice, microbatches), forever (repeat = true recipes)
         for inputs, labels in batch.microbatches: ...
         saved = loader.state_dict()        # at a step boundary: after the step was trained
@@ -23,10 +23,10 @@ service (``mode="service"``), from an in-process Zephon lane group (``mode="loca
 the batch ``zephon-ray digest`` describes (``tests/test_stream_loader.py``: all three modes with W changing at each
 resume; ``tests/test_torchtitan_loader.py``; ``tests/test_ray_train_elastic.py``).
 
-State (:mod:`zephon_ray.formats.loader_state`, format v3) is ``{version, run_id, fingerprint, next_step, zephon,
-replayed_steps, ledger}``: every key always present (``zephon`` is "" when there is no Zephon checkpoint, which is
-always so outside local mode), JSON-safe and identical on every reader, so it is stored once and loads at any W and
-in any mode. ``state_dict()`` works before iteration.
+State (:mod:`zephon_ray.formats.loader_state` owns the layout) is JSON-safe and identical on every reader, so it is
+stored once and loads at any W and in any mode. ``state_dict()`` works before iteration. It records the run's
+mixture schedule beyond the recipe file (phases a service accepted while running, or :meth:`Loader.add_phase`), and a
+resume from it serves that schedule with the recipe file unchanged, in any mode (``tests/test_phases.py``).
 
 Ledger (:mod:`zephon_ray.stream.ledger`): every step handed out is recorded with its slice's digest; each
 ``state_dict()`` seals the records since the last save into a segment that the state's ``ledger`` key names, written
@@ -70,6 +70,8 @@ from zephon_ray.formats.loader_state import (
     check_state,
     make_state,
     replayed_steps,
+    run_recipe,
+    schedule_of,
     zephon_state,
 )
 from zephon_ray.recipe import Recipe
@@ -125,6 +127,10 @@ class LoaderConfig:
     aggregate_dir: str | None = None
     """Local mode: a directory every reader can reach. ``$ZEPHON_RAY_AGGREGATE_DIR`` overrides both."""
 
+    aggregate_timeout_s: float = 120.0
+    """Local mode: how long a collective checkpoint (and the readers' exchange with it) waits for every reader
+    before it fails with one line naming the readers missing."""
+
     prefetch: int = 2
     """Steps fetched (service, dataset) or produced (local) ahead of the trainer, in a background thread."""
 
@@ -136,6 +142,10 @@ class LoaderConfig:
     """Where every reader writes its part of a ledger segment at each ``state_dict()`` (a path or object-storage
     URI every reader can reach; one directory per run). None: records are kept and the lineage is carried in the
     state, but nothing is written (``zephon-ray audit`` then has nothing to read)."""
+
+    ledger_compact_every: int = 64
+    """Reader 0 merges the ledger directory's files every this many saves, in the background (0: never; then run
+    ``zephon-ray ledger compact DIR`` yourself): a long run keeps a few files, not one per rank per save."""
 
     pad_slices: bool = False
     """Pad every reader's slice to the same row count (``ceil(B/W)`` rounded up to a multiple of
@@ -158,6 +168,11 @@ class LoaderConfig:
             raise ValueError(f"{where}: 'mode' must be one of {MODES}, got {self.mode!r}")
         check_int(f"{where}: 'prefetch'", self.prefetch, low=1, high=MAX_DEPTH)
         check_int(f"{where}: 'checkpoint_every'", self.checkpoint_every, low=0)
+        check_int(f"{where}: 'ledger_compact_every'", self.ledger_compact_every, low=0)
+        if isinstance(self.aggregate_timeout_s, bool) or not isinstance(self.aggregate_timeout_s, (int, float)) \
+                or not 0 < self.aggregate_timeout_s <= 86400:
+            raise ValueError(f"{where}: 'aggregate_timeout_s' must be a number of seconds in (0, 86400], got "
+                             f"{self.aggregate_timeout_s!r}")
         for key in ("pad_slices", "source_ids"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{where}: '{key}' must be true or false, got {getattr(self, key)!r}")
@@ -197,9 +212,10 @@ LOSS_REDUCTIONS = ("mean", "sum")
 
 @dataclass(frozen=True)
 class StepBatch:
-    """Reader r's part of global step ``step``: its ``slice`` (a RankSlice: the real rows only) and
-    ``microbatches`` (one optimizer step's worth of ``({"input", "positions"}, labels)``, padding rows included when
-    slices are padded)."""
+    """Reader r's part of training step ``step``: its ``slice`` (a RankSlice: the real rows only, of data step
+    ``slice.step``, which is ``step`` unless the schedule skips data: ``Recipe.data_step``) and ``microbatches`` (one
+    optimizer step's worth of ``({"input", "positions"}, labels)``, padding rows included when slices are
+    padded)."""
 
     step: int
     slice: RankSlice
@@ -247,7 +263,9 @@ class Loader:
         self.config = config
         self.rank, self.world = check_reader(rank, world)
         lbs = check_int("local_batch_size", local_batch_size, low=0)
-        self.recipe = recipe if recipe is not None else Recipe.from_toml(config.recipe)
+        self.base_recipe = recipe if recipe is not None else Recipe.from_toml(config.recipe)
+        self.recipe = self.base_recipe
+        """The run's schedule: the recipe file's, plus the phases the run decided (a loaded state's, a service's)."""
         B = self.recipe.global_batch_rows
         self.shape = check_geometry(self.recipe, global_batch_size=global_batch_size, local_batch_size=lbs,
                                     dp_world_size=self.world, seq_len=seq_len, pad=config.pad_slices)
@@ -276,8 +294,9 @@ class Loader:
         self._replayed_before = 0  # replayed steps carried by the loaded state (earlier resumes)
         self._replaying = 0  # steps the current resume replays
         self._replay_started = False  # counted in replayed_steps once the source started (and so replays)
-        self._ledger = LedgerRecorder(run_id=config.run_id or "", fingerprint=self.recipe.fingerprint, rank=self.rank,
-                                      world=self.world, ledger_dir=config.ledger_dir)
+        self._ledger = LedgerRecorder(run_id=config.run_id or "", fingerprint=self.base_recipe.fingerprint,
+                                      rank=self.rank, world=self.world, ledger_dir=config.ledger_dir,
+                                      compact_every=config.ledger_compact_every)
         # Runs at garbage collection and at interpreter exit: a trainer may never call close().
         self._finalizer = weakref.finalize(self, _close_source, self.__dict__)
         if config.mode == "dataset":
@@ -309,7 +328,7 @@ class Loader:
             step = self._next_step
             piece = self._take(step)
             if self._produces:
-                self._ledger.handed(piece)
+                self._ledger.handed(piece, step=step)
             self._next_step = step + 1
             yield StepBatch(step, piece, list(piece.microbatches(self.local_batch_size, pad_to=self.shape.padded_to)))
 
@@ -327,11 +346,18 @@ class Loader:
         return self.peers is None or self.peers.is_leader
 
     def _started_source(self, step: int) -> SliceSource:
+        """The source, serving data step ``recipe.data_step(step)`` next: started there, or moved there at a
+        deliberate skip (local mode replays from its newest Zephon checkpoint, the others read it directly)."""
+        data = self.recipe.data_step(step)
         if self._source is not None and self._active:
+            if self._source.position != data:  # a skip starts at this step: the data jumps ahead
+                checkpoint = self._source.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT] \
+                    if self.config.mode == "local" else None
+                self._source.reset(source_state(data, checkpoint))
             return self._source
         if self._source is None:
             self._source = self._make_source()
-        self._source.reset(source_state(step, self._loaded_zephon if step == self._loaded_at else None))
+        self._source.reset(source_state(data, self._loaded_zephon if step == self._loaded_at else None))
         self._active = True
         self._replay_started = True
         return self._source
@@ -365,23 +391,73 @@ class Loader:
 
             store, agg_dir, _ = cfg.resolved_aggregation()
             lane_group = LaneGroup(count=self.world, index=self.rank, run_id=cfg.run_id, aggregate_store=store,
-                                   aggregate_dir=agg_dir) if self.world > 1 else LaneGroup()
+                                   aggregate_dir=agg_dir, aggregate_timeout_s=cfg.aggregate_timeout_s) \
+                if self.world > 1 else LaneGroup()
             return LocalSlices(recipe, rank=self.rank, world=self.world, lane_group=lane_group, depth=cfg.prefetch,
                                checkpoint_every=self.checkpoint_every, source_ids=cfg.source_ids)
         if cfg.mode == "dataset":
             from zephon_ray.stream.dataset import DatasetSlices
 
-            return DatasetSlices(recipe, cfg.dataset_dir, rank=self.rank, world=self.world, depth=cfg.prefetch,
-                                 source_ids=cfg.source_ids)
+            source = DatasetSlices(recipe, cfg.dataset_dir, rank=self.rank, world=self.world, depth=cfg.prefetch,
+                                   source_ids=cfg.source_ids)
+            self.recipe = source.recipe  # the directory's schedule: ours plus the run-time phases it was made under
+            return source
         from zephon_ray.stream.service import ServiceSlices
 
-        return ServiceSlices(recipe, rank=self.rank, world=self.world, name=cfg.service_name,
-                             namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch,
-                             source_ids=cfg.source_ids)
+        source = ServiceSlices(recipe, rank=self.rank, world=self.world, name=cfg.service_name,
+                               namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch,
+                               base=self.base_recipe, source_ids=cfg.source_ids)
+        self.recipe = source.recipe  # the service's schedule: ours plus the phases it accepted while running
+        return source
+
+    # ------------------------------------------------------------------ the schedule
+    def add_phase(self, name: str, start_step: int, weights: dict[str, float]) -> int:
+        """Add mixture phase ``name`` (``weights`` by source name; unnamed sources get 0) from ``start_step`` on to
+        the run's schedule, and record it in every loader state from now on, so every resume replays it. Returns
+        the earliest step a phase could have started at. Refused in one line (ValueError): an invalid phase (as
+        ``[[phases]]``), one that starts too early, or dataset mode (a materialised directory's schedule is fixed).
+
+        - Service mode: the service takes it (``DataService.add_phase``: durable, for every consumer), refused from
+          a step some consumer has read.
+        - Local mode: call it **on every reader**, with the same phase, before reaching the step it returns: the
+          phase must start past what the producer thread can have made (``next_step + prefetch + 1``) and, with
+          W > 1, at or after the next collective checkpoint (``checkpoint_every`` must be set). At that checkpoint
+          the readers check that they agree on the whole schedule: a reader that missed the call, or made another,
+          stops every reader with one line (after the checkpoint channel's timeout), before any of them makes a
+          step of the phase; no reader is ever served other rows
+          (``tests/test_phases.py::test_a_phase_added_in_local_mode_on_every_reader``)."""
+        mode = self.config.mode
+        if mode == "dataset":
+            raise ValueError("add_phase: dataset mode reads a materialised directory, whose schedule is fixed; "
+                             "materialise the later steps with the phase (zephon-ray materialize --schedule-from) "
+                             "or read them from the service")
+        new = self.recipe.with_phase(name, start_step, weights)  # one RecipeError naming the key
+        if mode == "service":
+            if self._source is None:
+                self._source = self._make_source()  # connects; iteration starts it
+            source = self._source
+            source.service.add_phase(name, start_step, weights)
+            self.recipe = source.sync_recipe()
+            return self._next_step
+        earliest = self.recipe.data_step(self._next_step) + self.config.prefetch + 1  # phases count data steps
+        if self.world > 1:
+            if not self.checkpoint_every:
+                raise ValueError("add_phase: a distributed local-mode run needs checkpoint_every > 0: the readers "
+                                 "check that they agree on a phase added while running at a collective checkpoint")
+            earliest = -(-earliest // self.checkpoint_every) * self.checkpoint_every
+        if start_step < earliest:
+            raise ValueError(f"add_phase: phase {name!r} from step {start_step} is too early: this reader is at step "
+                             f"{self._next_step} and may have made steps up to {self._next_step + self.config.prefetch}"
+                             + (f"; the readers check the schedule at the checkpoint of step {earliest}"
+                                if self.world > 1 else "") + f"; start it at step {earliest} or later")
+        if self._source is not None and self._active:
+            self._source.adopt(new, start_step)
+        self.recipe = new
+        return earliest
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
-        """The loader state at ``next_step`` (format v3, identical on every reader). In local mode with W > 1 it
+        """The loader state at ``next_step`` (format v4, identical on every reader). In local mode with W > 1 it
         may wait for the collective Zephon checkpoint of that boundary: call it on every reader."""
         if not self._produces:
             return self.peers.share_object(None)  # the leader's state, bit for bit
@@ -391,9 +467,12 @@ class Loader:
             zephon = self._source.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT]
         elif self.config.mode == "local" and step > 0 and step == self._loaded_at:
             zephon = self._loaded_zephon
-        state = make_state(run_id=self.config.run_id, fingerprint=self.recipe.history_fingerprint(step),
+        if hasattr(self._source, "sync_recipe"):  # a service may have accepted a phase since: record it too
+            self.recipe = self._source.sync_recipe()
+        state = make_state(run_id=self.config.run_id,
+                           fingerprint=self.recipe.history_fingerprint(self.recipe.data_next(step)),
                            next_step=step, zephon=zephon, replayed_steps=self._replayed_steps(),
-                           ledger=self._ledger.seal(step))
+                           ledger=self._ledger.seal(step), schedule=schedule_of(self.recipe, self.base_recipe))
         if self.peers is not None:
             self.peers.share_object(state)
         return state
@@ -406,19 +485,26 @@ class Loader:
         with nothing saved)."""
         if isinstance(state, dict) and not state:
             return
-        step = check_state(state, run_id=self.config.run_id, fingerprint=self.recipe.fingerprint, recipe=self.recipe,
-                           recipe_name=str(self.recipe.path or "<recipe>"))
+        base = self.base_recipe
+        step = check_state(state, run_id=self.config.run_id, fingerprint=base.fingerprint, recipe=base,
+                           recipe_name=str(base.path or "<recipe>"))
+        recipe = run_recipe(state, base)  # the run's schedule, which the resume serves whatever the file says
+        if recipe.fingerprint != self.recipe.fingerprint:
+            logger.info("zephon-ray loader (reader %d of %d): resuming under the run's schedule: %s", self.rank,
+                        self.world, ", ".join(f"{p['name']} from step {p['start_step']}"
+                                              for p in recipe.run_phases(base)) or "the recipe file's")
+        self.recipe = recipe
         if trainer_step is not None and trainer_step != step:
             raise LoaderStateError(f"loader state key 'next_step' is {step} but the trainer's checkpoint is at step "
                                    f"{trainer_step}: resuming would {'skip' if step > trainer_step else 'repeat'} "
                                    f"{abs(step - trainer_step)} step(s); restore the loader state saved with those "
                                    "weights")
-        loaded = zephon_state(state, next_step=step) if self.config.mode == "local" else None
+        loaded = zephon_state(state, next_step=recipe.data_next(step)) if self.config.mode == "local" else None
         if loaded is not None:
             from zephon_ray.lanes import check_step_state
 
             try:
-                check_step_state(loaded, self.recipe)
+                check_step_state(loaded, recipe)
             except ValueError as exc:
                 raise LoaderStateError(f"loader state key 'zephon': {exc}") from None
         self._loaded_zephon = loaded
@@ -427,7 +513,7 @@ class Loader:
         self._replay_started = False
         if self.config.mode == "local" and step > 0:
             start = 0 if loaded is None else int(loaded["next_step"])
-            self._replaying = step - start  # the same on every reader: the state is
+            self._replaying = recipe.data_step(step) - start  # the same on every reader: the state is
         if self._replaying and self._produces:
             if loaded is None:
                 logger.warning("zephon-ray loader (reader %d of %d): the loaded state at step %d has no Zephon "

@@ -64,6 +64,7 @@ class LocalSlices(PrefetchedSlices):
         self._producing = -1
         self._start_step = 0
         self._consumer_next = 0
+        self._stepper: LaneStepper | None = None
 
     # ------------------------------------------------------------------ hooks of the prefetch thread
     def _on_reset(self, step: int, checkpoint: dict[str, Any] | None) -> None:
@@ -124,8 +125,11 @@ class LocalSlices(PrefetchedSlices):
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, self.rank, self.world)
         # With source ids this reader's lane group runs the provenance-mode pipeline: the same rows, with each
         # token's document (zephon_ray.provenance; tests/test_provenance.py checks its rows against the goldens).
-        stepper = ProvenanceStepper(self.recipe, self.lane_group) if self.source_ids else \
+        stepper = self._stepper = ProvenanceStepper(self.recipe, self.lane_group) if self.source_ids else \
             LaneStepper(self.recipe, self.lane_group)
+        # Every reader's checkpoints record every lane's position (so a phase added while running can start from
+        # them), and their exchange checks that the readers agree on the whole schedule (zephon_ray.lanes).
+        stepper.keep_positions = True
         try:
             if checkpoint is not None:
                 stepper.restore(checkpoint)
@@ -164,6 +168,18 @@ class LocalSlices(PrefetchedSlices):
                 self._set_producing(s + 1)
         finally:
             stepper.close(background=True)
+
+    def adopt(self, recipe: Recipe, start_step: int) -> None:
+        """Run under ``recipe`` from now on: this one's schedule with a phase added from ``start_step``, which the
+        producer must not have begun (``Loader.add_phase`` asks for a step past what it can have made). The producer
+        looks the schedule up at each step, so the swap takes effect at the phase's start."""
+        with self._cond:
+            if self._producing >= start_step:
+                raise ValueError(f"a phase from step {start_step}: this reader's producer has begun step "
+                                 f"{self._producing} already")
+            self.recipe = recipe
+            if self._stepper is not None:
+                self._stepper.recipe = recipe
 
     def _set_producing(self, step: int) -> None:
         with self._cond:

@@ -150,6 +150,11 @@ class ZephonRayDataLoader(BaseDataLoader):
         """See :attr:`zephon_ray.stream.loader.Loader.stats`."""
         return self.core.stats
 
+    def add_phase(self, name: str, start_step: int, weights: dict[str, float]) -> int:
+        """A mixture phase decided while training, recorded in every loader state from now on: see
+        :meth:`zephon_ray.stream.loader.Loader.add_phase` (in local mode, call it on every rank)."""
+        return self.core.add_phase(name, start_step, weights)
+
     # ------------------------------------------------------------------ iteration
     def steps(self) -> Iterator[StepBatch]:
         """Whole steps, each with its RankSlice (``StepBatch``): what :meth:`__iter__` cuts into microbatches."""
