@@ -128,3 +128,19 @@ def test_bad_references_are_one_line(capsys, planted, flags, needle):
         main(["locate", str(planted), *flags, "--quiet"])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and needle in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_training_step_inverts_data_step_and_names_the_skip():
+    """With two ``[[skips]]``, every data step is read by exactly one training step or skipped by one named entry."""
+    from zephon_ray import Recipe
+    from zephon_ray.jobs.locate import training_step
+
+    recipe = Recipe.from_toml(ROOT / "recipes" / "tiny.toml").with_skip("spike-1", 10, 14).with_skip("spike-2", 20, 23)
+    read = {recipe.data_step(t): t for t in range(60)}
+    for d in range(max(read)):
+        step, skip = training_step(recipe, d)
+        if d in read:
+            assert (step, skip) == (read[d], None)
+        else:
+            assert step is None and skip == ("spike-1" if d < 20 else "spike-2"), d
+    assert [d for d in range(40) if d not in read] == [10, 11, 12, 13, 24, 25, 26]

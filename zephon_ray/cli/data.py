@@ -235,10 +235,10 @@ def cmd_locate(args: argparse.Namespace) -> int:
     import json
     import time
 
-    from zephon_ray.jobs.locate import check_groups, check_range, locate, record_ref
+    from zephon_ray.jobs.locate import check_groups, check_range, locate, record_ref, training_step
     from zephon_ray.service.session import ray_session
 
-    recipe = Recipe.from_toml(args.recipe)
+    recipe = load_recipe(args)
     target = record_ref(recipe, args.source, args.shard, args.record)
     steps = check_range(parse_steps(args.steps))
     check_groups(recipe, args.groups)  # every check before Ray starts
@@ -247,14 +247,24 @@ def cmd_locate(args: argparse.Namespace) -> int:
         hits = locate(recipe, target, steps, groups=args.groups, cpus_per_actor=args.cpus_per_actor,
                       work_dir=args.work_dir, progress=not args.quiet)
     took = time.monotonic() - started
+    trained = {h.step: training_step(recipe, h.step) for h in hits}  # data step -> (training step, skip name)
     if args.json:
+        out = []
+        for h in hits:
+            item = h.to_json()
+            if recipe.skips:
+                item["training_step"], item["skipped_by"] = trained[h.step]
+            out.append(item)
         print(json.dumps({"recipe": str(recipe.path), "fingerprint": recipe.fingerprint,
                           "record": {"source": target.source, "shard": target.shard, "record": target.record},
-                          "steps": [steps.start, steps.stop], "hits": [h.to_json() for h in hits],
-                          "seconds": round(took, 3)}))
+                          "steps": [steps.start, steps.stop], "hits": out, "seconds": round(took, 3)}))
         return 0
     for h in hits:
-        print(f"step {h.step} row {h.row} tokens {h.start}:{h.end} offset {h.offset}")
+        note = ""
+        if recipe.skips:
+            step, skip = trained[h.step]
+            note = f"  (skipped by '{skip}': never trained)" if skip else f"  (training step {step})"
+        print(f"step {h.step} row {h.row} tokens {h.start}:{h.end} offset {h.offset}{note}")
     print(f"{target.describe()}: {len(hits)} piece(s) in {len({h.step for h in hits})} step(s) of "
           f"{steps.start}:{steps.stop} ({args.groups} lane group(s), {took:.1f} s)")
     return 0
@@ -643,7 +653,7 @@ def add_batch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--source", required=True, help="the source's name in the recipe")
     p.add_argument("--shard", required=True, help="the shard's name (as `validate --json` lists it) or full path")
     p.add_argument("--record", type=_non_negative, required=True, help="the record's 0-based index in the shard")
-    p.add_argument("--steps", default="0:1000", metavar="A:B", help="the steps to search (default 0:1000)")
+    p.add_argument("--steps", default="0:1000", metavar="A:B", help="the data steps to search (default 0:1000)")
     p.add_argument("--groups", type=_positive, default=1,
                    help="lane groups scanning in parallel (must divide the lanes; one actor each)")
     p.add_argument("--cpus-per-actor", type=float, default=0.5)
@@ -652,6 +662,8 @@ def add_batch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--address", default=None, help="Ray address; default starts a private local Ray")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP + "; with its skips, each hit also "
+                   "names the training step that read it, or the skip that skipped it")
     p.set_defaults(func=cmd_locate)
 
     p = sub.add_parser("corpus", help="write the stdlib prose/code corpus as JSONL and Parquet shards")

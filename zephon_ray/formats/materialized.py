@@ -322,7 +322,6 @@ class MaterializedSource:
                  cache_files: int = 8) -> None:
         self.location = files.location(directory)
         self.directory = self.location.uri
-        self.recipe = recipe
         self._provenance: Any = None  # a ProvenanceSource, built at the first provenance() call
         manifest = read_manifest(self.location)
         self._manifest_path = self.location.join(MANIFEST_NAME)

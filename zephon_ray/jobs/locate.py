@@ -21,6 +21,10 @@ Guarantee: the hits are exactly the pieces of the record in steps [A, B) that :c
 ProvenanceSource` names, for any M (tests/test_locate.py checks them against a brute-force scan of the rows for a
 planted record).
 
+Steps are data steps (what ``GlobalBatchSource.batch`` and ``show`` take). With ``[[skips]]`` (or a run's recorded
+ones, ``--schedule-from``) :func:`training_step` names the training step that read each, or the skip entry that
+skipped it (never trained on); ``zephon-ray locate`` prints both.
+
 Limits: the scan always starts at step 0 (no checkpoint is read), so a range far from 0 costs its end, not its
 length. With M > 1 and phases, ``work_dir`` must be on storage every node reaches (the boundary exchange meets there);
 without phases it is never written.
@@ -98,6 +102,21 @@ def record_ref(recipe: Recipe, source: str, shard: str, record: int) -> RecordRe
     check_int("--record", record, low=0, high=(rows - 1) if rows is not None else MAX_STEPS * 1000,
               error=UserInputError, why=f"{rows} records in {name}" if rows is not None else "")
     return RecordRef(source, name, record)
+
+
+def training_step(recipe: Recipe, data_step: int) -> tuple[int | None, str | None]:
+    """``(training step, None)`` of the training step that reads data step ``data_step`` under ``recipe``'s
+    ``[[skips]]`` (itself when there are none), or ``(None, skip name)`` when a declared skip skipped it: that data
+    was never trained on. The inverse of ``Recipe.data_step``."""
+    shift = 0
+    for skip, first, end in recipe.skipped_data():
+        if first <= data_step < end:
+            return None, skip.name
+        if end <= data_step:
+            shift += end - first
+    step = data_step - shift
+    assert recipe.data_step(step) == data_step, (data_step, step)
+    return step, None
 
 
 def check_range(steps: range) -> range:
