@@ -381,3 +381,24 @@ def _state_at(loader, step: int) -> dict:
     from zephon_ray.formats.loader_state import make_state
 
     return make_state(run_id=loader.config.run_id, fingerprint=loader.recipe.fingerprint, next_step=step, zephon=None)
+
+
+def test_source_ids_follow_a_deliberate_skip_local_mode(tmp_path):
+    """With ``[[skips]]`` (training steps 2.. read data steps 5..), a local-mode reader's source ids are those of the
+    data step it reads (``slice.step``), not of the training step: equal to the in-process provenance of that data
+    step, and the rows are the data step's."""
+    from zephon_ray import GlobalBatchSource, Recipe
+    from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    path = derived(tmp_path, "skipping")
+    path.write_text(path.read_text() + '\n[[skips]]\nname = "spike-1"\nstart_step = 2\nend_step = 5\n')
+    config = LoaderConfig(recipe=str(path), mode="local", source_ids=True, run_id="ids-skip")
+    seen = []
+    with Loader(config, rank=0, world=1, local_batch_size=4) as loader, \
+            GlobalBatchSource(Recipe.from_toml(TINY)) as source:
+        for batch, _ in zip(loader, range(5)):
+            piece = batch.slice
+            seen.append((batch.step, piece.step))
+            assert np.array_equal(piece.tokens, source.batch(piece.step).tokens)
+            assert np.array_equal(piece.source_ids, source.provenance(piece.step).source_ids())
+    assert seen == [(0, 0), (1, 1), (2, 5), (3, 6), (4, 7)]

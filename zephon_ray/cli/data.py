@@ -263,7 +263,8 @@ def cmd_locate(args: argparse.Namespace) -> int:
         note = ""
         if recipe.skips:
             step, skip = trained[h.step]
-            note = f"  (skipped by '{skip}': never trained)" if skip else f"  (training step {step})"
+            note = f"  (data skipped by '{skip}': no training step of the run reads it)" if skip else \
+                f"  (training step {step})"
         print(f"step {h.step} row {h.row} tokens {h.start}:{h.end} offset {h.offset}{note}")
     print(f"{target.describe()}: {len(hits)} piece(s) in {len({h.step for h in hits})} step(s) of "
           f"{steps.start}:{steps.stop} ({args.groups} lane group(s), {took:.1f} s)")
