@@ -409,8 +409,9 @@ class DataService:
         provenance-mode pipeline restored from the nearest durable checkpoint under ``state_dir`` (the one a replay
         would use), checked against the rows the service serves for that step (``rows``: those already read, else
         read here without moving a cursor). Nothing runs in the service's actors but that read; steps asked in
-        order reuse the pipeline."""
-        from zephon_ray.provenance import slice_provenance
+        order reuse the pipeline. A phase the service accepted since this client last looked is picked up (one
+        control call) before a disagreement is reported as :class:`~zephon_ray.provenance.ProvenanceError`."""
+        from zephon_ray.provenance import ProvenanceError, slice_provenance
 
         step = as_step(step)
         first = 0 if rank is None else slice_bounds(self.recipe.global_batch_rows, rank, world)[0]
@@ -419,7 +420,13 @@ class DataService:
                 self.slice(step, rank, world, track=False, timeout_s=timeout_s)
             rows = (served.tokens, served.positions)
         with self._provenance_lock:
-            full = self._provenance_source().provenance(step, rows=rows, first_row=first)
+            try:
+                full = self._provenance_source().provenance(step, rows=rows, first_row=first)
+            except ProvenanceError:
+                known = self.recipe.fingerprint
+                if self.refresh_recipe().fingerprint == known:  # not a phase added since: the error stands
+                    raise
+                full = self._provenance_source().provenance(step, rows=rows, first_row=first)
         return slice_provenance(full, rank, world)
 
     def _provenance_source(self) -> Any:
