@@ -75,6 +75,15 @@ def inprocess(recipe, rounds: int) -> dict:
 
 
 def service(recipe) -> dict:
+    import ray
+
+    try:
+        return _service(recipe)
+    finally:
+        ray.shutdown()  # the private Ray ray_init=True started: locate starts its own
+
+
+def _service(recipe) -> dict:
     from zephon_ray import DataService
 
     rng = random.Random(11)
@@ -114,6 +123,7 @@ def locate_part(recipe, steps: int, groups: list[int]) -> dict:
     hits = scan_all(recipe, target, range(0, steps))
     out["inprocess_s"] = round(time.perf_counter() - t0, 1)
     out["hits"] = len(hits)
+    print(f"locate, in-process scan: {out}", flush=True)  # before Ray starts: kept if Ray does not
     ray.init(address="local", include_dashboard=False, log_to_driver=False, num_cpus=8)
     try:
         for m in groups:
