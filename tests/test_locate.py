@@ -4,7 +4,9 @@ The corpus: 16 records of each tiny source, plus one planted record in prose/sha
 is 150 BEL characters, a byte no other record holds. The brute force needs no provenance: it scans the batch path's
 rows (GlobalBatchSource) for runs of that byte, each with the BOS before it and the EOS after it when they are in the
 same row, and compares them with locate's hits; a hit's offset is checked against the run it names (0 when it starts
-at the BOS). In-process (``scan_all``) and as the Ray Data job with 2 lane groups (``locate``, ray_cluster).
+at the BOS). In-process (``scan_all``, the scan every lane-group actor runs: the default suite) and as the Ray Data
+job with 2 lane groups (``locate``, ray_cluster; slow: ``tests/test_cli.py::test_locate_finds_what_show_docs_names``
+runs the job in the default suite).
 """
 
 from __future__ import annotations
@@ -102,6 +104,7 @@ def test_scan_finds_every_piece_and_nothing_else(planted):
     assert all(STEPS.start <= h.step < STEPS.stop for h in hits)
 
 
+@pytest.mark.slow  # 40-50 s on the shared 2-core VM, mostly actor start; test_cli runs the job in the default suite
 def test_locate_as_a_ray_data_job_with_two_lane_groups(planted, ray_cluster):
     from zephon_ray import Recipe
     from zephon_ray.jobs.locate import locate, record_ref, scan_all
