@@ -134,6 +134,60 @@ def test_document_pieces_follow_position_resets():
     assert lengths.tolist() == [2, 3, 1, 6] and per_row.tolist() == [3, 1]
 
 
+# ---------------------------------------------------------------------- show --docs, locate
+def test_show_docs_names_every_rows_documents(capsys):
+    """``show --docs``: each row of rank 1 of 3 (rows 5-9) with its pieces and their text; ``--json`` the same rows,
+    whose text is the row's own bytes (tiny's byte tokenizer) and whose pieces tile every row."""
+    from zephon_ray import GlobalBatchSource, Recipe
+
+    code, out, err = _main(capsys, "show", "tiny", "--step", "3", "--docs", "--rank", "1", "--world", "3",
+                           "--chars", "20")
+    assert code == 0, err
+    assert GOLDEN[3] in out and "5..9 of 16 (rank 1 of 3)" in out and out.count("\nrow ") == 5
+    code, out, err = _main(capsys, "show", "tiny", "--step", "3", "--docs", "--json", "--rank", "1", "--world", "3")
+    doc = json.loads(out)
+    assert code == 0 and doc["digest"] == GOLDEN[3] and [r["row"] for r in doc["rows"]] == [5, 6, 7, 8, 9]
+    with GlobalBatchSource(Recipe.from_toml(TINY)) as source:
+        rows = source.batch(3).tokens
+    for entry in doc["rows"]:
+        assert entry["pieces"][0]["start"] == 0 and entry["pieces"][-1]["end"] == 65
+        for p in entry["pieces"]:
+            raw = bytes(int(t) for t in rows[entry["row"]][p["start"]:p["end"]] if t < 256)
+            assert raw.decode("utf-8", errors="replace").startswith(p["text"]) and p["path"].endswith(p["shard"])
+
+
+def test_show_docs_summarises_a_range_per_source_and_shard(capsys):
+    code, out, err = _main(capsys, "show", "tiny", "--steps", "0:4", "--docs", "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["tokens"] == 4 * 16 * 65, err
+    sources = [r for r in doc["by"] if "shard" not in r]
+    shards = [r for r in doc["by"] if "shard" in r]
+    assert {r["source"] for r in sources} == {"prose", "code"}
+    assert sum(r["tokens"] for r in sources) == sum(r["tokens"] for r in shards) == doc["tokens"]
+    code, out, _ = _main(capsys, "show", "tiny", "--steps", "0:4", "--docs")
+    assert code == 0 and "source prose:" in out and "  shard code/shard-0000" in out
+
+
+def test_locate_finds_what_show_docs_names(capsys, ray_cluster):
+    """A record that ``show --docs`` names at step 3 row 0: ``locate`` over steps 0:8 lists that piece, and every
+    piece it lists is one ``show --docs --json`` names at its step and row."""
+    code, out, err = _main(capsys, "show", "tiny", "--step", "3", "--docs", "--json")
+    piece = json.loads(out)["rows"][0]["pieces"][0]
+    code, out, err = _main(capsys, "locate", "tiny", "--source", piece["source"], "--shard", piece["shard"],
+                           "--record", str(piece["record"]), "--steps", "0:8", "--groups", "2", "--json", "--quiet")
+    assert code == 0, err
+    hits = json.loads(out)["hits"]
+    assert {"step": 3, "row": 0, "start": piece["start"], "end": piece["end"], "offset": piece["offset"]} in hits
+    from zephon_ray import GlobalBatchSource, Recipe
+
+    with GlobalBatchSource(Recipe.from_toml(TINY)) as source:
+        for hit in hits:
+            named = source.provenance(hit["step"]).rows[hit["row"]]
+            assert any((p.source, p.shard, p.record, p.start, p.end, p.offset) ==
+                       (piece["source"], piece["shard"], piece["record"], hit["start"], hit["end"], hit["offset"])
+                       for p in named), hit
+
+
 # ---------------------------------------------------------------------- bad input: one line naming it, exit 2
 def _bad_inputs(tmp_path):
     plot_dir = tmp_path / "SOME_DIR.png"
@@ -156,6 +210,12 @@ def _bad_inputs(tmp_path):
         (("bench", "tiny", "--steps", "0"), "--steps"),
         (("bench", "tiny", "--producers", "3", "--via", "service"), "--producers 3"),
         (("no-such-command",), "no-such-command"),
+        (("show", "tiny", "--steps", "0:2"), "--docs"),
+        (("show", "tiny", "--docs", "--rank", "1"), "--world"),
+        (("show", "tiny", "--docs", "--rank", "3", "--world", "3"), "--rank 3"),
+        (("show", "tiny", "--docs", "--rank", "0", "--world", "17"), "17"),
+        (("show", "tiny", "--docs", "--steps", "0:200001"), "--steps"),
+        (("show", "tiny", "--docs", "--step", "2", "--steps", "0:2"), "--step"),
     ]
 
 

@@ -82,3 +82,17 @@ def test_the_cpu_shims_private_targets_exist():
     assert hasattr(attention.FlexAttention, "_compiled_flex_attn")
     assert hasattr(attention, "_compiled_create_block_mask")
     assert hasattr(c10d, "_set_pg_timeout")
+
+
+def test_model_forward_takes_no_extra_input_keys():
+    """Why ZephonRayDataLoader keeps ``source_ids`` out of the input dict (``pop_source_ids`` instead): TorchTitan
+    0.3's trainer passes every key but ``input`` to ``model.forward``, and its Decoder's forward takes none but
+    ``positions`` and ``attention_masks``."""
+    from torchtitan.models.common.decoder import Decoder
+    from torchtitan.trainer import Trainer
+
+    params = inspect.signature(Decoder.forward).parameters
+    assert list(params) == ["self", "tokens", "positions", "attention_masks"]
+    assert not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    source = inspect.getsource(Trainer.post_dataloading_process)
+    assert 'k: v for k, v in input_dict.items() if k != "input"' in source

@@ -504,3 +504,29 @@ def test_a_trainer_step_other_than_the_loaders_next_step_is_refused_before_the_f
     resumed.expect_trainer_step(3)
     assert next(resumed.steps()).slice.step == 3
     resumed.close()
+
+
+def test_source_ids_wait_beside_the_input_dict():
+    """``source_ids = true``: the dicts TorchTitan gets hold only ``input`` and ``positions``; ``pop_source_ids``
+    gives each microbatch's ids in yield order, the labels' part of the step's provenance (steps 0-5 of tiny: both
+    sources)."""
+    from zephon_ray import GlobalBatchSource, Recipe
+
+    loader = _config(source_ids=True).build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4)
+    got, ids = [], []
+    try:
+        stream = iter(loader)
+        for _ in range(6):  # a step: 16 rows in 4 microbatches, popped within the step
+            step = [next(stream) for _ in range(4)]
+            ids.append(np.concatenate([loader.pop_source_ids().numpy() for _ in step]))
+            got.append(step)
+        with pytest.raises(LookupError, match="pop_source_ids"):
+            loader.pop_source_ids()
+    finally:
+        loader.close()
+    assert all(set(inputs) == {"input", "positions"} for step in got for inputs, _ in step)
+    with GlobalBatchSource(Recipe.from_toml(TINY)) as source:
+        for s, (step, step_ids) in enumerate(zip(got, ids)):
+            assert np.array_equal(np.concatenate([labels.numpy() for _, labels in step]), source.batch(s).tokens[:, 1:])
+            assert np.array_equal(step_ids, source.provenance(s).source_ids()[:, 1:])
+    assert set(np.unique(np.concatenate(ids))) == {0, 1}

@@ -128,7 +128,11 @@ class RankSlice:
     Immutable while held: ``tokens`` and ``positions`` are made read-only when the slice is built (a write raises),
     and every source hands out arrays that nothing else writes, frees or reuses, through close, prefetch and
     restarts; a zero-copy view keeps its backing array alive (``tests/test_stream_immutability.py``, every mode).
-    ``microbatches`` copies the rows into fresh tensors, which belong to the caller."""
+    ``microbatches`` copies the rows into fresh tensors, which belong to the caller.
+
+    ``source_ids`` (only when a loader is asked for them: ``LoaderConfig.source_ids``) is an int16 array shaped like
+    ``tokens``: each token's source index in the recipe's order, -1 for pad tokens, derived from the step's
+    provenance (:mod:`zephon_ray.provenance`). It never enters a digest."""
 
     step: int
     rank: int
@@ -137,11 +141,15 @@ class RankSlice:
     positions: np.ndarray
     pad_token_id: int | None = None
     global_valid_tokens: int | None = None
+    source_ids: np.ndarray | None = None
 
     def __post_init__(self) -> None:
-        for rows in (self.tokens, self.positions):
+        for rows in (self.tokens, self.positions, self.source_ids):
             if isinstance(rows, np.ndarray):
                 rows.setflags(write=False)  # the rows are shared (lane shards, a global batch, peers): never written
+        if self.source_ids is not None and np.shape(self.source_ids) != np.shape(self.tokens):
+            raise ValueError(f"step {self.step}, rank {self.rank} of {self.world}: source_ids of shape "
+                             f"{np.shape(self.source_ids)} for tokens of shape {np.shape(self.tokens)}")
 
     @classmethod
     def from_lanes(cls, step: int, rank: int, world: int, span: LaneSpan, shards: list,
@@ -183,7 +191,11 @@ class RankSlice:
         ``pad_to``: append rows up to that many (equal shapes on every rank, for torch.compile and CUDA graphs).
         A padding row's labels are all ``IGNORE_INDEX``, so it never reaches a loss that ignores them (TorchTitan's,
         ``cross_entropy(ignore_index=-100)``); its input is token 0 at positions 0..seq_len-1. The padding rows come
-        last, so the real rows keep their microbatches."""
+        last, so the real rows keep their microbatches.
+
+        With :attr:`source_ids`, the dict also holds ``"source_ids"``: int64 ``[rows, seq_len]`` aligned with
+        ``labels`` (the source of each label token, ``row[1:]``), -1 for pad tokens and padding rows, so that
+        ``zeros(S).scatter_add(0, ids[ids >= 0], token_loss[ids >= 0])`` sums each source's loss."""
         import torch  # here, not at module level: a node reader imports this module and never needs torch
         rows = self.num_rows if pad_to is None else pad_to
         if rows < self.num_rows:
@@ -205,9 +217,16 @@ class RankSlice:
         if self.pad_token_id is not None:
             labels[labels == self.pad_token_id] = IGNORE_INDEX
         labels[self.num_rows:] = IGNORE_INDEX
+        ids = None
+        if self.source_ids is not None:
+            ids = torch.full((rows, self.tokens.shape[1] - 1), -1, dtype=torch.int64)
+            ids[:self.num_rows] = torch.from_numpy(self.source_ids[:, 1:].astype(np.int64))
         for start in range(0, rows, local_batch_size):
             end = start + local_batch_size
-            yield {"input": tokens[start:end, :-1], "positions": positions[start:end, :-1]}, labels[start:end]
+            inputs = {"input": tokens[start:end, :-1], "positions": positions[start:end, :-1]}
+            if ids is not None:
+                inputs["source_ids"] = ids[start:end]
+            yield inputs, labels[start:end]
 
 
 @dataclass(frozen=True, eq=False)

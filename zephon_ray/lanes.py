@@ -86,10 +86,17 @@ class LaneStepper:
         self.keep_positions = False
         """With several lane groups and no phases, checkpoints record every lane's position (an exchange) anyway,
         so that a phase added later (a running service's ``add_phase``) can start from them."""
-        self._pipeline = build_pipeline(recipe, group)
+        self._pipeline = self._build_pipeline()
         self._iter: Any = None
         self._pending: dict[int, deque] = {lane: deque() for lane in self.lanes}
         self._next_step = 0
+
+    before_packing: Any = None
+    """``pipeline -> pipeline`` applied just before packing (:func:`zephon_ray.pipeline.build_pipeline`): None here;
+    :class:`zephon_ray.provenance.ProvenanceStepper` sets it."""
+
+    def _build_pipeline(self, work: Any = None) -> Any:
+        return build_pipeline(self.recipe, self.group, work, before_packing=self.before_packing)
 
     @property
     def position(self) -> int:
@@ -143,7 +150,7 @@ class LaneStepper:
         self.close(background=True)
         self._segment, self._segment_state = index, start_state
         self._last_chunk = {lane: -1 for lane in self.lanes}
-        self._pipeline = build_pipeline(self.recipe, self.group, build_work_source(self.recipe, index, start_state))
+        self._pipeline = self._build_pipeline(build_work_source(self.recipe, index, start_state))
 
     def _all_last_chunks(self, key: str) -> dict[int, int]:
         """Every lane's last contributing chunk of this segment: this group's own, and with several lane groups the
@@ -230,8 +237,7 @@ class LaneStepper:
         self._last_chunk = None if last is None or any(str(lane) not in last for lane in self.lanes) else {
             lane: int(last[str(lane)]) for lane in self.lanes}
         # A fresh pipeline object: the old one may still be shutting down its threads in the background.
-        self._pipeline = build_pipeline(self.recipe, self.group,
-                                        build_work_source(self.recipe, self._segment, self._segment_state))
+        self._pipeline = self._build_pipeline(build_work_source(self.recipe, self._segment, self._segment_state))
         # At the first step of the next phase the pipeline is replaced anyway (next_step): skip Zephon's restore.
         if self.recipe.segment_start(self._segment) < self._next_step and \
                 self.recipe.phase_index(self._next_step) == self._segment:

@@ -85,8 +85,11 @@ def build_work_source(recipe: Recipe, segment: int = 0, start_state: dict[str, A
     return work
 
 
-def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup(), work: Any = None) -> Any:
-    """The recipe's pipeline for ``group``'s lanes, drawing from ``work`` (default: segment 0's work source)."""
+def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup(), work: Any = None, *,
+                   before_packing: Any = None) -> Any:
+    """The recipe's pipeline for ``group``'s lanes, drawing from ``work`` (default: segment 0's work source).
+    ``before_packing``: ``pipeline -> pipeline``, applied to the tokenised records just before ``pack_flat``
+    (:mod:`zephon_ray.provenance` adds its per-token fields there; None on every batch-producing path)."""
     from zephon import Pipeline
 
     group.owned_lanes(recipe.lanes)  # validates divisibility before Zephon only warns about it
@@ -103,6 +106,8 @@ def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup(), work: Any = N
         from zephon_ray.pretokenized_manifest import TOKEN_FIELD
 
         tokens_field = TOKEN_FIELD
+    if before_packing is not None:
+        pipeline = before_packing(pipeline)
     pipeline = (
         pipeline
         .pack_flat(

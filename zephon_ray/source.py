@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import bisect
 from collections import OrderedDict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -31,6 +31,9 @@ from zephon_ray.checks import check_int
 from zephon_ray.lanes import LaneShard, LaneStepper, StepStateError
 from zephon_ray.recipe import Recipe
 from zephon_ray.tokenizers import build_tokenizer
+
+if TYPE_CHECKING:
+    from zephon_ray.provenance import ProvenanceSource, StepProvenance
 
 
 def assemble(recipe: Recipe, step: int, shards: dict[int, LaneShard]) -> GlobalBatch:
@@ -93,6 +96,7 @@ class GlobalBatchSource:
         self._checkpoint_steps: list[int] = []
         self._cache: OrderedDict[int, GlobalBatch] = OrderedDict()
         self._cache_steps = cache_steps
+        self._provenance: ProvenanceSource | None = None  # built at the first provenance() call
         self._checkpoint()  # step 0
 
     @property
@@ -115,9 +119,25 @@ class GlobalBatchSource:
                 self._remember(batch)
                 return batch
 
+    def provenance(self, step: int) -> StepProvenance:
+        """Which document pieces every row of ``batch(step)`` holds (:mod:`zephon_ray.provenance`): computed on
+        demand by a provenance-mode pipeline restored from this source's nearest checkpoint, and checked against
+        ``batch(step)``'s rows. Nothing of it runs on the ``batch`` path."""
+        from zephon_ray.provenance import ProvenanceSource
+
+        batch = self.batch(step)
+        if self._provenance is None:
+            self._provenance = ProvenanceSource(self.recipe, checkpoints=self._nearest_checkpoint,
+                                                reuse_within=self._checkpoint_every)
+        return self._provenance.provenance(batch.step, rows=(batch.tokens, batch.positions))
+
+    def _nearest_checkpoint(self, step: int) -> tuple[int, dict[str, Any]]:
+        """The newest kept checkpoint at or before ``step`` (step 0's is always kept)."""
+        kept = self._checkpoint_steps[bisect.bisect_right(self._checkpoint_steps, step) - 1]
+        return kept, self._checkpoints[kept]
+
     def _seek(self, step: int) -> None:
-        index = bisect.bisect_right(self._checkpoint_steps, step) - 1
-        self._stepper.restore(self._checkpoints[self._checkpoint_steps[index]])
+        self._stepper.restore(self._nearest_checkpoint(step)[1])
 
     def _checkpoint(self) -> None:
         step = self._stepper.position
@@ -142,6 +162,8 @@ class GlobalBatchSource:
 
     def close(self) -> None:
         self._stepper.close()
+        if self._provenance is not None:
+            self._provenance.close()
 
     def __enter__(self) -> "GlobalBatchSource":
         return self

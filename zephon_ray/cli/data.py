@@ -103,11 +103,30 @@ def cmd_show(args: argparse.Namespace) -> int:
         from zephon_ray.plots import check_plot_path
 
         check_plot_path(args.plot, "--plot")  # before any work
+    if not args.docs and (args.steps is not None or args.rank is not None or args.world is not None or args.json):
+        raise UserInputError("--steps, --rank, --world and --json go with --docs (the documents of the rows)")
+    if args.steps is not None and args.step is not None:
+        raise UserInputError("give --step S or --steps A:B, not both")
+    if (args.rank is None) != (args.world is None):
+        raise UserInputError("give both --rank R and --world W, or neither")
     recipe = load_recipe(args)
+    if args.steps is not None:
+        return show_docs_summary(recipe, check_step_range(parse_steps(args.steps)), args)
+    step = 0 if args.step is None else args.step
+    if args.rank is not None:
+        from zephon_ray.batch import slice_bounds
+
+        try:
+            slice_bounds(recipe.global_batch_rows, args.rank, args.world)
+        except ValueError as exc:
+            raise UserInputError(f"--rank {args.rank} --world {args.world}: {exc}") from None
     tokenizer = build_tokenizer(recipe.tokenizer)
     with GlobalBatchSource(recipe) as source:
-        advance_with_progress(source, args.step)
-        batch = source.batch(args.step)
+        advance_with_progress(source, step)
+        batch = source.batch(step)
+        provenance = source.provenance(step) if args.docs else None
+    if args.docs:
+        return show_docs(recipe, batch, provenance, tokenizer, args)
     print(f"recipe      {recipe.describe()}")
     print(f"step        {batch.step}")
     print(f"digest      {batch.digest}")
@@ -126,6 +145,129 @@ def cmd_show(args: argparse.Namespace) -> int:
         from zephon_ray.plots import plot_batch
 
         print(f"plot        {plot_batch(batch, args.plot, title=f'{recipe.describe()}  step {batch.step}')}")
+    return 0
+
+
+def show_docs(recipe: Recipe, batch, provenance, tokenizer, args: argparse.Namespace) -> int:
+    """``show --docs``: each row's pieces (source, shard, record, span, offset in the document) and the first
+    ``--chars`` characters of each piece's text, decoded from the row; ``--json`` the same as one JSON object."""
+    import json
+
+    from zephon_ray.provenance import slice_provenance
+
+    part = slice_provenance(provenance, args.rank, args.world)
+    doc = part.to_json(recipe)
+    for entry in doc["rows"]:
+        row = entry["row"]
+        entry["lane"] = int(batch.lanes[row])
+        for piece in entry["pieces"]:
+            piece["text"] = tokenizer.decode(batch.tokens[row][piece["start"]:piece["end"]])[: args.chars]
+    if args.json:
+        print(json.dumps({"recipe": str(recipe.path), "fingerprint": recipe.fingerprint, "digest": batch.digest,
+                          **({"rank": args.rank, "world": args.world} if args.rank is not None else {}), **doc}))
+        return 0
+    print(f"recipe      {recipe.describe()}")
+    print(f"step        {batch.step}")
+    print(f"digest      {batch.digest}")
+    rows = f"{part.first_row}..{part.first_row + len(part.rows) - 1} of {batch.num_rows}"
+    print(f"rows        {rows}" + (f" (rank {args.rank} of {args.world})" if args.rank is not None else ""))
+    for entry in doc["rows"]:
+        print(f"row {entry['row']:<4} lane {entry['lane']}")
+        for p in entry["pieces"]:
+            print(f"  tokens {p['start']:>5}:{p['end']:<5} {p['source']}/{p['shard']} record {p['record']} "
+                  f"from token {p['offset']}  {p['text']!r}")
+    return 0
+
+
+def show_docs_summary(recipe: Recipe, steps: range, args: argparse.Namespace) -> int:
+    """``show --steps A:B --docs``: tokens, pieces, documents begun (pieces at offset 0) and distinct records per
+    source and per shard over the range (rows of ``--rank R --world W`` only, when given)."""
+    import json
+    from collections import defaultdict
+
+    from tqdm import tqdm
+
+    from zephon_ray.provenance import slice_provenance
+    from zephon_ray.source import GlobalBatchSource
+
+    totals: dict[tuple[str, ...], list] = defaultdict(lambda: [0, 0, 0, set()])
+    with GlobalBatchSource(recipe) as source:
+        advance_with_progress(source, steps.start)
+        for step in tqdm(steps, desc="provenance", unit="step", disable=None, leave=False):
+            part = slice_provenance(source.provenance(step), args.rank, args.world)
+            for pieces in part.rows:
+                for p in pieces:
+                    for key in ((p.source,), (p.source, p.shard)):
+                        entry = totals[key]
+                        entry[0] += p.length
+                        entry[1] += 1
+                        entry[2] += p.offset == 0
+                        entry[3].add((p.shard, p.record))
+    everything = sum(v[0] for k, v in totals.items() if len(k) == 1) or 1
+    rows = [{"source": k[0], **({"shard": k[1]} if len(k) == 2 else {}), "tokens": v[0], "share": v[0] / everything,
+             "pieces": v[1], "documents_begun": v[2], "records": len(v[3])}
+            for k, v in sorted(totals.items())]
+    if args.json:
+        print(json.dumps({"recipe": str(recipe.path), "fingerprint": recipe.fingerprint,
+                          "steps": [steps.start, steps.stop], "tokens": everything, "by": rows}))
+        return 0
+    print(f"recipe      {recipe.describe()}")
+    print(f"steps       {steps.start}:{steps.stop} ({len(steps)} steps, {everything} tokens)"
+          + (f", rank {args.rank} of {args.world}" if args.rank is not None else ""))
+    for r in rows:
+        what = f"source {r['source']}" if "shard" not in r else f"  shard {r['source']}/{r['shard']}"
+        print(f"{what}: {r['tokens']} tokens ({r['share']:.1%}), {r['pieces']} pieces, {r['records']} records, "
+              f"{r['documents_begun']} documents begun")
+    return 0
+
+
+MAX_SHOW_STEPS = 100_000
+"""``show --steps`` computes every step's provenance in this process: bounded."""
+
+
+def check_step_range(steps: range) -> range:
+    check_int("--steps: the number of steps", len(steps), low=1, high=MAX_SHOW_STEPS, error=UserInputError)
+    return steps
+
+
+def cmd_locate(args: argparse.Namespace) -> int:
+    """``zephon-ray locate``: see :mod:`zephon_ray.jobs.locate`."""
+    import json
+    import time
+
+    from zephon_ray.jobs.locate import check_groups, check_range, locate, record_ref, training_step
+    from zephon_ray.service.session import ray_session
+
+    recipe = load_recipe(args)
+    target = record_ref(recipe, args.source, args.shard, args.record)
+    steps = check_range(parse_steps(args.steps))
+    check_groups(recipe, args.groups)  # every check before Ray starts
+    started = time.monotonic()
+    with ray_session(args.address, private_if_none=True):
+        hits = locate(recipe, target, steps, groups=args.groups, cpus_per_actor=args.cpus_per_actor,
+                      work_dir=args.work_dir, progress=not args.quiet)
+    took = time.monotonic() - started
+    trained = {h.step: training_step(recipe, h.step) for h in hits}  # data step -> (training step, skip name)
+    if args.json:
+        out = []
+        for h in hits:
+            item = h.to_json()
+            if recipe.skips:
+                item["training_step"], item["skipped_by"] = trained[h.step]
+            out.append(item)
+        print(json.dumps({"recipe": str(recipe.path), "fingerprint": recipe.fingerprint,
+                          "record": {"source": target.source, "shard": target.shard, "record": target.record},
+                          "steps": [steps.start, steps.stop], "hits": out, "seconds": round(took, 3)}))
+        return 0
+    for h in hits:
+        note = ""
+        if recipe.skips:
+            step, skip = trained[h.step]
+            note = f"  (data skipped by '{skip}': no training step of the run reads it)" if skip else \
+                f"  (training step {step})"
+        print(f"step {h.step} row {h.row} tokens {h.start}:{h.end} offset {h.offset}{note}")
+    print(f"{target.describe()}: {len(hits)} piece(s) in {len({h.step for h in hits})} step(s) of "
+          f"{steps.start}:{steps.stop} ({args.groups} lane group(s), {took:.1f} s)")
     return 0
 
 
@@ -489,15 +631,41 @@ def add_batch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP)
     p.set_defaults(func=cmd_digest)
 
-    p = sub.add_parser("show", help="summarise one global batch")
+    p = sub.add_parser("show", help="summarise one global batch; --docs: the documents of every row")
     p.add_argument("recipe")
-    p.add_argument("--step", type=_non_negative, default=0)
+    p.add_argument("--step", type=_non_negative, default=None, help="the step (default 0)")
     p.add_argument("--rows", type=_non_negative, default=4)
     p.add_argument("--chars", type=_non_negative, default=72)
     p.add_argument("--plot", default=None, metavar="OUT.png",
                    help="also write a PNG: per-source token share, document-piece lengths, packing per row")
+    p.add_argument("--docs", action="store_true",
+                   help="each row's document pieces: source, shard, record, token span, offset in the document, text")
+    p.add_argument("--steps", default=None, metavar="A:B",
+                   help="with --docs: tokens, pieces and records per source and per shard over steps A..B-1")
+    p.add_argument("--rank", type=_non_negative, default=None, help="with --docs: only rank R's rows (with --world)")
+    p.add_argument("--world", type=_positive, default=None, help="with --docs: the reader count W")
+    p.add_argument("--json", action="store_true", help="with --docs: one JSON object")
     p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP)
     p.set_defaults(func=cmd_show)
+
+    p = sub.add_parser("locate", help="every step, row and token span of a step range that holds one record "
+                                      "(a Ray Data scan)")
+    p.add_argument("recipe")
+    p.add_argument("--source", required=True, help="the source's name in the recipe")
+    p.add_argument("--shard", required=True, help="the shard's name (as `validate --json` lists it) or full path")
+    p.add_argument("--record", type=_non_negative, required=True, help="the record's 0-based index in the shard")
+    p.add_argument("--steps", default="0:1000", metavar="A:B", help="the data steps to search (default 0:1000)")
+    p.add_argument("--groups", type=_positive, default=1,
+                   help="lane groups scanning in parallel (must divide the lanes; one actor each)")
+    p.add_argument("--cpus-per-actor", type=float, default=0.5)
+    p.add_argument("--work-dir", default=None, help="where lane groups meet at phase boundaries (default: temp dir; "
+                                                    "shared storage on a multi-node cluster)")
+    p.add_argument("--address", default=None, help="Ray address; default starts a private local Ray")
+    p.add_argument("--json", action="store_true", help="one JSON object")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP + "; with its skips, each hit also "
+                   "names the training step that read it, or the skip that skipped it")
+    p.set_defaults(func=cmd_locate)
 
     p = sub.add_parser("corpus", help="write the stdlib prose/code corpus as JSONL and Parquet shards")
     p.add_argument("out_dir")

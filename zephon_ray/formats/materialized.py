@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from zephon_ray import files
-from zephon_ray.batch import GlobalBatch, RankSlice, compute_digest
+from zephon_ray.batch import GlobalBatch, RankSlice, compute_digest, slice_bounds
 from zephon_ray.checks import MAX_INT, check_int
 
 MANIFEST_FORMAT = "zephon-ray/materialized/v1"
@@ -322,6 +322,7 @@ class MaterializedSource:
                  cache_files: int = 8) -> None:
         self.location = files.location(directory)
         self.directory = self.location.uri
+        self._provenance: Any = None  # a ProvenanceSource, built at the first provenance() call
         manifest = read_manifest(self.location)
         self._manifest_path = self.location.join(MANIFEST_NAME)
         self.fingerprint: str = manifest[KEY_FINGERPRINT]
@@ -460,6 +461,31 @@ class MaterializedSource:
     def slice(self, step: int, rank: int, world: int) -> RankSlice:
         return self.batch(step).slice(rank, world)
 
+    def provenance(self, step: int, rank: int | None = None, world: int | None = None, *,
+                   rows: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+        """Which document pieces every row of step ``step`` holds (all rows, or rank ``rank`` of ``world``'s): a
+        :class:`zephon_ray.provenance.StepProvenance`, recomputed from the recipe (nothing of it is stored here) by a
+        provenance-mode pipeline restored from this directory's nearest checkpoint at or before ``step``, and
+        checked against the rows stored for that step (``rows``: those already read). Needs the ``recipe`` this
+        source was opened with."""
+        from zephon_ray.provenance import ProvenanceSource, slice_provenance
+
+        if self.recipe is None:
+            raise MaterializedError(f"{self.directory}: provenance needs the recipe: open it with "
+                                    "MaterializedSource(DIR, recipe=RECIPE)")
+        step = self._check_step(step)
+        first = 0 if rank is None else slice_bounds(self.rows, rank, world)[0]
+        if rows is None:
+            served = self.batch(step) if rank is None else self.slice(step, rank, world)
+            rows = (served.tokens, served.positions)
+        if self._provenance is None:
+            self._provenance = ProvenanceSource(self.recipe, checkpoints=self._nearest_checkpoint)
+        return slice_provenance(self._provenance.provenance(step, rows=rows, first_row=first), rank, world)
+
+    def _nearest_checkpoint(self, step: int) -> tuple[int, dict[str, Any]] | None:
+        kept = [s for s in self.checkpoints if s <= step]
+        return (max(kept), self.checkpoint(max(kept), self.recipe)) if kept else None
+
     def verify(self) -> None:
         """Hash every segment against the manifest (reads every byte)."""
         for seg in self._segments:
@@ -486,6 +512,9 @@ class MaterializedSource:
         return dataset.map_batches(_WithDigest(digests, first, width), batch_format="pyarrow", zero_copy_batch=True)
 
     def close(self) -> None:
+        if self._provenance is not None:
+            self._provenance.close()
+            self._provenance = None
         self._files.clear()
 
     def __enter__(self) -> "MaterializedSource":

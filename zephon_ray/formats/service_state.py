@@ -346,6 +346,24 @@ class ServiceState:
         return int(commits[-1][KEY_STEP]) if commits else None
 
 
+def read_nearest_checkpoint(state_dir: "str | os.PathLike[str] | files.Location", recipe: Any,
+                            step: int) -> tuple[int, dict[str, Any]] | None:
+    """``(checkpoint step, state)`` of the newest durable checkpoint at or before ``step`` under ``state_dir``, read
+    beside the running service without writing anything (one listing, one read); None when there is none. A
+    checkpoint the service pruned between the listing and the read is looked up once more."""
+    for attempt in (1, 2):
+        state = ServiceState(files.location(state_dir), recipe)
+        found = state.nearest_checkpoint(step)
+        if found is None:
+            return None
+        try:
+            return found, state.read_checkpoint(found)
+        except ServiceStateError:
+            if attempt == 2 or files.exists(state.checkpoint_path(found)):
+                raise
+    return None
+
+
 def inspect(state_dir: "str | os.PathLike[str]") -> dict[str, Any]:
     """What a service left under ``state_dir`` (a path or URI): format, fingerprint, lanes, checkpoints, commits.
     Reads the files only (no Ray, no recipe). A missing or damaged file is one :class:`ServiceStateError` (or

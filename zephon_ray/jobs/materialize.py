@@ -53,7 +53,7 @@ from zephon_ray.formats.materialized import (
     recipe_of,
 )
 from zephon_ray.identity import verify_on_node
-from zephon_ray.noise import quiet_known_noise
+from zephon_ray.jobs.lane_groups import run_lane_groups
 from zephon_ray.recipe import Recipe
 
 MAX_SEGMENT_STEPS = 4096
@@ -224,29 +224,15 @@ def materialize(recipe: Recipe, directory: "str | os.PathLike[str]", steps: rang
 def _stream(recipe: Recipe, todo: range, *, producers: int, start_state: dict[str, Any] | None, segment_steps: int,
             work_dir: files.Location, cpus_per_actor: float) -> Iterator[tuple[int, tuple]]:
     """Yield (step, (tokens, positions, source_tokens, state)) in step order, assembled from every lane group."""
-    import ray.data
-
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
-    quiet_known_noise()  # Ray Data's 'Progress bars disabled' line, which the line above causes
-    ctx.print_on_execution_start = False
-    dataset = ray.data.from_items([{"group": g} for g in range(producers)], override_num_blocks=producers)
-    dataset = dataset.map_batches(
-        LaneGroupWorker,
-        fn_constructor_kwargs={
-            "recipe": recipe, "groups": producers, "start_state": start_state, "first": todo.start,
-            "end": todo.stop, "segment_steps": segment_steps, "run_id": f"materialize-{work_dir.name}",
-            "aggregate_dir": work_dir.join("aggregate").uri,
-        },
-        # One task per actor at a time and exactly M actors: all M ranks run at once, as collective checkpoints need.
-        compute=ray.data.ActorPoolStrategy(size=producers, max_tasks_in_flight_per_actor=1),
-        batch_size=1,
-        num_cpus=cpus_per_actor,
-    )
+    kwargs = {
+        "recipe": recipe, "groups": producers, "start_state": start_state, "first": todo.start, "end": todo.stop,
+        "segment_steps": segment_steps, "run_id": f"materialize-{work_dir.name}",
+        "aggregate_dir": work_dir.join("aggregate").uri,
+    }
     pending: dict[int, dict[int, tuple]] = {}
     states: dict[int, str] = {}
     next_step = todo.start
-    for block in dataset.iter_batches(batch_size=None, batch_format="numpy"):
+    for block in run_lane_groups(LaneGroupWorker, kwargs, groups=producers, cpus_per_actor=cpus_per_actor):
         for i in range(len(block["step"])):
             step, group = int(block["step"][i]), int(block["group"][i])
             pending.setdefault(step, {})[group] = (block["tokens"][i], block["positions"][i],

@@ -62,7 +62,7 @@ import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import ray
@@ -77,6 +77,9 @@ from zephon_ray.service.node_reads import NodeReads
 from zephon_ray.service.protocol import check_reader
 from zephon_ray.service.reads import StepRefs, as_step, call, reader_key
 from zephon_ray.source import pad_token_id
+
+if TYPE_CHECKING:
+    from zephon_ray.provenance import StepProvenance
 
 log = logging.getLogger("zephon_ray")
 
@@ -155,6 +158,8 @@ class DataService:
         self._lock = threading.Lock()
         self._moves: dict[tuple[int, int], tuple[int, float]] = {}  # this client's own (rank, world) -> (step, when)
         self._reads: NodeReads | DirectReads = NodeReads(self) if self.read_path == "node" else DirectReads(self)
+        self._provenance: Any = None  # a ProvenanceSource, built at the first provenance() call
+        self._provenance_lock = threading.Lock()
         if warm:
             try:
                 self._reads.warm()  # the node reader is up before the first read (none for the direct path)
@@ -245,7 +250,14 @@ class DataService:
         from zephon_ray.service.launch import stop
 
         self._reads.quiesce(stopping=True)  # nothing of ours may still call a node reader being killed
+        self._close_provenance()
         stop(self._coordinator, self.name, self.namespace)
+
+    def _close_provenance(self) -> None:
+        with self._provenance_lock:
+            if self._provenance is not None:
+                self._provenance.close()
+                self._provenance = None
 
     def __enter__(self) -> "DataService":
         return self
@@ -263,6 +275,7 @@ class DataService:
     def release(self) -> None:
         """Drop this consumer's cursors now, so that it no longer holds the window back."""
         self._reads.quiesce()
+        self._close_provenance()
         with self._lock:
             self._moves.clear()
         self._reads.release(self.consumer)
@@ -387,6 +400,45 @@ class DataService:
         with self._lock:
             self._coordinator = coordinator
         self._reads.reset()
+
+    def provenance(self, step: int, rank: int | None = None, world: int | None = None, *,
+                   rows: tuple[np.ndarray, np.ndarray] | None = None, timeout_s: float | None = None
+                   ) -> StepProvenance:
+        """Which document pieces every row of step ``step`` holds (all B rows, or rank ``rank`` of ``world``'s):
+        :mod:`zephon_ray.provenance`. Computed on demand in this process, from the service's recipe: a
+        provenance-mode pipeline restored from the nearest durable checkpoint under ``state_dir`` (the one a replay
+        would use), checked against the rows the service serves for that step (``rows``: those already read, else
+        read here without moving a cursor). Nothing runs in the service's actors but that read; steps asked in
+        order reuse the pipeline. A phase the service accepted since this client last looked is picked up (one
+        control call) before a disagreement is reported as :class:`~zephon_ray.provenance.ProvenanceError`."""
+        from zephon_ray.provenance import ProvenanceError, slice_provenance
+
+        step = as_step(step)
+        first = 0 if rank is None else slice_bounds(self.recipe.global_batch_rows, rank, world)[0]
+        if rows is None:
+            served = self.batch(step, timeout_s=timeout_s) if rank is None else \
+                self.slice(step, rank, world, track=False, timeout_s=timeout_s)
+            rows = (served.tokens, served.positions)
+        with self._provenance_lock:
+            try:
+                full = self._provenance_source().provenance(step, rows=rows, first_row=first)
+            except ProvenanceError:
+                known = self.recipe.fingerprint
+                if self.refresh_recipe().fingerprint == known:  # not a phase added since: the error stands
+                    raise
+                full = self._provenance_source().provenance(step, rows=rows, first_row=first)
+        return slice_provenance(full, rank, world)
+
+    def _provenance_source(self) -> Any:
+        from zephon_ray.formats.service_state import read_nearest_checkpoint
+        from zephon_ray.provenance import ProvenanceSource
+
+        if self._provenance is None or self._provenance.recipe.fingerprint != self.recipe.fingerprint:
+            state_dir, recipe = self.config.state_dir, self.recipe
+            lookup = None if state_dir is None else (lambda s: read_nearest_checkpoint(state_dir, recipe, s))
+            self._provenance = ProvenanceSource(recipe, checkpoints=lookup,
+                                                reuse_within=self.config.checkpoint_every)
+        return self._provenance
 
     # ------------------------------------------------------------------ state and control
     def commit(self, step: int) -> dict[str, Any]:

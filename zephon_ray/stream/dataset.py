@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from zephon_ray.batch import RankSlice
@@ -30,17 +31,23 @@ class DatasetSlices(PrefetchedSlices):
 
     reraise = (MaterializedError,)  # names the directory and the step range already
 
-    def __init__(self, recipe: Recipe, directory: str, *, rank: int, world: int, depth: int) -> None:
+    def __init__(self, recipe: Recipe, directory: str, *, rank: int, world: int, depth: int,
+                 source_ids: bool = False) -> None:
         super().__init__(rank=rank, world=world, depth=depth, name="dataset")
         self.source = MaterializedSource(directory, recipe=recipe)
         self.recipe = self.source.recipe
         """The run's schedule: ``recipe``'s, with the run-time phases the directory was made under."""
+        self.source_ids = source_ids
         self.source.batch(self.source.first_step).slice(rank, world)  # W must divide B: fail when built
 
     def _produce(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
         s = step
         while not stop.is_set():
-            yield self.source.slice(s, self.rank, self.world)
+            piece = self.source.slice(s, self.rank, self.world)
+            if self.source_ids:  # recomputed from the recipe, checked against the rows read
+                ids = self.source.provenance(s, self.rank, self.world, rows=(piece.tokens, piece.positions))
+                piece = replace(piece, source_ids=ids.source_ids())
+            yield piece
             s += 1
 
     def close(self) -> None:

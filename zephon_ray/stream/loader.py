@@ -153,6 +153,13 @@ class LoaderConfig:
     reader when W does not divide B (fixed gradient accumulation, torch.compile, CUDA graphs). A no-op when W and
     ``local_batch_size`` divide B evenly."""
 
+    source_ids: bool = False
+    """Give every slice ``source_ids``: each token's source index (recipe order; -1 for pad tokens and padding rows),
+    derived from the step's provenance (:mod:`zephon_ray.provenance`), and every microbatch's inputs a
+    ``"source_ids"`` tensor aligned with its labels, for per-source losses. Off: nothing of it runs. On, it costs a
+    provenance-mode pipeline: the reader's own (local mode), or one over every lane beside the reads (service and
+    dataset mode). Never in a digest or the loader state."""
+
     def __post_init__(self) -> None:
         where = "loader config"
         if not isinstance(self.recipe, str) or not self.recipe:
@@ -166,8 +173,9 @@ class LoaderConfig:
                 or not 0 < self.aggregate_timeout_s <= 86400:
             raise ValueError(f"{where}: 'aggregate_timeout_s' must be a number of seconds in (0, 86400], got "
                              f"{self.aggregate_timeout_s!r}")
-        if not isinstance(self.pad_slices, bool):
-            raise ValueError(f"{where}: 'pad_slices' must be true or false, got {self.pad_slices!r}")
+        for key in ("pad_slices", "source_ids"):
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{where}: '{key}' must be true or false, got {getattr(self, key)!r}")
         if self.ledger_dir is not None and (not isinstance(self.ledger_dir, str) or not self.ledger_dir):
             raise ValueError(f"{where}: 'ledger_dir' must be a non-empty path or URI, got {self.ledger_dir!r}")
         if (self.mode == "dataset") != bool(self.dataset_dir):
@@ -274,6 +282,9 @@ class Loader:
         # TP/PP/CP peers sharing this rank (collective when the job has more processes than readers).
         self.peers: DpPeers | None = dp_peers(dp_rank=self.rank, dp_world_size=self.world) \
             if config.mode == "local" else None
+        if config.source_ids and self.peers is not None:
+            raise ValueError("loader config: 'source_ids' in local mode with TP/PP/CP peers sharing a dp rank is not "
+                             "supported (the peers receive the leader's rows only); use mode='service' or 'dataset'")
 
         self._next_step = 0
         self._loaded_zephon: dict[str, Any] | None = None
@@ -383,18 +394,19 @@ class Loader:
                                    aggregate_dir=agg_dir, aggregate_timeout_s=cfg.aggregate_timeout_s) \
                 if self.world > 1 else LaneGroup()
             return LocalSlices(recipe, rank=self.rank, world=self.world, lane_group=lane_group, depth=cfg.prefetch,
-                               checkpoint_every=self.checkpoint_every)
+                               checkpoint_every=self.checkpoint_every, source_ids=cfg.source_ids)
         if cfg.mode == "dataset":
             from zephon_ray.stream.dataset import DatasetSlices
 
-            source = DatasetSlices(recipe, cfg.dataset_dir, rank=self.rank, world=self.world, depth=cfg.prefetch)
+            source = DatasetSlices(recipe, cfg.dataset_dir, rank=self.rank, world=self.world, depth=cfg.prefetch,
+                                   source_ids=cfg.source_ids)
             self.recipe = source.recipe  # the directory's schedule: ours plus the run-time phases it was made under
             return source
         from zephon_ray.stream.service import ServiceSlices
 
         source = ServiceSlices(recipe, rank=self.rank, world=self.world, name=cfg.service_name,
                                namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch,
-                               base=self.base_recipe)
+                               base=self.base_recipe, source_ids=cfg.source_ids)
         self.recipe = source.recipe  # the service's schedule: ours plus the phases it accepted while running
         return source
 

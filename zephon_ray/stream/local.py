@@ -30,6 +30,7 @@ from zephon_ray.checks import check_int
 from zephon_ray.identity import verify_on_node
 from zephon_ray.lanes import LaneStepper, StepStateError, check_step_state
 from zephon_ray.pipeline import LaneGroup
+from zephon_ray.provenance import ProvenanceStepper, rows_source_ids
 from zephon_ray.recipe import Recipe
 from zephon_ray.source import fixed_valid_tokens, pad_token_id
 from zephon_ray.stream.prefetch import PrefetchedSlices
@@ -41,7 +42,7 @@ class LocalSlices(PrefetchedSlices):
     """This reader's slices of consecutive steps from an in-process Zephon lane group (see the module docstring)."""
 
     def __init__(self, recipe: Recipe, *, rank: int, world: int, lane_group: LaneGroup, depth: int,
-                 checkpoint_every: int) -> None:
+                 checkpoint_every: int, source_ids: bool = False) -> None:
         super().__init__(rank=rank, world=world, depth=depth, name="local")
         # Identity is proven where the data is read (issue 7): this rank's shards, tokenizer and libraries.
         verify_on_node(recipe, where=f"local-mode rank {rank} of {world}")
@@ -55,6 +56,7 @@ class LocalSlices(PrefetchedSlices):
         self.recipe = recipe
         self.lane_group = lane_group
         self.checkpoint_every = checkpoint_every
+        self.source_ids = source_ids
         self._pad = pad_token_id(recipe)
         self._valid = fixed_valid_tokens(recipe)
         self._cond = threading.Condition()
@@ -121,15 +123,20 @@ class LocalSlices(PrefetchedSlices):
     # ------------------------------------------------------------------ producer thread
     def _produce(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, self.rank, self.world)
-        stepper = self._stepper = LaneStepper(self.recipe, self.lane_group)
+        # With source ids this reader's lane group runs the provenance-mode pipeline: the same rows, with each
+        # token's document (zephon_ray.provenance; tests/test_provenance.py checks its rows against the goldens).
+        stepper = self._stepper = ProvenanceStepper(self.recipe, self.lane_group) if self.source_ids else \
+            LaneStepper(self.recipe, self.lane_group)
         # Every reader's checkpoints record every lane's position (so a phase added while running can start from
         # them), and their exchange checks that the readers agree on the whole schedule (zephon_ray.lanes).
         stepper.keep_positions = True
         try:
             if checkpoint is not None:
                 stepper.restore(checkpoint)
+            stepper.collect = False
             while stepper.position < step and not stop.is_set():
                 stepper.next_step()  # restore-and-replay: batch s is a pure function of s (the loader's stats)
+            stepper.collect = True
             while not stop.is_set():
                 s = stepper.position
                 self._set_producing(s)
@@ -153,6 +160,10 @@ class LocalSlices(PrefetchedSlices):
                                              self._pad, self._valid)
                 if self._valid is None and self.world == 1:  # a padding packer: this reader holds every row
                     piece = replace(piece, global_valid_tokens=valid_tokens(piece.tokens, self._pad))
+                if self.source_ids:
+                    ids = rows_source_ids([row for lane in span.lanes for row in stepper.pieces[lane]],
+                                          self.recipe.source_names, self.recipe.row_length)
+                    piece = replace(piece, source_ids=ids[span.lo:span.hi])
                 yield piece
                 self._set_producing(s + 1)
         finally:

@@ -51,9 +51,9 @@ class ServiceSlices(PrefetchedSlices):
     reraise = (Exception,)  # service errors already name the service, the step and the cause
 
     def __init__(self, recipe: Recipe, *, rank: int, world: int, name: str, namespace: str, run_id: str | None,
-                 depth: int, base: Recipe | None = None) -> None:
+                 depth: int, base: Recipe | None = None, source_ids: bool = False) -> None:
         """``recipe``: the run's schedule as this reader knows it (``base``, its recipe file, plus the phases its
-        state recorded)."""
+        state recorded). ``source_ids``: give every slice its tokens' source ids (``LoaderConfig.source_ids``)."""
         from zephon_ray.service.client import DataService
 
         super().__init__(rank=rank, world=world, depth=depth, name="service")
@@ -62,6 +62,7 @@ class ServiceSlices(PrefetchedSlices):
         self.base = recipe if base is None else base
         self._skips = recipe.skips  # the reader's own: a service serves data steps, whatever a run skips
         self._lock = threading.Lock()  # the client is used by one thread at a time
+        self.source_ids = source_ids
         self.recipe = self._join(recipe)
         self._consumed: int | None = None
         self._touched: int | None = None
@@ -156,8 +157,12 @@ class ServiceSlices(PrefetchedSlices):
                 # cursors this consumer left at another world size (a resized group never closed its loader).
                 part = self.service.refs(s, rank=self.rank, world=self.world, track=s == step).slice(
                     self.rank, self.world)
-            yield RankSlice(s, self.rank, self.world, np.array(part.tokens), np.array(part.positions),
-                            part.pad_token_id, part.global_valid_tokens)
+            tokens, positions = np.array(part.tokens), np.array(part.positions)
+            ids = None
+            if self.source_ids:  # this process replays the step's provenance, checked against the rows read
+                ids = self.service.provenance(s, self.rank, self.world, rows=(tokens, positions)).source_ids()
+            yield RankSlice(s, self.rank, self.world, tokens, positions, part.pad_token_id, part.global_valid_tokens,
+                            ids)
             s += 1
 
     def close(self) -> None:

@@ -26,6 +26,7 @@ TorchTitan never closes its data loader: :meth:`close` runs at garbage collectio
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterator
 from dataclasses import fields
 from typing import Any
@@ -124,6 +125,7 @@ class ZephonRayDataLoader(BaseDataLoader):
         self._partial = 0
         self._ft: Any = None
         self._trainer_step: int | None = None
+        self._source_ids: deque[torch.Tensor] = deque()  # at most one step's microbatches: cleared at each step
 
     # ------------------------------------------------------------------ what the core knows
     @property
@@ -204,9 +206,26 @@ class ZephonRayDataLoader(BaseDataLoader):
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         for batch in self.steps():
             n = len(batch.microbatches)
-            for i, microbatch in enumerate(batch.microbatches):
+            self._source_ids.clear()  # a step's ids are popped within the step; older ones are stale
+            for i, (inputs, labels) in enumerate(batch.microbatches):
                 self._partial = 0 if i + 1 == n else i + 1
-                yield microbatch
+                # TorchTitan 0.3 passes every key of the dict to model.forward, whose Decoder takes only tokens,
+                # positions and attention_masks (tests/test_torchtitan_internals.py): the ids wait in a queue.
+                ids = inputs.pop("source_ids", None)
+                if ids is not None:
+                    self._source_ids.append(ids)
+                yield inputs, labels
+
+    def pop_source_ids(self) -> torch.Tensor:
+        """With ``source_ids = true``: the ``[local_batch_size, seq_len]`` source ids (recipe order, aligned with the
+        labels, -1 for pad tokens and padding rows) of the oldest microbatch this loader yielded that was not popped
+        yet. TorchTitan's ``train_step`` takes every microbatch of a step from the loader, then runs
+        ``forward_backward_step`` on them in that order: pop once per microbatch there (a trainer subclass) to pair
+        each with its labels, e.g. for per-source losses with one ``scatter_add`` (docs/operations.md)."""
+        if not self._source_ids:
+            raise LookupError("pop_source_ids: no microbatch's source ids are waiting (set source_ids = true; pop at "
+                              "most once per microbatch, within its step)")
+        return self._source_ids.popleft()
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:
