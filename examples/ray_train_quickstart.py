@@ -1,36 +1,20 @@
-"""python examples/ray_train_quickstart.py W STEPS [--storage DIR] [--name RUN]: train steps [resume, STEPS) on W workers.
+"""python examples/ray_train_quickstart.py W STEPS [STORAGE]: train to step STEPS on W Ray Train workers.
 
-Rerun with another W, more STEPS and the same --storage and --name to resume from the run's last checkpoint: the
-same global batches. Each run prints ``step <s> <sha256>`` for every step it trained (the global batch's digest,
-gathered from the ranks' slices; equal to ``zephon-ray digest recipes/elastic.toml --steps 0:STEPS``), then where
-its checkpoints are and the command that resumes it. Without --storage a new directory is made, so two runs never
-share one by accident; a run that has trained to STEPS already refuses, naming its last step, rather than train
-nothing. Needs neither TorchTitan nor triton (tests/test_ray_train_quickstart.py runs it with both imports blocked;
-tests/test_docs_run.py runs examples/README.md's two commands as written)."""
-import argparse
-import json
-import sys
-import tempfile
+Rerun with any other W (1 to 24, the recipe's rows per step), more STEPS and the same STORAGE directory to resume
+from the run's last checkpoint with the same global batches. The batches come from a DataService this script starts
+on its own local Ray, so W need not divide anything. Needs neither TorchTitan nor triton.
+"""
+import sys, tempfile
 from pathlib import Path
 
-import ray
-import torch
+import ray, torch
 from ray.train import Checkpoint, RunConfig, ScalingConfig, get_checkpoint, get_context, get_dataset_shard, report
 from ray.train.torch import TorchTrainer, get_device, prepare_model
 
-from zephon_ray import compute_digest
+from zephon_ray import DataService
 from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
 
-
-def global_digest(piece) -> str:
-    """The digest of the global batch whose rows ``piece`` (this rank's RankSlice) holds: every rank's rows, in rank
-    order, gathered to every rank (a collective: every rank calls it for the same step)."""
-    import numpy as np
-    import torch.distributed as dist
-
-    parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (np.asarray(piece.tokens), np.asarray(piece.positions)))
-    return compute_digest(np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "elastic.toml"  # 24 rows of 64 tokens a step
 
 
 def train_loop(config):
@@ -40,52 +24,30 @@ def train_loop(config):
     if checkpoint:
         with checkpoint.as_directory() as d:
             model.load_state_dict(torch.load(Path(d, "model.pt"), weights_only=True))
-    shard.restore(checkpoint)  # the loader state (None: step 0); loads at any worker count
-    ddp, optim = prepare_model(model), torch.optim.SGD(model.parameters(), lr=0.05)  # SGD: no optimizer state
+    shard.restore(checkpoint)  # the loader state (None: step 0), at any worker count
+    ddp, optim = prepare_model(model), torch.optim.SGD(model.parameters(), lr=0.05)
     for batch in shard.iter_steps(until=config["steps"], device=get_device()):  # this rank's rows of each step
         for inputs, labels in batch.microbatches:
-            torch.nn.functional.cross_entropy(ddp(inputs["input"]).flatten(0, 1), labels.flatten()).backward()
+            logits = ddp(inputs["input"]).flatten(0, 1)
+            loss = torch.nn.functional.cross_entropy(logits, labels.flatten(), reduction="sum")
+            (loss * batch.loss_scale()).backward()  # the global batch's mean gradient, also when W does not divide B
         optim.step(), optim.zero_grad()
-        digest = global_digest(batch.slice)
         with tempfile.TemporaryDirectory() as d:
-            shard.save(d)  # on every rank: a collective in local mode
+            shard.save(d)  # the same state on every rank: rank 0's copy is kept
             torch.save(model.state_dict(), Path(d, "model.pt"))
-            report({"step": batch.step, "digest": digest}, checkpoint=None if rank else Checkpoint.from_directory(d))
-
-
-def trained_until(run_dir: Path) -> int:
-    """The step a run resumes at: the newest loader state among its checkpoints (0 for a new run)."""
-    states = [json.loads(p.read_text())["next_step"] for p in run_dir.glob("checkpoint_*/zephon_loader.json")]
-    return max(states, default=0)
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("workers", type=int, nargs="?", default=2, help="W, the Ray Train workers (W divides 24)")
-    parser.add_argument("steps", type=int, nargs="?", default=4, help="train until this step")
-    parser.add_argument("--storage", default=None, help="the run's storage_path (default: a new temporary dir)")
-    parser.add_argument("--name", default="quickstart", help="the run's name and the loader's run_id")
-    args = parser.parse_args()
-    storage = Path(args.storage or tempfile.mkdtemp(prefix="zr-quickstart-")).resolve()
-    start = trained_until(storage / args.name)
-    if start >= args.steps:
-        parser.error(f"run {args.name!r} in {storage} has trained to step {start} already; ask for more than "
-                     f"{start} steps, or pass a new --storage or --name")
-    ray.init(address="local", num_cpus=4)  # on a Ray cluster: ray.init()
-    recipe = Path(__file__).resolve().parents[1] / "recipes" / "elastic.toml"  # B = 24 rows, 12 lanes: W | 12
-    scaling = ScalingConfig(num_workers=args.workers, use_gpu=torch.cuda.is_available(),
-                            resources_per_worker={"CPU": 0.5})
-    result = TorchTrainer(train_loop, train_loop_config={"steps": args.steps},
-                          datasets={"train": ZephonDataset(recipe)},
-                          dataset_config=ZephonDataConfig(run_id=args.name), scaling_config=scaling,
-                          run_config=RunConfig(name=args.name, storage_path=str(storage))).fit()
-    trained = sorted((m["step"], m["digest"]) for _, m in result.best_checkpoints if m["step"] >= start)
-    for step, digest in trained:
-        print(f"step {step} {digest}")
-    print(f"run {args.name!r}: W={args.workers}, steps {start}..{args.steps - 1}; checkpoints in {storage / args.name}")
-    print(f"resume: python examples/ray_train_quickstart.py W STEPS --storage {storage} --name {args.name}")
-    return 0 if [s for s, _ in trained] == list(range(start, args.steps)) else 1
+            report({"step": batch.step}, checkpoint=None if rank else Checkpoint.from_directory(d))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    args = sys.argv[1:]
+    if len(args) not in (2, 3) or not args[0].isdigit() or not 1 <= int(args[0]) <= 24 or not args[1].isdigit():
+        sys.exit("usage: ray_train_quickstart.py W STEPS [STORAGE], W from 1 to 24 (the recipe's rows per step)")
+    workers, steps = int(args[0]), int(args[1])
+    storage = str(Path(args[2]).resolve()) if len(args) == 3 else tempfile.mkdtemp(prefix="zr-quickstart-")
+    ray.init(address="local", num_cpus=workers + 2)  # 0.5 CPU a worker and the service; on a cluster: ray.init()
+    with DataService.start(RECIPE, name="quickstart") as service:
+        result = TorchTrainer(
+            train_loop, train_loop_config={"steps": steps}, datasets={"train": ZephonDataset(service)},
+            dataset_config=ZephonDataConfig(run_id="quickstart"), run_config=RunConfig("quickstart", storage),
+            scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 0.5})).fit()
+    print(f"last step trained: {(result.metrics or {}).get('step')}; resume: python {sys.argv[0]} W STEPS {storage}")

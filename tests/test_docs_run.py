@@ -13,13 +13,13 @@ command in the docs needs a test, and on an entry whose command left the docs.
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import doc_commands
@@ -77,8 +77,8 @@ SLOW = {  # command -> the slow test (in this module) that runs it
     "service/start.py recipes/tiny.toml --name run7 --namespace zr --producers 2 --state-dir /shared/zr/run7 "
     "--aggregate-store torch:// --run-id run7": DEPLOYMENT,
     "QS=$(mktemp -d)": QUICKSTART,
-    "python examples/ray_train_quickstart.py 4 4 --storage $QS": QUICKSTART,
-    "python examples/ray_train_quickstart.py 2 8 --storage $QS": QUICKSTART,
+    "python examples/ray_train_quickstart.py 4 4 $QS": QUICKSTART,
+    "python examples/ray_train_quickstart.py 5 8 $QS": QUICKSTART,
     "TITAN=$(mktemp -d)": TITAN,
     "PYTHONPATH=. torchrun --standalone --nproc_per_node 2 -m torchtitan.train --module examples.torchtitan_cpu "
     "--config zephon_llama3_debugmodel_cpu --training.steps 2 --checkpoint.enable --checkpoint.interval 2 "
@@ -237,16 +237,21 @@ def short_tmp():
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quickstart_commands(short_tmp):
-    """examples/README.md's quickstart pair: 4 workers to step 4, then 2 to step 8 from its checkpoint, every
-    step's printed digest the golden one; run again, the first command refuses rather than train nothing."""
+    """examples/README.md's quickstart pair: 4 workers to step 4, then 5 (not dividing the 24 rows) to step 8 from
+    its checkpoint; the final weights are those of the W=1 reference trained on the reference's rows."""
+    import torch
+    from test_ray_train_quickstart import _reference_weights
+
     mine = _mine(QUICKSTART, "examples/README.md")
     done = run_in_order(mine, Here(short_tmp), shell_env({"TMPDIR": str(short_tmp)}), timeout=800)
-    steps = [ln for _, out in done for ln in out.splitlines() if re.match(r"step \d+ [0-9a-f]{64}$", ln)]
-    assert steps == _golden_lines("elastic.toml", 0, 8), done[-1][1][-3000:]
+    assert [ln.split(";")[0] for _, out in done for ln in out.splitlines() if ln.startswith("last step trained")] == \
+        ["last step trained: 3", "last step trained: 7"], done[-1][1][-3000:]
     storage, = short_tmp.glob("tmp.*")  # QS
-    again = subprocess.run([sys.executable, "examples/ray_train_quickstart.py", "4", "4", "--storage", str(storage)],
-                           cwd=ROOT, env=shell_env(), capture_output=True, text=True, timeout=120)
-    assert again.returncode == 2 and "has trained to step 8 already" in again.stderr, again.stderr[-2000:]
+    final = max(storage.rglob("zephon_loader.json"), key=lambda p: json.loads(p.read_text())["next_step"]).parent
+    assert json.loads((final / "zephon_loader.json").read_text())["next_step"] == 8
+    weights = torch.load(final / "model.pt", weights_only=True)
+    for name, want in _reference_weights(8).items():
+        assert np.allclose(weights[name].numpy(), want, atol=1e-5), name
 
 
 @pytest.mark.slow

@@ -3,9 +3,9 @@ imports are blocked: a plain Ray Train user needs neither.
 
 The blocker is a ``sitecustomize`` on PYTHONPATH (a ``sys.meta_path`` finder raising ImportError), so it is active in
 the driver and in every Ray worker process the driver's private Ray starts (each one records that it was). The
-quickstart trains 1 worker to step 2, then resumes on 2 workers to step 4 (local mode: every worker runs Zephon
-for its lanes). Its final checkpoint must hold the loader state at step 4 and the weights that an in-process
-reference computes from ``GlobalBatchSource``'s rows at W=1: a wrong, missing or repeated row would change them.
+quickstart trains 1 worker to step 2, then resumes on 5 workers to step 4 (service mode: 5 does not divide the 24
+rows). Its final checkpoint must hold the loader state at step 4 and the weights that an in-process reference
+computes from ``GlobalBatchSource``'s rows at W=1: a wrong, missing or repeated row would change them.
 
 That run is ``slow`` (two Ray Train jobs, 70-85 s in the default suite's company): Ray Train's resume at another W
 stays in the default suite through tests/test_ray_train_elastic.py (a worker kill, then 2 -> 5), and the quickstart
@@ -130,18 +130,18 @@ def _run(tmp_path: Path, block: Path, env: dict) -> None:
     assert check.returncode != 0 and "blocked in this test" in check.stderr, check.stderr[-2000:]
 
     storage = tmp_path / "results"
-    for world, steps in ((1, 2), (2, 4)):  # 4 workers: 8 s more here for the same W change
-        proc = subprocess.run([sys.executable, str(QUICKSTART), str(world), str(steps), "--storage", str(storage)], env=env,
+    for world, steps in ((1, 2), (5, 4)):
+        proc = subprocess.run([sys.executable, str(QUICKSTART), str(world), str(steps), str(storage)], env=env,
                               capture_output=True, text=True, timeout=400, cwd=tmp_path)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        assert f"step {steps - 1} " in proc.stdout and f"--storage {storage} --name quickstart" in proc.stdout, \
+        assert f"last step trained: {steps - 1}; resume: python {QUICKSTART} W STEPS {storage}" in proc.stdout, \
             proc.stdout[-2000:]
 
     # The block was active in the driver and in the Ray workers (the train workers among them).
     installed = (block / "installed.log").read_text()
     assert "ray_train_quickstart.py" in installed and "default_worker.py" in installed, installed[-2000:]
 
-    # The newest checkpoint: the loader state at step 4 (the keys of format v3) and the reference weights.
+    # The newest checkpoint: the loader state at step 4 (the keys of format v4) and the reference weights.
     import torch
 
     checkpoints = [p for p in storage.rglob("zephon_loader.json")]
@@ -151,7 +151,7 @@ def _run(tmp_path: Path, block: Path, env: dict) -> None:
     state = json.loads((final / "zephon_loader.json").read_text())
     assert set(state) == {"version", "run_id", "fingerprint", "next_step", "zephon", "replayed_steps", "ledger",
                           "run_schedule"}
-    assert state["run_id"] == "quickstart" and state["zephon"] == ""  # no Zephon checkpoints asked for
+    assert state["run_id"] == "quickstart" and state["zephon"] == ""  # service mode: no Zephon state in the loader
     weights = torch.load(final / "model.pt", weights_only=True)
     reference = _reference_weights(4)
     for name, want in reference.items():
