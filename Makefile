@@ -11,7 +11,7 @@ TORCH_SPEC ?= torch==2.13.0
 TORCH_PIP_ARGS ?=
 PY := $(VENV)/bin/python
 
-.PHONY: install emulators compile demo test test-all bench clean
+.PHONY: install emulators compile lint demo test test-all bench clean
 
 install: $(VENV)/.installed
 
@@ -48,7 +48,11 @@ PYTEST := $(PY) -m pytest -q -ra -n 3 --dist loadgroup
 compile:
 	$(PY) -m compileall -q zephon_ray examples tests
 
-test: install data/corpus compile
+# Pyflakes checks (pyproject.toml [tool.ruff]); under a second.
+lint: install
+	$(VENV)/bin/ruff check zephon_ray tests benchmarks examples
+
+test: install data/corpus compile lint
 	$(PYTEST)
 
 # Long chaos, soak and slow end-to-end runs (see README).

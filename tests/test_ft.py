@@ -112,6 +112,42 @@ def test_churn_kills_and_a_rejoin_at_a_participant_count_not_dividing_B_audit_cl
         sum(participants) and after.verdict() == before.verdict()
 
 
+def _churn_schedule(seed: int) -> list[str]:
+    """One or two kills of groups 1 and 2 (group 0 lives throughout) at random steps of 1..STEPS-2, each killed
+    group rejoining later or never: the example's --kill/--rejoin arguments."""
+    import random
+
+    rng = random.Random(seed)
+    events = []
+    for group in rng.sample([1, 2], rng.randint(1, 2)):
+        killed = rng.randint(1, STEPS - 2)
+        events += ["--kill", f"{group}@{killed}"]
+        if rng.random() < 0.6:
+            events += ["--rejoin", f"{group}@{rng.randint(killed + 1, STEPS - 1)}"]
+    return events
+
+
+@pytest.mark.slow
+def test_churn_fuzz(tiny_dir, tmp_path):
+    """Random churn schedules (``ZR_FT_FUZZ_SEEDS``, default 1-6) through examples/torchft_churn.py with its ledger:
+    every run gives the failure-free run's global batches and final weights, and its audit is clean."""
+    first, _, last = os.environ.get("ZR_FT_FUZZ_SEEDS", "1-6").partition("-")
+    for seed in range(int(first), int(last or first) + 1):
+        events = _churn_schedule(seed)
+        work = tmp_path / f"seed-{seed}"
+        work.mkdir()
+        cmd = [sys.executable, str(CHURN), "--groups", "3", "--steps", str(STEPS), *events, "--recipe", TINY,
+               "--dataset-dir", tiny_dir, "--ledger", str(work / "ledger"), "--ledger-flush-records", "2"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=work,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        where = f"seed {seed}, events {' '.join(events)}"
+        assert proc.returncode == 0, (where, (proc.stdout + proc.stderr)[-3000:])
+        assert "identical global batches: YES" in proc.stdout, (where, proc.stdout[-3000:])
+        assert "final weights equal the failure-free run: YES" in proc.stdout, (where, proc.stdout[-3000:])
+        verdict = next(line for line in proc.stdout.splitlines() if line.startswith("audit: "))
+        assert verdict.startswith(f"audit: clean: steps [0, {STEPS}) each trained exactly once"), (where, verdict)
+
+
 # ---------------------------------------------------------------------- real torchft Managers, one thread each
 @contextmanager
 def ft_groups(n: int):

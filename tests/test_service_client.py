@@ -99,8 +99,8 @@ def test_connect_to_a_missing_name_fails_at_once(ray_cluster, monkeypatch):
         with pytest.raises(ServiceNotFoundError) as info:
             DataService.connect("nope", namespace="zr-none")
     assert not slept
-    assert str(info.value) == ("no service named 'nope' in namespace 'zr-none'; start it, or pass timeout_s= to "
-                               "wait for one that is starting")
+    assert str(info.value) == ("no service named 'nope' in namespace 'zr-none'; start it, or wait for one that is "
+                               "starting (connect(timeout_s=...); `zephon-ray status --wait SECONDS`)")
     with pytest.raises(ServiceNotFoundError, match="after waiting 0.3s"):
         DataService.connect("nope", namespace="zr-none", timeout_s=0.3)  # asked to wait: it polls, then says so
     for bad in ("60", -1, float("nan"), True):

@@ -11,14 +11,21 @@ from zephon_ray.source import GlobalBatchSource
 
 __version__ = "0.1.0"
 
-__all__ = ["DataService", "GlobalBatch", "GlobalBatchSource", "MaterializedSource", "RankSlice", "Recipe", "RecipeError",
+__all__ = ["DataService", "GlobalBatch", "GlobalBatchSource", "Loader", "LoaderConfig", "MaterializedSource",
+           "RankSlice", "Recipe", "RecipeError", "ServiceConfig", "StepBatch", "ZephonDataConfig", "ZephonDataset",
            "compute_digest"]
+
+_LAZY = {"DataService": "zephon_ray.service.client", "ServiceConfig": "zephon_ray.service.config",
+         "Loader": "zephon_ray.stream.loader", "LoaderConfig": "zephon_ray.stream.loader",
+         "StepBatch": "zephon_ray.stream.loader", "ZephonDataset": "zephon_ray.integrations.ray_train",
+         "ZephonDataConfig": "zephon_ray.integrations.ray_train"}
+"""Names imported on first use: the service and Ray Train pull in Ray, so ``import zephon_ray`` stays light for
+in-process users and tools. (TorchTitan's loader: ``from zephon_ray.torchtitan import ZephonRayDataLoader``.)"""
 
 
 def __getattr__(name: str):
-    # The service pulls in Ray; keep `import zephon_ray` light for in-process users and tools.
-    if name == "DataService":
-        from zephon_ray.service.client import DataService
+    if name in _LAZY:
+        import importlib
 
-        return DataService
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(name)

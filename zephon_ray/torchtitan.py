@@ -6,7 +6,8 @@ module is cheap; TorchTitan is imported when a name is first used.
 
 from __future__ import annotations
 
-__all__ = ["LoaderStateError", "ZephonRayDataLoader"]
+# Both names resolve lazily in __getattr__ below, which static checks cannot see.
+__all__ = ["LoaderStateError", "ZephonRayDataLoader"]  # noqa: F822
 
 
 def __getattr__(name: str):

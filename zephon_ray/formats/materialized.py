@@ -196,7 +196,7 @@ def recipe_of(manifest: dict[str, Any], recipe: Any) -> Any:
         return recipe
     mine = [p.canonical(recipe.source_names) for p in recipe.phases]
     try:
-        return recipe.with_run_phases([p for p in phases if p not in mine], what=f"the directory's run")
+        return recipe.with_run_phases([p for p in phases if p not in mine], what="the directory's run")
     except ValueError:
         return None
 

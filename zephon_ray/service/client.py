@@ -69,7 +69,7 @@ import ray
 
 from zephon_ray.batch import GlobalBatch, RankSlice, lane_span, slice_bounds
 from zephon_ray.recipe import Recipe
-from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, READ_PATHS, ActorResources, ServiceConfig
+from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, READ_PATHS, ServiceConfig
 from zephon_ray.service.direct_reads import DirectReads
 from zephon_ray.service.errors import (
     ReadTimeoutError, ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError)
@@ -169,31 +169,24 @@ class DataService:
     def start(
         cls,
         recipe: Recipe | str | os.PathLike,
+        config: ServiceConfig | None = None,
         *,
-        name: str = DEFAULT_NAME,
-        namespace: str = DEFAULT_NAMESPACE,
-        producers: int = 1,
-        window: int = 8,
-        state_dir: str | os.PathLike | None = None,
-        checkpoint_every: int = 8,
-        aggregate_store: str | None = None,
-        aggregate_dir: str | os.PathLike | None = None,
-        run_id: str | None = None,
         consumer: str | None = None,
-        resources: ActorResources | dict | None = None,
         ray_init: bool | dict[str, Any] | None = None,
-        **options: Any,
+        **overrides: Any,
     ) -> "DataService":
         """Start a named, detached service and return a client for it.
 
-        ``state_dir`` holds the durable state; start again with the same ``state_dir`` (and recipe) to resume
-        where the newest commit left off. Without ``state_dir`` a fresh temporary directory is used (nothing to
-        resume from). ``options`` are further :class:`ServiceConfig` fields (``consumer_ttl_s``,
-        ``request_timeout_s``, ``start_step``, ``lease_steps``, ...); ``resources`` is an :class:`ActorResources`
-        or a dict of its fields. Invalid settings, a ``state_dir`` of another recipe and an unusable
-        ``materialized_dir`` raise before anything is created or written (service/launch.py). ``ray_init``
-        (``True`` or ``ray.init`` kwargs) starts Ray when this process has none; by default the service attaches
-        to a running cluster and never starts one.
+        ``config`` is a :class:`ServiceConfig` (``ServiceConfig.build(recipe, ...)``); ``overrides`` are its fields
+        by keyword (``name``, ``namespace``, ``producers``, ``window``, ``state_dir``, ``checkpoint_every``,
+        ``run_id``, ``read_timeout_s``, ... and ``resources``, an :class:`ActorResources` or a dict of its fields),
+        applied on top of it or, without one, of ``ServiceConfig.build``'s defaults (``run_id`` the service's name,
+        the aggregation the TCPStore it hosts). ``state_dir`` holds the durable state; start again with the same
+        ``state_dir`` (and recipe) to resume where the newest commit left off. Without it a fresh temporary
+        directory is used (nothing to resume from). Invalid settings, a ``state_dir`` of another recipe and an
+        unusable ``materialized_dir`` raise before anything is created or written (service/launch.py).
+        ``consumer`` names this client's consumer. ``ray_init`` (``True`` or ``ray.init`` kwargs) starts Ray when
+        this process has none; by default the service attaches to a running cluster and never starts one.
 
         Use it as a context manager to stop the service it started when the block exits, also on an error
         (``tests/test_service_client.py``)::
@@ -205,18 +198,21 @@ class DataService:
 
         if not isinstance(recipe, Recipe):
             recipe = Recipe.from_toml(recipe)
-        config = ServiceConfig.build(
-            recipe, name=name, namespace=namespace, producers=producers, window=window,
-            state_dir=None if state_dir is None else str(state_dir), checkpoint_every=checkpoint_every,
-            aggregate_store=aggregate_store, aggregate_dir=None if aggregate_dir is None else str(aggregate_dir),
-            run_id=run_id, resources=ActorResources() if resources is None else resources, **options,
-        )
+        for key in ("state_dir", "aggregate_dir", "materialized_dir"):  # paths as strings: they travel to actors
+            if overrides.get(key) is not None:
+                overrides[key] = str(overrides[key])
+        if config is None:
+            config = ServiceConfig.build(recipe, **overrides)
+        elif not isinstance(config, ServiceConfig):
+            raise TypeError(f"DataService.start: config must be a ServiceConfig, got {type(config).__name__}")
+        elif overrides:
+            config = replace(config, **overrides).for_recipe(recipe)
         config = launch.prepare(recipe, config)  # state_dir and materialized_dir checks: before Ray
         if config.state_dir is None:
-            config = replace(config, state_dir=tempfile.mkdtemp(prefix=f"zephon-ray-{name}-"))
+            config = replace(config, state_dir=tempfile.mkdtemp(prefix=f"zephon-ray-{config.name}-"))
         _ensure_ray(ray_init)
         handle = launch.launch(recipe, config)
-        client = cls(handle, name=name, namespace=namespace, consumer=consumer)
+        client = cls(handle, name=config.name, namespace=config.namespace, consumer=consumer)
         client._started_here = True
         return client
 

@@ -65,7 +65,8 @@ MAX_CONSECUTIVE_DEATHS = 50
 """Producer *deaths* (kill -9, OOM, node loss) in a row before giving up; each restart backs off a little."""
 PING_EVERY_S = 2.0
 MAX_UNWRITTEN_CHECKPOINTS = 16
-"""Merged checkpoints (25-350 KiB each) held while storage is out before production waits for the oldest one."""
+"""Merged checkpoints (25-350 KiB each) held unwritten while storage is out; past it the oldest one a newer one
+supersedes is dropped (:meth:`ProducerPool.persist`)."""
 
 
 REPLY_READ_S = 60.0

@@ -20,9 +20,8 @@ Guarantees (tests/test_window.py):
 - A cursor never moves back (an out-of-order ``touch`` is ignored); a consumer reading at another world size
   drops its cursors of the old world size.
 - Reads more than ``max_ahead`` steps past the head (or past ``reach``, where an earlier incarnation got to) are
-  rejected (tracked or not), commits more than one past the
-  highest step a consumer consumed are rejected, rank/world are checked, cursors silent for ``consumer_ttl_s``
-  are deleted.
+  rejected (tracked or not), commits more than one past the highest step a consumer consumed are rejected,
+  rank/world are checked, cursors silent for ``consumer_ttl_s`` are deleted.
 
 - Cursor moves may arrive late and in batches (node readers report them with their leases, ``touch`` with a
   ``seen`` time in the past): a cursor is as live as the last time its rank was heard, and a move heard before the

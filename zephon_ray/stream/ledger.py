@@ -19,6 +19,7 @@ per reader per flush interval (its docstring says how a killed group loses nothi
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from zephon_ray.batch import RankSlice
@@ -27,10 +28,26 @@ from zephon_ray.formats import ledger
 logger = logging.getLogger(__name__)
 
 
+COMPACT_EVERY = 64
+"""Reader 0 compacts the ledger directory every this many saves (``LoaderConfig.ledger_compact_every``)."""
+_COMPACTING = threading.Lock()
+"""One compaction at a time in a process (two of one directory at once are not supported: formats/ledger.py)."""
+
+
 class LedgerRecorder:
-    def __init__(self, *, run_id: str, fingerprint: str, rank: int, world: int, ledger_dir: str | None) -> None:
+    """One reader's records (see the module docstring). Reader 0 also keeps the directory's file count bounded: every
+    ``compact_every`` saves (0: never) it compacts the ledger in a background thread, so a long run leaves a few packs
+    and at most ``compact_every`` saves' loose parts, not one file per rank per save
+    (``tests/test_ledger.py::test_reader_zero_compacts_as_the_run_saves``). A compaction that fails is logged and
+    tried again at the next interval: the parts it left are still read."""
+
+    def __init__(self, *, run_id: str, fingerprint: str, rank: int, world: int, ledger_dir: str | None,
+                 compact_every: int = COMPACT_EVERY) -> None:
         self.run_id, self.fingerprint, self.rank, self.world = run_id, fingerprint, rank, world
         self.ledger_dir = ledger_dir
+        self.compact_every = compact_every
+        self._saves = 0
+        self._compactor: threading.Thread | None = None
         self.head = ""  # the segment ending at the last save or load ("" at step 0)
         self._first = 0  # the step the pending records start at
         self._resumed = False
@@ -71,7 +88,32 @@ class LedgerRecorder:
                 first_step=self._first, next_step=next_step, world=self.world, rank=self.rank,
                 resumed=self._resumed, records=records))
         self.head, self._first, self._resumed, self._pending = segment, next_step, False, {}
+        if self.ledger_dir and self.rank == 0 and self.compact_every:
+            self._saves += 1
+            if self._saves % self.compact_every == 0:
+                self._compact()
         return segment
+
+    def _compact(self) -> None:
+        if self._compactor is not None and self._compactor.is_alive():
+            return  # the last one still runs: this interval's parts wait for the next
+
+        def run() -> None:
+            with _COMPACTING:
+                try:
+                    result = ledger.compact(self.ledger_dir)
+                    logger.info("ledger %s compacted: %s", self.ledger_dir, result)
+                except Exception as exc:  # noqa: BLE001 - never the trainer's failure; the next interval retries
+                    logger.warning("ledger %s: compaction failed (tried again in %d saves): %s", self.ledger_dir,
+                                   self.compact_every, exc)
+
+        self._compactor = threading.Thread(target=run, name="zephon-ray-ledger-compact", daemon=True)
+        self._compactor.start()
+
+    def wait_compacted(self, timeout_s: float) -> None:
+        """Wait (at most ``timeout_s``) for a compaction this recorder started."""
+        if self._compactor is not None:
+            self._compactor.join(timeout_s)
 
 
 class FtLedgerError(ValueError):

@@ -143,6 +143,10 @@ class LoaderConfig:
     URI every reader can reach; one directory per run). None: records are kept and the lineage is carried in the
     state, but nothing is written (``zephon-ray audit`` then has nothing to read)."""
 
+    ledger_compact_every: int = 64
+    """Reader 0 merges the ledger directory's files every this many saves, in the background (0: never; then run
+    ``zephon-ray ledger compact DIR`` yourself): a long run keeps a few files, not one per rank per save."""
+
     pad_slices: bool = False
     """Pad every reader's slice to the same row count (``ceil(B/W)`` rounded up to a multiple of
     ``local_batch_size``) with rows whose labels are all ignored: equal shapes and microbatch counts on every
@@ -157,6 +161,7 @@ class LoaderConfig:
             raise ValueError(f"{where}: 'mode' must be one of {MODES}, got {self.mode!r}")
         check_int(f"{where}: 'prefetch'", self.prefetch, low=1, high=MAX_DEPTH)
         check_int(f"{where}: 'checkpoint_every'", self.checkpoint_every, low=0)
+        check_int(f"{where}: 'ledger_compact_every'", self.ledger_compact_every, low=0)
         if isinstance(self.aggregate_timeout_s, bool) or not isinstance(self.aggregate_timeout_s, (int, float)) \
                 or not 0 < self.aggregate_timeout_s <= 86400:
             raise ValueError(f"{where}: 'aggregate_timeout_s' must be a number of seconds in (0, 86400], got "
@@ -278,8 +283,9 @@ class Loader:
         self._replayed_before = 0  # replayed steps carried by the loaded state (earlier resumes)
         self._replaying = 0  # steps the current resume replays
         self._replay_started = False  # counted in replayed_steps once the source started (and so replays)
-        self._ledger = LedgerRecorder(run_id=config.run_id or "", fingerprint=self.base_recipe.fingerprint, rank=self.rank,
-                                      world=self.world, ledger_dir=config.ledger_dir)
+        self._ledger = LedgerRecorder(run_id=config.run_id or "", fingerprint=self.base_recipe.fingerprint,
+                                      rank=self.rank, world=self.world, ledger_dir=config.ledger_dir,
+                                      compact_every=config.ledger_compact_every)
         # Runs at garbage collection and at interpreter exit: a trainer may never call close().
         self._finalizer = weakref.finalize(self, _close_source, self.__dict__)
         if config.mode == "dataset":
@@ -410,9 +416,9 @@ class Loader:
           (``tests/test_phases.py::test_a_phase_added_in_local_mode_on_every_reader``)."""
         mode = self.config.mode
         if mode == "dataset":
-            raise ValueError(f"add_phase: dataset mode reads a materialised directory, whose schedule is fixed; "
-                             f"materialise the later steps with the phase (zephon-ray materialize --schedule-from) "
-                             f"or read them from the service")
+            raise ValueError("add_phase: dataset mode reads a materialised directory, whose schedule is fixed; "
+                             "materialise the later steps with the phase (zephon-ray materialize --schedule-from) "
+                             "or read them from the service")
         new = self.recipe.with_phase(name, start_step, weights)  # one RecipeError naming the key
         if mode == "service":
             if self._source is None:
