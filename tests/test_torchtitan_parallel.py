@@ -19,8 +19,8 @@ changes nothing. CP needs ``seq_len`` divisible by cp x 128 (torch's FlexAttenti
 run tests/recipes/cp.toml (seq_len 256, B = 8); PP runs recipes/tiny.toml (B = 16).
 
 The CPU shims are examples/torchtitan_cpu.py's (5: TorchTitan 0.3.0's per-microbatch pipeline call on torch 2.13;
-6: gloo has no PREMUL_SUM for FSDP's reduce-scatter). Slow: 2 torchruns per case, ~45-80 s on 2 cores
-(``test_pp_local_mode`` is the one case in the default suite).
+6: gloo has no PREMUL_SUM for FSDP's reduce-scatter). Slow: 2 torchruns per case, ~120-260 s on 2 busy cores; the default suite's
+check of the same loader with TorchTitan's mesh is tests/test_torchtitan_mesh.py (dp x tp).
 """
 
 from __future__ import annotations
@@ -138,14 +138,11 @@ def test_reference_runs_match_their_committed_losses(mesh, tmp_path):
     assert recorded_digests(tmp_path / "record") == dict(enumerate(_golden(recipe)))
 
 
-def test_pp_local_mode(tmp_path, request):
-    """dp=2 x pp=2, local mode: the PP peers of a dp rank receive its leader's slices; the collective checkpoint
-    has the 2 leaders; resumed at dp=1 x pp=2 with the fixed-W losses."""
-    _run_case("pp", "local", tmp_path, request)
-
-
-@pytest.mark.slow  # ~60-80 s each: 4 + 2 processes
-@pytest.mark.parametrize("mesh, mode", [("pp", "service"), ("pp", "dataset"), ("cp", "local"), ("cp", "service"),
-                                        ("cp", "dataset")])
+@pytest.mark.slow  # ~120-260 s each on 2 busy cores: 4 + 2 torchrun processes of the real Trainer
+@pytest.mark.parametrize("mesh, mode", [("pp", "local"), ("pp", "service"), ("pp", "dataset"), ("cp", "local"),
+                                        ("cp", "service"), ("cp", "dataset")])
 def test_dp2_mesh_resumed_at_dp1(mesh, mode, tmp_path, request):
+    """dp=2 x {pp,cp}=2 to step 2, resumed at dp=1 x {pp,cp}=2 to step 4: every process got its dp rank's slice, the
+    losses are the fixed-W ones; in local mode the peers received their leader's slices and the collective
+    checkpoint has the 2 leaders."""
     _run_case(mesh, mode, tmp_path, request)
