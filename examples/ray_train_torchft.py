@@ -17,9 +17,10 @@ all-reduce over the P groups then gives the global mean), ``manager.allreduce`` 
 ``should_commit()`` before the optimizer step; ``slices.commit(step)`` after it writes the step to the ledger, and the
 Manager's ``state_dict`` carries ``slices.state_dict()`` so a healed group continues the ledger's lineage.
 
-``--kill G@S``: the first worker of group G SIGKILLs itself at step S, after reading its rows and before the
-all-reduce: the survivors' attempt is rejected and step S is served again to them; Ray starts a new worker for group
-G, torchft heals it from a peer and it takes part again. Each worker appends one JSON line per committed step to
+Every worker waits until all are up before step 0, so every group trains it. ``--kill G@S``: the first worker of group
+G SIGKILLs itself at step S, after reading its rows and before the all-reduce: the survivors' attempt is rejected and
+step S is served again to them; Ray starts a new worker for group G (``FailureConfig(max_failures=2)``), the
+survivors wait for it at step S + 2, torchft heals it from a peer and it takes part again. Each worker appends one JSON line per committed step to
 ``<out>/steps.jsonl`` (step, rank, world, the slice's ledger digest, its pid). With ``--ledger`` the run ends with
 ``zephon-ray audit``. ``tests/test_ray_train_torchft.py`` runs it and checks the digests against the oracle's.
 """
@@ -29,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -39,6 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny.toml")
 NAMESPACE = "zr-ray-train-ft"
+WAIT_S = 300.0  # a worker's start on a busy 2-core machine, a replaced worker's start
 
 
 def train_loop(config: dict[str, Any]) -> None:
@@ -78,9 +81,15 @@ def train_loop(config: dict[str, Any]) -> None:
                       checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=30), device=torch.device("cpu")),
                       use_async_quorum=False)
     slices = box["slices"] = shard.ft(manager)
-    kill = config.get("kill")
+    kill, world = config.get("kill"), ctx.get_world_size()
+    (out / f"ready-{rank}-{life}").touch()  # this group's Manager is up (it heartbeats to the Lighthouse)
+    if life == 0:  # every group is up before the first quorum, so all of them train step 0
+        _wait(lambda: all((out / f"ready-{r}-0").exists() for r in range(world)), "every worker's first start")
     try:
         while manager.current_step() < config["steps"]:
+            if kill and rank != kill[0] and manager.current_step() == kill[1] + 2 and \
+                    not (out / f"ready-{kill[0]}-1").exists():  # the survivors wait for the new worker
+                _wait(lambda: (out / f"ready-{kill[0]}-1").exists(), f"group {kill[0]}'s new worker")
             manager.start_quorum()
             batch = slices.next()
             if kill and life == 0 and rank == kill[0] and batch.step == kill[1]:
@@ -98,10 +107,18 @@ def train_loop(config: dict[str, Any]) -> None:
                 with open(out / "steps.jsonl", "a") as fh:
                     fh.write(json.dumps({"step": batch.step, "rank": piece.rank, "world": piece.world,
                                          "digest": piece.ledger_digest, "pid": os.getpid(),
-                                         "loss": float(loss)}) + "\n")
+                                         "loss": loss.item()}) + "\n")
     finally:
         manager.shutdown()  # Ray's example: no split brain when a group dies and another finishes
         slices.close()
+
+
+def _wait(condition, what: str, timeout_s: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} did not happen within {timeout_s:.0f} s")
+        time.sleep(0.1)
 
 
 def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -119,7 +136,7 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         trainer = TorchTrainer(
             train_loop, train_loop_config={"steps": args.steps, "out": str(out), "kill": args.kill},
             scaling_config=ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": 0.5}),
-            torch_config=TorchftConfig(lighthouse_kwargs={"min_replicas": 1}, backend="gloo"),
+            torch_config=TorchftConfig(lighthouse_kwargs={"min_replicas": 1, "join_timeout_ms": 10000}, backend="gloo"),
             datasets={"train": ZephonDataset(service)},
             dataset_config=ZephonDataConfig(run_id="ray-train-ft", ledger_dir=args.ledger),
             run_config=RunConfig(name="ray-train-ft", storage_path=str(out / "results"),
@@ -156,9 +173,16 @@ def main(argv: list[str] | None = None) -> int:
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
                                        "RUST_LOG": "warn"}})
     try:
-        summary = run(args, out)
+        try:
+            summary = run(args, out)
+        finally:
+            ray.shutdown()
+        return _report(args, summary, t0)
     finally:
-        ray.shutdown()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _report(args: argparse.Namespace, summary: dict[str, Any], t0: float) -> int:
     audit_lines: list[str] = []
     audited = 0
     if args.ledger:
