@@ -6,10 +6,13 @@ Ray Train's ``TorchftConfig`` (``ray.train.v2.torch.torchft_config``) starts a t
 every worker its own replica group; Ray replaces a failed group's worker without stopping the others. Ray's own
 example (``ray/train/v2/examples/pytorch/torchft_linear_example.py``) cuts its data with torchft's
 ``DistributedSampler`` for a fixed number of groups, so a step trained while a group is missing covers part of the
-global batch. Here the loop reads ``ray.train.get_dataset_shard("train")`` (a :class:`ZephonDataset` of a running
-:class:`~zephon_ray.DataService`, configured by :class:`ZephonDataConfig`) through ``shard.ft(manager)``: after each
+global batch. Here the loop builds the shard of a :class:`ZephonDataset` of a running
+:class:`~zephon_ray.DataService` with ``ZephonDataConfig.shard`` and reads it through ``shard.ft(manager)``: after each
 quorum, group p of the P live groups reads ``slice(s, p, P)`` of ``s = manager.current_step()``, so every committed
-step trains the whole global batch s whatever P is, and a step torchft rejects is served again.
+step trains the whole global batch s whatever P is, and a step torchft rejects is served again. The dataset travels in
+``train_loop_config``, not ``datasets=``: in Ray 2.60 a replaced group's worker waits forever in
+``ray.train.get_dataset_shard`` (Ray gives it a new dataset manager sized to its replica group of 1, and that
+manager's barrier waits for a rank 0 the group does not have), whatever the dataset.
 
 The loop is Ray's example's, with a bigram model on the recipe's tokens: a torchft ``Manager`` on
 ``ProcessGroupGloo`` with a ``PGTransport``, the summed token loss times ``batch.loss_scale()`` (torchft's AVG
@@ -20,8 +23,8 @@ Manager's ``state_dict`` carries ``slices.state_dict()`` so a healed group conti
 Every worker waits until all are up before step 0, so every group trains it. ``--kill G@S``: the first worker of group
 G SIGKILLs itself at step S, after reading its rows and before the all-reduce: the survivors' attempt is rejected and
 step S is served again to them; Ray starts a new worker for group G (``FailureConfig(max_failures=2)``), the
-survivors wait for it at step S + 2, torchft heals it from a peer and it takes part again. Each worker appends one JSON line per committed step to
-``<out>/steps.jsonl`` (step, rank, world, the slice's ledger digest, its pid). With ``--ledger`` the run ends with
+survivors wait for it at step S + 2, torchft heals it from a peer and it takes part again. Each worker appends one
+JSON line per committed step to ``<out>/steps.jsonl`` (step, rank, world, the slice's ledger digest, its pid). With ``--ledger`` the run ends with
 ``zephon-ray audit``. ``tests/test_ray_train_torchft.py`` runs it and checks the digests against the oracle's.
 """
 
@@ -45,7 +48,8 @@ WAIT_S = 300.0  # a worker's start on a busy 2-core machine, a replaced worker's
 
 
 def train_loop(config: dict[str, Any]) -> None:
-    """Ray Train ``train_loop_per_worker``: ``steps``, ``out``, ``kill`` ([group, step] or None), ``lr``."""
+    """Ray Train ``train_loop_per_worker``: ``steps``, ``out``, ``kill`` ([group, step] or None), ``lr``, ``dataset``
+    (a ZephonDataset) and ``data_config`` (a ZephonDataConfig)."""
     from datetime import timedelta
 
     import ray.train
@@ -61,7 +65,9 @@ def train_loop(config: dict[str, Any]) -> None:
     out = Path(config["out"])
     life = len(list(out.glob(f"life-{rank}-*")))
     (out / f"life-{rank}-{life}").write_text(str(os.getpid()))
-    shard = ray.train.get_dataset_shard("train")
+    # Not ray.train.get_dataset_shard: under TorchftConfig a replaced worker's call waits forever in Ray 2.60 (it gets
+    # a new dataset manager sized to its replica group, whose rank 0 never calls); the shard is built here instead.
+    shard = config["data_config"].shard(config["dataset"], rank=rank, world=ctx.get_world_size())
     model = bigram_model(int(build_tokenizer(shard.recipe.tokenizer).vocab_size), 32, 0)
     optim = torch.optim.SGD(model.parameters(), lr=config.get("lr", 0.05))
     box: dict[str, Any] = {}
@@ -134,11 +140,12 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                                 window=4, checkpoint_every=4)
     try:
         trainer = TorchTrainer(
-            train_loop, train_loop_config={"steps": args.steps, "out": str(out), "kill": args.kill},
+            train_loop, train_loop_config={"steps": args.steps, "out": str(out), "kill": args.kill,
+                                           "dataset": ZephonDataset(service),
+                                           "data_config": ZephonDataConfig(run_id="ray-train-ft",
+                                                                           ledger_dir=args.ledger)},
             scaling_config=ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": 0.5}),
             torch_config=TorchftConfig(lighthouse_kwargs={"min_replicas": 1, "join_timeout_ms": 10000}, backend="gloo"),
-            datasets={"train": ZephonDataset(service)},
-            dataset_config=ZephonDataConfig(run_id="ray-train-ft", ledger_dir=args.ledger),
             run_config=RunConfig(name="ray-train-ft", storage_path=str(out / "results"),
                                  failure_config=FailureConfig(max_failures=2)))
         result = trainer.fit()

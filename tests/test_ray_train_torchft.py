@@ -1,8 +1,9 @@
 """Ray Train's torchft mode (Ray 2.60's ``TorchftConfig``) reading zephon-ray batches through ``ZephonDatasetShard.ft``.
 
 Runs ``examples/ray_train_torchft.py``: a ``TorchTrainer`` with ``TorchftConfig`` (a real torchft Lighthouse actor,
-each of 2 workers its own replica group, gloo), ``datasets={"train": ZephonDataset(service)}`` on a DataService of
-recipes/tiny.toml in the example's own private Ray, and ``ZephonDataConfig(ledger_dir=...)``. Group 1's worker is
+each of 2 workers its own replica group, gloo), a ``ZephonDataset`` of a DataService of recipes/tiny.toml in the
+example's own private Ray and ``ZephonDataConfig(ledger_dir=...)``, passed in ``train_loop_config`` (a replaced
+worker's ``ray.train.get_dataset_shard`` never returns under TorchftConfig in Ray 2.60: docs/torchft.md). Group 1's worker is
 SIGKILLed in step 2 before its all-reduce; Ray Train starts a new worker for that group, torchft heals it from the
 survivor, and it trains again. Checked: every committed step was trained once per reader of the W it was committed at
 (W 1 at the step the kill hit, 2 at the end), each reader's rows have the digest of its slice of the global batch,

@@ -187,12 +187,22 @@ Remaining keyword arguments go to Ray's ``DataConfig``
         for name, dataset in zephon.items():
             dataset.check_world(world_size, self.local_batch_size, name=name, pad=self.pad_slices)
             for rank in range(world_size):
-                output[rank][name] = ZephonDatasetShard(
-                    dataset, _ShardSettings(run_id=self.run_id, local_batch_size=self.local_batch_size,
-                                            prefetch=self.prefetch, checkpoint_every=self.checkpoint_every,
-                                            pad_slices=self.pad_slices, ledger_dir=self.ledger_dir),
-                    rank=rank, world=world_size, name=name)
+                output[rank][name] = self.shard(dataset, rank=rank, world=world_size, name=name)
         return output
+
+    def shard(self, dataset: ZephonDataset, *, rank: int = 0, world: int = 1, name: str = "train") -> "ZephonDatasetShard":
+        """The shard :meth:`configure` hands rank ``rank`` of ``world``, built directly. For a loop that cannot use
+        ``ray.train.get_dataset_shard``: under Ray Train's torchft mode (Ray 2.60's ``TorchftConfig``) a replaced
+        replica group's worker gets a new dataset manager sized to its group, and its ``get_dataset_shard`` waits
+        forever for that manager's rank 0, which does not exist there; pass the dataset in ``train_loop_config`` and
+        read through :meth:`ZephonDatasetShard.ft` instead (``examples/ray_train_torchft.py``)."""
+        if not isinstance(dataset, ZephonDataset):
+            raise TypeError(f"ZephonDataConfig.shard: expected a ZephonDataset, got {type(dataset).__name__}")
+        return ZephonDatasetShard(
+            dataset, _ShardSettings(run_id=self.run_id, local_batch_size=self.local_batch_size, prefetch=self.prefetch,
+                                    checkpoint_every=self.checkpoint_every, pad_slices=self.pad_slices,
+                                    ledger_dir=self.ledger_dir),
+            rank=rank, world=world, name=name)
 
 
 @dataclass(frozen=True)
