@@ -44,6 +44,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny.toml")
 NAMESPACE = "zr-ray-train-ft"
+JOIN_TIMEOUT_MS = 20_000
+"""How long the Lighthouse waits for the last quorum's members before it forms a quorum without them. Too short and a
+replaced worker asking while the survivors are mid-step gets a quorum of its own and trains from step 0 alone (two
+lineages under one run_id: the audit's 'other run' finding; seen with 10 s on a 2-core machine at load 130)."""
 WAIT_S = 300.0  # a worker's start on a busy 2-core machine, a replaced worker's start
 
 
@@ -96,6 +100,7 @@ def train_loop(config: dict[str, Any]) -> None:
             if kill and rank != kill[0] and manager.current_step() == kill[1] + 2 and \
                     not (out / f"ready-{kill[0]}-1").exists():  # the survivors wait for the new worker
                 _wait(lambda: (out / f"ready-{kill[0]}-1").exists(), f"group {kill[0]}'s new worker")
+                time.sleep(2.0)  # let it ask for the quorum first, so that this quorum holds it
             manager.start_quorum()
             batch = slices.next()
             if kill and life == 0 and rank == kill[0] and batch.step == kill[1]:
@@ -145,7 +150,7 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
                                            "data_config": ZephonDataConfig(run_id="ray-train-ft",
                                                                            ledger_dir=args.ledger)},
             scaling_config=ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": 0.5}),
-            torch_config=TorchftConfig(lighthouse_kwargs={"min_replicas": 1, "join_timeout_ms": 10000}, backend="gloo"),
+            torch_config=TorchftConfig(lighthouse_kwargs={"min_replicas": 1, "join_timeout_ms": JOIN_TIMEOUT_MS}, backend="gloo"),
             run_config=RunConfig(name="ray-train-ft", storage_path=str(out / "results"),
                                  failure_config=FailureConfig(max_failures=2)))
         result = trainer.fit()
