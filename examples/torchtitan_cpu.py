@@ -8,8 +8,8 @@ Also a TorchTitan config registry (run from the repository root, so that ``examp
 :func:`zephon_llama3_debugmodel_cpu` is ``zephon_ray.integrations.torchtitan.config_registry``'s
 ``zephon_llama3_debugmodel`` (same environment knobs) with the shims on, a 2-layer model, DDP over gloo, no compile.
 
-TorchTitan 0.3.0 assumes an accelerator. Four small shims make its real ``Trainer`` train on CPU, with 1 rank or
-several over gloo (DDP; FSDP over gloo does not work on CPU). Nothing else in zephon-ray knows about them:
+TorchTitan 0.3.0 assumes an accelerator. Small shims make its real ``Trainer`` train on CPU, with 1 rank or several
+over gloo, pipeline (PP) and context parallelism (CP) included. Nothing else in zephon-ray knows about them:
 
 1. ``torchtitan.trainer`` imports ``triton`` unconditionally: it must be installed (it imports without a GPU).
 2. ``torchtitan.tools.utils`` falls back to ``"cuda"`` when no accelerator is found, and other modules copy
@@ -20,6 +20,17 @@ several over gloo (DDP; FSDP over gloo does not work on CPU). Nothing else in ze
    with a dense mask evaluated from the BlockMask's ``mask_mod`` (O(seq_len^2) memory: fine for debug models),
    and the compiled ``create_block_mask`` for the eager one.
 4. torch 2.13 has no ``torch.distributed.set_timeout``; it is routed to c10d's private ``_set_pg_timeout``.
+5. Not a CPU matter, a version one (it would fail on a GPU with torch 2.13 too): TorchTitan 0.3.0 drives a pipeline
+   schedule with per-microbatch lists, ``schedule.step(arg_mbs=, kwarg_mbs=, target_mbs=, losses=, loss_kwargs=,
+   return_outputs=)``, while torch 2.13's public ``step`` takes the whole batch and splits it itself (the lists land
+   in ``**kwargs`` and the schedule fails with "Expecting 8 arg_mbs but got 1"). torch 2.13 has the per-microbatch
+   entry point as the private ``_step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs,
+   loss_kwargs=)``: :func:`_patch_pipeline_step` routes such calls there, after the per-step reset ``step`` does.
+6. TorchTitan turns FSDP's gradient division off (``set_gradient_divide_factor(1.0)``: it divides by the global token
+   count itself), and FSDP then reduce-scatters with NCCL's ``PREMUL_SUM``, which gloo lacks ("Cannot use
+   ReduceOp.PREMUL_SUM with Gloo"; FSDP is what CP shards its parameters with). :func:`_patch_fsdp_sum_reduction`
+   makes that call also ask FSDP for plain-``SUM`` collectives (its public ``set_force_sum_reduction_for_comms``),
+   which divide by the same factor, 1, after the reduction.
 
 :func:`apply` is idempotent and does nothing when an accelerator is present (unless ``force=True``).
 """
@@ -134,6 +145,8 @@ def apply(*, force: bool = False) -> bool:
     _patch_device()
     _patch_flex_attention()
     _patch_set_timeout()
+    _patch_pipeline_step()
+    _patch_fsdp_sum_reduction()
     _APPLIED = True
     return True
 
@@ -207,3 +220,51 @@ def _patch_set_timeout() -> None:
         _set_pg_timeout(timeout, group)
 
     dist.set_timeout = set_timeout
+
+
+def _patch_pipeline_step() -> None:
+    from torch.distributed.pipelining import schedules
+
+    for cls in (schedules.PipelineScheduleSingle, schedules.PipelineScheduleMulti):
+        if getattr(cls.step, "_zephon_ray_shim", False):
+            continue
+        cls.step = _per_microbatch_step(cls.step)
+
+
+def _per_microbatch_step(whole_batch_step):
+    def step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
+             loss_kwargs=None, **kwargs):
+        if arg_mbs is None and kwarg_mbs is None and target_mbs is None:  # torch's own whole-batch call
+            return whole_batch_step(self, *args, losses=losses, return_outputs=return_outputs,
+                                    loss_kwargs=loss_kwargs, **kwargs)
+        if args or kwargs:
+            raise TypeError("examples.torchtitan_cpu: a pipeline step takes either per-microbatch lists or a whole "
+                            "batch, not both")
+        stages = getattr(self, "_stages", None) or [self._stage]
+        for stage in stages:  # what torch's step does before it splits the batch
+            stage.has_backward = self._has_backward
+            stage.clear_runtime_states()
+        self._step_microbatches(arg_mbs, kwarg_mbs, target_mbs, losses, return_outputs, loss_kwargs=loss_kwargs)
+        if return_outputs:
+            last = [stage for stage in stages if stage.is_last]
+            if last:
+                return self._merge_outputs(last[0].output_chunks)
+        return None
+
+    step._zephon_ray_shim = True
+    return step
+
+
+def _patch_fsdp_sum_reduction() -> None:
+    from torch.distributed.fsdp import FSDPModule
+
+    original = FSDPModule.set_gradient_divide_factor
+    if getattr(original, "_zephon_ray_shim", False):
+        return
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        original(self, factor)
+        self.set_force_sum_reduction_for_comms(True)  # gloo has SUM, not PREMUL_SUM
+
+    set_gradient_divide_factor._zephon_ray_shim = True
+    FSDPModule.set_gradient_divide_factor = set_gradient_divide_factor

@@ -406,7 +406,7 @@ GOLDEN_STEPS = 170
 """Steps 0..169: past every checkpoint interval the tests use, past the first epoch end of the tiny recipes' prose
 source (about 80 KB of text at 0.6 x 1,024 tokens per step), and at far steps such as 157."""
 REGENERATE = "python tests/oracle.py --all"
-SHIPPED_RECIPES = ("recipes/*.toml", "tests/recipes/k2.toml")
+SHIPPED_RECIPES = ("recipes/*.toml", "tests/recipes/k2.toml", "tests/recipes/cp.toml")
 CORPUS_MARK = "data/corpus"
 """A recipe whose sources live under this path reads the corpus generated from the local stdlib."""
 

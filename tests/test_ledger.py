@@ -348,6 +348,59 @@ def test_the_compact_command_says_what_it_merged_and_refuses_a_directory_without
                                             "ledger directory, or nothing was saved)\n"), err
 
 
+def test_a_group_healed_under_the_async_quorum_follows_the_participants_lineage(tmp_path):
+    """TorchTitan's torchft trainer heals groups *during* a step (torchft's async quorum). Two FtLedgers play two
+    groups. Step 0: both participate and B heals from A (torchft's init_sync) before applying it: B keeps its rows of
+    step 0 and commits them under A's head. B dies; A commits steps 1 and 2 alone. B's new process holds placeholder
+    rows at step 3 (torchft zeroes them), heals with A's state from before step 3 and applies the step: it writes
+    nothing for step 3 and its head becomes A's segment of it, so both commit steps 4 and 5 at W 2 under one parent.
+    The audit finds one lineage, W 2 -> 1 -> 2, each step once."""
+    from zephon_ray.jobs.audit import audit
+    from zephon_ray.stream.ledger import FtLedger
+
+    def D(text: str) -> str:  # a slice digest: 32 hex digits
+        return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+    def ledger():
+        return FtLedger(run_id="ft", fingerprint="f" * 64, ledger_dir=str(tmp_path / "ledger"))
+
+    def step(readers, s, world):
+        for rank, reader in enumerate(readers):
+            reader.check(s)
+            reader.served(s, rank, world, D(f"{rank}-{s}-{world}"))
+        return [reader.commit(s) for reader in readers]
+
+    a, b = ledger(), ledger()
+    for rank, reader in enumerate((a, b)):
+        reader.check(0)
+        reader.served(0, rank, 2, D(f"{rank}-0-2"))
+    b.resume(a.head, a.next_step)  # init_sync: A's state at the quorum of step 0
+    a.commit(0)
+    b.commit(0)
+    assert a.head == b.head and b.next_step == 1
+    b.close()  # killed: its parts are in the spool, read where they are
+    step([a], 1, 1)
+    step([a], 2, 1)
+    b = ledger()  # a new process of group B
+    peer_state = (a.head, a.next_step)  # what the heal carries: A's state at the quorum of step 3
+    a.check(3)
+    a.served(3, 0, 1, D("0-3-1"))
+    b.placeholder(3, 1)  # not participating: step 3's W is A's alone
+    b.resume(*peer_state)
+    a.commit(3)
+    assert b.commit_placeholder() and (b.head, b.next_step) == (a.head, 4)
+    step([a, b], 4, 2)
+    step([a, b], 5, 2)
+    assert a.head == b.head
+    assert not b.commit_placeholder()  # nothing held: the position is never guessed
+    for reader in (a, b):
+        reader.close()
+    report = audit(str(tmp_path / "ledger"))
+    assert report.clean, [f.line for f in report.findings]
+    assert report.next_step == 6 and report.records == 2 + 1 + 1 + 1 + 2 + 2
+    assert [seg.world for seg in report.lineage] == [2, 1, 1, 1, 2, 2]
+
+
 def test_reader_zero_compacts_as_the_run_saves(tmp_path, tiny_recipe):
     """A local-mode reader saving after every step, with ``ledger_compact_every=4``: reader 0 compacts in the
     background every 4 saves, so after 13 saves the directory holds a few packs and at most 4 saves' loose parts, not

@@ -99,3 +99,19 @@ def _digest(piece):
     from zephon_ray.batch import compute_digest
 
     return compute_digest(piece.tokens, piece.positions)
+
+
+def test_a_shard_built_without_ray_trains_dataset_manager_equals_configures():
+    """``ZephonDataConfig.shard`` (for Ray Train's torchft mode, where a replaced worker cannot call
+    ``get_dataset_shard``) builds what ``configure`` hands the same rank; its ``ft`` refuses a recipe (local mode) in one
+    line before touching the manager."""
+    config = ZephonDataConfig(run_id="ft", ledger_dir="/tmp/unused-ledger")
+    dataset = ZephonDataset(ELASTIC)
+    built = config.shard(dataset, rank=1, world=3)
+    configured = config.configure({"train": dataset}, world_size=3)[1]["train"]
+    assert (built.rank, built.world, built.settings) == (configured.rank, configured.world, configured.settings)
+    with pytest.raises(ValueError, match=r"torchft needs a DataService \(service mode\)") as info:
+        built.ft(manager=None)
+    assert "\n" not in str(info.value)
+    with pytest.raises(TypeError, match="expected a ZephonDataset"):
+        config.shard(ELASTIC)

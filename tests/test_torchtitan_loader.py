@@ -530,3 +530,27 @@ def test_source_ids_wait_beside_the_input_dict():
             assert np.array_equal(np.concatenate([labels.numpy() for _, labels in step]), source.batch(s).tokens[:, 1:])
             assert np.array_equal(step_ids, source.provenance(s).source_ids()[:, 1:])
     assert set(np.unique(np.concatenate(ids))) == {0, 1}
+
+
+def test_a_route_without_the_trainer_step_check_warns_once(caplog, monkeypatch):
+    """The stock ``Trainer`` (``--override.imports`` with the loader alone) checks no restored trainer step against
+    the loader's ``next_step``: the first batch logs one warning naming the two routes that do; a second loader in the
+    process stays quiet, and a loader whose owner registered the check (``ZephonTrainer``, the override route's
+    ``ZephonCheckpointManager``) never warns."""
+    from zephon_ray.integrations.torchtitan import loader as titan_loader
+
+    def first_batch(register: bool) -> list[str]:
+        loader = _config().build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
+        if register:
+            loader.register_trainer_step_check("ZephonCheckpointManager")
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="zephon_ray"):
+            next(iter(loader))
+        loader.close()
+        return [r.getMessage() for r in caplog.records if "trainer's restored step" in r.getMessage()]
+
+    monkeypatch.setattr(titan_loader, "_WARNED_UNCHECKED", False)
+    assert first_batch(register=True) == []
+    (line,) = first_batch(register=False)
+    assert "\n" not in line and "ZephonTrainer" in line and "overrides.zephon_checkpoint" in line, line
+    assert first_batch(register=False) == []  # once per process

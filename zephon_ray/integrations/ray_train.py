@@ -187,12 +187,22 @@ Remaining keyword arguments go to Ray's ``DataConfig``
         for name, dataset in zephon.items():
             dataset.check_world(world_size, self.local_batch_size, name=name, pad=self.pad_slices)
             for rank in range(world_size):
-                output[rank][name] = ZephonDatasetShard(
-                    dataset, _ShardSettings(run_id=self.run_id, local_batch_size=self.local_batch_size,
-                                            prefetch=self.prefetch, checkpoint_every=self.checkpoint_every,
-                                            pad_slices=self.pad_slices, ledger_dir=self.ledger_dir),
-                    rank=rank, world=world_size, name=name)
+                output[rank][name] = self.shard(dataset, rank=rank, world=world_size, name=name)
         return output
+
+    def shard(self, dataset: ZephonDataset, *, rank: int = 0, world: int = 1, name: str = "train") -> "ZephonDatasetShard":
+        """The shard :meth:`configure` hands rank ``rank`` of ``world``, built directly. For a loop that cannot use
+        ``ray.train.get_dataset_shard``: under Ray Train's torchft mode (Ray 2.60's ``TorchftConfig``) a replaced
+        replica group's worker gets a new dataset manager sized to its group, and its ``get_dataset_shard`` waits
+        forever for that manager's rank 0, which does not exist there; pass the dataset in ``train_loop_config`` and
+        read through :meth:`ZephonDatasetShard.ft` instead (``examples/ray_train_torchft.py``)."""
+        if not isinstance(dataset, ZephonDataset):
+            raise TypeError(f"ZephonDataConfig.shard: expected a ZephonDataset, got {type(dataset).__name__}")
+        return ZephonDatasetShard(
+            dataset, _ShardSettings(run_id=self.run_id, local_batch_size=self.local_batch_size, prefetch=self.prefetch,
+                                    checkpoint_every=self.checkpoint_every, pad_slices=self.pad_slices,
+                                    ledger_dir=self.ledger_dir),
+            rank=rank, world=world, name=name)
 
 
 @dataclass(frozen=True)
@@ -233,16 +243,35 @@ class ZephonDatasetShard:
     def loader(self) -> Loader:
         """The loader core of this rank (created at first use, in the worker)."""
         if self._loader is None:
-            d, s = self.dataset, self.settings
-            extra = {"service_name": d.service_name, "service_namespace": d.service_namespace} \
-                if d.mode == "service" else {}
-            config = LoaderConfig(recipe=d.recipe_path, mode=d.mode, run_id=s.run_id,
-                                  aggregate_store=d.aggregate_store, aggregate_dir=d.aggregate_dir,
-                                  prefetch=s.prefetch, checkpoint_every=s.checkpoint_every,
-                                  pad_slices=s.pad_slices, ledger_dir=s.ledger_dir, **extra)
-            self._loader = Loader(config, rank=self.rank, world=self.world, local_batch_size=s.local_batch_size,
-                                  recipe=d.recipe)
+            self._loader = Loader(self._config(), rank=self.rank, world=self.world,
+                                  local_batch_size=self.settings.local_batch_size, recipe=self.dataset.recipe)
         return self._loader
+
+    def _config(self) -> LoaderConfig:
+        d, s = self.dataset, self.settings
+        extra = {"service_name": d.service_name, "service_namespace": d.service_namespace} \
+            if d.mode == "service" else {}
+        return LoaderConfig(recipe=d.recipe_path, mode=d.mode, run_id=s.run_id, aggregate_store=d.aggregate_store,
+                            aggregate_dir=d.aggregate_dir, prefetch=s.prefetch, checkpoint_every=s.checkpoint_every,
+                            pad_slices=s.pad_slices, ledger_dir=s.ledger_dir, **extra)
+
+    def ft(self, manager: Any, *, dp: int = 1, dp_rank: int = 0) -> Any:
+        """Ray Train's torchft mode (``ray.train.v2.torch.torchft_config.TorchftConfig``, Ray 2.60): this worker's
+        :class:`~zephon_ray.stream.ft.FtSlices` on the torchft ``manager`` its loop built, reading every step after the
+        quorum as ``slice(s, p·dp + dp_rank, P·dp)`` of ``s = manager.current_step()`` for the P live replica groups,
+        so a committed step trains the fixed global batch whatever P is, and a replaced group's worker needs no data
+        checkpoint. ``dp``/``dp_rank``: workers per replica group and this worker's rank in it (Ray's example: each
+        worker its own group, 1 and 0). Service mode only (FtSlices' modes; local mode's lanes cannot follow a
+        quorum). The ledger is the shard's ``ledger_dir``: call ``commit(step)`` after the optimizer step that
+        ``should_commit()`` allowed and carry ``state_dict()`` in the Manager's state (``examples/ray_train_torchft.py``,
+        ``tests/test_ray_train_torchft.py``). The shard's own fixed-W iteration is not used on this route."""
+        from zephon_ray.stream.ft import FtSlices
+
+        if self.dataset.mode != "service":
+            raise ValueError(f"{self._where()}: torchft needs a DataService (service mode); a recipe runs Zephon in "
+                             "the workers, whose lanes cannot follow a quorum (zephon_ray.stream.ft)")
+        return FtSlices(self._config(), manager=manager, dp=dp, dp_rank=dp_rank,
+                        local_batch_size=self.settings.local_batch_size, recipe=self.dataset.recipe)
 
     @property
     def recipe(self) -> Recipe:

@@ -170,6 +170,7 @@ class FtSlices:
         self._active: tuple[int, int] | None = None
         self._last: StepBatch | None = None
         self._last_key: tuple[int, int, int] | None = None
+        self._placeholder = False  # the rows handed out last were a non-participant's placeholder
         self.check_seconds: list[float] = []
         """Per call of :meth:`next`: seconds spent reading the quorum and checking the membership."""
         self.change_seconds: list[float] = []
@@ -224,10 +225,11 @@ class FtSlices:
                 self.ledger.placeholder()
             return None
         step, rank, world = key
+        self._placeholder = False
         if self.ledger is not None:
             if placeholder and self.manager.participating_rank() is None:
-                self.ledger.placeholder()
-                placeholder_rows = True
+                self.ledger.placeholder(step, world)
+                placeholder_rows = self._placeholder = True
             else:
                 self.ledger.check(step)
                 placeholder_rows = False
@@ -261,6 +263,19 @@ class FtSlices:
         FtLedger`); without one it does nothing."""
         if self.ledger is not None:
             self.ledger.commit(step)
+
+    def applied(self) -> None:
+        """The trainer applied the optimizer step of the rows :meth:`next` handed out last, whatever they were (for a
+        trainer that learns it from its optimizer, as TorchTitan's torchft trainer does through
+        :class:`~zephon_ray.integrations.torchtitan.torchft.ZephonFTTrainer`): :meth:`commit` of that step, or, for
+        placeholder rows (a group healing under torchft's async quorum), the ledger follows the participants' segment
+        of the step (:meth:`FtLedger.commit_placeholder`). Does nothing before the first :meth:`next`."""
+        if self.ledger is None or self._last_key is None and not self._placeholder:
+            return
+        if self._placeholder:
+            self.ledger.commit_placeholder()
+        else:
+            self.ledger.commit(self._last_key[0])
 
     def state_dict(self) -> dict[str, Any]:
         """The loader state (format v4) at the first step this reader's trainer has not confirmed, naming its

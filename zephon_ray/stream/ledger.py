@@ -149,7 +149,11 @@ class FtLedger:
 
     A group that heals receives the peer's state (``FtSlices.state_dict`` in the Manager's ``state_dict``) and
     continues its head; a request for any step other than the one it last served (served again) or the one after
-    (torchft moved on) is one :class:`FtLedgerError` line, before any row is handed out.
+    (torchft moved on) is one :class:`FtLedgerError` line, before any row is handed out. Under torchft's async quorum
+    (TorchTitan's torchft trainer) a group heals *during* a step it does not participate in (placeholder rows, their
+    gradients zeroed): the peer's state is the one from before that step, and once the trainer applies the step
+    (:meth:`commit_placeholder`) the head moves to the segment the participants wrote for it, which every reader
+    computes alike from (parent, step, W), so the group's next part names the same parent as theirs.
 
     Limits: on object storage, the spool of a group whose host is lost is lost with it (at most ``flush_records``
     parts or ``flush_seconds`` of them); a spool survives a SIGKILL of its process, not a crash of its machine
@@ -170,6 +174,7 @@ class FtLedger:
         self.head = ""          # the segment of the last step this reader's trainer confirmed
         self.next_step: int | None = 0  # the step after it (None: unknown until a heal, after a placeholder)
         self._served: dict | None = None  # the step handed out and not yet moved past
+        self._placeholder: tuple[int, int] | None = None  # (step, W) of placeholder rows handed out, not moved past
         self._carried = 0       # applications of earlier attempts of that step that torchft rejected
         self.rejected_attempts = 0
         self.applied_rejected = 0
@@ -206,9 +211,25 @@ class FtLedger:
         self._served = {"step": step, "rank": rank, "world": world, "digest": digest, "attempt": attempt,
                         "trained": 0, "parent": self.head}
 
-    def placeholder(self) -> None:
-        """Not participating this step (rows that torchft zeroes): nothing is recorded; torchft heals the group."""
+    def placeholder(self, step: int | None = None, world: int | None = None) -> None:
+        """Not participating this step (rows that torchft zeroes): nothing is recorded; torchft heals the group.
+        ``step``/``world``: the step and the participants' W, for :meth:`commit_placeholder`."""
         self._served, self._carried, self.next_step = None, 0, None
+        self._placeholder = None if step is None or world is None else (int(step), int(world))
+
+    def commit_placeholder(self) -> bool:
+        """The trainer applied the step it held placeholder rows for (torchft's async quorum healed this group during
+        it, so its weights are now the participants' after that step). If the heal brought a state at that step
+        (:meth:`resume`), the head moves to the participants' segment of it and nothing is written; returns whether
+        it did. Without a heal the position stays unknown (checked again after the next heal or restore)."""
+        held, self._placeholder = self._placeholder, None
+        if held is None or self.next_step != held[0]:
+            return False
+        step, world = held
+        self.head = ledger.segment_id(run_id=self.run_id, fingerprint=self.fingerprint, parent=self.head,
+                                      first_step=step, next_step=step + 1, world=world, resumed=False)
+        self.next_step = step + 1
+        return True
 
     def commit(self, step: int) -> None:
         cur = self._served
@@ -261,5 +282,13 @@ class FtLedger:
 
     def resume(self, head: str, next_step: int) -> None:
         """A heal (or a restore): continue the peer's head. An attempt this reader applied though torchft rejected
-        it stays recorded: the peer's weights replace the ones it went into."""
-        self.head, self.next_step, self._served, self._carried = head, next_step, None, 0
+        it stays recorded: the peer's weights replace the ones it went into. A heal at the very step this reader
+        was served and participates in (torchft's ``init_sync`` at step 0, and any heal under the async quorum that
+        lets the group train the step) keeps that step's rows: they are trained with the healed weights, and the
+        part names the peer's head as its parent."""
+        cur = self._served
+        self.head, self.next_step, self._carried = head, next_step, 0
+        if cur is not None and cur["step"] == next_step and not cur["trained"]:
+            cur["parent"] = head
+        else:
+            self._served = None

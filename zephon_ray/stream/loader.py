@@ -56,6 +56,7 @@ releases the service connection.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import weakref
 from collections.abc import Iterator
@@ -407,6 +408,13 @@ class Loader:
         source = ServiceSlices(recipe, rank=self.rank, world=self.world, name=cfg.service_name,
                                namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch,
                                base=self.base_recipe, source_ids=cfg.source_ids)
+        if not getattr(self, "_closes_before_ray", False):
+            # Ray is attached now, and its own exit hook is registered: atexit runs in reverse order, so this closes
+            # the source (its threads and Ray calls) before Ray shuts down. The finalizer alone runs after that hook
+            # when it was created first, and a Ray call after ray.shutdown() can crash the process at exit (SIGSEGV
+            # seen with 4 torchrun ranks reading a service; tests/test_torchtitan_parallel.py).
+            atexit.register(self._finalizer)
+            self._closes_before_ray = True
         self.recipe = source.recipe  # the service's schedule: ours plus the phases it accepted while running
         return source
 

@@ -77,6 +77,12 @@ class ZephonTrainer(Trainer):
 
     Config = ZephonTrainerConfig
 
+    def __init__(self, config: ZephonTrainerConfig) -> None:
+        super().__init__(config)
+        register = getattr(self.dataloader, "register_trainer_step_check", None)
+        if register is not None:
+            register(type(self).__name__)
+
     def load_state_dict(self, state_dict: dict) -> None:
         Trainer.load_state_dict(self, state_dict)
         expect = getattr(self.dataloader, "expect_trainer_step", None)

@@ -26,6 +26,7 @@ TorchTitan never closes its data loader: :meth:`close` runs at garbage collectio
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import fields
@@ -41,6 +42,8 @@ from zephon_ray.stream.geometry import check_geometry
 from zephon_ray.stream.loader import Loader, LoaderConfig, StepBatch
 from zephon_ray.integrations.torchtitan.derived_config import Extra, derive_config
 from zephon_ray.integrations.torchtitan.trainer_checks import check_tokenizer
+
+logger = logging.getLogger("zephon_ray")
 
 _CORE_FIELDS = tuple(f.name for f in fields(LoaderConfig))
 
@@ -126,6 +129,7 @@ class ZephonRayDataLoader(BaseDataLoader):
         self._ft: Any = None
         self._trainer_step: int | None = None
         self._source_ids: deque[torch.Tensor] = deque()  # at most one step's microbatches: cleared at each step
+        self._trainer_step_checker: str | None = None
 
     # ------------------------------------------------------------------ what the core knows
     @property
@@ -159,7 +163,16 @@ class ZephonRayDataLoader(BaseDataLoader):
     def steps(self) -> Iterator[StepBatch]:
         """Whole steps, each with its RankSlice (``StepBatch``): what :meth:`__iter__` cuts into microbatches."""
         self._check_trainer_step()
+        if self._ft is None and self._trainer_step_checker is None:
+            _warn_unchecked_once(self.dp_rank)
         return iter(self.core) if self._ft is None else self._ft_steps()
+
+    def register_trainer_step_check(self, owner: str) -> None:
+        """``owner`` (``ZephonTrainer``, ``ZephonCheckpointManager``) will call :meth:`expect_trainer_step` after
+        every checkpoint load. Without one, the first batch logs one warning that a checkpoint whose weights and loader
+        state come from different steps cannot be caught on this route (docs/torchtitan.md, "Which route checks
+        what")."""
+        self._trainer_step_checker = str(owner)
 
     def expect_trainer_step(self, step: int) -> None:
         """The trainer restored its weights at ``step`` (``ZephonTrainer.load_state_dict`` calls this): before the
@@ -182,22 +195,26 @@ class ZephonRayDataLoader(BaseDataLoader):
         the loader with a fixed ``dp_world_size = dp x group_size`` and ``dp_rank = dp x replica_id + r``: from now on
         each step is read through :class:`zephon_ray.stream.ft.FtSlices` after the quorum (the trainer's
         ``optimizers.zero_grad()`` starts it), as ``slice(step, p x dp + r, P x dp)`` of ``manager.current_step()``
-        for the P live groups, cut into the trainer's fixed ``microbatches_per_step``. Service or dataset mode only.
-        Shown by ``examples/torchtitan_torchft.py``.
-
-        No ledger on this route: FtSlices records a step when the loop confirms it (``FtSlices.commit``), and
-        TorchTitan's FaultTolerantTrainer steps its optimizer inside torchft's ``OptimizerWrapper`` without telling
-        the loader whether ``should_commit()`` passed, so the ledger is off here (``ledger_dir`` is ignored)."""
-        from dataclasses import replace
-
+        for the P live groups, cut into the trainer's fixed ``microbatches_per_step``; ``state_dict`` and
+        ``load_state_dict`` are then FtSlices' (the ledger head; a healing group receives it). Service or dataset
+        mode only. With ``ledger_dir``, a step enters the ledger when the trainer calls :meth:`ft_applied`:
+        :class:`~zephon_ray.integrations.torchtitan.torchft.ZephonFTTrainer` does, after every optimizer step that
+        torchft's ``should_commit()`` let through (``tests/test_torchtitan_torchft.py``)."""
         from zephon_ray.stream.ft import FtSlices
 
         size = check_int("use_torchft: group_size", group_size, low=1)
         if self.dp_world_size % size:
             raise ValueError(f"use_torchft: group_size {size} does not divide dp_world_size {self.dp_world_size}")
         dp = self.dp_world_size // size
-        self._ft = FtSlices(replace(self.core.config, ledger_dir=None), manager=manager, dp=dp, dp_rank=self.dp_rank % dp,
+        self._ft = FtSlices(self.core.config, manager=manager, dp=dp, dp_rank=self.dp_rank % dp,
                             microbatches=self.microbatches_per_step, recipe=self.recipe)
+
+    def ft_applied(self) -> None:
+        """Under :meth:`use_torchft`: the trainer applied the optimizer step of the rows handed out last (see
+        :meth:`zephon_ray.stream.ft.FtSlices.applied`)."""
+        if self._ft is None:
+            raise RuntimeError("ft_applied: the loader does not read through torchft (call use_torchft first)")
+        self._ft.applied()
 
     def _ft_steps(self) -> Iterator[StepBatch]:
         while True:  # a group that heals under torchft's async quorum still runs the step: rows it never trains on
@@ -236,10 +253,13 @@ class ZephonRayDataLoader(BaseDataLoader):
                 "exists only at step boundaries (does the trainer's global batch equal the recipe's "
                 f"{self.recipe.global_batch_rows} rows?)"
             )
-        return self.core.state_dict()
+        return self.core.state_dict() if self._ft is None else self._ft.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.core.load_state_dict(state_dict)
+        if self._ft is None:
+            self.core.load_state_dict(state_dict)
+        elif state_dict:  # TorchTitan passes {} for a component with nothing saved
+            self._ft.load_state_dict(state_dict)
         self._partial = 0
 
     # ------------------------------------------------------------------ shutdown
@@ -254,3 +274,18 @@ class ZephonRayDataLoader(BaseDataLoader):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+_WARNED_UNCHECKED = False
+
+
+def _warn_unchecked_once(dp_rank: int) -> None:
+    global _WARNED_UNCHECKED
+    if _WARNED_UNCHECKED or dp_rank:
+        return
+    _WARNED_UNCHECKED = True
+    logger.warning(
+        "zephon-ray: nothing on this route checks the trainer's restored step against the data loader's next_step "
+        "(a checkpoint whose weights and loader state come from different steps would skip or repeat steps "
+        "unseen); use the config registry (ZephonTrainer) or add "
+        "zephon_ray.integrations.torchtitan.overrides.zephon_checkpoint to --override.imports")

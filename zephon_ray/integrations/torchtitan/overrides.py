@@ -4,7 +4,15 @@
         --training.seq_len 64 --training.global_batch_size 16 --training.local_batch_size 2 \\
         --override.imports 'zephon_ray.integrations.torchtitan.overrides.zephon_dataloader={"recipe": "recipes/tiny.toml"}'
 
-The factory replaces the trainer's ``dataloader`` node only (not a validator's). Keyword arguments (the JSON
+The factory replaces the trainer's ``dataloader`` node only (not a validator's). A second factory,
+:func:`zephon_checkpoint`, replaces the stock checkpoint manager by :class:`ZephonCheckpointManager`, which hands the
+restored ``train_state`` step to the loader: a resume whose weights and loader state are from different steps (a
+checkpoint loaded with ``--checkpoint.exclude_from_loading dataloader``, say) then stops before its first batch,
+naming both (``tests/test_torchtitan_overrides.py``). List both for the check; with the loader alone, the loader
+warns once at its first batch that nothing checks it::
+
+    --override.imports 'zephon_ray.integrations.torchtitan.overrides.zephon_dataloader={"recipe": "tiny"}' \
+        zephon_ray.integrations.torchtitan.overrides.zephon_checkpoint Keyword arguments (the JSON
 object) are :class:`ZephonRayDataLoader.Config` fields; unset ones come from the same environment variables as
 the config registry (``ZEPHON_RAY_RECIPE``, ``ZEPHON_RAY_MODE``, ``ZEPHON_RAY_RUN_ID``, ...).
 
@@ -27,10 +35,12 @@ its device before overrides are applied), so on a CPU-only torch use the example
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+from torchtitan.components.checkpoint import TRAIN_STATE, CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
-from torchtitan.config.override import override
+from torchtitan.config.override import derive, override
 
 from zephon_ray.integrations.torchtitan.config_registry import zephon_loader_config
 from zephon_ray.integrations.torchtitan.internals import trainer_config_being_overridden
@@ -63,3 +73,36 @@ def check_trainer_config(trainer_config: Any, loader: ZephonRayDataLoader.Config
                                    f"{trainer_config.hf_assets_path!r} to check it against the recipe "
                                    f"{recipe.describe()}: {type(exc).__name__}: {exc}") from None
     check_tokenizer(recipe, tokenizer)
+
+
+class ZephonCheckpointManager(CheckpointManager):
+    """TorchTitan's DCP ``CheckpointManager`` that, after a load, hands the restored trainer step to the zephon-ray
+    loader (``ZephonRayDataLoader.expect_trainer_step``): the loader refuses, before its first batch, a ``next_step``
+    other than that step, naming both numbers. The check the config registry's ``ZephonTrainer`` makes, for a stock
+    ``Trainer`` on the ``--override.imports`` route (``Trainer.load_state_dict`` has no hook; the checkpoint manager
+    is a ``Configurable`` that an override can replace, and it holds both the trainer and the loader)."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(CheckpointManager.Config):  # its own Config: build() makes this class
+        pass
+
+    def __init__(self, config: Config, *, dataloader: Any, states: dict[str, Any], **kwargs: Any) -> None:
+        super().__init__(config, dataloader=dataloader, states=states, **kwargs)
+        self._zr_loader, self._zr_trainer = dataloader, states.get(TRAIN_STATE)
+        register = getattr(dataloader, "register_trainer_step_check", None)
+        if register is not None:
+            register(type(self).__name__)
+
+    def _load(self, step: int = -1) -> bool:
+        loaded = super()._load(step)
+        expect = getattr(self._zr_loader, "expect_trainer_step", None)
+        trainer_step = getattr(self._zr_trainer, "step", None)
+        if loaded and expect is not None and trainer_step is not None:
+            expect(int(trainer_step))
+        return loaded
+
+
+@override(target=CheckpointManager.Config, fqns=["checkpoint"], exact=True,
+          description="zephon-ray: check the restored trainer step against the data loader's next_step")
+def zephon_checkpoint(cfg: CheckpointManager.Config) -> ZephonCheckpointManager.Config:
+    return derive(cfg, ZephonCheckpointManager.Config)
