@@ -1,0 +1,108 @@
+"""Ray alone (no Zephon): which release orders leave an entry behind in a core worker's in-process memory store.
+
+    python benchmarks/ray_memstore_leak.py [--steps 300]
+
+Prints, per pattern, the growth per object of ``CoreWorker.get_memory_store_size()`` in the owner (the actor that
+``ray.put`` the objects) and in the borrower (an async actor that opens a container of refs):
+
+- ``owner_drops_first``: the owner puts an object, returns its ref and keeps nothing; the caller (a borrower) drops
+  it later. The object leaves the object store, but the owner's memory store keeps one entry for it, forever.
+- ``owner_drops_last``: the same, but the owner holds the ref until after the borrower dropped it: no entry stays.
+- ``borrower_container_first``: a borrower awaits a container (an object holding refs), drops the container's ref
+  and keeps the refs it held; when those go, the container's entry stays in the borrower's memory store.
+- ``borrower_container_last``: the borrower holds the container's ref until after the refs it held: no entry stays.
+
+Measured with Ray 2.60 on a 2-core VM (docs/benchmarks.md "Memory over a long run"): 1.0 entry per object in the
+first and third patterns, 0 in the others. The data service avoids the first and third orders
+(producer.py's and node.py's held refs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import tempfile
+
+import numpy as np
+import ray
+
+
+def entries() -> int:
+    return ray._private.worker.global_worker.core_worker.get_memory_store_size()
+
+
+@ray.remote(num_cpus=0.1)
+class Owner:
+    def __init__(self, hold: int) -> None:
+        self.held: collections.deque = collections.deque(maxlen=hold or None)
+        self.hold = hold
+
+    def entries(self) -> int:
+        return entries()
+
+    def put(self, inner: int) -> dict:
+        lanes = [ray.put(np.zeros(130, np.int32)) for _ in range(inner)]
+        container = ray.put(lanes)
+        if self.hold:
+            self.held.append((container, lanes))
+        return {"container": container}
+
+
+@ray.remote(num_cpus=0.1)
+class Borrower:
+    def __init__(self, keep_container: bool, keep: int) -> None:
+        self.keep_container = keep_container
+        self.cache: collections.OrderedDict = collections.OrderedDict()
+        self.keep = keep
+
+    async def entries(self) -> int:
+        return entries()
+
+    async def open(self, step: int, boxed: list) -> list:
+        lanes = await boxed[0]
+        self.cache[step] = (lanes, boxed if self.keep_container else None)
+        while len(self.cache) > self.keep:
+            _, (old_lanes, old_boxed) = self.cache.popitem(last=False)
+            del old_lanes  # the refs the container held go first ...
+            del old_boxed  # ... then the container: the order that leaves nothing behind
+        return lanes
+
+
+def run(steps: int, owner_hold: int, keep_container: bool, inner: int = 4) -> dict:
+    owner, borrower = Owner.remote(owner_hold), Borrower.remote(keep_container, keep=10)
+
+    def step(s: int) -> None:
+        meta = ray.get(owner.put.remote(inner))
+        ray.get(ray.get(borrower.open.remote(s, [meta["container"]])))
+
+    for s in range(50):
+        step(s)
+    before = ray.get([owner.entries.remote(), borrower.entries.remote()])
+    for s in range(50, 50 + steps):
+        step(s)
+    after = ray.get([owner.entries.remote(), borrower.entries.remote()])
+    ray.kill(owner)
+    ray.kill(borrower)
+    return {"owner_entries_per_object": round((after[0] - before[0]) / (steps * (inner + 1)), 3),
+            "borrower_entries_per_container": round((after[1] - before[1]) / steps, 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=300)
+    a = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="memstore-") as tmp:
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
+        try:
+            print("ray", ray.__version__)
+            # the borrower keeps 10 steps: an owner holding 0 drops first, one holding 32 drops last
+            for name, hold, keep_c in [("owner_drops_first + borrower_container_first", 0, False),
+                                       ("owner_drops_last + borrower_container_last", 32, True)]:
+                print(name, json.dumps(run(a.steps, hold, keep_c)), flush=True)
+        finally:
+            ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
