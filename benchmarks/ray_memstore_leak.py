@@ -1,6 +1,6 @@
 """Ray alone (no Zephon): which release orders leave an entry behind in a core worker's in-process memory store.
 
-    python benchmarks/ray_memstore_leak.py [--steps 300]
+    python benchmarks/ray_memstore_leak.py [--steps 300] [--rss-calls 12000]
 
 Prints, per pattern, the growth per object of ``CoreWorker.get_memory_store_size()`` in the owner (the actor that
 ``ray.put`` the objects) and in the borrower (an async actor that opens a container of refs):
@@ -11,6 +11,9 @@ Prints, per pattern, the growth per object of ``CoreWorker.get_memory_store_size
 - ``borrower_container_first``: a borrower awaits a container (an object holding refs), drops the container's ref
   and keeps the refs it held; when those go, the container's entry stays in the borrower's memory store.
 - ``borrower_container_last``: the borrower holds the container's ref until after the refs it held: no entry stays.
+
+With ``--rss-calls N``, it also measures the owner's RSS per call (5 puts) over N calls in the order that leaves
+no entry (the owner holds its last 32 calls' refs), after 2,000 calls of warm-up.
 
 Measured with Ray 2.60 on a 2-core VM (docs/benchmarks.md "Memory over a long run"): 1.0 entry per object in the
 first and third patterns, 0 in the others. The data service avoids the first and third orders
@@ -40,6 +43,11 @@ class Owner:
 
     def entries(self) -> int:
         return entries()
+
+    def rss(self) -> int:
+        import psutil
+
+        return psutil.Process().memory_info().rss
 
     def put(self, inner: int) -> dict:
         lanes = [ray.put(np.zeros(130, np.int32)) for _ in range(inner)]
@@ -88,9 +96,29 @@ def run(steps: int, owner_hold: int, keep_container: bool, inner: int = 4) -> di
             "borrower_entries_per_container": round((after[1] - before[1]) / steps, 3)}
 
 
+def rss_per_call(calls: int, hold: int = 32) -> list[str]:
+    owner = Owner.remote(hold)
+
+    def call() -> None:
+        meta = ray.get(owner.put.options(enable_task_events=False).remote(4))
+        ray.get(ray.get(meta["container"]))
+
+    for _ in range(2000):
+        call()
+    r0, out = ray.get(owner.rss.remote()), []
+    for q in range(1, 5):
+        for _ in range(calls // 4):
+            call()
+        done = q * (calls // 4)
+        out.append(f"{done}: {(ray.get(owner.rss.remote()) - r0) / done:.0f} B/call")
+    ray.kill(owner)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--rss-calls", type=int, default=0)
     a = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="memstore-") as tmp:
         ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, _temp_dir=tmp)
@@ -100,6 +128,8 @@ def main() -> None:
             for name, hold, keep_c in [("owner_drops_first + borrower_container_first", 0, False),
                                        ("owner_drops_last + borrower_container_last", 32, True)]:
                 print(name, json.dumps(run(a.steps, hold, keep_c)), flush=True)
+            if a.rss_calls:
+                print("owner RSS per call, owner drops last:", ", ".join(rss_per_call(a.rss_calls)), flush=True)
         finally:
             ray.shutdown()
 
