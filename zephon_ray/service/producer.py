@@ -15,8 +15,8 @@ actor: ``info()`` reports it with the node, so the coordinator can report one co
 restarting the group again and again.
 The producer also holds its own refs of the last ``hold_steps`` steps it made (``held``): Ray 2.60 leaves one
 entry behind in the owner's in-process memory store for every object whose last reference is dropped by a borrower
-rather than by the owner (benchmarks/ray_memstore_leak.py), which grew each producer by about 2.6 KB per step of
-``tiny``. Holding the refs past every borrower makes the owner drop them last; it keeps those shards in the object
+rather than by the owner (benchmarks/ray_memstore_leak.py): 5 entries per step of ``tiny`` in each producer
+before (tests/test_service_memory.py). Holding the refs past every borrower makes the owner drop them last; it keeps those shards in the object
 store for ``hold_steps`` steps (pool.py sizes it above what the coordinator and the node readers hold).
 Limits: calls must come in step order (the actor is sequential and checks it); a producer cannot go back, the
 coordinator replaces the whole group instead (see coordinator.py).
@@ -82,12 +82,9 @@ class OwnedRefs:
             return
         self._held.append((container, lanes))
         while len(self._held) > self.steps:
-            container, lanes = self._held.popleft()
-            del container  # first, so that each lane is then freed by the release of its own last ref here
-            del lanes
-
-    def clear(self) -> None:
-        self._held.clear()
+            old_container, old_lanes = self._held.popleft()
+            del old_container  # first, so that each lane is then freed by the release of its own last ref here
+            del old_lanes
 
     def __len__(self) -> int:
         return len(self._held)
