@@ -58,8 +58,27 @@ class Owner:
 
 
 @ray.remote(num_cpus=0.1)
+class Table:
+    """Like the service's coordinator: keeps the container refs of the last 10 steps and hands them out."""
+
+    def __init__(self, owner) -> None:
+        self.owner, self.table = owner, {}
+
+    async def pump(self, step: int, inner: int) -> None:
+        meta = await self.owner.put.remote(inner)
+        self.table[step] = meta["container"]
+        self.table.pop(step - 10, None)
+
+    async def lease(self, step: int) -> list:
+        return [self.table[step]]
+
+
+@ray.remote(num_cpus=0.1)
 class Borrower:
-    def __init__(self, keep_container: bool, keep: int) -> None:
+    """Like the service's node reader: leases a step's container, opens it and keeps the lane refs 10 steps."""
+
+    def __init__(self, table, keep_container: bool, keep: int) -> None:
+        self.table = table
         self.keep_container = keep_container
         self.cache: collections.OrderedDict = collections.OrderedDict()
         self.keep = keep
@@ -67,22 +86,23 @@ class Borrower:
     async def entries(self) -> int:
         return entries()
 
-    async def open(self, step: int, boxed: list) -> list:
-        lanes = await boxed[0]
-        self.cache[step] = (lanes, boxed if self.keep_container else None)
+    async def open(self, step: int) -> list:
+        containers = await self.table.lease.remote(step)
+        lanes = await containers[0]
+        self.cache[step] = (lanes, containers if self.keep_container else None)
         while len(self.cache) > self.keep:
-            _, (old_lanes, old_boxed) = self.cache.popitem(last=False)
-            del old_lanes  # the refs the container held go first ...
-            del old_boxed  # ... then the container: the order that leaves nothing behind
-        return lanes
+            self.cache.popitem(last=False)
+        return [lanes]
 
 
 def run(steps: int, owner_hold: int, keep_container: bool, inner: int = 4) -> dict:
-    owner, borrower = Owner.remote(owner_hold), Borrower.remote(keep_container, keep=10)
+    owner = Owner.remote(owner_hold)
+    table = Table.remote(owner)
+    borrower = Borrower.remote(table, keep_container, keep=10)
 
     def step(s: int) -> None:
-        meta = ray.get(owner.put.remote(inner))
-        ray.get(ray.get(borrower.open.remote(s, [meta["container"]])))
+        ray.get(table.pump.remote(s, inner))
+        ray.get(ray.get(borrower.open.remote(s))[0])
 
     for s in range(50):
         step(s)
@@ -90,8 +110,8 @@ def run(steps: int, owner_hold: int, keep_container: bool, inner: int = 4) -> di
     for s in range(50, 50 + steps):
         step(s)
     after = ray.get([owner.entries.remote(), borrower.entries.remote()])
-    ray.kill(owner)
-    ray.kill(borrower)
+    for actor in (owner, table, borrower):
+        ray.kill(actor)
     return {"owner_entries_per_object": round((after[0] - before[0]) / (steps * (inner + 1)), 3),
             "borrower_entries_per_container": round((after[1] - before[1]) / steps, 3)}
 
