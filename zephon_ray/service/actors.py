@@ -112,3 +112,6 @@ class NodeReaderActor:
 
     async def info(self) -> dict[str, Any]:
         return await self._impl.info()
+
+    async def memory(self) -> dict[str, Any]:
+        return await self._impl.memory()

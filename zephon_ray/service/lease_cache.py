@@ -26,6 +26,19 @@ REPLAYS_KEPT = 8
 """Replayed steps kept (the ranks reading one past step share one reply)."""
 
 
+def container_hold_steps(window: int, lease_steps: int) -> int:
+    """Steps whose container refs a node reader keeps (node.py): the cache's cap plus one reply's run of steps, so
+    a container outlives the lane refs it held (the order that leaves nothing behind in Ray's memory store)."""
+    return 2 * (window + lease_steps) + REPLAYS_KEPT + max(window, lease_steps)
+
+
+def producer_hold_steps(window: int, lease_steps: int, retain_behind: int) -> int:
+    """Steps whose refs a producer keeps (producer.py :class:`OwnedRefs`): longer than the node readers keep the
+    containers, plus the steps produced ahead (window) and kept behind the cursors (retain_behind) by the
+    coordinator, so that the owner drops its refs last."""
+    return container_hold_steps(window, lease_steps) + 2 * window + retain_behind
+
+
 class LeaseCache:
     """Held steps by step number; see the module docstring."""
 

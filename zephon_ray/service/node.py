@@ -47,6 +47,7 @@ ranks move again). ``status()`` shows cursors up to a run plus a lease old.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import os
 import time
@@ -56,7 +57,7 @@ from typing import Any
 from ray.exceptions import RayTaskError
 
 from zephon_ray.service.errors import NoReply, reply_within
-from zephon_ray.service.lease_cache import LeaseCache
+from zephon_ray.service.lease_cache import LeaseCache, container_hold_steps
 from zephon_ray.service.protocol import (
     CursorMove, Reply, StepContainers, StepLanes, check_consumer, check_reader, expand, lease_reply)
 
@@ -108,6 +109,11 @@ class NodeReader:
         self.request_timeout_s = request_timeout_s
         self.node_id = node_id
         self._cache = LeaseCache.for_window(lanes, window, lease_steps)
+        # The container refs of the steps last opened, kept at least as long as the cache can keep their lanes:
+        # Ray 2.60 leaves one memory-store entry here per container whose ref is dropped while the lane refs it
+        # held live on (1.2 entries per step of `tiny` before: tests/test_service_memory.py).
+        self._containers: collections.deque[list[Any]] = collections.deque(
+            maxlen=container_hold_steps(window, lease_steps))
         self.run_steps = max(lease_steps, window)
         """Steps one read reply may carry: a rank's process calls about once per run it is handed."""
         self._leases: list[_Lease] = []
@@ -217,6 +223,12 @@ class NodeReader:
         self._reported_slowest.pop(consumer, None)
         return len(keys)
 
+    async def memory(self) -> dict[str, Any]:
+        """This process's pid and core-worker memory store (entries, bytes), and the container refs it holds."""
+        from zephon_ray.service.ray_internals import memory_store
+
+        return {"pid": os.getpid(), "held_containers": len(self._containers), **memory_store()}
+
     async def info(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "node_id": self.node_id, "cached_steps": self._cache.steps(),
                 "keep_from": self._cache.keep_from,
@@ -285,6 +297,7 @@ class NodeReader:
                     await reply_within(self._coordinator.invalidate.remote(step, generation), CALL_TIMEOUT_S)
                 break
             out.append(StepLanes(step, generation, expand(groups, got, self.lanes)))
+            self._containers.append([c for c in containers if c is not None])
         return out
 
     # ------------------------------------------------------------------ cursor reports

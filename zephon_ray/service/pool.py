@@ -53,6 +53,7 @@ from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import HOSTED_STORE, ServiceConfig
 from zephon_ray.service.errors import describe
 from zephon_ray.service.metrics import NO_METRICS
+from zephon_ray.service.lease_cache import producer_hold_steps
 from zephon_ray.service.producer import KEY_CONTAINER, Producer
 from zephon_ray.service.protocol import PRODUCER_INFIX
 from zephon_ray.formats.service_state import ServiceState
@@ -196,7 +197,9 @@ class ProducerPool:
                     # Detached: producers must outlive the job that started the service; the group kills them.
                     lifetime="detached", num_cpus=res.producer_num_cpus, resources=dict(res.producer_resources),
                     max_restarts=0,
-                ).remote(self.recipe, group, state, storage_retry_s=self.config.storage_retry_s))
+                ).remote(self.recipe, group, state, storage_retry_s=self.config.storage_retry_s,
+                         hold_steps=producer_hold_steps(self.config.window, self.config.lease_steps,
+                                                        self.config.retain_behind)))
                 lanes.append(group.owned_lanes(self.recipe.lanes))
             self.gen = _Generation(number=number, actors=actors, lanes=lanes, run_id=run_id,
                                    info_refs=[a.info.remote() for a in actors], infos=[None] * producers)

@@ -13,12 +13,18 @@ next group makes them again (tests/test_service_faults.py::test_kill9_producer_w
 A failure in ``__init__`` (missing data, a bad tokenizer, an identity mismatch on this node) does not kill the
 actor: ``info()`` reports it with the node, so the coordinator can report one configuration error instead of
 restarting the group again and again.
+The producer also holds its own refs of the last ``hold_steps`` steps it made (``held``): Ray 2.60 leaves one
+entry behind in the owner's in-process memory store for every object whose last reference is dropped by a borrower
+rather than by the owner (benchmarks/ray_memstore_leak.py): 5 entries per step of ``tiny`` in each producer
+before (tests/test_service_memory.py). Holding the refs past every borrower makes the owner drop them last; it keeps those shards in the object
+store for ``hold_steps`` steps (pool.py sizes it above what the coordinator and the node readers hold).
 Limits: calls must come in step order (the actor is sequential and checks it); a producer cannot go back, the
 coordinator replaces the whole group instead (see coordinator.py).
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import socket
@@ -49,12 +55,39 @@ def shard_meta(step: int, shards: list[LaneShard]) -> dict[str, int]:
             KEY_TOKENS: sum(int(s.tokens.size) for s in shards)}
 
 
-def put_shards(step: int, shards: list[LaneShard]) -> dict[str, Any]:
+def put_shards(step: int, shards: list[LaneShard], held: OwnedRefs | None = None) -> dict[str, Any]:
     """Put ``shards`` into this process's object store (this worker owns them), then one small container object
-    holding their refs, and return their meta with the container's ref (protocol.py: "containers")."""
+    holding their refs, and return their meta with the container's ref (protocol.py: "containers"). ``held`` keeps
+    this process's own refs for a while (:class:`OwnedRefs`)."""
     import ray
 
-    return {**shard_meta(step, shards), KEY_CONTAINER: ray.put([ray.put(shard) for shard in shards])}
+    lanes = [ray.put(shard) for shard in shards]
+    container = ray.put(lanes)
+    if held is not None:
+        held.add(container, lanes)
+    return {**shard_meta(step, shards), KEY_CONTAINER: container}
+
+
+class OwnedRefs:
+    """The owner's refs of the last ``steps`` puts, so that the owner, not a borrower, drops them last (see the
+    module docstring: Ray 2.60 leaks a memory-store entry per object otherwise). Released container first, then its
+    lanes: each is then freed by the owner's own release."""
+
+    def __init__(self, steps: int) -> None:
+        self.steps = max(0, int(steps))
+        self._held: collections.deque[tuple[Any, list[Any]]] = collections.deque()
+
+    def add(self, container: Any, lanes: list[Any]) -> None:
+        if not self.steps:
+            return
+        self._held.append((container, lanes))
+        while len(self._held) > self.steps:
+            old_container, old_lanes = self._held.popleft()
+            del old_container  # first, so that each lane is then freed by the release of its own last ref here
+            del old_lanes
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 def worker_id() -> str | None:
@@ -88,9 +121,10 @@ class Producer:
     """Plain class; the coordinator wraps it with ``ray.remote`` and fractional CPUs."""
 
     def __init__(self, recipe: Recipe, group: LaneGroup, state: dict[str, Any] | None = None, *,
-                 storage_retry_s: float | None = None) -> None:
+                 storage_retry_s: float | None = None, hold_steps: int = 0) -> None:
         from zephon_ray import files
 
+        self.held = OwnedRefs(hold_steps)
         self.lanes = group.owned_lanes(recipe.lanes)
         self.init_error: str | None = None
         if storage_retry_s is not None:
@@ -132,7 +166,7 @@ class Producer:
         """:func:`shard_meta` of the owned lanes' shards of ``step`` and their container (:func:`put_shards`)."""
         self._expect(step)
         shards = self._stepper.next_step()
-        return put_shards(step, [shards[lane] for lane in self.lanes])
+        return put_shards(step, [shards[lane] for lane in self.lanes], self.held)
 
     def skip(self, step: int) -> int:
         """Advance past a step that nobody needs stored (already held, or behind every consumer)."""
@@ -145,6 +179,12 @@ class Producer:
         must be called at the same step; each receives the same merged state (measured)."""
         self._expect(step)
         return self._stepper.checkpoint()
+
+    def memory(self) -> dict[str, Any]:
+        """This process's pid and core-worker memory store (entries, bytes), and the steps it holds refs of."""
+        from zephon_ray.service.ray_internals import memory_store
+
+        return {"pid": os.getpid(), "held_steps": len(self.held), **memory_store()}
 
     def close(self) -> None:
         if not self.init_error:

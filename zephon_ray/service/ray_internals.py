@@ -10,6 +10,9 @@ loudly when a Ray upgrade moves them).
   (``ray._private.internal_api.memory_summary``), for benchmarks.
 - :func:`init_private_local`: a private local Ray whose session files live in a directory of ours
   (``ray.init(_temp_dir=...)``, a private keyword).
+- :func:`memory_store`: entries and bytes in this process's core-worker memory store
+  (``ray._private.worker.global_worker.core_worker``), the count that grew by one per released object before the
+  held refs of producer.py and node.py (docs/benchmarks.md "Memory over a long run"); for tests and benchmarks.
 - :func:`bootstrap_address`: the ``host:port`` that ``ray.init(address=...)`` would connect to (``auto`` resolved
   the way Ray resolves it: ``RAY_ADDRESS``, then the newest ``ray start`` of this machine), so that it can be probed
   before Ray waits minutes for a cluster that is not there.
@@ -62,6 +65,14 @@ def plasma_usage() -> dict[str, int]:
         mib += int(m.group(1))
         objects += int(m.group(2))
     return {"mib": mib, "objects": objects}
+
+
+def memory_store() -> dict[str, int]:
+    """``{"entries": n, "bytes": b}`` of this process's core-worker in-process memory store."""
+    import ray
+
+    cw = ray._private.worker.global_worker.core_worker
+    return {"entries": int(cw.get_memory_store_size()), "bytes": int(cw.get_local_memory_store_bytes_used())}
 
 
 def bootstrap_address(address: str) -> str | None:

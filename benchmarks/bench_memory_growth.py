@@ -1,0 +1,80 @@
+"""Per-step growth of the producers and the node reader: memory-store entries and RSS, without kills or rescales.
+
+    python benchmarks/bench_memory_growth.py [--steps 3000] [--every 500] [--world 4]
+
+A service with 2 producers and ``state_dir`` (checkpoint every 8 steps) on ``recipes/tiny.toml``, ``--world``
+service-mode loaders in this process with the ledger and a commit per step, a state saved every 100 steps. Prints a
+JSON row every ``--every`` steps, then entries and RSS KB per step from the first row to the last
+(docs/benchmarks.md "Memory over a long run"; ``bench_soak.py`` is the full soak).
+"""
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import ray
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TINY = str(ROOT / "recipes" / "tiny.toml")
+p = argparse.ArgumentParser()
+p.add_argument("--steps", type=int, default=3000)
+p.add_argument("--every", type=int, default=500)
+p.add_argument("--world", type=int, default=4)
+a = p.parse_args()
+work = tempfile.mkdtemp(prefix="memgrowth-")
+_ps = psutil
+for attempt in range(4):  # Ray's fixed 30 s start-up timeout is hit on a loaded shared machine: start again
+    kids = {c.pid for c in _ps.Process().children(recursive=True)}
+    try:
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=work + f"/ray{attempt}")
+        break
+    except Exception as exc:
+        if "timed out during startup" not in str(exc): raise
+        left = [c for c in _ps.Process().children(recursive=True) if c.pid not in kids]
+        for c in left: c.kill()
+        ray.shutdown(); print("retry ray start", flush=True)
+from zephon_ray import DataService  # noqa: E402
+from zephon_ray.service.protocol import PRODUCER_INFIX, READER_INFIX  # noqa: E402
+from zephon_ray.stream.loader import Loader, LoaderConfig  # noqa: E402
+NS = "measure"
+svc = DataService.start(TINY, name="m", namespace=NS, producers=2, state_dir=work + "/state", checkpoint_every=8)
+cfg = LoaderConfig(recipe=TINY, mode="service", service_name="m", service_namespace=NS, run_id="r",
+                   ledger_dir=work + "/ledger")
+loaders = [Loader(cfg, rank=r, world=a.world) for r in range(a.world)]
+its = [iter(l) for l in loaders]
+def handles():
+    out = []
+    for x in ray.util.list_named_actors(all_namespaces=True):
+        if x["namespace"] == NS and (PRODUCER_INFIX in x["name"] or READER_INFIX in x["name"]):
+            out.append((x["name"].split(".")[1], ray.get_actor(x["name"], namespace=NS)))
+    return sorted(out, key=lambda t: t[0])
+rows = []
+t0 = time.time()
+for s in range(a.steps):
+    for it in its:
+        next(it)
+    for l in loaders:
+        l.commit(s)
+    if (s + 1) % 100 == 0:
+        for l in loaders:
+            l.state_dict()
+    if (s + 1) % a.every == 0:
+        row = {"step": s + 1, "t": round(time.time() - t0)}
+        for kind, h in handles():
+            m = ray.get(h.memory.remote(), timeout=60)
+            row.setdefault(kind, []).append((m["entries"], round(psutil.Process(m["pid"]).memory_info().rss / 2**20, 1)))
+        row["driver_mb"] = round(psutil.Process().memory_info().rss / 2**20, 1)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+f, l = rows[0], rows[-1]
+n = l["step"] - f["step"]
+for kind in ("producer", "reader"):
+    for i, (x, y) in enumerate(zip(f[kind], l[kind])):
+        print(f"{kind}[{i}] steps {f['step']}..{l['step']}: entries/step {(y[0]-x[0])/n:.3f}, RSS KB/step {(y[1]-x[1])*1024/n:.2f}")
+for lo in loaders: lo.close()
+svc.stop()
+ray.shutdown()

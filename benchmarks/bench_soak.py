@@ -1,0 +1,344 @@
+"""A long run as a user runs it: memory, files and step wait over many steps of the data service.
+
+    python benchmarks/bench_soak.py --steps 20000 [--every 1000] [--save-every 100] [--worlds 4,2,3]
+
+- A service with 2 producers and a ``state_dir`` (checkpoint every 8 steps), on a private local Ray.
+- The recipe is ``recipes/tiny.toml`` with one mixture phase added at half the run (``--phase-at``), so the run
+  crosses a phase boundary; the in-process source reads the same recipe.
+- W loaders, one process per rank (as torchrun places them), in service mode, each with the ledger, ``commit`` of
+  every step and a state saved every ``--save-every`` steps. W follows ``--worlds``: the run is cut into equal
+  segments, and each new group resumes from the state the previous group saved at its last step.
+- One producer is killed with SIGKILL at 40% of the run and the node reader at 60%.
+- Every ``--every`` steps (of the slowest rank) it prints one row: the RSS of each actor (producers, coordinator,
+  node reader) and of each trainer process, the object store's use, the step wait p50/p99 over the last rows'
+  steps, and the files and bytes in ``state_dir`` and the ledger. Every digest a rank saw is checked against
+  ``GlobalBatchSource(recipe).batch(s).slice(rank, W)`` in this process; the run ends with the count of wrong rows.
+- Growth per step (``RESULT`` line): each actor's RSS from the first row after the warm-up to the last, divided by
+  the steps between; a restarted actor (a new pid) starts a new baseline.
+
+Prints a table and one JSON line (prefixed ``RESULT``). Results on this machine: docs/benchmarks.md
+("Memory over a long run").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+NS = "zr-soak"
+NAME = "soak"
+WAIT_S = 900.0
+"""The longest the parent waits for a segment's ranks to reach its end (a kill -9 heals within seconds)."""
+
+
+def write_recipe(dest: Path, phase_at: int) -> Path:
+    """tiny.toml with absolute source paths and one phase at ``phase_at``."""
+    text = (ROOT / "recipes" / "tiny.toml").read_text()
+    text = text.replace('path = "data/', f'path = "{ROOT}/recipes/data/')
+    text += f'\n[[phases]]\nname = "main"\nstart_step = {phase_at}\nweights = {{ prose = 0.2, code = 0.8 }}\n'
+    dest.write_text(text)
+    return dest
+
+
+# ---------------------------------------------------------------------------------------------------------- rank
+def rank_main(a: argparse.Namespace) -> None:
+    """One trainer process: read steps [first, stop) at (rank, world), commit each, save every ``save_every``."""
+    import ray
+
+    from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    ray.init(address=a.address, namespace=NS, log_to_driver=False)
+    cfg = LoaderConfig(recipe=a.recipe, mode="service", service_name=NAME, service_namespace=NS, run_id=NAME,
+                       ledger_dir=a.ledger)
+    loader = Loader(cfg, rank=a.rank, world=a.world)
+    if a.state:
+        loader.load_state_dict(json.loads(Path(a.state).read_text()))
+    assert loader.next_step == a.first, (loader.next_step, a.first)
+    it = iter(loader)
+    with open(a.out, "a", buffering=1) as out:
+        for step in range(a.first, a.stop):
+            t0 = time.perf_counter()
+            b = next(it)
+            wait_ms = (time.perf_counter() - t0) * 1e3
+            loader.commit(step)
+            out.write(f"{step} {b.slice.ledger_digest} {wait_ms:.3f}\n")
+            if (step + 1) % a.save_every == 0 or step + 1 == a.stop:
+                state = loader.state_dict()
+                if a.rank == 0 and step + 1 == a.stop:  # the next group resumes from it (identical on every rank)
+                    tmp = Path(a.save_to + ".tmp")
+                    tmp.write_text(json.dumps(state))
+                    os.replace(tmp, a.save_to)
+    loader.close()
+    # No ray.shutdown(): a rank's background threads may still touch the core worker while it shuts down, and Ray
+    # then exits the process with status 1 ("The core worker has already been shutdown"); its output is complete.
+    sys.stdout.flush()
+    os._exit(0)
+
+
+# -------------------------------------------------------------------------------------------------------- parent
+def tree(path: Path) -> tuple[int, int]:
+    files = size = 0
+    for p in path.rglob("*"):
+        if p.is_file():
+            files += 1
+            size += p.stat().st_size
+    return files, size
+
+
+def rss_mb(pid: int) -> float | None:
+    import psutil
+
+    try:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.Error:
+        return None
+
+
+def actor_pids(svc) -> dict[str, int]:
+    """{label: pid} of the coordinator, the producers and the node readers (their memory() calls)."""
+    import ray
+
+    from zephon_ray.service.protocol import PRODUCER_INFIX, READER_INFIX
+
+    out = {"coordinator": svc.status()["coordinator"]["pid"]}
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != NS:
+            continue
+        for infix, label in ((PRODUCER_INFIX, "producer"), (READER_INFIX, "reader")):
+            if entry["name"].startswith(NAME + infix):
+                try:
+                    m = ray.get(ray.get_actor(entry["name"], namespace=NS).memory.remote(), timeout=30)
+                except Exception:  # noqa: BLE001 - a retired or dying actor: not in this row
+                    continue
+                idx = entry["name"].rsplit(".", 1)[-1] if label == "producer" else "0"
+                out[f"{label}{idx}"] = m["pid"]
+    return out
+
+
+class Checker:
+    """Reads the ranks' output files as they grow and checks each digest against the in-process source."""
+
+    def __init__(self, recipe) -> None:
+        from zephon_ray import GlobalBatchSource
+
+        self.source = GlobalBatchSource(recipe)
+        self.expected: dict[int, object] = {}
+        self.pos: dict[str, int] = {}
+        self.done: dict[tuple[int, int], int] = {}  # (rank, world) -> steps read
+        self.wrong = 0
+        self.rows = 0
+        self.waits: list[float] = []
+
+    def batch(self, step: int):
+        if step not in self.expected:
+            self.expected = {s: b for s, b in self.expected.items() if s >= step - 64}
+            self.expected[step] = self.source.batch(step)
+        return self.expected[step]
+
+    def poll(self, path: Path, rank: int, world: int) -> int | None:
+        """Newest step the file shows; every new line checked."""
+        last = None
+        if not path.exists():
+            return None
+        with open(path) as f:
+            f.seek(self.pos.get(str(path), 0))
+            while True:
+                line = f.readline()
+                if not line.endswith("\n"):
+                    break
+                self.pos[str(path)] = f.tell()
+                step_s, digest, wait = line.split()
+                step = int(step_s)
+                self.rows += 1
+                if self.batch(step).slice(rank, world).ledger_digest != digest:
+                    self.wrong += 1
+                self.waits.append(float(wait))
+                last = step
+        return last
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    if not xs:
+        return None
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def start_ray(work: Path) -> None:
+    """A private local Ray; once more after Ray's fixed 30 s start-up timeout, which a loaded shared machine hits
+    (the processes the failed attempt left, children of this one, are killed first)."""
+    import psutil
+    import ray
+
+    from zephon_ray.service.ray_internals import init_private_local
+
+    me = psutil.Process()
+    for attempt in range(3):
+        before = {c.pid for c in me.children(recursive=True)}
+        try:
+            init_private_local(str(work / f"ray{attempt}"), num_cpus=4, include_dashboard=False,
+                               log_to_driver=False)
+            return
+        except Exception as exc:  # noqa: BLE001 - only the start-up timeout is retried
+            if "timed out during startup" not in str(exc) or attempt == 2:
+                raise
+        left = [c for c in me.children(recursive=True) if c.pid not in before]
+        for c in left:
+            c.kill()
+        psutil.wait_procs(left, timeout=30)
+        ray.shutdown()
+        print("Ray did not start within its fixed 30 s; starting it again", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--every", type=int, default=1000, help="print a row every this many steps")
+    ap.add_argument("--save-every", type=int, default=100)
+    ap.add_argument("--worlds", default="4,2,3", help="W of each segment (W changes between segments)")
+    ap.add_argument("--phase-at", type=int, default=None, help="step of the phase boundary (default: steps/2)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps before the growth baseline (default: every)")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    for key in ("address", "recipe", "ledger", "state", "out", "save_to"):
+        ap.add_argument(f"--{key.replace('_', '-')}", default=None, help=argparse.SUPPRESS)
+    for key in ("rank", "world", "first", "stop"):
+        ap.add_argument(f"--{key}", type=int, default=0, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.worker:
+        rank_main(a)
+        return
+
+    import ray
+
+    from zephon_ray import DataService, Recipe
+    from zephon_ray.service.ray_internals import plasma_usage
+
+    work = Path(a.workdir or tempfile.mkdtemp(prefix="soak-"))
+    work.mkdir(parents=True, exist_ok=True)
+    recipe_path = write_recipe(work / "soak.toml", a.phase_at if a.phase_at is not None else a.steps // 2)
+    recipe = Recipe.from_toml(recipe_path)
+    state_dir, ledger = work / "state", work / "ledger"
+    worlds = [int(w) for w in a.worlds.split(",")]
+    bounds = [a.steps * i // len(worlds) for i in range(len(worlds) + 1)]
+    kill_producer_at, kill_reader_at = int(a.steps * 0.4), int(a.steps * 0.6)
+    warmup = a.every if a.warmup is None else a.warmup
+
+    start_ray(work)
+    address = ray.get_runtime_context().gcs_address
+    svc = DataService.start(str(recipe_path), name=NAME, namespace=NS, producers=2, state_dir=str(state_dir),
+                            checkpoint_every=8, aggregate_store="torch://", run_id=NAME)
+    checker = Checker(recipe)
+    print(f"soak: {a.steps} steps of {recipe_path.name} (phase at {a.phase_at or a.steps // 2}), worlds {worlds} at "
+          f"steps {bounds[:-1]}, save every {a.save_every}, kill -9 producer at {kill_producer_at} and node reader "
+          f"at {kill_reader_at}; work dir {work}", flush=True)
+    header = None
+    rows: list[dict] = []
+    killed = {"producer": False, "reader": False}
+    next_row = a.every
+    last_row = -1
+    t_start = time.time()
+    state_file = None
+    try:
+        for seg, world in enumerate(worlds):
+            first, stop = bounds[seg], bounds[seg + 1]
+            save_to = str(work / f"state-{stop}.json")
+            outs = [work / f"rank{r}-seg{seg}.txt" for r in range(world)]
+            procs = [subprocess.Popen(
+                [sys.executable, __file__, "--worker", "--address", address, "--recipe", str(recipe_path),
+                 "--ledger", str(ledger), "--out", str(outs[r]), "--save-to", save_to, "--rank", str(r),
+                 "--world", str(world), "--first", str(first), "--stop", str(stop),
+                 "--save-every", str(a.save_every)] + (["--state", state_file] if state_file else []),
+                env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")},
+                stderr=open(work / f"rank{r}-seg{seg}.err", "ab"))
+                for r in range(world)]
+            deadline = time.monotonic() + WAIT_S
+            last_seen = {r: first - 1 for r in range(world)}
+            while True:
+                for r in range(world):
+                    got = checker.poll(outs[r], r, world)
+                    if got is not None:
+                        last_seen[r] = got
+                        deadline = time.monotonic() + WAIT_S
+                slowest = min(last_seen.values()) + 1
+                exited = all(p.poll() is not None for p in procs)
+                if not killed["producer"] and slowest >= kill_producer_at:
+                    pid = actor_pids(svc)["producer0"]
+                    os.kill(pid, signal.SIGKILL)
+                    killed["producer"] = True
+                    print(f"step {slowest}: kill -9 producer pid {pid}", flush=True)
+                if not killed["reader"] and slowest >= kill_reader_at:
+                    pid = actor_pids(svc)["reader0"]
+                    os.kill(pid, signal.SIGKILL)
+                    killed["reader"] = True
+                    print(f"step {slowest}: kill -9 node reader pid {pid}", flush=True)
+                if (slowest >= next_row or (exited and slowest >= stop)) and slowest != last_row:
+                    last_row = slowest
+                    pids = actor_pids(svc)
+                    row = {"step": slowest, "elapsed_s": round(time.time() - t_start), "W": world}
+                    for label, pid in sorted(pids.items()):
+                        row[f"{label}_mb"] = rss_mb(pid)
+                        row[f"{label}_pid"] = pid
+                    for r, p in enumerate(procs):
+                        row[f"rank{r}_mb"] = rss_mb(p.pid)
+                    row["plasma_mib"] = plasma_usage()["mib"]
+                    row["wait_p50_ms"], row["wait_p99_ms"] = pct(checker.waits, 0.5), pct(checker.waits, 0.99)
+                    checker.waits = []
+                    row["state_files"], row["state_bytes"] = tree(state_dir)
+                    row["ledger_files"], row["ledger_bytes"] = tree(ledger)
+                    row["wrong"] = checker.wrong
+                    rows.append(row)
+                    cols = [k for k in row if not k.endswith("_pid")]
+                    if header != cols:
+                        header = cols
+                        print(" ".join(f"{c:>12}" for c in cols), flush=True)
+                    print(" ".join(f"{row[c]:>12.1f}" if isinstance(row[c], float) else f"{str(row[c]):>12}"
+                                   for c in cols), flush=True)
+                    while next_row <= slowest:
+                        next_row += a.every
+                if exited:
+                    bad = [p.returncode for p in procs if p.returncode]
+                    if bad or slowest < stop:
+                        raise SystemExit(f"segment {seg} (W={world}): ranks exited with {bad} at step {slowest} "
+                                         f"(their stderr: {work}/rank*-seg{seg}.err)")
+                    break
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"segment {seg} (W={world}): no rank progressed within {WAIT_S:.0f}s")
+                time.sleep(0.5)
+            state_file = save_to
+    finally:
+        for p in [p for p in locals().get("procs", []) if p.poll() is None]:
+            p.kill()  # only our own rank processes, on an error
+        svc.stop()
+        ray.shutdown()
+
+    def growth(label: str) -> float | None:
+        """KB per step from the first row at or after the warm-up to the last, on the actor's latest pid."""
+        key, pid_key = f"{label}_mb", f"{label}_pid"
+        last = rows[-1]
+        same = [r for r in rows if r.get(pid_key) == last.get(pid_key) and r["step"] >= warmup and r.get(key)]
+        if len(same) < 2 or same[-1]["step"] == same[0]["step"]:
+            return None
+        return round((same[-1][key] - same[0][key]) * 1024 / (same[-1]["step"] - same[0]["step"]), 3)
+
+    labels = sorted({k[:-4] for r in rows for k in r if k.endswith("_pid")})
+    result = {"steps": a.steps, "rows_checked": checker.rows, "wrong_rows": checker.wrong,
+              "elapsed_s": round(time.time() - t_start), "growth_kb_per_step": {lb: growth(lb) for lb in labels},
+              "last": rows[-1] if rows else None}
+    print("RESULT " + json.dumps(result), flush=True)
+    if checker.wrong:
+        raise SystemExit(f"{checker.wrong} rows differ from the in-process source")
+
+
+if __name__ == "__main__":
+    main()
