@@ -202,7 +202,7 @@ def start_ray(work: Path) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=20000)
+    ap.add_argument("--steps", type=int, default=2000, help="steps in all (docs/benchmarks.md runs 20,000)")
     ap.add_argument("--every", type=int, default=1000, help="print a row every this many steps")
     ap.add_argument("--save-every", type=int, default=100)
     ap.add_argument("--worlds", default="4,2,3", help="W of each segment (W changes between segments)")
