@@ -114,6 +114,9 @@ NOT_RUN = {  # command -> why no test runs it here, and what covers its code
     "make demo": "creates .venv and installs everything (network); its program, examples/elastic_resume.py --recipe "
                  "recipes/demo.toml, runs in tests/test_demo.py (slow)",
     "make test": "the default suite itself (CI runs it; docs/benchmarks.md records fresh-clone runs)",
+    "python examples/spike_workflow.py": "runs as written in tests/test_spike_workflow.py (slow)",
+    "python examples/spike_workflow.py --no-locate": "the same workflow as tests/test_spike_workflow.py (slow) runs, "
+        "less its last part",
     "zephon-ray serve tiny --name run7 --state-dir s3://bucket/run7": "needs a cluster and the bucket s3://bucket; "
         "serve on a real head runs as written in " + DEPLOYMENT + " (service/start.py is serve)",
     "pip install torch==2.13.0 <index flags>": "a placeholder for the user's index flags; installs from the network",

@@ -12,7 +12,9 @@ import pytest
 
 from conftest import ROOT
 
-pytestmark = [pytest.mark.spawns, pytest.mark.timeout(600)]
+# slow: about 60 s of the default suite's time; tests/test_phases.py checks its parts (a run-time phase in the
+# loader state, local-mode phases on every reader, source ids) in the default suite.
+pytestmark = [pytest.mark.spawns, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_the_example_decides_phases_and_both_replays_are_identical():

@@ -184,7 +184,7 @@ def test_chaos_random_kills_and_rescales(ray_cluster, tiny_recipe, reference_dig
     assert len(kills) >= 5 and status["restarts"] >= 1
 
 
-@pytest.mark.parametrize("producers", [1, 2])
+@pytest.mark.parametrize("producers", [pytest.param(1, marks=pytest.mark.slow), 2])  # one producer: slow (time)
 def test_watchdog_replaces_a_hung_producer(ray_cluster, tiny_recipe, reference_digests, tmp_path, producers):
     """SIGSTOP a producer: alive but stuck. The progress watchdog replaces the group; reads go on, rows right. With
     two producers the other one's calls keep finishing: a finished call of a step still waiting on the stuck one is

@@ -53,8 +53,8 @@ LIVENESS_S = 120.0
 a coordinator restart; anything past this is a hang."""
 SERVICE = dict(producers=1, window=4, checkpoint_every=2, max_ahead=64, consumer_ttl_s=8.0, request_timeout_s=60.0,
                reconnect_timeout_s=90.0, read_timeout_s=100.0)
-FUZZ_SEQUENCES = (1, 2)
-"""The seeds of the default suite's sequences."""
+FUZZ_SEQUENCES = (1,)
+"""The seeds of the default suite's sequences (one: the suite's time; the long run draws hundreds)."""
 FUZZ_STEPS = 14
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.timeout(1200), pytest.mark.spawns]
