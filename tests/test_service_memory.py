@@ -17,9 +17,9 @@ from zephon_ray.service.protocol import PRODUCER_INFIX, READER_INFIX
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
-WARM_STEPS = 100
+WARM_STEPS = 60
 """Past the steps a producer holds refs of (lease_cache.producer_hold_steps: 44 at this test's settings)."""
-MEASURED_STEPS = 150
+MEASURED_STEPS = 80
 
 
 def actors(name: str, infix: str) -> list:
@@ -37,7 +37,7 @@ def entries(handles: list) -> list[int]:
 
 
 def test_producers_and_node_reader_memory_store_stays_flat(tiny_recipe, tmp_path):
-    """2 producers, 2 service-mode loaders with a ledger, every step committed, a state saved every 25 steps: after
+    """2 producers, 2 service-mode loaders with a ledger, every step committed, a state saved every 20 steps: after
     the warm-up, no actor's memory store grows with the steps (measured on the code before the fix: +5.0 entries per
     step in each producer, +1.2 in the node reader)."""
     from zephon_ray.stream.loader import Loader, LoaderConfig
@@ -58,7 +58,7 @@ def test_producers_and_node_reader_memory_store_stays_flat(tiny_recipe, tmp_path
                     next(it)
                 for loader in loaders:
                     loader.commit(step)
-                if (step + 1) % 25 == 0:
+                if (step + 1) % 20 == 0:
                     for loader in loaders:
                         loader.state_dict()
 

@@ -23,6 +23,9 @@ Commit points (what a reader can see):
   does not name is never read (tests/test_s3.py). Not atomic on S3: a group of objects, a delete of a prefix,
   and a listing taken during writes (S3 listings are strongly consistent since 2020, but a listing sees whichever
   objects are complete at that instant).
+- Azure (pyarrow's AzureFileSystem) creates a new blob empty when the upload starts and fills it when it commits:
+  a reader that polls for an object another process is writing treats an empty one as not written yet
+  (lane_exchange.py; tests/test_clouds.py::test_az_basic_path, where that race was seen).
 - A process killed during an upload leaves no object (an unfinished multipart upload is invisible; configure a
   bucket lifecycle rule to expire such parts).
 - Deleting through pyarrow leaves a zero-byte ``parent/`` marker object (pyarrow's way of keeping a directory

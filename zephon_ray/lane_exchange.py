@@ -70,7 +70,9 @@ def _gather_dir(group: LaneGroup, name: str, value: Any) -> list[Any]:
     while True:
         for index in range(group.count):
             if index not in out and files.exists(base.join(f"group-{index}.json")):
-                out[index] = json.loads(files.read_bytes(base.join(f"group-{index}.json"), limit=1 << 20))
+                raw = files.read_bytes(base.join(f"group-{index}.json"), limit=1 << 20)
+                if raw:  # az:// shows a new blob empty until its upload commits (files.py): not written yet
+                    out[index] = json.loads(raw)
         if len(out) == group.count:
             return [out[i] for i in range(group.count)]
         if time.monotonic() > deadline:

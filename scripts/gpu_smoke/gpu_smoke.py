@@ -22,7 +22,11 @@ Run from the repository root with PYTHONPATH=<wheels site>:$PWD (see scripts/gpu
   Summary: $OUT/gpu_smoke.json (or ./gpu_smoke.json); a compact one-line GPU_SMOKE_SUMMARY is printed last.
   Exit status 0 when part 1 and cpu_test_config passed (the other variants are informational).
 
-Environment: SMOKE_DEVICE (cuda|cpu), SMOKE_STEPS (10), SMOKE_DATA_STEPS (6), SMOKE_STOCK (1),
+SMOKE_MODE=service: part 2's loader reads from a DataService (2 producers) that this script starts on a private local
+Ray before the variants run (ZEPHON_RAY_MODE=service; the Trainer's child attaches through RAY_ADDRESS); part 1 stays
+in local mode.
+
+Environment: SMOKE_MODE (local|service), SMOKE_DEVICE (cuda|cpu), SMOKE_STEPS (10), SMOKE_DATA_STEPS (6), SMOKE_STOCK (1),
 SMOKE_CHUNKED_PROBE (1), SMOKE_STOCK_NO_CUDA_GRAPHS (0), SMOKE_UNCHUNKED_LOSS (auto|0|1), SMOKE_FLEX_AUTOTUNE (0), SMOKE_AC (debug: none|full),
 SMOKE_TRAIN_TIMEOUT (240 s per variant), SMOKE_BUDGET (360 s: a variant gets at most what is left of it).
 """
@@ -364,6 +368,8 @@ def train_child(variant: str, result_path: str, steps_n: int) -> None:
         log(f"[{variant}] Trainer built in {res['build_s']} s; model on {res['model_device']}")
         loader = trainer.dataloader
         res["loader"] = type(loader).__name__
+        res["loader_mode"] = loader.core.config.mode  # local, or service under SMOKE_MODE=service
+        log(f"[{variant}] loader {res['loader']} in {res['loader_mode']} mode")
         steps: list[dict] = []
         res["steps"] = steps
         real_log = trainer.metrics_processor.log
@@ -497,6 +503,22 @@ def run_variant(variant: str, steps_n: int, max_timeout: int) -> dict:
     return res
 
 
+def start_service() -> dict:
+    """SMOKE_MODE=service: a private Ray and a DataService on the recipe; the variants' loaders read from it."""
+    import ray
+
+    from zephon_ray import DataService
+
+    t = time.time()
+    ray.init(address="local", num_cpus=8, include_dashboard=False, log_to_driver=False)
+    run_id = os.environ.setdefault("ZEPHON_RAY_RUN_ID", "zephon-llama3-debug")
+    service = DataService.start(str(RECIPE), name="gpu-smoke", namespace="zephon-ray", producers=2, run_id=run_id)
+    os.environ.update(RAY_ADDRESS=ray.get_runtime_context().gcs_address, ZEPHON_RAY_MODE="service",
+                      ZEPHON_RAY_SERVICE="gpu-smoke", ZEPHON_RAY_NAMESPACE="zephon-ray")
+    return {"start_s": round(time.time() - t, 2), "status": {k: v for k, v in service.status().items()
+                                                             if k in ("producers", "window", "run_id")}}
+
+
 def main() -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     summary: dict = {"device": DEVICE, "steps": STEPS}
@@ -516,6 +538,16 @@ def main() -> int:
     log(f"part 1 ok: {summary['data'].get('ok')}")
     save()
     summary["train"] = {}
+    summary["mode"] = os.environ.get("SMOKE_MODE", "local")
+    if summary["mode"] == "service":
+        try:
+            summary["service"] = start_service()
+            log(f"service started: {summary['service']}")
+        except BaseException as exc:  # noqa: BLE001
+            traceback.print_exc()
+            summary["service"] = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            save()
+            return 1
     # Most important first: each later variant only gets the budget that is left.
     variants = [("cpu_test_config", STEPS, TRAIN_TIMEOUT)]
     if os.environ.get("SMOKE_CHUNKED_PROBE", "1") != "0":
@@ -532,7 +564,7 @@ def main() -> int:
     summary["total_s"] = round(time.time() - T0, 1)
     save()
     # Compact summary last (the full one, with every digest and traceback, is in gpu_smoke.json).
-    compact = {"ok": summary["ok"], "total_s": summary["total_s"], "device": DEVICE,
+    compact = {"ok": summary["ok"], "total_s": summary["total_s"], "device": DEVICE, "mode": summary["mode"],
                "versions": {k: summary["versions"].get(k) for k in ("torch", "torch_cuda", "gpu", "torchtitan",
                                                                      "zephon", "triton", "python")},
                "data": {k: summary["data"].get(k) for k in ("ok", "match_source", "match_dev_machine", "error")},
@@ -541,7 +573,7 @@ def main() -> int:
         compact["train"][v] = {k: r.get(k) for k in ("ok", "rc", "error", "skipped", "exit_note", "compat_shims", "loss", "datasets", "cpu_shims_active",
                                                      "model_device", "build_s", "train_s", "steady_step_wall_s",
                                                      "digests_ok",
-                                                     "max_memory_allocated_mib") if k in r}
+                                                     "max_memory_allocated_mib", "loader_mode") if k in r}
         compact["train"][v]["losses"] = [round(s["loss"], 5) for s in r.get("steps", [])]
         compact["train"][v]["step_wall_s"] = [round(s["wall_s"], 3) for s in r.get("steps", [])]
     log(f"summary written to {out_path}")

@@ -8,6 +8,9 @@
 # datasets 4.7.0, dill 0.4.0 and multiprocess 0.70.18 for the GPU machine's Python (`pip download --no-deps
 # --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 -d .whl NAME==VERSION`), plus
 # typing_extensions>=4.13 into .whl/optional/. Result of 2026-11-30 on one H200: docs/gpu-smoke-2026-11-30.json.
+# SMOKE_MODE=service also needs ray 2.60.0 (cp312 manylinux2014) in .whl: its Java jars, dashboard client, rllib, llm
+# and serve may be left out of the wheel to fit a 64 MiB upload (the smoke starts no dashboard and uses none of them),
+# and jsonschema, referencing, rpds-py and jsonschema-specifications.
 # Local testing: SMOKE_WHEELS (wheel folder), SMOKE_SITE (install target), SMOKE_DEVICE=cpu.
 set -u
 export PYTHONUNBUFFERED=1
