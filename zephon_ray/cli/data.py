@@ -9,9 +9,9 @@ library ``ValueError``) naming the flag, path or value at fault, and ``main`` pr
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from zephon_ray.checks import check_int
+from zephon_ray.cli.schedule import SCHEDULE_FROM_HELP, load_recipe, recipe_with_schedule
 from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
 
@@ -46,35 +46,6 @@ def _int_at_least(text: str, low: int) -> int:
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
     return check_int("the value", value, low=low, error=argparse.ArgumentTypeError)
-
-
-SCHEDULE_FROM_HELP = ("take the mixture phases a run decided while it trained from this loader state (a JSON file, "
-                      "or a directory holding zephon_loader.json) or service state_dir, on top of the recipe's")
-
-
-def load_recipe(args: argparse.Namespace, **kw: Any) -> Recipe:
-    """``args.recipe``, with the run-time phases of ``args.schedule_from`` (a loader state or a service
-    ``state_dir``) when given: a phase that contradicts the recipe file is one line naming both."""
-    recipe = Recipe.from_toml(args.recipe, **kw)
-    path = getattr(args, "schedule_from", None)
-    return recipe if path is None else recipe_with_schedule(recipe, path)
-
-
-def recipe_with_schedule(recipe: Recipe, path: str) -> Recipe:
-    from zephon_ray import files
-    from zephon_ray.formats.loader_state import check_state, run_recipe
-    from zephon_ray.formats.service_state import SERVICE_FILE, check_state_dir
-
-    loc = files.location(path)
-    if files.is_file(loc.join(SERVICE_FILE)):
-        return check_state_dir(recipe, loc)
-    state_file = loc if files.is_file(loc) else loc.join("zephon_loader.json")
-    if not files.is_file(state_file):
-        raise UserInputError(f"--schedule-from {path}: neither a loader state nor a service state_dir")
-    state = files.read_json(state_file, error=UserInputError, what="loader state")
-    check_state(state, run_id=state.get("run_id") if isinstance(state, dict) else None, fingerprint=recipe.fingerprint,
-                recipe=recipe, recipe_name=recipe.describe())
-    return run_recipe(state, recipe)
 
 
 def cmd_digest(args: argparse.Namespace) -> int:

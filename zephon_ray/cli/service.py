@@ -32,7 +32,7 @@ import typing
 from collections.abc import Iterator
 from typing import Any
 
-from zephon_ray.cli.data import SCHEDULE_FROM_HELP, load_recipe
+from zephon_ray.cli.schedule import SCHEDULE_FROM_HELP, load_recipe
 from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig

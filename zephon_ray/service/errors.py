@@ -55,7 +55,7 @@ async def reply_within(awaitable: Any, timeout_s: float) -> Any:
     if not done:
         future.cancel()
         raise NoReply(f"no reply within {timeout_s:g}s")
-    return future.result()
+    return future.result()  # done: asyncio.wait returned it
 
 
 def describe(exc: BaseException) -> str:

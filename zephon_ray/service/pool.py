@@ -93,7 +93,7 @@ def get_off_loop(refs: Any, timeout: float = REPLY_READ_S) -> Any:
     _, late = concurrent.futures.wait(futures, timeout=timeout)  # one deadline for all, as ray.get has
     if late:
         raise GetTimeoutError(f"no reply within {timeout} s")
-    values = [f.result() for f in futures]
+    values = [f.result() for f in futures]  # all done: the wait above returned none late
     return values if many else values[0]
 
 

@@ -108,7 +108,7 @@ class ReplayScheduler:
 
     def _got_info(self, i: int, future: Any) -> None:
         """(Ray's callback thread) Replayer ``i`` answered ``info()``: status() reads it without a ray.get."""
-        self._infos[i] = future.result() if future.exception() is None else None
+        self._infos[i] = future.result() if future.exception() is None else None  # done: a done-callback
 
     # ------------------------------------------------------------------ serving
     async def container(self, step: int, read_ahead: bool = False) -> Any:
