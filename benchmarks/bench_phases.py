@@ -14,10 +14,9 @@ The recipe gets one phase at step ``--at`` (its first source's weight and the ot
 changes), and a LaneStepper produces steps 0..steps-1 of it, timing each ``next_step()`` and assembling the global
 batch (digest included). Reported: the median step time within the phases (excluding step 0 and the boundary step),
 the boundary step's time, and what the boundary step spends finding the chunk where the new segment starts and the
-stream's state there (``_enter_segment``, before the new pipeline's first microbatch). Medians over rounds. It also
-measures the part of that switch which grows with the phase's length: walking Zephon's global chunk stream from the
-previous boundary (``zephon_io.work_source_state_at``) and its chunk routing (``zephon_io.global_chunk_index``), per
-global chunk, over ``--walk`` chunks.
+stream's state there (``_enter_segment``, before the new pipeline's first microbatch). Medians over rounds. Then that
+search alone after phases of ``--phase-chunks`` global chunks (:func:`boundary_cost`): as the stepper does it (its
+chunk stream follows the rows), against a walk of Zephon's global chunk stream from the phase's start.
 Prints a table and one JSON line (prefixed ``RESULT``).
 """
 
@@ -60,16 +59,31 @@ def one_round(recipe, steps: int, at: int) -> dict[str, float]:
             "enter_ms": 1e3 * spent["enter"], "first_step_ms": 1e3 * times[0]}
 
 
-def walk(recipe, chunks: int) -> float:
-    """Microseconds per global chunk to reach the stream's state ``chunks`` chunks on and to route as many."""
+def boundary_cost(recipe, chunks: int) -> dict[str, float]:
+    """What a boundary pays to find where the next phase starts, after a phase of ``chunks`` global chunks: every
+    lane's last row drew from its last chunk of the phase. ``followed_ms``: as the stepper does it (its stream has
+    followed the rows to within STREAM_LAG chunks during the phase; the boundary routes the lanes' positions and
+    walks the rest); ``from_start_ms``: walking the stream from the phase's start, as a stepper without that would."""
+    from zephon_ray.lanes import STREAM_LAG
     from zephon_ray.pipeline import build_work_source
-    from zephon_ray.zephon_io import global_chunk_index, work_source_state_at
+    from zephon_ray.zephon_io import ChunkStream
 
-    work = build_work_source(recipe)
+    lanes = recipe.lanes
+    positions = {lane: chunks // lanes - 1 for lane in range(lanes)}
+
+    def boundary(stream: ChunkStream) -> float:
+        t0 = time.perf_counter()
+        stream.advance(max(stream.global_index(0, positions).values()) + 1)
+        stream.state()
+        return 1e3 * (time.perf_counter() - t0)
+
+    followed = ChunkStream(build_work_source(recipe), lanes)
     t0 = time.perf_counter()
-    work_source_state_at(work, recipe.lanes, chunks)
-    global_chunk_index(work, recipe.lanes, 0, {lane: chunks // recipe.lanes - 2 for lane in range(recipe.lanes)})
-    return 1e6 * (time.perf_counter() - t0) / chunks
+    followed.advance(max(0, chunks - STREAM_LAG + 1))  # paid during the phase, a few chunks per step
+    follow_us = 1e6 * (time.perf_counter() - t0) / max(1, chunks - STREAM_LAG + 1)
+    return {"chunks": chunks, "followed_ms": round(boundary(followed), 2),
+            "from_start_ms": round(boundary(ChunkStream(build_work_source(recipe), lanes)), 2),
+            "follow_us_per_chunk": round(follow_us, 1)}
 
 
 def service_side(recipe_path: str, producers: int, rounds: int) -> None:
@@ -142,7 +156,8 @@ def main() -> None:
     parser.add_argument("--at", type=int, default=20)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--walk", type=int, default=20000)
+    parser.add_argument("--phase-chunks", default="1000,100000,1000000",
+                        help="phase lengths (global chunks) at which to price a boundary's search")
     parser.add_argument("--service", action="store_true", help="time add_phase on a running data service")
     parser.add_argument("--producers", type=int, default=2)
     args = parser.parse_args()
@@ -155,13 +170,15 @@ def main() -> None:
     recipe = dataclasses.replace(base, phases=(Phase("switch", args.at, weights),))
     rounds = [one_round(recipe, args.steps, args.at) for _ in range(args.rounds)]
     result = {key: round(statistics.median(r[key] for r in rounds), 2) for key in rounds[0]}
-    result.update(walk_us_per_chunk=round(walk(recipe, args.walk), 1))
+    result.update(boundaries=[boundary_cost(recipe, int(n)) for n in args.phase_chunks.split(",")])
     result.update(recipe=Path(args.recipe).name, at=args.at, steps=args.steps, rounds=args.rounds,
                   ratio=round(result["boundary_ms"] / result["within_ms"], 1))
     print(f"{'recipe':<16}{'within ms':>12}{'boundary ms':>14}{'switch ms':>12}{'first step ms':>16}{'ratio':>8}")
     print(f"{result['recipe']:<16}{result['within_ms']:>12}{result['boundary_ms']:>14}{result['enter_ms']:>12}"
           f"{result['first_step_ms']:>16}{result['ratio']:>8}")
-    print(f"walking the global chunk stream: {result['walk_us_per_chunk']} us per chunk ({args.walk} chunks)")
+    print(f"{'phase chunks':>14}{'boundary ms':>13}{'without following ms':>22}{'following us/chunk':>20}")
+    for row in result["boundaries"]:
+        print(f"{row['chunks']:>14,}{row['followed_ms']:>13}{row['from_start_ms']:>22}{row['follow_us_per_chunk']:>20}")
     print("RESULT " + json.dumps(result, sort_keys=True))
 
 

@@ -260,11 +260,78 @@ def test_zephon_state_format_fence():
     state = work.state_dict()
     for key in zephon_io.WORK_SOURCE_STATE_KEYS:
         assert key in state, f"Zephon's work-source state lost key {key!r}"
-    at = zephon_io.work_source_state_at(work, recipe.lanes, 13)
+    stream = zephon_io.ChunkStream(work, recipe.lanes)
+    stream.advance(13)
+    at = stream.state()
     assert at["global_chunk_index"] == 13 and state["global_chunk_index"] == 0
     broken = {k: v for k, v in at.items() if k != "cursor_states"}
     with pytest.raises(zephon_io.ZephonStateError, match="no key 'cursor_states'"):
         zephon_io.load_work_source_state(build_work_source(recipe), broken)
+
+
+def test_chunk_stream_routes_and_walks_like_a_walk_from_the_start():
+    """ChunkStream.global_index, computed per block, equals counting each lane's chunks one global chunk at a time
+    (Zephon's routing, queried chunk by chunk), from a block-aligned start and from a mid-block one; a stream
+    advanced in hops reaches the state of one walk from the start."""
+    from zephon_ray import zephon_io
+    from zephon_ray.pipeline import build_work_source
+
+    recipe = Recipe.from_toml(PHASED)
+    lanes = recipe.lanes
+    router = build_work_source(recipe).clone_for_lane(0, lanes)
+    for start in (0, 5, 3 * lanes):
+        seen: dict[int, list[int]] = {lane: [] for lane in range(lanes)}
+        for g in range(start, start + 40 * lanes):
+            seen[router._lane_for_chunk(g)].append(g)
+        stream = zephon_io.ChunkStream(build_work_source(recipe), lanes)
+        for n in (0, 1, 7, 30):
+            want = {lane: seen[lane][n] for lane in range(lanes)}
+            assert stream.global_index(start, {lane: n for lane in range(lanes)}) == want, (start, n)
+
+    hops = zephon_io.ChunkStream(build_work_source(recipe), lanes)
+    for index in (3, 3, 17, 18, 60):
+        hops.advance(index)
+    once = zephon_io.ChunkStream(build_work_source(recipe), lanes)
+    once.advance(60)
+    assert hops.state() == once.state() and hops.index == 60
+    with pytest.raises(ValueError, match="global chunk 59 is before the stream's position 60"):
+        hops.advance(59)
+
+
+def test_a_boundary_walks_a_bounded_distance_whatever_the_phase_length(tmp_path, monkeypatch):
+    """The stepper's chunk stream follows its rows, so the boundary walks fewer than STREAM_LAG global chunks
+    although the phase before it spans many times that, and a state restored mid-phase carries the stream's position
+    (``segment.stream``) so that the resumed stepper does not walk from the phase's start either. The batches equal a
+    stepper that never follows (STREAM_LAG larger than the phase: the whole phase walked at the boundary)."""
+    from zephon_ray import lanes as lanes_module
+
+    text = phased_text(phase("late", 30, prose=0.2, code=0.8)).replace("chunk_size = 8", "chunk_size = 1")
+    assert "chunk_size = 1" in text
+    recipe = load(tmp_path, text)
+
+    def steps(lag: int, restore_at: int | None = None) -> tuple[list[str], int, int]:
+        monkeypatch.setattr(lanes_module, "STREAM_LAG", lag)
+        stepper = LaneStepper(recipe)
+        digests = []
+        try:
+            for step in range(34):
+                if step == restore_at:
+                    state = json.loads(json.dumps(stepper.checkpoint()))
+                    assert state["segment"]["stream"]["index"] > 0
+                    stepper.close()
+                    stepper = LaneStepper(recipe)
+                    stepper.restore(state)
+                digests.append(assemble(recipe, step, stepper.next_step()).digest)
+            return digests, stepper.boundary_walk, stepper._segment_state["global_chunk_index"]
+        finally:
+            stepper.close()
+
+    whole, whole_walk, boundary = steps(10**9)
+    assert whole_walk == boundary > 40  # without following, the boundary walks the whole phase
+    followed, walk, _ = steps(4)
+    assert followed == whole and walk < 4
+    resumed, walk, _ = steps(4, restore_at=20)
+    assert resumed == whole and walk < 4
 
 
 @pytest.mark.slow

@@ -18,8 +18,8 @@ release moves or changes one). What it wraps:
 
 - mixture phases (:mod:`zephon_ray.lanes`, "Phases"): the state of ``StaticMixtureWorkSource``'s *global* chunk
   stream at a given global chunk index, with its weights replaced, loaded into an unbound work source that a new
-  pipeline then clones for each lane (:func:`work_source_state_at`, :func:`load_work_source_state`), and the global
-  chunk index of a lane's c-th chunk (:func:`global_chunk_index`), from Zephon's own chunk-to-lane routing.
+  pipeline then clones for each lane (:class:`ChunkStream`, :func:`load_work_source_state`), and the global
+  chunk index of a lane's c-th chunk (:meth:`ChunkStream.global_index`), from Zephon's own chunk-to-lane routing.
   ``WORK_SOURCE_STATE_KEYS`` are the state keys read or written; tests/test_phases.py::test_zephon_state_format_fence
   fails loudly, naming the key, when a Zephon release changes them.
 
@@ -289,49 +289,71 @@ def load_work_source_state(work_source: Any, state: dict[str, Any], weights: dic
         work_source._lane, work_source._canon = None, None
 
 
-def work_source_state_at(work_source: Any, lanes: int, index: int) -> dict[str, Any]:
-    """The state of ``work_source``'s global chunk stream (every lane's view of it is the same) once ``index``
-    global chunks have been drawn. ``work_source`` is unbound and at or before ``index``; it is not changed (a
-    lane clone advances). Cost: one allocation per global chunk in between (no I/O)."""
-    state = work_source.state_dict()
-    _check_work_source_state(state)
-    start = int(state["global_chunk_index"])
-    if index < start:
-        raise ValueError(f"global chunk {index} is before the work source's position {start}")
-    if index == start:
-        return state
-    owner = work_source.clone_for_lane(0, lanes)._lane_for_chunk(index - 1)
-    clone = work_source.clone_for_lane(owner, lanes)
-    while int(clone.state_dict()["global_chunk_index"]) < index:
-        if clone.next_chunk() is None:
-            raise ValueError(f"the mixture ran out of data before global chunk {index}")
-    out = clone.state_dict()
-    if int(out["global_chunk_index"]) != index:  # the owner of chunk index-1 stops right after it
-        raise ZephonStateError(f"reached global chunk {out['global_chunk_index']}, not {index}: Zephon's chunk "
-                               "routing is not what zephon_ray.zephon_io expects")
-    return out
+class ChunkStream:
+    """Zephon's global chunk stream, followed forward, and its chunk-to-lane routing.
 
+    ``work_source`` is an unbound work source (a segment's start); it is not changed. :meth:`advance` draws global
+    chunks until ``index`` have been drawn and :meth:`state` is the stream's state there: the same state whether the
+    stream got there in one walk or in many (each walk runs the same allocation over the same chunks; the lane
+    binding only decides which chunks a call returns), which tests/test_phases.py checks against a walk from the
+    start. Cost: one allocation per global chunk advanced (about 25 us, ``benchmarks/bench_phases.py``); a routing
+    query (:meth:`global_index`) costs one seeded shuffle per block of ``lanes`` chunks, whatever the position.
+    """
 
-def global_chunk_index(work_source: Any, lanes: int, start: int, positions: dict[int, int]) -> dict[int, int]:
-    """For each lane l in ``positions``, the global index of its ``positions[l]``-th chunk (0-based) of a pipeline
-    whose work source started at global chunk ``start``: Zephon routes global chunk g to one lane
-    (``_lane_for_chunk``, a pure function of the seed and g), and a lane numbers its chunks 0, 1, ... in order."""
-    router = work_source.clone_for_lane(0, lanes)
-    seen = {lane: 0 for lane in positions}
-    out: dict[int, int] = {}
-    g = start
-    # Every block of `lanes` chunks hands each lane one.
-    limit = start + lanes * (max(positions.values(), default=0) + 2)
-    while len(out) < len(positions):
-        if g > limit:
-            raise ZephonStateError(f"chunk routing did not reach lane positions {positions} by global chunk {g}")
-        lane = router._lane_for_chunk(g)
-        if lane in seen and lane not in out:
-            if seen[lane] == positions[lane]:
-                out[lane] = g
-            seen[lane] += 1
-        g += 1
-    return out
+    def __init__(self, work_source: Any, lanes: int) -> None:
+        state = work_source.state_dict()
+        _check_work_source_state(state)
+        self.lanes = lanes
+        self.index = int(state["global_chunk_index"])
+        """Global chunks drawn so far."""
+        self._clone = work_source.clone_for_lane(0, lanes)
+        self._blocks: dict[int, dict[int, int]] = {}
+
+    def advance(self, index: int) -> None:
+        if index < self.index:
+            raise ValueError(f"global chunk {index} is before the stream's position {self.index}")
+        if index == self.index:
+            return
+        # A lane clone stops right after a chunk it owns: bind it to the owner of chunk index-1.
+        self._clone._lane = self._clone._lane_for_chunk(index - 1)
+        while self.index < index:
+            if self._clone.next_chunk() is None:
+                raise ValueError(f"the mixture ran out of data before global chunk {index}")
+            self.index = int(self._clone.state_dict()["global_chunk_index"])
+        if self.index != index:
+            raise ZephonStateError(f"reached global chunk {self.index}, not {index}: Zephon's chunk routing is not "
+                                   "what zephon_ray.zephon_io expects")
+
+    def state(self) -> dict[str, Any]:
+        """The stream's state at :attr:`index`, bound to the lane that owns chunk ``index - 1``."""
+        return self._clone.state_dict()
+
+    def global_index(self, start: int, positions: dict[int, int]) -> dict[int, int]:
+        """For each lane l in ``positions``, the global index of its ``positions[l]``-th chunk (0-based) of a
+        pipeline whose work source started at global chunk ``start``. Zephon routes each block of ``lanes``
+        consecutive global chunks through a seeded permutation of the lanes (``_lane_for_chunk``, a pure function
+        of the seed and the chunk index), so a lane gets one chunk per block and numbers its chunks in order."""
+        first_block, first_slot = divmod(start, self.lanes)
+        head = self._block(first_block)
+        out = {}
+        for lane, n in positions.items():
+            in_head = head[lane] >= first_slot  # the lane's chunk of the partly drawn first block is its chunk 0
+            block = first_block + n if in_head else first_block + 1 + n
+            out[lane] = block * self.lanes + self._block(block)[lane]
+        return out
+
+    def _block(self, block: int) -> dict[int, int]:
+        """``{lane: slot}`` of global chunks ``block*lanes .. block*lanes+lanes-1``."""
+        slots = self._blocks.get(block)
+        if slots is None:
+            slots = {self._clone._lane_for_chunk(block * self.lanes + s): s for s in range(self.lanes)}
+            if sorted(slots) != list(range(self.lanes)):
+                raise ZephonStateError(f"Zephon routed the chunks of block {block} to lanes {sorted(slots)}, not "
+                                       f"to each of {self.lanes} lanes once: zephon_ray.zephon_io expects that")
+            if len(self._blocks) >= 64:
+                self._blocks.clear()
+            self._blocks[block] = slots
+        return slots
 
 
 def contributing_chunks(record: Any) -> list[tuple[int, tuple[int, ...]]]:
