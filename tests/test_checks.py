@@ -82,11 +82,11 @@ def test_check_reader_bounds_the_world_and_keeps_names_and_error_type():
 
 
 def test_service_reader_none_means_one_reader_of_the_whole_batch():
-    from zephon_ray.service.protocol import check_reader as service_check_reader
+    from zephon_ray.service.protocol import check_batch_reader
 
-    assert service_check_reader(None, None, 16) == (0, 1)
-    assert service_check_reader(3, 4, 16) == (3, 4)
+    assert check_batch_reader(None, None, 16) == (0, 1)
+    assert check_batch_reader(3, 4, 16) == (3, 4)
     with pytest.raises(ValueError, match=r"world must be an int in \[1, 16\] \(the global batch's rows"):
-        service_check_reader(0, 17, 16)
+        check_batch_reader(0, 17, 16)
     with pytest.raises(ValueError, match=r"world must be an int in \[1, 16\] .*, got None"):
-        service_check_reader(0, None, 16)
+        check_batch_reader(0, None, 16)

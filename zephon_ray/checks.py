@@ -26,6 +26,8 @@ from typing import Any
 
 MAX_INT = 10**12
 """The default upper bound of :func:`check_int`: every number a caller validates is bounded, even a step count."""
+MAX_STEP = MAX_INT
+"""The bound on every step number anything accepts (a step to read, reset to, materialise or train until)."""
 
 
 def _show(bound: int) -> str:

@@ -54,8 +54,6 @@ COLUMNS = ("step", "lane", "row", "tokens", "positions")
 """Columns of a segment file."""
 DATASET_COLUMNS = COLUMNS + ("digest",)
 """Columns of every Ray Data view of global batches (a materialised directory's and the service's)."""
-MAX_STEP = 10**12
-"""Steps are bounded so that a typo cannot ask for years of work."""
 PARQUET_COMPRESSION = "zstd"
 TMP_PREFIX = ".tmp-"
 WORK_PREFIX = ".work-"

@@ -73,7 +73,7 @@ from typing import Any, NamedTuple
 from ray.train import DataConfig
 
 from zephon_ray import files
-from zephon_ray.checks import check_int
+from zephon_ray.checks import MAX_STEP, check_int
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import StepShape, check_geometry
 from zephon_ray.stream.loader import Loader, LoaderConfig, StepBatch
@@ -82,10 +82,6 @@ __all__ = ["Microbatch", "StepBatch", "ZephonDataConfig", "ZephonDataset", "Zeph
 
 STATE_FILE = "zephon_loader.json"
 """The loader state's file inside a Ray Train checkpoint directory (see :meth:`ZephonDatasetShard.save`)."""
-
-MODES = ("local", "service")
-MAX_STEPS = 10**12
-"""Upper bound on ``until`` (bounds every input)."""
 
 
 class ZephonDataset:
@@ -313,7 +309,7 @@ class ZephonDatasetShard:
     def _check_until(self, until: int | None) -> int | None:
         if until is None:
             return None
-        return check_int(f"{self._where()}: 'until'", until, low=0, high=MAX_STEPS)
+        return check_int(f"{self._where()}: 'until'", until, low=0, high=MAX_STEP)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from zephon_ray.identity import verify_on_node
 from zephon_ray.jobs.lane_groups import run_lane_groups
 from zephon_ray.recipe import Recipe
 
-MAX_STEPS = 10**8
+MAX_LOCATE_STEPS = 10**8
 """The end of a locate range is bounded: a typo must not start years of work."""
 REPORT_STEPS = 64
 """A lane group reports its progress (and its hits so far) every this many steps."""
@@ -99,7 +99,7 @@ def record_ref(recipe: Recipe, source: str, shard: str, record: int) -> RecordRe
         raise UserInputError(f"--shard {shard!r}: source {source!r} has no such shard (its {len(names)} shards: "
                              f"{shown})")
     rows = names[name].rows
-    check_int("--record", record, low=0, high=(rows - 1) if rows is not None else MAX_STEPS * 1000,
+    check_int("--record", record, low=0, high=(rows - 1) if rows is not None else MAX_LOCATE_STEPS * 1000,
               error=UserInputError, why=f"{rows} records in {name}" if rows is not None else "")
     return RecordRef(source, name, record)
 
@@ -122,7 +122,7 @@ def training_step(recipe: Recipe, data_step: int) -> tuple[int | None, str | Non
 def check_range(steps: range) -> range:
     if not isinstance(steps, range) or steps.step != 1 or steps.start < 0 or len(steps) == 0:
         raise UserInputError(f"--steps {steps!r}: expected A:B with 0 <= A < B")
-    check_int("--steps end", steps.stop, low=1, high=MAX_STEPS, error=UserInputError)
+    check_int("--steps end", steps.stop, low=1, high=MAX_LOCATE_STEPS, error=UserInputError)
     return steps
 
 

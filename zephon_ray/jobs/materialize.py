@@ -44,11 +44,10 @@ from typing import Any, Iterator
 import numpy as np
 
 from zephon_ray import files
-from zephon_ray.checks import check_int
+from zephon_ray.checks import MAX_STEP, check_int
 from zephon_ray.formats.materialized import (
     CHECKPOINTS_DIR, KEY_CHECKPOINTS, KEY_DIGESTS, KEY_END, KEY_FINGERPRINT, KEY_FIRST, KEY_FORMAT, KEY_GEOMETRY,
-    KEY_PHASES, KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_SOURCE_TOKENS, MANIFEST_FORMAT, MANIFEST_NAME, MAX_STEP,
-    SEGMENTS_DIR,
+    KEY_PHASES, KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_SOURCE_TOKENS, MANIFEST_FORMAT, MANIFEST_NAME, SEGMENTS_DIR,
     TMP_PREFIX, WORK_PREFIX, MaterializedError, SegmentWriter, clean_leftovers, load_checkpoint, read_manifest,
     recipe_of,
 )

@@ -74,7 +74,7 @@ from zephon_ray.service.direct_reads import DirectReads
 from zephon_ray.service.errors import (
     ReadTimeoutError, ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError)
 from zephon_ray.service.node_reads import NodeReads
-from zephon_ray.service.protocol import check_reader
+from zephon_ray.service.protocol import check_batch_reader
 from zephon_ray.service.reads import StepRefs, as_step, call, reader_key
 from zephon_ray.source import pad_token_id
 
@@ -295,7 +295,7 @@ class DataService:
         """``refs`` by a deadline (``time.monotonic()``): the coordinator waits for the step until then at most,
         and every wait on this side ends a little later (its answer, which names the window, comes first)."""
         step = as_step(step)
-        r, w = check_reader(rank, world, self.recipe.global_batch_rows)
+        r, w = check_batch_reader(rank, world, self.recipe.global_batch_rows)
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, r, w)
         wait_s = max(0.0, min(self.config.request_timeout_s, deadline - time.monotonic()))
         got = self._reads.refs(step, r, w, span.first, span.stop, track, wait_s, deadline + REPLY_GRACE_S)
@@ -309,7 +309,7 @@ class DataService:
         call brings the refs of up to ``lease_steps`` steps. Keep the depth below ``window``: a step beyond the
         live window is replayed on the side instead."""
         steps = [as_step(step) for step in steps]
-        r, w = check_reader(rank, world, self.recipe.global_batch_rows)
+        r, w = check_batch_reader(rank, world, self.recipe.global_batch_rows)
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, r, w)
         self._reads.prefetch(steps, r, w, span.first, span.stop)
 
@@ -317,7 +317,7 @@ class DataService:
         """Move this consumer's cursor (for ``rank`` of ``world``) to ``step`` without reading: for loaders
         that read ahead with ``track=False`` and report what the trainer actually consumed. Fire and forget."""
         step = as_step(step)
-        r, w = check_reader(rank, world, self.recipe.global_batch_rows)
+        r, w = check_batch_reader(rank, world, self.recipe.global_batch_rows)
         self._own_move(step, rank, world)
         self._reads.move(r, w, step)
 

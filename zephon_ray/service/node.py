@@ -59,7 +59,7 @@ from ray.exceptions import RayTaskError
 from zephon_ray.service.errors import NoReply, reply_within
 from zephon_ray.service.lease_cache import LeaseCache, container_hold_steps
 from zephon_ray.service.protocol import (
-    CursorMove, Reply, StepContainers, StepLanes, check_consumer, check_reader, expand, lease_reply)
+    CursorMove, Reply, StepContainers, StepLanes, check_consumer, check_batch_reader, expand, lease_reply)
 
 READ_AHEAD_BACKOFF_S = 0.2
 """After a read-ahead lease found nothing produced yet, the next one waits this long."""
@@ -180,7 +180,7 @@ class NodeReader:
         now = time.monotonic()
         for consumer, rank, world, step, idle_s in moves:
             check_consumer(consumer)
-            rank, world = check_reader(rank, world, rows)
+            rank, world = check_batch_reader(rank, world, rows)
             self._move(consumer, rank, world, int(step), now - max(0.0, float(idle_s)))
         if self._wake.is_set() and self._slowest_moved():
             self._round_complete.set()

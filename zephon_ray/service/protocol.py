@@ -95,7 +95,7 @@ def check_consumer(consumer: Any) -> str:
     return consumer
 
 
-def check_reader(rank: Any, world: Any, rows: int) -> tuple[int, int]:
+def check_batch_reader(rank: Any, world: Any, rows: int) -> tuple[int, int]:
     """(rank, world) of a reader of a ``rows``-row global batch (:func:`zephon_ray.checks.check_reader`, at most
     ``rows`` readers: every rank needs a row); ``rank=world=None`` means one reader of the whole batch (0, 1)."""
     if world is None and rank is None:

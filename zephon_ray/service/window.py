@@ -38,9 +38,9 @@ from enum import Enum
 from typing import Any
 
 from zephon_ray.checks import check_int
-from zephon_ray.service.protocol import MAX_CONSUMER_NAME, check_consumer, check_reader
+from zephon_ray.service.protocol import MAX_CONSUMER_NAME, check_consumer, check_batch_reader
 
-__all__ = ["MAX_CONSUMER_NAME", "Cursor", "Entry", "Read", "StepWindow", "check_consumer", "check_reader",
+__all__ = ["MAX_CONSUMER_NAME", "Cursor", "Entry", "Read", "StepWindow", "check_consumer", "check_batch_reader",
            "resume_step"]
 
 MAX_CURSORS = 100_000
@@ -173,7 +173,7 @@ class StepWindow:
         is when its rank was last heard; a move heard before the consumer's ``release`` is ignored (False)."""
         self.check_step(step)
         check_consumer(consumer)
-        rank, world = check_reader(rank, world, self.rows)
+        rank, world = check_batch_reader(rank, world, self.rows)
         seen = now if seen is None else min(seen, now)
         released = self.released.get(consumer)
         if released is not None and seen <= released:

@@ -30,7 +30,7 @@ import abc
 from typing import Any
 
 from zephon_ray.batch import RankSlice
-from zephon_ray.checks import check_int
+from zephon_ray.checks import MAX_STEP, check_int
 
 STATE_NEXT_STEP = "next_step"
 """Source state key: the first step the source has not handed out (the boundary the state describes)."""
@@ -38,8 +38,6 @@ STATE_CHECKPOINT = "checkpoint"
 """Source state key: a merged Zephon checkpoint at or before ``next_step`` (local mode), or None."""
 SOURCE_STATE_KEYS = (STATE_NEXT_STEP, STATE_CHECKPOINT)
 
-MAX_STEP = 10**12
-"""Upper bound on any step a source is reset to (bounds every input)."""
 
 
 class SourceError(RuntimeError):
