@@ -1,4 +1,5 @@
-"""The one error type for bad user input: :class:`UserInputError`.
+"""The one error type for bad user input (:class:`UserInputError`), one-line messages (:func:`one_line`), and
+clean-up whose failure may be ignored (:func:`best_effort`).
 
 A command-line value, a path, or a file given by the user that cannot be used raises it, with a message that names
 what is wrong (the flag, the path, the number). ``zephon-ray`` prints it as one line ``zephon-ray: error: ...`` and
@@ -10,6 +11,10 @@ path came from the user (``corpus OUT_DIR``, ``show --plot FILE``), never by cat
 """
 
 from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class UserInputError(ValueError):
@@ -24,3 +29,13 @@ def one_line(text: object, limit: int | None = None) -> str:
         return line
     cut = line.rfind(" ", 0, limit)
     return line[:cut if cut > limit // 2 else limit - 1].rstrip() + " …"
+
+
+@contextmanager
+def best_effort(log: logging.Logger, why: str) -> Iterator[None]:
+    """Run the block; an ``Exception`` from it is logged at debug level with ``why`` (the reason it may be
+    ignored, for example "already dead") and not raised. For clean-up and notices whose failure changes nothing."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - each caller states why in `why`
+        log.debug("ignored (%s): %r", why, exc)

@@ -49,6 +49,7 @@ from importlib import metadata
 from typing import Any, Sequence
 
 from zephon_ray import files, hash_cache, zephon_io
+from zephon_ray.errors import best_effort
 from zephon_ray.hash_cache import HashReport
 
 log = logging.getLogger("zephon_ray")
@@ -319,11 +320,9 @@ def node_description() -> str:
     parts = [f"host {socket.gethostname()}"]
     ray = sys.modules.get("ray")
     if ray is not None and ray.is_initialized():
-        try:
+        with best_effort(log, "describing the node must never hide the real error"):
             parts.append(f"ray node {ray.get_runtime_context().get_node_id()[:12]}")
             parts.append(f"ip {ray.util.get_node_ip_address()}")
-        except Exception as exc:  # describing the node must never hide the real error
-            log.debug("ignored (%s): %r", "describing the node must never hide the real error", exc)
     return ", ".join(parts)
 
 

@@ -68,6 +68,7 @@ import numpy as np
 import ray
 
 from zephon_ray.batch import GlobalBatch, RankSlice, lane_span, slice_bounds
+from zephon_ray.errors import best_effort
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, READ_PATHS, ServiceConfig
 from zephon_ray.service.direct_reads import DirectReads
@@ -267,10 +268,8 @@ class DataService:
         if self._started_here:
             self.stop()
         else:
-            try:
+            with best_effort(log, "leaving a block must not mask the error that ended it"):
                 self.release()
-            except Exception as err:  # noqa: BLE001 - leaving a block must not mask the error that ended it
-                log.debug("ignored (%s): %r", "leaving a block must not mask the error that ended it", err)
 
     def release(self) -> None:
         """Drop this consumer's cursors now, so that it no longer holds the window back."""
@@ -384,10 +383,8 @@ class DataService:
             delay = min(delay * 2, 2.0)
 
     def _invalidate(self, step: int, generation: int) -> None:
-        try:
+        with best_effort(log, "the coordinator itself may be restarting: the retry finds out"):
             self._reads.invalidate(step, generation)
-        except Exception as exc:  # noqa: BLE001 - the coordinator itself may be restarting: the retry finds out
-            log.debug("ignored (%s): %r", "the coordinator itself may be restarting: the retry finds out", exc)
 
     def _reconnect_or_raise(self, exc: ServiceNotFoundError) -> None:
         """After a dead coordinator or node reader: a fresh coordinator handle (Ray restarts it under the same

@@ -51,7 +51,7 @@ import ray
 
 from zephon_ray import files
 from zephon_ray.checks import check_int
-from zephon_ray.errors import one_line
+from zephon_ray.errors import best_effort, one_line
 from zephon_ray.formats.service_state import ServiceState
 from zephon_ray.recipe import Recipe
 from zephon_ray.service import status as status_report
@@ -71,12 +71,10 @@ log = logging.getLogger("zephon_ray.service")
 def name_thread(name: bytes) -> None:
     """Name this OS thread (Linux ``prctl(PR_SET_NAME)``; elsewhere nothing), so that per-thread CPU and profilers
     tell it apart from the process's other Python threads."""
-    try:
+    with best_effort(log, "not Linux: the name is only for measurements"):
         import ctypes
 
         ctypes.CDLL(None).prctl(15, name[:15], 0, 0, 0)
-    except Exception as exc:  # noqa: BLE001 - not Linux: the name is only for measurements
-        log.debug("ignored (%s): %r", "not Linux: the name is only for measurements", exc)
 
 MAX_LEASE_STEPS = 1024
 _BUSY_POLL_S = 0.25
@@ -512,10 +510,8 @@ class Coordinator:
         self.pool.close()  # after this no restart can launch producers
         self.replay.close()
         for reader in self.readers.values():
-            try:
+            with best_effort(log, "already dead"):
                 ray.kill(reader, no_restart=True)
-            except Exception as exc:  # noqa: BLE001
-                log.debug("ignored (%s): %r", "best effort", exc)
 
     # ================================================================== pump (one thread)
     def _pump(self) -> None:

@@ -20,6 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from zephon_ray import files
+from zephon_ray.errors import best_effort
 from zephon_ray.formats.service_state import check_state_dir
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import ServiceConfig
@@ -88,14 +89,10 @@ def stop(handle: Any, name: str, namespace: str) -> None:
     """Stop the coordinator (it stops its helpers), kill it and any helper left over."""
     import ray
 
-    try:
+    with best_effort(log, "already dead or wedged: kill it below either way"):
         ray.get(handle.stop.remote(), timeout=60)
-    except Exception as exc:  # noqa: BLE001 - already dead or wedged: kill it below either way
-        log.debug("ignored (%s): %r", "already dead or wedged: kill it below either way", exc)
-    try:
+    with best_effort(log, "already dead"):
         ray.kill(handle, no_restart=True)
-    except Exception as exc:  # noqa: BLE001
-        log.debug("ignored (%s): %r", "best effort", exc)
     kill_named(name, namespace)
 
 

@@ -53,6 +53,7 @@ from typing import Any
 
 import ray
 
+from zephon_ray.errors import best_effort
 from zephon_ray.service.errors import ReplyTimeoutError, describe
 from zephon_ray.service.lease_cache import LeaseCache
 from zephon_ray.service.protocol import CursorMove, HeldStep, Reply, only_lanes
@@ -175,11 +176,9 @@ def _cancel(ref: Any, timeout_s: float = 2.0) -> None:
     """Cancel a read call that nobody waits for any more, and wait (briefly) until the node reader let it go: a call
     still pending when its actor is killed makes Ray print a task failure on the driver's stdout (seen as a line too
     many in tests/test_service_cli.py's digests)."""
-    try:
+    with best_effort(log, "the reader is gone already"):
         ray.cancel(ref)
         ray.wait([ref], timeout=timeout_s, fetch_local=False)
-    except Exception as exc:  # noqa: BLE001 - the reader is gone already: nothing is pending there
-        log.debug("ignored (%s): %r", "the reader is gone already", exc)
 
 
 class _ReadAheadStopped(Exception):

@@ -45,7 +45,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from zephon_ray import files
-from zephon_ray.errors import one_line
+from zephon_ray.errors import best_effort, one_line
 from zephon_ray.formats.service_state import ServiceStateError
 from zephon_ray.identity import check_checkpoint_agreement
 from zephon_ray.pipeline import LaneGroup
@@ -235,19 +235,15 @@ class ProducerPool:
 
     def _retire(self, gen: _Generation) -> None:
         for actor in gen.actors:
-            try:
+            with best_effort(log, "already dead: reap() finds nothing to kill"):
                 actor.close.remote()  # frees the Zephon pipeline; the shards it owns stay readable
-            except Exception as exc:  # noqa: BLE001 - already dead: reap() finds nothing to kill
-                log.debug("ignored (%s): %r", "already dead: reap() finds nothing to kill", exc)
         self.retired.append(gen)
 
     @staticmethod
     def _kill(gen: _Generation) -> None:
         for actor in gen.actors:
-            try:
+            with best_effort(log, "already dead"):
                 ray.kill(actor, no_restart=True)
-            except Exception as exc:  # noqa: BLE001 - already dead
-                log.debug("ignored (%s): %r", "already dead", exc)
 
     def resolve_infos(self) -> None:
         """Non-blocking: collect producer infos that arrived; a start-up error becomes ``fatal``."""

@@ -28,11 +28,11 @@ Shared by both sides, so the client imports this and never a server class (tests
 from __future__ import annotations
 
 import logging
-
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from zephon_ray import checks
+from zephon_ray.errors import best_effort
 
 log = logging.getLogger("zephon_ray")
 
@@ -136,11 +136,9 @@ def kill_named(name: str, namespace: str, infixes: tuple[str, ...] = HELPER_INFI
     for entry in ray.util.list_named_actors(all_namespaces=True):
         actor_name = entry.get("name", "")
         if entry.get("namespace") == namespace and any(actor_name.startswith(name + i) for i in infixes):
-            try:
+            with best_effort(log, "already gone"):
                 ray.kill(ray.get_actor(actor_name, namespace=namespace), no_restart=True)
                 killed += 1
-            except Exception as exc:  # noqa: BLE001 - already gone
-                log.debug("ignored (%s): %r", "already gone", exc)
     return killed
 
 

@@ -37,6 +37,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayError
 
+from zephon_ray.errors import best_effort
 from zephon_ray.formats.service_state import ServiceState
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import ServiceConfig
@@ -225,7 +226,5 @@ class ReplayScheduler:
 
     def close(self) -> None:
         for replayer in filter(None, self.replayers):
-            try:
+            with best_effort(log, "already dead"):
                 ray.kill(replayer, no_restart=True)
-            except Exception as exc:  # noqa: BLE001
-                log.debug("ignored (%s): %r", "best effort", exc)

@@ -67,6 +67,7 @@ from typing import Any
 
 from zephon_ray.batch import padded_rows
 from zephon_ray.checks import check_int, check_reader
+from zephon_ray.errors import best_effort
 from zephon_ray.formats.loader_state import KEY_LEDGER, check_state, make_state, run_recipe, schedule_of
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import StepShape, check_geometry
@@ -348,10 +349,8 @@ class FtSlices:
             self.ledger.close()
         sources, self._sources, self._active = self._sources, OrderedDict(), None
         for source in sources.values():
-            try:
+            with best_effort(log, "best effort at shutdown"):
                 source.close()
-            except Exception as exc:  # noqa: BLE001 - best effort at shutdown
-                log.debug("ignored (%s): %r", "best effort at shutdown", exc)
 
     def __enter__(self) -> "FtSlices":
         return self

@@ -36,6 +36,7 @@ from typing import Any
 import numpy as np
 
 from zephon_ray.batch import RankSlice
+from zephon_ray.errors import best_effort
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.prefetch import PrefetchedSlices
 
@@ -168,8 +169,6 @@ class ServiceSlices(PrefetchedSlices):
     def close(self) -> None:
         """Stop the reader thread and release this consumer's cursors on the service."""
         self.close_thread()
-        try:
+        with best_effort(log, "the service may already be gone"):
             with self._lock:
                 self.service.release()
-        except Exception as exc:  # noqa: BLE001 - the service may already be gone
-            log.debug("ignored (%s): %r", "the service may already be gone", exc)
