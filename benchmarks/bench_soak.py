@@ -1,6 +1,8 @@
 """A long run as a user runs it: memory, files and step wait over many steps of the data service.
 
     python benchmarks/bench_soak.py --steps 20000 [--every 1000] [--save-every 100] [--worlds 4,2,3]
+    python benchmarks/bench_soak.py --mode local --steps 20000 --worlds 4,2,8
+    python benchmarks/bench_soak.py --mode dataset --steps 20000 --worlds 4,2,3
 
 - A service with 2 producers and a ``state_dir`` (checkpoint every 8 steps), on a private local Ray.
 - The recipe is ``recipes/tiny.toml`` with one mixture phase added at half the run (``--phase-at``), so the run
@@ -15,6 +17,11 @@
   ``GlobalBatchSource(recipe).batch(s).slice(rank, W)`` in this process; the run ends with the count of wrong rows.
 - Growth per step (``RESULT`` line): each actor's RSS from the first row after the warm-up to the last, divided by
   the steps between; a restarted actor (a new pid) starts a new baseline.
+
+``--mode local`` / ``--mode dataset``: the same ranks, ledger, saves, W changes and phase boundary for the trainer
+process alone: local-mode loaders (each rank runs Zephon in-process for its lanes and aggregates its checkpoint
+through a shared directory; W must divide the lanes), or dataset-mode loaders over a materialised run of all the
+steps (written first by ``zephon_ray.jobs.materialize`` on a private Ray, 2 producers). No service, no kills.
 
 Prints a table and one JSON line (prefixed ``RESULT``). Results on this machine: docs/benchmarks.md
 ("Memory over a long run").
@@ -57,9 +64,13 @@ def rank_main(a: argparse.Namespace) -> None:
 
     from zephon_ray.stream.loader import Loader, LoaderConfig
 
-    ray.init(address=a.address, namespace=NS, log_to_driver=False)
-    cfg = LoaderConfig(recipe=a.recipe, mode="service", service_name=NAME, service_namespace=NS, run_id=NAME,
-                       ledger_dir=a.ledger)
+    if a.mode == "service":
+        ray.init(address=a.address, namespace=NS, log_to_driver=False)
+    cfg = LoaderConfig(recipe=a.recipe, mode=a.mode, service_name=NAME, service_namespace=NS, run_id=NAME,
+                       ledger_dir=a.ledger, dataset_dir=a.dataset if a.mode == "dataset" else None,
+                       aggregate_dir=a.aggregate if a.mode == "local" else None,
+                       # local mode: a Zephon checkpoint in every saved state, so the next group resumes, not replays
+                       checkpoint_every=a.save_every if a.mode == "local" else 0)
     loader = Loader(cfg, rank=a.rank, world=a.world)
     if a.state:
         loader.load_state_dict(json.loads(Path(a.state).read_text()))
@@ -209,8 +220,10 @@ def main() -> None:
     ap.add_argument("--phase-at", type=int, default=None, help="step of the phase boundary (default: steps/2)")
     ap.add_argument("--warmup", type=int, default=None, help="steps before the growth baseline (default: every)")
     ap.add_argument("--workdir", default=None)
+    ap.add_argument("--mode", choices=("service", "local", "dataset"), default="service",
+                    help="the loaders' mode; local and dataset soak the trainer processes alone")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    for key in ("address", "recipe", "ledger", "state", "out", "save_to"):
+    for key in ("address", "recipe", "ledger", "state", "out", "save_to", "dataset", "aggregate"):
         ap.add_argument(f"--{key.replace('_', '-')}", default=None, help=argparse.SUPPRESS)
     for key in ("rank", "world", "first", "stop"):
         ap.add_argument(f"--{key}", type=int, default=0, help=argparse.SUPPRESS)
@@ -234,14 +247,28 @@ def main() -> None:
     kill_producer_at, kill_reader_at = int(a.steps * 0.4), int(a.steps * 0.6)
     warmup = a.every if a.warmup is None else a.warmup
 
-    start_ray(work)
-    address = ray.get_runtime_context().gcs_address
-    svc = DataService.start(str(recipe_path), name=NAME, namespace=NS, producers=2, state_dir=str(state_dir),
-                            checkpoint_every=8, aggregate_store="torch://", run_id=NAME)
+    service = a.mode == "service"
+    svc = None
+    address = ""
+    dataset, aggregate = work / "dataset", work / "aggregate"
+    if service or a.mode == "dataset":
+        start_ray(work)
+        address = ray.get_runtime_context().gcs_address
+    if service:
+        svc = DataService.start(str(recipe_path), name=NAME, namespace=NS, producers=2, state_dir=str(state_dir),
+                                checkpoint_every=8, aggregate_store="torch://", run_id=NAME)
+    elif a.mode == "dataset":
+        from zephon_ray.jobs.materialize import materialize
+
+        t0 = time.time()
+        materialize(recipe, dataset, range(a.steps), producers=2, progress=False)
+        ray.shutdown()
+        print(f"materialised {a.steps} steps in {time.time() - t0:.0f} s", flush=True)
     checker = Checker(recipe)
-    print(f"soak: {a.steps} steps of {recipe_path.name} (phase at {a.phase_at or a.steps // 2}), worlds {worlds} at "
-          f"steps {bounds[:-1]}, save every {a.save_every}, kill -9 producer at {kill_producer_at} and node reader "
-          f"at {kill_reader_at}; work dir {work}", flush=True)
+    print(f"soak ({a.mode} mode): {a.steps} steps of {recipe_path.name} (phase at {a.phase_at or a.steps // 2}), "
+          f"worlds {worlds} at steps {bounds[:-1]}, save every {a.save_every}"
+          + (f", kill -9 producer at {kill_producer_at} and node reader at {kill_reader_at}" if service else "")
+          + f"; work dir {work}", flush=True)
     header = None
     rows: list[dict] = []
     killed = {"producer": False, "reader": False}
@@ -258,43 +285,47 @@ def main() -> None:
                 [sys.executable, __file__, "--worker", "--address", address, "--recipe", str(recipe_path),
                  "--ledger", str(ledger), "--out", str(outs[r]), "--save-to", save_to, "--rank", str(r),
                  "--world", str(world), "--first", str(first), "--stop", str(stop),
-                 "--save-every", str(a.save_every)] + (["--state", state_file] if state_file else []),
+                 "--save-every", str(a.save_every), "--mode", a.mode, "--dataset", str(dataset),
+                 "--aggregate", str(aggregate)] + (["--state", state_file] if state_file else []),
                 env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")},
                 stderr=open(work / f"rank{r}-seg{seg}.err", "ab"))
                 for r in range(world)]
             deadline = time.monotonic() + WAIT_S
             last_seen = {r: first - 1 for r in range(world)}
             while True:
+                exited = all(p.poll() is not None for p in procs)  # before reading: an exited rank wrote every line
                 for r in range(world):
                     got = checker.poll(outs[r], r, world)
                     if got is not None:
                         last_seen[r] = got
                         deadline = time.monotonic() + WAIT_S
                 slowest = min(last_seen.values()) + 1
-                exited = all(p.poll() is not None for p in procs)
-                if not killed["producer"] and slowest >= kill_producer_at:
+                if service and not killed["producer"] and slowest >= kill_producer_at:
                     pid = actor_pids(svc)["producer0"]
                     os.kill(pid, signal.SIGKILL)
                     killed["producer"] = True
                     print(f"step {slowest}: kill -9 producer pid {pid}", flush=True)
-                if not killed["reader"] and slowest >= kill_reader_at:
+                if service and not killed["reader"] and slowest >= kill_reader_at:
                     pid = actor_pids(svc)["reader0"]
                     os.kill(pid, signal.SIGKILL)
                     killed["reader"] = True
                     print(f"step {slowest}: kill -9 node reader pid {pid}", flush=True)
                 if (slowest >= next_row or (exited and slowest >= stop)) and slowest != last_row:
                     last_row = slowest
-                    pids = actor_pids(svc)
+                    pids = actor_pids(svc) if service else {}
                     row = {"step": slowest, "elapsed_s": round(time.time() - t_start), "W": world}
                     for label, pid in sorted(pids.items()):
                         row[f"{label}_mb"] = rss_mb(pid)
                         row[f"{label}_pid"] = pid
                     for r, p in enumerate(procs):
-                        row[f"rank{r}_mb"] = rss_mb(p.pid)
-                    row["plasma_mib"] = plasma_usage()["mib"]
+                        row[f"rank{r}_mb"] = rss_mb(p.pid) if p.poll() is None else None  # not a zombie's 0
+                        row[f"rank{r}_pid"] = p.pid
+                    if service:
+                        row["plasma_mib"] = plasma_usage()["mib"]
                     row["wait_p50_ms"], row["wait_p99_ms"] = pct(checker.waits, 0.5), pct(checker.waits, 0.99)
                     checker.waits = []
-                    row["state_files"], row["state_bytes"] = tree(state_dir)
+                    if service:
+                        row["state_files"], row["state_bytes"] = tree(state_dir)
                     row["ledger_files"], row["ledger_bytes"] = tree(ledger)
                     row["wrong"] = checker.wrong
                     rows.append(row)
@@ -319,7 +350,8 @@ def main() -> None:
     finally:
         for p in [p for p in locals().get("procs", []) if p.poll() is None]:
             p.kill()  # only our own rank processes, on an error
-        svc.stop()
+        if svc is not None:
+            svc.stop()
         ray.shutdown()
 
     def growth(label: str) -> float | None:
