@@ -380,60 +380,65 @@ def test_old_state_version_is_refused_by_key():
             loader.load_state_dict(loader.state_dict() | {"replayed_steps": -1})
 
 
-def test_the_torchtitan_config_derives_every_loader_config_field():
-    """ZephonRayDataLoader.Config is made from LoaderConfig's fields (derived_config.derive_config), not a copy of
-    them: each LoaderConfig field is there with its type and default, except the deliberate differences (TorchTitan
-    needs a default for ``recipe``, and pads by default: it takes equal microbatch counts on every dp rank); a field
-    added to the source reaches the made class; the class passes TorchTitan's Configurable checks (slots, keyword
-    only, ``build()`` wired to the loader) and pickles."""
+def attribute_docs(cls: type) -> dict[str, str]:
+    """``{field: docstring}`` from the string literals that follow ``cls``'s annotated fields in its source."""
+    import ast
+    import inspect
+    import textwrap
+
+    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
+    return {node.target.id: inspect.cleandoc(after.value.value) for node, after in zip(body, body[1:])
+            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
+
+
+TORCHTITAN_ONLY = "TorchTitan:"
+"""How ZephonRayDataLoader.Config's docstring marks a field that it declares beyond, or otherwise than, LoaderConfig."""
+
+
+def test_the_torchtitan_config_declares_every_loader_config_field():
+    """ZephonRayDataLoader.Config is written out (type checkers and tyro read it as declared); this keeps it equal to
+    LoaderConfig: every LoaderConfig field with its type, default and docstring, in LoaderConfig's order, except the
+    fields whose docstring starts "TorchTitan:" (a default for ``recipe`` for TorchTitan's CLI, padding on by default,
+    TorchTitan's checkpoint interval, and TorchTitan's own fields); it passes TorchTitan's Configurable checks (slots,
+    keyword only, ``build()`` wired to the loader) and pickles."""
     import pickle
     import typing
-    from dataclasses import dataclass, fields
+    from dataclasses import fields
 
     from torchtitan.components.dataloader import BaseDataLoader
 
-    from zephon_ray.integrations.torchtitan.derived_config import Extra, derive_config
     from zephon_ray.stream.loader import LoaderConfig
     from zephon_ray.torchtitan import ZephonRayDataLoader
 
     config_cls = ZephonRayDataLoader.Config
     titan = {f.name: f for f in fields(config_cls)}
-    hints = typing.get_type_hints(LoaderConfig)
-    deliberate = {"recipe": "", "pad_slices": True}
+    titan_docs, core_docs = attribute_docs(config_cls), attribute_docs(LoaderConfig)
+    titan_hints, core_hints = typing.get_type_hints(config_cls), typing.get_type_hints(LoaderConfig)
+    own = {name for name, doc in titan_docs.items() if doc.startswith(TORCHTITAN_ONLY)}
+    assert own == {"recipe", "checkpoint_every", "pad_slices", "global_batch_size", "infinite"}
     for f in fields(LoaderConfig):
         assert f.name in titan, f"ZephonRayDataLoader.Config lacks LoaderConfig.{f.name}"
-        assert titan[f.name].default == deliberate.get(f.name, f.default), (f.name, titan[f.name].default)
-        assert titan[f.name].type == hints[f.name] and titan[f.name].kw_only, (f.name, titan[f.name].type)
-    assert set(titan) == {f.name for f in fields(LoaderConfig)} | {f.name for f in fields(BaseDataLoader.Config)} | {
-        "global_batch_size", "infinite"}
+        assert titan_hints[f.name] == core_hints[f.name] and titan[f.name].kw_only, f.name
+        if f.name not in own:
+            assert titan[f.name].default == f.default, (f.name, titan[f.name].default, f.default)
+            assert titan_docs[f.name] == core_docs[f.name], f"the docstrings of {f.name} differ"
+    assert (titan["recipe"].default, titan["pad_slices"].default) == ("", True)
+    ours = [name for name in titan if name not in {f.name for f in fields(BaseDataLoader.Config)}]
+    assert ours == [f.name for f in fields(LoaderConfig)] + ["global_batch_size", "infinite"]
     assert "__slots__" in config_cls.__dict__ and config_cls._owner is ZephonRayDataLoader
     assert config_cls.__qualname__ == "ZephonRayDataLoader.Config"
     config = _config(run_id="r")
     assert pickle.loads(pickle.dumps(config)) == config and config.core().run_id == "r"
 
-    @dataclass(frozen=True, kw_only=True)
-    class Grown:
-        recipe: str
-        new_knob: int = 7
-        """A field only the source declares."""
-
-    made = derive_config("Made", source=Grown, bases=(BaseDataLoader.Config,), summary="s.",
-                         extras={"recipe": Extra(str, "", "r.")}, namespace={"__module__": __name__,
-                                                                             "__qualname__": "Made"})
-    assert made().new_knob == 7 and "new_knob: A field only the source declares." in made.__doc__
-
 
 def test_torchtitan_help_shows_every_field_docstring(monkeypatch, capsys):
-    """A made class has no source for tyro to read field docstrings from; derive_config writes LoaderConfig's (and
-    TorchTitan's own) into the class docstring, and TorchTitan's CLI parser (tyro) shows each in ``--help``."""
+    """TorchTitan's CLI parser (tyro) shows each field's docstring in ``--help``."""
     import re
     from dataclasses import fields
 
     import tyro
 
-    from zephon_ray.integrations.torchtitan.derived_config import attribute_docs
-    from zephon_ray.integrations.torchtitan.loader import _TORCHTITAN_FIELDS
-    from zephon_ray.stream.loader import LoaderConfig
     from zephon_ray.torchtitan import ZephonRayDataLoader
 
     monkeypatch.setenv("COLUMNS", "2000")  # one help line per field, nothing wrapped
@@ -441,19 +446,18 @@ def test_torchtitan_help_shows_every_field_docstring(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         tyro.cli(config_cls, args=["--help"], default=_config())
     help_text = re.sub(r"\s+", " ", capsys.readouterr().out)
-    source_docs = attribute_docs(LoaderConfig)
-    assert set(source_docs) == {f.name for f in fields(LoaderConfig)}, "every LoaderConfig field has a docstring"
+    docs = attribute_docs(config_cls)
     for f in fields(config_cls):
         if f.name in ("dataset", "dataset_path"):  # TorchTitan's own, undocumented there
             continue
-        doc = _TORCHTITAN_FIELDS[f.name].doc if f.name in _TORCHTITAN_FIELDS else source_docs[f.name]
         flag = "--" + f.name.replace("_", "-")
-        assert re.search(re.escape(flag) + r"\S* \S+ " + re.escape(" ".join(doc.split())), help_text), (flag, doc)
+        assert re.search(re.escape(flag) + r"\S* \S+ " + re.escape(" ".join(docs[f.name].split())), help_text), \
+            (flag, docs[f.name])
 
 
-def test_torchtitans_cli_sets_the_derived_fields(monkeypatch, capsys):
+def test_torchtitans_cli_sets_the_config_fields(monkeypatch, capsys):
     """TorchTitan's own parser (ConfigManager, tyro) on the config registry: ``--dataloader.*`` flags reach the
-    derived class, LoaderConfig's fields and TorchTitan's alike; a bad value is LoaderConfig's error (tyro boxes it)."""
+    config, LoaderConfig's fields and TorchTitan's alike; a bad value is LoaderConfig's error (tyro boxes it)."""
     from torchtitan.config import ConfigManager
 
     from zephon_ray.torchtitan import ZephonRayDataLoader

@@ -29,7 +29,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -40,7 +40,6 @@ from zephon_ray.formats.loader_state import LoaderStateError
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import check_geometry
 from zephon_ray.stream.loader import Loader, LoaderConfig, StepBatch
-from zephon_ray.integrations.torchtitan.derived_config import Extra, derive_config
 from zephon_ray.integrations.torchtitan.trainer_checks import check_tokenizer
 
 logger = logging.getLogger("zephon_ray")
@@ -48,49 +47,93 @@ logger = logging.getLogger("zephon_ray")
 _CORE_FIELDS = tuple(f.name for f in fields(LoaderConfig))
 
 
-def _validate_when_built(self) -> None:
-    self.core()  # validate now, when the config is built (after CLI overrides)
-
-
-def _core(self) -> LoaderConfig:
-    """The loader core's config (validated; a bad value is one ValueError naming the field)."""
-    return LoaderConfig(**{name: getattr(self, name) for name in _CORE_FIELDS})
-
-
-def _resolved_aggregation(self) -> tuple[str | None, str | None, str]:
-    return self.core().resolved_aggregation()
-
-
-# What TorchTitan's Config declares beyond LoaderConfig, or declares otherwise. Every other field, its type, default and
-# docstring, is LoaderConfig's (derived_config.py says why a made class serves TorchTitan's config system).
-_TORCHTITAN_FIELDS = {
-    "recipe": Extra(str, "", "Path to the recipe TOML (or a packaged recipe's name, e.g. \"tiny\"); required (the "
-                             "empty default only lets TorchTitan's CLI fill it in)."),
-    "checkpoint_every": Extra(int, 0, "Local mode: a Zephon checkpoint every N steps; 0: TorchTitan's checkpoint "
-                                      "interval when checkpointing is on, else none."),
-    "pad_slices": Extra(bool, True, (
-        "On by default here: TorchTitan takes the same number of microbatches on every dp rank, so at a dp degree "
-        "that does not divide B each rank's rows are padded to ``ceil(B/dp)`` (rounded up to ``local_batch_size``) "
-        "with rows whose labels are all ignored. TorchTitan 0.3 divides the summed loss by the all-reduced count of "
-        "valid labels and sums gradients, so the padding changes no gradient. A no-op when dp divides B evenly.")),
-    "global_batch_size": Extra(int | None, None, (
-        "The trainer's ``training.global_batch_size`` (-1: TorchTitan's default, local_batch_size x dp), copied in by "
-        "the config registry and the ``--override.imports`` hook and checked against the recipe's B when the loader "
-        "is built. None: no trainer (standalone use); a step is then B rows by definition.")),
-    "infinite": Extra(bool, True, "Kept for TorchTitan's validator contract; a recipe with ``repeat = true`` never "
-                                  "runs out."),
-}
-
-
 class ZephonRayDataLoader(BaseDataLoader):
     """TorchTitan data loader over zephon-ray global batches. See the module docstring."""
 
-    Config = derive_config(
-        "Config", source=LoaderConfig, bases=(BaseDataLoader.Config,), extras=_TORCHTITAN_FIELDS,
-        summary="The fields of :class:`zephon_ray.stream.loader.LoaderConfig` (derived from it) plus TorchTitan's.",
-        namespace={"__module__": __name__, "__qualname__": "ZephonRayDataLoader.Config",
-                   "__post_init__": _validate_when_built, "core": _core,
-                   "resolved_aggregation": _resolved_aggregation})
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        """:class:`zephon_ray.stream.loader.LoaderConfig`'s fields, types, defaults and docs, plus TorchTitan's.
+        Declared, so that type checkers and TorchTitan's CLI (tyro) read it as written;
+        ``tests/test_torchtitan_loader.py::test_the_torchtitan_config_declares_every_loader_config_field`` fails when
+        it and LoaderConfig differ beyond the fields marked "TorchTitan:"."""
+
+        recipe: str = ""
+        """TorchTitan: path to the recipe TOML (or a packaged recipe's name, e.g. "tiny"); required (the empty
+        default only lets TorchTitan's CLI fill it in)."""
+
+        mode: str = "service"
+        """``"service"``: read slices from a running DataService; ``"local"``: run Zephon in this process;
+        ``"dataset"``: read a directory written by ``zephon-ray materialize`` (``dataset_dir``)."""
+
+        dataset_dir: str | None = None
+        """Dataset mode: the materialised directory (local or shared storage), from the same recipe."""
+
+        service_name: str = "zephon-ray"
+        """Service mode: the DataService's Ray actor name (``zephon-ray serve --name``)."""
+
+        service_namespace: str = "zephon-ray"
+        """Service mode: the Ray namespace the DataService runs in (``zephon-ray serve --namespace``)."""
+
+        run_id: str | None = None
+        """Names the run; checked on resume; the service consumer. Required for a distributed local-mode run."""
+
+        aggregate_store: str | None = None
+        """Local mode: ``"torch://"`` (MASTER_ADDR:MASTER_PORT) or ``"torch://host:port"``."""
+
+        aggregate_dir: str | None = None
+        """Local mode: a directory every reader can reach. ``$ZEPHON_RAY_AGGREGATE_DIR`` overrides both."""
+
+        aggregate_timeout_s: float = 120.0
+        """Local mode: how long a collective checkpoint (and the readers' exchange with it) waits for every reader
+        before it fails with one line naming the readers missing."""
+
+        prefetch: int = 2
+        """Steps fetched (service, dataset) or produced (local) ahead of the trainer, in a background thread."""
+
+        checkpoint_every: int = 0
+        """TorchTitan: local mode, a Zephon checkpoint every N steps; 0: TorchTitan's checkpoint interval when
+        checkpointing is on, else none."""
+
+        ledger_dir: str | None = None
+        """Where every reader writes its part of a ledger segment at each ``state_dict()`` (a path or object-storage
+        URI every reader can reach; one directory per run). None: records are kept and the lineage is carried in the
+        state, but nothing is written (``zephon-ray audit`` then has nothing to read)."""
+
+        ledger_compact_every: int = 64
+        """Reader 0 merges the ledger directory's files every this many saves, in the background (0: never; then run
+        ``zephon-ray ledger compact DIR`` yourself): a long run keeps a few files, not one per rank per save."""
+
+        pad_slices: bool = True
+        """TorchTitan: on by default here. TorchTitan takes the same number of microbatches on every dp rank, so at a
+        dp degree that does not divide B each rank's rows are padded to ``ceil(B/dp)`` (rounded up to
+        ``local_batch_size``) with rows whose labels are all ignored. TorchTitan 0.3 divides the summed loss by the
+        all-reduced count of valid labels and sums gradients, so the padding changes no gradient. A no-op when dp
+        divides B evenly."""
+
+        source_ids: bool = False
+        """Give every slice ``source_ids``: each token's source index (recipe order; -1 for pad tokens and padding rows),
+        derived from the step's provenance (:mod:`zephon_ray.provenance`), and every microbatch's inputs a
+        ``"source_ids"`` tensor aligned with its labels, for per-source losses. Off: nothing of it runs. On, it costs a
+        provenance-mode pipeline: the reader's own (local mode), or one over every lane beside the reads (service and
+        dataset mode). Never in a digest or the loader state."""
+
+        global_batch_size: int | None = None
+        """TorchTitan: the trainer's ``training.global_batch_size`` (-1: TorchTitan's default, local_batch_size x
+        dp), copied in by the config registry and the ``--override.imports`` hook and checked against the recipe's B
+        when the loader is built. None: no trainer (standalone use); a step is then B rows by definition."""
+
+        infinite: bool = True
+        """TorchTitan: kept for TorchTitan's validator contract; a recipe with ``repeat = true`` never runs out."""
+
+        def __post_init__(self) -> None:
+            self.core()  # validate now, when the config is built (after CLI overrides)
+
+        def core(self) -> LoaderConfig:
+            """The loader core's config (validated; a bad value is one ValueError naming the field)."""
+            return LoaderConfig(**{name: getattr(self, name) for name in _CORE_FIELDS})
+
+        def resolved_aggregation(self) -> tuple[str | None, str | None, str]:
+            return self.core().resolved_aggregation()
 
     def __init__(
         self,
