@@ -96,6 +96,16 @@ def test_serve_has_a_flag_for_every_service_config_field():
     help_text = build_parser()._subparsers._group_actions[0].choices["serve"].format_help()
     missing = [name for name in leaves(ServiceConfig) if "--" + name.replace("_", "-") not in help_text]
     assert not missing, f"serve lacks flags for ServiceConfig fields {missing}"
+    # Each flag's help is its field's docstring (every field has one), as one line of plain text.
+    from zephon_ray.docstrings import attribute_docs
+    from zephon_ray.service.config import ActorResources
+
+    flat = "".join(help_text.split())  # argparse wraps at spaces and hyphens
+    for cls in (ServiceConfig, ActorResources):
+        for name in {f.name for f in dataclasses.fields(cls)} - {"resources"}:
+            doc = attribute_docs(cls).get(name)
+            assert doc, f"{cls.__name__}.{name} has no docstring"
+            assert "".join(doc.replace("``", "").split()) in flat, f"serve --help lacks the docstring of {name}"
 
     args = build_parser().parse_args(["serve", "tiny"])  # defaults: exactly ServiceConfig's
     assert ServiceConfig(**service_config_fields(args)) == ServiceConfig()

@@ -14,6 +14,7 @@ import pytest
 
 from tests.ports import free_ports
 from zephon_ray import compute_digest
+from zephon_ray.docstrings import attribute_docs
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny.toml")
@@ -247,6 +248,7 @@ import numpy as np
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from zephon_ray import compute_digest
+from zephon_ray.docstrings import attribute_docs
 from zephon_ray.torchtitan import ZephonRayDataLoader
 
 phase, ckpt, out = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -378,18 +380,6 @@ def test_old_state_version_is_refused_by_key():
             loader.load_state_dict(old)
         with pytest.raises(LoaderStateError, match=r"key 'replayed_steps' must be an int in \[0, .*\], got -1"):
             loader.load_state_dict(loader.state_dict() | {"replayed_steps": -1})
-
-
-def attribute_docs(cls: type) -> dict[str, str]:
-    """``{field: docstring}`` from the string literals that follow ``cls``'s annotated fields in its source."""
-    import ast
-    import inspect
-    import textwrap
-
-    body = ast.parse(textwrap.dedent(inspect.getsource(cls))).body[0].body
-    return {node.target.id: inspect.cleandoc(after.value.value) for node, after in zip(body, body[1:])
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
 
 
 TORCHTITAN_ONLY = "TorchTitan:"

@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from zephon_ray.cli.schedule import SCHEDULE_FROM_HELP, load_recipe
+from zephon_ray.docstrings import attribute_docs
 from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
@@ -285,6 +286,7 @@ def _flag_type(hint: Any) -> Any:
 def _config_flags(cls: type, prefix: str = "") -> Iterator[tuple[str, str, Any, Any, str]]:
     """(flag, dest, type, default, help) per field of ``cls``; nested dataclasses become ``--<field>.<sub>``."""
     hints = typing.get_type_hints(cls)
+    docs = attribute_docs(cls)
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
@@ -295,7 +297,9 @@ def _config_flags(cls: type, prefix: str = "") -> Iterator[tuple[str, str, Any, 
             f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         flag = "--" + prefix + f.name.replace("_", "-")
         dest = _SERVE_DEST + (prefix + f.name).replace(".", "__")
-        yield flag, dest, kind, default, f"ServiceConfig.{prefix}{f.name} (default {default})"
+        doc = " ".join(docs.get(f.name, f"ServiceConfig.{prefix}{f.name}").split())
+        doc = doc.replace("``", "").replace("%", "%%")  # plain text for a terminal; argparse formats with %
+        yield flag, dest, kind, default, f"{doc} (default: {default})"
 
 
 def add_service_config_flags(p: argparse.ArgumentParser) -> None:

@@ -46,7 +46,9 @@ class ActorResources:
     an error")."""
 
     coordinator_num_cpus: float = 0.05
+    """CPUs Ray reserves for the coordinator (it mostly waits)."""
     producer_num_cpus: float = 0.25
+    """CPUs Ray reserves for each producer (its Zephon pipeline's work is real CPU)."""
     replayer_num_cpus: float = 0.5
     """The Replayer restores and replays past steps: real CPU, never the coordinator's."""
     coordinator_max_concurrency: int = 2048
@@ -54,7 +56,9 @@ class ActorResources:
     coordinator_resources: dict = field(default_factory=dict)
     """Extra Ray resources (e.g. ``{"head": 0.01}``) that pin the coordinator to a node; same for the others."""
     producer_resources: dict = field(default_factory=dict)
+    """Extra Ray resources for each producer (see ``coordinator_resources``)."""
     replayer_resources: dict = field(default_factory=dict)
+    """Extra Ray resources for each replayer (see ``coordinator_resources``)."""
 
     def __post_init__(self) -> None:
         for key in ("coordinator_resources", "producer_resources", "replayer_resources"):
@@ -90,7 +94,9 @@ class ServiceConfig:
     """Everything that fixes how a service runs. The recipe alone fixes *what* it serves."""
 
     name: str = DEFAULT_NAME
+    """The coordinator actor's name: what clients, loaders and the CLI's ``--name`` find the service by."""
     namespace: str = DEFAULT_NAMESPACE
+    """The Ray namespace of the service's actors."""
     producers: int = 1
     """M producer actors; each is a Zephon rank owning L/M contiguous lanes. M must divide L."""
     window: int = 8
@@ -104,7 +110,9 @@ class ServiceConfig:
     aggregate_dir: str | None = None
     """A directory every producer can reach, for Zephon's collective checkpoint."""
     run_id: str | None = None
+    """Names the run in the producers' collective Zephon checkpoints (None: the service's name)."""
     aggregate_timeout_s: float = 120.0
+    """How long a collective checkpoint waits for every producer before it fails naming the ones missing."""
     consumer_ttl_s: float = 120.0
     """A consumer cursor not heard from for this long stops holding the window back."""
     request_timeout_s: float = 600.0
@@ -150,6 +158,7 @@ class ServiceConfig:
     503 SlowDown, a timeout, a cut response) before it is fatal. None: the environment's
     ``ZEPHON_RAY_STORAGE_RETRY_S``, else 600 s (zephon_ray/files.py)."""
     resources: ActorResources = field(default_factory=ActorResources)
+    """Ray resources per actor (``--resources.<field>`` on the command line)."""
 
     def __post_init__(self) -> None:
         for key in ("name", "namespace"):
