@@ -166,7 +166,9 @@ def ft_cost(steps: int, world: int) -> dict:
     from zephon_ray.stream.ledger import FtLedger
 
     with tempfile.TemporaryDirectory() as work:
-        readers = [FtLedger(run_id="bench", fingerprint="f" * 64, ledger_dir=work) for _ in range(world)]
+        readers = [FtLedger(run_id="bench", fingerprint="f" * 64, ledger_dir=work,
+                            schedule=lambda n: {"data_next": n, "phases": [[0, "sources", "f" * 64]]})
+                   for _ in range(world)]
         commit_s = 0.0
         for step in range(steps):
             for rank, reader in enumerate(readers):

@@ -181,7 +181,9 @@ def ft(steps: int, world: int = 3) -> dict:
     from zephon_ray.stream.ledger import FtLedger
 
     with tempfile.TemporaryDirectory() as work:
-        readers = [FtLedger(run_id="bench", fingerprint=FP, ledger_dir=work) for _ in range(world)]
+        readers = [FtLedger(run_id="bench", fingerprint=FP, ledger_dir=work,
+                            schedule=lambda n: {"data_next": n, "phases": [[0, "sources", FP]]})
+                   for _ in range(world)]
         t0 = time.perf_counter()
         for step in range(steps):
             for rank, reader in enumerate(readers):
