@@ -290,13 +290,18 @@ def test_the_torchtitan_loader_carries_the_ledger_in_its_state(tmp_path, capsys)
 
 
 def test_two_runs_under_one_run_id_are_named(tmp_path, capsys):
-    """Two fresh runs share run_id and ledger: both continue step 0 without a resume, which no rollback does."""
+    """Two fresh runs share run_id and ledger: both continue step 0 without a resume, which no rollback does. Audited
+    from the second run's state or as a directory, it is one finding; neither run is also a branch note."""
     _run(_config(tmp_path, "a"), 1, None, 3)
     second = _run(_config(tmp_path, "b"), 2, None, 2)
     rc, lines = _audit(capsys, _save(tmp_path, second, "s.json"), "--ledger", str(tmp_path / "ledger"))
     assert rc == 1 and len(lines) == 2, lines  # one finding: the first run's segment is not also a branch note
     assert lines[0].startswith(f"steps 0..1: other run: segments {second['ledger']} and ") \
         and lines[0].endswith("both continue step 0 without a resume: two runs write under run_id 'audit'"), lines
+    # The directory's newest head is the first run's (it reaches further): the same single finding, no branch note.
+    rc, lines = _audit(capsys, str(tmp_path / "ledger"))
+    assert rc == 1 and len(lines) == 2 and lines[0].startswith("steps 0..2: other run: segments ") \
+        and second["ledger"] in lines[0] and lines[1].startswith("audit: 1 finding(s)"), lines
 
 
 def test_a_checkpoint_that_does_not_exist_or_is_not_a_loader_state_is_one_line(elastic, tmp_path, capsys):
