@@ -269,6 +269,50 @@ def test_a_pack_of_an_unknown_version_or_cut_short_is_one_line(tmp_path):
         ledger.read_ledger(tmp_path)
 
 
+def test_a_ledger_of_format_version_1_reads_audits_and_compacts_with_its_schedule_unchecked(tmp_path):
+    """A ledger written before segments recorded their schedule: version-1 loose parts, and a version-1 pack (its
+    segments Parquet without the 'schedule' column, as such a pack was written), continued by a version-2 segment.
+    Every record reads back, the audit is clean with one note naming the boundary it cannot check, and a compaction
+    of the lot (a version-2 pack: null for the old segments) reads back the same."""
+    import pyarrow.parquet as pq
+
+    from zephon_ray.jobs.audit import audit
+
+    def write_v1(start: int, end: int, parent: str) -> str:
+        head = dict(run_id="r", fingerprint="f" * 64, parent=parent, first_step=start, next_step=end, world=1,
+                    resumed=False)
+        seg = ledger.segment_id(**head)  # no schedule: the version-1 id
+        part = ledger.make_part(**head, segment=seg, rank=0,
+                                records=[Record(s, 1, 0, _digest(s, 0, 1)) for s in range(start, end)])
+        assert part["version"] == 1 and "schedule" not in part
+        ledger.write_part(tmp_path, part)
+        return seg
+
+    first = write_v1(0, 2, "")
+    pack = ledger.compact(tmp_path).pack  # then made a version-1 pack, as an older release wrote it
+    segments = tmp_path / "packs" / f"{pack}.segments.parquet"
+    pq.write_table(pq.read_table(segments).drop_columns(["schedule"]), segments)
+    manifest = tmp_path / "packs" / f"{pack}.json"
+    doc = json.loads(manifest.read_text())
+    doc["segments"]["bytes"] = segments.stat().st_size
+    manifest.write_text(json.dumps(doc | {"version": 1}))
+    second = write_v1(2, 4, first)
+    head = _write_run(tmp_path, world=1, saves=[6], parent=second, start=4)  # the version-2 recorder continues it
+    before = ledger.read_ledger(tmp_path)
+    assert {sid: seg.schedule is None for sid, seg in before.items()} == {first: True, second: True, head: False}
+    lines = _audit_lines(tmp_path)
+    assert lines == ([f"schedule not checked at 2 segment boundary(ies) (the first: segment {second}, from step 2): "
+                      f"segment {first} (steps 0..1) is of ledger format version 1, which records no schedule",
+                      "audit: clean: steps [0, 6) each trained exactly once in a lineage of 3 segment(s) (W 1); "
+                      "rows not checked (no --recipe or --dataset)"], 6)
+    assert audit(tmp_path).head == head
+    ledger.compact(tmp_path)
+    assert json.loads(next((tmp_path / "packs").glob("*.json")).read_text())["version"] == ledger.PACK_VERSION == 2
+    after = ledger.read_ledger(tmp_path)
+    assert {k: (v.header, v.parts) for k, v in after.items()} == {k: (v.header, v.parts) for k, v in before.items()}
+    assert _audit_lines(tmp_path) == lines
+
+
 # ---------------------------------------------------------------------------------------------- torchft spool
 FT_KILLER = """
 import os, signal, sys
