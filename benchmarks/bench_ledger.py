@@ -136,14 +136,16 @@ def audit_cost(steps: int, world: int, every: int) -> dict:
         parent, t0 = "", time.perf_counter()
         for first in range(0, steps, every):
             end = min(steps, first + every)
+            schedule = {"data_next": end, "phases": [[0, "sources", "f" * 64]]}  # as the loader records it
             seg = ledger.segment_id(run_id="bench", fingerprint="f" * 64, parent=parent, first_step=first,
-                                    next_step=end, world=world, resumed=False)
+                                    next_step=end, world=world, resumed=False, schedule=schedule)
             for rank in range(world):
                 records = [ledger.Record(s, world, rank, hashlib.sha256(f"{s} {rank}".encode()).hexdigest()[:32])
                            for s in range(first, end)]
                 ledger.write_part(work, ledger.make_part(run_id="bench", fingerprint="f" * 64, segment=seg,
                                                          parent=parent, first_step=first, next_step=end, world=world,
-                                                         rank=rank, resumed=False, records=records))
+                                                         rank=rank, resumed=False, schedule=schedule,
+                                                         records=records))
             parent = seg
         write_s = time.perf_counter() - t0
         size = sum(p.stat().st_size for p in Path(work).rglob("*.json"))
@@ -166,7 +168,9 @@ def ft_cost(steps: int, world: int) -> dict:
     from zephon_ray.stream.ledger import FtLedger
 
     with tempfile.TemporaryDirectory() as work:
-        readers = [FtLedger(run_id="bench", fingerprint="f" * 64, ledger_dir=work) for _ in range(world)]
+        readers = [FtLedger(run_id="bench", fingerprint="f" * 64, ledger_dir=work,
+                            schedule=lambda n: {"data_next": n, "phases": [[0, "sources", "f" * 64]]})
+                   for _ in range(world)]
         commit_s = 0.0
         for step in range(steps):
             for rank, reader in enumerate(readers):

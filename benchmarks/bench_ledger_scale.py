@@ -41,6 +41,11 @@ sys.path.insert(0, str(ROOT))
 FP = "f" * 64
 
 
+def _schedule(next_step: int) -> dict:
+    """A segment's schedule as the loader records it, for a run without phases (ledger format version 2)."""
+    return {"data_next": next_step, "phases": [[0, "sources", FP]]}
+
+
 def _hexes(rng: np.random.Generator, n: int) -> np.ndarray:
     return np.frombuffer(binascii.hexlify(rng.bytes(16 * n)), dtype="S32")
 
@@ -57,8 +62,9 @@ def generate(ledger_dir: str, *, ranks: int, steps: int, save_every: int) -> dic
     for first in range(0, steps, save_every):
         end = min(steps, first + save_every)
         sid = ledger.segment_id(run_id="bench", fingerprint=FP, parent=parent, first_step=first, next_step=end,
-                                world=ranks, resumed=False)
-        code = table.add(ledger.Segment(sid, parent, "bench", FP, first, end, ranks, False), "generator")
+                                world=ranks, resumed=False, schedule=_schedule(end))
+        code = table.add(ledger.Segment(sid, parent, "bench", FP, first, end, ranks, False,
+                                        ledger.schedule_text(_schedule(end))), "generator")
         n = end - first
         per = max(1, ledger.ROW_GROUP_RECORDS // n)  # ranks per batch
         for lo in range(0, ranks, per):
@@ -152,13 +158,15 @@ def realistic(ranks: int = 4, steps: int = 20_000, every: int = 100) -> dict:
         parent = ""
         for first in range(0, steps, every):
             sid = ledger.segment_id(run_id="bench", fingerprint=FP, parent=parent, first_step=first,
-                                    next_step=first + every, world=ranks, resumed=False)
+                                    next_step=first + every, world=ranks, resumed=False,
+                                    schedule=_schedule(first + every))
             for rank in range(ranks):
                 records = [ledger.Record(s, ranks, rank, hashlib.sha256(f"{s} {rank}".encode()).hexdigest()[:32])
                            for s in range(first, first + every)]
                 ledger.write_part(work, ledger.make_part(run_id="bench", fingerprint=FP, segment=sid, parent=parent,
                                                          first_step=first, next_step=first + every, world=ranks,
-                                                         rank=rank, resumed=False, records=records))
+                                                         rank=rank, resumed=False, schedule=_schedule(first + every),
+                                                         records=records))
             parent = sid
         files_before, bytes_before = _tree(work)
         audit_before = audit_in_child(work)
@@ -181,7 +189,9 @@ def ft(steps: int, world: int = 3) -> dict:
     from zephon_ray.stream.ledger import FtLedger
 
     with tempfile.TemporaryDirectory() as work:
-        readers = [FtLedger(run_id="bench", fingerprint=FP, ledger_dir=work) for _ in range(world)]
+        readers = [FtLedger(run_id="bench", fingerprint=FP, ledger_dir=work,
+                            schedule=_schedule)
+                   for _ in range(world)]
         t0 = time.perf_counter()
         for step in range(steps):
             for rank, reader in enumerate(readers):

@@ -209,7 +209,7 @@ def test_a_corrupt_or_unknown_segment_is_one_line(elastic, tmp_path, capsys):
     part.write_text(json.dumps(doc | {"version": 9}))
     rc, lines = _audit(capsys, str(ledger))
     assert rc == 2 and lines == [f"zephon-ray: error: {part}: ledger segment version 9 is not supported (expected "
-                                 "1)"], lines
+                                 "1 or 2)"], lines
     part.write_text(part.read_text()[:40])
     rc, lines = _audit(capsys, str(ledger))
     assert rc == 2 and len(lines) == 1 and lines[0].startswith(f"zephon-ray: error: {part}: corrupt ledger segment"), \
@@ -290,13 +290,18 @@ def test_the_torchtitan_loader_carries_the_ledger_in_its_state(tmp_path, capsys)
 
 
 def test_two_runs_under_one_run_id_are_named(tmp_path, capsys):
-    """Two fresh runs share run_id and ledger: both continue step 0 without a resume, which no rollback does."""
+    """Two fresh runs share run_id and ledger: both continue step 0 without a resume, which no rollback does. Audited
+    from the second run's state or as a directory, it is one finding; neither run is also a branch note."""
     _run(_config(tmp_path, "a"), 1, None, 3)
     second = _run(_config(tmp_path, "b"), 2, None, 2)
     rc, lines = _audit(capsys, _save(tmp_path, second, "s.json"), "--ledger", str(tmp_path / "ledger"))
     assert rc == 1 and len(lines) == 2, lines  # one finding: the first run's segment is not also a branch note
     assert lines[0].startswith(f"steps 0..1: other run: segments {second['ledger']} and ") \
         and lines[0].endswith("both continue step 0 without a resume: two runs write under run_id 'audit'"), lines
+    # The directory's newest head is the first run's (it reaches further): the same single finding, no branch note.
+    rc, lines = _audit(capsys, str(tmp_path / "ledger"))
+    assert rc == 1 and len(lines) == 2 and lines[0].startswith("steps 0..2: other run: segments ") \
+        and second["ledger"] in lines[0] and lines[1].startswith("audit: 1 finding(s)"), lines
 
 
 def test_a_checkpoint_that_does_not_exist_or_is_not_a_loader_state_is_one_line(elastic, tmp_path, capsys):
@@ -361,6 +366,153 @@ def test_a_ledger_directory_after_a_rollback_audits_the_newest_branch(tmp_path, 
         "audit: clean: steps [0, 4) each trained exactly once in a lineage of 2 segment(s) (W 1); 4 slice digests "
         "matched the recipe's global batches"], lines
     assert rollback["ledger"] not in "\n".join(lines[:-1])
+
+
+# ---------------------------------------------------------------------------------------------- schedules
+LATE = ("late", 4, {"code": 1.0})  # a phase decided while the run trains: only code from step 4 on
+
+
+@pytest.fixture(scope="module")
+def phased(tmp_path_factory):
+    """Readers at W=2 add phase 'late' from step 4 (``Loader.add_phase`` on every reader, before reading) and save
+    at step 3, before it starts; a resume saves at step 6, under it; a resume at W=4 saves at step 8. The recipe
+    file never names the phase: the loader states carry it (run_schedule), the ledger segments record it."""
+    work = tmp_path_factory.mktemp("audit-phased")
+
+    def add_then_train(loader, it):
+        loader.add_phase(*LATE)
+        for _ in range(3):
+            loader.commit(next(it).step)
+
+    first = _run(_config(work, "a", run_id="phased"), 2, None, 0, loop=add_then_train)
+    second = _run(_config(work, "a", run_id="phased"), 2, first, 3)
+    third = _run(_config(work, "b", run_id="phased"), 4, second, 2)
+    return work, (first, second, third)
+
+
+def test_each_segment_records_the_runs_schedule_and_a_run_time_phase_audits_clean(phased, capsys):
+    """Every segment records the schedule that made its steps, run-time phase included, as the recipe's own
+    fingerprint chain; the second segment adds 'late' (from step 4, after its parent's steps 0..2), which a resume may
+    do: the audit checks each boundary, and every slice against the run's schedule, and finds nothing."""
+    from zephon_ray import Recipe
+    from zephon_ray.formats.ledger import parse_schedule, read_ledger
+
+    work, (first, second, third) = phased
+    chain = Recipe.from_toml(TINY).with_phase(LATE[0], LATE[1], LATE[2]).schedule_fingerprints
+    segments = {s.id: s for s in read_ledger(str(work / "ledger")).values()}
+    assert parse_schedule(segments[first["ledger"]].schedule) == (3, [(0, "sources", chain[0])])
+    assert parse_schedule(segments[second["ledger"]].schedule) == (6, [(0, "sources", chain[0]),
+                                                                       (4, "late", chain[1])])
+    assert parse_schedule(segments[third["ledger"]].schedule) == (8, [(0, "sources", chain[0]),
+                                                                      (4, "late", chain[1])])
+    part = json.loads((work / "ledger" / second["ledger"] / "rank-00001-of-00002.json").read_text())
+    assert part["version"] == 2 and part["schedule"]["phases"][1][:2] == [4, "late"]
+    rc, lines = _audit(capsys, _save(work, third, "s.json"), "--ledger", str(work / "ledger"), "--recipe", TINY)
+    assert rc == 0 and lines == ["audit: clean: steps [0, 8) each trained exactly once in a lineage of 3 segment(s) "
+                                 "(W 2 -> 4); 20 slice digests matched the recipe's global batches"], lines
+    assert _audit(capsys, str(work / "ledger"))[0] == 0
+
+
+def _child(ledger_dir: Path, parent, phases: list[tuple[str, int, dict]]) -> str:
+    """A resumed segment of steps 6..7 at W=1 continuing ``parent`` (a segment of ``phased``), recorded under the
+    schedule of tiny.toml with ``phases`` (as a writer would that resumed with its state's schedule edited: the
+    loader refuses such a resume, so the part is written through the ledger API); returns its id."""
+    from zephon_ray import Recipe
+    from zephon_ray.formats import ledger
+
+    recipe = Recipe.from_toml(TINY)
+    for phase in phases:
+        recipe = recipe.with_phase(*phase)
+    schedule = ledger.schedule_record(recipe, 8)
+    head = dict(run_id="phased", fingerprint=parent.fingerprint, parent=parent.id, first_step=6, next_step=8,
+                world=1, resumed=True)
+    seg = ledger.segment_id(**head, schedule=schedule)
+    ledger.write_part(ledger_dir, ledger.make_part(**head, segment=seg, rank=0, schedule=schedule,
+                                                   records=[ledger.Record(s, 1, 0, "a" * 32) for s in (6, 7)]))
+    return seg
+
+
+@pytest.mark.parametrize("phases, step, change", [
+    ([("late", 4, {"prose": 1.0})], 4, "rewrites phase 'late' (start_step 4, schedule fingerprint {late}) as phase "
+                                       "'late' (start_step 4, schedule fingerprint {other}), though its parent "
+                                       "segment {parent} recorded steps 0..5 under it"),
+    ([], 4, "drops phase 'late' (start_step 4, schedule fingerprint {late}), under which its parent segment {parent} "
+            "recorded steps 0..5"),
+    ([("early", 2, {"prose": 1.0}), LATE], 2, "adds phase 'early' (start_step 2, schedule fingerprint {other}) "
+                                              "before its parent's phase 'late' (start_step 4, schedule fingerprint "
+                                              "{late}), though its parent segment {parent} recorded steps 0..5 "
+                                              "without it"),
+])
+def test_a_segment_whose_schedule_rewrites_its_parents_past_is_named_by_phase_and_step(phased, tmp_path, capsys,
+                                                                                      phases, step, change):
+    """A child of the step-6 segment (in place of the W=4 one) whose schedule rewrites, drops or inserts a phase among the steps its parent
+    recorded is one ``schedule`` finding naming the phase, the step where the schedules part, and the segment; a
+    phase from step 6 on (after the parent's steps) is not one."""
+    import shutil
+
+    from zephon_ray import Recipe
+    from zephon_ray.formats.ledger import read_ledger
+
+    work, (_, second, third) = phased
+    shutil.copytree(work / "ledger", tmp_path / "ledger", ignore=shutil.ignore_patterns(third["ledger"]))
+    parent = read_ledger(str(tmp_path / "ledger"))[second["ledger"]]
+    child = _child(tmp_path / "ledger", parent, phases)
+    base = Recipe.from_toml(TINY)
+    late = base.with_phase(*LATE).schedule_fingerprints[1][:12]
+    edited = base
+    for phase in phases:
+        edited = edited.with_phase(*phase)
+    other = edited.schedule_fingerprints[1][:12] if phases else ""
+    detail = change.format(late=late, other=other, parent=parent.id)
+    rc, lines = _audit(capsys, str(tmp_path / "ledger"))
+    assert rc == 1 and lines == [
+        f"step {step}: schedule: segment {child} (steps 6..7 at W=1, every rank) {detail}; a resume may only "
+        f"{'add' if 'adds' in change else 'change'} phases starting at or after step 6",
+        "audit: 1 finding(s) in steps [0, 8) (W 2 -> 1)"], lines
+
+
+def test_a_phase_after_the_parents_steps_continues_its_schedule(phased, tmp_path, capsys):
+    """The same child adding phase 'final' from step 6 (the first step its parent did not record) is clean."""
+    import shutil
+
+    from zephon_ray.formats.ledger import read_ledger
+
+    work, (_, second, third) = phased
+    shutil.copytree(work / "ledger", tmp_path / "ledger", ignore=shutil.ignore_patterns(third["ledger"]))
+    parent = read_ledger(str(tmp_path / "ledger"))[second["ledger"]]
+    _child(tmp_path / "ledger", parent, [LATE, ("final", 6, {"prose": 1.0})])
+    rc, lines = _audit(capsys, str(tmp_path / "ledger"))
+    assert rc == 0 and lines[-1].startswith("audit: clean: steps [0, 8)"), lines
+
+
+def test_segments_of_the_old_ledger_format_audit_with_their_schedule_unchecked(tmp_path, capsys):
+    """A ledger written before segments recorded their schedule (format version 1: parts without 'schedule') is read
+    and audited as before, and one continued by a version-2 segment too: the boundaries the audit cannot check are
+    one note, never a failure or a finding."""
+    from zephon_ray import Recipe
+    from zephon_ray.formats import ledger
+
+    fingerprint = Recipe.from_toml(TINY).fingerprint
+    parent, lines = "", []
+    for first, end, schedule in ((0, 3, None), (3, 5, None), (5, 7, {"data_next": 7, "phases": [
+            [0, "sources", fingerprint]]})):
+        head = dict(run_id="old", fingerprint=fingerprint, parent=parent, first_step=first, next_step=end, world=1,
+                    resumed=False)
+        seg = ledger.segment_id(**head, schedule=schedule)
+        part = ledger.make_part(**head, segment=seg, rank=0, schedule=schedule,
+                                records=[ledger.Record(s, 1, 0, "a" * 32) for s in range(first, end)])
+        assert (part["version"], "schedule" in part) == ((1, False) if schedule is None else (2, True))
+        ledger.write_part(tmp_path / "ledger", part)
+        lines.append(seg)
+        parent = seg
+    rc, out = _audit(capsys, str(tmp_path / "ledger"))
+    assert rc == 0 and out == [
+        f"note: schedule not checked at 2 segment boundary(ies) (the first: segment {lines[1]}, from step 3): "
+        f"segment {lines[0]} (steps 0..2) is of ledger format version 1, which records no schedule",
+        "audit: clean: steps [0, 7) each trained exactly once in a lineage of 3 segment(s) (W 1); rows not checked "
+        "(no --recipe or --dataset)"], out
+    ledger.compact(tmp_path / "ledger")  # a pack keeps both kinds: null for version 1, the text for version 2
+    assert _audit(capsys, str(tmp_path / "ledger")) == (rc, out)
 
 
 @pytest.mark.slow  # ~50 s on 2 cores: a Ray Data materialize job and a service

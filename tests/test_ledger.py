@@ -16,12 +16,19 @@ from zephon_ray.formats import ledger
 from zephon_ray.formats.ledger import LedgerError, Record
 
 
+def _sources_only(next_step: int) -> dict:
+    """A ledger segment's schedule for a run of recipe fingerprint "f" * 64 without phases."""
+    return {"data_next": next_step, "phases": [[0, "sources", "f" * 64]]}
+
+
 def _part(**kw):
+    """A part as LedgerRecorder writes it (format version 2: with its schedule); ``schedule=None``: version 1."""
     head = dict(run_id="r", fingerprint="f" * 64, parent="", first_step=0, next_step=2, world=2, rank=1,
                 resumed=False)
     head.update({k: kw.pop(k) for k in list(kw) if k in head})
+    head["schedule"] = kw.pop("schedule", _sources_only(head["next_step"]))
     seg = ledger.segment_id(**{k: head[k] for k in ("run_id", "fingerprint", "parent", "first_step", "next_step",
-                                                   "world", "resumed")})
+                                                   "world", "resumed", "schedule")})
     records = kw.pop("records", [Record(0, 2, 1, "a" * 32), Record(1, 2, 1, "b" * 32)])
     return ledger.make_part(segment=seg, records=records, **head)
 
@@ -53,17 +60,25 @@ def test_a_part_round_trips_and_its_segment_reads_back(tmp_path):
 
 
 def test_the_segment_id_depends_on_every_header_field():
-    base = dict(run_id="r", fingerprint="f", parent="", first_step=0, next_step=2, world=2, resumed=False)
+    base = dict(run_id="r", fingerprint="f", parent="", first_step=0, next_step=2, world=2, resumed=False,
+                schedule=_sources_only(2))
     ids = {ledger.segment_id(**base)}
     for key, value in (("run_id", "s"), ("fingerprint", "g"), ("parent", "0" * 24), ("first_step", 1),
-                       ("next_step", 3), ("world", 3), ("resumed", True)):
+                       ("next_step", 3), ("world", 3), ("resumed", True), ("schedule", _sources_only(3)),
+                       ("schedule", None)):  # None: a version-1 segment, whose id hashes no schedule
         ids.add(ledger.segment_id(**(base | {key: value})))
-    assert len(ids) == 8 and ledger.segment_id(**base) in ids
+    assert len(ids) == 10 and ledger.segment_id(**base) in ids
 
 
 @pytest.mark.parametrize("change, message", [
     ({"format": "other"}, "not a ledger segment (key 'format' is 'other'"),
-    ({"version": 2}, "ledger segment version 2 is not supported (expected 1)"),
+    ({"version": 3}, "ledger segment version 3 is not supported (expected 1 or 2)"),
+    ({"version": 1}, "ledger segment has unknown key 'schedule'"),
+    ({"schedule": {"data_next": 2, "phases": []}}, "ledger key 'schedule' must be {\"data_next\": step, \"phases\""),
+    ({"schedule": {"data_next": 2, "phases": [[0, "sources", "f" * 64], [2, "late", "e" * 64]]}},
+     "ledger key 'schedule' must be"),  # a phase from data_next on made none of the segment's steps
+    ({"schedule": {"data_next": 2, "phases": [[0, "sources", "f" * 64], [1, "late", "e" * 64]]}},
+     "does not match its header"),  # the id hashes the schedule: an edited one shows
     ({"extra": 1}, "ledger segment has unknown key 'extra'"),
     ({"world": 0}, "ledger key 'world' must be an int in [1, 10**12], got 0"),
     ({"rank": 5}, "rank 5 of 2 is impossible"),
@@ -124,11 +139,11 @@ def _write_run(ledger_dir, *, world: int, saves: list[int], parent: str = "", st
     ``start``, continuing ``parent``); returns the head."""
     for end in saves:
         seg = ledger.segment_id(run_id=run_id, fingerprint="f" * 64, parent=parent, first_step=start, next_step=end,
-                                world=world, resumed=False)
+                                world=world, resumed=False, schedule=_sources_only(end))
         for rank in range(world):
             ledger.write_part(ledger_dir, ledger.make_part(
                 run_id=run_id, fingerprint="f" * 64, segment=seg, parent=parent, first_step=start, next_step=end,
-                world=world, rank=rank, resumed=False,
+                world=world, rank=rank, resumed=False, schedule=_sources_only(end),
                 records=[Record(s, world, rank, _digest(s, rank, world)) for s in range(start, end)]))
         parent, start = seg, end
     return parent
@@ -150,9 +165,10 @@ def test_compaction_merges_loose_parts_and_batches_into_one_pack_that_reads_the_
     manifest); every record reads back equal, digests included, and the audit says the same."""
     head = _write_run(tmp_path, world=4, saves=[2, 4, 6, 8, 10])
     seg = ledger.segment_id(run_id="r", fingerprint="f" * 64, parent=head, first_step=10, next_step=11, world=2,
-                            resumed=False)
+                            resumed=False, schedule=_sources_only(11))
     ledger.write_batch(tmp_path, [ledger.make_part(run_id="r", fingerprint="f" * 64, segment=seg, parent=head,
                                                    first_step=10, next_step=11, world=2, rank=r, resumed=False,
+                                                   schedule=_sources_only(11),
                                                    records=[Record(10, 2, r, _digest(10, r, 2), 1, 1)])
                                   for r in range(2)])
     before, lines = ledger.read_ledger(tmp_path), _audit_lines(tmp_path)
@@ -244,7 +260,7 @@ def test_a_pack_of_an_unknown_version_or_cut_short_is_one_line(tmp_path):
     manifest = tmp_path / "packs" / f"{pack}.json"
     doc = json.loads(manifest.read_text())
     manifest.write_text(json.dumps(doc | {"version": 7}))
-    with pytest.raises(LedgerError, match=f"^{manifest}: ledger pack version 7 is not supported \\(expected 1\\)$"):
+    with pytest.raises(LedgerError, match=f"^{manifest}: ledger pack version 7 is not supported \\(expected 1 or 2\\)$"):
         ledger.read_ledger(tmp_path)
     manifest.write_text(json.dumps(doc))
     data = tmp_path / "packs" / f"{pack}.parts.parquet"
@@ -253,12 +269,57 @@ def test_a_pack_of_an_unknown_version_or_cut_short_is_one_line(tmp_path):
         ledger.read_ledger(tmp_path)
 
 
+def test_a_ledger_of_format_version_1_reads_audits_and_compacts_with_its_schedule_unchecked(tmp_path):
+    """A ledger written before segments recorded their schedule: version-1 loose parts, and a version-1 pack (its
+    segments Parquet without the 'schedule' column, as such a pack was written), continued by a version-2 segment.
+    Every record reads back, the audit is clean with one note naming the boundary it cannot check, and a compaction
+    of the lot (a version-2 pack: null for the old segments) reads back the same."""
+    import pyarrow.parquet as pq
+
+    from zephon_ray.jobs.audit import audit
+
+    def write_v1(start: int, end: int, parent: str) -> str:
+        head = dict(run_id="r", fingerprint="f" * 64, parent=parent, first_step=start, next_step=end, world=1,
+                    resumed=False)
+        seg = ledger.segment_id(**head)  # no schedule: the version-1 id
+        part = ledger.make_part(**head, segment=seg, rank=0,
+                                records=[Record(s, 1, 0, _digest(s, 0, 1)) for s in range(start, end)])
+        assert part["version"] == 1 and "schedule" not in part
+        ledger.write_part(tmp_path, part)
+        return seg
+
+    first = write_v1(0, 2, "")
+    pack = ledger.compact(tmp_path).pack  # then made a version-1 pack, as an older release wrote it
+    segments = tmp_path / "packs" / f"{pack}.segments.parquet"
+    pq.write_table(pq.read_table(segments).drop_columns(["schedule"]), segments)
+    manifest = tmp_path / "packs" / f"{pack}.json"
+    doc = json.loads(manifest.read_text())
+    doc["segments"]["bytes"] = segments.stat().st_size
+    manifest.write_text(json.dumps(doc | {"version": 1}))
+    second = write_v1(2, 4, first)
+    head = _write_run(tmp_path, world=1, saves=[6], parent=second, start=4)  # the version-2 recorder continues it
+    before = ledger.read_ledger(tmp_path)
+    assert {sid: seg.schedule is None for sid, seg in before.items()} == {first: True, second: True, head: False}
+    lines = _audit_lines(tmp_path)
+    assert lines == ([f"schedule not checked at 2 segment boundary(ies) (the first: segment {second}, from step 2): "
+                      f"segment {first} (steps 0..1) is of ledger format version 1, which records no schedule",
+                      "audit: clean: steps [0, 6) each trained exactly once in a lineage of 3 segment(s) (W 1); "
+                      "rows not checked (no --recipe or --dataset)"], 6)
+    assert audit(tmp_path).head == head
+    ledger.compact(tmp_path)
+    assert json.loads(next((tmp_path / "packs").glob("*.json")).read_text())["version"] == ledger.PACK_VERSION == 2
+    after = ledger.read_ledger(tmp_path)
+    assert {k: (v.header, v.parts) for k, v in after.items()} == {k: (v.header, v.parts) for k, v in before.items()}
+    assert _audit_lines(tmp_path) == lines
+
+
 # ---------------------------------------------------------------------------------------------- torchft spool
 FT_KILLER = """
 import os, signal, sys
 from zephon_ray.stream.ledger import FtLedger
 
-ft = FtLedger(run_id="ft", fingerprint="f" * 64, ledger_dir=sys.argv[1], flush_records=3)
+ft = FtLedger(run_id="ft", fingerprint="f" * 64, ledger_dir=sys.argv[1], flush_records=3,
+              schedule=lambda n: {"data_next": n, "phases": [[0, "sources", "f" * 64]]})
 for step in range(int(sys.argv[2])):
     ft.served(step, 1, 2, "%032x" % step)
     ft.commit(step)
@@ -288,7 +349,7 @@ def test_a_torchft_reader_killed_between_flushes_loses_nothing_it_committed(tmp_
     records = sorted((r.step, r.rank, r.world) for seg in ledger.read_ledger(tmp_path).values()
                      for rs in seg.parts.values() for r in rs)
     assert records == [(s, 1, 2) for s in range(11)]
-    FtLedger(run_id="ft", fingerprint="f" * 64, ledger_dir=str(tmp_path))  # flushed on restart
+    FtLedger(run_id="ft", fingerprint="f" * 64, ledger_dir=str(tmp_path), schedule=_sources_only)  # flushed on restart
     assert not list((tmp_path / "spool").iterdir()) and len(list((tmp_path / "batches").iterdir())) == 4
     ledger.compact(tmp_path)
     assert sorted((r.step, r.rank, r.world) for seg in ledger.read_ledger(tmp_path).values()
@@ -311,14 +372,14 @@ def test_what_the_audit_finds_in_a_part_survives_compaction(tmp_path):
     trained once): a step never trained, one trained twice on a later attempt, a step missing and a record of
     another rank read back the same, and the audit names the same findings after compaction."""
     seg = ledger.segment_id(run_id="r", fingerprint="f" * 64, parent="", first_step=0, next_step=4, world=2,
-                            resumed=False)
+                            resumed=False, schedule=_sources_only(4))
     records = {0: [Record(0, 2, 0, _digest(0, 0, 2), 0, 0), Record(1, 2, 0, _digest(1, 0, 2), 1, 2),
                    Record(3, 2, 0, _digest(3, 0, 2))],
                1: [Record(s, 2, 1 if s != 2 else 0, _digest(s, 1, 2)) for s in range(4)]}
     for rank, recs in records.items():
         ledger.write_part(tmp_path, ledger.make_part(run_id="r", fingerprint="f" * 64, segment=seg, parent="",
                                                      first_step=0, next_step=4, world=2, rank=rank, resumed=False,
-                                                     records=recs))
+                                                     schedule=_sources_only(4), records=recs))
     before, lines = ledger.read_ledger(tmp_path), _audit_lines(tmp_path)
     assert lines[0] == ["step 0: skipped: rank 0 of 2 was handed it but never trained it",
                         "step 1: trained twice: rank 0 of 2 trained it 2 times (its record is attempt 1: an earlier "
@@ -362,7 +423,8 @@ def test_a_group_healed_under_the_async_quorum_follows_the_participants_lineage(
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def ledger():
-        return FtLedger(run_id="ft", fingerprint="f" * 64, ledger_dir=str(tmp_path / "ledger"))
+        return FtLedger(run_id="ft", fingerprint="f" * 64, ledger_dir=str(tmp_path / "ledger"),
+                        schedule=_sources_only)
 
     def step(readers, s, world):
         for rank, reader in enumerate(readers):

@@ -543,7 +543,8 @@ def test_a_run_time_phase_travels_with_the_loader_state(ray_cluster, tmp_path, c
     dataset mode at W = 3 over a fresh materialisation of the run's schedule, and from a service started afresh on a
     new state_dir (the readers add the phases to it). A directory materialised from tiny.toml alone, and a recipe file
     whose phase contradicts the recorded one, are each refused in one line. ``zephon-ray inspect`` prints the recorded
-    phases, and ``zephon-ray digest --schedule-from`` gives the run's digests."""
+    phases, and ``zephon-ray digest --schedule-from`` gives the run's digests. The ledger segments record the run's
+    schedule (the service's phases included), and the local resume's lineage audits clean."""
     from zephon_ray import DataService
     from zephon_ray.cli import main
     from zephon_ray.formats.loader_state import LoaderStateError, added_phases
@@ -558,7 +559,7 @@ def test_a_run_time_phase_travels_with_the_loader_state(ray_cluster, tmp_path, c
         first.add_phase("main", 2, {"prose": 0.2, "code": 0.8})
         first.add_phase("anneal", 4, {"prose": 1.0})
         service = LoaderConfig(recipe=str(TINY), mode="service", run_id="run-phase", service_name="zr-run-phase",
-                               service_namespace="zr-run-phase")
+                               service_namespace="zr-run-phase", ledger_dir=str(tmp_path / "ledger"))
         digests, state = _local_readers(service, 2, None, 2)
     finally:
         first.stop()
@@ -566,8 +567,25 @@ def test_a_run_time_phase_travels_with_the_loader_state(ray_cluster, tmp_path, c
     assert [(p["name"], p["start_step"]) for p in added_phases(state)] == [("main", 2), ("anneal", 4)]
 
     local = LoaderConfig(recipe=str(TINY), mode="local", run_id="run-phase", checkpoint_every=1,
-                         aggregate_dir=str(tmp_path / "agg"))
-    assert _local_readers(local, 4, state, 4)[0] == want
+                         aggregate_dir=str(tmp_path / "agg"), ledger_dir=str(tmp_path / "ledger"))
+    local_digests, local_state = _local_readers(local, 4, state, 4)
+    assert local_digests == want
+    # The ledger records the run's schedule: the service's segment (steps 0-1) the sources' weights alone, the local
+    # resume's (2-5) both phases, as phased.toml's own fingerprint chain; the audit checks that the second continues
+    # the first, and the rows against the run's schedule, from the state alone.
+    from zephon_ray.formats.ledger import parse_schedule, read_ledger
+
+    chain = Recipe.from_toml(PHASED).schedule_fingerprints
+    recorded = {s.first_step: parse_schedule(s.schedule) for s in read_ledger(str(tmp_path / "ledger")).values()}
+    assert recorded == {0: (2, [(0, "sources", chain[0])]),
+                        2: (6, [(0, "sources", chain[0]), (2, "main", chain[1]), (4, "anneal", chain[2])])}
+    (tmp_path / "local.json").write_text(json.dumps(local_state))
+    capsys.readouterr()
+    assert main(["audit", str(tmp_path / "local.json"), "--ledger", str(tmp_path / "ledger"), "--recipe",
+                 str(TINY)]) == 0
+    assert capsys.readouterr().out.splitlines() == [
+        "audit: clean: steps [0, 6) each trained exactly once in a lineage of 2 segment(s) (W 2 -> 4); 20 slice "
+        "digests matched the recipe's global batches"]
 
     plain, run_dir = tmp_path / "plain", tmp_path / "run"
     materialize(tiny, plain, range(0, 6), progress=False)

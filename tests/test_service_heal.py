@@ -62,7 +62,7 @@ def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, refere
                 recorder.handed(part)
                 recorder.commit(step)
                 if (step + 1) % blocked_at == 0:  # a save: at step 4 (before the kill), 8 and 12
-                    heads[rank] = recorder.seal(step + 1)
+                    heads[rank] = recorder.seal(step + 1, tiny_recipe)
                 got[rank].append((np.array(part.tokens), np.array(part.positions)))
                 if rank == 0 and step == blocked_at - 1:
                     client.commit(blocked_at)

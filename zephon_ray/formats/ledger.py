@@ -9,19 +9,30 @@ A **record** is one step one rank handed out: ``[step, world, rank, digest, atte
   every step it was handed, so the ledger then proves what was handed out, not what was trained.
 
 A **segment** is the records of steps ``[first_step, next_step)`` at data-parallel degree ``world``; a **part** is
-one rank's records of one segment (format ``zephon-ray/ledger-segment``, version 1; every key always present)::
+one rank's records of one segment (format ``zephon-ray/ledger-segment``, version 2; every key always present)::
 
     {
-      "format": "zephon-ray/ledger-segment", "version": 1,
+      "format": "zephon-ray/ledger-segment", "version": 2,
       "run_id": "my-run", "fingerprint": "<recipe sha256>",
       "segment": "<id>", "parent": "<id>" | "",     # the segment of the state this one continues ("" at step 0)
       "first_step": 4, "next_step": 8, "world": 2, "rank": 0,
       "resumed": true,                               # the segment starts at a load_state_dict
+      "schedule": {"data_next": 8,                   # the run's mixture schedule that made data steps [0, data_next)
+                   "phases": [[0, "sources", "<chain sha256>"], [6, "late", "<chain sha256>"], ...]},
       "records": [[4, 2, 0, "<digest>", 0, 1], ...]
     }
 
-A segment's id is a pure function of ``(run_id, fingerprint, parent, first_step, next_step, world, resumed)``
-(:func:`segment_id`), so every rank computes the same one without talking to the others, and the loader state
+``schedule`` is the run's schedule as it stood when the segment was sealed (:func:`schedule_record`): the data step
+its state stands at (``Recipe.data_next``: the training steps unless the run skips data) and, for the sources'
+weights and each phase that starts before it, ``[start_step, name, entry of Recipe.schedule_fingerprints]`` (the
+chain entry covers the phase's weights and every entry before it). Run-time phases (``add_phase``) are in it as
+recipe phases are, so the audit can check that each segment's schedule continues its parent's on every step the
+parent recorded (:mod:`zephon_ray.jobs.audit`). Only phases that start before ``data_next`` enter it, and a phase
+may only be added beyond every step produced, so every rank records the same schedule. Version 1 (no
+``schedule``) is still read: its segments' schedules cannot be checked.
+
+A segment's id is a pure function of ``(run_id, fingerprint, parent, first_step, next_step, world, resumed,
+schedule)`` (:func:`segment_id`), so every rank computes the same one without talking to the others, and the loader state
 (:mod:`zephon_ray.formats.loader_state`, key ``ledger``) carries it: following ``parent`` links from a checkpoint's
 segment back to ``""`` gives the lineage of the weights. A run resumed from an older checkpoint starts a new branch
 (its first segment is ``resumed`` from an older parent).
@@ -35,10 +46,11 @@ Where parts live, under ``<ledger_dir>`` (a local path or an object-store URI; e
     spool/<host>-<pid>-<id>.jsonl        a torchft reader's parts since its last flush, one per line, appended as
                                          each step commits (a later line of the same step replaces an earlier one)
     packs/<pack>.json                    a pack's manifest, the commit point, written last:
-                                         {"format": "zephon-ray/ledger-pack", "version": 1, "pack": "<pack>",
+                                         {"format": "zephon-ray/ledger-pack", "version": 2, "pack": "<pack>",
                                          "segments": {"object", "bytes", "rows"}, "parts": {"object", "bytes",
                                          "rows", "records"}, "replaces": ["<older pack>", ...]}
-    packs/<pack>.segments.parquet        one row per segment: its header
+    packs/<pack>.segments.parquet        one row per segment: its header (``schedule``: the canonical JSON
+                                         text, null for a version-1 segment; version 1 packs lack the column)
     packs/<pack>.parts.parquet           one row per part: segment row, rank, and its records as list columns
                                          (steps, worlds, ranks, attempts, trained: null when every record has the
                                          part's default: its segment's steps, W and rank, attempt 0, trained 1;
@@ -83,23 +95,32 @@ from zephon_ray.batch import DIGEST_HEX, SLICE_DIGEST_HEADER, slice_digest  # no
 from zephon_ray.checks import check_int
 
 FORMAT = "zephon-ray/ledger-segment"
-VERSION = 1
+VERSION = 2
+"""Version 2 added ``schedule``; version 1 parts are still read (and compacted), their schedules unchecked."""
+READABLE_VERSIONS = (1, 2)
 """A slice digest is sha256 truncated to 128 bits: collision-safe for any run, and 16 bytes fewer per record."""
 BATCH_FORMAT = "zephon-ray/ledger-batch"
 BATCH_VERSION = 1
 PACK_FORMAT = "zephon-ray/ledger-pack"
-PACK_VERSION = 1
+PACK_VERSION = 2
+"""Version 2 added the segments' ``schedule`` column; a reader of version 1 would refuse its ids as edited, so the
+version says why instead. Version 1 packs are still read."""
+READABLE_PACK_VERSIONS = (1, 2)
 MAX_RECORDS = 1 << 20
 """Records one part may hold (about 70 MB of JSON); a save at least every million steps stays under it."""
 ROW_GROUP_RECORDS = 1 << 20
 """Records per Parquet row group of a pack: what a reader holds at once (about 100 MB of columns at most)."""
 SPOOL, BATCHES, PACKS = "spool", "batches", "packs"
 
-PART_KEYS = ("format", "version", "run_id", "fingerprint", "segment", "parent", "first_step", "next_step", "world",
-             "rank", "resumed", "records")
+PART_KEYS_V1 = ("format", "version", "run_id", "fingerprint", "segment", "parent", "first_step", "next_step",
+                "world", "rank", "resumed", "records")
+PART_KEYS = PART_KEYS_V1[:-1] + ("schedule", "records")
+MAX_SCHEDULE_PHASES = 4096
+"""Phases one segment's schedule may hold (as many as a loader state may record, plus the sources' weights)."""
 _PART_NAME = re.compile(r"^rank-(\d{5})-of-(\d{5})\.json$")
 _SEGMENT_ID = re.compile(r"^[0-9a-f]{24}$")
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
+_CHAIN = re.compile(r"^[0-9a-f]{64}$")
 _HOST = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:40] or "host"
 
 
@@ -121,11 +142,59 @@ class Record:
 
 
 def segment_id(*, run_id: str, fingerprint: str, parent: str, first_step: int, next_step: int, world: int,
-               resumed: bool) -> str:
-    """The id every rank computes alike for the same segment (see the module docstring)."""
-    key = json.dumps([FORMAT, VERSION, run_id, fingerprint, parent, first_step, next_step, world, bool(resumed)],
-                     separators=(",", ":"))
-    return hashlib.sha256(key.encode()).hexdigest()[:24]
+               resumed: bool, schedule: "str | dict | None" = None) -> str:
+    """The id every rank computes alike for the same segment (see the module docstring). ``schedule``: the
+    segment's :func:`schedule_record` (or its :func:`schedule_text`); None for a version-1 segment, whose id
+    hashes the header without it (so ids written before version 2 still verify)."""
+    fields = [run_id, fingerprint, parent, first_step, next_step, world, bool(resumed)]
+    if schedule is None:
+        key = [FORMAT, 1, *fields]
+    else:
+        key = [FORMAT, VERSION, *fields, schedule if isinstance(schedule, str) else schedule_text(schedule)]
+    return hashlib.sha256(json.dumps(key, separators=(",", ":")).encode()).hexdigest()[:24]
+
+
+def schedule_record(recipe: Any, next_step: int) -> dict[str, Any]:
+    """What a segment ending at training step ``next_step`` records of the run's schedule ``recipe`` (the loader's
+    run recipe: the file's phases plus the run-time ones): see the module docstring."""
+    data_next = recipe.data_next(next_step)
+    return {"data_next": int(data_next), "phases": recipe.schedule_history(data_next)}
+
+
+def schedule_text(schedule: dict[str, Any]) -> str:
+    """The canonical JSON text of a segment's schedule: what its id hashes and what a pack stores."""
+    return json.dumps(schedule, sort_keys=True, separators=(",", ":"))
+
+
+def parse_schedule(text: str) -> tuple[int, list[tuple[int, str, str]]]:
+    """``(data_next, [(start_step, name, chain entry), ...])`` of a (checked) segment's schedule text."""
+    value = json.loads(text)
+    return value["data_next"], [(int(p[0]), str(p[1]), str(p[2])) for p in value["phases"]]
+
+
+def _check_schedule(value: Any, where: str) -> str:
+    """A part's ``schedule`` as its canonical text; one LedgerError naming the key when it is not one."""
+    ok = isinstance(value, dict) and set(value) == {"data_next", "phases"}
+    phases = value.get("phases") if ok else None
+    ok = ok and isinstance(value["data_next"], int) and not isinstance(value["data_next"], bool) \
+        and value["data_next"] >= 0 and isinstance(phases, list) and 0 < len(phases) <= MAX_SCHEDULE_PHASES
+    if ok:
+        starts = []
+        for entry in phases:
+            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
+                    and not isinstance(entry[0], bool) and isinstance(entry[1], str) and isinstance(entry[2], str)
+                    and _CHAIN.match(entry[2])):
+                ok = False
+                break
+            starts.append(entry[0])
+        # step 0 is the sources' weights; later phases start in order, before the data step the state stands at
+        ok = ok and starts[0] == 0 and all(a < b for a, b in zip(starts, starts[1:])) \
+            and (len(starts) == 1 or starts[-1] < value["data_next"])
+    if not ok:
+        raise LedgerError(f"{where}: ledger key 'schedule' must be {{\"data_next\": step, \"phases\": [[start_step, "
+                          f"name, chain sha256], ...]}} (1 to {MAX_SCHEDULE_PHASES} phases, the first at step 0, "
+                          f"in order, before data_next), got {str(value)[:120]}")
+    return schedule_text(value)
 
 
 def part_name(rank: int, world: int) -> str:
@@ -133,10 +202,17 @@ def part_name(rank: int, world: int) -> str:
 
 
 def make_part(*, run_id: str, fingerprint: str, segment: str, parent: str, first_step: int, next_step: int,
-              world: int, rank: int, resumed: bool, records: list[Record]) -> dict[str, Any]:
-    return {"format": FORMAT, "version": VERSION, "run_id": run_id, "fingerprint": fingerprint, "segment": segment,
-            "parent": parent, "first_step": int(first_step), "next_step": int(next_step), "world": int(world),
-            "rank": int(rank), "resumed": bool(resumed), "records": [r.to_json() for r in records]}
+              world: int, rank: int, resumed: bool, records: list[Record],
+              schedule: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One rank's part. ``schedule`` (:func:`schedule_record`): a version-2 part; None writes a version-1 part
+    (no schedule), which only tests and benchmarks that model an old ledger do: every writer here passes one."""
+    part = {"format": FORMAT, "version": 1 if schedule is None else VERSION, "run_id": run_id,
+            "fingerprint": fingerprint, "segment": segment, "parent": parent, "first_step": int(first_step),
+            "next_step": int(next_step), "world": int(world), "rank": int(rank), "resumed": bool(resumed)}
+    if schedule is not None:
+        part["schedule"] = schedule
+    part["records"] = [r.to_json() for r in records]
+    return part
 
 
 def write_part(ledger_dir: "str | files.Location", part: dict[str, Any]) -> files.Location:
@@ -158,20 +234,21 @@ def check_part(doc: Any, *, where: str) -> dict[str, Any]:
     if doc.get("format") != FORMAT:
         raise LedgerError(f"{where}: not a ledger segment (key 'format' is {doc.get('format')!r}, expected "
                           f"{FORMAT!r})")
-    if doc.get("version") != VERSION:
-        raise LedgerError(f"{where}: ledger segment version {doc.get('version')!r} is not supported (expected "
-                          f"{VERSION})")
-    missing = [k for k in PART_KEYS if k not in doc]
+    version = doc.get("version")
+    if version not in READABLE_VERSIONS or isinstance(version, bool):
+        raise LedgerError(f"{where}: ledger segment version {version!r} is not supported (expected "
+                          f"{' or '.join(map(str, READABLE_VERSIONS))})")
+    keys = PART_KEYS if version == VERSION else PART_KEYS_V1
+    missing = [k for k in keys if k not in doc]
     if missing:
         raise LedgerError(f"{where}: ledger segment lacks key '{missing[0]}'")
-    extra = sorted(str(k) for k in doc if k not in PART_KEYS)
+    extra = sorted(str(k) for k in doc if k not in keys)
     if extra:
         raise LedgerError(f"{where}: ledger segment has unknown key '{extra[0]}'")
     for key in ("run_id", "fingerprint", "segment", "parent"):
         if not isinstance(doc[key], str):
             raise LedgerError(f"{where}: ledger key '{key}' must be a string, got {doc[key]!r}")
-    _check_header(Segment(doc["segment"], doc["parent"], doc["run_id"], doc["fingerprint"], doc["first_step"],
-                          doc["next_step"], doc["world"], doc["resumed"]), where)
+    _check_header(_segment_of(doc, where), where)
     world, rank = doc["world"], _int(doc, "rank", where)
     if rank >= world:
         raise LedgerError(f"{where}: ledger segment steps [{doc['first_step']}, {doc['next_step']}) or rank {rank} "
@@ -187,6 +264,13 @@ def check_part(doc: Any, *, where: str) -> dict[str, Any]:
     return doc
 
 
+def _segment_of(doc: dict, where: str) -> "Segment":
+    """A part's segment header (its schedule as canonical text, None for a version-1 part)."""
+    schedule = _check_schedule(doc["schedule"], where) if "schedule" in doc else None
+    return Segment(doc["segment"], doc["parent"], doc["run_id"], doc["fingerprint"], doc["first_step"],
+                   doc["next_step"], doc["world"], doc["resumed"], schedule)
+
+
 def _check_header(seg: "Segment", where: str) -> None:
     """A segment header's types, ranges and id (the id is a hash of the rest: an edited header shows)."""
     head = {"first_step": seg.first_step, "next_step": seg.next_step, "world": seg.world}
@@ -200,7 +284,7 @@ def _check_header(seg: "Segment", where: str) -> None:
     if not isinstance(seg.resumed, bool):
         raise LedgerError(f"{where}: ledger key 'resumed' must be true or false, got {seg.resumed!r}")
     expected = segment_id(run_id=seg.run_id, fingerprint=seg.fingerprint, parent=seg.parent, first_step=first,
-                          next_step=end, world=world, resumed=seg.resumed)
+                          next_step=end, world=world, resumed=seg.resumed, schedule=seg.schedule)
     if seg.id != expected:
         raise LedgerError(f"{where}: ledger key 'segment' {seg.id!r} does not match its header (expected "
                           f"{expected!r}): the file was edited or corrupted")
@@ -224,6 +308,9 @@ class Segment:
     next_step: int
     world: int
     resumed: bool
+    schedule: str | None = None
+    """The schedule's canonical text (:func:`schedule_text`; :func:`parse_schedule` reads it); None for a segment of
+    ledger format version 1, which records none."""
     parts: dict[int, list[Record]] = field(default_factory=dict)
 
     @property
@@ -233,7 +320,7 @@ class Segment:
     @property
     def header(self) -> tuple:
         return (self.id, self.parent, self.run_id, self.fingerprint, self.first_step, self.next_step, self.world,
-                self.resumed)
+                self.resumed, self.schedule)
 
 
 # ---------------------------------------------------------------------------------------------- parts in columns
@@ -243,12 +330,16 @@ class SegmentTable:
     def __init__(self) -> None:
         self.codes: dict[str, int] = {}
         self.segments: list[Segment] = []
+        self._schedules: dict[str, str] = {}  # one copy of each schedule text: a torchft run has a segment per step
 
     def add(self, seg: Segment, where: str) -> int:
         code = self.codes.get(seg.id)
         if code is None:
             code = self.codes[seg.id] = len(self.segments)
-            self.segments.append(Segment(*seg.header))
+            kept = Segment(*seg.header)
+            if kept.schedule is not None:
+                kept.schedule = self._schedules.setdefault(kept.schedule, kept.schedule)
+            self.segments.append(kept)
         elif self.segments[code].header != seg.header:
             raise LedgerError(f"{where}: the part's header differs from the other parts of segment {seg.id!r}")
         return code
@@ -308,8 +399,7 @@ class Parts:
 def _parts_from_docs(docs: list[dict], table: SegmentTable, where: str, digests: bool) -> Parts:
     codes, ranks, counts, flat = [], [], [0], []
     for doc in docs:
-        codes.append(table.add(Segment(doc["segment"], doc["parent"], doc["run_id"], doc["fingerprint"],
-                                       doc["first_step"], doc["next_step"], doc["world"], doc["resumed"]), where))
+        codes.append(table.add(_segment_of(doc, where), where))
         ranks.append(doc["rank"])
         counts.append(len(doc["records"]))
         flat.extend(doc["records"])
@@ -381,9 +471,9 @@ def _read_manifest(loc: files.Location) -> dict:
     if not isinstance(doc, dict) or doc.get("format") != PACK_FORMAT:
         raise LedgerError(f"{where}: not a ledger pack manifest (key 'format' is "
                           f"{doc.get('format') if isinstance(doc, dict) else None!r}, expected {PACK_FORMAT!r})")
-    if doc.get("version") != PACK_VERSION:
+    if doc.get("version") not in READABLE_PACK_VERSIONS or isinstance(doc.get("version"), bool):
         raise LedgerError(f"{where}: ledger pack version {doc.get('version')!r} is not supported (expected "
-                          f"{PACK_VERSION})")
+                          f"{' or '.join(map(str, READABLE_PACK_VERSIONS))})")
     try:
         for key in ("segments", "parts"):
             int(doc[key]["bytes"]), int(doc[key]["rows"]), str(doc[key]["object"])
@@ -580,7 +670,7 @@ def _segment_schema():
     pa, _ = _pa()
     return pa.schema([("segment", pa.string()), ("parent", pa.string()), ("run_id", pa.string()),
                       ("fingerprint", pa.string()), ("first_step", pa.int64()), ("next_step", pa.int64()),
-                      ("world", pa.int64()), ("resumed", pa.bool_())])
+                      ("world", pa.int64()), ("resumed", pa.bool_()), ("schedule", pa.string())])
 
 
 def _part_schema():
@@ -603,9 +693,20 @@ def read_pack(base: files.Location, name: str, manifest: dict, table: SegmentTab
     seg_loc = base.join(PACKS, manifest["segments"]["object"])
     segs = pq.ParquetFile(files.open_input_file(seg_loc)).read().to_pydict()  # not read_table: it imports pandas
     codes = []
+    schedules = segs.get("schedule") or [None] * len(segs["segment"])  # a version-1 pack has no such column
+    checked: set[str] = set()  # each distinct schedule text once: a torchft run repeats one per step
     for i in range(len(segs["segment"])):
         seg = Segment(*(segs[k][i] for k in ("segment", "parent", "run_id", "fingerprint", "first_step",
-                                             "next_step", "world", "resumed")))
+                                             "next_step", "world", "resumed")), schedules[i])
+        if seg.schedule is not None and seg.schedule not in checked:
+            try:
+                value = json.loads(seg.schedule)
+            except ValueError:
+                value = seg.schedule
+            if _check_schedule(value, seg_loc.uri) != seg.schedule:
+                raise LedgerError(f"{seg_loc.uri}: ledger key 'schedule' of segment {seg.id!r} is not canonical "
+                                  "JSON: the file was edited or corrupted")
+            checked.add(seg.schedule)
         _check_header(seg, seg_loc.uri)
         codes.append(table.add(seg, seg_loc.uri))
     mapping = np.array(codes, dtype=np.int64)
@@ -752,7 +853,8 @@ class PackWriter:
         files.upload(self._spool, self._target)
         segs = [self.table.segments[c] for c, _ in sorted(self._local.items(), key=lambda kv: kv[1])]
         seg_table = pa.Table.from_pylist([dict(zip(("segment", "parent", "run_id", "fingerprint", "first_step",
-                                                    "next_step", "world", "resumed"), s.header)) for s in segs],
+                                                    "next_step", "world", "resumed", "schedule"), s.header))
+                                          for s in segs],
                                          schema=_segment_schema())
         seg_target = self.base.join(PACKS, f"{self.name}.segments.parquet")
         with files.spool(seg_target) as tmp:

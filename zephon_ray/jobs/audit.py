@@ -14,7 +14,14 @@ or the newest head of a ledger directory) and reports one :class:`Finding` per s
   or one that another segment of the same run_id also continues without a resume (two runs under one run_id: a
   rollback always starts its branch with a resume);
 * ``split``: a rank of W with no part, or a record naming another rank or W than its segment;
-* ``lineage``: a parent segment missing from the ledger.
+* ``lineage``: a parent segment missing from the ledger;
+* ``schedule``: a segment whose mixture schedule does not continue its parent's: over the data steps the parent
+  recorded (``[0, data_next)`` of its ``schedule``), a phase of the parent's is rewritten (other weights or name),
+  dropped or moved, or a phase is added, named with the step where the two first differ. A segment may add phases
+  that start at or after its parent's ``data_next``, as a resume or ``add_phase`` may. Phases count data steps (the
+  training steps unless the run skips data). A segment of ledger format version 1 records no schedule: a note says
+  which boundaries were not checked. A lineage written under another base recipe is the ``other recipe`` finding
+  alone.
 
 Segments of the same run outside the lineage are notes, never findings or duplicates: a **discarded branch** (what
 a resume from an older state abandoned), another branch resumed from a state of the lineage, a segment written
@@ -277,9 +284,62 @@ def audit(ledger_dir: "str | files.Location", head: str | None = None, *, finger
         if checks.keep_digests:
             report.digests_checked += _check_rows(seg, checks.digests.get(table.codes[seg.id], {}), reference, rows,
                                                   findings)
+    unchecked = []  # boundaries where a segment of ledger format version 1 records no schedule
+    for parent, child in zip(lineage, lineage[1:]):
+        if parent.schedule is None or child.schedule is None:
+            unchecked.append(child)
+            continue
+        broken = schedule_break(parent, child)
+        if broken is not None:
+            findings.append(broken)
     report.notes = _notes(segments, lineage, head, run_id, explicit=explicit, gap=chain[-1] != "")
+    if unchecked:
+        old = next(s for s in lineage if s.schedule is None)
+        report.notes.append(f"schedule not checked at {len(unchecked)} segment boundary(ies) (the first: segment "
+                            f"{unchecked[0].id}, from step {unchecked[0].first_step}): segment {old.id} (steps "
+                            f"{old.first_step}..{old.next_step - 1}) is of ledger format version 1, which records no "
+                            "schedule")
     findings.sort(key=lambda f: (f.first, f.kind))
     return report
+
+
+def schedule_break(parent: Segment, child: Segment) -> Finding | None:
+    """The ``schedule`` finding when ``child``'s schedule does not continue ``parent``'s (see the module docstring),
+    at the first step where they differ over the data steps the parent recorded; None when it does. Both must
+    record a schedule (ledger format version 2)."""
+    end, theirs = ledger.parse_schedule(parent.schedule)
+    _, mine = ledger.parse_schedule(child.schedule)
+    where = f"segment {child.id} (steps {child.first_step}..{child.next_step - 1} at W={child.world}, every rank)"
+    past = f"its parent segment {parent.id} recorded steps 0..{end - 1}"
+
+    def phase(entry: tuple[int, str, str]) -> str:
+        return f"phase '{entry[1]}' (start_step {entry[0]}, schedule fingerprint {entry[2][:12]})"
+
+    for i, entry in enumerate(theirs):
+        # a chain entry hashes every entry before it: the first one that differs is where the schedules part
+        other = mine[i] if i < len(mine) else None
+        if other is not None and (other[0], other[2]) == (entry[0], entry[2]):
+            continue
+        if i == 0:
+            return None  # another base recipe: its fingerprint differs too, and "other recipe" names that
+        if other is None or other[0] > entry[0]:
+            return Finding(entry[0], entry[0], "schedule",
+                           f"{where} drops {phase(entry)}, under which {past}; a resume may only change phases "
+                           f"starting at or after step {end}")
+        if other[0] == entry[0]:
+            return Finding(entry[0], entry[0], "schedule",
+                           f"{where} rewrites {phase(entry)} as {phase(other)}, though {past} under it; a resume "
+                           f"may only change phases starting at or after step {end}")
+        return Finding(other[0], other[0], "schedule",
+                       f"{where} adds {phase(other)} before its parent's {phase(entry)}, though {past} without it; "
+                       f"a resume may only add phases starting at or after step {end}")
+    if len(mine) > len(theirs) and mine[len(theirs)][0] < end:
+        extra = mine[len(theirs)]
+        last = "the sources' weights" if len(theirs) == 1 else f"phase '{theirs[-1][1]}'"
+        return Finding(extra[0], extra[0], "schedule",
+                       f"{where} adds {phase(extra)}, though {past} without it (under {last}); a resume may only "
+                       f"add phases starting at or after step {end}")
+    return None
 
 
 def _notes(segments: dict[str, Segment], lineage: list[Segment], head: str, run_id: str, *, explicit: bool,

@@ -182,7 +182,7 @@ class FtSlices:
         """With ``config.ledger_dir``: this reader's records (see :meth:`commit`, :meth:`state_dict`)."""
         if config.ledger_dir:
             self.ledger = FtLedger(run_id=config.run_id or "", fingerprint=self.recipe.fingerprint,
-                                   ledger_dir=config.ledger_dir,
+                                   ledger_dir=config.ledger_dir, schedule=self._ledger_schedule,
                                    flush_records=check_int("FtSlices: ledger_flush_records", ledger_flush_records,
                                                            low=1),
                                    flush_seconds=float(ledger_flush_seconds))
@@ -257,6 +257,13 @@ class FtSlices:
         return batch
 
     # ------------------------------------------------------------------ the ledger
+    def _ledger_schedule(self, next_step: int) -> dict:
+        """The run's schedule up to ``next_step`` as a ledger segment records it (read when the segment is written:
+        a heal or restore may have brought the run's phases since)."""
+        from zephon_ray.formats.ledger import schedule_record
+
+        return schedule_record(self.recipe, next_step)
+
     def commit(self, step: int) -> None:
         """Confirm that the trainer applied ``step`` (call it when ``manager.should_commit()`` is True, after the
         optimizer step). With a ``ledger_dir`` it writes this reader's part of the step's segment (a rejected

@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
+from typing import Any
 
 from zephon_ray.batch import RankSlice
 from zephon_ray.formats import ledger
@@ -71,14 +73,17 @@ class LedgerRecorder:
     def resume(self, head: str, step: int) -> None:
         self.head, self._first, self._resumed, self._pending = head, step, True, {}
 
-    def seal(self, next_step: int) -> str:
+    def seal(self, next_step: int, recipe: Any) -> str:
         """Close the segment ``[first, next_step)``: write this rank's part (with a ledger_dir) and return the id the
-        state carries. No new segment when nothing was handed out since the last save or load."""
+        state carries. ``recipe``: the run's schedule (the file's phases plus the run-time ones), which the segment
+        records (:func:`~zephon_ray.formats.ledger.schedule_record`) so the audit can check it continues its
+        parent's. No new segment when nothing was handed out since the last save or load."""
         if next_step == self._first:
             return self.head
+        schedule = ledger.schedule_record(recipe, next_step)
         segment = ledger.segment_id(run_id=self.run_id, fingerprint=self.fingerprint, parent=self.head,
                                     first_step=self._first, next_step=next_step, world=self.world,
-                                    resumed=self._resumed)
+                                    resumed=self._resumed, schedule=schedule)
         if self.ledger_dir:
             records = [ledger.Record(step, self.world, self.rank, digest, attempt,
                                      trained if self._confirms else max(trained, 1))
@@ -86,7 +91,7 @@ class LedgerRecorder:
             ledger.write_part(self.ledger_dir, ledger.make_part(
                 run_id=self.run_id, fingerprint=self.fingerprint, segment=segment, parent=self.head,
                 first_step=self._first, next_step=next_step, world=self.world, rank=self.rank,
-                resumed=self._resumed, records=records))
+                resumed=self._resumed, schedule=schedule, records=records))
         self.head, self._first, self._resumed, self._pending = segment, next_step, False, {}
         if self.ledger_dir and self.rank == 0 and self.compact_every:
             self._saves += 1
@@ -161,9 +166,12 @@ class FtLedger:
     (``benchmarks/bench_ledger_scale.py``).
     """
 
-    def __init__(self, *, run_id: str, fingerprint: str, ledger_dir: str, flush_records: int = FLUSH_RECORDS,
-                 flush_seconds: float = FLUSH_SECONDS, spool_dir: str | None = None) -> None:
+    def __init__(self, *, run_id: str, fingerprint: str, ledger_dir: str, schedule: Callable[[int], dict],
+                 flush_records: int = FLUSH_RECORDS, flush_seconds: float = FLUSH_SECONDS,
+                 spool_dir: str | None = None) -> None:
         self.run_id, self.fingerprint, self.ledger_dir = run_id, fingerprint, ledger_dir
+        self.schedule = schedule
+        """next_step -> the run's :func:`~zephon_ray.formats.ledger.schedule_record` there (each segment records it)."""
         self.flush_records, self.flush_seconds = flush_records, flush_seconds
         self._spool_dir = ledger.spool_dir(ledger_dir, spool_dir)
         ledger.adopt_spools(ledger_dir, spool_dir)  # what a killed reader on this host left: flushed on restart
@@ -227,7 +235,8 @@ class FtLedger:
             return False
         step, world = held
         self.head = ledger.segment_id(run_id=self.run_id, fingerprint=self.fingerprint, parent=self.head,
-                                      first_step=step, next_step=step + 1, world=world, resumed=False)
+                                      first_step=step, next_step=step + 1, world=world, resumed=False,
+                                      schedule=self.schedule(step + 1))
         self.next_step = step + 1
         return True
 
@@ -241,12 +250,14 @@ class FtLedger:
 
     def _write(self, cur: dict, *, trained: int) -> None:
         step, world = cur["step"], cur["world"]
+        schedule = self.schedule(step + 1)
         segment = ledger.segment_id(run_id=self.run_id, fingerprint=self.fingerprint, parent=cur["parent"],
-                                    first_step=step, next_step=step + 1, world=world, resumed=False)
+                                    first_step=step, next_step=step + 1, world=world, resumed=False,
+                                    schedule=schedule)
         record = ledger.Record(step, world, cur["rank"], cur["digest"], cur["attempt"], trained)
         part = ledger.make_part(run_id=self.run_id, fingerprint=self.fingerprint, segment=segment,
                                 parent=cur["parent"], first_step=step, next_step=step + 1, world=world,
-                                rank=cur["rank"], resumed=False, records=[record])
+                                rank=cur["rank"], resumed=False, schedule=schedule, records=[record])
         if self._spool is None:
             self._spool = ledger.Spool(self._spool_dir)
         self._spool.append(part)  # durable before commit returns: a kill from here on loses nothing

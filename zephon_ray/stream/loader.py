@@ -480,7 +480,8 @@ class Loader:
         state = make_state(run_id=self.config.run_id,
                            fingerprint=self.recipe.history_fingerprint(self.recipe.data_next(step)),
                            next_step=step, zephon=zephon, replayed_steps=self._replayed_steps(),
-                           ledger=self._ledger.seal(step), schedule=schedule_of(self.recipe, self.base_recipe))
+                           ledger=self._ledger.seal(step, self.recipe),
+                           schedule=schedule_of(self.recipe, self.base_recipe))
         if self.peers is not None:
             self.peers.share_object(state)
         return state
