@@ -1,0 +1,49 @@
+"""Zephon alone over a long run: its memory, without zephon-ray.
+
+    python benchmarks/zephon_alone_memory.py [STEPS] [EVERY]      # default 40000 4000
+
+One Zephon rank owning all 8 lanes of recipes/tiny.toml, built from Zephon's public API by the test oracle
+(tests/oracle.py, which shares no code with zephon_ray), consumed as Zephon emits it (one microbatch per lane per
+step). Every EVERY steps it prints the process's RSS and how many microbatches Zephon holds (``SampleBatch`` objects
+alive: its tail round-robin buffers the lanes that run ahead of the one it waits for). The reference that tells
+growth in zephon-ray's producers from growth in Zephon (docs/benchmarks.md, "Memory over a long run").
+"""
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+import oracle  # noqa: E402
+from zephon import Pipeline  # noqa: E402
+
+recipe = oracle.read_recipe(ROOT / "recipes" / "tiny.toml")
+tok = oracle.make_tokenizer(recipe.tokenizer)
+p = (Pipeline(oracle.work_source(recipe)).decode_text()
+     .tokenize(tokenizer=tok, field=recipe.text_field, return_tensors="np")
+     .pack_flat(max_length=recipe.seq_len + 1, algorithm=recipe.packing, num_bins=recipe.packing_bins,
+                pad_token_id=tok.pad_token_id)
+     .batch(recipe.m))
+opts = dict(canonical_replicas=recipe.lanes, mapping_strategy="contiguous", world_size=1, global_rank=0, dp_degree=1,
+            dp_group_id=0, run_id="z", aggregate_dir=tempfile.mkdtemp(), runner="threads")
+if recipe.flush_every_k_chunks is not None:
+    opts["flush_every_k_chunks"] = recipe.flush_every_k_chunks
+p = p.options(**opts)
+it = iter(p)
+proc = psutil.Process()
+steps = int(sys.argv[1]) if len(sys.argv) > 1 else 40000
+every = int(sys.argv[2]) if len(sys.argv) > 2 else 4000
+per_step = recipe.lanes  # one microbatch per lane per step (tiny: k = 1)
+t0 = time.time()
+for step in range(1, steps + 1):
+    for _ in range(per_step):
+        next(it)
+    if step % every == 0:
+        gc.collect()
+        held = sum(1 for o in gc.get_objects() if type(o).__name__ == "SampleBatch")
+        rss = proc.memory_info().rss / 2**20
+        print(f"step {step:>7} {time.time() - t0:6.0f} s  microbatches held {held:>6}  rss {rss:7.1f} MB", flush=True)
