@@ -246,8 +246,11 @@ def _driver(address: str, name: str, cfg: dict, nodes: list[int], step_time: flo
         for p in procs:
             if p.listener is not None:
                 p.listener.cancel()
-        # let the last calls finish before the loop closes (their replies hold refs)
-        await asyncio.sleep(0.5)
+        # let the calls in flight finish before the loop closes and Ray shuts down (their replies hold refs)
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline and any(p.inflight or p.reader._leases for p in procs):
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)
 
     asyncio.run(main())
     lo_t, hi_t = window_s
@@ -502,6 +505,12 @@ def main() -> None:
             x["driven_fraction"] = x["effective_nodes"] / n
             extra = max(0.0, (x["produced_per_s"] or 0) - 1.0 / args.step_time)
             x["coordinator_ms_per_s_at_1s_steps"] = x["coordinator_ms_per_s"] - extra * pump_ms
+            rate = max(x["node_steps_per_s"], 1e-9)
+            x["coordinator_ms_per_node_step"] = (x["coordinator_ms_per_s_at_1s_steps"] - idle) / rate
+            x["leases_per_node_step"] = x["leases_per_s"] / rate
+            x["reports_per_node_step"] = x["reports_per_s"] / rate
+            # what the point's N would cost at this CPU per node-step (= the measured figure where it was driven)
+            x["projected_core_share_at_n"] = (idle + x["coordinator_ms_per_node_step"] * n * args.step_time) / 1e3
             x["pump_share"] = x["coordinator_threads_ms_per_s"]["pump"] / x["coordinator_ms_per_s"]
             x["idle_share"] = idle / x["coordinator_ms_per_s"]
             result["points"][n] = x
@@ -527,15 +536,21 @@ def main() -> None:
     result["wrong_rows"] = wrong + (result.get("calibration", {}).get("real", {}).get("wrong_rows", 0))
 
     print()
-    print(f"{'N (1 s steps)':>13} | {'simulated':>9} | {'step ms':>7} | {'effective N':>11} | {'coord % core':>12} | "
-          f"{'at 1 s steps':>12} | {'pump %':>6} | {'idle %':>6} | {'lease p50/p99 ms':>16} | {'calls/s':>7} | "
-          f"{'moves/s':>7}")
+    print(f"{'N':>5} | {'sim':>4} | {'step ms':>7} | {'eff. N':>6} | {'coord %':>7} | {'at 1 s':>6} | {'pump %':>6} | "
+          f"{'idle %':>6} | {'lease p50/p99 ms':>16} | {'calls/s':>7} | {'L+R /node-step':>14} | {'ms/node-step':>12} | "
+          f"{'proj. % at N':>12} | {'lag p99 ms':>10}")
     for n, x in result["points"].items():
-        print(f"{n:>13} | {x['nodes_simulated']:>9} | {x['step_time_s'] * 1e3:>7.1f} | {x['effective_nodes']:>11.0f} | "
-              f"{x['coordinator_ms_per_s'] / 10:>12.1f} | {x['coordinator_ms_per_s_at_1s_steps'] / 10:>12.1f} | "
+        print(f"{n:>5} | {x['nodes_simulated']:>4} | {x['step_time_s'] * 1e3:>7.1f} | {x['effective_nodes']:>6.0f} | "
+              f"{x['coordinator_ms_per_s'] / 10:>7.1f} | {x['coordinator_ms_per_s_at_1s_steps'] / 10:>6.1f} | "
               f"{100 * x['pump_share']:>6.0f} | {100 * x['idle_share']:>6.0f} | "
               f"{x['lease_ms']['p50']:>7.1f}/{x['lease_ms']['p99']:<8.1f} | "
-              f"{x['leases_per_s'] + x['reports_per_s']:>7.0f} | {x['moves_per_s']:>7.0f}")
+              f"{x['leases_per_s'] + x['reports_per_s']:>7.0f} | "
+              f"{x['leases_per_node_step']:>6.2f}+{x['reports_per_node_step']:<7.2f} | "
+              f"{x['coordinator_ms_per_node_step']:>12.3f} | {100 * x['projected_core_share_at_n']:>12.1f} | "
+              f"{x['step_lag_ms']['p99']:>10.0f}")
+    print("coord %: the coordinator's CPU as a share of one core, measured; at 1 s: less the steps produced beyond one "
+          "per second; L+R: leases and reports per node-step; ms/node-step: (at 1 s - idle) / node-steps per s; "
+          "proj. % at N: idle + ms/node-step x N; lag: how late the simulated ranks read (the drivers' backlog)")
     print(f"wrong rows: {result['wrong_rows']} ({len(samples)} sampled slices checked, and every real-node slice)")
     print("RESULT " + json.dumps(result, default=str))
 
