@@ -217,7 +217,7 @@ def _driver(address: str, name: str, cfg: dict, nodes: list[int], step_time: flo
             count = 0
             while True:
                 due = start_at.value + step * step_time
-                if due >= stop_at.value:
+                if due >= stop_at.value or time.time() >= stop_at.value:  # a node behind stops at the end too
                     return
                 rest = due - time.time()
                 if rest > 0:
