@@ -1,7 +1,7 @@
 """The control plane under many node readers (issue 43, part 1): N simulated node readers against a real coordinator.
 
     python benchmarks/bench_control_plane.py [--nodes 64,250,1000,2000] [--seconds 20] [--drivers 2]
-                                             [--max-sim-nodes 64] [--producers 1] [--no-calibrate]
+                                             [--max-sim-nodes 250] [--producers 1] [--no-calibrate] [--no-pump]
 
 What runs: a real DataService (coordinator, producers; the tiny recipe widened to B = 64 rows, as
 ``bench_service_load.load_recipe`` widens it) on a private local Ray, and ``--drivers`` driver processes that each
@@ -35,7 +35,7 @@ simulated node readers saw it (the round trip of ``Coordinator.lease``, all leas
 read-aheads alone, which never wait for production); coordinator calls per second (leases and reports, from
 ``status()``'s counters) and cursor moves per second; wrong rows.
 
-Calibration (``--calibrate``, on by default): one real node (one process, this one, with a ``DataService``
+Calibration (on unless ``--no-calibrate``): one real node (one process, this one, with a ``DataService``
 handle on the node path and 8 rank threads reading and checking their slices in lock-step, served by a real
 node-reader actor) against one simulated node at the same step time (``--cal-step-time``), each on a fresh
 service for ``--cal-seconds``: coordinator calls and CPU per node-step on both sides, net of the coordinator's
