@@ -82,7 +82,9 @@ def rank_main(a: argparse.Namespace) -> None:
             b = next(it)
             wait_ms = (time.perf_counter() - t0) * 1e3
             loader.commit(step)
-            out.write(f"{step} {b.slice.ledger_digest} {wait_ms:.3f}\n")
+            # Every 100 steps the rank's own RSS (MB) at that step: the parent's checker may lag the ranks.
+            rss = f" {_own_rss_mb():.1f}" if (step + 1) % 100 == 0 else ""
+            out.write(f"{step} {b.slice.ledger_digest} {wait_ms:.3f}{rss}\n")
             if (step + 1) % a.save_every == 0 or step + 1 == a.stop:
                 state = loader.state_dict()
                 if a.rank == 0 and step + 1 == a.stop:  # the next group resumes from it (identical on every rank)
@@ -94,6 +96,11 @@ def rank_main(a: argparse.Namespace) -> None:
     # then exits the process with status 1 ("The core worker has already been shutdown"); its output is complete.
     sys.stdout.flush()
     os._exit(0)
+
+
+def _own_rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
 # -------------------------------------------------------------------------------------------------------- parent
@@ -149,6 +156,8 @@ class Checker:
         self.wrong = 0
         self.rows = 0
         self.waits: list[float] = []
+        self.rss: dict[int, float] = {}
+        """rank -> its latest reported RSS (MB), as of the newest step checked."""
 
     def batch(self, step: int):
         if step not in self.expected:
@@ -168,7 +177,9 @@ class Checker:
                 if not line.endswith("\n"):
                     break
                 self.pos[str(path)] = f.tell()
-                step_s, digest, wait = line.split()
+                step_s, digest, wait, *rss = line.split()
+                if rss:
+                    self.rss[rank] = float(rss[0])
                 step = int(step_s)
                 self.rows += 1
                 if self.batch(step).slice(rank, world).ledger_digest != digest:
@@ -291,6 +302,7 @@ def main() -> None:
                 stderr=open(work / f"rank{r}-seg{seg}.err", "ab"))
                 for r in range(world)]
             deadline = time.monotonic() + WAIT_S
+            checker.rss = {}
             last_seen = {r: first - 1 for r in range(world)}
             while True:
                 exited = all(p.poll() is not None for p in procs)  # before reading: an exited rank wrote every line
@@ -318,7 +330,7 @@ def main() -> None:
                         row[f"{label}_mb"] = rss_mb(pid)
                         row[f"{label}_pid"] = pid
                     for r, p in enumerate(procs):
-                        row[f"rank{r}_mb"] = rss_mb(p.pid) if p.poll() is None else None  # not a zombie's 0
+                        row[f"rank{r}_mb"] = checker.rss.get(r)  # as the rank reported it at about this step
                         row[f"rank{r}_pid"] = p.pid
                     if service:
                         row["plasma_mib"] = plasma_usage()["mib"]
