@@ -11,8 +11,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
+import tempfile
+import time
 
 import pytest
 
@@ -73,10 +77,19 @@ def test_deployment_cloud_section_runs_as_written(tmp_path):
     node_env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_ENDPOINT", "S3_ENDPOINT", "AWS_REGION",
                                                                              "ZR_TEST_"))}
     node_env["PATH"] = f"{ROOT / '.venv' / 'bin'}{os.pathsep}{node_env.get('PATH', '')}"
+    ray_dir = tempfile.mkdtemp(prefix="zr-")  # short: Ray's socket paths under it must stay within 107 bytes
     head = subprocess.Popen(["ray", "start", "--head", f"--port={port}", "--num-cpus=8", "--include-dashboard=false",
-                             f"--temp-dir={tmp_path / 'ray'}", "--block"], env=node_env, cwd=tmp_path,
-                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             f"--temp-dir={ray_dir}", "--block"], env=node_env, cwd=tmp_path,
+                            start_new_session=True, stdout=open(tmp_path / "head.log", "w"), stderr=subprocess.STDOUT)
     try:
+        deadline = time.monotonic() + 180  # `ray start --head` on a loaded machine: its GCS port opens late
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert head.poll() is None and time.monotonic() < deadline, (tmp_path / "head.log").read_text()[-2000:]
+                time.sleep(1)
         script = _cloud_section()
         script = script.replace("AWS_ACCESS_KEY_ID=...", f"AWS_ACCESS_KEY_ID={s3_server.ACCESS_KEY}")
         script = script.replace("AWS_SECRET_ACCESS_KEY=...", f"AWS_SECRET_ACCESS_KEY={s3_server.SECRET_KEY}")
@@ -92,5 +105,7 @@ def test_deployment_cloud_section_runs_as_written(tmp_path):
         lines = re.findall(r"^step (\d+) ([0-9a-f]{64})$", run.stdout, re.M)
         assert [d for _, d in lines] == digests + digests, run.stdout  # via service, then via the dataset
     finally:
-        os.killpg(head.pid, signal.SIGTERM)
-        head.wait(60)
+        if head.poll() is None:
+            os.killpg(head.pid, signal.SIGTERM)
+            head.wait(60)
+        shutil.rmtree(ray_dir, ignore_errors=True)

@@ -133,4 +133,5 @@ def test_real_trainer_fails_on_the_override_route_with_the_geometry_line(tmp_pat
     assert proc.returncode != 0
     lines = [l for l in proc.stderr.splitlines() if "TrainerMismatchError:" in l]
     assert lines, proc.stderr[-3000:]
-    assert "training.global_batch_size 32 differs from the recipe's global batch of 16 rows" in lines[-1]
+    assert "the trainer's global batch 32 differs from the recipe's global batch of 16 rows" in lines[-1]
+    assert lines[-1].endswith("set training.global_batch_size = 16")
