@@ -16,7 +16,9 @@
   steps, and the files and bytes in ``state_dir`` and the ledger. Every digest a rank saw is checked against
   ``GlobalBatchSource(recipe).batch(s).slice(rank, W)`` in this process; the run ends with the count of wrong rows.
 - Growth per step (``RESULT`` line): each actor's RSS from the first row after the warm-up to the last, divided by
-  the steps between; a restarted actor (a new pid) starts a new baseline.
+  the steps between; a restarted actor (a new pid) starts a new baseline. Each rank reports its own RSS every 100
+  steps, and its growth over its segment after the warm-up (at most half the segment) is printed when the segment
+  ends (``rank_growth``).
 
 ``--mode local`` / ``--mode dataset``: the same ranks, ledger, saves, W changes and phase boundary for the trainer
 process alone: local-mode loaders (each rank runs Zephon in-process for its lanes and aggregates its checkpoint
@@ -158,6 +160,8 @@ class Checker:
         self.waits: list[float] = []
         self.rss: dict[int, float] = {}
         """rank -> its latest reported RSS (MB), as of the newest step checked."""
+        self.rss_log: dict[int, list[tuple[int, float]]] = {}
+        """rank -> every (step, RSS MB) it reported in the current segment."""
 
     def batch(self, step: int):
         if step not in self.expected:
@@ -178,9 +182,10 @@ class Checker:
                     break
                 self.pos[str(path)] = f.tell()
                 step_s, digest, wait, *rss = line.split()
+                step = int(step_s)
                 if rss:
                     self.rss[rank] = float(rss[0])
-                step = int(step_s)
+                    self.rss_log.setdefault(rank, []).append((step, float(rss[0])))
                 self.rows += 1
                 if self.batch(step).slice(rank, world).ledger_digest != digest:
                     self.wrong += 1
@@ -287,6 +292,7 @@ def main() -> None:
     last_row = -1
     t_start = time.time()
     state_file = None
+    rank_growth: list[dict] = []
     try:
         for seg, world in enumerate(worlds):
             first, stop = bounds[seg], bounds[seg + 1]
@@ -302,7 +308,7 @@ def main() -> None:
                 stderr=open(work / f"rank{r}-seg{seg}.err", "ab"))
                 for r in range(world)]
             deadline = time.monotonic() + WAIT_S
-            checker.rss = {}
+            checker.rss, checker.rss_log = {}, {}
             last_seen = {r: first - 1 for r in range(world)}
             while True:
                 exited = all(p.poll() is not None for p in procs)  # before reading: an exited rank wrote every line
@@ -358,6 +364,16 @@ def main() -> None:
                 if time.monotonic() > deadline:
                     raise SystemExit(f"segment {seg} (W={world}): no rank progressed within {WAIT_S:.0f}s")
                 time.sleep(0.5)
+            # Each rank's growth over its segment's steps after the warm-up (at most half the segment).
+            since = first + min(warmup, (stop - first) // 2)
+            for r, log in sorted(checker.rss_log.items()):
+                log = [(st, mb) for st, mb in log if st >= since]
+                if len(log) >= 2 and log[-1][0] > log[0][0]:
+                    kb = (log[-1][1] - log[0][1]) * 1024 / (log[-1][0] - log[0][0])
+                    rank_growth.append({"segment": seg, "W": world, "rank": r, "from": log[0][0], "to": log[-1][0],
+                                        "mb": [log[0][1], log[-1][1]], "kb_per_step": round(kb, 3)})
+                    print(f"segment {seg} (W={world}) rank {r}: RSS {log[0][1]:.1f} -> {log[-1][1]:.1f} MB over steps "
+                          f"{log[0][0]}..{log[-1][0]}: {kb:.3f} KB per step", flush=True)
             state_file = save_to
     finally:
         for p in [p for p in locals().get("procs", []) if p.poll() is None]:
@@ -375,10 +391,10 @@ def main() -> None:
             return None
         return round((same[-1][key] - same[0][key]) * 1024 / (same[-1]["step"] - same[0]["step"]), 3)
 
-    labels = sorted({k[:-4] for r in rows for k in r if k.endswith("_pid")})
+    labels = sorted({k[:-4] for r in rows for k in r if k.endswith("_pid") and not k.startswith("rank")})  # actors
     result = {"steps": a.steps, "rows_checked": checker.rows, "wrong_rows": checker.wrong,
               "elapsed_s": round(time.time() - t_start), "growth_kb_per_step": {lb: growth(lb) for lb in labels},
-              "last": rows[-1] if rows else None}
+              "rank_growth": rank_growth, "last": rows[-1] if rows else None}
     print("RESULT " + json.dumps(result), flush=True)
     if checker.wrong:
         raise SystemExit(f"{checker.wrong} rows differ from the in-process source")
