@@ -26,17 +26,10 @@ p.add_argument("--every", type=int, default=500)
 p.add_argument("--world", type=int, default=4)
 a = p.parse_args()
 work = tempfile.mkdtemp(prefix="memgrowth-")
-_ps = psutil
-for attempt in range(4):  # Ray's fixed 30 s start-up timeout is hit on a loaded shared machine: start again
-    kids = {c.pid for c in _ps.Process().children(recursive=True)}
-    try:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=work + f"/ray{attempt}")
-        break
-    except Exception as exc:
-        if "timed out during startup" not in str(exc): raise
-        left = [c for c in _ps.Process().children(recursive=True) if c.pid not in kids]
-        for c in left: c.kill()
-        ray.shutdown(); print("retry ray start", flush=True)
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from bench_soak import start_ray  # noqa: E402  (a private Ray, started again after Ray's fixed start-up timeout)
+
+start_ray(Path(work))
 from zephon_ray import DataService  # noqa: E402
 from zephon_ray.service.protocol import PRODUCER_INFIX, READER_INFIX  # noqa: E402
 from zephon_ray.stream.loader import Loader, LoaderConfig  # noqa: E402

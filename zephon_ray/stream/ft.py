@@ -6,7 +6,7 @@ are live now::
 
     manager.start_quorum()
     batch = slices.next()          # after the quorum: this group's part of global batch manager.current_step()
-    loss(batch.microbatches).backward(); [manager.allreduce(p.grad).wait() for p in params]
+    loss(batch.microbatches).backward(); [manager.allreduce(p.grad).wait() for p in params]  # Manager(timeout) bounds
     if manager.should_commit(): optimizer.step()   # a rejected step is served again by the next next()
 
 Guarantee: at each step, after the quorum, replica group p of the P live participants, rank r of its ``dp`` ranks, reads
