@@ -101,3 +101,35 @@ def test_step_bar_keeps_stdout_unchanged(capsys):
     out = capsys.readouterr()
     assert out.out == "step 0 aa\nstep 1 bb\n"
     assert out.err.splitlines()[0] == "zephon-ray: starting the data service ..."
+
+
+def test_the_stderr_filter_drops_exactly_the_marked_lines_and_passes_the_rest_unchanged():
+    """Bytes written straight to descriptor 2, as Ray's C++ core worker writes: marked lines go, everything else
+    (a partial line, a carriage-return redraw, a line written just before the block ends) arrives unchanged."""
+    code = (
+        "import os, sys\n"
+        "from zephon_ray.noise import RAY_ACTOR_ARGS_MARKER, _dropping_stderr_lines\n"
+        "with _dropping_stderr_lines(RAY_ACTOR_ARGS_MARKER):\n"
+        "    os.write(2, b'keep 1\\n[2026 E 1 1] core_worker.cc:1: Actor X ' + RAY_ACTOR_ARGS_MARKER + b'. See\\n')\n"
+        "    os.write(2, b'\\rbar 1/2')\n"
+        "    os.write(2, b'\\rbar 2/2\\n[E core_worker.cc] also ' + RAY_ACTOR_ARGS_MARKER)\n"
+        "    os.write(2, b'\\n[E other.cc] kept\\n')\n"
+        "    print('python line', file=sys.stderr)\n"
+        "    os.write(2, b'tail without newline')\n"
+        "print(' after', file=sys.stderr)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stderr == (b"keep 1\n\rbar 1/2\rbar 2/2\n[E other.cc] kept\npython line\ntail without newline after\n")
+
+
+def test_materialize_prints_its_result_and_no_library_noise_when_output_is_not_a_terminal(ray_cluster, tmp_path):
+    """A real ``zephon-ray materialize`` into pipes: stdout is its one result line; stderr holds neither Ray's core
+    worker actor-arguments line, nor Ray Data's INFO lines, nor a progress bar (stderr is not a terminal)."""
+    address = ray_cluster.get_runtime_context().gcs_address
+    proc = subprocess.run(
+        [sys.executable, "-m", "zephon_ray.cli", "materialize", str(ROOT / "recipes" / "tiny.toml"), "--steps", "0:2",
+         "--out", str(tmp_path / "out"), "--address", address],
+        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": address})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == f"{tmp_path / 'out'}: wrote steps 0:2; holds steps 0:2\n"
+    assert proc.stderr == "", proc.stderr

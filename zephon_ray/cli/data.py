@@ -13,6 +13,7 @@ import argparse
 from zephon_ray.checks import check_int
 from zephon_ray.cli.schedule import SCHEDULE_FROM_HELP, load_recipe, recipe_with_schedule
 from zephon_ray.errors import UserInputError
+from zephon_ray.noise import quiet_command
 from zephon_ray.recipe import Recipe
 
 
@@ -214,7 +215,7 @@ def cmd_locate(args: argparse.Namespace) -> int:
     steps = check_range(parse_steps(args.steps))
     check_groups(recipe, args.groups)  # every check before Ray starts
     started = time.monotonic()
-    with ray_session(args.address, private_if_none=True):
+    with ray_session(args.address, private_if_none=True), quiet_command():
         hits = locate(recipe, target, steps, groups=args.groups, cpus_per_actor=args.cpus_per_actor,
                       work_dir=args.work_dir, progress=not args.quiet)
     took = time.monotonic() - started
@@ -680,7 +681,7 @@ def cmd_pretokenize(args: argparse.Namespace) -> int:
     from zephon_ray.service.session import ray_session
 
     recipe = Recipe.from_toml(args.recipe)
-    with ray_session(args.address, private_if_none=True):
+    with ray_session(args.address, private_if_none=True), quiet_command():
         result = pretokenize(recipe, args.out_dir, actors=args.actors, cpus_per_actor=args.cpus_per_actor,
                              progress=not args.quiet)
     print(f"wrote {result.recipe_path}: {result.shards} shards ({result.shards_skipped} already done), "
@@ -694,7 +695,7 @@ def cmd_materialize(args: argparse.Namespace) -> int:
 
     recipe = load_recipe(args)
     steps = parse_steps(args.steps)
-    with ray_session(args.address, private_if_none=True):
+    with ray_session(args.address, private_if_none=True), quiet_command():
         result = materialize(recipe, args.out, steps, producers=args.producers, segment_steps=args.segment_steps,
                              cpus_per_actor=args.cpus_per_actor, progress=not args.quiet)
     done = f"wrote steps {result.written.start}:{result.written.stop}" if len(result.written) else "nothing to do"

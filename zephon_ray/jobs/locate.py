@@ -203,7 +203,7 @@ def locate(recipe: Recipe, target: RecordRef, steps: range, *, groups: int = 1, 
     done = dict.fromkeys(range(groups), 0)
     hits: list[Hit] = []
     bar = tqdm(total=steps.stop, unit="step", desc=f"locate ({groups} group{'s' if groups > 1 else ''})",
-               disable=not progress, dynamic_ncols=True)
+               disable=None if progress else True, dynamic_ncols=True)
     try:
         for block in run_lane_groups(LocateWorker, kwargs, groups=groups, cpus_per_actor=cpus_per_actor):
             for g, d, found in zip(block["group"], block["done"], block["hits"]):

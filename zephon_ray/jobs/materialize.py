@@ -206,7 +206,8 @@ def materialize(recipe: Recipe, directory: "str | os.PathLike[str]", steps: rang
     files.make_dirs(work_dir)
     writer = SegmentWriter(directory, manifest, lanes=recipe.lanes, rows_per_lane=recipe.rows_per_lane,
                            row_length=recipe.row_length)
-    bar = tqdm(total=len(todo), unit="step", desc="materialize", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(todo), unit="step", desc="materialize", dynamic_ncols=True,
+               disable=None if progress else True)  # None: a bar only on a terminal
     try:
         for step, rows in _stream(recipe, todo, producers=producers, start_state=start_state,
                                   segment_steps=segment_steps, work_dir=work_dir, cpus_per_actor=cpus_per_actor):

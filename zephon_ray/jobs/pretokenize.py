@@ -310,7 +310,8 @@ def _run_actor_pool(recipe: Recipe, todo: list[ShardTask], entries: dict, *, act
         batch_size=1,
         num_cpus=cpus_per_actor,
     )
-    bar = tqdm(total=len(rows), unit="shard", desc="pretokenize", disable=not progress, dynamic_ncols=True)
+    bar = tqdm(total=len(rows), unit="shard", desc="pretokenize", dynamic_ncols=True,
+               disable=None if progress else True)  # None: a bar only on a terminal
     tokens = 0
     try:
         for row in dataset.iter_rows():
