@@ -1,4 +1,4 @@
-"""The control plane under many node readers (issue 43, part 1): N simulated node readers against a real coordinator.
+"""The control plane under many node readers: N simulated node readers against a real coordinator.
 
     python benchmarks/bench_control_plane.py [--nodes 64,250,1000,2000] [--seconds 20] [--drivers 2]
                                              [--max-sim-nodes 250] [--producers 1] [--no-calibrate] [--no-pump]

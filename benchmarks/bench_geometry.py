@@ -1,4 +1,4 @@
-"""The service at training-sized batches (issue 16): a pre-tokenised copy of the demo corpus, ``repeat = true``.
+"""The service at training-sized batches: a pre-tokenised copy of the demo corpus, ``repeat = true``.
 
     .venv/bin/zephon-ray corpus data/corpus                       # once (data/ is git-ignored)
     python benchmarks/bench_geometry.py [--seq-lens 8192,2048] [--steps 6] [--rounds 2]

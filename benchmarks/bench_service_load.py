@@ -13,7 +13,7 @@ its leases and cursor reports only). Parts (each prints a line; one JSON line ``
   calls it every 50 ms), coordinator CPU per rank-step (psutil on the coordinator's process), node readers' CPU per
   rank-step, all slices checked against the reference digests (GlobalBatchSource). Run at R=32 and R=``--ranks``.
   The recipe is the tiny fixture with B=256 rows (``rows_per_microbatch=32``), so 256 ranks each get a real slice.
-  Targets (issue 16): node coordinator CPU per rank-step <= 0.1 ms at R=256; direct p99 wait / node p99 wait >= 10;
+  Targets (what a 1k-16k GPU deployment needs, docs/scaling.md): node coordinator CPU per rank-step <= 0.1 ms at R=256; direct p99 wait / node p99 wait >= 10;
   node status() p99 <= 100 ms.
 - ``calls``: coordinator CPU per call of each kind (a lease of ``lease_steps`` steps with 8 cursor moves, a
   report of 8 moves, ``status()``), net of its idle rate, for the projections in docs/scaling.md.

@@ -1,4 +1,4 @@
-"""The service under object-storage faults (issue 25): producer throughput with 20 % of requests answered 503
+"""The service under object-storage faults: producer throughput with 20 % of requests answered 503
 SlowDown against none, in alternating rounds, and the figures of a 15 s endpoint outage.
 
     python benchmarks/bench_storage_faults.py [--steps 40] [--rounds 3] [--outage-s 15] [--step-s 0.25]

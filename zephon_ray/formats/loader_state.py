@@ -1,4 +1,8 @@
-"""The loader state: small, JSON-safe, versioned, and identical on every reader. Owner of the format.
+"""The loader state: small, JSON-safe, versioned, and identical on every reader. Owner of the format, and the one
+place its layout is written down (the docs and the loader point here).
+
+Usage: the loader builds a state with :func:`make_state` at a step boundary and checks a loaded one with
+:func:`check_state`; a trainer stores it as it comes (TorchTitan's DCP, Ray Train's checkpoint, a JSON file).
 
 Layout (format version 4); every key is always present::
 
@@ -20,11 +24,9 @@ Layout (format version 4); every key is always present::
 unless the run skips data: ``[[skips]]``), and ``fingerprint`` and ``zephon`` describe the data read so far
 (``Recipe.data_next``).
 
-Version 2 added ``replayed_steps``, version 3 ``ledger``, version 4 ``run_schedule`` (an older state is refused with a
-message saying so: DCP loads by key, so the key set is part of the format;
-``tests/test_ledger.py::test_the_loader_state_carries_a_valid_ledger_head``). :func:`check_state` refuses a state
-that lacks a key or has one more, naming it
-(``tests/test_stream_loader.py::test_bad_loader_states_are_one_line_naming_the_key``).
+Guarantee: the same state on every reader, loadable at any data-parallel degree and in any mode. Limits: a state of
+another format version is refused with a message saying so (DCP loads by key, so the key set is part of the
+format), and :func:`check_state` refuses a state that lacks a key or has one more, naming it.
 
 Every value is a str or an int, so DCP stores each key once (every rank holds the same value) and the state loads
 at any data-parallel degree. The merged Zephon checkpoint is kept as one JSON string rather than a nested dict so

@@ -1,57 +1,32 @@
-"""The framework-free loader core: reader r of W yields, per step, its RankSlice of the global batch and its trainer
-microbatches, and keeps the loader state. TorchTitan's ``ZephonRayDataLoader`` and Ray Train's
-``ZephonDatasetShard`` are thin adapters over it; neither TorchTitan nor Ray Train is imported here.
+"""The framework-free loader core: reader r of W yields, per step, its slice of the global batch cut into trainer
+microbatches, and keeps the loader state. TorchTitan's ``ZephonRayDataLoader`` and Ray Train's ``ZephonDatasetShard``
+are thin adapters over it; neither framework is imported here.
 
 ::
 
     loader = Loader(LoaderConfig(recipe="recipes/tiny.toml", mode="local"), rank=0, world=1, local_batch_size=4)
-    loader.load_state_dict(saved)          # optional: resume (format v4, identical on every reader)
+    loader.load_state_dict(saved)          # optional: resume (identical on every reader)
     for batch in loader:                   # StepBatch(step, slice, microbatches), forever (repeat = true recipes)
         for inputs, labels in batch.microbatches: ...
         saved = loader.state_dict()        # at a step boundary: after the step was trained
     loader.close()
 
-Guarantee: for a recipe with B rows per global batch, reader r of any W in [1, B] yields, for every step s from its
-``next_step`` on, ``batch.slice`` = rows ``[floor(r*B/W), floor((r+1)*B/W))`` of global batch s, cut into ``({"input",
-"positions"}, labels)`` microbatches of ``local_batch_size`` rows (padded to equal shapes on every reader with
-``pad_slices``: rows whose labels are all ignored, never in a digest; :mod:`zephon_ray.stream.geometry`). Each
-:class:`StepBatch` carries the global batch's valid-token count when the source knows it without another read, and
-:meth:`StepBatch.loss_scale` turns a rank's summed token loss into the share of the global mean that makes the gradient
-all-reduce give the fixed-W gradient at any W (``tests/test_uneven_gradients.py``). The rows are the same from the data
-service (``mode="service"``), from an in-process Zephon lane group (``mode="local"``) and from a materialised directory
-(``mode="dataset"``), whatever W and mode were before a resume: concatenating every reader's slice in rank order gives
-the batch ``zephon-ray digest`` describes (``tests/test_stream_loader.py``: all three modes with W changing at each
-resume; ``tests/test_torchtitan_loader.py``; ``tests/test_ray_train_elastic.py``).
+Guarantee: reader r of any W in [1, B] yields, for every step s from ``next_step`` on, rows
+``[floor(r*B/W), floor((r+1)*B/W))`` of global batch s as ``({"input", "positions"}, labels)`` microbatches of
+``local_batch_size`` rows: the same rows from the data service (``mode="service"``), an in-process Zephon lane group
+(``"local"``) and a materialised directory (``"dataset"``), whatever W and mode were before a resume.
+:meth:`StepBatch.loss_scale` turns a rank's summed token loss into its share of the global mean, so the gradient
+all-reduce gives the fixed-W gradient at any W. The state (layout: :mod:`zephon_ray.formats.loader_state`) is the
+same on every reader, loads at any W and in any mode, carries the run's schedule beyond the recipe file, and names
+the ledger segment (:mod:`zephon_ray.stream.ledger`) that ``zephon-ray audit`` checks. Readers that share a dp rank
+(TP/PP/CP peers) get the same slice (:mod:`zephon_ray.stream.mesh`).
 
-State (:mod:`zephon_ray.formats.loader_state` owns the layout) is JSON-safe and identical on every reader, so it is
-stored once and loads at any W and in any mode. ``state_dict()`` works before iteration. It records the run's
-mixture schedule beyond the recipe file (phases a service accepted while running, or :meth:`Loader.add_phase`), and a
-resume from it serves that schedule with the recipe file unchanged, in any mode (``tests/test_phases.py``).
-
-Ledger (:mod:`zephon_ray.stream.ledger`): every step handed out is recorded with its slice's digest; each
-``state_dict()`` seals the records since the last save into a segment that the state's ``ledger`` key names, written
-beside the others under ``ledger_dir`` when one is set; ``commit(step)`` confirms a step was trained.
-``zephon-ray audit`` checks the lineage (``tests/test_audit.py``).
-
-TP/PP/CP: readers that share a rank (TorchTitan's dp_rank) are **peers** and get the same slice. In local mode
-only the lowest of them runs Zephon and broadcasts each slice (and the state) to the others
-(:mod:`zephon_ray.stream.mesh`, ``tests/test_torchtitan_mesh.py``). In service and dataset mode every peer reads
-its slice itself: the same rows.
-
-Limits, each rejected with a clear error rather than worked around:
-
-* W must be at most B (a reader with no rows is refused); ``local_batch_size`` must divide every reader's rows,
-  or slices are padded; when a trainer's global batch and seq_len are given they must be the recipe's (plus the
-  padding rows when padded) (:mod:`zephon_ray.stream.geometry`);
-* local mode needs W dividing L (reader r runs Zephon for whole lanes: service and dataset mode serve any W), and
-  a distributed local-mode run needs a ``run_id`` and exactly one of ``aggregate_store`` and ``aggregate_dir``. Its
-  state carries the newest Zephon checkpoint at or before ``next_step`` (taken every ``checkpoint_every`` steps); a
-  resume between checkpoints, or from a state without one, replays the steps in between: it logs a warning with the
-  count, and ``stats`` / the state's ``replayed_steps`` report it (``tests/test_torchtitan_loader.py::test_resume_without_a_zephon_checkpoint_warns_and_reports_the_replay``);
-* the state describes what the loader has handed out: take it after the step was trained.
-
-Background threads are daemons; :meth:`close` (also run at garbage collection and interpreter exit) stops them and
-releases the service connection.
+Limits, each refused with a one-line error: W <= B; ``local_batch_size`` divides every reader's rows unless
+``pad_slices`` pads them; a trainer's global batch and seq_len must be the recipe's (:mod:`zephon_ray.stream.geometry`);
+local mode needs W dividing L and, distributed, a ``run_id`` and one of ``aggregate_store`` and ``aggregate_dir``. A
+local-mode resume between Zephon checkpoints replays the steps in between (a warning, and ``replayed_steps``). Take
+the state after the step was trained. :meth:`close` (also run at garbage collection and exit) stops the daemon
+threads and releases the service connection.
 """
 
 from __future__ import annotations

@@ -44,7 +44,8 @@ class LocalSlices(PrefetchedSlices):
     def __init__(self, recipe: Recipe, *, rank: int, world: int, lane_group: LaneGroup, depth: int,
                  checkpoint_every: int, source_ids: bool = False) -> None:
         super().__init__(rank=rank, world=world, depth=depth, name="local")
-        # Identity is proven where the data is read (issue 7): this rank's shards, tokenizer and libraries.
+        # Identity is proven where the data is read, since each rank reads its own shards with its own tokenizer and
+        # libraries: a node that differs from the driver's must fail here, not train on other rows.
         verify_on_node(recipe, where=f"local-mode rank {rank} of {world}")
         if recipe.lanes % self.world:
             raise ValueError(f"local mode needs the reader count to divide the recipe's {recipe.lanes} lanes, got "
