@@ -12,8 +12,8 @@ The digest (format ``v1``) is the hex sha256 of::
     + positions.astype("<i4").tobytes()
 
 It covers the rows only: not the step number, not the recipe. Two steps that happen to hold the same rows
-have the same digest. :func:`compute_digest` is the reference implementation; ``tests/test_batch.py`` checks it
-against the formula above, and ``tests/oracle.py`` recomputes it from the rows with its own code.
+have the same digest. :func:`compute_digest` is the reference implementation of the formula above; anyone can
+recompute it from the rows with their own code.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def slice_bounds(rows: int, rank: int, world: int) -> tuple[int, int]:
     A pure function of (B, W, r) for any ``1 <= W <= B``: the W ranges, in rank order, tile ``[0, B)`` exactly, and
     their sizes differ by at most one row (``floor(B/W)`` or ``ceil(B/W)``). When W divides B every rank has B/W rows,
     the same split as before uneven slices existed, so no digest, golden, materialised run or loader state changes.
-    W > B is refused: a rank would get no rows (``tests/test_batch.py``)."""
+    W > B is refused: a rank would get no rows."""
     rank, world = check_reader(rank, world)
     if world > rows:
         raise ValueError(f"a world of {world} ranks exceeds the global batch of {rows} rows: a rank would get no rows "
@@ -127,7 +127,7 @@ class RankSlice:
 
     Immutable while held: ``tokens`` and ``positions`` are made read-only when the slice is built (a write raises),
     and every source hands out arrays that nothing else writes, frees or reuses, through close, prefetch and
-    restarts; a zero-copy view keeps its backing array alive (``tests/test_stream_immutability.py``, every mode).
+    restarts; a zero-copy view keeps its backing array alive, in every mode.
     ``microbatches`` copies the rows into fresh tensors, which belong to the caller.
 
     ``source_ids`` (only when a loader is asked for them: ``LoaderConfig.source_ids``) is an int16 array shaped like
@@ -156,7 +156,7 @@ class RankSlice:
                    pad_token_id: int | None = None, global_valid_tokens: int | None = None) -> "RankSlice":
         """Rank r's slice from the lane shards of ``span.lanes`` (in lane order; each has ``tokens`` and
         ``positions`` arrays). The one place a slice is cut from lanes: the service client and local mode use it,
-        and ``GlobalBatch.slice`` cuts the same rows from the assembled batch (``tests/test_batch.py``)."""
+        and ``GlobalBatch.slice`` cuts the same rows from the assembled batch."""
         if len(shards) != len(span.lanes):
             raise ValueError(f"step {step}, rank {rank} of {world}: expected the shards of lanes "
                              f"{span.first}..{span.stop - 1}, got {len(shards)} shards")

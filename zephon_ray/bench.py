@@ -15,7 +15,7 @@ the same recipe, one whole global batch at a time, so the ratio compares like wi
 favours the service: its producers keep working up to ``window`` (8) steps ahead while the local side is timed, so
 each service round may start with up to 8 steps ready; keep N well above 8 (the default is 32).
 The digest of the last step read is printed with the numbers, so a run can be checked against
-``zephon-ray digest`` (tests/test_cli.py::test_bench_measures_and_reads_the_real_batches).
+``zephon-ray digest``.
 
 Limits: one reader on one node, the producer side only (no training step); a loaded machine gives a lower bound.
 p99 of fewer than 100 steps is the largest latency seen. Numbers are for comparing on one machine, not absolutes.

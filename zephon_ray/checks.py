@@ -12,7 +12,6 @@ a numpy integer unless ``numpy_ok``) inside the stated closed range; anything el
 type (``error``: ``LedgerError``, ``MaterializedError``, ``UserInputError``, ... all stay catchable as before) with one
 line naming the value's name, the range and the value. Every range is bounded (default ``high`` is :data:`MAX_INT`),
 so a validated number can size a loop or an allocation only as far as the caller's own ``high`` allows.
-Tests: ``tests/test_checks.py``.
 
 Limits: the message is the name the caller passes, verbatim; a caller that wants its file or object named puts it in
 ``name`` (``f"{path}: ledger key 'world'"``). Rules that relate two numbers (a divisor, a multiple, a step behind
@@ -46,7 +45,7 @@ def check_int(name: str, value: Any, *, low: int, high: int = MAX_INT, error: ty
 
     A bool is refused even though Python counts it as an int (``True`` is never a count); so are floats (2.0),
     strings ("3") and None. ``numpy_ok`` also accepts numpy integers (an index read from an array) and returns them
-    as a plain int; numpy bools are refused either way. Tests: ``tests/test_checks.py``."""
+    as a plain int; numpy bools are refused either way."""
     ok = isinstance(value, numbers.Integral) if numpy_ok else isinstance(value, int)
     if isinstance(value, bool) or not ok or not low <= value <= high:
         note = f" ({why})" if why else ""
@@ -63,7 +62,7 @@ def check_reader(rank: Any, world: Any, *, max_world: int = MAX_INT, why_max: st
 
     ``max_world`` bounds the readers (a reader that would get no rows: pass the global batch's rows, with
     ``why_max`` saying so). Limits: no ``None`` shorthand for "one reader"; callers that allow it map it to
-    ``(0, 1)`` before calling. Tests: ``tests/test_checks.py``."""
+    ``(0, 1)`` before calling."""
     world = check_int(where + world_name, world, low=1, high=max_world, why=why_max, error=error)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world:
         raise error(f"{where}{rank_name} must be an int in [0, {world_name}={world}), got {rank!r}")

@@ -12,8 +12,7 @@ Files are parsed with ``ast`` and never imported.
 The corpus is written whole or not at all: into a temporary sibling of ``OUT_DIR``, renamed into place at the end.
 ``OUT_DIR`` must not exist yet (or be an empty directory), and its nearest existing ancestor must be a writable
 directory (missing parents are created); anything
-else is one :class:`~zephon_ray.errors.UserInputError` naming the path, before any work
-(``tests/test_corpus.py::test_bad_out_dir_is_one_error_and_writes_nothing``).
+else is one :class:`~zephon_ray.errors.UserInputError` naming the path, before any work.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ clean-up whose failure may be ignored (:func:`best_effort`).
 
 A command-line value, a path, or a file given by the user that cannot be used raises it, with a message that names
 what is wrong (the flag, the path, the number). ``zephon-ray`` prints it as one line ``zephon-ray: error: ...`` and
-exits 2 (tests/test_cli.py). It is a ``ValueError``, so callers that catch the library's validation errors (all
+exits 2. It is a ``ValueError``, so callers that catch the library's validation errors (all
 ``ValueError`` subclasses: ``RecipeError``, ``MaterializedError``, ...) catch it too.
 
 What is *not* a user-input error keeps its traceback: an ``OSError`` from a path is turned into one only where the

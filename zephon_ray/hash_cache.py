@@ -7,7 +7,7 @@ is the store's ETag; ``--verify-content`` rehashes them every time).
 
 An entry is trusted only while the file's (size, mtime_ns, ctime_ns, inode, device) are all unchanged. Rewriting
 a file changes its ctime, which no user call can set back, so a rewrite in place at the same size with its mtime
-restored is still rehashed (``tests/test_identity.py::test_hash_cache_is_used_and_never_trusted_blindly``). Files
+restored is still rehashed. Files
 changed within the last :data:`RACY_WINDOW_S` seconds are hashed but not cached, because file timestamps tick
 coarsely and a second write in the same tick would otherwise keep the same key. A manifest that does not parse is
 ignored and rebuilt.

@@ -8,8 +8,7 @@ A recipe's identity has three parts, all folded into ``Recipe.fingerprint``:
   touches Zephon's internals): a usable ``index.json`` (or ``_index.json``) wins and its shard names and row counts
   are what Zephon reads; without one, the files directly in the source directory (not in subdirectories) whose
   names end in Zephon's suffixes (``.jsonl``, ``.jsonl.gz``, ``.jsonl.zst``, ``.jsonl.bz2``, ``.jsonl.xz``;
-  ``.parquet``), sorted by name. ``tests/test_identity.py::test_listing_agrees_with_zephon_discovery`` checks it
-  against Zephon's ``discover()`` on several layouts. Row counts of a local scan come from Zephon's
+  ``.parquet``), sorted by name: what Zephon's ``discover()`` lists. Row counts of a local scan come from Zephon's
   ``Dataset.from_path`` where the recipe is loaded, so an index that names the same shards with their true row
   counts gives the same fingerprint as a directory scan, as it gives the same batches.
 - **Shard content.** Local shard: a sha256 of its bytes (the compressed bytes for a compressed shard), computed
@@ -22,8 +21,7 @@ A recipe's identity has three parts, all folded into ``Recipe.fingerprint``:
 
 Every process that serves data proves it sees the same identity with :func:`verify_on_node` before serving
 anything; a mismatch is an :class:`IdentityMismatchError` naming the node, the file and the field. A rewritten
-object gets a new ETag, so it changes the fingerprint and fails the check on every node
-(tests/test_s3.py::test_remote_identity_is_the_listing_and_etags).
+object gets a new ETag, so it changes the fingerprint and fails the check on every node.
 
 Limits: only the ``jsonl`` and ``parquet`` formats are supported. A compressed shard is identified by its
 compressed bytes, so recompressing the same records changes the fingerprint though not the batches. Of an

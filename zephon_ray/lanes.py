@@ -5,8 +5,7 @@ of lane l is lane l's microbatches ``s*k .. s*k+k-1``. Microbatches are filed **
 by stream position, because a restored pipeline may start its round-robin at a different lane.
 
 Guarantee: ``next_step()`` returns the same shards for a given (recipe, lane, step) whichever Zephon rank owns
-the lane and however often the stepper was checkpointed and restored (``tests/test_lanes.py``; the order of a lane's
-k microbatches inside a step against the independent oracle: ``tests/test_oracle.py``, k = 2). Limits: checkpoints
+the lane and however often the stepper was checkpointed and restored, with a lane's k microbatches in Zephon's own order. Limits: checkpoints
 exist only at step boundaries with no microbatch buffered ahead (``checkpoint()`` raises otherwise), and a
 collective (multi-rank) checkpoint must be taken by every rank at the same step.
 
@@ -15,14 +14,12 @@ pipeline. Zephon's work source emits one global chunk stream that every lane com
 to it); the segment that starts at step S continues that stream, with the new weights, at global chunk G_S = one
 past the last chunk that any lane's rows up to step S drew from (read from each emitted row's contributing source
 records). Each source's read position (Zephon's per-dataset cursors and allocation accumulators) therefore carries
-across the boundary, so no record drawn before S is drawn again after it within that source's epoch
-(tests/test_phases.py::test_no_record_repeats_across_the_boundary); G_S depends only on the emitted rows, never on
-how far Zephon had prefetched, so step s stays a pure function of (recipe, s)
-(tests/test_phases.py::test_random_access_and_restores_across_the_boundary). Limits: records in chunks that lanes
+across the boundary, so no record drawn before S is drawn again after it within that source's epoch; G_S depends only on the emitted rows, never on
+how far Zephon had prefetched, so step s stays a pure function of (recipe, s). Limits: records in chunks that lanes
 had drawn but not yet emitted at S (at most about one chunk per lane, plus the rest of a record cut by packing) are
 skipped, never repeated. Finding G_S does not grow with the phase: the stepper follows the chunk stream with its rows
 (to within ``STREAM_LAG`` chunks) and its checkpoints record the stream's state, so a boundary walks a bounded number
-of chunks (tests/test_phases.py::test_a_boundary_walks_a_bounded_distance_whatever_the_phase_length). With several
+of chunks, whatever the phase's length. With several
 lane groups (producers, local-mode ranks, materialise groups) each knows only
 its own lanes' chunks: at a boundary, and at every checkpoint of a phased recipe, the groups exchange them over
 their checkpoint channel (:mod:`zephon_ray.lane_exchange`), so any group's state can cross the next boundary.

@@ -22,9 +22,9 @@ Our commands also keep Ray Data's INFO lines ("Dataset ... execution finished in
 (:func:`quiet_command`); Ray Data's own log file in the Ray session directory still gets them.
 
 Guarantee: :func:`quiet_known_noise` is idempotent and drops, on each of those loggers only, exactly the records
-whose format string starts with that logger's prefix in :data:`KNOWN_HARMLESS` (``tests/test_noise.py``). Limits: a
+whose format string starts with that logger's prefix in :data:`KNOWN_HARMLESS`. Limits: a
 library release that rewords a message lets it through again (visible, never something else hidden);
-``tests/test_noise.py`` checks the installed libraries' wording.
+a test checks the installed libraries' wording.
 """
 
 from __future__ import annotations

@@ -5,8 +5,7 @@ copies of the same files (``pyproject.toml`` package data), so one copy lives in
 
 Guarantee: ``resolve_recipe_path(arg)`` returns ``arg`` unchanged when it names an existing file, else the
 packaged ``<arg>.toml``; anything else is an :class:`UnknownRecipeError` (a ``ValueError``; ``Recipe.from_toml``
-re-raises it as its ``RecipeError``) that lists the packaged names. Shown by ``tests/test_packaging.py`` (from an
-installed wheel, outside the checkout).
+re-raises it as its ``RecipeError``) that lists the packaged names, from an installed wheel as from the checkout.
 Limit: ``demo`` and ``mixture`` read the stdlib corpus at ``../data/corpus`` next to the recipe directory, which a
 wheel cannot ship (it is generated per Python version by ``zephon-ray corpus``); only ``tiny``, ``elastic`` and
 ``phased`` (tiny's fixture with a mixture schedule) are self-contained. Copy those recipes and point their

@@ -7,7 +7,7 @@ A *document piece* is a run of tokens whose positions count up from 0 inside one
 every document start, so the pieces are what attention sees. Limit: a document that wraps over a row boundary
 appears as two pieces, and a piece that started in an earlier step is counted from its first token in this batch.
 Packing efficiency is the share of non-pad tokens; ``wrap`` packing never pads, so it is 1.0 there.
-Shown by ``tests/test_cli.py::test_show_plot_writes_a_png``. A path that cannot take the PNG (a directory, a
+A path that cannot take the PNG (a directory, a
 missing or read-only parent) is one :class:`~zephon_ray.errors.UserInputError` from :func:`check_plot_path`, before
 any work (``test_bad_input_is_one_line_naming_it``); the PNG is written whole or not at all.
 """

@@ -5,7 +5,7 @@ need nothing from :mod:`zephon_ray.formats`; the copy's layout and its writers a
 
 Guarantee: :func:`check_manifest` accepts a manifest only if it is complete, names the recipe's tokenizer and
 bracketing, and every token shard it lists is there with its recorded size; every failure is one
-:class:`PretokenizedError` naming the file (tests/test_pretokenize.py).
+:class:`PretokenizedError` naming the file.
 """
 
 from __future__ import annotations

@@ -5,8 +5,6 @@
 * :func:`step_bar` is a tqdm bar on stderr over a command's steps; each result line goes to stdout through the
   bar (``tqdm.write``), so the two never garble each other. tqdm shows the bar only when stderr is a terminal
   (``disable=None``): a pipe or a log file gets the notes and the unchanged stdout lines, no carriage returns.
-
-Test: ``tests/test_noise.py::test_step_bar_keeps_stdout_unchanged``.
 """
 
 from __future__ import annotations

@@ -31,8 +31,7 @@ assembly, so the rows are the recipe's; :meth:`ProvenanceSource.provenance` chec
 caller was served (tokens and positions, exactly) and raises :class:`ProvenanceError` otherwise. Every row is also
 cross-checked against Zephon's own metadata: its segments (``positions`` resets, less the pad tail) must be the
 pieces, one per contributor, with the contributors' sample ids. No cost on the batch path: nothing here runs unless
-provenance is asked for (``tests/test_provenance.py``; an independent reference re-reads every piece's record from
-its shard file and tokenises it).
+provenance is asked for.
 
 Cost: a step's provenance replays the provenance-mode pipeline from the nearest checkpoint at or before it (a batch
 path's own Zephon state restores into it: the pipeline state does not depend on the added fields) and is cheap when

@@ -5,7 +5,7 @@ directory exists and holds shards of one format, every source has at least ``chu
 counts are known: see :mod:`zephon_ray.identity` for remote sources without an index), and the tokenizer resolves.
 Errors are :class:`RecipeError` (a ``ValueError``) naming the file and the key; a source that cannot be listed or
 read (a missing bucket, refused credentials, an unreachable endpoint, a file without read permission) is one line
-naming the path or URI (tests/test_recipe.py, tests/test_s3.py).
+naming the path or URI.
 
 Sources and the recipe file itself may be local paths or object-store URIs (``s3://bucket/prefix``, ``gs://``,
 ``az://``). A relative source path resolves against the recipe's directory (its prefix, for a recipe in a
@@ -16,11 +16,11 @@ exactly as Zephon's own discovery lists them (a usable ``index.json`` first, els
 ``.jsonl.zst``/... or ``.parquet`` files directly in the directory, not in subdirectories), with each shard's size
 and sha256 and the row count Zephon's discovery assigns it (from the index when it uses one); the tokenizer's content
 hash; and the zephon, tokenizers and digest-format versions (:mod:`zephon_ray.identity`). It ignores how paths are
-spelled, files Zephon does not read, and the run-time-only ``[aggregate]`` table. Each of these is checked against
-the batch digests in ``tests/test_identity.py``. With ``[[phases]]`` (a mixture schedule keyed by step) the
+spelled, files Zephon does not read, and the run-time-only ``[aggregate]`` table. Each of these leaves the batch digests
+unchanged. With ``[[phases]]`` (a mixture schedule keyed by step) the
 fingerprint is the end of a chain that starts at :attr:`Recipe.base_fingerprint` (everything but the phases) and
 hashes in one phase at a time, so a state at step t can be checked against the phases before t alone
-(:meth:`Recipe.check_history`; docs/recipes.md "Mixture schedules"; tests/test_phases.py). The fingerprint is
+(:meth:`Recipe.check_history`; docs/recipes.md "Mixture schedules"). The fingerprint is
 computed once, where the recipe is loaded, and travels with the recipe together with the per-shard detail, so that
 :func:`zephon_ray.identity.verify_on_node` can name the file that differs on another node.
 
@@ -304,7 +304,7 @@ class Recipe:
 
     def check_history(self, history: Any, next_step: int, *, what: str = "the state") -> None:
         """Refuse a resume at ``next_step`` whose recipe changes a phase that an already-produced step used, naming
-        the phase and the step (tests/test_phases.py::test_resume_refuses_a_rewritten_past). Phases that start at or
+        the phase and the step. Phases that start at or
         after ``next_step`` may be added, moved or removed."""
         if not isinstance(history, list) or not history:
             raise ScheduleError(f"{what}: schedule history {history!r} is not a non-empty list")
@@ -337,8 +337,7 @@ class Recipe:
 
     def with_phase(self, name: str, start_step: int, weights: dict[str, float]) -> "Recipe":
         """This recipe with one more phase (inserted by ``start_step``), checked as ``[[phases]]`` are: one
-        :class:`RecipeError` naming the phase and the key (a running service's ``add_phase``; tests/test_phases.py::
-        test_a_phase_added_to_a_running_service)."""
+        :class:`RecipeError` naming the phase and the key (a running service's ``add_phase``)."""
         from dataclasses import replace
 
         if not isinstance(weights, dict):
@@ -397,8 +396,7 @@ class Recipe:
     def with_run_phases(self, recorded: Any, *, what: str = "the run") -> "Recipe":
         """This recipe with the phases a run recorded (:meth:`run_phases` of the run's schedule): one already here is
         kept, a new one is added; one that contradicts a phase of this recipe (the same name or start step, other
-        weights) is a :class:`ScheduleError` naming both, never a silent choice
-        (tests/test_phases.py::test_a_run_time_phase_travels_with_the_loader_state)."""
+        weights) is a :class:`ScheduleError` naming both, never a silent choice."""
         if not isinstance(recorded, list) or not all(isinstance(p, dict) for p in recorded):
             raise ScheduleError(f"{what}: recorded phases must be a list of tables, got {str(recorded)[:200]!r}")
         out = self

@@ -1,10 +1,8 @@
 """In-process global batches: one Zephon pipeline that owns all L lanes.
 
 Guarantee: ``GlobalBatchSource(recipe).batch(s)`` is a pure function of (recipe, s). It gives the same rows in
-the same lane-major order as the data service and as W in-process Zephon ranks together, for any access order:
-``tests/test_oracle.py`` checks its rows (and the service's, the materialised directory's and the TorchTitan
-loader's) against an independent oracle of 2 plain Zephon ranks and against committed golden digests, for k = 1 and
-k = 2 microbatches per lane; ``tests/test_source.py`` checks random access and restores.
+the same lane-major order as the data service and as W in-process Zephon ranks together, for any access order
+and however often it is restored: the rows that plain Zephon ranks driven through Zephon's public API give.
 
 Random access is served from Zephon checkpoints taken every ``checkpoint_every`` steps: the most recent
 ``recent_checkpoints`` of them, plus anchors every ``anchor_every`` steps that are kept for good. ``batch(s)`` for an

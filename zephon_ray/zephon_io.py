@@ -1,8 +1,7 @@
 """Zephon's storage view, as zephon-ray needs it: THE fenced module for Zephon's private internals.
 
 Everything zephon-ray uses from ``zephon._internal`` is imported here and nowhere else
-(tests/test_identity.py::test_zephon_internals_fence fails loudly, naming the missing name, when a Zephon
-release moves or changes one). What it wraps:
+(a fence test of the suite fails loudly, naming the missing name, when a Zephon release moves or changes one). What it wraps:
 
 - discovery rules of Zephon 0.2.0: a format's handler, its rule for trusting an ``index.json``, its shard
   suffixes, its index reader, and its storage router (``RouterStorageBackend``: local paths and ``s3://``,
@@ -20,7 +19,7 @@ release moves or changes one). What it wraps:
   stream at a given global chunk index, with its weights replaced, loaded into an unbound work source that a new
   pipeline then clones for each lane (:class:`ChunkStream`, :func:`load_work_source_state`), and the global
   chunk index of a lane's c-th chunk (:meth:`ChunkStream.global_index`), from Zephon's own chunk-to-lane routing.
-  ``WORK_SOURCE_STATE_KEYS`` are the state keys read or written; tests/test_phases.py::test_zephon_state_format_fence
+  ``WORK_SOURCE_STATE_KEYS`` are the state keys read or written; a fence test
   fails loudly, naming the key, when a Zephon release changes them.
 
 Endpoints: Zephon 0.2 reads ``S3_ENDPOINT_URL`` only; :func:`zephon_ray.files.export_endpoint_for_zephon` sets it
@@ -237,7 +236,7 @@ def shard_cache_root(paths: Any) -> str:
     Each set of remote roots gets its own directory under ``ZEPHON_RAY_SHARD_CACHE`` (default
     ``<tmp>/zephon-ray-shards-<uid>``): Zephon refuses a cache root that a live process holds for other datasets
     (``CacheInUseError``), so two pipelines of one node reading different buckets at once (two services, or a
-    service and a notebook) would otherwise fail (tests/test_s3.py::test_two_buckets_read_at_once_on_one_node)."""
+    service and a notebook) would otherwise fail."""
     parent = os.environ.get(SHARD_CACHE_ENV) or os.path.join(tempfile.gettempdir(), f"zephon-ray-shards-{os.getuid()}")
     roots = sorted(str(p) for p in paths if is_uri(p))
     return os.path.join(parent, hashlib.sha256("\n".join(roots).encode()).hexdigest()[:16])
@@ -295,7 +294,7 @@ class ChunkStream:
     ``work_source`` is an unbound work source (a segment's start); it is not changed. :meth:`advance` draws global
     chunks until ``index`` have been drawn and :meth:`state` is the stream's state there: the same state whether the
     stream got there in one walk or in many (each walk runs the same allocation over the same chunks; the lane
-    binding only decides which chunks a call returns), which tests/test_phases.py checks against a walk from the
+    binding only decides which chunks a call returns), the same as one walk from the
     start. Cost: one allocation per global chunk advanced (about 25 us, ``benchmarks/bench_phases.py``); a routing
     query (:meth:`global_index`) costs one seeded shuffle per block of ``lanes`` chunks, whatever the position.
     """

@@ -17,9 +17,7 @@ RECIPE is a path, or the bare name of a packaged recipe (``tiny``, ``elastic``, 
 The parts: data.py (the recipe, batch, dataset and job commands), service.py (the data service's commands and
 ``digest --via service``), errors.py (the one error mapping). Each command returns its exit code or raises; only
 ``main`` turns an exception into output, through :func:`zephon_ray.cli.errors.run_command`: bad input is one line
-``zephon-ray: error: ...`` naming what is wrong and exit 2, never a traceback
-(tests/test_cli.py::test_bad_input_is_one_line_naming_it); a bug keeps its traceback
-(tests/test_cli.py::test_a_bug_is_not_hidden_as_a_user_error). Progress bars (tqdm, on stderr) appear only on a
+``zephon-ray: error: ...`` naming what is wrong and exit 2, never a traceback; a bug keeps its traceback. Progress bars (tqdm, on stderr) appear only on a
 terminal.
 """
 

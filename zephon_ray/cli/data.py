@@ -3,7 +3,7 @@ fingerprint, audit, ledger compact, inspect, pretokenize, materialize (``digest 
 
 Each command returns its exit code or raises; bad input raises :class:`~zephon_ray.errors.UserInputError` (or a
 library ``ValueError``) naming the flag, path or value at fault, and ``main`` prints it as one line, exit 2
-(errors.py; tests/test_cli.py::test_bad_input_is_one_line_naming_it).
+(errors.py).
 """
 
 from __future__ import annotations

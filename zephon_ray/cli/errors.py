@@ -4,16 +4,12 @@ one line on stderr and an exit code.
 Every command raises; only :func:`run_command` (called by ``main``) turns an exception into output:
 
 - a user error (:data:`USER_ERRORS`) prints ``zephon-ray: error: <message>`` as ONE line (whitespace in the
-  message collapsed) and exits :data:`USER_ERROR_EXIT` (2) through ``SystemExit``, as argparse does for a bad flag
-  (tests/test_cli_errors.py::test_user_errors_are_one_line_and_exit_2);
+  message collapsed) and exits :data:`USER_ERROR_EXIT` (2) through ``SystemExit``, as argparse does for a bad flag;
 - an error that came back from the cluster's workers (a Ray task or actor error anywhere in its cause chain)
   prints one line too, never the workers' traceback: the storage object it names with the likely cause
-  (:func:`storage_failure`, tests/test_storage_cli.py), else the last line of the cause
-  (tests/test_cli_errors.py::test_a_worker_error_is_its_cause_in_one_line);
+  (:func:`storage_failure`), else the last line of the cause;
 - ``KeyboardInterrupt`` prints nothing and returns :data:`INTERRUPTED_EXIT` (130, the shell's code for SIGINT);
-- anything else is a bug or a broken environment: it propagates with its traceback (exit 1)
-  (tests/test_cli.py::test_a_bug_is_not_hidden_as_a_user_error,
-  tests/test_cli_errors.py::test_other_errors_keep_their_traceback).
+- anything else is a bug or a broken environment: it propagates with its traceback (exit 1).
 
 Limits: the line is the exception's own message, so it names the key, file or number at fault only as well as the
 raising code wrote it; a ``raise X from None`` replaces the error it handled (its message is the one shown, Python's
@@ -132,7 +128,7 @@ def strip_ray_prefix(line: str) -> str:
 def storage_failure(exc: BaseException) -> str | None:
     """One line for an error that came back from the cluster's workers because of storage (an object they could not
     reach or read), naming the object and the likely cause; None for anything else. Never a secret: the hint names
-    only which credential variables stay in this shell (tests/test_storage_cli.py)."""
+    only which credential variables stay in this shell."""
     texts = []
     for cause in causes(exc):
         lines = [ln.strip() for ln in str(cause).splitlines() if ln.strip()]

@@ -1,8 +1,7 @@
 """``zephon-ray serve | status | stop | rescale | add-phase | release`` and ``zephon-ray digest --via service``.
 
 ``serve`` has one flag per :class:`ServiceConfig` field (``--window``, ``--consumer-ttl-s``, ...; nested
-``resources`` fields as ``--resources.producer-num-cpus``), generated from the dataclass so that it cannot drift
-(tests/test_service_cli.py::test_serve_has_a_flag_for_every_service_config_field). ``status`` prints a table of
+``resources`` fields as ``--resources.producer-num-cpus``), generated from the dataclass so that it cannot drift. ``status`` prints a table of
 whatever ``DataService.status()`` reports (known sections first, any others after), or JSON with ``--json``.
 
 Without ``--address`` the ``digest`` command starts a private local Ray (its own temp dir) and shuts it down
@@ -16,8 +15,7 @@ endpoint. Credentials come from the nodes themselves.
 
 Errors: the commands raise (a ``ServiceError`` such as "no service of that name", a ``ValueError`` for a bad count,
 weight or phase, a ``ConnectionError`` for an unreachable cluster) and ``main`` reports each as one line, exit 2
-(errors.py; a worker-side storage failure as one line naming the object and the likely cause,
-tests/test_storage_cli.py).
+(errors.py; a worker-side storage failure as one line naming the object and the likely cause).
 """
 
 from __future__ import annotations

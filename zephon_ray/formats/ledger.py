@@ -71,7 +71,7 @@ records are the same rows in the same order, so nothing is lost but the count of
 rewritten whole at each save of the same segment; one rewritten between a compaction's read and its delete keeps
 its packed version. Two compactions of one directory at once are not supported, and an audit that lists a pack a
 running compaction then deletes fails with one line naming it (run it again). Nothing here is pickled; every JSON
-document is bounded (``MAX_RECORDS``). Tests: ``tests/test_ledger.py``.
+document is bounded (``MAX_RECORDS``).
 """
 
 from __future__ import annotations

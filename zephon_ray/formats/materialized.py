@@ -10,18 +10,17 @@ prefix (:mod:`zephon_ray.files`)::
 Parquet columns (:func:`segment_schema`): ``step`` (int64), ``lane`` (int32), ``row`` (int32, index in the global
 batch), ``tokens`` and ``positions`` (fixed_size_list<int32>[seq_len+1]). ONE row schema for every Ray Data view
 (:func:`dataset_schema`: the segment columns plus ``digest``, the step's): ``MaterializedSource.to_dataset`` and
-the service's ``to_dataset`` (:func:`batch_table`) give the same schema (tests/test_materialized.py). The manifest
+the service's ``to_dataset`` (:func:`batch_table`) give the same schema. The manifest
 holds the recipe fingerprint and mixture schedule, the geometry, every segment's size and sha256, and the digest and
 per-source token counts of every step.
 
 Commit order (:class:`SegmentWriter`): the segment is written whole (a local rename, or one upload), then the
 checkpoint, then the manifest. On an object store each is one object, visible whole; the manifest names only
 objects that were complete before it was written, so a reader (who starts from the manifest) never sees a
-half-written step, and a run killed at any point leaves the last committed manifest intact
-(tests/test_s3.py::test_materialize_to_s3_extend_and_read_back).
+half-written step, and a run killed at any point leaves the last committed manifest intact, on a local disk and in a bucket alike.
 
 Guarantee: ``MaterializedSource(DIR).batch(s)`` has the same rows, order and digest as
-``GlobalBatchSource(recipe).batch(s)`` and the data service (tests/test_materialized.py), and every read is
+``GlobalBatchSource(recipe).batch(s)`` and the data service, and every read is
 checked against the manifest's digest, so a corrupted row group is an error, never a wrong batch. A step is one
 row-group read: O(1) in the number of steps (benchmarks/bench_materialize.py measures p50/p99; on S3, ranged
 reads: benchmarks/bench_s3.py).

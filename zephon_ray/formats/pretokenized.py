@@ -12,7 +12,7 @@ commits the copy (a reader that finds no manifest finds no copy).
 
 Guarantee: :func:`check_manifest` accepts a manifest only if it is complete, names the recipe's tokenizer and
 bracketing, and every token shard it lists is there with its recorded size; every failure is one
-:class:`PretokenizedError` naming the file (tests/test_pretokenize.py). The manifest's format and checks are
+:class:`PretokenizedError` naming the file. The manifest's format and checks are
 defined in :mod:`zephon_ray.pretokenized_manifest`.
 """
 

@@ -11,17 +11,16 @@ Layout (``state_dir`` is a local directory or an object-store prefix, :mod:`zeph
 Every file is one atomic write (:func:`zephon_ray.files.write_atomic`: temp file, fsync, rename, fsync of the
 directory on a local disk; one upload on an object store). Each file is its own commit point: a checkpoint is
 whole before it is listed, and ``commits.json`` is replaced whole, so a coordinator killed at any point restarts
-from the last complete checkpoint and commit (tests/test_service_heal.py; on S3, tests/test_s3.py). Checkpoint
+from the last complete checkpoint and commit, on a local disk and in a bucket alike. Checkpoint
 names read: ``step-`` and 8 or more digits (older state_dirs used 8); written: 12 digits, as everywhere else.
 
 Guarantee: a reader never sees a half-written file, and a ``state_dir`` is only ever paired with the recipe
 whose fingerprint it records: :meth:`ServiceState.open` refuses any other recipe before writing anything, except
-the recipe without the phases a running service accepted (:meth:`ServiceState.add_phase`), which it runs with them
-(tests/test_service_state.py::test_add_phase_records_the_phase_and_drops_later_checkpoints). A
+the recipe without the phases a running service accepted (:meth:`ServiceState.add_phase`), which it runs with them. A
 damaged file (not JSON, another format, a malformed commit entry) is one :class:`ServiceStateError` naming the
-file and the entry (tests/test_service_state.py). :func:`inspect` reads a state_dir offline, for
+file and the entry. :func:`inspect` reads a state_dir offline, for
 ``zephon-ray inspect``.
-Bounded (tests/test_service_state.py, benchmarks/bench_service_load.py ``--long``): checkpoints are pruned to the
+Bounded: checkpoints are pruned to the
 newest ``keep_checkpoints`` plus anchors every ``anchor_every`` steps (so any past step is reachable by replaying
 at most ``anchor_every`` steps, recent ones at most K); commits keep the newest per consumer for at most
 ``MAX_CONSUMERS`` consumers and ``MAX_COMMITS`` history entries; ``nearest_checkpoint`` is a bisect over an

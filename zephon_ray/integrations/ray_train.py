@@ -27,25 +27,17 @@ resize, every restart after a failure), with that group's world size; it hands r
 ``DataConfig`` as usual.
 
 Each shard runs the framework-free loader core (:class:`zephon_ray.stream.loader.Loader`): this module imports
-neither TorchTitan nor triton, so a plain Ray Train user installs neither (``tests/test_ray_train_quickstart.py``
-runs ``examples/ray_train_quickstart.py`` with both imports blocked).
+neither TorchTitan nor triton, so a plain Ray Train user installs neither.
 
 Guarantee: rank r of any W in [1, B] yields, for every step s from its ``next_step`` on, rows ``[floor(r*B/W),
 floor((r+1)*B/W))`` of global batch s (B rows), the rows ``GlobalBatchSource(recipe).batch(s)`` holds at those
 positions, cut into ``local_batch_size``-row microbatches ``({"input", "positions"}, labels)`` (padded to equal shapes
 with ``ZephonDataConfig(pad_slices=True)``; :mod:`zephon_ray.stream.geometry`). So an elastic run resumes at whatever
 worker count the cluster has, 56 of 64 included. Scale each rank's summed token loss by ``batch.loss_scale()`` and DDP's
-averaging all-reduce gives the fixed-W gradient at any W. :meth:`ZephonDatasetShard.state_dict` is the loader state
-``{version, run_id, fingerprint, next_step, zephon, replayed_steps, ledger}`` of
-:mod:`zephon_ray.formats.loader_state` (every
-key always present; ``zephon`` is "" in service mode): JSON, identical on every rank, so one copy in a Ray Train
-checkpoint resumes any W with the same global batches. Shown by ``tests/test_ray_train_elastic.py`` (3 -> 5 workers on
-24 rows, and 4 -> 2 -> 3 in the slow set: every step's digest gathered from the ranks' slices equals the committed
-goldens, and every loss the W=1 reference; a worker killed mid-run replays identical steps; a multi-node elastic run
-that loses a node resumes at the odd worker count), ``tests/test_ray_train_quickstart.py`` (the quickstart, 1 -> 2
-workers, final weights equal the in-process reference), ``tests/test_ray_train_inplace_resize.py`` (slow: an elastic 2
--> 4 resize inside one ``fit()``) and ``tests/test_ray_train.py`` (configure at W = 1..12, refusals, save/restore of a
-shard).
+averaging all-reduce gives the fixed-W gradient at any W. :meth:`ZephonDatasetShard.state_dict` is the loader state (layout:
+:mod:`zephon_ray.formats.loader_state`): JSON, identical on every rank, so one copy in a Ray Train checkpoint
+resumes any W with the same global batches: after an elastic resize, inside one ``fit()`` or across fits, after a
+worker is killed, and on a cluster that lost a node.
 
 Limits:
 
@@ -259,8 +251,7 @@ class ZephonDatasetShard:
         checkpoint. ``dp``/``dp_rank``: workers per replica group and this worker's rank in it (Ray's example: each
         worker its own group, 1 and 0). Service mode only (FtSlices' modes; local mode's lanes cannot follow a
         quorum). The ledger is the shard's ``ledger_dir``: call ``commit(step)`` after the optimizer step that
-        ``should_commit()`` allowed and carry ``state_dict()`` in the Manager's state (``examples/ray_train_torchft.py``,
-        ``tests/test_ray_train_torchft.py``). The shard's own fixed-W iteration is not used on this route."""
+        ``should_commit()`` allowed and carry ``state_dict()`` in the Manager's state (``examples/ray_train_torchft.py``). The shard's own fixed-W iteration is not used on this route."""
         from zephon_ray.stream.ft import FtSlices
 
         if self.dataset.mode != "service":

@@ -38,7 +38,7 @@ Limits: the ledger proves which rows were handed to the trainer, and with ``comm
 trained, not that the optimizer applied them. A checkpoint whose weights are older than its loader state is refused
 at load (``Loader.load_state_dict(state, trainer_step=...)``), not found here. Without a reference (no ``--recipe``
 or ``--dataset``) the rows themselves are not checked, only the structure. Of two resumes from the same state the
-newest head is the one reaching furthest (the ledger records no time). Tests: ``tests/test_audit.py``.
+newest head is the one reaching furthest (the ledger records no time).
 """
 
 from __future__ import annotations

@@ -18,8 +18,7 @@ coordination. Cost: B steps of the provenance-mode pipeline, divided over M grou
 than free cores only queue); measured in docs/benchmarks.md ("Provenance and locate", benchmarks/bench_provenance.py).
 
 Guarantee: the hits are exactly the pieces of the record in steps [A, B) that :class:`zephon_ray.provenance.
-ProvenanceSource` names, for any M (tests/test_locate.py checks them against a brute-force scan of the rows for a
-planted record).
+ProvenanceSource` names, for any M: the same as a brute-force scan of the rows.
 
 Steps are data steps (what ``GlobalBatchSource.batch`` and ``show`` take). With ``[[skips]]`` (or a run's recorded
 ones, ``--schedule-from``) :func:`training_step` names the training step that read each, or the skip entry that

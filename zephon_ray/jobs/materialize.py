@@ -12,17 +12,16 @@
 Ray Data runs and scales the work; it never decides batch contents. Each worker is one Zephon rank whose lanes
 are a pure function of (recipe, lane), and the driver files rows by (step, group), never by arrival order.
 
-Guarantee: the rows and digests written for step s equal ``GlobalBatchSource(recipe).batch(s)`` for any M
-(tests/test_materialize.py). A directory only ever grows: committed steps are never rewritten, and a run killed at
+Guarantee: the rows and digests written for step s equal ``GlobalBatchSource(recipe).batch(s)`` for any M.
+A directory only ever grows: committed steps are never rewritten, and a run killed at
 any point leaves the last committed manifest intact; re-running the same command resumes from the newest
-committed checkpoint and leaves the manifest and every segment byte-identical to an uninterrupted run
-(tests/test_materialize.py::test_killed_and_resumed_is_byte_identical). The checkpoint files are resume points,
+committed checkpoint and leaves the manifest and every segment byte-identical to an uninterrupted run. The checkpoint files are resume points,
 not data: Zephon 0.2.0 records its read-ahead in them (cursor positions, chunk indices), which depends on timing,
 so their bytes differ between runs while each restores the same batches; the manifest lists them without a hash. The manifest, segments and checkpoints
 do not record M, so M may change between runs.
 
 DIR may be an object-store URI (``s3://bucket/run7``): the segments, checkpoints and manifest are then one
-upload each, the manifest last, and nothing needs a shared filesystem (tests/test_s3.py).
+upload each, the manifest last, and nothing needs a shared filesystem.
 
 Limits: DIR must be on storage every node of the cluster reaches when M > 1 (the collective Zephon checkpoint
 meets in ``DIR/.work-*``, which Zephon's aggregation reads and writes through its own storage router, an object

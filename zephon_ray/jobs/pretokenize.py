@@ -11,14 +11,12 @@
 The layout and manifest belong to :mod:`zephon_ray.formats.pretokenized`; every file goes through
 :mod:`zephon_ray.files`, so RECIPE's sources and OUT_DIR may each be a local directory or an object-store URI
 (``s3://bucket/tokens``): raw shards are read through Zephon's storage router, token shards are written by the
-actors as one atomic upload each, and the manifest's upload commits the copy
-(tests/test_s3.py::test_pretokenize_s3_to_s3).
+actors as one atomic upload each, and the manifest's upload commits the copy.
 
 Guarantee: the token ids of record i of shard f are exactly the ``input_ids`` Zephon's
 ``decode_text() → tokenize(special_tokens="bos_eos")`` would give record i of f, and every output shard has
 the same records in the same order, so ``OUT_DIR/recipe.toml`` yields global batches with **the same digests**
-as RECIPE (tests/test_pretokenize.py::test_pretokenized_digests_match_raw, for the byte tokenizer and a BPE
-tokenizer). Ray Data only schedules the per-shard work: it never decides batch contents.
+as RECIPE (for the byte tokenizer and a BPE tokenizer alike). Ray Data only schedules the per-shard work: it never decides batch contents.
 
 Limits:
 - A shard is tokenised by one actor in one piece, so a shard must fit in an actor's memory.

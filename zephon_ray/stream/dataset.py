@@ -4,7 +4,7 @@ The prefetch thread (:class:`~zephon_ray.stream.prefetch.PrefetchedSlices`) read
 from a :class:`~zephon_ray.formats.materialized.MaterializedSource` (one Parquet row group each, checked against the
 manifest's digest) ahead of the trainer. No Zephon and no Ray run in the trainer: the source state carries no
 checkpoint (the loader state's ``zephon`` is ""), so a run may switch between dataset, service and local mode at
-any resume, at any W (tests/test_stream_loader.py::test_modes_and_w_change_at_every_resume).
+any resume, at any W.
 
 Limits: only materialised steps can be read; the step after the last one fails with a
 :class:`~zephon_ray.formats.materialized.MaterializedError` naming the range (extend the directory with

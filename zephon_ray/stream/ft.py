@@ -16,8 +16,7 @@ global batch (each group's share changes with P). A step that ``should_commit()`
 does not advance ``current_step()``) and served again; a group that rejoins starts at ``current_step()`` with no data
 checkpoint: the step is the state, and the model comes from a peer, as torchft heals it. Shown by
 ``examples/torchft_churn.py`` (3 replica groups as processes, SIGKILL kills and rejoins: every committed step's global
-digest equals the reference, final weights equal the failure-free run's) and ``tests/test_ft.py`` (one kill and one
-rejoin in the default suite).
+digest equals the reference, final weights equal the failure-free run's).
 
 Ledger (``config.ledger_dir`` and ``run_id``; :class:`~zephon_ray.stream.ledger.FtLedger`): call
 ``slices.commit(step)`` after the optimizer step that ``should_commit()`` allowed, and put ``slices.state_dict()`` in
@@ -26,7 +25,7 @@ the lineage. Only committed steps enter the ledger, one segment per step at its 
 it commits and moved into one batch file per reader every ``ledger_flush_records`` parts or ``ledger_flush_seconds``
 (and at ``close``); a step served again is recorded with its attempt number; an attempt applied though torchft rejected it is recorded as trained twice; a request for
 a step other than the one last served or the one after is one :class:`~zephon_ray.stream.ledger.FtLedgerError`
-line (``tests/test_ft.py``, docs/audit.md).
+line (docs/audit.md).
 
 Prefetch assumes the membership stays as it is: one prefetch thread (:mod:`zephon_ray.stream.prefetch`) reads the
 next ``depth`` steps at the current (rank, world); when the quorum changes the membership, the source for the new
@@ -46,7 +45,7 @@ other than ``"wrap"``, whose pad labels are masked) and loss masks make token co
 groups of their mean gradients (``manager.allreduce``'s default AVG) is biased. Two exact ways: scale each group's
 *summed* token loss by ``batch.loss_scale()`` (``P·dp / N`` for N global valid tokens, which the batch carries:
 the AVG all-reduce then yields the global mean), or backpropagate the summed loss and all-reduce the gradients and
-the valid-token count with ``ReduceOp.SUM`` (:func:`token_weighted`; ``tests/test_ft.py`` shows both).
+the valid-token count with ``ReduceOp.SUM`` (:func:`token_weighted`).
 
 Limits: at most B readers (P·dp <= B); a quorum beyond that, or one whose rows cannot be cut into the trainer's
 microbatches, raises :class:`FtMembershipError`, one line, before the step runs (:func:`supported_participants`;

@@ -15,9 +15,8 @@ rows are cut into trainer microbatches:
 
 Guarantee: when :func:`check_geometry` passes, one optimizer step consumes exactly one global batch (the recipe's B
 real rows, plus padding rows when padded), with the recipe's seq_len. Each mismatch is one
-:class:`TrainerMismatchError` line naming the setting to change. Tests: ``tests/test_geometry.py`` (every W from 1 to
-B), ``tests/test_torchtitan_loader.py``, ``tests/test_torchtitan_overrides.py`` (the config-time checks on
-TorchTitan's ``--override.imports`` route), ``tests/test_stream_loader.py`` (bad numbers).
+:class:`TrainerMismatchError` line naming the setting to change, on every route (the TorchTitan
+``--override.imports`` route checks at config time).
 
 The trainer-facing names (``training.seq_len``, ``training.global_batch_size``) are TorchTitan's, which most
 trainers share; -1 (:data:`TRAINER_DERIVES_GLOBAL_BATCH`) means "local_batch_size x W", as TorchTitan defaults. A

@@ -39,8 +39,7 @@ _COMPACTING = threading.Lock()
 class LedgerRecorder:
     """One reader's records (see the module docstring). Reader 0 also keeps the directory's file count bounded: every
     ``compact_every`` saves (0: never) it compacts the ledger in a background thread, so a long run leaves a few packs
-    and at most ``compact_every`` saves' loose parts, not one file per rank per save
-    (``tests/test_ledger.py::test_reader_zero_compacts_as_the_run_saves``). A compaction that fails is logged and
+    and at most ``compact_every`` saves' loose parts, not one file per rank per save. A compaction that fails is logged and
     tried again at the next interval: the parts it left are still read."""
 
     def __init__(self, *, run_id: str, fingerprint: str, rank: int, world: int, ledger_dir: str | None,

@@ -212,7 +212,7 @@ class StepBatch:
         * ``"sum"``: it sums (TorchTitan 0.3 disables FSDP's division; torchft ``ReduceOp.SUM``): ``1 / N``;
 
         where N is :attr:`global_valid_tokens`. Each rank's own mean loss averaged over ranks ("mean of means") is
-        not the global mean when ranks hold different row counts; this is (``tests/test_uneven_gradients.py``)."""
+        not the global mean when ranks hold different row counts; this is."""
         if reduce not in LOSS_REDUCTIONS:
             raise ValueError(f"loss_scale: reduce must be one of {LOSS_REDUCTIONS}, got {reduce!r}")
         count = self.global_valid_tokens
@@ -387,7 +387,7 @@ class Loader:
             # Ray is attached now, and its own exit hook is registered: atexit runs in reverse order, so this closes
             # the source (its threads and Ray calls) before Ray shuts down. The finalizer alone runs after that hook
             # when it was created first, and a Ray call after ray.shutdown() can crash the process at exit (SIGSEGV
-            # seen with 4 torchrun ranks reading a service; tests/test_torchtitan_parallel.py).
+            # seen with 4 torchrun ranks reading a service).
             atexit.register(self._finalizer)
             self._closes_before_ray = True
         self.recipe = source.recipe  # the service's schedule: ours plus the phases it accepted while running
@@ -407,8 +407,7 @@ class Loader:
           W > 1, at or after the next collective checkpoint (``checkpoint_every`` must be set). At that checkpoint
           the readers check that they agree on the whole schedule: a reader that missed the call, or made another,
           stops every reader with one line (after the checkpoint channel's timeout), before any of them makes a
-          step of the phase; no reader is ever served other rows
-          (``tests/test_phases.py::test_a_phase_added_in_local_mode_on_every_reader``)."""
+          step of the phase; no reader is ever served other rows."""
         mode = self.config.mode
         if mode == "dataset":
             raise ValueError("add_phase: dataset mode reads a materialised directory, whose schedule is fixed; "

@@ -2,7 +2,7 @@
 
 Guarantee: with W dividing L, reader r is lane group r of W, owning lanes [r*L/W, (r+1)*L/W) (Zephon's contiguous
 mapping), and its rows of step s are those lanes' shards in lane order, which is exactly ``GlobalBatch.slice(r, W)``:
-the same rows that the data service and ``zephon-ray digest`` give (``tests/test_stream_loader.py``).
+the same rows that the data service and ``zephon-ray digest`` give.
 
 The prefetch thread runs up to ``depth`` steps ahead. Every ``checkpoint_every`` steps (0: never) it takes a Zephon
 checkpoint at the step boundary b, collective across the W readers when W > 1 (Zephon merges the lanes through the
@@ -125,7 +125,7 @@ class LocalSlices(PrefetchedSlices):
     def _produce(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, self.rank, self.world)
         # With source ids this reader's lane group runs the provenance-mode pipeline: the same rows, with each
-        # token's document (zephon_ray.provenance; tests/test_provenance.py checks its rows against the goldens).
+        # token's document (zephon_ray.provenance).
         stepper = self._stepper = ProvenanceStepper(self.recipe, self.lane_group) if self.source_ids else \
             LaneStepper(self.recipe, self.lane_group)
         # Every reader's checkpoints record every lane's position (so a phase added while running can start from

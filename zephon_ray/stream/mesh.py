@@ -7,8 +7,7 @@ collective Zephon checkpoint has exactly ``dp_world_size`` members; the leader s
 loader state, to its peers over a gloo group of the ranks sharing the dp_rank.
 
 Guarantee: every rank of a dp group gets bit-identical slices and an identical loader state (the peers receive the
-leader's arrays and state; nothing is recomputed). Test: ``tests/test_torchtitan_mesh.py`` (dp=2 x tp=2 on CPU,
-digests equal to the reference, resumed at dp=1 x tp=2).
+leader's arrays and state; nothing is recomputed), also across a resume at another dp.
 
 Limits: building the groups is collective over the whole job (every rank builds its loader at the same point, as
 TorchTitan's Trainer does); so is every step's broadcast and every ``state_dict``, which TorchTitan calls on every

@@ -4,7 +4,7 @@
 close) once. A daemon thread runs the subclass's ``_produce`` generator and hands its slices to :meth:`next`
 through a queue of ``depth`` steps, so ``next`` only waits when production itself is behind. An exception in the
 thread reaches the caller at its next ``next`` (with the original as ``__cause__``), never as a silent hang;
-``next`` checks that the slice is the step it expects. Tests: ``tests/test_stream_prefetch.py``.
+``next`` checks that the slice is the step it expects.
 
 Limits: ``close`` waits at most ``timeout`` for the thread; a thread blocked in a remote call exits when that call
 returns (it is a daemon, so it never holds the interpreter open). Production runs at most ``depth`` steps (plus the

@@ -16,9 +16,7 @@ replays the steps in between); the service and dataset sources keep none (None).
 Implementations (all behind the one prefetch thread of :mod:`zephon_ray.stream.prefetch`):
 :class:`~zephon_ray.stream.local.LocalSlices` (an in-process Zephon lane group),
 :class:`~zephon_ray.stream.service.ServiceSlices` (a DataService) and
-:class:`~zephon_ray.stream.dataset.DatasetSlices` (a materialised directory). Tests:
-``tests/test_stream_prefetch.py`` (the protocol and the thread), ``tests/test_stream_loader.py`` (the three
-sources behind the loader core, with mode and W changes at each resume).
+:class:`~zephon_ray.stream.dataset.DatasetSlices` (a materialised directory).
 
 Limits: a source serves one reader and consecutive steps from where it was reset; to jump, reset it again. The
 state is only defined at a step boundary: the caller asks for it after the slices it took were used.

@@ -6,8 +6,8 @@
 * ``config_registry``: the configs of ``torchtitan.train --module zephon_ray.integrations.torchtitan --config <name>``.
 * ``overrides``: the ``--override.imports`` route onto TorchTitan's own configs.
 * ``trainer_checks``: the trainer's tokenizer against the recipe's (batch geometry: :mod:`zephon_ray.stream.geometry`).
-* ``internals``: the one module that relies on TorchTitan's private internals (``tests/test_torchtitan_internals.py``
-  fails loudly when they change).
+* ``internals``: the one module that relies on TorchTitan's private internals (a fence test of the suite fails
+  loudly when they change).
 
 Outside the wheel: ``examples/torchtitan_cpu.py`` (CPU shims and the ``*_cpu`` configs) and
 ``examples/torchtitan_ray_train.py`` (TorchTitan's Trainer under Ray Train).

@@ -73,7 +73,7 @@ class ZephonTrainer(Trainer):
     that differs, naming both numbers (a checkpoint loaded with ``exclude_from_loading = ["dataloader"]``, or a
     loader state from elsewhere, would skip or repeat steps). TorchTitan loads ``train_state`` and ``dataloader`` as
     separate entries of one DCP load, and the loader holds no reference to the trainer: this override is the public
-    way to join them. Test: ``tests/test_torchtitan_train.py::test_a_checkpoint_whose_loader_state_was_not_loaded_is_refused``."""
+    way to join them."""
 
     Config = ZephonTrainerConfig
 

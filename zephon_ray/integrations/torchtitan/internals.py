@@ -7,7 +7,7 @@ the trainer's global batch, seq_len and tokenizer to check them against the reci
 ``torchtitan.config.override.apply_overrides`` and reads its ``config_root`` local. That is private: a TorchTitan
 that renames the local or applies overrides another way breaks it.
 
-``tests/test_torchtitan_internals.py`` fails loudly when TorchTitan changes under us: it checks the version, runs
+A fence test of the suite fails loudly when TorchTitan changes under us: it checks the version, runs
 this walk through TorchTitan's real ``apply_overrides``, and checks that ``Trainer.__init__`` still builds the data
 loader with exactly the keywords ``ZephonRayDataLoader`` accepts (and the CPU shims' private targets, which live in
 examples/torchtitan_cpu.py, outside the wheel). If the walk finds nothing at run time, the error says so rather

@@ -10,15 +10,11 @@ Guarantee (the core's): dp rank r of any W in [1, B] yields, for every step s, t
 floor((r+1)*B/W))`` of global batch s, padded to equal shapes on every rank when W does not divide B (rows whose labels
 are all ignored: TorchTitan's loss, normalised by the all-reduced valid-token count with gradients summed, is then the
 fixed-dp loss; set ``training.global_batch_size`` to the padded batch the error names, or -1 with ``local_batch_size =
-ceil(B/dp)``), whatever W, mode and resume history (``tests/test_torchtitan_loader.py``,
-``tests/test_torchtitan_train.py`` with the real Trainer). Its ``state_dict`` is the loader state of
-:mod:`zephon_ray.formats.loader_state` (``{version, run_id, fingerprint, next_step, zephon, replayed_steps,
-ledger}``, every key
-always present), identical on every rank, so DCP stores it once and it loads at any W
-(``tests/test_torchtitan_train.py::test_resume_at_another_world``); it works before iteration.
+ceil(B/dp)``), whatever W, mode and resume history. Its ``state_dict`` is the loader state (layout:
+:mod:`zephon_ray.formats.loader_state`), identical on every rank, so DCP stores it once and it loads at any W; it
+works before iteration.
 
-Limits: the build keywords are exactly TorchTitan 0.3.0's (``tests/test_torchtitan_internals.py`` checks them
-against ``Trainer.__init__``); an unknown one is a TypeError naming it, a bad value (``dp_world_size=None``) one
+Limits: the build keywords are exactly TorchTitan 0.3.0's (the ones its ``Trainer.__init__`` passes); an unknown one is a TypeError naming it, a bad value (``dp_world_size=None``) one
 ValueError naming it. TorchTitan counts its checkpoint interval (``snapshot_every_n_steps``) in microbatches of this
 rank; with ``checkpoint_every = 0`` the loader takes its local-mode Zephon checkpoints at that interval.
 TorchTitan never closes its data loader: :meth:`close` runs at garbage collection and interpreter exit.
@@ -54,8 +50,7 @@ class ZephonRayDataLoader(BaseDataLoader):
     class Config(BaseDataLoader.Config):
         """:class:`zephon_ray.stream.loader.LoaderConfig`'s fields, types, defaults and docs, plus TorchTitan's.
         Declared, so that type checkers and TorchTitan's CLI (tyro) read it as written;
-        ``tests/test_torchtitan_loader.py::test_the_torchtitan_config_declares_every_loader_config_field`` fails when
-        it and LoaderConfig differ beyond the fields marked "TorchTitan:"."""
+        a test fails when it and LoaderConfig differ beyond the fields marked "TorchTitan:"."""
 
         recipe: str = ""
         """TorchTitan: path to the recipe TOML (or a packaged recipe's name, e.g. "tiny"); required (the empty
@@ -242,7 +237,7 @@ class ZephonRayDataLoader(BaseDataLoader):
         ``load_state_dict`` are then FtSlices' (the ledger head; a healing group receives it). Service or dataset
         mode only. With ``ledger_dir``, a step enters the ledger when the trainer calls :meth:`ft_applied`:
         :class:`~zephon_ray.integrations.torchtitan.torchft.ZephonFTTrainer` does, after every optimizer step that
-        torchft's ``should_commit()`` let through (``tests/test_torchtitan_torchft.py``)."""
+        torchft's ``should_commit()`` let through."""
         from zephon_ray.stream.ft import FtSlices
 
         size = check_int("use_torchft: group_size", group_size, low=1)
@@ -270,7 +265,7 @@ class ZephonRayDataLoader(BaseDataLoader):
             for i, (inputs, labels) in enumerate(batch.microbatches):
                 self._partial = 0 if i + 1 == n else i + 1
                 # TorchTitan 0.3 passes every key of the dict to model.forward, whose Decoder takes only tokens,
-                # positions and attention_masks (tests/test_torchtitan_internals.py): the ids wait in a queue.
+                # positions and attention_masks: the ids wait in a queue.
                 ids = inputs.pop("source_ids", None)
                 if ids is not None:
                     self._source_ids.append(ids)

@@ -8,7 +8,7 @@ The factory replaces the trainer's ``dataloader`` node only (not a validator's).
 :func:`zephon_checkpoint`, replaces the stock checkpoint manager by :class:`ZephonCheckpointManager`, which hands the
 restored ``train_state`` step to the loader: a resume whose weights and loader state are from different steps (a
 checkpoint loaded with ``--checkpoint.exclude_from_loading dataloader``, say) then stops before its first batch,
-naming both (``tests/test_torchtitan_overrides.py``). List both for the check; with the loader alone, the loader
+naming both. List both for the check; with the loader alone, the loader
 warns once at its first batch that nothing checks it::
 
     --override.imports 'zephon_ray.integrations.torchtitan.overrides.zephon_dataloader={"recipe": "tiny"}' \
@@ -22,8 +22,7 @@ checks there, before any model is built: ``training.seq_len`` and ``training.glo
 recipe (-1, TorchTitan's default, is checked against ``local_batch_size x dp`` when the loader is built), and the
 tokenizer that TorchTitan will build from ``hf_assets_path`` against the recipe's. It copies the global batch
 into the loader config, whose build checks the whole geometry again with the dp degree. Each mismatch is one
-:class:`~zephon_ray.integrations.torchtitan.trainer_checks.TrainerMismatchError` line. Tests:
-``tests/test_torchtitan_overrides.py``.
+:class:`~zephon_ray.integrations.torchtitan.trainer_checks.TrainerMismatchError` line.
 
 Limits: the trainer config is found by walking up to TorchTitan 0.3.0's ``apply_overrides`` frame, TorchTitan's
 private internals fenced in :mod:`zephon_ray.integrations.torchtitan.internals`; if a future TorchTitan applies

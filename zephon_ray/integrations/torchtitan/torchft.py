@@ -25,7 +25,7 @@ Usage: a ``ZephonFTTrainer.Config`` (a ``FaultTolerantTrainer.Config``) with ``f
 ``TorchFTOptimizersContainer`` and ``TorchFTCheckpointManager`` configs (``checkpoint.enable``: it registers the heal
 state), and ``ZephonRayDataLoader.Config(mode="service" | "dataset", run_id=..., ledger_dir=...)``; ``config.build()``
 makes this trainer. ``examples/torchtitan_torchft.py`` is a complete CPU run (``zephon_ft_cpu``) with kills and
-rejoins; ``tests/test_torchtitan_torchft.py`` audits one.
+rejoins whose ledger audits clean.
 
 Guarantee: every step a group's optimizer applied is in the ledger with the digest of the rows it read, and nothing
 else is; a churn (groups SIGKILLed in a step and restarted) audits clean (``zephon-ray audit``).

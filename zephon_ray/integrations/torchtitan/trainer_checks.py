@@ -7,9 +7,7 @@ route) and, for the ``--override.imports`` route, again when the override is app
 :mod:`zephon_ray.integrations.torchtitan.overrides`), so a mismatch fails before any model is built.
 
 Guarantee: when it passes, the trainer's tokenizer maps text to the same ids as the recipe's (same vocab size, same
-BOS/EOS (and PAD where the trainer's tokenizer defines one), and the same ids for a fixed probe text). Tests:
-``tests/test_torchtitan_overrides.py`` (``test_wrong_tokenizer_is_one_line``,
-``test_wrong_tokenizer_rejected_by_the_loader_build_on_any_route``).
+BOS/EOS (and PAD where the trainer's tokenizer defines one), and the same ids for a fixed probe text).
 
 Limits: the probe is one short text, so two tokenizers that differ only on rare strings pass it (the vocab size
 and special ids still have to match). A tokenizer object with no ``get_vocab_size`` is refused.
