@@ -108,6 +108,7 @@ def test_validate_rejects_a_bad_recipe_in_one_line(capsys, tmp_path):
     assert "building step 0 failed" in err and "'body'" in err and str(unbuildable) in err
 
 
+# Proves plots.py: `zephon-ray show --plot FILE` writes the PNG.
 def test_show_plot_writes_a_png(capsys, tmp_path, tiny_recipe, reference_digests):
     from zephon_ray import GlobalBatchSource
     from zephon_ray.plots import batch_summary

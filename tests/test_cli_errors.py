@@ -37,6 +37,7 @@ def _run(capsys, exc: BaseException) -> tuple[int, str, str]:
     (ReplyTimeoutError("service 'run7': no reply in time"), "service 'run7': no reply in time"),
     (ConnectionError("Could not find any running Ray instance."), "Could not find any running Ray instance."),
 ])
+# Proves cli/errors.py: a user error is one line on stderr and exit 2.
 def test_user_errors_are_one_line_and_exit_2(capsys, exc, line):
     code, out, err = _run(capsys, exc)
     assert (code, out, err) == (USER_ERROR_EXIT, "", f"zephon-ray: error: {line}\n")
@@ -44,6 +45,7 @@ def test_user_errors_are_one_line_and_exit_2(capsys, exc, line):
 
 @pytest.mark.parametrize("exc", [KeyError("a bug"), RuntimeError("a bug"), AttributeError("a bug"),
                                  PermissionError(13, "Permission denied", "/x"), OSError("disk on fire")])
+# Proves cli/errors.py: anything but a user or worker error keeps its traceback (exit 1).
 def test_other_errors_keep_their_traceback(capsys, exc):
     with pytest.raises(type(exc)):
         run_command(_raising(exc), None)
@@ -71,6 +73,7 @@ class _FakeRayTaskError(RuntimeError):
         self.cause = cause
 
 
+# Proves cli/errors.py: a worker-side error prints as its cause's last line, never the workers' traceback.
 def test_a_worker_error_is_its_cause_in_one_line(capsys):
     code, out, err = _run(capsys, _FakeRayTaskError(KeyError("shard 3")))
     assert (code, out) == (USER_ERROR_EXIT, "") and err.count("\n") == 1, err

@@ -49,6 +49,7 @@ def test_parquet_and_jsonl_copies_give_the_same_batches(tmp_path):
     assert digests["jsonl"] == digests["parquet"]
 
 
+# Proves corpus.py: a bad OUT_DIR is one UserInputError naming it, before any work.
 def test_bad_out_dir_is_one_error_and_writes_nothing(tmp_path):
     full = tmp_path / "full"
     full.mkdir()

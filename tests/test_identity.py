@@ -151,6 +151,7 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
+# Proves identity.py: the shard listing is what Zephon's discover() lists, on every layout.
 def test_listing_agrees_with_zephon_discovery(tmp_path, layout):
     from zephon._internal.io.formats import ensure_builtin_formats
     from zephon._internal.io.formats.base import get_format
@@ -182,6 +183,7 @@ def test_parquet_listing_agrees_with_zephon_discovery(tmp_path):
     assert Dataset.from_path("pq", str(directory), fmt="parquet").shard_count() == 2
 
 
+# Proves hash_cache.py: a rewrite in place with its size and mtime restored is still rehashed.
 def test_hash_cache_is_used_and_never_trusted_blindly(tmp_path):
     data, _ = copy_fixture(tmp_path)
     prose = data / "prose"

@@ -115,6 +115,7 @@ def test_a_missing_key_a_missing_file_and_a_mixed_segment_are_named(tmp_path):
         ledger.read_segment(tmp_path, part["segment"])
 
 
+# Proves formats/loader_state.py: the state's `ledger` key names the segment that ends at next_step.
 def test_the_loader_state_carries_a_valid_ledger_head():
     from zephon_ray.formats.loader_state import LoaderStateError, check_state, make_state
 

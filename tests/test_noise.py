@@ -91,6 +91,7 @@ def test_torchft_info_is_quiet_by_default_and_rust_log_wins():
     assert "[INFO] [torchft::lighthouse]" in _lighthouse_stderr("info")
 
 
+# Proves progress.py: with the step bar on, stdout stays the command's output byte for byte.
 def test_step_bar_keeps_stdout_unchanged(capsys):
     from zephon_ray.progress import note, step_bar
 

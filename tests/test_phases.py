@@ -193,6 +193,7 @@ def test_a_source_joins_later_with_weight_zero(tmp_path):
     assert sum(b.source_tokens["code"] for b in batches[3:]) > 0
 
 
+# Proves lanes.py: across a phase boundary step s stays a pure function of (recipe, s), in any order, through restores.
 def test_random_access_and_restores_across_the_boundary():
     recipe = Recipe.from_toml(PHASED)
     stepper = LaneStepper(recipe)

@@ -48,6 +48,7 @@ def files_of(directory: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+# Proves jobs/pretokenize.py: the pre-tokenised copy's recipe gives the raw recipe's digests.
 def test_pretokenized_digests_match_raw(pretokenized, tokenizer):
     from zephon_ray import GlobalBatchSource, Recipe
 

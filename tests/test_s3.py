@@ -251,6 +251,7 @@ def materialized_s3(ray_cluster, s3, remote_recipe):
     return out
 
 
+# Proves formats/materialized.py: a directory in a bucket commits, extends and reads back as a local one does.
 def test_materialize_to_s3_extend_and_read_back(s3, bucket, materialized_s3, reference_digests, tiny_recipe,
                                                 capsys):
     from zephon_ray import MaterializedSource

@@ -77,6 +77,7 @@ def _main(capsys, *args):
     return code, out.out, out.err
 
 
+# Proves cli/service.py: `serve` has one flag per ServiceConfig field.
 def test_serve_has_a_flag_for_every_service_config_field():
     import dataclasses
     import typing

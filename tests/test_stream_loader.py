@@ -92,6 +92,7 @@ def _segment(config, world: int, state: dict | None, steps: int) -> tuple[list, 
     return [list(step) for step in zip(*slices)], states
 
 
+# Proves stream/loader.py: the same rows in every mode, with mode and W changing at every resume.
 def test_modes_and_w_change_at_every_resume(sources, reference_digests):
     state = None
     seen: list[tuple[int, str, int]] = []
@@ -148,6 +149,7 @@ def test_bad_reader_numbers_are_one_line(kw, message):
     (lambda s: s.update(zephon="[1]"), "key 'zephon' must hold a JSON object"),
     (lambda s: s.update(zephon=None), "key 'zephon' must be a JSON string"),
 ])
+# Proves formats/loader_state.py: a missing, extra or bad key is one line naming the key.
 def test_bad_loader_states_are_one_line_naming_the_key(change, message):
     from zephon_ray.formats.loader_state import LoaderStateError
 

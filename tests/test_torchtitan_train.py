@@ -96,6 +96,7 @@ def test_reference_run_matches_its_committed_losses_and_digests(tmp_path, refere
 
 
 @pytest.mark.parametrize("w1,w2", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])  # 1 -> 2: ~22 s duplicate
+# Proves integrations/torchtitan/loader.py: the loader state DCP saved loads at another dp.
 def test_resume_at_another_world(tmp_path, reference_digests, w1, w2):
     first = torchtitan(w1, 2, tmp_path / "dump", tmp_path / "record", checkpoint=True)
     assert (tmp_path / "dump" / "checkpoint" / "step-2").is_dir()
