@@ -2,6 +2,10 @@
 
 Global batch s is a pure function of (recipe, s): it does not depend on how many trainer ranks read it, how
 many producers computed it, or how often anything was killed and resumed in between.
+
+Usage: ``GlobalBatchSource(Recipe.from_toml("tiny")).batch(s)`` in-process, ``DataService.start(...)`` /
+``DataService.connect(...)`` for the Ray service; the trainer integrations live in :mod:`zephon_ray.integrations`.
+Limits of the guarantee (the same environment; L fixed for the life of a run): docs/limits.md.
 """
 
 from zephon_ray.batch import GlobalBatch, RankSlice, compute_digest

@@ -14,6 +14,13 @@ The digest (format ``v1``) is the hex sha256 of::
 It covers the rows only: not the step number, not the recipe. Two steps that happen to hold the same rows
 have the same digest. :func:`compute_digest` is the reference implementation of the formula above; anyone can
 recompute it from the rows with their own code.
+
+Usage: ``batch.slice(rank, world)`` is reader r's :class:`RankSlice`, rows ``[floor(r*B/W), floor((r+1)*B/W))``
+(:func:`slice_bounds`); ``slice.microbatches(local_batch_size)`` cuts it into trainer microbatches.
+
+Guarantee: concatenating every reader's slice in rank order gives the global batch, for any W in [1, B]; a slice's
+arrays are read-only and nothing else writes them. Limits: W > B is refused (a reader would get no rows); a slice
+cut from lanes concatenates them (a copy) when the reader's rows span several lanes.
 """
 
 from __future__ import annotations

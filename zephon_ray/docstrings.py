@@ -1,8 +1,8 @@
 """Field docstrings of a dataclass, read from its source.
 
 This codebase documents a config's fields with the string literal after each annotated field (PEP 257 attribute
-docstrings). :func:`attribute_docs` reads them back, so that command-line help says what the code says, from one
-place. Limits: without the ``.py`` source (a bytecode-only install) it returns {} and help falls back to the names.
+docstrings). ``attribute_docs(ServiceConfig)`` reads them back as ``{field: text}``, so that command-line help says
+what the code says, from one place. Limits: without the ``.py`` source (a bytecode-only install) it returns {} and help falls back to the names.
 """
 
 from __future__ import annotations

@@ -6,7 +6,10 @@ what is wrong (the flag, the path, the number). ``zephon-ray`` prints it as one 
 exits 2. It is a ``ValueError``, so callers that catch the library's validation errors (all
 ``ValueError`` subclasses: ``RecipeError``, ``MaterializedError``, ...) catch it too.
 
-What is *not* a user-input error keeps its traceback: an ``OSError`` from a path is turned into one only where the
+Usage: ``raise UserInputError(f"--steps must be A:B, got {text!r}")``; ``with best_effort(log, "removing the temp
+dir"): ...`` for clean-up that must not mask the error being handled.
+
+Limits: what is *not* a user-input error keeps its traceback: an ``OSError`` from a path is turned into one only where the
 path came from the user (``corpus OUT_DIR``, ``show --plot FILE``), never by catching every exception.
 """
 

@@ -5,7 +5,7 @@ or ``~/.cache/zephon-ray``), written atomically (:func:`zephon_ray.files.write_a
 the node's local disk, whatever storage the data is on; object-store shards are never cached here (their identity
 is the store's ETag; ``--verify-content`` rehashes them every time).
 
-An entry is trusted only while the file's (size, mtime_ns, ctime_ns, inode, device) are all unchanged. Rewriting
+Guarantee: an entry is trusted only while the file's (size, mtime_ns, ctime_ns, inode, device) are all unchanged. Rewriting
 a file changes its ctime, which no user call can set back, so a rewrite in place at the same size with its mtime
 restored is still rehashed. Files
 changed within the last :data:`RACY_WINDOW_S` seconds are hashed but not cached, because file timestamps tick

@@ -1,8 +1,12 @@
 """Build the Zephon pipeline that a recipe describes, for one lane group.
 
-Every producer, every in-process source and every local-mode reader builds its pipeline here, so a lane's
+Usage: the steppers (:mod:`zephon_ray.lanes`) build through it; nothing else builds a Zephon pipeline.
+
+Guarantee: every producer, every in-process source and every local-mode reader builds its pipeline here, so a lane's
 microbatch sequence is the same function of the recipe everywhere. Only the lane group (:class:`LaneGroup`)
-varies, and by Zephon's design it changes which lanes a pipeline owns, never what a lane contains.
+varies, and by Zephon's design it changes which lanes a pipeline owns, never what a lane contains. Limits: the
+tokenizer is always one of :mod:`zephon_ray.tokenizers` (Zephon's hash fallback is unreachable), and L is fixed by
+the recipe for the life of a run.
 """
 
 from __future__ import annotations

@@ -7,9 +7,10 @@ A *document piece* is a run of tokens whose positions count up from 0 inside one
 every document start, so the pieces are what attention sees. Limit: a document that wraps over a row boundary
 appears as two pieces, and a piece that started in an earlier step is counted from its first token in this batch.
 Packing efficiency is the share of non-pad tokens; ``wrap`` packing never pads, so it is 1.0 there.
-A path that cannot take the PNG (a directory, a
-missing or read-only parent) is one :class:`~zephon_ray.errors.UserInputError` from :func:`check_plot_path`, before
-any work (``test_bad_input_is_one_line_naming_it``); the PNG is written whole or not at all.
+
+Guarantee: the PNG is written whole or not at all; a path that cannot take it (a directory, a missing or read-only
+parent) is one :class:`~zephon_ray.errors.UserInputError` from :func:`check_plot_path`, before any work.
+Limits: needs matplotlib (the ``plots`` extra).
 """
 
 from __future__ import annotations

@@ -5,6 +5,9 @@
 * :func:`step_bar` is a tqdm bar on stderr over a command's steps; each result line goes to stdout through the
   bar (``tqdm.write``), so the two never garble each other. tqdm shows the bar only when stderr is a terminal
   (``disable=None``): a pipe or a log file gets the notes and the unchanged stdout lines, no carriage returns.
+
+Usage: ``note("starting Ray")``; ``with step_bar(n, "digest") as emit: emit(line)`` per result line. Limits: a
+command that prints to stdout by other means inside a bar garbles it on a terminal.
 """
 
 from __future__ import annotations

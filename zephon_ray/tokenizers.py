@@ -5,9 +5,15 @@ processes, when it is given no tokenizer. Every pipeline in zephon-ray is built 
 :func:`build_tokenizer`, which only returns one of the two deterministic tokenizers below and raises for
 anything else, so that fallback is unreachable.
 
-Both are picklable, importable objects with the HF-like call Zephon expects:
+Usage: a recipe's ``tokenizer`` is ``"bytes"`` (:class:`ByteTokenizer`) or a path to a HF ``tokenizer.json``
+(:class:`TokenizerFile`); ``build_tokenizer(spec)`` builds it and ``tokenizer_identity(spec)`` is its content hash
+for the fingerprint. Both are picklable, importable objects with the HF-like call Zephon expects:
 ``tok(texts, add_special_tokens=False, ...) -> {"input_ids": [np.ndarray, ...]}`` plus
 ``bos_token_id``, ``eos_token_id``, ``pad_token_id`` and ``name_or_path``.
+
+Guarantee: the same text gives the same ids in every process. Limits: only these two kinds; a ``tokenizer.json``
+needs BOS, EOS and PAD tokens (named in a ``tokenizer_config.json`` beside it, else ``<|bos|>``, ``<|eos|>``,
+``<|pad|>`` in its vocab).
 """
 
 from __future__ import annotations

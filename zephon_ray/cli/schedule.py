@@ -1,6 +1,11 @@
 """The run's schedule on the command line: ``--schedule-from STATE`` (a loader state or a service ``state_dir``)
 adds the mixture phases and skips a run recorded while it trained to the recipe file's. Shared by the data and the
-service commands."""
+service commands.
+
+Usage: ``recipe = load_recipe(args)`` in a command that takes ``RECIPE`` and ``--schedule-from``. Guarantee: the
+recipe is the one the run trained on, so digests, ``show`` and ``locate`` name the run's own steps. Limits: a phase
+that contradicts the recipe file is one line naming both; the recipe file itself must be the run's.
+"""
 
 from __future__ import annotations
 

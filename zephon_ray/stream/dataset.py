@@ -2,7 +2,7 @@
 
 The prefetch thread (:class:`~zephon_ray.stream.prefetch.PrefetchedSlices`) reads steps ``s, s+1, ...``
 from a :class:`~zephon_ray.formats.materialized.MaterializedSource` (one Parquet row group each, checked against the
-manifest's digest) ahead of the trainer. No Zephon and no Ray run in the trainer: the source state carries no
+manifest's digest) ahead of the trainer. Guarantee: the rows are the recipe's, or an error. No Zephon and no Ray run in the trainer: the source state carries no
 checkpoint (the loader state's ``zephon`` is ""), so a run may switch between dataset, service and local mode at
 any resume, at any W.
 

@@ -1,6 +1,7 @@
 """The one prefetch implementation behind every slice source: a daemon thread and a bounded queue.
 
-:class:`PrefetchedSlices` implements the protocol of :mod:`zephon_ray.stream.protocol` (reset / next / state /
+Usage: a source subclasses :class:`PrefetchedSlices` and writes ``_produce`` (a generator of slices from a step).
+Guarantee: :class:`PrefetchedSlices` implements the protocol of :mod:`zephon_ray.stream.protocol` (reset / next / state /
 close) once. A daemon thread runs the subclass's ``_produce`` generator and hands its slices to :meth:`next`
 through a queue of ``depth`` steps, so ``next`` only waits when production itself is behind. An exception in the
 thread reaches the caller at its next ``next`` (with the original as ``__cause__``), never as a silent hang;

@@ -5,7 +5,8 @@ The prefetch thread asks the service for steps ``s .. s+depth-1`` ahead of the t
 queue, so ``next`` only waits when the service itself is behind. The slice arrays are copied out of the Ray
 object store in that thread (they are read-only, zero-copy views there).
 
-Read-ahead does not move this consumer's cursor on the service (``track=False``); the cursor moves when the
+Guarantee: the rows are the service's global batch s, the same as every other mode's. Read-ahead does not move this
+consumer's cursor on the service (``track=False``); the cursor moves when the
 trainer actually takes a step. The service's window therefore trails what the trainer consumed, not what was
 prefetched, so a resume from the last checkpoint finds its steps still in the live window.
 

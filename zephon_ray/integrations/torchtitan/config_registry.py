@@ -18,6 +18,9 @@ TorchTitan fields it sets):
 On a CPU-only torch (tests, examples) use ``--module examples.torchtitan_cpu --config
 zephon_llama3_debugmodel_cpu`` from the repository root (``PYTHONPATH=.``): it installs the CPU shims and uses DDP
 over gloo, and is not part of the wheel.
+
+Limits: the configs are TorchTitan 0.3.0's llama3 debug model with the loader swapped in; another model takes the
+``--override.imports`` route (:mod:`zephon_ray.integrations.torchtitan.overrides`).
 """
 
 from __future__ import annotations

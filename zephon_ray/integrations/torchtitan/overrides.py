@@ -8,12 +8,13 @@ The factory replaces the trainer's ``dataloader`` node only (not a validator's).
 :func:`zephon_checkpoint`, replaces the stock checkpoint manager by :class:`ZephonCheckpointManager`, which hands the
 restored ``train_state`` step to the loader: a resume whose weights and loader state are from different steps (a
 checkpoint loaded with ``--checkpoint.exclude_from_loading dataloader``, say) then stops before its first batch,
-naming both. List both for the check; with the loader alone, the loader
-warns once at its first batch that nothing checks it::
+naming both. List both for the check; with the loader alone, the loader warns once at its first batch that
+nothing checks it::
 
     --override.imports 'zephon_ray.integrations.torchtitan.overrides.zephon_dataloader={"recipe": "tiny"}' \
-        zephon_ray.integrations.torchtitan.overrides.zephon_checkpoint Keyword arguments (the JSON
-object) are :class:`ZephonRayDataLoader.Config` fields; unset ones come from the same environment variables as
+        zephon_ray.integrations.torchtitan.overrides.zephon_checkpoint
+
+Keyword arguments (the JSON object) are :class:`ZephonRayDataLoader.Config` fields; unset ones come from the same environment variables as
 the config registry (``ZEPHON_RAY_RECIPE``, ``ZEPHON_RAY_MODE``, ``ZEPHON_RAY_RUN_ID``, ...).
 
 TorchTitan hands an override factory only the node it replaces, and never passes its global batch to the loader.
