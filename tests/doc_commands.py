@@ -4,7 +4,8 @@
 docs/*.md, examples/README.md and service/README.md, in document order: a logical line (``\\`` continuations
 joined), its trailing ``  # comment`` dropped; in a console block only the ``$ `` lines. Every fence must name
 its language (tests/test_docs_run.py::test_every_fence_names_its_language), so a command cannot hide in an
-unlabeled block.
+unlabeled block. ``inline_commands()`` extracts the commands pages name inline, outside those blocks (a figure's
+benchmark command); tests/test_docs.py parses each without running it (tests/doc_parse_check.py).
 
 ``as_run_here(command, ctx)`` is the command a test runs. It changes only what would reach outside the test:
 
@@ -140,3 +141,31 @@ def run_in_order(cmds: list[DocCommand], here: Here, env: dict, timeout: float) 
     assert done.returncode == 0, (f"{cmds[last] if last >= 0 else 'the script'} exited {done.returncode}:\n"
                                   f"{outs.get(last, '')[-3000:]}\n{done.stderr[-3000:]}")
     return [(c, outs.get(i, "")) for i, c in enumerate(cmds)]
+
+
+INLINE_RE = re.compile(r"`([^`\n]+)`")
+INLINE_START = re.compile(r"^(zephon-ray|python (?:benchmarks|examples)/\w+\.py|\w+\.py)(?=\s|$)")
+
+
+def inline_commands(docs=DOCS) -> list[DocCommand]:
+    """The commands that pages name inline, outside fenced blocks: `zephon-ray ...`, `python benchmarks/x.py ...`,
+    `python examples/x.py ...`, and a page's shorthand `bench_x.py ...` for a script of benchmarks/ (or examples/);
+    each part of an ``&&`` chain separately. A span that is only a command's name (`zephon-ray audit`) is one too."""
+    found = []
+    for doc in docs:
+        text = doc.read_text()
+        prose = FENCE_RE.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+        for m in INLINE_RE.finditer(prose):
+            for part in m.group(1).split("&&"):
+                part = " ".join(part.split())
+                head = INLINE_START.match(part)
+                if not head:
+                    continue
+                if head.group(1).endswith(".py") and not head.group(1).startswith("python "):
+                    script = next((f"{d}/{head.group(1)}" for d in ("benchmarks", "examples")
+                                   if (ROOT / d / head.group(1)).is_file()), None)
+                    if script is None:
+                        continue  # a module's file name (`node.py`), not a script
+                    part = f"python {script}{part[head.end():]}"
+                found.append(DocCommand(str(doc.relative_to(ROOT)), prose.count("\n", 0, m.start()) + 1, part))
+    return found

@@ -4,13 +4,15 @@
 - Every test, benchmark or example cited as evidence (down to ``file.py::test_name``) exists, in those documents and
   in every module docstring of the package.
 - Every command the README shows parses: each ``zephon-ray <subcommand>`` and ``python <script>`` answers
-  ``--help``, each ``make <target>`` is a target of the Makefile. Running every doc command as written, or saying
+  ``--help``, each ``make <target>`` is a target of the Makefile.
+- Every command a page names inline (a figure's benchmark command, `zephon-ray bench RECIPE`) parses as written. Running every doc command as written, or saying
   why it cannot run here, is tests/test_docs_run.py's job.
 """
 
 from __future__ import annotations
 
 import ast
+import json
 import os
 import re
 import shlex
@@ -123,3 +125,45 @@ def test_every_readme_command_runs(argv):
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, f"{' '.join(argv)} --help exited {done.returncode}: {done.stderr[-500:]}"
     assert "usage" in done.stdout.lower(), done.stdout[:300]
+
+
+PLACEHOLDER_RE = re.compile(r"^[A-Z][A-Z0-9_]*(?::[A-Z][A-Z0-9_]*)?$")  # RECIPE, DIR, S, A:N, STATE_DIR
+
+
+def test_inline_doc_commands_parse():
+    """Every command a page names inline (`zephon-ray bench RECIPE`, a benchmark's `python benchmarks/x.py --rounds
+    2`, a page's shorthand `bench_x.py --parts calls`) parses as written: its subcommand, flags and values, without
+    running it (tests/doc_parse_check.py). Running the fenced commands is tests/test_docs_run.py's job; these name
+    measurements that take minutes to hours.
+
+    Accepted as written: a span that names a command or one of its flags without the rest (``zephon-ray audit``,
+    ``zephon-ray serve --materialized-dir DIR``: only required arguments missing), a placeholder in capitals in a
+    value's place (``--step S``), and an elided span (``...``). A script that does not use argparse only has to
+    exist."""
+    import doc_commands
+
+    argvs, missing, where = [], [], {}
+    for command in doc_commands.inline_commands():
+        if "..." in command.text:
+            continue
+        argv = shlex.split(command.text)
+        if argv[0] == "python":
+            script = ROOT / argv[1]
+            if not script.is_file():
+                missing.append(f"{command}: no such script")
+                continue
+            if "ArgumentParser" not in script.read_text():
+                continue
+        argvs.append(argv)
+        where.setdefault(" ".join(argv), command)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "doc_parse_check.py")], input=json.dumps(argvs),
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    failed = []
+    for text, error in json.loads(done.stdout).items():
+        placeholders = [t for t in shlex.split(text) if PLACEHOLDER_RE.match(t)]
+        if "the following arguments are required" in error or any(f"'{p}'" in error for p in placeholders):
+            continue
+        failed.append(f"{where[text]}: {error}")
+    assert not missing + failed, missing + failed
