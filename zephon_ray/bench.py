@@ -14,8 +14,8 @@ next N steps, and reports service/local as the median of the per-round ratios: b
 the same recipe, one whole global batch at a time, so the ratio compares like with like. One bias remains, and it
 favours the service: its producers keep working up to ``window`` (8) steps ahead while the local side is timed, so
 each service round may start with up to 8 steps ready; keep N well above 8 (the default is 32).
-The digest of the last step read is printed with the numbers, so a run can be checked against
-``zephon-ray digest``.
+Guarantee: the digest of the last step read is printed with the numbers, so a run can be checked against
+``zephon-ray digest``: the reads are of the real batches.
 
 Limits: one reader on one node, the producer side only (no training step); a loaded machine gives a lower bound.
 p99 of fewer than 100 steps is the largest latency seen. Numbers are for comparing on one machine, not absolutes.

@@ -1,7 +1,9 @@
 """The recipe, batch, dataset and job commands of ``zephon-ray``: digest, show, corpus, bench, validate,
 fingerprint, audit, ledger compact, inspect, pretokenize, materialize (``digest --via service`` is in service.py).
 
-Each command returns its exit code or raises; bad input raises :class:`~zephon_ray.errors.UserInputError` (or a
+Usage: :func:`zephon_ray.cli.build_parser` registers them (``add_batch_commands``, ``add_recipe_commands``,
+``add_job_commands``); ``zephon-ray <command> --help`` lists each one's flags. Guarantee: ``digest`` prints the same
+``step <s> <sha256>`` lines whichever path serves the steps. Limits: each command returns its exit code or raises; bad input raises :class:`~zephon_ray.errors.UserInputError` (or a
 library ``ValueError``) naming the flag, path or value at fault, and ``main`` prints it as one line, exit 2
 (errors.py).
 """

@@ -13,7 +13,7 @@ Storage settings reach the actors these commands start: ``ray_session`` (service
 settings; never a secret, a profile name or a local path), so a cluster started before the exports still sees the
 endpoint. Credentials come from the nodes themselves.
 
-Errors: the commands raise (a ``ServiceError`` such as "no service of that name", a ``ValueError`` for a bad count,
+Limits: ``serve`` needs a running cluster (it starts none); errors: the commands raise (a ``ServiceError`` such as "no service of that name", a ``ValueError`` for a bad count,
 weight or phase, a ``ConnectionError`` for an unreachable cluster) and ``main`` reports each as one line, exit 2
 (errors.py; a worker-side storage failure as one line naming the object and the likely cause).
 """

@@ -1,6 +1,9 @@
 """``zephon-ray audit``: from a checkpoint's ledger segment back to step 0, was every step trained exactly once, on
 the recipe's rows, split consistently across the ranks?
 
+Usage: ``zephon-ray audit CHECKPOINT_OR_LEDGER [--recipe R]``, or ``audit(ledger_dir, head, reference=...)`` for an
+:class:`AuditReport`.
+
 :func:`audit` reads the ledger once, streaming (:func:`zephon_ray.formats.ledger.scan`: loose parts, torchft
 batches and spools, compacted packs), follows ``parent`` links from the head segment (the one a loader state names,
 or the newest head of a ledger directory) and reports one :class:`Finding` per step and kind:
