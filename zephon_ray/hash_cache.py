@@ -1,7 +1,7 @@
 """The per-node sha256 cache of local shard files: hash each file once per node, then trust a stat key.
 
 One small JSON manifest per source directory under ``$ZEPHON_RAY_CACHE_DIR`` (default ``$XDG_CACHE_HOME/zephon-ray``
-or ``~/.cache/zephon-ray``), written atomically (:func:`zephon_ray.files.write_atomic`). The cache always stays on
+or ``~/.cache/zephon-ray``), written atomically (:func:`zephon_ray.storage.write_atomic`). The cache always stays on
 the node's local disk, whatever storage the data is on; object-store shards are never cached here (their identity
 is the store's ETag; ``--verify-content`` rehashes them every time).
 
@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from zephon_ray import files
+from zephon_ray import storage
 
 logger = logging.getLogger(__name__)
 
@@ -102,14 +102,14 @@ def _load_manifest(path: Path) -> dict[str, list]:
 def _write_manifest(path: Path, directory: str, entries: dict[str, list]) -> None:
     """Atomic replace; a cache that cannot be written only costs a rehash next time."""
     try:
-        files.write_json(str(path), {"format": CACHE_FORMAT, "dir": directory, "files": entries}, compact=True)
+        storage.write_json(str(path), {"format": CACHE_FORMAT, "dir": directory, "files": entries}, compact=True)
     except OSError as exc:
         logger.warning("zephon-ray: cannot write the shard hash cache %s (%s); shards will be rehashed", path, exc)
 
 
 def _sha256_checked(path: str) -> str:
     try:
-        return files.sha256_file(path)
+        return storage.sha256_file(path)
     except OSError as exc:
         raise UnreadableShardError(f"shard {path} cannot be read ({exc.strerror or exc})") from None
 

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 from importlib import metadata
 from typing import Any, Sequence
 
-from zephon_ray import files, hash_cache, zephon_io
+from zephon_ray import hash_cache, storage, zephon_io
 from zephon_ray.errors import best_effort
 from zephon_ray.hash_cache import HashReport
 
@@ -152,7 +152,7 @@ class SourceListing:
 
 def _names_in(root: str) -> tuple[list[str], dict[str, zephon_io.ObjectInfo] | None]:
     """Names directly in a local directory or under an object-store prefix (with metadata for the latter)."""
-    if files.is_uri(root):
+    if storage.is_uri(root):
         try:
             objects = {o.name: o for o in zephon_io.list_objects(root)}
         except zephon_io.ZephonIOError as exc:
@@ -178,8 +178,8 @@ def list_source(path: str, fmt: str) -> SourceListing:
     naming the path (a missing bucket, refused credentials and an unreachable endpoint included)."""
     if fmt not in SUPPORTED_FORMATS:
         raise ShardListingError(f"format {fmt!r} is not supported (use one of {', '.join(SUPPORTED_FORMATS)})")
-    root = str(files.location(path))
-    remote = files.is_uri(root)
+    root = str(storage.location(path))
+    remote = storage.is_uri(root)
     if not remote:
         import os
 
@@ -215,8 +215,8 @@ def zephon_shard_listing(path: str, fmt: str) -> tuple[str, list[tuple[str, int 
 def detect_format(path: str) -> str:
     """The format of the shard files directly in ``path``; refuses a directory that mixes formats
     (:class:`MixedFormatsError`) or holds none."""
-    root = str(files.location(path))
-    if not files.is_uri(root):
+    root = str(storage.location(path))
+    if not storage.is_uri(root):
         import os
 
         if not os.path.isdir(root):
@@ -249,7 +249,7 @@ def source_identity(path: str, fmt: str, *, known: Sequence[ShardIdentity] | Non
     other gets ``None``, which costs nothing; without ``known`` Zephon's ``Dataset.from_path`` counts local shards
     (a full read) and remote ones stay ``None``.
     """
-    root = str(files.location(path))
+    root = str(storage.location(path))
     listing = list_source(root, fmt)
     entries = listing.entries
     if listing.objects is not None:
@@ -289,7 +289,7 @@ def _remote_identity(root: str, listing: SourceListing, *, known: Sequence[Shard
         digest = None
         if verify_content:
             try:
-                digest = files.sha256_bytes(zephon_io.read_object(f"{root.rstrip('/')}/{name}", meta.size))
+                digest = storage.sha256_bytes(zephon_io.read_object(f"{root.rstrip('/')}/{name}", meta.size))
             except zephon_io.ZephonIOError as exc:
                 raise ShardListingError(str(exc)) from None
         out.append(ShardIdentity(name=name, size=meta.size, sha256=digest, rows=rows, etag=meta.etag or "",

@@ -18,7 +18,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from zephon_ray import files
+from zephon_ray import storage
 from zephon_ray.pipeline import LaneGroup
 
 PREFIX = "zephon-ray-lanes"
@@ -63,15 +63,15 @@ def _gather_store(group: LaneGroup, name: str, value: Any) -> list[Any]:
 
 
 def _gather_dir(group: LaneGroup, name: str, value: Any) -> list[Any]:
-    base = files.location(group.aggregate_dir or "").join(name)
-    files.write_json(base.join(f"group-{group.index}.json"), value, compact=True)
+    base = storage.location(group.aggregate_dir or "").join(name)
+    storage.write_json(base.join(f"group-{group.index}.json"), value, compact=True)
     deadline = time.monotonic() + group.aggregate_timeout_s
     out: dict[int, Any] = {}
     while True:
         for index in range(group.count):
-            if index not in out and files.exists(base.join(f"group-{index}.json")):
-                raw = files.read_bytes(base.join(f"group-{index}.json"), limit=1 << 20)
-                if raw:  # az:// shows a new blob empty until its upload commits (files.py): not written yet
+            if index not in out and storage.exists(base.join(f"group-{index}.json")):
+                raw = storage.read_bytes(base.join(f"group-{index}.json"), limit=1 << 20)
+                if raw:  # az:// shows a new blob empty until its upload commits (storage.operations)
                     out[index] = json.loads(raw)
         if len(out) == group.count:
             return [out[i] for i in range(group.count)]

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zephon_ray import files
+from zephon_ray import storage
 
 MANIFEST_FORMAT = "zephon-ray/pretokenized/v1"
 MANIFEST_NAME = "manifest.json"
@@ -36,10 +36,10 @@ class PretokenizedError(ValueError):
 
 
 # ---------------------------------------------------------------------- read and check
-def read_manifest(path: "str | files.Location") -> dict[str, Any]:
+def read_manifest(path: "str | storage.Location") -> dict[str, Any]:
     """The parsed manifest, structurally checked, or one :class:`PretokenizedError` naming the file."""
-    loc = files.location(path)
-    manifest = files.read_json(
+    loc = storage.location(path)
+    manifest = storage.read_json(
         loc, expect_format=MANIFEST_FORMAT, error=PretokenizedError, what="pre-tokenisation manifest",
         missing_hint=" (did `zephon-ray pretokenize` finish? it writes the manifest last)")
     try:
@@ -56,12 +56,12 @@ def read_manifest(path: "str | files.Location") -> dict[str, Any]:
     return manifest
 
 
-def check_manifest(path: "str | files.Location", tokenizer_spec: str) -> dict[str, Any]:
+def check_manifest(path: "str | storage.Location", tokenizer_spec: str) -> dict[str, Any]:
     """Before a recipe's sources are read: the manifest must exist and be complete, name the recipe's tokenizer,
     and every token shard it lists must be there, whole (one listing per source, no shard read)."""
     from zephon_ray.tokenizers import tokenizer_identity
 
-    loc = files.location(path)
+    loc = storage.location(path)
     manifest = read_manifest(loc)
     identity = tokenizer_identity(tokenizer_spec)
     if manifest.get(KEY_TOKENIZER) != identity:
@@ -75,7 +75,7 @@ def check_manifest(path: "str | files.Location", tokenizer_spec: str) -> dict[st
                                 "zephon-ray tokenises with")
     for source in manifest[KEY_SOURCES]:
         directory = loc.parent.join(source["path"])
-        present = files.listing(directory, recursive=True)
+        present = storage.listing(directory, recursive=True)
         for shard in source["shards"]:
             size = present.get(shard["out"])
             if size != shard["bytes"]:
@@ -85,10 +85,10 @@ def check_manifest(path: "str | files.Location", tokenizer_spec: str) -> dict[st
     return manifest
 
 
-def check_sources(manifest_path: "str | files.Location", sources: Any) -> None:
+def check_sources(manifest_path: "str | storage.Location", sources: Any) -> None:
     """After a recipe's sources are read: each is a token copy the manifest lists, with exactly the listed shards.
     ``sources``: the recipe's :class:`~zephon_ray.recipe.Source` objects (name, path, shards)."""
-    loc = files.location(manifest_path)
+    loc = storage.location(manifest_path)
     manifest = read_manifest(loc)
     listed = {s.get("name"): s for s in manifest[KEY_SOURCES]}
     for source in sources:
@@ -96,7 +96,7 @@ def check_sources(manifest_path: "str | files.Location", sources: Any) -> None:
         if entry is None:
             raise PretokenizedError(f"{loc}: source '{source.name}' is not in the pre-tokenisation manifest")
         copy = loc.parent.join(entry["path"])
-        if files.location(source.path) != copy:
+        if storage.location(source.path) != copy:
             raise PretokenizedError(f"source '{source.name}' reads {source.path}, not the token copy {copy} that "
                                     f"{loc} lists")
         want = {s["out"]: s["bytes"] for s in entry["shards"]}

@@ -156,9 +156,9 @@ def rows_source_ids(rows: Sequence[Sequence[Piece]], sources: Sequence[str], row
 
 def shard_paths(recipe: Recipe) -> dict[tuple[str, str], str]:
     """``{(source, shard name): the shard's full path or URI}``."""
-    from zephon_ray import files
+    from zephon_ray import storage
 
-    return {(s.name, x.name): files.location(s.path).join(x.name).uri for s in recipe.sources for x in s.shards}
+    return {(s.name, x.name): storage.location(s.path).join(x.name).uri for s in recipe.sources for x in s.shards}
 
 
 # ---------------------------------------------------------------------- the provenance-mode pipeline

@@ -40,7 +40,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from zephon_ray import files
+from zephon_ray import storage
 from zephon_ray.checks import check_int
 from zephon_ray.pretokenized_manifest import PretokenizedError, check_manifest, check_sources
 from zephon_ray.identity import (
@@ -65,7 +65,7 @@ class Source:
 
     name: str
     path: str
-    """An absolute local path or an object-store URI (``s3://bucket/prefix``), as :mod:`zephon_ray.files` spells
+    """An absolute local path or an object-store URI (``s3://bucket/prefix``), as :mod:`zephon_ray.storage` spells
     it."""
     format: str
     weight: float
@@ -425,21 +425,21 @@ class Recipe:
     def from_toml(cls, path: str | Path, *, verify_content: bool | None = None) -> "Recipe":
         """Load a recipe file: a local path, an object-store URI, or a bare packaged name such as ``tiny``.
         ``verify_content`` overrides the recipe's key of that name (None: keep it)."""
-        if files.is_uri(path):
-            loc = files.location(path)
+        if storage.is_uri(path):
+            loc = storage.location(path)
             try:
-                blob = files.read_bytes(loc, limit=1 << 20)
-            except (FileNotFoundError, files.StorageError) as exc:
+                blob = storage.read_bytes(loc, limit=1 << 20)
+            except (FileNotFoundError, storage.StorageError) as exc:
                 raise RecipeError(f"recipe file {exc}") from None
             origin: Path | str = loc.uri
             base_dir: str = loc.parent.uri
         else:
             try:
                 local = resolve_recipe_path(path)
-                blob = files.read_bytes(local, limit=1 << 20)
+                blob = storage.read_bytes(local, limit=1 << 20)
             except UnknownRecipeError as exc:
                 raise RecipeError(str(exc)) from None
-            except (FileNotFoundError, files.StorageError) as exc:
+            except (FileNotFoundError, storage.StorageError) as exc:
                 raise RecipeError(f"recipe file {exc}") from None
             origin, base_dir = local, str(local.parent)
         try:
@@ -552,7 +552,7 @@ class _RecipeParser:
 
         tokenizer_raw = self.typed(raw, "tokenizer", str, ...)
         tokenizer = tokenizer_raw if tokenizer_raw == "bytes" else self.resolve(tokenizer_raw, "tokenizer")
-        if files.is_uri(tokenizer):
+        if storage.is_uri(tokenizer):
             raise self.fail("tokenizer", f"must be a local file (tokenizers load from local disk), got {tokenizer}")
         try:
             validate_tokenizer_spec(tokenizer)
@@ -567,7 +567,7 @@ class _RecipeParser:
             pretokenized = self.resolve(self.typed(raw, "pretokenized", str, ...), "pretokenized")
             try:  # before the sources are read: a damaged token shard is named here, not by a Parquet reader
                 check_manifest(pretokenized, tokenizer)
-            except (PretokenizedError, files.StorageError) as exc:
+            except (PretokenizedError, storage.StorageError) as exc:
                 raise self.fail("pretokenized", str(exc)) from None
         sources = self.parse_sources(raw["sources"], chunk_size, verify_content)
         phases = self.parse_phases(raw.get("phases", []), tuple(s.name for s in sources))
@@ -582,16 +582,16 @@ class _RecipeParser:
         if pretokenized is not None:
             try:
                 check_sources(pretokenized, recipe.sources)
-            except (PretokenizedError, files.StorageError) as exc:
+            except (PretokenizedError, storage.StorageError) as exc:
                 raise self.fail("pretokenized", str(exc)) from None
         return recipe
 
     def resolve(self, value: str, key: str) -> str:
         """A path relative to the recipe's directory (or bucket prefix), an absolute path, or a URI, spelled as
-        :mod:`zephon_ray.files` spells it."""
+        :mod:`zephon_ray.storage` spells it."""
         try:
-            return files.location(value, base=self.base_dir).uri
-        except files.StorageError as exc:
+            return storage.location(value, base=self.base_dir).uri
+        except storage.StorageError as exc:
             raise self.fail(key, str(exc)) from None
 
     def parse_sources(self, raw_sources: Any, chunk_size: int, verify_content: bool) -> tuple[Source, ...]:
@@ -700,7 +700,7 @@ class _RecipeParser:
             listing, shards = source_identity(path, fmt, verify_content=verify_content)
         except MixedFormatsError as exc:
             raise self.fail(prefix + "format", str(exc)) from None
-        except (ShardListingError, files.StorageError) as exc:
+        except (ShardListingError, storage.StorageError) as exc:
             raise self.fail(prefix + "path", str(exc)) from None
         empty = [s.name for s in shards if s.size == 0]
         if empty:

@@ -22,7 +22,7 @@ Everything zephon-ray uses from ``zephon._internal`` is imported here and nowher
   ``WORK_SOURCE_STATE_KEYS`` are the state keys read or written; a fence test
   fails loudly, naming the key, when a Zephon release changes them.
 
-Endpoints: Zephon 0.2 reads ``S3_ENDPOINT_URL`` only; :func:`zephon_ray.files.export_endpoint_for_zephon` sets it
+Endpoints: Zephon 0.2 reads ``S3_ENDPOINT_URL`` only; :func:`zephon_ray.storage.export_endpoint_for_zephon` sets it
 from ``AWS_ENDPOINT_URL(_S3)`` before any store is built here.
 """
 
@@ -34,7 +34,7 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from zephon_ray.files import export_endpoint_for_zephon, is_uri
+from zephon_ray.storage import export_endpoint_for_zephon, is_uri
 from zephon_ray.errors import one_line
 
 SHARD_CACHE_ENV = "ZEPHON_RAY_SHARD_CACHE"
@@ -64,7 +64,7 @@ FENCED_METHODS = (
 
 class ZephonIOError(ValueError):
     """A listing or read that Zephon's storage cannot do; the message names the path or URI. ``transient``: the
-    cause may pass (zephon_ray.files.retry waits those out)."""
+    cause may pass (zephon_ray.storage.retry waits those out)."""
 
     def __init__(self, message: str, *, transient: bool = False) -> None:
         super().__init__(message)
@@ -174,8 +174,8 @@ def list_objects(uri: str) -> list[ObjectInfo]:
     """The objects directly under ``uri`` (a prefix; not in sub-prefixes), sorted by name, with size, ETag and
     version, from ONE listing through the obstore store Zephon builds for the bucket. A missing bucket or refused
     credentials is one :class:`ZephonIOError` naming the URI; an unreachable endpoint, throttling or a server error
-    is retried (obstore's own retry inside each try, zephon_ray.files.retry's budget around them) before it is."""
-    from zephon_ray.files import StorageError, retry
+    is retried (obstore's own retry inside each try, zephon_ray.storage.retry's budget around them) before it is."""
+    from zephon_ray.storage import StorageError, retry
 
     try:
         return retry(lambda: _list_objects(uri), uri)
@@ -209,7 +209,7 @@ def _list_objects(uri: str) -> list[ObjectInfo]:
                 or "403" in detail:
             raise ZephonIOError(f"{uri}: access denied ({detail}); check the credentials "
                                 "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)") from None
-        from zephon_ray.files import is_transient
+        from zephon_ray.storage import is_transient
 
         raise ZephonIOError(f"{uri}: cannot list ({detail})",
                             transient=is_transient(exc) or "cannot connect" in detail) from None

@@ -386,11 +386,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     import datetime
     import json
 
-    from zephon_ray import files
+    from zephon_ray import storage
     from zephon_ray.formats.service_state import SERVICE_FILE
 
-    loc = files.location(args.state_dir)
-    if not files.is_file(loc.join(SERVICE_FILE)) and (files.is_file(loc) or files.is_file(loc.join(
+    loc = storage.location(args.state_dir)
+    if not storage.is_file(loc.join(SERVICE_FILE)) and (storage.is_file(loc) or storage.is_file(loc.join(
             "zephon_loader.json"))):
         return inspect_loader_state(loc, args.json)
     report = inspect_state_dir(args.state_dir)
@@ -424,11 +424,11 @@ def inspect_loader_state(loc, as_json: bool) -> int:
     """``zephon-ray inspect`` of a loader state: its step, ledger head and the run's recorded schedule."""
     import json
 
-    from zephon_ray import files
+    from zephon_ray import storage
     from zephon_ray.formats.loader_state import check_state, run_schedule
 
-    state_file = loc if files.is_file(loc) else loc.join("zephon_loader.json")
-    state = files.read_json(state_file, error=UserInputError, what="loader state")
+    state_file = loc if storage.is_file(loc) else loc.join("zephon_loader.json")
+    state = storage.read_json(state_file, error=UserInputError, what="loader state")
     if not isinstance(state, dict):
         raise UserInputError(f"{state_file.uri}: not a loader state (a JSON {type(state).__name__})")
     check_state(state, run_id=state.get("run_id"), fingerprint=state.get("fingerprint"), recipe_name="its own")

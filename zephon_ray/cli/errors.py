@@ -143,14 +143,14 @@ def storage_failure(exc: BaseException) -> str | None:
 def with_storage_hint(line: str) -> str | None:
     """``line`` (a failure of the cluster's workers) with the likely cause of a storage failure it names appended;
     None when it names none."""
-    from zephon_ray import files
+    from zephon_ray import storage
 
     if not any(w in line for w in _STORAGE_WORDS):
         return None
     lower = line.lower()
     if "access denied" in lower or "accessdenied" in lower or "invalidaccesskeyid" in lower or "403" in line \
             or "credential" in lower:
-        local = files.local_credentials()
+        local = storage.local_credentials()
         hint = ("the workers have no credentials for it, or not these: credentials are never shipped to the "
                 "cluster" + (f" ({', '.join(local)} stay in this shell)" if local else "")
                 + "; give the nodes their own (instance role, their environment or files)")

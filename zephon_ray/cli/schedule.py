@@ -28,17 +28,17 @@ def load_recipe(args: argparse.Namespace, **kw: Any) -> Recipe:
 
 
 def recipe_with_schedule(recipe: Recipe, path: str) -> Recipe:
-    from zephon_ray import files
+    from zephon_ray import storage
     from zephon_ray.formats.loader_state import check_state, run_recipe
     from zephon_ray.formats.service_state import SERVICE_FILE, check_state_dir
 
-    loc = files.location(path)
-    if files.is_file(loc.join(SERVICE_FILE)):
+    loc = storage.location(path)
+    if storage.is_file(loc.join(SERVICE_FILE)):
         return check_state_dir(recipe, loc)
-    state_file = loc if files.is_file(loc) else loc.join("zephon_loader.json")
-    if not files.is_file(state_file):
+    state_file = loc if storage.is_file(loc) else loc.join("zephon_loader.json")
+    if not storage.is_file(state_file):
         raise UserInputError(f"--schedule-from {path}: neither a loader state nor a service state_dir")
-    state = files.read_json(state_file, error=UserInputError, what="loader state")
+    state = storage.read_json(state_file, error=UserInputError, what="loader state")
     check_state(state, run_id=state.get("run_id") if isinstance(state, dict) else None, fingerprint=recipe.fingerprint,
                 recipe=recipe, recipe_name=recipe.describe())
     return run_recipe(state, recipe)

@@ -9,7 +9,7 @@ again; ``serve``/``status``/``stop`` attach to an existing cluster (``--address`
 this process runs in, e.g. a ``ray job submit`` job) and never start one.
 
 Storage settings reach the actors these commands start: ``ray_session`` (service/session.py) attaches with
-``runtime_env={"env_vars": files.worker_environment()}`` (endpoints, region, addressing style, account names, retry
+``runtime_env={"env_vars": storage.worker_environment()}`` (endpoints, region, addressing style, account names, retry
 settings; never a secret, a profile name or a local path), so a cluster started before the exports still sees the
 endpoint. Credentials come from the nodes themselves.
 

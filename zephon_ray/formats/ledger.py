@@ -38,7 +38,7 @@ segment back to ``""`` gives the lineage of the weights. A run resumed from an o
 (its first segment is ``resumed`` from an older parent).
 
 Where parts live, under ``<ledger_dir>`` (a local path or an object-store URI; every write goes through
-:mod:`zephon_ray.files`, whole objects only)::
+:mod:`zephon_ray.storage`, whole objects only)::
 
     <segment>/rank-RRRRR-of-WWWWW.json   a loose part: each rank's, at each loader-state save (LedgerRecorder)
     batches/<name>.json                  a torchft reader's parts of one flush interval (FtLedger):
@@ -90,7 +90,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon_ray import files
+from zephon_ray import storage
 from zephon_ray.batch import DIGEST_HEX, SLICE_DIGEST_HEADER, slice_digest  # noqa: F401 - part of the format
 from zephon_ray.checks import check_int
 
@@ -215,11 +215,11 @@ def make_part(*, run_id: str, fingerprint: str, segment: str, parent: str, first
     return part
 
 
-def write_part(ledger_dir: "str | files.Location", part: dict[str, Any]) -> files.Location:
+def write_part(ledger_dir: "str | storage.Location", part: dict[str, Any]) -> storage.Location:
     """Write one rank's part atomically as a loose part (a local path or an object-store URI); returns where."""
-    where = files.location(ledger_dir).join(part["segment"], part_name(part["rank"], part["world"]))
+    where = storage.location(ledger_dir).join(part["segment"], part_name(part["rank"], part["world"]))
     check_part(part, where=where.uri)
-    files.write_atomic(where, files.json_bytes(part, compact=True))
+    storage.write_atomic(where, storage.json_bytes(part, compact=True))
     return where
 
 
@@ -290,9 +290,9 @@ def _check_header(seg: "Segment", where: str) -> None:
                           f"{expected!r}): the file was edited or corrupted")
 
 
-def read_part(path: "str | files.Location") -> dict[str, Any]:
-    loc = files.location(path)
-    doc = files.read_json(loc, error=LedgerError, what="ledger segment")
+def read_part(path: "str | storage.Location") -> dict[str, Any]:
+    loc = storage.location(path)
+    doc = storage.read_json(loc, error=LedgerError, what="ledger segment")
     return check_part(doc, where=loc.uri)
 
 
@@ -415,7 +415,7 @@ class Containers:
     """What a ledger directory holds, by kind (see the module docstring); ``garbage``: files a killed compaction
     left (a pack a live manifest replaces, or pack data without a manifest)."""
 
-    base: files.Location
+    base: storage.Location
     loose: dict[str, list[str]] = field(default_factory=dict)  # segment -> its part file names
     batches: list[str] = field(default_factory=list)
     spools: list[str] = field(default_factory=list)
@@ -432,12 +432,12 @@ class Containers:
         return bool(self.loose or self.batches or self.spools or self.packs)
 
 
-def containers(ledger_dir: "str | files.Location") -> Containers:
+def containers(ledger_dir: "str | storage.Location") -> Containers:
     """List a ledger directory (one listing); a pack's manifest is read and checked here."""
-    base = files.location(ledger_dir)
+    base = storage.location(ledger_dir)
     out = Containers(base)
     data, manifests = set(), {}
-    for rel, size in files.listing(base, recursive=True).items():
+    for rel, size in storage.listing(base, recursive=True).items():
         parts = rel.split("/")
         if len(parts) != 2 or parts[1].startswith(".tmp-"):
             continue
@@ -465,8 +465,8 @@ def containers(ledger_dir: "str | files.Location") -> Containers:
     return out
 
 
-def _read_manifest(loc: files.Location) -> dict:
-    doc = files.read_json(loc, error=LedgerError, what="ledger pack manifest")
+def _read_manifest(loc: storage.Location) -> dict:
+    doc = storage.read_json(loc, error=LedgerError, what="ledger pack manifest")
     where = loc.uri
     if not isinstance(doc, dict) or doc.get("format") != PACK_FORMAT:
         raise LedgerError(f"{where}: not a ledger pack manifest (key 'format' is "
@@ -484,7 +484,7 @@ def _read_manifest(loc: files.Location) -> dict:
     return doc
 
 
-def scan(ledger_dir: "str | files.Location", table: SegmentTable, *, digests: bool = False,
+def scan(ledger_dir: "str | storage.Location", table: SegmentTable, *, digests: bool = False,
          found: Containers | None = None) -> Iterator[Parts]:
     """Every part of the ledger once, in batches, registering each segment header in ``table``. Spools first, then
     batches, loose parts and packs: a part already met is skipped, so a copy left by a killed compaction or flush is
@@ -525,7 +525,7 @@ def scan(ledger_dir: "str | files.Location", table: SegmentTable, *, digests: bo
             yield parts
 
 
-def read_ledger(ledger_dir: "str | files.Location") -> dict[str, Segment]:
+def read_ledger(ledger_dir: "str | storage.Location") -> dict[str, Segment]:
     """Every segment with every rank's records, in memory: for small ledgers and tests (the audit streams)."""
     table = SegmentTable()
     out: dict[str, Segment] = {}
@@ -536,28 +536,28 @@ def read_ledger(ledger_dir: "str | files.Location") -> dict[str, Segment]:
     return out
 
 
-def read_segment(ledger_dir: "str | files.Location", segment: str) -> Segment:
+def read_segment(ledger_dir: "str | storage.Location", segment: str) -> Segment:
     """Every part of ``segment`` (wherever it is stored); a missing one is one LedgerError naming it."""
     found = read_ledger(ledger_dir).get(segment)
     if found is None:
-        raise LedgerError(f"{files.location(ledger_dir).uri}: ledger segment {segment!r} has no parts (missing, or "
+        raise LedgerError(f"{storage.location(ledger_dir).uri}: ledger segment {segment!r} has no parts (missing, or "
                           "not a ledger)")
     return found
 
 
 # ---------------------------------------------------------------------------------------------- torchft: spool, batch
-def write_batch(ledger_dir: "str | files.Location", parts: list[dict]) -> files.Location:
+def write_batch(ledger_dir: "str | storage.Location", parts: list[dict]) -> storage.Location:
     """One torchft flush: the parts, checked, as one new object under ``batches/``; returns where."""
-    where = files.location(ledger_dir).join(BATCHES, f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}.json")
+    where = storage.location(ledger_dir).join(BATCHES, f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}.json")
     for part in parts:
         check_part(part, where=where.uri)
-    files.write_atomic(where, files.json_bytes({"format": BATCH_FORMAT, "version": BATCH_VERSION, "parts": parts},
+    storage.write_atomic(where, storage.json_bytes({"format": BATCH_FORMAT, "version": BATCH_VERSION, "parts": parts},
                                                compact=True))
     return where
 
 
-def read_batch(loc: files.Location) -> list[dict]:
-    doc = files.read_json(loc, error=LedgerError, what="ledger batch")
+def read_batch(loc: storage.Location) -> list[dict]:
+    doc = storage.read_json(loc, error=LedgerError, what="ledger batch")
     if not isinstance(doc, dict) or doc.get("format") != BATCH_FORMAT or not isinstance(doc.get("parts"), list):
         raise LedgerError(f"{loc.uri}: not a ledger batch (expected format {BATCH_FORMAT!r} with a list 'parts')")
     if doc.get("version") != BATCH_VERSION:
@@ -580,7 +580,7 @@ class Spool:
 
     def append(self, part: dict) -> None:
         check_part(part, where=self.path)
-        os.write(self._fd, files.json_bytes(part, compact=True))
+        os.write(self._fd, storage.json_bytes(part, compact=True))
 
     def close(self, *, remove: bool) -> None:
         if self._fd >= 0:
@@ -591,10 +591,10 @@ class Spool:
                 os.unlink(self.path)
 
 
-def spool_dir(ledger_dir: "str | files.Location", local_dir: str | None = None) -> str:
+def spool_dir(ledger_dir: "str | storage.Location", local_dir: str | None = None) -> str:
     """Where a reader of ``ledger_dir`` spools: inside a local ledger; else ``local_dir`` or a directory under the
     system temp directory named after the ledger's URI."""
-    loc = files.location(ledger_dir)
+    loc = storage.location(ledger_dir)
     if not loc.remote:
         return os.path.join(loc.path, SPOOL)
     if local_dir:
@@ -605,12 +605,12 @@ def spool_dir(ledger_dir: "str | files.Location", local_dir: str | None = None) 
     return os.path.join(tempfile.gettempdir(), f"zephon-ray-{os.getuid()}", "ledger-spool", key)
 
 
-def read_spool(path: "str | files.Location") -> list[dict]:
+def read_spool(path: "str | storage.Location") -> list[dict]:
     """A spool's parts, the last line of each step winning; a last line cut short (the writer was killed while
     appending it: the step was never confirmed) is left out, a bad line before it is one LedgerError."""
-    loc = files.location(path)
+    loc = storage.location(path)
     try:
-        text = files.read_bytes(loc, limit=files.MAX_DOCUMENT_BYTES).decode()
+        text = storage.read_bytes(loc, limit=storage.MAX_DOCUMENT_BYTES).decode()
     except FileNotFoundError:
         return []  # rotated away by its writer since the listing: its parts are in a batch now
     lines = text.split("\n")
@@ -639,7 +639,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def adopt_spools(ledger_dir: "str | files.Location", local_dir: str | None = None) -> int:
+def adopt_spools(ledger_dir: "str | storage.Location", local_dir: str | None = None) -> int:
     """Flush the spools that readers on this host left when they died (their process is gone) into batches of
     ``ledger_dir``, then remove them; returns how many. A spool of a live process, or of another host, is left."""
     directory = spool_dir(ledger_dir, local_dir)
@@ -680,18 +680,18 @@ def _part_schema():
                      + [("digests", pa.list_(pa.binary(16)))])
 
 
-def read_pack(base: files.Location, name: str, manifest: dict, table: SegmentTable, *,
+def read_pack(base: storage.Location, name: str, manifest: dict, table: SegmentTable, *,
               digests: bool = False) -> Iterator[Parts]:
     """A live pack's parts, one row group at a time; ``digests`` False skips that column (most of the bytes)."""
     _, pq = _pa()
     where = base.join(PACKS, manifest["parts"]["object"])
     for key in ("segments", "parts"):
         loc = base.join(PACKS, manifest[key]["object"])
-        if files.size(loc) != manifest[key]["bytes"]:
-            raise LedgerError(f"{loc.uri}: ledger pack object is {files.size(loc)} bytes, its manifest says "
+        if storage.size(loc) != manifest[key]["bytes"]:
+            raise LedgerError(f"{loc.uri}: ledger pack object is {storage.size(loc)} bytes, its manifest says "
                               f"{manifest[key]['bytes']} (missing, cut short or replaced)")
     seg_loc = base.join(PACKS, manifest["segments"]["object"])
-    segs = pq.ParquetFile(files.open_input_file(seg_loc)).read().to_pydict()  # not read_table: it imports pandas
+    segs = pq.ParquetFile(storage.open_input_file(seg_loc)).read().to_pydict()  # not read_table: it imports pandas
     codes = []
     schedules = segs.get("schedule") or [None] * len(segs["segment"])  # a version-1 pack has no such column
     checked: set[str] = set()  # each distinct schedule text once: a torchft run repeats one per step
@@ -712,7 +712,7 @@ def read_pack(base: files.Location, name: str, manifest: dict, table: SegmentTab
     mapping = np.array(codes, dtype=np.int64)
     worlds = np.array(segs["world"], dtype=np.int64)
     firsts, ends = np.array(segs["first_step"], dtype=np.int64), np.array(segs["next_step"], dtype=np.int64)
-    pf = pq.ParquetFile(files.open_input_file(where))
+    pf = pq.ParquetFile(storage.open_input_file(where))
     columns = ["seg", "rank", *RECORD_COLUMNS] + (["digests"] if digests else [])
     for g in range(pf.num_row_groups):
         batch = pf.read_row_group(g, columns=columns)
@@ -778,12 +778,12 @@ class PackWriter:
     """Writes one pack: parts as they come (row groups of about :data:`ROW_GROUP_RECORDS` records) into a local
     spool, then :meth:`commit` uploads the data objects and writes the manifest last."""
 
-    def __init__(self, base: files.Location, table: SegmentTable) -> None:
+    def __init__(self, base: storage.Location, table: SegmentTable) -> None:
         _, pq = _pa()
         self.base, self.table = base, table
         self.name = f"pack-{uuid.uuid4().hex[:16]}"
         self._target = base.join(PACKS, f"{self.name}.parts.parquet")
-        self._spool = files.spool_path(self._target)
+        self._spool = storage.spool_path(self._target)
         self._writer = pq.ParquetWriter(self._spool, _part_schema(), compression="zstd")
         self._local: dict[int, int] = {}  # table code -> segment row of this pack
         self._pending: list[Parts] = []
@@ -850,14 +850,14 @@ class PackWriter:
         self._flush()
         self._writer.close()
         parts_bytes = os.path.getsize(self._spool)
-        files.upload(self._spool, self._target)
+        storage.upload(self._spool, self._target)
         segs = [self.table.segments[c] for c, _ in sorted(self._local.items(), key=lambda kv: kv[1])]
         seg_table = pa.Table.from_pylist([dict(zip(("segment", "parent", "run_id", "fingerprint", "first_step",
                                                     "next_step", "world", "resumed", "schedule"), s.header))
                                           for s in segs],
                                          schema=_segment_schema())
         seg_target = self.base.join(PACKS, f"{self.name}.segments.parquet")
-        with files.spool(seg_target) as tmp:
+        with storage.spool(seg_target) as tmp:
             pq.write_table(seg_table, tmp, compression="zstd")
             seg_bytes = os.path.getsize(tmp)
         if hook is not None:
@@ -867,7 +867,7 @@ class PackWriter:
                     "parts": {"object": f"{self.name}.parts.parquet", "bytes": parts_bytes, "rows": self.rows,
                               "records": self.records},
                     "replaces": replaces}
-        files.write_json(self.base.join(PACKS, f"{self.name}.json"), manifest, compact=True)
+        storage.write_json(self.base.join(PACKS, f"{self.name}.json"), manifest, compact=True)
         return manifest
 
     def abort(self) -> None:
@@ -886,12 +886,12 @@ class CompactResult:
     pack: str | None
 
 
-def compact(ledger_dir: "str | files.Location", *, hook: Any = None) -> CompactResult:
+def compact(ledger_dir: "str | storage.Location", *, hook: Any = None) -> CompactResult:
     """Merge the loose parts, batches and smaller packs of a ledger into one new pack (see the module docstring),
     after deleting what a killed compaction left. Spools of dead readers on this host become batches first.
     ``hook(stage)``, if given, is called at "packed" (data objects uploaded, no manifest yet) and "committed"
     (manifest written, nothing deleted yet): where a test kills it."""
-    base = files.location(ledger_dir)
+    base = storage.location(ledger_dir)
     adopt_spools(base)
     found = containers(base)
     if not found:
@@ -920,9 +920,9 @@ def compact(ledger_dir: "str | files.Location", *, hook: Any = None) -> CompactR
                          manifest["pack"])
 
 
-def _delete(base: files.Location, rels: list[str]) -> None:
+def _delete(base: storage.Location, rels: list[str]) -> None:
     for rel in rels:
-        files.delete(base.join(rel))
+        storage.delete(base.join(rel))
     if not base.remote:  # a loose segment's directory, once empty
         for seg in {rel.split("/")[0] for rel in rels if _SEGMENT_ID.match(rel.split("/")[0])}:
             with contextlib.suppress(OSError):
@@ -941,7 +941,7 @@ def _choose_packs(found: Containers) -> list[str]:
     for name, manifest in found.packs.items():
         if wanted:
             seg_loc = found.base.join(PACKS, manifest["segments"]["object"])
-            ids = pq.ParquetFile(files.open_input_file(seg_loc)).read(columns=["segment"]).column(0).to_pylist()
+            ids = pq.ParquetFile(storage.open_input_file(seg_loc)).read(columns=["segment"]).column(0).to_pylist()
             if wanted.intersection(ids):
                 chosen.append(name)
                 gathered += manifest["parts"]["records"]

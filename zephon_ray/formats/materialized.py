@@ -1,7 +1,7 @@
 """The third delivery path's durable format: a materialised directory, its manifest, segment writer and reader.
 
 A directory written by ``zephon-ray materialize`` (:mod:`zephon_ray.jobs.materialize`), local or an object-store
-prefix (:mod:`zephon_ray.files`)::
+prefix (:mod:`zephon_ray.storage`)::
 
     DIR/manifest.json                         the commit point, replaced atomically, written last
     DIR/segments/steps-<a>-<b>.parquet        steps a..b-1, ONE ROW GROUP PER STEP, rows in canonical order
@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon_ray import files
+from zephon_ray import storage
 from zephon_ray.batch import GlobalBatch, RankSlice, compute_digest, slice_bounds
 from zephon_ray.checks import MAX_INT, check_int
 
@@ -132,25 +132,25 @@ def batch_table(batch: GlobalBatch) -> Any:
 
 
 # ---------------------------------------------------------------------- manifest
-def _missing(path: files.Location, key: str) -> MaterializedError:
+def _missing(path: storage.Location, key: str) -> MaterializedError:
     return MaterializedError(f"{path}: manifest key '{key}' missing (a damaged or foreign manifest; re-run "
                              "`zephon-ray materialize` into a new --out)")
 
 
-def read_manifest(directory: "str | files.Location") -> dict[str, Any]:
+def read_manifest(directory: "str | storage.Location") -> dict[str, Any]:
     """The parsed, structurally checked manifest, or one clear :class:`MaterializedError` naming the file and,
     for a missing or malformed key, the key."""
-    directory = files.location(directory)
+    directory = storage.location(directory)
     path = directory.join(MANIFEST_NAME)
     try:
-        if not files.exists(path):
-            if not files.is_dir(directory):
+        if not storage.exists(path):
+            if not storage.is_dir(directory):
                 raise MaterializedError(f"materialised directory not found: {directory}")
             raise MaterializedError(f"{path}: manifest missing (not a materialised directory, or no step committed "
                                     "yet)")
-    except files.StorageError as exc:  # a missing bucket, refused credentials, an unreachable endpoint
+    except storage.StorageError as exc:  # a missing bucket, refused credentials, an unreachable endpoint
         raise MaterializedError(str(exc)) from None
-    manifest = files.read_json(path, expect_format=MANIFEST_FORMAT, error=MaterializedError, what="manifest")
+    manifest = storage.read_json(path, expect_format=MANIFEST_FORMAT, error=MaterializedError, what="manifest")
     for key in REQUIRED_KEYS:
         if key not in manifest:
             raise _missing(path, key)
@@ -198,18 +198,18 @@ def recipe_of(manifest: dict[str, Any], recipe: Any) -> Any:
         return None
 
 
-def write_manifest(directory: files.Location, manifest: dict[str, Any]) -> None:
+def write_manifest(directory: storage.Location, manifest: dict[str, Any]) -> None:
     """The commit point: written after the segments and checkpoints it names."""
-    files.write_json(directory.join(MANIFEST_NAME), manifest)
+    storage.write_json(directory.join(MANIFEST_NAME), manifest)
 
 
-def load_checkpoint(path: "str | files.Location", recipe: Any, step: int) -> dict[str, Any]:
+def load_checkpoint(path: "str | storage.Location", recipe: Any, step: int) -> dict[str, Any]:
     """The Zephon state in ``path``: it must exist, parse, belong to ``recipe`` and sit at the boundary before
     ``step``; else one :class:`MaterializedError` naming the file."""
     from zephon_ray.lanes import KEY_NEXT_STEP, StepStateError, check_step_state
 
-    path = files.location(path)
-    state = files.read_json(path, error=MaterializedError, what="checkpoint",
+    path = storage.location(path)
+    state = storage.read_json(path, error=MaterializedError, what="checkpoint",
                             missing_hint=f" (the manifest records it for step {step})")
     try:
         check_step_state(state, recipe)
@@ -220,15 +220,15 @@ def load_checkpoint(path: "str | files.Location", recipe: Any, step: int) -> dic
     return state
 
 
-def clean_leftovers(directory: files.Location) -> None:
+def clean_leftovers(directory: storage.Location) -> None:
     """Remove what a killed run left behind: aggregation prefixes (``.work-*``) and local temp files (``.tmp-*``).
     Committed files are never touched."""
-    for name in files.listing(directory, recursive=True):
+    for name in storage.listing(directory, recursive=True):
         top = name.split("/", 1)[0]
         if top.startswith(WORK_PREFIX):
-            files.delete_tree(directory.join(top))
+            storage.delete_tree(directory.join(top))
         elif name.rsplit("/", 1)[-1].startswith(TMP_PREFIX):
-            files.delete(directory.join(name))
+            storage.delete(directory.join(name))
 
 
 # ---------------------------------------------------------------------- writer
@@ -236,7 +236,7 @@ class SegmentWriter:
     """Writes steps in order into a spooled segment file; at each boundary commits the segment, its checkpoint and
     the manifest (last)."""
 
-    def __init__(self, directory: files.Location, manifest: dict[str, Any], *, lanes: int, rows_per_lane: int,
+    def __init__(self, directory: storage.Location, manifest: dict[str, Any], *, lanes: int, rows_per_lane: int,
                  row_length: int) -> None:
         self.directory = directory
         self.manifest = manifest
@@ -255,7 +255,7 @@ class SegmentWriter:
 
         if self._writer is None:
             self._segment_first = step
-            self._tmp = files.spool_path(self.directory.join(SEGMENTS_DIR, f"steps-{step:012d}"))
+            self._tmp = storage.spool_path(self.directory.join(SEGMENTS_DIR, f"steps-{step:012d}"))
             self._writer = pq.ParquetWriter(self._tmp, self.schema, compression=PARQUET_COMPRESSION)
         self._writer.write_table(step_table(step, tokens, positions, self.lanes), row_group_size=self.rows)
         self._digests.append(compute_digest(tokens, positions))
@@ -267,11 +267,11 @@ class SegmentWriter:
         self._writer.close()
         self._writer = None
         name = segment_name(self._segment_first, end)
-        size, digest = os.path.getsize(self._tmp), files.sha256_file(self._tmp)
-        files.upload(self._tmp, self.directory.join(name))  # 1. the data object, whole
+        size, digest = os.path.getsize(self._tmp), storage.sha256_file(self._tmp)
+        storage.upload(self._tmp, self.directory.join(name))  # 1. the data object, whole
         self._tmp = None
         ckpt_name = checkpoint_name(end)
-        files.write_atomic(self.directory.join(ckpt_name), (state + "\n").encode())  # 2. the resume point
+        storage.write_atomic(self.directory.join(ckpt_name), (state + "\n").encode())  # 2. the resume point
         m = self.manifest
         m[KEY_SEGMENTS].append({"file": name, "first_step": self._segment_first, "end_step": end,
                                 "bytes": size, "sha256": digest})
@@ -299,7 +299,7 @@ class SegmentWriter:
 # ---------------------------------------------------------------------- reader
 @dataclass(frozen=True)
 class _Segment:
-    file: files.Location
+    file: storage.Location
     first: int
     end: int
     bytes: int
@@ -315,9 +315,9 @@ class MaterializedSource:
     CLI do). ``cache_files`` bounds the open Parquet footers kept.
     """
 
-    def __init__(self, directory: "str | os.PathLike[str] | files.Location", *, recipe: Any = None,
+    def __init__(self, directory: "str | os.PathLike[str] | storage.Location", *, recipe: Any = None,
                  cache_files: int = 8) -> None:
-        self.location = files.location(directory)
+        self.location = storage.location(directory)
         self.directory = self.location.uri
         self._provenance: Any = None  # a ProvenanceSource, built at the first provenance() call
         manifest = read_manifest(self.location)
@@ -354,8 +354,8 @@ class MaterializedSource:
         ]
         self._starts = [s.first for s in self._segments]
         try:
-            present = files.listing(self.location.join(SEGMENTS_DIR)) if self._segments else {}
-        except files.StorageError as exc:
+            present = storage.listing(self.location.join(SEGMENTS_DIR)) if self._segments else {}
+        except storage.StorageError as exc:
             raise MaterializedError(str(exc)) from None
         for seg in self._segments:
             size = present.get(seg.file.name)
@@ -405,11 +405,11 @@ class MaterializedSource:
         handle = self._files.get(seg.file.uri)
         if handle is None:
             try:
-                handle = pq.ParquetFile(files.open_input_file(seg.file))
-            except files.StorageError as exc:
+                handle = pq.ParquetFile(storage.open_input_file(seg.file))
+            except storage.StorageError as exc:
                 raise MaterializedError(f"segment unreadable: {exc}") from None
             except Exception as exc:  # pyarrow raises ArrowInvalid/OSError for a damaged footer
-                raise MaterializedError(f"{seg.file}: unreadable Parquet ({files.describe_error(exc)})") from None
+                raise MaterializedError(f"{seg.file}: unreadable Parquet ({storage.describe_error(exc)})") from None
             if handle.metadata.num_row_groups != seg.end - seg.first:
                 raise MaterializedError(f"{seg.file}: {handle.metadata.num_row_groups} row groups, expected "
                                         f"{seg.end - seg.first} (one per step)")
@@ -432,12 +432,12 @@ class MaterializedSource:
 
         try:
             # transient faults (an outage, 503 SlowDown, a response cut short) retried for the storage budget
-            table = files.retry(read, str(seg.file), on_retry=forget)
+            table = storage.retry(read, str(seg.file), on_retry=forget)
         except MaterializedError:
             raise
         except Exception as exc:
             forget(exc)
-            raise MaterializedError(f"{seg.file}: cannot read step {step} ({files.describe_error(exc)})") from None
+            raise MaterializedError(f"{seg.file}: cannot read step {step} ({storage.describe_error(exc)})") from None
         tokens = _matrix(table.column("tokens"), self.row_length)
         positions = _matrix(table.column("positions"), self.row_length)
         steps = table.column("step").to_numpy()
@@ -487,8 +487,8 @@ class MaterializedSource:
         """Hash every segment against the manifest (reads every byte)."""
         for seg in self._segments:
             try:
-                digest = files.sha256(seg.file)
-            except (FileNotFoundError, files.StorageError) as exc:
+                digest = storage.sha256(seg.file)
+            except (FileNotFoundError, storage.StorageError) as exc:
                 raise MaterializedError(f"segment unreadable: {exc}") from None
             if digest != seg.sha256:
                 raise MaterializedError(f"{seg.file}: sha256 differs from the manifest (corrupt segment)")
@@ -503,7 +503,7 @@ class MaterializedSource:
         import ray.data
 
         paths = [s.file.path for s in self._segments]
-        fs = files.filesystem(self.location)
+        fs = storage.filesystem(self.location)
         digests, first, width = list(self._digests), self.first_step, self.row_length
         dataset = ray.data.read_parquet(paths, filesystem=fs, columns=list(COLUMNS))
         return dataset.map_batches(_WithDigest(digests, first, width), batch_format="pyarrow", zero_copy_batch=True)

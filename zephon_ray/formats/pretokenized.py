@@ -6,7 +6,7 @@
     OUT/recipe.toml                                   the same recipe over the token-id copies
     OUT/manifest.json                                 written LAST: the commit point
 
-OUT is a local directory or an object-store prefix (:mod:`zephon_ray.files`). Each shard, progress entry, recipe
+OUT is a local directory or an object-store prefix (:mod:`zephon_ray.storage`). Each shard, progress entry, recipe
 and manifest is one atomic write; on an object store that is one upload each, and the manifest's upload is what
 commits the copy (a reader that finds no manifest finds no copy).
 
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zephon_ray import files
+from zephon_ray import storage
 from zephon_ray.pretokenized_manifest import (  # the manifest's format, shared with the recipe's checks
     KEY_FORMAT, KEY_SOURCE_FINGERPRINT, KEY_SOURCES, KEY_SPECIAL_TOKENS, KEY_TOKENIZER, KEY_TOTALS, MANIFEST_FORMAT,
     MANIFEST_NAME, PROGRESS_DIR, SOURCES_DIR, SPECIAL_TOKENS, TOKEN_FIELD, PretokenizedError,
@@ -35,11 +35,11 @@ def output_name(relative: str) -> str:
     return f"{stem}.parquet"
 
 
-def shard_location(out: files.Location, source: str, relative: str) -> files.Location:
+def shard_location(out: storage.Location, source: str, relative: str) -> storage.Location:
     return out.join(SOURCES_DIR, source, output_name(relative))
 
 
-def progress_location(out: files.Location, source: str, relative: str) -> files.Location:
+def progress_location(out: storage.Location, source: str, relative: str) -> storage.Location:
     return out.join(PROGRESS_DIR, source, output_name(relative) + ".json")
 
 
@@ -69,19 +69,19 @@ def build_manifest(*, tokenizer_identity: str, bos: int, eos: int, text_field: s
     }
 
 
-def write_manifest(out: files.Location, manifest: dict[str, Any]) -> None:
+def write_manifest(out: storage.Location, manifest: dict[str, Any]) -> None:
     """The commit point: written after every shard, progress entry and the recipe file."""
-    files.write_json(out.join(MANIFEST_NAME), manifest)
+    storage.write_json(out.join(MANIFEST_NAME), manifest)
 
 
-def write_progress(location: files.Location, entry: dict[str, Any]) -> None:
-    files.write_json(location, entry)
+def write_progress(location: storage.Location, entry: dict[str, Any]) -> None:
+    storage.write_json(location, entry)
 
 
-def read_progress(location: files.Location) -> dict[str, Any] | None:
+def read_progress(location: storage.Location) -> dict[str, Any] | None:
     """A finished shard's progress entry, or None when absent or unusable (the shard is then redone)."""
     try:
-        entry = files.read_json(location, error=PretokenizedError, what="progress entry")
+        entry = storage.read_json(location, error=PretokenizedError, what="progress entry")
     except PretokenizedError:
         return None
     if not isinstance(entry, dict) or any(k not in entry for k in PROGRESS_KEYS):

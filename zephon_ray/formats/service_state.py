@@ -1,6 +1,6 @@
 """The service's durable state under ``state_dir``: its one owner (read, write, check, inspect).
 
-Layout (``state_dir`` is a local directory or an object-store prefix, :mod:`zephon_ray.files`)::
+Layout (``state_dir`` is a local directory or an object-store prefix, :mod:`zephon_ray.storage`)::
 
     state_dir/
       service.json                       # format version, recipe fingerprint, lanes, the recipe's canonical content,
@@ -8,7 +8,7 @@ Layout (``state_dir`` is a local directory or an object-store prefix, :mod:`zeph
       checkpoints/step-000000000032.json # merged Zephon checkpoint at the boundary *before* step 32 (LaneStepper state)
       commits.json                       # newest commit per consumer, plus a short history
 
-Every file is one atomic write (:func:`zephon_ray.files.write_atomic`: temp file, fsync, rename, fsync of the
+Every file is one atomic write (:func:`zephon_ray.storage.write_atomic`: temp file, fsync, rename, fsync of the
 directory on a local disk; one upload on an object store). Each file is its own commit point: a checkpoint is
 whole before it is listed, and ``commits.json`` is replaced whole, so a coordinator killed at any point restarts
 from the last complete checkpoint and commit, on a local disk and in a bucket alike. Checkpoint
@@ -26,8 +26,9 @@ at most ``anchor_every`` steps, recent ones at most K); commits keep the newest 
 ``MAX_CONSUMERS`` consumers and ``MAX_COMMITS`` history entries; ``nearest_checkpoint`` is a bisect over an
 in-memory index built from one listing, not a listing per call.
 Object stores: every read and write retries transient faults (an outage, 503 SlowDown, a timeout, a response cut
-short) for the storage budget (zephon_ray/files.py), so a checkpoint or commit made during a 15 s outage lands when
-the store answers again; a spent budget is one :class:`ServiceStateError` (or ``StorageError``) naming the object.
+short) for the storage budget (:mod:`zephon_ray.storage.retries`), so a checkpoint or commit made during a 15 s
+outage lands when the store answers again; a spent budget is one :class:`ServiceStateError` (or ``StorageError``)
+naming the object.
 The in-memory index is guarded by a lock (the coordinator's pump, commit writer and read loop share it); I/O runs
 outside it, so a write waiting out an outage never blocks a lookup.
 Limits: one writer at a time (the coordinator); no locking against two services pointed at the same
@@ -44,7 +45,7 @@ import threading
 import time
 from typing import Any
 
-from zephon_ray import files
+from zephon_ray import storage
 from zephon_ray.checks import check_int
 from zephon_ray.lanes import KEY_NEXT_STEP, check_step_state
 
@@ -84,16 +85,16 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:012d}.json"
 
 
-def read_service_file(state_dir: "str | os.PathLike[str] | files.Location") -> dict[str, Any] | None:
+def read_service_file(state_dir: "str | os.PathLike[str] | storage.Location") -> dict[str, Any] | None:
     """``service.json`` checked for format (None when the state_dir has none yet)."""
-    path = files.location(state_dir).join(SERVICE_FILE)
-    if not files.exists(path):
+    path = storage.location(state_dir).join(SERVICE_FILE)
+    if not storage.exists(path):
         return None
-    meta = files.read_json(path, expect_format=STATE_FORMAT, error=ServiceStateError, what=SERVICE_FILE)
+    meta = storage.read_json(path, expect_format=STATE_FORMAT, error=ServiceStateError, what=SERVICE_FILE)
     return meta
 
 
-def check_state_dir(recipe: Any, state_dir: "str | os.PathLike[str] | files.Location") -> Any:
+def check_state_dir(recipe: Any, state_dir: "str | os.PathLike[str] | storage.Location") -> Any:
     """The recipe to run on ``state_dir``: ``recipe`` itself, or ``recipe`` with the phases a running service
     accepted there (``add_phase``: recorded in ``service.json``, so a restart with the recipe file it started from,
     or with that file updated, resumes under the same schedule). Raise :class:`FingerprintMismatchError` if
@@ -103,7 +104,7 @@ def check_state_dir(recipe: Any, state_dir: "str | os.PathLike[str] | files.Loca
         meta = read_service_file(state_dir)
     except ServiceStateError as exc:
         raise FingerprintMismatchError(f"state_dir {state_dir}: {exc}") from None
-    except (files.StorageError, FileNotFoundError) as exc:
+    except (storage.StorageError, FileNotFoundError) as exc:
         raise ServiceStateError(f"state_dir unusable: {exc}") from None
     if meta is None:
         return recipe
@@ -128,17 +129,17 @@ def with_added_phases(recipe: Any, added: Any) -> Any:
         return None
 
 
-def checkpoint_index(state_dir: "str | os.PathLike[str] | files.Location") -> dict[int, str]:
+def checkpoint_index(state_dir: "str | os.PathLike[str] | storage.Location") -> dict[int, str]:
     """``{step: file name}`` of the checkpoints under ``state_dir`` (one listing)."""
     out = {}
-    for name in files.listing(files.location(state_dir).join(CHECKPOINT_DIR)):
+    for name in storage.listing(storage.location(state_dir).join(CHECKPOINT_DIR)):
         m = CHECKPOINT_RE.match(name)
         if m:
             out[int(m.group(1))] = name
     return out
 
 
-def _check_entry(path: files.Location, where: str, entry: Any) -> dict[str, Any]:
+def _check_entry(path: storage.Location, where: str, entry: Any) -> dict[str, Any]:
     if not isinstance(entry, dict):
         raise ServiceStateError(f"{path}: {where} is malformed (a {type(entry).__name__}, not a table)")
     step, consumer, when = entry.get(KEY_STEP), entry.get(KEY_CONSUMER), entry.get(KEY_TIME, 0.0)
@@ -151,13 +152,13 @@ def _check_entry(path: files.Location, where: str, entry: Any) -> dict[str, Any]
     return {KEY_STEP: step, KEY_CONSUMER: consumer, KEY_TIME: float(when)}
 
 
-def read_commits(state_dir: "str | os.PathLike[str] | files.Location") -> dict[str, Any]:
+def read_commits(state_dir: "str | os.PathLike[str] | storage.Location") -> dict[str, Any]:
     """``{"commits": [history, newest last], "latest": {consumer: entry}}``, every entry checked; an absent file is
     no commits. A malformed file or entry is one :class:`ServiceStateError` naming the file and the entry."""
-    path = files.location(state_dir).join(COMMITS_FILE)
-    if not files.exists(path):
+    path = storage.location(state_dir).join(COMMITS_FILE)
+    if not storage.exists(path):
         return {KEY_COMMITS: [], KEY_LATEST: {}}
-    payload = files.read_json(path, expect_format=STATE_FORMAT, error=ServiceStateError, what=COMMITS_FILE)
+    payload = storage.read_json(path, expect_format=STATE_FORMAT, error=ServiceStateError, what=COMMITS_FILE)
     raw_history = payload.get(KEY_COMMITS, [])
     if not isinstance(raw_history, list):
         raise ServiceStateError(f"{path}: '{KEY_COMMITS}' must be a list, got {type(raw_history).__name__}")
@@ -188,12 +189,12 @@ def service_meta(recipe: Any, added_phases: list[dict[str, Any]]) -> dict[str, A
 
 
 class ServiceState:
-    """Durable state of one service. Open it with :meth:`open`. ``root`` is a :class:`zephon_ray.files.Location`
+    """Durable state of one service. Open it with :meth:`open`. ``root`` is a :class:`zephon_ray.storage.Location`
     (``str(root)`` is the path or URI)."""
 
-    def __init__(self, root: "files.Location", recipe: Any, *, keep_checkpoints: int = 4,
+    def __init__(self, root: "storage.Location", recipe: Any, *, keep_checkpoints: int = 4,
                  anchor_every: int = 0) -> None:
-        self.root = files.location(root)
+        self.root = storage.location(root)
         self.recipe = recipe
         self.keep_checkpoints = keep_checkpoints
         self.anchor_every = anchor_every
@@ -204,17 +205,17 @@ class ServiceState:
         self._lock = threading.RLock()  # the index; never held across I/O except the first listing
 
     @classmethod
-    def open(cls, recipe: Any, state_dir: "str | os.PathLike[str] | files.Location", *, keep_checkpoints: int = 4,
+    def open(cls, recipe: Any, state_dir: "str | os.PathLike[str] | storage.Location", *, keep_checkpoints: int = 4,
              anchor_every: int = 0) -> "ServiceState":
         """Check the fingerprint first; create the directory and ``service.json`` only when it matches.
         ``anchor_every=0`` keeps every checkpoint (no pruning)."""
-        root = files.location(state_dir)
+        root = storage.location(state_dir)
         recipe = check_state_dir(recipe, root)  # with the phases a running service accepted here
         state = cls(root, recipe, keep_checkpoints=keep_checkpoints, anchor_every=anchor_every)
         meta_path = root.join(SERVICE_FILE)
-        files.make_dirs(root.join(CHECKPOINT_DIR))
-        if not files.exists(meta_path):
-            files.write_json(meta_path, service_meta(recipe, []), compact=True)  # last: the commit point
+        storage.make_dirs(root.join(CHECKPOINT_DIR))
+        if not storage.exists(meta_path):
+            storage.write_json(meta_path, service_meta(recipe, []), compact=True)  # last: the commit point
         return state
 
     def add_phase(self, recipe: Any, name: str) -> list[int]:
@@ -232,18 +233,18 @@ class ServiceState:
             for step in doomed:
                 self._names.pop(step, None)
         for path in paths:
-            files.delete(path)
+            storage.delete(path)
         meta_path = self.root.join(SERVICE_FILE)
         meta = read_service_file(self.root) or {}
         added = list(meta.get(KEY_ADDED_PHASES) or [])
         added.append(phase.canonical(recipe.source_names))
-        files.write_json(meta_path, {**service_meta(recipe, added), KEY_TIME: meta.get(KEY_TIME, time.time())},
+        storage.write_json(meta_path, {**service_meta(recipe, added), KEY_TIME: meta.get(KEY_TIME, time.time())},
                          compact=True)
         self.recipe = recipe
         return doomed
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_path(self, step: int) -> files.Location:
+    def checkpoint_path(self, step: int) -> storage.Location:
         """Where the checkpoint of ``step`` is (an older 8-digit name when that is what is there)."""
         self.checkpoint_steps()
         with self._lock:
@@ -274,7 +275,7 @@ class ServiceState:
         if pin:
             self.pinned.add(step)
         if not self.has_checkpoint(step):
-            files.write_json(self.checkpoint_path(step), state, compact=True)  # listed only once it is whole
+            storage.write_json(self.checkpoint_path(step), state, compact=True)  # listed only once it is whole
             with self._lock:
                 if step not in self._names:
                     self._names[step] = checkpoint_name(step)
@@ -298,11 +299,11 @@ class ServiceState:
                 for step in doomed:
                     self._names.pop(step, None)
             for path in paths:
-                files.delete(path)
+                storage.delete(path)
         return doomed
 
     def read_checkpoint(self, step: int) -> dict[str, Any]:
-        state = files.read_json(self.checkpoint_path(step), error=ServiceStateError, what="checkpoint")
+        state = storage.read_json(self.checkpoint_path(step), error=ServiceStateError, what="checkpoint")
         check_step_state(state, self.recipe)
         return state
 
@@ -335,7 +336,7 @@ class ServiceState:
         latest[str(consumer)] = entry
         if len(latest) > MAX_CONSUMERS:
             latest = dict(sorted(latest.items(), key=lambda kv: kv[1][KEY_TIME])[-MAX_CONSUMERS:])
-        files.write_json(self.root.join(COMMITS_FILE), {KEY_FORMAT: STATE_FORMAT, KEY_COMMITS: history,
+        storage.write_json(self.root.join(COMMITS_FILE), {KEY_FORMAT: STATE_FORMAT, KEY_COMMITS: history,
                                                         KEY_LATEST: latest}, compact=True)
         self._commits = {KEY_COMMITS: history, KEY_LATEST: latest}
         return entry
@@ -345,20 +346,20 @@ class ServiceState:
         return int(commits[-1][KEY_STEP]) if commits else None
 
 
-def read_nearest_checkpoint(state_dir: "str | os.PathLike[str] | files.Location", recipe: Any,
+def read_nearest_checkpoint(state_dir: "str | os.PathLike[str] | storage.Location", recipe: Any,
                             step: int) -> tuple[int, dict[str, Any]] | None:
     """``(checkpoint step, state)`` of the newest durable checkpoint at or before ``step`` under ``state_dir``, read
     beside the running service without writing anything (one listing, one read); None when there is none. A
     checkpoint the service pruned between the listing and the read is looked up once more."""
     for attempt in (1, 2):
-        state = ServiceState(files.location(state_dir), recipe)
+        state = ServiceState(storage.location(state_dir), recipe)
         found = state.nearest_checkpoint(step)
         if found is None:
             return None
         try:
             return found, state.read_checkpoint(found)
         except ServiceStateError:
-            if attempt == 2 or files.exists(state.checkpoint_path(found)):
+            if attempt == 2 or storage.exists(state.checkpoint_path(found)):
                 raise
     return None
 
@@ -367,7 +368,7 @@ def inspect(state_dir: "str | os.PathLike[str]") -> dict[str, Any]:
     """What a service left under ``state_dir`` (a path or URI): format, fingerprint, lanes, checkpoints, commits.
     Reads the files only (no Ray, no recipe). A missing or damaged file is one :class:`ServiceStateError` (or
     ``FileNotFoundError`` for a directory that is not a state_dir) naming it."""
-    root = files.location(state_dir)
+    root = storage.location(state_dir)
     meta = read_service_file(root)
     if meta is None:
         raise FileNotFoundError(f"{root}: no {SERVICE_FILE}; not a zephon-ray service state_dir")

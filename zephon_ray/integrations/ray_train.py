@@ -64,7 +64,7 @@ from typing import Any, NamedTuple
 
 from ray.train import DataConfig
 
-from zephon_ray import files
+from zephon_ray import storage
 from zephon_ray.checks import MAX_STEP, check_int
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import StepShape, check_geometry
@@ -319,7 +319,7 @@ class ZephonDatasetShard:
     def save(self, directory: str | os.PathLike) -> dict[str, Any]:
         """Write :meth:`state_dict` to ``<directory>/zephon_loader.json`` (JSON); returns the state."""
         state = self.state_dict()
-        files.write_json(files.location(directory).join(STATE_FILE), state)  # atomic; a path or a URI
+        storage.write_json(storage.location(directory).join(STATE_FILE), state)  # atomic; a path or a URI
         return state
 
     def restore(self, checkpoint: Any, *, trainer_step: int | None = None) -> int:
@@ -332,7 +332,7 @@ class ZephonDatasetShard:
                 if not path.is_file():
                     raise FileNotFoundError(f"{self._where()}: checkpoint {checkpoint.path} holds no {STATE_FILE} "
                                             "(was it written with ZephonDatasetShard.save?)")
-                self.load_state_dict(files.read_json(path, what="loader state"), trainer_step=trainer_step)
+                self.load_state_dict(storage.read_json(path, what="loader state"), trainer_step=trainer_step)
         return self.next_step
 
     def close(self) -> None:
@@ -349,7 +349,7 @@ class ZephonDatasetShard:
 
 def _recipe_location(path: Any) -> str:
     """An object-store URI as it is (the workers read it from the bucket), a local path made absolute."""
-    return files.location(path).uri if files.is_uri(path) else str(Path(path).resolve())
+    return storage.location(path).uri if storage.is_uri(path) else str(Path(path).resolve())
 
 
 def _to(microbatch: tuple[dict, Any], device: Any) -> tuple[dict, Any]:

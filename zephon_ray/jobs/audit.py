@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from zephon_ray import files
+from zephon_ray import storage
 from zephon_ray.batch import slice_bounds
 from zephon_ray.formats import ledger
 from zephon_ray.formats.ledger import LedgerError, Segment
@@ -229,7 +229,7 @@ class _Checks:
         return out
 
 
-def audit(ledger_dir: "str | files.Location", head: str | None = None, *, fingerprint: str | None = None,
+def audit(ledger_dir: "str | storage.Location", head: str | None = None, *, fingerprint: str | None = None,
           run_id: str | None = None, reference: Reference | None = None, rows: int | None = None) -> AuditReport:
     """Audit the lineage ending at ``head`` (default: the ledger's newest head; see the module docstring).
     ``fingerprint``/``run_id``: what the lineage must have been written under (default: the head's). ``reference``
@@ -430,16 +430,16 @@ def locate(path: str, ledger_dir: str | None) -> tuple[str, str | None, dict | N
     exist, or (with ``ledger_dir``) one that is not a loader state, is one LedgerError naming it."""
     from zephon_ray.formats.loader_state import KEY_LEDGER, check_state
 
-    loc = files.location(path)
-    if not files.exists(loc):
+    loc = storage.location(path)
+    if not storage.exists(loc):
         raise LedgerError(f"{loc.uri}: no such file or directory (expected a loader state or a ledger directory)")
-    state_file = loc if files.is_file(loc) else loc.join("zephon_loader.json")
-    if not files.is_file(state_file):
+    state_file = loc if storage.is_file(loc) else loc.join("zephon_loader.json")
+    if not storage.is_file(state_file):
         if ledger_dir:
             raise LedgerError(f"{loc.uri} is not a loader state (no zephon_loader.json in it); --ledger names the "
                               "ledger of a checkpoint's loader state")
         return path, None, None
-    state = files.read_json(state_file, error=LedgerError, what="loader state")
+    state = storage.read_json(state_file, error=LedgerError, what="loader state")
     if not isinstance(state, dict):
         raise LedgerError(f"{state_file.uri}: not a loader state (a JSON {type(state).__name__}, not an object)")
     try:

@@ -41,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon_ray import files
+from zephon_ray import storage
 from zephon_ray.checks import check_int
 from zephon_ray.errors import UserInputError
 from zephon_ray.identity import verify_on_node
@@ -89,9 +89,9 @@ def record_ref(recipe: Recipe, source: str, shard: str, record: int) -> RecordRe
         raise UserInputError(f"--source {source!r}: the recipe has no such source (sources: "
                              f"{', '.join(recipe.source_names)})")
     src = by_name[source]
-    base = files.location(src.path)
+    base = storage.location(src.path)
     names = {x.name: x for x in src.shards}
-    name = shard if shard in names else next((n for n in names if base.join(n).uri == files.location(shard).uri), None) \
+    name = shard if shard in names else next((n for n in names if base.join(n).uri == storage.location(shard).uri), None) \
         if shard else None
     if name is None:
         shown = ", ".join(list(names)[:4]) + (" ..." if len(names) > 4 else "")
@@ -195,7 +195,7 @@ def locate(recipe: Recipe, target: RecordRef, steps: range, *, groups: int = 1, 
 
     steps = check_range(steps)
     check_groups(recipe, groups)
-    base = files.location(work_dir or tempfile.gettempdir())
+    base = storage.location(work_dir or tempfile.gettempdir())
     work = base.join(f".locate-{uuid.uuid4().hex[:12]}")
     kwargs = {"recipe": recipe, "target": target, "first": steps.start, "end": steps.stop, "groups": groups,
               "run_id": f"locate-{work.name}", "aggregate_dir": work.join("aggregate").uri}
@@ -212,7 +212,7 @@ def locate(recipe: Recipe, target: RecordRef, steps: range, *, groups: int = 1, 
     finally:
         bar.close()
         if not work.remote and os.path.isdir(work.path):
-            files.delete_tree(work)
+            storage.delete_tree(work)
     if min(done.values()) != steps.stop:
         raise RuntimeError(f"locate: lane groups stopped at steps {done}, expected {steps.stop}")
     return sorted(hits, key=lambda h: (h.step, h.row, h.start))

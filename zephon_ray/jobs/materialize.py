@@ -42,7 +42,7 @@ from typing import Any, Iterator
 
 import numpy as np
 
-from zephon_ray import files
+from zephon_ray import storage
 from zephon_ray.checks import MAX_STEP, check_int
 from zephon_ray.formats.materialized import (
     CHECKPOINTS_DIR, KEY_CHECKPOINTS, KEY_DIGESTS, KEY_END, KEY_FINGERPRINT, KEY_FIRST, KEY_FORMAT, KEY_GEOMETRY,
@@ -133,13 +133,13 @@ def _geometry(recipe: Recipe) -> dict[str, Any]:
     }
 
 
-def _prepare_directory(directory: files.Location, recipe: Recipe) -> tuple[dict[str, Any] | None, Recipe]:
+def _prepare_directory(directory: storage.Location, recipe: Recipe) -> tuple[dict[str, Any] | None, Recipe]:
     """The committed manifest (None for a new directory), after removing leftovers of a killed run, and the recipe
     to extend it with: ``recipe``, or ``recipe`` with the run-time phases the directory was made under."""
     if not directory.remote and os.path.exists(directory.path) and not os.path.isdir(directory.path):
         raise MaterializedError(f"--out {directory}: exists and is not a directory")
     manifest = None
-    if files.exists(directory.join(MANIFEST_NAME)):
+    if storage.exists(directory.join(MANIFEST_NAME)):
         manifest = read_manifest(directory)
         joined = recipe_of(manifest, recipe)  # the run-time phases the directory was made under
         recipe = joined if joined is not None and joined.fingerprint == manifest[KEY_FINGERPRINT] else recipe
@@ -152,13 +152,13 @@ def _prepare_directory(directory: files.Location, recipe: Recipe) -> tuple[dict[
             raise MaterializedError(f"{directory.join(MANIFEST_NAME)}: geometry differs from {recipe.describe()}")
     else:
         ours = {SEGMENTS_DIR, CHECKPOINTS_DIR}
-        tops = {name.split("/", 1)[0] for name in files.listing(directory, recursive=True)}
+        tops = {name.split("/", 1)[0] for name in storage.listing(directory, recursive=True)}
         if not directory.remote and os.path.isdir(directory.path):
             tops |= set(os.listdir(directory.path))
         foreign = sorted(t for t in tops if t not in ours and not t.startswith((WORK_PREFIX, TMP_PREFIX)))
         if foreign:
             raise MaterializedError(f"--out {directory}: not empty and holds no {MANIFEST_NAME} (found {foreign[0]})")
-    files.make_dirs(directory)
+    storage.make_dirs(directory)
     clean_leftovers(directory)  # committed files are never touched
     return manifest, recipe
 
@@ -174,7 +174,7 @@ def materialize(recipe: Recipe, directory: "str | os.PathLike[str]", steps: rang
         check_int(name, value, low=1, high=high, error=MaterializedError)
     if recipe.lanes % producers:
         raise MaterializedError(f"--producers {producers} does not divide the recipe's {recipe.lanes} lanes")
-    directory = files.location(directory)
+    directory = storage.location(directory)
     manifest, recipe = _prepare_directory(directory, recipe)
     if manifest is None:
         manifest = {
@@ -202,7 +202,7 @@ def materialize(recipe: Recipe, directory: "str | os.PathLike[str]", steps: rang
         start_state = load_checkpoint(directory.join(entry["file"]), recipe, end)
 
     work_dir = directory.join(f"{WORK_PREFIX}{uuid.uuid4().hex[:12]}")
-    files.make_dirs(work_dir)
+    storage.make_dirs(work_dir)
     writer = SegmentWriter(directory, manifest, lanes=recipe.lanes, rows_per_lane=recipe.rows_per_lane,
                            row_length=recipe.row_length)
     bar = tqdm(total=len(todo), unit="step", desc="materialize", dynamic_ncols=True,
@@ -215,13 +215,13 @@ def materialize(recipe: Recipe, directory: "str | os.PathLike[str]", steps: rang
     finally:
         bar.close()
         writer.abort()
-        files.delete_tree(work_dir)
+        storage.delete_tree(work_dir)
     return MaterializeResult(directory.uri, first, int(manifest[KEY_END]), todo,
                              len(todo) * recipe.tokens_per_step)
 
 
 def _stream(recipe: Recipe, todo: range, *, producers: int, start_state: dict[str, Any] | None, segment_steps: int,
-            work_dir: files.Location, cpus_per_actor: float) -> Iterator[tuple[int, tuple]]:
+            work_dir: storage.Location, cpus_per_actor: float) -> Iterator[tuple[int, tuple]]:
     """Yield (step, (tokens, positions, source_tokens, state)) in step order, assembled from every lane group."""
     kwargs = {
         "recipe": recipe, "groups": producers, "start_state": start_state, "first": todo.start, "end": todo.stop,

@@ -9,7 +9,7 @@
     OUT_DIR/manifest.json                                (written last: tokenizer identity, listing, counts)
 
 The layout and manifest belong to :mod:`zephon_ray.formats.pretokenized`; every file goes through
-:mod:`zephon_ray.files`, so RECIPE's sources and OUT_DIR may each be a local directory or an object-store URI
+:mod:`zephon_ray.storage`, so RECIPE's sources and OUT_DIR may each be a local directory or an object-store URI
 (``s3://bucket/tokens``): raw shards are read through Zephon's storage router, token shards are written by the
 actors as one atomic upload each, and the manifest's upload commits the copy.
 
@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from zephon_ray import files, zephon_io
+from zephon_ray import storage, zephon_io
 from zephon_ray.checks import check_int
 from zephon_ray.formats.pretokenized import (
     build_manifest, output_name, progress_location, read_progress, shard_location, write_manifest, write_progress,
@@ -80,14 +80,14 @@ class ShardTask:
 
 def _raw_bytes(path: str) -> bytes:
     """A raw shard's bytes: through Zephon's storage router for an object-store URI, else from local disk."""
-    if files.is_uri(path):
+    if storage.is_uri(path):
         try:
             return zephon_io.read_object(path)
         except zephon_io.ZephonIOError as exc:
             raise PretokenizeError(str(exc)) from None
     try:
-        return files.read_bytes(path)
-    except (FileNotFoundError, files.StorageError) as exc:
+        return storage.read_bytes(path)
+    except (FileNotFoundError, storage.StorageError) as exc:
         raise PretokenizeError(str(exc)) from None
 
 
@@ -173,17 +173,17 @@ def tokenize_shard(task: ShardTask, tokenizer: Any, text_field: str) -> dict[str
     texts = read_texts(task.raw_path, task.raw_format, text_field)
     ids = tokenize_texts(tokenizer, texts)
     blob = token_shard_bytes(ids)
-    files.write_atomic(task.out_path, blob)
+    storage.write_atomic(task.out_path, blob)
     entry = {
         "source": task.source,
         "relative": task.relative,
         "records": len(ids),
         "tokens": int(sum(len(x) for x in ids)),
         "bytes": len(blob),
-        "sha256": files.sha256_bytes(blob),
+        "sha256": storage.sha256_bytes(blob),
     }
     # The shard is durable before its progress entry: an entry always describes a complete file.
-    write_progress(files.location(task.progress_path), entry)
+    write_progress(storage.location(task.progress_path), entry)
     return entry
 
 
@@ -200,7 +200,7 @@ class PretokenizeResult:
     bytes: int
 
 
-def plan(recipe: Recipe, out: files.Location) -> list[ShardTask]:
+def plan(recipe: Recipe, out: storage.Location) -> list[ShardTask]:
     tasks = []
     for source in recipe.sources:
         names = [rel for rel, _size in shard_list(source)]
@@ -212,7 +212,7 @@ def plan(recipe: Recipe, out: files.Location) -> list[ShardTask]:
             )
         for rel in names:
             tasks.append(ShardTask(
-                source=source.name, raw_path=files.location(source.path).join(rel).uri, raw_format=source.format,
+                source=source.name, raw_path=storage.location(source.path).join(rel).uri, raw_format=source.format,
                 relative=rel, out_path=shard_location(out, source.name, rel).uri,
                 progress_path=progress_location(out, source.name, rel).uri,
             ))
@@ -221,10 +221,10 @@ def plan(recipe: Recipe, out: files.Location) -> list[ShardTask]:
 
 def finished_entry(task: ShardTask) -> dict[str, Any] | None:
     """The progress entry of a shard finished by an earlier (interrupted) run, if its output still verifies."""
-    entry = read_progress(files.location(task.progress_path))
+    entry = read_progress(storage.location(task.progress_path))
     if entry is None:
         return None
-    if files.size(task.out_path) != entry.get("bytes") or files.sha256(task.out_path) != entry.get("sha256"):
+    if storage.size(task.out_path) != entry.get("bytes") or storage.sha256(task.out_path) != entry.get("sha256"):
         return None
     return entry
 
@@ -238,14 +238,14 @@ def pretokenize(recipe: Recipe, out_dir: "str | Any", *, actors: int | None = No
 
     if recipe.pretokenized is not None:
         raise PretokenizeError(f"{recipe.describe()} is already pre-tokenised (key 'pretokenized')")
-    out = files.location(out_dir)
+    out = storage.location(out_dir)
     for source in recipe.sources:
-        src = files.location(source.path)
+        src = storage.location(source.path)
         if out.is_within(src) or src.is_within(out):
             raise PretokenizeError(f"OUT_DIR {out} overlaps source '{source.name}' ({source.path})")
     manifest_loc = out.join(MANIFEST_NAME)
-    if files.exists(manifest_loc):
-        previous = files.read_json(manifest_loc, error=PretokenizeError, what="pre-tokenisation manifest",
+    if storage.exists(manifest_loc):
+        previous = storage.read_json(manifest_loc, error=PretokenizeError, what="pre-tokenisation manifest",
                                    missing_hint="")
         found = previous.get(KEY_SOURCE_FINGERPRINT) if isinstance(previous, dict) else None
         if found != recipe.fingerprint:
@@ -365,7 +365,7 @@ def _toml_value(value: Any) -> str:
     return json.dumps(str(value))  # a JSON string is a valid TOML basic string
 
 
-def write_pretokenized_recipe(recipe: Recipe, out: files.Location) -> files.Location:
+def write_pretokenized_recipe(recipe: Recipe, out: storage.Location) -> storage.Location:
     """``OUT_DIR/recipe.toml``: every data-defining key of ``recipe``, sources pointing at the token copies."""
     top = {
         "seed": recipe.seed, "lanes": recipe.lanes, "microbatches_per_lane": recipe.microbatches_per_lane,
@@ -387,5 +387,5 @@ def write_pretokenized_recipe(recipe: Recipe, out: files.Location) -> files.Loca
                   f"path = {_toml_value(SOURCES_DIR + '/' + source.name)}", 'format = "parquet"',
                   f"weight = {_toml_value(source.weight)}"]
     loc = out.join(RECIPE_NAME)
-    files.write_atomic(loc, ("\n".join(lines) + "\n").encode())
+    storage.write_atomic(loc, ("\n".join(lines) + "\n").encode())
     return loc

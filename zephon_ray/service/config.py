@@ -156,7 +156,7 @@ class ServiceConfig:
     storage_retry_s: float | None = None
     """How long the coordinator, producers and replayers keep retrying a transient object-store fault (an outage,
     503 SlowDown, a timeout, a cut response) before it is fatal. None: the environment's
-    ``ZEPHON_RAY_STORAGE_RETRY_S``, else 600 s (zephon_ray/files.py)."""
+    ``ZEPHON_RAY_STORAGE_RETRY_S``, else 600 s (zephon_ray/storage/retries.py)."""
     resources: ActorResources = field(default_factory=ActorResources)
     """Ray resources per actor (``--resources.<field>`` on the command line)."""
 

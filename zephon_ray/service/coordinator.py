@@ -21,7 +21,7 @@ Guarantees (each shown by the test named):
   producers and replayers (its node readers died with it) and starts at the consumers' newest commits; clients
   retry, also reads in flight at the kill (tests/test_service_heal.py).
 - A configuration error found while starting is reported once by ``ready()``, naming what is wrong.
-- An object-store outage or throttling is waited out (``storage_retry_s``, zephon_ray/files.py): the steps it
+- An object-store outage or throttling is waited out (``storage_retry_s``, zephon_ray/storage/retries.py): the steps it
   holds are served on, reads of other steps wait, production resumes when the store answers again, with no
   restart (tests/test_storage_faults.py). Only a spent budget or a permanent fault is fatal, as one line naming the
   object and the cause; no message carries a traceback (the log does).
@@ -49,7 +49,7 @@ from typing import Any
 
 import ray
 
-from zephon_ray import files
+from zephon_ray import storage
 from zephon_ray.checks import check_int
 from zephon_ray.errors import best_effort, one_line
 from zephon_ray.formats.service_state import ServiceState
@@ -104,7 +104,7 @@ class Coordinator:
         self._changed: asyncio.Event | None = None
         self._set_up = False
         if config.storage_retry_s is not None:
-            files.set_retry_budget(config.storage_retry_s)
+            storage.set_retry_budget(config.storage_retry_s)
         try:
             self._setup()
             self._set_up = True
@@ -119,7 +119,7 @@ class Coordinator:
         self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
         # A first start's storage has not answered yet: a misconfiguration is one line within the start budget. A
         # restarted incarnation rides out an outage of storage that answered before, for the full budget.
-        with contextlib.nullcontext() if self._restarted else files.first_contact():
+        with contextlib.nullcontext() if self._restarted else storage.first_contact():
             self.state = ServiceState.open(recipe, config.state_dir, keep_checkpoints=config.keep_checkpoints,
                                            anchor_every=config.anchor_every)
         # The state_dir may record phases an earlier incarnation accepted (add_phase): run under them.
@@ -558,7 +558,7 @@ class Coordinator:
                 log.exception("pump: replacing the producer group")
                 try:
                     # A storage fault that got here has spent its budget (or is permanent): fatal in restart().
-                    pool.restart(f"pump: {describe(exc)}", transient=files.is_transient(exc))
+                    pool.restart(f"pump: {describe(exc)}", transient=storage.is_transient(exc))
                     if pool.fatal:
                         self._fail(pool.fatal)
                 except Exception as again:  # noqa: BLE001

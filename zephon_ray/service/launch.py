@@ -19,7 +19,7 @@ import os
 from dataclasses import replace
 from typing import Any
 
-from zephon_ray import files
+from zephon_ray import storage
 from zephon_ray.errors import best_effort
 from zephon_ray.formats.service_state import check_state_dir
 from zephon_ray.recipe import Recipe
@@ -36,15 +36,15 @@ def check_materialized_dir(recipe: Recipe, path: str | os.PathLike) -> str:
     """The absolute path of a materialised directory usable for ``recipe`` (ValueError naming what is wrong)."""
     from zephon_ray.service.replay import read_materialized_prefix
 
-    path = files.location(path).uri  # absolute (or a URI): the coordinator and replayers resolve it elsewhere
+    path = storage.location(path).uri  # absolute (or a URI): the coordinator and replayers resolve it elsewhere
     read_materialized_prefix(recipe, path)
     return path
 
 
 def prepare(recipe: Recipe, config: ServiceConfig) -> ServiceConfig:
     """The I/O checks of a start, before Ray is touched; returns the config with absolute paths. Storage that does
-    not answer within ``files.START_BUDGET_S`` (an unresolvable endpoint, an outage) is one line, at once."""
-    with files.first_contact():
+    not answer within ``storage.START_BUDGET_S`` (an unresolvable endpoint, an outage) is one line, at once."""
+    with storage.first_contact():
         if config.state_dir is not None:
             check_state_dir(recipe, config.state_dir)  # a path or a URI; an absent state_dir is fine
         if config.materialized_dir is not None:

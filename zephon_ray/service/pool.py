@@ -20,7 +20,7 @@ Guarantees:
 - Each generation gets its own Zephon run id ``<run_id>-<instance>-g<N>``; aggregate dirs of older generations
   are removed when a new one starts.
 - Storage faults are waited out, not fatal: checkpoint writes and reads retry transient object-store faults for the
-  storage budget (``storage_retry_s``, zephon_ray/files.py), so a 15 s outage only pauses the pump
+  storage budget (``storage_retry_s``, zephon_ray/storage/retries.py), so a 15 s outage only pauses the pump
   (tests/test_storage_faults.py); a producer call that failed on a transient fault (its Zephon read of a source)
   replaces the group with backoff for as long as that budget, without counting towards
   ``MAX_CONSECUTIVE_FAILURES``. Only a spent budget or a permanent fault (a missing bucket, refused credentials,
@@ -44,7 +44,7 @@ from typing import Any, Callable
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
-from zephon_ray import files
+from zephon_ray import storage
 from zephon_ray.errors import best_effort, one_line
 from zephon_ray.formats.service_state import ServiceStateError
 from zephon_ray.identity import check_checkpoint_agreement
@@ -174,10 +174,10 @@ class ProducerPool:
         if not self.config.aggregate_dir or not self.config.run_id:
             return
         pattern = re.compile(rf"^{re.escape(self.config.run_id)}-[0-9a-f]{{6}}-g\d+(-\d+)?$")
-        root = files.location(self.config.aggregate_dir)  # a shared directory or an object-store prefix
-        for name in files.entries(root):
+        root = storage.location(self.config.aggregate_dir)  # a shared directory or an object-store prefix
+        for name in storage.entries(root):
             if pattern.match(name) and not name.startswith(keep_run_id + "-") and name != keep_run_id:
-                files.delete_tree(root.join(name))
+                storage.delete_tree(root.join(name))
 
     def launch(self, producers: int, step: int, state: dict[str, Any] | None) -> None:
         with self._launch_lock:
@@ -286,7 +286,7 @@ class ProducerPool:
             self.failures += 1
         self.restarts += 1
         self.metrics.producer_restart(death=death)
-        budget = files.retry_budget_s()
+        budget = storage.retry_budget_s()
         if self.failures > MAX_CONSECUTIVE_FAILURES or self.deaths > MAX_CONSECUTIVE_DEATHS:
             self.fatal = (f"service {self.config.name!r}: producers failed {self.failures + self.deaths} times in a "
                           f"row without finishing a step; last error: {reason}")
@@ -299,8 +299,8 @@ class ProducerPool:
         log.warning("replacing producer group g%d (%s)", gen.number, reason[:300])
         self._kill(gen)
         streak = self.deaths + self.failures + (self.restarts if transient else 0)
-        if transient:  # a storage fault: capped exponential backoff with jitter, as files.retry does
-            time.sleep(min(files.RETRY_CAP_S, files.RETRY_FIRST_S * 2 ** min(streak, 10)) * random.uniform(0.5, 1))
+        if transient:  # a storage fault: capped exponential backoff with jitter, as storage.retry does
+            time.sleep(min(storage.RETRY_CAP_S, storage.RETRY_FIRST_S * 2 ** min(streak, 10)) * random.uniform(0.5, 1))
         elif self.deaths + self.failures > 1:  # repeated failures: back off instead of spinning
             time.sleep(min(0.25 * 2 ** (self.deaths + self.failures - 2), 5.0))
         pending = list(self._inflight) + list(self._ckpts) + [s for s in self._skips if s >= 0]
@@ -452,8 +452,8 @@ class ProducerPool:
             self.restart(f"{type(exc).__name__}: {describe(exc)}", death=True)
         except RayError as exc:
             log.warning("producer call failed: %s", exc)
-            self.restart(describe(exc), transient=files.is_transient(getattr(exc, "cause", None) or exc)
-                         or files.is_transient(Exception(describe(exc))))
+            self.restart(describe(exc), transient=storage.is_transient(getattr(exc, "cause", None) or exc)
+                         or storage.is_transient(Exception(describe(exc))))
         return out
 
     def persist(self, step: int, state: dict[str, Any]) -> bool:
@@ -468,7 +468,7 @@ class ProducerPool:
                 continue
             oldest = self._writing[min(self._writing)]
             # bounded: the write gives up itself when the storage budget is spent
-            concurrent.futures.wait([oldest], timeout=files.retry_budget_s() + 60)
+            concurrent.futures.wait([oldest], timeout=storage.retry_budget_s() + 60)
         if self.fatal:
             return False
         self._writing[step] = self._writer.submit(self.metrics.time_checkpoint, self.state.write_checkpoint, state)
@@ -492,7 +492,7 @@ class ProducerPool:
                 continue
             del self._writing[step]
             exc = None if future.cancelled() else future.exception()
-            if isinstance(exc, (files.StorageError, ServiceStateError, OSError)):
+            if isinstance(exc, (storage.StorageError, ServiceStateError, OSError)):
                 self.fatal = (f"service {self.config.name!r}: the checkpoint of step {step} cannot be made durable: "
                               f"{describe(exc)}")
             elif exc is not None:

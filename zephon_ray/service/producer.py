@@ -122,13 +122,13 @@ class Producer:
 
     def __init__(self, recipe: Recipe, group: LaneGroup, state: dict[str, Any] | None = None, *,
                  storage_retry_s: float | None = None, hold_steps: int = 0) -> None:
-        from zephon_ray import files
+        from zephon_ray import storage
 
         self.held = OwnedRefs(hold_steps)
         self.lanes = group.owned_lanes(recipe.lanes)
         self.init_error: str | None = None
         if storage_retry_s is not None:
-            files.set_retry_budget(storage_retry_s)
+            storage.set_retry_budget(storage_retry_s)
 
         def start() -> LaneStepper:
             verify_on_node(recipe, where=f"producer for lanes {list(self.lanes)}")
@@ -145,7 +145,7 @@ class Producer:
         try:
             # A storage outage while starting (a replacement group during an outage) is waited out, within the
             # storage budget; a permanent problem is reported once (info()).
-            self._stepper = files.retry(start, f"producer for lanes {list(self.lanes)}")
+            self._stepper = storage.retry(start, f"producer for lanes {list(self.lanes)}")
         except Exception as exc:  # noqa: BLE001 - reported once by the coordinator, see info()
             log.warning("start failed", exc_info=True)  # the trace stays in the log; the message is one line
             last = describe(exc)

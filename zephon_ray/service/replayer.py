@@ -45,10 +45,10 @@ class Replayer:
 
     def __init__(self, recipe: Recipe, materialized_dir: str | None = None, *,
                  storage_retry_s: float | None = None) -> None:
-        from zephon_ray import files
+        from zephon_ray import storage
 
         if storage_retry_s is not None:
-            files.set_retry_budget(storage_retry_s)
+            storage.set_retry_budget(storage_retry_s)
         self.recipe = recipe
         self.init_error: str | None = None
         self._stepper: LaneStepper | None = None
@@ -62,7 +62,7 @@ class Replayer:
                 self._materialized = MaterializedSource(materialized_dir, recipe=recipe)
 
         try:
-            files.retry(start, "replayer")  # a storage outage while starting is waited out (storage budget)
+            storage.retry(start, "replayer")  # a storage outage while starting is waited out (storage budget)
         except Exception as exc:  # noqa: BLE001 - reported once, with the node
             log.warning("start failed", exc_info=True)  # the trace stays in the log; the message is one line
             last = describe(exc)

@@ -1,6 +1,6 @@
 """Attach to a Ray cluster, or start a private local one, for the length of a command or a job's driver.
 
-The attaching process passes ``runtime_env={"env_vars": files.worker_environment()}`` (storage endpoints, region,
+The attaching process passes ``runtime_env={"env_vars": storage.worker_environment()}`` (storage endpoints, region,
 addressing style, account names, retry settings; never a secret, a profile name or a local path), so the actors a
 command starts see the same storage settings as the command (tests/test_storage_cli.py). Before Ray shuts down, the
 node read path's background threads stop (:func:`zephon_ray.service.node_reads.stop_background`).
@@ -66,11 +66,11 @@ def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]
     if ray.is_initialized():
         yield
         return
-    from zephon_ray import files
+    from zephon_ray import storage
 
     temp_dir = None
     quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": "ERROR"}
-    env = files.worker_environment()
+    env = storage.worker_environment()
     # Inside a `ray job submit` job, Ray merges ray.init's runtime_env with the job's and refuses a key set in both:
     # the job's own settings win, ours only fill in what it lacks.
     injected = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")

@@ -25,7 +25,7 @@ from typing import Any
 
 import ray
 
-from zephon_ray import files
+from zephon_ray import storage
 
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.ray_internals import owner_worker_id
@@ -101,7 +101,7 @@ def build(c: Any) -> dict[str, Any]:
         "commits": {"latest": c.recent_commits[-1] if c.recent_commits else None,
                     "latest_durable_step": c.state.latest_commit(), "per_consumer": commits},
         "start": dict(c.start_info),
-        "storage": {"retry_budget_s": files.retry_budget_s(), **files.RETRY_STATS},
+        "storage": {"retry_budget_s": storage.retry_budget_s(), **storage.RETRY_STATS},
         "replay": dict(c.replay.stats),
         "materialized": {"dir": config.materialized_dir, "first_step": c.replay.prefix.start,
                          "end_step": c.replay.prefix.stop} if config.materialized_dir else None,

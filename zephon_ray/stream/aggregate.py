@@ -18,7 +18,7 @@ import os
 import socket
 import tomllib
 
-from zephon_ray import files
+from zephon_ray import storage
 
 ENV_AGGREGATE_DIR = "ZEPHON_RAY_AGGREGATE_DIR"
 """Set to a shared directory to aggregate local-mode Zephon checkpoints there instead of through a TCPStore."""
@@ -29,7 +29,7 @@ TORCH_SCHEME = "torch://"
 def recipe_aggregate(recipe_path: str) -> tuple[str | None, str | None]:
     """The recipe's ``[aggregate]`` table, read cheaply (no dataset scan). Paths resolve against the recipe."""
     try:
-        table = tomllib.loads(files.read_bytes(recipe_path, limit=1 << 20).decode()).get("aggregate", {})
+        table = tomllib.loads(storage.read_bytes(recipe_path, limit=1 << 20).decode()).get("aggregate", {})
     except (OSError, ValueError, tomllib.TOMLDecodeError):
         return None, None  # the recipe itself is validated (with a precise error) when the loader is built
     if not isinstance(table, dict):
@@ -37,7 +37,7 @@ def recipe_aggregate(recipe_path: str) -> tuple[str | None, str | None]:
     store = table.get("store")
     agg_dir = table.get("dir")
     if isinstance(agg_dir, str):  # a path relative to the recipe, an absolute one, or a URI (s3://...)
-        agg_dir = files.location(agg_dir, base=files.location(recipe_path).parent.uri).uri
+        agg_dir = storage.location(agg_dir, base=storage.location(recipe_path).parent.uri).uri
     return (store if isinstance(store, str) else None), (agg_dir if isinstance(agg_dir, str) else None)
 
 
