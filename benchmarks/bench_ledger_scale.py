@@ -52,12 +52,12 @@ def _hexes(rng: np.random.Generator, n: int) -> np.ndarray:
 
 def generate(ledger_dir: str, *, ranks: int, steps: int, save_every: int) -> dict:
     """One pack holding the parts of a run of ``ranks`` ranks saving every ``save_every`` steps."""
-    from zephon_ray import files
+    from zephon_ray import storage
     from zephon_ray.formats import ledger
 
     rng = np.random.default_rng(0)
     table = ledger.SegmentTable()
-    writer = ledger.PackWriter(files.location(ledger_dir), table)
+    writer = ledger.PackWriter(storage.location(ledger_dir), table)
     parent = ""
     for first in range(0, steps, save_every):
         end = min(steps, first + save_every)

@@ -106,7 +106,7 @@ def main() -> None:
     os.environ["ZEPHON_RAY_CACHE_DIR"] = str(work / "hash-cache")
     out: dict = {"rounds": args.rounds, "cpus": os.cpu_count()}
     try:
-        from zephon_ray import Recipe, files, identity
+        from zephon_ray import Recipe, identity, storage
         from zephon_ray.corpus import write_corpus
         from zephon_ray.formats.materialized import (
             KEY_CHECKPOINTS, KEY_DIGESTS, KEY_END, KEY_FINGERPRINT, KEY_FIRST, KEY_FORMAT, KEY_GEOMETRY,
@@ -139,7 +139,7 @@ def main() -> None:
                     "producer_s3_vs_local": statistics.median(ratios), "producer_round_ratios": ratios})
 
         # ------------------------------------------------------------------ 2. a past step from a materialised run
-        mat = files.location(work / "materialized")
+        mat = storage.location(work / "materialized")
         manifest = {KEY_FORMAT: MANIFEST_FORMAT, KEY_FINGERPRINT: local.fingerprint, KEY_FIRST: 0, KEY_END: 0,
                     KEY_GEOMETRY: {"lanes": local.lanes, "rows": local.global_batch_rows,
                                    "row_length": local.row_length, "sources": list(local.source_names)},

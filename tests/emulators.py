@@ -119,10 +119,10 @@ class AzureEmulator(Emulator):
     def new_container(self, prefix: str = "zr") -> str:
         import uuid
 
-        from zephon_ray import files
+        from zephon_ray import storage
 
         name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-        files.filesystem(files.location(f"az://{name}")).create_dir(name)
+        storage.filesystem(storage.location(f"az://{name}")).create_dir(name)
         return name
 
 

@@ -90,8 +90,9 @@ SLOW = {  # command -> the slow test (in this module) that runs it
     "python examples/elastic_resume.py --mode local": ELASTIC,
     "ZEPHON_RAY_AGGREGATE_DIR=/tmp/agg python examples/elastic_resume.py --mode local": ELASTIC,
     "python examples/elastic_resume.py --trainer torchtitan": ELASTIC,
-    "python -c \"import pyarrow.fs as pafs; from zephon_ray import files; d = files.location('s3://$BUCKET/recipes'); "
-    "pafs.copy_files('recipes', d.path, destination_filesystem=files.filesystem(d))\"": S3,
+    "python -c \"import pyarrow.fs as pafs; from zephon_ray import storage; "
+    "d = storage.location('s3://$BUCKET/recipes'); "
+    "pafs.copy_files('recipes', d.path, destination_filesystem=storage.filesystem(d))\"": S3,
     "zephon-ray validate s3://$BUCKET/recipes/tiny.toml": S3,
     "zephon-ray fingerprint s3://$BUCKET/recipes/tiny.toml --verify-content": S3,
     "zephon-ray serve s3://$BUCKET/recipes/tiny.toml --name run7 --namespace zr --producers 2 --state-dir "

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from zephon_ray import GlobalBatchSource, Recipe
-from zephon_ray import files, hash_cache, identity
+from zephon_ray import hash_cache, identity, storage
 from zephon_ray.hash_cache import HashReport
 from zephon_ray.identity import (
     CheckpointDisagreementError, IdentityMismatchError, check_checkpoint_agreement, verify_on_node,
@@ -201,7 +201,7 @@ def test_hash_cache_is_used_and_never_trusted_blindly(tmp_path):
     time.sleep(0.3)  # past the racy window, so the new hash is cached
     rewritten, report = identify()
     assert report.hashed == 1
-    assert rewritten[0].sha256 == files.sha256_file(prose / "shard-00000.jsonl") != first[0].sha256
+    assert rewritten[0].sha256 == storage.sha256_file(prose / "shard-00000.jsonl") != first[0].sha256
     assert rewritten[1] == first[1]
 
     for manifest in hash_cache.cache_dir().glob("*.json"):  # a corrupt cache is ignored and rebuilt
@@ -248,7 +248,7 @@ def test_verify_on_node_names_the_file_and_field(tmp_path):
     with pytest.raises(IdentityMismatchError) as info:
         verify_on_node(recipe, recipe.fingerprint, where="producer for lanes (0,)")
     message = str(info.value)
-    sha_here = files.sha256_file(data / "prose" / "shard-00000.jsonl")
+    sha_here = storage.sha256_file(data / "prose" / "shard-00000.jsonl")
     for needle in ("producer for lanes (0,)", "host ", "source 'prose'", "shard-00000.jsonl", "sha256",
                    sha_here[:12], recipe.sources[0].shards[0].sha256[:12]):
         assert needle in message, message
@@ -436,7 +436,7 @@ def test_a_node_with_a_different_copy_of_a_shard_is_named(tmp_path):
     message = info["node_b"]
     assert info.get("node_b_type") == "IdentityMismatchError", message
     for needle in ("check on node B", f"ray node {info['node_b_id'][:12]}", "source 'prose'", "shard-00001.jsonl",
-                   "sha256", files.sha256_file(modified / "shard-00001.jsonl")[:12]):
+                   "sha256", storage.sha256_file(modified / "shard-00001.jsonl")[:12]):
         assert needle in message, message
     service = info["service"]
     assert service.startswith("ServiceError:") and "IdentityMismatchError" in service, service
@@ -456,7 +456,7 @@ def test_hashing_through_ray_tasks_on_this_node(ray_cluster, tmp_path):
     report = HashReport()
     digests = hash_cache.digest_files(paths, progress=False, report=report)
     assert report.via == "ray" and report.hashed == len(paths)
-    assert digests == {p: files.sha256_file(p) for p in paths}
+    assert digests == {p: storage.sha256_file(p) for p in paths}
 
 
 # ------------------------------------------------------------------------------------------ the Zephon fence

@@ -3,7 +3,7 @@
 - Attaching to an address where no cluster answers is one line within ``CONNECT_TIMEOUT_S`` (Ray alone waits
   minutes), from the Python API and from ``zephon-ray status --address``.
 - A ``state_dir`` whose endpoint does not resolve is one line within the start's storage budget
-  (``files.START_BUDGET_S``), not an outage retried for ten minutes; refused credentials and a missing bucket are one
+  (``storage.START_BUDGET_S``), not an outage retried for ten minutes; refused credentials and a missing bucket are one
   line at once; none of them writes anything (against the real S3 API server of tests/s3_server.py).
 """
 
@@ -47,37 +47,37 @@ def test_no_cluster_at_the_address_is_one_line_at_once():
 
 
 def test_an_unresolvable_storage_endpoint_is_one_line_within_the_start_budget(monkeypatch):
-    from zephon_ray import DataService, files
+    from zephon_ray import DataService, storage
 
     for name in ("S3_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3"):  # the tests' own endpoint, set by other modules
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://no-such-host.invalid:9000")
     monkeypatch.setenv("ZEPHON_RAY_S3_CONNECT_TIMEOUT_S", "1")
-    files.clear_filesystem_cache()
+    storage.clear_filesystem_cache()
     try:
         t0 = time.monotonic()
         with pytest.raises(ValueError) as info:
             DataService.start("tiny", name="unreachable", state_dir="s3://zr-bucket/run7")
         waited = time.monotonic() - t0
     finally:
-        files.clear_filesystem_cache()
-    _one_line(info.value, "s3://zr-bucket/run7", "resolve host", f"{files.START_BUDGET_S:g}s")
-    assert waited < files.START_BUDGET_S + 60, waited  # the start's budget, not the 600 s outage budget
+        storage.clear_filesystem_cache()
+    _one_line(info.value, "s3://zr-bucket/run7", "resolve host", f"{storage.START_BUDGET_S:g}s")
+    assert waited < storage.START_BUDGET_S + 60, waited  # the start's budget, not the 600 s outage budget
 
 
 def test_refused_credentials_and_a_missing_bucket_at_start_write_nothing():
-    from zephon_ray import DataService, files
+    from zephon_ray import DataService, storage
 
     s3 = s3_server.server().start()
     bucket = s3.new_bucket("zr-launch")
     s3.require_auth(True)
-    files.clear_filesystem_cache()
+    storage.clear_filesystem_cache()
     try:
         with pytest.raises(ValueError) as info:
             DataService.start("tiny", name="refused", state_dir=f"s3://{bucket}/state")
     finally:
         s3.require_auth(False)
-        files.clear_filesystem_cache()
+        storage.clear_filesystem_cache()
     _one_line(info.value, f"s3://{bucket}/state", "access denied", "check the credentials")
     assert s3.keys(bucket) == {}
     t0 = time.monotonic()

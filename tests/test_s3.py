@@ -62,31 +62,31 @@ def _one_line(exc: BaseException, *needles: str) -> str:
 
 # ------------------------------------------------------------------------------------------ the storage layer
 def test_storage_layer_on_s3(s3):
-    from zephon_ray import files
+    from zephon_ray import storage
 
     bucket = s3.new_bucket()
-    root = files.location(f"s3://{bucket}/run")
-    files.write_json(root.join("a", "doc.json"), {"format": "x/v1", "k": 1})
-    files.write_atomic(root.join("b.bin"), b"\x00" * 1000)
-    assert files.read_json(root.join("a/doc.json"), expect_format="x/v1") == {"format": "x/v1", "k": 1}
-    assert files.listing(root) == {"b.bin": 1000}
-    assert files.listing(root, recursive=True) == {"a/doc.json": 31, "b.bin": 1000}
-    assert files.sha256(root.join("b.bin")) == files.sha256_bytes(b"\x00" * 1000)
-    assert files.exists(root.join("a")) and files.is_dir(root.join("a")) and files.is_file(root.join("b.bin"))
-    assert not files.exists(root.join("nothing"))
-    with pytest.raises(files.DocumentError) as info:
-        files.read_json(root.join("absent.json"), what="state")
+    root = storage.location(f"s3://{bucket}/run")
+    storage.write_json(root.join("a", "doc.json"), {"format": "x/v1", "k": 1})
+    storage.write_atomic(root.join("b.bin"), b"\x00" * 1000)
+    assert storage.read_json(root.join("a/doc.json"), expect_format="x/v1") == {"format": "x/v1", "k": 1}
+    assert storage.listing(root) == {"b.bin": 1000}
+    assert storage.listing(root, recursive=True) == {"a/doc.json": 31, "b.bin": 1000}
+    assert storage.sha256(root.join("b.bin")) == storage.sha256_bytes(b"\x00" * 1000)
+    assert storage.exists(root.join("a")) and storage.is_dir(root.join("a")) and storage.is_file(root.join("b.bin"))
+    assert not storage.exists(root.join("nothing"))
+    with pytest.raises(storage.DocumentError) as info:
+        storage.read_json(root.join("absent.json"), what="state")
     _one_line(info.value, f"s3://{bucket}/run/absent.json: state missing")
-    files.delete_tree(root.join("a"))
-    files.delete(root.join("b.bin"))
+    storage.delete_tree(root.join("a"))
+    storage.delete(root.join("b.bin"))
     # Nothing left but (pyarrow's way of keeping an emptied directory) a zero-byte "run/" marker, which every
     # listing here skips.
-    assert {k: v for k, v in s3.keys(bucket).items() if not k.endswith("/")} == {} and files.listing(root) == {}
-    with files.spool(root.join("seg.parquet")) as tmp:
+    assert {k: v for k, v in s3.keys(bucket).items() if not k.endswith("/")} == {} and storage.listing(root) == {}
+    with storage.spool(root.join("seg.parquet")) as tmp:
         Path(tmp).write_bytes(b"whole")
-    assert files.listing(root) == {"seg.parquet": 5}
-    with pytest.raises(files.StorageError) as info:
-        files.read_bytes(f"s3://zr-no-such-bucket-{bucket}/x.json")
+    assert storage.listing(root) == {"seg.parquet": 5}
+    with pytest.raises(storage.StorageError) as info:
+        storage.read_bytes(f"s3://zr-no-such-bucket-{bucket}/x.json")
     _one_line(info.value, f"s3://zr-no-such-bucket-{bucket}/x.json", "does not exist")
 
 
@@ -164,7 +164,7 @@ def test_remote_identity_is_the_listing_and_etags(s3, tmp_path, capsys):
 @pytest.mark.parametrize("what", ["missing bucket", "missing prefix", "prefix with no shards", "wrong credentials",
                                   "unreachable endpoint"])
 def test_bad_remote_sources_are_one_line(s3, bucket, tmp_path, monkeypatch, what):
-    from zephon_ray import Recipe, RecipeError, files, zephon_io
+    from zephon_ray import Recipe, RecipeError, storage, zephon_io
 
     source = f"s3://{bucket}/recipes/data/tiny/code"
     needle = source
@@ -185,8 +185,8 @@ def test_bad_remote_sources_are_one_line(s3, bucket, tmp_path, monkeypatch, what
     else:
         monkeypatch.setenv("S3_ENDPOINT_URL", "")  # recorded, so restored after the test: Ray workers inherit it
         monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed.port}")
-        monkeypatch.setenv(files.RETRY_BUDGET_ENV, "2")  # a spent budget (default 600 s) is what is shown here
-        files.clear_filesystem_cache()
+        monkeypatch.setenv(storage.RETRY_BUDGET_ENV, "2")  # a spent budget (default 600 s) is what is shown here
+        storage.clear_filesystem_cache()
         zephon_io.reset_storage()
         expect = "cannot"
     recipe_path = tmp_path / "r.toml"
@@ -199,7 +199,7 @@ def test_bad_remote_sources_are_one_line(s3, bucket, tmp_path, monkeypatch, what
     finally:
         closed.release()
         s3.require_auth(False)
-        files.clear_filesystem_cache()
+        storage.clear_filesystem_cache()
         zephon_io.reset_storage()
     _one_line(info.value, "key 'sources[1].path'", needle, expect)
     assert time.monotonic() - t0 < 180  # bounded (obstore's own retry inside each try, then the 2 s budget)
@@ -210,19 +210,20 @@ def test_endpoint_stopped_then_restarted(s3, materialized_s3, reference_digests,
     """Reads of a materialised run on S3 while the endpoint is down: retried for the storage budget, then one clean
     error naming the object; an endpoint back within the budget (default 600 s) is waited for, and the same source
     reads on."""
-    from zephon_ray import MaterializedSource, files
+    # The retry budget of zephon_ray/storage/retries.py, end to end: waited out, then one line.
+    from zephon_ray import MaterializedSource, storage
     from zephon_ray.formats.materialized import MaterializedError
 
     source = MaterializedSource(materialized_s3)
     assert source.batch(1).digest == reference_digests[1]
     s3.stop()
     t0 = time.monotonic()
-    files.set_retry_budget(3)
+    storage.set_retry_budget(3)
     try:
         with pytest.raises(MaterializedError) as info:
             source.batch(7)  # a segment whose footer is not cached yet
     finally:
-        files.set_retry_budget(None)
+        storage.set_retry_budget(None)
     failed_after = time.monotonic() - t0
     _one_line(info.value, materialized_s3, "still failing after")
     assert failed_after < 60, failed_after  # a 3 s budget, ZEPHON_RAY_S3_MAX_ATTEMPTS=3 attempts, 1 s connects
@@ -234,7 +235,7 @@ def test_endpoint_stopped_then_restarted(s3, materialized_s3, reference_digests,
     finally:
         restarter.join()
     assert [source.batch(s).digest for s in range(STEPS)] == reference_digests[:STEPS]
-    assert files.read_json(f"{materialized_s3}/manifest.json")["end_step"] == 10
+    assert storage.read_json(f"{materialized_s3}/manifest.json")["end_step"] == 10
 
 
 # ------------------------------------------------------------------------------------------ Ray Data jobs
@@ -415,14 +416,14 @@ def test_local_loader_mode_reads_the_bucket(bucket, tiny_recipe):
 
 def test_ray_train_checkpoint_on_s3_restores(s3, bucket, tmp_path):
     """A Ray Train shard's loader state saved into a ``ray.train.Checkpoint`` that lives in the bucket (Ray
-    Train's own pyarrow filesystem, as ``RunConfig(**files.ray_train_storage("s3://..."))`` gives it), restored by
+    Train's own pyarrow filesystem, as ``RunConfig(**storage.ray_train_storage("s3://..."))`` gives it), restored by
     a fresh shard: the next step is the same rows. The TorchTrainer run at W 2 -> 1 is in test_s3_cluster.py."""
     import pickle
 
     import pyarrow.fs as pafs
     from ray.train import Checkpoint
 
-    from zephon_ray import GlobalBatchSource, Recipe, files
+    from zephon_ray import GlobalBatchSource, Recipe, storage
     from zephon_ray.batch import compute_digest
     from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
 
@@ -432,17 +433,17 @@ def test_ray_train_checkpoint_on_s3_restores(s3, bucket, tmp_path):
     shard = pickle.loads(pickle.dumps(shard))
     with GlobalBatchSource(Recipe.from_toml(recipe_uri)) as source:
         expected = [source.batch(s).digest for s in range(4)]
-    storage = files.ray_train_storage(f"s3://{s3.new_bucket('zr-train')}/runs")
+    run_storage = storage.ray_train_storage(f"s3://{s3.new_bucket('zr-train')}/runs")
     try:
         assert [compute_digest(b.slice.tokens, b.slice.positions) for b in shard.iter_steps(until=2)] == expected[:2]
         shard.save(tmp_path)
     finally:
         shard.close()
-    remote = f"{storage['storage_path']}/checkpoint_000001"
-    pafs.copy_files(str(tmp_path), remote, destination_filesystem=storage["storage_filesystem"])
+    remote = f"{run_storage['storage_path']}/checkpoint_000001"
+    pafs.copy_files(str(tmp_path), remote, destination_filesystem=run_storage["storage_filesystem"])
     fresh = pickle.loads(pickle.dumps(shard))
     try:
-        assert fresh.restore(Checkpoint(remote, filesystem=storage["storage_filesystem"])) == 2
+        assert fresh.restore(Checkpoint(remote, filesystem=run_storage["storage_filesystem"])) == 2
         (batch,) = fresh.iter_steps(until=3)
         assert compute_digest(batch.slice.tokens, batch.slice.positions) == expected[2]
     finally:
@@ -452,7 +453,7 @@ def test_ray_train_checkpoint_on_s3_restores(s3, bucket, tmp_path):
 def test_a_ledger_and_its_loader_state_in_a_bucket_audit_clean(s3, bucket, capsys):
     """Every save writes its ledger segment to the bucket (``ledger_dir = s3://...``), and ``zephon-ray audit`` reads
     the loader state and the ledger from there; a resume from an older state is a discarded branch there too."""
-    from zephon_ray import files
+    from zephon_ray import storage
     from zephon_ray.cli import main
     from zephon_ray.stream.loader import Loader, LoaderConfig
 
@@ -472,7 +473,7 @@ def test_a_ledger_and_its_loader_state_in_a_bucket_audit_clean(s3, bucket, capsy
     first = train(None, 2)
     train(first, 2)  # abandoned: the run resumes from `first` again
     final = train(first, 3)
-    files.write_json(f"{base}/ckpt/zephon_loader.json", final)
+    storage.write_json(f"{base}/ckpt/zephon_loader.json", final)
     capsys.readouterr()
     assert main(["audit", f"{base}/ckpt", "--ledger", f"{base}/ledger", "--recipe", config.recipe]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -484,7 +485,7 @@ def test_a_ledger_and_its_loader_state_in_a_bucket_audit_clean(s3, bucket, capsy
 def test_missing_bucket_and_wrong_credentials_for_what_we_write(s3, materialized_s3, tiny_recipe):
     """The storage layer's faults are one line naming the URI, and nothing is written: a state_dir or a
     materialised directory in a bucket that does not exist, or read with credentials the store refuses."""
-    from zephon_ray import MaterializedSource, files
+    from zephon_ray import MaterializedSource, storage
     from zephon_ray.formats.materialized import MaterializedError
     from zephon_ray.formats.service_state import ServiceState, ServiceStateError, check_state_dir
 
@@ -499,10 +500,10 @@ def test_missing_bucket_and_wrong_credentials_for_what_we_write(s3, materialized
     _one_line(info.value, f"{missing}/run", "does not exist")
     s3.require_auth(True)
     try:
-        files.clear_filesystem_cache()
+        storage.clear_filesystem_cache()
         with pytest.raises(MaterializedError) as info:
             MaterializedSource(materialized_s3)
         _one_line(info.value, materialized_s3, "access denied", "check the credentials")
     finally:
         s3.require_auth(False)
-        files.clear_filesystem_cache()
+        storage.clear_filesystem_cache()

@@ -3,7 +3,7 @@
 - the coordinator killed with ``kill -9`` while its state lives only in a bucket, healed from it, then a cold
   restart, with a materialised prefix that is in a bucket too;
 - the Ray Train path: ``TorchTrainer`` with ``RunConfig(storage_path="s3://...")`` (through
-  ``files.ray_train_storage``) and the loader's ``aggregate_dir`` in the bucket, at W=2 then resumed at W=1, the
+  ``storage.ray_train_storage``) and the loader's ``aggregate_dir`` in the bucket, at W=2 then resumed at W=1, the
   same digests;
 - a 3-raylet ``ray.cluster_utils.Cluster`` with no shared directory: sources, materialised run, service state,
   aggregation and Ray Train checkpoints all in buckets; nothing is written outside the bucket and the temp dirs.
@@ -86,7 +86,7 @@ def test_ray_train_storage_on_s3_resumes_at_another_world_size(ray_cluster, s3, 
 
     from examples import bigram
     from examples.torchtitan_ray_train import read_log
-    from zephon_ray import GlobalBatchSource, Recipe, files
+    from zephon_ray import GlobalBatchSource, Recipe, storage
     from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
 
     recipe_uri = f"s3://{bucket}/recipes/elastic.toml"
@@ -95,13 +95,13 @@ def test_ray_train_storage_on_s3_resumes_at_another_world_size(ray_cluster, s3, 
     train_bucket = s3.new_bucket("zr-train")
     dataset = ZephonDataset(recipe_uri, aggregate_dir=f"s3://{train_bucket}/aggregate")
     log = str(tmp_path / "steps.jsonl")
-    storage = files.ray_train_storage(f"s3://{train_bucket}/ray-results")
+    run_storage = storage.ray_train_storage(f"s3://{train_bucket}/ray-results")
     for world, until in ((2, 4), (1, 6)):
         result = TorchTrainer(
             bigram.train_loop, train_loop_config={"log_path": log, "steps": until, "checkpoint_every": 2},
             datasets={"train": dataset}, dataset_config=ZephonDataConfig(run_id="s3-train", checkpoint_every=2),
             scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 0.25}),
-            run_config=RunConfig(name="s3-train", **storage),
+            run_config=RunConfig(name="s3-train", **run_storage),
         ).fit()
         assert result.error is None, result.error
         assert result.checkpoint is not None and result.checkpoint.path.startswith(f"{train_bucket}/ray-results/")
@@ -153,7 +153,7 @@ def _no_shared_directory_driver(scratch: str, data_bucket: str, out_bucket: str,
         from ray.train.torch import TorchTrainer
 
         from examples import bigram
-        from zephon_ray import DataService, MaterializedSource, Recipe, files
+        from zephon_ray import DataService, MaterializedSource, Recipe, storage
         from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
         from zephon_ray.jobs.materialize import materialize
 
@@ -163,7 +163,7 @@ def _no_shared_directory_driver(scratch: str, data_bucket: str, out_bucket: str,
             cluster.add_node(num_cpus=2, resources={name: 1}, temp_dir=str(tmp / "ray"))
         ray.init(address=cluster.address, namespace="zr-no-shared", log_to_driver=False,
                  # The job's workers see the same stores (and import examples/ from the checkout).
-                 runtime_env={"env_vars": {**files.aws_environment(), "PYTHONPATH": str(ROOT)}})
+                 runtime_env={"env_vars": {**storage.worker_environment(), "PYTHONPATH": str(ROOT)}})
         info["cluster_s"] = round(time.monotonic() - t0, 1)
         recipe = Recipe.from_toml(f"s3://{data_bucket}/recipes/tiny.toml")
         out = f"s3://{out_bucket}"
@@ -187,7 +187,7 @@ def _no_shared_directory_driver(scratch: str, data_bucket: str, out_bucket: str,
                                              aggregate_dir=f"{out}/train-aggregate")},
             dataset_config=ZephonDataConfig(run_id="no-shared-train", checkpoint_every=2),
             scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-            run_config=RunConfig(name="no-shared-train", **files.ray_train_storage(f"{out}/ray-results")),
+            run_config=RunConfig(name="no-shared-train", **storage.ray_train_storage(f"{out}/ray-results")),
         ).fit()
         info["train_error"] = None if result.error is None else str(result.error)
         info["train"] = [json.loads(line)["digest"] for line in Path(log).read_text().splitlines()]

@@ -13,7 +13,7 @@ import os
 import pytest
 
 from zephon_ray.lanes import KEY_NEXT_STEP, LaneStepper
-from zephon_ray.files import write_json
+from zephon_ray.storage import write_json
 from zephon_ray.formats.service_state import (
     CHECKPOINT_RE, COMMITS_FILE, MAX_CONSUMERS, FingerprintMismatchError, ServiceState, checkpoint_index)
 
@@ -151,7 +151,7 @@ def test_a_malformed_commit_entry_is_one_line(tiny_recipe, tmp_path, capsys, ent
 
 def test_inspect_reads_a_state_dir_and_old_checkpoint_names(tiny_recipe, real_state, tmp_path, capsys):
     from zephon_ray.cli import main
-    from zephon_ray.files import write_json as write
+    from zephon_ray.storage import write_json as write
 
     state = ServiceState.open(tiny_recipe, tmp_path)
     state.write_checkpoint(_at(real_state, tiny_recipe, 16))

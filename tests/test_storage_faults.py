@@ -60,7 +60,7 @@ def _one_line(exc: BaseException, *needles: str) -> str:
 
 # ------------------------------------------------------------------------------------------ the retry policy
 def test_transient_and_permanent_faults_are_told_apart():
-    from zephon_ray import files
+    from zephon_ray import storage
 
     transient = [
         "AWS Error NETWORK_CONNECTION during HeadObject operation: curlCode: 7, Could not connect to server",
@@ -76,33 +76,33 @@ def test_transient_and_permanent_faults_are_told_apart():
         "InvalidAccessKeyId: The AWS Access Key Id you provided does not exist", "Azure Error: [ContainerNotFound] 404",
         "corrupt checkpoint (not valid JSON: Expecting value)", "something else entirely",
     ]
-    assert [t for t in transient if not files.is_transient(OSError(t))] == []
-    assert [t for t in permanent if files.is_transient(OSError(t))] == []
-    assert files.is_transient(ConnectionResetError()) and not files.is_transient(FileNotFoundError("x"))
-    assert files.is_transient(files.StorageError("x", transient=True))
-    assert not files.is_transient(files.StorageError("s3://b/k: cut (still failing after 3s of retries; the budget "
+    assert [t for t in transient if not storage.is_transient(OSError(t))] == []
+    assert [t for t in permanent if storage.is_transient(OSError(t))] == []
+    assert storage.is_transient(ConnectionResetError()) and not storage.is_transient(FileNotFoundError("x"))
+    assert storage.is_transient(storage.StorageError("x", transient=True))
+    assert not storage.is_transient(storage.StorageError("s3://b/k: cut (still failing after 3s of retries; the budget "
                                                      "is 2s, ZEPHON_RAY_STORAGE_RETRY_S)"))
 
 
 def test_retry_backs_off_then_gives_up_in_one_line(monkeypatch):
-    from zephon_ray import files
+    from zephon_ray.storage import StorageError, retries
 
     sleeps: list[float] = []
-    monkeypatch.setattr(files.time, "sleep", sleeps.append)
+    monkeypatch.setattr(retries.time, "sleep", sleeps.append)
     clock = [0.0]
-    monkeypatch.setattr(files.time, "monotonic", lambda: clock[0] + sum(sleeps))
+    monkeypatch.setattr(retries.time, "monotonic", lambda: clock[0] + sum(sleeps))
     calls = []
 
     def refused():
         calls.append(1)
         raise ConnectionRefusedError("s3://b/state/commits.json: Connection refused")
 
-    with pytest.raises(files.StorageError) as info:
-        files.retry(refused, "s3://b/state/commits.json", budget_s=120)
+    with pytest.raises(StorageError) as info:
+        retries.retry(refused, "s3://b/state/commits.json", budget_s=120)
     _one_line(info.value, "s3://b/state/commits.json", "Connection refused", "still failing after", "budget is 120s")
     assert not info.value.transient and 100 <= sum(sleeps) <= 120 and len(calls) == len(sleeps) + 1
-    assert all(s <= files.RETRY_CAP_S for s in sleeps) and max(sleeps) >= files.RETRY_CAP_S / 2  # capped, jittered
-    assert sleeps[0] <= files.RETRY_FIRST_S and sleeps[1] > sleeps[0] * 0.9  # exponential from the first delay
+    assert all(s <= retries.RETRY_CAP_S for s in sleeps) and max(sleeps) >= retries.RETRY_CAP_S / 2  # capped, jittered
+    assert sleeps[0] <= retries.RETRY_FIRST_S and sleeps[1] > sleeps[0] * 0.9  # exponential from the first delay
     sleeps.clear()
     recovered = iter([TimeoutError("timed out"), TimeoutError("timed out"), "ok"])
 
@@ -112,48 +112,48 @@ def test_retry_backs_off_then_gives_up_in_one_line(monkeypatch):
             raise item
         return item
 
-    assert files.retry(flaky, "x", budget_s=120) == "ok" and len(sleeps) == 2
+    assert retries.retry(flaky, "x", budget_s=120) == "ok" and len(sleeps) == 2
     with pytest.raises(FileNotFoundError):  # permanent: at once, unchanged
-        files.retry(lambda: (_ for _ in ()).throw(FileNotFoundError("s3://b/k: not found")), "x", budget_s=120)
+        retries.retry(lambda: (_ for _ in ()).throw(FileNotFoundError("s3://b/k: not found")), "x", budget_s=120)
     assert len(sleeps) == 2
 
 
 # ------------------------------------------------------------------------------------------ the storage layer
 def test_storage_layer_waits_out_an_outage_throttling_and_a_cut_response(s3):
-    from zephon_ray import files
+    from zephon_ray import storage
 
-    root = files.location(f"s3://{s3.new_bucket('zr-faults')}/state")
+    root = storage.location(f"s3://{s3.new_bucket('zr-faults')}/state")
     doc = {"format": "x/v1", "payload": "p" * 20_000}
-    files.write_json(root.join("checkpoints/step-000000000004.json"), doc)
+    storage.write_json(root.join("checkpoints/step-000000000004.json"), doc)
     before = dict(s3.faults.stats)
     s3.faults.cut(1, match="step-000000000004")  # the GET is cut mid-body: retried, never half-parsed
-    assert files.read_json(root.join("checkpoints/step-000000000004.json")) == doc
+    assert storage.read_json(root.join("checkpoints/step-000000000004.json")) == doc
     assert s3.faults.stats["cuts"] == before["cuts"] + 1
     s3.faults.set_faults(slowdown=0.2)
     try:
         for i in range(8):
-            files.write_json(root.join(f"c{i}.json"), {"i": i})
-        assert [files.read_json(root.join(f"c{i}.json"))["i"] for i in range(8)] == list(range(8))
+            storage.write_json(root.join(f"c{i}.json"), {"i": i})
+        assert [storage.read_json(root.join(f"c{i}.json"))["i"] for i in range(8)] == list(range(8))
     finally:
         s3.faults.clear()
     assert s3.faults.stats["slowdowns"] > before["slowdowns"]
     t0 = time.monotonic()
     s3.faults.refuse_for(2.0)
-    files.write_json(root.join("commits.json"), {"format": "x/v1", "step": 6})  # waits for the endpoint
-    assert time.monotonic() - t0 >= 1.5 and files.read_json(root.join("commits.json"))["step"] == 6
+    storage.write_json(root.join("commits.json"), {"format": "x/v1", "step": 6})  # waits for the endpoint
+    assert time.monotonic() - t0 >= 1.5 and storage.read_json(root.join("commits.json"))["step"] == 6
     # A spent budget: one line naming the object and the cause; a missing bucket: one line at once.
-    files.set_retry_budget(1.0)
+    storage.set_retry_budget(1.0)
     s3.faults.down()
     try:
-        with pytest.raises(files.DocumentError) as info:
-            files.read_json(root.join("commits.json"), what="commits")
+        with pytest.raises(storage.DocumentError) as info:
+            storage.read_json(root.join("commits.json"), what="commits")
     finally:
         s3.faults.up()
-        files.set_retry_budget(None)
+        storage.set_retry_budget(None)
     _one_line(info.value, f"{root}/commits.json", "Could not connect", "still failing after")
     t0 = time.monotonic()
-    with pytest.raises(files.StorageError) as info:
-        files.write_json(f"s3://zr-absent-{root.path.split('/')[0]}/state/commits.json", {})
+    with pytest.raises(storage.StorageError) as info:
+        storage.write_json(f"s3://zr-absent-{root.path.split('/')[0]}/state/commits.json", {})
     _one_line(info.value, "does not exist")
     assert time.monotonic() - t0 < 10  # permanent: not retried for the budget
 
