@@ -44,7 +44,7 @@ def run_round(args, directory: str, side: str) -> dict[str, float]:
     from zephon_ray.stream.dataset import DatasetSlices
     from zephon_ray.stream.ft import FtSlices
     from zephon_ray.stream.loader import LoaderConfig
-    from zephon_ray.stream.protocol import source_state
+    from zephon_ray.stream.slice_reader import source_state
 
     n = args.groups
     recipe = Recipe.from_toml(args.recipe)

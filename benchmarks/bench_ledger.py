@@ -18,7 +18,7 @@ Part 3, audit: a synthetic ledger of ``--audit-steps`` steps at W = ``--audit-wo
 audited (structure only: no reference rows) as ``zephon-ray audit LEDGER`` does, before and after ``compact``.
 ``benchmarks/bench_ledger_scale.py`` takes the audit to 10^7 records and more.
 
-Part 4, torchft: ``--ft-world`` readers' ``stream.ledger.FtLedger`` (what ``FtSlices`` uses) serve and commit
+Part 4, torchft: ``--ft-world`` readers' ``stream.ledger_recorder.FtLedger`` (what ``FtSlices`` uses) serve and commit
 ``--ft-steps`` steps, each commit appending the reader's part to its spool (a batch file per reader per flush): the
 commit time per step, the files and bytes per step per reader, and the audit of that ledger.
 
@@ -165,7 +165,7 @@ def audit_cost(steps: int, world: int, every: int) -> dict:
 
 def ft_cost(steps: int, world: int) -> dict:
     from zephon_ray.jobs import audit
-    from zephon_ray.stream.ledger import FtLedger
+    from zephon_ray.stream.ledger_recorder import FtLedger
 
     with tempfile.TemporaryDirectory() as work:
         readers = [FtLedger(run_id="bench", fingerprint="f" * 64, ledger_dir=work,

@@ -13,7 +13,7 @@ for N / ranks steps, written by a generator through the real format code (``form
 Part ``realistic``: 4 loaders saving every 100 steps for 20,000 steps through ``write_part`` (800 loose files), then
 ``compact``: files and bytes before and after, the compaction's time, the audit's time before and after.
 
-Part ``ft``: 3 torchft readers (``stream.ledger.FtLedger``, its default flush) commit ``--ft-steps`` steps: the files
+Part ``ft``: 3 torchft readers (``stream.ledger_recorder.FtLedger``, its default flush) commit ``--ft-steps`` steps: the files
 it leaves (a batch per reader per flush, against one file per step per reader before batching), the audit's time,
 then after ``compact``.
 
@@ -186,7 +186,7 @@ def ft(steps: int, world: int = 3) -> dict:
     import hashlib
 
     from zephon_ray.formats import ledger
-    from zephon_ray.stream.ledger import FtLedger
+    from zephon_ray.stream.ledger_recorder import FtLedger
 
     with tempfile.TemporaryDirectory() as work:
         readers = [FtLedger(run_id="bench", fingerprint=FP, ledger_dir=work,

@@ -62,7 +62,7 @@ def quiet_torchft_info() -> None:
     script's output, and harmless. torchft reads ``RUST_LOG`` when it is imported; default it to ``warn`` so its
     warnings and errors still show. A ``RUST_LOG`` you set wins (``RUST_LOG=info`` brings the quorum lines back).
     The replica processes get your setting, not this default: their logs are files read when something fails.
-    Test: tests/test_noise.py::test_torchft_info_is_quiet_by_default_and_rust_log_wins."""
+    Test: tests/test_log_filters.py::test_torchft_info_is_quiet_by_default_and_rust_log_wins."""
     global _RUST_LOG_SET_HERE
     if _RUST_LOG not in os.environ:
         os.environ[_RUST_LOG] = "warn"

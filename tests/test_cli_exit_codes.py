@@ -1,4 +1,4 @@
-"""The CLI's one error mapping (zephon_ray/cli/errors.py): each exception type -> exactly one line and an exit code.
+"""The CLI's one error mapping (zephon_ray/cli/exit_codes.py): each exception type -> exactly one line and an exit code.
 
 No Ray is started: the commands here are stand-ins that raise.
 """
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from zephon_ray.cli.errors import INTERRUPTED_EXIT, USER_ERROR_EXIT, error_line, run_command
+from zephon_ray.cli.exit_codes import INTERRUPTED_EXIT, USER_ERROR_EXIT, error_line, run_command
 from zephon_ray.errors import UserInputError
 from zephon_ray.service.errors import ReplyTimeoutError, ServiceError, ServiceNotFoundError
 
@@ -37,7 +37,7 @@ def _run(capsys, exc: BaseException) -> tuple[int, str, str]:
     (ReplyTimeoutError("service 'run7': no reply in time"), "service 'run7': no reply in time"),
     (ConnectionError("Could not find any running Ray instance."), "Could not find any running Ray instance."),
 ])
-# Proves cli/errors.py: a user error is one line on stderr and exit 2.
+# Proves cli/exit_codes.py: a user error is one line on stderr and exit 2.
 def test_user_errors_are_one_line_and_exit_2(capsys, exc, line):
     code, out, err = _run(capsys, exc)
     assert (code, out, err) == (USER_ERROR_EXIT, "", f"zephon-ray: error: {line}\n")
@@ -45,7 +45,7 @@ def test_user_errors_are_one_line_and_exit_2(capsys, exc, line):
 
 @pytest.mark.parametrize("exc", [KeyError("a bug"), RuntimeError("a bug"), AttributeError("a bug"),
                                  PermissionError(13, "Permission denied", "/x"), OSError("disk on fire")])
-# Proves cli/errors.py: anything but a user or worker error keeps its traceback (exit 1).
+# Proves cli/exit_codes.py: anything but a user or worker error keeps its traceback (exit 1).
 def test_other_errors_keep_their_traceback(capsys, exc):
     with pytest.raises(type(exc)):
         run_command(_raising(exc), None)
@@ -73,7 +73,7 @@ class _FakeRayTaskError(RuntimeError):
         self.cause = cause
 
 
-# Proves cli/errors.py: a worker-side error prints as its cause's last line, never the workers' traceback.
+# Proves cli/exit_codes.py: a worker-side error prints as its cause's last line, never the workers' traceback.
 def test_a_worker_error_is_its_cause_in_one_line(capsys):
     code, out, err = _run(capsys, _FakeRayTaskError(KeyError("shard 3")))
     assert (code, out) == (USER_ERROR_EXIT, "") and err.count("\n") == 1, err

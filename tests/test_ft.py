@@ -352,7 +352,7 @@ def test_a_reader_asked_for_a_step_its_ledger_did_not_reach_stops_and_a_healed_o
     state (what torchft's heal carries) it continues the lineage; another run's state is refused, naming it."""
     from zephon_ray.formats.loader_state import LoaderStateError
     from zephon_ray.stream.ft import FtSlices
-    from zephon_ray.stream.ledger import FtLedgerError
+    from zephon_ray.stream.ledger_recorder import FtLedgerError
 
     config = _ft_ledger_config(tiny_dir, tmp_path / "ledger")
     with ft_groups(1) as (manager,):

@@ -317,7 +317,7 @@ def test_a_ledger_of_format_version_1_reads_audits_and_compacts_with_its_schedul
 # ---------------------------------------------------------------------------------------------- torchft spool
 FT_KILLER = """
 import os, signal, sys
-from zephon_ray.stream.ledger import FtLedger
+from zephon_ray.stream.ledger_recorder import FtLedger
 
 ft = FtLedger(run_id="ft", fingerprint="f" * 64, ledger_dir=sys.argv[1], flush_records=3,
               schedule=lambda n: {"data_next": n, "phases": [[0, "sources", "f" * 64]]})
@@ -338,7 +338,7 @@ def test_a_torchft_reader_killed_between_flushes_loses_nothing_it_committed(tmp_
     from pathlib import Path
 
     from zephon_ray.formats.ledger import read_spool
-    from zephon_ray.stream.ledger import FtLedger
+    from zephon_ray.stream.ledger_recorder import FtLedger
 
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", FT_KILLER, str(tmp_path), "11"], timeout=120,
@@ -418,7 +418,7 @@ def test_a_group_healed_under_the_async_quorum_follows_the_participants_lineage(
     nothing for step 3 and its head becomes A's segment of it, so both commit steps 4 and 5 at W 2 under one parent.
     The audit finds one lineage, W 2 -> 1 -> 2, each step once."""
     from zephon_ray.jobs.audit import audit
-    from zephon_ray.stream.ledger import FtLedger
+    from zephon_ray.stream.ledger_recorder import FtLedger
 
     def D(text: str) -> str:  # a slice digest: 32 hex digits
         return hashlib.sha256(text.encode()).hexdigest()[:32]

@@ -1,6 +1,6 @@
 """Known-harmless library noise is filtered by its exact message, and long commands' progress stays off stdout.
 
-* Zephon's wrap-packing tail-drop line (``zephon_ray.noise``): filtered; Zephon's other warnings are not.
+* Zephon's wrap-packing tail-drop line (``zephon_ray.log_filters``): filtered; Zephon's other warnings are not.
 * torchft's Rust INFO lines in the torchft examples: ``RUST_LOG`` defaults to ``warn`` there; a user's setting wins.
 * ``zephon_ray.progress``: notes and the step bar go to stderr; stdout is exactly the result lines.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from zephon_ray.noise import (
+from zephon_ray.log_filters import (
     KNOWN_HARMLESS,
     PACK_SEQUENCES_LOGGER,
     PACK_TAIL_DROP_PREFIX,
@@ -109,7 +109,7 @@ def test_the_stderr_filter_drops_exactly_the_marked_lines_and_passes_the_rest_un
     (a partial line, a carriage-return redraw, a line written just before the block ends) arrives unchanged."""
     code = (
         "import os, sys\n"
-        "from zephon_ray.noise import RAY_ACTOR_ARGS_MARKER, _dropping_stderr_lines\n"
+        "from zephon_ray.log_filters import RAY_ACTOR_ARGS_MARKER, _dropping_stderr_lines\n"
         "with _dropping_stderr_lines(RAY_ACTOR_ARGS_MARKER):\n"
         "    os.write(2, b'keep 1\\n[2026 E 1 1] core_worker.cc:1: Actor X ' + RAY_ACTOR_ARGS_MARKER + b'. See\\n')\n"
         "    os.write(2, b'\\rbar 1/2')\n"

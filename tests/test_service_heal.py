@@ -29,7 +29,7 @@ import pytest
 
 from zephon_ray import DataService, GlobalBatchSource, compute_digest
 from zephon_ray.jobs.audit import audit
-from zephon_ray.stream.ledger import LedgerRecorder
+from zephon_ray.stream.ledger_recorder import LedgerRecorder
 
 NS = "zr-heal"
 pytestmark = pytest.mark.timeout(400)

@@ -1,6 +1,6 @@
 """Storage settings reach the cluster, secrets do not; worker-side storage failures are one line (issue 25).
 
-- :func:`zephon_ray.cli.errors.storage_failure` / :func:`zephon_ray.cli.errors.worker_error` turn an error that came
+- :func:`zephon_ray.cli.exit_codes.storage_failure` / :func:`zephon_ray.cli.exit_codes.worker_error` turn an error that came
   back from Ray workers (a traceback-laden RayTaskError around a storage error) into one line naming the object and
   the likely cause; exit code 2 (the CLI's user-error code).
 - docs/deployment.md's cloud section runs as written, in that order, on a cluster started before the storage
@@ -46,7 +46,7 @@ class _FakeRayTaskError(RuntimeError):
      ["s3://zr-b/recipes/data/tiny/code", "no endpoint", "AWS_ENDPOINT_URL"]),
 ])
 def test_a_worker_storage_failure_is_one_line_naming_the_object_and_the_cause(monkeypatch, cause, needles):
-    from zephon_ray.cli.errors import worker_error
+    from zephon_ray.cli.exit_codes import worker_error
 
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s3cr3t")
     line = worker_error(_FakeRayTaskError(OSError(cause)))

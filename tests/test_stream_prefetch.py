@@ -1,4 +1,4 @@
-"""The narrow protocol (``zephon_ray.stream.protocol``: reset / next / state / close) and the one prefetch thread
+"""The narrow protocol (``zephon_ray.stream.slice_reader``: reset / next / state / close) and the one prefetch thread
 (``zephon_ray.stream.prefetch``) behind every slice source.
 
 Driven by a small real source: this reader's slices of ``GlobalBatchSource`` (the in-process reference), and by
@@ -13,7 +13,7 @@ import pytest
 
 from zephon_ray import GlobalBatchSource, compute_digest
 from zephon_ray.stream.prefetch import PrefetchedSlices
-from zephon_ray.stream.protocol import STATE_CHECKPOINT, STATE_NEXT_STEP, SliceSource, SourceError, source_state
+from zephon_ray.stream.slice_reader import STATE_CHECKPOINT, STATE_NEXT_STEP, SliceSource, SourceError, source_state
 
 
 class ReferenceSlices(PrefetchedSlices):

@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from zephon_ray.noise import quiet_known_noise
+from zephon_ray.log_filters import quiet_known_noise
 from zephon_ray.recipe import Recipe
 from zephon_ray.tokenizers import build_tokenizer
 from zephon_ray.zephon_io import pipeline_io_options
 
 # Zephon logs one line per lane per flush when wrap-packing drops a trailing partial bin: expected and deterministic
-# for every recipe here. Only that exact line is filtered (noise.py says why); Zephon's other warnings still show.
+# for every recipe here. Only that exact line is filtered (log_filters.py says why); Zephon's other warnings still show.
 quiet_known_noise()
 
 

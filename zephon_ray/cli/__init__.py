@@ -15,8 +15,8 @@
 RECIPE is a path, or the bare name of a packaged recipe (``tiny``, ``elastic``, ``demo``, ``mixture``).
 
 The parts: data.py (the recipe, batch, dataset and job commands), service.py (the data service's commands and
-``digest --via service``), errors.py (the one error mapping). Each command returns its exit code or raises; only
-``main`` turns an exception into output, through :func:`zephon_ray.cli.errors.run_command`: bad input is one line
+``digest --via service``), exit_codes.py (the one error mapping). Each command returns its exit code or raises; only
+``main`` turns an exception into output, through :func:`zephon_ray.cli.exit_codes.run_command`: bad input is one line
 ``zephon-ray: error: ...`` naming what is wrong and exit 2, never a traceback; a bug keeps its traceback. Progress bars (tqdm, on stderr) appear only on a
 terminal.
 """
@@ -26,7 +26,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from zephon_ray.cli.errors import PROG, USER_ERROR_EXIT, run_command
+from zephon_ray.cli.exit_codes import PROG, USER_ERROR_EXIT, run_command
 
 __all__ = ["build_parser", "main"]
 
@@ -52,6 +52,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one command: its exit code (0, or 1 for an audit with findings; 130 after Ctrl-C); a user error raises
-    ``SystemExit(2)`` after its one line on stderr (zephon_ray/cli/errors.py)."""
+    ``SystemExit(2)`` after its one line on stderr (zephon_ray/cli/exit_codes.py)."""
     args = build_parser().parse_args(argv)
     return run_command(args.func, args)

@@ -15,7 +15,7 @@ import argparse
 from zephon_ray.checks import check_int
 from zephon_ray.cli.schedule import SCHEDULE_FROM_HELP, load_recipe, recipe_with_schedule
 from zephon_ray.errors import UserInputError
-from zephon_ray.noise import quiet_command
+from zephon_ray.log_filters import quiet_command
 from zephon_ray.recipe import Recipe
 
 

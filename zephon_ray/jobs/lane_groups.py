@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-from zephon_ray.noise import quiet_known_noise
+from zephon_ray.log_filters import quiet_known_noise
 
 
 def run_lane_groups(worker: type, kwargs: dict[str, Any], *, groups: int,

@@ -47,7 +47,7 @@ from zephon_ray.pretokenized_manifest import (
     KEY_SOURCE_FINGERPRINT, KEY_TOTALS, MANIFEST_FORMAT, MANIFEST_NAME, PROGRESS_DIR, RECIPE_NAME, SOURCES_DIR,
     SPECIAL_TOKENS, TOKEN_FIELD, PretokenizedError,
 )
-from zephon_ray.noise import quiet_known_noise
+from zephon_ray.log_filters import quiet_known_noise
 from zephon_ray.recipe import Recipe
 from zephon_ray.tokenizers import build_tokenizer, tokenizer_identity
 

@@ -1,12 +1,13 @@
 """The framework-free stream layer (imports no TorchTitan, no Ray Train, no triton).
 
-* ``protocol``: the one narrow protocol of a slice source (reset / next / state / close, state keys as constants);
-* ``prefetch``: the one prefetch thread behind every source;
-* ``local``, ``service``, ``dataset``: the three sources (an in-process Zephon lane group, a DataService, a
+* ``slice_reader``: the one narrow protocol of a slice reader (reset / next / state / close, state keys as constants);
+* ``prefetch``: the one prefetch thread behind every slice reader;
+* ``local``, ``service``, ``dataset``: the three slice readers (an in-process Zephon lane group, a DataService, a
   materialised directory);
 * ``loader``: the loader core (reader r of W, modes, the loader state, trainer microbatches, TP/PP/CP peers) that
   the TorchTitan and Ray Train integrations adapt;
-* ``geometry``: the trainer's batch geometry against the recipe; ``aggregate``: where local-mode checkpoints meet;
-  ``mesh``: TP/PP/CP peers of a reader;
+* ``geometry``: the trainer's batch geometry against the recipe; ``checkpoint_rendezvous``: where local-mode
+  checkpoints meet; ``ledger_recorder``: the ledger records of the steps a reader handed out; ``mesh``: TP/PP/CP
+  peers of a reader;
 * ``ft``: per-step elasticity with torchft (``FtSlices``).
 """

@@ -18,13 +18,13 @@ checkpoint: the step is the state, and the model comes from a peer, as torchft h
 ``examples/torchft_churn.py`` (3 replica groups as processes, SIGKILL kills and rejoins: every committed step's global
 digest equals the reference, final weights equal the failure-free run's).
 
-Ledger (``config.ledger_dir`` and ``run_id``; :class:`~zephon_ray.stream.ledger.FtLedger`): call
+Ledger (``config.ledger_dir`` and ``run_id``; :class:`~zephon_ray.stream.ledger_recorder.FtLedger`): call
 ``slices.commit(step)`` after the optimizer step that ``should_commit()`` allowed, and put ``slices.state_dict()`` in
 the Manager's ``state_dict`` (``slices.load_state_dict`` in its ``load_state_dict``) so a healing group continues
 the lineage. Only committed steps enter the ledger, one segment per step at its W, appended to the reader's spool when
 it commits and moved into one batch file per reader every ``ledger_flush_records`` parts or ``ledger_flush_seconds``
 (and at ``close``); a step served again is recorded with its attempt number; an attempt applied though torchft rejected it is recorded as trained twice; a request for
-a step other than the one last served or the one after is one :class:`~zephon_ray.stream.ledger.FtLedgerError`
+a step other than the one last served or the one after is one :class:`~zephon_ray.stream.ledger_recorder.FtLedgerError`
 line (docs/audit.md).
 
 Prefetch assumes the membership stays as it is: one prefetch thread (:mod:`zephon_ray.stream.prefetch`) reads the
@@ -70,10 +70,10 @@ from zephon_ray.errors import best_effort
 from zephon_ray.formats.loader_state import KEY_LEDGER, check_state, make_state, run_recipe, schedule_of
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import StepShape, check_geometry
-from zephon_ray.stream.ledger import FLUSH_RECORDS, FLUSH_SECONDS, FtLedger
+from zephon_ray.stream.ledger_recorder import FLUSH_RECORDS, FLUSH_SECONDS, FtLedger
 from zephon_ray.stream.loader import GET_TIMEOUT_S, LoaderConfig, StepBatch
 from zephon_ray.stream.prefetch import PrefetchedSlices
-from zephon_ray.stream.protocol import source_state
+from zephon_ray.stream.slice_reader import source_state
 
 log = logging.getLogger("zephon_ray")
 
@@ -137,7 +137,7 @@ class FtSlices:
     ``microbatches``: a fixed number of equal microbatches per step whatever P is (a trainer with a fixed gradient
     accumulation, such as TorchTitan's, pulls the same count every step; their row count then changes with P).
     ``ledger_flush_records``/``ledger_flush_seconds``: how often the ledger's spool becomes a batch file
-    (:class:`~zephon_ray.stream.ledger.FtLedger`). See the module docstring for the guarantee and its limits."""
+    (:class:`~zephon_ray.stream.ledger_recorder.FtLedger`). See the module docstring for the guarantee and its limits."""
 
     def __init__(self, config: LoaderConfig, *, manager: Any, dp: int = 1, dp_rank: int = 0,
                  local_batch_size: int = 0, microbatches: int = 0, recipe: Recipe | None = None,
@@ -266,7 +266,7 @@ class FtSlices:
     def commit(self, step: int) -> None:
         """Confirm that the trainer applied ``step`` (call it when ``manager.should_commit()`` is True, after the
         optimizer step). With a ``ledger_dir`` it writes this reader's part of the step's segment (a rejected
-        attempt never comes here, unless the loop applies it anyway: see :class:`~zephon_ray.stream.ledger.
+        attempt never comes here, unless the loop applies it anyway: see :class:`~zephon_ray.stream.ledger_recorder.
         FtLedger`); without one it does nothing."""
         if self.ledger is not None:
             self.ledger.commit(step)

@@ -18,7 +18,7 @@ Guarantee: reader r of any W in [1, B] yields, for every step s from ``next_step
 :meth:`StepBatch.loss_scale` turns a rank's summed token loss into its share of the global mean, so the gradient
 all-reduce gives the fixed-W gradient at any W. The state (layout: :mod:`zephon_ray.formats.loader_state`) is the
 same on every reader, loads at any W and in any mode, carries the run's schedule beyond the recipe file, and names
-the ledger segment (:mod:`zephon_ray.stream.ledger`) that ``zephon-ray audit`` checks. Readers that share a dp rank
+the ledger segment (:mod:`zephon_ray.stream.ledger_recorder`) that ``zephon-ray audit`` checks. Readers that share a dp rank
 (TP/PP/CP peers) get the same slice (:mod:`zephon_ray.stream.mesh`).
 
 Limits, each refused with a one-line error: W <= B; ``local_batch_size`` divides every reader's rows unless
@@ -51,12 +51,12 @@ from zephon_ray.formats.loader_state import (
     zephon_state,
 )
 from zephon_ray.recipe import Recipe
-from zephon_ray.stream import aggregate
+from zephon_ray.stream import checkpoint_rendezvous
 from zephon_ray.stream.geometry import check_geometry
-from zephon_ray.stream.ledger import LedgerRecorder
+from zephon_ray.stream.ledger_recorder import LedgerRecorder
 from zephon_ray.stream.mesh import DpPeers, dp_peers
 from zephon_ray.stream.prefetch import MAX_DEPTH
-from zephon_ray.stream.protocol import STATE_CHECKPOINT, SliceSource, source_state
+from zephon_ray.stream.slice_reader import STATE_CHECKPOINT, SliceSource, source_state
 
 logger = logging.getLogger(__name__)
 
@@ -163,7 +163,7 @@ class LoaderConfig:
                              f"({store!r} and {agg_dir!r}, from {origin})")
 
     def resolved_aggregation(self) -> tuple[str | None, str | None, str]:
-        return aggregate.resolve(self.aggregate_store, self.aggregate_dir, self.recipe)
+        return checkpoint_rendezvous.resolve(self.aggregate_store, self.aggregate_dir, self.recipe)
 
     def check_distributed_local(self, world: int) -> None:
         """A local-mode run with W > 1 takes collective Zephon checkpoints: it needs a run_id and exactly one
@@ -177,10 +177,10 @@ class LoaderConfig:
         if store is None and agg_dir is None:
             raise ValueError(
                 f"loader config: a distributed local-mode run (data-parallel degree {world}) needs exactly one of "
-                f"'aggregate_store' (e.g. 'torch://') and 'aggregate_dir' (or ${aggregate.ENV_AGGREGATE_DIR}, or "
+                f"'aggregate_store' (e.g. 'torch://') and 'aggregate_dir' (or ${checkpoint_rendezvous.ENV_AGGREGATE_DIR}, or "
                 "the recipe's [aggregate] table); neither is set")
         if store is not None:
-            aggregate.check_store_reachable(store)
+            checkpoint_rendezvous.check_store_reachable(store)
 
 
 LOSS_REDUCTIONS = ("mean", "sum")

@@ -1,7 +1,7 @@
 """The one prefetch implementation behind every slice source: a daemon thread and a bounded queue.
 
 Usage: a source subclasses :class:`PrefetchedSlices` and writes ``_produce`` (a generator of slices from a step).
-Guarantee: :class:`PrefetchedSlices` implements the protocol of :mod:`zephon_ray.stream.protocol` (reset / next / state /
+Guarantee: :class:`PrefetchedSlices` implements the protocol of :mod:`zephon_ray.stream.slice_reader` (reset / next / state /
 close) once. A daemon thread runs the subclass's ``_produce`` generator and hands its slices to :meth:`next`
 through a queue of ``depth`` steps, so ``next`` only waits when production itself is behind. An exception in the
 thread reaches the caller at its next ``next`` (with the original as ``__cause__``), never as a silent hang;
@@ -23,7 +23,7 @@ from typing import Any
 
 from zephon_ray.batch import RankSlice
 from zephon_ray.checks import check_int, check_reader
-from zephon_ray.stream.protocol import (
+from zephon_ray.stream.slice_reader import (
     STATE_CHECKPOINT,
     STATE_NEXT_STEP,
     SliceSource,
@@ -38,7 +38,7 @@ MAX_DEPTH = 1024
 
 
 class PrefetchedSlices(SliceSource):
-    """A :class:`~zephon_ray.stream.protocol.SliceSource` whose slices are made ahead by one background thread.
+    """A :class:`~zephon_ray.stream.slice_reader.SliceSource` whose slices are made ahead by one background thread.
 
     Subclasses implement :meth:`_produce` and may override the hooks ``_on_reset``, ``_on_next``, ``_idle``,
     ``_wake`` and ``_checkpoint``."""
