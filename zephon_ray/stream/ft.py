@@ -1,4 +1,4 @@
-"""Per-step elasticity with torchft: a slice source driven by a torchft ``Manager`` (the ``ft`` extra).
+"""Per-step elasticity with torchft: a slice reader driven by a torchft ``Manager`` (the ``ft`` extra).
 
 torchft forms a quorum of live replica groups at every step; a dead group does not stop the others, and a group
 that comes back heals its model from a peer. :class:`FtSlices` gives every step's global batch to whichever groups
@@ -73,7 +73,7 @@ from zephon_ray.stream.geometry import StepShape, check_geometry
 from zephon_ray.stream.ledger_recorder import FLUSH_RECORDS, FLUSH_SECONDS, FtLedger
 from zephon_ray.stream.loader import GET_TIMEOUT_S, LoaderConfig, StepBatch
 from zephon_ray.stream.prefetch import PrefetchedSlices
-from zephon_ray.stream.slice_reader import source_state
+from zephon_ray.stream.slice_reader import reader_state
 
 log = logging.getLogger("zephon_ray")
 
@@ -137,7 +137,8 @@ class FtSlices:
     ``microbatches``: a fixed number of equal microbatches per step whatever P is (a trainer with a fixed gradient
     accumulation, such as TorchTitan's, pulls the same count every step; their row count then changes with P).
     ``ledger_flush_records``/``ledger_flush_seconds``: how often the ledger's spool becomes a batch file
-    (:class:`~zephon_ray.stream.ledger_recorder.FtLedger`). See the module docstring for the guarantee and its limits."""
+    (:class:`~zephon_ray.stream.ledger_recorder.FtLedger`). See the module docstring for the guarantee and its
+    limits."""
 
     def __init__(self, config: LoaderConfig, *, manager: Any, dp: int = 1, dp_rank: int = 0,
                  local_batch_size: int = 0, microbatches: int = 0, recipe: Recipe | None = None,
@@ -326,11 +327,11 @@ class FtSlices:
                 _, old = self._sources.popitem(last=False)
                 old.close_thread()
             self._active = member
-            source.reset(source_state(step))
+            source.reset(reader_state(step))
             return source
         source = self._sources[member]
         if source.position != step:  # a jump (healed to a later step, or a rejected step at a new membership)
-            source.reset(source_state(step))
+            source.reset(reader_state(step))
         return source
 
     def _make_source(self, rank: int, world: int) -> PrefetchedSlices:

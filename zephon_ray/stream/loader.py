@@ -56,7 +56,7 @@ from zephon_ray.stream.geometry import check_geometry
 from zephon_ray.stream.ledger_recorder import LedgerRecorder
 from zephon_ray.stream.mesh import DpPeers, dp_peers
 from zephon_ray.stream.prefetch import MAX_DEPTH
-from zephon_ray.stream.slice_reader import STATE_CHECKPOINT, SliceSource, source_state
+from zephon_ray.stream.slice_reader import STATE_CHECKPOINT, SliceReader, reader_state
 
 logger = logging.getLogger(__name__)
 
@@ -177,7 +177,8 @@ class LoaderConfig:
         if store is None and agg_dir is None:
             raise ValueError(
                 f"loader config: a distributed local-mode run (data-parallel degree {world}) needs exactly one of "
-                f"'aggregate_store' (e.g. 'torch://') and 'aggregate_dir' (or ${checkpoint_rendezvous.ENV_AGGREGATE_DIR}, or "
+                f"'aggregate_store' (e.g. 'torch://') and 'aggregate_dir' "
+                f"(or ${checkpoint_rendezvous.ENV_AGGREGATE_DIR}, or "
                 "the recipe's [aggregate] table); neither is set")
         if store is not None:
             checkpoint_rendezvous.check_store_reachable(store)
@@ -265,7 +266,7 @@ class Loader:
         self._next_step = 0
         self._loaded_zephon: dict[str, Any] | None = None
         self._loaded_at = 0
-        self._source: SliceSource | None = None
+        self._source: SliceReader | None = None
         self._active = False  # the source was reset at _next_step and is serving
         self._replayed_before = 0  # replayed steps carried by the loaded state (earlier resumes)
         self._replaying = 0  # steps the current resume replays
@@ -321,7 +322,7 @@ class Loader:
         """Whether this reader runs a source (False for a TP/PP/CP peer, which receives its leader's slices)."""
         return self.peers is None or self.peers.is_leader
 
-    def _started_source(self, step: int) -> SliceSource:
+    def _started_source(self, step: int) -> SliceReader:
         """The source, serving data step ``recipe.data_step(step)`` next: started there, or moved there at a
         deliberate skip (local mode replays from its newest Zephon checkpoint, the others read it directly)."""
         data = self.recipe.data_step(step)
@@ -329,11 +330,11 @@ class Loader:
             if self._source.position != data:  # a skip starts at this step: the data jumps ahead
                 checkpoint = self._source.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT] \
                     if self.config.mode == "local" else None
-                self._source.reset(source_state(data, checkpoint))
+                self._source.reset(reader_state(data, checkpoint))
             return self._source
         if self._source is None:
             self._source = self._make_source()
-        self._source.reset(source_state(data, self._loaded_zephon if step == self._loaded_at else None))
+        self._source.reset(reader_state(data, self._loaded_zephon if step == self._loaded_at else None))
         self._active = True
         self._replay_started = True
         return self._source
@@ -358,8 +359,8 @@ class Loader:
         peers.share_slice(step, piece.tokens, piece.positions, shape)
         return piece
 
-    def _make_source(self) -> SliceSource:
-        """The slice source of ``config.mode``; a new mode adds one branch here and one SliceSource class."""
+    def _make_source(self) -> SliceReader:
+        """The slice reader of ``config.mode``; a new mode adds one branch here and one SliceReader class."""
         cfg, recipe = self.config, self.recipe
         if cfg.mode == "local":
             from zephon_ray.pipeline import LaneGroup
@@ -532,4 +533,4 @@ def _close_source(attrs: dict[str, Any]) -> None:
     try:
         source.close()
     except Exception:  # noqa: BLE001 - best effort at shutdown
-        logger.debug("closing the zephon-ray source failed", exc_info=True)
+        logger.debug("closing the zephon-ray slice reader failed", exc_info=True)
