@@ -1,4 +1,4 @@
-"""A tiny bigram language model trained under Ray Train from ``ray.train.get_dataset_shard`` (zephon_ray.integrations.ray_train).
+"""A tiny bigram language model trained under Ray Train from ``ray.train.get_dataset_shard`` (zephon_ray.ray_train).
 
 Also home of :func:`global_digest` (the examples' and tests' way to check a step's rows across ranks; not part of
 the wheel).

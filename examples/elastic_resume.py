@@ -93,14 +93,15 @@ def main() -> int:
             from ray.train.torch import TorchTrainer
 
             from examples.bigram import train_loop
-            from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
+            from zephon_ray import ray_train
 
-            dataset = ZephonDataset(service) if service is not None else \
-                ZephonDataset(RECIPE, aggregate_dir=loader.get("aggregate_dir"))
+            dataset = ray_train.ZephonDataset(service) if service is not None else \
+                ray_train.ZephonDataset(RECIPE, aggregate_dir=loader.get("aggregate_dir"))
             return TorchTrainer(
                 train_loop, train_loop_config={"log_path": str(log), "steps": until, "checkpoint_every": 2},
                 datasets={"train": dataset},
-                dataset_config=ZephonDataConfig(run_id=f"demo-{name}", ledger_dir=str(work / f"ledger-{name}")),
+                dataset_config=ray_train.ZephonDataConfig(run_id=f"demo-{name}",
+                                                          ledger_dir=str(work / f"ledger-{name}")),
                 scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 0.25}),
                 run_config=RunConfig(name=name, storage_path=str(work / "ray-results")),
             ).fit()

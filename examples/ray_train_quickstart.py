@@ -12,7 +12,7 @@ from ray.train import Checkpoint, RunConfig, ScalingConfig, get_checkpoint, get_
 from ray.train.torch import TorchTrainer, get_device, prepare_model
 
 from zephon_ray import DataService
-from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
+from zephon_ray import ray_train
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "elastic.toml"  # 24 rows of 64 tokens a step
 
@@ -47,7 +47,7 @@ if __name__ == "__main__":
     ray.init(address="local", num_cpus=workers + 2)  # 0.5 CPU a worker and the service; on a cluster: ray.init()
     with DataService.start(RECIPE, name="quickstart") as service:
         result = TorchTrainer(
-            train_loop, train_loop_config={"steps": steps}, datasets={"train": ZephonDataset(service)},
-            dataset_config=ZephonDataConfig(run_id="quickstart"), run_config=RunConfig("quickstart", storage),
+            train_loop, train_loop_config={"steps": steps}, datasets={"train": ray_train.ZephonDataset(service)},
+            dataset_config=ray_train.ZephonDataConfig(run_id="quickstart"), run_config=RunConfig("quickstart", storage),
             scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 0.5})).fit()
     print(f"last step trained: {(result.metrics or {}).get('step')}; resume: python {sys.argv[0]} W STEPS {storage}")

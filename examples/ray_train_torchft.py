@@ -138,17 +138,16 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from ray.train.torch import TorchTrainer
     from ray.train.v2.torch.torchft_config import TorchftConfig
 
-    from zephon_ray import DataService
-    from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
+    from zephon_ray import DataService, ray_train
 
     service = DataService.start(TINY, name="ray-train-ft", namespace=NAMESPACE, state_dir=str(out / "state"),
                                 window=4, checkpoint_every=4)
     try:
         trainer = TorchTrainer(
             train_loop, train_loop_config={"steps": args.steps, "out": str(out), "kill": args.kill,
-                                           "dataset": ZephonDataset(service),
-                                           "data_config": ZephonDataConfig(run_id="ray-train-ft",
-                                                                           ledger_dir=args.ledger)},
+                                           "dataset": ray_train.ZephonDataset(service),
+                                           "data_config": ray_train.ZephonDataConfig(run_id="ray-train-ft",
+                                                                                     ledger_dir=args.ledger)},
             scaling_config=ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": 0.5}),
             torch_config=TorchftConfig(lighthouse_kwargs={"min_replicas": 1, "join_timeout_ms": JOIN_TIMEOUT_MS}, backend="gloo"),
             run_config=RunConfig(name="ray-train-ft", storage_path=str(out / "results"),

@@ -6,7 +6,7 @@ every worker failure; the steps after that checkpoint are replayed. Because glob
 
 :func:`torchtitan_train_loop` builds TorchTitan's ``Trainer`` in Python from a config-registry function; its data
 loader is :class:`~zephon_ray.torchtitan.ZephonRayDataLoader` (TorchTitan builds and checkpoints it itself, so
-this loop does not use ``ray.train.get_dataset_shard``: for a plain torch loop see :mod:`zephon_ray.integrations.ray_train`).
+this loop does not use ``ray.train.get_dataset_shard``: for a plain torch loop see :mod:`zephon_ray.ray_train`).
 TorchTitan writes its DCP checkpoints into a shared folder; each save is also reported to Ray Train.
 
 Inside a worker, Ray Train has already initialised the gloo process group and set MASTER_ADDR/MASTER_PORT to a

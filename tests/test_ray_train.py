@@ -115,3 +115,21 @@ def test_a_shard_built_without_ray_trains_dataset_manager_equals_configures():
     assert "\n" not in str(info.value)
     with pytest.raises(TypeError, match="expected a ZephonDataset"):
         config.shard(ELASTIC)
+
+
+def test_the_short_path_is_the_integration_module():
+    """``from zephon_ray import ray_train`` (like ``zephon_ray.torchtitan``) is zephon_ray.integrations.ray_train,
+    imported on first use, so ``import zephon_ray`` alone does not pull in Ray Train."""
+    import subprocess
+    import sys
+
+    import zephon_ray
+    import zephon_ray.integrations.ray_train as module
+    from zephon_ray import ray_train
+
+    assert ray_train is module and zephon_ray.ray_train is module
+    assert ray_train.ZephonDataset is ZephonDataset and zephon_ray.ZephonDataConfig is ZephonDataConfig
+    probe = ("import sys, zephon_ray; assert 'zephon_ray.integrations.ray_train' not in sys.modules; "
+             "from zephon_ray import ray_train; print(ray_train.__name__)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "zephon_ray.integrations.ray_train"

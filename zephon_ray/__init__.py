@@ -25,11 +25,19 @@ _LAZY = {"DataService": "zephon_ray.service.client", "ServiceConfig": "zephon_ra
          "ZephonDataConfig": "zephon_ray.integrations.ray_train"}
 """Names imported on first use: the service and Ray Train pull in Ray, so ``import zephon_ray`` stays light for
 in-process users and tools. (TorchTitan's loader: ``from zephon_ray.torchtitan import ZephonRayDataLoader``.)"""
+_LAZY_MODULES = {"ray_train": "zephon_ray.integrations.ray_train"}
+"""Integration modules by a short name, imported on first use: ``from zephon_ray import ray_train`` (then
+``ray_train.ZephonDataset``, ``ray_train.ZephonDataConfig``, ...). A module file here would sit below the
+integrations it re-exports; the package root may import any layer."""
 
 
 def __getattr__(name: str):
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(name)
+    if name in _LAZY_MODULES:
+        module = importlib.import_module(_LAZY_MODULES[name])
+        globals()[name] = module  # later attribute lookups skip this hook
+        return module
+    raise AttributeError(f"module 'zephon_ray' has no attribute {name!r}")
