@@ -167,3 +167,24 @@ def test_inline_doc_commands_parse():
             continue
         failed.append(f"{where[text]}: {error}")
     assert not missing + failed, missing + failed
+
+
+def test_api_md_lists_every_public_name():
+    """docs/api.md gives every public name its stability: zephon_ray.__all__, the service's, TorchTitan's and Ray
+    Train's exports and every command, each in backticks in a table row that names a level."""
+    import argparse
+
+    import zephon_ray
+    import zephon_ray.service
+    import zephon_ray.torchtitan
+    from zephon_ray import ray_train
+    from zephon_ray.cli import build_parser
+
+    rows = [line for line in (ROOT / "docs" / "api.md").read_text().splitlines()
+            if line.startswith("| `") and re.search(r"\| (stable|beta|alpha) \|", line)]
+    listed = {name for line in rows for name in re.findall(r"`([\w-]+)[`(]", line.split("|")[1])}
+    commands = [name for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)
+                for name in action.choices]
+    public = {*zephon_ray.__all__, *zephon_ray.service.__all__, *zephon_ray.torchtitan.__all__, *ray_train.__all__,
+              *commands}
+    assert not sorted(public - listed), f"docs/api.md does not list {sorted(public - listed)}"
