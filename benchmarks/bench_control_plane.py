@@ -364,7 +364,7 @@ def run_real(recipe, reference: dict, tmp: Path, step_time: float, seconds: floa
                         return
                     time.sleep(max(0.0, due - time.time()))
                     t0 = time.time()
-                    part = client.slice(step, r, RANKS_PER_NODE)
+                    part = client.slice(step, r, RANKS_PER_NODE, track=True)
                     want = reference.get((step, r, RANKS_PER_NODE))
                     if want is not None and compute_digest(part.tokens, part.positions) != want:
                         bad.append((step, r))

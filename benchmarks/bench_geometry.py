@@ -472,7 +472,7 @@ def _cluster_driver(recipe_path: str, steps: int, summary: str) -> None:
             def read(self, step):
                 out = {}
                 for r in self.ranks:
-                    part = self.svc.slice(step, r, 8)
+                    part = self.svc.slice(step, r, 8, track=True)
                     out[r] = compute_digest(part.tokens, part.positions)
                 return out
 

@@ -90,7 +90,7 @@ def _service(recipe) -> dict:
     with tempfile.TemporaryDirectory() as state, \
             DataService.start(recipe, name="bench-prov", state_dir=state, checkpoint_every=8, ray_init=True) as svc:
         for step in range(100):
-            svc.slice(step, 0, 1)
+            svc.slice(step, 0, 1, track=True)
         t0 = time.perf_counter()
         svc.provenance(50)
         first = time.perf_counter() - t0

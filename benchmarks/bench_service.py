@@ -67,11 +67,11 @@ def run_service(recipe, steps: int, producers: int, window: int, tag: str) -> di
 
 def slice_latency(svc, step: int, recipe, n: int = 300) -> dict:
     world = next(w for w in (8, 4, 2, 1) if recipe.global_batch_rows % w == 0)
-    svc.slice(step, 0, world)  # warm: the step is in the live window
+    svc.slice(step, 0, world, track=True)  # warm: the step is in the live window
     times = []
     for i in range(n):
         t0 = time.perf_counter()
-        svc.slice(step, i % world, world)
+        svc.slice(step, i % world, world, track=True)
         times.append(time.perf_counter() - t0)
     times.sort()
     return {"world": world, "p50": times[len(times) // 2] * 1e3, "p99": times[int(len(times) * 0.99) - 1] * 1e3,

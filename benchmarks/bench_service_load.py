@@ -212,7 +212,7 @@ def _rank_process(address: str, name: str, consumer: str, world: int, ranks: lis
         try:
             for step in range(steps):
                 t_step = time.perf_counter()
-                part = client.slice(step, r, world)
+                part = client.slice(step, r, world, track=True)
                 waits.append(time.perf_counter() - t_step)
                 if step:
                     later.append(waits[-1])
@@ -272,7 +272,7 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
             try:
                 for step in range(steps):
                     t_step = time.perf_counter()
-                    part = client.slice(step, r % world, world)
+                    part = client.slice(step, r % world, world, track=True)
                     waits.append(time.perf_counter() - t_step)
                     if step:
                         later.append(waits[-1])
@@ -469,7 +469,7 @@ def run_pending(recipe, reference, tmp, n: int = 512, read_path: str = "node") -
 
     svc = start(recipe, f"pending-{read_path}", tmp, window=4)
     holder = DataService.connect(svc.name, namespace=NS, consumer="holder")
-    holder.slice(0, 0, 1)  # pins the window at [0, 4)
+    holder.slice(0, 0, 1, track=True)  # pins the window at [0, 4)
     world = 16
     target = 6  # beyond the window: every read of it waits for the holder
     results, errors = [], []
@@ -477,7 +477,7 @@ def run_pending(recipe, reference, tmp, n: int = 512, read_path: str = "node") -
     def reader(i):
         try:
             client = DataService.connect(svc.name, namespace=NS, consumer=f"r{i % 64}", read_path=read_path)
-            part = client.slice(target, i % world, world)
+            part = client.slice(target, i % world, world, track=True)
             results.append(compute_digest(part.tokens, part.positions) == reference[target][(i % world, world)])
         except Exception as exc:  # noqa: BLE001
             errors.append(repr(exc))
@@ -687,7 +687,7 @@ def run_idle(recipe, reference, tmp, seconds: float = 20.0, rounds: int = 1) -> 
         bare = _bare_actors()
         svc = start(recipe, f"idle-{rnd}", tmp, read_path="node")
         try:
-            part = svc.connect(svc.name, namespace=NS, consumer="idle").slice(0, 0, 4)  # through a node reader
+            part = svc.connect(svc.name, namespace=NS, consumer="idle").slice(0, 0, 4, track=True)  # through a node reader
             assert compute_digest(part.tokens, part.positions) == reference[0][(0, 4)], "step 0: wrong rows"
             last = svc.config.window - 1
             assert svc.refs(last).batch().digest == reference[last]["digest"], "the window is not full"
@@ -735,7 +735,7 @@ def _resume_once(recipe, reference, tmp, behind, world, label, retain, tag) -> f
             commit_at, read_until = 20, 20 + behind
             for s in range(read_until):
                 for r in range(world):
-                    job.slice(s, r, world)
+                    job.slice(s, r, world, track=True)
                 if s + 1 == commit_at:
                     job.commit(commit_at)
             time.sleep(0.5)
@@ -761,7 +761,7 @@ def run_kill(recipe, reference, tmp) -> dict:
     svc = start(recipe, "kill", tmp, window=4, checkpoint_every=4)
     try:
         for s in range(10):
-            part = svc.slice(s, 0, 1)
+            part = svc.slice(s, 0, 1, track=True)
             assert compute_digest(part.tokens, part.positions) == reference[s]
             if s % 4 == 3:
                 svc.commit(s + 1)

@@ -31,7 +31,7 @@ def main(argv: list[str] | None = None) -> int:
         for step in steps:
             print(f"step {step} {svc.batch(step, track=True).digest}", flush=True)
             for rank in range(args.world):
-                part = svc.slice(step, rank, args.world)
+                part = svc.slice(step, rank, args.world, track=True)
                 print(f"slice {step} {rank}/{args.world} {compute_digest(part.tokens, part.positions)}", flush=True)
         svc.release()
     return 0

@@ -208,7 +208,7 @@ def test_service_serves_a_materialised_prefix_then_producers_from_its_end(materi
         assert (status["start"]["start_step"], status["start"]["checkpoint_step"]) == (STEPS, STEPS)
         for step in range(STEPS + 6):
             world = (1, 2, 4)[step % 3]
-            rows = [service.slice(step, rank, world) for rank in range(world)]
+            rows = [service.slice(step, rank, world, track=True) for rank in range(world)]
             joined = [np.concatenate([getattr(r, key) for r in rows]) for key in ("tokens", "positions")]
             assert compute_digest(*joined) == reference_digests[step], f"step {step}, W={world}"
         status = service.status()

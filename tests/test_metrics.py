@@ -67,7 +67,7 @@ def test_metrics_on_the_prometheus_endpoint(ray_cluster, tiny_recipe, reference_
                             run_id=RUN_ID, consumer="trainer", retain_behind=0)
     try:
         for step in range(8):
-            assert svc.slice(step, 0, 1).tokens.shape[0] == 16
+            assert svc.slice(step, 0, 1, track=True).tokens.shape[0] == 16
             if step == 4:  # a producer dies: the group is replaced from the newest durable checkpoint
                 pids = [p["pid"] for p in svc.status()["producers"]]
                 os.kill(pids[0], signal.SIGKILL)

@@ -53,7 +53,7 @@ def _read_in_lock_step(name, readers, world, steps, recipe):
                         time.sleep(0.02)
                     calls_after_step_0.append(_readers(name)[0]["reads"])
                 barrier.wait(timeout=120)
-                part = handle.slice(step, r, world)
+                part = handle.slice(step, r, world, track=True)
                 got[(key, step)] = (part.tokens.copy(), part.positions.copy())
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -122,7 +122,7 @@ def test_a_touch_alone_reaches_the_coordinator_as_a_keep_alive(ray_cluster, tiny
                             consumer_ttl_s=4.0)
     try:
         trainer = DataService.connect("node-touch", namespace=NS, consumer="trainer")
-        trainer.slice(0, 1, 2)
+        trainer.slice(0, 1, 2, track=True)
         trainer.touch(2, rank=1, world=2)  # no read follows
         deadline = time.monotonic() + 30
         while True:
@@ -145,13 +145,13 @@ def test_the_last_step_held_fetches_the_next_steps_before_the_rank_asks(ray_clus
     try:
         client = DataService.connect("node-ahead", namespace=NS, consumer="trainer")
         path = process_reads(client)
-        got = {0: client.slice(0, 0, 1)}
+        got = {0: client.slice(0, 0, 1, track=True)}
         for step in range(1, steps):
             deadline = time.monotonic() + 30
             while step not in path.cached_steps():
                 assert time.monotonic() < deadline, f"step {step} not held before it is read: {path.cached_steps()}"
                 time.sleep(0.02)
-            got[step] = client.slice(step, 0, 1)
+            got[step] = client.slice(step, 0, 1, track=True)
         with GlobalBatchSource(tiny_recipe) as source:
             for step, part in got.items():
                 want = source.batch(step).slice(0, 1)

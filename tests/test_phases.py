@@ -356,8 +356,8 @@ def test_service_and_materialised_runs_cross_the_boundaries(ray_cluster, tmp_pat
 
         for step in list(range(len(want))) + [1, 3]:
             world = 2 if step % 2 == 0 else 4
-            tokens = np.concatenate([service.slice(step, r, world).tokens for r in range(world)])
-            positions = np.concatenate([service.slice(step, r, world).positions for r in range(world)])
+            tokens = np.concatenate([service.slice(step, r, world, track=True).tokens for r in range(world)])
+            positions = np.concatenate([service.slice(step, r, world, track=True).positions for r in range(world)])
             assert compute_digest(tokens, positions) == want[step], step
     finally:
         service.stop()

@@ -326,7 +326,7 @@ def service(ray_cluster, tmp_path_factory):
     state = tmp_path_factory.mktemp("prov") / "state"
     with DataService.start(Recipe.from_toml(TINY), name="prov", state_dir=str(state), checkpoint_every=8) as svc:
         for step in range(0, 20):
-            svc.slice(step, 0, 1)
+            svc.slice(step, 0, 1, track=True)
         yield svc
 
 

@@ -46,7 +46,7 @@ def test_digests_and_slices_match_reference(ray_cluster, tiny_recipe, reference_
                 ref = source.batch(step)
                 for world in (1, 2, 4, 8, 16):  # B = 16 rows; W = 16 splits a lane (2 rows) in two
                     for rank in range(world):
-                        got, want = svc.slice(step, rank, world), ref.slice(rank, world)
+                        got, want = svc.slice(step, rank, world, track=True), ref.slice(rank, world)
                         assert (got.step, got.rank, got.world) == (step, rank, world)
                         np.testing.assert_array_equal(got.tokens, want.tokens)
                         np.testing.assert_array_equal(got.positions, want.positions)
@@ -76,7 +76,7 @@ def test_refs_prefetch_and_any_consumer_handle(ray_cluster, tiny_recipe, referen
         @ray.remote(num_cpus=0.1)
         def read_in_task(name, step):  # a task/worker finds the service by name, as a Ray Train worker does
             other = DataService.connect(name, namespace=NS, consumer="task")
-            return other.slice(step, 1, 2).tokens.copy(), other.batch(step).digest
+            return other.slice(step, 1, 2, track=True).tokens.copy(), other.batch(step).digest
 
         # Read ahead without moving the cursor, then report consumption with touch().
         ahead = svc.refs(5, track=False)
@@ -175,7 +175,7 @@ def test_clean_errors(ray_cluster, tiny_recipe, reference_digests, tmp_path):
         with pytest.raises(ServiceError, match="already runs"):
             start_service(tiny_recipe, tmp_path, "errors")
         with pytest.raises(ValueError, match="a world of 17 ranks exceeds the global batch of 16 rows") as info:
-            svc.slice(0, 0, 17)
+            svc.slice(0, 0, 17, track=True)
         with pytest.raises(ValueError, match=r"step must be an int in \[0, .*\], got -1") as info:
             svc.batch(-1)
         assert "Traceback" not in str(info.value) and "Ray" not in type(info.value).__name__
@@ -213,7 +213,7 @@ def test_a_silent_rank_holds_nothing_back_beyond_its_ttl(ray_cluster, tiny_recip
     svc = start_service(tiny_recipe, tmp_path, "ttl", window=4, consumer_ttl_s=3.0)
     dead = DataService.connect("ttl", namespace=NS, consumer="dead-rank")
     try:
-        part = dead.slice(0, 1, 2)  # its cursor: step 0; it holds produce_until at 4
+        part = dead.slice(0, 1, 2, track=True)  # its cursor: step 0; it holds produce_until at 4
         assert part.num_rows == 8
         del dead  # no release(): it just stops
         got = [svc.batch(step, track=True).digest for step in range(10)]  # step 4 waits until the TTL has passed
@@ -264,7 +264,7 @@ def test_many_waiting_reads_hold_no_thread(ray_cluster, tiny_recipe, reference_d
     svc = start_service(tiny_recipe, tmp_path, "pending", window=4)
     holder = DataService.connect("pending", namespace=NS, consumer="holder")
     try:
-        holder.slice(0, 0, 1)
+        holder.slice(0, 0, 1, track=True)
         with GlobalBatchSource(tiny_recipe) as source:
             want = {r: source.batch(target).slice(r, world).tokens for r in range(world)}
         ok, errors = [], []
@@ -272,7 +272,7 @@ def test_many_waiting_reads_hold_no_thread(ray_cluster, tiny_recipe, reference_d
         def read(i):
             try:
                 client = DataService.connect("pending", namespace=NS, consumer=f"reader{i}")
-                part = client.slice(target, i % world, world)
+                part = client.slice(target, i % world, world, track=True)
                 ok.append(np.array_equal(part.tokens, want[i % world]))
             except Exception as exc:  # noqa: BLE001
                 errors.append(exc)
@@ -306,7 +306,7 @@ def test_replays_run_in_the_replayer_and_are_shared(ray_cluster, tiny_recipe, re
     svc = start_service(tiny_recipe, tmp_path, "replayer", window=4)
     try:
         for step in range(14):
-            svc.slice(step, 0, 1)
+            svc.slice(step, 0, 1, track=True)
         readers, got = 8, []
         barrier = threading.Barrier(readers)
 
@@ -390,8 +390,8 @@ def test_node_readers_load_neither_torch_nor_zephon(ray_cluster, tiny_recipe, re
         for step in range(3):
             part = svc.slice(step, rank=1, world=2, track=True)
             assert part.tokens.shape == (tiny_recipe.global_batch_rows // 2, tiny_recipe.row_length)
-        assert compute_digest(np.concatenate([svc.slice(3, rank=r, world=2).tokens for r in range(2)]),
-                              np.concatenate([svc.slice(3, rank=r, world=2).positions for r in range(2)])) \
+        assert compute_digest(np.concatenate([svc.slice(3, rank=r, world=2, track=True).tokens for r in range(2)]),
+                              np.concatenate([svc.slice(3, rank=r, world=2, track=True).positions for r in range(2)])) \
             == reference_digests[3]
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                  if a["namespace"] == NS and a["name"].startswith("lean-reader" + READER_INFIX)]

@@ -134,7 +134,7 @@ def test_serve_status_rescale_release_stop_then_inspect_offline(ray_cluster, cap
         cfg = svc.config  # every flag reached the running service's config
         assert (cfg.window, cfg.checkpoint_every, cfg.consumer_ttl_s, cfg.resources.producer_num_cpus) == (4, 2, 90, 0.125)
         for step in range(5):
-            assert svc.slice(step, 0, 1).tokens.shape[0] == 16
+            assert svc.slice(step, 0, 1, track=True).tokens.shape[0] == 16
         svc.commit(4)
 
         code, out, err = _main(capsys, "status", *where)

@@ -106,3 +106,45 @@ def test_connect_to_a_missing_name_fails_at_once(ray_cluster, monkeypatch):
     for bad in ("60", -1, float("nan"), True):
         with pytest.raises(ValueError, match="connect: timeout_s must be a number of seconds >= 0"):
             DataService.connect("nope", namespace="zr-none", timeout_s=bad)
+
+
+def test_start_takes_a_config_and_overrides_of_its_fields(tiny_recipe, tmp_path, monkeypatch):
+    """``start(recipe, config, **overrides)``: a built ServiceConfig, keyword overrides of its fields (replacing the
+    config's), or both; an unknown keyword is one TypeError naming it, before anything starts. No Ray here: the
+    launch is replaced by a recorder."""
+    import types
+
+    from zephon_ray import DataService, ServiceConfig
+    from zephon_ray.service import client, launch
+
+    launched = []
+    monkeypatch.setattr(client, "_ensure_ray", lambda ray_init=None: None)
+    monkeypatch.setattr(launch, "launch", lambda recipe, config: launched.append(config) or "coordinator")
+    monkeypatch.setattr(DataService, "_from_coordinator",
+                        classmethod(lambda cls, handle, **kw: types.SimpleNamespace(handle=handle, **kw)))
+    config = ServiceConfig.build(tiny_recipe, name="built", window=4, state_dir=str(tmp_path / "a"))
+
+    DataService.start(tiny_recipe, config)
+    assert launched[-1] == config
+    DataService.start(tiny_recipe, config, window=6, state_dir=tmp_path / "b")
+    assert (launched[-1].name, launched[-1].window, launched[-1].state_dir) == ("built", 6, str(tmp_path / "b"))
+    got = DataService.start(tiny_recipe, name="kw", producers=2, consumer="me")
+    assert (launched[-1].name, launched[-1].producers, launched[-1].run_id) == ("kw", 2, "kw")
+    assert (got.handle, got.consumer, got._started_here) == ("coordinator", "me", True)
+
+    count = len(launched)
+    with pytest.raises(TypeError, match=r"^DataService.start: unknown option 'windwo' \(did you mean 'window'\?\); "
+                                        r"options are consumer, ray_init and the fields of ServiceConfig: "):
+        DataService.start(tiny_recipe, windwo=4)
+    with pytest.raises(TypeError, match="unknown option 'flavour';"):
+        DataService.start(tiny_recipe, config, flavour="x")
+    with pytest.raises(TypeError, match="config must be a ServiceConfig, got dict"):
+        DataService.start(tiny_recipe, {"window": 4})
+    assert len(launched) == count
+
+
+def test_a_handle_is_not_constructed_directly():
+    from zephon_ray import DataService
+
+    with pytest.raises(TypeError, match=r"^DataService is not constructed directly: DataService.start\(recipe, "):
+        DataService("coordinator", name="x", namespace="y")

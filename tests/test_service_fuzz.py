@@ -461,14 +461,14 @@ def test_regression_a_refused_far_read_then_a_coordinator_restart(ray_cluster, t
     svc = _service(tiny_recipe, tmp_path, "far-then-kill", window=8, max_ahead=512)
     try:
         for step in range(5):
-            assert np.array_equal(svc.slice(step, 0, 1).tokens, reference[step].tokens)
+            assert np.array_equal(svc.slice(step, 0, 1, track=True).tokens, reference[step].tokens)
         with pytest.raises(ValueError, match="max_ahead"):
-            svc.slice(10**6, 0, 1)
-        svc.slice(5, 0, 1)
+            svc.slice(10**6, 0, 1, track=True)
+        svc.slice(5, 0, 1, track=True)
         svc.commit(6)
         _kill_coordinator(svc)
         for step in range(6, 16):
-            box = _bounded(f"slice({step})", lambda: svc.slice(step, 0, 1), 60)
+            box = _bounded(f"slice({step})", lambda: svc.slice(step, 0, 1, track=True), 60)
             assert "error" not in box, box.get("error")
             assert np.array_equal(box["value"].tokens, reference[step].tokens), step
         assert svc.status()["reads"]["bad_moves"] <= 1  # the refused move is never sent again
@@ -486,7 +486,7 @@ def test_regression_a_waiting_lease_keeps_no_other_consumer_alive(ray_cluster, t
     svc = _service(tiny_recipe, tmp_path, "silent-consumer")
     try:
         evaluator = DataService.connect("silent-consumer", namespace=NS, consumer="eval")
-        evaluator.slice(2, 3, 4)
+        evaluator.slice(2, 3, 4, track=True)
         evaluator.touch(3, rank=3, world=4)
         box = _bounded("batch(31)", lambda: svc.batch(31, track=True), 60)
         assert "error" not in box, box.get("error")
@@ -506,7 +506,7 @@ def test_regression_ranks_far_past_their_commit_after_a_restart(ray_cluster, tin
     svc = _service(tiny_recipe, tmp_path, "far-past-commit", max_ahead=8)
     try:
         for step in range(30):
-            svc.slice(step, 0, 1)
+            svc.slice(step, 0, 1, track=True)
         svc.commit(2)
         deadline = time.monotonic() + 60  # the old incarnation's checkpoints of these steps are durable
         while svc.status()["checkpoints"]["unwritten"] or svc.status()["checkpoints"]["latest"] < 28:
@@ -515,7 +515,7 @@ def test_regression_ranks_far_past_their_commit_after_a_restart(ray_cluster, tin
         _kill_coordinator(svc)
         time.sleep(1.0)  # the restart begins; the process's cached steps are dropped by the failed reads
         for step in range(30, 34):
-            box = _bounded(f"slice({step})", lambda: svc.slice(step, 0, 1), 60)
+            box = _bounded(f"slice({step})", lambda: svc.slice(step, 0, 1, track=True), 60)
             assert "error" not in box, box.get("error")
             assert np.array_equal(box["value"].tokens, reference[step].tokens), step
         start = svc.status()["start"]

@@ -57,7 +57,7 @@ def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, refere
             for step in range(steps):
                 entered[rank].add(step)
                 t0 = time.monotonic()
-                part = client.slice(step, rank, world)
+                part = client.slice(step, rank, world, track=True)
                 waits[rank][step] = time.monotonic() - t0
                 recorder.handed(part)
                 recorder.commit(step)
@@ -71,7 +71,7 @@ def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, refere
 
     threads = []
     try:
-        assert holder.slice(0, 0, 1).num_rows == tiny_recipe.global_batch_rows  # pins produce_until at 4
+        assert holder.slice(0, 0, 1, track=True).num_rows == tiny_recipe.global_batch_rows  # pins produce_until at 4
         threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in range(world)]
         for t in threads:
             t.start()

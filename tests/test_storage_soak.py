@@ -77,7 +77,7 @@ def _read_jobs(svc, oracle: _Oracle, until: float, first: int) -> dict:
                 parts = [None] * RANKS
 
                 def rank(r: int) -> None:
-                    parts[r] = client.slice(step, r, RANKS)
+                    parts[r] = client.slice(step, r, RANKS, track=True)
 
                 threads = [threading.Thread(target=rank, args=(r,)) for r in range(RANKS)]
                 [t.start() for t in threads]

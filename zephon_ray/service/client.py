@@ -4,11 +4,11 @@
                             state_dir="/shared/run7", checkpoint_every=8)   # run_id "run7", hosted TCPStore
     svc = DataService.connect("run7", namespace="zr", consumer="trainer")   # any driver, job, Train worker
     svc.prefetch(range(s + 1, s + 4), rank=r, world=W)   # optional: start fetching upcoming steps
-    part = svc.slice(s, rank, world)             # RankSlice: rows [r*B/W, (r+1)*B/W) of global batch s (tracked)
+    part = svc.slice(s, rank, world, track=True)  # RankSlice: rows [r*B/W, (r+1)*B/W) of step s; moves the cursor
     refs = svc.refs(s + 1, rank=r, world=W, track=False)  # read ahead: StepRefs (.slice/.batch) ...
     svc.touch(s + 1, rank=r, world=W)            # ... and move the cursor when the trainer takes the step
     svc.commit(s + 1)                            # after the trainer checkpoint that resumes at step s + 1
-    svc.batch(s).digest                          # the whole GlobalBatch (ad hoc: moves no cursor unless track=True)
+    svc.batch(s).digest                          # the whole GlobalBatch (moves no cursor: track defaults to False)
 
 The handle holds lifecycle and control calls; reads go through one read-path object. On the default node path
 (node_reads.py) the ranks of a process share a lease cache and call this node's **node reader** (node.py) about
@@ -35,8 +35,9 @@ Limits:
   actor (restore of the nearest durable checkpoint + at most K steps for recent ones, ``anchor_every`` for old
   ones; sequential reads are cheap); steps more than ``window`` ahead of the slowest live consumer wait for it;
   reads more than ``max_ahead`` past the head are refused (ValueError).
-- ``slice`` moves the cursor by default (the trainer path); ``batch``, ``refs`` and ``to_dataset`` do not unless
-  ``track=True``. The default consumer name is unique per Ray job (``job-<id>``).
+- No read moves a cursor unless it says ``track=True`` (``slice``, ``batch``, ``refs``; ``to_dataset`` never):
+  a trainer reading directly passes it (the loaders do), so a notebook or an audit cannot hold a trainer's window
+  back. The default consumer name is unique per Ray job (``job-<id>``).
 - Returned arrays are read-only views of shared memory; copy them before writing. A slice spanning several lanes
   is one concatenation (a copy); a slice inside one lane is a view.
 - The cursor of a consumer is keyed by (consumer, rank, world); pass a stable ``consumer`` (e.g. the run id)
@@ -52,6 +53,8 @@ Limits:
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import logging
 import math
 import os
@@ -91,6 +94,8 @@ REPLY_GRACE_S = 5.0
 comes first; the client's answer is for a coordinator or node reader that cannot answer at all."""
 CONTROL_TIMEOUT_S = 60.0
 """The bound of ``status`` and ``release`` (they wait for nothing but the coordinator's reply)."""
+CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ServiceConfig))
+"""The keyword overrides ``start`` accepts besides ``consumer`` and ``ray_init``."""
 
 
 def _check_timeout(what: str, value: Any) -> float:
@@ -138,11 +143,24 @@ class DataService:
     no lock is held across a remote call (tests/test_node_reads.py and tests/test_direct_reads.py read with many
     threads on one handle and check every row).
 
-    Create with :meth:`start` (launch a new service) or :meth:`connect` (find a running one by name).
+    Create with :meth:`start` (launch a new service) or :meth:`connect` (find a running one by name); the
+    constructor is not public.
     """
 
-    def __init__(self, coordinator: Any, *, name: str, namespace: str, consumer: str | None = None,
-                 read_path: str | None = None, warm: bool = True) -> None:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        raise TypeError("DataService is not constructed directly: DataService.start(recipe, ...) launches a service, "
+                        "DataService.connect(name, ...) finds a running one")
+
+    @classmethod
+    def _from_coordinator(cls, coordinator: Any, *, name: str, namespace: str, consumer: str | None = None,
+                          read_path: str | None = None, warm: bool = True) -> "DataService":
+        """A handle on the service whose coordinator actor is ``coordinator`` (what start and connect return)."""
+        self = cls.__new__(cls)
+        self._setup(coordinator, name=name, namespace=namespace, consumer=consumer, read_path=read_path, warm=warm)
+        return self
+
+    def _setup(self, coordinator: Any, *, name: str, namespace: str, consumer: str | None, read_path: str | None,
+               warm: bool) -> None:
         self._coordinator = coordinator
         self.name = name
         self.namespace = namespace
@@ -187,7 +205,7 @@ class DataService:
         by keyword (``name``, ``namespace``, ``producers``, ``window``, ``state_dir``, ``checkpoint_every``,
         ``run_id``, ``read_timeout_s``, ... and ``resources``, an :class:`ActorResources` or a dict of its fields),
         applied on top of it or, without one, of ``ServiceConfig.build``'s defaults (``run_id`` the service's name,
-        the aggregation the TCPStore it hosts). ``state_dir`` holds the durable state; start again with the same
+        the aggregation the TCPStore it hosts); an unknown keyword is a TypeError naming it. ``state_dir`` holds the durable state; start again with the same
         ``state_dir`` (and recipe) to resume where the newest commit left off. Without it a fresh temporary
         directory is used (nothing to resume from). Invalid settings, a ``state_dir`` of another recipe and an
         unusable ``materialized_dir`` raise before anything is created or written (service/launch.py).
@@ -202,6 +220,12 @@ class DataService:
         """
         from zephon_ray.service import launch
 
+        unknown = sorted(set(overrides) - CONFIG_FIELDS)
+        if unknown:
+            near = difflib.get_close_matches(unknown[0], CONFIG_FIELDS, n=1)
+            hint = f" (did you mean {near[0]!r}?)" if near else ""
+            raise TypeError(f"DataService.start: unknown option {unknown[0]!r}{hint}; options are consumer, ray_init "
+                            f"and the fields of ServiceConfig: {', '.join(sorted(CONFIG_FIELDS))}")
         if not isinstance(recipe, Recipe):
             recipe = Recipe.from_toml(recipe)
         for key in ("state_dir", "aggregate_dir", "materialized_dir"):  # paths as strings: they travel to actors
@@ -218,7 +242,7 @@ class DataService:
             config = replace(config, state_dir=tempfile.mkdtemp(prefix=f"zephon-ray-{config.name}-"))
         _ensure_ray(ray_init)
         handle = launch.launch(recipe, config)
-        client = cls(handle, name=config.name, namespace=config.namespace, consumer=consumer)
+        client = cls._from_coordinator(handle, name=config.name, namespace=config.namespace, consumer=consumer)
         client._started_here = True
         return client
 
@@ -244,7 +268,7 @@ class DataService:
                                                "start it, or wait for one that is starting (connect(timeout_s=...); `zephon-ray status --wait SECONDS`)"
                                                ) from None
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
-        return cls(handle, name=name, namespace=namespace, consumer=consumer, read_path=read_path)
+        return cls._from_coordinator(handle, name=name, namespace=namespace, consumer=consumer, read_path=read_path)
 
     def stop(self) -> None:
         """Stop the service: producers, replayers, node readers and coordinator. ``state_dir`` stays."""
@@ -340,10 +364,10 @@ class DataService:
         ``read_timeout_s``), retries included."""
         return self._read(step, None, None, track, timeout_s, lambda refs, t: refs.batch(timeout_s=t))
 
-    def slice(self, step: int, rank: int, world: int, *, track: bool = True,
+    def slice(self, step: int, rank: int, world: int, *, track: bool = False,
               timeout_s: float | None = None) -> RankSlice:
-        """Rank ``rank`` of ``world``'s rows of step ``step``; only the lanes covering them are fetched. Moves
-        this consumer's cursor for (rank, world) unless ``track=False``. Returns or raises within ``timeout_s``
+        """Rank ``rank`` of ``world``'s rows of step ``step``; only the lanes covering them are fetched.
+        ``track=True`` moves this consumer's cursor for (rank, world) (the trainer path). Returns or raises within ``timeout_s``
         (default ``read_timeout_s``), retries included."""
         slice_bounds(self.recipe.global_batch_rows, rank, world)  # validate before any remote call
         return self._read(step, rank, world, track, timeout_s, lambda refs, t: refs.slice(rank, world, timeout_s=t))
