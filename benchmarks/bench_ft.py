@@ -44,7 +44,7 @@ def run_round(args, directory: str, side: str) -> dict[str, float]:
     from zephon_ray.stream.dataset import DatasetSlices
     from zephon_ray.stream.ft import FtSlices
     from zephon_ray.stream.loader import LoaderConfig
-    from zephon_ray.stream.slice_reader import reader_state
+    from zephon_ray.stream.slice_stream import stream_state
 
     n = args.groups
     recipe = Recipe.from_toml(args.recipe)
@@ -62,7 +62,7 @@ def run_round(args, directory: str, side: str) -> dict[str, float]:
         ft = FtSlices(config, manager=m, recipe=recipe) if side == "ft" else None
         plain = DatasetSlices(recipe, directory, rank=g, world=n, depth=4) if side == "plain" else None
         if plain is not None:
-            plain.reset(reader_state(0))
+            plain.reset(stream_state(0))
         try:
             while m.current_step() < args.steps:
                 t = time.perf_counter()

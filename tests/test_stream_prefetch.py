@@ -1,5 +1,5 @@
-"""The narrow protocol (``zephon_ray.stream.slice_reader``: reset / next / state / close) and the one prefetch thread
-(``zephon_ray.stream.prefetch``) behind every slice reader.
+"""The narrow protocol (``zephon_ray.stream.slice_stream``: reset / next / state / close) and the one prefetch thread
+(``zephon_ray.stream.prefetch``) behind every slice stream.
 
 Driven by a small real source: this reader's slices of ``GlobalBatchSource`` (the in-process reference), and by
 ``LocalSlices`` (an in-process Zephon lane group) through the same protocol.
@@ -13,8 +13,8 @@ import pytest
 
 from zephon_ray import GlobalBatchSource, compute_digest
 from zephon_ray.stream.prefetch import PrefetchedSlices
-from zephon_ray.stream.slice_reader import (
-    STATE_CHECKPOINT, STATE_NEXT_STEP, SliceReader, SliceReaderError, reader_state)
+from zephon_ray.stream.slice_stream import (
+    STATE_CHECKPOINT, STATE_NEXT_STEP, SliceStream, SliceStreamError, stream_state)
 
 
 class ReferenceSlices(PrefetchedSlices):
@@ -45,17 +45,17 @@ def test_consecutive_slices_from_any_start_and_restart(tiny_recipe):
     with GlobalBatchSource(tiny_recipe) as ref:
         want = {s: _digest(ref.batch(s).slice(1, 2)) for s in range(2, 6)}
     source = ReferenceSlices(tiny_recipe, rank=1, world=2, depth=2)
-    assert isinstance(source, SliceReader)
-    with pytest.raises(SliceReaderError, match="not running: call reset"):
+    assert isinstance(source, SliceStream)
+    with pytest.raises(SliceStreamError, match="not running: call reset"):
         source.next(timeout=1)
-    source.reset(reader_state(2))
+    source.reset(stream_state(2))
     assert [_digest(source.next(timeout=60)) for _ in (2, 3)] == [want[2], want[3]]
     source.reset({STATE_NEXT_STEP: 4, STATE_CHECKPOINT: None})  # a jump: restart where asked
     assert [_digest(source.next(timeout=60)) for _ in (4, 5)] == [want[4], want[5]]
     assert source.state(timeout=1) == {STATE_NEXT_STEP: 6, STATE_CHECKPOINT: None}  # no checkpoint to keep
     source.close()
     source.close()  # idempotent
-    with pytest.raises(SliceReaderError, match="not running"):
+    with pytest.raises(SliceStreamError, match="not running"):
         source.next(timeout=1)
 
 
@@ -98,8 +98,8 @@ def test_a_producer_error_reaches_get_with_its_step_and_cause(tiny_recipe):
     source = ReferenceSlices(tiny_recipe, rank=0, world=2, depth=2, fail_at=1)
     source.reset()
     source.next(timeout=60)
-    with pytest.raises(SliceReaderError,
-                       match=r"reference slice reader failed at step 1 \(rank 0 of 2\): OSError: disk gone") \
+    with pytest.raises(SliceStreamError,
+                       match=r"reference slice stream failed at step 1 \(rank 0 of 2\): OSError: disk gone") \
             as info:
         source.next(timeout=60)
     assert isinstance(info.value.__cause__, OSError)
@@ -116,8 +116,8 @@ class SkippingSlices(ReferenceSlices):
 
 def test_wrong_step_and_timeout_are_clear(tiny_recipe):
     source = SkippingSlices(tiny_recipe, rank=0, world=1, depth=1)
-    source.reset(reader_state(3))
-    with pytest.raises(SliceReaderError, match="is at step 4, the caller expected step 3"):
+    source.reset(stream_state(3))
+    with pytest.raises(SliceStreamError, match="is at step 4, the caller expected step 3"):
         source.next(timeout=60)
     slow = ReferenceSlices(tiny_recipe, rank=0, world=1, depth=1, delay_s=5.0)
     slow.reset()

@@ -1,8 +1,8 @@
 """The framework-free stream layer (imports no TorchTitan, no Ray Train, no triton).
 
-* ``slice_reader``: the one narrow protocol of a slice reader (reset / next / state / close, state keys as constants);
-* ``prefetch``: the one prefetch thread behind every slice reader;
-* ``local``, ``service``, ``dataset``: the three slice readers (an in-process Zephon lane group, a DataService, a
+* ``slice_stream``: the one narrow protocol of a slice stream (reset / next / state / close, state keys as constants);
+* ``prefetch``: the one prefetch thread behind every slice stream;
+* ``local``, ``service``, ``dataset``: the three slice streams (an in-process Zephon lane group, a DataService, a
   materialised directory);
 * ``loader``: the loader core (reader r of W, modes, the loader state, trainer microbatches, TP/PP/CP peers) that
   the TorchTitan and Ray Train integrations adapt;

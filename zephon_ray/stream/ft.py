@@ -1,4 +1,4 @@
-"""Per-step elasticity with torchft: a slice reader driven by a torchft ``Manager`` (the ``ft`` extra).
+"""Per-step elasticity with torchft: a slice stream driven by a torchft ``Manager`` (the ``ft`` extra).
 
 torchft forms a quorum of live replica groups at every step; a dead group does not stop the others, and a group
 that comes back heals its model from a peer. :class:`FtSlices` gives every step's global batch to whichever groups
@@ -28,7 +28,7 @@ a step other than the one last served or the one after is one :class:`~zephon_ra
 line (docs/audit.md).
 
 Prefetch assumes the membership stays as it is: one prefetch thread (:mod:`zephon_ray.stream.prefetch`) reads the
-next ``depth`` steps at the current (rank, world); when the quorum changes the membership, the source for the new
+next ``depth`` steps at the current (rank, world); when the quorum changes the membership, the stream for the new
 (rank, world) is reset at the current step and fetches again. The cost of the membership check itself (reading the
 quorum from the manager and comparing) is recorded per step in :attr:`FtSlices.check_seconds`, the cost of a
 change in :attr:`FtSlices.change_seconds` (``benchmarks/bench_ft.py`` measures both).
@@ -73,12 +73,12 @@ from zephon_ray.stream.geometry import StepShape, check_geometry
 from zephon_ray.stream.ledger_recorder import FLUSH_RECORDS, FLUSH_SECONDS, FtLedger
 from zephon_ray.stream.loader import GET_TIMEOUT_S, LoaderConfig, StepBatch
 from zephon_ray.stream.prefetch import PrefetchedSlices
-from zephon_ray.stream.slice_reader import reader_state
+from zephon_ray.stream.slice_stream import stream_state
 
 log = logging.getLogger("zephon_ray")
 
 FT_MODES = ("service", "dataset")
-_KEEP_SOURCES = 4  # (rank, world) memberships whose sources are kept (threads stopped) for a quick return
+_KEEP_STREAMS = 4  # (rank, world) memberships whose streams are kept (threads stopped) for a quick return
 
 
 class FtMembershipError(ValueError):
@@ -159,7 +159,7 @@ class FtSlices:
             raise ValueError("FtSlices: set at most one of 'local_batch_size' and 'microbatches'")
         self.base_recipe = recipe if recipe is not None else Recipe.from_toml(config.recipe)
         self.recipe = self.base_recipe
-        """The run's schedule: the recipe file's plus the run-time phases its state or its source carries."""
+        """The run's schedule: the recipe file's plus the run-time phases its state or its stream carries."""
         self.pad = config.pad_slices
         self.supported = supported_participants(self.recipe, dp=self.dp, local_batch_size=self.local_batch_size,
                                                 microbatches=self.microbatches, pad=self.pad)
@@ -167,7 +167,7 @@ class FtSlices:
             raise ValueError(f"FtSlices: no participant count works for dp {dp} and local_batch_size "
                              f"{local_batch_size} with the recipe's global batch of {self.recipe.global_batch_rows} "
                              f"rows ({self.recipe.describe()}); set pad_slices = true")
-        self._sources: OrderedDict[tuple[int, int], PrefetchedSlices] = OrderedDict()
+        self._streams: OrderedDict[tuple[int, int], PrefetchedSlices] = OrderedDict()
         self._active: tuple[int, int] | None = None
         self._last: StepBatch | None = None
         self._last_key: tuple[int, int, int] | None = None
@@ -175,7 +175,7 @@ class FtSlices:
         self.check_seconds: list[float] = []
         """Per call of :meth:`next`: seconds spent reading the quorum and checking the membership."""
         self.change_seconds: list[float] = []
-        """Per membership change: seconds spent switching to (and resetting) the new membership's source."""
+        """Per membership change: seconds spent switching to (and resetting) the new membership's stream."""
         self.membership_changes = 0
         self.served_again = 0
         self.ledger: FtLedger | None = None
@@ -246,11 +246,11 @@ class FtSlices:
         data = self.recipe.data_step(step)  # the data it reads: later than the step after a deliberate skip
         if changed:
             t1 = time.perf_counter()
-            source = self._source_for(rank, world, data)
+            stream = self._stream_for(rank, world, data)
             self.change_seconds.append(time.perf_counter() - t1)
         else:
-            source = self._source_for(rank, world, data)
-        batch = self._batch(source.next(timeout), step)
+            stream = self._stream_for(rank, world, data)
+        batch = self._batch(stream.next(timeout), step)
         self._last, self._last_key = batch, key
         if self.ledger is not None and not placeholder_rows:
             self.ledger.served(step, rank, world, batch.slice.ledger_digest)
@@ -303,7 +303,7 @@ class FtSlices:
         step = check_state(state, run_id=self.config.run_id, fingerprint=base.fingerprint, recipe=base,
                            recipe_name=str(base.path or "<recipe>"))
         recipe = run_recipe(state, base)
-        if recipe.fingerprint != self.recipe.fingerprint:  # sources made under the old schedule go
+        if recipe.fingerprint != self.recipe.fingerprint:  # streams made under the old schedule go
             self.close()
         self.recipe = recipe
         if self.ledger is not None:
@@ -315,49 +315,49 @@ class FtSlices:
         rows = shape.microbatch_rows(piece.rank)
         return StepBatch(step, piece, list(piece.microbatches(rows, pad_to=shape.padded_to)))
 
-    def _source_for(self, rank: int, world: int, step: int) -> PrefetchedSlices:
+    def _stream_for(self, rank: int, world: int, step: int) -> PrefetchedSlices:
         member = (rank, world)
         if member != self._active:
             if self._active is not None:
-                self._sources[self._active].close_thread()  # a service source keeps its connection and cursors
+                self._streams[self._active].close_thread()  # a service stream keeps its connection and cursors
                 self.membership_changes += 1
-            source = self._sources.pop(member, None) or self._make_source(rank, world)
-            self._sources[member] = source
-            while len(self._sources) > _KEEP_SOURCES:
-                _, old = self._sources.popitem(last=False)
+            stream = self._streams.pop(member, None) or self._make_stream(rank, world)
+            self._streams[member] = stream
+            while len(self._streams) > _KEEP_STREAMS:
+                _, old = self._streams.popitem(last=False)
                 old.close_thread()
             self._active = member
-            source.reset(reader_state(step))
-            return source
-        source = self._sources[member]
-        if source.position != step:  # a jump (healed to a later step, or a rejected step at a new membership)
-            source.reset(reader_state(step))
-        return source
+            stream.reset(stream_state(step))
+            return stream
+        stream = self._streams[member]
+        if stream.position != step:  # a jump (healed to a later step, or a rejected step at a new membership)
+            stream.reset(stream_state(step))
+        return stream
 
-    def _make_source(self, rank: int, world: int) -> PrefetchedSlices:
+    def _make_stream(self, rank: int, world: int) -> PrefetchedSlices:
         cfg = self.config
         if cfg.mode == "dataset":
             from zephon_ray.stream.dataset import DatasetSlices
 
-            source = DatasetSlices(self.recipe, cfg.dataset_dir, rank=rank, world=world, depth=cfg.prefetch)
+            stream = DatasetSlices(self.recipe, cfg.dataset_dir, rank=rank, world=world, depth=cfg.prefetch)
         else:
             from zephon_ray.stream.service import ServiceSlices
 
-            source = ServiceSlices(self.recipe, rank=rank, world=world, name=cfg.service_name,
+            stream = ServiceSlices(self.recipe, rank=rank, world=world, name=cfg.service_name,
                                    namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch,
                                    base=self.base_recipe)
-        self.recipe = source.recipe  # the source's schedule: ours plus the run-time phases it runs under
-        return source
+        self.recipe = stream.recipe  # the stream's schedule: ours plus the run-time phases it runs under
+        return stream
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
         """Stop every prefetch thread, release the service connection and flush the ledger's spool. Idempotent."""
         if self.ledger is not None:
             self.ledger.close()
-        sources, self._sources, self._active = self._sources, OrderedDict(), None
-        for source in sources.values():
+        streams, self._streams, self._active = self._streams, OrderedDict(), None
+        for stream in streams.values():
             with best_effort(log, "best effort at shutdown"):
-                source.close()
+                stream.close()
 
     def __enter__(self) -> "FtSlices":
         return self

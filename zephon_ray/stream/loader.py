@@ -56,7 +56,7 @@ from zephon_ray.stream.geometry import check_geometry
 from zephon_ray.stream.ledger_recorder import LedgerRecorder
 from zephon_ray.stream.mesh import DpPeers, dp_peers
 from zephon_ray.stream.prefetch import MAX_DEPTH
-from zephon_ray.stream.slice_reader import STATE_CHECKPOINT, SliceReader, reader_state
+from zephon_ray.stream.slice_stream import STATE_CHECKPOINT, SliceStream, stream_state
 
 logger = logging.getLogger(__name__)
 
@@ -266,18 +266,18 @@ class Loader:
         self._next_step = 0
         self._loaded_zephon: dict[str, Any] | None = None
         self._loaded_at = 0
-        self._source: SliceReader | None = None
-        self._active = False  # the source was reset at _next_step and is serving
+        self._stream: SliceStream | None = None
+        self._active = False  # the stream was reset at _next_step and is serving
         self._replayed_before = 0  # replayed steps carried by the loaded state (earlier resumes)
         self._replaying = 0  # steps the current resume replays
-        self._replay_started = False  # counted in replayed_steps once the source started (and so replays)
+        self._replay_started = False  # counted in replayed_steps once the stream started (and so replays)
         self._ledger = LedgerRecorder(run_id=config.run_id or "", fingerprint=self.base_recipe.fingerprint,
                                       rank=self.rank, world=self.world, ledger_dir=config.ledger_dir,
                                       compact_every=config.ledger_compact_every)
         # Runs at garbage collection and at interpreter exit: a trainer may never call close().
-        self._finalizer = weakref.finalize(self, _close_source, self.__dict__)
+        self._finalizer = weakref.finalize(self, _close_stream, self.__dict__)
         if config.mode == "dataset":
-            self._source = self._make_source()  # a missing or mismatched directory fails when the loader is built
+            self._stream = self._make_stream()  # a missing or mismatched directory fails when the loader is built
 
     # ------------------------------------------------------------------ iteration
     @property
@@ -319,48 +319,48 @@ class Loader:
 
     @property
     def _produces(self) -> bool:
-        """Whether this reader runs a source (False for a TP/PP/CP peer, which receives its leader's slices)."""
+        """Whether this reader runs a stream (False for a TP/PP/CP peer, which receives its leader's slices)."""
         return self.peers is None or self.peers.is_leader
 
-    def _started_source(self, step: int) -> SliceReader:
-        """The source, serving data step ``recipe.data_step(step)`` next: started there, or moved there at a
+    def _started_stream(self, step: int) -> SliceStream:
+        """The stream, serving data step ``recipe.data_step(step)`` next: started there, or moved there at a
         deliberate skip (local mode replays from its newest Zephon checkpoint, the others read it directly)."""
         data = self.recipe.data_step(step)
-        if self._source is not None and self._active:
-            if self._source.position != data:  # a skip starts at this step: the data jumps ahead
-                checkpoint = self._source.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT] \
+        if self._stream is not None and self._active:
+            if self._stream.position != data:  # a skip starts at this step: the data jumps ahead
+                checkpoint = self._stream.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT] \
                     if self.config.mode == "local" else None
-                self._source.reset(reader_state(data, checkpoint))
-            return self._source
-        if self._source is None:
-            self._source = self._make_source()
-        self._source.reset(reader_state(data, self._loaded_zephon if step == self._loaded_at else None))
+                self._stream.reset(stream_state(data, checkpoint))
+            return self._stream
+        if self._stream is None:
+            self._stream = self._make_stream()
+        self._stream.reset(stream_state(data, self._loaded_zephon if step == self._loaded_at else None))
         self._active = True
         self._replay_started = True
-        return self._source
+        return self._stream
 
     def _take(self, step: int) -> RankSlice:
         peers = self.peers
         if peers is None:
-            return self._started_source(step).next(timeout=GET_TIMEOUT_S)
+            return self._started_stream(step).next(timeout=GET_TIMEOUT_S)
         shape = (self.shape.rows(self.rank), self.recipe.seq_len + 1)
         if not peers.is_leader:
-            self._replay_started = True  # the leader's source started: keep the states identical
+            self._replay_started = True  # the leader's stream started: keep the states identical
             tokens, positions = peers.share_slice(step, None, None, shape)
             from zephon_ray.source import fixed_valid_tokens, pad_token_id
 
             return RankSlice(step, self.rank, self.world, tokens, positions, pad_token_id(self.recipe),
                              fixed_valid_tokens(self.recipe))
         try:
-            piece = self._started_source(step).next(timeout=GET_TIMEOUT_S)
+            piece = self._started_stream(step).next(timeout=GET_TIMEOUT_S)
         except BaseException as exc:
             peers.share_slice(step, None, None, shape, error=exc)  # tell the peers, then raise here
             raise
         peers.share_slice(step, piece.tokens, piece.positions, shape)
         return piece
 
-    def _make_source(self) -> SliceReader:
-        """The slice reader of ``config.mode``; a new mode adds one branch here and one SliceReader class."""
+    def _make_stream(self) -> SliceStream:
+        """The slice stream of ``config.mode``; a new mode adds one branch here and one SliceStream class."""
         cfg, recipe = self.config, self.recipe
         if cfg.mode == "local":
             from zephon_ray.pipeline import LaneGroup
@@ -375,24 +375,24 @@ class Loader:
         if cfg.mode == "dataset":
             from zephon_ray.stream.dataset import DatasetSlices
 
-            source = DatasetSlices(recipe, cfg.dataset_dir, rank=self.rank, world=self.world, depth=cfg.prefetch,
+            stream = DatasetSlices(recipe, cfg.dataset_dir, rank=self.rank, world=self.world, depth=cfg.prefetch,
                                    source_ids=cfg.source_ids)
-            self.recipe = source.recipe  # the directory's schedule: ours plus the run-time phases it was made under
-            return source
+            self.recipe = stream.recipe  # the directory's schedule: ours plus the run-time phases it was made under
+            return stream
         from zephon_ray.stream.service import ServiceSlices
 
-        source = ServiceSlices(recipe, rank=self.rank, world=self.world, name=cfg.service_name,
+        stream = ServiceSlices(recipe, rank=self.rank, world=self.world, name=cfg.service_name,
                                namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch,
                                base=self.base_recipe, source_ids=cfg.source_ids)
         if not getattr(self, "_closes_before_ray", False):
             # Ray is attached now, and its own exit hook is registered: atexit runs in reverse order, so this closes
-            # the source (its threads and Ray calls) before Ray shuts down. The finalizer alone runs after that hook
+            # the stream (its threads and Ray calls) before Ray shuts down. The finalizer alone runs after that hook
             # when it was created first, and a Ray call after ray.shutdown() can crash the process at exit (SIGSEGV
             # seen with 4 torchrun ranks reading a service).
             atexit.register(self._finalizer)
             self._closes_before_ray = True
-        self.recipe = source.recipe  # the service's schedule: ours plus the phases it accepted while running
-        return source
+        self.recipe = stream.recipe  # the service's schedule: ours plus the phases it accepted while running
+        return stream
 
     # ------------------------------------------------------------------ the schedule
     def add_phase(self, name: str, start_step: int, weights: dict[str, float]) -> int:
@@ -416,11 +416,11 @@ class Loader:
                              "or read them from the service")
         new = self.recipe.with_phase(name, start_step, weights)  # one RecipeError naming the key
         if mode == "service":
-            if self._source is None:
-                self._source = self._make_source()  # connects; iteration starts it
-            source = self._source
-            source.service.add_phase(name, start_step, weights)
-            self.recipe = source.sync_recipe()
+            if self._stream is None:
+                self._stream = self._make_stream()  # connects; iteration starts it
+            stream = self._stream
+            stream.service.add_phase(name, start_step, weights)
+            self.recipe = stream.sync_recipe()
             return self._next_step
         earliest = self.recipe.data_step(self._next_step) + self.config.prefetch + 1  # phases count data steps
         if self.world > 1:
@@ -433,8 +433,8 @@ class Loader:
                              f"{self._next_step} and may have made steps up to {self._next_step + self.config.prefetch}"
                              + (f"; the readers check the schedule at the checkpoint of step {earliest}"
                                 if self.world > 1 else "") + f"; start it at step {earliest} or later")
-        if self._source is not None and self._active:
-            self._source.adopt(new, start_step)
+        if self._stream is not None and self._active:
+            self._stream.adopt(new, start_step)
         self.recipe = new
         return earliest
 
@@ -446,12 +446,12 @@ class Loader:
             return self.peers.share_object(None)  # the leader's state, bit for bit
         step = self._next_step
         zephon: dict[str, Any] | None = None
-        if step > 0 and self._source is not None and self._active:
-            zephon = self._source.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT]
+        if step > 0 and self._stream is not None and self._active:
+            zephon = self._stream.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT]
         elif self.config.mode == "local" and step > 0 and step == self._loaded_at:
             zephon = self._loaded_zephon
-        if hasattr(self._source, "sync_recipe"):  # a service may have accepted a phase since: record it too
-            self.recipe = self._source.sync_recipe()
+        if hasattr(self._stream, "sync_recipe"):  # a service may have accepted a phase since: record it too
+            self.recipe = self._stream.sync_recipe()
         state = make_state(run_id=self.config.run_id,
                            fingerprint=self.recipe.history_fingerprint(self.recipe.data_next(step)),
                            next_step=step, zephon=zephon, replayed_steps=self._replayed_steps(),
@@ -510,13 +510,13 @@ class Loader:
         self._loaded_at = step
         self._next_step = step
         self._ledger.resume(state[KEY_LEDGER], step)
-        _close_source(self.__dict__)
+        _close_stream(self.__dict__)
 
     # ------------------------------------------------------------------ shutdown
     def close(self) -> None:
         """Stop background threads and release the service connection. Idempotent; iterating again restarts at
         ``next_step``."""
-        _close_source(self.__dict__)
+        _close_stream(self.__dict__)
 
     def __enter__(self) -> "Loader":
         return self
@@ -525,12 +525,12 @@ class Loader:
         self.close()
 
 
-def _close_source(attrs: dict[str, Any]) -> None:
-    source = attrs.get("_source")
-    attrs["_source"], attrs["_active"] = None, False
-    if source is None:
+def _close_stream(attrs: dict[str, Any]) -> None:
+    stream = attrs.get("_stream")
+    attrs["_stream"], attrs["_active"] = None, False
+    if stream is None:
         return
     try:
-        source.close()
+        stream.close()
     except Exception:  # noqa: BLE001 - best effort at shutdown
-        logger.debug("closing the zephon-ray slice reader failed", exc_info=True)
+        logger.debug("closing the zephon-ray slice stream failed", exc_info=True)

@@ -1,7 +1,7 @@
-"""The one prefetch implementation behind every slice reader: a daemon thread and a bounded queue.
+"""The one prefetch implementation behind every slice stream: a daemon thread and a bounded queue.
 
-Usage: a source subclasses :class:`PrefetchedSlices` and writes ``_produce`` (a generator of slices from a step).
-Guarantee: :class:`PrefetchedSlices` implements the protocol of :mod:`zephon_ray.stream.slice_reader` (reset / next / state /
+Usage: a slice stream subclasses :class:`PrefetchedSlices` and writes ``_produce`` (a generator of slices from a step).
+Guarantee: :class:`PrefetchedSlices` implements the protocol of :mod:`zephon_ray.stream.slice_stream` (reset / next / state /
 close) once. A daemon thread runs the subclass's ``_produce`` generator and hands its slices to :meth:`next`
 through a queue of ``depth`` steps, so ``next`` only waits when production itself is behind. An exception in the
 thread reaches the caller at its next ``next`` (with the original as ``__cause__``), never as a silent hang;
@@ -23,13 +23,13 @@ from typing import Any
 
 from zephon_ray.batch import RankSlice
 from zephon_ray.checks import check_int, check_reader
-from zephon_ray.stream.slice_reader import (
+from zephon_ray.stream.slice_stream import (
     STATE_CHECKPOINT,
     STATE_NEXT_STEP,
-    SliceReader,
-    SliceReaderError,
-    check_reader_state,
-    reader_state,
+    SliceStream,
+    SliceStreamError,
+    check_stream_state,
+    stream_state,
 )
 
 _POLL_S = 0.2
@@ -37,15 +37,15 @@ MAX_DEPTH = 1024
 """Upper bound on ``depth`` (steps held in memory ahead of the reader)."""
 
 
-class PrefetchedSlices(SliceReader):
-    """A :class:`~zephon_ray.stream.slice_reader.SliceReader` whose slices are made ahead by one background thread.
+class PrefetchedSlices(SliceStream):
+    """A :class:`~zephon_ray.stream.slice_stream.SliceStream` whose slices are made ahead by one background thread.
 
     Subclasses implement :meth:`_produce` and may override the hooks ``_on_reset``, ``_on_next``, ``_idle``,
     ``_wake`` and ``_checkpoint``."""
 
     reraise: tuple[type[BaseException], ...] = ()
     """Exception types handed to the caller as they are (they already say what went wrong, e.g. a
-    ``ServiceError``); any other failure is wrapped in a :class:`SliceReaderError` naming the reader, step and rank."""
+    ``ServiceError``); any other failure is wrapped in a :class:`SliceStreamError` naming the stream, step and rank."""
 
     def __init__(self, *, rank: int, world: int, depth: int, name: str) -> None:
         self.rank, self.world = check_reader(rank, world)
@@ -85,7 +85,7 @@ class PrefetchedSlices(SliceReader):
         return self._next
 
     def reset(self, state: dict[str, Any] | None = None) -> None:
-        state = reader_state(0) if state is None else check_reader_state(state)
+        state = stream_state(0) if state is None else check_stream_state(state)
         step, checkpoint = state[STATE_NEXT_STEP], state[STATE_CHECKPOINT]
         self.close_thread()
         self._stop = threading.Event()
@@ -99,7 +99,7 @@ class PrefetchedSlices(SliceReader):
 
     def next(self, timeout: float) -> RankSlice:
         if self._thread is None:
-            raise SliceReaderError(f"the {self._name} slice reader (rank {self.rank} of {self.world}) is not running: "
+            raise SliceStreamError(f"the {self._name} slice stream (rank {self.rank} of {self.world}) is not running: "
                                    "call reset() first")
         step = self._next
         deadline = time.monotonic() + timeout
@@ -120,14 +120,14 @@ class PrefetchedSlices(SliceReader):
                 raise item
             raise self._failure(got) from item
         if got != step:
-            raise SliceReaderError(f"the {self._name} slice reader is at step {got}, the caller expected step {step}")
+            raise SliceStreamError(f"the {self._name} slice stream is at step {got}, the caller expected step {step}")
         self._next = step + 1
         self._on_next(step)
         return item
 
     def state(self, timeout: float) -> dict[str, Any]:
         step = self._next
-        return reader_state(step, self._checkpoint(step, timeout) if step > 0 else None)
+        return stream_state(step, self._checkpoint(step, timeout) if step > 0 else None)
 
     def close(self) -> None:
         self.close_thread()
@@ -142,9 +142,9 @@ class PrefetchedSlices(SliceReader):
         thread.join(timeout)
 
     # ------------------------------------------------------------------ thread
-    def _failure(self, step: int) -> SliceReaderError:
+    def _failure(self, step: int) -> SliceStreamError:
         err = self._error
-        return SliceReaderError(f"zephon-ray {self._name} slice reader failed at step {step} (rank {self.rank} of "
+        return SliceStreamError(f"zephon-ray {self._name} slice stream failed at step {step} (rank {self.rank} of "
                            f"{self.world}): {type(err).__name__}: {err}")
 
     def _loop(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event, out: queue.Queue) -> None:
