@@ -205,9 +205,9 @@ class DataService:
         by keyword (``name``, ``namespace``, ``producers``, ``window``, ``state_dir``, ``checkpoint_every``,
         ``run_id``, ``read_timeout_s``, ... and ``resources``, an :class:`ActorResources` or a dict of its fields),
         applied on top of it or, without one, of ``ServiceConfig.build``'s defaults (``run_id`` the service's name,
-        the aggregation the TCPStore it hosts); an unknown keyword is a TypeError naming it. ``state_dir`` holds the durable state; start again with the same
-        ``state_dir`` (and recipe) to resume where the newest commit left off. Without it a fresh temporary
-        directory is used (nothing to resume from). Invalid settings, a ``state_dir`` of another recipe and an
+        the aggregation the TCPStore it hosts); an unknown keyword is a TypeError naming it. ``state_dir`` holds
+        the durable state; start again with the same ``state_dir`` (and recipe) to resume where the newest commit
+        left off. Without it a fresh temporary directory is used (nothing to resume from). Invalid settings, a ``state_dir`` of another recipe and an
         unusable ``materialized_dir`` raise before anything is created or written (service/launch.py).
         ``consumer`` names this client's consumer. ``ray_init`` (``True`` or ``ray.init`` kwargs) starts Ray when
         this process has none; by default the service attaches to a running cluster and never starts one.
@@ -367,8 +367,8 @@ class DataService:
     def slice(self, step: int, rank: int, world: int, *, track: bool = False,
               timeout_s: float | None = None) -> RankSlice:
         """Rank ``rank`` of ``world``'s rows of step ``step``; only the lanes covering them are fetched.
-        ``track=True`` moves this consumer's cursor for (rank, world) (the trainer path). Returns or raises within ``timeout_s``
-        (default ``read_timeout_s``), retries included."""
+        ``track=True`` moves this consumer's cursor for (rank, world) (the trainer path). Returns or raises within
+        ``timeout_s`` (default ``read_timeout_s``), retries included."""
         slice_bounds(self.recipe.global_batch_rows, rank, world)  # validate before any remote call
         return self._read(step, rank, world, track, timeout_s, lambda refs, t: refs.slice(rank, world, timeout_s=t))
 
