@@ -207,8 +207,9 @@ class DataService:
         applied on top of it or, without one, of ``ServiceConfig.build``'s defaults (``run_id`` the service's name,
         the aggregation the TCPStore it hosts); an unknown keyword is a TypeError naming it. ``state_dir`` holds
         the durable state; start again with the same ``state_dir`` (and recipe) to resume where the newest commit
-        left off. Without it a fresh temporary directory is used (nothing to resume from). Invalid settings, a ``state_dir`` of another recipe and an
-        unusable ``materialized_dir`` raise before anything is created or written (service/launch.py).
+        left off. Without it a fresh temporary directory is used (nothing to resume from). Invalid settings, a
+        ``state_dir`` of another recipe and an unusable ``materialized_dir`` raise before anything is created or
+        written (service/launch.py).
         ``consumer`` names this client's consumer. ``ray_init`` (``True`` or ``ray.init`` kwargs) starts Ray when
         this process has none; by default the service attaches to a running cluster and never starts one.
 
