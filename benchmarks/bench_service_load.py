@@ -687,7 +687,8 @@ def run_idle(recipe, reference, tmp, seconds: float = 20.0, rounds: int = 1) -> 
         bare = _bare_actors()
         svc = start(recipe, f"idle-{rnd}", tmp, read_path="node")
         try:
-            part = svc.connect(svc.name, namespace=NS, consumer="idle").slice(0, 0, 4, track=True)  # through a node reader
+            idle = svc.connect(svc.name, namespace=NS, consumer="idle")
+            part = idle.slice(0, 0, 4, track=True)  # through a node reader
             assert compute_digest(part.tokens, part.positions) == reference[0][(0, 4)], "step 0: wrong rows"
             last = svc.config.window - 1
             assert svc.refs(last).batch().digest == reference[last]["digest"], "the window is not full"

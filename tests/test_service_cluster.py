@@ -70,7 +70,7 @@ def _drive(summary: str) -> None:
             out = []
             for step in steps:
                 try:
-                    part = client.slice(step, 0, 1, track=True)  # the whole batch as rank 0 of 1, tracked like a trainer
+                    part = client.slice(step, 0, 1, track=True)  # the whole batch as rank 0 of 1, like a trainer
                     out.append((step, None, compute_digest(part.tokens, part.positions), None))
                 except Exception as exc:  # noqa: BLE001 - the test checks that only clean errors appear
                     out.append((step, None, None, f"{type(exc).__module__}.{type(exc).__name__}: {exc}"))

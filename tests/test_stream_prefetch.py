@@ -67,7 +67,7 @@ def test_consecutive_slices_from_any_start_and_restart(tiny_recipe):
     ({"next_step": 1, "checkpoint": None, "step": 1}, "unknown key 'step'"),
     ([1, None], "must be a dict"),
 ])
-def test_bad_reader_states_and_arguments_fail_early(tiny_recipe, state, message):
+def test_bad_stream_states_and_arguments_fail_early(tiny_recipe, state, message):
     source = ReferenceSlices(tiny_recipe, rank=0, world=1, depth=1)
     with pytest.raises(ValueError, match=message):
         source.reset(state)
