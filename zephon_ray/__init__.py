@@ -8,6 +8,8 @@ Usage: ``GlobalBatchSource(Recipe.from_toml("tiny")).batch(s)`` in-process, ``Da
 Limits of the guarantee (the same environment; L fixed for the life of a run): docs/limits.md.
 """
 
+from typing import Any
+
 from zephon_ray.batch import GlobalBatch, RankSlice, compute_digest
 from zephon_ray.formats.materialized import MaterializedSource
 from zephon_ray.recipe import Recipe, RecipeError
@@ -31,7 +33,7 @@ _LAZY_MODULES = {"ray_train": "zephon_ray.integrations.ray_train"}
 integrations it re-exports; the package root may import any layer."""
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     import importlib
 
     if name in _LAZY:

@@ -29,7 +29,7 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -159,7 +159,7 @@ class RankSlice:
                              f"{np.shape(self.source_ids)} for tokens of shape {np.shape(self.tokens)}")
 
     @classmethod
-    def from_lanes(cls, step: int, rank: int, world: int, span: LaneSpan, shards: list,
+    def from_lanes(cls, step: int, rank: int, world: int, span: LaneSpan, shards: list[Any],
                    pad_token_id: int | None = None, global_valid_tokens: int | None = None) -> "RankSlice":
         """Rank r's slice from the lane shards of ``span.lanes`` (in lane order; each has ``tokens`` and
         ``positions`` arrays). The one place a slice is cut from lanes: the service client and local mode use it,

@@ -245,6 +245,7 @@ class Recipe:
     # ------------------------------------------------------------------ identity
     def canonical(self) -> dict[str, Any]:
         """The data-defining content, independent of how paths are spelled."""
+        assert self.environment is not None  # __post_init__ captures it
         return {
             "format": RECIPE_FORMAT,
             "seed": self.seed,
@@ -617,7 +618,7 @@ class _RecipeParser:
             if fmt is not None and fmt not in SUPPORTED_FORMATS:
                 raise self.fail(prefix + "format", f"must be one of {', '.join(SUPPORTED_FORMATS)}, got {fmt!r}")
             fmt, listing, shards = self.list_shards(path, fmt, prefix, verify_content)
-            records = sum(s.rows for s in shards) if all(s.rows is not None for s in shards) else None
+            records = sum(s.rows or 0 for s in shards) if all(s.rows is not None for s in shards) else None
             if records is not None and records < chunk_size:
                 raise self.fail(
                     "chunk_size",

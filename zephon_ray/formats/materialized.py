@@ -37,7 +37,7 @@ import bisect
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -150,7 +150,8 @@ def read_manifest(directory: "str | storage.Location") -> dict[str, Any]:
                                     "yet)")
     except storage.StorageError as exc:  # a missing bucket, refused credentials, an unreachable endpoint
         raise MaterializedError(str(exc)) from None
-    manifest = storage.read_json(path, expect_format=MANIFEST_FORMAT, error=MaterializedError, what="manifest")
+    manifest: dict[str, Any] = storage.read_json(path, expect_format=MANIFEST_FORMAT, error=MaterializedError,
+                                                 what="manifest")
     for key in REQUIRED_KEYS:
         if key not in manifest:
             raise _missing(path, key)
@@ -209,8 +210,8 @@ def load_checkpoint(path: "str | storage.Location", recipe: Any, step: int) -> d
     from zephon_ray.lanes import KEY_NEXT_STEP, StepStateError, check_step_state
 
     path = storage.location(path)
-    state = storage.read_json(path, error=MaterializedError, what="checkpoint",
-                            missing_hint=f" (the manifest records it for step {step})")
+    state: dict[str, Any] = storage.read_json(path, error=MaterializedError, what="checkpoint",
+                                              missing_hint=f" (the manifest records it for step {step})")
     try:
         check_step_state(state, recipe)
     except (ValueError, StepStateError, KeyError, TypeError, AttributeError) as exc:
@@ -266,6 +267,7 @@ class SegmentWriter:
     def _commit(self, end: int, state: str) -> None:
         self._writer.close()
         self._writer = None
+        assert self._tmp is not None  # the segment this commit closes was spooled there
         name = segment_name(self._segment_first, end)
         size, digest = os.path.getsize(self._tmp), storage.sha256_file(self._tmp)
         storage.upload(self._tmp, self.directory.join(name))  # 1. the data object, whole
@@ -383,7 +385,7 @@ class MaterializedSource:
                 f"step {step} is not materialised in {self.directory} (steps {self.first_step}..{self.end_step - 1}; "
                 f"extend it with `zephon-ray materialize RECIPE --steps {self.first_step}:{step + 1} --out DIR`)"
             )
-        return step
+        return cast(int, step)
 
     def checkpoint(self, step: int, recipe: Any) -> dict[str, Any]:
         """The Zephon state at the boundary before ``step`` (one is recorded at every segment boundary, including
@@ -471,9 +473,9 @@ class MaterializedSource:
             raise MaterializedError(f"{self.directory}: provenance needs the recipe: open it with "
                                     "MaterializedSource(DIR, recipe=RECIPE)")
         step = self._check_step(step)
-        first = 0 if rank is None else slice_bounds(self.rows, rank, world)[0]
+        first = 0 if rank is None else slice_bounds(self.rows, rank, cast(int, world))[0]
         if rows is None:
-            served = self.batch(step) if rank is None else self.slice(step, rank, world)
+            served = self.batch(step) if rank is None else self.slice(step, rank, cast(int, world))
             rows = (served.tokens, served.positions)
         if self._provenance is None:
             self._provenance = ProvenanceSource(self.recipe, checkpoints=self._nearest_checkpoint)

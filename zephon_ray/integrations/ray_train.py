@@ -89,6 +89,8 @@ class ZephonDataset:
     def __init__(self, source: Any, *, aggregate_store: str | None = None, aggregate_dir: str | None = None) -> None:
         from zephon_ray.service.client import DataService
 
+        self.service_name: str | None
+        self.service_namespace: str | None
         if isinstance(source, DataService):
             if source.recipe.path is None:
                 raise ValueError(f"ZephonDataset: service {source.name!r} runs a recipe with no file path; the "
@@ -206,7 +208,7 @@ class _ShardSettings:
 class Microbatch(NamedTuple):
     """One microbatch of ``iter_torch_batches``; ``last`` marks the step's final one (time for the optimizer)."""
 
-    inputs: dict
+    inputs: dict[str, Any]
     labels: Any
     step: int
     last: bool
@@ -221,7 +223,7 @@ class ZephonDatasetShard:
                  name: str) -> None:
         self.dataset, self.settings = dataset, settings
         self.rank, self.world, self.name = rank, world, name
-        self._loader: Any = None
+        self._loader: Loader | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_loader": None}  # a loader (threads, connections) never travels
@@ -237,7 +239,7 @@ class ZephonDatasetShard:
 
     def _config(self) -> LoaderConfig:
         d, s = self.dataset, self.settings
-        extra = {"service_name": d.service_name, "service_namespace": d.service_namespace} \
+        extra: dict[str, Any] = {"service_name": d.service_name, "service_namespace": d.service_namespace} \
             if d.mode == "service" else {}
         return LoaderConfig(recipe=d.recipe_path, mode=d.mode, run_id=s.run_id, aggregate_store=d.aggregate_store,
                             aggregate_dir=d.aggregate_dir, prefetch=s.prefetch, checkpoint_every=s.checkpoint_every,
@@ -316,7 +318,7 @@ class ZephonDatasetShard:
         records a step handed out but not confirmed as skipped)."""
         self.loader.commit(step)
 
-    def save(self, directory: str | os.PathLike) -> dict[str, Any]:
+    def save(self, directory: str | os.PathLike[str]) -> dict[str, Any]:
         """Write :meth:`state_dict` to ``<directory>/zephon_loader.json`` (JSON); returns the state."""
         state = self.state_dict()
         storage.write_json(storage.location(directory).join(STATE_FILE), state)  # atomic; a path or a URI
@@ -352,7 +354,7 @@ def _recipe_location(path: Any) -> str:
     return storage.location(path).uri if storage.is_uri(path) else str(Path(path).resolve())
 
 
-def _to(microbatch: tuple[dict, Any], device: Any) -> tuple[dict, Any]:
+def _to(microbatch: tuple[dict[str, Any], Any], device: Any) -> tuple[dict[str, Any], Any]:
     if device is None:
         return microbatch
     inputs, labels = microbatch

@@ -331,6 +331,7 @@ def _check_same_settings(raw: Recipe, tokens: Recipe) -> None:
         key = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))[0]
         raise PretokenizeError(f"{tokens.path}: key {key!r} is {got.get(key)!r}, the source recipe has "
                                f"{want.get(key)!r} (zephon-ray pretokenize does not carry this key over)")
+    assert raw.environment is not None and tokens.environment is not None  # a Recipe captures its environment
     if raw.environment.canonical() != tokens.environment.canonical():
         raise PretokenizeError(f"{tokens.path}: tokenizer or library versions differ from the source recipe")
 

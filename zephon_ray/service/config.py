@@ -19,6 +19,7 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from zephon_ray.checks import check_int
 from zephon_ray.recipe import Recipe
@@ -53,11 +54,11 @@ class ActorResources:
     """The Replayer restores and replays past steps: real CPU, never the coordinator's."""
     coordinator_max_concurrency: int = 2048
     """Calls the (async) coordinator runs at once. A waiting read holds no thread, only a slot here."""
-    coordinator_resources: dict = field(default_factory=dict)
+    coordinator_resources: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources (e.g. ``{"head": 0.01}``) that pin the coordinator to a node; same for the others."""
-    producer_resources: dict = field(default_factory=dict)
+    producer_resources: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources for each producer (see ``coordinator_resources``)."""
-    replayer_resources: dict = field(default_factory=dict)
+    replayer_resources: dict[str, float] = field(default_factory=dict)
     """Extra Ray resources for each replayer (see ``coordinator_resources``)."""
 
     def __post_init__(self) -> None:
@@ -214,7 +215,7 @@ class ServiceConfig:
                                  "and aggregate_dir (or [aggregate] store/dir in the recipe)")
 
     @classmethod
-    def build(cls, recipe: Recipe, **fields) -> "ServiceConfig":
+    def build(cls, recipe: Recipe, **fields: Any) -> "ServiceConfig":
         """Construct for ``recipe`` with the defaults a service needs to run any number of producers, applied
         *before* validation: an unset ``run_id`` is the service's name; unset aggregation comes from the recipe's
         ``[aggregate]`` table, else it is the TCPStore the coordinator hosts (``torch://``, created only once

@@ -15,10 +15,12 @@ Outside the wheel: ``examples/torchtitan_cpu.py`` (CPU shims and the ``*_cpu`` c
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = ["LoaderStateError", "ZephonRayDataLoader"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     # Importing torchtitan is slow; keep `import zephon_ray.torchtitan` cheap until the loader is needed.
     if name == "ZephonRayDataLoader":
         from zephon_ray.integrations.torchtitan.loader import ZephonRayDataLoader

@@ -28,6 +28,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
@@ -86,7 +87,7 @@ class ZephonTrainer(Trainer):
         if register is not None:
             register(type(self).__name__)
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         Trainer.load_state_dict(self, state_dict)
         expect = getattr(self.dataloader, "expect_trainer_step", None)
         if expect is not None:
@@ -100,9 +101,9 @@ def hf_assets_for(recipe: Recipe) -> str:
     return str(Path(recipe.tokenizer).parent)
 
 
-def zephon_loader_config(recipe_path: str | Path | None = None, **overrides) -> ZephonRayDataLoader.Config:
+def zephon_loader_config(recipe_path: str | Path | None = None, **overrides: Any) -> ZephonRayDataLoader.Config:
     recipe_path = str(recipe_path or os.environ.get("ZEPHON_RAY_RECIPE") or DEFAULT_RECIPE)
-    kwargs = dict(
+    kwargs: dict[str, Any] = dict(
         recipe=recipe_path,
         mode=os.environ.get("ZEPHON_RAY_MODE", "local"),
         service_name=os.environ.get("ZEPHON_RAY_SERVICE", "zephon-ray"),

@@ -36,7 +36,7 @@ its device before overrides are applied), so on a CPU-only torch use the example
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from torchtitan.components.checkpoint import TRAIN_STATE, CheckpointManager
 from torchtitan.components.dataloader import BaseDataLoader
@@ -94,7 +94,7 @@ class ZephonCheckpointManager(CheckpointManager):
             register(type(self).__name__)
 
     def _load(self, step: int = -1) -> bool:
-        loaded = super()._load(step)
+        loaded: bool = super()._load(step)
         expect = getattr(self._zr_loader, "expect_trainer_step", None)
         trainer_step = getattr(self._zr_trainer, "step", None)
         if loaded and expect is not None and trainer_step is not None:
@@ -105,4 +105,4 @@ class ZephonCheckpointManager(CheckpointManager):
 @override(target=CheckpointManager.Config, fqns=["checkpoint"], exact=True,
           description="zephon-ray: check the restored trainer step against the data loader's next_step")
 def zephon_checkpoint(cfg: CheckpointManager.Config) -> ZephonCheckpointManager.Config:
-    return derive(cfg, ZephonCheckpointManager.Config)
+    return cast(ZephonCheckpointManager.Config, derive(cfg, ZephonCheckpointManager.Config))

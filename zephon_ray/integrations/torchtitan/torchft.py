@@ -87,14 +87,14 @@ class ZephonFTTrainer(FaultTolerantTrainer):
     def _count_applied(self, *_: Any) -> None:
         self._applied += 1
 
-    def train_step(self, data_iterator) -> None:  # noqa: ANN001 - TorchTitan's signature
+    def train_step(self, data_iterator: Any) -> None:
         self._applied = 0
         super().train_step(data_iterator)
         if self._applied:  # torchft's wrapper let the optimizer step through: should_commit() passed
             self.dataloader.ft_applied()
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
+        state: dict[str, Any] = super().state_dict()
         state[TRAIN_STATE_KEY] = json.dumps(self.dataloader.state_dict())
         return state
 
