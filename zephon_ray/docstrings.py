@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import inspect
 import textwrap
+from typing import cast
 
 
 def attribute_docs(cls: type) -> dict[str, str]:
@@ -18,7 +19,7 @@ def attribute_docs(cls: type) -> dict[str, str]:
         tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
     except (OSError, TypeError):
         return {}
-    body = tree.body[0].body
+    body = cast(ast.ClassDef, tree.body[0]).body
     return {node.target.id: inspect.cleandoc(after.value.value) for node, after in zip(body, body[1:])
             if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
             and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}

@@ -261,7 +261,7 @@ def source_identity(path: str, fmt: str, *, known: Sequence[ShardIdentity] | Non
                                            progress=progress, use_ray=None, report=report)
     except hash_cache.UnreadableShardError as exc:
         raise ShardListingError(f"shard listed by Zephon's discovery: {exc}") from None
-    rows = [r for _, r in entries]
+    rows: Sequence[int | None] = [r for _, r in entries]
     if listing.kind == LISTING_SCAN:
         if known is not None:
             by_content = {(s.name, s.sha256): s.rows for s in known}
@@ -277,6 +277,7 @@ def source_identity(path: str, fmt: str, *, known: Sequence[ShardIdentity] | Non
 
 def _remote_identity(root: str, listing: SourceListing, *, known: Sequence[ShardIdentity] | None,
                      verify_content: bool) -> tuple[ShardIdentity, ...]:
+    assert listing.objects is not None  # a remote listing carries its objects
     out = []
     by_content = {(s.name, s.etag, s.size): s.rows for s in known or ()}
     for name, index_rows in listing.entries:
@@ -377,7 +378,7 @@ def verify_on_node(recipe: Any, expected_fingerprint: str | None = None, *, wher
             f"{where} on {node_description()}: was handed recipe fingerprint {carried[:12]}, expected "
             f"{expected_fingerprint[:12]}")
     observed_env = Environment.capture(recipe.tokenizer)
-    observed_sources = []
+    observed_sources: list[tuple[str | None, tuple[ShardIdentity, ...], str | None]] = []
     for source in recipe.sources:
         try:
             listing, shards = source_identity(source.path, source.format, known=source.shards,

@@ -12,12 +12,15 @@ the recipe for the life of a run.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from zephon_ray.log_filters import quiet_known_noise
 from zephon_ray.recipe import Recipe
 from zephon_ray.tokenizers import build_tokenizer
 from zephon_ray.zephon_io import pipeline_io_options
+
+if TYPE_CHECKING:
+    from zephon.ops.config import PackingAlgorithm
 
 # Zephon logs one line per lane per flush when wrap-packing drops a trailing partial bin: expected and deterministic
 # for every recipe here. Only that exact line is filtered (log_filters.py says why); Zephon's other warnings still show.
@@ -116,7 +119,7 @@ def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup(), work: Any = N
         pipeline
         .pack_flat(
             max_length=recipe.row_length,
-            algorithm=recipe.packing,
+            algorithm=cast("PackingAlgorithm", recipe.packing),  # the recipe checks it is one
             num_bins=recipe.packing_bins,
             tokens_field=tokens_field,
             pad_token_id=tokenizer.pad_token_id,

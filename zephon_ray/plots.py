@@ -89,7 +89,8 @@ def plot_batch(batch: GlobalBatch, path: str | Path, *, title: str | None = None
     fig, (ax_share, ax_len, ax_pack) = plt.subplots(1, 3, figsize=(15, 4.2))
     names = list(summary.source_share)
     shares = [summary.source_share[n] for n in names]
-    bars = ax_share.bar(names, shares, color=plt.cm.tab10.colors[: len(names)])
+    # tab10 is a ListedColormap, whose colors the stubs type as any array-like
+    bars = ax_share.bar(names, shares, color=plt.cm.tab10.colors[: len(names)])  # type: ignore[attr-defined]
     ax_share.bar_label(bars, labels=[f"{s:.1%}" for s in shares])
     ax_share.set_ylim(0, 1.1)
     ax_share.set_ylabel("share of tokens")

@@ -47,7 +47,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -346,6 +346,6 @@ def slice_provenance(full: StepProvenance, rank: int | None, world: int | None) 
     """``full`` itself, or rank ``rank`` of ``world``'s part of it (both or neither given)."""
     if (rank is None) != (world is None):
         raise ValueError(f"give both rank and world, or neither (got rank {rank!r}, world {world!r})")
-    return full if rank is None else full.slice(rank, world)
+    return full if rank is None else full.slice(rank, cast(int, world))
 
 

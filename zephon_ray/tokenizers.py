@@ -61,7 +61,7 @@ class TokenizerFile:
 
     def __init__(self, path: str | Path) -> None:
         self.name_or_path = str(path)
-        self._tok = None
+        self._tok: Any = None
         tok = self._tokenizer()
         names = _special_token_names(Path(path))
         ids = {}

@@ -86,7 +86,7 @@ import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -180,7 +180,7 @@ def _check_schedule(value: Any, where: str) -> str:
         and value["data_next"] >= 0 and isinstance(phases, list) and 0 < len(phases) <= MAX_SCHEDULE_PHASES
     if ok:
         starts = []
-        for entry in phases:
+        for entry in cast("list[Any]", phases):  # ok: a list
             if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
                     and not isinstance(entry[0], bool) and isinstance(entry[1], str) and isinstance(entry[2], str)
                     and _CHAIN.match(entry[2])):
@@ -390,7 +390,7 @@ class Parts:
         counts = np.diff(self.offsets)
         rec = np.repeat(keep, counts)
         offsets = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
-        return Parts(self.code[keep], self.rank[keep], offsets, *(c[rec] for c in (
+        return Parts(self.code[keep], self.rank[keep], offsets, *(c[rec] for c in (  # type: ignore[call-arg]  # mypy: a starred iterable is any number of arguments
             self.steps, self.worlds, self.ranks, self.attempts, self.trained)),
             None if self.digests is None else self.digests[rec], self.where,
             None if self.dense is None else self.dense[keep])
@@ -405,8 +405,8 @@ def _parts_from_docs(docs: list[dict], table: SegmentTable, where: str, digests:
         flat.extend(doc["records"])
     cols = list(zip(*flat)) if flat else [()] * 6
     ints = [np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 4, 5)]
-    return Parts(np.array(codes, dtype=np.int64), np.array(ranks, dtype=np.int64), np.cumsum(counts, dtype=np.int64),
-                 *ints, np.array(cols[3], dtype="S32") if digests else None, where)
+    return Parts(np.array(codes, dtype=np.int64), np.array(ranks, dtype=np.int64), np.cumsum(counts, dtype=np.int64),  # type: ignore[call-arg]  # (as in Parts.take)
+                 *ints, np.array(cols[3], dtype="S32") if digests else None, where)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------- containers
@@ -512,8 +512,8 @@ def scan(ledger_dir: "str | storage.Location", table: SegmentTable, *, digests: 
         for name in names:
             loc = found.base.join(seg, name)
             part = read_part(loc)
-            if part["segment"] != seg or _PART_NAME.match(name).groups() != (f"{part['rank']:05d}",
-                                                                               f"{part['world']:05d}"):
+            named = cast("re.Match[str]", _PART_NAME.match(name))  # the listing kept only matching names
+            if part["segment"] != seg or named.groups() != (f"{part['rank']:05d}", f"{part['world']:05d}"):
                 raise LedgerError(f"{loc.uri}: the part names segment {part['segment']!r} rank {part['rank']} of "
                                   f"{part['world']}, not what its path says")
             yield fresh(_parts_from_docs([part], table, loc.uri, digests))
@@ -696,7 +696,7 @@ def read_pack(base: storage.Location, name: str, manifest: dict, table: SegmentT
     schedules = segs.get("schedule") or [None] * len(segs["segment"])  # a version-1 pack has no such column
     checked: set[str] = set()  # each distinct schedule text once: a torchft run repeats one per step
     for i in range(len(segs["segment"])):
-        seg = Segment(*(segs[k][i] for k in ("segment", "parent", "run_id", "fingerprint", "first_step",
+        seg = Segment(*(segs[k][i] for k in ("segment", "parent", "run_id", "fingerprint", "first_step",  # type: ignore[call-arg]  # (as in Parts.take)
                                              "next_step", "world", "resumed")), schedules[i])
         if seg.schedule is not None and seg.schedule not in checked:
             try:
@@ -729,8 +729,8 @@ def read_pack(base: storage.Location, name: str, manifest: dict, table: SegmentT
             raise LedgerError(f"{where.uri}: row group {g}: {exc}") from None
 
 
-def _list_parts(col: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(null per part, length per part, flat values) of a list column."""
+def _list_parts(col: Any) -> tuple[np.ndarray, np.ndarray, Any]:
+    """(null per part, length per part, flat values: a pyarrow array) of a list column."""
     offsets = np.asarray(col.offsets, dtype=np.int64)
     return (np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=bool), np.diff(offsets),
             col.flatten())
@@ -771,7 +771,7 @@ def _decode(code: np.ndarray, rank: np.ndarray, first: np.ndarray, end: np.ndarr
             raise ValueError("a part's digests are not one per record")
         buf = raw.buffers()[1].to_pybytes()[raw.offset * 16:(raw.offset + len(raw)) * 16]
         hexes = np.frombuffer(binascii.hexlify(buf), dtype="S32")
-    return Parts(code, rank, offsets, *flat, hexes, where, None if digests else np.where(dense, count, 0))
+    return Parts(code, rank, offsets, *flat, hexes, where, None if digests else np.where(dense, count, 0))  # type: ignore[call-arg, arg-type]  # (as in Parts.take)
 
 
 class PackWriter:

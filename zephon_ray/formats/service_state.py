@@ -229,6 +229,7 @@ class ServiceState:
         paths = [self.checkpoint_path(step) for step in doomed]
         with self._lock:
             gone = set(doomed)
+            assert self._steps is not None  # checkpoint_steps() loaded the index
             self._steps = [s for s in self._steps if s not in gone]
             for step in doomed:
                 self._names.pop(step, None)
@@ -263,6 +264,7 @@ class ServiceState:
     def has_checkpoint(self, step: int) -> bool:
         self.checkpoint_steps()
         with self._lock:
+            assert self._steps is not None  # checkpoint_steps() loaded the index
             i = bisect.bisect_left(self._steps, step)
             return i < len(self._steps) and self._steps[i] == step
 
@@ -279,6 +281,7 @@ class ServiceState:
             with self._lock:
                 if step not in self._names:
                     self._names[step] = checkpoint_name(step)
+                    assert self._steps is not None  # has_checkpoint() loaded the index
                     bisect.insort(self._steps, step)
         self.prune()
         return step
@@ -295,6 +298,7 @@ class ServiceState:
             paths = [self.checkpoint_path(step) for step in doomed]
             gone = set(doomed)
             with self._lock:
+                assert self._steps is not None  # checkpoint_steps() loaded the index
                 self._steps = [s for s in self._steps if s not in gone]
                 for step in doomed:
                     self._names.pop(step, None)
@@ -311,6 +315,7 @@ class ServiceState:
         """The newest durable checkpoint step <= ``step`` (None: start from a fresh pipeline at step 0)."""
         self.checkpoint_steps()
         with self._lock:
+            assert self._steps is not None  # checkpoint_steps() loaded the index
             i = bisect.bisect_right(self._steps, step)
             return self._steps[i - 1] if i else None
 
@@ -375,8 +380,8 @@ def inspect(state_dir: "str | os.PathLike[str]") -> dict[str, Any]:
     steps = sorted(checkpoint_index(root))
     commits = read_commits(root)
     history, latest = commits[KEY_COMMITS], commits[KEY_LATEST]
-    recipe = meta.get(KEY_RECIPE) if isinstance(meta.get(KEY_RECIPE), dict) else {}
-    sources = recipe.get("sources") if isinstance(recipe.get("sources"), list) else []
+    recipe: dict[str, Any] = meta[KEY_RECIPE] if isinstance(meta.get(KEY_RECIPE), dict) else {}
+    sources: list[Any] = recipe["sources"] if isinstance(recipe.get("sources"), list) else []
     return {
         "state_dir": root.uri,
         "format": meta.get(KEY_FORMAT),
@@ -403,7 +408,7 @@ def _schedule(recipe: dict[str, Any], meta: dict[str, Any]) -> list[dict[str, An
     order = [s.get("name") for s in sources]
     for p in meta.get(KEY_PHASES) or []:
         if isinstance(p, dict):
-            weights = p.get("weights") if isinstance(p.get("weights"), dict) else {}
+            weights: dict[str, Any] = p["weights"] if isinstance(p.get("weights"), dict) else {}
             weights = {n: weights[n] for n in order if n in weights} | weights  # recipe order (the file sorts keys)
             out.append({"name": p.get("name"), "start_step": p.get("start_step"), "weights": weights,
                         "added": (p.get("name"), p.get("start_step")) in added})

@@ -13,21 +13,21 @@ Limits: the caller files outputs by their own keys (step, group), never by arriv
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from zephon_ray.log_filters import quiet_known_noise
 
 
 def run_lane_groups(worker: type, kwargs: dict[str, Any], *, groups: int,
-                    cpus_per_actor: float) -> Iterator[dict[str, Any]]:
+                    cpus_per_actor: float) -> Iterable[dict[str, Any]]:
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = False  # the caller draws one bar of its own
     quiet_known_noise()  # Ray Data's 'Progress bars disabled' line, which the line above causes
     ctx.print_on_execution_start = False
-    dataset = ray.data.from_items([{"group": g} for g in range(groups)], override_num_blocks=groups)
+    dataset: ray.data.Dataset = ray.data.from_items([{"group": g} for g in range(groups)], override_num_blocks=groups)
     dataset = dataset.map_batches(
         worker,
         fn_constructor_kwargs=kwargs,

@@ -62,7 +62,7 @@ import logging
 import time
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from zephon_ray.batch import padded_rows
 from zephon_ray.checks import check_int, check_reader
@@ -74,6 +74,10 @@ from zephon_ray.stream.ledger_recorder import FLUSH_RECORDS, FLUSH_SECONDS, FtLe
 from zephon_ray.stream.loader import GET_TIMEOUT_S, LoaderConfig, StepBatch
 from zephon_ray.stream.prefetch import PrefetchedSlices
 from zephon_ray.stream.slice_stream import stream_state
+
+if TYPE_CHECKING:
+    from zephon_ray.stream.dataset import DatasetSlices
+    from zephon_ray.stream.service import ServiceSlices
 
 log = logging.getLogger("zephon_ray")
 
@@ -237,7 +241,8 @@ class FtSlices:
         if key == self._last_key:  # should_commit() rejected it: the same rows again
             self.check_seconds.append(time.perf_counter() - t0)
             self.served_again += 1
-            batch = self._batch(self._last.slice, step)  # fresh tensors: the trainer may have written into the first
+            # fresh tensors: the trainer may have written into the first
+            batch = self._batch(cast(StepBatch, self._last).slice, step)
             if self.ledger is not None and not placeholder_rows:
                 self.ledger.served(step, rank, world, batch.slice.ledger_digest)
             return batch
@@ -283,7 +288,7 @@ class FtSlices:
         if self._placeholder:
             self.ledger.commit_placeholder()
         else:
-            self.ledger.commit(self._last_key[0])
+            self.ledger.commit(cast("tuple[int, int, int]", self._last_key)[0])  # not a placeholder: a step was served
 
     def state_dict(self) -> dict[str, Any]:
         """The loader state (format v4) at the first step this reader's trainer has not confirmed, naming its
@@ -339,7 +344,8 @@ class FtSlices:
         if cfg.mode == "dataset":
             from zephon_ray.stream.dataset import DatasetSlices
 
-            stream = DatasetSlices(self.recipe, cfg.dataset_dir, rank=rank, world=world, depth=cfg.prefetch)
+            stream: DatasetSlices | ServiceSlices = DatasetSlices(self.recipe, cast(str, cfg.dataset_dir), rank=rank,
+                                                                  world=world, depth=cfg.prefetch)
         else:
             from zephon_ray.stream.service import ServiceSlices
 

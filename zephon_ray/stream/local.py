@@ -23,7 +23,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import replace
-from typing import Any
+from typing import Any, cast
 
 from zephon_ray.batch import RankSlice, lane_span, valid_tokens
 from zephon_ray.checks import check_int
@@ -134,10 +134,10 @@ class LocalSlices(PrefetchedSlices):
         try:
             if checkpoint is not None:
                 stepper.restore(checkpoint)
-            stepper.collect = False
+            stepper.collect = False  # type: ignore[attr-defined]  # a ProvenanceStepper's; a LaneStepper ignores it
             while stepper.position < step and not stop.is_set():
                 stepper.next_step()  # restore-and-replay: batch s is a pure function of s (the loader's stats)
-            stepper.collect = True
+            stepper.collect = True  # type: ignore[attr-defined]  # (as above)
             while not stop.is_set():
                 s = stepper.position
                 self._set_producing(s)
@@ -162,7 +162,8 @@ class LocalSlices(PrefetchedSlices):
                 if self._valid is None and self.world == 1:  # a padding packer: this reader holds every row
                     piece = replace(piece, global_valid_tokens=valid_tokens(piece.tokens, self._pad))
                 if self.source_ids:
-                    ids = rows_source_ids([row for lane in span.lanes for row in stepper.pieces[lane]],
+                    pieces = cast(ProvenanceStepper, stepper).pieces  # source_ids: a ProvenanceStepper
+                    ids = rows_source_ids([row for lane in span.lanes for row in pieces[lane]],
                                           self.recipe.source_names, self.recipe.row_length)
                     piece = replace(piece, source_ids=ids[span.lo:span.hi])
                 yield piece

@@ -66,6 +66,7 @@ class DpPeers:
             view[0], view[1] = tokens, positions
         dist.broadcast(rows, src=self.leader, group=self.group)
         if self.is_leader:
+            assert tokens is not None and positions is not None  # the leader sends its rows
             return tokens, positions
         return rows[0].numpy(), rows[1].numpy()
 

@@ -18,8 +18,8 @@ import abc
 import queue
 import threading
 import time
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Generator, Iterator
+from typing import Any, cast
 
 from zephon_ray.batch import RankSlice
 from zephon_ray.checks import check_int, check_reader
@@ -149,7 +149,7 @@ class PrefetchedSlices(SliceStream):
 
     def _loop(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event, out: queue.Queue) -> None:
         s = step
-        produced = self._produce(step, checkpoint, stop)
+        produced = cast(Generator[RankSlice, None, None], self._produce(step, checkpoint, stop))  # subclasses yield
         try:
             for item in produced:
                 s = item.step
