@@ -130,7 +130,7 @@ def _service_reader(recipe: Recipe, *, producers: int, name: str | None, namespa
             started = False
         else:
             run = f"bench-{uuid.uuid4().hex[:8]}"
-            extra = {"aggregate_store": "torch://", "run_id": run} if producers > 1 else {}
+            extra: dict[str, Any] = {"aggregate_store": "torch://", "run_id": run} if producers > 1 else {}
             svc = DataService.start(recipe, name=run, namespace=namespace, producers=producers, consumer=run,
                                     **extra)
             started = True

@@ -11,12 +11,17 @@ library ``ValueError``) naming the flag, path or value at fault, and ``main`` pr
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, cast
 
 from zephon_ray.checks import check_int
 from zephon_ray.cli.schedule import SCHEDULE_FROM_HELP, load_recipe, recipe_with_schedule
 from zephon_ray.errors import UserInputError
 from zephon_ray.log_filters import quiet_command
 from zephon_ray.recipe import Recipe
+
+if TYPE_CHECKING:
+    from zephon_ray.batch import GlobalBatch
 
 
 def parse_steps(text: str) -> range:
@@ -225,7 +230,7 @@ def cmd_locate(args: argparse.Namespace) -> int:
     if args.json:
         out = []
         for h in hits:
-            item = h.to_json()
+            item: dict[str, Any] = h.to_json()
             if recipe.skips:
                 item["training_step"], item["skipped_by"] = trained[h.step]
             out.append(item)
@@ -431,7 +436,8 @@ def inspect_loader_state(loc, as_json: bool) -> int:
     state = storage.read_json(state_file, error=UserInputError, what="loader state")
     if not isinstance(state, dict):
         raise UserInputError(f"{state_file.uri}: not a loader state (a JSON {type(state).__name__})")
-    check_state(state, run_id=state.get("run_id"), fingerprint=state.get("fingerprint"), recipe_name="its own")
+    check_state(state, run_id=state.get("run_id"), fingerprint=cast(str, state.get("fingerprint")),
+                recipe_name="its own")
     schedule = run_schedule(state)
     if as_json:
         print(json.dumps({**{k: v for k, v in state.items() if k not in ("zephon", "run_schedule")},
@@ -479,10 +485,11 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
             stack.enter_context(ray_session(args.address, private_if_none=False))
             source = DataService.connect(args.service, namespace=args.namespace)
+            assert recipe is not None  # --service needs --recipe (checked above)
             if source.recipe.fingerprint != recipe.fingerprint:
                 raise UserInputError(f"service {args.service!r} serves recipe fingerprint "
                                      f"{source.recipe.fingerprint[:12]}, not {recipe.describe()}")
-            batch_of = source.batch  # ad hoc reads: no consumer cursor moves
+            batch_of: Callable[[int], GlobalBatch] = source.batch  # ad hoc reads: no consumer cursor moves
         elif args.dataset:
             from zephon_ray.formats.materialized import MaterializedSource
 
@@ -492,7 +499,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
             batch_of = stack.enter_context(GlobalBatchSource(recipe)).batch
         def reference(step: int):  # a training step's rows: those of the data step it read
-            batch = batch_of(recipe.data_step(step))
+            batch = batch_of(cast(Recipe, recipe).data_step(step))  # called only with a recipe
             return batch.tokens, batch.positions
 
         report = audit(ledger_dir, head, fingerprint=base.fingerprint if base else None,

@@ -86,7 +86,9 @@ def run_command(command: Callable[[Any], int], args: Any) -> int:
 def causes(exc: BaseException) -> list[BaseException]:
     """``exc`` and what it wraps: Ray's ``.cause``, ``__cause__``, and ``__context__`` unless suppressed
     (``raise ... from None``)."""
-    seen, out, todo = set(), [], [exc]
+    seen: set[int] = set()
+    out: list[BaseException] = []
+    todo: list[BaseException | None] = [exc]
     while todo:
         e = todo.pop(0)
         if e is None or id(e) in seen:

@@ -27,8 +27,8 @@ import shutil
 import tempfile
 import uuid
 import typing
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, cast
 
 from zephon_ray.cli.schedule import SCHEDULE_FROM_HELP, load_recipe
 from zephon_ray.docstrings import attribute_docs
@@ -73,7 +73,7 @@ def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -
             if owned:
                 note("stopping the data service ...")
                 svc.stop()
-                shutil.rmtree(state_dir, ignore_errors=True)
+                shutil.rmtree(cast(str, state_dir), ignore_errors=True)  # owned: ours, made above
     return 0
 
 
@@ -269,7 +269,7 @@ def _json_object(text: str) -> dict:
     return value
 
 
-_FLAG_TYPES = {int: int, float: float, str: str, dict: _json_object}
+_FLAG_TYPES: dict[type, Callable[[str], Any]] = {int: int, float: float, str: str, dict: _json_object}
 
 
 def _flag_type(hint: Any) -> Any:
@@ -288,7 +288,7 @@ def _config_flags(cls: type, prefix: str = "") -> Iterator[tuple[str, str, Any, 
     for f in dataclasses.fields(cls):
         hint = hints[f.name]
         if dataclasses.is_dataclass(hint):
-            yield from _config_flags(hint, prefix=f"{prefix}{f.name}.")
+            yield from _config_flags(cast(type, hint), prefix=f"{prefix}{f.name}.")
             continue
         kind = _flag_type(hint)
         default = f.default if f.default is not dataclasses.MISSING else (

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import cast
 
 import numpy as np
 
@@ -285,8 +286,9 @@ def audit(ledger_dir: "str | storage.Location", head: str | None = None, *, fing
                                     f"segment {seg.id} belongs to run_id {seg.run_id!r}, not {run_id!r}"))
         findings.extend(checks.findings(seg))
         if checks.keep_digests:
-            report.digests_checked += _check_rows(seg, checks.digests.get(table.codes[seg.id], {}), reference, rows,
-                                                  findings)
+            # keep_digests: a reference and its rows were given
+            report.digests_checked += _check_rows(seg, checks.digests.get(table.codes[seg.id], {}),
+                                                  cast(Reference, reference), cast(int, rows), findings)
     unchecked = []  # boundaries where a segment of ledger format version 1 records no schedule
     for parent, child in zip(lineage, lineage[1:]):
         if parent.schedule is None or child.schedule is None:
@@ -310,8 +312,8 @@ def schedule_break(parent: Segment, child: Segment) -> Finding | None:
     """The ``schedule`` finding when ``child``'s schedule does not continue ``parent``'s (see the module docstring),
     at the first step where they differ over the data steps the parent recorded; None when it does. Both must
     record a schedule (ledger format version 2)."""
-    end, theirs = ledger.parse_schedule(parent.schedule)
-    _, mine = ledger.parse_schedule(child.schedule)
+    end, theirs = ledger.parse_schedule(cast(str, parent.schedule))
+    _, mine = ledger.parse_schedule(cast(str, child.schedule))
     where = f"segment {child.id} (steps {child.first_step}..{child.next_step - 1} at W={child.world}, every rank)"
     past = f"its parent segment {parent.id} recorded steps 0..{end - 1}"
 
@@ -382,7 +384,7 @@ def _notes(segments: dict[str, Segment], lineage: list[Segment], head: str, run_
                          f"{seg.next_step - 1} (segment {seg.id}); not audited")
             continue
         point, start = branch_of(seg.id)
-        if point is None:
+        if point is None or start is None:  # (both or neither)
             missing = lineage[0].parent
             notes.append(f"unverifiable: {where}: not connected to the audited lineage, whose parent segment "
                          f"{missing} is missing")
@@ -443,7 +445,7 @@ def locate(path: str, ledger_dir: str | None) -> tuple[str, str | None, dict | N
     if not isinstance(state, dict):
         raise LedgerError(f"{state_file.uri}: not a loader state (a JSON {type(state).__name__}, not an object)")
     try:
-        check_state(state, run_id=state.get("run_id"), fingerprint=state.get("fingerprint"),
+        check_state(state, run_id=state.get("run_id"), fingerprint=cast(str, state.get("fingerprint")),
                     recipe_name="the state's own")
     except ValueError as exc:
         raise LedgerError(f"{state_file.uri}: not a loader state: {exc}") from None
