@@ -143,6 +143,8 @@ class Coordinator:
                                  rows=recipe.global_batch_rows, reach=max(self.state.checkpoint_steps(), default=0))
         self.window.commits = dict(commits)
         ckpt = self.state.nearest_checkpoint(start) or 0
+        self.start_info: dict[str, Any]
+        self.counters: dict[str, Any]
         self.start_info = {"start_step": start, "checkpoint_step": ckpt, "replay_steps": start - ckpt,
                            "latest_commit": max(commits.values()) if commits else None, "first_batch_s": None,
                            "restarted": bool(self._restarted)}

@@ -37,7 +37,7 @@ from typing import Any, TypeVar
 PREFIX = "zephon_ray_"
 TAG_KEYS = ("service", "run_id")
 WAIT_BOUNDARIES_S = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0, 120.0]
-REPLAY_BOUNDARIES_STEPS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+REPLAY_BOUNDARIES_STEPS: list[float] = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
 CHECKPOINT_BOUNDARIES_S = [0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0]
 GAUGE_REFRESH_S = 1.0
 """The pump sets the gauges (one place, not per produced step) at most this often while busy, and every time it

@@ -39,7 +39,7 @@ import re
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
@@ -57,6 +57,9 @@ from zephon_ray.service.lease_cache import producer_hold_steps
 from zephon_ray.service.producer import KEY_CONTAINER, Producer
 from zephon_ray.service.protocol import PRODUCER_INFIX
 from zephon_ray.formats.service_state import ServiceState
+
+if TYPE_CHECKING:
+    from torch.distributed import TCPStore
 
 log = logging.getLogger("zephon_ray.service")
 
@@ -139,7 +142,7 @@ class ProducerPool:
         self._seen_done: set = set()  # calls found done whose step still waits on another producer's call
         self._last_progress = time.monotonic()
         self._last_ping = time.monotonic()
-        self._store = None
+        self._store: TCPStore | None = None
         self._store_address: str | None = None
         self._closed = False
         self._launch_lock = threading.Lock()

@@ -88,6 +88,7 @@ class ReplayScheduler:
                 self._replayer(i)
         self._next: list[int | None] = [None] * config.replayers  # each replayer's position after queued work
         self._replies: OrderedDict[int, tuple[Any, int, Any]] = OrderedDict()  # step -> (reply, kept, its future)
+        self.stats: dict[str, Any]
         self.stats = {"requests": 0, "shared": 0, "submitted": 0, "max_replay_steps": 0, "last": None,
                       "materialized_reads": 0}
 
