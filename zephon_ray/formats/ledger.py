@@ -390,10 +390,9 @@ class Parts:
         counts = np.diff(self.offsets)
         rec = np.repeat(keep, counts)
         offsets = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
-        return Parts(self.code[keep], self.rank[keep], offsets, *(c[rec] for c in (  # type: ignore[call-arg]  # mypy: a starred iterable is any number of arguments
-            self.steps, self.worlds, self.ranks, self.attempts, self.trained)),
-            None if self.digests is None else self.digests[rec], self.where,
-            None if self.dense is None else self.dense[keep])
+        return Parts(self.code[keep], self.rank[keep], offsets, self.steps[rec], self.worlds[rec], self.ranks[rec],
+                     self.attempts[rec], self.trained[rec], None if self.digests is None else self.digests[rec],
+                     self.where, None if self.dense is None else self.dense[keep])
 
 
 def _parts_from_docs(docs: list[dict], table: SegmentTable, where: str, digests: bool) -> Parts:
@@ -404,9 +403,10 @@ def _parts_from_docs(docs: list[dict], table: SegmentTable, where: str, digests:
         counts.append(len(doc["records"]))
         flat.extend(doc["records"])
     cols = list(zip(*flat)) if flat else [()] * 6
-    ints = [np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 4, 5)]
-    return Parts(np.array(codes, dtype=np.int64), np.array(ranks, dtype=np.int64), np.cumsum(counts, dtype=np.int64),  # type: ignore[call-arg]  # (as in Parts.take)
-                 *ints, np.array(cols[3], dtype="S32") if digests else None, where)  # type: ignore[arg-type]
+    steps, worlds, rec_ranks, attempts, trained = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 4, 5))
+    return Parts(np.array(codes, dtype=np.int64), np.array(ranks, dtype=np.int64), np.cumsum(counts, dtype=np.int64),
+                 steps, worlds, rec_ranks, attempts, trained, np.array(cols[3], dtype="S32") if digests else None,
+                 where)
 
 
 # ---------------------------------------------------------------------------------------------- containers
@@ -696,8 +696,8 @@ def read_pack(base: storage.Location, name: str, manifest: dict, table: SegmentT
     schedules = segs.get("schedule") or [None] * len(segs["segment"])  # a version-1 pack has no such column
     checked: set[str] = set()  # each distinct schedule text once: a torchft run repeats one per step
     for i in range(len(segs["segment"])):
-        seg = Segment(*(segs[k][i] for k in ("segment", "parent", "run_id", "fingerprint", "first_step",  # type: ignore[call-arg]  # (as in Parts.take)
-                                             "next_step", "world", "resumed")), schedules[i])
+        seg = Segment(segs["segment"][i], segs["parent"][i], segs["run_id"][i], segs["fingerprint"][i],
+                      segs["first_step"][i], segs["next_step"][i], segs["world"][i], segs["resumed"][i], schedules[i])
         if seg.schedule is not None and seg.schedule not in checked:
             try:
                 value = json.loads(seg.schedule)
@@ -771,7 +771,9 @@ def _decode(code: np.ndarray, rank: np.ndarray, first: np.ndarray, end: np.ndarr
             raise ValueError("a part's digests are not one per record")
         buf = raw.buffers()[1].to_pybytes()[raw.offset * 16:(raw.offset + len(raw)) * 16]
         hexes = np.frombuffer(binascii.hexlify(buf), dtype="S32")
-    return Parts(code, rank, offsets, *flat, hexes, where, None if digests else np.where(dense, count, 0))  # type: ignore[call-arg, arg-type]  # (as in Parts.take)
+    steps, worlds, ranks, attempts, trained = flat
+    return Parts(code, rank, offsets, steps, worlds, ranks, attempts, trained, hexes, where,
+                 None if digests else np.where(dense, count, 0))
 
 
 class PackWriter:
