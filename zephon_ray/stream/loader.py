@@ -36,7 +36,7 @@ import logging
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from zephon_ray.batch import RankSlice
 from zephon_ray.checks import check_int, check_reader
@@ -55,8 +55,15 @@ from zephon_ray.stream import checkpoint_rendezvous
 from zephon_ray.stream.geometry import check_geometry
 from zephon_ray.stream.ledger_recorder import LedgerRecorder
 from zephon_ray.stream.mesh import DpPeers, dp_peers
-from zephon_ray.stream.prefetch import MAX_DEPTH
-from zephon_ray.stream.slice_stream import STATE_CHECKPOINT, SliceStream, stream_state
+from zephon_ray.stream.prefetch import MAX_DEPTH, PrefetchedSlices
+from zephon_ray.stream.slice_stream import STATE_CHECKPOINT, stream_state
+
+if TYPE_CHECKING:
+    import torch
+
+    from zephon_ray.stream.dataset import DatasetSlices
+    from zephon_ray.stream.local import LocalSlices
+    from zephon_ray.stream.service import ServiceSlices
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +203,7 @@ class StepBatch:
 
     step: int
     slice: RankSlice
-    microbatches: list
+    microbatches: list[tuple[dict[str, torch.Tensor], torch.Tensor]]
 
     @property
     def global_valid_tokens(self) -> int | None:
@@ -266,7 +273,7 @@ class Loader:
         self._next_step = 0
         self._loaded_zephon: dict[str, Any] | None = None
         self._loaded_at = 0
-        self._stream: SliceStream | None = None
+        self._stream: PrefetchedSlices | None = None
         self._active = False  # the stream was reset at _next_step and is serving
         self._replayed_before = 0  # replayed steps carried by the loaded state (earlier resumes)
         self._replaying = 0  # steps the current resume replays
@@ -322,7 +329,7 @@ class Loader:
         """Whether this reader runs a stream (False for a TP/PP/CP peer, which receives its leader's slices)."""
         return self.peers is None or self.peers.is_leader
 
-    def _started_stream(self, step: int) -> SliceStream:
+    def _started_stream(self, step: int) -> PrefetchedSlices:
         """The stream, serving data step ``recipe.data_step(step)`` next: started there, or moved there at a
         deliberate skip (local mode replays from its newest Zephon checkpoint, the others read it directly)."""
         data = self.recipe.data_step(step)
@@ -359,7 +366,7 @@ class Loader:
         peers.share_slice(step, piece.tokens, piece.positions, shape)
         return piece
 
-    def _make_stream(self) -> SliceStream:
+    def _make_stream(self) -> PrefetchedSlices:
         """The slice stream of ``config.mode``; a new mode adds one branch here and one SliceStream class."""
         cfg, recipe = self.config, self.recipe
         if cfg.mode == "local":
@@ -375,8 +382,9 @@ class Loader:
         if cfg.mode == "dataset":
             from zephon_ray.stream.dataset import DatasetSlices
 
-            stream = DatasetSlices(recipe, cfg.dataset_dir, rank=self.rank, world=self.world, depth=cfg.prefetch,
-                                   source_ids=cfg.source_ids)
+            stream: DatasetSlices | ServiceSlices = DatasetSlices(
+                recipe, cast(str, cfg.dataset_dir), rank=self.rank, world=self.world, depth=cfg.prefetch,
+                source_ids=cfg.source_ids)
             self.recipe = stream.recipe  # the directory's schedule: ours plus the run-time phases it was made under
             return stream
         from zephon_ray.stream.service import ServiceSlices
@@ -418,7 +426,7 @@ class Loader:
         if mode == "service":
             if self._stream is None:
                 self._stream = self._make_stream()  # connects; iteration starts it
-            stream = self._stream
+            stream = cast("ServiceSlices", self._stream)
             stream.service.add_phase(name, start_step, weights)
             self.recipe = stream.sync_recipe()
             return self._next_step
@@ -434,7 +442,7 @@ class Loader:
                              + (f"; the readers check the schedule at the checkpoint of step {earliest}"
                                 if self.world > 1 else "") + f"; start it at step {earliest} or later")
         if self._stream is not None and self._active:
-            self._stream.adopt(new, start_step)
+            cast("LocalSlices", self._stream).adopt(new, start_step)
         self.recipe = new
         return earliest
 
@@ -443,7 +451,7 @@ class Loader:
         """The loader state at ``next_step`` (format v4, identical on every reader). In local mode with W > 1 it
         may wait for the collective Zephon checkpoint of that boundary: call it on every reader."""
         if not self._produces:
-            return self.peers.share_object(None)  # the leader's state, bit for bit
+            return cast("dict[str, Any]", cast(DpPeers, self.peers).share_object(None))  # the leader's, bit for bit
         step = self._next_step
         zephon: dict[str, Any] | None = None
         if step > 0 and self._stream is not None and self._active:
@@ -451,7 +459,7 @@ class Loader:
         elif self.config.mode == "local" and step > 0 and step == self._loaded_at:
             zephon = self._loaded_zephon
         if hasattr(self._stream, "sync_recipe"):  # a service may have accepted a phase since: record it too
-            self.recipe = self._stream.sync_recipe()
+            self.recipe = cast("ServiceSlices", self._stream).sync_recipe()
         state = make_state(run_id=self.config.run_id,
                            fingerprint=self.recipe.history_fingerprint(self.recipe.data_next(step)),
                            next_step=step, zephon=zephon, replayed_steps=self._replayed_steps(),
