@@ -30,6 +30,8 @@ def test_show_summarises_a_step():
     out = run("show", str(TINY), "--step", "4", "--rows", "2").stdout
     assert GOLDEN[4] in out
     assert "16 x 65 tokens" in out and "prose" in out and "code" in out
+    # the same tokens-per-step figure that `validate` prints (show once said 1040, counting each label token)
+    assert "\ntokens/step 1024\n" in out and "\ntokens/step 1024\n" in run("validate", str(TINY)).stdout
     assert out.count("\nrow ") == 2
 
 

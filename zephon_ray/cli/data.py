@@ -111,7 +111,7 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"digest      {batch.digest}")
     print(f"rows        {batch.num_rows} x {recipe.row_length} tokens "
           f"({recipe.lanes} lanes x {recipe.microbatches_per_lane} microbatches x {recipe.rows_per_microbatch} rows)")
-    print(f"tokens      {batch.tokens.size}")
+    print(f"tokens/step {recipe.tokens_per_step}")  # the count `validate` gives: seq_len per row
     if recipe.phases:
         index = recipe.phase_index(batch.step)
         print(f"phase       {recipe.segment_name(index)} (from step {recipe.segment_start(index)})")
