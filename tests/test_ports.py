@@ -1,4 +1,4 @@
-"""tests/ports.py and the fault proxy's start: the storage servers' reserved ports stay theirs until they start.
+"""tests/ports.py and the fault proxy's start: the storage servers' reserved ports stay theirs while they run.
 
 The failure these guard against (a CI run): the S3 proxy's port, reserved at collection, was taken by a Ray metrics
 agent's Prometheus server before the proxy started; the proxy's start failed silently, and every S3 test then got
@@ -16,7 +16,7 @@ from tests.fault_proxy import FaultProxy
 from tests.ports import Reserved, _ephemeral_low, bindable
 
 
-def test_a_reserved_port_is_held_until_released_and_outside_the_kernels_free_port_range():
+def test_a_reserved_port_is_held_for_its_server_until_released_and_outside_the_kernels_free_port_range():
     reserved = [Reserved() for _ in range(8)]
     ports = {r.port for r in reserved}
     assert len(ports) == 8
@@ -26,9 +26,15 @@ def test_a_reserved_port_is_held_until_released_and_outside_the_kernels_free_por
         any_free.bind(("127.0.0.1", 0))
         assert any_free.getsockname()[1] not in ports
     first = reserved[0]
-    assert not bindable(first.port, reuse=True) and not bindable(first.port, reuse=False)  # as HTTPServer binds
+    assert not bindable(first.port, reuse=False)  # as every reservation and Ray's own port picks bind
     with pytest.raises(ConnectionRefusedError):  # held, not listening: like no server at all
         socket.create_connection(("127.0.0.1", first.port), timeout=2)
+    with socket.socket() as server:  # its server (SO_REUSEADDR, as HTTPServer binds) listens beside the holder
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", first.port))
+        server.listen()
+        socket.create_connection(("127.0.0.1", first.port), timeout=2).close()
+        assert not bindable(first.port, reuse=True) and not bindable(first.port, reuse=False)
     assert first.release() == first.port and first.release() == first.port
     assert bindable(first.port, reuse=True)
     for r in reserved:
@@ -51,10 +57,16 @@ def test_a_fault_proxy_whose_port_another_server_holds_fails_to_start_in_one_lin
 def test_a_fault_proxy_takes_its_reserved_port_and_serves_on_it():
     upstream, held = Reserved(), Reserved()
     proxy = FaultProxy(upstream_port=upstream.release(), port=held.port, held=held)
-    assert not bindable(held.port, reuse=True)
+    assert not bindable(held.port, reuse=False)
     proxy.start()
     try:
         assert not proxy.refusing
         assert not bindable(held.port, reuse=True)  # now the proxy's listener holds it
+        proxy.down()  # an outage: the port refuses connections and stays the proxy's
+        with pytest.raises(ConnectionRefusedError):
+            socket.create_connection(("127.0.0.1", held.port), timeout=2)
+        assert not bindable(held.port, reuse=False)
+        proxy.up()
+        assert not proxy.refusing and not bindable(held.port, reuse=True)
     finally:
         proxy.stop()

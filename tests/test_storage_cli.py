@@ -22,7 +22,7 @@ import pytest
 
 from tests import s3_server
 from tests.conftest import ROOT, TINY
-from tests.ports import free_ports
+from tests.ports import Reserved
 
 s3_server.configure_environment()
 
@@ -73,7 +73,8 @@ def test_deployment_cloud_section_runs_as_written(tmp_path):
 
     s3 = s3_server.server()
     bucket = s3.new_bucket("zr-deploy")
-    port = free_ports()[0]
+    held = Reserved()  # until the head is stopped: its GCS binds beside the holder (tests/ports.py)
+    port = held.port
     node_env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_ENDPOINT", "S3_ENDPOINT", "AWS_REGION",
                                                                              "ZR_TEST_"))}
     node_env["PATH"] = f"{ROOT / '.venv' / 'bin'}{os.pathsep}{node_env.get('PATH', '')}"
@@ -108,4 +109,5 @@ def test_deployment_cloud_section_runs_as_written(tmp_path):
         if head.poll() is None:
             os.killpg(head.pid, signal.SIGTERM)
             head.wait(60)
+        held.release()
         shutil.rmtree(ray_dir, ignore_errors=True)
