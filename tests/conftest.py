@@ -146,21 +146,107 @@ def run_spawned_driver(target, args: tuple, summary: Path, timeout_s: float, det
     return json.loads(summary.read_text())
 
 
-def run_ranks(world: int, read, timeout_s: float = 300) -> None:
-    """Run ``read(rank)`` for every rank of ``world`` in threads, as the readers of one job (a local-mode
-    checkpoint with W > 1 is collective, so they must run at once); re-raise the first error."""
-    import threading
+class RankThreads:
+    """``fn(rank)`` for every rank of ``world``, each in a daemon thread, started at once (the readers of one job: a
+    local-mode checkpoint with W > 1 is collective, so they must run side by side). :meth:`join` waits for them and
+    returns their results in rank order, re-raising the first error; ``errors`` shows the errors so far, for a test
+    that watches the ranks while they run."""
 
-    errors: list[BaseException] = []
+    def __init__(self, world: int, fn) -> None:
+        import threading
 
-    def guarded(rank: int) -> None:
+        self.errors: list[BaseException] = []
+        self.results: list = [None] * world
+
+        def guarded(rank: int) -> None:
+            try:
+                self.results[rank] = fn(rank)
+            except BaseException as exc:  # noqa: BLE001 - re-raised by join(), in the test's thread
+                self.errors.append(exc)
+
+        self._threads = [threading.Thread(target=guarded, args=(r,), daemon=True, name=f"rank-{r}")
+                         for r in range(world)]
+        for thread in self._threads:
+            thread.start()
+
+    def join(self, timeout_s: float = 300) -> list:
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        if self.errors:
+            raise self.errors[0]
+        running = [r for r, thread in enumerate(self._threads) if thread.is_alive()]
+        if running:
+            pytest.fail(f"rank(s) {running} still running after {timeout_s:.0f} s")
+        return self.results
+
+
+def run_ranks(world: int, fn, timeout_s: float = 300) -> list:
+    """Run ``fn(rank)`` for every rank of ``world`` in threads at once (:class:`RankThreads`); their results in rank
+    order, or the first error re-raised, or a failure naming the ranks still running after ``timeout_s``."""
+    return RankThreads(world, fn).join(timeout_s)
+
+
+def run_readers(loaders: list, body, state: dict | None = None, timeout_s: float = 300) -> list:
+    """The readers of one job, one loader a rank (rank order), at once (:func:`run_ranks`): each loads ``state`` when
+    given (a JSON copy, as a checkpoint gives it back), runs ``body(rank, loader)`` and is closed (on an error too);
+    the bodies' results in rank order."""
+    import json
+
+    def read(rank: int):
+        loader = loaders[rank]
         try:
-            read(rank)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below, in the test's thread
-            errors.append(exc)
+            if state is not None:
+                loader.load_state_dict(json.loads(json.dumps(state)))
+            return body(rank, loader)
+        finally:
+            loader.close()
 
-    threads = [threading.Thread(target=guarded, args=(r,)) for r in range(world)]
-    [t.start() for t in threads]
-    [t.join(timeout_s) for t in threads]
-    if errors:
-        raise errors[0]
+    return run_ranks(len(loaders), read, timeout_s)
+
+
+def wait_until(predicate, timeout_s: float, what, interval_s: float = 0.1):
+    """Poll ``predicate()`` until it returns something true, and return that; after ``timeout_s`` fail with one line:
+    ``what`` (a string, or a callable giving one: the state seen last) was not reached."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = predicate()
+        if got:
+            return got
+        if time.monotonic() >= deadline:
+            pytest.fail(f"not within {timeout_s:.0f} s: {what() if callable(what) else what}")
+        time.sleep(interval_s)
+
+
+def one_line(exc: BaseException, *needles: str) -> str:
+    """The error's message, checked to be one line, free of a traceback, and to contain each of ``needles``."""
+    message = str(exc)
+    assert "\n" not in message and "Traceback" not in message, message
+    for needle in needles:
+        assert needle in message, message
+    return message
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """The session's S3 API server (tests/s3_server.py), started; the faults a module's tests left are cleared at
+    its end. A module that uses it calls ``s3_server.configure_environment()`` when collected, before any Ray."""
+    from tests import s3_server
+
+    server = s3_server.server()
+    yield server
+    server.faults.clear()
+
+
+def tiny_bucket(s3, prefix: str, recipes=(TINY,)) -> str:
+    """A new bucket holding the tiny recipe's data under recipes/data/tiny and ``recipes`` under recipes/ (the
+    checkout's layout)."""
+    name = s3.new_bucket(prefix)
+    s3.upload_tree(RECIPES / "data" / "tiny", name, "recipes/data/tiny")
+    for recipe in recipes:
+        s3.client().upload_file(str(recipe), name, f"recipes/{Path(recipe).name}")
+    return name

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import run_ranks
+from conftest import run_readers
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny.toml")
@@ -46,18 +46,12 @@ def _run(config, world: int, state: dict | None, steps: int, *, loop=None) -> di
 
     loop = loop or default
     loaders = [Loader(config, rank=r, world=world) for r in range(world)]
-    states: list = [None] * world
 
-    def read(r: int) -> None:
-        try:
-            if state is not None:
-                loaders[r].load_state_dict(json.loads(json.dumps(state)))
-            loop(loaders[r], iter(loaders[r]))
-            states[r] = loaders[r].state_dict()
-        finally:
-            loaders[r].close()
+    def read(r: int, loader) -> dict:
+        loop(loader, iter(loader))
+        return loader.state_dict()
 
-    run_ranks(world, read)
+    states = run_readers(loaders, read, state)
     assert all(s == states[0] for s in states), "the readers' states differ"
     return states[0]
 

@@ -18,12 +18,11 @@ Each cloud runs the basic path and is checked against the independent oracle (te
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 
 from tests import emulators
-from tests.conftest import RECIPES, TINY
+from tests.conftest import RECIPES, TINY, one_line, run_ranks
 
 GCS, AZURE = emulators.configure_environment()  # at collection, before any Ray starts
 STEPS = 4
@@ -46,14 +45,6 @@ def oracle_digests():
     from tests import oracle
 
     return oracle.digests(TINY, STEPS)
-
-
-def _one_line(exc: BaseException, *needles: str) -> str:
-    message = str(exc)
-    assert "\n" not in message and "Traceback" not in message, message
-    for needle in needles:
-        assert needle in message, message
-    return message
 
 
 def _upload_tiny(root: str) -> None:
@@ -107,13 +98,13 @@ def test_az_basic_path(ray_cluster, azure, oracle_digests, monkeypatch):
 
     with pytest.raises(storage.StorageError) as info:
         storage.read_bytes(f"az://zr-absent-{container}/state/service.json")
-    _one_line(info.value, f"az://zr-absent-{container}/state/service.json", "does not exist")
+    one_line(info.value, f"az://zr-absent-{container}/state/service.json", "does not exist")
     monkeypatch.setenv("AZURE_STORAGE_ACCOUNT_KEY", "d3Jvbmcta2V5LXdyb25nLWtleQ==")
     storage.clear_filesystem_cache()
     try:
         with pytest.raises(storage.StorageError) as info:
             storage.read_bytes(f"{root}/recipes/tiny.toml")
-        _one_line(info.value, f"{root}/recipes/tiny.toml", "access denied", "AZURE_STORAGE_ACCOUNT_KEY")
+        one_line(info.value, f"{root}/recipes/tiny.toml", "access denied", "AZURE_STORAGE_ACCOUNT_KEY")
     finally:
         monkeypatch.undo()
         storage.clear_filesystem_cache()
@@ -126,17 +117,14 @@ def _aggregate_dir_w2(aggregate_dir: str, recipe_path) -> None:
     cfg = ZephonRayDataLoader.Config(recipe=str(recipe_path), mode="local", run_id="agg", aggregate_dir=aggregate_dir,
                                      checkpoint_every=2)
     loaders = [cfg.build(dp_world_size=2, dp_rank=r, seq_len=64, local_batch_size=2) for r in range(2)]
-    states = [None, None]
     try:
         def run(i):
             it = iter(loaders[i])
             for _ in range(2 * loaders[i].microbatches_per_step):
                 next(it)
-            states[i] = loaders[i].state_dict()
+            return loaders[i].state_dict()
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
-        [t.start() for t in threads]
-        [t.join(120) for t in threads]
+        states = run_ranks(2, run, timeout_s=120)
     finally:
         for loader in loaders:
             loader.close()
@@ -155,7 +143,7 @@ def test_gs_basic_path(ray_cluster, gcs, tiny_recipe, oracle_digests):
     # Sources on gs:// go through Zephon's router (obstore), which cannot reach an http:// emulator: one line.
     with pytest.raises(RecipeError) as info:
         Recipe.from_toml(f"{root}/recipes/tiny.toml")
-    _one_line(info.value, f"{root}/recipes/data/tiny")
+    one_line(info.value, f"{root}/recipes/data/tiny")
     with pytest.raises(storage.StorageError) as info:
         storage.write_json(f"gs://zr-absent-{bucket}/state/commits.json", {})
-    _one_line(info.value, f"gs://zr-absent-{bucket}/state/commits.json", "does not exist")
+    one_line(info.value, f"gs://zr-absent-{bucket}/state/commits.json", "does not exist")

@@ -3,11 +3,10 @@ handle prefetching, reading ahead untracked and touching, as the stream loader d
 
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import pytest
 
+from conftest import run_ranks
 from zephon_ray import DataService, GlobalBatchSource
 
 NS = "zr-direct-reads"
@@ -22,25 +21,16 @@ def test_many_threads_prefetch_read_and_touch_on_one_handle(ray_cluster, tiny_re
         client = DataService.connect("direct-threads", namespace=NS, consumer="job")
         assert client.read_path == "direct"
         got: dict[tuple[int, int], np.ndarray] = {}
-        errors: list[BaseException] = []
 
         def rank(r: int) -> None:
-            try:
-                client.refs(0, rank=r, world=world, track=True)  # registers the cursor
-                for step in range(steps):
-                    client.prefetch(range(step + 1, step + 3), rank=r, world=world)
-                    part = client.refs(step, rank=r, world=world).slice(r, world)
-                    got[(step, r)] = part.tokens.copy()
-                    client.touch(step, rank=r, world=world)
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
+            client.refs(0, rank=r, world=world, track=True)  # registers the cursor
+            for step in range(steps):
+                client.prefetch(range(step + 1, step + 3), rank=r, world=world)
+                part = client.refs(step, rank=r, world=world).slice(r, world)
+                got[(step, r)] = part.tokens.copy()
+                client.touch(step, rank=r, world=world)
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(240)
-        assert not errors, errors[:3]
+        run_ranks(world, rank, timeout_s=240)
         with GlobalBatchSource(tiny_recipe) as source:
             for step in range(steps):
                 ref = source.batch(step)

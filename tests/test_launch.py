@@ -16,31 +16,23 @@ import time
 import pytest
 
 from tests import s3_server
-from tests.conftest import ROOT
-from tests.ports import free_ports
+from tests.conftest import ROOT, one_line
+from tests.ports import held_ports
 
 s3_server.configure_environment()  # at collection: before any test starts Ray, so Ray workers inherit it
-
-
-def _one_line(exc: BaseException, *needles: str) -> str:
-    message = str(exc)
-    assert "\n" not in message and "Traceback" not in message, message
-    for needle in needles:
-        assert needle in message, message
-    return message
 
 
 def test_no_cluster_at_the_address_is_one_line_at_once():
     from zephon_ray.service.session import CONNECT_TIMEOUT_S, check_reachable
 
-    port = free_ports(1)[0]  # nothing listens there
-    t0 = time.monotonic()
-    with pytest.raises(ConnectionError) as info:
-        check_reachable(f"127.0.0.1:{port}")
-    _one_line(info.value, f":{port}", "no Ray cluster answers", "ray start --head")
-    assert time.monotonic() - t0 < CONNECT_TIMEOUT_S + 5
-    done = subprocess.run([sys.executable, "-m", "zephon_ray.cli", "status", "--name", "run7", "--address",
-                           f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    with held_ports() as (port,):  # held, not listening: nothing answers there, and nothing can start to
+        t0 = time.monotonic()
+        with pytest.raises(ConnectionError) as info:
+            check_reachable(f"127.0.0.1:{port}")
+        one_line(info.value, f":{port}", "no Ray cluster answers", "ray start --head")
+        assert time.monotonic() - t0 < CONNECT_TIMEOUT_S + 5
+        done = subprocess.run([sys.executable, "-m", "zephon_ray.cli", "status", "--name", "run7", "--address",
+                               f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2 and lines and lines[-1].startswith("zephon-ray: error: no Ray cluster answers"), \
         done.stderr[-2000:]
@@ -61,7 +53,7 @@ def test_an_unresolvable_storage_endpoint_is_one_line_within_the_start_budget(mo
         waited = time.monotonic() - t0
     finally:
         storage.clear_filesystem_cache()
-    _one_line(info.value, "s3://zr-bucket/run7", "resolve host", f"{storage.START_BUDGET_S:g}s")
+    one_line(info.value, "s3://zr-bucket/run7", "resolve host", f"{storage.START_BUDGET_S:g}s")
     assert waited < storage.START_BUDGET_S + 60, waited  # the start's budget, not the 600 s outage budget
 
 
@@ -78,10 +70,10 @@ def test_refused_credentials_and_a_missing_bucket_at_start_write_nothing():
     finally:
         s3.require_auth(False)
         storage.clear_filesystem_cache()
-    _one_line(info.value, f"s3://{bucket}/state", "access denied", "check the credentials")
+    one_line(info.value, f"s3://{bucket}/state", "access denied", "check the credentials")
     assert s3.keys(bucket) == {}
     t0 = time.monotonic()
     with pytest.raises(ValueError) as info:
         DataService.start("tiny", name="absent", state_dir=f"s3://zr-absent-{bucket}/state")
-    _one_line(info.value, "does not exist")
+    one_line(info.value, "does not exist")
     assert time.monotonic() - t0 < 30  # permanent: no retries

@@ -5,12 +5,12 @@ alone as a keep-alive)."""
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
 import ray
 
+from conftest import run_ranks, wait_until
 from zephon_ray import DataService, GlobalBatchSource
 from zephon_ray.service.node_reads import process_reads
 from zephon_ray.service.protocol import READER_INFIX
@@ -47,10 +47,9 @@ def _read_in_lock_step(name, readers, world, steps, recipe):
             for step in range(steps):
                 barrier.wait(timeout=120)
                 if step == 1 and key == first:
-                    path, deadline = process_reads(handle), time.monotonic() + 60
-                    while path.steps_in_flight():
-                        assert time.monotonic() < deadline, f"calls in flight: {path.steps_in_flight()}"
-                        time.sleep(0.02)
+                    path = process_reads(handle)
+                    wait_until(lambda path=path: not path.steps_in_flight(), 60,
+                               lambda path=path: f"calls in flight: {path.steps_in_flight()}", interval_s=0.02)
                     calls_after_step_0.append(_readers(name)[0]["reads"])
                 barrier.wait(timeout=120)
                 part = handle.slice(step, r, world, track=True)
@@ -59,11 +58,8 @@ def _read_in_lock_step(name, readers, world, steps, recipe):
             errors.append(exc)
             barrier.abort()
 
-    threads = [threading.Thread(target=read, args=(key,)) for key in readers]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(240)
+    keys = list(readers)
+    run_ranks(len(keys), lambda i: read(keys[i]), timeout_s=240)
     assert not errors, errors[:3]
     with GlobalBatchSource(recipe) as source:
         for step in range(steps):
@@ -124,13 +120,12 @@ def test_a_touch_alone_reaches_the_coordinator_as_a_keep_alive(ray_cluster, tiny
         trainer = DataService.connect("node-touch", namespace=NS, consumer="trainer")
         trainer.slice(0, 1, 2, track=True)
         trainer.touch(2, rank=1, world=2)  # no read follows
-        deadline = time.monotonic() + 30
-        while True:
-            cursors = {(c["consumer"], c["rank"]): c["step"] for c in svc.status()["cursors"]}
-            if cursors.get(("trainer", 1)) == 2:
-                break
-            assert time.monotonic() < deadline, cursors
-            time.sleep(0.1)
+
+        def cursors():
+            return {(c["consumer"], c["rank"]): c["step"] for c in svc.status()["cursors"]}
+
+        wait_until(lambda: cursors().get(("trainer", 1)) == 2, 30,
+                   lambda: f"trainer rank 1's cursor at step 2; cursors {cursors()}")
     finally:
         svc.stop()
 
@@ -147,10 +142,9 @@ def test_the_last_step_held_fetches_the_next_steps_before_the_rank_asks(ray_clus
         path = process_reads(client)
         got = {0: client.slice(0, 0, 1, track=True)}
         for step in range(1, steps):
-            deadline = time.monotonic() + 30
-            while step not in path.cached_steps():
-                assert time.monotonic() < deadline, f"step {step} not held before it is read: {path.cached_steps()}"
-                time.sleep(0.02)
+            wait_until(lambda step=step: step in path.cached_steps(), 30,
+                       lambda step=step: f"step {step} held before it is read; held {path.cached_steps()}",
+                       interval_s=0.02)
             got[step] = client.slice(step, 0, 1, track=True)
         with GlobalBatchSource(tiny_recipe) as source:
             for step, part in got.items():

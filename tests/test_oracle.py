@@ -22,13 +22,12 @@ returns, re-digested by the oracle (a path's own ``.digest`` is checked too, nev
 from __future__ import annotations
 
 import json
-import threading
 
 import numpy as np
 import pytest
 
 import oracle
-from conftest import ROOT
+from conftest import ROOT, run_ranks
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -235,26 +234,17 @@ LOCAL_BATCH = 2
 def loader_rows(loaders, steps: int, per_step: int):
     """Pull ``steps`` steps of ``per_step`` microbatches from every rank (one thread per rank, as ranks run side by
     side) and return, per step, the ranks' yielded (input, labels, positions) rows joined in rank order."""
-    per_rank: list[list[tuple]] = [[] for _ in loaders]
-    errors: list[BaseException] = []
+    def pull(i: int) -> list[tuple]:
+        it, rows = iter(loaders[i]), []
+        for _ in range(steps):
+            got = [next(it) for _ in range(per_step)]
+            rows.append(tuple(
+                np.concatenate([x.numpy() for x in column])
+                for column in zip(*[(inp["input"], labels, inp["positions"]) for inp, labels in got])
+            ))
+        return rows
 
-    def pull(i: int) -> None:
-        try:
-            it = iter(loaders[i])
-            for _ in range(steps):
-                got = [next(it) for _ in range(per_step)]
-                per_rank[i].append(tuple(
-                    np.concatenate([x.numpy() for x in column])
-                    for column in zip(*[(inp["input"], labels, inp["positions"]) for inp, labels in got])
-                ))
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the test thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=pull, args=(i,)) for i in range(len(loaders))]
-    [t.start() for t in threads]
-    [t.join(300) for t in threads]
-    if errors:
-        raise errors[0]
+    per_rank = run_ranks(len(loaders), pull)
     assert all(len(r) == steps for r in per_rank), "a rank did not finish its steps"
     return [tuple(np.concatenate([per_rank[i][s][c] for i in range(len(loaders))]) for c in range(3))
             for s in range(steps)]

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, TINY, run_ranks
+from conftest import ROOT, TINY, run_readers
 from zephon_ray import GlobalBatchSource, Recipe
 from zephon_ray.lanes import LaneStepper, StepStateError
 from zephon_ray.recipe import RecipeError
@@ -464,23 +464,14 @@ def _local_readers(config, world: int, state: dict | None, steps: int, add: tupl
 
     lbs = 16 // world if 16 % world == 0 else 0  # 0: one microbatch of the reader's rows
     loaders = [Loader(config, rank=r, world=world, local_batch_size=lbs) for r in range(world)]
-    slices: list[list] = [[] for _ in range(world)]
-    states: list = [None] * world
 
-    def read(r: int) -> None:
-        try:
-            if state is not None:
-                loaders[r].load_state_dict(json.loads(json.dumps(state)))
-            if add is not None:
-                loaders[r].add_phase(*add)
-            it = iter(loaders[r])
-            for _ in range(steps):
-                slices[r].append(next(it).slice)
-            states[r] = loaders[r].state_dict()
-        finally:
-            loaders[r].close()
+    def read(r: int, loader) -> tuple[list, dict]:
+        if add is not None:
+            loader.add_phase(*add)
+        it = iter(loader)
+        return [next(it).slice for _ in range(steps)], loader.state_dict()
 
-    run_ranks(world, read)
+    slices, states = zip(*run_readers(loaders, read, state))
     assert all(s == states[0] for s in states)
     digests = [compute_digest(np.concatenate([p.tokens for p in parts]), np.concatenate([p.positions for p in parts]))
                for parts in zip(*slices)]
@@ -675,19 +666,17 @@ def test_a_reader_that_misses_a_local_phase_stops_every_reader_in_one_line(tmp_p
     got: dict[int, list[int]] = {0: [], 1: []}
     errors: dict[int, str] = {}
 
-    def read(r: int) -> None:
+    def read(r: int, loader) -> None:
         try:
             if r == 0:
-                loaders[r].add_phase("anneal", 4, {"prose": 1.0})
-            it = iter(loaders[r])
+                loader.add_phase("anneal", 4, {"prose": 1.0})
+            it = iter(loader)
             for _ in range(6):
                 got[r].append(next(it).slice.step)
         except Exception as exc:  # noqa: BLE001 - the expected stop, checked below
             errors[r] = str(exc)
-        finally:
-            loaders[r].close()
 
-    run_ranks(2, read, timeout_s=240)
+    run_readers(loaders, read, timeout_s=240)
     assert got == {0: [0, 1], 1: [0, 1]}, got
     for r in (0, 1):
         assert "did not all arrive with this schedule" in errors[r] and "\n" not in errors[r], errors

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from tests import s3_server
-from tests.conftest import RECIPES, TINY
+from tests.conftest import RECIPES, TINY, one_line, tiny_bucket
 from tests.ports import Reserved
 
 s3_server.configure_environment()  # at collection: before any test starts Ray, so Ray workers inherit it
@@ -23,17 +23,9 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def s3():
-    return s3_server.server()
-
-
-@pytest.fixture(scope="module")
 def bucket(s3):
     """A bucket holding the tiny recipe and its data under recipes/ (the same relative layout as the checkout)."""
-    name = s3.new_bucket("zr-data")
-    s3.upload_tree(RECIPES / "data" / "tiny", name, "recipes/data/tiny")
-    s3.client().upload_file(str(TINY), name, "recipes/tiny.toml")
-    return name
+    return tiny_bucket(s3, "zr-data")
 
 
 @pytest.fixture(scope="module")
@@ -52,14 +44,6 @@ def endpoint_up(s3):
     s3.require_auth(False)
 
 
-def _one_line(exc: BaseException, *needles: str) -> str:
-    message = str(exc)
-    assert "\n" not in message, message
-    for needle in needles:
-        assert needle in message, message
-    return message
-
-
 # ------------------------------------------------------------------------------------------ the storage layer
 def test_storage_layer_on_s3(s3):
     from zephon_ray import storage
@@ -76,7 +60,7 @@ def test_storage_layer_on_s3(s3):
     assert not storage.exists(root.join("nothing"))
     with pytest.raises(storage.DocumentError) as info:
         storage.read_json(root.join("absent.json"), what="state")
-    _one_line(info.value, f"s3://{bucket}/run/absent.json: state missing")
+    one_line(info.value, f"s3://{bucket}/run/absent.json: state missing")
     storage.delete_tree(root.join("a"))
     storage.delete(root.join("b.bin"))
     # Nothing left but (pyarrow's way of keeping an emptied directory) a zero-byte "run/" marker, which every
@@ -87,7 +71,7 @@ def test_storage_layer_on_s3(s3):
     assert storage.listing(root) == {"seg.parquet": 5}
     with pytest.raises(storage.StorageError) as info:
         storage.read_bytes(f"s3://zr-no-such-bucket-{bucket}/x.json")
-    _one_line(info.value, f"s3://zr-no-such-bucket-{bucket}/x.json", "does not exist")
+    one_line(info.value, f"s3://zr-no-such-bucket-{bucket}/x.json", "does not exist")
 
 
 # ------------------------------------------------------------------------------------------ sources and identity
@@ -115,9 +99,7 @@ def test_two_buckets_read_at_once_on_one_node(s3, remote_recipe, reference_diges
     that a live process holds for other datasets (CacheInUseError) never meets them."""
     from zephon_ray import GlobalBatchSource, Recipe
 
-    other = s3.new_bucket("zr-data-other")
-    s3.upload_tree(RECIPES / "data" / "tiny", other, "recipes/data/tiny")
-    s3.client().upload_file(str(TINY), other, "recipes/tiny.toml")
+    other = tiny_bucket(s3, "zr-data-other")
     with GlobalBatchSource(remote_recipe) as first, \
             GlobalBatchSource(Recipe.from_toml(f"s3://{other}/recipes/tiny.toml")) as second:
         for step in range(3):
@@ -155,10 +137,10 @@ def test_remote_identity_is_the_listing_and_etags(s3, tmp_path, capsys):
     assert after.fingerprint != before.fingerprint
     with pytest.raises(IdentityMismatchError) as info:
         verify_on_node(before, before.fingerprint, where="producer for lanes (0,)")
-    _one_line(info.value, "producer for lanes (0,)", "source 'code'", "shard-00001.jsonl: etag")
+    one_line(info.value, "producer for lanes (0,)", "source 'code'", "shard-00001.jsonl: etag")
     with pytest.raises(IdentityMismatchError) as info:
         verify_on_node(verified, where="rank 1")
-    _one_line(info.value, "shard-00001.jsonl: sha256")
+    one_line(info.value, "shard-00001.jsonl: sha256")
 
 
 @pytest.mark.parametrize("what", ["missing bucket", "missing prefix", "prefix with no shards", "wrong credentials",
@@ -201,7 +183,7 @@ def test_bad_remote_sources_are_one_line(s3, bucket, tmp_path, monkeypatch, what
         s3.require_auth(False)
         storage.clear_filesystem_cache()
         zephon_io.reset_storage()
-    _one_line(info.value, "key 'sources[1].path'", needle, expect)
+    one_line(info.value, "key 'sources[1].path'", needle, expect)
     assert time.monotonic() - t0 < 180  # bounded (obstore's own retry inside each try, then the 2 s budget)
 
 
@@ -225,7 +207,7 @@ def test_endpoint_stopped_then_restarted(s3, materialized_s3, reference_digests,
     finally:
         storage.set_retry_budget(None)
     failed_after = time.monotonic() - t0
-    _one_line(info.value, materialized_s3, "still failing after")
+    one_line(info.value, materialized_s3, "still failing after")
     assert failed_after < 60, failed_after  # a 3 s budget, ZEPHON_RAY_S3_MAX_ATTEMPTS=3 attempts, 1 s connects
     # Down now, back 5 s later, within the (default) budget: the read in flight waits and succeeds.
     restarter = threading.Timer(5.0, s3.start)
@@ -318,7 +300,7 @@ def test_damaged_materialized_dir_on_s3_is_one_line(s3, materialized_s3, damage)
         needle = f"s3://{bucket}/{segment}: segment missing"
     with pytest.raises(MaterializedError) as info:
         MaterializedSource(copy)
-    _one_line(info.value, needle)
+    one_line(info.value, needle)
 
 
 def test_pretokenize_s3_to_s3(ray_cluster, s3, remote_recipe, reference_digests):
@@ -492,18 +474,18 @@ def test_missing_bucket_and_wrong_credentials_for_what_we_write(s3, materialized
     missing = f"s3://zr-absent-{s3.new_bucket()}"
     with pytest.raises(ServiceStateError) as info:
         check_state_dir(tiny_recipe, f"{missing}/state")
-    _one_line(info.value, f"{missing}/state/service.json", "does not exist")
+    one_line(info.value, f"{missing}/state/service.json", "does not exist")
     with pytest.raises(ServiceStateError):
         ServiceState.open(tiny_recipe, f"{missing}/state")
     with pytest.raises(MaterializedError) as info:
         MaterializedSource(f"{missing}/run")
-    _one_line(info.value, f"{missing}/run", "does not exist")
+    one_line(info.value, f"{missing}/run", "does not exist")
     s3.require_auth(True)
     try:
         storage.clear_filesystem_cache()
         with pytest.raises(MaterializedError) as info:
             MaterializedSource(materialized_s3)
-        _one_line(info.value, materialized_s3, "access denied", "check the credentials")
+        one_line(info.value, materialized_s3, "access denied", "check the credentials")
     finally:
         s3.require_auth(False)
         storage.clear_filesystem_cache()

@@ -13,6 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from conftest import RankThreads, run_ranks, wait_until
 from service_helpers import NS, replayer_actors, start_service
 
 from zephon_ray import DataService, GlobalBatchSource, compute_digest
@@ -256,8 +257,6 @@ def test_request_bounds_reject_cleanly(ray_cluster, tiny_recipe, reference_diges
 def test_many_waiting_reads_hold_no_thread(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     """96 reads wait at once (a holder pins the window); the coordinator runs fewer threads than that, and
     status()/commit() still answer. (The 512-read latency is measured in benchmarks/bench_service_load.py.)"""
-    import threading
-
     import psutil
 
     pending, world, target = 96, 16, 6
@@ -267,32 +266,24 @@ def test_many_waiting_reads_hold_no_thread(ray_cluster, tiny_recipe, reference_d
         holder.slice(0, 0, 1, track=True)
         with GlobalBatchSource(tiny_recipe) as source:
             want = {r: source.batch(target).slice(r, world).tokens for r in range(world)}
-        ok, errors = [], []
+        ok = []
 
         def read(i):
-            try:
-                client = DataService.connect("pending", namespace=NS, consumer=f"reader{i}")
-                part = client.slice(target, i % world, world, track=True)
-                ok.append(np.array_equal(part.tokens, want[i % world]))
-            except Exception as exc:  # noqa: BLE001
-                errors.append(exc)
+            client = DataService.connect("pending", namespace=NS, consumer=f"reader{i}")
+            part = client.slice(target, i % world, world, track=True)
+            ok.append(np.array_equal(part.tokens, want[i % world]))
 
-        threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(pending)]
-        for t in threads:
-            t.start()
-        deadline = time.monotonic() + 120
-        while len(svc.status()["cursors"]) < pending + 1:  # every read registered its cursor and now waits
-            assert time.monotonic() < deadline, svc.status()["cursors"]
-            time.sleep(0.2)
+        readers = RankThreads(pending, read)
+        wait_until(lambda: len(svc.status()["cursors"]) >= pending + 1, 120,  # every read registered and waits
+                   lambda: f"{pending} waiting reads; cursors {svc.status()['cursors']}", interval_s=0.2)
         status = svc.status()
         assert not ok and status["window"]["produce_until"] == 4 and target not in status["window"]["held_steps"]
         threads_in_coordinator = psutil.Process(status["coordinator"]["pid"]).num_threads()
         assert threads_in_coordinator < pending, threads_in_coordinator
         assert holder.commit(1)["step"] == 1  # a write answers while the reads wait
         holder.release()
-        for t in threads:
-            t.join(timeout=120)
-        assert not errors and len(ok) == pending and all(ok)
+        readers.join(120)
+        assert len(ok) == pending and all(ok)
         print("waiting reads:", json.dumps({"pending": pending, "coordinator_threads": threads_in_coordinator}))
     finally:
         svc.stop()
@@ -316,11 +307,7 @@ def test_replays_run_in_the_replayer_and_are_shared(ray_cluster, tiny_recipe, re
             barrier.wait(timeout=60)
             got.append(client.batch(2).digest)  # a past step: evicted from the window long ago
 
-        threads = [threading.Thread(target=read, args=(i,)) for i in range(readers)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=180)
+        run_ranks(readers, read, timeout_s=180)
         assert got == [reference_digests[2]] * readers
         status = svc.status()
         replay, replayer = status["replay"], status["replayers"][0]

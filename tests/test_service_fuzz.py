@@ -41,6 +41,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from conftest import wait_until
 from zephon_ray import DataService, GlobalBatchSource
 from zephon_ray.service.protocol import READER_INFIX
 
@@ -448,8 +449,19 @@ def _service(recipe, tmp_path, name, **overrides):
                              **{**SERVICE, **overrides})
 
 
-def _kill_coordinator(svc) -> None:
-    os.kill(svc.status()["coordinator"]["pid"], signal.SIGKILL)
+def _kill_coordinator(svc, wait_for_restart: bool = False) -> None:
+    """kill -9 the coordinator's process; with ``wait_for_restart``, return once Ray has seen it die and begun
+    restarting the actor."""
+    from ray._private import state as ray_state
+
+    pid = svc.status()["coordinator"]["pid"]
+    if not wait_for_restart:
+        os.kill(pid, signal.SIGKILL)
+        return
+    actor = next(a for a, info in ray_state.actors().items() if info["Pid"] == pid and info["State"] == "ALIVE")
+    os.kill(pid, signal.SIGKILL)
+    wait_until(lambda: ray_state.actors(actor_id=actor)["NumRestarts"] >= 1, 60,
+               lambda: f"Ray restarting the killed coordinator: {ray_state.actors(actor_id=actor)['State']}")
 
 
 def test_regression_a_refused_far_read_then_a_coordinator_restart(ray_cluster, tiny_recipe, tmp_path):
@@ -512,8 +524,7 @@ def test_regression_ranks_far_past_their_commit_after_a_restart(ray_cluster, tin
         while svc.status()["checkpoints"]["unwritten"] or svc.status()["checkpoints"]["latest"] < 28:
             assert time.monotonic() < deadline, svc.status()["checkpoints"]
             time.sleep(0.2)
-        _kill_coordinator(svc)
-        time.sleep(1.0)  # the restart begins; the process's cached steps are dropped by the failed reads
+        _kill_coordinator(svc, wait_for_restart=True)  # the process's cached steps are dropped by the failed reads
         for step in range(30, 34):
             box = _bounded(f"slice({step})", lambda: svc.slice(step, 0, 1, track=True), 60)
             assert "error" not in box, box.get("error")

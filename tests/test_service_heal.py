@@ -21,12 +21,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
 import time
 
 import numpy as np
 import pytest
 
+from conftest import RankThreads
 from zephon_ray import DataService, GlobalBatchSource, compute_digest
 from zephon_ray.jobs.audit import audit
 from zephon_ray.stream.ledger_recorder import LedgerRecorder
@@ -46,38 +46,31 @@ def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, refere
     got: dict[int, list] = {r: [] for r in range(world)}
     entered: dict[int, set] = {r: set() for r in range(world)}
     waits: dict[int, dict[int, float]] = {r: {} for r in range(world)}
-    errors: list[BaseException] = []
     heads: dict[int, str] = {}
 
     def rank_loop(rank: int) -> None:
         client = DataService.connect("heal", namespace=NS, consumer="job")
         recorder = LedgerRecorder(run_id="job", fingerprint=tiny_recipe.fingerprint, rank=rank, world=world,
                                   ledger_dir=str(tmp_path / "ledger"))
-        try:
-            for step in range(steps):
-                entered[rank].add(step)
-                t0 = time.monotonic()
-                part = client.slice(step, rank, world, track=True)
-                waits[rank][step] = time.monotonic() - t0
-                recorder.handed(part)
-                recorder.commit(step)
-                if (step + 1) % blocked_at == 0:  # a save: at step 4 (before the kill), 8 and 12
-                    heads[rank] = recorder.seal(step + 1, tiny_recipe)
-                got[rank].append((np.array(part.tokens), np.array(part.positions)))
-                if rank == 0 and step == blocked_at - 1:
-                    client.commit(blocked_at)
-        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
-            errors.append(exc)
+        for step in range(steps):
+            entered[rank].add(step)
+            t0 = time.monotonic()
+            part = client.slice(step, rank, world, track=True)
+            waits[rank][step] = time.monotonic() - t0
+            recorder.handed(part)
+            recorder.commit(step)
+            if (step + 1) % blocked_at == 0:  # a save: at step 4 (before the kill), 8 and 12
+                heads[rank] = recorder.seal(step + 1, tiny_recipe)
+            got[rank].append((np.array(part.tokens), np.array(part.positions)))
+            if rank == 0 and step == blocked_at - 1:
+                client.commit(blocked_at)
 
-    threads = []
     try:
         assert holder.slice(0, 0, 1, track=True).num_rows == tiny_recipe.global_batch_rows  # pins produce_until at 4
-        threads = [threading.Thread(target=rank_loop, args=(r,), daemon=True) for r in range(world)]
-        for t in threads:
-            t.start()
+        ranks = RankThreads(world, rank_loop)
         deadline = time.monotonic() + 120
         while True:  # every rank is inside slice(4), none got it, and the coordinator sees them waiting there
-            assert not errors, errors
+            assert not ranks.errors, ranks.errors
             status = svc.status()
             at = sorted(c["rank"] for c in status["cursors"] if c["consumer"] == "job" and c["step"] == blocked_at)
             inside = all(blocked_at in entered[r] and blocked_at not in waits[r] for r in range(world))
@@ -89,9 +82,7 @@ def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, refere
         old_pid, old_producers = status["coordinator"]["pid"], [p["pid"] for p in status["producers"]]
         os.kill(old_pid, signal.SIGKILL)
         killed_at = time.monotonic()
-        for t in threads:
-            t.join(timeout=300)
-        assert not errors, errors
+        ranks.join(300)
         for rank in range(world):
             assert len(got[rank]) == steps, f"rank {rank} got {len(got[rank])} of {steps} slices"
             for step, (tokens, positions) in enumerate(got[rank]):
@@ -118,6 +109,4 @@ def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, refere
             "since_kill_s": round(time.monotonic() - killed_at, 3), "old_producers": old_producers,
             "start": after["start"]}))
     finally:
-        for t in threads:
-            t.join(timeout=1)
         svc.stop()

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, TINY, run_ranks
+from conftest import ROOT, TINY, run_readers
 
 from zephon_ray import Recipe, compute_digest
 from zephon_ray.recipe import RecipeError
@@ -94,23 +94,16 @@ def _segment(config, world: int, state: dict | None, steps: int) -> tuple[list[t
     from zephon_ray.stream.loader import Loader
 
     loaders = [Loader(config, rank=r, world=world) for r in range(world)]
-    got: list[list] = [[] for _ in range(world)]
-    states: list = [None] * world
 
-    def read(r: int) -> None:
-        try:
-            if state is not None:
-                loaders[r].load_state_dict(json.loads(json.dumps(state)))
-            it = iter(loaders[r])
-            for _ in range(steps):
-                batch = next(it)
-                got[r].append(batch)
-                loaders[r].commit(batch.step)
-            states[r] = loaders[r].state_dict()
-        finally:
-            loaders[r].close()
+    def read(r: int, loader) -> tuple[list, dict]:
+        it, got = iter(loader), []
+        for _ in range(steps):
+            batch = next(it)
+            got.append(batch)
+            loader.commit(batch.step)
+        return got, loader.state_dict()
 
-    run_ranks(world, read)
+    got, states = zip(*run_readers(loaders, read, state))
     assert all(s == states[0] for s in states)
     out = []
     for parts in zip(*got):

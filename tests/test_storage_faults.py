@@ -26,19 +26,12 @@ import time
 import pytest
 
 from tests import s3_server
-from tests.conftest import RECIPES, TINY
+from tests.conftest import TINY, one_line, tiny_bucket
 
 s3_server.configure_environment()  # at collection: before any test starts Ray, so Ray workers inherit it
 
 OUTAGE_S = 15.0
 STEPS = 44
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = s3_server.server()
-    yield server
-    server.faults.clear()
 
 
 @pytest.fixture(scope="module")
@@ -48,14 +41,6 @@ def oracle_digests():
     from tests import oracle
 
     return oracle.load_golden(TINY)["digests"][:STEPS]
-
-
-def _one_line(exc: BaseException, *needles: str) -> str:
-    message = str(exc)
-    assert "\n" not in message and "Traceback" not in message, message
-    for needle in needles:
-        assert needle in message, message
-    return message
 
 
 # ------------------------------------------------------------------------------------------ the retry policy
@@ -99,7 +84,7 @@ def test_retry_backs_off_then_gives_up_in_one_line(monkeypatch):
 
     with pytest.raises(StorageError) as info:
         retries.retry(refused, "s3://b/state/commits.json", budget_s=120)
-    _one_line(info.value, "s3://b/state/commits.json", "Connection refused", "still failing after", "budget is 120s")
+    one_line(info.value, "s3://b/state/commits.json", "Connection refused", "still failing after", "budget is 120s")
     assert not info.value.transient and 100 <= sum(sleeps) <= 120 and len(calls) == len(sleeps) + 1
     assert all(s <= retries.RETRY_CAP_S for s in sleeps) and max(sleeps) >= retries.RETRY_CAP_S / 2  # capped, jittered
     assert sleeps[0] <= retries.RETRY_FIRST_S and sleeps[1] > sleeps[0] * 0.9  # exponential from the first delay
@@ -150,21 +135,18 @@ def test_storage_layer_waits_out_an_outage_throttling_and_a_cut_response(s3):
     finally:
         s3.faults.up()
         storage.set_retry_budget(None)
-    _one_line(info.value, f"{root}/commits.json", "Could not connect", "still failing after")
+    one_line(info.value, f"{root}/commits.json", "Could not connect", "still failing after")
     t0 = time.monotonic()
     with pytest.raises(storage.StorageError) as info:
         storage.write_json(f"s3://zr-absent-{root.path.split('/')[0]}/state/commits.json", {})
-    _one_line(info.value, "does not exist")
+    one_line(info.value, "does not exist")
     assert time.monotonic() - t0 < 10  # permanent: not retried for the budget
 
 
 # ------------------------------------------------------------------------------------------ a running service
 @pytest.fixture(scope="module")
 def bucket(s3):
-    name = s3.new_bucket("zr-faults-data")
-    s3.upload_tree(RECIPES / "data" / "tiny", name, "recipes/data/tiny")
-    s3.client().upload_file(str(TINY), name, "recipes/tiny.toml")
-    return name
+    return tiny_bucket(s3, "zr-faults-data")
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +224,7 @@ def test_service_rides_through_a_15s_outage(s3, service, oracle_digests):
 
     with pytest.raises(ValueError) as info:
         svc.commit(25)
-    _one_line(info.value, "commit step 25", "'trainer'", "at most 20", "delivered step 19")
+    one_line(info.value, "commit step 25", "'trainer'", "at most 20", "delivered step 19")
     other = DataService.connect("s3o", namespace="zr-storage-faults", consumer="auditor")
     try:
         assert other.batch(19, track=True).digest == oracle_digests[19]
@@ -250,7 +232,7 @@ def test_service_rides_through_a_15s_outage(s3, service, oracle_digests):
             other.refs(30, track=True, timeout_s=2)  # asked for (its cursor moved there), never delivered
         with pytest.raises(ValueError) as info:
             other.commit(31)
-        _one_line(info.value, "'auditor'", "at most 20")
+        one_line(info.value, "'auditor'", "at most 20")
         assert other.commit(20)["step"] == 20
     finally:
         other.release()

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from tests import s3_server
-from tests.conftest import RECIPES, ROOT
+from tests.conftest import RECIPES, ROOT, run_ranks
 
 s3_server.configure_environment()
 
@@ -21,13 +21,6 @@ pytestmark = pytest.mark.slow
 SOAK = ROOT / "tests" / "recipes" / "soak.toml"
 RANKS = 64
 SOAK_S = 600.0
-
-
-@pytest.fixture(scope="module")
-def s3():
-    server = s3_server.server()
-    yield server
-    server.faults.clear()
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +67,7 @@ def _read_jobs(svc, oracle: _Oracle, until: float, first: int) -> dict:
         step = first
         try:
             while time.monotonic() < until:
-                parts = [None] * RANKS
-
-                def rank(r: int) -> None:
-                    parts[r] = client.slice(step, r, RANKS, track=True)
-
-                threads = [threading.Thread(target=rank, args=(r,)) for r in range(RANKS)]
-                [t.start() for t in threads]
-                [t.join() for t in threads]
+                parts = run_ranks(RANKS, lambda r, step=step: client.slice(step, r, RANKS, track=True))
                 tokens = np.concatenate([p.tokens for p in parts])
                 positions = np.concatenate([p.positions for p in parts])
                 want = oracle[step]
@@ -97,9 +83,8 @@ def _read_jobs(svc, oracle: _Oracle, until: float, first: int) -> dict:
         finally:
             client.release()
 
-    jobs = [threading.Thread(target=job, args=(name,)) for name in ("job-a", "job-b")]
-    [t.start() for t in jobs]
-    [t.join() for t in jobs]
+    names = ("job-a", "job-b")
+    run_ranks(len(names), lambda i: job(names[i]), timeout_s=until - time.monotonic() + 600)
     return result
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import run_readers
 from zephon_ray import compute_digest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,22 +89,7 @@ def _readers(config, world: int, body) -> list:
     from zephon_ray.stream.loader import Loader
 
     loaders = [Loader(config, rank=r, world=world) for r in range(world)]
-    results: list = [None] * world
-    errors: list = []
-
-    def run(r: int) -> None:
-        try:
-            results[r] = body(loaders[r])
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-        finally:
-            loaders[r].close()
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-    [t.start() for t in threads]
-    [t.join(300) for t in threads]
-    if errors:
-        raise errors[0]
+    results = run_readers(loaders, lambda r, loader: body(loader))
     assert all(r is not None for r in results), "a reader did not finish"
     return results
 

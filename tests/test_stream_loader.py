@@ -11,13 +11,12 @@ every reader's state must be identical at every resume.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import run_ranks
+from conftest import run_readers
 
 from zephon_ray import compute_digest
 
@@ -67,29 +66,21 @@ def _segment(config, world: int, state: dict | None, steps: int) -> tuple[list, 
 
     lbs = 16 // world if 16 % world == 0 else 0  # 0: one microbatch of the reader's rows (5 or 6 at W=3)
     loaders = [Loader(config, rank=r, world=world, local_batch_size=lbs) for r in range(world)]
-    slices: list[list] = [[] for _ in range(world)]
-    states: list = [None] * world
 
-    def read(r: int) -> None:
-        try:
-            loader = loaders[r]
-            if state is not None:
-                loader.load_state_dict(json.loads(json.dumps(state)))
-            it = iter(loader)
-            for _ in range(steps):
-                batch = next(it)
-                rows = torch.cat([labels for _, labels in batch.microbatches])
-                # Padded to the same rows on every reader; the padding rows' labels are all ignored.
-                assert rows.shape[0] == (-(-16 // world) if config.pad_slices else batch.slice.num_rows)
-                assert (rows[batch.slice.num_rows:] == -100).all()
-                assert batch.global_valid_tokens == 16 * 64  # 'wrap' packing: every label of the 16 rows
-                slices[r].append(batch.slice)
-            states[r] = loader.state_dict()
-        finally:
-            loaders[r].close()
+    def read(r: int, loader) -> tuple[list, dict]:
+        it, slices = iter(loader), []
+        for _ in range(steps):
+            batch = next(it)
+            rows = torch.cat([labels for _, labels in batch.microbatches])
+            # Padded to the same rows on every reader; the padding rows' labels are all ignored.
+            assert rows.shape[0] == (-(-16 // world) if config.pad_slices else batch.slice.num_rows)
+            assert (rows[batch.slice.num_rows:] == -100).all()
+            assert batch.global_valid_tokens == 16 * 64  # 'wrap' packing: every label of the 16 rows
+            slices.append(batch.slice)
+        return slices, loader.state_dict()
 
-    run_ranks(world, read)
-    return [list(step) for step in zip(*slices)], states
+    slices, states = zip(*run_readers(loaders, read, state))
+    return [list(step) for step in zip(*slices)], list(states)
 
 
 # Proves stream/loader.py: the same rows in every mode, with mode and W changing at every resume.

@@ -13,13 +13,12 @@ tests/test_stream_loader_fuzz.py`` runs more. A failure prints the schedule that
 
 from __future__ import annotations
 
-import json
 import os
 import random
 
 import numpy as np
 import pytest
-from conftest import TINY, run_ranks
+from conftest import TINY, run_readers
 
 from zephon_ray import compute_digest
 
@@ -64,23 +63,14 @@ def _segment(config, world: int, state: dict | None, steps: int, save: bool):
     from zephon_ray.stream.loader import Loader
 
     loaders = [Loader(config, rank=r, world=world) for r in range(world)]
-    slices: list[list] = [[] for _ in range(world)]
-    states: list = [None] * world
 
-    def read(r: int) -> None:
-        try:
-            if state is not None:
-                loaders[r].load_state_dict(json.loads(json.dumps(state)))
-            it = iter(loaders[r])
-            for _ in range(steps):
-                slices[r].append(next(it).slice)
-            if save:
-                states[r] = loaders[r].state_dict()
-        finally:
-            loaders[r].close()
+    def read(r: int, loader) -> tuple[list, dict | None]:
+        it = iter(loader)
+        slices = [next(it).slice for _ in range(steps)]
+        return slices, loader.state_dict() if save else None
 
-    run_ranks(world, read)
-    return [list(step) for step in zip(*slices)], states
+    slices, states = zip(*run_readers(loaders, read, state))
+    return [list(step) for step in zip(*slices)], list(states)
 
 
 def _run(seed: int, sources: dict, golden: list[str], log: list[str]) -> None:

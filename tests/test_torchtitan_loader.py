@@ -6,13 +6,13 @@ import json
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.ports import free_ports
+from tests.conftest import run_ranks
+from tests.ports import held_ports
 from zephon_ray import compute_digest
 from zephon_ray.docstrings import attribute_docs
 
@@ -60,12 +60,13 @@ def test_distributed_local_run_needs_an_aggregation_point(distributed_env):
 
 
 def test_unreachable_torch_store_is_an_error(distributed_env):
-    distributed_env.setenv("MASTER_ADDR", "127.0.0.1")
-    distributed_env.setenv("MASTER_PORT", str(free_ports()[0]))
-    with pytest.raises(ValueError, match="no TCPStore is reachable at 127.0.0.1"):
-        _build_dp2(_config(run_id="r", aggregate_store="torch://"))
-    with pytest.raises(ValueError, match="no TCPStore is reachable"):
-        _build_dp2(_config(run_id="r", aggregate_store=f"torch://127.0.0.1:{free_ports()[0]}"))
+    with held_ports(2) as (master, other):  # held, not listening: no TCPStore answers there, and none can start
+        distributed_env.setenv("MASTER_ADDR", "127.0.0.1")
+        distributed_env.setenv("MASTER_PORT", str(master))
+        with pytest.raises(ValueError, match="no TCPStore is reachable at 127.0.0.1"):
+            _build_dp2(_config(run_id="r", aggregate_store="torch://"))
+        with pytest.raises(ValueError, match="no TCPStore is reachable"):
+            _build_dp2(_config(run_id="r", aggregate_store=f"torch://127.0.0.1:{other}"))
 
 
 def test_reachable_torch_store_and_env_dir_override(distributed_env, tmp_path):
@@ -186,28 +187,17 @@ def test_local_slices_match_reference_and_resume_at_other_w(tmp_path, reference_
         rebuilt from the microbatches: input plus the last label column (the tiny recipe packs with 'wrap')."""
         digests = []
         for _ in range(n):
-            rows = [None] * len(loaders)
-
             def pull(i):
                 mbs = [next(iters[i]) for _ in range(loaders[i].microbatches_per_step)]
-                rows[i] = np.concatenate([np.concatenate([x["input"].numpy(), y.numpy()[:, -1:]], axis=1)
-                                          for x, y in mbs])
-            threads = [threading.Thread(target=pull, args=(i,)) for i in range(len(loaders))]
-            [t.start() for t in threads]
-            [t.join() for t in threads]
-            digests.append(_token_digest(np.concatenate(rows)))
+                return np.concatenate([np.concatenate([x["input"].numpy(), y.numpy()[:, -1:]], axis=1)
+                                       for x, y in mbs])
+            digests.append(_token_digest(np.concatenate(run_ranks(len(loaders), pull))))
         return digests
 
     loaders = build(2, tmp_path / "a")
     iters = [iter(l) for l in loaders]
     assert run_steps(loaders, iters, 3) == reference_tokens[:3]
-    states = [None, None]
-
-    def take(i):
-        states[i] = loaders[i].state_dict()
-    threads = [threading.Thread(target=take, args=(i,)) for i in range(2)]
-    [t.start() for t in threads]
-    [t.join() for t in threads]
+    states = run_ranks(2, lambda i: loaders[i].state_dict())
     assert states[0] == states[1] and states[0]["next_step"] == 3 and states[0]["zephon"]
     next(iters[0])  # half of rank 0's step 3 (4 microbatches of 2 rows)
     with pytest.raises(LoaderStateError, match="middle of step 3: 1 of 4 microbatches"):
@@ -329,15 +319,21 @@ def test_local_state_between_checkpoints_restores_and_replays(tmp_path, referenc
 
 
 # ---------------------------------------------------------------------- loud replays
-def test_resume_without_a_zephon_checkpoint_warns_and_reports_the_replay(caplog, reference_digests):
-    """Checkpointing off: the state at step 3 carries no Zephon blob, so the resume replays steps 0..2. It says so
-    (a warning with the count), ``stats`` and the next state report it, and the batches are still the reference."""
+def _one_rank_state_after(steps: int) -> dict:
+    """The state of a one-rank loader (checkpointing off) that took ``steps`` steps."""
     loader = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
     it = iter(loader)
-    for _ in range(3):
+    for _ in range(steps):
         next(it)
     state = loader.state_dict()
     loader.close()
+    return state
+
+
+def test_resume_without_a_zephon_checkpoint_warns_and_reports_the_replay(caplog, reference_digests):
+    """Checkpointing off: the state at step 3 carries no Zephon blob, so the resume replays steps 0..2. It says so
+    (a warning with the count), ``stats`` and the next state report it, and the batches are still the reference."""
+    state = _one_rank_state_after(3)
     assert state["next_step"] == 3 and state["zephon"] == "" and state["replayed_steps"] == 0
 
     resumed = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
@@ -473,12 +469,7 @@ def test_a_trainer_step_other_than_the_loaders_next_step_is_refused_before_the_f
     the first batch naming both numbers; the same step trains on."""
     from zephon_ray.formats.loader_state import LoaderStateError
 
-    loader = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
-    it = iter(loader)
-    for _ in range(3):
-        next(it)
-    state = loader.state_dict()
-    loader.close()
+    state = _one_rank_state_after(3)
     for loaded, trainer, message in [
             (state, 2, "the trainer's checkpoint is at step 2 but the data loader's next_step is 3: resuming would "
                        "skip 1 step(s); load the loader state saved with those weights (is 'dataloader' in "
