@@ -187,25 +187,12 @@ def test_readme_ray_commands(tmp_path):
 
 @pytest.fixture
 def private_head(tmp_path):
-    """The flags that make the doc's `ray start --head` a private cluster (its own --temp-dir, free ports), and
-    its cleanup: the processes that name that temp dir, by PID (tests/test_service_job.py; never `ray stop`)."""
-    from test_service_job import _pids_with, _stop_cluster
+    """The flags that make the doc's `ray start --head` a private cluster (its own --temp-dir, held ports), and
+    its cleanup: the processes that name that temp dir, by PID (tests/ray_clusters.py; never `ray stop`)."""
+    from tests.ray_clusters import ray_head
 
-    from tests.ports import free_ports
-
-    temp_dir = tempfile.mkdtemp(prefix="zrdoc-", dir="/tmp")  # short: Ray's socket paths live under it
-    gcs, dash, client, nm, om, agent, agent_grpc, metrics, rt_env = free_ports(9)
-    flags = (f"--temp-dir={temp_dir} --port={gcs} --dashboard-port={dash} --ray-client-server-port={client} "
-             f"--node-manager-port={nm} --object-manager-port={om} --dashboard-agent-listen-port={agent} "
-             f"--dashboard-agent-grpc-port={agent_grpc} --metrics-export-port={metrics} "
-             f"--runtime-env-agent-port={rt_env} --disable-usage-stats")
-    try:
-        yield Here(tmp_path, dashboard=f"127.0.0.1:{dash}", gcs=f"127.0.0.1:{gcs}", head_flags=flags)
-    finally:
-        _stop_cluster(temp_dir)
-        leftover = _pids_with(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        assert not leftover, f"processes of our cluster survived: {leftover}"
+    with ray_head("zrdoc-") as head:  # short: Ray's socket paths live under it
+        yield Here(tmp_path, dashboard=head.dashboard, gcs=head.gcs, head_flags=" ".join(head.flags))
 
 
 @pytest.mark.slow
@@ -282,14 +269,12 @@ def test_elastic_resume_commands(text, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_deployment_object_storage_commands(private_head):
+def test_deployment_object_storage_commands(private_head, s3):
     """docs/deployment.md's cloud block on a private head (its `ray start --head` as above) and a local S3 (moto,
     tests/s3_server.py): the recipe copied into the bucket, validated, served with its state in the bucket, read,
     inspected, stopped, materialised there, read back and pre-tokenised. The block's three `export` lines are
     placeholders; the environment holds the same variables, set to the local S3's."""
-    import s3_server
-
-    here, s3 = private_head, s3_server.server()
+    here = private_head
     env = shell_env({"BUCKET": s3.new_bucket("zr-docs"), "RAY_AUTH_MODE": "token"})
     head = next(c for c in commands() if c.text.startswith("ray start --head"))
     done = run_in_order([head, *_mine(S3, "docs/deployment.md")], here, env, timeout=800)

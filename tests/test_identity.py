@@ -22,7 +22,7 @@ from zephon_ray.identity import (
     CheckpointDisagreementError, IdentityMismatchError, check_checkpoint_agreement, verify_on_node,
     zephon_shard_listing,
 )
-from conftest import RECIPES
+from conftest import RECIPES, run_ranks
 
 FIXTURE = RECIPES / "data" / "tiny"
 STEPS = (0, 1, 2)
@@ -281,27 +281,22 @@ def test_verify_on_node_refuses_a_recipe_with_another_fingerprint(tiny_recipe):
 # ------------------------------------------------------------------------------------------ collective agreement
 def test_checkpoint_agreement_with_real_collective_checkpoints(tmp_path):
     """Two real Zephon ranks take one collective checkpoint through a directory; a tampered copy is named."""
-    import threading
-
     from zephon_ray.lanes import LaneStepper
     from zephon_ray.pipeline import LaneGroup
 
     recipe = Recipe.from_toml(RECIPES / "tiny.toml")
     steppers = [LaneStepper(recipe, LaneGroup(count=2, index=g, run_id="agree", aggregate_dir=str(tmp_path / "agg"),
                                                aggregate_timeout_s=60)) for g in range(2)]
-    states: list = [None, None]
 
-    def run(g: int) -> None:
+    def run(g: int):
         steppers[g].next_step()
-        states[g] = steppers[g].checkpoint()
+        return steppers[g].checkpoint()
 
-    threads = [threading.Thread(target=run, args=(g,)) for g in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    for s in steppers:
-        s.close()
+    try:
+        states = run_ranks(2, run, timeout_s=120)
+    finally:
+        for s in steppers:
+            s.close()
     assert all(s is not None for s in states)
     assert check_checkpoint_agreement(states) is states[0]
 
@@ -342,74 +337,71 @@ def _two_node_driver(recipe_path: str, prose: str, modified: str, out: str) -> N
     import signal
     import subprocess
     import sys
-    import tempfile
 
     import ray
-    from ray.cluster_utils import Cluster
 
+    from tests.ray_clusters import local_cluster
     from zephon_ray.service import ActorResources, DataService
 
     info: dict = {}
-    temp_dir = tempfile.mkdtemp(prefix="zr-identity-", dir="/tmp")
-    os.environ["RAY_TMPDIR"] = temp_dir
-    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
-    cluster = node_b = None
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2, "temp_dir": temp_dir,
-                                                                "resources": {"node_a": 1}})
-        ray_cli = str(Path(sys.executable).with_name("ray"))
-        script = ('mount --bind "$1" "$2" && exec "$3" start --address="$4" --num-cpus=2 '
-                  '--resources=\'{"node_b": 1}\' --block --disable-usage-stats --temp-dir="$5"')
-        node_b = subprocess.Popen(
-            ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", modified, prose, ray_cli,
-             cluster.address, temp_dir],
-            start_new_session=True, stdout=subprocess.DEVNULL, stderr=open(os.path.join(temp_dir, "node_b.log"), "w"),
-            # A loaded 2-core machine starts node B's agents slowly; Ray's default wait (about 15 s) is too short.
-            env={**os.environ, "RAY_agent_register_timeout_ms": "180000"})
-        ray.init(address=cluster.address, namespace="zr-identity", log_to_driver=False)
-        deadline = time.time() + 120
-        while not any(n["Alive"] and "node_b" in n["Resources"] for n in ray.nodes()):
-            assert time.time() < deadline and node_b.poll() is None, "node B did not join"
-            time.sleep(0.5)
-        info["node_b_id"] = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_b" in n["Resources"])
-
-        recipe = Recipe.from_toml(recipe_path)
-        check = ray.remote(num_cpus=0.1, max_retries=0)(verify_on_node)
-        info["node_a"] = ray.get(check.options(resources={"node_a": 0.1}).remote(
-            recipe, recipe.fingerprint, where="check on node A"), timeout=120)
-        try:
-            ray.get(check.options(resources={"node_b": 0.1}).remote(recipe, recipe.fingerprint,
-                                                                     where="check on node B"), timeout=120)
-            info["node_b"] = "passed"
-        except IdentityMismatchError as exc:
-            info["node_b"] = str(getattr(exc, "cause", exc))
-            info["node_b_type"] = type(getattr(exc, "cause", exc)).__name__
-
-        started = time.time()
-        try:
-            svc = DataService.start(recipe, name="identity-check", namespace="zr-identity", producers=1,
-                                    resources=ActorResources(producer_resources={"node_b": 0.1}))
+        with local_cluster("zr-identity-", {"num_cpus": 2, "resources": {"node_a": 1}}) as (cluster, temp_dir):
+            node_b = None
             try:
-                svc.batch(0, timeout=120)
-                info["service"] = "served"
+                ray_cli = str(Path(sys.executable).with_name("ray"))
+                script = ('mount --bind "$1" "$2" && exec "$3" start --address="$4" --num-cpus=2 '
+                          '--resources=\'{"node_b": 1}\' --block --disable-usage-stats --temp-dir="$5"')
+                node_b = subprocess.Popen(
+                    ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", modified, prose, ray_cli,
+                     cluster.address, temp_dir],
+                    start_new_session=True, stdout=subprocess.DEVNULL,
+                    stderr=open(os.path.join(temp_dir, "node_b.log"), "w"),
+                    # A loaded 2-core machine starts node B's agents slowly; Ray's default wait (about 15 s) is too
+                    # short.
+                    env={**os.environ, "RAY_agent_register_timeout_ms": "180000"})
+                ray.init(address=cluster.address, namespace="zr-identity", log_to_driver=False)
+                deadline = time.time() + 120
+                while not any(n["Alive"] and "node_b" in n["Resources"] for n in ray.nodes()):
+                    assert time.time() < deadline and node_b.poll() is None, "node B did not join"
+                    time.sleep(0.5)
+                info["node_b_id"] = next(n["NodeID"] for n in ray.nodes()
+                                         if n["Alive"] and "node_b" in n["Resources"])
+
+                recipe = Recipe.from_toml(recipe_path)
+                check = ray.remote(num_cpus=0.1, max_retries=0)(verify_on_node)
+                info["node_a"] = ray.get(check.options(resources={"node_a": 0.1}).remote(
+                    recipe, recipe.fingerprint, where="check on node A"), timeout=120)
+                try:
+                    ray.get(check.options(resources={"node_b": 0.1}).remote(recipe, recipe.fingerprint,
+                                                                             where="check on node B"), timeout=120)
+                    info["node_b"] = "passed"
+                except IdentityMismatchError as exc:
+                    info["node_b"] = str(getattr(exc, "cause", exc))
+                    info["node_b_type"] = type(getattr(exc, "cause", exc)).__name__
+
+                started = time.time()
+                try:
+                    svc = DataService.start(recipe, name="identity-check", namespace="zr-identity", producers=1,
+                                            resources=ActorResources(producer_resources={"node_b": 0.1}))
+                    try:
+                        svc.batch(0, timeout=120)
+                        info["service"] = "served"
+                    finally:
+                        svc.stop()
+                except Exception as exc:  # noqa: BLE001 - the test asserts on the message
+                    info["service"] = f"{type(exc).__name__}: {exc}"
+                info["service_s"] = time.time() - started
             finally:
-                svc.stop()
-        except Exception as exc:  # noqa: BLE001 - the test asserts on the message
-            info["service"] = f"{type(exc).__name__}: {exc}"
-        info["service_s"] = time.time() - started
+                if node_b is not None:
+                    os.killpg(node_b.pid, signal.SIGTERM)
+                    try:
+                        node_b.wait(30)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(node_b.pid, signal.SIGKILL)
     except BaseException as exc:  # noqa: BLE001 - reported to the test
         info["error"] = repr(exc)
     finally:
         Path(out).write_text(json.dumps(info))
-        ray.shutdown()
-        if node_b is not None:
-            os.killpg(node_b.pid, signal.SIGTERM)
-            try:
-                node_b.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(node_b.pid, signal.SIGKILL)
-        if cluster is not None:
-            cluster.shutdown()
 
 
 @pytest.mark.slow  # about 2 minutes on 2 cores, most of it starting the two raylets

@@ -168,66 +168,53 @@ def _materialize_on_two_nodes(directory: str, summary: str) -> None:
     a JSON ``summary`` that the test checks. Its own process, like tests/test_service_cluster.py: Cluster needs a
     Ray session of its own, apart from the session fixture's. materialize.py is used unchanged.
     """
-    import shutil
-    import tempfile
     import traceback
 
     import ray
     from ray._private import state as ray_state
-    from ray.cluster_utils import Cluster
 
+    from tests.ray_clusters import local_cluster
     from zephon_ray import Recipe
     from zephon_ray.jobs.materialize import materialize
     from zephon_ray.formats.materialized import MaterializedSource
 
-    temp_dir = tempfile.mkdtemp(prefix="zr-mat-cluster-", dir="/tmp")
-    os.environ["RAY_TMPDIR"] = temp_dir  # Cluster writes its address file there, not into the shared /tmp/ray
-    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
     info: dict = {}
-    cluster = None
     t0 = time.monotonic()
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "include_dashboard": False, "temp_dir": temp_dir})
-        workers = {name: cluster.add_node(num_cpus=1, resources={name: 1}, temp_dir=temp_dir)
-                   for name in ("node_a", "node_b")}
-        # No runtime_env: workers import zephon_ray like this process does, and start faster without one.
-        ray.init(address=cluster.address, namespace="zr-mat-cluster", log_to_driver=False)
-        info["cluster_s"] = round(time.monotonic() - t0, 1)
-        info["head"] = cluster.head_node.node_id
-        info["nodes"] = {name: node.node_id for name, node in workers.items()}
-        info["driver_node"] = ray.get_runtime_context().get_node_id()
-        job = ray.get_runtime_context().get_job_id()
-        recipe = Recipe.from_toml(TINY)
-        seen: set[str] = set()
-        info["runs"] = []
-        for steps in MULTINODE_STEPS:
-            t = time.monotonic()
-            result = materialize(recipe, directory, steps, producers=2, segment_steps=4, cpus_per_actor=0.75,
-                                 progress=False)
-            actors = {aid: a for aid, a in ray_state.actors().items()
-                      if "LaneGroupWorker" in a["ActorClassName"] and a["JobID"] == job}
-            info["runs"].append({
-                "written": [result.written.start, result.written.stop],
-                "actor_nodes": sorted(a["Address"]["NodeID"] for aid, a in actors.items() if aid not in seen),
-                "seconds": round(time.monotonic() - t, 1),
-            })
-            seen |= actors.keys()
-        source = MaterializedSource(directory, recipe=recipe)
-        info["span"] = [source.first_step, source.end_step]
-        info["digests"] = [source.batch(s).digest for s in range(source.first_step, source.end_step)]
-        info["manifest_digests"] = json.loads((Path(directory) / "manifest.json").read_text())["digests"]
+        with local_cluster("zr-mat-cluster-", {"num_cpus": 0, "include_dashboard": False}) as (cluster, temp_dir):
+            workers = {name: cluster.add_node(num_cpus=1, resources={name: 1}, temp_dir=temp_dir)
+                       for name in ("node_a", "node_b")}
+            # No runtime_env: workers import zephon_ray like this process does, and start faster without one.
+            ray.init(address=cluster.address, namespace="zr-mat-cluster", log_to_driver=False)
+            info["cluster_s"] = round(time.monotonic() - t0, 1)
+            info["head"] = cluster.head_node.node_id
+            info["nodes"] = {name: node.node_id for name, node in workers.items()}
+            info["driver_node"] = ray.get_runtime_context().get_node_id()
+            job = ray.get_runtime_context().get_job_id()
+            recipe = Recipe.from_toml(TINY)
+            seen: set[str] = set()
+            info["runs"] = []
+            for steps in MULTINODE_STEPS:
+                t = time.monotonic()
+                result = materialize(recipe, directory, steps, producers=2, segment_steps=4, cpus_per_actor=0.75,
+                                     progress=False)
+                actors = {aid: a for aid, a in ray_state.actors().items()
+                          if "LaneGroupWorker" in a["ActorClassName"] and a["JobID"] == job}
+                info["runs"].append({
+                    "written": [result.written.start, result.written.stop],
+                    "actor_nodes": sorted(a["Address"]["NodeID"] for aid, a in actors.items() if aid not in seen),
+                    "seconds": round(time.monotonic() - t, 1),
+                })
+                seen |= actors.keys()
+            source = MaterializedSource(directory, recipe=recipe)
+            info["span"] = [source.first_step, source.end_step]
+            info["digests"] = [source.batch(s).digest for s in range(source.first_step, source.end_step)]
+            info["manifest_digests"] = json.loads((Path(directory) / "manifest.json").read_text())["digests"]
     except BaseException:  # noqa: BLE001 - reported to the test
         info["error"] = traceback.format_exc()
     finally:
-        try:
-            ray.shutdown()
-            if cluster is not None:
-                cluster.shutdown()
-        finally:
-            shutil.rmtree(temp_dir, ignore_errors=True)
-            info["total_s"] = round(time.monotonic() - t0, 1)
-            Path(summary).write_text(json.dumps(info))
+        info["total_s"] = round(time.monotonic() - t0, 1)
+        Path(summary).write_text(json.dumps(info))
 
 
 @pytest.mark.slow  # the default suite's test_digests_match_the_reference_for_M_2_then_M_1 runs M=2 on one node

@@ -25,9 +25,6 @@ session ``ray_cluster`` fixture may already own it when the slow tests run toget
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -53,55 +50,47 @@ def _drive(work: str, log: str, summary: str) -> None:
     """The driver (in a spawned process): start the cluster, fit() elastically, add a node once the W=2 ranks hold
     step HOLD."""
     import ray
-    from ray.cluster_utils import Cluster
 
     from train_helpers import HoldForRestart, fit_bigram
 
+    from tests.ray_clusters import checkout_pythonpath, local_cluster
     from zephon_ray.integrations.ray_train import ZephonDataset
 
-    temp_dir = tempfile.mkdtemp(prefix="zr-inplace-", dir="/tmp")
-    # Cluster() records its address in <RAY_TMPDIR>/ray/ray_current_cluster: keep that in our own dir, not /tmp/ray.
-    os.environ["RAY_TMPDIR"] = temp_dir
-    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
-    info: dict = {"temp_dir": temp_dir}
-    cluster = None
+    info: dict = {}
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": MIN_W, "temp_dir": temp_dir})
-        ray.init(address=cluster.address, namespace="zr-inplace-resize", log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+        with local_cluster("zr-inplace-", {"num_cpus": MIN_W}) as (cluster, temp_dir):
+            info["temp_dir"] = temp_dir
+            ray.init(address=cluster.address, namespace="zr-inplace-resize", log_to_driver=False,
+                     runtime_env={"env_vars": {"PYTHONPATH": checkout_pythonpath()}})
 
-        def train() -> None:
-            try:
-                result = fit_bigram(ZephonDataset(ELASTIC), workers=(MIN_W, MAX_W), name="inplace",
-                                    storage_path=str(Path(work) / "ray-results"), log_path=log, steps=STEPS,
-                                    run_id="inplace", cpu_per_worker=1.0,
-                                    elastic_resize_monitor_interval_s=MONITOR_S,
-                                    before_digest=HoldForRestart(HOLD, MIN_W, work, HOLD_TIMEOUT_S))
-                info["error"] = None if result.error is None else repr(result.error)
-            except BaseException as exc:  # reported to the test, which fails on it
-                info["error"] = repr(exc)
-            info["fit_end"] = time.time()
+            def train() -> None:
+                try:
+                    result = fit_bigram(ZephonDataset(ELASTIC), workers=(MIN_W, MAX_W), name="inplace",
+                                        storage_path=str(Path(work) / "ray-results"), log_path=log, steps=STEPS,
+                                        run_id="inplace", cpu_per_worker=1.0,
+                                        elastic_resize_monitor_interval_s=MONITOR_S,
+                                        before_digest=HoldForRestart(HOLD, MIN_W, work, HOLD_TIMEOUT_S))
+                    info["error"] = None if result.error is None else repr(result.error)
+                except BaseException as exc:  # reported to the test, which fails on it
+                    info["error"] = repr(exc)
+                info["fit_end"] = time.time()
 
-        # fit() runs in a thread: Cluster.add_node() installs signal handlers, so it must run in the main thread.
-        trainer = threading.Thread(target=train, daemon=True)
-        info["fit_start"] = time.time()
-        trainer.start()
-        holding = [Path(work, f"holding.r{r}") for r in range(MIN_W)]
-        while trainer.is_alive() and not all(p.exists() for p in holding):
-            time.sleep(0.2)
-        if trainer.is_alive():
-            info["hold_seen"] = time.time()
-            cluster.add_node(num_cpus=MAX_W - MIN_W, temp_dir=temp_dir)
-            info["node_added"] = time.time()
-        trainer.join()
+            # fit() runs in a thread: Cluster.add_node() installs signal handlers, so it must run in the main thread.
+            trainer = threading.Thread(target=train, daemon=True)
+            info["fit_start"] = time.time()
+            trainer.start()
+            holding = [Path(work, f"holding.r{r}") for r in range(MIN_W)]
+            while trainer.is_alive() and not all(p.exists() for p in holding):
+                time.sleep(0.2)
+            if trainer.is_alive():
+                info["hold_seen"] = time.time()
+                cluster.add_node(num_cpus=MAX_W - MIN_W, temp_dir=temp_dir)
+                info["node_added"] = time.time()
+            trainer.join()
     except BaseException as exc:
         info.setdefault("error", repr(exc))
     finally:
         Path(summary).write_text(json.dumps(info))
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def _slices(work: Path) -> list[dict]:

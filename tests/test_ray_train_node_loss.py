@@ -15,9 +15,6 @@ The driver runs in a spawned process of its own (a pytest process holds one Ray 
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,67 +32,61 @@ DRIVER_TIMEOUT_S = 540
 
 def _drive(work: str, log: str, summary: str) -> None:
     import ray
-    from ray.cluster_utils import Cluster
 
     from train_helpers import fit_bigram
 
     from examples.torchtitan_ray_train import read_log
+    from tests.ray_clusters import checkout_pythonpath, local_cluster
     from zephon_ray import DataService
     from zephon_ray.integrations.ray_train import ZephonDataset
 
-    temp_dir = tempfile.mkdtemp(prefix="zr-node-loss-", dir="/tmp")
-    os.environ["RAY_TMPDIR"] = temp_dir
-    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
     info: dict = {}
-    cluster = service = None
+    head = {"num_cpus": 4, "resources": {"slot": LEFT_W, "head": 1}}
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 4, "resources": {"slot": LEFT_W, "head": 1}, "temp_dir": temp_dir})
-        doomed = cluster.add_node(num_cpus=2, resources={"slot": MAX_W - LEFT_W}, temp_dir=temp_dir)
-        # Ray Train's start timeout: a group sized from a stale view of the cluster fails fast and is retried.
-        env = {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
-        ray.init(address=cluster.address, namespace="zr-node-loss", log_to_driver=False,
-                 runtime_env={"env_vars": env})
-        pin = {"head": 0.01}
-        service = DataService.start(ELASTIC, name="node-loss", namespace="zr-node-loss", producers=2, window=8,
-                                    state_dir=str(Path(work) / "svc"), checkpoint_every=4,
-                                    aggregate_store="torch://", run_id="node-loss",
-                                    resources={"coordinator_resources": pin, "producer_resources": pin,
-                                               "replayer_resources": pin})
-
-        def train() -> None:
+        with local_cluster("zr-node-loss-", head) as (cluster, temp_dir):
+            service = None
             try:
-                result = fit_bigram(ZephonDataset(service), workers=(MIN_W, MAX_W), name="node-loss",
-                                    storage_path=str(Path(work) / "ray-results"), log_path=log, steps=STEPS,
-                                    run_id="node-loss", cpu_per_worker=0.1, worker_resources={"slot": 1},
-                                    max_failures=3, elastic_resize_monitor_interval_s=5.0)
-                info["error"] = None if result.error is None else repr(result.error)
-            except BaseException as exc:
-                info["error"] = repr(exc)
+                doomed = cluster.add_node(num_cpus=2, resources={"slot": MAX_W - LEFT_W}, temp_dir=temp_dir)
+                # Ray Train's start timeout: a group sized from a stale view of the cluster fails fast and is retried.
+                env = {"PYTHONPATH": checkout_pythonpath(), "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
+                ray.init(address=cluster.address, namespace="zr-node-loss", log_to_driver=False,
+                         runtime_env={"env_vars": env})
+                pin = {"head": 0.01}
+                service = DataService.start(ELASTIC, name="node-loss", namespace="zr-node-loss", producers=2, window=8,
+                                            state_dir=str(Path(work) / "svc"), checkpoint_every=4,
+                                            aggregate_store="torch://", run_id="node-loss",
+                                            resources={"coordinator_resources": pin, "producer_resources": pin,
+                                                       "replayer_resources": pin})
 
-        trainer = threading.Thread(target=train, daemon=True)
-        trainer.start()
-        # Lose the node once the 5-worker group has reported a checkpoint past step 2 (every 2 steps).
-        while trainer.is_alive() and not any(r["world"] == MAX_W and r["step"] >= 3 for r in read_log(log)):
-            time.sleep(0.25)
-        if trainer.is_alive():
-            cluster.remove_node(doomed)
-            info["node_removed"] = time.time()
-        trainer.join()
+                def train() -> None:
+                    try:
+                        result = fit_bigram(ZephonDataset(service), workers=(MIN_W, MAX_W), name="node-loss",
+                                            storage_path=str(Path(work) / "ray-results"), log_path=log, steps=STEPS,
+                                            run_id="node-loss", cpu_per_worker=0.1, worker_resources={"slot": 1},
+                                            max_failures=3, elastic_resize_monitor_interval_s=5.0)
+                        info["error"] = None if result.error is None else repr(result.error)
+                    except BaseException as exc:
+                        info["error"] = repr(exc)
+
+                trainer = threading.Thread(target=train, daemon=True)
+                trainer.start()
+                # Lose the node once the 5-worker group has reported a checkpoint past step 2 (every 2 steps).
+                while trainer.is_alive() and not any(r["world"] == MAX_W and r["step"] >= 3 for r in read_log(log)):
+                    time.sleep(0.25)
+                if trainer.is_alive():
+                    cluster.remove_node(doomed)
+                    info["node_removed"] = time.time()
+                trainer.join()
+            finally:
+                if service is not None:
+                    try:
+                        service.stop()
+                    except Exception:  # noqa: BLE001 - the cluster goes next
+                        pass
     except BaseException as exc:
         info.setdefault("error", repr(exc))
     finally:
         Path(summary).write_text(json.dumps(info))
-        if service is not None:
-            try:
-                service.stop()
-            except Exception:  # noqa: BLE001 - the cluster goes next
-                pass
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.slow

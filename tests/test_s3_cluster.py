@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from tests import s3_server
-from tests.conftest import RECIPES, ROOT, TINY, run_spawned_driver
+from tests.conftest import RECIPES, ROOT, TINY, run_spawned_driver, tiny_bucket
 
 s3_server.configure_environment()  # at collection, before any Ray starts
 
@@ -31,17 +31,8 @@ ELASTIC = RECIPES / "elastic.toml"
 
 
 @pytest.fixture(scope="module")
-def s3():
-    return s3_server.server()
-
-
-@pytest.fixture(scope="module")
 def bucket(s3):
-    name = s3.new_bucket("zr-cluster-data")
-    s3.upload_tree(RECIPES / "data" / "tiny", name, "recipes/data/tiny")
-    for recipe in (TINY, ELASTIC):
-        s3.client().upload_file(str(recipe), name, f"recipes/{recipe.name}")
-    return name
+    return tiny_bucket(s3, "zr-cluster-data", (TINY, ELASTIC))
 
 
 def test_coordinator_kill9_heals_from_s3_state_with_a_prefix_on_s3(ray_cluster, s3, bucket, reference_digests):
@@ -144,66 +135,58 @@ def _no_shared_directory_driver(scratch: str, data_bucket: str, out_bucket: str,
 
     tempfile.tempdir = None  # re-read TMPDIR
     info: dict = {}
-    cluster = None
     t0 = time.monotonic()
     try:
         import ray
-        from ray.cluster_utils import Cluster
         from ray.train import RunConfig, ScalingConfig
         from ray.train.torch import TorchTrainer
 
         from examples import bigram
+        from tests.ray_clusters import local_cluster
         from zephon_ray import DataService, MaterializedSource, Recipe, storage
         from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
         from zephon_ray.jobs.materialize import materialize
 
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "include_dashboard": False, "temp_dir": str(tmp / "ray")})
-        for name in ("node_a", "node_b"):
-            cluster.add_node(num_cpus=2, resources={name: 1}, temp_dir=str(tmp / "ray"))
-        ray.init(address=cluster.address, namespace="zr-no-shared", log_to_driver=False,
-                 # The job's workers see the same stores (and import examples/ from the checkout).
-                 runtime_env={"env_vars": {**storage.worker_environment(), "PYTHONPATH": str(ROOT)}})
-        info["cluster_s"] = round(time.monotonic() - t0, 1)
-        recipe = Recipe.from_toml(f"s3://{data_bucket}/recipes/tiny.toml")
-        out = f"s3://{out_bucket}"
-        materialize(recipe, f"{out}/materialized", range(0, 8), producers=2, segment_steps=4, cpus_per_actor=0.75,
-                    progress=False)
-        with MaterializedSource(f"{out}/materialized", recipe=recipe) as source:
-            info["materialized"] = [source.batch(s).digest for s in range(8)]
-        service = DataService.start(recipe, name="no-shared", namespace="zr-no-shared", producers=2,
-                                    state_dir=f"{out}/state", aggregate_dir=f"{out}/service-aggregate",
-                                    run_id="no-shared", checkpoint_every=2, window=4)
-        try:
-            info["service"] = [service.batch(s, track=True).digest for s in range(8)]
-            service.commit(6)
-            info["producer_nodes"] = sorted({p.get("node_id") for p in service.status()["producers"]})
-        finally:
-            service.stop()
-        log = str(tmp / "train-steps.jsonl")  # test scaffolding (the digests rank 0 saw), in the temp dir
-        result = TorchTrainer(
-            bigram.train_loop, train_loop_config={"log_path": log, "steps": 4, "checkpoint_every": 2},
-            datasets={"train": ZephonDataset(f"s3://{data_bucket}/recipes/elastic.toml",
-                                             aggregate_dir=f"{out}/train-aggregate")},
-            dataset_config=ZephonDataConfig(run_id="no-shared-train", checkpoint_every=2),
-            scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
-            run_config=RunConfig(name="no-shared-train", **storage.ray_train_storage(f"{out}/ray-results")),
-        ).fit()
-        info["train_error"] = None if result.error is None else str(result.error)
-        info["train"] = [json.loads(line)["digest"] for line in Path(log).read_text().splitlines()]
+        head = {"num_cpus": 0, "include_dashboard": False}
+        with local_cluster("", head, temp_dir=str(tmp / "ray")) as (cluster, ray_dir):
+            for name in ("node_a", "node_b"):
+                cluster.add_node(num_cpus=2, resources={name: 1}, temp_dir=ray_dir)
+            ray.init(address=cluster.address, namespace="zr-no-shared", log_to_driver=False,
+                     # The job's workers see the same stores (and import examples/ from the checkout).
+                     runtime_env={"env_vars": {**storage.worker_environment(), "PYTHONPATH": str(ROOT)}})
+            info["cluster_s"] = round(time.monotonic() - t0, 1)
+            recipe = Recipe.from_toml(f"s3://{data_bucket}/recipes/tiny.toml")
+            out = f"s3://{out_bucket}"
+            materialize(recipe, f"{out}/materialized", range(0, 8), producers=2, segment_steps=4, cpus_per_actor=0.75,
+                        progress=False)
+            with MaterializedSource(f"{out}/materialized", recipe=recipe) as source:
+                info["materialized"] = [source.batch(s).digest for s in range(8)]
+            service = DataService.start(recipe, name="no-shared", namespace="zr-no-shared", producers=2,
+                                        state_dir=f"{out}/state", aggregate_dir=f"{out}/service-aggregate",
+                                        run_id="no-shared", checkpoint_every=2, window=4)
+            try:
+                info["service"] = [service.batch(s, track=True).digest for s in range(8)]
+                service.commit(6)
+                info["producer_nodes"] = sorted({p.get("node_id") for p in service.status()["producers"]})
+            finally:
+                service.stop()
+            log = str(tmp / "train-steps.jsonl")  # test scaffolding (the digests rank 0 saw), in the temp dir
+            result = TorchTrainer(
+                bigram.train_loop, train_loop_config={"log_path": log, "steps": 4, "checkpoint_every": 2},
+                datasets={"train": ZephonDataset(f"s3://{data_bucket}/recipes/elastic.toml",
+                                                 aggregate_dir=f"{out}/train-aggregate")},
+                dataset_config=ZephonDataConfig(run_id="no-shared-train", checkpoint_every=2),
+                scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
+                run_config=RunConfig(name="no-shared-train", **storage.ray_train_storage(f"{out}/ray-results")),
+            ).fit()
+            info["train_error"] = None if result.error is None else str(result.error)
+            info["train"] = [json.loads(line)["digest"] for line in Path(log).read_text().splitlines()]
     except BaseException:  # noqa: BLE001 - reported to the test
         info["error"] = traceback.format_exc()
     finally:
-        try:
-            import ray
-
-            ray.shutdown()
-            if cluster is not None:
-                cluster.shutdown()
-        finally:
-            info["total_s"] = round(time.monotonic() - t0, 1)
-            info["outside_temp"] = {d: _tree(scratch_path / d) for d in ("home", "cwd")}
-            Path(summary).write_text(json.dumps(info))
+        info["total_s"] = round(time.monotonic() - t0, 1)
+        info["outside_temp"] = {d: _tree(scratch_path / d) for d in ("home", "cwd")}
+        Path(summary).write_text(json.dumps(info))
 
 
 @pytest.mark.timeout(CLUSTER_TIMEOUT_S + 120)

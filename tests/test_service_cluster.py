@@ -17,8 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -36,95 +34,89 @@ DRIVER_TIMEOUT_S = 600
 
 def _drive(summary: str) -> None:
     import ray
-    from ray.cluster_utils import Cluster
 
+    from tests.ray_clusters import checkout_pythonpath, local_cluster
     from zephon_ray import DataService
     from zephon_ray.service.config import ActorResources
 
-    temp_dir = tempfile.mkdtemp(prefix="zr-svc-cluster-", dir="/tmp")
-    os.environ["RAY_TMPDIR"] = temp_dir
-    os.makedirs(os.path.join(temp_dir, "ray"), exist_ok=True)
     info: dict = {}
-    cluster = svc = None
     try:
         # Ray's default inline limit (100 KiB): the producers ray.put their ~1 KiB shards, so they own them.
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "resources": {"zr-coord": 1}, "temp_dir": temp_dir})
-        workers = [cluster.add_node(num_cpus=2, resources={"zr-work": 1}, temp_dir=temp_dir) for _ in range(2)]
-        ray.init(address=cluster.address, namespace="zr-svc-cluster", log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}})
-        head_id = ray.get_runtime_context().get_node_id()
-        recipe = Recipe.from_toml(TINY)
-        svc = DataService.start(
-            recipe, name="cluster", namespace="zr-svc-cluster", producers=2, run_id="cluster",
-            aggregate_store="torch://", window=4, checkpoint_every=4, state_dir=os.path.join(temp_dir, "state"),
-            reconnect_timeout_s=240, resources=ActorResources(
-                coordinator_resources={"zr-coord": 0.01}, producer_resources={"zr-work": 0.01},
-                replayer_resources={"zr-work": 0.01}))
+        with local_cluster("zr-svc-cluster-", {"num_cpus": 2, "resources": {"zr-coord": 1}}) as (cluster, temp_dir):
+            svc = None
+            try:
+                workers = [cluster.add_node(num_cpus=2, resources={"zr-work": 1}, temp_dir=temp_dir) for _ in range(2)]
+                ray.init(address=cluster.address, namespace="zr-svc-cluster", log_to_driver=False,
+                         runtime_env={"env_vars": {"PYTHONPATH": checkout_pythonpath()}})
+                head_id = ray.get_runtime_context().get_node_id()
+                recipe = Recipe.from_toml(TINY)
+                svc = DataService.start(
+                    recipe, name="cluster", namespace="zr-svc-cluster", producers=2, run_id="cluster",
+                    aggregate_store="torch://", window=4, checkpoint_every=4, state_dir=os.path.join(temp_dir, "state"),
+                    reconnect_timeout_s=240, resources=ActorResources(
+                        coordinator_resources={"zr-coord": 0.01}, producer_resources={"zr-work": 0.01},
+                        replayer_resources={"zr-work": 0.01}))
 
-        @ray.remote(num_cpus=0.1, resources={"zr-work": 0.01}, max_retries=0)
-        def read(steps):
-            from zephon_ray import compute_digest
+                @ray.remote(num_cpus=0.1, resources={"zr-work": 0.01}, max_retries=0)
+                def read(steps):
+                    from zephon_ray import compute_digest
 
-            client = DataService.connect("cluster", namespace="zr-svc-cluster", consumer="trainer")
-            out = []
-            for step in steps:
-                try:
-                    part = client.slice(step, 0, 1, track=True)  # the whole batch as rank 0 of 1, like a trainer
-                    out.append((step, None, compute_digest(part.tokens, part.positions), None))
-                except Exception as exc:  # noqa: BLE001 - the test checks that only clean errors appear
-                    out.append((step, None, None, f"{type(exc).__module__}.{type(exc).__name__}: {exc}"))
-            return ray.get_runtime_context().get_node_id(), out
+                    client = DataService.connect("cluster", namespace="zr-svc-cluster", consumer="trainer")
+                    out = []
+                    for step in steps:
+                        try:
+                            part = client.slice(step, 0, 1, track=True)  # the whole batch as rank 0 of 1, like a trainer
+                            out.append((step, None, compute_digest(part.tokens, part.positions), None))
+                        except Exception as exc:  # noqa: BLE001 - the test checks that only clean errors appear
+                            out.append((step, None, None, f"{type(exc).__module__}.{type(exc).__name__}: {exc}"))
+                    return ray.get_runtime_context().get_node_id(), out
 
-        reader_node, first = ray.get(read.remote(list(range(8))), timeout=240)
-        deadline = time.monotonic() + 120
-        while len(svc.status()["window"]["held_steps"]) < 3 and time.monotonic() < deadline:
-            time.sleep(0.2)  # the producers fill the window ahead of the reader's cursor (7)
-        status = svc.status()
-        info.update(head=head_id, coordinator_node=status["coordinator"]["node_id"], reader_node=reader_node,
-                    producer_nodes=[p["node_id"] for p in status["producers"]], first=first,
-                    held=status["window"]["held_steps"])
-        # The driver (on the coordinator's node) reads one held step; the others it only locates, never fetches.
-        read_here = status["window"]["held_steps"][1]
-        info["read_here"] = read_here
-        info["read_here_digest"] = svc.batch(read_here).digest
-        from zephon_ray.service.ray_internals import object_locations, owner_worker_id
+                reader_node, first = ray.get(read.remote(list(range(8))), timeout=240)
+                deadline = time.monotonic() + 120
+                while len(svc.status()["window"]["held_steps"]) < 3 and time.monotonic() < deadline:
+                    time.sleep(0.2)  # the producers fill the window ahead of the reader's cursor (7)
+                status = svc.status()
+                info.update(head=head_id, coordinator_node=status["coordinator"]["node_id"], reader_node=reader_node,
+                            producer_nodes=[p["node_id"] for p in status["producers"]], first=first,
+                            held=status["window"]["held_steps"])
+                # The driver (on the coordinator's node) reads one held step; the others it only locates, never fetches.
+                read_here = status["window"]["held_steps"][1]
+                info["read_here"] = read_here
+                info["read_here_digest"] = svc.batch(read_here).digest
+                from zephon_ray.service.ray_internals import object_locations, owner_worker_id
 
-        locations, owners = {}, set()
-        for step in status["window"]["held_steps"]:
-            refs = svc.refs(step).lanes  # borrowed refs; nothing is fetched
-            found = object_locations(refs)
-            locations[step] = sorted({n for loc in found.values() for n in loc.get("node_ids", [])})
-            owners |= {owner_worker_id(ref) for ref in refs}
-            del refs
-        info["locations"] = locations
-        info["owners_are_producers"] = owners <= {p["worker_id"] for p in status["producers"]}
+                locations, owners = {}, set()
+                for step in status["window"]["held_steps"]:
+                    refs = svc.refs(step).lanes  # borrowed refs; nothing is fetched
+                    found = object_locations(refs)
+                    locations[step] = sorted({n for loc in found.values() for n in loc.get("node_ids", [])})
+                    owners |= {owner_worker_id(ref) for ref in refs}
+                    del refs
+                info["locations"] = locations
+                info["owners_are_producers"] = owners <= {p["worker_id"] for p in status["producers"]}
 
-        # Node loss: remove the worker node that holds producer 0 (and the shards it produced).
-        victim = status["producers"][0]["node_id"]
-        node = next(n for n in workers if n.node_id == victim)
-        info["removed"] = victim
-        cluster.remove_node(node)
-        t0 = time.monotonic()
-        _, second = ray.get(read.remote(list(range(8, STEPS))), timeout=360)
-        info["second"] = second
-        info["after_loss_s"] = round(time.monotonic() - t0, 3)
-        after = svc.status()
-        info["after"] = {"restarts": after["restarts"], "replay": after["replay"],
-                         "producer_nodes": [p["node_id"] for p in after["producers"]]}
+                # Node loss: remove the worker node that holds producer 0 (and the shards it produced).
+                victim = status["producers"][0]["node_id"]
+                node = next(n for n in workers if n.node_id == victim)
+                info["removed"] = victim
+                cluster.remove_node(node)
+                t0 = time.monotonic()
+                _, second = ray.get(read.remote(list(range(8, STEPS))), timeout=360)
+                info["second"] = second
+                info["after_loss_s"] = round(time.monotonic() - t0, 3)
+                after = svc.status()
+                info["after"] = {"restarts": after["restarts"], "replay": after["replay"],
+                                 "producer_nodes": [p["node_id"] for p in after["producers"]]}
+            finally:
+                if svc is not None:
+                    try:
+                        svc.stop()
+                    except Exception:  # noqa: BLE001 - the cluster goes next
+                        pass
     except BaseException:  # noqa: BLE001 - reported to the test
         info["error"] = traceback.format_exc()
     finally:
         Path(summary).write_text(json.dumps(info, default=str))
-        try:
-            if svc is not None:
-                svc.stop()
-        except Exception:  # noqa: BLE001
-            pass
-        ray.shutdown()
-        if cluster is not None:
-            cluster.shutdown()
-        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 @pytest.mark.slow  # a 3-raylet cluster takes minutes to start on 2 cores

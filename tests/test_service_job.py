@@ -1,25 +1,21 @@
 """`ray job submit` starts the service; a second submitted job reads slices from it and prints their digests.
 
-The test starts its own Ray head (`ray start --head`, dashboard on, non-default ports, its own --temp-dir) and
-stops exactly that cluster afterwards by killing the processes whose command line names its temp dir. It
-never runs `ray stop`, which would stop every cluster on the machine.
+The test starts its own Ray head (`ray start --head`, dashboard on, held non-default ports, its own --temp-dir) and
+stops exactly that cluster afterwards by killing the processes whose command line names its temp dir
+(tests/ray_clusters.py). It never runs `ray stop`, which would stop every cluster on the machine.
 """
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.ports import free_ports
+from tests.ray_clusters import checkout_pythonpath, pids_with, ray_head
 from zephon_ray import GlobalBatchSource, compute_digest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,57 +24,18 @@ RAY = str(Path(sys.executable).with_name("ray"))
 pytestmark = [pytest.mark.spawns, pytest.mark.timeout(420)]
 
 
-def _pids_with(marker: str) -> list[int]:
-    """Our cluster's processes: every Ray daemon and worker names its session/temp dir on its command line."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if marker in cmdline:
-            pids.append(int(entry))
-    return pids
-
-
-def _stop_cluster(temp_dir: str) -> list[int]:
-    pids = _pids_with(temp_dir)
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        for pid in _pids_with(temp_dir):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + wait
-        while _pids_with(temp_dir) and time.monotonic() < deadline:
-            time.sleep(0.2)
-    return pids
-
-
 @pytest.fixture
 def head_cluster():
-    temp_dir = tempfile.mkdtemp(prefix="zrjob-", dir="/tmp")  # short: Ray's socket paths live under it
-    gcs, dash, client, nm, om, agent, agent_grpc, metrics, rt_env = free_ports(9)
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["RAY_AUTH_MODE"] = "token"  # Ray 2.60 enables token auth; CLI clients must send the token
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    cmd = [RAY, "start", "--head", "--num-cpus=4", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-           f"--temp-dir={temp_dir}", f"--port={gcs}", f"--dashboard-port={dash}",
-           f"--ray-client-server-port={client}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
-           f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-           f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}", "--disable-usage-stats"]
-    try:
+    env["PYTHONPATH"] = checkout_pythonpath()
+    with ray_head("zrjob-") as head:
+        cmd = [RAY, "start", "--head", "--num-cpus=4", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+               *head.flags]
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=180)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-        assert _pids_with(temp_dir), "ray start returned but no process of our cluster runs"
-        yield {"address": f"http://127.0.0.1:{dash}", "gcs": f"127.0.0.1:{gcs}", "env": env, "temp_dir": temp_dir}
-    finally:
-        killed = _stop_cluster(temp_dir)
-        leftover = _pids_with(temp_dir)
-        shutil.rmtree(temp_dir, ignore_errors=True)
-        assert not leftover, f"processes of our cluster survived: {leftover} (killed {killed})"
+        assert pids_with(head.temp_dir), "ray start returned but no process of our cluster runs"
+        yield {"address": f"http://{head.dashboard}", "gcs": head.gcs, "env": env, "temp_dir": head.temp_dir}
 
 
 def _submit(cluster, *args, timeout=240):
