@@ -1,4 +1,6 @@
-"""Shared fixtures: the tiny recipe and a private local Ray cluster that the tests start and stop themselves."""
+"""Shared fixtures and helpers: the tiny recipe and its golden digests, a private local Ray cluster that the tests
+start and stop themselves, the S3 server (``s3``), rank threads (``run_ranks``, ``run_readers``), a bounded poll
+(``wait_until``) and the one-line error check (``one_line``). Their own Ray clusters: tests/ray_clusters.py."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ from zephon_ray.identity import (
     CheckpointDisagreementError, IdentityMismatchError, check_checkpoint_agreement, verify_on_node,
     zephon_shard_listing,
 )
-from conftest import RECIPES, run_ranks
+from conftest import RECIPES, run_ranks, wait_until
 
 FIXTURE = RECIPES / "data" / "tiny"
 STEPS = (0, 1, 2)
@@ -60,8 +60,19 @@ def copy_fixture(tmp_path: Path) -> tuple[Path, Path]:
     shutil.copytree(FIXTURE, data)
     recipe = tmp_path / "r.toml"
     recipe.write_text(RECIPE.format(root=data))
-    time.sleep(0.3)  # past the racy window: the first load caches the hashes
+    wait_past_racy_window(data)  # so the first load caches the hashes
     return data, recipe
+
+
+def wait_past_racy_window(root: Path) -> None:
+    """Return once every file under ``root`` last changed more than the hash cache's racy window ago (a load then
+    caches its hash)."""
+    def settled() -> bool:
+        stats = [p.stat() for p in root.rglob("*") if p.is_file()]
+        newest = max(max(st.st_mtime_ns, st.st_ctime_ns) for st in stats)
+        return time.time_ns() - newest > hash_cache.RACY_WINDOW_S * 1e9
+
+    wait_until(settled, 30, f"the files under {root} older than the hash cache's racy window", interval_s=0.05)
 
 
 def observe(recipe_path: Path) -> tuple[str, list[str]]:
@@ -198,7 +209,7 @@ def test_hash_cache_is_used_and_never_trusted_blindly(tmp_path):
     assert again == first and (report.cached, report.hashed) == (2, 0)
 
     rewrite_in_place_same_size_and_mtime(data)  # same size and mtime: only the ctime tells
-    time.sleep(0.3)  # past the racy window, so the new hash is cached
+    wait_past_racy_window(data)  # so the new hash is cached
     rewritten, report = identify()
     assert report.hashed == 1
     assert rewritten[0].sha256 == storage.sha256_file(prose / "shard-00000.jsonl") != first[0].sha256

@@ -26,7 +26,7 @@ import time
 import pytest
 
 from tests import s3_server
-from tests.conftest import TINY, one_line, tiny_bucket
+from tests.conftest import TINY, one_line, tiny_bucket, wait_until
 
 s3_server.configure_environment()  # at collection: before any test starts Ray, so Ray workers inherit it
 
@@ -254,6 +254,9 @@ def test_service_under_slowdown_and_a_cut_checkpoint_read(s3, service, oracle_di
             served.append(svc.batch(step, track=True).digest)
             if step % 2:
                 svc.commit(step + 1)  # commits are durable writes through the throttling too
+        # The producers checkpoint behind the reads: the last checkpoints are written through the throttling too.
+        wait_until(lambda: svc.status()["checkpoints"]["latest"] >= 38, 120,
+                   lambda: f"the checkpoint of step 38; checkpoints {svc.status()['checkpoints']}")
     finally:
         s3.faults.clear()
     assert served == oracle_digests[20:40]
