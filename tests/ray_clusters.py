@@ -70,6 +70,15 @@ def stop_cluster(temp_dir: str) -> list[int]:
     return pids
 
 
+def stop_quietly(service) -> None:
+    """Stop ``service`` (when there is one) before its cluster goes; an error there would hide the test's own."""
+    if service is not None:
+        try:
+            service.stop()
+        except Exception:  # noqa: BLE001 - the cluster is shut down next
+            pass
+
+
 @dataclass(frozen=True)
 class RayHead:
     """A private head's temp dir and ports; ``flags`` make ``ray start --head`` use them."""

@@ -36,7 +36,7 @@ def _drive(work: str, log: str, summary: str) -> None:
     from train_helpers import fit_bigram
 
     from examples.torchtitan_ray_train import read_log
-    from tests.ray_clusters import checkout_pythonpath, local_cluster
+    from tests.ray_clusters import checkout_pythonpath, local_cluster, stop_quietly
     from zephon_ray import DataService
     from zephon_ray.integrations.ray_train import ZephonDataset
 
@@ -78,11 +78,7 @@ def _drive(work: str, log: str, summary: str) -> None:
                     info["node_removed"] = time.time()
                 trainer.join()
             finally:
-                if service is not None:
-                    try:
-                        service.stop()
-                    except Exception:  # noqa: BLE001 - the cluster goes next
-                        pass
+                stop_quietly(service)
     except BaseException as exc:
         info.setdefault("error", repr(exc))
     finally:

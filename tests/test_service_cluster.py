@@ -35,7 +35,7 @@ DRIVER_TIMEOUT_S = 600
 def _drive(summary: str) -> None:
     import ray
 
-    from tests.ray_clusters import checkout_pythonpath, local_cluster
+    from tests.ray_clusters import checkout_pythonpath, local_cluster, stop_quietly
     from zephon_ray import DataService
     from zephon_ray.service.config import ActorResources
 
@@ -108,11 +108,7 @@ def _drive(summary: str) -> None:
                 info["after"] = {"restarts": after["restarts"], "replay": after["replay"],
                                  "producer_nodes": [p["node_id"] for p in after["producers"]]}
             finally:
-                if svc is not None:
-                    try:
-                        svc.stop()
-                    except Exception:  # noqa: BLE001 - the cluster goes next
-                        pass
+                stop_quietly(svc)
     except BaseException:  # noqa: BLE001 - reported to the test
         info["error"] = traceback.format_exc()
     finally:
