@@ -236,7 +236,8 @@ def one_line(exc: BaseException, *needles: str) -> str:
 @pytest.fixture(scope="module")
 def s3():
     """The session's S3 API server (tests/s3_server.py), started; the faults a module's tests left are cleared at
-    its end. A module that uses it calls ``s3_server.configure_environment()`` when collected, before any Ray."""
+    its end. A module whose session Ray workers must reach it calls ``s3_server.configure_environment()`` when
+    collected, before any Ray starts (they inherit the endpoint)."""
     from tests import s3_server
 
     server = s3_server.server()
