@@ -18,7 +18,6 @@ Each cloud runs the basic path and is checked against the independent oracle (te
 
 from __future__ import annotations
 
-
 import pytest
 
 from tests import emulators

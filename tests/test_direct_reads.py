@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from conftest import run_ranks
+
 from zephon_ray import DataService, GlobalBatchSource
 
 NS = "zr-direct-reads"

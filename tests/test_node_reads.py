@@ -9,8 +9,8 @@ import threading
 import numpy as np
 import pytest
 import ray
-
 from conftest import run_ranks, wait_until
+
 from zephon_ray import DataService, GlobalBatchSource
 from zephon_ray.service.node_reads import process_reads
 from zephon_ray.service.protocol import READER_INFIX

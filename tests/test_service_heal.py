@@ -25,8 +25,8 @@ import time
 
 import numpy as np
 import pytest
-
 from conftest import RankThreads
+
 from zephon_ray import DataService, GlobalBatchSource, compute_digest
 from zephon_ray.jobs.audit import audit
 from zephon_ray.stream.ledger_recorder import LedgerRecorder

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import run_readers
+
 from zephon_ray import compute_digest
 
 ROOT = Path(__file__).resolve().parents[1]
