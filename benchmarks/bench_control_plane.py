@@ -6,7 +6,7 @@
 What runs: a real DataService (coordinator, producers; the tiny recipe widened to B = 64 rows, as
 ``bench_service_load.load_recipe`` widens it) on a private local Ray, and ``--drivers`` driver processes that each
 play many nodes in one asyncio loop. A simulated node is the real node reader's code in the driver's process:
-an instance of ``zephon_ray.service.node.NodeReader`` (the class the coordinator wraps as the node-reader actor),
+an instance of ``zephon_ray.service.server.node_reader.NodeReader`` (the class the coordinator wraps as the node-reader actor),
 holding a real handle of the coordinator, so its leases (``Coordinator.lease``: first step, ``lease_steps``,
 its lanes, read-aheads with ``wait=False``, the unsent cursor moves riding on them), its cursor reports
 (``Coordinator.advance``), their timing (gathering, the round-complete rule, demand) and the container refs it
@@ -112,7 +112,7 @@ class SimProcess:
 
     def __init__(self, reader, consumer: str, world: int, ranks: list[int], lo: int, hi: int, cfg: dict) -> None:
         from zephon_ray.service.lease_cache import LeaseCache
-        from zephon_ray.service.node_reads import READ_AHEAD_PER_WINDOW
+        from zephon_ray.service.client.node_read_path import READ_AHEAD_PER_WINDOW
 
         self.reader, self.consumer, self.world, self.ranks = reader, consumer, world, ranks
         self.lo, self.hi = lo, hi
@@ -182,9 +182,9 @@ def _driver(address: str, name: str, cfg: dict, nodes: list[int], step_time: flo
 
     from zephon_ray import Recipe, compute_digest
     from zephon_ray.batch import lane_span
-    from zephon_ray.service.node import NodeReader
-    from zephon_ray.service.node_reads import stop_background
-    from zephon_ray.service.reads import StepRefs
+    from zephon_ray.service.server.node_reader import NodeReader
+    from zephon_ray.service.client.node_read_path import stop_background
+    from zephon_ray.service.client.step_refs import StepRefs
     from zephon_ray.source import pad_token_id
 
     ray.init(address=address, namespace=NS, log_to_driver=False, logging_level="ERROR")

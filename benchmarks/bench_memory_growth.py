@@ -31,7 +31,7 @@ from bench_soak import start_ray  # noqa: E402  (a private Ray, started again af
 
 start_ray(Path(work))
 from zephon_ray import DataService  # noqa: E402
-from zephon_ray.service.protocol import PRODUCER_INFIX, READER_INFIX  # noqa: E402
+from zephon_ray.service.wire import PRODUCER_INFIX, READER_INFIX  # noqa: E402
 from zephon_ray.stream.loader import Loader, LoaderConfig  # noqa: E402
 NS = "measure"
 svc = DataService.start(TINY, name="m", namespace=NS, producers=2, state_dir=work + "/state", checkpoint_every=8)

@@ -200,7 +200,7 @@ def _rank_process(address: str, name: str, consumer: str, world: int, ranks: lis
     import ray
 
     from zephon_ray import DataService, compute_digest
-    from zephon_ray.service.node_reads import stop_background
+    from zephon_ray.service.client.node_read_path import stop_background
 
     ray.init(address=address, namespace=NS, log_to_driver=False, logging_level="ERROR")
     handles = {r: DataService.connect(name, namespace=NS, consumer=consumer) for r in ranks}

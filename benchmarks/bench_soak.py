@@ -128,7 +128,7 @@ def actor_pids(svc) -> dict[str, int]:
     """{label: pid} of the coordinator, the producers and the node readers (their memory() calls)."""
     import ray
 
-    from zephon_ray.service.protocol import PRODUCER_INFIX, READER_INFIX
+    from zephon_ray.service.wire import PRODUCER_INFIX, READER_INFIX
 
     out = {"coordinator": svc.status()["coordinator"]["pid"]}
     for entry in ray.util.list_named_actors(all_namespaces=True):

@@ -13,7 +13,7 @@ import sys
 
 from zephon_ray import DataService, compute_digest
 from zephon_ray.cli.data import parse_steps
-from zephon_ray.service.session import ray_session
+from zephon_ray.service.client.session import ray_session
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,7 +24,7 @@ def replayer_actors(name):
     """The live Replayer actors of service ``name``, from Ray's table of named actors."""
     import ray
 
-    from zephon_ray.service.protocol import REPLAYER_INFIX
+    from zephon_ray.service.wire import REPLAYER_INFIX
 
     return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
             if a["namespace"] == NS and a["name"].startswith(name + REPLAYER_INFIX)]

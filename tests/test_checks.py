@@ -82,7 +82,7 @@ def test_check_reader_bounds_the_world_and_keeps_names_and_error_type():
 
 
 def test_service_reader_none_means_one_reader_of_the_whole_batch():
-    from zephon_ray.service.protocol import check_batch_reader
+    from zephon_ray.service.wire import check_batch_reader
 
     assert check_batch_reader(None, None, 16) == (0, 1)
     assert check_batch_reader(3, 4, 16) == (3, 4)

@@ -1,4 +1,4 @@
-"""The client's direct read path (service/direct_reads.py) on the session's private Ray: many threads on one
+"""The client's direct read path (service/client/direct_read_path.py) on the session's private Ray: many threads on one
 handle prefetching, reading ahead untracked and touching, as the stream loader does, each as its own rank."""
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ s3_server.configure_environment()  # at collection: before any test starts Ray, 
 
 
 def test_no_cluster_at_the_address_is_one_line_at_once():
-    from zephon_ray.service.session import CONNECT_TIMEOUT_S, check_reachable
+    from zephon_ray.service.client.session import CONNECT_TIMEOUT_S, check_reachable
 
     with held_ports() as (port,):  # held, not listening: nothing answers there, and nothing can start to
         t0 = time.monotonic()

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from zephon_ray.service.lease_cache import REPLAYS_KEPT, LeaseCache
-from zephon_ray.service.protocol import REPLAYED, StepLanes
+from zephon_ray.service.wire import REPLAYED, StepLanes
 
 LANES = 4
 

@@ -2,7 +2,7 @@
 (each node's metrics agent, ``http://<node>:<MetricsExportPort>/metrics``), never our own counters.
 
 One service (2 producers, tags service/run_id) serves steps to a tracked reader, replays an evicted step, loses a
-producer to kill -9 and writes durable checkpoints; every metric of zephon_ray/service/metrics.py must then show
+producer to kill -9 and writes durable checkpoints; every metric of zephon_ray/service/server/metrics.py must then show
 up with those tags and plausible values, and the gauges must still be there after the service sat idle for
 2.5 of Ray's gauge lifetimes. The batches are checked against the reference digests on the way.
 """
@@ -102,7 +102,7 @@ def test_grafana_panel_queries_only_metrics_we_export():
     from pathlib import Path
 
     from conftest import ROOT
-    from zephon_ray.service import metrics
+    from zephon_ray.service.server import metrics
 
     defined = set(re.findall(r'(?:counter|gauge|histogram)\("(\w+)"', Path(metrics.__file__).read_text()))
     assert defined == set(re.findall(r"zephon_ray_(\w+)", metrics.__doc__)), "metrics.py's table is stale"

@@ -1,4 +1,4 @@
-"""The node reader's cursor reports (service/node.py): a NodeReader in this process, against a real service's
+"""The node reader's cursor reports (service/server/node_reader.py): a NodeReader in this process, against a real service's
 coordinator on the session's private Ray."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from zephon_ray import DataService
-from zephon_ray.service import node
+from zephon_ray.service.server import node_reader
 
 NS = "zr-node"
 pytestmark = pytest.mark.timeout(300)
@@ -22,11 +22,11 @@ def test_a_complete_round_is_reported_without_waiting_for_the_gather(ray_cluster
     the consumer already moved past the last report: then nothing is left to gather and it goes at once (at the
     window's edge the producers wait for it). The gather is 60 s here; the round's report still reaches the
     coordinator within seconds, and the cursors it carries are exact."""
-    monkeypatch.setattr(node, "REPORT_GATHER_S", 60.0)
+    monkeypatch.setattr(node_reader, "REPORT_GATHER_S", 60.0)
     svc = DataService.start(tiny_recipe, name="node-round", namespace=NS, state_dir=tmp_path / "s", window=4,
                             consumer_ttl_s=600.0)  # keep-alive reports every 30 s: none in this test's seconds
     try:
-        reader = node.NodeReader(svc._coordinator, lanes=tiny_recipe.lanes, rows_per_lane=tiny_recipe.rows_per_lane,
+        reader = node_reader.NodeReader(svc._coordinator, lanes=tiny_recipe.lanes, rows_per_lane=tiny_recipe.rows_per_lane,
                                  lease_steps=4, window=4, consumer_ttl_s=600.0, request_timeout_s=60.0,
                                  node_id="this-process")
 

@@ -1,4 +1,4 @@
-"""The client's node read path (service/node_reads.py) on the session's private Ray: many threads on one handle,
+"""The client's node read path (service/client/node_read_path.py) on the session's private Ray: many threads on one handle,
 many handles in one process, the node reader warmed at connect, and cursor moves that ride on read calls (or go
 alone as a keep-alive)."""
 
@@ -12,8 +12,8 @@ import ray
 from conftest import run_ranks, wait_until
 
 from zephon_ray import DataService, GlobalBatchSource
-from zephon_ray.service.node_reads import process_reads
-from zephon_ray.service.protocol import READER_INFIX
+from zephon_ray.service.client.node_read_path import process_reads
+from zephon_ray.service.wire import READER_INFIX
 
 NS = "zr-node-reads"
 pytestmark = pytest.mark.timeout(300)

@@ -370,7 +370,7 @@ def test_node_readers_load_neither_torch_nor_zephon(ray_cluster, tiny_recipe, re
     memory map: no libtorch in it."""
     import ray
 
-    from zephon_ray.service.protocol import READER_INFIX
+    from zephon_ray.service.wire import READER_INFIX
 
     svc = start_service(tiny_recipe, tmp_path, "lean-reader")
     try:

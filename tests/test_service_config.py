@@ -102,7 +102,7 @@ def test_config_does_no_io(tiny_recipe, tmp_path):
     missing = tmp_path / "not-materialised"
     cfg = ServiceConfig.build(tiny_recipe, materialized_dir=str(missing), state_dir=str(tmp_path / "state"))
     assert cfg.materialized_dir == str(missing) and not missing.exists() and not (tmp_path / "state").exists()
-    from zephon_ray.service.launch import prepare
+    from zephon_ray.service.server.launch import prepare
 
     with pytest.raises(ValueError, match="materialized_dir"):
         prepare(tiny_recipe, cfg)

@@ -43,7 +43,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from conftest import wait_until
 from zephon_ray import DataService, GlobalBatchSource
-from zephon_ray.service.protocol import READER_INFIX
+from zephon_ray.service.wire import READER_INFIX
 
 NS = "zr-fuzz"
 STEPS = 40

@@ -13,7 +13,7 @@ import pytest
 
 from service_helpers import NS, start_service
 
-from zephon_ray.service.protocol import PRODUCER_INFIX, READER_INFIX
+from zephon_ray.service.wire import PRODUCER_INFIX, READER_INFIX
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from zephon_ray.service.window import MAX_CONSUMER_NAME, Entry, Read, StepWindow, resume_step
+from zephon_ray.service.server.window import MAX_CONSUMER_NAME, Entry, Read, StepWindow, resume_step
 
 
 def _window(**kw) -> StepWindow:

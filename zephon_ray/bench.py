@@ -118,7 +118,7 @@ def _local_reader(recipe: Recipe) -> Iterator[_Reader]:
 @contextmanager
 def _service_reader(recipe: Recipe, *, producers: int, name: str | None, namespace: str,
                     address: str | None) -> Iterator[_Reader]:
-    from zephon_ray.service.session import ray_session
+    from zephon_ray.service.client.session import ray_session
     from zephon_ray.service.client import DataService
 
     with ray_session(address, private_if_none=True):

@@ -215,7 +215,7 @@ def cmd_locate(args: argparse.Namespace) -> int:
     import time
 
     from zephon_ray.jobs.locate import check_groups, check_range, locate, record_ref, training_step
-    from zephon_ray.service.session import ray_session
+    from zephon_ray.service.client.session import ray_session
 
     recipe = load_recipe(args)
     target = record_ref(recipe, args.source, args.shard, args.record)
@@ -481,7 +481,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     with ExitStack() as stack:
         if args.service:
             from zephon_ray.service.client import DataService
-            from zephon_ray.service.session import ray_session
+            from zephon_ray.service.client.session import ray_session
 
             stack.enter_context(ray_session(args.address, private_if_none=False))
             source = DataService.connect(args.service, namespace=args.namespace)
@@ -687,7 +687,7 @@ def digest_via_dataset(recipe: Recipe, steps: range, args: argparse.Namespace) -
 
 def cmd_pretokenize(args: argparse.Namespace) -> int:
     from zephon_ray.jobs.pretokenize import pretokenize
-    from zephon_ray.service.session import ray_session
+    from zephon_ray.service.client.session import ray_session
 
     recipe = Recipe.from_toml(args.recipe)
     with ray_session(args.address, private_if_none=True), quiet_command():
@@ -700,7 +700,7 @@ def cmd_pretokenize(args: argparse.Namespace) -> int:
 
 def cmd_materialize(args: argparse.Namespace) -> int:
     from zephon_ray.jobs.materialize import materialize
-    from zephon_ray.service.session import ray_session
+    from zephon_ray.service.client.session import ray_session
 
     recipe = load_recipe(args)
     steps = parse_steps(args.steps)

@@ -111,7 +111,7 @@ def worker_error(exc: BaseException) -> str | None:
     line = storage_failure(exc)
     if line is not None:
         return line
-    from zephon_ray.service.pool import describe
+    from zephon_ray.service.errors import describe
 
     return describe(exc)
 

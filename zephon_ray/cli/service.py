@@ -8,7 +8,7 @@ Without ``--address`` the ``digest`` command starts a private local Ray (its own
 again; ``serve``/``status``/``stop`` attach to an existing cluster (``--address``, ``RAY_ADDRESS`` or the one
 this process runs in, e.g. a ``ray job submit`` job) and never start one.
 
-Storage settings reach the actors these commands start: ``ray_session`` (service/session.py) attaches with
+Storage settings reach the actors these commands start: ``ray_session`` (service/client/session.py) attaches with
 ``runtime_env={"env_vars": storage.worker_environment()}`` (endpoints, region, addressing style, account names, retry
 settings; never a secret, a profile name or a local path), so a cluster started before the exports still sees the
 endpoint. Credentials come from the nodes themselves.
@@ -36,7 +36,7 @@ from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
 from zephon_ray.service.errors import ServiceNotFoundError
-from zephon_ray.service.session import ray_session, starts_private_cluster
+from zephon_ray.service.client.session import ray_session, starts_private_cluster
 
 
 def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -> int:

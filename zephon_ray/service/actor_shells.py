@@ -15,7 +15,7 @@ from typing import Any
 
 import ray
 
-from zephon_ray.service.protocol import CONTROL, READS, CursorMove
+from zephon_ray.service.wire import CONTROL, READS, CursorMove
 
 
 class CoordinatorActor:
@@ -23,7 +23,7 @@ class CoordinatorActor:
     ``ray.remote(concurrency_groups={READS: n, CONTROL: CONTROL_CONCURRENCY})``."""
 
     def __init__(self, recipe: Any, config: Any) -> None:
-        from zephon_ray.service.coordinator import Coordinator
+        from zephon_ray.service.server.coordinator import Coordinator
 
         self._impl = Coordinator(recipe, config, reader_class=NodeReaderActor)
 
@@ -88,7 +88,7 @@ class NodeReaderActor:
     """A node reader's RPC surface (see node.py). One event loop: its calls are short and node-local."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        from zephon_ray.service.node import NodeReader
+        from zephon_ray.service.server.node_reader import NodeReader
 
         self._impl = NodeReader(*args, **kwargs)
 

@@ -8,7 +8,7 @@ service has a ``run_id`` and exactly one aggregation point (``aggregate_store`` 
 is a ``ValueError`` naming the key (tests/test_service_config.py).
 Limit: it reads no file and touches no Ray. A ``materialized_dir`` is checked (it exists, belongs to the recipe,
 holds its end checkpoint) by ``DataService.start`` before Ray or ``state_dir`` is touched
-(:func:`zephon_ray.service.launch.check_materialized_dir`); a ``torch://host:port`` store or a shared
+(:func:`zephon_ray.service.server.launch.check_materialized_dir`); a ``torch://host:port`` store or a shared
 ``aggregate_dir`` shows at the first collective checkpoint (bounded by ``aggregate_timeout_s``).
 """
 

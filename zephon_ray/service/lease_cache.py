@@ -20,7 +20,7 @@ lock). It holds refs, never shard bytes.
 from __future__ import annotations
 
 from zephon_ray.checks import check_int
-from zephon_ray.service.protocol import REPLAYED, HeldStep, StepLanes, only_lanes
+from zephon_ray.service.wire import REPLAYED, HeldStep, StepLanes, only_lanes
 
 REPLAYS_KEPT = 8
 """Replayed steps kept (the ranks reading one past step share one reply)."""

@@ -74,12 +74,12 @@ from zephon_ray.batch import GlobalBatch, RankSlice, lane_span, slice_bounds
 from zephon_ray.errors import best_effort
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, READ_PATHS, ServiceConfig
-from zephon_ray.service.direct_reads import DirectReads
+from zephon_ray.service.client.direct_read_path import DirectReads
 from zephon_ray.service.errors import (
     ReadTimeoutError, ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError)
-from zephon_ray.service.node_reads import NodeReads
-from zephon_ray.service.protocol import check_batch_reader
-from zephon_ray.service.reads import StepRefs, as_step, call, reader_key
+from zephon_ray.service.client.node_read_path import NodeReads
+from zephon_ray.service.wire import check_batch_reader
+from zephon_ray.service.client.step_refs import StepRefs, as_step, call, reader_key
 from zephon_ray.source import pad_token_id
 
 if TYPE_CHECKING:
@@ -124,7 +124,7 @@ def _ensure_ray(ray_init: bool | dict[str, Any] | None = None) -> None:
     elif isinstance(ray_init, dict):
         ray.init(**ray_init)
     else:
-        from zephon_ray.service.session import attach
+        from zephon_ray.service.client.session import attach
 
         try:
             attach(None, log_to_driver=False)
@@ -209,7 +209,7 @@ class DataService:
         the durable state; start again with the same ``state_dir`` (and recipe) to resume where the newest commit
         left off. Without it a fresh temporary directory is used (nothing to resume from). Invalid settings, a
         ``state_dir`` of another recipe and an unusable ``materialized_dir`` raise before anything is created or
-        written (service/launch.py).
+        written (service/server/launch.py).
         ``consumer`` names this client's consumer. ``ray_init`` (``True`` or ``ray.init`` kwargs) starts Ray when
         this process has none; by default the service attaches to a running cluster and never starts one.
 
@@ -219,7 +219,7 @@ class DataService:
             with DataService.start("tiny", name="peek", ray_init=True) as svc:
                 svc.batch(3)
         """
-        from zephon_ray.service import launch
+        from zephon_ray.service.server import launch
 
         unknown = sorted(set(overrides) - CONFIG_FIELDS)
         if unknown:
@@ -273,7 +273,7 @@ class DataService:
 
     def stop(self) -> None:
         """Stop the service: producers, replayers, node readers and coordinator. ``state_dir`` stays."""
-        from zephon_ray.service.launch import stop
+        from zephon_ray.service.server.launch import stop
 
         self._reads.quiesce(stopping=True)  # nothing of ours may still call a node reader being killed
         self._close_provenance()

@@ -17,8 +17,8 @@ import time
 from typing import Any
 
 from zephon_ray.service.errors import ShardsLostError
-from zephon_ray.service.protocol import expand
-from zephon_ray.service.reads import StepRefs, call, open_containers
+from zephon_ray.service.wire import expand
+from zephon_ray.service.client.step_refs import StepRefs, call, open_containers
 
 
 class DirectReads:

@@ -56,8 +56,8 @@ import ray
 from zephon_ray.errors import best_effort
 from zephon_ray.service.errors import ReplyTimeoutError, describe
 from zephon_ray.service.lease_cache import LeaseCache
-from zephon_ray.service.protocol import CursorMove, HeldStep, Reply, only_lanes
-from zephon_ray.service.reads import StepRefs, call
+from zephon_ray.service.wire import CursorMove, HeldStep, Reply, only_lanes
+from zephon_ray.service.client.step_refs import StepRefs, call
 
 log = logging.getLogger("zephon_ray")
 
@@ -136,7 +136,7 @@ STOP_POLL_S = 0.5
 def stop_background(timeout_s: float = 5.0) -> None:
     """Stop this process's background Ray calls (demand polls, keep-alive timers) and wait for the polls to end.
 
-    Call it before ``ray.shutdown()`` (``zephon_ray.service.session.ray_session`` does); it also runs at exit, before
+    Call it before ``ray.shutdown()`` (``zephon_ray.service.client.session.ray_session`` does); it also runs at exit, before
     Ray's own exit hook (registered after ``ray.init``, and atexit runs in reverse). Unsent cursor moves are
     dropped. Handles used after a new ``ray.init`` listen again on their next move."""
     with _LISTENERS_LOCK:

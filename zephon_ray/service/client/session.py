@@ -3,7 +3,7 @@
 The attaching process passes ``runtime_env={"env_vars": storage.worker_environment()}`` (storage endpoints, region,
 addressing style, account names, retry settings; never a secret, a profile name or a local path), so the actors a
 command starts see the same storage settings as the command (tests/test_storage_cli.py). Before Ray shuts down, the
-node read path's background threads stop (:func:`zephon_ray.service.node_reads.stop_background`).
+node read path's background threads stop (:func:`zephon_ray.service.client.node_read_path.stop_background`).
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]
     try:
         yield
     finally:
-        from zephon_ray.service.node_reads import stop_background
+        from zephon_ray.service.client.node_read_path import stop_background
 
         stop_background()  # no thread of ours may call into Ray after shutdown: Ray would exit the process with 1
         ray.shutdown()

@@ -54,16 +54,16 @@ from zephon_ray.checks import check_int
 from zephon_ray.errors import best_effort, one_line
 from zephon_ray.formats.service_state import ServiceState
 from zephon_ray.recipe import Recipe
-from zephon_ray.service import status as status_report
 from zephon_ray.service.config import ServiceConfig
-from zephon_ray.service.errors import NoReply, ServiceError, reply_within
-from zephon_ray.service.metrics import GAUGE_REFRESH_S, ServiceMetrics
-from zephon_ray.service.pool import ProducerPool, describe
-from zephon_ray.service.protocol import (
+from zephon_ray.service.errors import NoReply, ServiceError, describe, reply_within
+from zephon_ray.service.server import status as status_report
+from zephon_ray.service.server.metrics import GAUGE_REFRESH_S, ServiceMetrics
+from zephon_ray.service.server.pool import ProducerPool
+from zephon_ray.service.server.replay_scheduler import ReplayScheduler, read_materialized_prefix
+from zephon_ray.service.server.window import Entry, Read, StepWindow, resume_step
+from zephon_ray.service.wire import (
     PRODUCER_INFIX, READER_INFIX, REPLAYED, REPLAYER_INFIX, CursorMove, Reply, StepContainers, kill_named, lease_reply,
     only_groups)
-from zephon_ray.service.replay import ReplayScheduler, read_materialized_prefix
-from zephon_ray.service.window import Entry, Read, StepWindow, resume_step
 
 log = logging.getLogger("zephon_ray.service")
 
@@ -89,7 +89,7 @@ that gives producers work wakes it at once, so this only paces cursor expiry and
 
 
 class Coordinator:
-    """The implementation behind :class:`~zephon_ray.service.actors.CoordinatorActor` (the actor
+    """The implementation behind :class:`~zephon_ray.service.actor_shells.CoordinatorActor` (the actor
     :meth:`zephon_ray.DataService.start` creates through launch.py); talk to it through
     :class:`~zephon_ray.DataService`."""
 

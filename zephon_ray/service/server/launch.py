@@ -25,7 +25,7 @@ from zephon_ray.formats.service_state import check_state_dir
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import ServiceConfig
 from zephon_ray.service.errors import ServiceError
-from zephon_ray.service.protocol import kill_named
+from zephon_ray.service.wire import kill_named
 
 log = logging.getLogger("zephon_ray")
 
@@ -34,7 +34,7 @@ READY_TIMEOUT_S = 300
 
 def check_materialized_dir(recipe: Recipe, path: str | os.PathLike) -> str:
     """The absolute path of a materialised directory usable for ``recipe`` (ValueError naming what is wrong)."""
-    from zephon_ray.service.replay import read_materialized_prefix
+    from zephon_ray.service.server.replay_scheduler import read_materialized_prefix
 
     path = storage.location(path).uri  # absolute (or a URI): the coordinator and replayers resolve it elsewhere
     read_materialized_prefix(recipe, path)
@@ -57,8 +57,8 @@ def launch(recipe: Recipe, config: ServiceConfig) -> Any:
     """Start the coordinator of ``config.name`` and wait until it is ready; returns its actor handle."""
     import ray
 
-    from zephon_ray.service.actors import CoordinatorActor
-    from zephon_ray.service.protocol import CONTROL, CONTROL_CONCURRENCY, READS
+    from zephon_ray.service.actor_shells import CoordinatorActor
+    from zephon_ray.service.wire import CONTROL, CONTROL_CONCURRENCY, READS
 
     name, namespace = config.name, config.namespace
     try:

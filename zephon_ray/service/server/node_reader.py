@@ -58,7 +58,7 @@ from ray.exceptions import RayTaskError
 
 from zephon_ray.service.errors import NoReply, reply_within
 from zephon_ray.service.lease_cache import LeaseCache, container_hold_steps
-from zephon_ray.service.protocol import (
+from zephon_ray.service.wire import (
     CursorMove, Reply, StepContainers, StepLanes, check_consumer, check_batch_reader, expand, lease_reply)
 
 READ_AHEAD_BACKOFF_S = 0.2

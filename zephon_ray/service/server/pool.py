@@ -52,10 +52,10 @@ from zephon_ray.pipeline import LaneGroup
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import HOSTED_STORE, ServiceConfig
 from zephon_ray.service.errors import describe
-from zephon_ray.service.metrics import NO_METRICS
+from zephon_ray.service.server.metrics import NO_METRICS
 from zephon_ray.service.lease_cache import producer_hold_steps
-from zephon_ray.service.producer import KEY_CONTAINER, Producer
-from zephon_ray.service.protocol import PRODUCER_INFIX
+from zephon_ray.service.server.producer import KEY_CONTAINER, Producer
+from zephon_ray.service.wire import PRODUCER_INFIX
 from zephon_ray.formats.service_state import ServiceState
 
 if TYPE_CHECKING:

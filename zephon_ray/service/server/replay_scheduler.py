@@ -42,10 +42,10 @@ from zephon_ray.formats.service_state import ServiceState
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import ServiceConfig
 from zephon_ray.service.errors import ServiceError
-from zephon_ray.service.metrics import NO_METRICS
-from zephon_ray.service.producer import KEY_CONTAINER
-from zephon_ray.service.protocol import REPLAYER_INFIX
-from zephon_ray.service.replayer import Replayer
+from zephon_ray.service.server.metrics import NO_METRICS
+from zephon_ray.service.server.producer import KEY_CONTAINER
+from zephon_ray.service.wire import REPLAYER_INFIX
+from zephon_ray.service.server.replayer import Replayer
 
 log = logging.getLogger("zephon_ray")
 

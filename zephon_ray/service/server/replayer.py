@@ -3,7 +3,7 @@
 It holds one world-size-1 Zephon pipeline over all lanes. ``replay(step, checkpoint_step, state)`` restores the
 given durable checkpoint (the nearest one <= step, chosen by the coordinator) unless its pipeline already sits at
 most ``reuse_within`` steps before ``step``, then steps forward and puts the L lane shards of ``step`` into its own object store (this actor owns them, as a producer
-owns its shards; :func:`~zephon_ray.service.producer.put_shards`), returning their meta and refs.
+owns its shards; :func:`~zephon_ray.service.server.producer.put_shards`), returning their meta and refs.
 
 Guarantee: the shards equal the same lanes of ``GlobalBatchSource(recipe).batch(step)`` (a world-size-1 pipeline
 restored from a merged checkpoint at a step boundary gives the same lane batches as any topology:
@@ -35,7 +35,7 @@ from zephon_ray.lanes import LaneShard, LaneStepper
 from zephon_ray.formats.materialized import MaterializedSource
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.errors import describe
-from zephon_ray.service.producer import node_name, put_shards, worker_id
+from zephon_ray.service.server.producer import node_name, put_shards, worker_id
 
 log = logging.getLogger("zephon_ray.service")
 

@@ -38,7 +38,7 @@ from enum import Enum
 from typing import Any
 
 from zephon_ray.checks import check_int
-from zephon_ray.service.protocol import MAX_CONSUMER_NAME, check_consumer, check_batch_reader
+from zephon_ray.service.wire import MAX_CONSUMER_NAME, check_consumer, check_batch_reader
 
 __all__ = ["MAX_CONSUMER_NAME", "Cursor", "Entry", "Read", "StepWindow", "check_consumer", "check_batch_reader",
            "resume_step"]
