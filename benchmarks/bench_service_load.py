@@ -550,7 +550,7 @@ def _run_cpu_once(recipe, reference, tmp, steps: int, m: int, tag: str) -> dict:
 def run_pump(recipe, digests, tmp, steps: int = 48, rounds: int = 1, producers=(1, 2, 4, 8),
              profile: str | None = None) -> dict:
     """The coordinator's CPU per produced step against the number of producers M, with no reader but one: a
-    direct-path client moves its cursor ``window`` steps at a time (``touch``) and waits for the last of them
+    direct-path client moves its cursor ``window`` steps at a time (``advance``) and waits for the last of them
     (one lease), so the producers refill the whole window each hop. Reported per produced step: the whole
     coordinator process, its pump thread alone, and its idle rate (window full, nobody reading) measured just
     before. Checkpoints (every 8 steps) are included. M order flips every round."""
@@ -583,7 +583,7 @@ def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str, profile: str 
         profilers = start_profilers(profile, f"pump-m{tag}", pid, []) if profile else []
         s0 = thread_cpu(pid)
         for first in range(window, window + steps, window):
-            svc.touch(first)  # the cursor moves past the window: producers make the next ``window`` steps
+            svc.advance(first)  # the cursor moves past the window: producers make the next ``window`` steps
             last = first + window - 1
             if svc.refs(last, timeout_s=600).batch().digest != digests[last]:
                 raise AssertionError(f"M={m} step {last}: wrong rows")

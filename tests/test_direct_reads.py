@@ -1,5 +1,5 @@
 """The client's direct read path (service/client/direct_read_path.py) on the session's private Ray: many threads on one
-handle prefetching, reading ahead untracked and touching, as the stream loader does, each as its own rank."""
+handle prefetching, reading ahead untracked and advancing the cursor, as the stream loader does, each as its own rank."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ NS = "zr-direct-reads"
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_many_threads_prefetch_read_and_touch_on_one_handle(ray_cluster, tiny_recipe, tmp_path):
+def test_many_threads_prefetch_read_and_advance_on_one_handle(ray_cluster, tiny_recipe, tmp_path):
     world, steps = 8, 5
     svc = DataService.start(tiny_recipe, name="direct-threads", namespace=NS, state_dir=tmp_path / "s", window=8,
                             read_path="direct")
@@ -28,7 +28,7 @@ def test_many_threads_prefetch_read_and_touch_on_one_handle(ray_cluster, tiny_re
                 client.prefetch(range(step + 1, step + 3), rank=r, world=world)
                 part = client.refs(step, rank=r, world=world).slice(r, world)
                 got[(step, r)] = part.tokens.copy()
-                client.touch(step, rank=r, world=world)
+                client.advance(step, rank=r, world=world)
 
         run_ranks(world, rank, timeout_s=240)
         with GlobalBatchSource(tiny_recipe) as source:

@@ -111,15 +111,15 @@ def test_many_handles_in_one_process_share_calls_and_keep_their_cursors(ray_clus
         svc.stop()
 
 
-def test_a_touch_alone_reaches_the_coordinator_as_a_keep_alive(ray_cluster, tiny_recipe, tmp_path):
+def test_an_advance_alone_reaches_the_coordinator_as_a_keep_alive(ray_cluster, tiny_recipe, tmp_path):
     """A move no read call carries goes alone after ``keepalive_s`` (consumer_ttl_s / 8 here: 0.25 s), through the
     node reader's next report; another handle (which carries no move of this one) sees it."""
-    svc = DataService.start(tiny_recipe, name="node-touch", namespace=NS, state_dir=tmp_path / "s", window=4,
+    svc = DataService.start(tiny_recipe, name="node-advance", namespace=NS, state_dir=tmp_path / "s", window=4,
                             consumer_ttl_s=4.0)
     try:
-        trainer = DataService.connect("node-touch", namespace=NS, consumer="trainer")
+        trainer = DataService.connect("node-advance", namespace=NS, consumer="trainer")
         trainer.slice(0, 1, 2, track=True)
-        trainer.touch(2, rank=1, world=2)  # no read follows
+        trainer.advance(2, rank=1, world=2)  # no read follows
 
         def cursors():
             return {(c["consumer"], c["rank"]): c["step"] for c in svc.status()["cursors"]}

@@ -79,11 +79,11 @@ def test_refs_prefetch_and_any_consumer_handle(ray_cluster, tiny_recipe, referen
             other = DataService.connect(name, namespace=NS, consumer="task")
             return other.slice(step, 1, 2, track=True).tokens.copy(), other.batch(step).digest
 
-        # Read ahead without moving the cursor, then report consumption with touch().
+        # Read ahead without moving the cursor, then report consumption with advance().
         ahead = svc.refs(5, track=False)
         cursor = lambda: {c["consumer"]: c["step"] for c in svc.status()["cursors"]}[svc.consumer]  # noqa: E731
         assert ahead.batch().digest == reference_digests[5] and cursor() == 3
-        svc.touch(5)
+        svc.advance(5)
         deadline = time.monotonic() + 30
         while cursor() != 5:
             assert time.monotonic() < deadline

@@ -489,7 +489,7 @@ def test_regression_a_refused_far_read_then_a_coordinator_restart(ray_cluster, t
 
 
 def test_regression_a_waiting_lease_keeps_no_other_consumer_alive(ray_cluster, tiny_recipe, tmp_path):
-    """Found by the fuzzer (seed 13): consumer ``eval`` reads step 2 and moves to step 3 (``touch``: the move waits in
+    """Found by the fuzzer (seed 13): consumer ``eval`` reads step 2 and moves to step 3 (``advance``: the move waits in
     the process to go with its next call), then ``trainer`` reads step 31, far past the window. The trainer's call
     carried eval's move to the node reader and its lease to the coordinator, which refreshed every move of a waiting
     lease each second: eval's cursor never expired and held the window at step 3 until the read timed out. Now the
@@ -499,7 +499,7 @@ def test_regression_a_waiting_lease_keeps_no_other_consumer_alive(ray_cluster, t
     try:
         evaluator = DataService.connect("silent-consumer", namespace=NS, consumer="eval")
         evaluator.slice(2, 3, 4, track=True)
-        evaluator.touch(3, rank=3, world=4)
+        evaluator.advance(3, rank=3, world=4)
         box = _bounded("batch(31)", lambda: svc.batch(31, track=True), 60)
         assert "error" not in box, box.get("error")
         assert np.array_equal(box["value"].tokens, reference[31].tokens)

@@ -60,18 +60,18 @@ def test_retention_keeps_steps_from_the_newest_commit():
 
 def test_cursor_moves_are_monotonic_and_one_world_per_consumer():
     w = _window()
-    w.touch(9, "a", 1, 2, now=0)
-    w.touch(5, "a", 1, 2, now=1)  # out of order: ignored
+    w.advance(9, "a", 1, 2, now=0)
+    w.advance(5, "a", 1, 2, now=1)  # out of order: ignored
     assert w.cursors[("a", 1, 2)].step == 9 and w.cursors[("a", 1, 2)].seen == 1
-    w.touch(3, "a", 0, 4, now=2)  # the job restarted at W=4: its W=2 cursors stop holding the window
+    w.advance(3, "a", 0, 4, now=2)  # the job restarted at W=4: its W=2 cursors stop holding the window
     assert list(w.cursors) == [("a", 0, 4)]
     assert w.release("a") == 1 and not w.cursors
 
 
 def test_expired_cursors_are_deleted():
     w = _window(consumer_ttl_s=5.0)
-    w.touch(3, "gone", 0, 1, now=0)
-    w.touch(8, "live", 0, 1, now=4)
+    w.advance(3, "gone", 0, 1, now=0)
+    w.advance(8, "live", 0, 1, now=4)
     w.refresh(now=6)
     assert list(w.cursors) == [("live", 0, 1)] and "gone" not in w.consumed and w.slowest == 8
 
@@ -112,9 +112,9 @@ def test_a_commit_counts_its_own_reads_after_a_release():
     """Rank 1 of a job closes its loader first (a release of the whole consumer, later than rank 0's moves):
     rank 0's moves sent with its commit are ignored as cursors, yet its commit one past them is accepted."""
     w = _window()
-    w.touch(3, "job", 0, 2, now=1)
+    w.advance(3, "job", 0, 2, now=1)
     w.release("job", now=2)
-    assert not w.touch(3, "job", 0, 2, now=3, seen=1) and "job" not in w.consumed  # heard before the release
+    assert not w.advance(3, "job", 0, 2, now=3, seen=1) and "job" not in w.consumed  # heard before the release
     with pytest.raises(ValueError, match=r"at most 0 \(it was delivered nothing yet\)"):
         w.commit(4, "job")
     assert w.commit(4, "job", read=3) == 4
@@ -130,13 +130,13 @@ def test_a_commit_counts_its_own_reads_after_a_release():
                                                 (0, True, "world must be an int in .* got True")])
 def test_rank_and_world_are_validated(rank, world, words):
     with pytest.raises(ValueError, match=words):
-        _window().touch(0, "a", rank, world, now=0)
+        _window().advance(0, "a", rank, world, now=0)
 
 
 def test_consumer_name_and_step_validated():
     w = _window()
     with pytest.raises(ValueError, match="consumer must be"):
-        w.touch(0, "x" * (MAX_CONSUMER_NAME + 1), 0, 1, now=0)
+        w.advance(0, "x" * (MAX_CONSUMER_NAME + 1), 0, 1, now=0)
     with pytest.raises(ValueError, match=r"step must be an int in \[0, .*\], got -1"):
         w.read(-1, "a", None, None, track=False, now=0)
 

@@ -36,8 +36,15 @@ from zephon_ray.errors import best_effort
 
 log = logging.getLogger("zephon_ray")
 
-CursorMove = tuple[str, int, int, int, float]
-"""(consumer, rank, world, step, idle_s)."""
+class CursorMove(NamedTuple):
+    """Rank ``rank`` of ``world`` of ``consumer`` took ``step``; it was last heard ``idle_s`` seconds before this
+    move was sent (the receiver dates the move back by that much)."""
+
+    consumer: str
+    rank: int
+    world: int
+    step: int
+    idle_s: float = 0.0
 
 
 class StepLanes(NamedTuple):

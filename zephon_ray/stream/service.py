@@ -147,7 +147,7 @@ class ServiceSlices(PrefetchedSlices):
         if step is None or step == self._touched:
             return
         self._touched = step
-        self.service.touch(step, rank=self.rank, world=self.world)  # fire and forget
+        self.service.advance(step, rank=self.rank, world=self.world)  # fire and forget
 
     def _produce(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
         s = step

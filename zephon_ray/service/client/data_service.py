@@ -6,7 +6,7 @@
     svc.prefetch(range(s + 1, s + 4), rank=r, world=W)   # optional: start fetching upcoming steps
     part = svc.slice(s, rank, world, track=True)  # RankSlice: rows [r*B/W, (r+1)*B/W) of step s; moves the cursor
     refs = svc.refs(s + 1, rank=r, world=W, track=False)  # read ahead: StepRefs (.slice/.batch) ...
-    svc.touch(s + 1, rank=r, world=W)            # ... and move the cursor when the trainer takes the step
+    svc.advance(s + 1, rank=r, world=W)          # ... and move the cursor when the trainer takes the step
     svc.commit(s + 1)                            # after the trainer checkpoint that resumes at step s + 1
     svc.batch(s).digest                          # the whole GlobalBatch (moves no cursor: track defaults to False)
 
@@ -78,7 +78,7 @@ from zephon_ray.service.client.direct_read_path import DirectReads
 from zephon_ray.service.errors import (
     ReadTimeoutError, ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError)
 from zephon_ray.service.client.node_read_path import NodeReads
-from zephon_ray.service.wire import check_batch_reader
+from zephon_ray.service.wire import CursorMove, check_batch_reader
 from zephon_ray.service.client.step_refs import StepRefs, as_step, call, reader_key
 from zephon_ray.source import pad_token_id
 
@@ -337,13 +337,13 @@ class DataService:
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, r, w)
         self._reads.prefetch(steps, r, w, span.first, span.stop)
 
-    def touch(self, step: int, *, rank: int | None = None, world: int | None = None) -> None:
+    def advance(self, step: int, *, rank: int | None = None, world: int | None = None) -> None:
         """Move this consumer's cursor (for ``rank`` of ``world``) to ``step`` without reading: for loaders
         that read ahead with ``track=False`` and report what the trainer actually consumed. Fire and forget."""
         step = as_step(step)
         r, w = check_batch_reader(rank, world, self.recipe.global_batch_rows)
         self._own_move(step, rank, world)
-        self._reads.move(r, w, step)
+        self._reads.advance(r, w, step)
 
     def _own_move(self, step: int, rank: int | None, world: int | None) -> None:
         key = reader_key(rank, world)
@@ -353,11 +353,12 @@ class DataService:
             old = self._moves.pop(key, None)
             self._moves[key] = (max(step, old[0]) if old else step, time.monotonic())
 
-    def _own_moves(self) -> list[tuple[str, int, int, int, float]]:
+    def _own_moves(self) -> list[CursorMove]:
         """This client's cursor moves, sent with commit() and status() so that both are exact for it."""
         now = time.monotonic()
         with self._lock:
-            return [(self.consumer, r, w, step, round(now - when, 3)) for (r, w), (step, when) in self._moves.items()]
+            return [CursorMove(self.consumer, r, w, step, round(now - when, 3))
+                    for (r, w), (step, when) in self._moves.items()]
 
     def batch(self, step: int, *, track: bool = False, timeout_s: float | None = None) -> GlobalBatch:
         """Global batch ``step`` (all B rows, lane-major); ``.digest`` equals GlobalBatchSource's. Ad hoc by

@@ -17,7 +17,7 @@ import time
 from typing import Any
 
 from zephon_ray.service.errors import ShardsLostError
-from zephon_ray.service.wire import expand
+from zephon_ray.service.wire import CursorMove, expand
 from zephon_ray.service.client.step_refs import StepRefs, call, open_containers
 
 
@@ -63,9 +63,9 @@ class DirectReads:
         if pending is not None:
             reply = call(pending, owner._where, timeout=max(0.0, deadline - time.monotonic()), what=what)
             if track:  # the prefetch did not move the cursor; this read does, once delivered
-                self.move(rank, world, step)
+                self.advance(rank, world, step)
         else:
-            moves = [(owner.consumer, rank, world, step, 0.0)] if track else None
+            moves = [CursorMove(owner.consumer, rank, world, step)] if track else None
             reply = call(owner._coordinator.lease.remote(step, 1, (lo, hi), timeout_s, moves, track), owner._where,
                          timeout=max(0.0, deadline - time.monotonic()), what=what)
         got, generation, groups, containers = reply.steps[0]
@@ -78,8 +78,8 @@ class DirectReads:
         values = dict(zip((g for g, c in enumerate(containers) if c is not None), opened))
         return StepRefs(got, expand(groups, values, owner.recipe.lanes), owner.recipe, owner._pad, generation)
 
-    def move(self, rank: int, world: int, step: int) -> None:
-        self._owner._coordinator.advance.remote([(self._owner.consumer, rank, world, step, 0.0)])
+    def advance(self, rank: int, world: int, step: int) -> None:
+        self._owner._coordinator.advance.remote([CursorMove(self._owner.consumer, rank, world, step)])
 
     def invalidate(self, step: int, generation: int) -> None:
         import ray

@@ -271,7 +271,7 @@ class ProcessReads:
         wait here, past it a :class:`ReplyTimeoutError` names the step and what it waited for."""
         key = (consumer, rank, world)
         if track:
-            self.move(consumer, rank, world, step)  # travels with the request: the step may wait for this move
+            self.advance(consumer, rank, world, step)  # travels with the request: the step may wait for this move
         while True:
             with self._lock:
                 held = self._cache.get(step, lo, hi)
@@ -398,7 +398,7 @@ class ProcessReads:
         ray.get(target.invalidate.remote(step, generation), timeout=30)
 
     # ------------------------------------------------------------------ cursor moves
-    def move(self, consumer: str, rank: int, world: int, step: int) -> None:
+    def advance(self, consumer: str, rank: int, world: int, step: int) -> None:
         """Record a cursor move; it goes with the next read call of any handle of this process, alone once no call
         went for ``keepalive_s``, or at once when the node reader asks for moves (a lease there waits)."""
         with self._lock:
@@ -442,7 +442,8 @@ class ProcessReads:
     def _take_pending(self) -> list[CursorMove]:
         """The pending moves as cursor moves (lock held); they leave the pending set."""
         now = time.monotonic()
-        moves = [(c, r, w, s, round(max(0.0, now - when), 3)) for (c, r, w), (s, when) in self._pending.items()]
+        moves = [CursorMove(c, r, w, s, round(max(0.0, now - when), 3))
+                 for (c, r, w), (s, when) in self._pending.items()]
         self._pending.clear()
         self._sent = now
         return moves
@@ -556,8 +557,8 @@ class NodeReads:
         held = self._path.held(owner.consumer, step, rank, world, lo, hi, track, timeout_s, deadline)
         return StepRefs(step, only_lanes(held.lanes, lo, hi), owner.recipe, owner._pad, held.generation)
 
-    def move(self, rank: int, world: int, step: int) -> None:
-        self._path.move(self._owner.consumer, rank, world, step)
+    def advance(self, rank: int, world: int, step: int) -> None:
+        self._path.advance(self._owner.consumer, rank, world, step)
 
     def flush(self) -> None:
         self._path.flush()

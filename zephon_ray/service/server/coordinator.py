@@ -204,7 +204,7 @@ class Coordinator:
         with self._lock:
             for consumer, rank, world, step, idle_s in moves:
                 try:
-                    moved += self.window.touch(step, consumer, rank, world, now=now, seen=now - max(0.0, idle_s))
+                    moved += self.window.advance(step, consumer, rank, world, now=now, seen=now - max(0.0, idle_s))
                 except (ValueError, TypeError):
                     bad += 1
             self.counters["moves"] += len(moves)
@@ -275,7 +275,7 @@ class Coordinator:
                 # refreshing those would keep a silent consumer alive for as long as any lease waits, and so hold
                 # the window back forever (tests/test_service_fuzz.py); node readers keep their waiting ranks alive
                 # with their own reports.
-                self._advance([(c, r, w, step, 0.0) for c, r, w, step, _ in moves])
+                self._advance([CursorMove(c, r, w, s, 0.0) for c, r, w, s, _ in moves])
             self._pump_wake.set()
             event = self._changed
             try:
@@ -328,7 +328,7 @@ class Coordinator:
         return reader
 
     async def advance(self, moves: list[CursorMove]) -> None:
-        """Cursor moves reported by a node reader (or a direct client's ``touch``)."""
+        """Cursor moves reported by a node reader (or by a direct client's ``DataService.advance``)."""
         self.counters["reports"] += 1
         self._advance(moves)
 

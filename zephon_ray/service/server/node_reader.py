@@ -169,8 +169,8 @@ class NodeReader:
                 # a lease for an earlier step failed: ask for this one ourselves
 
     async def advance(self, moves: list[CursorMove]) -> None:
-        """Cursor moves ``(consumer, rank, world, step, idle_s)`` of ranks on this node (reads or ``touch``-es a
-        process has not sent with a read call yet: it sends them alone only as a keep-alive)."""
+        """Cursor moves of ranks on this node (tracked reads or ``DataService.advance`` calls a process has not
+        sent with a read call yet: it sends them alone only as a keep-alive)."""
         self._start()
         self.stats["advances"] += 1
         self._apply(moves)
@@ -350,7 +350,8 @@ class NodeReader:
         self._moved.clear()
         for consumer in {k[0] for k in keys}:
             self._reported_slowest[consumer] = self._slowest(consumer)
-        out = [(c, r, w, self._heard[(c, r, w)][0], round(now - self._heard[(c, r, w)][1], 3)) for c, r, w in keys]
+        out = [CursorMove(c, r, w, self._heard[(c, r, w)][0], round(now - self._heard[(c, r, w)][1], 3))
+               for c, r, w in keys]
         self.stats["moves_reported"] += len(out)
         return out
 

@@ -17,13 +17,13 @@
 Guarantees (tests/test_window.py):
 - The table never holds a step outside ``[keep_from, produce_until)``, so it holds at most
   ``window + retain_behind`` steps (``bound_steps``).
-- A cursor never moves back (an out-of-order ``touch`` is ignored); a consumer reading at another world size
+- A cursor never moves back (an out-of-order ``advance`` is ignored); a consumer reading at another world size
   drops its cursors of the old world size.
 - Reads more than ``max_ahead`` steps past the head (or past ``reach``, where an earlier incarnation got to) are
   rejected (tracked or not), commits more than one past the highest step a consumer consumed are rejected,
   rank/world are checked, cursors silent for ``consumer_ttl_s`` are deleted.
 
-- Cursor moves may arrive late and in batches (node readers report them with their leases, ``touch`` with a
+- Cursor moves may arrive late and in batches (node readers report them with their leases, ``advance`` with a
   ``seen`` time in the past): a cursor is as live as the last time its rank was heard, and a move heard before the
   consumer's ``release`` is ignored, so a release sticks.
 
@@ -100,7 +100,7 @@ class StepWindow:
         self.table: dict[int, Entry] = {}
         self.cursors: dict[tuple[str, int, int], Cursor] = {}
         self.commits: dict[str, int] = {}
-        self.consumed: dict[str, int] = {}  # consumer -> highest step it read (tracked) or touched
+        self.consumed: dict[str, int] = {}  # consumer -> highest step it read (tracked) or advanced to
         self.worlds: dict[str, int] = {}  # consumer -> the world size its cursors have
         self.released: dict[str, float] = {}  # consumer -> when release() dropped its cursors
         self.replay_below = start
@@ -153,7 +153,7 @@ class StepWindow:
         """Validate a read, move the cursor if ``track``, and say where it is served from."""
         self.check_step(step)
         if track:
-            self.touch(step, consumer, rank, world, now=now)
+            self.advance(step, consumer, rank, world, now=now)
         return self.where(step, waits=track)
 
     def where(self, step: int, *, waits: bool) -> Read:
@@ -167,8 +167,8 @@ class StepWindow:
             return Read.REPLAY  # no cursor moves the producers there: waiting could last forever
         return Read.WAIT
 
-    def touch(self, step: int, consumer: str, rank: int | None, world: int | None, *, now: float,
-              seen: float | None = None) -> bool:
+    def advance(self, step: int, consumer: str, rank: int | None, world: int | None, *, now: float,
+                seen: float | None = None) -> bool:
         """Move a cursor forward (never back) and record what this consumer consumed. ``seen`` (default ``now``)
         is when its rank was last heard; a move heard before the consumer's ``release`` is ignored (False)."""
         self.check_step(step)
