@@ -183,7 +183,9 @@ def start_service(recipe, name: str, producers: int = 2, window: int = 4, **kw):
 def service_producer(recipe, ref: list[dict], steps: int, tag: str) -> dict:
     """M=2 producers; a tracked whole-batch reader reads steps 0..steps; producer and coordinator CPU over the
     steps made after the first one; object-store bytes per held step."""
-    from zephon_ray.service.ray_internals import object_locations, plasma_usage
+    from ray_plasma import plasma_usage
+
+    from zephon_ray.service.ray_internals import object_locations
 
     svc = start_service(recipe, f"prod-{tag}", window=4)
     try:

@@ -785,7 +785,7 @@ def run_kill(recipe, reference, tmp) -> dict:
 
 # ---------------------------------------------------------------------------------------------------- long
 def object_store_view() -> dict:
-    from zephon_ray.service.ray_internals import plasma_usage
+    from ray_plasma import plasma_usage
 
     usage = plasma_usage()
     return {"plasma_mib": usage["mib"], "plasma_objects": usage["objects"]}

@@ -251,7 +251,7 @@ def main() -> None:
     import ray
 
     from zephon_ray import DataService, Recipe
-    from zephon_ray.service.ray_internals import plasma_usage
+    from ray_plasma import plasma_usage
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="soak-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
-"""The client's node read path (service/client/node_read_path.py) on the session's private Ray: many threads on one handle,
-many handles in one process, the node reader warmed at connect, and cursor moves that ride on read calls (or go
-alone as a keep-alive)."""
+"""The client's node read path (service/client/node_read_path.py) on the session's private Ray: many threads on one
+handle, many handles in one process, the node reader warmed at connect, and cursor moves that ride on read calls
+(or go alone as a keep-alive)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,18 @@ from zephon_ray.service.wire import READER_INFIX
 
 NS = "zr-node-reads"
 pytestmark = pytest.mark.timeout(300)
+
+
+def _cached_steps(path) -> list[int]:
+    """The steps a process's read path (ProcessReads) holds refs of, any lanes; read under its lock."""
+    with path._lock:
+        return path._cache.steps()
+
+
+def _steps_in_flight(path) -> list[int]:
+    """The first steps of a process's read calls in flight (a rank's, or a read-ahead's); read under its lock."""
+    with path._lock:
+        return sorted(request.step for request in path._requests)
 
 
 def _readers(name: str) -> list[dict]:
@@ -48,8 +60,8 @@ def _read_in_lock_step(name, readers, world, steps, recipe):
                 barrier.wait(timeout=120)
                 if step == 1 and key == first:
                     path = process_reads(handle)
-                    wait_until(lambda path=path: not path.steps_in_flight(), 60,
-                               lambda path=path: f"calls in flight: {path.steps_in_flight()}", interval_s=0.02)
+                    wait_until(lambda path=path: not _steps_in_flight(path), 60,
+                               lambda path=path: f"calls in flight: {_steps_in_flight(path)}", interval_s=0.02)
                     calls_after_step_0.append(_readers(name)[0]["reads"])
                 barrier.wait(timeout=120)
                 part = handle.slice(step, r, world, track=True)
@@ -142,8 +154,8 @@ def test_the_last_step_held_fetches_the_next_steps_before_the_rank_asks(ray_clus
         path = process_reads(client)
         got = {0: client.slice(0, 0, 1, track=True)}
         for step in range(1, steps):
-            wait_until(lambda step=step: step in path.cached_steps(), 30,
-                       lambda step=step: f"step {step} held before it is read; held {path.cached_steps()}",
+            wait_until(lambda step=step: step in _cached_steps(path), 30,
+                       lambda step=step: f"step {step} held before it is read; held {_cached_steps(path)}",
                        interval_s=0.02)
             got[step] = client.slice(step, 0, 1, track=True)
         with GlobalBatchSource(tiny_recipe) as source:

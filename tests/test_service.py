@@ -398,12 +398,11 @@ def test_ray_internals_fence(ray_cluster):
     import numpy as np
     import ray
 
-    from zephon_ray.service.ray_internals import object_locations, owner_worker_id, plasma_usage
+    from zephon_ray.service.ray_internals import object_locations, owner_worker_id
 
     ref = ray.put(np.zeros(300_000, dtype=np.int32))
     assert owner_worker_id(ref) == ray.get_runtime_context().get_worker_id()
     location = object_locations([ref])[ref]
     assert location["node_ids"] == [ray.get_runtime_context().get_node_id()]
     assert location["object_size"] >= 1_200_000
-    usage = plasma_usage()
-    assert usage["mib"] >= 1 and usage["objects"] >= 1
+

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from zephon_ray.service.server.window import MAX_CONSUMER_NAME, Entry, Read, StepWindow, resume_step
+from zephon_ray.service.server.window import Entry, Read, StepWindow, resume_step
+from zephon_ray.service.wire import MAX_CONSUMER_NAME
 
 
 def _window(**kw) -> StepWindow:

@@ -6,8 +6,6 @@ loudly when a Ray upgrade moves them).
   count who owns the shards the coordinator routes (never the coordinator itself), and by tests and benchmarks.
 - :func:`object_locations`: nodes holding a copy and the object's size in the object store
   (``ray.experimental.get_object_locations``; an object inlined into a process's memory has no node).
-- :func:`plasma_usage`: the object store's used bytes and object count on every node, from Ray's memory summary
-  (``ray._private.internal_api.memory_summary``), for benchmarks.
 - :func:`init_private_local`: a private local Ray whose session files live in a directory of ours
   (``ray.init(_temp_dir=...)``, a private keyword).
 - :func:`memory_store`: entries and bytes in this process's core-worker memory store
@@ -22,7 +20,6 @@ No other module of the package uses a private Ray name (tests/test_ray_internals
 
 from __future__ import annotations
 
-import re
 from typing import Any
 
 
@@ -49,22 +46,6 @@ def object_locations(refs: list[Any]) -> dict[Any, dict[str, Any]]:
     for owned in by_owner.values():
         found.update(ray.experimental.get_object_locations(owned, timeout_ms=-1))
     return found
-
-
-_PLASMA_RE = re.compile(r"Plasma memory usage (\d+) MiB, (\d+) objects")
-
-
-def plasma_usage() -> dict[str, int]:
-    """``{"mib": used MiB, "objects": n}`` summed over the cluster's nodes (Ray's memory summary, stats only)."""
-    import ray
-    from ray._private.internal_api import memory_summary
-
-    text = memory_summary(ray.get_runtime_context().gcs_address, stats_only=True)
-    mib = objects = 0
-    for m in _PLASMA_RE.finditer(text):
-        mib += int(m.group(1))
-        objects += int(m.group(2))
-    return {"mib": mib, "objects": objects}
 
 
 def memory_store() -> dict[str, int]:

@@ -253,16 +253,6 @@ class ProcessReads:
             self._cache.clear()
 
     # ------------------------------------------------------------------ reads
-    def cached_steps(self) -> list[int]:
-        """The steps this process holds refs of (any lanes)."""
-        with self._lock:
-            return self._cache.steps()
-
-    def steps_in_flight(self) -> list[int]:
-        """The first steps of this process's read calls in flight (a rank's, or a read-ahead's)."""
-        with self._lock:
-            return sorted(request.step for request in self._requests)
-
     def held(self, consumer: str, step: int, rank: int, world: int, lo: int, hi: int, track: bool,
              timeout_s: float, deadline: float) -> HeldStep:
         """This process's refs of ``step`` covering lanes ``[lo, hi)``: from its cache, from a call in flight of

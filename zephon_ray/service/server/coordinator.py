@@ -68,9 +68,10 @@ from zephon_ray.service.wire import (
 log = logging.getLogger("zephon_ray.service")
 
 
-def name_thread(name: bytes) -> None:
-    """Name this OS thread (Linux ``prctl(PR_SET_NAME)``; elsewhere nothing), so that per-thread CPU and profilers
-    tell it apart from the process's other Python threads."""
+def _name_os_thread(name: bytes) -> None:
+    """Name this OS thread (Linux ``prctl(PR_SET_NAME)``; elsewhere nothing), so that ``top -H``, profilers and the
+    per-thread CPU of /proc tell the pump apart from the event loops' threads. It must run in the thread itself,
+    inside the actor: Python 3.11 gives a ``threading.Thread`` name to Python only."""
     with best_effort(log, "not Linux: the name is only for measurements"):
         import ctypes
 
@@ -517,7 +518,7 @@ class Coordinator:
 
     # ================================================================== pump (one thread)
     def _pump(self) -> None:
-        name_thread(b"zr-pump")  # its CPU shows apart from the event loops' (benchmarks/bench_service_load.py)
+        _name_os_thread(b"zr-pump")  # its CPU shows apart from the event loops' (benchmarks/bench_service_load.py)
         pool = self.pool
         gauges_set = 0.0
         while not self._stopping and not self._fatal:

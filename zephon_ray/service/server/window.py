@@ -38,10 +38,9 @@ from enum import Enum
 from typing import Any
 
 from zephon_ray.checks import check_int
-from zephon_ray.service.wire import MAX_CONSUMER_NAME, check_consumer, check_batch_reader
+from zephon_ray.service.wire import check_batch_reader, check_consumer
 
-__all__ = ["MAX_CONSUMER_NAME", "Cursor", "Entry", "Read", "StepWindow", "check_consumer", "check_batch_reader",
-           "resume_step"]
+__all__ = ["Cursor", "Entry", "Read", "StepWindow", "resume_step"]
 
 MAX_CURSORS = 100_000
 """Cursors kept at once ((consumer, rank, world) keys); more is a misuse (e.g. a new consumer name per read)."""
