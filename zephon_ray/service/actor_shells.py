@@ -1,12 +1,14 @@
-"""The actor classes a client holds handles of: thin shells whose methods delegate to the implementation.
+"""The actor classes a client holds handles of: thin shells whose methods delegate to the implementation in server/.
 
-Ray loads an actor's class to build a handle to it (``ray.get_actor``, or a handle arriving in a reply), so a
-client that connected to the coordinator and got its node reader has imported exactly these shells, never
-coordinator.py, node.py or anything behind them: the implementation is imported inside the actor process only
-(tests/test_service_client.py::test_connect_and_reads_import_no_server_class).
+    CoordinatorActor  -> server.coordinator.Coordinator   (ray.remote with concurrency groups READS and CONTROL)
+    NodeReaderActor   -> server.node_reader.NodeReader
 
-    CoordinatorActor  -> coordinator.Coordinator   (wrap with ray.remote(concurrency_groups={READS: n, CONTROL: m}))
-    NodeReaderActor   -> node.NodeReader
+Ray loads an actor's class to build a handle to it (``ray.get_actor``, or a handle arriving in a reply), so these
+classes are what a client that connected to the coordinator and got its node reader has imported.
+
+Guarantee: a shell imports its implementation inside ``__init__``, so the server modules load in the actor's
+process only, never in a client's. Limit: a method added to an implementation is reachable only once the shell
+forwards it.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from zephon_ray.service.wire import CONTROL, READS, CursorMove
 
 
 class CoordinatorActor:
-    """The coordinator's RPC surface (see coordinator.py for what each call does). Wrap with
+    """The coordinator's RPC surface (see server/coordinator.py for what each call does). Wrap with
     ``ray.remote(concurrency_groups={READS: n, CONTROL: CONTROL_CONCURRENCY})``."""
 
     def __init__(self, recipe: Any, config: Any) -> None:
@@ -85,7 +87,7 @@ class CoordinatorActor:
 
 
 class NodeReaderActor:
-    """A node reader's RPC surface (see node.py). One event loop: its calls are short and node-local."""
+    """A node reader's RPC surface (see server/node_reader.py). One event loop: its calls are short and node-local."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         from zephon_ray.service.server.node_reader import NodeReader

@@ -5,7 +5,7 @@ by :meth:`ServiceConfig.build` / :meth:`ServiceConfig.for_recipe`), the window, 
 interval are positive integers, every ``*_timeout_s`` is a finite number > 0, ``resources`` is an
 :class:`ActorResources` (a dict of its fields is converted, an unknown key is an error), and a multi-producer
 service has a ``run_id`` and exactly one aggregation point (``aggregate_store`` or ``aggregate_dir``). Anything else
-is a ``ValueError`` naming the key (tests/test_service_config.py).
+is a ``ValueError`` naming the key.
 Limit: it reads no file and touches no Ray. A ``materialized_dir`` is checked (it exists, belongs to the recipe,
 holds its end checkpoint) by ``DataService.start`` before Ray or ``state_dir`` is touched
 (:func:`zephon_ray.service.server.launch.check_materialized_dir`); a ``torch://host:port`` store or a shared

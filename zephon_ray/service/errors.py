@@ -1,6 +1,9 @@
 """Errors the data service raises to its users: one clear message each, never a wall of Ray traceback.
 
-Callers branch on these types, never on message text (issue 14): :class:`ReplyTimeoutError` is "no reply in time,
+Shared by both sides: the client raises them (client/step_refs.py maps Ray's errors to them), the actors use
+:func:`describe` (an exception as one line) and :func:`reply_within` (an awaited call with a deadline).
+
+Guarantee: callers branch on these types, never on message text: :class:`ReplyTimeoutError` is "no reply in time,
 retry", a plain ``TimeoutError`` from the coordinator is "the step was not produced within request_timeout_s".
 """
 

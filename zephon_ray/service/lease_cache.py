@@ -3,10 +3,12 @@
     lease reply (steps s, s+1, ... with their lane refs, keep_from) ──file()──► {step: HeldStep}
     read of step s, lanes [lo, hi) ──run(s, lo, hi, n)──► the held steps s, s+1, ... (at most n) that hold them
 
-The node reader (node.py) keeps one for the ranks of its node and the client's node path (node_reads.py) one for
-the ranks of its process; both follow the same rules, so a fix to one is a fix to both.
+Shared by both sides: the node reader (server/node_reader.py) keeps one for the ranks of its node and the client's
+node path (client/node_read_path.py) one for the ranks of its process; both follow the same rules, so a fix to
+one is a fix to both. It also sizes how long the holders of refs above them keep theirs
+(:func:`container_hold_steps`, :func:`producer_hold_steps`).
 
-Guarantees (tests/test_lease_cache.py):
+Guarantees:
 - What is filed is served unchanged: ``run`` hands out the refs filed for a step, of the generation filed last.
   Refs of the same generation filed again are merged lane by lane (a second lease for other lanes adds to the
   first); a step filed by another generation (made again after a producer died, or replayed) replaces it.
@@ -27,13 +29,14 @@ REPLAYS_KEPT = 8
 
 
 def container_hold_steps(window: int, lease_steps: int) -> int:
-    """Steps whose container refs a node reader keeps (node.py): the cache's cap plus one reply's run of steps, so
-    a container outlives the lane refs it held (the order that leaves nothing behind in Ray's memory store)."""
+    """Steps whose container refs a node reader keeps (server/node_reader.py): the cache's cap plus one reply's run
+    of steps, so a container outlives the lane refs it held (the order that leaves nothing behind in Ray's memory
+    store)."""
     return 2 * (window + lease_steps) + REPLAYS_KEPT + max(window, lease_steps)
 
 
 def producer_hold_steps(window: int, lease_steps: int, retain_behind: int) -> int:
-    """Steps whose refs a producer keeps (producer.py :class:`OwnedRefs`): longer than the node readers keep the
+    """Steps whose refs a producer keeps (server/producer.py :class:`OwnedRefs`): longer than the node readers keep the
     containers, plus the steps produced ahead (window) and kept behind the cursors (retain_behind) by the
     coordinator, so that the owner drops its refs last."""
     return container_hold_steps(window, lease_steps) + 2 * window + retain_behind

@@ -1,5 +1,5 @@
-"""The one place the package touches Ray internals (fenced; tests/test_service.py::test_ray_internals_fence fails
-loudly when a Ray upgrade moves them).
+"""The one place the package touches Ray internals, fenced: no other module of the package uses a private Ray name
+(a test scans them), and a test of what each one returns fails loudly when a Ray upgrade moves them.
 
 - :func:`owner_worker_id`: the worker that owns an object, from the owner address Ray keeps in every ObjectRef
   (``ObjectRef.owner_address()``, a serialized ``ray.core.generated.common_pb2.Address``). Used by ``status()`` to
@@ -10,12 +10,14 @@ loudly when a Ray upgrade moves them).
   (``ray.init(_temp_dir=...)``, a private keyword).
 - :func:`memory_store`: entries and bytes in this process's core-worker memory store
   (``ray._private.worker.global_worker.core_worker``), the count that grew by one per released object before the
-  held refs of producer.py and node.py (docs/benchmarks.md "Memory over a long run"); for tests and benchmarks.
+  held refs of server/producer.py and server/node_reader.py (docs/benchmarks.md "Memory over a long run"); the
+  actors' ``memory()`` report it.
 - :func:`bootstrap_address`: the ``host:port`` that ``ray.init(address=...)`` would connect to (``auto`` resolved
   the way Ray resolves it: ``RAY_ADDRESS``, then the newest ``ray start`` of this machine), so that it can be probed
   before Ray waits minutes for a cluster that is not there.
 
-No other module of the package uses a private Ray name (tests/test_ray_internals.py scans them).
+Shared by both sides (client/session.py, server/status.py, the actors' ``memory()``); a process that only connects
+and reads never imports it. Limit: it follows the Ray version the package pins; each name may move in another.
 """
 
 from __future__ import annotations

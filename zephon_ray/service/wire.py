@@ -1,16 +1,16 @@
 """What clients, node readers and the coordinator say to each other, and how the service's actors are named.
 
-Shared by both sides, so the client imports this and never a server class (tests/test_service_client.py).
+Both sides import it: the client, to send cursor moves and read replies, without importing anything of server/.
 
     client ──read(step, consumer, rank, world, track)──► NodeReader (one per node) ──lease(first, n, lanes, ...)──►
-        ◄── (step, generation, lane refs) ─────────────────┘  ◄── LeaseReply: up to n steps of refs ──── Coordinator
+        ◄── (step, generation, lane refs) ─────────────────┘  ◄── lease Reply: up to n steps of refs ─── Coordinator
     lane refs ──ray.get──► producer's object store (zero-copy on the same node)
 
-- A **cursor move** is ``(consumer, rank, world, step, idle_s)``: rank ``rank`` of ``world`` took ``step``, and was
-  last heard ``idle_s`` seconds ago. Node readers batch them onto their leases (:data:`CursorMove`).
+- A **cursor move** is a :class:`CursorMove` ``(consumer, rank, world, step, idle_s)``: rank ``rank`` of ``world``
+  took ``step``, and was last heard ``idle_s`` seconds ago. Node readers batch them onto their leases.
 - A step's shards travel as **containers**: each producer puts its L/M lane shards and then one small object
   holding their refs (the container), and the coordinator holds only the M container refs of a step, so its
-  bookkeeping per step grows with M, not with L (tests/test_service.py::test_coordinator_owns_no_shard_bytes).
+  bookkeeping per step grows with M, not with L.
 - A **lease reply** (coordinator -> node reader, or a direct client) is a :class:`Reply` of
   :class:`StepContainers` ``(step, generation, groups, containers)``: consecutive steps from the first one asked
   for, each with the generation that made it (:data:`REPLAYED` for a replay, one container of all L lanes), the
@@ -18,11 +18,14 @@ Shared by both sides, so the client imports this and never a server class (tests
   were not asked for). ``keep_from`` is the oldest step the coordinator still holds.
 - A **read reply** (node reader -> client process) is a :class:`Reply` of :class:`StepLanes`
   ``(step, generation, lanes)`` (``None`` for lanes not asked for).
-- Replies and their steps are named tuples: a field added with a default (say, a per-step count) changes no
-  caller that does not read it.
+- Moves, replies and their steps are named tuples: a field added with a default (say, a per-step count) changes
+  no caller that does not read it, and they pickle across Ray calls as they are.
 - Actor names: ``<service>.producer.<instance>.g<G>.<i>``, ``<service>.replayer.<instance>.<i>``,
-  ``<service>.reader.<instance>.<node id>``.
-- The actor classes clients hold handles of are thin shells in actors.py.
+  ``<service>.reader.<instance>.<node id>``; the concurrency groups of the coordinator: :data:`READS`,
+  :data:`CONTROL`.
+
+Limit: the same code version on both sides (nothing here is versioned); the actor classes clients hold handles of
+are the shells in actor_shells.py.
 """
 
 from __future__ import annotations

@@ -11,24 +11,24 @@
     svc.batch(s).digest                          # the whole GlobalBatch (moves no cursor: track defaults to False)
 
 The handle holds lifecycle and control calls; reads go through one read-path object. On the default node path
-(node_reads.py) the ranks of a process share a lease cache and call this node's **node reader** (node.py) about
-once per run of steps it hands them; the node reader leases the refs of up to ``lease_steps`` steps from the
-coordinator in one call for every rank on the node; the rank then fetches only its lanes' bytes from the object
-store (zero-copy, read-only arrays, on the producer's node). ``read_path="direct"`` (direct_reads.py) makes one
-coordinator call per read instead (the path before leases, kept for comparison). ``connect`` starts this node's
-reader, so the first read waits for no actor start.
+(node_read_path.py) the ranks of a process share a lease cache and call this node's **node reader**
+(server/node_reader.py) about once per run of steps it hands them; the node reader leases the refs of up to
+``lease_steps`` steps from the coordinator in one call for every rank on the node; the rank then fetches only its
+lanes' bytes from the object store (zero-copy, read-only arrays, on the producer's node). ``read_path="direct"``
+(direct_read_path.py) makes one coordinator call per read instead and leases only the step it reads, so a phase
+added while running can start right after what the consumer read. ``connect`` starts this node's reader, so the
+first read waits for no actor start.
 
 Guarantee: ``batch(s)`` and ``slice(s, r, W)`` return exactly the rows of the reference global batch s (whole, or
 the rank's contiguous row range) for any s, any W up to B, any number of producers, and across producer
-crashes, rescales and service restarts from the same ``state_dir`` (tests/test_service_faults.py, checked on rows).
+crashes, rescales and service restarts from the same ``state_dir``.
 
 Reads heal themselves: when the coordinator restarts (also with reads in flight), a node reader dies, or the
 producer or node holding a step's shards dies, ``batch``/``slice`` retry (backoff, at most
-``reconnect_timeout_s``), the lost step is made again, and the caller sees only a delay
-(tests/test_service_heal.py, tests/test_service_cluster.py). Reads are idempotent. No call waits without a deadline:
-a read returns or raises within ``read_timeout_s`` (or its ``timeout_s``), its retries included, with one line naming
-the step, what it waited for and how long; a refused read (past ``max_ahead``, a bad rank) moves no cursor
-(tests/test_service_fuzz.py: random sequences of reads, commits, handles and kill -9s, and named regressions).
+``reconnect_timeout_s``), the lost step is made again, and the caller sees only a delay. Reads are idempotent.
+No call waits without a deadline: a read returns or raises within ``read_timeout_s`` (or its ``timeout_s``), its
+retries included, with one line naming the step, what it waited for and how long; a refused read (past
+``max_ahead``, a bad rank) moves no cursor.
 
 Limits:
 - Steps inside the live window are served from the object store. Steps behind it are replayed in a Replayer
@@ -44,11 +44,11 @@ Limits:
   from every rank of one job. A consumer silent for ``consumer_ttl_s`` stops holding the window back;
   ``release()`` does that at once. A rank's moves reach its node reader with its process's next read call (or
   alone after ``consumer_ttl_s / 8``, at most 15 s) and the coordinator with the node reader's next lease, so
-  the coordinator's cursors lag by up to a run of steps plus a lease (node_reads.py); ``commit`` and ``status``
+  the coordinator's cursors lag by up to a run of steps plus a lease (node_read_path.py); ``commit`` and ``status``
   carry this client's own moves, so they are exact for it.
 - Errors are raised as clean Python exceptions (ValueError, TimeoutError, ServiceError, ...), never as Ray
-  wrappers. This module imports no server class: ``connect`` and reads need only config, errors, protocol and
-  the read-path modules (tests/test_service_client.py).
+  wrappers. ``connect`` and reads import nothing of server/ (only client/ and the shared config, errors, wire,
+  actor_shells and lease_cache); ``start`` and ``stop`` load server/launch.py when called.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def _ensure_ray(ray_init: bool | dict[str, Any] | None = None) -> None:
 
 class DataService:
     """A handle on a running data service: lifecycle and control calls here, reads through one read-path object
-    (node_reads.py, or direct_reads.py with ``read_path="direct"``). Cheap to create; it pickles as (name,
+    (node_read_path.py, or direct_read_path.py with ``read_path="direct"``). Cheap to create; it pickles as (name,
     namespace, consumer, read path) and reconnects where it lands.
 
     Thread-safe: one handle may be shared by threads, each reading as its own rank (or as the same one). Its own
@@ -475,7 +475,7 @@ class DataService:
     def status(self) -> dict[str, Any]:
         """Producers (pids, lanes, generation), window (held steps and bytes vs. bound), cursors (this client's
         exact, others' as their node readers last reported them), reads (leases, node readers), throughput,
-        durable checkpoints and commits, start-up replay and side-replay counters (status.py)."""
+        durable checkpoints and commits, start-up replay and side-replay counters (server/status.py)."""
         return self._call(self._coordinator.status.remote(self._own_moves()), CONTROL_TIMEOUT_S, "status")
 
     def rescale(self, producers: int) -> dict[str, Any]:

@@ -1,13 +1,18 @@
-"""``DirectReads``: a client's direct read path, one coordinator call per read (the path before node readers, kept
-for comparison: ``read_path="direct"``; benchmarks/bench_service_load.py measures both).
+"""``DirectReads``: a client's direct read path, one coordinator call per read (``read_path="direct"``).
 
     refs(s, rank, world) ──lease(s, 1, lanes, moves)──► Coordinator ──► container refs ──ray.get──► lane refs
 
-Guarantees: the rows are the coordinator's, unchanged (tests/test_service.py); a tracked read moves the cursor
-with the call itself, ``touch`` sends its move at once. ``prefetch`` keeps up to ``4 x window`` lease calls in
-flight, and is thread-safe: its table is guarded by a lock, never held across a remote call
-(tests/test_direct_reads.py reads with many threads on one handle).
-Limits: one coordinator call per read and rank: O(ranks x steps) calls (docs/scaling.md).
+What it is for: it leases exactly the step it reads, never a run ahead, so what the coordinator counts as read is
+what the consumer read. A phase added to a running service (``DataService.add_phase``) must start after every
+step leased out; on this path that is right after the consumer's reads, on the node path a few steps later
+(docs/recipes.md "Mixture schedules"). Ranks reading this way also reach the coordinator as ranks of other nodes
+would, one call each.
+
+Guarantees: the rows are the coordinator's, unchanged; a tracked read moves the cursor with the call itself,
+``advance`` sends its move at once. ``prefetch`` keeps up to ``4 x window`` lease calls in flight, and is
+thread-safe: its table is guarded by a lock, never held across a remote call.
+Limits: one coordinator call per read and rank: O(ranks x steps) calls (docs/scaling.md); use the node path
+(the default) for training at scale.
 """
 
 from __future__ import annotations

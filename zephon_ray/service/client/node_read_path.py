@@ -1,7 +1,7 @@
-"""``NodeReads``: a client's node read path. Every handle of one process on one service (one coordinator actor)
-shares one :class:`ProcessReads`: one lease cache, one read call in flight per step and one set of unsent cursor
-moves. The process calls this node's reader (node.py) about once per run of steps it hands out, however many
-handles (ranks, consumers) the process holds.
+"""``NodeReads``: a client's node read path, the default. Every handle of one process on one service (one coordinator
+actor) shares one :class:`ProcessReads`: one lease cache, one read call in flight per step and one set of unsent
+cursor moves. The process calls this node's reader (server/node_reader.py) about once per run of steps it hands
+out, however many handles (ranks, consumers) the process holds.
 
     rank threads, any handle ──refs(s)──► ProcessReads: LeaseCache (lease_cache.py) ── hit: no call ──► StepRefs
                                    │ miss: one read call per process (threads needing s wait for it), carrying
@@ -14,24 +14,22 @@ cursors differ, and moves carry their consumer), so a second handle's call would
 Each node-reader call costs it about 0.7-1 CPU-ms of Ray's per-call work (docs/scaling.md), so calls are the cost.
 
 Guarantees:
-- Rows: the refs handed out are the ones the node reader filed, unchanged (tests/test_service.py checks rows).
+- Rows: the refs handed out are the ones the node reader filed, unchanged.
 - No wait at the end of a run: when a tracked read finds fewer than ``window // 8`` (at least 1) steps after it
   in the cache, the process's next read call starts in the background with its cursor moves, so the producers
   move the window on while the ranks still hold steps (32 ranks in lock-step, one per process: the longest data
-  wait after step 0 13-19 ms, against 146-150 ms at the window's edges without it; benchmarks/
-  bench_service_load.py, docs/scaling.md; tests/test_node_reads.py). Its failure is nobody's: a rank that joined
-  it asks again itself.
-- Cursors stay exact: a move is recorded when a rank reads a step with ``track=True`` or ``touch``-es it, and
-  travels to the node reader with the process's next read call. Moves that wait longer than ``keepalive_s``
-  (``consumer_ttl_s / 8``, at most 15 s) for one are sent alone, so a rank reading from the cache stays heard well
-  within its TTL; while a read waits for its step, new moves go at once (the step may wait for exactly them), and
-  the ranks waiting are heard again every ``consumer_ttl_s / 4``. When a lease at the node reader waits (another
-  rank or consumer of the node is held back), the node reader asks for them: each process keeps one long poll
-  open (``NodeReader.demand``, no CPU while it waits) and sends its unsent moves when it answers. A cursor never
-  runs ahead of the rank.
+  wait after step 0 13-19 ms, against 146-150 ms at the window's edges without it; docs/scaling.md). Its failure
+  is nobody's: a rank that joined it asks again itself.
+- Cursors stay exact: a move is recorded when a rank reads a step with ``track=True`` or calls
+  ``DataService.advance``, and travels to the node reader with the process's next read call. Moves that wait
+  longer than ``keepalive_s`` (``consumer_ttl_s / 8``, at most 15 s) for one are sent alone, so a rank reading from
+  the cache stays heard well within its TTL; while a read waits for its step, new moves go at once (the step may
+  wait for exactly them), and the ranks waiting are heard again every ``consumer_ttl_s / 4``. When a lease at the
+  node reader waits (another rank or consumer of the node is held back), the node reader asks for them: each
+  process keeps one long poll open (``NodeReader.demand``, no CPU while it waits) and sends its unsent moves when
+  it answers. A cursor never runs ahead of the rank.
 - Thread-safe: every field is guarded by one lock, never held across a remote call; threads that need the same
-  step share one call, whichever handle they read through (tests/test_node_reads.py runs many threads on one
-  handle, and many handles in one process).
+  step share one call, whichever handle they read through.
 - The node reader is found (and started) by :meth:`warm`, which ``DataService.connect`` calls: a fresh loader's
   first read does not wait for an actor to start.
 Limits: the coordinator sees a rank's moves up to one run (about ``window / 2`` steps in lock-step) plus the
@@ -39,6 +37,7 @@ node reader's next lease late; a read-ahead holds a thread of the process until 
 ``request_timeout_s``); ``commit`` and ``status`` carry this client's own moves, so they are exact for it.
 Sharing helps only processes with several handles (the benchmark's 32 rank threads per process, notebooks, a
 process serving several consumers); a trainer with one rank per process makes one call per run either way.
+Call :func:`stop_background` before ``ray.shutdown()`` (session.py does).
 """
 
 from __future__ import annotations
@@ -70,7 +69,7 @@ next steps made and here. One rank per process, window 8 (1 step ahead): 4-9 % m
 read-aheads and no wait at the window's edge; 2 steps ahead made 16-20 % more (shorter runs). Measured with
 benchmarks/bench_service_load.py (docs/scaling.md)."""
 DEMAND_POLL_S = 60.0
-"""A process's long poll for demand (node.py ``NodeReader.demand``) returns at least this often."""
+"""A process's long poll for demand (``NodeReader.demand``, server/node_reader.py) returns at least this often."""
 
 
 class _Listener:
@@ -136,9 +135,9 @@ STOP_POLL_S = 0.5
 def stop_background(timeout_s: float = 5.0) -> None:
     """Stop this process's background Ray calls (demand polls, keep-alive timers) and wait for the polls to end.
 
-    Call it before ``ray.shutdown()`` (``zephon_ray.service.client.session.ray_session`` does); it also runs at exit, before
-    Ray's own exit hook (registered after ``ray.init``, and atexit runs in reverse). Unsent cursor moves are
-    dropped. Handles used after a new ``ray.init`` listen again on their next move."""
+    Call it before ``ray.shutdown()`` (``zephon_ray.service.client.session.ray_session`` does); it also runs at
+    exit, before Ray's own exit hook (registered after ``ray.init``, and atexit runs in reverse). Unsent cursor
+    moves are dropped. Handles used after a new ``ray.init`` listen again on their next move."""
     with _LISTENERS_LOCK:
         listeners = list(_LISTENERS.values())
         _LISTENERS.clear()

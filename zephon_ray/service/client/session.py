@@ -1,9 +1,16 @@
 """Attach to a Ray cluster, or start a private local one, for the length of a command or a job's driver.
 
-The attaching process passes ``runtime_env={"env_vars": storage.worker_environment()}`` (storage endpoints, region,
-addressing style, account names, retry settings; never a secret, a profile name or a local path), so the actors a
-command starts see the same storage settings as the command (tests/test_storage_cli.py). Before Ray shuts down, the
-node read path's background threads stop (:func:`zephon_ray.service.client.node_read_path.stop_background`).
+    with ray_session(args.address, private_if_none=True):   # zephon-ray commands, service/*.py job entry points
+        ...
+
+Guarantee: the attaching process passes ``runtime_env={"env_vars": storage.worker_environment()}`` (storage
+endpoints, region, addressing style, account names, retry settings; never a secret, a profile name or a local
+path), so the actors a command starts see the same storage settings as the command. An unreachable address fails
+within ``CONNECT_TIMEOUT_S`` naming it (:func:`check_reachable`), before Ray would wait minutes. Before Ray shuts
+down, the node read path's background threads stop
+(:func:`zephon_ray.service.client.node_read_path.stop_background`).
+Limits: a Ray this process already runs is used as it is and left running; a private cluster lives as long as the
+``with`` block, and its actors go with it.
 """
 
 from __future__ import annotations

@@ -1,8 +1,13 @@
-"""What both client read paths share: :class:`StepRefs` (one step's lane refs) and the mapping of Ray's errors to
-the service's own (errors.py).
+"""What both client read paths hand out and share: :class:`StepRefs` (one step's lane refs, fetched into a
+``GlobalBatch`` or a ``RankSlice``), and :func:`call`/:func:`unwrap`, which turn Ray's errors into the service's own
+(errors.py).
 
-A read path (node_reads.py, direct_reads.py) turns ``refs(step, rank, world, track)`` into a :class:`StepRefs`;
-``DataService`` (client.py) retries around it. Nothing here imports a server class.
+    read path .refs(step, rank, world, track) ──► StepRefs ──.slice(rank, world) / .batch()──► rows
+
+A read path (node_read_path.py, direct_read_path.py) makes the :class:`StepRefs`; ``DataService`` (data_service.py)
+retries around it. Guarantee: a lost object (its owner died) surfaces as ``ShardsLostError``, a missing actor as
+``ServiceNotFoundError``, a call without a reply in time as ``ReplyTimeoutError``; never a Ray wrapper. Limit: a
+``StepRefs`` holds refs, not bytes: fetch it while the service still holds the step (its window, or a replay).
 """
 
 from __future__ import annotations
@@ -65,7 +70,7 @@ def call(ref: Any, where: str, *, timeout: float, what: str = "a call") -> Any:
 
 
 def open_containers(refs: list[Any], where: str, timeout_s: float) -> list[Any]:
-    """Open containers (protocol.py): a lost one (its producer died) is a ShardsLostError."""
+    """Open containers (wire.py): a lost one (its producer died) is a ShardsLostError."""
     try:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError:

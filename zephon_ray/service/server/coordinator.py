@@ -2,34 +2,36 @@
 
     NodeReader (one per node) ──lease(s, n) + cursor moves──► Coordinator ── "reads" event loop: lease
     client ──commit / status / advance / release / rescale──►   │        ── "control" event loop: the rest
-                                                                 ├─ StepWindow      (window.py: refs table, cursors,
-                                                                 │                   commits, bounds)
-                                                                 ├─ ProducerPool    (pool.py, driven by the pump thread)
-                                                                 ├─ ReplayScheduler (replay.py: Replayer actors)
+                                                                 ├─ StepWindow      (window.py: refs table,
+                                                                 │                   cursors, commits, bounds)
+                                                                 ├─ ProducerPool    (pool.py, run by the pump thread)
+                                                                 ├─ ReplayScheduler (replay_scheduler.py: Replayers)
                                                                  ├─ ServiceState    (formats/service_state.py)
                                                                  └─ status.py       (the status() report)
 
-It holds refs and cursors, nothing else: producers and replayers put and own the shards
-(tests/test_service.py::test_coordinator_owns_no_shard_bytes checks Ray's owner and location tables), node readers
-serve the ranks of their node (node.py), the pump thread files produced steps and persists checkpoints, and
-waiting leases are coroutines (no thread each). Reads and control calls run on two event loops (Ray concurrency
-groups), so ``status()`` and ``commit()`` never queue behind reads (benchmarks/bench_service_load.py measures it).
+``DataService.start`` creates it (launch.py, through the shell ``actor_shells.CoordinatorActor``); clients talk to
+it through that shell. It holds refs and cursors, nothing else: producers and replayers put and own the shards,
+node readers serve the ranks of their node (node_reader.py), the pump thread files produced steps and persists
+checkpoints, and waiting leases are coroutines (no thread each). Reads and control calls run on two event loops
+(Ray concurrency groups), so ``status()`` and ``commit()`` never queue behind reads (benchmarks/
+bench_service_load.py measures it).
 
-Guarantees (each shown by the test named):
-- Every step it serves has the rows of the reference (tests/test_service.py, tests/test_oracle.py).
+Guarantees:
+- Every step it serves has the rows of the reference, and it owns no shard's bytes (Ray's owner and location
+  tables show the producers and replayers as owners).
 - It restarts itself (``coordinator_max_restarts``): a new incarnation reopens ``state_dir``, kills the old one's
   producers and replayers (its node readers died with it) and starts at the consumers' newest commits; clients
-  retry, also reads in flight at the kill (tests/test_service_heal.py).
+  retry, also reads in flight at the kill.
 - A configuration error found while starting is reported once by ``ready()``, naming what is wrong.
 - An object-store outage or throttling is waited out (``storage_retry_s``, zephon_ray/storage/retries.py): the steps it
   holds are served on, reads of other steps wait, production resumes when the store answers again, with no
-  restart (tests/test_storage_faults.py). Only a spent budget or a permanent fault is fatal, as one line naming the
-  object and the cause; no message carries a traceback (the log does).
+  restart. Only a spent budget or a permanent fault is fatal, as one line naming the object and the cause; no
+  message carries a traceback (the log does).
 - A commit is durable when it returns: it is refused beyond what the consumer was delivered, and one that cannot
   be written within the storage budget raises instead of returning.
 - ``add_phase`` changes the mixture of a running service from a step no consumer has read (or was leased),
   durably in ``state_dir``; the steps made ahead under the old weights are made again by a new producer group
-  (tests/test_phases.py::test_a_phase_added_to_a_running_service; docs/recipes.md "Mixture schedules").
+  (docs/recipes.md "Mixture schedules").
 
 Limits: cursors and the refs table live in memory; a restart costs a restore plus up to K steps of replay, and
 the steps the old producers held are made again. See window.py for the window's bounds.
@@ -97,7 +99,7 @@ class Coordinator:
     def __init__(self, recipe: Recipe, config: ServiceConfig, *, reader_class: Any) -> None:
         self.recipe = recipe
         self.config = config
-        self._reader_class = reader_class  # actors.NodeReaderActor (passed in: no import cycle)
+        self._reader_class = reader_class  # actor_shells.NodeReaderActor (passed in: no import cycle)
         self._t0 = time.monotonic()
         self._fatal: str | None = None
         self._stopping = False
@@ -218,8 +220,8 @@ class Coordinator:
                     timeout_s: float | None = None, moves: list[CursorMove] | None = None, track: bool = False,
                     node: str | None = None, wait: bool = True) -> Reply:
         """The container refs of steps ``first, first + 1, ...`` (at most ``count``, consecutive, all produced)
-        holding lanes ``[lo, hi)``: a lease reply (protocol.py). Waits for ``first`` to be produced, or has it replayed when it
-        lies behind the live window (or ahead of it and ``track`` is False: no cursor moves producers there).
+        holding lanes ``[lo, hi)``: a lease reply (wire.py). Waits for ``first`` to be produced, or has it replayed
+        when it lies behind the live window (or ahead of it and ``track`` is False: no cursor moves producers there).
         ``moves`` are applied first. Moves no cursor itself. ``wait=False`` (a node reader's read-ahead) answers at
         once with the produced steps from ``first`` on, possibly none, and never replays."""
         self._bind_loop()

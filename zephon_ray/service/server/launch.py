@@ -1,15 +1,16 @@
-"""Launching a service: the checks that need I/O, then the coordinator actor. Only ``DataService.start`` uses it,
-so a client that connects or reads never imports the server's classes (tests/test_service_client.py).
+"""Launching a service: the checks that need I/O, then the coordinator actor. Only ``DataService.start`` (and its
+``stop``) import it, when called, so a client that connects or reads never loads server/.
 
     prepare(recipe, config)  state_dir of this recipe? materialised prefix usable?   (files only, before Ray)
     launch(recipe, config)   kill orphans of a dead incarnation, create the named detached coordinator, ready()
+    stop(handle, name, ns)   stop the coordinator and every helper it launched
 
 Guarantee: ``prepare`` refuses a ``state_dir`` of another recipe (``FingerprintMismatchError``) and a
 ``materialized_dir`` that is missing, damaged, of another recipe or without its end checkpoint (ValueError naming
-it) before anything is created or written (tests/test_service.py::test_clean_errors,
-tests/test_materialized.py::test_service_config_checks_the_materialised_prefix_before_anything_starts).
-``launch`` leaves nothing behind when the service fails to start: the coordinator and every helper it launched
-are killed and the error is one ``ServiceError`` naming the reason.
+it) before anything is created or written. ``launch`` leaves nothing behind when the service fails to start: the
+coordinator and every helper it launched are killed and the error is one ``ServiceError`` naming the reason.
+Limit: it runs in the starting process (a driver, a job, a notebook), not in an actor; the coordinator it creates
+is detached and outlives that process until ``stop``.
 """
 
 from __future__ import annotations

@@ -14,13 +14,13 @@
 
 Every series carries the tags ``service`` (the service name) and ``run_id`` (``-`` when the service has none).
 Ray's Prometheus exporter adds its own suffixes (``_total`` on counters, ``_bucket``/``_sum``/``_count`` on
-histograms); ``service/grafana_panel.json`` queries them. Shown by ``tests/test_metrics.py``, which scrapes a
-private cluster's metrics endpoint rather than reading these objects.
+histograms); ``service/grafana_panel.json`` queries them. The coordinator holds one :class:`ServiceMetrics`
+(``NO_METRICS`` is the pool's and the replay scheduling's until it hands them its own).
 
-Gauges are set by the coordinator's pump every 1-2 s while the service runs, idle or not (``GAUGE_REFRESH_S``):
-Ray 2.60's metrics agent drops a gauge that was not set for two export intervals, so a gauge set only when steps
-are produced vanished from Prometheus whenever the window sat full (Ray's ``open_telemetry_metric_recorder.py``: TTL = 2 × the export
-interval). The idle scrape of ``tests/test_metrics.py`` shows the gauges stay.
+Guarantee: gauges are set by the coordinator's pump every 1-2 s while the service runs, idle or not
+(``GAUGE_REFRESH_S``): Ray 2.60's metrics agent drops a gauge that was not set for two export intervals (Ray's
+``open_telemetry_metric_recorder.py``: TTL = 2 × the export interval), so a gauge set only when steps are produced
+would vanish from Prometheus whenever the window sits full.
 
 Limits: Ray exports metrics every few seconds (``RAY_metrics_report_interval_ms``, 10 s by default), so a scrape
 lags by that much; the consumer wait is measured in the coordinator per lease (a node reader's lease serves the

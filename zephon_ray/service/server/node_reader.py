@@ -6,38 +6,38 @@
                                                       ▼
                                                  Coordinator.lease ──► refs of up to n produced steps
 
-Why a node reader, not one rank per node serving its peers (docs/scaling.md, benchmarks/bench_geometry.py): it
-needs no rendezvous among trainer ranks (ranks of one node may belong to different jobs, consumers and process
-groups), a rank that dies takes nothing with it (the reader lives on), and it is placed by Ray
-(``NodeAffinitySchedulingStrategy``, 0 CPUs) next to the object store the ranks read from. A rank's call to it is
-node-local; the coordinator sees one lease per node per n steps.
+The coordinator starts it (through the shell ``actor_shells.NodeReaderActor``) when a client of its node asks for
+it; clients call it from client/node_read_path.py. Why a node reader, not one rank per node serving its peers
+(docs/scaling.md, benchmarks/bench_geometry.py): it needs no rendezvous among trainer ranks (ranks of one node may
+belong to different jobs, consumers and process groups), a rank that dies takes nothing with it (the reader lives
+on), and it is placed by Ray (``NodeAffinitySchedulingStrategy``, 0 CPUs) next to the object store the ranks read
+from. A rank's call to it is node-local; the coordinator sees one lease per node per n steps.
 
 Guarantees:
-- Rows: the reader opens the containers the coordinator leased (small objects holding lane refs; protocol.py) and
+- Rows: the reader opens the containers the coordinator leased (small objects holding lane refs; wire.py) and
   hands out those lane refs, unchanged; a rank fetches the bytes itself from the object store (zero-copy on the
-  producer's node). tests/test_service.py checks every row against the reference.
+  producer's node).
 - Few calls: a read reply carries the run of cached steps from the one asked for (up to ``window``), so a rank's
-  process calls about once per run (node_reads.py), and its cursor moves ride on those calls. The cache is the one
-  the client uses too (lease_cache.py). When a lease here has waited ``DEMAND_AFTER_S``, the processes of this
-  node that hold unsent moves are asked for them (``demand``, a long poll each keeps open): a consumer reading
-  from its own cache never holds another one's step back for longer
-  (tests/test_service.py::test_two_consumers_and_window_bound).
+  process calls about once per run, and its cursor moves ride on those calls. The cache is the one the client
+  uses too (lease_cache.py). When a lease here has waited ``DEMAND_AFTER_S``, the processes of this node that hold
+  unsent moves are asked for them (``demand``, a long poll each keeps open): a consumer reading from its own cache
+  never holds another one's step back for longer.
 - Cursors stay exact: a lease moves no cursor. A rank's cursor moves when it reads a step with ``track=True`` or
-  ``touch``-es it; the reader reports those moves with its next lease, or within ``REPORT_GATHER_S`` when a lease
-  waits or this node's slowest rank of a consumer moved (that is what lets producers move on: one report carries
-  the round's moves of every rank here), and every
-  ``consumer_ttl_s / 4`` as a keep-alive carrying how long ago each rank was last heard. Cursors never run ahead of
-  the ranks. One world per consumer, the newest wins, as on the coordinator.
+  calls ``DataService.advance``; the reader reports those moves with its next lease, or within
+  ``REPORT_GATHER_S`` when a lease waits or this node's slowest rank of a consumer moved (that is what lets
+  producers move on: one report carries the round's moves of every rank here), and every ``consumer_ttl_s / 4``
+  as a keep-alive carrying how long ago each rank was last heard. Cursors never run ahead of the ranks. One world
+  per consumer, the newest wins, as on the coordinator.
 - A rank that dies holds nothing back beyond ``consumer_ttl_s``: its last-heard age grows in every report and the
   coordinator expires it; the reader forgets it too. The reader's cache holds only steps >= the coordinator's
   ``keep_from`` (and a few replayed ones), so its refs keep no evicted step alive for long.
 - One lease in flight per step range: W ranks of a node missing the same step cost one coordinator call. When a
   read gets within a run of the end of what the reader holds, it leases what is already produced beyond it
   without waiting (read-ahead), so ranks rarely wait for a lease round trip.
-- Its hot calls (``read``, ``advance``) record no Ray task events (actors.py): measured per call in
+- Its hot calls (``read``, ``advance``) record no Ray task events (actor_shells.py): measured per call in
   benchmarks/bench_service_load.py.
 - It never touches rows, so its process loads neither torch nor Zephon: 129 MB of RSS instead of 309 MB, and about
-  1 s less to start (tests/test_service.py::test_node_readers_load_neither_torch_nor_zephon).
+  1 s less to start.
 
 Limits: the reader is owned by the coordinator and dies with it (clients ask the new incarnation for a new one);
 a reader that dies alone is restarted by Ray with an empty cache (its unreported cursor moves are lost until the
@@ -134,11 +134,11 @@ class NodeReader:
     # ------------------------------------------------------------------ ranks' calls
     async def read(self, step: int, consumer: str, lanes: tuple[int, int] | None = None, track: bool = False,
                    timeout_s: float | None = None, moves: list[CursorMove] | None = None) -> Reply:
-        """A read reply (protocol.py) for one process: step ``step`` and the cached steps after it (at most
+        """A read reply (wire.py) for one process: step ``step`` and the cached steps after it (at most
         ``run_steps``), with the refs of lanes ``[lo, hi)`` (the union of the process's ranks' lanes; all lanes
         for None). ``moves`` are the process's cursor moves ``(consumer, rank, world, step, idle_s)`` since its
         last call, applied first; ``track``: the caller's cursor is at ``step`` (it may wait for it to be
-        produced), or a step behind it (a process's read-ahead, node_reads.py)."""
+        produced), or a step behind it (a process's read-ahead, client/node_read_path.py)."""
         self._start()
         check_consumer(consumer)
         if moves:

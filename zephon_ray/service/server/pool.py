@@ -9,22 +9,20 @@ killed group still in the table (its shards died with it; ``on_lost`` tells the 
 
 Guarantees:
 - A dead producer (kill -9, OOM, node loss; inside a collective checkpoint too) or one that makes no progress for
-  ``progress_timeout_s`` while calls are in flight (hung: alive but stuck) is replaced with its whole group
-  (tests/test_service_faults.py::test_kill9_producer_while_read_and_while_idle, ::test_watchdog_replaces_a_hung_producer).
+  ``progress_timeout_s`` while calls are in flight (hung: alive but stuck) is replaced with its whole group.
 - A producer that fails in ``__init__`` is reported once as a configuration error naming its node and reason
-  (``fatal``), not restarted again and again (::test_producer_init_failure_is_one_config_error).
+  (``fatal``), not restarted again and again.
 - After :meth:`close` no new producer is launched, so ``stop()`` cannot race a restart into orphans.
 - A rescale retires the old group instead of killing it: its actors stay alive (their pipelines closed) while the
-  table still holds steps they own, and are killed by :meth:`reap` once it does not
-  (tests/test_service_faults.py::test_rescale_2_1_2_keeps_batches reads across two rescales).
+  table still holds steps they own, and are killed by :meth:`reap` once it does not.
 - Each generation gets its own Zephon run id ``<run_id>-<instance>-g<N>``; aggregate dirs of older generations
   are removed when a new one starts.
 - Storage faults are waited out, not fatal: checkpoint writes and reads retry transient object-store faults for the
-  storage budget (``storage_retry_s``, zephon_ray/storage/retries.py), so a 15 s outage only pauses the pump
-  (tests/test_storage_faults.py); a producer call that failed on a transient fault (its Zephon read of a source)
-  replaces the group with backoff for as long as that budget, without counting towards
-  ``MAX_CONSECUTIVE_FAILURES``. Only a spent budget or a permanent fault (a missing bucket, refused credentials,
-  a corrupt checkpoint) is fatal, as one line naming the object and the cause.
+  storage budget (``storage_retry_s``, zephon_ray/storage/retries.py), so a 15 s outage only pauses the pump; a
+  producer call that failed on a transient fault (its Zephon read of a source) replaces the group with backoff for
+  as long as that budget, without counting towards ``MAX_CONSECUTIVE_FAILURES``. Only a spent budget or a permanent
+  fault (a missing bucket, refused credentials, a corrupt checkpoint) is fatal, as one line naming the object and
+  the cause.
 Limits: the whole group is replaced, not only the failed producer (Zephon requires every member of a collective
 checkpoint group to restore the same checkpoint); the watchdog cannot tell a very slow producer from a hung one.
 """
@@ -104,7 +102,7 @@ def get_off_loop(refs: Any, timeout: float = REPLY_READ_S) -> Any:
 class Finished:
     step: int
     containers: list[Any]
-    """One container ref per producer, in lane-group order (protocol.py)."""
+    """One container ref per producer, in lane-group order (wire.py)."""
     meta: dict[str, int]
     generation: int
 

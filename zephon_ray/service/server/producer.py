@@ -1,22 +1,23 @@
 """A producer: one Ray actor that is one Zephon rank owning L/M contiguous lanes of the recipe.
 
+    ProducerPool ──produce(s) / skip / checkpoint──► Producer ──ray.put──► lane shards + container (owned here)
+                 ◄── shard_meta(s) + the container's ref ──┘
+
 Guarantee: ``produce(s)`` puts this rank's lane shards of step s into the object store of its own node, one object
 per owned lane, bit-identical to the same lanes of ``GlobalBatchSource(recipe).batch(s)``, and returns one small
 value: :func:`shard_meta` plus the ref of a container holding the lane refs (:data:`KEY_CONTAINER`; the
 coordinator's bookkeeping per step then grows with the producers, not the lanes). The producer is the **owner** of
-its shards and the container,
-whatever their size (``ray.put``, not return values: Ray inlines return values under 100 KiB into the caller, which
-would make the coordinator own them). The coordinator only borrows the refs and passes them on; it never holds a
-shard's bytes (tests/test_service.py::test_coordinator_owns_no_shard_bytes, from Ray's own owner and location
-tables). A producer that dies takes its shards with it: the coordinator drops that generation's steps and the
-next group makes them again (tests/test_service_faults.py::test_kill9_producer_while_read_and_while_idle).
-A failure in ``__init__`` (missing data, a bad tokenizer, an identity mismatch on this node) does not kill the
-actor: ``info()`` reports it with the node, so the coordinator can report one configuration error instead of
-restarting the group again and again.
+its shards and the container, whatever their size (``ray.put``, not return values: Ray inlines return values under
+100 KiB into the caller, which would make the coordinator own them). The coordinator only borrows the refs and
+passes them on; it never holds a shard's bytes. A producer that dies takes its shards with it: the coordinator
+drops that generation's steps and the next group makes them again. A failure in ``__init__`` (missing data, a bad
+tokenizer, an identity mismatch on this node) does not kill the actor: ``info()`` reports it with the node, so the
+coordinator can report one configuration error instead of restarting the group again and again.
+
 The producer also holds its own refs of the last ``hold_steps`` steps it made (``held``): Ray 2.60 leaves one
 entry behind in the owner's in-process memory store for every object whose last reference is dropped by a borrower
 rather than by the owner (benchmarks/ray_memstore_leak.py): 5 entries per step of ``tiny`` in each producer
-before (tests/test_service_memory.py). Holding the refs past every borrower makes the owner drop them last; it keeps those shards in the object
+before. Holding the refs past every borrower makes the owner drop them last; it keeps those shards in the object
 store for ``hold_steps`` steps (pool.py sizes it above what the coordinator and the node readers hold).
 Limits: calls must come in step order (the actor is sequential and checks it); a producer cannot go back, the
 coordinator replaces the whole group instead (see coordinator.py).
@@ -57,7 +58,7 @@ def shard_meta(step: int, shards: list[LaneShard]) -> dict[str, int]:
 
 def put_shards(step: int, shards: list[LaneShard], held: OwnedRefs | None = None) -> dict[str, Any]:
     """Put ``shards`` into this process's object store (this worker owns them), then one small container object
-    holding their refs, and return their meta with the container's ref (protocol.py: "containers"). ``held`` keeps
+    holding their refs, and return their meta with the container's ref (wire.py: "containers"). ``held`` keeps
     this process's own refs for a while (:class:`OwnedRefs`)."""
     import ray
 

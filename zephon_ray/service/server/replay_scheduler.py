@@ -1,4 +1,5 @@
-"""Replay scheduling: steps outside the live window, served by Replayer actors, never by the coordinator.
+"""Replay scheduling: steps outside the live window, served by Replayer actors (replayer.py), never by the
+coordinator, which holds one :class:`ReplayScheduler`.
 
     lease(step) ──► ReplayScheduler.container(step) ──► shared reply of step? ──yes──► its container
                                                    │ no
@@ -8,15 +9,12 @@
 
 Guarantees:
 - One replay per step, shared by every rank and node asking for it while its reply is among the newest
-  ``REPLAY_SHARED_STEPS`` (``window + REPLAY_SHARED_STEPS`` for a materialised prefix)
-  (tests/test_service.py::test_replays_run_in_the_replayer_and_are_shared).
+  ``REPLAY_SHARED_STEPS`` (``window + REPLAY_SHARED_STEPS`` for a materialised prefix).
 - A replay restores the nearest durable checkpoint <= step (at most K steps back for recent steps, ``anchor_every``
   for old ones) unless a replayer's pipeline already sits at most K steps before it (sequential past reads).
-- A sequential reader of a materialised prefix reads ``window`` steps ahead, as producers do in the live window
-  (tests/test_materialized.py::test_service_serves_a_materialised_prefix_then_producers_from_its_end).
+- A sequential reader of a materialised prefix reads ``window`` steps ahead, as producers do in the live window.
 - A replayer starts at the first read outside the live window (with a materialised prefix: with the service), so a
-  service whose consumers read only the live window runs none
-  (tests/test_service.py::test_two_consumers_and_window_bound).
+  service whose consumers read only the live window runs none.
 - The shards are put and owned by the replayer; a reply that failed (replayer died or raised) is dropped and asked
   again, and :meth:`ReplayScheduler.drop` forgets one whose shards a client found lost.
 

@@ -1,19 +1,18 @@
-"""The Replayer: a Ray actor with its own CPU that serves steps outside the live window (past, or far ahead).
+"""The Replayer: a Ray actor with its own CPU that serves steps outside the live window (past, or far ahead), started
+and called by the coordinator's replay scheduling (replay_scheduler.py).
 
 It holds one world-size-1 Zephon pipeline over all lanes. ``replay(step, checkpoint_step, state)`` restores the
 given durable checkpoint (the nearest one <= step, chosen by the coordinator) unless its pipeline already sits at
-most ``reuse_within`` steps before ``step``, then steps forward and puts the L lane shards of ``step`` into its own object store (this actor owns them, as a producer
-owns its shards; :func:`~zephon_ray.service.server.producer.put_shards`), returning their meta and refs.
+most ``reuse_within`` steps before ``step``, then steps forward and puts the L lane shards of ``step`` into its own
+object store (this actor owns them, as a producer owns its shards:
+:func:`~zephon_ray.service.server.producer.put_shards`), returning their meta and refs. With a materialised prefix
+(``ServiceConfig.materialized_dir``), ``read(step)`` returns a step of it in the same form, read from the directory
+with pyarrow and checked against its recorded digest (one row-group read, no Zephon).
 
 Guarantee: the shards equal the same lanes of ``GlobalBatchSource(recipe).batch(step)`` (a world-size-1 pipeline
-restored from a merged checkpoint at a step boundary gives the same lane batches as any topology:
-tests/test_service.py::test_replays_run_in_the_replayer_and_are_shared checks the rows against the reference).
-The coordinator never runs this work itself and shares one replay among every rank asking for the same step
-(tests/test_service.py::test_replays_run_in_the_replayer_and_are_shared).
-With a materialised prefix (``ServiceConfig.materialized_dir``), ``read(step)`` returns a step of it in the same
-form, read from the directory with pyarrow and checked against its recorded digest (one row-group read, no Zephon).
-A replayer that dies (it is restarted by Ray) loses the shards it owned; a client that finds them lost has the step
-replayed again.
+restored from a merged checkpoint at a step boundary gives the same lane batches as any topology). The coordinator
+never runs this work itself and shares one replay among every rank asking for the same step. A replayer that dies
+(it is restarted by Ray) loses the shards it owned; a client that finds them lost has the step replayed again.
 
 Limits: one call at a time per actor (sequential), so a prefix read waits behind a replay in the same actor; a
 cold replay costs one restore plus up to ``anchor_every`` steps for a step older than the newest checkpoints;

@@ -1,5 +1,8 @@
 """``status()``: the report of one service, assembled from the coordinator's parts without waiting on any of them.
 
+    Coordinator.status() ──► build(coordinator) ──► dict ──► DataService.status(), ``zephon-ray status`` (a table,
+                                                              zephon_ray/cli/service.py), the notebook
+
 Sections: identity (name, namespace, fingerprint, recipe, state_dir), ``coordinator`` (pid, node, restarted,
 uptime), ``producers`` and ``replayers`` (pids, nodes, worker ids, lanes), ``generation``/``restarts``/
 ``retired_generations``, ``aggregate``, ``window`` (bounds, held steps and bytes vs their bound), ``cursors`` (at
@@ -7,14 +10,13 @@ most ``MAX_STATUS_CURSORS``, slowest first) and ``cursor_summary`` (per consumer
 cursor moves and reports, node readers), ``throughput``, ``checkpoints``, ``commits``, ``start``, ``replay``,
 ``materialized``. ``window.shard_owners`` counts who owns the containers of the newest held step (one per producer;
 each holds the refs of its lane shards), read from Ray's owner addresses: producers (and retired producers), never
-the coordinator. ``zephon-ray status`` prints it as a table
-(zephon_ray/cli/service.py), the notebook shows it.
+the coordinator.
 
 Guarantee: building it takes the window lock once, for a copy of the window's counters, and makes no remote call
 and no ``ray.get`` (it runs on the coordinator's event loop: producer infos are those the pump thread resolved,
-replayer infos arrive by callback), so it answers while reads wait
-(benchmarks/bench_service_load.py measures its p99 under 2 x 256 lock-step ranks).
-Limit: cursors are as reported by node readers, up to ``lease_steps`` steps behind the ranks (node.py).
+replayer infos arrive by callback), so it answers while reads wait (benchmarks/bench_service_load.py measures its
+p99 under 2 x 256 lock-step ranks).
+Limit: cursors are as reported by node readers, up to ``lease_steps`` steps behind the ranks (node_reader.py).
 """
 
 from __future__ import annotations

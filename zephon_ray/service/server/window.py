@@ -5,6 +5,8 @@
         ▼                    ▼                ▼                       ▼             ▼                  ▼
     ────────────────────────[====== table: steps the producers delivered ======]─────────────────────┤ rejected
 
+The coordinator holds one, under its lock, and asks it where each read is served from (:meth:`StepWindow.read`).
+
 - ``keep_from``: the oldest step the table keeps. Per live consumer it is the lower of its slowest rank's cursor
   and its newest commit, but never more than ``retain_behind`` steps behind that cursor; the window takes the
   lowest over live consumers. Steps below it are evicted. So a trainer that restarts from its newest commit
@@ -14,7 +16,7 @@
   them. It only rises.
 - ``head``: one past the highest step ever submitted to producers (only rises).
 
-Guarantees (tests/test_window.py):
+Guarantees:
 - The table never holds a step outside ``[keep_from, produce_until)``, so it holds at most
   ``window + retain_behind`` steps (``bound_steps``).
 - A cursor never moves back (an out-of-order ``advance`` is ignored); a consumer reading at another world size
@@ -22,7 +24,6 @@ Guarantees (tests/test_window.py):
 - Reads more than ``max_ahead`` steps past the head (or past ``reach``, where an earlier incarnation got to) are
   rejected (tracked or not), commits more than one past the highest step a consumer consumed are rejected,
   rank/world are checked, cursors silent for ``consumer_ttl_s`` are deleted.
-
 - Cursor moves may arrive late and in batches (node readers report them with their leases, ``advance`` with a
   ``seen`` time in the past): a cursor is as live as the last time its rank was heard, and a move heard before the
   consumer's ``release`` is ignored, so a release sticks.
@@ -64,7 +65,7 @@ class Cursor:
 
 @dataclass
 class Entry:
-    """One step in the table: opaque handles (in the service, one container ref per producer: protocol.py) and
+    """One step in the table: opaque handles (in the service, one container ref per producer: wire.py) and
     the step's byte count."""
 
     containers: list[Any]
