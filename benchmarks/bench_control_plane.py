@@ -11,7 +11,7 @@ holding a real handle of the coordinator, so its leases (``Coordinator.lease``: 
 its lanes, read-aheads with ``wait=False``, the unsent cursor moves riding on them), its cursor reports
 (``Coordinator.advance``), their timing (gathering, the round-complete rule, demand) and the container refs it
 opens are exactly a real node reader's. In front of it, one simulated trainer process per node (as one process
-with 8 rank threads sharing a handle) mirrors ``node_reads.ProcessReads``: a lease cache, one read call per run of
+with 8 rank threads sharing a handle) mirrors ``node_read_path.ProcessReads``: a lease cache, one read call per run of
 steps carrying the process's cursor moves, the read-ahead a step before its run ends, and the demand long poll.
 Its 8 ranks read their step in lock-step every step time (track=True: 8 cursor moves per node-step). The
 nodes of a job of ``--nodes-per-job`` nodes are ranks of one consumer with world ``8 x nodes-per-job`` (<= B);
@@ -108,7 +108,7 @@ class _TimedCoordinator:
 
 
 class SimProcess:
-    """A trainer process of 8 rank threads sharing one handle: ``node_reads.ProcessReads``'s calls, in asyncio."""
+    """A trainer process of 8 rank threads sharing one handle: ``node_read_path.ProcessReads``'s calls, in asyncio."""
 
     def __init__(self, reader, consumer: str, world: int, ranks: list[int], lo: int, hi: int, cfg: dict) -> None:
         from zephon_ray.service.lease_cache import LeaseCache
@@ -165,7 +165,7 @@ class SimProcess:
                     raise
 
     async def _listen(self) -> None:
-        """The demand long poll (``node_reads._Listener``): a lease at the node reader waits, send the moves."""
+        """The demand long poll (``node_read_path._Listener``): a lease at the node reader waits, send the moves."""
         epoch = 0
         while True:
             epoch = await self.reader.demand(epoch, 60.0)

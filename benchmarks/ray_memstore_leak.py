@@ -17,7 +17,7 @@ no entry (the owner holds its last 32 calls' refs), after 2,000 calls of warm-up
 
 Measured with Ray 2.60 on a 2-core VM (docs/benchmarks.md "Memory over a long run"): 1.0 entry per object in the
 first and third patterns, 0 in the others. The data service avoids the first and third orders
-(producer.py's and node.py's held refs).
+(server/producer.py's and server/node_reader.py's held refs).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The client's direct read path (service/client/direct_read_path.py) on the session's private Ray: many threads on one
-handle prefetching, reading ahead untracked and advancing the cursor, as the stream loader does, each as its own rank."""
+"""The client's direct read path (service/client/direct_read_path.py) on the session's private Ray: many threads on
+one handle prefetching, reading ahead untracked and advancing the cursor, as the stream loader does, each as its own
+rank."""
 
 from __future__ import annotations
 

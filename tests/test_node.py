@@ -1,5 +1,5 @@
-"""The node reader's cursor reports (service/server/node_reader.py): a NodeReader in this process, against a real service's
-coordinator on the session's private Ray."""
+"""The node reader's cursor reports (service/server/node_reader.py): a NodeReader in this process, against a real
+service's coordinator on the session's private Ray."""
 
 from __future__ import annotations
 

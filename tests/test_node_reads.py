@@ -143,7 +143,7 @@ def test_an_advance_alone_reaches_the_coordinator_as_a_keep_alive(ray_cluster, t
 
 
 def test_the_last_step_held_fetches_the_next_steps_before_the_rank_asks(ray_cluster, tiny_recipe, tmp_path):
-    """Read-ahead (node_reads.py): a tracked read of the last step this process holds starts its next read call in
+    """Read-ahead (node_read_path.py): a tracked read of the last step this process holds starts its next read call in
     the background, with the cursor move, so the next steps are made and held here before the rank asks for them,
     across the window's edge (step 8 needs the move of step 1 at the coordinator), with the right rows. Without it
     no call goes before the rank's own read of the step, and the first step past a run never shows up here."""

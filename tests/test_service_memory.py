@@ -1,9 +1,9 @@
 """Flat memory over a run: the service's producers and node reader hold nothing per step served.
 
 Measured quantity: the entries of each actor's core-worker memory store (``memory()``, ray_internals.memory_store),
-which is exact where RSS is noisy. Before the held refs of producer.py and node.py, Ray 2.60 left one entry per
-lane shard and container behind in each producer (the owner) and one per container in the node reader (a
-borrower) for every step: about 2.6 and 3.2 KB of RSS per step of ``tiny`` (benchmarks/ray_memstore_leak.py shows
+which is exact where RSS is noisy. Before the held refs of server/producer.py and server/node_reader.py, Ray 2.60
+left one entry per lane shard and container behind in each producer (the owner) and one per container in the node
+reader (a borrower) for every step: about 2.6 and 3.2 KB of RSS per step of ``tiny`` (benchmarks/ray_memstore_leak.py shows
 the release orders with Ray alone; docs/benchmarks.md "Memory over a long run").
 """
 

@@ -94,7 +94,7 @@ class StepRefs:
     """One step's lane shards as Ray object refs, owned by the producer (or replayer) that made them.
 
     ``lanes[l]`` is a ref to lane l's shard, ``None`` for lanes outside the (rank, world) it was asked for (a rank is
-    handed only the refs it needs). ``generation`` is the producer generation that made it (protocol.REPLAYED for a
+    handed only the refs it needs). ``generation`` is the producer generation that made it (wire.REPLAYED for a
     replay). Keep the object to keep the shards alive; ``slice`` and ``batch`` only fetch the lanes they need.
     """
 
