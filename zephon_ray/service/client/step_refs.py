@@ -104,6 +104,10 @@ class StepRefs:
     pad_token_id: int | None
     generation: int = 0
 
+    @property
+    def is_refs(self) -> bool:
+        return any(isinstance(lane, ray.ObjectRef) for lane in self.lanes)
+
     def _fetch(self, lanes: range, timeout_s: float) -> list[LaneShard]:
         picked = [self.lanes[lane] for lane in lanes]
         if any(p is None for p in picked):
