@@ -115,10 +115,11 @@ def test_start_takes_a_config_and_overrides_of_its_fields(tiny_recipe, tmp_path,
     import types
 
     from zephon_ray import DataService, ServiceConfig
-    from zephon_ray.service import client, launch
+    from zephon_ray.service.client import data_service
+    from zephon_ray.service.server import launch
 
     launched = []
-    monkeypatch.setattr(client, "_ensure_ray", lambda ray_init=None: None)
+    monkeypatch.setattr(data_service, "_ensure_ray", lambda ray_init=None: None)
     monkeypatch.setattr(launch, "launch", lambda recipe, config: launched.append(config) or "coordinator")
     monkeypatch.setattr(DataService, "_from_coordinator",
                         classmethod(lambda cls, handle, **kw: types.SimpleNamespace(handle=handle, **kw)))
@@ -148,3 +149,40 @@ def test_a_handle_is_not_constructed_directly():
 
     with pytest.raises(TypeError, match=r"^DataService is not constructed directly: DataService.start\(recipe, "):
         DataService("coordinator", name="x", namespace="y")
+
+
+SERVICE = ROOT / "zephon_ray" / "service"
+LAZY_SERVER_IMPORTS = {("client/data_service.py", "start"), ("client/data_service.py", "stop"),
+                       ("actor_shells.py", "__init__")}
+"""Where a client-side or shared module may import server/: DataService.start and stop (they launch and stop the
+actors) and the shells' constructors (they run inside the actor's process)."""
+
+
+def test_the_client_side_imports_server_only_where_it_starts_or_stops_the_actors():
+    """The seam in the tree: client/ and the shared modules of service/ import nothing of server/ except inside the
+    functions of LAZY_SERVER_IMPORTS (the subprocess test above checks what a connecting process really loads)."""
+    import ast
+
+    files = sorted(SERVICE.glob("client/*.py")) + sorted(SERVICE.glob("*.py"))
+    found = []
+    for path in files:
+        rel = str(path.relative_to(SERVICE))
+
+        def visit(node, function=None):
+            for child in ast.iter_child_nodes(node):
+                if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    visit(child, child.name)
+                    continue
+                if isinstance(child, ast.ImportFrom) and child.module:
+                    names = [child.module] + [f"{child.module}.{a.name}" for a in child.names]
+                elif isinstance(child, ast.Import):
+                    names = [a.name for a in child.names]
+                else:
+                    names = []
+                if any(n.startswith("zephon_ray.service.server") for n in names) \
+                        and (rel, function) not in LAZY_SERVER_IMPORTS:
+                    found.append(f"{rel}:{child.lineno} in {function or 'the module'}")
+                visit(child, function)
+
+        visit(ast.parse(path.read_text()))
+    assert not found, found
