@@ -111,8 +111,8 @@ class SimProcess:
     """A trainer process of 8 rank threads sharing one handle: ``node_read_path.ProcessReads``'s calls, in asyncio."""
 
     def __init__(self, reader, consumer: str, world: int, ranks: list[int], lo: int, hi: int, cfg: dict) -> None:
-        from zephon_ray.service.lease_cache import LeaseCache
         from zephon_ray.service.client.node_read_path import READ_AHEAD_PER_WINDOW
+        from zephon_ray.service.lease_cache import LeaseCache
 
         self.reader, self.consumer, self.world, self.ranks = reader, consumer, world, ranks
         self.lo, self.hi = lo, hi
@@ -182,9 +182,9 @@ def _driver(address: str, name: str, cfg: dict, nodes: list[int], step_time: flo
 
     from zephon_ray import Recipe, compute_digest
     from zephon_ray.batch import lane_span
-    from zephon_ray.service.server.node_reader import NodeReader
     from zephon_ray.service.client.node_read_path import stop_background
     from zephon_ray.service.client.step_refs import StepRefs
+    from zephon_ray.service.server.node_reader import NodeReader
     from zephon_ray.source import pad_token_id
 
     ray.init(address=address, namespace=NS, log_to_driver=False, logging_level="ERROR")

@@ -249,9 +249,9 @@ def main() -> None:
         return
 
     import ray
+    from ray_plasma import plasma_usage
 
     from zephon_ray import DataService, Recipe
-    from ray_plasma import plasma_usage
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="soak-"))
     work.mkdir(parents=True, exist_ok=True)

@@ -231,7 +231,7 @@ def test_service_config_checks_the_materialised_prefix_before_anything_starts(ma
                                                                               tmp_path):
     from zephon_ray import DataService, Recipe
     from zephon_ray.service.config import ServiceConfig
-    from zephon_ray.service.server.launch import check_materialized_dir  # the check start() runs (ServiceConfig: no I/O)
+    from zephon_ray.service.server.launch import check_materialized_dir  # the check start() runs
 
     with pytest.raises(ValueError, match="materialized_dir must be a non-empty path string"):
         ServiceConfig(materialized_dir="")

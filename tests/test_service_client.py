@@ -12,7 +12,6 @@ import sys
 import textwrap
 
 import pytest
-
 from conftest import ROOT
 
 SCRIPT = textwrap.dedent("""
@@ -168,10 +167,10 @@ def test_the_client_side_imports_server_only_where_it_starts_or_stops_the_actors
     for path in files:
         rel = str(path.relative_to(SERVICE))
 
-        def visit(node, function=None):
+        def visit(node, rel, function=None):
             for child in ast.iter_child_nodes(node):
                 if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                    visit(child, child.name)
+                    visit(child, rel, child.name)
                     continue
                 if isinstance(child, ast.ImportFrom) and child.module:
                     names = [child.module] + [f"{child.module}.{a.name}" for a in child.names]
@@ -182,7 +181,7 @@ def test_the_client_side_imports_server_only_where_it_starts_or_stops_the_actors
                 if any(n.startswith("zephon_ray.service.server") for n in names) \
                         and (rel, function) not in LAZY_SERVER_IMPORTS:
                     found.append(f"{rel}:{child.lineno} in {function or 'the module'}")
-                visit(child, function)
+                visit(child, rel, function)
 
-        visit(ast.parse(path.read_text()))
+        visit(ast.parse(path.read_text()), rel)
     assert not found, found

@@ -73,13 +73,18 @@ import ray
 from zephon_ray.batch import GlobalBatch, RankSlice, lane_span, slice_bounds
 from zephon_ray.errors import best_effort
 from zephon_ray.recipe import Recipe
-from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, READ_PATHS, ServiceConfig
 from zephon_ray.service.client.direct_read_path import DirectReads
-from zephon_ray.service.errors import (
-    ReadTimeoutError, ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError)
 from zephon_ray.service.client.node_read_path import NodeReads
-from zephon_ray.service.wire import CursorMove, check_batch_reader
 from zephon_ray.service.client.step_refs import StepRefs, as_step, call, reader_key
+from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, READ_PATHS, ServiceConfig
+from zephon_ray.service.errors import (
+    ReadTimeoutError,
+    ReplyTimeoutError,
+    ServiceError,
+    ServiceNotFoundError,
+    ShardsLostError,
+)
+from zephon_ray.service.wire import CursorMove, check_batch_reader
 from zephon_ray.source import pad_token_id
 
 if TYPE_CHECKING:

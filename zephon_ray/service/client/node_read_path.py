@@ -53,10 +53,10 @@ from typing import Any
 import ray
 
 from zephon_ray.errors import best_effort
+from zephon_ray.service.client.step_refs import StepRefs, call
 from zephon_ray.service.errors import ReplyTimeoutError, describe
 from zephon_ray.service.lease_cache import LeaseCache
 from zephon_ray.service.wire import CursorMove, HeldStep, Reply, only_lanes
-from zephon_ray.service.client.step_refs import StepRefs, call
 
 log = logging.getLogger("zephon_ray")
 

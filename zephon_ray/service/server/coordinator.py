@@ -64,8 +64,17 @@ from zephon_ray.service.server.pool import ProducerPool
 from zephon_ray.service.server.replay_scheduler import ReplayScheduler, read_materialized_prefix
 from zephon_ray.service.server.window import Entry, Read, StepWindow, resume_step
 from zephon_ray.service.wire import (
-    PRODUCER_INFIX, READER_INFIX, REPLAYED, REPLAYER_INFIX, CursorMove, Reply, StepContainers, kill_named, lease_reply,
-    only_groups)
+    PRODUCER_INFIX,
+    READER_INFIX,
+    REPLAYED,
+    REPLAYER_INFIX,
+    CursorMove,
+    Reply,
+    StepContainers,
+    kill_named,
+    lease_reply,
+    only_groups,
+)
 
 log = logging.getLogger("zephon_ray.service")
 

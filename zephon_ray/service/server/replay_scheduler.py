@@ -42,8 +42,8 @@ from zephon_ray.service.config import ServiceConfig
 from zephon_ray.service.errors import ServiceError
 from zephon_ray.service.server.metrics import NO_METRICS
 from zephon_ray.service.server.producer import KEY_CONTAINER
-from zephon_ray.service.wire import REPLAYER_INFIX
 from zephon_ray.service.server.replayer import Replayer
+from zephon_ray.service.wire import REPLAYER_INFIX
 
 log = logging.getLogger("zephon_ray")
 
