@@ -132,8 +132,9 @@ class SimProcess:
 
     def _call(self, step: int, ahead: bool) -> asyncio.Future:
         self.calls += 1
-        task = asyncio.ensure_future(self.reader.read(step, self.consumer, (self.lo, self.hi), True, self.timeout_s,
-                                                      self._take()))
+        task = asyncio.ensure_future(
+            self.reader.read(step, self.consumer, (self.lo, self.hi), True, self.timeout_s, self._take())
+        )
         self.inflight[step] = task
 
         def filed(t: asyncio.Future) -> None:
@@ -152,15 +153,21 @@ class SimProcess:
         while True:
             held = self.cache.get(step, self.lo, self.hi)
             if held is not None:
-                first = next((s for s in range(step + 1, step + 1 + self.ahead_steps)
-                              if self.cache.get(s, self.lo, self.hi) is None), None)
+                first = next(
+                    (
+                        s
+                        for s in range(step + 1, step + 1 + self.ahead_steps)
+                        if self.cache.get(s, self.lo, self.hi) is None
+                    ),
+                    None,
+                )
                 if first is not None and first not in self.inflight:
                     self._call(first, ahead=True)  # the read-ahead, with this process's moves
                 return held
             task = self.inflight.get(step) or self._call(step, ahead=False)
             try:
                 await asyncio.shield(task)
-            except Exception:  # noqa: BLE001 - a read-ahead's failure is nobody's: ask again
+            except Exception:
                 if self.inflight.get(step) is task:
                     raise
 
@@ -173,8 +180,19 @@ class SimProcess:
                 await self.reader.advance(self._take())
 
 
-def _driver(address: str, name: str, cfg: dict, nodes: list[int], step_time: float, start_at, stop_at,
-            window_s: tuple, sample_every: int, ready, out) -> None:
+def _driver(
+    address: str,
+    name: str,
+    cfg: dict,
+    nodes: list[int],
+    step_time: float,
+    start_at,
+    stop_at,
+    window_s: tuple,
+    sample_every: int,
+    ready,
+    out,
+) -> None:
     """One driver process: ``nodes`` simulated nodes in one asyncio loop, stepping from ``start_at`` every
     ``step_time`` until ``stop_at`` (``time.time()``, shared with the parent); what happened in ``window_s``
     (the measured seconds) is reported on ``out``."""
@@ -199,10 +217,16 @@ def _driver(address: str, name: str, cfg: dict, nodes: list[int], step_time: flo
         coordinator = _TimedCoordinator(handle, log)
         procs = []
         for n in nodes:
-            reader = NodeReader(coordinator, lanes=recipe.lanes, rows_per_lane=recipe.rows_per_lane,
-                                lease_steps=cfg["lease_steps"], window=cfg["window"],
-                                consumer_ttl_s=cfg["consumer_ttl_s"], request_timeout_s=cfg["request_timeout_s"],
-                                node_id=f"sim-node-{n:05d}")
+            reader = NodeReader(
+                coordinator,
+                lanes=recipe.lanes,
+                rows_per_lane=recipe.rows_per_lane,
+                lease_steps=cfg["lease_steps"],
+                window=cfg["window"],
+                consumer_ttl_s=cfg["consumer_ttl_s"],
+                request_timeout_s=cfg["request_timeout_s"],
+                node_id=f"sim-node-{n:05d}",
+            )
             job, slot = divmod(n, cfg["nodes_per_job"])
             world = RANKS_PER_NODE * cfg["nodes_per_job"]
             ranks = list(range(slot * RANKS_PER_NODE, (slot + 1) * RANKS_PER_NODE))
@@ -233,7 +257,8 @@ def _driver(address: str, name: str, cfg: dict, nodes: list[int], step_time: flo
                     r = rng.choice(proc.ranks)
                     try:
                         part = await asyncio.to_thread(
-                            StepRefs(step, list(held.lanes), recipe, pad, held.generation).slice, r, proc.world)
+                            StepRefs(step, list(held.lanes), recipe, pad, held.generation).slice, r, proc.world
+                        )
                         samples.append((step, r, proc.world, compute_digest(part.tokens, part.positions)))
                     except Exception as exc:  # noqa: BLE001
                         errors.append(f"sample step {step}: {exc!r}")
@@ -256,8 +281,16 @@ def _driver(address: str, name: str, cfg: dict, nodes: list[int], step_time: flo
     lo_t, hi_t = window_s
     leases = [(dt, wait) for kind, t0, dt, wait in log if kind == "lease" and lo_t <= t0 < hi_t]
     reports = sum(1 for kind, t0, *_ in log if kind == "report" and lo_t <= t0 < hi_t)
-    out.put({"node_steps": len(steps_done), "lags": lags, "leases": leases, "reports": reports,
-             "samples": samples, "errors": errors[:5]})
+    out.put(
+        {
+            "node_steps": len(steps_done),
+            "lags": lags,
+            "leases": leases,
+            "reports": reports,
+            "samples": samples,
+            "errors": errors[:5],
+        }
+    )
     ready.wait()
     stop_background()
     ray.shutdown()
@@ -267,21 +300,44 @@ def _driver(address: str, name: str, cfg: dict, nodes: list[int], step_time: flo
 def _coord_counters(svc) -> dict:
     s = svc.status()
     reads = s["reads"]
-    return {"leases": reads["leases"], "reports": reads["reports"], "moves": reads["cursor_moves"],
-            "produced": s["throughput"]["produced_steps"], "t": time.perf_counter()}
+    return {
+        "leases": reads["leases"],
+        "reports": reads["reports"],
+        "moves": reads["cursor_moves"],
+        "produced": s["throughput"]["produced_steps"],
+        "t": time.perf_counter(),
+    }
 
 
-def run_sim(recipe_path: Path, recipe, tmp: Path, tag: str, nodes: int, step_time: float, seconds: float,
-            warmup: float, drivers: int, producers: int, nodes_per_job: int, sample_every: int) -> dict:
+def run_sim(
+    recipe_path: Path,
+    recipe,
+    tmp: Path,
+    tag: str,
+    nodes: int,
+    step_time: float,
+    seconds: float,
+    warmup: float,
+    drivers: int,
+    producers: int,
+    nodes_per_job: int,
+    sample_every: int,
+) -> dict:
     """``nodes`` simulated nodes at ``step_time`` for ``warmup + seconds`` on a fresh service; the coordinator
     measured over the last ``seconds``."""
     import ray
 
     svc = load.start(recipe, f"cp-{tag}", tmp, producers=producers, window=8)
     try:
-        cfg = {"recipe_path": str(recipe_path), "lanes": recipe.lanes, "window": svc.config.window,
-               "lease_steps": svc.config.lease_steps, "consumer_ttl_s": svc.config.consumer_ttl_s,
-               "request_timeout_s": svc.config.request_timeout_s, "nodes_per_job": nodes_per_job}
+        cfg = {
+            "recipe_path": str(recipe_path),
+            "lanes": recipe.lanes,
+            "window": svc.config.window,
+            "lease_steps": svc.config.lease_steps,
+            "consumer_ttl_s": svc.config.consumer_ttl_s,
+            "request_timeout_s": svc.config.request_timeout_s,
+            "nodes_per_job": nodes_per_job,
+        }
         pid = svc.status()["coordinator"]["pid"]
         ctx = multiprocessing.get_context("spawn")
         ready = ctx.Barrier(drivers + 1)
@@ -292,8 +348,24 @@ def run_sim(recipe_path: Path, recipe, tmp: Path, tag: str, nodes: int, step_tim
         shares = [list(range(nodes))[d::drivers] for d in range(drivers)]
         window = ctx.Array("d", [0.0, 0.0])
         for d in range(drivers):
-            procs.append(ctx.Process(target=_driver_entry, args=(
-                address, svc.name, cfg, shares[d], step_time, start_at, stop_at, window, sample_every, ready, out)))
+            procs.append(
+                ctx.Process(
+                    target=_driver_entry,
+                    args=(
+                        address,
+                        svc.name,
+                        cfg,
+                        shares[d],
+                        step_time,
+                        start_at,
+                        stop_at,
+                        window,
+                        sample_every,
+                        ready,
+                        out,
+                    ),
+                )
+            )
         for p in procs:
             p.start()
         ready.wait(timeout=600)  # every driver up (connected, its nodes built): then the clock starts
@@ -319,21 +391,36 @@ def run_sim(recipe_path: Path, recipe, tmp: Path, tag: str, nodes: int, step_tim
     lags = [x for g in got for x in g["lags"]]
     node_steps = sum(g["node_steps"] for g in got)
     cpu = {k: (s1[k] - s0[k]) / wall * 1e3 for k in s1}  # ms/s by kind of thread
-    return {"nodes_simulated": nodes, "step_time_s": step_time, "seconds": round(wall, 2),
-            "node_steps": node_steps, "node_steps_per_s": node_steps / wall,
-            "coordinator_ms_per_s": sum(cpu.values()), "coordinator_threads_ms_per_s": cpu,
-            # calls as the node readers made them (the coordinator's own counters leave out read-aheads that
-            # found nothing produced yet); moves as the coordinator applied them
-            "leases_per_s": len(leases) / wall, "reports_per_s": sum(g["reports"] for g in got) / wall,
-            "leases_filled_per_s": (c1["leases"] - c0["leases"]) / wall,
-            "moves_per_s": (c1["moves"] - c0["moves"]) / wall,
-            "produced_per_s": (c1["produced"] - c0["produced"]) / wall,
-            "lease_ms": {"n": len(all_lat), "p50": (load.pct(all_lat, .5) or 0) * 1e3,
-                         "p99": (load.pct(all_lat, .99) or 0) * 1e3, "max": max(all_lat, default=0) * 1e3},
-            "read_ahead_lease_ms": {"n": len(ahead), "p50": (load.pct(ahead, .5) or 0) * 1e3,
-                                    "p99": (load.pct(ahead, .99) or 0) * 1e3},
-            "step_lag_ms": {"p50": (load.pct(lags, .5) or 0) * 1e3, "p99": (load.pct(lags, .99) or 0) * 1e3},
-            "samples": [s for g in got for s in g["samples"]], "errors": [e for g in got for e in g["errors"]][:5]}
+    return {
+        "nodes_simulated": nodes,
+        "step_time_s": step_time,
+        "seconds": round(wall, 2),
+        "node_steps": node_steps,
+        "node_steps_per_s": node_steps / wall,
+        "coordinator_ms_per_s": sum(cpu.values()),
+        "coordinator_threads_ms_per_s": cpu,
+        # calls as the node readers made them (the coordinator's own counters leave out read-aheads that
+        # found nothing produced yet); moves as the coordinator applied them
+        "leases_per_s": len(leases) / wall,
+        "reports_per_s": sum(g["reports"] for g in got) / wall,
+        "leases_filled_per_s": (c1["leases"] - c0["leases"]) / wall,
+        "moves_per_s": (c1["moves"] - c0["moves"]) / wall,
+        "produced_per_s": (c1["produced"] - c0["produced"]) / wall,
+        "lease_ms": {
+            "n": len(all_lat),
+            "p50": (load.pct(all_lat, 0.5) or 0) * 1e3,
+            "p99": (load.pct(all_lat, 0.99) or 0) * 1e3,
+            "max": max(all_lat, default=0) * 1e3,
+        },
+        "read_ahead_lease_ms": {
+            "n": len(ahead),
+            "p50": (load.pct(ahead, 0.5) or 0) * 1e3,
+            "p99": (load.pct(ahead, 0.99) or 0) * 1e3,
+        },
+        "step_lag_ms": {"p50": (load.pct(lags, 0.5) or 0) * 1e3, "p99": (load.pct(lags, 0.99) or 0) * 1e3},
+        "samples": [s for g in got for s in g["samples"]],
+        "errors": [e for g in got for e in g["errors"]][:5],
+    }
 
 
 def _driver_entry(*args) -> None:
@@ -387,10 +474,19 @@ def run_real(recipe, reference: dict, tmp: Path, step_time: float, seconds: floa
             t.join(600)
         wall = c1["t"] - c0["t"]
         cpu = {k: (s1[k] - s0[k]) / wall * 1e3 for k in s1}
-        return {"node_steps": len(steps_in), "seconds": wall, "coordinator_ms_per_s": sum(cpu.values()),
-                "pump_ms_per_s": cpu["pump"], "leases": r1["leases"] - r0["leases"],
-                "reports": r1["reports"] - r0["reports"], "moves": c1["moves"] - c0["moves"],
-                "produced": c1["produced"] - c0["produced"], "wrong_rows": len(bad), "checked_steps": max(steps_in, default=-1) + 1, "errors": errors[:3]}
+        return {
+            "node_steps": len(steps_in),
+            "seconds": wall,
+            "coordinator_ms_per_s": sum(cpu.values()),
+            "pump_ms_per_s": cpu["pump"],
+            "leases": r1["leases"] - r0["leases"],
+            "reports": r1["reports"] - r0["reports"],
+            "moves": c1["moves"] - c0["moves"],
+            "produced": c1["produced"] - c0["produced"],
+            "wrong_rows": len(bad),
+            "checked_steps": max(steps_in, default=-1) + 1,
+            "errors": errors[:3],
+        }
     finally:
         svc.stop()
 
@@ -400,10 +496,14 @@ def _per_node_step(x: dict, idle_ms_per_s: float) -> dict:
     per node-step."""
     n = max(x["node_steps"], 1)
     net = (x["coordinator_ms_per_s"] - idle_ms_per_s) * x["seconds"] / n
-    return {"node_steps": x["node_steps"], "coordinator_ms_per_node_step_net_of_idle": net,
-            "produced_per_node_step": x["produced"] / n,
-            "leases_per_10_steps": 10 * x["leases"] / n, "reports_per_10_steps": 10 * x["reports"] / n,
-            "moves_per_step": x["moves"] / n}
+    return {
+        "node_steps": x["node_steps"],
+        "coordinator_ms_per_node_step_net_of_idle": net,
+        "produced_per_node_step": x["produced"] / n,
+        "leases_per_10_steps": 10 * x["leases"] / n,
+        "reports_per_10_steps": 10 * x["reports"] / n,
+        "moves_per_step": x["moves"] / n,
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- main
@@ -413,13 +513,21 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0, help="measured seconds per point")
     ap.add_argument("--warmup", type=float, default=5.0, help="seconds run before the measured ones, per point")
     ap.add_argument("--drivers", type=int, default=2, help="driver processes playing the nodes")
-    ap.add_argument("--max-sim-nodes", type=int, default=250,
-                    help="nodes simulated at most; beyond, fewer nodes step faster (same call rate)")
+    ap.add_argument(
+        "--max-sim-nodes",
+        type=int,
+        default=250,
+        help="nodes simulated at most; beyond, fewer nodes step faster (same call rate)",
+    )
     ap.add_argument("--step-time", type=float, default=1.0, help="the simulated job's step time (s)")
     ap.add_argument("--producers", type=int, default=1)
     ap.add_argument("--nodes-per-job", type=int, default=8, help="nodes per consumer (world 8 x this <= B = 64)")
-    ap.add_argument("--sample-every", type=int, default=20, help="fetch and check one rank's rows per this many "
-                    "node-steps of a node (0: none)")
+    ap.add_argument(
+        "--sample-every",
+        type=int,
+        default=20,
+        help="fetch and check one rank's rows per this many node-steps of a node (0: none)",
+    )
     ap.add_argument("--no-calibrate", action="store_true")
     ap.add_argument("--no-pump", action="store_true", help="skip the pump's own figure (then no 1 s adjustment)")
     ap.add_argument("--cal-step-time", type=float, default=0.25)
@@ -440,11 +548,25 @@ def main() -> None:
     with GlobalBatchSource(recipe) as source:
         digests = [source.batch(s).digest for s in range(n_ref)]
     ray_tmp = tempfile.mkdtemp(prefix="zr-bench-ray-", dir="/tmp")
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=ray_tmp, log_to_driver=False,
-             logging_level="ERROR", namespace=NS)
-    result: dict = {"cpus": os.cpu_count(), "recipe_rows": recipe.global_batch_rows, "producers": args.producers,
-                    "seconds": args.seconds, "drivers": args.drivers, "max_sim_nodes": args.max_sim_nodes,
-                    "step_time_s": args.step_time, "points": {}}
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        _temp_dir=ray_tmp,
+        log_to_driver=False,
+        logging_level="ERROR",
+        namespace=NS,
+    )
+    result: dict = {
+        "cpus": os.cpu_count(),
+        "recipe_rows": recipe.global_batch_rows,
+        "producers": args.producers,
+        "seconds": args.seconds,
+        "drivers": args.drivers,
+        "max_sim_nodes": args.max_sim_nodes,
+        "step_time_s": args.step_time,
+        "points": {},
+    }
     samples: list = []
     try:
         pump = {"idle_ms_per_s": 0.0, "coordinator_ms_per_step": 0.0, "pump_ms_per_step": 0.0}
@@ -453,8 +575,11 @@ def main() -> None:
         idle = pump["idle_ms_per_s"]
         pump_ms = pump["coordinator_ms_per_step"]
         result["pump"] = pump
-        print(f"pump M={args.producers}: coordinator {pump_ms:.2f} CPU-ms per produced step (pump thread "
-              f"{pump['pump_ms_per_step']:.2f}); idle {idle:.2f} CPU-ms/s", flush=True)
+        print(
+            f"pump M={args.producers}: coordinator {pump_ms:.2f} CPU-ms per produced step (pump thread "
+            f"{pump['pump_ms_per_step']:.2f}); idle {idle:.2f} CPU-ms/s",
+            flush=True,
+        )
 
         if not args.no_calibrate:
             cal_ref: dict = {}
@@ -466,39 +591,85 @@ def main() -> None:
                         part = b.slice(r, RANKS_PER_NODE)
                         cal_ref[(s, r, RANKS_PER_NODE)] = compute_digest(part.tokens, part.positions)
             real = run_real(recipe, cal_ref, tmp, args.cal_step_time, args.cal_seconds, args.warmup)
-            sim = run_sim(recipe_path, recipe, tmp, "cal", 1, args.cal_step_time, args.cal_seconds, args.warmup,
-                          1, args.producers, 1, args.sample_every)
+            sim = run_sim(
+                recipe_path,
+                recipe,
+                tmp,
+                "cal",
+                1,
+                args.cal_step_time,
+                args.cal_seconds,
+                args.warmup,
+                1,
+                args.producers,
+                1,
+                args.sample_every,
+            )
             samples += sim["samples"]
-            sim_c = {"node_steps": sim["node_steps"], "seconds": sim["seconds"],
-                     "coordinator_ms_per_s": sim["coordinator_ms_per_s"],
-                     "leases": sim["leases_per_s"] * sim["seconds"], "reports": sim["reports_per_s"] * sim["seconds"],
-                     "moves": sim["moves_per_s"] * sim["seconds"], "produced": sim["produced_per_s"] * sim["seconds"]}
+            sim_c = {
+                "node_steps": sim["node_steps"],
+                "seconds": sim["seconds"],
+                "coordinator_ms_per_s": sim["coordinator_ms_per_s"],
+                "leases": sim["leases_per_s"] * sim["seconds"],
+                "reports": sim["reports_per_s"] * sim["seconds"],
+                "moves": sim["moves_per_s"] * sim["seconds"],
+                "produced": sim["produced_per_s"] * sim["seconds"],
+            }
             cr, cs = _per_node_step(real, idle), _per_node_step(sim_c, idle)
             key = "coordinator_ms_per_node_step_net_of_idle"
             ratio = cs[key] / cr[key] if cr[key] > 0 else float("nan")
-            result["calibration"] = {"step_time_s": args.cal_step_time, "real": {**real, **cr},
-                                     "simulated": {k: v for k, v in sim.items() if k != "samples"} | cs,
-                                     "ratio_sim_vs_real": ratio}
-            print(f"calibration at {args.cal_step_time} s steps, one node of 8 ranks, net of idle {idle:.1f} ms/s:",
-                  flush=True)
-            print(f"  {'':<10}{'node-steps':>11}{'CPU-ms/node-step':>17}{'produced/step':>14}"
-                  f"{'leases/10 st':>13}{'reports/10 st':>14}{'moves/step':>11}", flush=True)
+            result["calibration"] = {
+                "step_time_s": args.cal_step_time,
+                "real": {**real, **cr},
+                "simulated": {k: v for k, v in sim.items() if k != "samples"} | cs,
+                "ratio_sim_vs_real": ratio,
+            }
+            print(
+                f"calibration at {args.cal_step_time} s steps, one node of 8 ranks, net of idle {idle:.1f} ms/s:",
+                flush=True,
+            )
+            print(
+                f"  {'':<10}{'node-steps':>11}{'CPU-ms/node-step':>17}{'produced/step':>14}"
+                f"{'leases/10 st':>13}{'reports/10 st':>14}{'moves/step':>11}",
+                flush=True,
+            )
             for label, c in (("real", cr), ("simulated", cs)):
-                print(f"  {label:<10}{c['node_steps']:>11}{c[key]:>17.3f}"
-                      f"{c['produced_per_node_step']:>14.2f}{c['leases_per_10_steps']:>13.2f}"
-                      f"{c['reports_per_10_steps']:>14.2f}{c['moves_per_step']:>11.2f}", flush=True)
-            print(f"  simulated / real coordinator CPU per node-step: {ratio:.2f}; simulated node errors {sim['errors'] or 'none'} (real node: "
-                  f"{real['wrong_rows']} wrong rows of {real['checked_steps']} steps x 8 ranks; errors "
-                  f"{real['errors'] or 'none'})", flush=True)
+                print(
+                    f"  {label:<10}{c['node_steps']:>11}{c[key]:>17.3f}"
+                    f"{c['produced_per_node_step']:>14.2f}{c['leases_per_10_steps']:>13.2f}"
+                    f"{c['reports_per_10_steps']:>14.2f}{c['moves_per_step']:>11.2f}",
+                    flush=True,
+                )
+            print(
+                f"  simulated / real coordinator CPU per node-step: {ratio:.2f}; simulated node errors {sim['errors'] or 'none'} (real node: "
+                f"{real['wrong_rows']} wrong rows of {real['checked_steps']} steps x 8 ranks; errors "
+                f"{real['errors'] or 'none'})",
+                flush=True,
+            )
 
         for n in [int(x) for x in args.nodes.split(",")]:
             sim_nodes = min(n, args.max_sim_nodes)
             step_time = args.step_time * sim_nodes / n
             if sim_nodes < n:
-                print(f"N={n}: {sim_nodes} simulated nodes at {step_time * 1e3:.1f} ms steps stand for {n} nodes at "
-                      f"{args.step_time:g} s steps (the same call rate)", flush=True)
-            x = run_sim(recipe_path, recipe, tmp, f"n{n}", sim_nodes, step_time, args.seconds, args.warmup,
-                        args.drivers, args.producers, args.nodes_per_job, args.sample_every)
+                print(
+                    f"N={n}: {sim_nodes} simulated nodes at {step_time * 1e3:.1f} ms steps stand for {n} nodes at "
+                    f"{args.step_time:g} s steps (the same call rate)",
+                    flush=True,
+                )
+            x = run_sim(
+                recipe_path,
+                recipe,
+                tmp,
+                f"n{n}",
+                sim_nodes,
+                step_time,
+                args.seconds,
+                args.warmup,
+                args.drivers,
+                args.producers,
+                args.nodes_per_job,
+                args.sample_every,
+            )
             samples += x.pop("samples")
             x["nodes_target"] = n
             x["effective_nodes"] = x["node_steps_per_s"] * args.step_time
@@ -514,13 +685,16 @@ def main() -> None:
             x["pump_share"] = x["coordinator_threads_ms_per_s"]["pump"] / x["coordinator_ms_per_s"]
             x["idle_share"] = idle / x["coordinator_ms_per_s"]
             result["points"][n] = x
-            print(f"N={n}: effective N {x['effective_nodes']:.0f} ({x['node_steps_per_s']:.0f} node-steps/s"
-                  f"{'' if x['driven_fraction'] > 0.95 else ', the drivers could not keep the rate'}); coordinator "
-                  f"{x['coordinator_ms_per_s'] / 10:.1f} % of a core ({x['coordinator_ms_per_s_at_1s_steps'] / 10:.1f} % "
-                  f"at 1 s steps), pump {100 * x['pump_share']:.0f} %, idle {100 * x['idle_share']:.0f} %; lease p50/p99 "
-                  f"{x['lease_ms']['p50']:.1f}/{x['lease_ms']['p99']:.1f} ms; {x['leases_per_s']:.0f} leases/s, "
-                  f"{x['reports_per_s']:.0f} reports/s, {x['moves_per_s']:.0f} moves/s; step lag p99 "
-                  f"{x['step_lag_ms']['p99']:.0f} ms; errors {x['errors'] or 'none'}", flush=True)
+            print(
+                f"N={n}: effective N {x['effective_nodes']:.0f} ({x['node_steps_per_s']:.0f} node-steps/s"
+                f"{'' if x['driven_fraction'] > 0.95 else ', the drivers could not keep the rate'}); coordinator "
+                f"{x['coordinator_ms_per_s'] / 10:.1f} % of a core ({x['coordinator_ms_per_s_at_1s_steps'] / 10:.1f} % "
+                f"at 1 s steps), pump {100 * x['pump_share']:.0f} %, idle {100 * x['idle_share']:.0f} %; lease p50/p99 "
+                f"{x['lease_ms']['p50']:.1f}/{x['lease_ms']['p99']:.1f} ms; {x['leases_per_s']:.0f} leases/s, "
+                f"{x['reports_per_s']:.0f} reports/s, {x['moves_per_s']:.0f} moves/s; step lag p99 "
+                f"{x['step_lag_ms']['p99']:.0f} ms; errors {x['errors'] or 'none'}",
+                flush=True,
+            )
     finally:
         ray.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -536,21 +710,27 @@ def main() -> None:
     result["wrong_rows"] = wrong + (result.get("calibration", {}).get("real", {}).get("wrong_rows", 0))
 
     print()
-    print(f"{'N':>5} | {'sim':>4} | {'step ms':>7} | {'eff. N':>6} | {'coord %':>7} | {'at 1 s':>6} | {'pump %':>6} | "
-          f"{'idle %':>6} | {'lease p50/p99 ms':>16} | {'calls/s':>7} | {'L+R /node-step':>14} | {'ms/node-step':>12} | "
-          f"{'proj. % at N':>12} | {'lag p99 ms':>10}")
+    print(
+        f"{'N':>5} | {'sim':>4} | {'step ms':>7} | {'eff. N':>6} | {'coord %':>7} | {'at 1 s':>6} | {'pump %':>6} | "
+        f"{'idle %':>6} | {'lease p50/p99 ms':>16} | {'calls/s':>7} | {'L+R /node-step':>14} | {'ms/node-step':>12} | "
+        f"{'proj. % at N':>12} | {'lag p99 ms':>10}"
+    )
     for n, x in result["points"].items():
-        print(f"{n:>5} | {x['nodes_simulated']:>4} | {x['step_time_s'] * 1e3:>7.1f} | {x['effective_nodes']:>6.0f} | "
-              f"{x['coordinator_ms_per_s'] / 10:>7.1f} | {x['coordinator_ms_per_s_at_1s_steps'] / 10:>6.1f} | "
-              f"{100 * x['pump_share']:>6.0f} | {100 * x['idle_share']:>6.0f} | "
-              f"{x['lease_ms']['p50']:>7.1f}/{x['lease_ms']['p99']:<8.1f} | "
-              f"{x['leases_per_s'] + x['reports_per_s']:>7.0f} | "
-              f"{x['leases_per_node_step']:>6.2f}+{x['reports_per_node_step']:<7.2f} | "
-              f"{x['coordinator_ms_per_node_step']:>12.3f} | {100 * x['projected_core_share_at_n']:>12.1f} | "
-              f"{x['step_lag_ms']['p99']:>10.0f}")
-    print("coord %: the coordinator's CPU as a share of one core, measured; at 1 s: less the steps produced beyond one "
-          "per second; L+R: leases and reports per node-step; ms/node-step: (at 1 s - idle) / node-steps per s; "
-          "proj. % at N: idle + ms/node-step x N; lag: how late the simulated ranks read (the drivers' backlog)")
+        print(
+            f"{n:>5} | {x['nodes_simulated']:>4} | {x['step_time_s'] * 1e3:>7.1f} | {x['effective_nodes']:>6.0f} | "
+            f"{x['coordinator_ms_per_s'] / 10:>7.1f} | {x['coordinator_ms_per_s_at_1s_steps'] / 10:>6.1f} | "
+            f"{100 * x['pump_share']:>6.0f} | {100 * x['idle_share']:>6.0f} | "
+            f"{x['lease_ms']['p50']:>7.1f}/{x['lease_ms']['p99']:<8.1f} | "
+            f"{x['leases_per_s'] + x['reports_per_s']:>7.0f} | "
+            f"{x['leases_per_node_step']:>6.2f}+{x['reports_per_node_step']:<7.2f} | "
+            f"{x['coordinator_ms_per_node_step']:>12.3f} | {100 * x['projected_core_share_at_n']:>12.1f} | "
+            f"{x['step_lag_ms']['p99']:>10.0f}"
+        )
+    print(
+        "coord %: the coordinator's CPU as a share of one core, measured; at 1 s: less the steps produced beyond one "
+        "per second; L+R: leases and reports per node-step; ms/node-step: (at 1 s - idle) / node-steps per s; "
+        "proj. % at N: idle + ms/node-step x N; lag: how late the simulated ranks read (the drivers' backlog)"
+    )
     print(f"wrong rows: {result['wrong_rows']} ({len(samples)} sampled slices checked, and every real-node slice)")
     print("RESULT " + json.dumps(result, default=str))
 

@@ -51,7 +51,7 @@ def global_batch_source(recipe, steps: int) -> tuple[float, int]:
     t0 = time.perf_counter()
     source = GlobalBatchSource(recipe)
     for s in range(steps):
-        source.batch(s).digest
+        _ = source.batch(s).digest
     elapsed = time.perf_counter() - t0
     source.close()
     return steps * recipe.tokens_per_step / elapsed, steps * recipe.lanes * recipe.microbatches_per_lane
@@ -97,8 +97,10 @@ def main() -> None:
     from zephon_ray import Recipe
 
     recipe = Recipe.from_toml(args.recipe)
-    print(f"recipe {recipe.describe()}: {recipe.global_batch_rows} rows x {recipe.seq_len} = "
-          f"{recipe.tokens_per_step} tokens/step, {args.steps} steps x {args.rounds} rounds")
+    print(
+        f"recipe {recipe.describe()}: {recipe.global_batch_rows} rows x {recipe.seq_len} = "
+        f"{recipe.tokens_per_step} tokens/step, {args.steps} steps x {args.rounds} rounds"
+    )
     for side in SIDES.values():
         side(recipe, 2)  # warm caches (catalog, tokenizer, page cache) for both sides
     rows = []
@@ -108,20 +110,33 @@ def main() -> None:
         assert got["bare"][1] == got["source"][1], f"the sides did different work: {got}"  # same microbatches
         b, g = got["bare"][0], got["source"][0]
         rows.append((b, g, g / b))
-        print(f"round {r} ({' then '.join(order)}): bare zephon {b / 1e6:.3f} M tok/s   GlobalBatchSource "
-              f"{g / 1e6:.3f} M tok/s   ratio {g / b:.3f}")
+        print(
+            f"round {r} ({' then '.join(order)}): bare zephon {b / 1e6:.3f} M tok/s   GlobalBatchSource "
+            f"{g / 1e6:.3f} M tok/s   ratio {g / b:.3f}"
+        )
     ratio = statistics.median(x[2] for x in rows)
     behind = random_access(recipe, [1, 10, 100])
     head = probe_head(list(behind))
     for b, cost in behind.items():
-        print(f"batch(s) {b:>3} steps behind (step {head - b}, restore + {(head - b) % CHECKPOINT_EVERY} steps of "
-              f"replay): {cost * 1e3:8.1f} ms")
+        print(
+            f"batch(s) {b:>3} steps behind (step {head - b}, restore + {(head - b) % CHECKPOINT_EVERY} steps of "
+            f"replay): {cost * 1e3:8.1f} ms"
+        )
     print(f"median ratio GlobalBatchSource / bare Zephon: {ratio:.3f}")
-    print("RESULT " + json.dumps({
-        "recipe": str(args.recipe), "steps": args.steps, "rounds": args.rounds,
-        "bare_tokens_per_s": [x[0] for x in rows], "source_tokens_per_s": [x[1] for x in rows],
-        "median_ratio": ratio, "behind_ms": {str(b): c * 1e3 for b, c in behind.items()},
-    }))
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "recipe": str(args.recipe),
+                "steps": args.steps,
+                "rounds": args.rounds,
+                "bare_tokens_per_s": [x[0] for x in rows],
+                "source_tokens_per_s": [x[1] for x in rows],
+                "median_ratio": ratio,
+                "behind_ms": {str(b): c * 1e3 for b, c in behind.items()},
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ def main() -> None:
     temp_dir = tempfile.mkdtemp(prefix="zr-bench-acct-", dir="/tmp")
     ray.init(address="local", num_cpus=2, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False)
     try:
+
         @ray.remote(num_cpus=0.1)
         class Bare:
             def pid(self) -> int:
@@ -39,13 +40,19 @@ def main() -> None:
         actor = Bare.remote()
         pid = ray.get(actor.pid.remote())
         time.sleep(3.0)  # start-up done
-        readers = {"process total": lambda p: cpu_seconds([p]), "threads' stat ticks": lambda p: _threads(p, "stat"),
-                   "threads' schedstat": lambda p: _threads(p, "schedstat")}
+        readers = {
+            "process total": lambda p: cpu_seconds([p]),
+            "threads' stat ticks": lambda p: _threads(p, "stat"),
+            "threads' schedstat": lambda p: _threads(p, "schedstat"),
+        }
         before, t0 = {k: f(pid) for k, f in readers.items()}, time.perf_counter()
         time.sleep(args.seconds)
         after, wall = {k: f(pid) for k, f in readers.items()}, time.perf_counter() - t0
-        print(f"an idle bare Ray actor over {wall:.0f} s, CPU-ms/s: " + "; ".join(
-            f"{k} {(after[k] - before[k]) / wall * 1e3:.2f}" for k in readers), flush=True)
+        print(
+            f"an idle bare Ray actor over {wall:.0f} s, CPU-ms/s: "
+            + "; ".join(f"{k} {(after[k] - before[k]) / wall * 1e3:.2f}" for k in readers),
+            flush=True,
+        )
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)

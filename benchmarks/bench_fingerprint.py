@@ -77,9 +77,11 @@ def main() -> None:
         for r in range(args.rounds):  # the two sides alternate which goes first
             for f in (work / "cache").glob("*.json"):
                 f.unlink()
-            sides = [(floor_s, lambda: [hashlib.sha256(p.read_bytes()).hexdigest() for p in big]),
-                     (pool_s, lambda: hash_cache.digest_files(big, progress=False, use_ray=False))]
-            for times, fn in (sides if r % 2 == 0 else sides[::-1]):
+            sides = [
+                (floor_s, lambda: [hashlib.sha256(p.read_bytes()).hexdigest() for p in big]),
+                (pool_s, lambda: hash_cache.digest_files(big, progress=False, use_ray=False)),
+            ]
+            for times, fn in sides if r % 2 == 0 else sides[::-1]:
                 times.append(timed(fn))
         mb = total / (1 << 20)
         result["hash_mb"] = round(mb, 1)
@@ -110,7 +112,9 @@ seq_len = 64\nchunk_size = 64\ntokenizer = "bytes"\n\n[[sources]]\nname = "small
             measures = {
                 "warm": lambda: Recipe.from_toml(recipe_path),
                 "identity": lambda: identity.source_identity(small_dir, "jsonl", known=()),
-                "verify": lambda: identity.source_identity(small_dir, "jsonl", known=recipe.sources[0].shards),
+                "verify": lambda recipe=recipe: identity.source_identity(
+                    small_dir, "jsonl", known=recipe.sources[0].shards
+                ),
                 "listing": lambda: identity.zephon_shard_listing(small_dir, "jsonl"),
                 "counts": lambda: identity.zephon_row_counts(str(small_dir), "jsonl"),
             }
@@ -118,17 +122,19 @@ seq_len = 64\nchunk_size = 64\ntokenizer = "bytes"\n\n[[sources]]\nname = "small
             for key in order:
                 timings[key].append(timed(measures[key]))
         med = {k: statistics.median(v) for k, v in timings.items()}
-        result.update({
-            "shards": args.shards,
-            "cold_s": round(med["cold"], 3),
-            "warm_s": round(med["warm"], 3),
-            "identity_only_warm_s": round(med["identity"], 3),
-            "verify_warm_s": round(med["verify"], 3),
-            "listing_only_s": round(med["listing"], 3),
-            "zephon_row_counts_s": round(med["counts"], 3),
-            "warm_per_shard_us": round(1e6 * med["warm"] / args.shards, 1),
-            "row_counts_share_of_warm": round(med["counts"] / med["warm"], 2),
-        })
+        result.update(
+            {
+                "shards": args.shards,
+                "cold_s": round(med["cold"], 3),
+                "warm_s": round(med["warm"], 3),
+                "identity_only_warm_s": round(med["identity"], 3),
+                "verify_warm_s": round(med["verify"], 3),
+                "listing_only_s": round(med["listing"], 3),
+                "zephon_row_counts_s": round(med["counts"], 3),
+                "warm_per_shard_us": round(1e6 * med["warm"] / args.shards, 1),
+                "row_counts_share_of_warm": round(med["counts"] / med["warm"], 2),
+            }
+        )
     finally:
         import shutil
 
@@ -136,13 +142,19 @@ seq_len = 64\nchunk_size = 64\ntokenizer = "bytes"\n\n[[sources]]\nname = "small
 
     print(f"hashing {result['hash_mb']} MiB, cold hash cache, warm page cache:")
     print(f"  digest_files (thread pool)   {result['hash_pool_mb_s']:>9} MB/s")
-    print(f"  one thread, hashlib          {result['hash_one_thread_mb_s']:>9} MB/s"
-          f"   (pool / one thread = {result['hash_pool_vs_one_thread']}x)")
+    print(
+        f"  one thread, hashlib          {result['hash_one_thread_mb_s']:>9} MB/s"
+        f"   (pool / one thread = {result['hash_pool_vs_one_thread']}x)"
+    )
     print(f"{result['shards']} shards of ~1 KiB:")
-    for key, label in (("cold_s", "cold Recipe.from_toml"), ("warm_s", "warm Recipe.from_toml"),
-                       ("identity_only_warm_s", "  of which identity (cache)"),
-                       ("zephon_row_counts_s", "  of which Zephon's row counts"),
-                       ("verify_warm_s", "verify_on_node, warm"), ("listing_only_s", "listing only")):
+    for key, label in (
+        ("cold_s", "cold Recipe.from_toml"),
+        ("warm_s", "warm Recipe.from_toml"),
+        ("identity_only_warm_s", "  of which identity (cache)"),
+        ("zephon_row_counts_s", "  of which Zephon's row counts"),
+        ("verify_warm_s", "verify_on_node, warm"),
+        ("listing_only_s", "listing only"),
+    ):
         print(f"  {label:<32} {result[key]:>8.3f} s")
     print("RESULT " + json.dumps(result))
 

@@ -50,10 +50,23 @@ def run_round(args, directory: str, side: str) -> dict[str, float]:
     recipe = Recipe.from_toml(args.recipe)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=n, join_timeout_ms=2000, heartbeat_timeout_ms=5000)
     stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(n)]
-    managers = [Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), min_replica_size=1,
-                        load_state_dict=lambda s: None, state_dict=lambda: {}, replica_id=f"bench_{g}",
-                        lighthouse_addr=lighthouse.address(), store_addr="127.0.0.1", store_port=stores[g].port,
-                        rank=0, world_size=1, use_async_quorum=False, init_sync=False) for g in range(n)]
+    managers = [
+        Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
+            min_replica_size=1,
+            load_state_dict=lambda s: None,
+            state_dict=lambda: {},
+            replica_id=f"bench_{g}",
+            lighthouse_addr=lighthouse.address(),
+            store_addr="127.0.0.1",
+            store_port=stores[g].port,
+            rank=0,
+            world_size=1,
+            use_async_quorum=False,
+            init_sync=False,
+        )
+        for g in range(n)
+    ]
     config = LoaderConfig(recipe=args.recipe, mode="dataset", dataset_dir=directory, prefetch=4)
 
     def group(g: int) -> tuple[list[float], list[float], list[float]]:
@@ -96,9 +109,11 @@ def run_round(args, directory: str, side: str) -> dict[str, float]:
         for m in managers:
             m.shutdown(wait=False)
         lighthouse.shutdown()
-    return {"data_us": 1e6 * p50([x for d, _, _ in out for x in d]),
-            "torchft_us": 1e6 * p50([x for _, q, _ in out for x in q]),
-            "check_us": 1e6 * p50([x for _, _, c in out for x in c]) if side == "ft" else float("nan")}
+    return {
+        "data_us": 1e6 * p50([x for d, _, _ in out for x in d]),
+        "torchft_us": 1e6 * p50([x for _, q, _ in out for x in q]),
+        "check_us": 1e6 * p50([x for _, _, c in out for x in c]) if side == "ft" else float("nan"),
+    }
 
 
 def main() -> int:
@@ -116,26 +131,35 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="zr-bench-ft-"))
     try:
-        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 _temp_dir=str(work / "ray"))
-        materialize(Recipe.from_toml(args.recipe), work / "rows", range(0, args.steps), producers=1,
-                    segment_steps=16, progress=False)
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=str(work / "ray"))
+        materialize(
+            Recipe.from_toml(args.recipe),
+            work / "rows",
+            range(0, args.steps),
+            producers=1,
+            segment_steps=16,
+            progress=False,
+        )
         ray.shutdown()
         results: dict[str, list[dict[str, float]]] = {"ft": [], "plain": []}
         for r in range(args.rounds):
-            for side in (("ft", "plain") if r % 2 == 0 else ("plain", "ft")):
+            for side in ("ft", "plain") if r % 2 == 0 else ("plain", "ft"):
                 results[side].append(run_round(args, str(work / "rows"), side))
-            print(f"round {r}: ft data call p50 {results['ft'][-1]['data_us']:.0f} us (check "
-                  f"{results['ft'][-1]['check_us']:.1f} us), plain {results['plain'][-1]['data_us']:.0f} us",
-                  flush=True)
+            print(
+                f"round {r}: ft data call p50 {results['ft'][-1]['data_us']:.0f} us (check "
+                f"{results['ft'][-1]['check_us']:.1f} us), plain {results['plain'][-1]['data_us']:.0f} us",
+                flush=True,
+            )
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
     def med(side: str, key: str) -> float:
         return statistics.median(r[key] for r in results[side])
 
-    print(f"recipe {args.recipe}: {args.groups} replica groups, {args.steps} steps, {args.rounds} rounds alternating "
-          "(median over rounds of per-step p50)")
+    print(
+        f"recipe {args.recipe}: {args.groups} replica groups, {args.steps} steps, {args.rounds} rounds alternating "
+        "(median over rounds of per-step p50)"
+    )
     print(f"  data call per step, FtSlices.next():          {med('ft', 'data_us'):8.1f} us")
     print(f"  data call per step, DatasetSlices.next():     {med('plain', 'data_us'):8.1f} us")
     print(f"  membership check alone (FtSlices):            {med('ft', 'check_us'):8.1f} us")

@@ -85,8 +85,16 @@ def ensure_tokens(tokens: Path) -> Path:
         raise SystemExit(f"no demo corpus at {corpus}: run `.venv/bin/zephon-ray corpus data/corpus` first")
     import subprocess
 
-    subprocess.run([str(Path(sys.executable).with_name("zephon-ray")), "pretokenize", str(ROOT / "recipes" / "demo.toml"),
-                    str(tokens), "--quiet"], check=True)
+    subprocess.run(
+        [
+            str(Path(sys.executable).with_name("zephon-ray")),
+            "pretokenize",
+            str(ROOT / "recipes" / "demo.toml"),
+            str(tokens),
+            "--quiet",
+        ],
+        check=True,
+    )
     return tokens
 
 
@@ -99,8 +107,13 @@ def geometry_recipe(tokens: Path, seq_len: int):
     lines = []
     for line in text.splitlines():
         key = line.split("=", 1)[0].strip()
-        values = {"lanes": LANES, "microbatches_per_lane": 1, "rows_per_microbatch": ROWS_PER_MICROBATCH,
-                  "seq_len": seq_len, "repeat": "true"}
+        values = {
+            "lanes": LANES,
+            "microbatches_per_lane": 1,
+            "rows_per_microbatch": ROWS_PER_MICROBATCH,
+            "seq_len": seq_len,
+            "repeat": "true",
+        }
         lines.append(f"{key} = {values[key]}" if key in values and "[" not in line else line)
     assert base["repeat"] is True or "repeat = true" in "\n".join(lines)
     path = tokens / f"geometry-{seq_len}.toml"
@@ -175,9 +188,18 @@ def lane_stepper(recipe, steps: int) -> dict:
 def start_service(recipe, name: str, producers: int = 2, window: int = 4, **kw):
     from zephon_ray import DataService
 
-    return DataService.start(recipe, name=name, namespace=NS, producers=producers, window=window,
-                             checkpoint_every=8, run_id=name, aggregate_store="torch://" if producers > 1 else None,
-                             state_dir=tempfile.mkdtemp(prefix=f"zr-geo-{name}-"), **kw)
+    return DataService.start(
+        recipe,
+        name=name,
+        namespace=NS,
+        producers=producers,
+        window=window,
+        checkpoint_every=8,
+        run_id=name,
+        aggregate_store="torch://" if producers > 1 else None,
+        state_dir=tempfile.mkdtemp(prefix=f"zr-geo-{name}-"),
+        **kw,
+    )
 
 
 def service_producer(recipe, ref: list[dict], steps: int, tag: str) -> dict:
@@ -224,15 +246,21 @@ def service_producer(recipe, ref: list[dict], steps: int, tag: str) -> dict:
             sizes.append(sum(v["object_size"] for v in object_locations(lanes).values()))
             del lanes
         plasma = plasma_usage()
-        return {"steps_made": made, "producer_cpu_s": p_cpu, "tokens_per_cpu_s": made * recipe.tokens_per_step / p_cpu,
-                "coordinator_cpu_ms_per_step": c_cpu / max(made_reading, 1) * 1e3,
-                "coordinator_idle_cpu_ms_per_s": idle_rate * 1e3,
-                "coordinator_net_cpu_ms_per_step": (c_cpu - idle_rate * read_s) / max(made_reading, 1) * 1e3,
-                "wrong_steps": wrong,
-                "held_steps": len(held), "object_bytes_per_held_step": statistics.mean(sizes) if sizes else None,
-                "plasma_mib": plasma["mib"], "plasma_objects": plasma["objects"],
-                "shard_owners": status["window"]["shard_owners"],
-                "token_bytes_per_step": recipe.tokens_per_step * 4}
+        return {
+            "steps_made": made,
+            "producer_cpu_s": p_cpu,
+            "tokens_per_cpu_s": made * recipe.tokens_per_step / p_cpu,
+            "coordinator_cpu_ms_per_step": c_cpu / max(made_reading, 1) * 1e3,
+            "coordinator_idle_cpu_ms_per_s": idle_rate * 1e3,
+            "coordinator_net_cpu_ms_per_step": (c_cpu - idle_rate * read_s) / max(made_reading, 1) * 1e3,
+            "wrong_steps": wrong,
+            "held_steps": len(held),
+            "object_bytes_per_held_step": statistics.mean(sizes) if sizes else None,
+            "plasma_mib": plasma["mib"],
+            "plasma_objects": plasma["objects"],
+            "shard_owners": status["window"]["shard_owners"],
+            "token_bytes_per_step": recipe.tokens_per_step * 4,
+        }
     finally:
         svc.stop()
 
@@ -245,30 +273,40 @@ def run_producer(recipe, ref, steps: int, rounds: int) -> dict:
         for side in sides:
             got[side] = bare_zephon(recipe, steps) if side == "bare" else service_producer(recipe, ref, steps, str(r))
         rows.append(got)
-        print(f"  round {r} ({'/'.join(sides)}): bare {got['bare']['tokens_per_cpu_s'] / 1e6:.2f} M tok/CPU-s, "
-              f"service producers {got['service']['tokens_per_cpu_s'] / 1e6:.2f} M tok/CPU-s "
-              f"(x{got['service']['tokens_per_cpu_s'] / got['bare']['tokens_per_cpu_s']:.2f})", flush=True)
+        print(
+            f"  round {r} ({'/'.join(sides)}): bare {got['bare']['tokens_per_cpu_s'] / 1e6:.2f} M tok/CPU-s, "
+            f"service producers {got['service']['tokens_per_cpu_s'] / 1e6:.2f} M tok/CPU-s "
+            f"(x{got['service']['tokens_per_cpu_s'] / got['bare']['tokens_per_cpu_s']:.2f})",
+            flush=True,
+        )
     stepper = lane_stepper(recipe, max(2, steps // 2))
     ratios = [x["service"]["tokens_per_cpu_s"] / x["bare"]["tokens_per_cpu_s"] for x in rows]
     last = rows[-1]["service"]
-    return {"rounds": rows, "ratio_producer_vs_bare": statistics.median(ratios), "round_ratios": ratios,
-            "lane_stepper_tokens_per_cpu_s": stepper["tokens_per_cpu_s"],
-            "bare_tokens_per_cpu_s": statistics.median(x["bare"]["tokens_per_cpu_s"] for x in rows),
-            "service_tokens_per_cpu_s": statistics.median(x["service"]["tokens_per_cpu_s"] for x in rows),
-            "coordinator_cpu_ms_per_step": statistics.median(x["service"]["coordinator_cpu_ms_per_step"] for x in rows),
-            "coordinator_net_cpu_ms_per_step": statistics.median(
-                x["service"]["coordinator_net_cpu_ms_per_step"] for x in rows),
-            "coordinator_idle_cpu_ms_per_s": statistics.median(
-                x["service"]["coordinator_idle_cpu_ms_per_s"] for x in rows),
-            "object_bytes_per_held_step": last["object_bytes_per_held_step"],
-            "token_bytes_per_step": last["token_bytes_per_step"], "plasma_mib": last["plasma_mib"],
-            "held_steps": last["held_steps"], "shard_owners": last["shard_owners"],
-            "wrong_steps": sum(x["service"]["wrong_steps"] for x in rows)}
+    return {
+        "rounds": rows,
+        "ratio_producer_vs_bare": statistics.median(ratios),
+        "round_ratios": ratios,
+        "lane_stepper_tokens_per_cpu_s": stepper["tokens_per_cpu_s"],
+        "bare_tokens_per_cpu_s": statistics.median(x["bare"]["tokens_per_cpu_s"] for x in rows),
+        "service_tokens_per_cpu_s": statistics.median(x["service"]["tokens_per_cpu_s"] for x in rows),
+        "coordinator_cpu_ms_per_step": statistics.median(x["service"]["coordinator_cpu_ms_per_step"] for x in rows),
+        "coordinator_net_cpu_ms_per_step": statistics.median(
+            x["service"]["coordinator_net_cpu_ms_per_step"] for x in rows
+        ),
+        "coordinator_idle_cpu_ms_per_s": statistics.median(x["service"]["coordinator_idle_cpu_ms_per_s"] for x in rows),
+        "object_bytes_per_held_step": last["object_bytes_per_held_step"],
+        "token_bytes_per_step": last["token_bytes_per_step"],
+        "plasma_mib": last["plasma_mib"],
+        "held_steps": last["held_steps"],
+        "shard_owners": last["shard_owners"],
+        "wrong_steps": sum(x["service"]["wrong_steps"] for x in rows),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- readers
-def _reader_process(address: str, name: str, world: int, ranks: list[int], steps: list[int], passes: int,
-                    ref: dict, out: str) -> None:
+def _reader_process(
+    address: str, name: str, world: int, ranks: list[int], steps: list[int], passes: int, ref: dict, out: str
+) -> None:
     """One reader process: ``ranks`` as threads, each reading its slice of ``steps`` ``passes`` times."""
     import threading
 
@@ -321,12 +359,22 @@ def zero_copy_proof(array) -> dict:
             if lo <= ptr < hi:
                 mapping = line.split()[-2] if line.strip().endswith("(deleted)") else line.split()[-1]
                 break
-    return {"in_plasma_mapping": bool(mapping and "plasma" in mapping), "mapping": mapping,
-            "owndata": bool(array.flags.owndata), "writeable": bool(array.flags.writeable)}
+    return {
+        "in_plasma_mapping": bool(mapping and "plasma" in mapping),
+        "mapping": mapping,
+        "owndata": bool(array.flags.owndata),
+        "writeable": bool(array.flags.writeable),
+    }
 
 
-def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3, processes: int = READER_PROCESSES,
-                node_ranks: int | None = None) -> dict:
+def run_readers(
+    recipe,
+    ref: list[dict],
+    worlds=(8, 64),
+    passes: int = 3,
+    processes: int = READER_PROCESSES,
+    node_ranks: int | None = None,
+) -> dict:
     """``node_ranks``: only ranks [0, node_ranks) of each W read, as on one node of a W-rank job (default: all W)."""
     import ray
 
@@ -348,9 +396,21 @@ def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3, proces
             procs = []
             for p in range(procs_n):  # contiguous rank ranges, as even as the counts allow
                 ranks = list(range(p * here // procs_n, (p + 1) * here // procs_n))
-                procs.append(ctx.Process(target=_reader_process, args=(
-                    ray.get_runtime_context().gcs_address, svc.name, world, ranks, steps, passes, flat,
-                    str(tmp / f"{p}.json"))))
+                procs.append(
+                    ctx.Process(
+                        target=_reader_process,
+                        args=(
+                            ray.get_runtime_context().gcs_address,
+                            svc.name,
+                            world,
+                            ranks,
+                            steps,
+                            passes,
+                            flat,
+                            str(tmp / f"{p}.json"),
+                        ),
+                    )
+                )
             for proc in procs:
                 proc.start()
             for proc in procs:
@@ -360,21 +420,27 @@ def run_readers(recipe, ref: list[dict], worlds=(8, 64), passes: int = 3, proces
             first = [dt for r in results for p, dt in r["samples"] if p == 0]
             warm = [dt for r in results for p, dt in r["samples"] if p > 0]
             reads = svc.status()["reads"]
-            out[world] = {"processes": procs_n, "ranks_on_this_node": here,
-                          "slices": len(first) + len(warm),
-                          "wrong_slices": sum(r["wrong"] for r in results),
-                          "first_pass_ms": {"p50": pct(first, .5) * 1e3, "p99": pct(first, .99) * 1e3},
-                          "warm_ms": {"p50": pct(warm, .5) * 1e3, "p99": pct(warm, .99) * 1e3},
-                          "all_ms": {"p50": pct(first + warm, .5) * 1e3, "p99": pct(first + warm, .99) * 1e3},
-                          "zero_copy": results[0]["proof"], "leases": reads["leases"],
-                          "node_readers": reads["node_readers"],
-                          "slice_bytes": recipe.tokens_per_step * 8 // world}
+            out[world] = {
+                "processes": procs_n,
+                "ranks_on_this_node": here,
+                "slices": len(first) + len(warm),
+                "wrong_slices": sum(r["wrong"] for r in results),
+                "first_pass_ms": {"p50": pct(first, 0.5) * 1e3, "p99": pct(first, 0.99) * 1e3},
+                "warm_ms": {"p50": pct(warm, 0.5) * 1e3, "p99": pct(warm, 0.99) * 1e3},
+                "all_ms": {"p50": pct(first + warm, 0.5) * 1e3, "p99": pct(first + warm, 0.99) * 1e3},
+                "zero_copy": results[0]["proof"],
+                "leases": reads["leases"],
+                "node_readers": reads["node_readers"],
+                "slice_bytes": recipe.tokens_per_step * 8 // world,
+            }
             o = out[world]
-            print(f"  W={world} ({here} ranks here) in {procs_n} processes: slice p50/p99 "
-                  f"{o['all_ms']['p50']:.1f}/{o['all_ms']['p99']:.1f} ms (first pass {o['first_pass_ms']['p50']:.1f}/"
-                  f"{o['first_pass_ms']['p99']:.1f}), wrong {o['wrong_slices']}, zero-copy "
-                  f"{o['zero_copy']['in_plasma_mapping'] and not o['zero_copy']['owndata']}, leases {o['leases']}",
-                  flush=True)
+            print(
+                f"  W={world} ({here} ranks here) in {procs_n} processes: slice p50/p99 "
+                f"{o['all_ms']['p50']:.1f}/{o['all_ms']['p99']:.1f} ms (first pass {o['first_pass_ms']['p50']:.1f}/"
+                f"{o['first_pass_ms']['p99']:.1f}), wrong {o['wrong_slices']}, zero-copy "
+                f"{o['zero_copy']['in_plasma_mapping'] and not o['zero_copy']['owndata']}, leases {o['leases']}",
+                flush=True,
+            )
         finally:
             svc.stop()
     return out
@@ -397,10 +463,14 @@ def run_positions(recipe, repeats: int = 20) -> dict:
     tokens = np.concatenate([shards[lane].tokens for lane in range(recipe.lanes)])
     positions = np.concatenate([shards[lane].positions for lane in range(recipe.lanes)])
     narrow = positions.astype(np.int16)
-    exact = bool(positions.max() < 2 ** 15 and np.array_equal(narrow.astype(np.int32), positions))
+    exact = bool(positions.max() < 2**15 and np.array_equal(narrow.astype(np.int32), positions))
     same_digest = compute_digest(tokens, narrow.astype(np.int32)) == compute_digest(tokens, positions)
-    out = {"max_position": int(positions.max()), "row_length": recipe.row_length, "int16_exact": exact,
-           "same_digest": same_digest}
+    out = {
+        "max_position": int(positions.max()),
+        "row_length": recipe.row_length,
+        "int16_exact": exact,
+        "same_digest": same_digest,
+    }
     for name, pos in (("int32", shards[0].positions), ("int16", shards[0].positions.astype(np.int16))):
         shard = LaneShard(0, shards[0].tokens, pos, shards[0].source_tokens)
         put, get, widen = [], [], []
@@ -417,9 +487,13 @@ def run_positions(recipe, repeats: int = 20) -> dict:
             widen.append(t3 - t2 if name == "int16" else 0.0)
             del ref, got, wide
         per_step = recipe.tokens_per_step * (4 + pos.itemsize)
-        out[name] = {"bytes_per_step": per_step, "bytes_per_token": 4 + pos.itemsize,
-                     "put_ms_per_lane": statistics.median(put) * 1e3, "get_ms_per_lane": statistics.median(get) * 1e3,
-                     "widen_ms_per_lane": statistics.median(widen) * 1e3}
+        out[name] = {
+            "bytes_per_step": per_step,
+            "bytes_per_token": 4 + pos.itemsize,
+            "put_ms_per_lane": statistics.median(put) * 1e3,
+            "get_ms_per_lane": statistics.median(get) * 1e3,
+            "widen_ms_per_lane": statistics.median(widen) * 1e3,
+        }
     out["bytes_saved"] = 1 - out["int16"]["bytes_per_step"] / out["int32"]["bytes_per_step"]
     return out
 
@@ -439,14 +513,29 @@ def _cluster_driver(recipe_path: str, steps: int, summary: str) -> None:
     info: dict = {}
     cluster = svc = None
     try:
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 2, "resources": {"zr-coord": 1}, "temp_dir": temp_dir,
-            "object_store_memory": 400 * 2 ** 20})
+        cluster = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 2,
+                "resources": {"zr-coord": 1},
+                "temp_dir": temp_dir,
+                "object_store_memory": 400 * 2**20,
+            },
+        )
         for i in range(2):
-            cluster.add_node(num_cpus=2, resources={"zr-work": 1, f"zr-node{i}": 1}, temp_dir=temp_dir,
-                             object_store_memory=800 * 2 ** 20)
-        ray.init(address=cluster.address, namespace=NS, log_to_driver=False, logging_level="ERROR",
-                 runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+            cluster.add_node(
+                num_cpus=2,
+                resources={"zr-work": 1, f"zr-node{i}": 1},
+                temp_dir=temp_dir,
+                object_store_memory=800 * 2**20,
+            )
+        ray.init(
+            address=cluster.address,
+            namespace=NS,
+            log_to_driver=False,
+            logging_level="ERROR",
+            runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+        )
         head = ray.get_runtime_context().get_node_id()
         recipe = Recipe.from_toml(recipe_path)
         with GlobalBatchSource(recipe) as source:
@@ -456,11 +545,22 @@ def _cluster_driver(recipe_path: str, steps: int, summary: str) -> None:
                 for r in range(8):
                     part = batch.slice(r, 8)
                     want[(s, r)] = compute_digest(part.tokens, part.positions)
-        svc = DataService.start(recipe, name="geo-cluster", namespace=NS, producers=2, run_id="geo-cluster",
-                                aggregate_store="torch://", window=4, checkpoint_every=8,
-                                state_dir=os.path.join(temp_dir, "state"), resources=ActorResources(
-                                    coordinator_resources={"zr-coord": 0.01}, producer_resources={"zr-work": 0.01},
-                                    replayer_resources={"zr-work": 0.01}))
+        svc = DataService.start(
+            recipe,
+            name="geo-cluster",
+            namespace=NS,
+            producers=2,
+            run_id="geo-cluster",
+            aggregate_store="torch://",
+            window=4,
+            checkpoint_every=8,
+            state_dir=os.path.join(temp_dir, "state"),
+            resources=ActorResources(
+                coordinator_resources={"zr-coord": 0.01},
+                producer_resources={"zr-work": 0.01},
+                replayer_resources={"zr-work": 0.01},
+            ),
+        )
 
         @ray.remote(num_cpus=0.1)
         class Reader:
@@ -479,15 +579,20 @@ def _cluster_driver(recipe_path: str, steps: int, summary: str) -> None:
                 return out
 
             def refs(self, step):  # the refs this node's ranks were handed (borrowed, not fetched again)
-                return [ref for r in self.ranks for ref in self.svc.refs(step, rank=r, world=8).lanes
-                        if ref is not None]
+                return [
+                    ref for r in self.ranks for ref in self.svc.refs(step, rank=r, world=8).lanes if ref is not None
+                ]
 
-        readers = [Reader.options(resources={f"zr-node{i}": 0.01}).remote(list(range(4 * i, 4 * i + 4)))
-                   for i in range(2)]
+        readers = [
+            Reader.options(resources={f"zr-node{i}": 0.01}).remote(list(range(4 * i, 4 * i + 4))) for i in range(2)
+        ]
         info["reader_nodes"] = ray.get([r.node.remote() for r in readers])
         status = svc.status()
-        info.update(head=head, coordinator_node=status["coordinator"]["node_id"],
-                    producer_nodes=[p["node_id"] for p in status["producers"]])
+        info.update(
+            head=head,
+            coordinator_node=status["coordinator"]["node_id"],
+            producer_nodes=[p["node_id"] for p in status["producers"]],
+        )
         producers = {p["worker_id"] for p in status["producers"]}
         wrong, locations, moved, owners = 0, {}, 0, set()
         t0 = time.perf_counter()
@@ -495,7 +600,7 @@ def _cluster_driver(recipe_path: str, steps: int, summary: str) -> None:
             got = ray.get([r.read.remote(step) for r in readers], timeout=900)
             for part in got:
                 wrong += sum(want[(step, int(r))] != d for r, d in part.items())
-            for i, reader in enumerate(readers):
+            for reader in readers:
                 refs = ray.get(reader.refs.remote(step), timeout=300)
                 found = object_locations(refs)
                 for ref in refs:
@@ -534,8 +639,9 @@ def _cluster_driver(recipe_path: str, steps: int, summary: str) -> None:
 
 def run_cluster(recipe, steps: int) -> dict:
     summary = Path(tempfile.mkdtemp(prefix="zr-geo-sum-")) / "cluster.json"
-    proc = multiprocessing.get_context("spawn").Process(target=_cluster_driver,
-                                                        args=(str(recipe.path), steps, str(summary)))
+    proc = multiprocessing.get_context("spawn").Process(
+        target=_cluster_driver, args=(str(recipe.path), steps, str(summary))
+    )
     proc.start()
     proc.join(1800)
     if proc.is_alive():
@@ -554,12 +660,19 @@ def main() -> None:
     ap.add_argument("--parts", default="producer,readers,positions,cluster")
     ap.add_argument("--cluster-steps", type=int, default=3)
     ap.add_argument("--reader-processes", type=int, default=READER_PROCESSES)
-    ap.add_argument("--worlds", default="8,64",
-                    help="readers: the W values, in this order, repeated --rounds times when they include a W that "
-                         "does not divide the 512 rows (e.g. 8,7,64,56: a divisor beside a neighbouring non-divisor)")
-    ap.add_argument("--node-ranks", type=int, default=None,
-                    help="readers: only this many ranks of each W read here, as on one node of a W-rank job "
-                         "(8 GPUs a node: 8); default all W")
+    ap.add_argument(
+        "--worlds",
+        default="8,64",
+        help="readers: the W values, in this order, repeated --rounds times when they include a W that "
+        "does not divide the 512 rows (e.g. 8,7,64,56: a divisor beside a neighbouring non-divisor)",
+    )
+    ap.add_argument(
+        "--node-ranks",
+        type=int,
+        default=None,
+        help="readers: only this many ranks of each W read here, as on one node of a W-rank job "
+        "(8 GPUs a node: 8); default all W",
+    )
     args = ap.parse_args()
     parts = set(args.parts.split(","))
 
@@ -569,38 +682,60 @@ def main() -> None:
     result: dict = {"cpus": os.cpu_count(), "lanes": LANES, "rows_per_step": LANES * ROWS_PER_MICROBATCH}
     for seq_len in [int(s) for s in args.seq_lens.split(",")]:
         recipe = geometry_recipe(tokens, seq_len)
-        print(f"geometry seq_len {seq_len}: {recipe.global_batch_rows} rows x {recipe.row_length} = "
-              f"{recipe.tokens_per_step / 1e6:.2f} M tokens/step, {recipe.tokens_per_step * 8 / 2 ** 20:.1f} MiB "
-              f"tokens+positions", flush=True)
+        print(
+            f"geometry seq_len {seq_len}: {recipe.global_batch_rows} rows x {recipe.row_length} = "
+            f"{recipe.tokens_per_step / 1e6:.2f} M tokens/step, {recipe.tokens_per_step * 8 / 2**20:.1f} MiB "
+            f"tokens+positions",
+            flush=True,
+        )
         out = result[f"seq_{seq_len}"] = {"tokens_per_step": recipe.tokens_per_step}
         local_parts = parts & {"producer", "readers", "positions"}
         worlds = [int(w) for w in args.worlds.split(",")]
-        ref = reference(recipe, max(args.steps + 8, 8), worlds=sorted(set(worlds + [8, 64]))) \
-            if parts & {"producer", "readers"} else []
+        ref = (
+            reference(recipe, max(args.steps + 8, 8), worlds=sorted(set(worlds + [8, 64])))
+            if parts & {"producer", "readers"}
+            else []
+        )
         ray_tmp = tempfile.mkdtemp(prefix="zr-geo-ray-", dir="/tmp")
         if local_parts:
-            ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=ray_tmp, log_to_driver=False,
-                     logging_level="ERROR", object_store_memory=3 * 2 ** 30, namespace=NS)
+            ray.init(
+                address="local",
+                num_cpus=8,
+                include_dashboard=False,
+                _temp_dir=ray_tmp,
+                log_to_driver=False,
+                logging_level="ERROR",
+                object_store_memory=3 * 2**30,
+                namespace=NS,
+            )
         try:
             if "producer" in parts:
                 r = out["producer"] = run_producer(recipe, ref, args.steps, args.rounds)
-                print(f"producer: x{r['ratio_producer_vs_bare']:.2f} of bare Zephon per CPU-second (rounds "
-                      f"{', '.join(f'{x:.2f}' for x in r['round_ratios'])}; target >= 0.8), coordinator "
-                      f"{r['coordinator_cpu_ms_per_step']:.1f} CPU-ms/step ({r['coordinator_net_cpu_ms_per_step']:.1f} net "
-                      f"of its idle {r['coordinator_idle_cpu_ms_per_s']:.1f} ms/s), object store "
-                      f"{r['object_bytes_per_held_step'] / 2 ** 20:.1f} MiB per held step, wrong steps "
-                      f"{r['wrong_steps']}", flush=True)
+                print(
+                    f"producer: x{r['ratio_producer_vs_bare']:.2f} of bare Zephon per CPU-second (rounds "
+                    f"{', '.join(f'{x:.2f}' for x in r['round_ratios'])}; target >= 0.8), coordinator "
+                    f"{r['coordinator_cpu_ms_per_step']:.1f} CPU-ms/step ({r['coordinator_net_cpu_ms_per_step']:.1f} net "
+                    f"of its idle {r['coordinator_idle_cpu_ms_per_s']:.1f} ms/s), object store "
+                    f"{r['object_bytes_per_held_step'] / 2**20:.1f} MiB per held step, wrong steps "
+                    f"{r['wrong_steps']}",
+                    flush=True,
+                )
             if "readers" in parts:
                 uneven = any(recipe.global_batch_rows % w for w in worlds)
-                rounds = [run_readers(recipe, ref, worlds=worlds, processes=args.reader_processes,
-                                      node_ranks=args.node_ranks) for _ in range(args.rounds if uneven else 1)]
+                rounds = [
+                    run_readers(recipe, ref, worlds=worlds, processes=args.reader_processes, node_ranks=args.node_ranks)
+                    for _ in range(args.rounds if uneven else 1)
+                ]
                 out["readers"] = rounds[0] if len(rounds) == 1 else {"rounds": rounds}
             if "positions" in parts:
                 r = out["positions"] = run_positions(recipe)
-                print(f"positions: int16 exact {r['int16_exact']}, same digest {r['same_digest']}, bytes/token "
-                      f"{r['int32']['bytes_per_token']} -> {r['int16']['bytes_per_token']} ({r['bytes_saved']:.0%} "
-                      f"less), put {r['int32']['put_ms_per_lane']:.2f} -> {r['int16']['put_ms_per_lane']:.2f} "
-                      f"ms/lane, widen {r['int16']['widen_ms_per_lane']:.2f} ms/lane", flush=True)
+                print(
+                    f"positions: int16 exact {r['int16_exact']}, same digest {r['same_digest']}, bytes/token "
+                    f"{r['int32']['bytes_per_token']} -> {r['int16']['bytes_per_token']} ({r['bytes_saved']:.0%} "
+                    f"less), put {r['int32']['put_ms_per_lane']:.2f} -> {r['int16']['put_ms_per_lane']:.2f} "
+                    f"ms/lane, widen {r['int16']['widen_ms_per_lane']:.2f} ms/lane",
+                    flush=True,
+                )
         finally:
             ray.shutdown()
             shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -609,9 +744,12 @@ def main() -> None:
             if "error" in r:
                 print("cluster: ERROR", r["error"][-2000:], flush=True)
             else:
-                print(f"cluster (3 raylets): wrong slices {r['wrong_slices']}, a shard on the coordinator's node: "
-                      f"{r['head_in_locations']}, owners are producers: {r['owners_are_producers']}, "
-                      f"{r['bytes_moved_per_token']:.2f} bytes moved between nodes per token", flush=True)
+                print(
+                    f"cluster (3 raylets): wrong slices {r['wrong_slices']}, a shard on the coordinator's node: "
+                    f"{r['head_in_locations']}, owners are producers: {r['owners_are_producers']}, "
+                    f"{r['bytes_moved_per_token']:.2f} bytes moved between nodes per token",
+                    flush=True,
+                )
     print("RESULT " + json.dumps(result, default=str))
 
 

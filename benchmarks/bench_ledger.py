@@ -115,7 +115,7 @@ def step_share(steps: int, rounds: int = 3) -> dict:
         recipe.write_text(text)
         on, off = [], []
         for r in range(rounds):  # alternate the order from one round to the next
-            for hashing in ((True, False) if r % 2 == 0 else (False, True)):
+            for hashing in (True, False) if r % 2 == 0 else (False, True):
                 period, piece = _period(str(recipe), steps, hashing)
                 (on if hashing else off).append(period)
     hash_ms = []
@@ -124,28 +124,56 @@ def step_share(steps: int, rounds: int = 3) -> dict:
         slice_digest(piece.tokens, piece.positions)
         hash_ms.append((time.perf_counter() - t0) * 1e3)
     hashed, with_ledger, without = statistics.median(hash_ms), statistics.median(on), statistics.median(off)
-    return {"rows": int(piece.tokens.shape[0]), "row_tokens": SEQ + 1, "step_ms": with_ledger,
-            "step_ms_without_hashing": without, "hash_ms": hashed, "share_of_step": hashed / with_ledger}
+    return {
+        "rows": int(piece.tokens.shape[0]),
+        "row_tokens": SEQ + 1,
+        "step_ms": with_ledger,
+        "step_ms_without_hashing": without,
+        "hash_ms": hashed,
+        "share_of_step": hashed / with_ledger,
+    }
 
 
 def audit_cost(steps: int, world: int, every: int) -> dict:
-    from zephon_ray.jobs import audit
     from zephon_ray.formats import ledger
+    from zephon_ray.jobs import audit
 
     with tempfile.TemporaryDirectory() as work:
         parent, t0 = "", time.perf_counter()
         for first in range(0, steps, every):
             end = min(steps, first + every)
             schedule = {"data_next": end, "phases": [[0, "sources", "f" * 64]]}  # as the loader records it
-            seg = ledger.segment_id(run_id="bench", fingerprint="f" * 64, parent=parent, first_step=first,
-                                    next_step=end, world=world, resumed=False, schedule=schedule)
+            seg = ledger.segment_id(
+                run_id="bench",
+                fingerprint="f" * 64,
+                parent=parent,
+                first_step=first,
+                next_step=end,
+                world=world,
+                resumed=False,
+                schedule=schedule,
+            )
             for rank in range(world):
-                records = [ledger.Record(s, world, rank, hashlib.sha256(f"{s} {rank}".encode()).hexdigest()[:32])
-                           for s in range(first, end)]
-                ledger.write_part(work, ledger.make_part(run_id="bench", fingerprint="f" * 64, segment=seg,
-                                                         parent=parent, first_step=first, next_step=end, world=world,
-                                                         rank=rank, resumed=False, schedule=schedule,
-                                                         records=records))
+                records = [
+                    ledger.Record(s, world, rank, hashlib.sha256(f"{s} {rank}".encode()).hexdigest()[:32])
+                    for s in range(first, end)
+                ]
+                ledger.write_part(
+                    work,
+                    ledger.make_part(
+                        run_id="bench",
+                        fingerprint="f" * 64,
+                        segment=seg,
+                        parent=parent,
+                        first_step=first,
+                        next_step=end,
+                        world=world,
+                        rank=rank,
+                        resumed=False,
+                        schedule=schedule,
+                        records=records,
+                    ),
+                )
             parent = seg
         write_s = time.perf_counter() - t0
         size = sum(p.stat().st_size for p in Path(work).rglob("*.json"))
@@ -158,9 +186,16 @@ def audit_cost(steps: int, world: int, every: int) -> dict:
         packed = audit.audit(work)
         packed_s = time.perf_counter() - t0
         assert packed.clean and packed.records == report.records
-    return {"steps": steps, "world": world, "segments": len(report.lineage), "bytes": size,
-            "bytes_per_step_per_rank": size / (steps * world), "write_s": write_s, "audit_s": audit_s,
-            "audit_packed_s": packed_s}
+    return {
+        "steps": steps,
+        "world": world,
+        "segments": len(report.lineage),
+        "bytes": size,
+        "bytes_per_step_per_rank": size / (steps * world),
+        "write_s": write_s,
+        "audit_s": audit_s,
+        "audit_packed_s": packed_s,
+    }
 
 
 def ft_cost(steps: int, world: int) -> dict:
@@ -168,9 +203,15 @@ def ft_cost(steps: int, world: int) -> dict:
     from zephon_ray.stream.ledger_recorder import FtLedger
 
     with tempfile.TemporaryDirectory() as work:
-        readers = [FtLedger(run_id="bench", fingerprint="f" * 64, ledger_dir=work,
-                            schedule=lambda n: {"data_next": n, "phases": [[0, "sources", "f" * 64]]})
-                   for _ in range(world)]
+        readers = [
+            FtLedger(
+                run_id="bench",
+                fingerprint="f" * 64,
+                ledger_dir=work,
+                schedule=lambda n: {"data_next": n, "phases": [[0, "sources", "f" * 64]]},
+            )
+            for _ in range(world)
+        ]
         commit_s = 0.0
         for step in range(steps):
             for rank, reader in enumerate(readers):
@@ -186,8 +227,14 @@ def ft_cost(steps: int, world: int) -> dict:
         report = audit.audit(work)
         audit_s = time.perf_counter() - t0
         assert report.clean and report.next_step == steps, report.findings[:3]
-    return {"steps": steps, "world": world, "files": len(paths), "bytes_per_step_per_reader": size / (steps * world),
-            "commit_ms_per_step": 1e3 * commit_s / (steps * world), "audit_s": audit_s}
+    return {
+        "steps": steps,
+        "world": world,
+        "files": len(paths),
+        "bytes_per_step_per_reader": size / (steps * world),
+        "commit_ms_per_step": 1e3 * commit_s / (steps * world),
+        "audit_s": audit_s,
+    }
 
 
 def main() -> None:
@@ -207,20 +254,28 @@ def main() -> None:
     for rows, row in costs.items():
         print(f"{rows:>5} " + " ".join(f"{row[n]:>13.3f}" for n in names))
     share = step_share(args.steps)
-    print(f"\nlocal-mode loader, W=1, {share['rows']} rows x {share['row_tokens']} tokens per step ({args.steps} "
-          "steps back to back, median of 3 rounds)")
-    print(f"  slice_digest {share['hash_ms']:.2f} ms = {share['share_of_step']:.2%} of a step's loader time "
-          f"({share['step_ms']:.1f} ms per step with the ledger, {share['step_ms_without_hashing']:.1f} ms without "
-          "hashing: the digest is taken in the prefetch thread)")
+    print(
+        f"\nlocal-mode loader, W=1, {share['rows']} rows x {share['row_tokens']} tokens per step ({args.steps} "
+        "steps back to back, median of 3 rounds)"
+    )
+    print(
+        f"  slice_digest {share['hash_ms']:.2f} ms = {share['share_of_step']:.2%} of a step's loader time "
+        f"({share['step_ms']:.1f} ms per step with the ledger, {share['step_ms_without_hashing']:.1f} ms without "
+        "hashing: the digest is taken in the prefetch thread)"
+    )
     cost = audit_cost(args.audit_steps, args.audit_world, args.save_every)
-    print(f"\naudit of {cost['steps']} steps at W={cost['world']} ({cost['segments']} segments, "
-          f"{cost['bytes'] / 1e6:.1f} MB, {cost['bytes_per_step_per_rank']:.1f} bytes per step per rank): "
-          f"{cost['audit_s']:.2f} s loose, {cost['audit_packed_s']:.2f} s compacted (writing it took "
-          f"{cost['write_s']:.2f} s)")
+    print(
+        f"\naudit of {cost['steps']} steps at W={cost['world']} ({cost['segments']} segments, "
+        f"{cost['bytes'] / 1e6:.1f} MB, {cost['bytes_per_step_per_rank']:.1f} bytes per step per rank): "
+        f"{cost['audit_s']:.2f} s loose, {cost['audit_packed_s']:.2f} s compacted (writing it took "
+        f"{cost['write_s']:.2f} s)"
+    )
     ft = ft_cost(args.ft_steps, args.ft_world)
-    print(f"\ntorchft (FtLedger): {ft['steps']} committed steps at W={ft['world']} ({ft['files']} files): "
-          f"{ft['commit_ms_per_step']:.2f} ms per commit per reader, {ft['bytes_per_step_per_reader']:.0f} bytes per "
-          f"step per reader; audit {ft['audit_s']:.2f} s")
+    print(
+        f"\ntorchft (FtLedger): {ft['steps']} committed steps at W={ft['world']} ({ft['files']} files): "
+        f"{ft['commit_ms_per_step']:.2f} ms per commit per reader, {ft['bytes_per_step_per_reader']:.0f} bytes per "
+        f"step per reader; audit {ft['audit_s']:.2f} s"
+    )
     print("RESULT " + json.dumps({"hash_ms": costs, "step": share, "audit": cost, "torchft": ft}))
 
 

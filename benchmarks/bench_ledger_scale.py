@@ -61,38 +61,62 @@ def generate(ledger_dir: str, *, ranks: int, steps: int, save_every: int) -> dic
     parent = ""
     for first in range(0, steps, save_every):
         end = min(steps, first + save_every)
-        sid = ledger.segment_id(run_id="bench", fingerprint=FP, parent=parent, first_step=first, next_step=end,
-                                world=ranks, resumed=False, schedule=_schedule(end))
-        code = table.add(ledger.Segment(sid, parent, "bench", FP, first, end, ranks, False,
-                                        ledger.schedule_text(_schedule(end))), "generator")
+        sid = ledger.segment_id(
+            run_id="bench",
+            fingerprint=FP,
+            parent=parent,
+            first_step=first,
+            next_step=end,
+            world=ranks,
+            resumed=False,
+            schedule=_schedule(end),
+        )
+        code = table.add(
+            ledger.Segment(sid, parent, "bench", FP, first, end, ranks, False, ledger.schedule_text(_schedule(end))),
+            "generator",
+        )
         n = end - first
         per = max(1, ledger.ROW_GROUP_RECORDS // n)  # ranks per batch
         for lo in range(0, ranks, per):
             hi = min(ranks, lo + per)
             m = (hi - lo) * n
             rank = np.arange(lo, hi, dtype=np.int64)
-            writer.add(ledger.Parts(np.full(hi - lo, code, dtype=np.int64), rank,
-                                    np.arange(0, m + 1, n, dtype=np.int64),
-                                    np.tile(np.arange(first, end, dtype=np.int64), hi - lo),
-                                    np.full(m, ranks, dtype=np.int64), np.repeat(rank, n),
-                                    np.zeros(m, dtype=np.int64), np.ones(m, dtype=np.int64), _hexes(rng, m),
-                                    "generator"))
+            writer.add(
+                ledger.Parts(
+                    np.full(hi - lo, code, dtype=np.int64),
+                    rank,
+                    np.arange(0, m + 1, n, dtype=np.int64),
+                    np.tile(np.arange(first, end, dtype=np.int64), hi - lo),
+                    np.full(m, ranks, dtype=np.int64),
+                    np.repeat(rank, n),
+                    np.zeros(m, dtype=np.int64),
+                    np.ones(m, dtype=np.int64),
+                    _hexes(rng, m),
+                    "generator",
+                )
+            )
         parent = sid
     manifest = writer.commit([])
     size = sum(p.stat().st_size for p in Path(ledger_dir).rglob("*") if p.is_file())
-    return {"records": manifest["parts"]["records"], "parts": manifest["parts"]["rows"],
-            "segments": manifest["segments"]["rows"], "bytes": size}
+    return {
+        "records": manifest["parts"]["records"],
+        "parts": manifest["parts"]["rows"],
+        "segments": manifest["segments"]["rows"],
+        "bytes": size,
+    }
 
 
 def audit_in_child(ledger_dir: str) -> dict:
     """``jobs.audit.audit`` of the directory in a fresh process: its wall time and peak RSS; and the wall time of
     the whole ``zephon-ray audit DIR`` command (Python's start and the imports included)."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    out = subprocess.run([sys.executable, __file__, "--audit-child", ledger_dir], capture_output=True, text=True,
-                         check=True, env=env)
+    out = subprocess.run(
+        [sys.executable, __file__, "--audit-child", ledger_dir], capture_output=True, text=True, check=True, env=env
+    )
     t0 = time.perf_counter()
-    cli = subprocess.run([sys.executable, "-m", "zephon_ray.cli", "audit", ledger_dir], capture_output=True,
-                         text=True, env=env)
+    cli = subprocess.run(
+        [sys.executable, "-m", "zephon_ray.cli", "audit", ledger_dir], capture_output=True, text=True, env=env
+    )
     command_s = time.perf_counter() - t0
     assert cli.returncode == 0 and cli.stdout.startswith("audit: clean"), cli.stdout + cli.stderr
     return {**json.loads(out.stdout.strip().splitlines()[-1]), "command_s": command_s}
@@ -109,6 +133,7 @@ def peak_rss_mb() -> float:
 
 def _audit_child(ledger_dir: str) -> None:
     import pyarrow.parquet  # noqa: F401 - imported before the clock starts: the audit's own cost is timed
+
     try:
         import pandas  # noqa: F401 - pyarrow imports it at its first conversion when it is installed (1-2 s)
     except ImportError:
@@ -119,9 +144,18 @@ def _audit_child(ledger_dir: str) -> None:
     t0 = time.perf_counter()
     report = audit(ledger_dir)
     seconds = time.perf_counter() - t0
-    print(json.dumps({"seconds": seconds, "peak_rss_mb": peak_rss_mb(),
-                      "clean": report.clean, "records": report.records, "next_step": report.next_step,
-                      "verdict": report.verdict()}))
+    print(
+        json.dumps(
+            {
+                "seconds": seconds,
+                "peak_rss_mb": peak_rss_mb(),
+                "clean": report.clean,
+                "records": report.records,
+                "next_step": report.next_step,
+                "verdict": report.verdict(),
+            }
+        )
+    )
 
 
 def audit_scale(counts: list[int], ranks: int, save_every: int) -> list[dict]:
@@ -134,13 +168,24 @@ def audit_scale(counts: list[int], ranks: int, save_every: int) -> list[dict]:
             write_s = time.perf_counter() - t0
             got = audit_in_child(work)
             assert got["clean"] and got["records"] == made["records"] == ranks * steps, got
-        row = {"records": made["records"], "ranks": ranks, "steps": steps, "segments": made["segments"],
-               "parts": made["parts"], "bytes": made["bytes"], "generate_s": write_s, **got}
+        row = {
+            "records": made["records"],
+            "ranks": ranks,
+            "steps": steps,
+            "segments": made["segments"],
+            "parts": made["parts"],
+            "bytes": made["bytes"],
+            "generate_s": write_s,
+            **got,
+        }
         rows.append(row)
-        print(f"{row['records']:>13,} records ({ranks} ranks x {steps:,} steps, {row['segments']} segments, "
-              f"{row['parts']:,} parts, {row['bytes'] / 1e6:,.1f} MB): audit {row['seconds']:.2f} s, peak RSS "
-              f"{row['peak_rss_mb']:.0f} MB; the zephon-ray audit command {row['command_s']:.2f} s (generated in "
-              f"{write_s:.1f} s)", flush=True)
+        print(
+            f"{row['records']:>13,} records ({ranks} ranks x {steps:,} steps, {row['segments']} segments, "
+            f"{row['parts']:,} parts, {row['bytes'] / 1e6:,.1f} MB): audit {row['seconds']:.2f} s, peak RSS "
+            f"{row['peak_rss_mb']:.0f} MB; the zephon-ray audit command {row['command_s']:.2f} s (generated in "
+            f"{write_s:.1f} s)",
+            flush=True,
+        )
     return rows
 
 
@@ -157,16 +202,37 @@ def realistic(ranks: int = 4, steps: int = 20_000, every: int = 100) -> dict:
     with tempfile.TemporaryDirectory() as work:
         parent = ""
         for first in range(0, steps, every):
-            sid = ledger.segment_id(run_id="bench", fingerprint=FP, parent=parent, first_step=first,
-                                    next_step=first + every, world=ranks, resumed=False,
-                                    schedule=_schedule(first + every))
+            sid = ledger.segment_id(
+                run_id="bench",
+                fingerprint=FP,
+                parent=parent,
+                first_step=first,
+                next_step=first + every,
+                world=ranks,
+                resumed=False,
+                schedule=_schedule(first + every),
+            )
             for rank in range(ranks):
-                records = [ledger.Record(s, ranks, rank, hashlib.sha256(f"{s} {rank}".encode()).hexdigest()[:32])
-                           for s in range(first, first + every)]
-                ledger.write_part(work, ledger.make_part(run_id="bench", fingerprint=FP, segment=sid, parent=parent,
-                                                         first_step=first, next_step=first + every, world=ranks,
-                                                         rank=rank, resumed=False, schedule=_schedule(first + every),
-                                                         records=records))
+                records = [
+                    ledger.Record(s, ranks, rank, hashlib.sha256(f"{s} {rank}".encode()).hexdigest()[:32])
+                    for s in range(first, first + every)
+                ]
+                ledger.write_part(
+                    work,
+                    ledger.make_part(
+                        run_id="bench",
+                        fingerprint=FP,
+                        segment=sid,
+                        parent=parent,
+                        first_step=first,
+                        next_step=first + every,
+                        world=ranks,
+                        rank=rank,
+                        resumed=False,
+                        schedule=_schedule(first + every),
+                        records=records,
+                    ),
+                )
             parent = sid
         files_before, bytes_before = _tree(work)
         audit_before = audit_in_child(work)
@@ -176,10 +242,19 @@ def realistic(ranks: int = 4, steps: int = 20_000, every: int = 100) -> dict:
         files_after, bytes_after = _tree(work)
         audit_after = audit_in_child(work)
         assert audit_before["verdict"] == audit_after["verdict"] and audit_after["clean"], (audit_before, audit_after)
-    return {"ranks": ranks, "steps": steps, "save_every": every, "files_before": files_before,
-            "bytes_before": bytes_before, "files_after": files_after, "bytes_after": bytes_after,
-            "compact_s": compact_s, "audit_before_s": audit_before["seconds"], "audit_after_s": audit_after["seconds"],
-            "records": result.records}
+    return {
+        "ranks": ranks,
+        "steps": steps,
+        "save_every": every,
+        "files_before": files_before,
+        "bytes_before": bytes_before,
+        "files_after": files_after,
+        "bytes_after": bytes_after,
+        "compact_s": compact_s,
+        "audit_before_s": audit_before["seconds"],
+        "audit_after_s": audit_after["seconds"],
+        "records": result.records,
+    }
 
 
 def ft(steps: int, world: int = 3) -> dict:
@@ -189,9 +264,7 @@ def ft(steps: int, world: int = 3) -> dict:
     from zephon_ray.stream.ledger_recorder import FtLedger
 
     with tempfile.TemporaryDirectory() as work:
-        readers = [FtLedger(run_id="bench", fingerprint=FP, ledger_dir=work,
-                            schedule=_schedule)
-                   for _ in range(world)]
+        readers = [FtLedger(run_id="bench", fingerprint=FP, ledger_dir=work, schedule=_schedule) for _ in range(world)]
         t0 = time.perf_counter()
         for step in range(steps):
             for rank, reader in enumerate(readers):
@@ -206,11 +279,19 @@ def ft(steps: int, world: int = 3) -> dict:
         files_after, bytes_after = _tree(work)
         audit_after = audit_in_child(work)
         assert audit_before["clean"] and audit_after["clean"] and audit_after["records"] == steps * world
-    return {"steps": steps, "world": world, "commit_ms": 1e3 * commit_s / (steps * world),
-            "files_batched": files_before, "files_one_per_step": steps * world, "bytes": bytes_before,
-            "audit_s": audit_before["seconds"], "peak_rss_mb": audit_before["peak_rss_mb"],
-            "files_compacted": files_after, "audit_compacted_s": audit_after["seconds"],
-            "peak_rss_compacted_mb": audit_after["peak_rss_mb"]}
+    return {
+        "steps": steps,
+        "world": world,
+        "commit_ms": 1e3 * commit_s / (steps * world),
+        "files_batched": files_before,
+        "files_one_per_step": steps * world,
+        "bytes": bytes_before,
+        "audit_s": audit_before["seconds"],
+        "peak_rss_mb": audit_before["peak_rss_mb"],
+        "files_compacted": files_after,
+        "audit_compacted_s": audit_after["seconds"],
+        "peak_rss_compacted_mb": audit_after["peak_rss_mb"],
+    }
 
 
 def main() -> None:
@@ -229,17 +310,22 @@ def main() -> None:
         result["audit"] = audit_scale([int(float(x)) for x in args.records.split(",")], args.ranks, args.save_every)
     if "realistic" in parts:
         r = result["realistic"] = realistic()
-        print(f"\n{r['ranks']} loaders, a save every {r['save_every']} steps, {r['steps']:,} steps: "
-              f"{r['files_before']} files ({r['bytes_before'] / 1e6:.1f} MB) -> {r['files_after']} files "
-              f"({r['bytes_after'] / 1e6:.2f} MB) after compact ({r['compact_s']:.1f} s); audit "
-              f"{r['audit_before_s']:.2f} s -> {r['audit_after_s']:.2f} s", flush=True)
+        print(
+            f"\n{r['ranks']} loaders, a save every {r['save_every']} steps, {r['steps']:,} steps: "
+            f"{r['files_before']} files ({r['bytes_before'] / 1e6:.1f} MB) -> {r['files_after']} files "
+            f"({r['bytes_after'] / 1e6:.2f} MB) after compact ({r['compact_s']:.1f} s); audit "
+            f"{r['audit_before_s']:.2f} s -> {r['audit_after_s']:.2f} s",
+            flush=True,
+        )
     if "ft" in parts:
         f = result["ft"] = ft(args.ft_steps)
-        print(f"\ntorchft, {f['world']} readers x {f['steps']:,} committed steps: {f['files_batched']} files batched "
-              f"(one per step per reader: {f['files_one_per_step']:,}), {f['commit_ms']:.2f} ms per commit; audit "
-              f"{f['audit_s']:.2f} s (peak RSS {f['peak_rss_mb']:.0f} MB); compacted to {f['files_compacted']} "
-              f"files: audit {f['audit_compacted_s']:.2f} s (peak RSS {f['peak_rss_compacted_mb']:.0f} MB)",
-              flush=True)
+        print(
+            f"\ntorchft, {f['world']} readers x {f['steps']:,} committed steps: {f['files_batched']} files batched "
+            f"(one per step per reader: {f['files_one_per_step']:,}), {f['commit_ms']:.2f} ms per commit; audit "
+            f"{f['audit_s']:.2f} s (peak RSS {f['peak_rss_mb']:.0f} MB); compacted to {f['files_compacted']} "
+            f"files: audit {f['audit_compacted_s']:.2f} s (peak RSS {f['peak_rss_compacted_mb']:.0f} MB)",
+            flush=True,
+        )
     print("RESULT " + json.dumps(result))
 
 

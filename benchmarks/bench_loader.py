@@ -37,9 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SIDES = ("service", "local")
-ROWS = [("wait in next() per step, p50", "wait_p50_ms"), ("wait in next() per step, p99", "wait_p99_ms"),
-        ("wait in next() per step, mean", "wait_mean_ms"), ("first step of a fresh loader", "first_step_ms"),
-        ("resized group to first batch", "resize_first_batch_ms")]
+ROWS = [
+    ("wait in next() per step, p50", "wait_p50_ms"),
+    ("wait in next() per step, p99", "wait_p99_ms"),
+    ("wait in next() per step, mean", "wait_mean_ms"),
+    ("first step of a fresh loader", "first_step_ms"),
+    ("resized group to first batch", "resize_first_batch_ms"),
+]
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -92,20 +96,39 @@ def run_side(ray, Reader, side: str, args, work: Path, round_: int) -> dict[str,
     service = None
     name = f"bench-{round_}"
     if side == "service":
-        config = {"recipe": args.recipe, "mode": "service", "service_name": name,
-                  "service_namespace": "zephon-ray-bench", "run_id": f"bench-{round_}", "prefetch": 4}
-        service = DataService.start(args.recipe, name=name, namespace="zephon-ray-bench", producers=args.producers,
-                                    window=args.window, state_dir=str(work / f"svc-{round_}"),
-                                    checkpoint_every=args.service_checkpoint_every, aggregate_store="torch://",
-                                    run_id=name)
+        config = {
+            "recipe": args.recipe,
+            "mode": "service",
+            "service_name": name,
+            "service_namespace": "zephon-ray-bench",
+            "run_id": f"bench-{round_}",
+            "prefetch": 4,
+        }
+        service = DataService.start(
+            args.recipe,
+            name=name,
+            namespace="zephon-ray-bench",
+            producers=args.producers,
+            window=args.window,
+            state_dir=str(work / f"svc-{round_}"),
+            checkpoint_every=args.service_checkpoint_every,
+            aggregate_store="torch://",
+            run_id=name,
+        )
         # Warm: wait until the producers filled the window. (Do not read a step from this driver: a tracked read
         # would make the driver a consumer whose cursor holds the window back until consumer_ttl_s.)
         deadline = time.monotonic() + 120
         while service.status()["window"]["next_step"] < args.window and time.monotonic() < deadline:
             time.sleep(0.2)
     else:
-        config = {"recipe": args.recipe, "mode": "local", "run_id": f"bench-{round_}", "prefetch": 4,
-                  "aggregate_dir": str(work / f"agg-{round_}"), "checkpoint_every": args.steps}
+        config = {
+            "recipe": args.recipe,
+            "mode": "local",
+            "run_id": f"bench-{round_}",
+            "prefetch": 4,
+            "aggregate_dir": str(work / f"agg-{round_}"),
+            "checkpoint_every": args.steps,
+        }
     try:
         readers = [Reader.remote(r, args.world, config) for r in range(args.world)]
         ray.get([r.ready.remote() for r in readers])
@@ -125,9 +148,13 @@ def run_side(ray, Reader, side: str, args, work: Path, round_: int) -> dict[str,
     finally:
         if service is not None:
             service.stop()
-    return {"first_step_ms": 1000 * statistics.mean(per_reader[0] for per_reader, _ in out),
-            "wait_p50_ms": 1000 * percentile(waits, 50), "wait_p99_ms": 1000 * percentile(waits, 99),
-            "wait_mean_ms": 1000 * statistics.mean(waits), "resize_first_batch_ms": 1000 * max(firsts)}
+    return {
+        "first_step_ms": 1000 * statistics.mean(per_reader[0] for per_reader, _ in out),
+        "wait_p50_ms": 1000 * percentile(waits, 50),
+        "wait_p99_ms": 1000 * percentile(waits, 99),
+        "wait_mean_ms": 1000 * statistics.mean(waits),
+        "resize_first_batch_ms": 1000 * max(firsts),
+    }
 
 
 def main() -> int:
@@ -149,9 +176,15 @@ def main() -> int:
     import ray
 
     work = Path(tempfile.mkdtemp(prefix="zephon-ray-bench-"))
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=str(work / "ray"), log_to_driver=False,
-             namespace="zephon-ray-bench",
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}})
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        _temp_dir=str(work / "ray"),
+        log_to_driver=False,
+        namespace="zephon-ray-bench",
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}},
+    )
     Reader = ray.remote(num_cpus=0.25)(BenchReader)
     rounds: list[dict[str, dict[str, float]]] = []
     try:
@@ -159,14 +192,19 @@ def main() -> int:
             order = SIDES if round_ % 2 == 0 else SIDES[::-1]
             results = {side: run_side(ray, Reader, side, args, work, round_) for side in order}
             rounds.append(results)
-            print(f"round {round_} ({' then '.join(order)}): "
-                  + ", ".join(f"{side} wait p50 {results[side]['wait_p50_ms']:.2f} ms" for side in SIDES), flush=True)
+            print(
+                f"round {round_} ({' then '.join(order)}): "
+                + ", ".join(f"{side} wait p50 {results[side]['wait_p50_ms']:.2f} ms" for side in SIDES),
+                flush=True,
+            )
     finally:
         ray.shutdown()
         shutil.rmtree(work, ignore_errors=True)
 
-    print(f"recipe {args.recipe}: W={args.world} -> {args.resize_world}, {args.steps} steps, {args.compute_ms:.0f} ms "
-          f"compute per step, {args.producers} producers, {args.rounds} rounds alternating (median over rounds)")
+    print(
+        f"recipe {args.recipe}: W={args.world} -> {args.resize_world}, {args.steps} steps, {args.compute_ms:.0f} ms "
+        f"compute per step, {args.producers} producers, {args.rounds} rounds alternating (median over rounds)"
+    )
     print(f"{'':<36} {'service':>10} {'local':>10} {'local/service':>14} {'per-round ratio':>18}")
     for label, key in ROWS:
         s = statistics.median(r["service"][key] for r in rounds)

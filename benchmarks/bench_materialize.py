@@ -53,8 +53,8 @@ def main() -> None:
 
     import ray
 
-    from zephon_ray.jobs.materialize import materialize
     from zephon_ray.formats.materialized import MaterializedSource
+    from zephon_ray.jobs.materialize import materialize
     from zephon_ray.recipe import Recipe
     from zephon_ray.source import GlobalBatchSource
 
@@ -62,15 +62,26 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="bench-mat-"))
     ray_tmp = tempfile.mkdtemp(prefix="bench-mat-ray-", dir="/tmp")
     tokens = args.steps * recipe.tokens_per_step
-    out: dict[str, float | int | bool | str] = {"recipe": str(args.recipe), "steps": args.steps,
-                                                "tokens": tokens, "cpus": os.cpu_count() or 1}
+    out: dict[str, float | int | bool | str] = {
+        "recipe": str(args.recipe),
+        "steps": args.steps,
+        "tokens": tokens,
+        "cpus": os.cpu_count() or 1,
+    }
     try:
+
         def in_process() -> list[str]:
             with GlobalBatchSource(recipe) as local:
                 return [local.batch(s).digest for s in range(args.steps)]
 
-        ray.init(address="local", num_cpus=max(4, os.cpu_count() or 1), include_dashboard=False,
-                 log_to_driver=False, logging_level="ERROR", _temp_dir=ray_tmp)
+        ray.init(
+            address="local",
+            num_cpus=max(4, os.cpu_count() or 1),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="ERROR",
+            _temp_dir=ray_tmp,
+        )
         # The same work on every side (steps 0:--steps of the recipe): in-process, M=1, M=2; the order rotates every
         # round, each materialisation into a fresh directory. Medians per side.
         sides = ["in_process", "M1", "M2"]
@@ -78,7 +89,7 @@ def main() -> None:
         steady: dict[str, list[float]] = {"M1": [], "M2": []}
         reference: list[str] = []
         for r in range(args.rounds):
-            for side in sides[r % 3:] + sides[:r % 3]:
+            for side in sides[r % 3 :] + sides[: r % 3]:
                 t0 = time.perf_counter()
                 if side == "in_process":
                     reference = in_process()
@@ -86,8 +97,14 @@ def main() -> None:
                     continue
                 m = int(side[1])
                 directory = work / (f"m{m}" if r == 0 else f"m{m}-r{r}")
-                materialize(recipe, directory, range(0, args.steps), producers=m, segment_steps=args.segment_steps,
-                            progress=False)
+                materialize(
+                    recipe,
+                    directory,
+                    range(0, args.steps),
+                    producers=m,
+                    segment_steps=args.segment_steps,
+                    progress=False,
+                )
                 walls[side].append(time.perf_counter() - t0)
                 segments = sorted((directory / "segments").glob("*.parquet"), key=lambda p: p.stat().st_mtime)
                 span = segments[-1].stat().st_mtime - segments[0].stat().st_mtime
@@ -99,12 +116,14 @@ def main() -> None:
         out["in_process_tokens_per_s"] = tokens / statistics.median(walls["in_process"])
         for m in (1, 2):
             out[f"materialize_M{m}_tokens_per_s"] = tokens / statistics.median(walls[f"M{m}"])
-            out[f"materialize_M{m}_steady_tokens_per_s"] = (statistics.median(steady[f"M{m}"])
-                                                            if steady[f"M{m}"] else None)
+            out[f"materialize_M{m}_steady_tokens_per_s"] = (
+                statistics.median(steady[f"M{m}"]) if steady[f"M{m}"] else None
+            )
             with MaterializedSource(work / f"m{m}", recipe=recipe) as source:
                 out[f"materialize_M{m}_digests_equal"] = [source.digest(s) for s in range(args.steps)] == reference
-        out["bytes_per_million_tokens"] = sum(p.stat().st_size for p in (work / "m1" / "segments").glob("*")) \
-            / tokens * 1e6
+        out["bytes_per_million_tokens"] = (
+            sum(p.stat().st_size for p in (work / "m1" / "segments").glob("*")) / tokens * 1e6
+        )
 
         if args.service:
             from zephon_ray.service.client import DataService
@@ -115,10 +134,15 @@ def main() -> None:
             pasts: dict[str, list[float]] = {"service_M1": [], "service_prefix": []}
             kinds = [("service_M1", None), ("service_prefix", str(work / "m1"))]
             for r in range(args.rounds):  # a fresh service per side and round; the order flips every round
-                for key, prefix in (kinds if r % 2 == 0 else kinds[::-1]):
-                    service = DataService.start(recipe, name="bench-materialize", namespace="bench-materialize",
-                                                state_dir=work / f"{key}-state-{r}", window=8,
-                                                materialized_dir=prefix)
+                for key, prefix in kinds if r % 2 == 0 else kinds[::-1]:
+                    service = DataService.start(
+                        recipe,
+                        name="bench-materialize",
+                        namespace="bench-materialize",
+                        state_dir=work / f"{key}-state-{r}",
+                        window=8,
+                        materialized_dir=prefix,
+                    )
                     try:
                         service.batch(0)
                         t0 = time.perf_counter()
@@ -142,8 +166,7 @@ def main() -> None:
 
         # Distinct steps, visited from the newest down: each one is behind the replay source's position, so each
         # pays the past-step path (restore + replay), never a cache hit or a forward production.
-        probes = sorted(random.Random(0).sample(range(args.steps - 1), min(args.probes, args.steps - 1)),
-                        reverse=True)
+        probes = sorted(random.Random(0).sample(range(args.steps - 1), min(args.probes, args.steps - 1)), reverse=True)
         source = MaterializedSource(work / "m1", recipe=recipe)
         source.batch(0)  # open the footer cache fairly: the first read of each file pays its footer once
         materialized_s, replay_s = [], []
@@ -151,7 +174,7 @@ def main() -> None:
             replay.batch(args.steps - 1)  # the head: every probe is a step behind it
             for i, s in enumerate(probes):  # the same step on both sides, which side goes first alternating
                 pair = [(materialized_s, source.batch), (replay_s, replay.batch)]
-                for times, read in (pair if i % 2 == 0 else pair[::-1]):
+                for times, read in pair if i % 2 == 0 else pair[::-1]:
                     t0 = time.perf_counter()
                     read(s)
                     times.append(time.perf_counter() - t0)
@@ -167,21 +190,31 @@ def main() -> None:
 
         print(f"in-process GlobalBatchSource      {rate('in_process_tokens_per_s')}")
         for m in (1, 2):
-            print(f"materialize M={m} (wall / steady)   {rate(f'materialize_M{m}_tokens_per_s')} / "
-                  f"{rate(f'materialize_M{m}_steady_tokens_per_s')}  digests equal: "
-                  f"{out[f'materialize_M{m}_digests_equal']}")
+            print(
+                f"materialize M={m} (wall / steady)   {rate(f'materialize_M{m}_tokens_per_s')} / "
+                f"{rate(f'materialize_M{m}_steady_tokens_per_s')}  digests equal: "
+                f"{out[f'materialize_M{m}_digests_equal']}"
+            )
         if args.service:
             print(f"live service M=1                  {rate('service_M1_tokens_per_s')}")
-            print(f"service over the prefix           {rate('service_prefix_tokens_per_s')}  "
-                  f"(x{out['service_prefix_read_speedup']:.1f})")
+            print(
+                f"service over the prefix           {rate('service_prefix_tokens_per_s')}  "
+                f"(x{out['service_prefix_read_speedup']:.1f})"
+            )
             for key, what in (("service_M1", "replayed"), ("service_prefix", "from the prefix")):
-                print(f"service past step, {what:15s}p50 {out[f'{key}_past_p50_ms']:8.2f} ms  "
-                      f"p99 {out[f'{key}_past_p99_ms']:8.2f} ms")
+                print(
+                    f"service past step, {what:15s}p50 {out[f'{key}_past_p50_ms']:8.2f} ms  "
+                    f"p99 {out[f'{key}_past_p99_ms']:8.2f} ms"
+                )
             print(f"service past step: prefix is x{out['service_past_speedup_p50']:.1f} faster at p50")
-        print(f"past step, materialised           p50 {out['random_access_materialized_p50_ms']:8.2f} ms  "
-              f"p99 {out['random_access_materialized_p99_ms']:8.2f} ms")
-        print(f"past step, restore + replay       p50 {out['random_access_replay_p50_ms']:8.2f} ms  "
-              f"p99 {out['random_access_replay_p99_ms']:8.2f} ms  (x{out['random_access_speedup_p50']:.1f} at p50)")
+        print(
+            f"past step, materialised           p50 {out['random_access_materialized_p50_ms']:8.2f} ms  "
+            f"p99 {out['random_access_materialized_p99_ms']:8.2f} ms"
+        )
+        print(
+            f"past step, restore + replay       p50 {out['random_access_replay_p50_ms']:8.2f} ms  "
+            f"p99 {out['random_access_replay_p99_ms']:8.2f} ms  (x{out['random_access_speedup_p50']:.1f} at p50)"
+        )
         print(f"disk                              {out['bytes_per_million_tokens'] / 1e6:8.3f} MB per million tokens")
         print("RESULT " + json.dumps(out))
     finally:

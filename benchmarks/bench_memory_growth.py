@@ -7,6 +7,7 @@ service-mode loaders in this process with the ledger and a commit per step, a st
 JSON row every ``--every`` steps, then entries and RSS KB per step from the first row to the last
 (docs/benchmarks.md "Memory over a long run"; ``bench_soak.py`` is the full soak).
 """
+
 import argparse
 import json
 import sys
@@ -33,18 +34,24 @@ start_ray(Path(work))
 from zephon_ray import DataService  # noqa: E402
 from zephon_ray.service.wire import PRODUCER_INFIX, READER_INFIX  # noqa: E402
 from zephon_ray.stream.loader import Loader, LoaderConfig  # noqa: E402
+
 NS = "measure"
 svc = DataService.start(TINY, name="m", namespace=NS, producers=2, state_dir=work + "/state", checkpoint_every=8)
-cfg = LoaderConfig(recipe=TINY, mode="service", service_name="m", service_namespace=NS, run_id="r",
-                   ledger_dir=work + "/ledger")
+cfg = LoaderConfig(
+    recipe=TINY, mode="service", service_name="m", service_namespace=NS, run_id="r", ledger_dir=work + "/ledger"
+)
 loaders = [Loader(cfg, rank=r, world=a.world) for r in range(a.world)]
 its = [iter(l) for l in loaders]
+
+
 def handles():
     out = []
     for x in ray.util.list_named_actors(all_namespaces=True):
         if x["namespace"] == NS and (PRODUCER_INFIX in x["name"] or READER_INFIX in x["name"]):
             out.append((x["name"].split(".")[1], ray.get_actor(x["name"], namespace=NS)))
     return sorted(out, key=lambda t: t[0])
+
+
 rows = []
 t0 = time.time()
 for s in range(a.steps):
@@ -59,7 +66,9 @@ for s in range(a.steps):
         row = {"step": s + 1, "t": round(time.time() - t0)}
         for kind, h in handles():
             m = ray.get(h.memory.remote(), timeout=60)
-            row.setdefault(kind, []).append((m["entries"], round(psutil.Process(m["pid"]).memory_info().rss / 2**20, 1)))
+            row.setdefault(kind, []).append(
+                (m["entries"], round(psutil.Process(m["pid"]).memory_info().rss / 2**20, 1))
+            )
         row["driver_mb"] = round(psutil.Process().memory_info().rss / 2**20, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -67,7 +76,10 @@ f, l = rows[0], rows[-1]
 n = l["step"] - f["step"]
 for kind in ("producer", "reader"):
     for i, (x, y) in enumerate(zip(f[kind], l[kind])):
-        print(f"{kind}[{i}] steps {f['step']}..{l['step']}: entries/step {(y[0]-x[0])/n:.3f}, RSS KB/step {(y[1]-x[1])*1024/n:.2f}")
-for lo in loaders: lo.close()
+        print(
+            f"{kind}[{i}] steps {f['step']}..{l['step']}: entries/step {(y[0] - x[0]) / n:.3f}, RSS KB/step {(y[1] - x[1]) * 1024 / n:.2f}"
+        )
+for lo in loaders:
+    lo.close()
 svc.stop()
 ray.shutdown()

@@ -50,13 +50,17 @@ def one_round(recipe, steps: int, at: int) -> dict[str, float]:
     try:
         for step in range(steps):
             t0 = time.perf_counter()
-            assemble(recipe, step, stepper.next_step()).digest
+            _ = assemble(recipe, step, stepper.next_step()).digest
             times.append(time.perf_counter() - t0)
     finally:
         stepper.close()
     within = [t for s, t in enumerate(times) if s not in (0, at)]
-    return {"within_ms": 1e3 * statistics.median(within), "boundary_ms": 1e3 * times[at],
-            "enter_ms": 1e3 * spent["enter"], "first_step_ms": 1e3 * times[0]}
+    return {
+        "within_ms": 1e3 * statistics.median(within),
+        "boundary_ms": 1e3 * times[at],
+        "enter_ms": 1e3 * spent["enter"],
+        "first_step_ms": 1e3 * times[0],
+    }
 
 
 def boundary_cost(recipe, chunks: int) -> dict[str, float]:
@@ -81,9 +85,12 @@ def boundary_cost(recipe, chunks: int) -> dict[str, float]:
     t0 = time.perf_counter()
     followed.advance(max(0, chunks - STREAM_LAG + 1))  # paid during the phase, a few chunks per step
     follow_us = 1e6 * (time.perf_counter() - t0) / max(1, chunks - STREAM_LAG + 1)
-    return {"chunks": chunks, "followed_ms": round(boundary(followed), 2),
-            "from_start_ms": round(boundary(ChunkStream(build_work_source(recipe), lanes)), 2),
-            "follow_us_per_chunk": round(follow_us, 1)}
+    return {
+        "chunks": chunks,
+        "followed_ms": round(boundary(followed), 2),
+        "from_start_ms": round(boundary(ChunkStream(build_work_source(recipe), lanes)), 2),
+        "follow_us_per_chunk": round(follow_us, 1),
+    }
 
 
 def service_side(recipe_path: str, producers: int, rounds: int) -> None:
@@ -95,12 +102,25 @@ def service_side(recipe_path: str, producers: int, rounds: int) -> None:
 
     recipe = Recipe.from_toml(recipe_path)
     names = recipe.source_names
-    ray.init(address="local", num_cpus=8, include_dashboard=False,
-             _temp_dir=tempfile.mkdtemp(prefix="zr-bench-phases-", dir="/tmp"))
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        _temp_dir=tempfile.mkdtemp(prefix="zr-bench-phases-", dir="/tmp"),
+    )
     state_dir = tempfile.mkdtemp(prefix="zr-bench-phases-state-")
     extra = dict(run_id="bench-phases", aggregate_store="torch://") if producers > 1 else {}
-    svc = DataService.start(recipe, name="bench-phases", namespace="bench-phases", producers=producers, window=8,
-                            state_dir=state_dir, checkpoint_every=4, read_path="direct", **extra)
+    svc = DataService.start(
+        recipe,
+        name="bench-phases",
+        namespace="bench-phases",
+        producers=producers,
+        window=8,
+        state_dir=state_dir,
+        checkpoint_every=4,
+        read_path="direct",
+        **extra,
+    )
     trainer = DataService.connect("bench-phases", namespace="bench-phases", consumer="trainer", read_path="direct")
     rows, step, within = [], 0, []
     try:
@@ -123,25 +143,43 @@ def service_side(recipe_path: str, producers: int, rounds: int) -> None:
             t1 = time.perf_counter()
             trainer.batch(at, track=True)
             first_s = time.perf_counter() - t1
-            rows.append({"round": r, "at": at, "call_s": call_s, "coordinator_s": result["applied_s"],
-                         "dropped_steps": len(result["dropped_steps"]),
-                         "dropped_checkpoints": len(result["dropped_checkpoints"]),
-                         "restart_from": result["restart_from"], "first_step_s": first_s,
-                         "apply_to_first_step_s": time.perf_counter() - t0})
+            rows.append(
+                {
+                    "round": r,
+                    "at": at,
+                    "call_s": call_s,
+                    "coordinator_s": result["applied_s"],
+                    "dropped_steps": len(result["dropped_steps"]),
+                    "dropped_checkpoints": len(result["dropped_checkpoints"]),
+                    "restart_from": result["restart_from"],
+                    "first_step_s": first_s,
+                    "apply_to_first_step_s": time.perf_counter() - t0,
+                }
+            )
             step = at + 1
     finally:
         svc.stop()
         ray.shutdown()
-    print(f"{'round':>5}{'at':>5}{'call s':>9}{'coord s':>9}{'dropped':>9}{'ckpts':>7}{'from':>6}{'1st step s':>12}"
-          f"{'total s':>9}")
+    print(
+        f"{'round':>5}{'at':>5}{'call s':>9}{'coord s':>9}{'dropped':>9}{'ckpts':>7}{'from':>6}{'1st step s':>12}"
+        f"{'total s':>9}"
+    )
     for row in rows:
-        print(f"{row['round']:>5}{row['at']:>5}{row['call_s']:>9.3f}{row['coordinator_s']:>9.3f}"
-              f"{row['dropped_steps']:>9}{row['dropped_checkpoints']:>7}{row['restart_from']:>6}"
-              f"{row['first_step_s']:>12.3f}{row['apply_to_first_step_s']:>9.3f}")
-    result = {key: round(statistics.median(r[key] for r in rows), 4)
-              for key in ("call_s", "coordinator_s", "first_step_s", "apply_to_first_step_s")}
-    result.update(within_read_ms=round(1e3 * statistics.median(within[1:]), 2), producers=producers,
-                  rounds=rounds, recipe=Path(recipe_path).name)
+        print(
+            f"{row['round']:>5}{row['at']:>5}{row['call_s']:>9.3f}{row['coordinator_s']:>9.3f}"
+            f"{row['dropped_steps']:>9}{row['dropped_checkpoints']:>7}{row['restart_from']:>6}"
+            f"{row['first_step_s']:>12.3f}{row['apply_to_first_step_s']:>9.3f}"
+        )
+    result = {
+        key: round(statistics.median(r[key] for r in rows), 4)
+        for key in ("call_s", "coordinator_s", "first_step_s", "apply_to_first_step_s")
+    }
+    result.update(
+        within_read_ms=round(1e3 * statistics.median(within[1:]), 2),
+        producers=producers,
+        rounds=rounds,
+        recipe=Path(recipe_path).name,
+    )
     print(f"a read within a phase: {result['within_read_ms']} ms (median)")
     print("RESULT " + json.dumps(result, sort_keys=True))
 
@@ -151,13 +189,17 @@ def main() -> None:
     from zephon_ray.recipe import Phase
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipe", default=None, help="default: recipes/mixture.toml (recipes/tiny.toml with "
-                                                       "--service)")
+    parser.add_argument(
+        "--recipe", default=None, help="default: recipes/mixture.toml (recipes/tiny.toml with --service)"
+    )
     parser.add_argument("--at", type=int, default=20)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--phase-chunks", default="1000,100000,1000000",
-                        help="phase lengths (global chunks) at which to price a boundary's search")
+    parser.add_argument(
+        "--phase-chunks",
+        default="1000,100000,1000000",
+        help="phase lengths (global chunks) at which to price a boundary's search",
+    )
     parser.add_argument("--service", action="store_true", help="time add_phase on a running data service")
     parser.add_argument("--producers", type=int, default=2)
     args = parser.parse_args()
@@ -171,11 +213,18 @@ def main() -> None:
     rounds = [one_round(recipe, args.steps, args.at) for _ in range(args.rounds)]
     result = {key: round(statistics.median(r[key] for r in rounds), 2) for key in rounds[0]}
     result.update(boundaries=[boundary_cost(recipe, int(n)) for n in args.phase_chunks.split(",")])
-    result.update(recipe=Path(args.recipe).name, at=args.at, steps=args.steps, rounds=args.rounds,
-                  ratio=round(result["boundary_ms"] / result["within_ms"], 1))
+    result.update(
+        recipe=Path(args.recipe).name,
+        at=args.at,
+        steps=args.steps,
+        rounds=args.rounds,
+        ratio=round(result["boundary_ms"] / result["within_ms"], 1),
+    )
     print(f"{'recipe':<16}{'within ms':>12}{'boundary ms':>14}{'switch ms':>12}{'first step ms':>16}{'ratio':>8}")
-    print(f"{result['recipe']:<16}{result['within_ms']:>12}{result['boundary_ms']:>14}{result['enter_ms']:>12}"
-          f"{result['first_step_ms']:>16}{result['ratio']:>8}")
+    print(
+        f"{result['recipe']:<16}{result['within_ms']:>12}{result['boundary_ms']:>14}{result['enter_ms']:>12}"
+        f"{result['first_step_ms']:>16}{result['ratio']:>8}"
+    )
     print(f"{'phase chunks':>14}{'boundary ms':>13}{'without following ms':>22}{'following us/chunk':>20}")
     for row in result["boundaries"]:
         print(f"{row['chunks']:>14,}{row['followed_ms']:>13}{row['from_start_ms']:>22}{row['follow_us_per_chunk']:>20}")

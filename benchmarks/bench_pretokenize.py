@@ -95,40 +95,61 @@ def main() -> None:
     ray_tmp = tempfile.mkdtemp(prefix="bench-pretok-ray-", dir="/tmp")
     try:
         write_corpus(work / "corpus", formats=("jsonl",), limit=args.records, records_per_shard=250)
-        raw = {name: Recipe.from_toml(write_recipe(work / f"raw-{name}.toml", work / "corpus", seq_len, rows))
-               for name, (seq_len, rows) in GEOMETRIES.items()}
-        ray.init(address="local", num_cpus=max(2, os.cpu_count() or 1), include_dashboard=False,
-                 log_to_driver=False, logging_level="ERROR", _temp_dir=ray_tmp)
+        raw = {
+            name: Recipe.from_toml(write_recipe(work / f"raw-{name}.toml", work / "corpus", seq_len, rows))
+            for name, (seq_len, rows) in GEOMETRIES.items()
+        }
+        ray.init(
+            address="local",
+            num_cpus=max(2, os.cpu_count() or 1),
+            include_dashboard=False,
+            log_to_driver=False,
+            logging_level="ERROR",
+            _temp_dir=ray_tmp,
+        )
         # The same job (all shards of the same recipe into a fresh OUT_DIR) with 1 and 2 actors, alternating which
         # goes first in each of --rounds rounds; medians per side and the median of per-round ratios.
         runs: dict[int, list[dict]] = {1: [], 2: []}
         for r in range(args.rounds):
-            for actors in ((1, 2) if r % 2 == 0 else (2, 1)):
+            for actors in (1, 2) if r % 2 == 0 else (2, 1):
                 out = work / (f"tokens-{actors}" if r == 0 else f"tokens-{actors}-r{r}")
                 t0 = time.perf_counter()
                 result = pretokenize(raw["small"], out, actors=actors, progress=False)
-                run = {"wall_s": time.perf_counter() - t0, "tokens": result.tokens, "bytes": result.bytes,
-                       "shards": result.shards}
+                run = {
+                    "wall_s": time.perf_counter() - t0,
+                    "tokens": result.tokens,
+                    "bytes": result.bytes,
+                    "shards": result.shards,
+                }
                 run["tokens_per_s"] = result.tokens / run["wall_s"]
                 shard_times = sorted(p.stat().st_mtime for p in (out / "_progress").rglob("*.json"))
                 span = shard_times[-1] - shard_times[0]
-                run["shard_tokens_per_s"] = (result.tokens * (len(shard_times) - 1) / len(shard_times) / span
-                                             if span > 0 else None)
+                run["shard_tokens_per_s"] = (
+                    result.tokens * (len(shard_times) - 1) / len(shard_times) / span if span > 0 else None
+                )
                 runs[actors].append(run)
         jobs = {}
         for actors, values in runs.items():
             shard_rates = [v["shard_tokens_per_s"] for v in values if v["shard_tokens_per_s"]]
-            jobs[actors] = {**values[0], "wall_s": statistics.median(v["wall_s"] for v in values),
-                            "tokens_per_s": statistics.median(v["tokens_per_s"] for v in values),
-                            "shard_tokens_per_s": statistics.median(shard_rates) if shard_rates else None}
+            jobs[actors] = {
+                **values[0],
+                "wall_s": statistics.median(v["wall_s"] for v in values),
+                "tokens_per_s": statistics.median(v["tokens_per_s"] for v in values),
+                "shard_tokens_per_s": statistics.median(shard_rates) if shard_rates else None,
+            }
         scaling_ratios = [b["tokens_per_s"] / a["tokens_per_s"] for a, b in zip(runs[1], runs[2])]
         # The same token shards again, with the recipe.toml of the training geometry.
-        tokens = {"small": Recipe.from_toml(work / "tokens-1" / "recipe.toml"),
-                  "train": Recipe.from_toml(pretokenize(raw["train"], work / "tokens-train", actors=2,
-                                                        progress=False).recipe_path)}
+        tokens = {
+            "small": Recipe.from_toml(work / "tokens-1" / "recipe.toml"),
+            "train": Recipe.from_toml(
+                pretokenize(raw["train"], work / "tokens-train", actors=2, progress=False).recipe_path
+            ),
+        }
         ray.shutdown()
-        same_files = all((work / "tokens-1" / p.relative_to(work / "tokens-2")).read_bytes() == p.read_bytes()
-                         for p in (work / "tokens-2" / "sources").rglob("*.parquet"))
+        same_files = all(
+            (work / "tokens-1" / p.relative_to(work / "tokens-2")).read_bytes() == p.read_bytes()
+            for p in (work / "tokens-2" / "sources").rglob("*.parquet")
+        )
 
         producers = {}
         for name, (seq_len, rows) in GEOMETRIES.items():
@@ -143,10 +164,15 @@ def main() -> None:
                 raw_rates.append(r_raw)
                 tok_rates.append(r_tok)
                 ratios.append(r_tok / r_raw)
-            producers[name] = {"steps": steps, "seq_len": seq_len, "rows_per_microbatch": rows,
-                               "raw_bpe_tokens_per_s": statistics.median(raw_rates),
-                               "pretokenized_tokens_per_s": statistics.median(tok_rates),
-                               "speedup": statistics.median(ratios), "round_ratios": ratios}
+            producers[name] = {
+                "steps": steps,
+                "seq_len": seq_len,
+                "rows_per_microbatch": rows,
+                "raw_bpe_tokens_per_s": statistics.median(raw_rates),
+                "pretokenized_tokens_per_s": statistics.median(tok_rates),
+                "speedup": statistics.median(ratios),
+                "round_ratios": ratios,
+            }
 
         one = jobs[1]
         result = {
@@ -156,26 +182,39 @@ def main() -> None:
             "pretokenize_scaling_round_ratios": scaling_ratios,
             "pretokenize_shard_tokens_per_s_1_actor": one["shard_tokens_per_s"],
             "pretokenize_shard_tokens_per_s_2_actors": jobs[2]["shard_tokens_per_s"],
-            "tokens": one["tokens"], "shards": one["shards"], "same_files_1_vs_2_actors": same_files,
+            "tokens": one["tokens"],
+            "shards": one["shards"],
+            "same_files_1_vs_2_actors": same_files,
             "producers": producers,
             "bytes_per_million_tokens": one["bytes"] / one["tokens"] * 1e6,
             # the steady per-shard rate of one actor (pool start-up is a fixed cost, not a per-token one)
             "hours_one_actor_per_billion_tokens": 1e9 / (one["shard_tokens_per_s"] or one["tokens_per_s"]) / 3600,
-            "cpus": os.cpu_count(), "rounds": args.rounds,
+            "cpus": os.cpu_count(),
+            "rounds": args.rounds,
         }
-        print(f"pretokenize, 1 actor      {one['tokens_per_s'] / 1e6:8.3f} M tokens/s  ({one['wall_s']:.1f} s wall, "
-              f"{one['tokens']} tokens, {one['shards']} shards)")
-        print(f"pretokenize, 2 actors     {jobs[2]['tokens_per_s'] / 1e6:8.3f} M tokens/s  "
-              f"({jobs[2]['wall_s']:.1f} s wall)  x{result['pretokenize_scaling_2_vs_1']:.2f}")
+        print(
+            f"pretokenize, 1 actor      {one['tokens_per_s'] / 1e6:8.3f} M tokens/s  ({one['wall_s']:.1f} s wall, "
+            f"{one['tokens']} tokens, {one['shards']} shards)"
+        )
+        print(
+            f"pretokenize, 2 actors     {jobs[2]['tokens_per_s'] / 1e6:8.3f} M tokens/s  "
+            f"({jobs[2]['wall_s']:.1f} s wall)  x{result['pretokenize_scaling_2_vs_1']:.2f}"
+        )
         for name, p in producers.items():
-            print(f"producer {name:5s} raw BPE   {p['raw_bpe_tokens_per_s'] / 1e6:8.3f} M tokens/s  "
-                  f"(seq_len {p['seq_len']}, {p['rows_per_microbatch']} rows per microbatch)")
-            print(f"producer {name:5s} token ids {p['pretokenized_tokens_per_s'] / 1e6:8.3f} M tokens/s  "
-                  f"x{p['speedup']:.2f} (median of per-round ratios "
-                  f"{', '.join(f'{r:.2f}' for r in p['round_ratios'])})")
+            print(
+                f"producer {name:5s} raw BPE   {p['raw_bpe_tokens_per_s'] / 1e6:8.3f} M tokens/s  "
+                f"(seq_len {p['seq_len']}, {p['rows_per_microbatch']} rows per microbatch)"
+            )
+            print(
+                f"producer {name:5s} token ids {p['pretokenized_tokens_per_s'] / 1e6:8.3f} M tokens/s  "
+                f"x{p['speedup']:.2f} (median of per-round ratios "
+                f"{', '.join(f'{r:.2f}' for r in p['round_ratios'])})"
+            )
         print(f"disk                      {result['bytes_per_million_tokens'] / 1e6:8.3f} MB per million tokens")
-        print(f"one actor, 1 B tokens     {result['hours_one_actor_per_billion_tokens']:8.2f} hours "
-              f"({os.cpu_count()} cores)")
+        print(
+            f"one actor, 1 B tokens     {result['hours_one_actor_per_billion_tokens']:8.2f} hours "
+            f"({os.cpu_count()} cores)"
+        )
         print("RESULT " + json.dumps(result))
     finally:
         if ray.is_initialized():

@@ -58,7 +58,7 @@ def inprocess(recipe, rounds: int) -> dict:
     batch, prov = [], []
     for r in range(rounds):
         order = [(LaneStepper, batch), (ProvenanceStepper, prov)]
-        for cls, out in (order if r % 2 == 0 else order[::-1]):
+        for cls, out in order if r % 2 == 0 else order[::-1]:
             out.extend(steps_in_order(recipe, cls, 64))
     rng = random.Random(7)
     behind = []
@@ -69,9 +69,13 @@ def inprocess(recipe, rounds: int) -> dict:
             t0 = time.perf_counter()
             source.provenance(step)
             behind.append(time.perf_counter() - t0)
-    return {"batch_step_ms": median_ms(batch), "provenance_step_ms": median_ms(prov),
-            "ratio": round(statistics.median(prov) / statistics.median(batch), 2),
-            "behind_p50_ms": median_ms(behind), "behind_max_ms": round(1e3 * max(behind), 1)}
+    return {
+        "batch_step_ms": median_ms(batch),
+        "provenance_step_ms": median_ms(prov),
+        "ratio": round(statistics.median(prov) / statistics.median(batch), 2),
+        "behind_p50_ms": median_ms(behind),
+        "behind_max_ms": round(1e3 * max(behind), 1),
+    }
 
 
 def service(recipe) -> dict:
@@ -87,8 +91,10 @@ def _service(recipe) -> dict:
     from zephon_ray import DataService
 
     rng = random.Random(11)
-    with tempfile.TemporaryDirectory() as state, \
-            DataService.start(recipe, name="bench-prov", state_dir=state, checkpoint_every=8, ray_init=True) as svc:
+    with (
+        tempfile.TemporaryDirectory() as state,
+        DataService.start(recipe, name="bench-prov", state_dir=state, checkpoint_every=8, ray_init=True) as svc,
+    ):
         for step in range(100):
             svc.slice(step, 0, 1, track=True)
         t0 = time.perf_counter()
@@ -105,8 +111,13 @@ def _service(recipe) -> dict:
             svc.provenance(step)
             ordered.append(time.perf_counter() - t0)
         stats = dict(svc._provenance.stats)
-    return {"first_call_s": round(first, 2), "behind_p50_ms": median_ms(behind),
-            "behind_max_ms": round(1e3 * max(behind), 1), "in_order_p50_ms": median_ms(ordered), **stats}
+    return {
+        "first_call_s": round(first, 2),
+        "behind_p50_ms": median_ms(behind),
+        "behind_max_ms": round(1e3 * max(behind), 1),
+        "in_order_p50_ms": median_ms(ordered),
+        **stats,
+    }
 
 
 def locate_part(recipe, steps: int, groups: list[int]) -> dict:

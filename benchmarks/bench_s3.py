@@ -93,8 +93,13 @@ def main() -> None:
     parser.add_argument("--objects", type=int, default=10_000)
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
-    for name, low, high in (("records", 100, 10**6), ("steps", 2, 10**5), ("probes", 1, 10**5),
-                            ("objects", 1, 10**6), ("rounds", 1, 50)):
+    for name, low, high in (
+        ("records", 100, 10**6),
+        ("steps", 2, 10**5),
+        ("probes", 1, 10**5),
+        ("objects", 1, 10**6),
+        ("rounds", 1, 50),
+    ):
         if not low <= getattr(args, name) <= high:
             parser.error(f"--{name} must be in [{low}, {high}]")
 
@@ -109,8 +114,19 @@ def main() -> None:
         from zephon_ray import Recipe, identity, storage
         from zephon_ray.corpus import write_corpus
         from zephon_ray.formats.materialized import (
-            KEY_CHECKPOINTS, KEY_DIGESTS, KEY_END, KEY_FINGERPRINT, KEY_FIRST, KEY_FORMAT, KEY_GEOMETRY,
-            KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_SOURCE_TOKENS, MANIFEST_FORMAT, MaterializedSource, SegmentWriter,
+            KEY_CHECKPOINTS,
+            KEY_DIGESTS,
+            KEY_END,
+            KEY_FINGERPRINT,
+            KEY_FIRST,
+            KEY_FORMAT,
+            KEY_GEOMETRY,
+            KEY_SEGMENT_STEPS,
+            KEY_SEGMENTS,
+            KEY_SOURCE_TOKENS,
+            MANIFEST_FORMAT,
+            MaterializedSource,
+            SegmentWriter,
         )
         from zephon_ray.hash_cache import HashReport
         from zephon_ray.source import GlobalBatchSource
@@ -125,7 +141,7 @@ def main() -> None:
         local_s, s3_s, ratios = [], [], []
         for r in range(args.rounds):
             result = {}
-            for side in (("local", "s3") if r % 2 == 0 else ("s3", "local")):
+            for side in ("local", "s3") if r % 2 == 0 else ("s3", "local"):
                 if side == "s3":
                     os.environ["ZEPHON_RAY_SHARD_CACHE"] = str(work / f"shard-cache-{r}")  # cold: downloads
                 result[side] = run_stepper(local if side == "local" else remote, args.steps)
@@ -134,25 +150,49 @@ def main() -> None:
             local_s.append(result["local"][0])
             s3_s.append(result["s3"][0])
             ratios.append(result["local"][0] / result["s3"][0])
-        out.update({"producer_tokens": tokens, "producer_local_tokens_per_s": tokens / statistics.median(local_s),
-                    "producer_s3_tokens_per_s": tokens / statistics.median(s3_s),
-                    "producer_s3_vs_local": statistics.median(ratios), "producer_round_ratios": ratios})
+        out.update(
+            {
+                "producer_tokens": tokens,
+                "producer_local_tokens_per_s": tokens / statistics.median(local_s),
+                "producer_s3_tokens_per_s": tokens / statistics.median(s3_s),
+                "producer_s3_vs_local": statistics.median(ratios),
+                "producer_round_ratios": ratios,
+            }
+        )
 
         # ------------------------------------------------------------------ 2. a past step from a materialised run
         mat = storage.location(work / "materialized")
-        manifest = {KEY_FORMAT: MANIFEST_FORMAT, KEY_FINGERPRINT: local.fingerprint, KEY_FIRST: 0, KEY_END: 0,
-                    KEY_GEOMETRY: {"lanes": local.lanes, "rows": local.global_batch_rows,
-                                   "row_length": local.row_length, "sources": list(local.source_names)},
-                    KEY_SEGMENT_STEPS: 16, KEY_SEGMENTS: [], KEY_DIGESTS: [], KEY_SOURCE_TOKENS: [],
-                    KEY_CHECKPOINTS: {}}
-        writer = SegmentWriter(mat, manifest, lanes=local.lanes, rows_per_lane=local.rows_per_lane,
-                               row_length=local.row_length)
+        manifest = {
+            KEY_FORMAT: MANIFEST_FORMAT,
+            KEY_FINGERPRINT: local.fingerprint,
+            KEY_FIRST: 0,
+            KEY_END: 0,
+            KEY_GEOMETRY: {
+                "lanes": local.lanes,
+                "rows": local.global_batch_rows,
+                "row_length": local.row_length,
+                "sources": list(local.source_names),
+            },
+            KEY_SEGMENT_STEPS: 16,
+            KEY_SEGMENTS: [],
+            KEY_DIGESTS: [],
+            KEY_SOURCE_TOKENS: [],
+            KEY_CHECKPOINTS: {},
+        }
+        writer = SegmentWriter(
+            mat, manifest, lanes=local.lanes, rows_per_lane=local.rows_per_lane, row_length=local.row_length
+        )
         with GlobalBatchSource(local) as source:
             for step in range(args.steps):
                 b = source.batch(step)
                 end = (step + 1) % 16 == 0 or step + 1 == args.steps
-                writer.add(step, b.tokens, b.positions, [b.source_tokens[n] for n in local.source_names],
-                           json.dumps({"bench": step}) if end else "")
+                writer.add(
+                    step,
+                    b.tokens,
+                    b.positions,
+                    [b.source_tokens[n] for n in local.source_names],
+                    json.dumps({"bench": step}) if end else "",
+                )
         upload(server, Path(mat.path), bucket, "materialized")
         sources = {"local": MaterializedSource(mat.path), "s3": MaterializedSource(f"s3://{bucket}/materialized")}
         for src in sources.values():
@@ -162,7 +202,7 @@ def main() -> None:
         rng = random.Random(0)
         for r in range(args.rounds):
             for step in (rng.randrange(args.steps) for _ in range(args.probes)):
-                for side in (("local", "s3") if r % 2 == 0 else ("s3", "local")):
+                for side in ("local", "s3") if r % 2 == 0 else ("s3", "local"):
                     t0 = time.perf_counter()
                     digest = sources[side].batch(step).digest
                     reads[side].append(time.perf_counter() - t0)
@@ -187,7 +227,7 @@ def main() -> None:
         remote_prefix = f"s3://{bucket}/many"
         local_fp, remote_fp = [], []
         for r in range(args.rounds):
-            for side in (("local", "s3") if r % 2 == 0 else ("s3", "local")):
+            for side in ("local", "s3") if r % 2 == 0 else ("s3", "local"):
                 report = HashReport()
                 t0 = time.perf_counter()
                 if side == "local":
@@ -198,10 +238,15 @@ def main() -> None:
                     _, shards = identity.source_identity(remote_prefix, "jsonl")
                     remote_fp.append(time.perf_counter() - t0)
                     assert len(shards) == args.objects and all(s.etag for s in shards)
-        out.update({"objects": args.objects, "fingerprint_remote_s": statistics.median(remote_fp),
-                    "fingerprint_local_warm_s": statistics.median(local_fp),
-                    "fingerprint_remote_per_object_us": 1e6 * statistics.median(remote_fp) / args.objects,
-                    "fingerprint_remote_vs_local_warm": statistics.median(remote_fp) / statistics.median(local_fp)})
+        out.update(
+            {
+                "objects": args.objects,
+                "fingerprint_remote_s": statistics.median(remote_fp),
+                "fingerprint_local_warm_s": statistics.median(local_fp),
+                "fingerprint_remote_per_object_us": 1e6 * statistics.median(remote_fp) / args.objects,
+                "fingerprint_remote_vs_local_warm": statistics.median(remote_fp) / statistics.median(local_fp),
+            }
+        )
         with server.recording() as rec:
             identity.source_identity(remote_prefix, "jsonl")
         out["fingerprint_remote_object_gets"] = sum(1 for u in rec.gets() if ".jsonl" in u.split("?")[0])
@@ -211,16 +256,24 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     print(f"producer, local disk        {out['producer_local_tokens_per_s'] / 1e6:8.3f} M tokens/s")
-    print(f"producer, S3 (cold cache)   {out['producer_s3_tokens_per_s'] / 1e6:8.3f} M tokens/s   "
-          f"S3/local x{out['producer_s3_vs_local']:.2f} (rounds {', '.join(f'{x:.2f}' for x in out['producer_round_ratios'])})")
+    print(
+        f"producer, S3 (cold cache)   {out['producer_s3_tokens_per_s'] / 1e6:8.3f} M tokens/s   "
+        f"S3/local x{out['producer_s3_vs_local']:.2f} (rounds {', '.join(f'{x:.2f}' for x in out['producer_round_ratios'])})"
+    )
     for side in ("local", "s3"):
-        print(f"past step, materialised {side:5s} p50 {out[f'past_step_{side}_p50_ms']:8.2f} ms  "
-              f"p99 {out[f'past_step_{side}_p99_ms']:8.2f} ms")
-    print(f"past step S3/local          p50 x{out['past_step_s3_vs_local_p50']:.2f}  p99 x{out['past_step_s3_vs_local_p99']:.2f}")
-    print(f"fingerprint, {out['objects']} objects   S3 {out['fingerprint_remote_s']:.3f} s "
-          f"({out['fingerprint_remote_per_object_us']:.0f} us/object, {out['fingerprint_remote_requests']} requests, "
-          f"{out['fingerprint_remote_object_gets']} object GETs)  local warm {out['fingerprint_local_warm_s']:.3f} s  "
-          f"x{out['fingerprint_remote_vs_local_warm']:.2f}")
+        print(
+            f"past step, materialised {side:5s} p50 {out[f'past_step_{side}_p50_ms']:8.2f} ms  "
+            f"p99 {out[f'past_step_{side}_p99_ms']:8.2f} ms"
+        )
+    print(
+        f"past step S3/local          p50 x{out['past_step_s3_vs_local_p50']:.2f}  p99 x{out['past_step_s3_vs_local_p99']:.2f}"
+    )
+    print(
+        f"fingerprint, {out['objects']} objects   S3 {out['fingerprint_remote_s']:.3f} s "
+        f"({out['fingerprint_remote_per_object_us']:.0f} us/object, {out['fingerprint_remote_requests']} requests, "
+        f"{out['fingerprint_remote_object_gets']} object GETs)  local warm {out['fingerprint_local_warm_s']:.3f} s  "
+        f"x{out['fingerprint_remote_vs_local_warm']:.2f}"
+    )
     print("RESULT " + json.dumps(out))
 
 

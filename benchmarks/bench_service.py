@@ -46,17 +46,28 @@ def run_service(recipe, steps: int, producers: int, window: int, tag: str) -> di
     from zephon_ray import DataService
 
     state_dir = tempfile.mkdtemp(prefix="zr-bench-state-")
-    svc = DataService.start(recipe, name=f"bench-{tag}", namespace="zr-bench", producers=producers, window=window,
-                            state_dir=state_dir, checkpoint_every=8, run_id=f"bench-{tag}",
-                            aggregate_store="torch://" if producers > 1 else None)
+    svc = DataService.start(
+        recipe,
+        name=f"bench-{tag}",
+        namespace="zr-bench",
+        producers=producers,
+        window=window,
+        state_dir=state_dir,
+        checkpoint_every=8,
+        run_id=f"bench-{tag}",
+        aggregate_store="torch://" if producers > 1 else None,
+    )
     try:
         svc.batch(0, track=True)  # tracked: this consumer moves the window (untracked reads would be replays)
         t0 = time.perf_counter()
         digests = [svc.batch(s, track=True).digest for s in range(1, steps + 1)]
         elapsed = time.perf_counter() - t0
         thr = svc.status()["throughput"]
-        out = {"end_to_end": steps * recipe.tokens_per_step / elapsed, "produced": thr["tokens_per_s"],
-               "digests": digests}
+        out = {
+            "end_to_end": steps * recipe.tokens_per_step / elapsed,
+            "produced": thr["tokens_per_s"],
+            "digests": digests,
+        }
         if producers == 1:
             out["slice_ms"] = slice_latency(svc, steps, recipe)
         return out
@@ -74,8 +85,7 @@ def slice_latency(svc, step: int, recipe, n: int = 300) -> dict:
         svc.slice(step, i % world, world, track=True)
         times.append(time.perf_counter() - t0)
     times.sort()
-    return {"world": world, "p50": times[len(times) // 2] * 1e3, "p99": times[int(len(times) * 0.99) - 1] * 1e3,
-            "n": n}
+    return {"world": world, "p50": times[len(times) // 2] * 1e3, "p99": times[int(len(times) * 0.99) - 1] * 1e3, "n": n}
 
 
 def main() -> None:
@@ -91,11 +101,19 @@ def main() -> None:
     from zephon_ray import Recipe
 
     recipe = Recipe.from_toml(args.recipe)
-    print(f"recipe {recipe.describe()}: {recipe.global_batch_rows} rows x {recipe.seq_len} = "
-          f"{recipe.tokens_per_step} tokens/step, {args.steps} steps x {args.rounds} rounds, window {args.window}")
+    print(
+        f"recipe {recipe.describe()}: {recipe.global_batch_rows} rows x {recipe.seq_len} = "
+        f"{recipe.tokens_per_step} tokens/step, {args.steps} steps x {args.rounds} rounds, window {args.window}"
+    )
     temp_dir = tempfile.mkdtemp(prefix="zr-bench-ray-", dir="/tmp")
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=temp_dir, log_to_driver=False,
-             logging_level="ERROR")
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        _temp_dir=temp_dir,
+        log_to_driver=False,
+        logging_level="ERROR",
+    )
     try:
         run_local(recipe, 2)  # warm caches (catalog, tokenizer, page cache)
         rounds = []
@@ -107,23 +125,29 @@ def main() -> None:
                     got["local"], got["local_digests"] = run_local(recipe, args.steps)
                 else:
                     got[side] = run_service(recipe, args.steps, int(side[1]), args.window, f"{side}-{r}")
-            wrong = sum(a != b for side in ("m1", "m2") for a, b in zip(got[side].pop("digests"),
-                                                                         got["local_digests"]))
+            wrong = sum(a != b for side in ("m1", "m2") for a, b in zip(got[side].pop("digests"), got["local_digests"]))
             got["wrong_steps"] = wrong
             del got["local_digests"]
             rounds.append(got)
-            print(f"round {r} ({', '.join(order)}): local {got['local'] / 1e6:.3f}  M=1 e2e "
-                  f"{got['m1']['end_to_end'] / 1e6:.3f} (produced {got['m1']['produced'] / 1e6:.3f})  M=2 e2e "
-                  f"{got['m2']['end_to_end'] / 1e6:.3f} (produced {got['m2']['produced'] / 1e6:.3f})  (M tok/s), "
-                  f"wrong steps {wrong}", flush=True)
+            print(
+                f"round {r} ({', '.join(order)}): local {got['local'] / 1e6:.3f}  M=1 e2e "
+                f"{got['m1']['end_to_end'] / 1e6:.3f} (produced {got['m1']['produced'] / 1e6:.3f})  M=2 e2e "
+                f"{got['m2']['end_to_end'] / 1e6:.3f} (produced {got['m2']['produced'] / 1e6:.3f})  (M tok/s), "
+                f"wrong steps {wrong}",
+                flush=True,
+            )
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
 
     med = statistics.median
     result = {
-        "recipe": str(args.recipe), "steps": args.steps, "rounds": args.rounds, "window": args.window,
-        "tokens_per_step": recipe.tokens_per_step, "cpus": os.cpu_count(),
+        "recipe": str(args.recipe),
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "window": args.window,
+        "tokens_per_step": recipe.tokens_per_step,
+        "cpus": os.cpu_count(),
         "wrong_steps": sum(x["wrong_steps"] for x in rounds),
         "local_tokens_per_s": [x["local"] for x in rounds],
         "m1_end_to_end_tokens_per_s": [x["m1"]["end_to_end"] for x in rounds],
@@ -141,7 +165,9 @@ def main() -> None:
     print(f"{'local GlobalBatchSource (M tok/s, median)':<46}{med(result['local_tokens_per_s']) / 1e6:>12.3f}")
     print(f"{'service M=1 end-to-end (M tok/s, median)':<46}{med(result['m1_end_to_end_tokens_per_s']) / 1e6:>12.3f}")
     print(f"{'service M=2 end-to-end (M tok/s, median)':<46}{med(result['m2_end_to_end_tokens_per_s']) / 1e6:>12.3f}")
-    print(f"{'service M=1 producers alone (M tok/s, median)':<46}{med(result['m1_produced_tokens_per_s']) / 1e6:>12.3f}")
+    print(
+        f"{'service M=1 producers alone (M tok/s, median)':<46}{med(result['m1_produced_tokens_per_s']) / 1e6:>12.3f}"
+    )
     print(f"{'ratio M=1 end-to-end / local (same work)':<46}{result['ratio_m1_end_to_end_vs_local']:>12.3f}")
     print(f"{'ratio M=2 end-to-end / local (same work)':<46}{result['ratio_m2_end_to_end_vs_local']:>12.3f}")
     print(f"{'ratio M=2 / M=1 end-to-end':<46}{result['ratio_m2_vs_m1_end_to_end']:>12.3f}")

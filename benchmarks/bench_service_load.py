@@ -170,8 +170,18 @@ def thread_cpu(pid: int) -> dict[str, float]:
             out["pump"] += cpu
         elif comm.startswith(("ray::", "python", "default_worker")):
             out["python"] += cpu
-        elif comm.startswith(("client.poll", "server.poll", "event_engine", "grpc", "grpcpp", "resolver",
-                              "timer_manager", "default-executo")):
+        elif comm.startswith(
+            (
+                "client.poll",
+                "server.poll",
+                "event_engine",
+                "grpc",
+                "grpcpp",
+                "resolver",
+                "timer_manager",
+                "default-executo",
+            )
+        ):
             out["grpc"] += cpu
         else:
             out["core_worker"] += cpu
@@ -192,8 +202,19 @@ def _split_delta(before: dict[str, float], after: dict[str, float], per: int) ->
     return {k: (after.get(k, 0.0) - before.get(k, 0.0)) / max(per, 1) * 1e3 for k in after}
 
 
-def _rank_process(address: str, name: str, consumer: str, world: int, ranks: list[int], steps: int,
-                  step_time: float, ref: dict, barrier, ready, out) -> None:
+def _rank_process(
+    address: str,
+    name: str,
+    consumer: str,
+    world: int,
+    ranks: list[int],
+    steps: int,
+    step_time: float,
+    ref: dict,
+    barrier,
+    ready,
+    out,
+) -> None:
     """One trainer process of the ``per_rank`` side: each of ``ranks`` is a thread with a handle of its own
     (``DataService.connect``), as each rank of a real job is a process with its own handle. ``barrier`` spans every
     rank of the job (all processes): lock-step."""
@@ -242,9 +263,21 @@ SIDES = ("direct", "node", "per_rank")
 handle on the node path; ``per_rank``: one handle per rank (``--processes`` processes per job), node path."""
 
 
-def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, side: str,
-             tag: str, jobs: int = 2, processes: int = 8, profile: str | None = None,
-             status_every: float = 0.05, window: int = 8) -> dict:
+def run_load(
+    recipe,
+    reference,
+    tmp,
+    ranks: int,
+    steps: int,
+    step_time: float,
+    side: str,
+    tag: str,
+    jobs: int = 2,
+    processes: int = 8,
+    profile: str | None = None,
+    status_every: float = 0.05,
+    window: int = 8,
+) -> dict:
     import multiprocessing
 
     import ray
@@ -309,8 +342,12 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
             for p in range(processes):
                 mine = list(range(p * per, min(ranks, (p + 1) * per)))
                 ref = {(s, r): reference[s][(r, world)] for s in range(steps) for r in mine}
-                procs.append(ctx.Process(target=_rank_process, args=(
-                    address, svc.name, f"job{j}", world, mine, steps, step_time, ref, barrier, ready, out)))
+                procs.append(
+                    ctx.Process(
+                        target=_rank_process,
+                        args=(address, svc.name, f"job{j}", world, mine, steps, step_time, ref, barrier, ready, out),
+                    )
+                )
         for proc in procs:
             proc.start()
         ready.wait(timeout=900)
@@ -355,23 +392,47 @@ def run_load(recipe, reference, tmp, ranks: int, steps: int, step_time: float, s
     reads = svc.status()["reads"]
     svc.stop()
     n = max(len(waits), 1)
-    return {"side": side, "read_path": read_path, "jobs": jobs, "ranks": ranks, "world": world, "steps": steps,
-            "processes": len(procs) if procs else 1, "step_time_s": step_time, "reads": len(waits),
-            "wrong_rows": len(bad), "coordinator_cpu_s": round(coordinator_cpu, 3),
-            # the figures: the threads' run time (ns); the processes' 10 ms-tick totals beside them as a check
-            "coordinator_cpu_ms_per_rank_step": sum(split.values()),
-            "node_reader_cpu_ms_per_rank_step": sum(rsplit.values()),
-            "coordinator_ticks_ms_per_rank_step": coordinator_cpu / n * 1e3,
-            "node_reader_ticks_ms_per_rank_step": reader_cpu / n * 1e3, "threads_gone": threads_gone,
-            "coordinator_threads_ms_per_rank_step": split, "node_reader_threads_ms_per_rank_step": rsplit,
-            "coordinator_calls": {"leases": reads["leases"], "reports": reads["reports"],
-                                  "cursor_moves": reads["cursor_moves"]},
-            "node_reader_calls": {k: calls1[k] - calls0.get(k, 0) for k in calls1},
-            "errors": errors[:3], "elapsed_s": round(elapsed, 2), "profiles": profiles,
-            "wait_ms": {"p50": pct(waits, .5) * 1e3, "p99": pct(waits, .99) * 1e3, "max": max(waits) * 1e3,
-                        "max_after_step_0": max(later, default=0.0) * 1e3},
-            "status_ms": {"p50": (pct(status_lat, .5) or 0) * 1e3, "p99": (pct(status_lat, .99) or 0) * 1e3,
-                          "n": len(status_lat)}}
+    return {
+        "side": side,
+        "read_path": read_path,
+        "jobs": jobs,
+        "ranks": ranks,
+        "world": world,
+        "steps": steps,
+        "processes": len(procs) if procs else 1,
+        "step_time_s": step_time,
+        "reads": len(waits),
+        "wrong_rows": len(bad),
+        "coordinator_cpu_s": round(coordinator_cpu, 3),
+        # the figures: the threads' run time (ns); the processes' 10 ms-tick totals beside them as a check
+        "coordinator_cpu_ms_per_rank_step": sum(split.values()),
+        "node_reader_cpu_ms_per_rank_step": sum(rsplit.values()),
+        "coordinator_ticks_ms_per_rank_step": coordinator_cpu / n * 1e3,
+        "node_reader_ticks_ms_per_rank_step": reader_cpu / n * 1e3,
+        "threads_gone": threads_gone,
+        "coordinator_threads_ms_per_rank_step": split,
+        "node_reader_threads_ms_per_rank_step": rsplit,
+        "coordinator_calls": {
+            "leases": reads["leases"],
+            "reports": reads["reports"],
+            "cursor_moves": reads["cursor_moves"],
+        },
+        "node_reader_calls": {k: calls1[k] - calls0.get(k, 0) for k in calls1},
+        "errors": errors[:3],
+        "elapsed_s": round(elapsed, 2),
+        "profiles": profiles,
+        "wait_ms": {
+            "p50": pct(waits, 0.5) * 1e3,
+            "p99": pct(waits, 0.99) * 1e3,
+            "max": max(waits) * 1e3,
+            "max_after_step_0": max(later, default=0.0) * 1e3,
+        },
+        "status_ms": {
+            "p50": (pct(status_lat, 0.5) or 0) * 1e3,
+            "p99": (pct(status_lat, 0.99) or 0) * 1e3,
+            "n": len(status_lat),
+        },
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- profiles
@@ -388,15 +449,28 @@ def start_profilers(folder: str, tag: str, coordinator: int, readers: list[int])
     for who, pid in [("coordinator", coordinator)] + [(f"reader{i}", p) for i, p in enumerate(readers)]:
         if shutil.which("py-spy"):
             path = Path(folder) / f"{tag}-{who}.pyspy.txt"
-            cmd = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "--output", str(path), "--rate", "250",
-                   "--nonblocking"]
-            running.append((who + ".pyspy", path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                                                   stderr=subprocess.DEVNULL)))
+            cmd = [
+                "py-spy",
+                "record",
+                "--pid",
+                str(pid),
+                "--format",
+                "raw",
+                "--output",
+                str(path),
+                "--rate",
+                "250",
+                "--nonblocking",
+            ]
+            running.append(
+                (who + ".pyspy", path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            )
         if shutil.which("perf"):
             path = Path(folder) / f"{tag}-{who}.perf.data"
             cmd = ["perf", "record", "-F", "499", "-g", "-p", str(pid), "-o", str(path)]
-            running.append((who + ".perf", path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                                                  stderr=subprocess.DEVNULL)))
+            running.append(
+                (who + ".perf", path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            )
     if not running:
         print("  (neither py-spy nor perf on PATH: no profile)", flush=True)
     return running
@@ -404,7 +478,7 @@ def start_profilers(folder: str, tag: str, coordinator: int, readers: list[int])
 
 def stop_profilers(running: list) -> dict:
     out = {}
-    for who, path, proc in running:
+    for _who, _path, proc in running:
         proc.send_signal(signal.SIGINT)
     for who, path, proc in running:
         try:
@@ -443,7 +517,7 @@ def run_calls(recipe, tmp, n: int = 1500, lease_steps: int = 4, threads: int = 8
             idle_rate = (cpu_seconds([pid]) - c0) / (time.perf_counter() - t0)
             per_thread = n // threads if kind != "status" else 100 // threads
 
-            def loop():
+            def loop(per_thread=per_thread, call=call):
                 for _ in range(per_thread):
                     ray.get(call())
 
@@ -456,8 +530,12 @@ def run_calls(recipe, tmp, n: int = 1500, lease_steps: int = 4, threads: int = 8
             wall = time.perf_counter() - t0
             cpu = cpu_seconds([pid]) - c0 - idle_rate * wall
             calls = per_thread * threads
-            out[kind] = {"calls": calls, "cpu_ms_per_call": cpu / calls * 1e3, "calls_per_s": calls / wall,
-                         "idle_cpu_ms_per_s": idle_rate * 1e3}
+            out[kind] = {
+                "calls": calls,
+                "cpu_ms_per_call": cpu / calls * 1e3,
+                "calls_per_s": calls / wall,
+                "idle_cpu_ms_per_s": idle_rate * 1e3,
+            }
         return out
     finally:
         svc.stop()
@@ -505,23 +583,33 @@ def run_pending(recipe, reference, tmp, n: int = 512, read_path: str = "node") -
         t.join(timeout=600)
     drain = time.perf_counter() - t0
     svc.stop()
-    return {"read_path": read_path, "pending_reads": n, "cursors_while_pending": pending_cursors,
-            "completed_ok": sum(results),
-            "errors": errors[:3], "status_ms": {"p50": pct(lat_status, .5) * 1e3, "p99": pct(lat_status, .99) * 1e3,
-                                                "max": max(lat_status) * 1e3},
-            "commit_ms": {"p50": pct(lat_commit, .5) * 1e3, "max": max(lat_commit) * 1e3},
-            "drain_s": round(drain, 2)}
+    return {
+        "read_path": read_path,
+        "pending_reads": n,
+        "cursors_while_pending": pending_cursors,
+        "completed_ok": sum(results),
+        "errors": errors[:3],
+        "status_ms": {
+            "p50": pct(lat_status, 0.5) * 1e3,
+            "p99": pct(lat_status, 0.99) * 1e3,
+            "max": max(lat_status) * 1e3,
+        },
+        "commit_ms": {"p50": pct(lat_commit, 0.5) * 1e3, "max": max(lat_commit) * 1e3},
+        "drain_s": round(drain, 2),
+    }
 
 
 # ---------------------------------------------------------------------------------------------------- cpu
 def run_cpu(recipe, reference, tmp, steps: int, rounds: int = 1) -> dict:
     runs: dict[int, list[dict]] = {1: [], 2: [], 4: []}
     for r in range(rounds):
-        for m in ((1, 2, 4) if r % 2 == 0 else (4, 2, 1)):
+        for m in (1, 2, 4) if r % 2 == 0 else (4, 2, 1):
             runs[m].append(_run_cpu_once(recipe, reference, tmp, steps, m, f"{m}-{r}"))
     med = statistics.median
     out = {m: {k: med(x[k] for x in xs) for k in xs[0]} for m, xs in runs.items()}
-    out["ratio_m2_vs_m1_cpu_per_token"] = med(a["cpu_s_per_mtok"] / b["cpu_s_per_mtok"] for a, b in zip(runs[2], runs[1]))
+    out["ratio_m2_vs_m1_cpu_per_token"] = med(
+        a["cpu_s_per_mtok"] / b["cpu_s_per_mtok"] for a, b in zip(runs[2], runs[1])
+    )
     out["ratio_m2_vs_m1_tokens_per_s"] = med(a["tokens_per_s"] / b["tokens_per_s"] for a, b in zip(runs[2], runs[1]))
     return out
 
@@ -540,15 +628,20 @@ def _run_cpu_once(recipe, reference, tmp, steps: int, m: int, tag: str) -> dict:
             elapsed = time.perf_counter() - t0
             c1, all1 = cpu_seconds([coord]), cpu_seconds(pids)
             mtok = steps * recipe.tokens_per_step / 1e6
-            return {"cpu_s_per_mtok": (all1 - all0) / mtok, "tokens_per_s": mtok * 1e6 / elapsed,
-                    "coordinator_cpu_ms_per_step": (c1 - c0) / steps * 1e3, "processes": len(pids)}
+            return {
+                "cpu_s_per_mtok": (all1 - all0) / mtok,
+                "tokens_per_s": mtok * 1e6 / elapsed,
+                "coordinator_cpu_ms_per_step": (c1 - c0) / steps * 1e3,
+                "processes": len(pids),
+            }
         finally:
             svc.stop()
 
 
 # ---------------------------------------------------------------------------------------------------- pump
-def run_pump(recipe, digests, tmp, steps: int = 48, rounds: int = 1, producers=(1, 2, 4, 8),
-             profile: str | None = None) -> dict:
+def run_pump(
+    recipe, digests, tmp, steps: int = 48, rounds: int = 1, producers=(1, 2, 4, 8), profile: str | None = None
+) -> dict:
     """The coordinator's CPU per produced step against the number of producers M, with no reader but one: a
     direct-path client moves its cursor ``window`` steps at a time (``advance``) and waits for the last of them
     (one lease), so the producers refill the whole window each hop. Reported per produced step: the whole
@@ -556,13 +649,16 @@ def run_pump(recipe, digests, tmp, steps: int = 48, rounds: int = 1, producers=(
     before. Checkpoints (every 8 steps) are included. M order flips every round."""
     runs: dict[int, list[dict]] = {m: [] for m in producers}
     for r in range(rounds):
-        for m in (producers if r % 2 == 0 else producers[::-1]):
+        for m in producers if r % 2 == 0 else producers[::-1]:
             runs[m].append(_pump_once(recipe, digests, tmp, steps, m, f"{m}-{r}", profile))
             x = runs[m][-1]
-            print(f"pump M={m}, round {r}: coordinator {x['coordinator_ms_per_step']:.2f} CPU-ms per produced "
-                  f"step (pump thread {x['pump_ms_per_step']:.2f}); idle {x['idle_ms_per_s']:.2f} CPU-ms/s "
-                  f"(pump thread {x['idle_pump_ms_per_s']:.2f}, other python {x['idle_python_ms_per_s']:.2f}, "
-                  f"core worker {x['idle_core_worker_ms_per_s']:.2f}, grpc {x['idle_grpc_ms_per_s']:.2f})", flush=True)
+            print(
+                f"pump M={m}, round {r}: coordinator {x['coordinator_ms_per_step']:.2f} CPU-ms per produced "
+                f"step (pump thread {x['pump_ms_per_step']:.2f}); idle {x['idle_ms_per_s']:.2f} CPU-ms/s "
+                f"(pump thread {x['idle_pump_ms_per_s']:.2f}, other python {x['idle_python_ms_per_s']:.2f}, "
+                f"core worker {x['idle_core_worker_ms_per_s']:.2f}, grpc {x['idle_grpc_ms_per_s']:.2f})",
+                flush=True,
+            )
     med = statistics.median
     return {m: {k: med(x[k] for x in xs) for k in xs[0]} for m, xs in runs.items()}
 
@@ -591,10 +687,15 @@ def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str, profile: str 
         s1 = thread_cpu(pid)
         stop_profilers(profilers)
         total = sum(s1.values()) - sum(s0.values())
-        return {"producers": m, "produced_steps": produced, "coordinator_ms_per_step": total / produced * 1e3,
-                "pump_ms_per_step": (s1["pump"] - s0["pump"]) / produced * 1e3,
-                "idle_ms_per_s": sum(idle.values()), "idle_pump_ms_per_s": idle["pump"],
-                **{f"idle_{k}_ms_per_s": v for k, v in idle.items() if k != "pump"}}
+        return {
+            "producers": m,
+            "produced_steps": produced,
+            "coordinator_ms_per_step": total / produced * 1e3,
+            "pump_ms_per_step": (s1["pump"] - s0["pump"]) / produced * 1e3,
+            "idle_ms_per_s": sum(idle.values()),
+            "idle_pump_ms_per_s": idle["pump"],
+            **{f"idle_{k}_ms_per_s": v for k, v in idle.items() if k != "pump"},
+        }
     finally:
         svc.stop()
 
@@ -625,8 +726,9 @@ def run_replies(calls: int = 1500, rounds: int = 2) -> dict:
                 yield self.with_ref(step)
 
     def stream_items(calls: int):
-        gen = actor.streamed.options(num_returns="streaming", enable_task_events=False,
-                                     _generator_backpressure_num_objects=1).remote(calls)
+        gen = actor.streamed.options(
+            num_returns="streaming", enable_task_events=False, _generator_backpressure_num_objects=1
+        ).remote(calls)
         return (next(gen) for _ in range(calls))
 
     actor = Replier.remote()
@@ -634,7 +736,7 @@ def run_replies(calls: int = 1500, rounds: int = 2) -> dict:
     me = psutil.Process()
     runs: dict[str, list[float]] = {"with_ref": [], "with_id": [], "streamed": []}
     for r in range(rounds):
-        for kind in (("with_ref", "with_id", "streamed") if r % 2 == 0 else ("streamed", "with_id", "with_ref")):
+        for kind in ("with_ref", "with_id", "streamed") if r % 2 == 0 else ("streamed", "with_id", "with_ref"):
             held = []
             time.sleep(0.3)
             t = me.cpu_times()
@@ -653,8 +755,11 @@ def run_replies(calls: int = 1500, rounds: int = 2) -> dict:
             print(f"replies round {r}: {kind} {runs[kind][-1]:.3f} caller CPU-ms per call", flush=True)
     ray.kill(actor)
     med = {k: statistics.median(v) for k, v in runs.items()}
-    return {"caller_ms_per_call": med, "ref_in_reply_ms": med["with_ref"] - med["with_id"],
-            "streamed_saves_ms": med["with_ref"] - med["streamed"]}
+    return {
+        "caller_ms_per_call": med,
+        "ref_in_reply_ms": med["with_ref"] - med["with_id"],
+        "streamed_saves_ms": med["with_ref"] - med["streamed"],
+    }
 
 
 def _bare_actors():
@@ -693,9 +798,13 @@ def run_idle(recipe, reference, tmp, seconds: float = 20.0, rounds: int = 1) -> 
             last = svc.config.window - 1
             assert svc.refs(last).batch().digest == reference[last]["digest"], "the window is not full"
             status = svc.status()
-            pids = {"coordinator": status["coordinator"]["pid"], "producer": status["producers"][0]["pid"],
-                    "node_reader": reader_pids()[0], "bare_async": ray.get(bare[0].pid.remote()),
-                    "bare_threaded": ray.get(bare[1].pid.remote())}
+            pids = {
+                "coordinator": status["coordinator"]["pid"],
+                "producer": status["producers"][0]["pid"],
+                "node_reader": reader_pids()[0],
+                "bare_async": ray.get(bare[0].pid.remote()),
+                "bare_threaded": ray.get(bare[1].pid.remote()),
+            }
             time.sleep(2.0)  # the last reply's work done
             before, t0 = {k: thread_cpu(p) for k, p in pids.items()}, time.perf_counter()
             time.sleep(seconds)
@@ -707,8 +816,12 @@ def run_idle(recipe, reference, tmp, seconds: float = 20.0, rounds: int = 1) -> 
             svc.stop()
             for a in bare:
                 ray.kill(a)
-        print(f"idle round {rnd} ({seconds:.0f} s): " + ", ".join(
-            f"{k} {v[-1]['ms_per_s']:.1f}" for k, v in runs.items()) + " CPU-ms/s", flush=True)
+        print(
+            f"idle round {rnd} ({seconds:.0f} s): "
+            + ", ".join(f"{k} {v[-1]['ms_per_s']:.1f}" for k, v in runs.items())
+            + " CPU-ms/s",
+            flush=True,
+        )
     med = statistics.median
     return {k: {f: med(x[f] for x in xs) for f in xs[0]} for k, xs in runs.items()}
 
@@ -721,9 +834,11 @@ def run_resume(recipe, reference, tmp, behind: int = 6, world: int = 4, rounds: 
         for label, retain in order:
             runs[label].append(_resume_once(recipe, reference, tmp, behind, world, label, retain, str(r)))
     med = statistics.median
-    return {"retained": {"first_batch_s": med(runs["retained"])},
-            "replay_path": {"first_batch_s": med(runs["replay_path"])},
-            "ratio_replay_vs_retained": med(a / b for a, b in zip(runs["replay_path"], runs["retained"]))}
+    return {
+        "retained": {"first_batch_s": med(runs["retained"])},
+        "replay_path": {"first_batch_s": med(runs["replay_path"])},
+        "ratio_replay_vs_retained": med(a / b for a, b in zip(runs["replay_path"], runs["retained"])),
+    }
 
 
 def _resume_once(recipe, reference, tmp, behind, world, label, retain, tag) -> float:
@@ -777,8 +892,12 @@ def run_kill(recipe, reference, tmp) -> dict:
             batch = svc.batch(s, track=True)
             waits.append(time.perf_counter() - t)
             assert batch.digest == reference[s]
-        return {"recovery_s": max(waits), "steps_after_kill_s": time.perf_counter() - t0, "later_ok": True,
-                "start": svc.status()["start"]}
+        return {
+            "recovery_s": max(waits),
+            "steps_after_kill_s": time.perf_counter() - t0,
+            "later_ok": True,
+            "start": svc.status()["start"],
+        }
     finally:
         svc.stop()
 
@@ -805,9 +924,16 @@ def run_long(recipe, reference_source, tmp, steps: int = 5000) -> dict:
             if s % 500 == 499:
                 files = [p for p in state_dir.rglob("*") if p.is_file()]
                 st = svc.status()
-                samples.append({"step": s + 1, "files": len(files), "bytes": sum(p.stat().st_size for p in files),
-                                "held_steps": len(st["window"]["held_steps"]),
-                                "held_bytes": st["window"]["held_bytes"], **object_store_view()})
+                samples.append(
+                    {
+                        "step": s + 1,
+                        "files": len(files),
+                        "bytes": sum(p.stat().st_size for p in files),
+                        "held_steps": len(st["window"]["held_steps"]),
+                        "held_bytes": st["window"]["held_bytes"],
+                        **object_store_view(),
+                    }
+                )
                 print("  long:", json.dumps(samples[-1]), flush=True)
     finally:
         svc.stop()
@@ -816,41 +942,48 @@ def run_long(recipe, reference_source, tmp, steps: int = 5000) -> dict:
 
 def _load_line(r: dict) -> str:
     c, n = r["coordinator_threads_ms_per_rank_step"], r["node_reader_threads_ms_per_rank_step"]
-    return (f"{r['side']:>8} ({r['processes']} processes): wrong rows {r['wrong_rows']}, errors {len(r['errors'])}, "
-            f"wait p50/p99/max {r['wait_ms']['p50']:.1f}/{r['wait_ms']['p99']:.1f}/{r['wait_ms']['max']:.1f} ms "
-            f"(max after step 0 {r['wait_ms']['max_after_step_0']:.1f}), "
-            f"status p50/p99 {r['status_ms']['p50']:.1f}/{r['status_ms']['p99']:.1f} ms, coordinator "
-            f"{r['coordinator_cpu_ms_per_rank_step']:.3f} CPU-ms/rank-step (pump {c.get('pump', 0):.3f}, python "
-            f"{c.get('python', 0):.3f}, core "
-            f"worker {c.get('core_worker', 0):.3f}, grpc {c.get('grpc', 0):.3f}; in 10 ms ticks "
-            f"{r['coordinator_ticks_ms_per_rank_step']:.3f}), node readers {r['node_reader_cpu_ms_per_rank_step']:.3f} "
-            f"(python {n.get('python', 0):.3f}, core worker {n.get('core_worker', 0):.3f}, grpc "
-            f"{n.get('grpc', 0):.3f}; in ticks {r['node_reader_ticks_ms_per_rank_step']:.3f}), threads gone "
-            f"{r['threads_gone']}, coordinator calls {r['coordinator_calls']}, node reader calls "
-            f"{r['node_reader_calls']}")
+    return (
+        f"{r['side']:>8} ({r['processes']} processes): wrong rows {r['wrong_rows']}, errors {len(r['errors'])}, "
+        f"wait p50/p99/max {r['wait_ms']['p50']:.1f}/{r['wait_ms']['p99']:.1f}/{r['wait_ms']['max']:.1f} ms "
+        f"(max after step 0 {r['wait_ms']['max_after_step_0']:.1f}), "
+        f"status p50/p99 {r['status_ms']['p50']:.1f}/{r['status_ms']['p99']:.1f} ms, coordinator "
+        f"{r['coordinator_cpu_ms_per_rank_step']:.3f} CPU-ms/rank-step (pump {c.get('pump', 0):.3f}, python "
+        f"{c.get('python', 0):.3f}, core "
+        f"worker {c.get('core_worker', 0):.3f}, grpc {c.get('grpc', 0):.3f}; in 10 ms ticks "
+        f"{r['coordinator_ticks_ms_per_rank_step']:.3f}), node readers {r['node_reader_cpu_ms_per_rank_step']:.3f} "
+        f"(python {n.get('python', 0):.3f}, core worker {n.get('core_worker', 0):.3f}, grpc "
+        f"{n.get('grpc', 0):.3f}; in ticks {r['node_reader_ticks_ms_per_rank_step']:.3f}), threads gone "
+        f"{r['threads_gone']}, coordinator calls {r['coordinator_calls']}, node reader calls "
+        f"{r['node_reader_calls']}"
+    )
 
 
 def compare_load(runs: dict[str, list[dict]]) -> dict:
     med = statistics.median
     summary = {}
     for side, xs in runs.items():
-        summary[side] = {"wait_p50_ms": med(x["wait_ms"]["p50"] for x in xs),
-                         "wait_p99_ms": med(x["wait_ms"]["p99"] for x in xs),
-                         "wait_max_after_step_0_ms": med(x["wait_ms"]["max_after_step_0"] for x in xs),
-                         "status_p99_ms": med(x["status_ms"]["p99"] for x in xs),
-                         "coordinator_cpu_ms_per_rank_step": med(x["coordinator_cpu_ms_per_rank_step"] for x in xs),
-                         "node_reader_cpu_ms_per_rank_step": med(x["node_reader_cpu_ms_per_rank_step"] for x in xs),
-                         "wrong_rows": sum(x["wrong_rows"] for x in xs), "errors": sum(len(x["errors"]) for x in xs)}
+        summary[side] = {
+            "wait_p50_ms": med(x["wait_ms"]["p50"] for x in xs),
+            "wait_p99_ms": med(x["wait_ms"]["p99"] for x in xs),
+            "wait_max_after_step_0_ms": med(x["wait_ms"]["max_after_step_0"] for x in xs),
+            "status_p99_ms": med(x["status_ms"]["p99"] for x in xs),
+            "coordinator_cpu_ms_per_rank_step": med(x["coordinator_cpu_ms_per_rank_step"] for x in xs),
+            "node_reader_cpu_ms_per_rank_step": med(x["node_reader_cpu_ms_per_rank_step"] for x in xs),
+            "wrong_rows": sum(x["wrong_rows"] for x in xs),
+            "errors": sum(len(x["errors"]) for x in xs),
+        }
         for key in ("coordinator_threads_ms_per_rank_step", "node_reader_threads_ms_per_rank_step"):
             summary[side][key] = {k: med(x[key].get(k, 0.0) for x in xs) for k in xs[0][key]}
     pairs = [("direct", "node", "ratio_{}_direct_vs_node"), ("per_rank", "node", "ratio_{}_per_rank_vs_shared")]
     for a, b, name in pairs:
         if a in runs and b in runs:
             summary[name.format("wait_p99")] = med(
-                x["wait_ms"]["p99"] / y["wait_ms"]["p99"] for x, y in zip(runs[a], runs[b]))
+                x["wait_ms"]["p99"] / y["wait_ms"]["p99"] for x, y in zip(runs[a], runs[b])
+            )
             summary[name.format("coordinator_cpu")] = med(
                 x["coordinator_cpu_ms_per_rank_step"] / y["coordinator_cpu_ms_per_rank_step"]
-                for x, y in zip(runs[a], runs[b]))
+                for x, y in zip(runs[a], runs[b])
+            )
     return summary
 
 
@@ -858,12 +991,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default="load,pending,cpu,resume,kill")
     ap.add_argument("--paths", default="direct,node", help="read paths compared by pending")
-    ap.add_argument("--sides", default="direct,node,per_rank",
-                    help=f"sides compared by load, of {','.join(SIDES)}")
+    ap.add_argument("--sides", default="direct,node,per_rank", help=f"sides compared by load, of {','.join(SIDES)}")
     ap.add_argument("--jobs", type=int, default=2, help="jobs (consumers) reading at once in load")
     ap.add_argument("--processes", type=int, default=8, help="trainer processes per job on the per_rank side")
-    ap.add_argument("--status-every", type=float, default=0.05,
-                    help="load: a prober calls status() this often, timing it (0: no prober)")
+    ap.add_argument(
+        "--status-every",
+        type=float,
+        default=0.05,
+        help="load: a prober calls status() this often, timing it (0: no prober)",
+    )
     ap.add_argument("--profile", default=None, help="folder: py-spy the coordinator and node readers during load")
     ap.add_argument("--ranks", type=int, default=256)
     ap.add_argument("--small-ranks", type=int, default=32)
@@ -903,10 +1039,22 @@ def main() -> None:
             reference.append(ref)
     digests = [r["digest"] for r in reference]
     ray_tmp = tempfile.mkdtemp(prefix="zr-bench-ray-", dir="/tmp")
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=ray_tmp, log_to_driver=False,
-             logging_level="ERROR", namespace=NS)
-    result = {"cpus": os.cpu_count(), "recipe_rows": recipe.global_batch_rows,
-              "tokens_per_step": recipe.tokens_per_step, "rounds": args.rounds, "paths": paths}
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        _temp_dir=ray_tmp,
+        log_to_driver=False,
+        logging_level="ERROR",
+        namespace=NS,
+    )
+    result = {
+        "cpus": os.cpu_count(),
+        "recipe_rows": recipe.global_batch_rows,
+        "tokens_per_step": recipe.tokens_per_step,
+        "rounds": args.rounds,
+        "paths": paths,
+    }
     try:
         if "load" in parts:
             for ranks in sorted({args.small_ranks, args.ranks}):
@@ -914,56 +1062,102 @@ def main() -> None:
                 for rnd in range(args.rounds):
                     order = sides if rnd % 2 == 0 else sides[::-1]
                     for side in order:
-                        r = run_load(recipe, reference, tmp, ranks, args.steps, args.step_time, side, str(rnd),
-                                     jobs=args.jobs, processes=args.processes, profile=args.profile,
-                                     status_every=args.status_every, window=args.window)
+                        r = run_load(
+                            recipe,
+                            reference,
+                            tmp,
+                            ranks,
+                            args.steps,
+                            args.step_time,
+                            side,
+                            str(rnd),
+                            jobs=args.jobs,
+                            processes=args.processes,
+                            profile=args.profile,
+                            status_every=args.status_every,
+                            window=args.window,
+                        )
                         runs[side].append(r)
-                        print(f"load {args.jobs}x{ranks} ranks x {args.steps} steps, round {rnd}, {_load_line(r)}",
-                              flush=True)
+                        print(
+                            f"load {args.jobs}x{ranks} ranks x {args.steps} steps, round {rnd}, {_load_line(r)}",
+                            flush=True,
+                        )
                 summary = compare_load(runs)
                 result[f"load_{ranks}"] = {"runs": runs, "summary": summary}
                 print(f"load {args.jobs}x{ranks}: {json.dumps(summary)}", flush=True)
         if "calls" in parts:
             r = result["calls"] = run_calls(recipe, tmp)
-            print("calls: " + ", ".join(f"{k} {v['cpu_ms_per_call']:.3f} coordinator CPU-ms/call ({v['calls_per_s']:.0f}/s)"
-                                        for k, v in r.items()) + f"; idle {r['lease']['idle_cpu_ms_per_s']:.1f} "
-                  "CPU-ms/s", flush=True)
+            print(
+                "calls: "
+                + ", ".join(
+                    f"{k} {v['cpu_ms_per_call']:.3f} coordinator CPU-ms/call ({v['calls_per_s']:.0f}/s)"
+                    for k, v in r.items()
+                )
+                + f"; idle {r['lease']['idle_cpu_ms_per_s']:.1f} "
+                "CPU-ms/s",
+                flush=True,
+            )
         if "pending" in parts:
             for path in paths:
                 r = result[f"pending_{path}"] = run_pending(recipe, reference, tmp, args.pending, path)
-                print(f"pending {r['pending_reads']} reads ({path}): status p99 {r['status_ms']['p99']:.1f} ms (max "
-                      f"{r['status_ms']['max']:.1f}), commit max {r['commit_ms']['max']:.1f} ms, completed ok "
-                      f"{r['completed_ok']}, drained in {r['drain_s']} s", flush=True)
+                print(
+                    f"pending {r['pending_reads']} reads ({path}): status p99 {r['status_ms']['p99']:.1f} ms (max "
+                    f"{r['status_ms']['max']:.1f}), commit max {r['commit_ms']['max']:.1f} ms, completed ok "
+                    f"{r['completed_ok']}, drained in {r['drain_s']} s",
+                    flush=True,
+                )
         if "cpu" in parts:
             r = result["cpu"] = run_cpu(recipe, digests, tmp, args.cpu_steps, args.rounds)
             for m in (1, 2, 4):
-                print(f"cpu M={m}: {r[m]['cpu_s_per_mtok']:.2f} service CPU-s per M tokens, "
-                      f"{r[m]['tokens_per_s'] / 1e6:.3f} M tok/s, coordinator {r[m]['coordinator_cpu_ms_per_step']:.2f} "
-                      f"CPU-ms/step", flush=True)
-            print(f"cpu ratio M=2/M=1 per token {r['ratio_m2_vs_m1_cpu_per_token']:.2f} (target <= 1.2), tokens/s "
-                  f"{r['ratio_m2_vs_m1_tokens_per_s']:.2f}", flush=True)
+                print(
+                    f"cpu M={m}: {r[m]['cpu_s_per_mtok']:.2f} service CPU-s per M tokens, "
+                    f"{r[m]['tokens_per_s'] / 1e6:.3f} M tok/s, coordinator {r[m]['coordinator_cpu_ms_per_step']:.2f} "
+                    f"CPU-ms/step",
+                    flush=True,
+                )
+            print(
+                f"cpu ratio M=2/M=1 per token {r['ratio_m2_vs_m1_cpu_per_token']:.2f} (target <= 1.2), tokens/s "
+                f"{r['ratio_m2_vs_m1_tokens_per_s']:.2f}",
+                flush=True,
+            )
         if "pump" in parts:
-            result["pump"] = run_pump(recipe, digests, tmp, steps=args.pump_steps, rounds=args.rounds,
-                                      profile=args.profile)
+            result["pump"] = run_pump(
+                recipe, digests, tmp, steps=args.pump_steps, rounds=args.rounds, profile=args.profile
+            )
         if "idle" in parts:
             r = result["idle"] = run_idle(recipe, reference, tmp, args.idle_seconds, args.rounds)
-            print("idle (median of rounds): " + "; ".join(
-                f"{k} {v['ms_per_s']:.1f} CPU-ms/s (" + ", ".join(f"{t} {v[t]:.1f}" for t in v if t != "ms_per_s") + ")"
-                for k, v in r.items()), flush=True)
+            print(
+                "idle (median of rounds): "
+                + "; ".join(
+                    f"{k} {v['ms_per_s']:.1f} CPU-ms/s ("
+                    + ", ".join(f"{t} {v[t]:.1f}" for t in v if t != "ms_per_s")
+                    + ")"
+                    for k, v in r.items()
+                ),
+                flush=True,
+            )
         if "replies" in parts:
             r = result["replies"] = run_replies(rounds=args.rounds)
-            print(f"replies: a borrowed ref in the reply costs the caller {r['ref_in_reply_ms']:.3f} CPU-ms per call "
-                  f"({r['caller_ms_per_call']['with_ref']:.3f} vs {r['caller_ms_per_call']['with_id']:.3f}); as streamed "
-                  f"items {r['caller_ms_per_call']['streamed']:.3f} ({r['streamed_saves_ms']:.3f} less than a call)",
-                  flush=True)
+            print(
+                f"replies: a borrowed ref in the reply costs the caller {r['ref_in_reply_ms']:.3f} CPU-ms per call "
+                f"({r['caller_ms_per_call']['with_ref']:.3f} vs {r['caller_ms_per_call']['with_id']:.3f}); as streamed "
+                f"items {r['caller_ms_per_call']['streamed']:.3f} ({r['streamed_saves_ms']:.3f} less than a call)",
+                flush=True,
+            )
         if "resume" in parts:
             r = result["resume"] = run_resume(recipe, digests, tmp, rounds=args.rounds)
-            print(f"resume first batch: retained {r['retained']['first_batch_s']:.3f} s, replay path "
-                  f"{r['replay_path']['first_batch_s']:.3f} s, ratio {r['ratio_replay_vs_retained']:.1f}x", flush=True)
+            print(
+                f"resume first batch: retained {r['retained']['first_batch_s']:.3f} s, replay path "
+                f"{r['replay_path']['first_batch_s']:.3f} s, ratio {r['ratio_replay_vs_retained']:.1f}x",
+                flush=True,
+            )
         if "kill" in parts:
             r = result["kill"] = run_kill(recipe, digests, tmp)
-            print(f"coordinator kill -9: the slowest of the next {2 * 4 + 2} steps took {r['recovery_s']:.2f} s "
-                  f"({r['steps_after_kill_s']:.2f} s for all)", flush=True)
+            print(
+                f"coordinator kill -9: the slowest of the next {2 * 4 + 2} steps took {r['recovery_s']:.2f} s "
+                f"({r['steps_after_kill_s']:.2f} s for all)",
+                flush=True,
+            )
         if "long" in parts:
             with GlobalBatchSource(small) as source:
                 r = result["long"] = run_long(small, source, tmp, args.long_steps)

@@ -68,11 +68,18 @@ def rank_main(a: argparse.Namespace) -> None:
 
     if a.mode == "service":
         ray.init(address=a.address, namespace=NS, log_to_driver=False)
-    cfg = LoaderConfig(recipe=a.recipe, mode=a.mode, service_name=NAME, service_namespace=NS, run_id=NAME,
-                       ledger_dir=a.ledger, dataset_dir=a.dataset if a.mode == "dataset" else None,
-                       aggregate_dir=a.aggregate if a.mode == "local" else None,
-                       # local mode: a Zephon checkpoint in every saved state, so the next group resumes, not replays
-                       checkpoint_every=a.save_every if a.mode == "local" else 0)
+    cfg = LoaderConfig(
+        recipe=a.recipe,
+        mode=a.mode,
+        service_name=NAME,
+        service_namespace=NS,
+        run_id=NAME,
+        ledger_dir=a.ledger,
+        dataset_dir=a.dataset if a.mode == "dataset" else None,
+        aggregate_dir=a.aggregate if a.mode == "local" else None,
+        # local mode: a Zephon checkpoint in every saved state, so the next group resumes, not replays
+        checkpoint_every=a.save_every if a.mode == "local" else 0,
+    )
     loader = Loader(cfg, rank=a.rank, world=a.world)
     if a.state:
         loader.load_state_dict(json.loads(Path(a.state).read_text()))
@@ -213,10 +220,9 @@ def start_ray(work: Path) -> None:
     for attempt in range(3):
         before = {c.pid for c in me.children(recursive=True)}
         try:
-            init_private_local(str(work / f"ray{attempt}"), num_cpus=4, include_dashboard=False,
-                               log_to_driver=False)
+            init_private_local(str(work / f"ray{attempt}"), num_cpus=4, include_dashboard=False, log_to_driver=False)
             return
-        except Exception as exc:  # noqa: BLE001 - only the start-up timeout is retried
+        except Exception as exc:
             if "timed out during startup" not in str(exc) or attempt == 2:
                 raise
         left = [c for c in me.children(recursive=True) if c.pid not in before]
@@ -236,8 +242,12 @@ def main() -> None:
     ap.add_argument("--phase-at", type=int, default=None, help="step of the phase boundary (default: steps/2)")
     ap.add_argument("--warmup", type=int, default=None, help="steps before the growth baseline (default: every)")
     ap.add_argument("--workdir", default=None)
-    ap.add_argument("--mode", choices=("service", "local", "dataset"), default="service",
-                    help="the loaders' mode; local and dataset soak the trainer processes alone")
+    ap.add_argument(
+        "--mode",
+        choices=("service", "local", "dataset"),
+        default="service",
+        help="the loaders' mode; local and dataset soak the trainer processes alone",
+    )
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for key in ("address", "recipe", "ledger", "state", "out", "save_to", "dataset", "aggregate"):
         ap.add_argument(f"--{key.replace('_', '-')}", default=None, help=argparse.SUPPRESS)
@@ -271,8 +281,16 @@ def main() -> None:
         start_ray(work)
         address = ray.get_runtime_context().gcs_address
     if service:
-        svc = DataService.start(str(recipe_path), name=NAME, namespace=NS, producers=2, state_dir=str(state_dir),
-                                checkpoint_every=8, aggregate_store="torch://", run_id=NAME)
+        svc = DataService.start(
+            str(recipe_path),
+            name=NAME,
+            namespace=NS,
+            producers=2,
+            state_dir=str(state_dir),
+            checkpoint_every=8,
+            aggregate_store="torch://",
+            run_id=NAME,
+        )
     elif a.mode == "dataset":
         from zephon_ray.jobs.materialize import materialize
 
@@ -281,10 +299,13 @@ def main() -> None:
         ray.shutdown()
         print(f"materialised {a.steps} steps in {time.time() - t0:.0f} s", flush=True)
     checker = Checker(recipe)
-    print(f"soak ({a.mode} mode): {a.steps} steps of {recipe_path.name} (phase at {a.phase_at or a.steps // 2}), "
-          f"worlds {worlds} at steps {bounds[:-1]}, save every {a.save_every}"
-          + (f", kill -9 producer at {kill_producer_at} and node reader at {kill_reader_at}" if service else "")
-          + f"; work dir {work}", flush=True)
+    print(
+        f"soak ({a.mode} mode): {a.steps} steps of {recipe_path.name} (phase at {a.phase_at or a.steps // 2}), "
+        f"worlds {worlds} at steps {bounds[:-1]}, save every {a.save_every}"
+        + (f", kill -9 producer at {kill_producer_at} and node reader at {kill_reader_at}" if service else "")
+        + f"; work dir {work}",
+        flush=True,
+    )
     header = None
     rows: list[dict] = []
     killed = {"producer": False, "reader": False}
@@ -298,15 +319,45 @@ def main() -> None:
             first, stop = bounds[seg], bounds[seg + 1]
             save_to = str(work / f"state-{stop}.json")
             outs = [work / f"rank{r}-seg{seg}.txt" for r in range(world)]
-            procs = [subprocess.Popen(
-                [sys.executable, __file__, "--worker", "--address", address, "--recipe", str(recipe_path),
-                 "--ledger", str(ledger), "--out", str(outs[r]), "--save-to", save_to, "--rank", str(r),
-                 "--world", str(world), "--first", str(first), "--stop", str(stop),
-                 "--save-every", str(a.save_every), "--mode", a.mode, "--dataset", str(dataset),
-                 "--aggregate", str(aggregate)] + (["--state", state_file] if state_file else []),
-                env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")},
-                stderr=open(work / f"rank{r}-seg{seg}.err", "ab"))
-                for r in range(world)]
+            procs = [
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        __file__,
+                        "--worker",
+                        "--address",
+                        address,
+                        "--recipe",
+                        str(recipe_path),
+                        "--ledger",
+                        str(ledger),
+                        "--out",
+                        str(outs[r]),
+                        "--save-to",
+                        save_to,
+                        "--rank",
+                        str(r),
+                        "--world",
+                        str(world),
+                        "--first",
+                        str(first),
+                        "--stop",
+                        str(stop),
+                        "--save-every",
+                        str(a.save_every),
+                        "--mode",
+                        a.mode,
+                        "--dataset",
+                        str(dataset),
+                        "--aggregate",
+                        str(aggregate),
+                    ]
+                    + (["--state", state_file] if state_file else []),
+                    env={**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")},
+                    stderr=open(work / f"rank{r}-seg{seg}.err", "ab"),
+                )
+                for r in range(world)
+            ]
             deadline = time.monotonic() + WAIT_S
             checker.rss, checker.rss_log = {}, {}
             last_seen = {r: first - 1 for r in range(world)}
@@ -351,15 +402,21 @@ def main() -> None:
                     if header != cols:
                         header = cols
                         print(" ".join(f"{c:>12}" for c in cols), flush=True)
-                    print(" ".join(f"{row[c]:>12.1f}" if isinstance(row[c], float) else f"{str(row[c]):>12}"
-                                   for c in cols), flush=True)
+                    print(
+                        " ".join(
+                            f"{row[c]:>12.1f}" if isinstance(row[c], float) else f"{str(row[c]):>12}" for c in cols
+                        ),
+                        flush=True,
+                    )
                     while next_row <= slowest:
                         next_row += a.every
                 if exited:
                     bad = [p.returncode for p in procs if p.returncode]
                     if bad or slowest < stop:
-                        raise SystemExit(f"segment {seg} (W={world}): ranks exited with {bad} at step {slowest} "
-                                         f"(their stderr: {work}/rank*-seg{seg}.err)")
+                        raise SystemExit(
+                            f"segment {seg} (W={world}): ranks exited with {bad} at step {slowest} "
+                            f"(their stderr: {work}/rank*-seg{seg}.err)"
+                        )
                     break
                 if time.monotonic() > deadline:
                     raise SystemExit(f"segment {seg} (W={world}): no rank progressed within {WAIT_S:.0f}s")
@@ -370,10 +427,22 @@ def main() -> None:
                 log = [(st, mb) for st, mb in log if st >= since]
                 if len(log) >= 2 and log[-1][0] > log[0][0]:
                     kb = (log[-1][1] - log[0][1]) * 1024 / (log[-1][0] - log[0][0])
-                    rank_growth.append({"segment": seg, "W": world, "rank": r, "from": log[0][0], "to": log[-1][0],
-                                        "mb": [log[0][1], log[-1][1]], "kb_per_step": round(kb, 3)})
-                    print(f"segment {seg} (W={world}) rank {r}: RSS {log[0][1]:.1f} -> {log[-1][1]:.1f} MB over steps "
-                          f"{log[0][0]}..{log[-1][0]}: {kb:.3f} KB per step", flush=True)
+                    rank_growth.append(
+                        {
+                            "segment": seg,
+                            "W": world,
+                            "rank": r,
+                            "from": log[0][0],
+                            "to": log[-1][0],
+                            "mb": [log[0][1], log[-1][1]],
+                            "kb_per_step": round(kb, 3),
+                        }
+                    )
+                    print(
+                        f"segment {seg} (W={world}) rank {r}: RSS {log[0][1]:.1f} -> {log[-1][1]:.1f} MB over steps "
+                        f"{log[0][0]}..{log[-1][0]}: {kb:.3f} KB per step",
+                        flush=True,
+                    )
             state_file = save_to
     finally:
         for p in [p for p in locals().get("procs", []) if p.poll() is None]:
@@ -392,9 +461,15 @@ def main() -> None:
         return round((same[-1][key] - same[0][key]) * 1024 / (same[-1]["step"] - same[0]["step"]), 3)
 
     labels = sorted({k[:-4] for r in rows for k in r if k.endswith("_pid") and not k.startswith("rank")})  # actors
-    result = {"steps": a.steps, "rows_checked": checker.rows, "wrong_rows": checker.wrong,
-              "elapsed_s": round(time.time() - t_start), "growth_kb_per_step": {lb: growth(lb) for lb in labels},
-              "rank_growth": rank_growth, "last": rows[-1] if rows else None}
+    result = {
+        "steps": a.steps,
+        "rows_checked": checker.rows,
+        "wrong_rows": checker.wrong,
+        "elapsed_s": round(time.time() - t_start),
+        "growth_kb_per_step": {lb: growth(lb) for lb in labels},
+        "rank_growth": rank_growth,
+        "last": rows[-1] if rows else None,
+    }
     print("RESULT " + json.dumps(result), flush=True)
     if checker.wrong:
         raise SystemExit(f"{checker.wrong} rows differ from the in-process source")

@@ -34,8 +34,18 @@ def run_round(s3, recipe, steps: int, slowdown: float, name: str) -> dict:
     from zephon_ray import DataService
 
     state = f"s3://{s3.new_bucket('zr-bench-state')}/run"
-    svc = DataService.start(recipe, name=name, namespace="zr-bench-faults", state_dir=state, producers=2,
-                            checkpoint_every=1, run_id=name, aggregate_store="torch://", window=4, consumer="trainer")
+    svc = DataService.start(
+        recipe,
+        name=name,
+        namespace="zr-bench-faults",
+        state_dir=state,
+        producers=2,
+        checkpoint_every=1,
+        run_id=name,
+        aggregate_store="torch://",
+        window=4,
+        consumer="trainer",
+    )
     try:
         svc.batch(0, track=True)  # started and warm
         s3.faults.set_faults(slowdown=slowdown)
@@ -48,9 +58,15 @@ def run_round(s3, recipe, steps: int, slowdown: float, name: str) -> dict:
         s3.faults.clear()
         status = svc.status()
         tokens = steps * recipe.tokens_per_step
-        return {"slowdown": slowdown, "steps": steps, "wall_s": round(wall, 2), "tokens_per_s": round(tokens / wall),
-                "slowdowns": s3.faults.stats["slowdowns"] - before["slowdowns"],
-                "requests": s3.faults.stats["requests"] - before["requests"], "restarts": status["restarts"]}
+        return {
+            "slowdown": slowdown,
+            "steps": steps,
+            "wall_s": round(wall, 2),
+            "tokens_per_s": round(tokens / wall),
+            "slowdowns": s3.faults.stats["slowdowns"] - before["slowdowns"],
+            "requests": s3.faults.stats["requests"] - before["requests"],
+            "restarts": status["restarts"],
+        }
     finally:
         s3.faults.clear()
         svc.stop()
@@ -62,8 +78,17 @@ def outage(s3, recipe, seconds: float, step_s: float) -> dict:
     from zephon_ray import DataService
 
     state = f"s3://{s3.new_bucket('zr-bench-state')}/run"
-    svc = DataService.start(recipe, name="outage", namespace="zr-bench-faults", state_dir=state, producers=2,
-                            checkpoint_every=2, run_id="outage", aggregate_store="torch://", window=4)
+    svc = DataService.start(
+        recipe,
+        name="outage",
+        namespace="zr-bench-faults",
+        state_dir=state,
+        producers=2,
+        checkpoint_every=2,
+        run_id="outage",
+        aggregate_store="torch://",
+        window=4,
+    )
     try:
         for step in range(6):
             svc.batch(step, track=True)
@@ -79,10 +104,15 @@ def outage(s3, recipe, seconds: float, step_s: float) -> dict:
             time.sleep(step_s)  # the trainer's compute
         during = [w for t, w in waits if t < up_at]
         svc.commit(step)  # durable only once the checkpoints and commits of the outage are written
-        return {"outage_s": seconds, "step_s": step_s, "steps_during_outage": len(during),
-                "wait_during_outage_s": round(sum(during), 3), "longest_wait_s": round(max(w for _, w in waits), 3),
-                "restarts": svc.status()["restarts"], "unwritten_checkpoints_at_end": svc.status()["checkpoints"][
-                    "unwritten"]}
+        return {
+            "outage_s": seconds,
+            "step_s": step_s,
+            "steps_during_outage": len(during),
+            "wait_during_outage_s": round(sum(during), 3),
+            "longest_wait_s": round(max(w for _, w in waits), 3),
+            "restarts": svc.status()["restarts"],
+            "unwritten_checkpoints_at_end": svc.status()["checkpoints"]["unwritten"],
+        }
     finally:
         svc.stop()
 
@@ -107,20 +137,34 @@ def main() -> None:
     s3.upload_tree(ROOT / "recipes" / "data" / "tiny", bucket, "recipes/data/tiny")
     s3.client().upload_file(str(ROOT / "recipes" / "tiny.toml"), bucket, "recipes/tiny.toml")
     temp = tempfile.mkdtemp(prefix="zr-bench-faults-", dir="/tmp")
-    ray.init(address="local", num_cpus=8, include_dashboard=False, _temp_dir=temp, log_to_driver=False,
-             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
+    ray.init(
+        address="local",
+        num_cpus=8,
+        include_dashboard=False,
+        _temp_dir=temp,
+        log_to_driver=False,
+        runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}},
+    )
     try:
         recipe = Recipe.from_toml(f"s3://{bucket}/recipes/tiny.toml")
         rows = []
         for r in range(args.rounds):
-            for slowdown in ((0.0, 0.2) if r % 2 == 0 else (0.2, 0.0)):
+            for slowdown in (0.0, 0.2) if r % 2 == 0 else (0.2, 0.0):
                 rows.append(run_round(s3, recipe, args.steps, slowdown, f"b{r}{int(slowdown * 100)}"))
                 print(json.dumps(rows[-1]), flush=True)
         if rows:
             clean = statistics.median(x["tokens_per_s"] for x in rows if x["slowdown"] == 0)
             slow = statistics.median(x["tokens_per_s"] for x in rows if x["slowdown"] > 0)
-            print(json.dumps({"tokens_per_s_no_faults": clean, "tokens_per_s_20pct_slowdown": slow,
-                              "ratio": round(slow / clean, 3)}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "tokens_per_s_no_faults": clean,
+                        "tokens_per_s_20pct_slowdown": slow,
+                        "ratio": round(slow / clean, 3),
+                    }
+                ),
+                flush=True,
+            )
         print(json.dumps(outage(s3, recipe, args.outage_s, args.step_s)), flush=True)
     finally:
         ray.shutdown()

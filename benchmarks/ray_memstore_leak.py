@@ -112,8 +112,10 @@ def run(steps: int, owner_hold: int, keep_container: bool, inner: int = 4) -> di
     after = ray.get([owner.entries.remote(), borrower.entries.remote()])
     for actor in (owner, table, borrower):
         ray.kill(actor)
-    return {"owner_entries_per_object": round((after[0] - before[0]) / (steps * (inner + 1)), 3),
-            "borrower_entries_per_container": round((after[1] - before[1]) / steps, 3)}
+    return {
+        "owner_entries_per_object": round((after[0] - before[0]) / (steps * (inner + 1)), 3),
+        "borrower_entries_per_container": round((after[1] - before[1]) / steps, 3),
+    }
 
 
 def rss_per_call(calls: int, hold: int = 32) -> list[str]:
@@ -145,8 +147,10 @@ def main() -> None:
         try:
             print("ray", ray.__version__)
             # the borrower keeps 10 steps: an owner holding 0 drops first, one holding 32 drops last
-            for name, hold, keep_c in [("owner_drops_first + borrower_container_first", 0, False),
-                                       ("owner_drops_last + borrower_container_last", 32, True)]:
+            for name, hold, keep_c in [
+                ("owner_drops_first + borrower_container_first", 0, False),
+                ("owner_drops_last + borrower_container_last", 32, True),
+            ]:
                 print(name, json.dumps(run(a.steps, hold, keep_c)), flush=True)
             if a.rss_calls:
                 print("owner RSS per call, owner drops last:", ", ".join(rss_per_call(a.rss_calls)), flush=True)

@@ -20,14 +20,31 @@ import subprocess
 import sys
 import time
 
-KINDS = ("gcs_server", "raylet/raylet", "default_worker.py", "agent.py", "dashboard.py", "log_monitor.py", "monitor.py", "torch.distributed.run",
-         "torchtitan.train", "ipykernel", "azurite", "fake-gcs", "multiprocessing", "zephon_ray.cli", "zephon-ray",
-         "examples/", "execnet", "pytest")
+KINDS = (
+    "gcs_server",
+    "raylet/raylet",
+    "default_worker.py",
+    "agent.py",
+    "dashboard.py",
+    "log_monitor.py",
+    "monitor.py",
+    "torch.distributed.run",
+    "torchtitan.train",
+    "ipykernel",
+    "azurite",
+    "fake-gcs",
+    "multiprocessing",
+    "zephon_ray.cli",
+    "zephon-ray",
+    "examples/",
+    "execnet",
+    "pytest",
+)
 
 
 def kind(cmd: str) -> str:
     if cmd.startswith("ray::"):
-        return "ray::" + re.sub(r"[.:(].*", "", cmd.split()[0][len("ray::"):])
+        return "ray::" + re.sub(r"[.:(].*", "", cmd.split()[0][len("ray::") :])
     if "import sys;exec(eval(sys.stdin" in cmd:  # a pytest-xdist worker
         return "pytest worker"
     return next((k for k in KINDS if k in cmd), cmd[:50])
@@ -71,8 +88,10 @@ def main() -> None:
         cpu[kind(cmd)] += ticks / hz
         count[kind(cmd)] += 1
     total = sum(cpu.values())
-    print(f"rc {proc.returncode}, wall {wall:.0f} s, CPU {total:.0f} s in {sum(count.values())} processes "
-          f"({total / wall:.2f} cores of {os.cpu_count()})")
+    print(
+        f"rc {proc.returncode}, wall {wall:.0f} s, CPU {total:.0f} s in {sum(count.values())} processes "
+        f"({total / wall:.2f} cores of {os.cpu_count()})"
+    )
     for name, seconds in cpu.most_common(25):
         print(f"{seconds:8.1f} CPU-s {count[name]:5d} processes  {name}")
     sys.exit(proc.returncode)

@@ -8,6 +8,7 @@ step). Every EVERY steps it prints the process's RSS and how many microbatches Z
 alive: its tail round-robin buffers the lanes that run ahead of the one it waits for). The reference that tells
 growth in zephon-ray's producers from growth in Zephon (docs/benchmarks.md, "Memory over a long run").
 """
+
 import gc
 import sys
 import tempfile
@@ -23,13 +24,29 @@ from zephon import Pipeline  # noqa: E402
 
 recipe = oracle.read_recipe(ROOT / "recipes" / "tiny.toml")
 tok = oracle.make_tokenizer(recipe.tokenizer)
-p = (Pipeline(oracle.work_source(recipe)).decode_text()
-     .tokenize(tokenizer=tok, field=recipe.text_field, return_tensors="np")
-     .pack_flat(max_length=recipe.seq_len + 1, algorithm=recipe.packing, num_bins=recipe.packing_bins,
-                pad_token_id=tok.pad_token_id)
-     .batch(recipe.m))
-opts = dict(canonical_replicas=recipe.lanes, mapping_strategy="contiguous", world_size=1, global_rank=0, dp_degree=1,
-            dp_group_id=0, run_id="z", aggregate_dir=tempfile.mkdtemp(), runner="threads")
+p = (
+    Pipeline(oracle.work_source(recipe))
+    .decode_text()
+    .tokenize(tokenizer=tok, field=recipe.text_field, return_tensors="np")
+    .pack_flat(
+        max_length=recipe.seq_len + 1,
+        algorithm=recipe.packing,
+        num_bins=recipe.packing_bins,
+        pad_token_id=tok.pad_token_id,
+    )
+    .batch(recipe.m)
+)
+opts = dict(
+    canonical_replicas=recipe.lanes,
+    mapping_strategy="contiguous",
+    world_size=1,
+    global_rank=0,
+    dp_degree=1,
+    dp_group_id=0,
+    run_id="z",
+    aggregate_dir=tempfile.mkdtemp(),
+    runner="threads",
+)
 if recipe.flush_every_k_chunks is not None:
     opts["flush_every_k_chunks"] = recipe.flush_every_k_chunks
 p = p.options(**opts)

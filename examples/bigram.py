@@ -30,8 +30,16 @@ from typing import Any
 
 MODEL_FILE = "model.pt"
 OPTIM_FILE = "optim.pt"
-DEFAULTS = {"steps": 8, "checkpoint_every": 2, "lr": 0.05, "dim": 32, "seed": 0, "dataset": "train",
-            "before_step": None, "before_digest": None}
+DEFAULTS = {
+    "steps": 8,
+    "checkpoint_every": 2,
+    "lr": 0.05,
+    "dim": 32,
+    "seed": 0,
+    "dataset": "train",
+    "before_step": None,
+    "before_digest": None,
+}
 
 
 def bigram_model(vocab: int, dim: int, seed: int):
@@ -47,8 +55,12 @@ def _loss(model, inputs, labels, scale: float):
     import torch
 
     logits = model(inputs["input"])
-    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                             ignore_index=-100, reduction="sum") * scale
+    return (
+        torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="sum"
+        )
+        * scale
+    )
 
 
 def train_loop(config: dict[str, Any]) -> None:
@@ -94,8 +106,19 @@ def train_loop(config: dict[str, Any]) -> None:
             digest = global_digest(batch.slice)
             if rank == 0:
                 with open(cfg["log_path"], "a") as fh:
-                    fh.write(json.dumps({"step": batch.step, "world": world, "digest": digest,
-                                         "loss": float(step_loss), "pid": os.getpid(), "time": time.time()}) + "\n")
+                    fh.write(
+                        json.dumps(
+                            {
+                                "step": batch.step,
+                                "world": world,
+                                "digest": digest,
+                                "loss": float(step_loss),
+                                "pid": os.getpid(),
+                                "time": time.time(),
+                            }
+                        )
+                        + "\n"
+                    )
             done = batch.step + 1
             if done % cfg["checkpoint_every"] == 0 or done == cfg["steps"]:
                 metrics = {"step": batch.step, "loss": float(step_loss), "world": world}
@@ -104,8 +127,7 @@ def train_loop(config: dict[str, Any]) -> None:
                     if rank == 0:
                         torch.save(model.state_dict(), Path(d) / MODEL_FILE)
                         torch.save(optim.state_dict(), Path(d) / OPTIM_FILE)
-                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0
-                                     else None)
+                    ray.train.report(metrics, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
     finally:
         shard.close()
 
@@ -127,7 +149,7 @@ def reference_losses(recipe_path: str, steps: int, **overrides: Any) -> list[flo
         for step in range(steps):
             optim.zero_grad(set_to_none=True)
             batch = source.batch(step)
-            (inputs, labels), = batch.slice(0, 1).microbatches(recipe.global_batch_rows)
+            ((inputs, labels),) = batch.slice(0, 1).microbatches(recipe.global_batch_rows)
             loss = _loss(model, inputs, labels, 1.0 / batch.valid_tokens)
             loss.backward()
             optim.step()
@@ -155,10 +177,15 @@ def global_digest(piece: Any) -> str | None:
     step, rank, world = int(piece.step), int(piece.rank), int(piece.world)
     group = dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
     if (group or 1) != world:
-        held = "no torch.distributed process group is up (Ray Train destroys it when it tears the worker group " \
-            "down)" if group is None else f"the process group has {group} ranks"
-        raise RuntimeError(f"global_digest: step {step}, rank {rank} holds a slice of a {world}-rank group, but "
-                           f"{held}; no digest is made from part of the batch")
+        held = (
+            "no torch.distributed process group is up (Ray Train destroys it when it tears the worker group down)"
+            if group is None
+            else f"the process group has {group} ranks"
+        )
+        raise RuntimeError(
+            f"global_digest: step {step}, rank {rank} holds a slice of a {world}-rank group, but "
+            f"{held}; no digest is made from part of the batch"
+        )
     local = torch.from_numpy(np.stack([np.asarray(piece.tokens), np.asarray(piece.positions)]).astype(np.int64))
     if world == 1:
         parts = [local]
@@ -168,11 +195,13 @@ def global_digest(piece: Any) -> str | None:
         dist.all_gather(headers, header)
         got = [tuple(int(v) for v in h[:3]) for h in headers]
         if got != [(step, r, world) for r in range(world)]:
-            raise RuntimeError(f"global_digest: rank {rank} gathered (step, rank, world) {got} at step {step}; "
-                               "the ranks are not at the same step of one group")
+            raise RuntimeError(
+                f"global_digest: rank {rank} gathered (step, rank, world) {got} at step {step}; "
+                "the ranks are not at the same step of one group"
+            )
         counts = [int(h[3]) for h in headers]
         padded = torch.zeros((2, max(counts), local.shape[2]), dtype=torch.int64)
-        padded[:, :local.shape[1]] = local
+        padded[:, : local.shape[1]] = local
         parts = [torch.empty_like(padded) for _ in range(world)]
         dist.all_gather(parts, padded)
         parts = [part[:, :n] for part, n in zip(parts, counts)]

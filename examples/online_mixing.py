@@ -52,7 +52,8 @@ def policy_run(recipe_path: str, steps: int, every: int, lag: int, eta: float) -
             for inputs, labels in batch.microbatches:
                 logits = model(inputs["input"])
                 token_loss = torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="none")
+                    logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction="none"
+                )
                 (token_loss.sum() / batch.global_valid_tokens).backward()
                 ids, loss = inputs["source_ids"].reshape(-1), token_loss.detach()
                 keep = (ids >= 0) & (labels.reshape(-1) != -100)
@@ -67,8 +68,12 @@ def policy_run(recipe_path: str, steps: int, every: int, lag: int, eta: float) -
                 weights = [w / sum(weights) for w in weights]
                 start = step + 1 + lag
                 loader.add_phase(f"policy-{step + 1}", start, dict(zip(names, (round(w, 4) for w in weights))))
-                print(f"step {step}: per-source mean loss " + ", ".join(f"{n} {m:.3f}" for n, m in zip(names, means))
-                      + f" -> phase from step {start}: " + ", ".join(f"{n} {w:.4f}" for n, w in zip(names, weights)))
+                print(
+                    f"step {step}: per-source mean loss "
+                    + ", ".join(f"{n} {m:.3f}" for n, m in zip(names, means))
+                    + f" -> phase from step {start}: "
+                    + ", ".join(f"{n} {w:.4f}" for n, w in zip(names, weights))
+                )
                 loss_sum.zero_()
                 token_count.zero_()
             if step + 1 == steps // 2:
@@ -107,13 +112,21 @@ def resume(recipe_path: str, halfway: dict, final: dict, steps: int, world: int)
     recipe = run_recipe(final, Recipe.from_toml(recipe_path))  # every phase the run decided, the later ones too
     first = halfway["next_step"]
     with tempfile.TemporaryDirectory(prefix="zr-online-mixing-") as work:
-        service = DataService.start(recipe, name="online-mixing", namespace="zr-online-mixing",
-                                    state_dir=f"{work}/state", ray_init={"address": "local", "num_cpus": 4,
-                                                                        "include_dashboard": False,
-                                                                        "log_to_driver": False})
+        service = DataService.start(
+            recipe,
+            name="online-mixing",
+            namespace="zr-online-mixing",
+            state_dir=f"{work}/state",
+            ray_init={"address": "local", "num_cpus": 4, "include_dashboard": False, "log_to_driver": False},
+        )
         try:
-            config = LoaderConfig(recipe=recipe_path, mode="service", run_id="online-mixing",
-                                  service_name="online-mixing", service_namespace="zr-online-mixing")
+            config = LoaderConfig(
+                recipe=recipe_path,
+                mode="service",
+                run_id="online-mixing",
+                service_name="online-mixing",
+                service_namespace="zr-online-mixing",
+            )
             slices: list[list] = [[] for _ in range(world)]
             errors: list[BaseException] = []
 
@@ -133,8 +146,10 @@ def resume(recipe_path: str, halfway: dict, final: dict, steps: int, world: int)
             [t.join(600) for t in threads]
             if errors:
                 raise errors[0]
-            return [compute_digest(np.concatenate([p.tokens for p in parts]),
-                                   np.concatenate([p.positions for p in parts])) for parts in zip(*slices)], first
+            return [
+                compute_digest(np.concatenate([p.tokens for p in parts]), np.concatenate([p.positions for p in parts]))
+                for parts in zip(*slices)
+            ], first
         finally:
             service.stop()
             import ray
@@ -159,12 +174,12 @@ def main() -> int:
     for phase in run_schedule(final)["phases"]:
         print(f"  from step {phase['start_step']}: " + ", ".join(f"{k} {v:g}" for k, v in phase["weights"].items()))
     same = replay(args.recipe, final, args.steps) == digests
-    print(f"replay from step 0 with the recorded schedule, no policy: identical global batches: "
-          f"{'YES' if same else 'NO'}")
+    print(
+        f"replay from step 0 with the recorded schedule, no policy: identical global batches: {'YES' if same else 'NO'}"
+    )
     resumed, first = resume(args.recipe, halfway, final, args.steps, args.world)
     again = resumed == digests[first:]
-    print(f"resume at step {first}, W={args.world}, service mode: identical global batches: "
-          f"{'YES' if again else 'NO'}")
+    print(f"resume at step {first}, W={args.world}, service mode: identical global batches: {'YES' if again else 'NO'}")
     return 0 if same and again else 1
 
 

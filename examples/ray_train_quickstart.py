@@ -4,15 +4,17 @@ Rerun with any other W (1 to 24, the recipe's rows per step), more STEPS and the
 from the run's last checkpoint with the same global batches. The batches come from a DataService this script starts
 on its own local Ray, so W need not divide anything. Needs neither TorchTitan nor triton.
 """
-import sys, tempfile
+
+import sys
+import tempfile
 from pathlib import Path
 
-import ray, torch
+import ray
+import torch
 from ray.train import Checkpoint, RunConfig, ScalingConfig, get_checkpoint, get_context, get_dataset_shard, report
 from ray.train.torch import TorchTrainer, get_device, prepare_model
 
-from zephon_ray import DataService
-from zephon_ray import ray_train
+from zephon_ray import DataService, ray_train
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "elastic.toml"  # 24 rows of 64 tokens a step
 
@@ -47,7 +49,11 @@ if __name__ == "__main__":
     ray.init(address="local", num_cpus=workers + 2)  # 0.5 CPU a worker and the service; on a cluster: ray.init()
     with DataService.start(RECIPE, name="quickstart") as service:
         result = TorchTrainer(
-            train_loop, train_loop_config={"steps": steps}, datasets={"train": ray_train.ZephonDataset(service)},
-            dataset_config=ray_train.ZephonDataConfig(run_id="quickstart"), run_config=RunConfig("quickstart", storage),
-            scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 0.5})).fit()
+            train_loop,
+            train_loop_config={"steps": steps},
+            datasets={"train": ray_train.ZephonDataset(service)},
+            dataset_config=ray_train.ZephonDataConfig(run_id="quickstart"),
+            run_config=RunConfig("quickstart", storage),
+            scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 0.5}),
+        ).fit()
     print(f"last step trained: {(result.metrics or {}).get('step')}; resume: python {sys.argv[0]} W STEPS {storage}")

@@ -77,8 +77,11 @@ def train_loop(config: dict[str, Any]) -> None:
     box: dict[str, Any] = {}
 
     def state_dict() -> dict[str, Any]:
-        return {"model": model.state_dict(), "optim": optim.state_dict(),
-                "zephon": json.dumps(box["slices"].state_dict())}
+        return {
+            "model": model.state_dict(),
+            "optim": optim.state_dict(),
+            "zephon": json.dumps(box["slices"].state_dict()),
+        }
 
     def load_state_dict(state: dict[str, Any]) -> None:
         model.load_state_dict(state["model"])
@@ -86,10 +89,18 @@ def train_loop(config: dict[str, Any]) -> None:
         box["slices"].load_state_dict(json.loads(state["zephon"]))
 
     pg = ProcessGroupGloo(timeout=timedelta(seconds=30))
-    manager = Manager(pg=pg, min_replica_size=1, load_state_dict=load_state_dict, state_dict=state_dict,
-                      world_size=1, rank=0, replica_id=f"zephon_{rank}", timeout=timedelta(seconds=60),
-                      checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=30), device=torch.device("cpu")),
-                      use_async_quorum=False)
+    manager = Manager(
+        pg=pg,
+        min_replica_size=1,
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        world_size=1,
+        rank=0,
+        replica_id=f"zephon_{rank}",
+        timeout=timedelta(seconds=60),
+        checkpoint_transport=PGTransport(pg, timeout=timedelta(seconds=30), device=torch.device("cpu")),
+        use_async_quorum=False,
+    )
     slices = box["slices"] = shard.ft(manager)
     kill, world = config.get("kill"), ctx.get_world_size()
     (out / f"ready-{rank}-{life}").touch()  # this group's Manager is up (it heartbeats to the Lighthouse)
@@ -97,8 +108,12 @@ def train_loop(config: dict[str, Any]) -> None:
         _wait(lambda: all((out / f"ready-{r}-0").exists() for r in range(world)), "every worker's first start")
     try:
         while manager.current_step() < config["steps"]:
-            if kill and rank != kill[0] and manager.current_step() == kill[1] + 2 and \
-                    not (out / f"ready-{kill[0]}-1").exists():  # the survivors wait for the new worker
+            if (
+                kill
+                and rank != kill[0]
+                and manager.current_step() == kill[1] + 2
+                and not (out / f"ready-{kill[0]}-1").exists()
+            ):  # the survivors wait for the new worker
                 _wait(lambda: (out / f"ready-{kill[0]}-1").exists(), f"group {kill[0]}'s new worker")
                 time.sleep(2.0)  # let it ask for the quorum first, so that this quorum holds it
             manager.start_quorum()
@@ -116,9 +131,19 @@ def train_loop(config: dict[str, Any]) -> None:
                 slices.commit(batch.step)
                 piece = batch.slice
                 with open(out / "steps.jsonl", "a") as fh:
-                    fh.write(json.dumps({"step": batch.step, "rank": piece.rank, "world": piece.world,
-                                         "digest": piece.ledger_digest, "pid": os.getpid(),
-                                         "loss": loss.item()}) + "\n")
+                    fh.write(
+                        json.dumps(
+                            {
+                                "step": batch.step,
+                                "rank": piece.rank,
+                                "world": piece.world,
+                                "digest": piece.ledger_digest,
+                                "pid": os.getpid(),
+                                "loss": loss.item(),
+                            }
+                        )
+                        + "\n"
+                    )
     finally:
         manager.shutdown()  # Ray's example: no split brain when a group dies and another finishes
         slices.close()
@@ -140,26 +165,37 @@ def run(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
     from zephon_ray import DataService, ray_train
 
-    service = DataService.start(TINY, name="ray-train-ft", namespace=NAMESPACE, state_dir=str(out / "state"),
-                                window=4, checkpoint_every=4)
+    service = DataService.start(
+        TINY, name="ray-train-ft", namespace=NAMESPACE, state_dir=str(out / "state"), window=4, checkpoint_every=4
+    )
     try:
         trainer = TorchTrainer(
-            train_loop, train_loop_config={"steps": args.steps, "out": str(out), "kill": args.kill,
-                                           "dataset": ray_train.ZephonDataset(service),
-                                           "data_config": ray_train.ZephonDataConfig(run_id="ray-train-ft",
-                                                                                     ledger_dir=args.ledger)},
+            train_loop,
+            train_loop_config={
+                "steps": args.steps,
+                "out": str(out),
+                "kill": args.kill,
+                "dataset": ray_train.ZephonDataset(service),
+                "data_config": ray_train.ZephonDataConfig(run_id="ray-train-ft", ledger_dir=args.ledger),
+            },
             scaling_config=ScalingConfig(num_workers=args.workers, resources_per_worker={"CPU": 0.5}),
-            torch_config=TorchftConfig(lighthouse_kwargs={"min_replicas": 1, "join_timeout_ms": JOIN_TIMEOUT_MS}, backend="gloo"),
-            run_config=RunConfig(name="ray-train-ft", storage_path=str(out / "results"),
-                                 failure_config=FailureConfig(max_failures=2)))
+            torch_config=TorchftConfig(
+                lighthouse_kwargs={"min_replicas": 1, "join_timeout_ms": JOIN_TIMEOUT_MS}, backend="gloo"
+            ),
+            run_config=RunConfig(
+                name="ray-train-ft", storage_path=str(out / "results"), failure_config=FailureConfig(max_failures=2)
+            ),
+        )
         result = trainer.fit()
         error = None if result.error is None else f"{type(result.error).__name__}: {result.error}"[:500]
     finally:
         service.stop()
-    steps = [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()] \
-        if (out / "steps.jsonl").exists() else []
-    return {"error": error, "steps": steps, "lives": sorted(p.name for p in out.glob("life-*")),
-            "ray": ray.__version__}
+    steps = (
+        [json.loads(line) for line in (out / "steps.jsonl").read_text().splitlines()]
+        if (out / "steps.jsonl").exists()
+        else []
+    )
+    return {"error": error, "steps": steps, "lives": sorted(p.name for p in out.glob("life-*")), "ray": ray.__version__}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,16 +233,22 @@ def _start_ray(work: Path) -> None:
     import psutil
     import ray
 
-    kwargs = dict(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                  _temp_dir=str(work / "ray"),
-                  runtime_env={"env_vars": {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                                            "RUST_LOG": "warn"}})
+    kwargs = dict(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=str(work / "ray"),
+        runtime_env={
+            "env_vars": {"PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""), "RUST_LOG": "warn"}
+        },
+    )
     me = psutil.Process()
     before = {child.pid for child in me.children(recursive=True)}
     try:
         ray.init(**kwargs)
         return
-    except Exception as exc:  # noqa: BLE001 - only Ray's start-up timeout is retried
+    except Exception as exc:
         if "timed out during startup" not in str(exc):
             raise
     left = [child for child in me.children(recursive=True) if child.pid not in before]

@@ -52,8 +52,12 @@ def cli(*args: str) -> tuple[int, str]:
 def skipping_recipe(recipe_path: Path, out: Path, start: int, end: int) -> Path:
     """``recipe_path`` with its relative source paths made absolute and a ``[[skips]]`` entry appended."""
     text = recipe_path.read_text()
-    text = re.sub(r'^path = "(?![a-z0-9]+://|/)([^"]+)"', lambda m: f'path = "{(recipe_path.parent / m[1]).resolve()}"',
-                  text, flags=re.M)
+    text = re.sub(
+        r'^path = "(?![a-z0-9]+://|/)([^"]+)"',
+        lambda m: f'path = "{(recipe_path.parent / m[1]).resolve()}"',
+        text,
+        flags=re.M,
+    )
     out.write_text(text + f'\n[[skips]]\nname = "spike-1"\nstart_step = {start}\nend_step = {end}\n')
     return out
 
@@ -116,12 +120,15 @@ def main() -> int:
         read, state_a = read_steps(config, 1, None, a)
         (work / f"state-{a}.json").write_text(json.dumps(state_a))
         more, _ = read_steps(config, 1, state_a, spike + 1 - a)  # steps a..spike: the branch that is rolled back
-        print(f"the run read steps 0..{spike}; its checkpoint at step {a} is {work / f'state-{a}.json'}; "
-              f"loss spike at step {spike}")
+        print(
+            f"the run read steps 0..{spike}; its checkpoint at step {a} is {work / f'state-{a}.json'}; "
+            f"loss spike at step {spike}"
+        )
 
         # 2. what did the model see?
-        code, out = cli("show", str(recipe.path), "--step", str(spike), "--docs", "--rank", "0", "--world", "4",
-                        "--chars", "40")
+        code, out = cli(
+            "show", str(recipe.path), "--step", str(spike), "--docs", "--rank", "0", "--world", "4", "--chars", "40"
+        )
         ok &= code == 0 and "record" in out
         code, out = cli("show", str(recipe.path), "--steps", f"{a}:{spike + 1}", "--docs")
         ok &= code == 0
@@ -132,8 +139,14 @@ def main() -> int:
         skipping = skipping_recipe(Path(recipe.path), work / "skipping.toml", a, spike + 1)
         code, _ = cli("validate", str(skipping), "--no-build")
         ok &= code == 0
-        config2 = LoaderConfig(recipe=str(skipping), mode="local", run_id="spike", ledger_dir=ledger,
-                               aggregate_dir=str(work / "aggregate"), checkpoint_every=2)
+        config2 = LoaderConfig(
+            recipe=str(skipping),
+            mode="local",
+            run_id="spike",
+            ledger_dir=ledger,
+            aggregate_dir=str(work / "aggregate"),
+            checkpoint_every=2,
+        )
         resumed, final = read_steps(config2, 2, state_a, spike + 1 - a)
         (work / "state-final.json").write_text(json.dumps(final))
         want = [Recipe.from_toml(skipping).data_step(t) for t in range(a, spike + 1)]
@@ -149,11 +162,26 @@ def main() -> int:
         # 5. where did a document of the spike step go?
         if not args.no_locate:
             end = spike + 1 + (spike + 1 - a)
-            code, out = cli("locate", str(recipe.path), "--source", first["source"], "--shard", first["shard"],
-                            "--record", str(first["record"]), "--steps", f"0:{end}", "--schedule-from",
-                            str(work / "state-final.json"), "--quiet")
-            ok &= code == 0 and f"step {spike} row 0 tokens {first['start']}:{first['end']}" in out and \
-                "data skipped by 'spike-1'" in out
+            code, out = cli(
+                "locate",
+                str(recipe.path),
+                "--source",
+                first["source"],
+                "--shard",
+                first["shard"],
+                "--record",
+                str(first["record"]),
+                "--steps",
+                f"0:{end}",
+                "--schedule-from",
+                str(work / "state-final.json"),
+                "--quiet",
+            )
+            ok &= (
+                code == 0
+                and f"step {spike} row 0 tokens {first['start']}:{first['end']}" in out
+                and "data skipped by 'spike-1'" in out
+            )
         del read, more
     print("\nspike workflow: " + ("OK" if ok else "FAILED"))
     return 0 if ok else 1

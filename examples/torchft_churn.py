@@ -117,12 +117,21 @@ def replica(args: argparse.Namespace) -> int:
 
     source = None
 
-    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=20)), min_replica_size=1,
-                      load_state_dict=load_state,
-                      state_dict=state_dict,
-                      replica_id=f"group_{g}", lighthouse_addr=args.lighthouse, store_addr="127.0.0.1",
-                      store_port=store.port, rank=0, world_size=1, use_async_quorum=False,
-                      timeout=timedelta(seconds=20), quorum_timeout=timedelta(seconds=EVENT_TIMEOUT_S))
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=20)),
+        min_replica_size=1,
+        load_state_dict=load_state,
+        state_dict=state_dict,
+        replica_id=f"group_{g}",
+        lighthouse_addr=args.lighthouse,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        use_async_quorum=False,
+        timeout=timedelta(seconds=20),
+        quorum_timeout=timedelta(seconds=EVENT_TIMEOUT_S),
+    )
     kills = {int(s) for s in args.die_at} if life == 0 else set()
     if args.sampler == "torchft":
         source, rows = None, _sampler_batches(args, recipe, g)
@@ -134,11 +143,18 @@ def replica(args: argparse.Namespace) -> int:
             import ray
 
             ray.init(address=args.ray_address, namespace="zr-torchft-churn", log_to_driver=False)
-            config = LoaderConfig(recipe=args.recipe, mode="service", service_name=args.service,
-                                  service_namespace="zr-torchft-churn", run_id="churn", ledger_dir=args.ledger)
+            config = LoaderConfig(
+                recipe=args.recipe,
+                mode="service",
+                service_name=args.service,
+                service_namespace="zr-torchft-churn",
+                run_id="churn",
+                ledger_dir=args.ledger,
+            )
         else:
-            config = LoaderConfig(recipe=args.recipe, mode="dataset", dataset_dir=args.dataset_dir, run_id="churn",
-                                  ledger_dir=args.ledger)
+            config = LoaderConfig(
+                recipe=args.recipe, mode="dataset", dataset_dir=args.dataset_dir, run_id="churn", ledger_dir=args.ledger
+            )
         source = FtSlices(config, manager=manager, recipe=recipe, ledger_flush_records=args.ledger_flush_records)
     records = open(work / f"records-g{g}-life{life}.jsonl", "a")
     (work / f"ready-g{g}-life{life}").write_text(str(os.getpid()))
@@ -161,7 +177,7 @@ def replica(args: argparse.Namespace) -> int:
                 if batch is None:
                     raise RuntimeError("not participating under a synchronous quorum")
                 tokens, positions = batch.slice.tokens, batch.slice.positions
-                (inputs, labels), = batch.microbatches
+                ((inputs, labels),) = batch.microbatches
                 row_ids = None
             else:
                 row_ids, tokens, positions = next(rows)
@@ -170,8 +186,8 @@ def replica(args: argparse.Namespace) -> int:
             logits = model(inputs["input"])
             if source is not None:  # exact at any P, uneven slices included: the AVG all-reduce of summed losses
                 loss = torch.nn.functional.cross_entropy(  # scaled by P / (the global batch's valid tokens)
-                    logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum",
-                    ignore_index=-100) * batch.loss_scale("mean")
+                    logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum", ignore_index=-100
+                ) * batch.loss_scale("mean")
             else:
                 loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1))
             loss.backward()
@@ -189,9 +205,23 @@ def replica(args: argparse.Namespace) -> int:
             optim.zero_grad(set_to_none=True)
             name = f"rows-s{step}-g{g}-life{life}-a{attempt}.npz"
             np.savez(work / name, tokens=tokens, positions=positions)
-            records.write(json.dumps({"group": g, "life": life, "attempt": attempt, "step": step,
-                                      "participants": participants, "participant": p, "committed": committed,
-                                      "rows": name, "row_ids": row_ids, "loss": float(loss)}) + "\n")
+            records.write(
+                json.dumps(
+                    {
+                        "group": g,
+                        "life": life,
+                        "attempt": attempt,
+                        "step": step,
+                        "participants": participants,
+                        "participant": p,
+                        "committed": committed,
+                        "rows": name,
+                        "row_ids": row_ids,
+                        "loss": float(loss),
+                    }
+                )
+                + "\n"
+            )
             records.flush()
             attempt += 1
         torch.save(model.state_dict(), work / f"weights-g{g}-life{life}.pt")
@@ -199,9 +229,13 @@ def replica(args: argparse.Namespace) -> int:
         if source is not None:
             checks = sorted(source.check_seconds)
             changes = sorted(source.change_seconds) or [0.0]
-            summary.update(check_us_p50=1e6 * checks[len(checks) // 2], check_us_max=1e6 * checks[-1],
-                           change_ms_max=1e3 * changes[-1], membership_changes=source.membership_changes,
-                           served_again=source.served_again)
+            summary.update(
+                check_us_p50=1e6 * checks[len(checks) // 2],
+                check_us_max=1e6 * checks[-1],
+                change_ms_max=1e3 * changes[-1],
+                membership_changes=source.membership_changes,
+                served_again=source.served_again,
+            )
         (work / f"done-g{g}-life{life}.json").write_text(json.dumps(summary))
     finally:
         if source is not None:
@@ -232,13 +266,14 @@ def _sampler_batches(args: argparse.Namespace, recipe, group: int):
         def __getitem__(self, i):
             return i
 
-    sampler = DistributedSampler(Rows(), replica_rank=group, num_replica_groups=args.groups, group_rank=0,
-                                 num_replicas=1, shuffle=False)
+    sampler = DistributedSampler(
+        Rows(), replica_rank=group, num_replica_groups=args.groups, group_rank=0, num_replicas=1, shuffle=False
+    )
     ids = list(sampler)
     per = B // args.groups
     while True:  # epochs, as a DataLoader over the sampler would run them
         for k in range(0, len(ids), per):
-            chunk = ids[k:k + per]
+            chunk = ids[k : k + per]
             yield chunk, tokens[chunk], positions[chunk]
 
 
@@ -251,40 +286,65 @@ def _event(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected GROUP@STEP (e.g. 1@4), got {text!r}") from None
 
 
-def _spawn(args: argparse.Namespace, work: Path, group: int, life: int, lighthouse: str, die_at: list[int],
-           extra: dict) -> subprocess.Popen:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--replica", "--group", str(group), "--life", str(life),
-           "--work", str(work), "--lighthouse", lighthouse, "--recipe", args.recipe, "--steps", str(args.steps),
-           "--groups", str(args.groups), "--sampler", args.sampler, "--source", args.source]
+def _spawn(
+    args: argparse.Namespace, work: Path, group: int, life: int, lighthouse: str, die_at: list[int], extra: dict
+) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--replica",
+        "--group",
+        str(group),
+        "--life",
+        str(life),
+        "--work",
+        str(work),
+        "--lighthouse",
+        lighthouse,
+        "--recipe",
+        args.recipe,
+        "--steps",
+        str(args.steps),
+        "--groups",
+        str(args.groups),
+        "--sampler",
+        args.sampler,
+        "--source",
+        args.source,
+    ]
     for s in die_at:
         cmd += ["--die-at", str(s)]
     for key, value in extra.items():
         if value is not None:
             cmd += [f"--{key.replace('_', '-')}", str(value)]
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+    }
     if _RUST_LOG_SET_HERE:
         env.pop(_RUST_LOG)  # see quiet_torchft_info
     log = open(work / f"replica-g{group}-life{life}.log", "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
-def run(args: argparse.Namespace, work: Path, kills: list[tuple[int, int]], rejoins: list[tuple[int, int]],
-        extra: dict) -> dict:
+def run(
+    args: argparse.Namespace, work: Path, kills: list[tuple[int, int]], rejoins: list[tuple[int, int]], extra: dict
+) -> dict:
     """One run: every group from step 0, the kills and rejoins; returns the records and the final weights."""
     from torchft.coordination import LighthouseServer
 
     work.mkdir(parents=True)
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS,
-                                  heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
+    lighthouse = LighthouseServer(
+        bind="[::]:0", min_replicas=1, join_timeout_ms=JOIN_TIMEOUT_MS, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS
+    )
     procs: dict[tuple[int, int], subprocess.Popen] = {}
     lives = {g: 0 for g in range(args.groups)}
     try:
         for _, step in rejoins:
             (work / f"hold-{step}").touch()
         for g in range(args.groups):
-            procs[(g, 0)] = _spawn(args, work, g, 0, lighthouse.address(),
-                                   [s for kg, s in kills if kg == g], extra)
+            procs[(g, 0)] = _spawn(args, work, g, 0, lighthouse.address(), [s for kg, s in kills if kg == g], extra)
         for g in range(args.groups):
             _wait_ready(work / f"ready-g{g}-life0", procs[(g, 0)])
         (work / "go").touch()
@@ -311,13 +371,17 @@ def run(args: argparse.Namespace, work: Path, kills: list[tuple[int, int]], rejo
                     pending_rejoins.remove((g, s))
             for (g, life), proc in procs.items():
                 if proc.poll() not in (None, 0, -signal.SIGKILL):
-                    raise RuntimeError(f"group {g} (life {life}) exited with {proc.returncode}: "
-                                       f"{(work / f'replica-g{g}-life{life}.log').read_text()[-3000:]}")
+                    raise RuntimeError(
+                        f"group {g} (life {life}) exited with {proc.returncode}: "
+                        f"{(work / f'replica-g{g}-life{life}.log').read_text()[-3000:]}"
+                    )
             time.sleep(0.02)
         for (g, life), proc in procs.items():
             if proc.wait(timeout=EVENT_TIMEOUT_S) not in (0, -signal.SIGKILL):
-                raise RuntimeError(f"group {g} (life {life}) exited with {proc.returncode}: "
-                                   f"{(work / f'replica-g{g}-life{life}.log').read_text()[-3000:]}")
+                raise RuntimeError(
+                    f"group {g} (life {life}) exited with {proc.returncode}: "
+                    f"{(work / f'replica-g{g}-life{life}.log').read_text()[-3000:]}"
+                )
     finally:
         for proc in procs.values():
             if proc.poll() is None:
@@ -331,8 +395,10 @@ def _wait_ready(path: Path, proc: subprocess.Popen) -> None:
     while not path.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             log = path.parent / f"{path.name.replace('ready-', 'replica-')}.log"
-            raise RuntimeError(f"{path.name}: the replica exited or hung before it was ready: "
-                               f"{log.read_text()[-3000:] if log.exists() else ''}")
+            raise RuntimeError(
+                f"{path.name}: the replica exited or hung before it was ready: "
+                f"{log.read_text()[-3000:] if log.exists() else ''}"
+            )
         time.sleep(0.05)
 
 
@@ -367,9 +433,13 @@ def global_batches(result: dict, B: int) -> dict[int, dict]:
         positions = np.concatenate([p["positions"] for p in parts])
         if tokens.shape[0] != B and problem is None:
             problem = f"{tokens.shape[0]} rows, not {B}"
-        out[step] = {"digest": compute_digest(tokens, positions), "participants": len(recs),
-                     "groups": [r["group"] for r in recs], "problem": problem,
-                     "row_ids": [i for r in recs for i in (r["row_ids"] or [])]}
+        out[step] = {
+            "digest": compute_digest(tokens, positions),
+            "participants": len(recs),
+            "groups": [r["group"] for r in recs],
+            "problem": problem,
+            "row_ids": [i for r in recs for i in (r["row_ids"] or [])],
+        }
     return out
 
 
@@ -384,14 +454,21 @@ def _prepare_source(args: argparse.Namespace, work: Path) -> tuple[dict, object]
     if args.dataset_dir:
         extra["dataset_dir"] = args.dataset_dir
         return extra, cleanup
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=str(work / "ray"), namespace="zr-torchft-churn")
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=str(work / "ray"),
+        namespace="zr-torchft-churn",
+    )
     recipe = Recipe.from_toml(args.recipe)
     if args.source == "service":
         from zephon_ray import DataService
 
-        service = DataService.start(recipe, name="churn", namespace="zr-torchft-churn", producers=1,
-                                    state_dir=str(work / "svc"))
+        service = DataService.start(
+            recipe, name="churn", namespace="zr-torchft-churn", producers=1, state_dir=str(work / "svc")
+        )
         extra.update(service="churn", ray_address=ray.get_runtime_context().gcs_address)
         if args.sampler == "torchft":  # the sampler's map-style view needs the rows on disk
             raise SystemExit("--sampler torchft reads a materialised directory: use --source dataset")
@@ -413,14 +490,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rejoin", type=_event, action="append", default=[], metavar="G@S")
     parser.add_argument("--recipe", default=DEFAULT_RECIPE)
     parser.add_argument("--source", choices=("dataset", "service"), default="dataset")
-    parser.add_argument("--dataset-dir", default=None, help="an existing materialised directory of the recipe "
-                        "covering steps 0..steps-1 (default: materialise one on a private Ray)")
+    parser.add_argument(
+        "--dataset-dir",
+        default=None,
+        help="an existing materialised directory of the recipe "
+        "covering steps 0..steps-1 (default: materialise one on a private Ray)",
+    )
     parser.add_argument("--sampler", choices=("zephon", "torchft"), default="zephon")
     parser.add_argument("--json", default=None, help="write the summary here")
-    parser.add_argument("--ledger", default=None, help="FtSlices write the churned run's ledger here; the run ends "
-                        "with `zephon-ray audit` of it")
-    parser.add_argument("--ledger-flush-records", type=int, default=1024, help="each group's ledger moves its "
-                        "spooled parts into a batch file once more than this many wait (FtSlices)")
+    parser.add_argument(
+        "--ledger",
+        default=None,
+        help="FtSlices write the churned run's ledger here; the run ends with `zephon-ray audit` of it",
+    )
+    parser.add_argument(
+        "--ledger-flush-records",
+        type=int,
+        default=1024,
+        help="each group's ledger moves its spooled parts into a batch file once more than this many wait (FtSlices)",
+    )
     # replica-process arguments (internal)
     parser.add_argument("--replica", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--group", type=int, help=argparse.SUPPRESS)
@@ -443,17 +531,24 @@ def main(argv: list[str] | None = None) -> int:
     recipe = Recipe.from_toml(args.recipe)
     B = recipe.global_batch_rows
     supported = supported_participants(recipe)
-    print(f"torchft churn: {args.groups} replica groups, {args.steps} steps, recipe {args.recipe} (B={B}, "
-          f"supported participant counts 1-{supported[-1]}), kills {args.kill}, rejoins {args.rejoin}, rows from "
-          f"{'torchft DistributedSampler' if args.sampler == 'torchft' else 'FtSlices (' + args.source + ')'}",
-          flush=True)
+    print(
+        f"torchft churn: {args.groups} replica groups, {args.steps} steps, recipe {args.recipe} (B={B}, "
+        f"supported participant counts 1-{supported[-1]}), kills {args.kill}, rejoins {args.rejoin}, rows from "
+        f"{'torchft DistributedSampler' if args.sampler == 'torchft' else 'FtSlices (' + args.source + ')'}",
+        flush=True,
+    )
     base = Path(tempfile.mkdtemp(prefix="zr-torchft-churn-"))
     t0 = time.time()
     service = None
     try:
         extra, service = _prepare_source(args, base)
-        churned = run(args, base / "churn", args.kill, args.rejoin, {
-            **extra, "ledger": args.ledger, "ledger_flush_records": args.ledger_flush_records})
+        churned = run(
+            args,
+            base / "churn",
+            args.kill,
+            args.rejoin,
+            {**extra, "ledger": args.ledger, "ledger_flush_records": args.ledger_flush_records},
+        )
         print(f"  churned run done ({time.time() - t0:.0f} s); failure-free run ...", flush=True)
         reference = run(args, base / "reference", [], [], extra)
         with GlobalBatchSource(recipe) as source:
@@ -466,18 +561,27 @@ def main(argv: list[str] | None = None) -> int:
         lost, repeated = _rows_lost_repeated(churned, B, args.steps) if args.sampler == "torchft" else (0, 0)
         checks = [d for d in churned["done"] if "check_us_p50" in d]
         rejected = sum(1 for r in churned["records"] if not r["committed"])
-        print(f"attempts that should_commit() rejected: {rejected} ("
-              + ("the sampler moves on: their rows are dropped)" if args.sampler == "torchft"
-                 else "each served again at the next quorum)"))
+        print(
+            f"attempts that should_commit() rejected: {rejected} ("
+            + (
+                "the sampler moves on: their rows are dropped)"
+                if args.sampler == "torchft"
+                else "each served again at the next quorum)"
+            )
+        )
         if checks:
-            print(f"membership check per step: p50 {max(d['check_us_p50'] for d in checks):.1f} us (worst group), "
-                  f"max {max(d['check_us_max'] for d in checks):.1f} us; membership changes "
-                  f"{sum(d['membership_changes'] for d in checks)} (switch at most "
-                  f"{max(d['change_ms_max'] for d in checks):.1f} ms), same-membership re-serves "
-                  f"{sum(d['served_again'] for d in checks)}")
+            print(
+                f"membership check per step: p50 {max(d['check_us_p50'] for d in checks):.1f} us (worst group), "
+                f"max {max(d['check_us_max'] for d in checks):.1f} us; membership changes "
+                f"{sum(d['membership_changes'] for d in checks)} (switch at most "
+                f"{max(d['change_ms_max'] for d in checks):.1f} ms), same-membership re-serves "
+                f"{sum(d['served_again'] for d in checks)}"
+            )
         if args.sampler == "torchft":
-            print(f"torchft DistributedSampler: {lost} rows of steps 0..{args.steps - 1} never trained, {repeated} "
-                  "trained more than once")
+            print(
+                f"torchft DistributedSampler: {lost} rows of steps 0..{args.steps - 1} never trained, {repeated} "
+                "trained more than once"
+            )
         print(f"identical global batches: {'YES' if ok_batches else 'NO'}")
         print(f"final weights equal the failure-free run: {'YES' if ok_weights else 'NO'} (max abs diff {diff:.3g})")
         audited = 0
@@ -485,15 +589,27 @@ def main(argv: list[str] | None = None) -> int:
             from zephon_ray.cli import main as cli
 
             print("zephon-ray audit of the churned run's ledger:", flush=True)
-            audited = cli(["audit", args.ledger, "--recipe", args.recipe]
-                          + (["--dataset", extra["dataset_dir"]] if extra.get("dataset_dir") else []))
+            audited = cli(
+                ["audit", args.ledger, "--recipe", args.recipe]
+                + (["--dataset", extra["dataset_dir"]] if extra.get("dataset_dir") else [])
+            )
         print(f"({time.time() - t0:.0f} s)")
         if args.json:
-            Path(args.json).write_text(json.dumps({
-                "identical_global_batches": ok_batches, "final_weights_equal": ok_weights, "max_abs_diff": diff,
-                "rows_lost": lost, "rows_repeated": repeated, "done": churned["done"],
-                "steps": {str(s): v for s, v in global_batches(churned, B).items()},
-                "expected": expected}, indent=1))
+            Path(args.json).write_text(
+                json.dumps(
+                    {
+                        "identical_global_batches": ok_batches,
+                        "final_weights_equal": ok_weights,
+                        "max_abs_diff": diff,
+                        "rows_lost": lost,
+                        "rows_repeated": repeated,
+                        "done": churned["done"],
+                        "steps": {str(s): v for s, v in global_batches(churned, B).items()},
+                        "expected": expected,
+                    },
+                    indent=1,
+                )
+            )
         return 0 if ok_batches and ok_weights and not audited else 1
     finally:
         if service is not None:
@@ -511,8 +627,9 @@ def _check_events(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     if args.groups < 1 or args.steps < 1:
         parser.error("--groups and --steps must be >= 1")
     alive = {g: True for g in range(args.groups)}
-    for kind, (g, s) in sorted([("kill", e) for e in args.kill] + [("rejoin", e) for e in args.rejoin],
-                               key=lambda x: (x[1][1], x[0] == "kill")):
+    for kind, (g, s) in sorted(
+        [("kill", e) for e in args.kill] + [("rejoin", e) for e in args.rejoin], key=lambda x: (x[1][1], x[0] == "kill")
+    ):
         if not 0 <= g < args.groups or not 0 <= s < args.steps:
             parser.error(f"--{kind} {g}@{s}: group must be in [0, {args.groups}) and step in [0, {args.steps})")
         if kind == "kill" and not alive[g]:

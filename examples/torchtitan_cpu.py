@@ -175,8 +175,19 @@ def _dense_mask(block_mask: Any, batch: int, q_len: int, kv_len: int, device: to
     return mask.expand(batch, 1, q_len, kv_len)
 
 
-def _eager_flex_attention(q, k, v, *, score_mod=None, block_mask=None, scale=None, enable_gqa=False,
-                          return_aux=None, kernel_options=None, **_: Any):
+def _eager_flex_attention(
+    q,
+    k,
+    v,
+    *,
+    score_mod=None,
+    block_mask=None,
+    scale=None,
+    enable_gqa=False,
+    return_aux=None,
+    kernel_options=None,
+    **_: Any,
+):
     from torch.nn.attention.flex_attention import AuxOutput
 
     if score_mod is not None:
@@ -188,7 +199,7 @@ def _eager_flex_attention(q, k, v, *, score_mod=None, block_mask=None, scale=Non
         rep = heads // k.shape[1]
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
-    scale_ = scale if scale is not None else head_dim ** -0.5
+    scale_ = scale if scale is not None else head_dim**-0.5
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale_
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
@@ -232,14 +243,25 @@ def _patch_pipeline_step() -> None:
 
 
 def _per_microbatch_step(whole_batch_step):
-    def step(self, *args, arg_mbs=None, kwarg_mbs=None, target_mbs=None, losses=None, return_outputs=True,
-             loss_kwargs=None, **kwargs):
+    def step(
+        self,
+        *args,
+        arg_mbs=None,
+        kwarg_mbs=None,
+        target_mbs=None,
+        losses=None,
+        return_outputs=True,
+        loss_kwargs=None,
+        **kwargs,
+    ):
         if arg_mbs is None and kwarg_mbs is None and target_mbs is None:  # torch's own whole-batch call
-            return whole_batch_step(self, *args, losses=losses, return_outputs=return_outputs,
-                                    loss_kwargs=loss_kwargs, **kwargs)
+            return whole_batch_step(
+                self, *args, losses=losses, return_outputs=return_outputs, loss_kwargs=loss_kwargs, **kwargs
+            )
         if args or kwargs:
-            raise TypeError("examples.torchtitan_cpu: a pipeline step takes either per-microbatch lists or a whole "
-                            "batch, not both")
+            raise TypeError(
+                "examples.torchtitan_cpu: a pipeline step takes either per-microbatch lists or a whole batch, not both"
+            )
         stages = getattr(self, "_stages", None) or [self._stage]
         for stage in stages:  # what torch's step does before it splits the batch
             stage.has_backward = self._has_backward

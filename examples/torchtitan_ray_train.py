@@ -49,9 +49,15 @@ class _LoaderSource:
         from zephon_ray.integrations.torchtitan.loader import ZephonRayDataLoader
 
         return ZephonRayDataLoader.Config(
-            recipe=self.recipe, mode=self.mode, service_name=self.service_name,
-            service_namespace=self.service_namespace, run_id=self.run_id, aggregate_store=self.aggregate_store,
-            aggregate_dir=self.aggregate_dir, checkpoint_every=self.checkpoint_every, **extra,
+            recipe=self.recipe,
+            mode=self.mode,
+            service_name=self.service_name,
+            service_namespace=self.service_namespace,
+            run_id=self.run_id,
+            aggregate_store=self.aggregate_store,
+            aggregate_dir=self.aggregate_dir,
+            checkpoint_every=self.checkpoint_every,
+            **extra,
         )
 
     def to_config(self) -> dict[str, Any]:
@@ -77,8 +83,9 @@ class TitanRun(_LoaderSource):
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.checkpoint_every < 1:
-            raise ValueError(f"TitanRun: 'steps' ({self.steps}) and 'checkpoint_every' ({self.checkpoint_every}) "
-                             "must be >= 1")
+            raise ValueError(
+                f"TitanRun: 'steps' ({self.steps}) and 'checkpoint_every' ({self.checkpoint_every}) must be >= 1"
+            )
         if self.total_steps is not None and self.total_steps < self.steps:
             raise ValueError(f"TitanRun: 'total_steps' {self.total_steps} is less than 'steps' {self.steps}")
 
@@ -138,8 +145,18 @@ def torchtitan_train_loop(config: dict[str, Any]) -> None:
         digest = global_digest(taken["slice"])
         if rank == 0:
             with open(run.log_path, "a") as fh:
-                fh.write(json.dumps({"step": step - 1, "world": world, "digest": digest,
-                                     "loss": float(global_avg_loss), "pid": os.getpid()}) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "step": step - 1,
+                            "world": world,
+                            "digest": digest,
+                            "loss": float(global_avg_loss),
+                            "pid": os.getpid(),
+                        }
+                    )
+                    + "\n"
+                )
         return log(step, global_avg_loss, *args, **kwargs)
 
     def save_and_report(curr_step, last_step=False, **kwargs):
@@ -169,9 +186,18 @@ def torchtitan_train_loop(config: dict[str, Any]) -> None:
         loader.close()
 
 
-def fit(run: TitanRun, *, workers: int | tuple[int, int], name: str, storage_path: str, max_failures: int = 0,
-        cpu_per_worker: float = 0.25, use_gpu: bool = False, train_loop: Any = None,
-        resize_monitor_interval_s: float | None = None) -> Any:
+def fit(
+    run: TitanRun,
+    *,
+    workers: int | tuple[int, int],
+    name: str,
+    storage_path: str,
+    max_failures: int = 0,
+    cpu_per_worker: float = 0.25,
+    use_gpu: bool = False,
+    train_loop: Any = None,
+    resize_monitor_interval_s: float | None = None,
+) -> Any:
     """One ``TorchTrainer.fit()`` of :func:`torchtitan_train_loop` (or ``train_loop``, given the run's config).
     Reuse ``name``/``storage_path`` across fits to resume from the latest checkpoint at a new W. ``workers`` is a
     fixed W or ``(min, max)`` for Ray Train's elastic scaling. ``use_gpu`` reserves one GPU per worker (pair it
@@ -188,10 +214,12 @@ def fit(run: TitanRun, *, workers: int | tuple[int, int], name: str, storage_pat
     trainer = TorchTrainer(
         train_loop_per_worker=train_loop or torchtitan_train_loop,
         train_loop_config=run.to_config(),
-        scaling_config=ScalingConfig(num_workers=workers, use_gpu=use_gpu,
-                                     resources_per_worker={"CPU": cpu_per_worker}, **elastic),
-        run_config=RunConfig(name=name, storage_path=storage_path,
-                             failure_config=FailureConfig(max_failures=max_failures)),
+        scaling_config=ScalingConfig(
+            num_workers=workers, use_gpu=use_gpu, resources_per_worker={"CPU": cpu_per_worker}, **elastic
+        ),
+        run_config=RunConfig(
+            name=name, storage_path=storage_path, failure_config=FailureConfig(max_failures=max_failures)
+        ),
     )
     return trainer.fit()
 

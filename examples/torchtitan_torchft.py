@@ -66,16 +66,27 @@ def zephon_ft_cpu():
     kw["optimizer"] = _optimizers_class().Config(param_groups=base.optimizer.param_groups)
     kw["loss"] = base.loss.loss_fn
     kw["checkpoint"] = TorchFTCheckpointManager.Config(enable=True, interval=1000, folder="ckpt")
-    kw["parallelism"] = ParallelismConfig(data_parallel_replicate_degree=1, data_parallel_shard_degree=1,
-                                          spmd_backend="partial_dtensor")
-    kw["fault_tolerance"] = FaultTolerance(enable=True, process_group="gloo", min_replica_size=1,
-                                           replica_id=int(os.environ["ZR_FT_REPLICA"]),
-                                           group_size=int(os.environ["ZR_FT_GROUPS"]))
+    kw["parallelism"] = ParallelismConfig(
+        data_parallel_replicate_degree=1, data_parallel_shard_degree=1, spmd_backend="partial_dtensor"
+    )
+    kw["fault_tolerance"] = FaultTolerance(
+        enable=True,
+        process_group="gloo",
+        min_replica_size=1,
+        replica_id=int(os.environ["ZR_FT_REPLICA"]),
+        group_size=int(os.environ["ZR_FT_GROUPS"]),
+    )
     loader = base.dataloader
-    kw["dataloader"] = type(loader)(**{**{f.name: getattr(loader, f.name) for f in fields(loader) if f.init},
-                                       "mode": "dataset", "dataset_dir": os.environ["ZR_FT_DATASET"],
-                                       "aggregate_store": None, "run_id": RUN_ID,
-                                       "ledger_dir": os.environ.get("ZR_FT_LEDGER") or None})
+    kw["dataloader"] = type(loader)(
+        **{
+            **{f.name: getattr(loader, f.name) for f in fields(loader) if f.init},
+            "mode": "dataset",
+            "dataset_dir": os.environ["ZR_FT_DATASET"],
+            "aggregate_store": None,
+            "run_id": RUN_ID,
+            "ledger_dir": os.environ.get("ZR_FT_LEDGER") or None,
+        }
+    )
     return _trainer_class().Config(**kw)
 
 
@@ -172,17 +183,41 @@ def _event(text: str) -> tuple[int, int]:
 
 def _spawn(args, work: Path, group: int, life: int, lighthouse: str, dataset: str) -> subprocess.Popen:
     B = 16  # recipes/tiny.toml's global batch
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1", "TORCHFT_LIGHTHOUSE": lighthouse, "ZR_FT_REPLICA": str(group),
-           "ZR_FT_GROUPS": str(args.groups), "ZR_FT_DATASET": dataset, "ZEPHON_RAY_RECIPE": TINY,
-           "ZR_FT_WORK": str(work), "ZR_FT_LIFE": str(life), "ZR_FT_FIXED": "1" if args.fixed else "0",
-           "ZR_FT_LEDGER": args.ledger or "",
-           "ZR_FT_KILL_AT": ",".join(str(s) for g, s in args.kill if g == group) if life == 0 else "",
-           "ZR_FT_APPLY_REJECTED_AT": "" if args.apply_rejected is None or group else str(args.apply_rejected)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-           "-m", "torchtitan.train", "--module", "examples.torchtitan_torchft", "--config", "zephon_ft_cpu",
-           "--training.steps", str(args.steps), "--training.local_batch_size", str(B // args.groups),
-           "--dump_folder", str(work / f"dump{group}")]
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        "OMP_NUM_THREADS": "1",
+        "TORCHFT_LIGHTHOUSE": lighthouse,
+        "ZR_FT_REPLICA": str(group),
+        "ZR_FT_GROUPS": str(args.groups),
+        "ZR_FT_DATASET": dataset,
+        "ZEPHON_RAY_RECIPE": TINY,
+        "ZR_FT_WORK": str(work),
+        "ZR_FT_LIFE": str(life),
+        "ZR_FT_FIXED": "1" if args.fixed else "0",
+        "ZR_FT_LEDGER": args.ledger or "",
+        "ZR_FT_KILL_AT": ",".join(str(s) for g, s in args.kill if g == group) if life == 0 else "",
+        "ZR_FT_APPLY_REJECTED_AT": "" if args.apply_rejected is None or group else str(args.apply_rejected),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        "-m",
+        "torchtitan.train",
+        "--module",
+        "examples.torchtitan_torchft",
+        "--config",
+        "zephon_ft_cpu",
+        "--training.steps",
+        str(args.steps),
+        "--training.local_batch_size",
+        str(B // args.groups),
+        "--dump_folder",
+        str(work / f"dump{group}"),
+    ]
     log = open(work / f"group{group}-life{life}.log", "w")
     return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=work)
 
@@ -205,17 +240,25 @@ def run(args, work: Path, dataset: str) -> dict:
             (work / f"hold-{step}").touch()
         for g in range(args.groups):
             procs[(g, 0)] = _spawn(args, work, g, 0, lighthouse.address(), dataset)
-        _wait(lambda: all((work / f"waiting-0-g{g}-life0").exists() for g in range(args.groups)),
-              "every group's first process to build its trainer")
+        _wait(
+            lambda: all((work / f"waiting-0-g{g}-life0").exists() for g in range(args.groups)),
+            "every group's first process to build its trainer",
+        )
         (work / "hold-0").unlink()
         for g, step in sorted(args.rejoin, key=lambda e: e[1]):
             live = [x for x in range(args.groups) if x != g]
-            _wait(lambda: procs[(g, 0)].poll() is not None, f"group {g}'s first process to end")
-            _wait(lambda: all((work / f"waiting-{step}-g{x}-life0").exists() or procs[(x, 0)].poll() is not None
-                              for x in live), f"the live groups to wait at step {step}")
+            _wait(lambda g=g: procs[(g, 0)].poll() is not None, f"group {g}'s first process to end")
+            _wait(
+                lambda step=step, live=live: all(
+                    (work / f"waiting-{step}-g{x}-life0").exists() or procs[(x, 0)].poll() is not None for x in live
+                ),
+                f"the live groups to wait at step {step}",
+            )
             procs[(g, 1)] = _spawn(args, work, g, 1, lighthouse.address(), dataset)
-            _wait(lambda: (work / f"ready-g{g}-life1").exists() or procs[(g, 1)].poll() is not None,
-                  f"group {g}'s new process to build its trainer")
+            _wait(
+                lambda g=g: (work / f"ready-g{g}-life1").exists() or procs[(g, 1)].poll() is not None,
+                f"group {g}'s new process to build its trainer",
+            )
             (work / f"hold-{step}").unlink()
             print(f"  group {g} rejoined at step {step} (a new process)", flush=True)
         codes = {key: proc.wait(timeout=EVENT_TIMEOUT_S * 2) for key, proc in procs.items()}
@@ -270,11 +313,13 @@ def main(argv: list[str] | None = None) -> int:
             from zephon_ray import Recipe
             from zephon_ray.jobs.materialize import materialize
 
-            ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-                     _temp_dir=str(work / "ray"))
+            ray.init(
+                address="local", num_cpus=4, include_dashboard=False, log_to_driver=False, _temp_dir=str(work / "ray")
+            )
             try:
-                materialize(Recipe.from_toml(TINY), work / "rows", range(0, args.steps + 1), producers=1,
-                            progress=False)
+                materialize(
+                    Recipe.from_toml(TINY), work / "rows", range(0, args.steps + 1), producers=1, progress=False
+                )
             finally:
                 ray.shutdown()
             dataset = str(work / "rows")
@@ -283,9 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         for key, result in groups.items():
             planned = result["exit"] == 0 or result["killed"]
             ok &= planned
-            print(f"group {key}: exit {result['exit']}{' (killed)' if result['killed'] else ''}, losses "
-                  f"{[round(v, 5) for _, v in sorted(result['losses'].items())]}"
-                  + (f", errors {result['errors']}" if result["errors"] and not planned else ""))
+            print(
+                f"group {key}: exit {result['exit']}{' (killed)' if result['killed'] else ''}, losses "
+                f"{[round(v, 5) for _, v in sorted(result['losses'].items())]}"
+                + (f", errors {result['errors']}" if result["errors"] and not planned else "")
+            )
         audit_lines: list[str] = []
         audited = 0
         if args.ledger:
@@ -301,8 +348,9 @@ def main(argv: list[str] | None = None) -> int:
             print("zephon-ray audit of the ledger:\n  " + "\n  ".join(audit_lines))
         print(f"({time.time() - t0:.0f} s)")
         if args.json:
-            Path(args.json).write_text(json.dumps({"groups": groups, "audit": audit_lines, "audit_exit": audited},
-                                                  indent=1))
+            Path(args.json).write_text(
+                json.dumps({"groups": groups, "audit": audit_lines, "audit_exit": audited}, indent=1)
+            )
         return 0 if ok and not audited else 1
     finally:
         shutil.rmtree(work, ignore_errors=True)

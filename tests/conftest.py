@@ -91,7 +91,7 @@ def init_ray_retrying_start_timeout(**kwargs) -> None:
     try:
         ray.init(**kwargs)
         return
-    except Exception as exc:  # noqa: BLE001 - only Ray's start-up timeout is retried
+    except Exception as exc:
         if RAY_START_TIMEOUT not in str(exc):
             raise
     left = [child for child in me.children(recursive=True) if child.pid not in before]
@@ -166,8 +166,9 @@ class RankThreads:
             except BaseException as exc:  # noqa: BLE001 - re-raised by join(), in the test's thread
                 self.errors.append(exc)
 
-        self._threads = [threading.Thread(target=guarded, args=(r,), daemon=True, name=f"rank-{r}")
-                         for r in range(world)]
+        self._threads = [
+            threading.Thread(target=guarded, args=(r,), daemon=True, name=f"rank-{r}") for r in range(world)
+        ]
         for thread in self._threads:
             thread.start()
 

@@ -26,8 +26,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "examples" / "README.md",
-        ROOT / "service" / "README.md"]
+DOCS = [
+    ROOT / "README.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+    ROOT / "examples" / "README.md",
+    ROOT / "service" / "README.md",
+]
 SHELL_LANGS = ("bash", "sh", "console")
 FENCE_RE = re.compile(r"^```(\S*)[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
@@ -89,6 +93,7 @@ def commands(docs=DOCS) -> list[DocCommand]:
 @dataclass
 class Here:
     """Where a test runs doc commands: its private directory, and the private Ray head, if it started one."""
+
     tmp: Path
     dashboard: str | None = None  # "127.0.0.1:PORT"
     gcs: str | None = None
@@ -131,15 +136,17 @@ def run_in_order(cmds: list[DocCommand], here: Here, env: dict, timeout: float) 
     repository root, and return each command with what it printed. A failing command fails with its output."""
     import subprocess
 
-    script = "set -eo pipefail\n" + "".join(f"echo {MARK}{i}\n{as_run_here(c.text, here)}\n"
-                                            for i, c in enumerate(cmds))
-    done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
+    script = "set -eo pipefail\n" + "".join(
+        f"echo {MARK}{i}\n{as_run_here(c.text, here)}\n" for i, c in enumerate(cmds)
+    )
+    done = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     parts = re.split(rf"^{MARK}(\d+)\n", done.stdout, flags=re.MULTILINE)
     outs = {int(parts[i]): parts[i + 1] for i in range(1, len(parts), 2)}
     last = max(outs, default=-1)
-    assert done.returncode == 0, (f"{cmds[last] if last >= 0 else 'the script'} exited {done.returncode}:\n"
-                                  f"{outs.get(last, '')[-3000:]}\n{done.stderr[-3000:]}")
+    assert done.returncode == 0, (
+        f"{cmds[last] if last >= 0 else 'the script'} exited {done.returncode}:\n"
+        f"{outs.get(last, '')[-3000:]}\n{done.stderr[-3000:]}"
+    )
     return [(c, outs.get(i, "")) for i, c in enumerate(cmds)]
 
 
@@ -162,10 +169,16 @@ def inline_commands(docs=DOCS) -> list[DocCommand]:
                 if not head:
                     continue
                 if head.group(1).endswith(".py") and not head.group(1).startswith("python "):
-                    script = next((f"{d}/{head.group(1)}" for d in ("benchmarks", "examples")
-                                   if (ROOT / d / head.group(1)).is_file()), None)
+                    script = next(
+                        (
+                            f"{d}/{head.group(1)}"
+                            for d in ("benchmarks", "examples")
+                            if (ROOT / d / head.group(1)).is_file()
+                        ),
+                        None,
+                    )
                     if script is None:
                         continue  # a module's file name (`node.py`), not a script
-                    part = f"python {script}{part[head.end():]}"
+                    part = f"python {script}{part[head.end() :]}"
                 found.append(DocCommand(str(doc.relative_to(ROOT)), prose.count("\n", 0, m.start()) + 1, part))
     return found

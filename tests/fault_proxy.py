@@ -28,8 +28,10 @@ from typing import Any
 
 from tests.ports import Reserved
 
-SLOW_DOWN_BODY = (b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
-                  b"<Message>Please reduce your request rate.</Message><RequestId>zr-fault-proxy</RequestId></Error>")
+SLOW_DOWN_BODY = (
+    b'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>SlowDown</Code>'
+    b"<Message>Please reduce your request rate.</Message><RequestId>zr-fault-proxy</RequestId></Error>"
+)
 _MAX_HEAD = 64 << 10
 
 
@@ -40,8 +42,9 @@ class _Cut(Exception):
 class FaultProxy:
     """See the module docstring. Runs its own event loop in a daemon thread; every setter is thread-safe."""
 
-    def __init__(self, upstream_port: int, port: int | None = None, *, seed: int = 0,
-                 held: Reserved | None = None) -> None:
+    def __init__(
+        self, upstream_port: int, port: int | None = None, *, seed: int = 0, held: Reserved | None = None
+    ) -> None:
         self.upstream_port = upstream_port
         if port is None:
             held = Reserved()
@@ -64,7 +67,7 @@ class FaultProxy:
         self._up_at = 0.0
 
     # ------------------------------------------------------------------ control (any thread)
-    def start(self) -> "FaultProxy":
+    def start(self) -> FaultProxy:
         if self._thread is not None:
             return self
         ready = threading.Event()
@@ -144,8 +147,7 @@ class FaultProxy:
         if self._server is None:
             for _ in range(50):  # a late close of our own last listener may hold it briefly
                 try:
-                    self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port,
-                                                              reuse_address=True)
+                    self._server = await asyncio.start_server(self._serve, "127.0.0.1", self.port, reuse_address=True)
                     return
                 except OSError:
                     await asyncio.sleep(0.1)
@@ -165,8 +167,11 @@ class FaultProxy:
         """(answer 503 SlowDown, cut the response, latency) for one request."""
         with self._lock:
             self.stats["requests"] += 1
-            slow = self.slowdown > 0 and (self.slowdown_match is None or self.slowdown_match in path) \
+            slow = (
+                self.slowdown > 0
+                and (self.slowdown_match is None or self.slowdown_match in path)
                 and self._rng.random() < self.slowdown
+            )
             cut = False
             if not slow:
                 for entry in self._cuts:
@@ -200,8 +205,12 @@ class FaultProxy:
                 if latency:
                     await asyncio.sleep(latency)
                 if slow:
-                    writer.write(b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
-                                 + str(len(SLOW_DOWN_BODY)).encode() + b"\r\nRetry-After: 1\r\n\r\n" + SLOW_DOWN_BODY)
+                    writer.write(
+                        b"HTTP/1.1 503 Slow Down\r\nContent-Type: application/xml\r\nContent-Length: "
+                        + str(len(SLOW_DOWN_BODY)).encode()
+                        + b"\r\nRetry-After: 1\r\n\r\n"
+                        + SLOW_DOWN_BODY
+                    )
                     await writer.drain()
                     continue
                 if upstream is None:
@@ -283,8 +292,9 @@ async def _read_chunked(reader: asyncio.StreamReader) -> bytes:
         out += await reader.readexactly(size + 2)
 
 
-async def _relay_response(up: asyncio.StreamReader, client: asyncio.StreamWriter, method: str,
-                          cut: bool) -> bool | None:
+async def _relay_response(
+    up: asyncio.StreamReader, client: asyncio.StreamWriter, method: str, cut: bool
+) -> bool | None:
     """Relay one response. True: both connections may be reused; False: close the upstream one; None: the upstream
     closed (close the client's too). A cut response raises :class:`_Cut` after half its body."""
     while True:
@@ -315,5 +325,8 @@ async def _relay_response(up: asyncio.StreamReader, client: asyncio.StreamWriter
         raise _Cut()
     client.write(head + body)
     await client.drain()
-    return None if close and "content-length" not in headers and "chunked" not in headers.get(
-        "transfer-encoding", "") else not close
+    return (
+        None
+        if close and "content-length" not in headers and "chunked" not in headers.get("transfer-encoding", "")
+        else not close
+    )

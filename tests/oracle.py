@@ -114,8 +114,9 @@ class OracleJsonTokenizer:
     def __call__(self, texts: Any, add_special_tokens: bool = False, **_: Any) -> dict[str, Any]:
         assert not add_special_tokens, "Zephon splices BOS/EOS itself"
         if isinstance(texts, str):
-            return {"input_ids": np.asarray(self._tokenizer().encode(texts, add_special_tokens=False).ids,
-                                            dtype=np.int64)}
+            return {
+                "input_ids": np.asarray(self._tokenizer().encode(texts, add_special_tokens=False).ids, dtype=np.int64)
+            }
         encodings = self._tokenizer().encode_batch(list(texts), add_special_tokens=False)
         return {"input_ids": [np.asarray(e.ids, dtype=np.int64) for e in encodings]}
 
@@ -183,16 +184,27 @@ def read_recipe(path: str | Path, *, root: str | Path | None = None) -> OracleRe
     tokenizer = raw["tokenizer"]
     return OracleRecipe(
         path=path,
-        seed=raw["seed"], lanes=raw["lanes"], k=raw["microbatches_per_lane"], m=raw["rows_per_microbatch"],
+        seed=raw["seed"],
+        lanes=raw["lanes"],
+        k=raw["microbatches_per_lane"],
+        m=raw["rows_per_microbatch"],
         seq_len=raw["seq_len"],
         tokenizer=tokenizer if tokenizer == "bytes" else str(resolve(tokenizer)),
-        sources=tuple(OracleSource(s["name"], resolve(s["path"]), float(s.get("weight", 1.0)), s.get("format"))
-                      for s in raw["sources"]),
-        text_field=raw.get("text_field", "text"), chunk_size=raw.get("chunk_size", 64),
-        packing=raw.get("packing", "wrap"), packing_bins=raw.get("packing_bins"), repeat=raw.get("repeat", True),
-        flush_every_k_chunks=raw.get("flush_every_k_chunks"), shuffle=shuffle,
-        phases=tuple((p["start_step"], tuple(float(p["weights"].get(s["name"], 0.0)) for s in raw["sources"]))
-                     for p in raw.get("phases", [])),
+        sources=tuple(
+            OracleSource(s["name"], resolve(s["path"]), float(s.get("weight", 1.0)), s.get("format"))
+            for s in raw["sources"]
+        ),
+        text_field=raw.get("text_field", "text"),
+        chunk_size=raw.get("chunk_size", 64),
+        packing=raw.get("packing", "wrap"),
+        packing_bins=raw.get("packing_bins"),
+        repeat=raw.get("repeat", True),
+        flush_every_k_chunks=raw.get("flush_every_k_chunks"),
+        shuffle=shuffle,
+        phases=tuple(
+            (p["start_step"], tuple(float(p["weights"].get(s["name"], 0.0)) for s in raw["sources"]))
+            for p in raw.get("phases", [])
+        ),
     )
 
 
@@ -201,14 +213,16 @@ def make_tokenizer(spec: str) -> OracleByteTokenizer | OracleJsonTokenizer:
 
 
 # ---------------------------------------------------------------------- Zephon, public API only
-def work_source(recipe: OracleRecipe, weights: tuple[float, ...] | None = None,
-                state: dict[str, Any] | None = None) -> Any:
+def work_source(
+    recipe: OracleRecipe, weights: tuple[float, ...] | None = None, state: dict[str, Any] | None = None
+) -> Any:
     """An unbound StaticMixtureWorkSource: the recipe's own (no arguments), or the global chunk stream at ``state``
     drawing with ``weights`` (normalised here; zero allowed) from there on."""
     from zephon import Dataset, MixtureSpec, StaticMixtureWorkSource
 
-    datasets = [Dataset.from_path(s.name, str(s.path), **({"fmt": s.format} if s.format else {}))
-                for s in recipe.sources]
+    datasets = [
+        Dataset.from_path(s.name, str(s.path), **({"fmt": s.format} if s.format else {})) for s in recipe.sources
+    ]
     work = StaticMixtureWorkSource(
         datasets,
         MixtureSpec({s.name: (s.weight if state is None else 1.0) for s in recipe.sources}),
@@ -258,14 +272,23 @@ def rank_pipeline(recipe: OracleRecipe, rank: int, *, aggregate_dir: str, run_id
         Pipeline(work)
         .decode_text()
         .tokenize(tokenizer=tokenizer, field=recipe.text_field, return_tensors="np")
-        .pack_flat(max_length=recipe.seq_len + 1, algorithm=recipe.packing, num_bins=recipe.packing_bins,
-                   pad_token_id=tokenizer.pad_token_id)
+        .pack_flat(
+            max_length=recipe.seq_len + 1,
+            algorithm=recipe.packing,
+            num_bins=recipe.packing_bins,
+            pad_token_id=tokenizer.pad_token_id,
+        )
         .batch(recipe.m)
     )
     options: dict[str, Any] = dict(
-        canonical_replicas=recipe.lanes, mapping_strategy="contiguous",
-        world_size=RANKS, global_rank=rank, dp_degree=RANKS, dp_group_id=rank,
-        run_id=run_id, aggregate_dir=aggregate_dir,
+        canonical_replicas=recipe.lanes,
+        mapping_strategy="contiguous",
+        world_size=RANKS,
+        global_rank=rank,
+        dp_degree=RANKS,
+        dp_group_id=rank,
+        run_id=run_id,
+        aggregate_dir=aggregate_dir,
         runner="threads",  # a performance knob only (Zephon: execution parameters never change data order)
     )
     if recipe.flush_every_k_chunks is not None:
@@ -283,7 +306,7 @@ def lane_microbatches(recipe: OracleRecipe, steps: int) -> dict[int, list[Microb
     mixture)."""
     out: dict[int, list[Microbatch]] = {lane: [] for lane in range(recipe.lanes)}
     work = None
-    for i, (start, end, weights) in enumerate(recipe.segments(steps)):
+    for i, (start, end, _weights) in enumerate(recipe.segments(steps)):
         part, last_chunk = _segment_microbatches(recipe, end - start, work)
         for lane, mbs in part.items():
             out[lane].extend(mbs)
@@ -293,8 +316,9 @@ def lane_microbatches(recipe: OracleRecipe, steps: int) -> dict[int, list[Microb
     return out
 
 
-def _segment_microbatches(recipe: OracleRecipe, steps: int, work: Any) -> tuple[dict[int, list[Microbatch]],
-                                                                                 dict[int, int]]:
+def _segment_microbatches(
+    recipe: OracleRecipe, steps: int, work: Any
+) -> tuple[dict[int, list[Microbatch]], dict[int, int]]:
     """One segment from fresh pipelines: each lane's microbatches, and the highest chunk number of the lane that
     they drew from (Zephon's ``contribution_cursors``)."""
     assert recipe.lanes % RANKS == 0, f"{recipe.path}: {recipe.lanes} lanes do not split over {RANKS} ranks"
@@ -307,8 +331,15 @@ def _segment_microbatches(recipe: OracleRecipe, steps: int, work: Any) -> tuple[
         for rank in range(RANKS):
             owned = range(rank * per_rank, (rank + 1) * per_rank)
             filed: dict[int, list[Microbatch]] = {lane: [] for lane in owned}
-            stream = iter(rank_pipeline(recipe, rank, aggregate_dir=agg, run_id=run_id,
-                                        work=None if work is None else _copy_work(recipe, work)))
+            stream = iter(
+                rank_pipeline(
+                    recipe,
+                    rank,
+                    aggregate_dir=agg,
+                    run_id=run_id,
+                    work=None if work is None else _copy_work(recipe, work),
+                )
+            )
             try:
                 while any(len(v) < want for v in filed.values()):
                     mb = next(stream)
@@ -324,8 +355,10 @@ def _segment_microbatches(recipe: OracleRecipe, steps: int, work: Any) -> tuple[
                         for component, count in (r.meta.component_token_counts or {}).items():
                             per_source[int(component)] += int(count)
                     if len(filed[lane]) < want:
-                        last_chunk[lane] = max([last_chunk.get(lane, -1)] + [
-                            int(c.chunk_id) for r in mb.records for c in r.meta.contribution_cursors()])
+                        last_chunk[lane] = max(
+                            [last_chunk.get(lane, -1)]
+                            + [int(c.chunk_id) for r in mb.records for c in r.meta.contribution_cursors()]
+                        )
                     filed[lane].append((tokens, positions, per_source))
             finally:
                 close = getattr(stream, "close", None)
@@ -366,15 +399,20 @@ class OracleBatch:
         return self.tokens[lo:hi], self.positions[lo:hi]
 
 
-def assemble(recipe: OracleRecipe, lanes: dict[int, list[Microbatch]], step: int,
-             order: tuple[int, ...] | None = None) -> OracleBatch:
+def assemble(
+    recipe: OracleRecipe, lanes: dict[int, list[Microbatch]], step: int, order: tuple[int, ...] | None = None
+) -> OracleBatch:
     """Step s: lane-major over lanes 0..L-1, each lane's microbatches s*k .. s*k+k-1 (``order`` permutes those k;
     for tests that show a wrong order is caught)."""
     k = recipe.k
     order = order or tuple(range(k))
     parts = [lanes[lane][step * k + i] for lane in range(recipe.lanes) for i in order]
-    return OracleBatch(step, np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]),
-                       np.sum([p[2] for p in parts], axis=0))
+    return OracleBatch(
+        step,
+        np.concatenate([p[0] for p in parts]),
+        np.concatenate([p[1] for p in parts]),
+        np.sum([p[2] for p in parts], axis=0),
+    )
 
 
 def global_batches(recipe: OracleRecipe, steps: int) -> list[OracleBatch]:
@@ -448,9 +486,12 @@ def load_golden(recipe_path: str | Path) -> dict[str, Any]:
     differ = {k: (v, here.get(k)) for k, v in record["environment"].items() if here.get(k) != v}
     if differ:
         raise GoldenVersionError(
-            "golden digests of " + record["recipe"] + " belong to " + ", ".join(
-                f"{k} {v[0]} (here {v[1]})" for k, v in differ.items())
-            + f"; check the change of rows is intended, then regenerate them with `{REGENERATE}`")
+            "golden digests of "
+            + record["recipe"]
+            + " belong to "
+            + ", ".join(f"{k} {v[0]} (here {v[1]})" for k, v in differ.items())
+            + f"; check the change of rows is intended, then regenerate them with `{REGENERATE}`"
+        )
     record["digests"] = [record["digests"][str(s)] for s in range(len(record["digests"]))]
     return record
 
@@ -463,5 +504,5 @@ def shipped_recipes() -> list[Path]:
 if __name__ == "__main__":  # regenerate: python tests/oracle.py --all | RECIPE [RECIPE ...]
     import sys
 
-    for arg in (shipped_recipes() if sys.argv[1:] == ["--all"] else sys.argv[1:]):
+    for arg in shipped_recipes() if sys.argv[1:] == ["--all"] else sys.argv[1:]:
         print(write_golden(arg))

@@ -99,10 +99,19 @@ class RayHead:
     @property
     def flags(self) -> list[str]:
         client, nm, om, agent, agent_grpc, metrics, rt_env = self.ports
-        return [f"--temp-dir={self.temp_dir}", f"--port={self.gcs_port}", f"--dashboard-port={self.dashboard_port}",
-                f"--ray-client-server-port={client}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
-                f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-                f"--metrics-export-port={metrics}", f"--runtime-env-agent-port={rt_env}", "--disable-usage-stats"]
+        return [
+            f"--temp-dir={self.temp_dir}",
+            f"--port={self.gcs_port}",
+            f"--dashboard-port={self.dashboard_port}",
+            f"--ray-client-server-port={client}",
+            f"--node-manager-port={nm}",
+            f"--object-manager-port={om}",
+            f"--dashboard-agent-listen-port={agent}",
+            f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--metrics-export-port={metrics}",
+            f"--runtime-env-agent-port={rt_env}",
+            "--disable-usage-stats",
+        ]
 
 
 @contextlib.contextmanager

@@ -46,8 +46,9 @@ class S3Server:
     """One moto server on a fixed loopback port: ``start``/``stop``/``restart`` keep its buckets (moto's state
     lives in this process), which is how the tests stop the endpoint mid-run and bring it back."""
 
-    def __init__(self, port: int, proxy_port: int, *, held: Reserved | None = None,
-                 proxy_held: Reserved | None = None) -> None:
+    def __init__(
+        self, port: int, proxy_port: int, *, held: Reserved | None = None, proxy_held: Reserved | None = None
+    ) -> None:
         from tests.fault_proxy import FaultProxy
 
         self.port = port
@@ -65,7 +66,7 @@ class S3Server:
     def direct_endpoint(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def start(self) -> "S3Server":
+    def start(self) -> S3Server:
         with self._lock:
             if self._server is None:
                 from moto.server import ThreadedMotoServer
@@ -93,8 +94,13 @@ class S3Server:
     def client(self):
         import boto3
 
-        return boto3.client("s3", endpoint_url=self.direct_endpoint, aws_access_key_id=ACCESS_KEY,
-                            aws_secret_access_key=SECRET_KEY, region_name=REGION)
+        return boto3.client(
+            "s3",
+            endpoint_url=self.direct_endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=SECRET_KEY,
+            region_name=REGION,
+        )
 
     def new_bucket(self, prefix: str = "zr") -> str:
         name = f"{prefix}-{uuid.uuid4().hex[:10]}"
@@ -115,8 +121,9 @@ class S3Server:
         return out
 
     def _post(self, path: str, data: bytes = b"") -> bytes:
-        req = urllib.request.Request(f"{self.direct_endpoint}{path}", data=data, method="POST",
-                                     headers={"Content-Type": "text/plain"})
+        req = urllib.request.Request(
+            f"{self.direct_endpoint}{path}", data=data, method="POST", headers={"Content-Type": "text/plain"}
+        )
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.read()
 
@@ -125,7 +132,7 @@ class S3Server:
         test key is refused as 'InvalidAccessKeyId') or off (any key works)."""
         self._post("/moto-api/reset-auth", b"0" if on else b"inf")
 
-    def recording(self) -> "_Recording":
+    def recording(self) -> _Recording:
         return _Recording(self)
 
 
@@ -136,7 +143,7 @@ class _Recording:
         self.server = server
         self.requests: list[dict] = []
 
-    def __enter__(self) -> "_Recording":
+    def __enter__(self) -> _Recording:
         self.server._post("/moto-api/recorder/reset-recording")
         self.server._post("/moto-api/recorder/start-recording")
         return self
@@ -171,12 +178,17 @@ def configure_environment() -> S3Server:
             _SERVER = S3Server(moto_port.port, proxy_port.port, held=moto_port, proxy_held=proxy_port)
         os.environ[PORT_ENV] = str(_SERVER.port)
         os.environ[PROXY_PORT_ENV] = str(_SERVER.faults.port)
-        os.environ.update({
-            "AWS_ENDPOINT_URL": _SERVER.endpoint, "AWS_ACCESS_KEY_ID": ACCESS_KEY,
-            "AWS_SECRET_ACCESS_KEY": SECRET_KEY, "AWS_REGION": REGION,
-            # Bounded retries, short enough for the fault tests (the defaults are 5 attempts, 5 s connects).
-            "ZEPHON_RAY_S3_MAX_ATTEMPTS": "3", "ZEPHON_RAY_S3_CONNECT_TIMEOUT_S": "1",
-        })
+        os.environ.update(
+            {
+                "AWS_ENDPOINT_URL": _SERVER.endpoint,
+                "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+                "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+                "AWS_REGION": REGION,
+                # Bounded retries, short enough for the fault tests (the defaults are 5 attempts, 5 s connects).
+                "ZEPHON_RAY_S3_MAX_ATTEMPTS": "3",
+                "ZEPHON_RAY_S3_CONNECT_TIMEOUT_S": "1",
+            }
+        )
         os.environ.pop("S3_ENDPOINT_URL", None)
         os.environ.pop("AWS_PROFILE", None)
     return _SERVER

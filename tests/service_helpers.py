@@ -26,8 +26,11 @@ def replayer_actors(name):
 
     from zephon_ray.service.wire import REPLAYER_INFIX
 
-    return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-            if a["namespace"] == NS and a["name"].startswith(name + REPLAYER_INFIX)]
+    return [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NS and a["name"].startswith(name + REPLAYER_INFIX)
+    ]
 
 
 def live_pids(svc, timeout=60.0):

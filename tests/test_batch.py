@@ -56,8 +56,9 @@ def test_a_world_dividing_B_keeps_the_even_split(batch):
     """When W divides B the split is the one every digest, golden and saved state was made with: B/W rows each."""
     for world in (1, 2, 4, 8, 16):
         assert [batch.slice(r, world).num_rows for r in range(world)] == [batch.num_rows // world] * world
-        assert [slice_bounds(16, r, world) for r in range(world)] == \
-            [(r * 16 // world, (r + 1) * 16 // world) for r in range(world)]
+        assert [slice_bounds(16, r, world) for r in range(world)] == [
+            (r * 16 // world, (r + 1) * 16 // world) for r in range(world)
+        ]
 
 
 @pytest.mark.parametrize("rank,world", [(3, 3), (2, 2), (-1, 2), (0, 0), (0, 17), (0, True), (0.5, 2)])
@@ -95,10 +96,10 @@ def test_padding_rows_never_reach_the_loss_and_keep_the_real_rows(batch):
     assert torch.equal(labels[:3], torch.cat([mb[1] for mb in plain]))
     assert (labels[3] == -100).all()
     logits = torch.randn(4, tokens.shape[1], 7)
-    summed = torch.nn.functional.cross_entropy(logits.reshape(-1, 7), (labels % 7).where(labels >= 0, labels)
-                                               .reshape(-1), ignore_index=-100, reduction="sum")
-    real = torch.nn.functional.cross_entropy(logits[:3].reshape(-1, 7), (labels[:3] % 7).reshape(-1),
-                                             reduction="sum")
+    summed = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, 7), (labels % 7).where(labels >= 0, labels).reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    real = torch.nn.functional.cross_entropy(logits[:3].reshape(-1, 7), (labels[:3] % 7).reshape(-1), reduction="sum")
     assert torch.allclose(summed, real)
     assert compute_digest(part.tokens, part.positions) == before
     with pytest.raises(ValueError, match="pad_to 2 is less than"):
@@ -128,7 +129,7 @@ def test_microbatches_are_torchtitan_shaped(batch, tiny_recipe):
 def test_padding_is_masked_in_labels():
     tokens = np.array([[5, 6, 9, 9]], dtype=np.int32)
     positions = np.array([[0, 1, 0, 0]], dtype=np.int32)
-    (_, labels), = RankSlice(0, 0, 1, tokens, positions, pad_token_id=9).microbatches(1)
+    ((_, labels),) = RankSlice(0, 0, 1, tokens, positions, pad_token_id=9).microbatches(1)
     assert labels.tolist() == [[6, -100, -100]]
 
 
@@ -147,8 +148,12 @@ def test_slice_from_lanes_is_the_global_batch_slice(batch, tiny_recipe, world):
     from zephon_ray.batch import lane_span
 
     per = tiny_recipe.rows_per_lane
-    shards = [SimpleNamespace(tokens=batch.tokens[l * per:(l + 1) * per],
-                              positions=batch.positions[l * per:(l + 1) * per]) for l in range(tiny_recipe.lanes)]
+    shards = [
+        SimpleNamespace(
+            tokens=batch.tokens[l * per : (l + 1) * per], positions=batch.positions[l * per : (l + 1) * per]
+        )
+        for l in range(tiny_recipe.lanes)
+    ]
     for rank in range(world):
         span = lane_span(tiny_recipe.lanes, per, rank, world)
         got = RankSlice.from_lanes(batch.step, rank, world, span, [shards[l] for l in span.lanes])

@@ -71,8 +71,10 @@ def test_global_digest_refuses_part_of_a_batch(tmp_path):
     assert batch.digest == GOLDEN[STEP]
     ctx = multiprocessing.get_context("spawn")
     outs = [tmp_path / f"rank{r}.json" for r in range(WORLD)]
-    procs = [ctx.Process(target=_rank, args=(r, f"file://{tmp_path}/pg", str(tmp_path / "agg"), str(outs[r])))
-             for r in range(WORLD)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, f"file://{tmp_path}/pg", str(tmp_path / "agg"), str(outs[r])))
+        for r in range(WORLD)
+    ]
     [p.start() for p in procs]
     [p.join(240) for p in procs]
     for p in procs:
@@ -83,15 +85,21 @@ def test_global_digest_refuses_part_of_a_batch(tmp_path):
 
     assert r0["up"] == {"digest": GOLDEN[STEP]} and r1["up"] == {"digest": None}
     for rank, r in enumerate((r0, r1)):
-        assert r["torn_down"] == {"error": (
-            f"global_digest: step {STEP}, rank {rank} holds a slice of a 2-rank group, but no torch.distributed "
-            "process group is up (Ray Train destroys it when it tears the worker group down); no digest is made "
-            "from part of the batch")}
+        assert r["torn_down"] == {
+            "error": (
+                f"global_digest: step {STEP}, rank {rank} holds a slice of a 2-rank group, but no torch.distributed "
+                "process group is up (Ray Train destroys it when it tears the worker group down); no digest is made "
+                "from part of the batch"
+            )
+        }
         # the rows never changed: what the old code digested was rank 0's own 12 rows, not a modified batch
         assert r["slice"] == compute_digest(expected[rank].tokens, expected[rank].positions)
 
     for r in (r0, r1):
-        assert r["skewed"] == {"error": (
-            f"global_digest: rank {0 if r is r0 else 1} gathered (step, rank, world) "
-            f"[({STEP}, 0, 2), ({STEP + 1}, 1, 2)] at step {STEP if r is r0 else STEP + 1}; the ranks are not at "
-            "the same step of one group")}
+        assert r["skewed"] == {
+            "error": (
+                f"global_digest: rank {0 if r is r0 else 1} gathered (step, rank, world) "
+                f"[({STEP}, 0, 2), ({STEP + 1}, 1, 2)] at step {STEP if r is r0 else STEP + 1}; the ranks are not at "
+                "the same step of one group"
+            )
+        }

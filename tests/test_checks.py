@@ -52,17 +52,20 @@ def test_check_reader_accepts_every_rank_of_a_world():
     assert check_reader(15, 16, max_world=16) == (15, 16)
 
 
-@pytest.mark.parametrize("rank, world, message", [
-    (0, 0, r"^world must be an int in \[1, 10\*\*12\], got 0$"),
-    (0, None, r"^world must be an int in \[1, 10\*\*12\], got None$"),
-    (0, True, r"^world must be an int in \[1, 10\*\*12\], got True$"),
-    (0, 2.0, r"^world must be an int in \[1, 10\*\*12\], got 2.0$"),
-    (4, 4, r"^rank must be an int in \[0, world=4\), got 4$"),
-    (-1, 4, r"^rank must be an int in \[0, world=4\), got -1$"),
-    (None, 4, r"^rank must be an int in \[0, world=4\), got None$"),
-    (False, 4, r"^rank must be an int in \[0, world=4\), got False$"),
-    ("0", 4, r"^rank must be an int in \[0, world=4\), got '0'$"),
-])
+@pytest.mark.parametrize(
+    "rank, world, message",
+    [
+        (0, 0, r"^world must be an int in \[1, 10\*\*12\], got 0$"),
+        (0, None, r"^world must be an int in \[1, 10\*\*12\], got None$"),
+        (0, True, r"^world must be an int in \[1, 10\*\*12\], got True$"),
+        (0, 2.0, r"^world must be an int in \[1, 10\*\*12\], got 2.0$"),
+        (4, 4, r"^rank must be an int in \[0, world=4\), got 4$"),
+        (-1, 4, r"^rank must be an int in \[0, world=4\), got -1$"),
+        (None, 4, r"^rank must be an int in \[0, world=4\), got None$"),
+        (False, 4, r"^rank must be an int in \[0, world=4\), got False$"),
+        ("0", 4, r"^rank must be an int in \[0, world=4\), got '0'$"),
+    ],
+)
 def test_check_reader_names_the_argument_and_its_value(rank, world, message):
     with pytest.raises(ValueError, match=message):
         check_reader(rank, world)

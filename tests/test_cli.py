@@ -6,9 +6,8 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 import oracle
+import pytest
 from conftest import ROOT, TINY
 
 GOLDEN = oracle.load_golden(TINY)["digests"]  # steps 0..169 of the tiny recipe, from the independent oracle
@@ -16,7 +15,11 @@ GOLDEN = oracle.load_golden(TINY)["digests"]  # steps 0..169 of the tiny recipe,
 
 def run(*args, check=True):
     return subprocess.run(
-        [sys.executable, "-m", "zephon_ray.cli", *args], capture_output=True, text=True, timeout=300, check=check,
+        [sys.executable, "-m", "zephon_ray.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=check,
         cwd=ROOT,
     )
 
@@ -74,8 +77,10 @@ def test_validate_prints_fingerprint_and_geometry(capsys, tiny_recipe, reference
     assert f"fingerprint {tiny_recipe.fingerprint}" in out
     assert "L=8 lanes x k=1 microbatches x m=2 rows = B=16 rows of seq_len 64+1" in out
     assert "tokens/step 1024" in out
-    assert "W (service) 1-16, any count up to B (dataset mode too); every rank gets B/W rows at W = 1 2 4 8 16" \
-        in out and "W (local)   1 2 4 8" in out
+    assert (
+        "W (service) 1-16, any count up to B (dataset mode too); every rank gets B/W rows at W = 1 2 4 8 16" in out
+        and "W (local)   1 2 4 8" in out
+    )
     # ceil(16/W) x W - 16 padding rows per step for equal shapes: 3 -> 2, 5 -> 4, 7 -> 5
     assert "padding     rows per step for equal shapes (pad_slices) at W = 3: 2 (12%), 5: 4 (25%)," in out
     assert f"step 0      {reference_digests[0]}" in out
@@ -101,8 +106,11 @@ def test_validate_rejects_a_bad_recipe_in_one_line(capsys, tmp_path):
 
     # Loads, but Zephon cannot build it (no such field in the records): validate builds step 0 and says why.
     unbuildable = tmp_path / "no-field.toml"
-    unbuildable.write_text(TINY.read_text().replace("data/tiny", str(TINY.parent / "data" / "tiny"))
-                           .replace("seq_len = 64", 'seq_len = 64\ntext_field = "body"'))
+    unbuildable.write_text(
+        TINY.read_text()
+        .replace("data/tiny", str(TINY.parent / "data" / "tiny"))
+        .replace("seq_len = 64", 'seq_len = 64\ntext_field = "body"')
+    )
     code, _, err = _main(capsys, "validate", "--no-build", str(unbuildable))
     assert code == 0, err
     code, out, err = _main(capsys, "validate", str(unbuildable))
@@ -143,8 +151,9 @@ def test_show_docs_names_every_rows_documents(capsys):
     whose text is the row's own bytes (tiny's byte tokenizer) and whose pieces tile every row."""
     from zephon_ray import GlobalBatchSource, Recipe
 
-    code, out, err = _main(capsys, "show", "tiny", "--step", "3", "--docs", "--rank", "1", "--world", "3",
-                           "--chars", "20")
+    code, out, err = _main(
+        capsys, "show", "tiny", "--step", "3", "--docs", "--rank", "1", "--world", "3", "--chars", "20"
+    )
     assert code == 0, err
     assert GOLDEN[3] in out and "5..9 of 16 (rank 1 of 3)" in out and out.count("\nrow ") == 5
     code, out, err = _main(capsys, "show", "tiny", "--step", "3", "--docs", "--json", "--rank", "1", "--world", "3")
@@ -155,7 +164,7 @@ def test_show_docs_names_every_rows_documents(capsys):
     for entry in doc["rows"]:
         assert entry["pieces"][0]["start"] == 0 and entry["pieces"][-1]["end"] == 65
         for p in entry["pieces"]:
-            raw = bytes(int(t) for t in rows[entry["row"]][p["start"]:p["end"]] if t < 256)
+            raw = bytes(int(t) for t in rows[entry["row"]][p["start"] : p["end"]] if t < 256)
             assert raw.decode("utf-8", errors="replace").startswith(p["text"]) and p["path"].endswith(p["shard"])
 
 
@@ -176,8 +185,23 @@ def test_locate_finds_what_show_docs_names(capsys, ray_cluster):
     piece it lists is one ``show --docs --json`` names at its step and row."""
     code, out, err = _main(capsys, "show", "tiny", "--step", "3", "--docs", "--json")
     piece = json.loads(out)["rows"][0]["pieces"][0]
-    code, out, err = _main(capsys, "locate", "tiny", "--source", piece["source"], "--shard", piece["shard"],
-                           "--record", str(piece["record"]), "--steps", "0:8", "--groups", "2", "--json", "--quiet")
+    code, out, err = _main(
+        capsys,
+        "locate",
+        "tiny",
+        "--source",
+        piece["source"],
+        "--shard",
+        piece["shard"],
+        "--record",
+        str(piece["record"]),
+        "--steps",
+        "0:8",
+        "--groups",
+        "2",
+        "--json",
+        "--quiet",
+    )
     assert code == 0, err
     hits = json.loads(out)["hits"]
     assert {"step": 3, "row": 0, "start": piece["start"], "end": piece["end"], "offset": piece["offset"]} in hits
@@ -186,9 +210,11 @@ def test_locate_finds_what_show_docs_names(capsys, ray_cluster):
     with GlobalBatchSource(Recipe.from_toml(TINY)) as source:
         for hit in hits:
             named = source.provenance(hit["step"]).rows[hit["row"]]
-            assert any((p.source, p.shard, p.record, p.start, p.end, p.offset) ==
-                       (piece["source"], piece["shard"], piece["record"], hit["start"], hit["end"], hit["offset"])
-                       for p in named), hit
+            assert any(
+                (p.source, p.shard, p.record, p.start, p.end, p.offset)
+                == (piece["source"], piece["shard"], piece["record"], hit["start"], hit["end"], hit["offset"])
+                for p in named
+            ), hit
 
 
 # ---------------------------------------------------------------------- bad input: one line naming it, exit 2
@@ -284,8 +310,9 @@ def test_bench_measures_and_reads_the_real_batches(capsys):
 
 
 def test_bench_both_paths_alternate_and_give_a_ratio(capsys, ray_cluster):
-    code, out, err = _main(capsys, "bench", "tiny", "--via", "both", "--steps", "2", "--warmup", "1", "--rounds",
-                           "2", "--json")
+    code, out, err = _main(
+        capsys, "bench", "tiny", "--via", "both", "--steps", "2", "--warmup", "1", "--rounds", "2", "--json"
+    )
     assert code == 0, err
     report = json.loads(out)
     assert set(report["paths"]) == {"local", "service"} and len(report["round_ratios"]) == 2

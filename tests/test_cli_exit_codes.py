@@ -15,6 +15,7 @@ from zephon_ray.service.errors import ReplyTimeoutError, ServiceError, ServiceNo
 def _raising(exc: BaseException):
     def command(args):
         raise exc
+
     return command
 
 
@@ -27,24 +28,37 @@ def _run(capsys, exc: BaseException) -> tuple[int, str, str]:
     return code, out.out, out.err
 
 
-@pytest.mark.parametrize("exc, line", [
-    (UserInputError("--steps '5:2': expected 0 <= A < B"), "--steps '5:2': expected 0 <= A < B"),
-    (ValueError("recipe.toml: key 'lanes' must be >= 1,\n  got 0"), "recipe.toml: key 'lanes' must be >= 1, got 0"),
-    (FileNotFoundError(2, "No such file or directory", "/nope/r.toml"),
-     "[Errno 2] No such file or directory: '/nope/r.toml'"),
-    (TimeoutError("step 7 was not produced within 30s"), "step 7 was not produced within 30s"),
-    (ServiceNotFoundError("no service 'run7' in namespace 'zr'"), "no service 'run7' in namespace 'zr'"),
-    (ReplyTimeoutError("service 'run7': no reply in time"), "service 'run7': no reply in time"),
-    (ConnectionError("Could not find any running Ray instance."), "Could not find any running Ray instance."),
-])
+@pytest.mark.parametrize(
+    "exc, line",
+    [
+        (UserInputError("--steps '5:2': expected 0 <= A < B"), "--steps '5:2': expected 0 <= A < B"),
+        (ValueError("recipe.toml: key 'lanes' must be >= 1,\n  got 0"), "recipe.toml: key 'lanes' must be >= 1, got 0"),
+        (
+            FileNotFoundError(2, "No such file or directory", "/nope/r.toml"),
+            "[Errno 2] No such file or directory: '/nope/r.toml'",
+        ),
+        (TimeoutError("step 7 was not produced within 30s"), "step 7 was not produced within 30s"),
+        (ServiceNotFoundError("no service 'run7' in namespace 'zr'"), "no service 'run7' in namespace 'zr'"),
+        (ReplyTimeoutError("service 'run7': no reply in time"), "service 'run7': no reply in time"),
+        (ConnectionError("Could not find any running Ray instance."), "Could not find any running Ray instance."),
+    ],
+)
 # Proves cli/exit_codes.py: a user error is one line on stderr and exit 2.
 def test_user_errors_are_one_line_and_exit_2(capsys, exc, line):
     code, out, err = _run(capsys, exc)
     assert (code, out, err) == (USER_ERROR_EXIT, "", f"zephon-ray: error: {line}\n")
 
 
-@pytest.mark.parametrize("exc", [KeyError("a bug"), RuntimeError("a bug"), AttributeError("a bug"),
-                                 PermissionError(13, "Permission denied", "/x"), OSError("disk on fire")])
+@pytest.mark.parametrize(
+    "exc",
+    [
+        KeyError("a bug"),
+        RuntimeError("a bug"),
+        AttributeError("a bug"),
+        PermissionError(13, "Permission denied", "/x"),
+        OSError("disk on fire"),
+    ],
+)
 # Proves cli/exit_codes.py: anything but a user or worker error keeps its traceback (exit 1).
 def test_other_errors_keep_their_traceback(capsys, exc):
     with pytest.raises(type(exc)):
@@ -68,8 +82,10 @@ class _FakeRayTaskError(RuntimeError):
     __module__ = "ray.exceptions"
 
     def __init__(self, cause: BaseException) -> None:
-        super().__init__("ray::Worker.__call__() (pid=1, ip=10.0.0.9)\nTraceback (most recent call last):\n"
-                         '  File "x.py", line 1, in f\n    g()\n' + f"{type(cause).__name__}: {cause}")
+        super().__init__(
+            "ray::Worker.__call__() (pid=1, ip=10.0.0.9)\nTraceback (most recent call last):\n"
+            '  File "x.py", line 1, in f\n    g()\n' + f"{type(cause).__name__}: {cause}"
+        )
         self.cause = cause
 
 
@@ -97,8 +113,11 @@ def test_the_service_message_wins_over_the_ray_error_it_wraps(capsys):
         except _FakeRayTaskError:
             raise refusal from None
     except ValueError as exc:
-        assert _run(capsys, exc) == (USER_ERROR_EXIT, "",
-                                     "zephon-ray: error: add_phase: consumer 'trainer' has read step 4\n")
+        assert _run(capsys, exc) == (
+            USER_ERROR_EXIT,
+            "",
+            "zephon-ray: error: add_phase: consumer 'trainer' has read step 4\n",
+        )
 
 
 def test_a_service_failing_on_its_storage_is_one_line_with_the_hint_never_cut_mid_word(monkeypatch):
@@ -106,8 +125,10 @@ def test_a_service_failing_on_its_storage_is_one_line_with_the_hint_never_cut_mi
     (credentials stay in this shell), and a long store message is cut at a word boundary, never mid-word."""
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "AKIAEXAMPLE")
     dump = " ".join(f"word{i:03d}" for i in range(150))  # a long client dump (obstore's run to ~700 characters)
-    exc = ServiceError(f"service 'run7' failed to start: s3://zr-b/run7/service.json: access denied (read it); "
-                       f"check the credentials: Generic S3 error: {dump}")
+    exc = ServiceError(
+        f"service 'run7' failed to start: s3://zr-b/run7/service.json: access denied (read it); "
+        f"check the credentials: Generic S3 error: {dump}"
+    )
     line = error_line(exc)
     assert "\n" not in line and "s3://zr-b/run7/service.json" in line and "never shipped" in line, line
     assert "AWS_ACCESS_KEY_ID" in line.split("never shipped")[1] and "AKIAEXAMPLE" not in line, line

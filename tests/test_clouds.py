@@ -51,8 +51,9 @@ def _upload_tiny(root: str) -> None:
 
     for path in sorted((RECIPES / "data" / "tiny").rglob("*")):
         if path.is_file():
-            storage.write_atomic(f"{root}/recipes/data/tiny/{path.relative_to(RECIPES / 'data' / 'tiny')}",
-                               path.read_bytes())
+            storage.write_atomic(
+                f"{root}/recipes/data/tiny/{path.relative_to(RECIPES / 'data' / 'tiny')}", path.read_bytes()
+            )
     storage.write_atomic(f"{root}/recipes/tiny.toml", TINY.read_bytes())
 
 
@@ -64,8 +65,7 @@ def _service_state_and_materialized(recipe, root: str, digests: list[str], name:
     from zephon_ray.jobs.materialize import materialize
 
     state_dir = f"{root}/state"
-    svc = DataService.start(recipe, name=name, namespace="zr-clouds", state_dir=state_dir, checkpoint_every=2,
-                            window=4)
+    svc = DataService.start(recipe, name=name, namespace="zr-clouds", state_dir=state_dir, checkpoint_every=2, window=4)
     try:
         assert [svc.batch(s, track=True).digest for s in range(STEPS)] == digests
         svc.commit(STEPS)
@@ -113,10 +113,12 @@ def _aggregate_dir_w2(aggregate_dir: str, recipe_path) -> None:
     """Two local-mode loader ranks (threads) take one collective Zephon checkpoint through ``aggregate_dir``."""
     from zephon_ray.torchtitan import ZephonRayDataLoader
 
-    cfg = ZephonRayDataLoader.Config(recipe=str(recipe_path), mode="local", run_id="agg", aggregate_dir=aggregate_dir,
-                                     checkpoint_every=2)
+    cfg = ZephonRayDataLoader.Config(
+        recipe=str(recipe_path), mode="local", run_id="agg", aggregate_dir=aggregate_dir, checkpoint_every=2
+    )
     loaders = [cfg.build(dp_world_size=2, dp_rank=r, seq_len=64, local_batch_size=2) for r in range(2)]
     try:
+
         def run(i):
             it = iter(loaders[i])
             for _ in range(2 * loaders[i].microbatches_per_step):
@@ -137,8 +139,7 @@ def test_gs_basic_path(ray_cluster, gcs, tiny_recipe, oracle_digests):
     root = f"gs://{bucket}"
     storage.write_atomic(f"{root}/recipes/tiny.toml", TINY.read_bytes())  # the recipe file itself: pyarrow
     assert storage.read_bytes(f"{root}/recipes/tiny.toml") == TINY.read_bytes()
-    _service_state_and_materialized(tiny_recipe, f"gs://{gcs.new_bucket('zr-run')}/run7", oracle_digests,
-                                    "gs-basic")
+    _service_state_and_materialized(tiny_recipe, f"gs://{gcs.new_bucket('zr-run')}/run7", oracle_digests, "gs-basic")
     # Sources on gs:// go through Zephon's router (obstore), which cannot reach an http:// emulator: one line.
     with pytest.raises(RecipeError) as info:
         Recipe.from_toml(f"{root}/recipes/tiny.toml")

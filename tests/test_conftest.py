@@ -10,7 +10,6 @@ import sys
 import psutil
 import pytest
 import ray
-
 from conftest import RAY_START_TIMEOUT, init_ray_retrying_start_timeout
 
 

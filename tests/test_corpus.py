@@ -36,8 +36,13 @@ def test_parquet_and_jsonl_copies_give_the_same_batches(tmp_path):
     for fmt in ("jsonl", "parquet"):
         recipe = Recipe.from_dict(
             {
-                "seed": 3, "lanes": 2, "microbatches_per_lane": 1, "rows_per_microbatch": 2, "seq_len": 64,
-                "chunk_size": 16, "tokenizer": "bytes",
+                "seed": 3,
+                "lanes": 2,
+                "microbatches_per_lane": 1,
+                "rows_per_microbatch": 2,
+                "seq_len": 64,
+                "chunk_size": 16,
+                "tokenizer": "bytes",
                 "sources": [
                     {"name": "prose", "path": str(tmp_path / fmt / "prose"), "weight": 0.5},
                     {"name": "code", "path": str(tmp_path / fmt / "code"), "weight": 0.5},
@@ -56,8 +61,12 @@ def test_bad_out_dir_is_one_error_and_writes_nothing(tmp_path):
     (full / "keep.txt").write_text("mine")
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
-    for out, needle in ((a_file / "sub", f"{a_file} is not a directory"), (a_file, "is not a directory"),
-                        (full, "not empty"), ("/proc/no/such", "cannot create")):
+    for out, needle in (
+        (a_file / "sub", f"{a_file} is not a directory"),
+        (a_file, "is not a directory"),
+        (full, "not empty"),
+        ("/proc/no/such", "cannot create"),
+    ):
         with pytest.raises(UserInputError, match="corpus directory") as info:
             write_corpus(out, formats=("jsonl",), limit=2)
         assert needle in str(info.value) and "\n" not in str(info.value)

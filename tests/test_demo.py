@@ -16,9 +16,8 @@ import re
 import subprocess
 import sys
 
-import pytest
-
 import oracle
+import pytest
 from conftest import ROOT
 
 DEMO_RECIPE = ROOT / "recipes" / "demo.toml"
@@ -30,10 +29,20 @@ ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+([0-9a-f]{16})\s+(\d+)\s+([0-9a-f]{16})\s
 @pytest.mark.timeout(1800)
 def test_make_demo_ends_with_identical_global_batches_and_a_clean_audit():
     if not CORPUS.is_dir():  # what `make demo` does first; written whole or not at all (zephon_ray/corpus.py)
-        subprocess.run([sys.executable, "-m", "zephon_ray.cli", "corpus", str(CORPUS)], cwd=ROOT, check=True,
-                       timeout=900, capture_output=True)
-    result = subprocess.run([sys.executable, "examples/elastic_resume.py", "--recipe", str(DEMO_RECIPE)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=1700)
+        subprocess.run(
+            [sys.executable, "-m", "zephon_ray.cli", "corpus", str(CORPUS)],
+            cwd=ROOT,
+            check=True,
+            timeout=900,
+            capture_output=True,
+        )
+    result = subprocess.run(
+        [sys.executable, "examples/elastic_resume.py", "--recipe", str(DEMO_RECIPE)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1700,
+    )
     tail = "\n".join(result.stdout.splitlines()[-30:]) + "\n" + result.stderr[-3000:]
     assert result.returncode == 0, tail
     lines = result.stdout.strip().splitlines()
@@ -43,6 +52,6 @@ def test_make_demo_ends_with_identical_global_batches_and_a_clean_audit():
     rows = {int(m.group(1)): m.groups() for m in map(ROW.match, lines) if m}
     assert sorted(rows) == list(range(8)) and all(r[5] == "yes" for r in rows.values()), tail
     golden = oracle.load_golden(DEMO_RECIPE)  # other library versions fail here, naming the regenerate command
-    for step, digest in enumerate(golden["digests"][:len(rows)]):
+    for step, digest in enumerate(golden["digests"][: len(rows)]):
         _, ref_world, ref, elastic_world, elastic, _ = rows[step]
         assert ref == elastic == digest[:16], (step, ref_world, ref, elastic_world, elastic, digest)

@@ -16,8 +16,9 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_many_threads_prefetch_read_and_advance_on_one_handle(ray_cluster, tiny_recipe, tmp_path):
     world, steps = 8, 5
-    svc = DataService.start(tiny_recipe, name="direct-threads", namespace=NS, state_dir=tmp_path / "s", window=8,
-                            read_path="direct")
+    svc = DataService.start(
+        tiny_recipe, name="direct-threads", namespace=NS, state_dir=tmp_path / "s", window=8, read_path="direct"
+    )
     try:
         client = DataService.connect("direct-threads", namespace=NS, consumer="job")
         assert client.read_path == "direct"

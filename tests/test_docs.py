@@ -20,7 +20,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 README = ROOT / "README.md"
@@ -34,8 +33,7 @@ COMMANDS = ("zephon-ray", "python", "make")
 
 def _docstrings(path) -> str:
     tree = ast.parse(path.read_text())
-    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
-                                                                    ast.ClassDef))]
+    nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))]
     return "\n".join(ast.get_docstring(n) or "" for n in nodes)
 
 
@@ -64,8 +62,10 @@ ANCHOR_RE = re.compile(r"\]\(([^)#\s]*\.md)?#([^)\s]+)\)")
 
 def _slugs(doc) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation but '-' and '_' dropped, spaces as '-'."""
-    return {re.sub(r"[^\w\- ]", "", m.lower()).replace(" ", "-")
-            for m in re.findall(r"^#+\s+(.+?)\s*$", doc.read_text(), re.MULTILINE)}
+    return {
+        re.sub(r"[^\w\- ]", "", m.lower()).replace(" ", "-")
+        for m in re.findall(r"^#+\s+(.+?)\s*$", doc.read_text(), re.MULTILINE)
+    }
 
 
 def test_anchors_name_a_heading():
@@ -157,8 +157,15 @@ def test_inline_doc_commands_parse():
         argvs.append(argv)
         where.setdefault(" ".join(argv), command)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, str(ROOT / "tests" / "doc_parse_check.py")], input=json.dumps(argvs),
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "doc_parse_check.py")],
+        input=json.dumps(argvs),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     failed = []
     for text, error in json.loads(done.stdout).items():
@@ -180,11 +187,23 @@ def test_api_md_lists_every_public_name():
     from zephon_ray import ray_train
     from zephon_ray.cli import build_parser
 
-    rows = [line for line in (ROOT / "docs" / "api.md").read_text().splitlines()
-            if line.startswith("| `") and re.search(r"\| (stable|beta|alpha) \|", line)]
+    rows = [
+        line
+        for line in (ROOT / "docs" / "api.md").read_text().splitlines()
+        if line.startswith("| `") and re.search(r"\| (stable|beta|alpha) \|", line)
+    ]
     listed = {name for line in rows for name in re.findall(r"`([\w-]+)[`(]", line.split("|")[1])}
-    commands = [name for action in build_parser()._actions if isinstance(action, argparse._SubParsersAction)
-                for name in action.choices]
-    public = {*zephon_ray.__all__, *zephon_ray.service.__all__, *zephon_ray.torchtitan.__all__, *ray_train.__all__,
-              *commands}
+    commands = [
+        name
+        for action in build_parser()._actions
+        if isinstance(action, argparse._SubParsersAction)
+        for name in action.choices
+    ]
+    public = {
+        *zephon_ray.__all__,
+        *zephon_ray.service.__all__,
+        *zephon_ray.torchtitan.__all__,
+        *ray_train.__all__,
+        *commands,
+    }
     assert not sorted(public - listed), f"docs/api.md does not list {sorted(public - listed)}"

@@ -19,10 +19,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import doc_commands
 import numpy as np
 import pytest
-
-import doc_commands
 from conftest import ROOT
 from doc_commands import DOCS, Here, commands, run_in_order, shell_env
 
@@ -44,11 +43,11 @@ FAST = {  # command -> a check of what it printed
     ". .venv/bin/activate": lambda out: out == "",
     "zephon-ray validate tiny": lambda out: f"fingerprint {_fingerprint()}" in out and "W (service) 1-16" in out,
     "zephon-ray digest tiny --steps 0:4": lambda out: out.splitlines() == _golden_lines("tiny.toml", 0, 4),
-    "zephon-ray show tiny --step 3":
-        lambda out: _golden_lines("tiny.toml", 3, 4)[0].replace("step 3 ", "digest      ") in out,
+    "zephon-ray show tiny --step 3": lambda out: (
+        _golden_lines("tiny.toml", 3, 4)[0].replace("step 3 ", "digest      ") in out
+    ),
     "zephon-ray bench tiny --steps 32": lambda out: "tokens/s" in out,
-    "zephon-ray validate recipes/mixture.toml":
-        lambda out: f"fingerprint {_fingerprint('mixture.toml')}" in out,
+    "zephon-ray validate recipes/mixture.toml": lambda out: f"fingerprint {_fingerprint('mixture.toml')}" in out,
     "zephon-ray fingerprint tiny": lambda out: out.strip() == _fingerprint(),
 }
 
@@ -90,7 +89,7 @@ SLOW = {  # command -> the slow test (in this module) that runs it
     "python examples/elastic_resume.py --mode local": ELASTIC,
     "ZEPHON_RAY_AGGREGATE_DIR=/tmp/agg python examples/elastic_resume.py --mode local": ELASTIC,
     "python examples/elastic_resume.py --trainer torchtitan": ELASTIC,
-    "python -c \"import pyarrow.fs as pafs; from zephon_ray import storage; "
+    'python -c "import pyarrow.fs as pafs; from zephon_ray import storage; '
     "d = storage.location('s3://$BUCKET/recipes'); "
     "pafs.copy_files('recipes', d.path, destination_filesystem=storage.filesystem(d))\"": S3,
     "zephon-ray validate s3://$BUCKET/recipes/tiny.toml": S3,
@@ -109,17 +108,19 @@ SLOW = {  # command -> the slow test (in this module) that runs it
     "--quiet": S3,
 }
 
-_S3 = ("placeholders (`...`, minio.internal, my-bucket) for the user's S3 settings: " + S3 + " sets the same "
-       "variables to its local S3's, and runs the rest of the block as written")
+_S3 = (
+    "placeholders (`...`, minio.internal, my-bucket) for the user's S3 settings: " + S3 + " sets the same "
+    "variables to its local S3's, and runs the rest of the block as written"
+)
 NOT_RUN = {  # command -> why no test runs it here, and what covers its code
     "make demo": "creates .venv and installs everything (network); its program, examples/elastic_resume.py --recipe "
-                 "recipes/demo.toml, runs in tests/test_demo.py (slow)",
+    "recipes/demo.toml, runs in tests/test_demo.py (slow)",
     "make test": "the default suite itself (CI runs it; docs/benchmarks.md records fresh-clone runs)",
     "python examples/spike_workflow.py": "runs as written in tests/test_spike_workflow.py (slow)",
     "python examples/spike_workflow.py --no-locate": "the same workflow as tests/test_spike_workflow.py (slow) runs, "
-        "less its last part",
+    "less its last part",
     "zephon-ray serve tiny --name run7 --state-dir s3://bucket/run7": "needs a cluster and the bucket s3://bucket; "
-        "serve on a real head runs as written in " + DEPLOYMENT + " (service/start.py is serve)",
+    "serve on a real head runs as written in " + DEPLOYMENT + " (service/start.py is serve)",
     "pip install torch==2.13.0 <index flags>": "a placeholder for the user's index flags; installs from the network",
     "pip install .": "installs from the network; tests/test_packaging.py installs the wheel into a fresh virtualenv",
     "export AWS_REGION=us-east-1 AWS_ACCESS_KEY_ID=... AWS_SECRET_ACCESS_KEY=...": _S3,
@@ -132,9 +133,9 @@ NOT_RUN = {  # command -> why no test runs it here, and what covers its code
 
 # ---- the index: every command is run or excused ---------------------------------------------------------------
 
+
 def test_every_fence_names_its_language():
-    bare = [f"{doc.relative_to(ROOT)}:{line}" for doc in DOCS for lang, line, _ in doc_commands.fences(doc)
-            if not lang]
+    bare = [f"{doc.relative_to(ROOT)}:{line}" for doc in DOCS for lang, line, _ in doc_commands.fences(doc) if not lang]
     assert not bare, f"fences without a language (```bash for commands, ```text otherwise): {bare}"
 
 
@@ -142,8 +143,10 @@ def test_every_doc_command_is_run_or_excused():
     found = commands()
     texts = {c.text for c in found}
     unlisted = [str(c) for c in found if c.text not in FAST and c.text not in SLOW and c.text not in NOT_RUN]
-    assert not unlisted, ("doc commands that no test runs: run them in tests/test_docs_run.py (FAST or SLOW) or "
-                          f"say in NOT_RUN why they cannot run here: {unlisted}")
+    assert not unlisted, (
+        "doc commands that no test runs: run them in tests/test_docs_run.py (FAST or SLOW) or "
+        f"say in NOT_RUN why they cannot run here: {unlisted}"
+    )
     stale = [t for t in (*FAST, *SLOW, *NOT_RUN) if t not in texts]
     assert not stale, f"listed commands that no doc shows any more: {stale}"
     twice = set(FAST) & set(SLOW) | (set(FAST) | set(SLOW)) & set(NOT_RUN)
@@ -161,14 +164,16 @@ def _doc_commands(doc: str, texts=None) -> list:
 
 # ---- FAST: the default suite -----------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("text", list(FAST))
 def test_fast_doc_commands_run_as_written(text, tmp_path):
     command = next(c for c in commands() if c.text == text)
-    (_, out), = run_in_order([command], Here(tmp_path), shell_env(), timeout=120)
+    ((_, out),) = run_in_order([command], Here(tmp_path), shell_env(), timeout=120)
     assert FAST[text](out), f"{command} printed:\n{out[:1500]}"
 
 
 # ---- SLOW ------------------------------------------------------------------------------------------------------
+
 
 def _mine(test: str, doc: str) -> list:
     return _doc_commands(doc, {t for t, owner in SLOW.items() if owner == test})
@@ -235,9 +240,11 @@ def test_quickstart_commands(short_tmp):
 
     mine = _mine(QUICKSTART, "examples/README.md")
     done = run_in_order(mine, Here(short_tmp), shell_env({"TMPDIR": str(short_tmp)}), timeout=800)
-    assert [ln.split(";")[0] for _, out in done for ln in out.splitlines() if ln.startswith("last step trained")] == \
-        ["last step trained: 3", "last step trained: 7"], done[-1][1][-3000:]
-    storage, = short_tmp.glob("tmp.*")  # QS
+    assert [ln.split(";")[0] for _, out in done for ln in out.splitlines() if ln.startswith("last step trained")] == [
+        "last step trained: 3",
+        "last step trained: 7",
+    ], done[-1][1][-3000:]
+    (storage,) = short_tmp.glob("tmp.*")  # QS
     final = max(storage.rglob("zephon_loader.json"), key=lambda p: json.loads(p.read_text())["next_step"]).parent
     assert json.loads((final / "zephon_loader.json").read_text())["next_step"] == 8
     weights = torch.load(final / "model.pt", weights_only=True)
@@ -249,8 +256,7 @@ def test_quickstart_commands(short_tmp):
 @pytest.mark.timeout(900)
 def test_torchtitan_cpu_commands(tmp_path):
     """examples/README.md's (and docs/torchtitan.md's, the same text) torchrun pair on the CPU registry."""
-    run_in_order(_mine(TITAN, "examples/README.md"), Here(tmp_path), shell_env({"TMPDIR": str(tmp_path)}),
-                 timeout=800)
+    run_in_order(_mine(TITAN, "examples/README.md"), Here(tmp_path), shell_env({"TMPDIR": str(tmp_path)}), timeout=800)
     steps = sorted(p.name for p in tmp_path.glob("tmp.*/checkpoint/step-*"))  # TITAN: mktemp -d in TMPDIR
     assert steps == ["step-2", "step-4"], steps  # the second run resumed at step 2 and trained to 4
 
@@ -262,8 +268,7 @@ def test_elastic_resume_commands(text, tmp_path):
     """Each of examples/README.md's elastic_resume commands (minutes each; the torchtitan one about a quarter hour
     on 2 cores). The script makes its own work directory (a new one in /tmp: its Ray's socket paths must stay under
     107 bytes, so no TMPDIR of ours)."""
-    (_, out), = run_in_order(_doc_commands("examples/README.md", {text}), Here(tmp_path), shell_env(),
-                             timeout=1750)
+    ((_, out),) = run_in_order(_doc_commands("examples/README.md", {text}), Here(tmp_path), shell_env(), timeout=1750)
     assert "identical global batches: YES" in out, out[-3000:]
 
 
@@ -282,8 +287,9 @@ def test_deployment_object_storage_commands(private_head, s3):
     digests = [o for t, o in out.items() if t.startswith("zephon-ray digest")]
     want = _golden_lines("tiny.toml", 0, 4)
     assert [[ln for ln in o.splitlines() if ln.startswith("step ")] for o in digests] == [want, want], digests
-    validated = re.search(r"fingerprint ([0-9a-f]{16,})", next(o for t, o in out.items()
-                                                               if t.startswith("zephon-ray validate")))
+    validated = re.search(
+        r"fingerprint ([0-9a-f]{16,})", next(o for t, o in out.items() if t.startswith("zephon-ray validate"))
+    )
     verified = next(o for t, o in out.items() if t.startswith("zephon-ray fingerprint")).strip()
     # other identities than the checkout's (ETags; the bytes hashed), the same batches (tests/test_s3.py)
     assert validated and re.fullmatch(r"[0-9a-f]{16,}", verified) and verified != validated.group(1), out

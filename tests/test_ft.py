@@ -48,13 +48,17 @@ def tiny_dir(ray_cluster, tmp_path_factory):
 
 CHURNS = {  # events -> participants per step, each step's W in the ledger, the records served again (step, rank)
     "one kill": (["--kill", "1@2", "--rejoin", "1@5"], [3, 3, 2, 2, 2, 3, 3, 3], [(2, 0), (2, 1)]),
-    "two kills": (["--kill", "1@2", "--rejoin", "1@4", "--kill", "2@6"], [3, 3, 2, 2, 3, 3, 2, 2],
-                  [(2, 0), (2, 1), (6, 0), (6, 1)]),
+    "two kills": (
+        ["--kill", "1@2", "--rejoin", "1@4", "--kill", "2@6"],
+        [3, 3, 2, 2, 3, 3, 2, 2],
+        [(2, 0), (2, 1), (6, 0), (6, 1)],
+    ),
 }
 
 
-@pytest.mark.parametrize("churn", [
-    "one kill", pytest.param("two kills", marks=pytest.mark.slow)])  # ~45 s: the issue's churn, outside the default
+@pytest.mark.parametrize(
+    "churn", ["one kill", pytest.param("two kills", marks=pytest.mark.slow)]
+)  # ~45 s: the issue's churn, outside the default
 def test_churn_kills_and_a_rejoin_at_a_participant_count_not_dividing_B_audit_clean(tiny_dir, tmp_path, churn):
     """Group 1 is killed in step 2 (2 participants from there) and comes back (3 again); in "two kills", group 2 is
     killed in step 6 too. Also the ledger: every group's FtSlices writes its committed steps, and the run ends with
@@ -69,11 +73,28 @@ def test_churn_kills_and_a_rejoin_at_a_participant_count_not_dividing_B_audit_cl
 
     events, participants, served_again = CHURNS[churn]
     out = tmp_path / "summary.json"
-    cmd = [sys.executable, str(CHURN), "--groups", "3", "--steps", str(STEPS), *events, "--recipe", TINY,
-           "--dataset-dir", tiny_dir, "--json", str(out), "--ledger", str(tmp_path / "ledger"),
-           "--ledger-flush-records", "2"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cmd = [
+        sys.executable,
+        str(CHURN),
+        "--groups",
+        "3",
+        "--steps",
+        str(STEPS),
+        *events,
+        "--recipe",
+        TINY,
+        "--dataset-dir",
+        tiny_dir,
+        "--json",
+        str(out),
+        "--ledger",
+        str(tmp_path / "ledger"),
+        "--ledger-flush-records",
+        "2",
+    ]
+    proc = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=400, cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(ROOT)}
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     assert "identical global batches: YES" in proc.stdout
     assert "final weights equal the failure-free run: YES" in proc.stdout
@@ -89,11 +110,17 @@ def test_churn_kills_and_a_rejoin_at_a_participant_count_not_dividing_B_audit_cl
     assert rejected >= len(served_again) // 2, proc.stdout  # each kill hit a step in flight: the survivors' attempt
     verdict = next(line for line in proc.stdout.splitlines() if line.startswith("audit: "))  # did not commit
     worlds = " -> ".join(str(p) for i, p in enumerate(participants) if i == 0 or participants[i - 1] != p)
-    assert verdict == (f"audit: clean: steps [0, {STEPS}) each trained exactly once in a lineage of {STEPS} "
-                       f"segment(s) (W {worlds}); {sum(participants)} slice digests matched the recipe's global "
-                       "batches"), proc.stdout
-    records = {(r.step, r.world, r.rank): r for seg in read_ledger(str(tmp_path / "ledger")).values()
-               for rs in seg.parts.values() for r in rs}
+    assert verdict == (
+        f"audit: clean: steps [0, {STEPS}) each trained exactly once in a lineage of {STEPS} "
+        f"segment(s) (W {worlds}); {sum(participants)} slice digests matched the recipe's global "
+        "batches"
+    ), proc.stdout
+    records = {
+        (r.step, r.world, r.rank): r
+        for seg in read_ledger(str(tmp_path / "ledger")).values()
+        for rs in seg.parts.values()
+        for r in rs
+    }
     assert sorted({s for s, _, _ in records}) == list(range(STEPS))
     assert all(r.trained == 1 for r in records.values())
     assert {s: w for s, w, _ in records} == dict(enumerate(participants))  # no record of a rejected attempt
@@ -108,8 +135,12 @@ def test_churn_kills_and_a_rejoin_at_a_participant_count_not_dividing_B_audit_cl
     before = audit(str(tmp_path / "ledger"))
     compact(tmp_path / "ledger")
     after = audit(str(tmp_path / "ledger"))
-    assert containers(tmp_path / "ledger").file_count == 3 and after.clean and after.records == before.records == \
-        sum(participants) and after.verdict() == before.verdict()
+    assert (
+        containers(tmp_path / "ledger").file_count == 3
+        and after.clean
+        and after.records == before.records == sum(participants)
+        and after.verdict() == before.verdict()
+    )
 
 
 def _churn_schedule(seed: int) -> list[str]:
@@ -136,10 +167,26 @@ def test_churn_fuzz(tiny_dir, tmp_path):
         events = _churn_schedule(seed)
         work = tmp_path / f"seed-{seed}"
         work.mkdir()
-        cmd = [sys.executable, str(CHURN), "--groups", "3", "--steps", str(STEPS), *events, "--recipe", TINY,
-               "--dataset-dir", tiny_dir, "--ledger", str(work / "ledger"), "--ledger-flush-records", "2"]
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, cwd=work,
-                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        cmd = [
+            sys.executable,
+            str(CHURN),
+            "--groups",
+            "3",
+            "--steps",
+            str(STEPS),
+            *events,
+            "--recipe",
+            TINY,
+            "--dataset-dir",
+            tiny_dir,
+            "--ledger",
+            str(work / "ledger"),
+            "--ledger-flush-records",
+            "2",
+        ]
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=400, cwd=work, env={**os.environ, "PYTHONPATH": str(ROOT)}
+        )
         where = f"seed {seed}, events {' '.join(events)}"
         assert proc.returncode == 0, (where, (proc.stdout + proc.stderr)[-3000:])
         assert "identical global batches: YES" in proc.stdout, (where, proc.stdout[-3000:])
@@ -159,11 +206,24 @@ def ft_groups(n: int):
 
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=n, join_timeout_ms=2000, heartbeat_timeout_ms=2000)
     stores = [TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False) for _ in range(n)]
-    managers = [Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), min_replica_size=1,
-                        load_state_dict=lambda state: None, state_dict=lambda: {}, replica_id=f"group_{g}",
-                        lighthouse_addr=lighthouse.address(), store_addr="127.0.0.1", store_port=stores[g].port,
-                        rank=0, world_size=1, use_async_quorum=False, timeout=timedelta(seconds=30),
-                        quorum_timeout=timedelta(seconds=60)) for g in range(n)]
+    managers = [
+        Manager(
+            pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
+            min_replica_size=1,
+            load_state_dict=lambda state: None,
+            state_dict=lambda: {},
+            replica_id=f"group_{g}",
+            lighthouse_addr=lighthouse.address(),
+            store_addr="127.0.0.1",
+            store_port=stores[g].port,
+            rank=0,
+            world_size=1,
+            use_async_quorum=False,
+            timeout=timedelta(seconds=30),
+            quorum_timeout=timedelta(seconds=60),
+        )
+        for g in range(n)
+    ]
     try:
         yield managers
     finally:
@@ -180,25 +240,28 @@ def _in_parallel(fn, n: int) -> list:
 def test_a_quorum_with_more_readers_than_rows_stops_before_the_step(tmp_path):
     """tiny.toml has B = 16 rows: 3 participants x dp 6 = 18 readers cannot share it (a reader would get no row).
     One line, and nothing was read (the directory the source would read does not even exist)."""
+    from zephon_ray import Recipe
     from zephon_ray.stream.ft import FtMembershipError, FtSlices, supported_participants
     from zephon_ray.stream.loader import LoaderConfig
-    from zephon_ray import Recipe
 
     assert supported_participants(Recipe.from_toml(TINY)) == list(range(1, 17))
     assert supported_participants(Recipe.from_toml(TINY), dp=6) == [1, 2]
     config = LoaderConfig(recipe=TINY, mode="dataset", dataset_dir=str(tmp_path / "never-read"))
     with ft_groups(3) as managers:
+
         def step(g):
             managers[g].start_quorum()
             with FtSlices(config, manager=managers[g], dp=6) as slices:
                 with pytest.raises(FtMembershipError) as info:
                     slices.next()
                 return str(info.value)
+
         messages = _in_parallel(step, 3)
     for message in messages:
         assert "\n" not in message
-        assert message.startswith("step 0: a quorum of 3 participants x dp 6 = 18 readers cannot share the recipe's "
-                                  "global batch of 16 rows")
+        assert message.startswith(
+            "step 0: a quorum of 3 participants x dp 6 = 18 readers cannot share the recipe's global batch of 16 rows"
+        )
         assert "it supports 1-2 participants" in message and "the step was not run" in message
 
 
@@ -235,8 +298,9 @@ def _grads(model, inputs, labels, reduction: str):
 
     model.zero_grad(set_to_none=True)
     logits = model(inputs["input"])
-    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                             ignore_index=-100, reduction=reduction)
+    loss = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100, reduction=reduction
+    )
     loss.backward()
     return [p.grad.detach().clone() for p in model.parameters()]
 
@@ -258,19 +322,20 @@ def test_loss_weighting_at_an_uneven_participant_count(tiny_dir):
     with MaterializedSource(tiny_dir, recipe=recipe) as source:  # its digest is checked against the golden
         whole = source.batch(0)
     assert whole.digest == GOLDEN[0]
-    (inputs, labels), = whole.slice(0, 1).microbatches(recipe.global_batch_rows)
+    ((inputs, labels),) = whole.slice(0, 1).microbatches(recipe.global_batch_rows)
     initial = _bigram()
     want = _grads(copy.deepcopy(initial), inputs, labels, "mean")
     want_masked = _grads(copy.deepcopy(initial), inputs, _masked(labels), "mean")
 
     config = LoaderConfig(recipe=TINY, mode="dataset", dataset_dir=tiny_dir)
     with ft_groups(3) as managers:
+
         def group(g):
             m = managers[g]
             m.start_quorum()
             with FtSlices(config, manager=m) as slices:
                 batch = slices.next()
-            (x, y), = batch.microbatches
+            ((x, y),) = batch.microbatches
             model = copy.deepcopy(initial)  # not _bigram(): torch.manual_seed is global, the threads would race
             mean_of_means = _grads(model, x, y, "mean")
             for grad in mean_of_means:
@@ -282,6 +347,7 @@ def test_loss_weighting_at_an_uneven_participant_count(tiny_dir):
             tokens = torch.tensor((_masked(y) != -100).sum().item())
             fixed = token_weighted(summed, tokens, lambda t: m.allreduce(t, reduce_op=ReduceOp.SUM).wait())
             return batch.slice.num_rows, mean_of_means, scaled, fixed
+
         results = _in_parallel(group, 3)
 
     assert [r[0] for r in results] == [5, 5, 6]  # rows [0, 5), [5, 10), [10, 16)
@@ -294,8 +360,13 @@ def test_loss_weighting_at_an_uneven_participant_count(tiny_dir):
 
 
 def test_validate_lists_the_participant_counts():
-    proc = subprocess.run([sys.executable, "-m", "zephon_ray.cli", "validate", ELASTIC, "--no-build"],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "zephon_ray.cli", "validate", ELASTIC, "--no-build"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr
     line = next(l for l in proc.stdout.splitlines() if l.startswith("P (torchft)"))
     assert line == "P (torchft) dp=1: 1-24; dp=2: 1-12; dp=4: 1-6; dp=8: 1-3"
@@ -334,8 +405,12 @@ def test_an_attempt_applied_after_a_rejection_is_named_by_the_audit(tiny_dir, tm
                 m.should_commit()
                 slices.commit(step)  # the bug: applied whatever the vote said
             assert (slices.ledger.rejected_attempts, slices.ledger.applied_rejected) == (1, 1)
-    records = sorted((r.step, r.rank, r.attempt, r.trained) for seg in read_ledger(str(tmp_path / "ledger")).values()
-                     for part in seg.parts.values() for r in part)
+    records = sorted(
+        (r.step, r.rank, r.attempt, r.trained)
+        for seg in read_ledger(str(tmp_path / "ledger")).values()
+        for part in seg.parts.values()
+        for r in part
+    )
     assert records == [(0, 0, 0, 1), (1, 0, 1, 2), (2, 0, 0, 1)]
     capsys.readouterr()
     rc = main(["audit", str(tmp_path / "ledger"), "--recipe", TINY, "--dataset", tiny_dir])
@@ -343,7 +418,8 @@ def test_an_attempt_applied_after_a_rejection_is_named_by_the_audit(tiny_dir, tm
     assert rc == 1 and lines == [
         "step 1: trained twice: rank 0 of 1 trained it 2 times (its record is attempt 1: an earlier attempt that "
         "torchft rejected was applied too)",
-        "audit: 1 finding(s) in steps [0, 3) (W 1)"], lines
+        "audit: 1 finding(s) in steps [0, 3) (W 1)",
+    ], lines
 
 
 def test_a_reader_asked_for_a_step_its_ledger_did_not_reach_stops_and_a_healed_one_continues(tiny_dir, tmp_path):
@@ -371,9 +447,11 @@ def test_a_reader_asked_for_a_step_its_ledger_did_not_reach_stops_and_a_healed_o
             assert str(info.value) == (
                 "FtSlices: asked for step 2, but this reader's ledger is at its next step 0: steps would be skipped "
                 "or repeated unseen (a healing group must receive FtSlices.state_dict() through the torchft "
-                "Manager's state_dict / load_state_dict)")
-            with pytest.raises(LoaderStateError, match="belongs to run_id 'ft-ledger', but this loader has run_id "
-                                                       "'other'"):
+                "Manager's state_dict / load_state_dict)"
+            )
+            with pytest.raises(
+                LoaderStateError, match="belongs to run_id 'ft-ledger', but this loader has run_id 'other'"
+            ):
                 FtSlices(_ft_ledger_config(tiny_dir, tmp_path / "x", "other"), manager=manager).load_state_dict(state)
             restarted.load_state_dict(state)
             assert restarted.next().step == 2

@@ -8,8 +8,9 @@ from zephon_ray.stream.geometry import TrainerMismatchError, check_geometry, che
 
 
 def shape(recipe, world, lbs=0, *, pad=False, gbs=None):
-    return check_geometry(recipe, global_batch_size=gbs, local_batch_size=lbs, dp_world_size=world, seq_len=None,
-                          pad=pad)
+    return check_geometry(
+        recipe, global_batch_size=gbs, local_batch_size=lbs, dp_world_size=world, seq_len=None, pad=pad
+    )
 
 
 def test_every_world_up_to_B_is_served_and_padding_makes_equal_shapes(tiny_recipe):

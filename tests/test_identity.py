@@ -14,15 +14,17 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import RECIPES, run_ranks, wait_until
 
-from zephon_ray import GlobalBatchSource, Recipe
-from zephon_ray import hash_cache, identity, storage
+from zephon_ray import GlobalBatchSource, Recipe, hash_cache, identity, storage
 from zephon_ray.hash_cache import HashReport
 from zephon_ray.identity import (
-    CheckpointDisagreementError, IdentityMismatchError, check_checkpoint_agreement, verify_on_node,
+    CheckpointDisagreementError,
+    IdentityMismatchError,
+    check_checkpoint_agreement,
+    verify_on_node,
     zephon_shard_listing,
 )
-from conftest import RECIPES, run_ranks, wait_until
 
 FIXTURE = RECIPES / "data" / "tiny"
 STEPS = (0, 1, 2)
@@ -67,6 +69,7 @@ def copy_fixture(tmp_path: Path) -> tuple[Path, Path]:
 def wait_past_racy_window(root: Path) -> None:
     """Return once every file under ``root`` last changed more than the hash cache's racy window ago (a load then
     caches its hash)."""
+
     def settled() -> bool:
         stats = [p.stat() for p in root.rglob("*") if p.is_file()]
         newest = max(max(st.st_mtime_ns, st.st_ctime_ns) for st in stats)
@@ -88,7 +91,7 @@ def swap_text_letters(path: Path) -> None:
     for line in lines:
         at = line.find(b'"text": "')
         if at >= 0:
-            head, tail = line[:at + 9], line[at + 9:]
+            head, tail = line[: at + 9], line[at + 9 :]
             line = head + tail.translate(bytes.maketrans(b"oi", b"io"))
         out.append(line)
     path.write_bytes(b"\n".join(out))
@@ -132,11 +135,18 @@ EDITS = {
     "jsonl.gz beside the shards": (lambda d: write_records(d / "prose" / "shard-00002.jsonl.gz", 40, "gz"), True),
     "index.json naming the same shards": (lambda d: build_index(d / "prose"), False),
     "index.json naming a subset": (lambda d: build_index(d / "prose", drop_first=True), True),
-    "shard in a subdirectory": (lambda d: write_records(subdirectory(d / "prose") / "shard-00002.jsonl", 40, "s"),
-                                False),
+    "shard in a subdirectory": (
+        lambda d: write_records(subdirectory(d / "prose") / "shard-00002.jsonl", 40, "s"),
+        False,
+    ),
     "rewrite in place, same size and mtime": (rewrite_in_place_same_size_and_mtime, True),
-    "unrelated files (.json, .txt)": (lambda d: [write_records(d / "prose" / "extra.json", 40, "json"),
-                                                 (d / "code" / "NOTES.txt").write_text("hello")], False),
+    "unrelated files (.json, .txt)": (
+        lambda d: [
+            write_records(d / "prose" / "extra.json", 40, "json"),
+            (d / "code" / "NOTES.txt").write_text("hello"),
+        ],
+        False,
+    ),
 }
 
 
@@ -260,8 +270,15 @@ def test_verify_on_node_names_the_file_and_field(tmp_path):
         verify_on_node(recipe, recipe.fingerprint, where="producer for lanes (0,)")
     message = str(info.value)
     sha_here = storage.sha256_file(data / "prose" / "shard-00000.jsonl")
-    for needle in ("producer for lanes (0,)", "host ", "source 'prose'", "shard-00000.jsonl", "sha256",
-                   sha_here[:12], recipe.sources[0].shards[0].sha256[:12]):
+    for needle in (
+        "producer for lanes (0,)",
+        "host ",
+        "source 'prose'",
+        "shard-00000.jsonl",
+        "sha256",
+        sha_here[:12],
+        recipe.sources[0].shards[0].sha256[:12],
+    ):
         assert needle in message, message
     assert "\n" not in message
 
@@ -296,8 +313,13 @@ def test_checkpoint_agreement_with_real_collective_checkpoints(tmp_path):
     from zephon_ray.pipeline import LaneGroup
 
     recipe = Recipe.from_toml(RECIPES / "tiny.toml")
-    steppers = [LaneStepper(recipe, LaneGroup(count=2, index=g, run_id="agree", aggregate_dir=str(tmp_path / "agg"),
-                                               aggregate_timeout_s=60)) for g in range(2)]
+    steppers = [
+        LaneStepper(
+            recipe,
+            LaneGroup(count=2, index=g, run_id="agree", aggregate_dir=str(tmp_path / "agg"), aggregate_timeout_s=60),
+        )
+        for g in range(2)
+    ]
 
     def run(g: int):
         steppers[g].next_step()
@@ -335,8 +357,12 @@ def _can_unshare_mounts() -> bool:
     import subprocess
 
     try:
-        return subprocess.run(["unshare", "-m", "--propagation", "private", "true"], capture_output=True,
-                              timeout=10).returncode == 0
+        return (
+            subprocess.run(
+                ["unshare", "-m", "--propagation", "private", "true"], capture_output=True, timeout=10
+            ).returncode
+            == 0
+        )
     except (OSError, subprocess.TimeoutExpired):
         return False
 
@@ -360,31 +386,55 @@ def _two_node_driver(recipe_path: str, prose: str, modified: str, out: str) -> N
             node_b = None
             try:
                 ray_cli = str(Path(sys.executable).with_name("ray"))
-                script = ('mount --bind "$1" "$2" && exec "$3" start --address="$4" --num-cpus=2 '
-                          '--resources=\'{"node_b": 1}\' --block --disable-usage-stats --temp-dir="$5"')
+                script = (
+                    'mount --bind "$1" "$2" && exec "$3" start --address="$4" --num-cpus=2 '
+                    '--resources=\'{"node_b": 1}\' --block --disable-usage-stats --temp-dir="$5"'
+                )
                 node_b = subprocess.Popen(
-                    ["unshare", "-m", "--propagation", "private", "sh", "-c", script, "sh", modified, prose, ray_cli,
-                     cluster.address, temp_dir],
-                    start_new_session=True, stdout=subprocess.DEVNULL,
+                    [
+                        "unshare",
+                        "-m",
+                        "--propagation",
+                        "private",
+                        "sh",
+                        "-c",
+                        script,
+                        "sh",
+                        modified,
+                        prose,
+                        ray_cli,
+                        cluster.address,
+                        temp_dir,
+                    ],
+                    start_new_session=True,
+                    stdout=subprocess.DEVNULL,
                     stderr=open(os.path.join(temp_dir, "node_b.log"), "w"),
                     # A loaded 2-core machine starts node B's agents slowly; Ray's default wait (about 15 s) is too
                     # short.
-                    env={**os.environ, "RAY_agent_register_timeout_ms": "180000"})
+                    env={**os.environ, "RAY_agent_register_timeout_ms": "180000"},
+                )
                 ray.init(address=cluster.address, namespace="zr-identity", log_to_driver=False)
                 deadline = time.time() + 120
                 while not any(n["Alive"] and "node_b" in n["Resources"] for n in ray.nodes()):
                     assert time.time() < deadline and node_b.poll() is None, "node B did not join"
                     time.sleep(0.5)
-                info["node_b_id"] = next(n["NodeID"] for n in ray.nodes()
-                                         if n["Alive"] and "node_b" in n["Resources"])
+                info["node_b_id"] = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and "node_b" in n["Resources"])
 
                 recipe = Recipe.from_toml(recipe_path)
                 check = ray.remote(num_cpus=0.1, max_retries=0)(verify_on_node)
-                info["node_a"] = ray.get(check.options(resources={"node_a": 0.1}).remote(
-                    recipe, recipe.fingerprint, where="check on node A"), timeout=120)
+                info["node_a"] = ray.get(
+                    check.options(resources={"node_a": 0.1}).remote(
+                        recipe, recipe.fingerprint, where="check on node A"
+                    ),
+                    timeout=120,
+                )
                 try:
-                    ray.get(check.options(resources={"node_b": 0.1}).remote(recipe, recipe.fingerprint,
-                                                                             where="check on node B"), timeout=120)
+                    ray.get(
+                        check.options(resources={"node_b": 0.1}).remote(
+                            recipe, recipe.fingerprint, where="check on node B"
+                        ),
+                        timeout=120,
+                    )
                     info["node_b"] = "passed"
                 except IdentityMismatchError as exc:
                     info["node_b"] = str(getattr(exc, "cause", exc))
@@ -392,8 +442,13 @@ def _two_node_driver(recipe_path: str, prose: str, modified: str, out: str) -> N
 
                 started = time.time()
                 try:
-                    svc = DataService.start(recipe, name="identity-check", namespace="zr-identity", producers=1,
-                                            resources=ActorResources(producer_resources={"node_b": 0.1}))
+                    svc = DataService.start(
+                        recipe,
+                        name="identity-check",
+                        namespace="zr-identity",
+                        producers=1,
+                        resources=ActorResources(producer_resources={"node_b": 0.1}),
+                    )
                     try:
                         svc.batch(0, timeout=120)
                         info["service"] = "served"
@@ -428,7 +483,8 @@ def test_a_node_with_a_different_copy_of_a_shard_is_named(tmp_path):
     swap_text_letters(modified / "shard-00001.jsonl")
     out = tmp_path / "out.json"
     proc = multiprocessing.get_context("spawn").Process(
-        target=_two_node_driver, args=(str(recipe_path), str(data / "prose"), str(modified), str(out)))
+        target=_two_node_driver, args=(str(recipe_path), str(data / "prose"), str(modified), str(out))
+    )
     proc.start()
     proc.join(600)
     assert proc.exitcode == 0 and out.exists(), proc.exitcode
@@ -438,8 +494,14 @@ def test_a_node_with_a_different_copy_of_a_shard_is_named(tmp_path):
     assert info["node_a"] == recipe.fingerprint  # node A sees the recipe's data
     message = info["node_b"]
     assert info.get("node_b_type") == "IdentityMismatchError", message
-    for needle in ("check on node B", f"ray node {info['node_b_id'][:12]}", "source 'prose'", "shard-00001.jsonl",
-                   "sha256", storage.sha256_file(modified / "shard-00001.jsonl")[:12]):
+    for needle in (
+        "check on node B",
+        f"ray node {info['node_b_id'][:12]}",
+        "source 'prose'",
+        "shard-00001.jsonl",
+        "sha256",
+        storage.sha256_file(modified / "shard-00001.jsonl")[:12],
+    ):
         assert needle in message, message
     service = info["service"]
     assert service.startswith("ServiceError:") and "IdentityMismatchError" in service, service
@@ -479,8 +541,9 @@ def test_zephon_internals_fence():
             pytest.fail(f"Zephon changed: {module}.{name} is gone ({exc}); update zephon_ray/zephon_io.py")
         assert value is not None, f"{module}.{name}"
     for fmt, method in zephon_io.FENCED_METHODS:
-        assert callable(getattr(zephon_io.format_handler(fmt), method, None)), \
+        assert callable(getattr(zephon_io.format_handler(fmt), method, None)), (
             f"Zephon changed: the {fmt} format handler has no {method}(); update zephon_ray/zephon_io.py"
+        )
     router = zephon_io.storage()
     assert callable(getattr(router, "_backend_for", None)), "Zephon changed: RouterStorageBackend._backend_for"
     from zephon._internal.io.storage.s3 import S3Backend

@@ -6,11 +6,11 @@ import json
 
 import numpy as np
 import pytest
+from conftest import TINY
 
 from zephon_ray import GlobalBatchSource, Recipe
 from zephon_ray.lanes import KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_VERSION, LaneStepper, StepStateError
 from zephon_ray.pipeline import LaneGroup
-from conftest import TINY
 
 
 def test_lane_group_validation():

@@ -31,11 +31,17 @@ def test_no_cluster_at_the_address_is_one_line_at_once():
             check_reachable(f"127.0.0.1:{port}")
         one_line(info.value, f":{port}", "no Ray cluster answers", "ray start --head")
         assert time.monotonic() - t0 < CONNECT_TIMEOUT_S + 5
-        done = subprocess.run([sys.executable, "-m", "zephon_ray.cli", "status", "--name", "run7", "--address",
-                               f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+        done = subprocess.run(
+            [sys.executable, "-m", "zephon_ray.cli", "status", "--name", "run7", "--address", f"127.0.0.1:{port}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
     lines = done.stderr.strip().splitlines()
-    assert done.returncode == 2 and lines and lines[-1].startswith("zephon-ray: error: no Ray cluster answers"), \
+    assert done.returncode == 2 and lines and lines[-1].startswith("zephon-ray: error: no Ray cluster answers"), (
         done.stderr[-2000:]
+    )
 
 
 def test_an_unresolvable_storage_endpoint_is_one_line_within_the_start_budget(monkeypatch):

@@ -23,12 +23,15 @@ def _sources_only(next_step: int) -> dict:
 
 def _part(**kw):
     """A part as LedgerRecorder writes it (format version 2: with its schedule); ``schedule=None``: version 1."""
-    head = dict(run_id="r", fingerprint="f" * 64, parent="", first_step=0, next_step=2, world=2, rank=1,
-                resumed=False)
+    head = dict(run_id="r", fingerprint="f" * 64, parent="", first_step=0, next_step=2, world=2, rank=1, resumed=False)
     head.update({k: kw.pop(k) for k in list(kw) if k in head})
     head["schedule"] = kw.pop("schedule", _sources_only(head["next_step"]))
-    seg = ledger.segment_id(**{k: head[k] for k in ("run_id", "fingerprint", "parent", "first_step", "next_step",
-                                                   "world", "resumed", "schedule")})
+    seg = ledger.segment_id(
+        **{
+            k: head[k]
+            for k in ("run_id", "fingerprint", "parent", "first_step", "next_step", "world", "resumed", "schedule")
+        }
+    )
     records = kw.pop("records", [Record(0, 2, 1, "a" * 32), Record(1, 2, 1, "b" * 32)])
     return ledger.make_part(segment=seg, records=records, **head)
 
@@ -37,8 +40,9 @@ def test_slice_digest_is_the_written_formula():
     rng = np.random.default_rng(0)
     tokens = rng.integers(0, 50_000, size=(3, 9), dtype=np.int64)  # any int dtype: hashed as little-endian int32
     positions = np.tile(np.arange(9), (3, 1))
-    expected = hashlib.sha256(b"zephon-ray/ledger-slice/v1\n" + b"3 9\n" + tokens.astype("<i4").tobytes()
-                              + positions.astype("<i4").tobytes()).hexdigest()[:32]
+    expected = hashlib.sha256(
+        b"zephon-ray/ledger-slice/v1\n" + b"3 9\n" + tokens.astype("<i4").tobytes() + positions.astype("<i4").tobytes()
+    ).hexdigest()[:32]
     assert ledger.slice_digest(tokens, positions) == expected
     assert ledger.slice_digest(tokens[:2], positions[:2]) != expected  # the row count is part of it
     with pytest.raises(ValueError, match="must be equal 2-D shapes"):
@@ -54,40 +58,67 @@ def test_a_part_round_trips_and_its_segment_reads_back(tmp_path):
     ledger.write_part(tmp_path, other)
     seg = ledger.read_segment(tmp_path, part["segment"])
     assert (seg.first_step, seg.next_step, seg.world, seg.parent) == (0, 2, 2, "")
-    assert seg.parts == {0: [Record(0, 2, 0, "c" * 32, 0, 0)],
-                         1: [Record(0, 2, 1, "a" * 32), Record(1, 2, 1, "b" * 32)]}
+    assert seg.parts == {
+        0: [Record(0, 2, 0, "c" * 32, 0, 0)],
+        1: [Record(0, 2, 1, "a" * 32), Record(1, 2, 1, "b" * 32)],
+    }
     assert list(ledger.read_ledger(tmp_path)) == [part["segment"]]
 
 
 def test_the_segment_id_depends_on_every_header_field():
-    base = dict(run_id="r", fingerprint="f", parent="", first_step=0, next_step=2, world=2, resumed=False,
-                schedule=_sources_only(2))
+    base = dict(
+        run_id="r",
+        fingerprint="f",
+        parent="",
+        first_step=0,
+        next_step=2,
+        world=2,
+        resumed=False,
+        schedule=_sources_only(2),
+    )
     ids = {ledger.segment_id(**base)}
-    for key, value in (("run_id", "s"), ("fingerprint", "g"), ("parent", "0" * 24), ("first_step", 1),
-                       ("next_step", 3), ("world", 3), ("resumed", True), ("schedule", _sources_only(3)),
-                       ("schedule", None)):  # None: a version-1 segment, whose id hashes no schedule
+    for key, value in (
+        ("run_id", "s"),
+        ("fingerprint", "g"),
+        ("parent", "0" * 24),
+        ("first_step", 1),
+        ("next_step", 3),
+        ("world", 3),
+        ("resumed", True),
+        ("schedule", _sources_only(3)),
+        ("schedule", None),
+    ):  # None: a version-1 segment, whose id hashes no schedule
         ids.add(ledger.segment_id(**(base | {key: value})))
     assert len(ids) == 10 and ledger.segment_id(**base) in ids
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"format": "other"}, "not a ledger segment (key 'format' is 'other'"),
-    ({"version": 3}, "ledger segment version 3 is not supported (expected 1 or 2)"),
-    ({"version": 1}, "ledger segment has unknown key 'schedule'"),
-    ({"schedule": {"data_next": 2, "phases": []}}, "ledger key 'schedule' must be {\"data_next\": step, \"phases\""),
-    ({"schedule": {"data_next": 2, "phases": [[0, "sources", "f" * 64], [2, "late", "e" * 64]]}},
-     "ledger key 'schedule' must be"),  # a phase from data_next on made none of the segment's steps
-    ({"schedule": {"data_next": 2, "phases": [[0, "sources", "f" * 64], [1, "late", "e" * 64]]}},
-     "does not match its header"),  # the id hashes the schedule: an edited one shows
-    ({"extra": 1}, "ledger segment has unknown key 'extra'"),
-    ({"world": 0}, "ledger key 'world' must be an int in [1, 10**12], got 0"),
-    ({"rank": 5}, "rank 5 of 2 is impossible"),
-    ({"next_step": 9}, "does not match its header"),
-    ({"records": [[0, 2, 1, "a", 0]]}, "ledger record 0 must be [step, world, rank, digest (32 hex digits), "
-                                       "attempt, trained]"),
-    ({"records": [[0, 2, 1, "A" * 32, 0, 1]]}, "ledger record 0 must be"),
-    ({"records": [[0, 2, 1, "a", -1, 1]]}, "ledger record 0 must be"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"format": "other"}, "not a ledger segment (key 'format' is 'other'"),
+        ({"version": 3}, "ledger segment version 3 is not supported (expected 1 or 2)"),
+        ({"version": 1}, "ledger segment has unknown key 'schedule'"),
+        ({"schedule": {"data_next": 2, "phases": []}}, 'ledger key \'schedule\' must be {"data_next": step, "phases"'),
+        (
+            {"schedule": {"data_next": 2, "phases": [[0, "sources", "f" * 64], [2, "late", "e" * 64]]}},
+            "ledger key 'schedule' must be",
+        ),  # a phase from data_next on made none of the segment's steps
+        (
+            {"schedule": {"data_next": 2, "phases": [[0, "sources", "f" * 64], [1, "late", "e" * 64]]}},
+            "does not match its header",
+        ),  # the id hashes the schedule: an edited one shows
+        ({"extra": 1}, "ledger segment has unknown key 'extra'"),
+        ({"world": 0}, "ledger key 'world' must be an int in [1, 10**12], got 0"),
+        ({"rank": 5}, "rank 5 of 2 is impossible"),
+        ({"next_step": 9}, "does not match its header"),
+        (
+            {"records": [[0, 2, 1, "a", 0]]},
+            "ledger record 0 must be [step, world, rank, digest (32 hex digits), attempt, trained]",
+        ),
+        ({"records": [[0, 2, 1, "A" * 32, 0, 1]]}, "ledger record 0 must be"),
+        ({"records": [[0, 2, 1, "a", -1, 1]]}, "ledger record 0 must be"),
+    ],
+)
 def test_a_bad_part_is_one_line_naming_the_file_and_key(tmp_path, change, message):
     part = _part()
     bad = tmp_path / "bad.json"
@@ -125,8 +156,12 @@ def test_the_loader_state_carries_a_valid_ledger_head():
         with pytest.raises(LoaderStateError, match="loader state key 'ledger' must be a ledger segment id"):
             check_state(state | {"ledger": bad}, run_id="r", fingerprint="f", recipe_name="x")
     with pytest.raises(LoaderStateError, match="version 2 is not supported.*version 3 'ledger'"):
-        check_state({k: v for k, v in state.items() if k != "ledger"} | {"version": 2}, run_id="r",
-                    fingerprint="f", recipe_name="x")
+        check_state(
+            {k: v for k, v in state.items() if k != "ledger"} | {"version": 2},
+            run_id="r",
+            fingerprint="f",
+            recipe_name="x",
+        )
 
 
 # ---------------------------------------------------------------------------------------------- compaction
@@ -134,18 +169,37 @@ def _digest(step: int, rank: int, world: int) -> str:
     return hashlib.sha256(f"{step} {rank} {world}".encode()).hexdigest()[:32]
 
 
-def _write_run(ledger_dir, *, world: int, saves: list[int], parent: str = "", start: int = 0,
-               run_id: str = "r") -> str:
+def _write_run(ledger_dir, *, world: int, saves: list[int], parent: str = "", start: int = 0, run_id: str = "r") -> str:
     """A run's loose parts as LedgerRecorder writes them: every rank's part at each save (the first from step
     ``start``, continuing ``parent``); returns the head."""
     for end in saves:
-        seg = ledger.segment_id(run_id=run_id, fingerprint="f" * 64, parent=parent, first_step=start, next_step=end,
-                                world=world, resumed=False, schedule=_sources_only(end))
+        seg = ledger.segment_id(
+            run_id=run_id,
+            fingerprint="f" * 64,
+            parent=parent,
+            first_step=start,
+            next_step=end,
+            world=world,
+            resumed=False,
+            schedule=_sources_only(end),
+        )
         for rank in range(world):
-            ledger.write_part(ledger_dir, ledger.make_part(
-                run_id=run_id, fingerprint="f" * 64, segment=seg, parent=parent, first_step=start, next_step=end,
-                world=world, rank=rank, resumed=False, schedule=_sources_only(end),
-                records=[Record(s, world, rank, _digest(s, rank, world)) for s in range(start, end)]))
+            ledger.write_part(
+                ledger_dir,
+                ledger.make_part(
+                    run_id=run_id,
+                    fingerprint="f" * 64,
+                    segment=seg,
+                    parent=parent,
+                    first_step=start,
+                    next_step=end,
+                    world=world,
+                    rank=rank,
+                    resumed=False,
+                    schedule=_sources_only(end),
+                    records=[Record(s, world, rank, _digest(s, rank, world)) for s in range(start, end)],
+                ),
+            )
         parent, start = seg, end
     return parent
 
@@ -165,21 +219,51 @@ def test_compaction_merges_loose_parts_and_batches_into_one_pack_that_reads_the_
     """20 loose parts (W=4, 5 saves) and a torchft batch become one pack (3 files: two Parquet objects and the
     manifest); every record reads back equal, digests included, and the audit says the same."""
     head = _write_run(tmp_path, world=4, saves=[2, 4, 6, 8, 10])
-    seg = ledger.segment_id(run_id="r", fingerprint="f" * 64, parent=head, first_step=10, next_step=11, world=2,
-                            resumed=False, schedule=_sources_only(11))
-    ledger.write_batch(tmp_path, [ledger.make_part(run_id="r", fingerprint="f" * 64, segment=seg, parent=head,
-                                                   first_step=10, next_step=11, world=2, rank=r, resumed=False,
-                                                   schedule=_sources_only(11),
-                                                   records=[Record(10, 2, r, _digest(10, r, 2), 1, 1)])
-                                  for r in range(2)])
+    seg = ledger.segment_id(
+        run_id="r",
+        fingerprint="f" * 64,
+        parent=head,
+        first_step=10,
+        next_step=11,
+        world=2,
+        resumed=False,
+        schedule=_sources_only(11),
+    )
+    ledger.write_batch(
+        tmp_path,
+        [
+            ledger.make_part(
+                run_id="r",
+                fingerprint="f" * 64,
+                segment=seg,
+                parent=head,
+                first_step=10,
+                next_step=11,
+                world=2,
+                rank=r,
+                resumed=False,
+                schedule=_sources_only(11),
+                records=[Record(10, 2, r, _digest(10, r, 2), 1, 1)],
+            )
+            for r in range(2)
+        ],
+    )
     before, lines = ledger.read_ledger(tmp_path), _audit_lines(tmp_path)
-    assert lines == (["audit: clean: steps [0, 11) each trained exactly once in a lineage of 6 segment(s) (W 4 -> 2); "
-                      "rows not checked (no --recipe or --dataset)"], 42)
+    assert lines == (
+        [
+            "audit: clean: steps [0, 11) each trained exactly once in a lineage of 6 segment(s) (W 4 -> 2); "
+            "rows not checked (no --recipe or --dataset)"
+        ],
+        42,
+    )
     assert len(_ledger_files(tmp_path)) == 21
     result = ledger.compact(tmp_path)
     assert (result.files_before, result.files_after, result.parts, result.records) == (21, 3, 22, 42)
-    assert _ledger_files(tmp_path) == [f"packs/{result.pack}.json", f"packs/{result.pack}.parts.parquet",
-                                       f"packs/{result.pack}.segments.parquet"]
+    assert _ledger_files(tmp_path) == [
+        f"packs/{result.pack}.json",
+        f"packs/{result.pack}.parts.parquet",
+        f"packs/{result.pack}.segments.parquet",
+    ]
     assert ledger.read_ledger(tmp_path) == before
     assert _audit_lines(tmp_path) == lines
     assert ledger.compact(tmp_path).pack is None  # nothing left to merge
@@ -195,8 +279,9 @@ def test_packs_stay_few_as_compactions_repeat(tmp_path):
         counts.append(len(ledger.containers(tmp_path).packs))
     assert max(counts) <= 6, counts  # log2(40) + 1
     lines, records = _audit_lines(tmp_path)
-    assert records == 400 and lines[-1].startswith("audit: clean: steps [0, 200) each trained exactly once in a "
-                                                   "lineage of 40 segment(s)"), lines
+    assert records == 400 and lines[-1].startswith(
+        "audit: clean: steps [0, 200) each trained exactly once in a lineage of 40 segment(s)"
+    ), lines
 
 
 KILLER = """
@@ -229,13 +314,20 @@ def test_a_compaction_killed_at_each_point_audits_clean_and_a_rerun_finishes(tmp
     ledger.compact(tmp_path / "ledger")
     _write_run(tmp_path / "ledger", world=3, saves=[12, 16], parent=head, start=8)
     before, lines = ledger.read_ledger(tmp_path / "ledger"), _audit_lines(tmp_path / "ledger")
-    assert lines == (["audit: clean: steps [0, 16) each trained exactly once in a lineage of 4 segment(s) (W 3); "
-                      "rows not checked (no --recipe or --dataset)"], 48)
+    assert lines == (
+        [
+            "audit: clean: steps [0, 16) each trained exactly once in a lineage of 4 segment(s) (W 3); "
+            "rows not checked (no --recipe or --dataset)"
+        ],
+        48,
+    )
     files_before = _ledger_files(tmp_path / "ledger")
     marker = tmp_path / "at-stage"
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.Popen([sys.executable, "-c", KILLER, str(tmp_path / "ledger"), stage, str(marker)],
-                            env={**os.environ, "PYTHONPATH": str(root)})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", KILLER, str(tmp_path / "ledger"), stage, str(marker)],
+        env={**os.environ, "PYTHONPATH": str(root)},
+    )
     deadline = time.monotonic() + 60
     while not marker.exists():
         assert proc.poll() is None and time.monotonic() < deadline, "the compaction never reached " + stage
@@ -261,7 +353,9 @@ def test_a_pack_of_an_unknown_version_or_cut_short_is_one_line(tmp_path):
     manifest = tmp_path / "packs" / f"{pack}.json"
     doc = json.loads(manifest.read_text())
     manifest.write_text(json.dumps(doc | {"version": 7}))
-    with pytest.raises(LedgerError, match=f"^{manifest}: ledger pack version 7 is not supported \\(expected 1 or 2\\)$"):
+    with pytest.raises(
+        LedgerError, match=f"^{manifest}: ledger pack version 7 is not supported \\(expected 1 or 2\\)$"
+    ):
         ledger.read_ledger(tmp_path)
     manifest.write_text(json.dumps(doc))
     data = tmp_path / "packs" / f"{pack}.parts.parquet"
@@ -280,11 +374,13 @@ def test_a_ledger_of_format_version_1_reads_audits_and_compacts_with_its_schedul
     from zephon_ray.jobs.audit import audit
 
     def write_v1(start: int, end: int, parent: str) -> str:
-        head = dict(run_id="r", fingerprint="f" * 64, parent=parent, first_step=start, next_step=end, world=1,
-                    resumed=False)
+        head = dict(
+            run_id="r", fingerprint="f" * 64, parent=parent, first_step=start, next_step=end, world=1, resumed=False
+        )
         seg = ledger.segment_id(**head)  # no schedule: the version-1 id
-        part = ledger.make_part(**head, segment=seg, rank=0,
-                                records=[Record(s, 1, 0, _digest(s, 0, 1)) for s in range(start, end)])
+        part = ledger.make_part(
+            **head, segment=seg, rank=0, records=[Record(s, 1, 0, _digest(s, 0, 1)) for s in range(start, end)]
+        )
         assert part["version"] == 1 and "schedule" not in part
         ledger.write_part(tmp_path, part)
         return seg
@@ -302,10 +398,15 @@ def test_a_ledger_of_format_version_1_reads_audits_and_compacts_with_its_schedul
     before = ledger.read_ledger(tmp_path)
     assert {sid: seg.schedule is None for sid, seg in before.items()} == {first: True, second: True, head: False}
     lines = _audit_lines(tmp_path)
-    assert lines == ([f"schedule not checked at 2 segment boundary(ies) (the first: segment {second}, from step 2): "
-                      f"segment {first} (steps 0..1) is of ledger format version 1, which records no schedule",
-                      "audit: clean: steps [0, 6) each trained exactly once in a lineage of 3 segment(s) (W 1); "
-                      "rows not checked (no --recipe or --dataset)"], 6)
+    assert lines == (
+        [
+            f"schedule not checked at 2 segment boundary(ies) (the first: segment {second}, from step 2): "
+            f"segment {first} (steps 0..1) is of ledger format version 1, which records no schedule",
+            "audit: clean: steps [0, 6) each trained exactly once in a lineage of 3 segment(s) (W 1); "
+            "rows not checked (no --recipe or --dataset)",
+        ],
+        6,
+    )
     assert audit(tmp_path).head == head
     ledger.compact(tmp_path)
     assert json.loads(next((tmp_path / "packs").glob("*.json")).read_text())["version"] == ledger.PACK_VERSION == 2
@@ -341,20 +442,32 @@ def test_a_torchft_reader_killed_between_flushes_loses_nothing_it_committed(tmp_
     from zephon_ray.stream.ledger_recorder import FtLedger
 
     root = Path(__file__).resolve().parents[1]
-    proc = subprocess.run([sys.executable, "-c", FT_KILLER, str(tmp_path), "11"], timeout=120,
-                          env={**os.environ, "PYTHONPATH": str(root)})
+    proc = subprocess.run(
+        [sys.executable, "-c", FT_KILLER, str(tmp_path), "11"], timeout=120, env={**os.environ, "PYTHONPATH": str(root)}
+    )
     assert proc.returncode == -9
     spools = sorted((tmp_path / "spool").iterdir())
     assert len(spools) == 1 and [p["first_step"] for p in read_spool(spools[0])] == [9, 10]
     assert len(list((tmp_path / "batches").iterdir())) == 3  # steps 0..2, 3..5, 6..8: one file per flush
-    records = sorted((r.step, r.rank, r.world) for seg in ledger.read_ledger(tmp_path).values()
-                     for rs in seg.parts.values() for r in rs)
+    records = sorted(
+        (r.step, r.rank, r.world)
+        for seg in ledger.read_ledger(tmp_path).values()
+        for rs in seg.parts.values()
+        for r in rs
+    )
     assert records == [(s, 1, 2) for s in range(11)]
     FtLedger(run_id="ft", fingerprint="f" * 64, ledger_dir=str(tmp_path), schedule=_sources_only)  # flushed on restart
     assert not list((tmp_path / "spool").iterdir()) and len(list((tmp_path / "batches").iterdir())) == 4
     ledger.compact(tmp_path)
-    assert sorted((r.step, r.rank, r.world) for seg in ledger.read_ledger(tmp_path).values()
-                  for rs in seg.parts.values() for r in rs) == records
+    assert (
+        sorted(
+            (r.step, r.rank, r.world)
+            for seg in ledger.read_ledger(tmp_path).values()
+            for rs in seg.parts.values()
+            for r in rs
+        )
+        == records
+    )
 
 
 def test_a_spool_line_cut_short_is_left_out_and_a_later_line_of_a_step_wins(tmp_path):
@@ -372,22 +485,50 @@ def test_what_the_audit_finds_in_a_part_survives_compaction(tmp_path):
     """A pack stores a record column only where it differs from the part's default (its steps, W and rank, attempt 0,
     trained once): a step never trained, one trained twice on a later attempt, a step missing and a record of
     another rank read back the same, and the audit names the same findings after compaction."""
-    seg = ledger.segment_id(run_id="r", fingerprint="f" * 64, parent="", first_step=0, next_step=4, world=2,
-                            resumed=False, schedule=_sources_only(4))
-    records = {0: [Record(0, 2, 0, _digest(0, 0, 2), 0, 0), Record(1, 2, 0, _digest(1, 0, 2), 1, 2),
-                   Record(3, 2, 0, _digest(3, 0, 2))],
-               1: [Record(s, 2, 1 if s != 2 else 0, _digest(s, 1, 2)) for s in range(4)]}
+    seg = ledger.segment_id(
+        run_id="r",
+        fingerprint="f" * 64,
+        parent="",
+        first_step=0,
+        next_step=4,
+        world=2,
+        resumed=False,
+        schedule=_sources_only(4),
+    )
+    records = {
+        0: [
+            Record(0, 2, 0, _digest(0, 0, 2), 0, 0),
+            Record(1, 2, 0, _digest(1, 0, 2), 1, 2),
+            Record(3, 2, 0, _digest(3, 0, 2)),
+        ],
+        1: [Record(s, 2, 1 if s != 2 else 0, _digest(s, 1, 2)) for s in range(4)],
+    }
     for rank, recs in records.items():
-        ledger.write_part(tmp_path, ledger.make_part(run_id="r", fingerprint="f" * 64, segment=seg, parent="",
-                                                     first_step=0, next_step=4, world=2, rank=rank, resumed=False,
-                                                     schedule=_sources_only(4), records=recs))
+        ledger.write_part(
+            tmp_path,
+            ledger.make_part(
+                run_id="r",
+                fingerprint="f" * 64,
+                segment=seg,
+                parent="",
+                first_step=0,
+                next_step=4,
+                world=2,
+                rank=rank,
+                resumed=False,
+                schedule=_sources_only(4),
+                records=recs,
+            ),
+        )
     before, lines = ledger.read_ledger(tmp_path), _audit_lines(tmp_path)
-    assert lines[0] == ["step 0: skipped: rank 0 of 2 was handed it but never trained it",
-                        "step 1: trained twice: rank 0 of 2 trained it 2 times (its record is attempt 1: an earlier "
-                        "attempt that torchft rejected was applied too)",
-                        "step 2: skipped: rank 0 of 2 has no record of it",
-                        "step 2: split: the part of rank 1 of 2 holds a record of rank 0 of 2",
-                        "audit: 4 finding(s) in steps [0, 4) (W 2)"], lines
+    assert lines[0] == [
+        "step 0: skipped: rank 0 of 2 was handed it but never trained it",
+        "step 1: trained twice: rank 0 of 2 trained it 2 times (its record is attempt 1: an earlier "
+        "attempt that torchft rejected was applied too)",
+        "step 2: skipped: rank 0 of 2 has no record of it",
+        "step 2: split: the part of rank 1 of 2 holds a record of rank 0 of 2",
+        "audit: 4 finding(s) in steps [0, 4) (W 2)",
+    ], lines
     ledger.compact(tmp_path)
     assert ledger.read_ledger(tmp_path) == before and _audit_lines(tmp_path) == lines
 
@@ -398,7 +539,7 @@ def test_the_compact_command_says_what_it_merged_and_refuses_a_directory_without
     directory = tmp_path / "ledger"
     _write_run(directory, world=2, saves=[3, 6])
     assert main(["ledger", "compact", str(directory)]) == 0
-    line, = capsys.readouterr().out.splitlines()
+    (line,) = capsys.readouterr().out.splitlines()
     pack = ledger.containers(directory).packs
     assert line == f"{directory}: packed 4 part(s), 12 record(s) into {next(iter(pack))}; 4 -> 3 ledger file(s)"
     assert main(["ledger", "compact", str(directory)]) == 0
@@ -406,8 +547,10 @@ def test_the_compact_command_says_what_it_merged_and_refuses_a_directory_without
     with pytest.raises(SystemExit) as info:
         main(["ledger", "compact", str(tmp_path / "empty")])
     err = capsys.readouterr().err
-    assert info.value.code == 2 and err == (f"zephon-ray: error: {tmp_path / 'empty'}: no ledger segments there (not a "
-                                            "ledger directory, or nothing was saved)\n"), err
+    assert info.value.code == 2 and err == (
+        f"zephon-ray: error: {tmp_path / 'empty'}: no ledger segments there (not a "
+        "ledger directory, or nothing was saved)\n"
+    ), err
 
 
 def test_a_group_healed_under_the_async_quorum_follows_the_participants_lineage(tmp_path):
@@ -424,8 +567,7 @@ def test_a_group_healed_under_the_async_quorum_follows_the_participants_lineage(
         return hashlib.sha256(text.encode()).hexdigest()[:32]
 
     def ledger():
-        return FtLedger(run_id="ft", fingerprint="f" * 64, ledger_dir=str(tmp_path / "ledger"),
-                        schedule=_sources_only)
+        return FtLedger(run_id="ft", fingerprint="f" * 64, ledger_dir=str(tmp_path / "ledger"), schedule=_sources_only)
 
     def step(readers, s, world):
         for rank, reader in enumerate(readers):
@@ -473,8 +615,13 @@ def test_reader_zero_compacts_as_the_run_saves(tmp_path, tiny_recipe):
     from zephon_ray.stream.loader import Loader, LoaderConfig
 
     directory = tmp_path / "ledger"
-    config = LoaderConfig(recipe=str(tiny_recipe.path), mode="local", run_id="compacting",
-                          ledger_dir=str(directory), ledger_compact_every=4)
+    config = LoaderConfig(
+        recipe=str(tiny_recipe.path),
+        mode="local",
+        run_id="compacting",
+        ledger_dir=str(directory),
+        ledger_compact_every=4,
+    )
     with Loader(config, rank=0, world=1) as loader:
         it = iter(loader)
         for _ in range(13):

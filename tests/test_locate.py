@@ -16,7 +16,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import ROOT
 
 DATA = ROOT / "recipes" / "data" / "tiny"
@@ -49,12 +48,12 @@ packing = "wrap"
 
 [[sources]]
 name = "prose"
-path = "{root / 'prose'}"
+path = "{root / "prose"}"
 weight = 0.5
 
 [[sources]]
 name = "code"
-path = "{root / 'code'}"
+path = "{root / "code"}"
 weight = 0.5
 """)
     return recipe
@@ -86,9 +85,8 @@ def check(hits, recipe, steps: range) -> None:
     truth, rows = brute_force(recipe, steps)
     document = np.asarray([BOS] + [MARK] * MARK_LENGTH + [EOS])
     for h in hits:
-        assert np.array_equal(rows[h.step][h.row][h.start:h.end], document[h.offset:h.offset + h.end - h.start]), h
-    spans = [(h.step, h.row, h.start, h.end) for h in hits
-             if (rows[h.step][h.row][h.start:h.end] == MARK).any()]
+        assert np.array_equal(rows[h.step][h.row][h.start : h.end], document[h.offset : h.offset + h.end - h.start]), h
+    spans = [(h.step, h.row, h.start, h.end) for h in hits if (rows[h.step][h.row][h.start : h.end] == MARK).any()]
     assert sorted(spans) == sorted(truth), (spans[:6], truth[:6])
     assert len({h.step for h in hits}) >= 3  # trained in several epochs of the range: the check can fail
 
@@ -116,14 +114,19 @@ def test_locate_as_a_ray_data_job_with_two_lane_groups(planted, ray_cluster):
     check(hits, recipe, STEPS)
 
 
-@pytest.mark.parametrize("flags, needle", [
-    (("--source", "poetry", "--shard", "shard-00000.jsonl", "--record", "1"), "--source 'poetry'"),
-    (("--source", "prose", "--shard", "shard-9.jsonl", "--record", "1"), "--shard 'shard-9.jsonl'"),
-    (("--source", "prose", "--shard", "shard-00000.jsonl", "--record", "17"), "--record must be an int in [0, 16]"),
-    (("--source", "prose", "--shard", "shard-00000.jsonl", "--record", "1", "--steps", "0:1000000000"),
-     "--steps end"),
-    (("--source", "prose", "--shard", "shard-00000.jsonl", "--record", "1", "--groups", "3"), "--groups 3"),
-])
+@pytest.mark.parametrize(
+    "flags, needle",
+    [
+        (("--source", "poetry", "--shard", "shard-00000.jsonl", "--record", "1"), "--source 'poetry'"),
+        (("--source", "prose", "--shard", "shard-9.jsonl", "--record", "1"), "--shard 'shard-9.jsonl'"),
+        (("--source", "prose", "--shard", "shard-00000.jsonl", "--record", "17"), "--record must be an int in [0, 16]"),
+        (
+            ("--source", "prose", "--shard", "shard-00000.jsonl", "--record", "1", "--steps", "0:1000000000"),
+            "--steps end",
+        ),
+        (("--source", "prose", "--shard", "shard-00000.jsonl", "--record", "1", "--groups", "3"), "--groups 3"),
+    ],
+)
 def test_bad_references_are_one_line(capsys, planted, flags, needle):
     from zephon_ray.cli import main
 

@@ -35,11 +35,23 @@ def test_only_the_pack_tail_drop_line_is_filtered(caplog):
 
     pack = logging.getLogger(PACK_SEQUENCES_LOGGER)
     with caplog.at_level(logging.WARNING):
-        pack.warning("PackSequences wrap: dropping %s trailing token(s) across %d packing group(s) in %d lane(s) "
-                     "that did not fill a full max_length=%d bin; emitted %d tombstone(s) to close contributor "
-                     "offsets.", 37, 2, 2, 65, 2)
-        pack.warning("PackSequences %s: dropped %d document(s) (%d token(s)) longer than max_length=%d; ...",
-                     "first_fit", 1, 900, 65)
+        pack.warning(
+            "PackSequences wrap: dropping %s trailing token(s) across %d packing group(s) in %d lane(s) "
+            "that did not fill a full max_length=%d bin; emitted %d tombstone(s) to close contributor "
+            "offsets.",
+            37,
+            2,
+            2,
+            65,
+            2,
+        )
+        pack.warning(
+            "PackSequences %s: dropped %d document(s) (%d token(s)) longer than max_length=%d; ...",
+            "first_fit",
+            1,
+            900,
+            65,
+        )
         logging.getLogger("zephon._internal.ops.ensure_mixture").warning("EnsureMixture strict mode discarded 3")
     messages = [r.getMessage() for r in caplog.records]
     assert not any(m.startswith(PACK_TAIL_DROP_PREFIX) for m in messages), messages
@@ -51,8 +63,9 @@ def test_ray_datas_bars_off_line_is_filtered_and_its_other_warnings_are_not(capl
     quiet_known_noise()
     ray_data = logging.getLogger(RAY_DATA_PROGRESS_LOGGER)
     with caplog.at_level(logging.WARNING):
-        ray_data.warning("Progress bars disabled. To enable, set `ray.data.DataContext.get_current()."
-                         "enable_progress_bars = True`.")
+        ray_data.warning(
+            "Progress bars disabled. To enable, set `ray.data.DataContext.get_current().enable_progress_bars = True`."
+        )
         ray_data.warning("Progress bars for operators disabled. To enable, set ...")
     messages = [r.getMessage() for r in caplog.records]
     assert messages == ["Progress bars for operators disabled. To enable, set ..."], messages
@@ -74,14 +87,17 @@ def test_the_filters_match_the_installed_libraries_wording_and_install_once():
 def _lighthouse_stderr(rust_log: str | None) -> str:
     """stderr of a process that does what examples/torchft_churn.py's parent does: the default, then a Lighthouse."""
     pytest.importorskip("torchft")
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); import torchft_churn; "
-            "torchft_churn.quiet_torchft_info(); from torchft.coordination import LighthouseServer; "
-            "s = LighthouseServer(bind='[::]:0', min_replicas=1); time.sleep(0.3); s.shutdown()")
+    code = (
+        "import sys, time; sys.path.insert(0, sys.argv[1]); import torchft_churn; "
+        "torchft_churn.quiet_torchft_info(); from torchft.coordination import LighthouseServer; "
+        "s = LighthouseServer(bind='[::]:0', min_replicas=1); time.sleep(0.3); s.shutdown()"
+    )
     env = {k: v for k, v in os.environ.items() if k != "RUST_LOG"}
     if rust_log is not None:
         env["RUST_LOG"] = rust_log
-    proc = subprocess.run([sys.executable, "-c", code, str(ROOT / "examples")], capture_output=True, text=True,
-                          env=env, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(ROOT / "examples")], capture_output=True, text=True, env=env, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stderr
 
@@ -117,7 +133,8 @@ def test_the_stderr_filter_drops_exactly_the_marked_lines_and_passes_the_rest_un
         "    os.write(2, b'\\n[E other.cc] kept\\n')\n"
         "    print('python line', file=sys.stderr)\n"
         "    os.write(2, b'tail without newline')\n"
-        "print(' after', file=sys.stderr)\n")
+        "print(' after', file=sys.stderr)\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=120, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stderr == (b"keep 1\n\rbar 1/2\rbar 2/2\n[E other.cc] kept\npython line\ntail without newline after\n")
@@ -128,9 +145,25 @@ def test_materialize_prints_its_result_and_no_library_noise_when_output_is_not_a
     worker actor-arguments line, nor Ray Data's INFO lines, nor a progress bar (stderr is not a terminal)."""
     address = ray_cluster.get_runtime_context().gcs_address
     proc = subprocess.run(
-        [sys.executable, "-m", "zephon_ray.cli", "materialize", str(ROOT / "recipes" / "tiny.toml"), "--steps", "0:2",
-         "--out", str(tmp_path / "out"), "--address", address],
-        capture_output=True, text=True, timeout=600, cwd=ROOT, env={**os.environ, "RAY_ADDRESS": address})
+        [
+            sys.executable,
+            "-m",
+            "zephon_ray.cli",
+            "materialize",
+            str(ROOT / "recipes" / "tiny.toml"),
+            "--steps",
+            "0:2",
+            "--out",
+            str(tmp_path / "out"),
+            "--address",
+            address,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+        env={**os.environ, "RAY_ADDRESS": address},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout == f"{tmp_path / 'out'}: wrote steps 0:2; holds steps 0:2\n"
     assert proc.stderr == "", proc.stderr

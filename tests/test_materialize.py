@@ -36,7 +36,13 @@ def test_digests_match_the_reference_for_M_2_then_M_1(materialized, reference_di
     assert (first.written, second.written) == (range(0, 10), range(10, 14))
     manifest = json.loads((directory / "manifest.json").read_text())
     assert manifest["digests"] == reference_digests[:14]
-    assert [(s["first_step"], s["end_step"]) for s in manifest["segments"]] == [(0, 4), (4, 8), (8, 10), (10, 12), (12, 14)]
+    assert [(s["first_step"], s["end_step"]) for s in manifest["segments"]] == [
+        (0, 4),
+        (4, 8),
+        (8, 10),
+        (10, 12),
+        (12, 14),
+    ]
     source = MaterializedSource(directory)
     assert [source.batch(s).digest for s in range(14)] == reference_digests[:14]
 
@@ -73,14 +79,17 @@ def test_nothing_to_do_when_already_materialised(materialized, tiny_recipe):
     assert files_of(directory) == before
 
 
-@pytest.mark.parametrize("steps, producers, match", [
-    (range(20, 24), 1, r"ends at step 14; starting at 20 would leave a gap"),
-    (range(14, 16), 3, r"producers 3 does not divide the recipe's 8 lanes"),
-    (range(14, 10**13), 1, r"beyond the limit"),
-])
+@pytest.mark.parametrize(
+    "steps, producers, match",
+    [
+        (range(20, 24), 1, r"ends at step 14; starting at 20 would leave a gap"),
+        (range(14, 16), 3, r"producers 3 does not divide the recipe's 8 lanes"),
+        (range(14, 10**13), 1, r"beyond the limit"),
+    ],
+)
 def test_bad_requests_are_clear_errors_and_write_nothing(materialized, tiny_recipe, steps, producers, match):
-    from zephon_ray.jobs.materialize import materialize
     from zephon_ray.formats.materialized import MaterializedError
+    from zephon_ray.jobs.materialize import materialize
 
     directory, *_ = materialized
     before = files_of(directory)
@@ -91,8 +100,8 @@ def test_bad_requests_are_clear_errors_and_write_nothing(materialized, tiny_reci
 
 def test_a_directory_of_another_recipe_is_refused(materialized, tmp_path):
     from zephon_ray import Recipe
-    from zephon_ray.jobs.materialize import materialize
     from zephon_ray.formats.materialized import MaterializedError
+    from zephon_ray.jobs.materialize import materialize
 
     directory, *_ = materialized
     before = files_of(directory)
@@ -122,9 +131,26 @@ def test_killed_and_resumed_is_byte_identical(ray_cluster, tiny_recipe, tmp_path
     killed = tmp_path / "killed"
     address = ray_cluster.get_runtime_context().gcs_address
     proc = subprocess.Popen(
-        [sys.executable, "-m", "zephon_ray.cli", "materialize", str(TINY), "--steps", f"0:{steps}", "--out",
-         str(killed), "--segment-steps", str(segment), "--address", address, "--quiet"],
-        cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "RAY_ADDRESS": address},
+        [
+            sys.executable,
+            "-m",
+            "zephon_ray.cli",
+            "materialize",
+            str(TINY),
+            "--steps",
+            f"0:{steps}",
+            "--out",
+            str(killed),
+            "--segment-steps",
+            str(segment),
+            "--address",
+            address,
+            "--quiet",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "RAY_ADDRESS": address},
     )
     manifest = killed / "manifest.json"
     try:
@@ -146,7 +172,10 @@ def test_killed_and_resumed_is_byte_identical(ray_cluster, tiny_recipe, tmp_path
 
     reference = tmp_path / "reference"
     materialize(tiny_recipe, reference, range(0, steps), segment_steps=segment, progress=False)
-    data = lambda files: {name: blob for name, blob in files.items() if not name.startswith("checkpoints/")}
+
+    def data(files):
+        return {name: blob for name, blob in files.items() if not name.startswith("checkpoints/")}
+
     killed_files, reference_files = files_of(killed), files_of(reference)
     assert data(killed_files) == data(reference_files)  # manifest and every segment
     assert killed_files.keys() == reference_files.keys()  # checkpoint bytes record Zephon's read-ahead (module doc)
@@ -175,15 +204,17 @@ def _materialize_on_two_nodes(directory: str, summary: str) -> None:
 
     from tests.ray_clusters import local_cluster
     from zephon_ray import Recipe
-    from zephon_ray.jobs.materialize import materialize
     from zephon_ray.formats.materialized import MaterializedSource
+    from zephon_ray.jobs.materialize import materialize
 
     info: dict = {}
     t0 = time.monotonic()
     try:
         with local_cluster("zr-mat-cluster-", {"num_cpus": 0, "include_dashboard": False}) as (cluster, temp_dir):
-            workers = {name: cluster.add_node(num_cpus=1, resources={name: 1}, temp_dir=temp_dir)
-                       for name in ("node_a", "node_b")}
+            workers = {
+                name: cluster.add_node(num_cpus=1, resources={name: 1}, temp_dir=temp_dir)
+                for name in ("node_a", "node_b")
+            }
             # No runtime_env: workers import zephon_ray like this process does, and start faster without one.
             ray.init(address=cluster.address, namespace="zr-mat-cluster", log_to_driver=False)
             info["cluster_s"] = round(time.monotonic() - t0, 1)
@@ -196,15 +227,21 @@ def _materialize_on_two_nodes(directory: str, summary: str) -> None:
             info["runs"] = []
             for steps in MULTINODE_STEPS:
                 t = time.monotonic()
-                result = materialize(recipe, directory, steps, producers=2, segment_steps=4, cpus_per_actor=0.75,
-                                     progress=False)
-                actors = {aid: a for aid, a in ray_state.actors().items()
-                          if "LaneGroupWorker" in a["ActorClassName"] and a["JobID"] == job}
-                info["runs"].append({
-                    "written": [result.written.start, result.written.stop],
-                    "actor_nodes": sorted(a["Address"]["NodeID"] for aid, a in actors.items() if aid not in seen),
-                    "seconds": round(time.monotonic() - t, 1),
-                })
+                result = materialize(
+                    recipe, directory, steps, producers=2, segment_steps=4, cpus_per_actor=0.75, progress=False
+                )
+                actors = {
+                    aid: a
+                    for aid, a in ray_state.actors().items()
+                    if "LaneGroupWorker" in a["ActorClassName"] and a["JobID"] == job
+                }
+                info["runs"].append(
+                    {
+                        "written": [result.written.start, result.written.stop],
+                        "actor_nodes": sorted(a["Address"]["NodeID"] for aid, a in actors.items() if aid not in seen),
+                        "seconds": round(time.monotonic() - t, 1),
+                    }
+                )
                 seen |= actors.keys()
             source = MaterializedSource(directory, recipe=recipe)
             info["span"] = [source.first_step, source.end_step]
@@ -223,8 +260,7 @@ def test_multi_node_lane_groups_match_the_reference_and_extend(tmp_path, referen
     """M=2 lane-group actors on two different worker nodes of a 3-raylet cluster (``ray.cluster_utils.Cluster``),
     for a new directory and again when extending it: every step's digest equals the in-process reference."""
     directory, summary = tmp_path / "run", tmp_path / "summary.json"
-    info = run_spawned_driver(_materialize_on_two_nodes, (str(directory), str(summary)), summary,
-                              MULTINODE_TIMEOUT_S)
+    info = run_spawned_driver(_materialize_on_two_nodes, (str(directory), str(summary)), summary, MULTINODE_TIMEOUT_S)
     assert "error" not in info, info["error"]
     print("materialise on a 3-node cluster:", json.dumps({k: info[k] for k in ("cluster_s", "runs", "total_s")}))
     workers = set(info["nodes"].values())

@@ -45,8 +45,10 @@ def test_batches_and_slices_equal_the_local_source(materialized_dir, tiny_recipe
 def test_digest_via_dataset_prints_the_local_lines(materialized_dir, reference_digests, capsys):
     from zephon_ray.cli import main
 
-    assert main(["digest", str(TINY), "--steps", f"2:{STEPS}", "--via", "dataset", "--dataset",
-                 str(materialized_dir)]) == 0
+    assert (
+        main(["digest", str(TINY), "--steps", f"2:{STEPS}", "--via", "dataset", "--dataset", str(materialized_dir)])
+        == 0
+    )
     assert capsys.readouterr().out.splitlines() == [f"step {s} {reference_digests[s]}" for s in range(2, STEPS)]
 
 
@@ -64,8 +66,18 @@ def test_step_outside_the_range_and_another_recipe_are_clear_errors(materialized
         MaterializedSource(materialized_dir, recipe=other)
     # On the command line: one line, and no step printed before the error.
     with pytest.raises(SystemExit) as exc:
-        main(["digest", str(TINY), "--steps", f"{STEPS - 2}:{STEPS + 1}", "--via", "dataset", "--dataset",
-              str(materialized_dir)])
+        main(
+            [
+                "digest",
+                str(TINY),
+                "--steps",
+                f"{STEPS - 2}:{STEPS + 1}",
+                "--via",
+                "dataset",
+                "--dataset",
+                str(materialized_dir),
+            ]
+        )
     assert exc.value.code == 2
     captured = capsys.readouterr()
     assert captured.out == "" and captured.err.startswith(f"zephon-ray: error: step {STEPS} is not materialised")
@@ -104,9 +116,18 @@ def _damage(directory, how):
     raise AssertionError(how)
 
 
-@pytest.mark.parametrize("how", ["missing-manifest", "corrupt-manifest", "manifest-without-digests",
-                                 "manifest-without-geometry-rows", "manifest-segment-without-sha256",
-                                 "truncated-segment", "missing-segment"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "missing-manifest",
+        "corrupt-manifest",
+        "manifest-without-digests",
+        "manifest-without-geometry-rows",
+        "manifest-segment-without-sha256",
+        "truncated-segment",
+        "missing-segment",
+    ],
+)
 def test_a_damaged_directory_is_one_clear_error(materialized_dir, tmp_path, how):
     from zephon_ray import MaterializedSource
     from zephon_ray.formats.materialized import MaterializedError
@@ -134,8 +155,11 @@ def test_a_row_group_corrupted_in_place_is_detected_on_read(materialized_dir, tm
     tokens = table.column("tokens").combine_chunks()
     values = tokens.flatten().to_numpy().copy()
     values[5] = (values[5] + 1) % 250
-    table = table.set_column(table.schema.get_field_index("tokens"), "tokens",
-                             pa.FixedSizeListArray.from_arrays(pa.array(values), tokens.type.list_size))
+    table = table.set_column(
+        table.schema.get_field_index("tokens"),
+        "tokens",
+        pa.FixedSizeListArray.from_arrays(pa.array(values), tokens.type.list_size),
+    )
     size = segment.stat().st_size
     pq.write_table(table, segment, row_group_size=16, compression="zstd")
     data = json.loads((copy / "manifest.json").read_text())
@@ -168,13 +192,20 @@ def test_to_dataset_reads_the_parquet_lazily(materialized_dir, tiny_recipe, refe
 
 
 @pytest.mark.slow  # starts a DataService next to the Ray Data jobs
-def test_service_batches_and_lazy_export_equal_the_materialised_ones(materialized_dir, ray_cluster, tiny_recipe,
-                                                                      tmp_path):
+def test_service_batches_and_lazy_export_equal_the_materialised_ones(
+    materialized_dir, ray_cluster, tiny_recipe, tmp_path
+):
     from zephon_ray import DataService, MaterializedSource
 
     source = MaterializedSource(materialized_dir)
-    service = DataService.start(tiny_recipe, name="materialized-check", namespace="zephon-ray-tests-h4",
-                                state_dir=tmp_path / "state", window=4, checkpoint_every=4)
+    service = DataService.start(
+        tiny_recipe,
+        name="materialized-check",
+        namespace="zephon-ray-tests-h4",
+        state_dir=tmp_path / "state",
+        window=4,
+        checkpoint_every=4,
+    )
     try:
         for step in range(4):
             assert service.batch(step).digest == source.digest(step)
@@ -191,8 +222,9 @@ def test_service_batches_and_lazy_export_equal_the_materialised_ones(materialize
 
 
 # ---------------------------------------------------------------------- the service over a materialised prefix
-def test_service_serves_a_materialised_prefix_then_producers_from_its_end(materialized_dir, ray_cluster,
-                                                                         tiny_recipe, reference_digests, tmp_path):
+def test_service_serves_a_materialised_prefix_then_producers_from_its_end(
+    materialized_dir, ray_cluster, tiny_recipe, reference_digests, tmp_path
+):
     """Steps 0..11 are read from the directory (in the Replayer, no Zephon), steps 12.. come from 2 producers
     restored from the directory's step-12 checkpoint (it was written with M=1). Every rank's slice at W = 1, 2, 4
     joins into the reference digest across the boundary, and a restart whose consumer committed inside the prefix
@@ -200,8 +232,17 @@ def test_service_serves_a_materialised_prefix_then_producers_from_its_end(materi
     from zephon_ray import DataService, MaterializedSource
     from zephon_ray.batch import compute_digest
 
-    options = dict(name="prefix", namespace="zr-prefix", state_dir=tmp_path / "state", window=4, checkpoint_every=4,
-                   producers=2, run_id="prefix", aggregate_store="torch://", materialized_dir=str(materialized_dir))
+    options = dict(
+        name="prefix",
+        namespace="zr-prefix",
+        state_dir=tmp_path / "state",
+        window=4,
+        checkpoint_every=4,
+        producers=2,
+        run_id="prefix",
+        aggregate_store="torch://",
+        materialized_dir=str(materialized_dir),
+    )
     with DataService.start(tiny_recipe, **options) as service:
         status = service.status()
         assert status["materialized"] == {"dir": str(materialized_dir.resolve()), "first_step": 0, "end_step": STEPS}
@@ -227,8 +268,7 @@ def test_service_serves_a_materialised_prefix_then_producers_from_its_end(materi
         assert service.batch(STEPS).digest == reference_digests[STEPS]
 
 
-def test_service_config_checks_the_materialised_prefix_before_anything_starts(materialized_dir, tiny_recipe,
-                                                                              tmp_path):
+def test_service_config_checks_the_materialised_prefix_before_anything_starts(materialized_dir, tiny_recipe, tmp_path):
     from zephon_ray import DataService, Recipe
     from zephon_ray.service.config import ServiceConfig
     from zephon_ray.service.server.launch import check_materialized_dir  # the check start() runs

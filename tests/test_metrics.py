@@ -62,9 +62,19 @@ EXPECTED = {  # series -> minimum value once the scenario below ran
 
 
 def test_metrics_on_the_prometheus_endpoint(ray_cluster, tiny_recipe, reference_digests, tmp_path):
-    svc = DataService.start(tiny_recipe, name=NAME, namespace="zr-metrics", producers=2, window=2,
-                            checkpoint_every=2, state_dir=tmp_path / "state", aggregate_store="torch://",
-                            run_id=RUN_ID, consumer="trainer", retain_behind=0)
+    svc = DataService.start(
+        tiny_recipe,
+        name=NAME,
+        namespace="zr-metrics",
+        producers=2,
+        window=2,
+        checkpoint_every=2,
+        state_dir=tmp_path / "state",
+        aggregate_store="torch://",
+        run_id=RUN_ID,
+        consumer="trainer",
+        retain_behind=0,
+    )
     try:
         for step in range(8):
             assert svc.slice(step, 0, 1, track=True).tokens.shape[0] == 16
@@ -102,12 +112,15 @@ def test_grafana_panel_queries_only_metrics_we_export():
     from pathlib import Path
 
     from conftest import ROOT
+
     from zephon_ray.service.server import metrics
 
     defined = set(re.findall(r'(?:counter|gauge|histogram)\("(\w+)"', Path(metrics.__file__).read_text()))
     assert defined == set(re.findall(r"zephon_ray_(\w+)", metrics.__doc__)), "metrics.py's table is stale"
     dashboard = json.loads((ROOT / "service" / "grafana_panel.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]
-    queried = {re.sub(r"_(total|bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"ray_zephon_ray_(\w+)", e)}
+    queried = {
+        re.sub(r"_(total|bucket|sum|count)$", "", m) for e in exprs for m in re.findall(r"ray_zephon_ray_(\w+)", e)
+    }
     assert queried and queried <= defined, queried - defined
     assert defined - {"window_held_steps"} <= queried, f"metrics without a panel: {defined - queried}"

@@ -16,19 +16,26 @@ NS = "zr-node"
 pytestmark = pytest.mark.timeout(300)
 
 
-def test_a_complete_round_is_reported_without_waiting_for_the_gather(ray_cluster, tiny_recipe, tmp_path,
-                                                                      monkeypatch):
+def test_a_complete_round_is_reported_without_waiting_for_the_gather(ray_cluster, tiny_recipe, tmp_path, monkeypatch):
     """A report woken by a move waits REPORT_GATHER_S for the node's other ranks, unless the node's slowest rank of
     the consumer already moved past the last report: then nothing is left to gather and it goes at once (at the
     window's edge the producers wait for it). The gather is 60 s here; the round's report still reaches the
     coordinator within seconds, and the cursors it carries are exact."""
     monkeypatch.setattr(node_reader, "REPORT_GATHER_S", 60.0)
-    svc = DataService.start(tiny_recipe, name="node-round", namespace=NS, state_dir=tmp_path / "s", window=4,
-                            consumer_ttl_s=600.0)  # keep-alive reports every 30 s: none in this test's seconds
+    svc = DataService.start(
+        tiny_recipe, name="node-round", namespace=NS, state_dir=tmp_path / "s", window=4, consumer_ttl_s=600.0
+    )  # keep-alive reports every 30 s: none in this test's seconds
     try:
-        reader = node_reader.NodeReader(svc._coordinator, lanes=tiny_recipe.lanes, rows_per_lane=tiny_recipe.rows_per_lane,
-                                 lease_steps=4, window=4, consumer_ttl_s=600.0, request_timeout_s=60.0,
-                                 node_id="this-process")
+        reader = node_reader.NodeReader(
+            svc._coordinator,
+            lanes=tiny_recipe.lanes,
+            rows_per_lane=tiny_recipe.rows_per_lane,
+            lease_steps=4,
+            window=4,
+            consumer_ttl_s=600.0,
+            request_timeout_s=60.0,
+            node_id="this-process",
+        )
 
         def cursors() -> dict[int, int]:
             return {c["rank"]: c["step"] for c in svc.status()["cursors"] if c["consumer"] == "job"}

@@ -60,8 +60,12 @@ def _read_in_lock_step(name, readers, world, steps, recipe):
                 barrier.wait(timeout=120)
                 if step == 1 and key == first:
                     path = process_reads(handle)
-                    wait_until(lambda path=path: not _steps_in_flight(path), 60,
-                               lambda path=path: f"calls in flight: {_steps_in_flight(path)}", interval_s=0.02)
+                    wait_until(
+                        lambda path=path: not _steps_in_flight(path),
+                        60,
+                        lambda path=path: f"calls in flight: {_steps_in_flight(path)}",
+                        interval_s=0.02,
+                    )
                     calls_after_step_0.append(_readers(name)[0]["reads"])
                 barrier.wait(timeout=120)
                 part = handle.slice(step, r, world, track=True)
@@ -110,8 +114,11 @@ def test_many_handles_in_one_process_share_calls_and_keep_their_cursors(ray_clus
     world, steps = 8, 6
     svc = DataService.start(tiny_recipe, name="node-handles", namespace=NS, state_dir=tmp_path / "s", window=8)
     try:
-        handles = {(c, r): DataService.connect("node-handles", namespace=NS, consumer=c)
-                   for c in ("a", "b") for r in range(world)}
+        handles = {
+            (c, r): DataService.connect("node-handles", namespace=NS, consumer=c)
+            for c in ("a", "b")
+            for r in range(world)
+        }
         readers = {key: (handle, key[1]) for key, handle in handles.items()}
         calls = _read_in_lock_step("node-handles", readers, world, steps, tiny_recipe)
         assert 0 <= calls <= steps, calls
@@ -126,8 +133,9 @@ def test_many_handles_in_one_process_share_calls_and_keep_their_cursors(ray_clus
 def test_an_advance_alone_reaches_the_coordinator_as_a_keep_alive(ray_cluster, tiny_recipe, tmp_path):
     """A move no read call carries goes alone after ``keepalive_s`` (consumer_ttl_s / 8 here: 0.25 s), through the
     node reader's next report; another handle (which carries no move of this one) sees it."""
-    svc = DataService.start(tiny_recipe, name="node-advance", namespace=NS, state_dir=tmp_path / "s", window=4,
-                            consumer_ttl_s=4.0)
+    svc = DataService.start(
+        tiny_recipe, name="node-advance", namespace=NS, state_dir=tmp_path / "s", window=4, consumer_ttl_s=4.0
+    )
     try:
         trainer = DataService.connect("node-advance", namespace=NS, consumer="trainer")
         trainer.slice(0, 1, 2, track=True)
@@ -136,8 +144,11 @@ def test_an_advance_alone_reaches_the_coordinator_as_a_keep_alive(ray_cluster, t
         def cursors():
             return {(c["consumer"], c["rank"]): c["step"] for c in svc.status()["cursors"]}
 
-        wait_until(lambda: cursors().get(("trainer", 1)) == 2, 30,
-                   lambda: f"trainer rank 1's cursor at step 2; cursors {cursors()}")
+        wait_until(
+            lambda: cursors().get(("trainer", 1)) == 2,
+            30,
+            lambda: f"trainer rank 1's cursor at step 2; cursors {cursors()}",
+        )
     finally:
         svc.stop()
 
@@ -154,9 +165,12 @@ def test_the_last_step_held_fetches_the_next_steps_before_the_rank_asks(ray_clus
         path = process_reads(client)
         got = {0: client.slice(0, 0, 1, track=True)}
         for step in range(1, steps):
-            wait_until(lambda step=step: step in _cached_steps(path), 30,
-                       lambda step=step: f"step {step} held before it is read; held {_cached_steps(path)}",
-                       interval_s=0.02)
+            wait_until(
+                lambda step=step: step in _cached_steps(path),
+                30,
+                lambda step=step: f"step {step} held before it is read; held {_cached_steps(path)}",
+                interval_s=0.02,
+            )
             got[step] = client.slice(step, 0, 1, track=True)
         with GlobalBatchSource(tiny_recipe) as source:
             for step, part in got.items():

@@ -20,17 +20,16 @@ from pathlib import Path
 
 import nbformat
 import numpy as np
-import pytest
-from nbclient import NotebookClient
-
 import oracle
+import pytest
 from conftest import RAY_START_TIMEOUT, TINY
+from nbclient import NotebookClient
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "notebook.ipynb"
 PHASED = Path(__file__).resolve().parents[1] / "recipes" / "phased.toml"
 STEPS = 16  # the notebook's `steps = range(16)`
 PROBE_MARK = "NOTEBOOK-PROBE "
-PROBE = f'''import json as _json
+PROBE = f"""import json as _json
 print({PROBE_MARK!r} + _json.dumps({{
     "step3_digest": batch.digest, "step3_shape": list(batch.tokens.shape),
     "digests": [b.digest for b in batches], "names": list(names), "shares": shares.tolist(),
@@ -39,7 +38,7 @@ print({PROBE_MARK!r} + _json.dumps({{
     "export_steps": table.column("step").to_pylist(), "export_digests": table.column("digest").to_pylist(),
     "phased_digests": [b.digest for b in phased_batches], "phased_phases": phased_phases,
     "phased_shares": phased_shares.tolist(),
-}}))'''
+}}))"""
 
 
 def _text(cell) -> str:
@@ -60,8 +59,10 @@ def _variant_toml(tmp_path: Path) -> Path:
     raw = tomllib.loads(TINY.read_text())
     text = TINY.read_text()
     for source, weight in zip(raw["sources"], (0.9, 0.1)):
-        text = text.replace(f'path = "{source["path"]}"\nweight = {source["weight"]}',
-                            f'path = "{(TINY.parent / source["path"]).resolve()}"\nweight = {weight}')
+        text = text.replace(
+            f'path = "{source["path"]}"\nweight = {source["weight"]}',
+            f'path = "{(TINY.parent / source["path"]).resolve()}"\nweight = {weight}',
+        )
     assert text.count("weight = 0.9") == 1 and text.count("weight = 0.1") == 1, text
     out = tmp_path / "variant.toml"
     out.write_text(text)
@@ -78,8 +79,9 @@ def _execute(nb) -> None:
             if cell.cell_type == "code":
                 cell.outputs = []
         try:
-            NotebookClient(nb, timeout=600, kernel_name="python3",
-                           resources={"metadata": {"path": str(NOTEBOOK.parent)}}).execute()
+            NotebookClient(
+                nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(NOTEBOOK.parent)}}
+            ).execute()
             return
         except CellExecutionError as exc:
             if attempt == 2 or RAY_START_TIMEOUT not in str(exc):
@@ -96,7 +98,7 @@ def test_notebook_executes_and_computes_what_the_oracle_computes(tmp_path):
     nb.cells.insert(last_code, nbformat.v4.new_code_cell(PROBE))
     _execute(nb)  # clears the committed outputs first
     text = "\n".join(_text(c) for c in nb.cells if c.cell_type == "code")
-    probe = json.loads(next(line for line in text.splitlines() if line.startswith(PROBE_MARK))[len(PROBE_MARK):])
+    probe = json.loads(next(line for line in text.splitlines() if line.startswith(PROBE_MARK))[len(PROBE_MARK) :])
 
     tiny = oracle.read_recipe(TINY)
     want = oracle.global_batches(tiny, STEPS)

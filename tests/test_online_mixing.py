@@ -9,7 +9,6 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 # slow: about 60 s of the default suite's time; tests/test_phases.py checks its parts (a run-time phase in the
@@ -18,9 +17,14 @@ pytestmark = [pytest.mark.spawns, pytest.mark.slow, pytest.mark.timeout(600)]
 
 
 def test_the_example_decides_phases_and_both_replays_are_identical():
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "online_mixing.py"), "--steps", "12", "--every", "4",
-                           "--lag", "3"], capture_output=True, text=True, timeout=540, cwd=ROOT,
-                          env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "online_mixing.py"), "--steps", "12", "--every", "4", "--lag", "3"],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=ROOT,
+        env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "PYTHONPATH": str(ROOT)},
+    )
     out = proc.stdout
     assert proc.returncode == 0, (out + proc.stderr)[-4000:]
     phases = [line for line in out.splitlines() if line.startswith("  from step ")]

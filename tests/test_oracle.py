@@ -24,9 +24,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import pytest
-
 import oracle
+import pytest
 from conftest import ROOT, run_ranks
 
 pytestmark = pytest.mark.timeout(600)
@@ -50,8 +49,14 @@ def case(request):
     recipe = oracle.read_recipe(path)
     lanes = oracle.lane_microbatches(recipe, STEPS)
     assert recipe.k == int(request.param[1:])
-    return {"name": request.param, "path": path, "golden": golden["digests"], "recipe": recipe, "lanes": lanes,
-            "batches": [oracle.assemble(recipe, lanes, s) for s in range(STEPS)]}
+    return {
+        "name": request.param,
+        "path": path,
+        "golden": golden["digests"],
+        "recipe": recipe,
+        "lanes": lanes,
+        "batches": [oracle.assemble(recipe, lanes, s) for s in range(STEPS)],
+    }
 
 
 def test_the_oracle_gives_the_golden_digests(case):
@@ -63,25 +68,37 @@ CORPUS_STEPS = 40
 """The corpus recipes (demo, mixture) are checked to this step by default, to the end with ``-m slow``."""
 
 
-@pytest.mark.parametrize("path, steps", [
-    pytest.param(p, n, id=f"{p.stem}-{n}", marks=[pytest.mark.slow] if n == oracle.GOLDEN_STEPS and
-                 oracle.reads_corpus(oracle.read_recipe(p)) else [])
-    for p in oracle.shipped_recipes()
-    for n in ((CORPUS_STEPS, oracle.GOLDEN_STEPS) if oracle.reads_corpus(oracle.read_recipe(p))
-              else (oracle.GOLDEN_STEPS,))])
+@pytest.mark.parametrize(
+    "path, steps",
+    [
+        pytest.param(
+            p,
+            n,
+            id=f"{p.stem}-{n}",
+            marks=[pytest.mark.slow] if n == oracle.GOLDEN_STEPS and oracle.reads_corpus(oracle.read_recipe(p)) else [],
+        )
+        for p in oracle.shipped_recipes()
+        for n in (
+            (CORPUS_STEPS, oracle.GOLDEN_STEPS)
+            if oracle.reads_corpus(oracle.read_recipe(p))
+            else (oracle.GOLDEN_STEPS,)
+        )
+    ],
+)
 def test_the_oracle_gives_the_golden_digests_of_every_shipped_recipe(path, steps):
     """The committed goldens are the oracle's digests here, all 170 steps; demo and mixture read the corpus
     generated from this Python's stdlib."""
     recipe = oracle.read_recipe(path)
     if oracle.reads_corpus(recipe) and not CORPUS.is_dir():
-        pytest.skip(f"{path.name} reads {CORPUS}, which is not generated here (run `zephon-ray corpus data/corpus` "
-                    "or `make demo`)")
+        pytest.skip(
+            f"{path.name} reads {CORPUS}, which is not generated here (run `zephon-ray corpus data/corpus` "
+            "or `make demo`)"
+        )
     assert oracle.digests(path, steps) == oracle.load_golden(path)["digests"][:steps]
 
 
 def test_a_golden_of_other_versions_fails_with_the_command_that_regenerates_it(tmp_path, monkeypatch):
-    record = {**json.loads(oracle.golden_path(CASES["k1"]).read_text()),
-              "environment": {"zephon": "0.0.1"}}
+    record = {**json.loads(oracle.golden_path(CASES["k1"]).read_text()), "environment": {"zephon": "0.0.1"}}
     monkeypatch.setattr(oracle, "GOLDEN_DIR", tmp_path)
     oracle.golden_path(CASES["k1"]).write_text(json.dumps(record))
     with pytest.raises(oracle.GoldenVersionError, match=r"zephon 0\.0\.1 \(here .*python tests/oracle.py --all"):
@@ -148,8 +165,12 @@ def test_in_process_global_batch_source(case):
             check_sources(case, step, batch.source_tokens, "GlobalBatchSource")
             assert batch.digest == case["golden"][step]
             for world in (2, 4):
-                check_rows(case, step, *joined(batch.slice(r, world) for r in range(world)),
-                           f"GlobalBatchSource slices W={world}")
+                check_rows(
+                    case,
+                    step,
+                    *joined(batch.slice(r, world) for r in range(world)),
+                    f"GlobalBatchSource slices W={world}",
+                )
         for step in FAR_STEPS:  # random access far ahead, rows re-digested by the oracle's own digest function
             batch = source.batch(step)
             assert oracle.digest(batch.tokens, batch.positions) == batch.digest == case["golden"][step], step
@@ -179,8 +200,16 @@ def service(case, ray_cluster, tmp_path_factory):
 
     name = f"oracle-{case['name']}"
     # 2 producers with the defaults: run_id = the name, a TCPStore the service hosts
-    svc = DataService.start(str(case["path"]), name=name, namespace=NS, producers=2, window=4, checkpoint_every=4,
-                            consumer="oracle-test", state_dir=tmp_path_factory.mktemp(name) / "state")
+    svc = DataService.start(
+        str(case["path"]),
+        name=name,
+        namespace=NS,
+        producers=2,
+        window=4,
+        checkpoint_every=4,
+        consumer="oracle-test",
+        state_dir=tmp_path_factory.mktemp(name) / "state",
+    )
     try:
         yield svc
     finally:
@@ -206,8 +235,9 @@ def materialized(case, ray_cluster, tmp_path_factory):
     from zephon_ray.jobs.materialize import materialize
 
     directory = tmp_path_factory.mktemp(f"mat-{case['name']}") / "run"
-    materialize(Recipe.from_toml(case["path"]), directory, range(0, STEPS), producers=2, segment_steps=4,
-                progress=False)
+    materialize(
+        Recipe.from_toml(case["path"]), directory, range(0, STEPS), producers=2, segment_steps=4, progress=False
+    )
     return directory
 
 
@@ -222,8 +252,12 @@ def test_materialized_dataset(case, materialized):
             check_rows(case, step, batch.tokens, batch.positions, "MaterializedSource.batch")
             check_sources(case, step, batch.source_tokens, "MaterializedSource.batch")
             for world in (2, 3, 4):
-                check_rows(case, step, *joined(source.slice(step, r, world) for r in range(world)),
-                           f"MaterializedSource slices W={world}")
+                check_rows(
+                    case,
+                    step,
+                    *joined(source.slice(step, r, world) for r in range(world)),
+                    f"MaterializedSource slices W={world}",
+                )
 
 
 # ---------------------------------------------------------------------- the TorchTitan loader
@@ -234,25 +268,35 @@ LOCAL_BATCH = 2
 def loader_rows(loaders, steps: int, per_step: int):
     """Pull ``steps`` steps of ``per_step`` microbatches from every rank (one thread per rank, as ranks run side by
     side) and return, per step, the ranks' yielded (input, labels, positions) rows joined in rank order."""
+
     def pull(i: int) -> list[tuple]:
         it, rows = iter(loaders[i]), []
         for _ in range(steps):
             got = [next(it) for _ in range(per_step)]
-            rows.append(tuple(
-                np.concatenate([x.numpy() for x in column])
-                for column in zip(*[(inp["input"], labels, inp["positions"]) for inp, labels in got])
-            ))
+            rows.append(
+                tuple(
+                    np.concatenate([x.numpy() for x in column])
+                    for column in zip(*[(inp["input"], labels, inp["positions"]) for inp, labels in got])
+                )
+            )
         return rows
 
     per_rank = run_ranks(len(loaders), pull)
     assert all(len(r) == steps for r in per_rank), "a rank did not finish its steps"
-    return [tuple(np.concatenate([per_rank[i][s][c] for i in range(len(loaders))]) for c in range(3))
-            for s in range(steps)]
+    return [
+        tuple(np.concatenate([per_rank[i][s][c] for i in range(len(loaders))]) for c in range(3)) for s in range(steps)
+    ]
 
 
 # service and dataset ask for their fixtures at run time, so they declare the session Ray here (conftest.py)
-@pytest.mark.parametrize("mode", ["local", pytest.param("service", marks=pytest.mark.session_ray),
-                                  pytest.param("dataset", marks=pytest.mark.session_ray)])
+@pytest.mark.parametrize(
+    "mode",
+    [
+        "local",
+        pytest.param("service", marks=pytest.mark.session_ray),
+        pytest.param("dataset", marks=pytest.mark.session_ray),
+    ],
+)
 def test_torchtitan_loader(case, mode, request, tmp_path):
     """Rank r of W=2 yields ``input = row[:-1]``, ``labels = row[1:]``, ``positions = positions[:-1]`` of its
     rows, in order: joined over the ranks, exactly the oracle's global batch (every column the loader yields)."""
@@ -268,8 +312,10 @@ def test_torchtitan_loader(case, mode, request, tmp_path):
     else:
         kw["dataset_dir"] = str(request.getfixturevalue("materialized"))
     cfg = ZephonRayDataLoader.Config(**kw)
-    loaders = [cfg.build(dp_world_size=LOADER_WORLD, dp_rank=r, seq_len=recipe.seq_len, local_batch_size=LOCAL_BATCH)
-               for r in range(LOADER_WORLD)]
+    loaders = [
+        cfg.build(dp_world_size=LOADER_WORLD, dp_rank=r, seq_len=recipe.seq_len, local_batch_size=LOCAL_BATCH)
+        for r in range(LOADER_WORLD)
+    ]
     try:
         steps = loader_rows(loaders, STEPS, per_step=recipe.rows // LOADER_WORLD // LOCAL_BATCH)
     finally:

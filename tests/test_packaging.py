@@ -17,7 +17,6 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = pytest.mark.timeout(600)
@@ -52,20 +51,34 @@ def venv(tmp_path_factory) -> tuple[Path, Path]:
         else:
             shutil.copy2(origin, src / name)
     pip = [sys.executable, "-m", "pip"]
-    subprocess.run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(work / "dist"), str(src)],
-                   check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [*pip, "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(work / "dist"), str(src)],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     wheels = list((work / "dist").glob("zephon_ray-*.whl"))
     assert len(wheels) == 1, wheels
 
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
-    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                          check=True, capture_output=True, text=True).stdout.strip()
+    site = subprocess.run(
+        [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     # Dependencies from the main venv, searched after the venv's own site-packages (where the wheel goes).
     Path(site, "zz_main_venv.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
-    subprocess.run([*pip, "--python", str(py), "install", "--no-deps", "--no-index", "-q", str(wheels[0])],
-                   check=True, capture_output=True, text=True, timeout=300)
+    subprocess.run(
+        [*pip, "--python", str(py), "install", "--no-deps", "--no-index", "-q", str(wheels[0])],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     return venv / "bin", Path(site)
 
 
@@ -82,20 +95,35 @@ def test_wheel_holds_the_recipes_and_their_data(venv):
     recipes_dir = venv[1] / "zephon_ray" / "recipes"  # as installed from the wheel: real files, not the symlink
     assert recipes_dir.is_dir() and not recipes_dir.is_symlink()
     shipped = sorted(str(p.relative_to(recipes_dir)) for p in recipes_dir.rglob("*") if p.is_file())
-    in_git = sorted(str(p.relative_to(ROOT / "recipes")) for p in (ROOT / "recipes").rglob("*")
-                    if p.is_file() and "__pycache__" not in p.parts)
+    in_git = sorted(
+        str(p.relative_to(ROOT / "recipes"))
+        for p in (ROOT / "recipes").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts
+    )
     assert shipped == in_git
     assert {"tiny.toml", "elastic.toml", "tokenizer/tokenizer.json"} <= set(shipped)
 
 
 def test_digest_by_bare_name_outside_the_checkout(installed, reference_digests, tmp_path):
-    result = subprocess.run([str(installed / "zephon-ray"), "digest", "tiny", "--steps", "0:3"], cwd=tmp_path,
-                            env=_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [str(installed / "zephon-ray"), "digest", "tiny", "--steps", "0:3"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines() == [f"step {s} {reference_digests[s]}" for s in range(3)]
 
-    result = subprocess.run([str(installed / "zephon-ray"), "digest", "no-such-recipe", "--steps", "0:1"],
-                            cwd=tmp_path, env=_env(), capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [str(installed / "zephon-ray"), "digest", "no-such-recipe", "--steps", "0:1"],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "no-such-recipe" in result.stderr and "elastic, " in result.stderr and "tiny" in result.stderr
 
@@ -106,13 +134,20 @@ def test_loader_on_a_packaged_recipe_outside_the_checkout(installed, tiny_recipe
 
     from zephon_ray import GlobalBatchSource
 
-    result = subprocess.run([str(installed / "python"), "-c", LOADER_SCRIPT], cwd=tmp_path, env=_env(),
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [str(installed / "python"), "-c", LOADER_SCRIPT],
+        cwd=tmp_path,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert not Path(report["file"]).resolve().is_relative_to(ROOT), report
     assert report["shape"] == [16, 64]
     with GlobalBatchSource(tiny_recipe) as source:  # the checkout's reference: inputs are rows[:, :-1]
-        expected = [hashlib.sha256(source.batch(s).tokens[:, :-1].astype("int64").tobytes()).hexdigest()
-                    for s in range(2)]
+        expected = [
+            hashlib.sha256(source.batch(s).tokens[:, :-1].astype("int64").tobytes()).hexdigest() for s in range(2)
+        ]
     assert report["inputs"] == expected

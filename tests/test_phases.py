@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 import pytest
-
 from conftest import ROOT, TINY, run_readers
+
 from zephon_ray import GlobalBatchSource, Recipe
 from zephon_ray.lanes import LaneStepper, StepStateError
 from zephon_ray.recipe import RecipeError
@@ -99,9 +99,11 @@ def test_fingerprint_chain(tmp_path):
     assert phased.base_fingerprint == tiny.fingerprint == tiny.base_fingerprint  # the past before the first phase
     assert phased.fingerprint != tiny.fingerprint and len(set(phased.schedule_fingerprints)) == 3
     assert [phased.history_fingerprint(t) for t in (0, 1, 2, 3, 4, 5)] == [
-        phased.schedule_fingerprints[i] for i in (0, 0, 0, 1, 1, 2)]
-    moved = load(tmp_path, PHASED.read_text().replace("start_step = 4", "start_step = 5").replace(
-        '"data/tiny/', f'"{DATA}/'))
+        phased.schedule_fingerprints[i] for i in (0, 0, 0, 1, 1, 2)
+    ]
+    moved = load(
+        tmp_path, PHASED.read_text().replace("start_step = 4", "start_step = 5").replace('"data/tiny/', f'"{DATA}/')
+    )
     assert moved.schedule_fingerprints[:2] == phased.schedule_fingerprints[:2]
     assert moved.fingerprint != phased.fingerprint
 
@@ -162,7 +164,7 @@ def test_no_record_repeats_across_the_boundary(tmp_path, boundaries):
         mine = [d for d in draws if d[0] == source]
         assert len(mine) < size, f"window too long for source {source}: {len(mine)} draws of {size} records"
         assert len(set(mine)) == len(mine), f"source {source}: a record drawn twice"
-    assert {d[0] for d in draws[-len(draws) // 3:]} == {0, 1}
+    assert {d[0] for d in draws[-len(draws) // 3 :]} == {0, 1}
 
     # The naive switch: steps before the boundary from the unphased recipe, then a fresh run of the new weights.
     fresh = load(tmp_path, phased_text("", weights=(0.5, 0.5)), "fresh.toml")
@@ -227,15 +229,19 @@ def test_resume_refuses_a_rewritten_past(tmp_path):
     rewritten = load(tmp_path, text.replace("prose = 0.2, code = 0.8", "prose = 0.3, code = 0.7"), "a.toml")
     added = load(tmp_path, text.replace("start_step = 2", "start_step = 1"), "b.toml")
     removed = load(tmp_path, text.split("[[phases]]")[0], "c.toml")
-    for other, needle in ((rewritten, "phase 'main' (start_step 2) differs"), (added, "phase 'main'"),
-                          (removed, "phase 'main' (start_step 2) produced steps before step 3")):
+    for other, needle in (
+        (rewritten, "phase 'main' (start_step 2) differs"),
+        (added, "phase 'main'"),
+        (removed, "phase 'main' (start_step 2) produced steps before step 3"),
+    ):
         with pytest.raises(StepStateError) as info:
             LaneStepper(other).restore(state)
         message = str(info.value)
         assert needle in message and "step 3" in message and "\n" not in message, message
 
-    future = load(tmp_path, text.replace("start_step = 4", "start_step = 5").replace("prose = 1.0 }", "code = 1.0 }"),
-                  "d.toml")
+    future = load(
+        tmp_path, text.replace("start_step = 4", "start_step = 5").replace("prose = 1.0 }", "code = 1.0 }"), "d.toml"
+    )
     resumed = LaneStepper(future)
     resumed.restore(state)
     batches = [assemble(future, s, resumed.next_step()) for s in range(3, 6)]
@@ -346,9 +352,16 @@ def test_service_and_materialised_runs_cross_the_boundaries(ray_cluster, tmp_pat
 
     recipe = Recipe.from_toml(PHASED)
     want = [GOLDEN[str(s)] for s in range(6)]
-    service = DataService.start(recipe, name="zr-phases", namespace="zr-phases", producers=2,
-                                state_dir=str(tmp_path / "state"), checkpoint_every=2,
-                                run_id="zr-phases", aggregate_store="torch://")
+    service = DataService.start(
+        recipe,
+        name="zr-phases",
+        namespace="zr-phases",
+        producers=2,
+        state_dir=str(tmp_path / "state"),
+        checkpoint_every=2,
+        run_id="zr-phases",
+        aggregate_store="torch://",
+    )
     try:
         import numpy as np
 
@@ -385,11 +398,14 @@ def test_a_phase_added_to_a_running_service(ray_cluster, tmp_path):
     from zephon_ray.formats.service_state import ServiceState, check_state_dir, inspect
 
     tiny, phased = Recipe.from_toml(TINY), Recipe.from_toml(PHASED)
-    assert tiny.with_phase("main", 2, {"prose": 0.2, "code": 0.8}).with_phase(
-        "anneal", 4, {"prose": 1.0}).fingerprint == phased.fingerprint
+    assert (
+        tiny.with_phase("main", 2, {"prose": 0.2, "code": 0.8}).with_phase("anneal", 4, {"prose": 1.0}).fingerprint
+        == phased.fingerprint
+    )
     state_dir = str(tmp_path / "state")
-    service = DataService.start(tiny, producers=2, run_id="zr-add-phase", aggregate_store="torch://",
-                                state_dir=state_dir, **ADD_PHASE_OPTS)
+    service = DataService.start(
+        tiny, producers=2, run_id="zr-add-phase", aggregate_store="torch://", state_dir=state_dir, **ADD_PHASE_OPTS
+    )
     trainer = DataService.connect("zr-add-phase", namespace="zr-add-phase", consumer="trainer", read_path="direct")
     try:
         assert [trainer.batch(s, track=True).digest for s in (0, 1)] == [GOLDEN["0"], GOLDEN["1"]]
@@ -412,7 +428,10 @@ def test_a_phase_added_to_a_running_service(ray_cluster, tmp_path):
     finally:
         service.stop()
     assert [(p["name"], p["start_step"], p["added"]) for p in inspect(state_dir)["schedule"]] == [
-        ("sources", 0, False), ("main", 2, True), ("anneal", 4, True)]
+        ("sources", 0, False),
+        ("main", 2, True),
+        ("anneal", 4, True),
+    ]
     assert ServiceState.open(tiny, state_dir).recipe.fingerprint == phased.fingerprint
     assert check_state_dir(phased, state_dir) is phased
 
@@ -452,8 +471,9 @@ def test_a_service_restarted_after_add_phase_keeps_it(ray_cluster, tmp_path):
             service.stop()
 
 
-def _local_readers(config, world: int, state: dict | None, steps: int, add: tuple | None = None
-                   ) -> tuple[list[str], dict]:
+def _local_readers(
+    config, world: int, state: dict | None, steps: int, add: tuple | None = None
+) -> tuple[list[str], dict]:
     """W readers (threads: local-mode checkpoints are collective) load ``state``, each add phase ``add`` (name,
     start, weights) when given, and read ``steps`` steps; returns each step's digest of the joined slices and the
     (identical) states they take afterwards."""
@@ -473,8 +493,10 @@ def _local_readers(config, world: int, state: dict | None, steps: int, add: tupl
 
     slices, states = zip(*run_readers(loaders, read, state))
     assert all(s == states[0] for s in states)
-    digests = [compute_digest(np.concatenate([p.tokens for p in parts]), np.concatenate([p.positions for p in parts]))
-               for parts in zip(*slices)]
+    digests = [
+        compute_digest(np.concatenate([p.tokens for p in parts]), np.concatenate([p.positions for p in parts]))
+        for parts in zip(*slices)
+    ]
     return digests, json.loads(json.dumps(states[0]))
 
 
@@ -486,8 +508,13 @@ def test_local_loader_crosses_the_boundaries_at_every_w(tmp_path):
     from zephon_ray.stream.loader import LoaderConfig
 
     def config(segment: int) -> LoaderConfig:
-        return LoaderConfig(recipe=str(PHASED), mode="local", run_id="phases", checkpoint_every=1,
-                            aggregate_dir=str(tmp_path / f"agg-{segment}"))
+        return LoaderConfig(
+            recipe=str(PHASED),
+            mode="local",
+            run_id="phases",
+            checkpoint_every=1,
+            aggregate_dir=str(tmp_path / f"agg-{segment}"),
+        )
 
     digests, state = _local_readers(config(0), 2, None, 3)
     assert state["next_step"] == 3
@@ -508,8 +535,9 @@ def test_loader_resume_keeps_the_past_and_accepts_a_new_future(tmp_path):
 
     text = PHASED.read_text().replace('"data/tiny/', f'"{DATA}/')
     (tmp_path / "phased.toml").write_text(text)
-    (tmp_path / "future.toml").write_text(text.replace("start_step = 4", "start_step = 5").replace(
-        "prose = 1.0 }", "code = 1.0 }"))
+    (tmp_path / "future.toml").write_text(
+        text.replace("start_step = 4", "start_step = 5").replace("prose = 1.0 }", "code = 1.0 }")
+    )
     (tmp_path / "past.toml").write_text(text.replace("prose = 0.2, code = 0.8", "prose = 0.3, code = 0.7"))
 
     def config(name: str) -> LoaderConfig:
@@ -550,16 +578,28 @@ def test_a_run_time_phase_travels_with_the_loader_state(ray_cluster, tmp_path, c
     try:
         first.add_phase("main", 2, {"prose": 0.2, "code": 0.8})
         first.add_phase("anneal", 4, {"prose": 1.0})
-        service = LoaderConfig(recipe=str(TINY), mode="service", run_id="run-phase", service_name="zr-run-phase",
-                               service_namespace="zr-run-phase", ledger_dir=str(tmp_path / "ledger"))
+        service = LoaderConfig(
+            recipe=str(TINY),
+            mode="service",
+            run_id="run-phase",
+            service_name="zr-run-phase",
+            service_namespace="zr-run-phase",
+            ledger_dir=str(tmp_path / "ledger"),
+        )
         digests, state = _local_readers(service, 2, None, 2)
     finally:
         first.stop()
     assert digests == [GOLDEN["0"], GOLDEN["1"]] and state["next_step"] == 2
     assert [(p["name"], p["start_step"]) for p in added_phases(state)] == [("main", 2), ("anneal", 4)]
 
-    local = LoaderConfig(recipe=str(TINY), mode="local", run_id="run-phase", checkpoint_every=1,
-                         aggregate_dir=str(tmp_path / "agg"), ledger_dir=str(tmp_path / "ledger"))
+    local = LoaderConfig(
+        recipe=str(TINY),
+        mode="local",
+        run_id="run-phase",
+        checkpoint_every=1,
+        aggregate_dir=str(tmp_path / "agg"),
+        ledger_dir=str(tmp_path / "ledger"),
+    )
     local_digests, local_state = _local_readers(local, 4, state, 4)
     assert local_digests == want
     # The ledger records the run's schedule: the service's segment (steps 0-1) the sources' weights alone, the local
@@ -569,26 +609,47 @@ def test_a_run_time_phase_travels_with_the_loader_state(ray_cluster, tmp_path, c
 
     chain = Recipe.from_toml(PHASED).schedule_fingerprints
     recorded = {s.first_step: parse_schedule(s.schedule) for s in read_ledger(str(tmp_path / "ledger")).values()}
-    assert recorded == {0: (2, [(0, "sources", chain[0])]),
-                        2: (6, [(0, "sources", chain[0]), (2, "main", chain[1]), (4, "anneal", chain[2])])}
+    assert recorded == {
+        0: (2, [(0, "sources", chain[0])]),
+        2: (6, [(0, "sources", chain[0]), (2, "main", chain[1]), (4, "anneal", chain[2])]),
+    }
     (tmp_path / "local.json").write_text(json.dumps(local_state))
     capsys.readouterr()
-    assert main(["audit", str(tmp_path / "local.json"), "--ledger", str(tmp_path / "ledger"), "--recipe",
-                 str(TINY)]) == 0
+    assert (
+        main(["audit", str(tmp_path / "local.json"), "--ledger", str(tmp_path / "ledger"), "--recipe", str(TINY)]) == 0
+    )
     assert capsys.readouterr().out.splitlines() == [
         "audit: clean: steps [0, 6) each trained exactly once in a lineage of 2 segment(s) (W 2 -> 4); 20 slice "
-        "digests matched the recipe's global batches"]
+        "digests matched the recipe's global batches"
+    ]
 
     plain, run_dir = tmp_path / "plain", tmp_path / "run"
     materialize(tiny, plain, range(0, 6), progress=False)
     with pytest.raises(MaterializedError) as info:
-        _local_readers(LoaderConfig(recipe=str(TINY), mode="dataset", run_id="run-phase", dataset_dir=str(plain)),
-                       3, state, 1)
+        _local_readers(
+            LoaderConfig(recipe=str(TINY), mode="dataset", run_id="run-phase", dataset_dir=str(plain)), 3, state, 1
+        )
     assert "phase(s) 'main' from step 2, 'anneal' from step 4" in str(info.value) and "\n" not in str(info.value)
     state_file = tmp_path / "state.json"
     state_file.write_text(json.dumps(state))
-    assert main(["materialize", str(TINY), "--steps", "0:6", "--out", str(run_dir), "--schedule-from",
-                 str(state_file), "--quiet", "--address", ray_cluster.get_runtime_context().gcs_address]) == 0
+    assert (
+        main(
+            [
+                "materialize",
+                str(TINY),
+                "--steps",
+                "0:6",
+                "--out",
+                str(run_dir),
+                "--schedule-from",
+                str(state_file),
+                "--quiet",
+                "--address",
+                ray_cluster.get_runtime_context().gcs_address,
+            ]
+        )
+        == 0
+    )
     dataset = LoaderConfig(recipe=str(TINY), mode="dataset", run_id="run-phase", dataset_dir=str(run_dir))
     assert _local_readers(dataset, 3, state, 4)[0] == want
     with Loader(dataset, rank=0, world=1) as fixed, pytest.raises(ValueError, match="schedule is fixed"):
@@ -604,8 +665,7 @@ def test_a_run_time_phase_travels_with_the_loader_state(ray_cluster, tmp_path, c
 
     (tmp_path / "other.toml").write_text(phased_text(phase("anneal", 4, code=1.0)))
     with pytest.raises(LoaderStateError) as info:
-        _local_readers(LoaderConfig(recipe=str(tmp_path / "other.toml"), mode="local", run_id="run-phase"), 1,
-                       state, 1)
+        _local_readers(LoaderConfig(recipe=str(tmp_path / "other.toml"), mode="local", run_id="run-phase"), 1, state, 1)
     message = str(info.value)
     assert "recorded phase 'anneal' from step 4 with weights {prose 1, code 0}" in message, message
     assert "has phase 'anneal' from step 4 with weights {prose 0, code 1}" in message and "\n" not in message
@@ -638,8 +698,13 @@ def test_a_phase_added_in_local_mode_on_every_reader(tmp_path):
     recipe = _main_file(tmp_path)
 
     def config(segment: int) -> LoaderConfig:
-        return LoaderConfig(recipe=str(recipe), mode="local", run_id="local-phase", checkpoint_every=2,
-                            aggregate_dir=str(tmp_path / f"agg-{segment}"))
+        return LoaderConfig(
+            recipe=str(recipe),
+            mode="local",
+            run_id="local-phase",
+            checkpoint_every=2,
+            aggregate_dir=str(tmp_path / f"agg-{segment}"),
+        )
 
     early = Loader(config(9), rank=0, world=2)
     with pytest.raises(ValueError) as info:
@@ -660,8 +725,14 @@ def test_a_reader_that_misses_a_local_phase_stops_every_reader_in_one_line(tmp_p
     served a step of the phase, or any step after the checkpoint."""
     from zephon_ray.stream.loader import Loader, LoaderConfig
 
-    config = LoaderConfig(recipe=str(_main_file(tmp_path)), mode="local", run_id="missed-phase", checkpoint_every=2,
-                          aggregate_dir=str(tmp_path / "agg"), aggregate_timeout_s=8)
+    config = LoaderConfig(
+        recipe=str(_main_file(tmp_path)),
+        mode="local",
+        run_id="missed-phase",
+        checkpoint_every=2,
+        aggregate_dir=str(tmp_path / "agg"),
+        aggregate_timeout_s=8,
+    )
     loaders = [Loader(config, rank=r, world=2, local_batch_size=8) for r in range(2)]
     got: dict[int, list[int]] = {0: [], 1: []}
     errors: dict[int, str] = {}

@@ -22,12 +22,11 @@ from __future__ import annotations
 
 import json
 import tomllib
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
 import pytest
-
 from conftest import ROOT, TINY
 
 RECIPES = ROOT / "recipes"
@@ -85,7 +84,7 @@ class Reference:
                 assert start == at and end > start, (where, piece)
                 doc = self.document(piece["source"], piece["shard"], piece["record"])
                 assert offset + (end - start) <= len(doc), (where, piece, len(doc))
-                assert np.array_equal(row_tokens[start:end], doc[offset:offset + end - start]), (where, piece)
+                assert np.array_equal(row_tokens[start:end], doc[offset : offset + end - start]), (where, piece)
                 assert np.array_equal(row_positions[start:end], np.arange(end - start)), (where, piece)
                 at, checked = end, checked + 1
             tail = len(row_tokens) - at
@@ -95,7 +94,7 @@ class Reference:
         return checked
 
 
-@lru_cache(maxsize=None)
+@cache
 def _lines(path: str) -> list[str]:
     return [line for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
 
@@ -110,7 +109,8 @@ def check_step(source, recipe_path: Path, step: int, padded: bool = False, rank=
     rows = batch.slice(rank, world) if rank is not None else batch
     assert full.batch_digest == batch.digest and full.step == step
     assert Reference(recipe_path).check_rows(rows.tokens, rows.positions, part.to_json()["rows"], padded) >= len(
-        part.rows)
+        part.rows
+    )
     return full
 
 
@@ -149,11 +149,14 @@ def test_phase_boundaries_rows_rebuilt():
     assert anneal == {"prose"}, anneal  # the phase's weights reach the rows (the check can fail)
 
 
-@pytest.mark.parametrize("packing, changes", [
-    ("first_fit", {"packing_bins": "4", "seq_len": "1535", "lanes": "4"}),
-    ("best_fit", {"packing_bins": "4", "seq_len": "1535", "lanes": "4"}),
-    ("best_fit_wrap", {"seq_len": "600", "lanes": "4"}),
-])
+@pytest.mark.parametrize(
+    "packing, changes",
+    [
+        ("first_fit", {"packing_bins": "4", "seq_len": "1535", "lanes": "4"}),
+        ("best_fit", {"packing_bins": "4", "seq_len": "1535", "lanes": "4"}),
+        ("best_fit_wrap", {"seq_len": "600", "lanes": "4"}),
+    ],
+)
 def test_every_packer_is_exact(tmp_path, packing, changes):
     """Whole documents with pad tails (first_fit, best_fit) and best_fit_wrap's tails placed inside a row: every
     piece rebuilt, including pieces that start inside their document anywhere in a row."""
@@ -188,8 +191,7 @@ def test_slices_carry_their_own_rows_at_any_world():
     with GlobalBatchSource(Recipe.from_toml(TINY)) as source:
         full = source.provenance(9)
         for world in (3, 5):
-            parts = [check_step(source, TINY, 9, rank=r, world=world) and full.slice(r, world)
-                     for r in range(world)]
+            parts = [check_step(source, TINY, 9, rank=r, world=world) and full.slice(r, world) for r in range(world)]
             assert [p.first_row for p in parts] == [slice_bounds(16, r, world)[0] for r in range(world)]
             assert sum((p.rows for p in parts), ()) == full.rows
 
@@ -269,16 +271,17 @@ def brute_force_source(recipe_path: Path, tokens: np.ndarray, positions: np.ndar
 def test_source_ids_agree_with_a_brute_force_attribution_local_mode(tmp_path):
     """Local mode at W = 2 (tiny) and W = 1 (phased, across its boundaries): every token's id is the source whose
     documents hold it; the microbatches' ids are the labels' (row[1:]); the rows are the goldens'."""
-    from zephon_ray.stream.loader import Loader, LoaderConfig
-
     import oracle
+
+    from zephon_ray.stream.loader import Loader, LoaderConfig
 
     for path, world, steps in ((TINY, 2, 3), (PHASED, 1, 6)):
         golden = oracle.load_golden(path)["digests"]
         rows = {}
         for rank in range(world):
-            config = LoaderConfig(recipe=str(path), mode="local", source_ids=True, run_id="ids",
-                                  aggregate_dir=str(tmp_path))  # W = 2 without checkpoints: no collective call
+            config = LoaderConfig(
+                recipe=str(path), mode="local", source_ids=True, run_id="ids", aggregate_dir=str(tmp_path)
+            )  # W = 2 without checkpoints: no collective call
             with Loader(config, rank=rank, world=world, local_batch_size=4 // world) as loader:
                 for batch, _ in zip(loader, range(steps)):
                     piece = batch.slice
@@ -364,8 +367,10 @@ def test_source_ids_from_the_service_and_a_materialised_run(service, materialise
     brute-force attribution."""
     from zephon_ray.stream.loader import Loader, LoaderConfig
 
-    for mode, world, extra in (("service", 3, {"service_name": "prov", "run_id": "ids"}),
-                               ("dataset", 5, {"dataset_dir": str(materialised)})):
+    for mode, world, extra in (
+        ("service", 3, {"service_name": "prov", "run_id": "ids"}),
+        ("dataset", 5, {"dataset_dir": str(materialised)}),
+    ):
         rows: dict = {}
         for rank in range(world):
             config = LoaderConfig(recipe=str(TINY), mode=mode, source_ids=True, **extra)
@@ -394,8 +399,10 @@ def test_source_ids_follow_a_deliberate_skip_local_mode(tmp_path):
     path.write_text(path.read_text() + '\n[[skips]]\nname = "spike-1"\nstart_step = 2\nend_step = 5\n')
     config = LoaderConfig(recipe=str(path), mode="local", source_ids=True, run_id="ids-skip")
     seen = []
-    with Loader(config, rank=0, world=1, local_batch_size=4) as loader, \
-            GlobalBatchSource(Recipe.from_toml(TINY)) as source:
+    with (
+        Loader(config, rank=0, world=1, local_batch_size=4) as loader,
+        GlobalBatchSource(Recipe.from_toml(TINY)) as source,
+    ):
         for batch, _ in zip(loader, range(5)):
             piece = batch.slice
             seen.append((batch.step, piece.step))

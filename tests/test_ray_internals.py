@@ -14,8 +14,11 @@ FENCE = PACKAGE / "service" / "ray_internals.py"
 
 def _private(path: str) -> bool:
     parts = path.split(".")
-    return parts[0] == "ray" and (any(p.startswith("_") for p in parts[1:])
-                                  or parts[1:2] == ["experimental"] or parts[1:3] == ["core", "generated"])
+    return parts[0] == "ray" and (
+        any(p.startswith("_") for p in parts[1:])
+        or parts[1:2] == ["experimental"]
+        or parts[1:3] == ["core", "generated"]
+    )
 
 
 def _dotted(node: ast.AST) -> str | None:
@@ -33,8 +36,9 @@ def private_ray_uses(source: str) -> list[str]:
         if isinstance(node, ast.Import):
             found += [f"{node.lineno}: import {a.name}" for a in node.names if _private(a.name)]
         elif isinstance(node, ast.ImportFrom) and node.module:
-            if _private(node.module) or (node.module.split(".")[0] == "ray"
-                                         and any(_private(f"{node.module}.{a.name}") for a in node.names)):
+            if _private(node.module) or (
+                node.module.split(".")[0] == "ray" and any(_private(f"{node.module}.{a.name}") for a in node.names)
+            ):
                 found.append(f"{node.lineno}: from {node.module} import ...")
         elif isinstance(node, ast.Attribute):
             path = _dotted(node)
@@ -43,13 +47,20 @@ def private_ray_uses(source: str) -> list[str]:
         elif isinstance(node, ast.Call):
             func = _dotted(node.func) or ""
             if func.split(".")[0] == "ray":
-                found += [f"{node.lineno}: {func}({k.arg}=...)" for k in node.keywords if k.arg and k.arg.startswith("_")]
+                found += [
+                    f"{node.lineno}: {func}({k.arg}=...)" for k in node.keywords if k.arg and k.arg.startswith("_")
+                ]
     return found
 
 
 def test_no_private_ray_name_outside_the_fence():
-    leaks = {str(p.relative_to(PACKAGE)): uses for p in sorted(PACKAGE.rglob("*.py")) if p != FENCE
-             for uses in [private_ray_uses(p.read_text())] if uses}
+    leaks = {
+        str(p.relative_to(PACKAGE)): uses
+        for p in sorted(PACKAGE.rglob("*.py"))
+        if p != FENCE
+        for uses in [private_ray_uses(p.read_text())]
+        if uses
+    }
     assert not leaks, f"private Ray names outside service/ray_internals.py: {leaks}"
 
 

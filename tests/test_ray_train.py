@@ -8,18 +8,24 @@ import pickle
 from pathlib import Path
 
 import pytest
-
 from conftest import golden_digests
+
 from zephon_ray.integrations.ray_train import STATE_FILE, ZephonDataConfig, ZephonDataset, ZephonDatasetShard
 
 ROOT = Path(__file__).resolve().parents[1]
 ELASTIC = str(ROOT / "recipes" / "elastic.toml")
 
 
-@pytest.mark.parametrize("kwargs, key", [
-    ({"run_id": ""}, "run_id"), ({"local_batch_size": -1}, "local_batch_size"), ({"prefetch": 0}, "prefetch"),
-    ({"checkpoint_every": 2.5}, "checkpoint_every"), ({"local_batch_size": True}, "local_batch_size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, key",
+    [
+        ({"run_id": ""}, "run_id"),
+        ({"local_batch_size": -1}, "local_batch_size"),
+        ({"prefetch": 0}, "prefetch"),
+        ({"checkpoint_every": 2.5}, "checkpoint_every"),
+        ({"local_batch_size": True}, "local_batch_size"),
+    ],
+)
 def test_data_config_rejects_bad_values_when_built(kwargs, key):
     with pytest.raises(ValueError, match=f"'{key}'"):
         ZephonDataConfig(**kwargs)
@@ -43,11 +49,14 @@ def test_configure_hands_each_rank_its_shard_at_every_world_size():
         assert shards[0]["train"].microbatches_per_step == 1  # local_batch_size 0: one microbatch per step
 
 
-@pytest.mark.parametrize("world, local_batch_size, message", [
-    (5, 0, "local mode needs the worker count to divide the recipe's 12 lanes, got 5 workers"),
-    (8, 0, "divide the recipe's 12 lanes, got 8 workers"),
-    (2, 5, "local_batch_size 5 does not divide every reader's share of the recipe's global batch of 24 rows"),
-])
+@pytest.mark.parametrize(
+    "world, local_batch_size, message",
+    [
+        (5, 0, "local mode needs the worker count to divide the recipe's 12 lanes, got 5 workers"),
+        (8, 0, "divide the recipe's 12 lanes, got 8 workers"),
+        (2, 5, "local_batch_size 5 does not divide every reader's share of the recipe's global batch of 24 rows"),
+    ],
+)
 def test_configure_refuses_a_world_that_cannot_be_served(world, local_batch_size, message):
     config = ZephonDataConfig(run_id="r", local_batch_size=local_batch_size)
     with pytest.raises(ValueError, match=message) as err:
@@ -60,8 +69,12 @@ def test_shard_reads_global_batches_and_resumes_from_its_saved_state(tmp_path):
     continues at the saved step with the same rows (checked by digest against the committed goldens)."""
     from ray.train import Checkpoint
 
-    (shard,) = (s["train"] for s in ZephonDataConfig(run_id="r", local_batch_size=4, checkpoint_every=2)
-                .configure({"train": ZephonDataset(ELASTIC)}, 1, None, None))
+    (shard,) = (
+        s["train"]
+        for s in ZephonDataConfig(run_id="r", local_batch_size=4, checkpoint_every=2).configure(
+            {"train": ZephonDataset(ELASTIC)}, 1, None, None
+        )
+    )
     shard = pickle.loads(pickle.dumps(shard))
     expected = golden_digests(ELASTIC)[:5]  # the independent oracle's committed digests
     try:
@@ -129,7 +142,9 @@ def test_the_short_path_is_the_integration_module():
 
     assert ray_train is module and zephon_ray.ray_train is module
     assert ray_train.ZephonDataset is ZephonDataset and zephon_ray.ZephonDataConfig is ZephonDataConfig
-    probe = ("import sys, zephon_ray; assert 'zephon_ray.integrations.ray_train' not in sys.modules; "
-             "from zephon_ray import ray_train; print(ray_train.__name__)")
+    probe = (
+        "import sys, zephon_ray; assert 'zephon_ray.integrations.ray_train' not in sys.modules; "
+        "from zephon_ray import ray_train; print(ray_train.__name__)"
+    )
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "zephon_ray.integrations.ray_train"

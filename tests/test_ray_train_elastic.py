@@ -21,9 +21,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from train_helpers import KillOnce, bigram, fit_bigram
-
 from conftest import golden_digests
+from train_helpers import KillOnce, bigram, fit_bigram
 
 ROOT = Path(__file__).resolve().parents[1]
 ELASTIC = str(ROOT / "recipes" / "elastic.toml")
@@ -54,8 +53,15 @@ def run_schedule(tmp_path, dataset, run_id, schedule=SCHEDULE):
 
     log = str(tmp_path / "steps.jsonl")
     for world, until in schedule:
-        result = fit_bigram(dataset, workers=world, name="elastic", storage_path=str(tmp_path / "ray-results"),
-                            log_path=log, steps=until, run_id=run_id)
+        result = fit_bigram(
+            dataset,
+            workers=world,
+            name="elastic",
+            storage_path=str(tmp_path / "ray-results"),
+            log_path=log,
+            steps=until,
+            run_id=run_id,
+        )
         assert result.error is None, result.error
     return read_log(log)
 
@@ -71,8 +77,13 @@ def check(records, elastic_reference, worlds=WORLDS):
 
 def _kill_before_step_3(tmp_path, name: str) -> KillOnce:
     """Rank 1 SIGKILLs itself before step 3, once Ray Train registered the checkpoint at step 2."""
-    return KillOnce(step=3, rank=1, marker=str(tmp_path / "killed"), registered_step=1,
-                    snapshot=str(tmp_path / "ray-results" / name / "checkpoint_manager_snapshot.json"))
+    return KillOnce(
+        step=3,
+        rank=1,
+        marker=str(tmp_path / "killed"),
+        registered_step=1,
+        snapshot=str(tmp_path / "ray-results" / name / "checkpoint_manager_snapshot.json"),
+    )
 
 
 def test_service_worker_killed_then_resized_2_to_5(ray_cluster, tmp_path, elastic_reference):
@@ -84,13 +95,28 @@ def test_service_worker_killed_then_resized_2_to_5(ray_cluster, tmp_path, elasti
     from zephon_ray.integrations.ray_train import ZephonDataset
 
     log = str(tmp_path / "steps.jsonl")
-    service = DataService.start(ELASTIC, name="elastic-svc", namespace="zr-elastic-tests", producers=2, window=8,
-                                state_dir=str(tmp_path / "svc"), checkpoint_every=4)
+    service = DataService.start(
+        ELASTIC,
+        name="elastic-svc",
+        namespace="zr-elastic-tests",
+        producers=2,
+        window=8,
+        state_dir=str(tmp_path / "svc"),
+        checkpoint_every=4,
+    )
     try:
         for workers, until, hook in ((2, 4, _kill_before_step_3(tmp_path, "elastic")), (5, STEPS, None)):
-            result = fit_bigram(ZephonDataset(service), workers=workers, name="elastic", run_id="elastic-svc",
-                                storage_path=str(tmp_path / "ray-results"), log_path=log, steps=until,
-                                max_failures=1, before_step=hook)
+            result = fit_bigram(
+                ZephonDataset(service),
+                workers=workers,
+                name="elastic",
+                run_id="elastic-svc",
+                storage_path=str(tmp_path / "ray-results"),
+                log_path=log,
+                steps=until,
+                max_failures=1,
+                before_step=hook,
+            )
             assert result.error is None, result.error
     finally:
         service.stop()
@@ -109,8 +135,15 @@ def test_get_dataset_shard_4_2_3_service(ray_cluster, tmp_path, elastic_referenc
     from zephon_ray import DataService
     from zephon_ray.integrations.ray_train import ZephonDataset
 
-    service = DataService.start(ELASTIC, name="elastic-svc", namespace="zr-elastic-tests", producers=2, window=8,
-                                state_dir=str(tmp_path / "svc"), checkpoint_every=4)
+    service = DataService.start(
+        ELASTIC,
+        name="elastic-svc",
+        namespace="zr-elastic-tests",
+        producers=2,
+        window=8,
+        state_dir=str(tmp_path / "svc"),
+        checkpoint_every=4,
+    )
     try:
         records = run_schedule(tmp_path, ZephonDataset(service), "elastic-svc")
     finally:
@@ -141,22 +174,35 @@ def test_worker_killed_mid_run_replays_identical_steps(ray_cluster, tmp_path, el
     """Rank 1 of 2 SIGKILLs itself before step 3; Ray Train restarts the group from the step-2 checkpoint
     (FailureConfig(max_failures=1)), configure() hands the new group fresh shards, steps 2.. are replayed, and
     every record, replays included, matches."""
+    from examples.torchtitan_ray_train import read_log
     from zephon_ray import DataService
     from zephon_ray.integrations.ray_train import ZephonDataset
-    from examples.torchtitan_ray_train import read_log
 
     digests, losses = elastic_reference
     log, marker = str(tmp_path / "steps.jsonl"), tmp_path / "killed"
     service = None
     if mode == "service":
-        service = DataService.start(ELASTIC, name="chaos-svc", namespace="zr-elastic-tests", producers=2,
-                                    state_dir=str(tmp_path / "svc"))
+        service = DataService.start(
+            ELASTIC, name="chaos-svc", namespace="zr-elastic-tests", producers=2, state_dir=str(tmp_path / "svc")
+        )
     try:
-        result = fit_bigram(ZephonDataset(service or ELASTIC), workers=2, name="chaos",
-                            storage_path=str(tmp_path / "ray-results"), log_path=log, steps=6, run_id="chaos",
-                            max_failures=1, before_step=KillOnce(
-                                step=3, rank=1, marker=str(marker), registered_step=1,  # the checkpoint at 2
-                                snapshot=str(tmp_path / "ray-results" / "chaos" / "checkpoint_manager_snapshot.json")))
+        result = fit_bigram(
+            ZephonDataset(service or ELASTIC),
+            workers=2,
+            name="chaos",
+            storage_path=str(tmp_path / "ray-results"),
+            log_path=log,
+            steps=6,
+            run_id="chaos",
+            max_failures=1,
+            before_step=KillOnce(
+                step=3,
+                rank=1,
+                marker=str(marker),
+                registered_step=1,  # the checkpoint at 2
+                snapshot=str(tmp_path / "ray-results" / "chaos" / "checkpoint_manager_snapshot.json"),
+            ),
+        )
     finally:
         if service is not None:
             service.stop()

@@ -32,7 +32,6 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import golden_digests, run_spawned_driver
-
 from zephon_ray import GlobalBatchSource, Recipe, compute_digest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,7 +49,6 @@ def _drive(work: str, log: str, summary: str) -> None:
     """The driver (in a spawned process): start the cluster, fit() elastically, add a node once the W=2 ranks hold
     step HOLD."""
     import ray
-
     from train_helpers import HoldForRestart, fit_bigram
 
     from tests.ray_clusters import checkout_pythonpath, local_cluster
@@ -60,18 +58,29 @@ def _drive(work: str, log: str, summary: str) -> None:
     try:
         with local_cluster("zr-inplace-", {"num_cpus": MIN_W}) as (cluster, temp_dir):
             info["temp_dir"] = temp_dir
-            ray.init(address=cluster.address, namespace="zr-inplace-resize", log_to_driver=False,
-                     runtime_env={"env_vars": {"PYTHONPATH": checkout_pythonpath()}})
+            ray.init(
+                address=cluster.address,
+                namespace="zr-inplace-resize",
+                log_to_driver=False,
+                runtime_env={"env_vars": {"PYTHONPATH": checkout_pythonpath()}},
+            )
 
             def train() -> None:
                 try:
-                    result = fit_bigram(ZephonDataset(ELASTIC), workers=(MIN_W, MAX_W), name="inplace",
-                                        storage_path=str(Path(work) / "ray-results"), log_path=log, steps=STEPS,
-                                        run_id="inplace", cpu_per_worker=1.0,
-                                        elastic_resize_monitor_interval_s=MONITOR_S,
-                                        before_digest=HoldForRestart(HOLD, MIN_W, work, HOLD_TIMEOUT_S))
+                    result = fit_bigram(
+                        ZephonDataset(ELASTIC),
+                        workers=(MIN_W, MAX_W),
+                        name="inplace",
+                        storage_path=str(Path(work) / "ray-results"),
+                        log_path=log,
+                        steps=STEPS,
+                        run_id="inplace",
+                        cpu_per_worker=1.0,
+                        elastic_resize_monitor_interval_s=MONITOR_S,
+                        before_digest=HoldForRestart(HOLD, MIN_W, work, HOLD_TIMEOUT_S),
+                    )
                     info["error"] = None if result.error is None else repr(result.error)
-                except BaseException as exc:  # reported to the test, which fails on it
+                except BaseException as exc:  # noqa: BLE001 - reported to the test, which fails on it
                     info["error"] = repr(exc)
                 info["fit_end"] = time.time()
 
@@ -87,7 +96,7 @@ def _drive(work: str, log: str, summary: str) -> None:
                 cluster.add_node(num_cpus=MAX_W - MIN_W, temp_dir=temp_dir)
                 info["node_added"] = time.time()
             trainer.join()
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - the driver reports everything to the test
         info.setdefault("error", repr(exc))
     finally:
         Path(summary).write_text(json.dumps(info))
@@ -106,15 +115,24 @@ def test_inplace_upsize_in_one_fit_keeps_global_batches(tmp_path):
     with GlobalBatchSource(Recipe.from_toml(ELASTIC)) as source:
         batches = [source.batch(s) for s in range(STEPS)]
         digests = [b.digest for b in batches]
-        slice_digests = {(s, r, w): compute_digest(part.tokens, part.positions)
-                         for s, b in enumerate(batches) for w in (MIN_W, MAX_W) for r in range(w)
-                         for part in [b.slice(r, w)]}
+        slice_digests = {
+            (s, r, w): compute_digest(part.tokens, part.positions)
+            for s, b in enumerate(batches)
+            for w in (MIN_W, MAX_W)
+            for r in range(w)
+            for part in [b.slice(r, w)]
+        }
     assert digests == golden_digests(ELASTIC)[:STEPS]  # the in-process reference is the oracle's
     assert all(digests[s] == GOLDEN[s] for s in GOLDEN if s < STEPS)  # the reference is the oracle's
 
     log, summary = str(tmp_path / "steps.jsonl"), tmp_path / "summary.json"
-    info = run_spawned_driver(_drive, (str(tmp_path), log, str(summary)), summary, DRIVER_TIMEOUT_S,
-                              detail=lambda: f"; records: {read_log(log)}")
+    info = run_spawned_driver(
+        _drive,
+        (str(tmp_path), log, str(summary)),
+        summary,
+        DRIVER_TIMEOUT_S,
+        detail=lambda: f"; records: {read_log(log)}",
+    )
     records = read_log(log)
     assert info.get("error") is None, info["error"]
     assert "node_added" in info, f"training ended before the ranks held step {HOLD}: {records}"
@@ -127,8 +145,9 @@ def test_inplace_upsize_in_one_fit_keeps_global_batches(tmp_path):
     # The schedule is fixed by the hold: steps 0..HOLD-1 at W=2, then (after the node joined) a new W=4 group
     # resuming from the checkpoint at HOLD-1, all in this one fit().
     steps_worlds = [(r["step"], r["world"]) for r in records]
-    assert steps_worlds == [(s, MIN_W) for s in range(HOLD)] + [(s, MAX_W) for s in range(HOLD - 1, STEPS)], \
+    assert steps_worlds == [(s, MIN_W) for s in range(HOLD)] + [(s, MAX_W) for s in range(HOLD - 1, STEPS)], (
         steps_worlds
+    )
     assert records[HOLD]["time"] > info["node_added"] > info["hold_seen"]
     assert records[HOLD - 1]["pid"] != records[HOLD]["pid"]  # rank 0 was restarted
 
@@ -139,5 +158,6 @@ def test_inplace_upsize_in_one_fit_keeps_global_batches(tmp_path):
     held = {(a["rank"], a["phase"]) for a in audit if a["step"] == HOLD and a["world"] == MIN_W}
     assert {(r, "end") for r in range(MIN_W)} <= held, sorted(held)
     trained = {(a["step"], a["rank"], a["world"]) for a in audit if a["phase"] == "end"}
-    assert trained >= {(s, r, MIN_W) for s in range(HOLD + 1) for r in range(MIN_W)} | \
-        {(s, r, MAX_W) for s in range(HOLD - 1, STEPS) for r in range(MAX_W)}
+    assert trained >= {(s, r, MIN_W) for s in range(HOLD + 1) for r in range(MIN_W)} | {
+        (s, r, MAX_W) for s in range(HOLD - 1, STEPS) for r in range(MAX_W)
+    }

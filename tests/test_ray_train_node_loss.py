@@ -32,7 +32,6 @@ DRIVER_TIMEOUT_S = 540
 
 def _drive(work: str, log: str, summary: str) -> None:
     import ray
-
     from train_helpers import fit_bigram
 
     from examples.torchtitan_ray_train import read_log
@@ -49,23 +48,43 @@ def _drive(work: str, log: str, summary: str) -> None:
                 doomed = cluster.add_node(num_cpus=2, resources={"slot": MAX_W - LEFT_W}, temp_dir=temp_dir)
                 # Ray Train's start timeout: a group sized from a stale view of the cluster fails fast and is retried.
                 env = {"PYTHONPATH": checkout_pythonpath(), "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "20"}
-                ray.init(address=cluster.address, namespace="zr-node-loss", log_to_driver=False,
-                         runtime_env={"env_vars": env})
+                ray.init(
+                    address=cluster.address,
+                    namespace="zr-node-loss",
+                    log_to_driver=False,
+                    runtime_env={"env_vars": env},
+                )
                 pin = {"head": 0.01}
-                service = DataService.start(ELASTIC, name="node-loss", namespace="zr-node-loss", producers=2, window=8,
-                                            state_dir=str(Path(work) / "svc"), checkpoint_every=4,
-                                            aggregate_store="torch://", run_id="node-loss",
-                                            resources={"coordinator_resources": pin, "producer_resources": pin,
-                                                       "replayer_resources": pin})
+                service = DataService.start(
+                    ELASTIC,
+                    name="node-loss",
+                    namespace="zr-node-loss",
+                    producers=2,
+                    window=8,
+                    state_dir=str(Path(work) / "svc"),
+                    checkpoint_every=4,
+                    aggregate_store="torch://",
+                    run_id="node-loss",
+                    resources={"coordinator_resources": pin, "producer_resources": pin, "replayer_resources": pin},
+                )
 
                 def train() -> None:
                     try:
-                        result = fit_bigram(ZephonDataset(service), workers=(MIN_W, MAX_W), name="node-loss",
-                                            storage_path=str(Path(work) / "ray-results"), log_path=log, steps=STEPS,
-                                            run_id="node-loss", cpu_per_worker=0.1, worker_resources={"slot": 1},
-                                            max_failures=3, elastic_resize_monitor_interval_s=5.0)
+                        result = fit_bigram(
+                            ZephonDataset(service),
+                            workers=(MIN_W, MAX_W),
+                            name="node-loss",
+                            storage_path=str(Path(work) / "ray-results"),
+                            log_path=log,
+                            steps=STEPS,
+                            run_id="node-loss",
+                            cpu_per_worker=0.1,
+                            worker_resources={"slot": 1},
+                            max_failures=3,
+                            elastic_resize_monitor_interval_s=5.0,
+                        )
                         info["error"] = None if result.error is None else repr(result.error)
-                    except BaseException as exc:
+                    except BaseException as exc:  # noqa: BLE001 - reported to the test
                         info["error"] = repr(exc)
 
                 trainer = threading.Thread(target=train, daemon=True)
@@ -79,7 +98,7 @@ def _drive(work: str, log: str, summary: str) -> None:
                 trainer.join()
             finally:
                 stop_quietly(service)
-    except BaseException as exc:
+    except BaseException as exc:  # noqa: BLE001 - the driver reports everything to the test
         info.setdefault("error", repr(exc))
     finally:
         Path(summary).write_text(json.dumps(info))
@@ -88,13 +107,19 @@ def _drive(work: str, log: str, summary: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(660)
 def test_losing_a_node_resumes_at_the_odd_worker_count_with_the_same_batches(tmp_path):
-    from examples import bigram
-    from examples.torchtitan_ray_train import read_log
     import oracle
 
+    from examples import bigram
+    from examples.torchtitan_ray_train import read_log
+
     log, summary = str(tmp_path / "steps.jsonl"), tmp_path / "summary.json"
-    info = run_spawned_driver(_drive, (str(tmp_path), log, str(summary)), summary, DRIVER_TIMEOUT_S,
-                              detail=lambda: f"; records: {read_log(log)}")
+    info = run_spawned_driver(
+        _drive,
+        (str(tmp_path), log, str(summary)),
+        summary,
+        DRIVER_TIMEOUT_S,
+        detail=lambda: f"; records: {read_log(log)}",
+    )
     records = read_log(log)
     assert info.get("error") is None, info["error"]
     assert "node_removed" in info, f"training ended before the node could be removed: {records}"

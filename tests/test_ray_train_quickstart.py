@@ -69,13 +69,13 @@ def _reference_weights(steps: int) -> dict:
     optim = torch.optim.SGD(model.parameters(), lr=0.05)
     with GlobalBatchSource(recipe) as source:
         for step in range(steps):
-            (inputs, labels), = source.batch(step).slice(0, 1).microbatches(recipe.global_batch_rows)
+            ((inputs, labels),) = source.batch(step).slice(0, 1).microbatches(recipe.global_batch_rows)
             torch.nn.functional.cross_entropy(model(inputs["input"]).flatten(0, 1), labels.flatten()).backward()
             optim.step(), optim.zero_grad()
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 
-_IMPORT_AND_READ = r'''
+_IMPORT_AND_READ = r"""
 import importlib.util, sys
 spec = importlib.util.spec_from_file_location("quickstart", sys.argv[1])
 spec.loader.exec_module(importlib.util.module_from_spec(spec))  # every import the example makes, none of its run
@@ -86,7 +86,7 @@ from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
 for batch in shard.iter_steps(until=3):
     print("step", batch.step, compute_digest(batch.slice.tokens, batch.slice.positions))
 shard.close()
-'''
+"""
 
 
 def _blocked_env(tmp_path: Path) -> tuple[Path, dict]:
@@ -100,12 +100,19 @@ def test_quickstart_imports_and_reads_the_golden_rows_without_torchtitan(tmp_pat
     from conftest import golden_digests
 
     block, env = _blocked_env(tmp_path)
-    proc = subprocess.run([sys.executable, "-c", _IMPORT_AND_READ, str(QUICKSTART), str(ELASTIC)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-c", _IMPORT_AND_READ, str(QUICKSTART), str(ELASTIC)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     golden = golden_digests(ELASTIC)
-    assert [line for line in proc.stdout.splitlines() if line.startswith("step ")] == \
-        [f"step {s} {golden[s]}" for s in range(3)], proc.stdout[-2000:]
+    assert [line for line in proc.stdout.splitlines() if line.startswith("step ")] == [
+        f"step {s} {golden[s]}" for s in range(3)
+    ], proc.stdout[-2000:]
     installed = (block / "installed.log").read_text()  # the block was active in that process
     assert installed.strip(), "the sitecustomize blocker never ran"
     attempts = block / "attempts.log"  # torch may probe for triton (and copes); nothing may even try torchtitan
@@ -131,11 +138,18 @@ def _run(tmp_path: Path, block: Path, env: dict) -> None:
 
     storage = tmp_path / "results"
     for world, steps in ((1, 2), (5, 4)):
-        proc = subprocess.run([sys.executable, str(QUICKSTART), str(world), str(steps), str(storage)], env=env,
-                              capture_output=True, text=True, timeout=400, cwd=tmp_path)
+        proc = subprocess.run(
+            [sys.executable, str(QUICKSTART), str(world), str(steps), str(storage)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=400,
+            cwd=tmp_path,
+        )
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-        assert f"last step trained: {steps - 1}; resume: python {QUICKSTART} W STEPS {storage}" in proc.stdout, \
+        assert f"last step trained: {steps - 1}; resume: python {QUICKSTART} W STEPS {storage}" in proc.stdout, (
             proc.stdout[-2000:]
+        )
 
     # The block was active in the driver and in the Ray workers (the train workers among them).
     installed = (block / "installed.log").read_text()
@@ -149,8 +163,16 @@ def _run(tmp_path: Path, block: Path, env: dict) -> None:
     assert sorted(states) == [1, 2, 3, 4], sorted(states)
     final = states[4]
     state = json.loads((final / "zephon_loader.json").read_text())
-    assert set(state) == {"version", "run_id", "fingerprint", "next_step", "zephon", "replayed_steps", "ledger",
-                          "run_schedule"}
+    assert set(state) == {
+        "version",
+        "run_id",
+        "fingerprint",
+        "next_step",
+        "zephon",
+        "replayed_steps",
+        "ledger",
+        "run_schedule",
+    }
     assert state["run_id"] == "quickstart" and state["zephon"] == ""  # service mode: no Zephon state in the loader
     weights = torch.load(final / "model.pt", weights_only=True)
     reference = _reference_weights(4)

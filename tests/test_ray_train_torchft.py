@@ -35,9 +35,27 @@ def test_a_killed_replica_group_keeps_the_global_batch_under_ray_train_torchft(t
 
     out, ledger = tmp_path / "summary.json", tmp_path / "ledger"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}  # the example starts a private Ray
-    proc = subprocess.run([sys.executable, str(EXAMPLE), "--workers", "2", "--steps", "7", "--kill", "1@2",
-                           "--ledger", str(ledger), "--json", str(out)], capture_output=True, text=True,
-                          timeout=900, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(EXAMPLE),
+            "--workers",
+            "2",
+            "--steps",
+            "7",
+            "--kill",
+            "1@2",
+            "--ledger",
+            str(ledger),
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(ROOT)},
+    )
     assert out.is_file(), (proc.stdout + proc.stderr)[-4000:]
     summary = json.loads(out.read_text())
     assert proc.returncode == 0 and summary["error"] is None, (summary, (proc.stdout + proc.stderr)[-3000:])

@@ -23,10 +23,17 @@ def test_torchtitan_under_ray_train_2_to_1(ray_cluster, tmp_path, reference_dige
 
     log = str(tmp_path / "steps.jsonl")
     for world, until in ((2, 2), (1, 4)):
-        run = TitanRun(recipe=TINY, run_id="titan-ray", dump_folder=str(tmp_path / "dump"), log_path=log,
-                       steps=until, checkpoint_every=2, mode="local", aggregate_store="torch://")
-        result = fit(run, workers=world, name="titan", storage_path=str(tmp_path / "ray-results"),
-                     cpu_per_worker=0.5)
+        run = TitanRun(
+            recipe=TINY,
+            run_id="titan-ray",
+            dump_folder=str(tmp_path / "dump"),
+            log_path=log,
+            steps=until,
+            checkpoint_every=2,
+            mode="local",
+            aggregate_store="torch://",
+        )
+        result = fit(run, workers=world, name="titan", storage_path=str(tmp_path / "ray-results"), cpu_per_worker=0.5)
         assert result.error is None, result.error
     records = read_log(log)
     assert [(r["step"], r["world"]) for r in records] == [(0, 2), (1, 2), (2, 1), (3, 1)]

@@ -8,9 +8,9 @@ import shutil
 from pathlib import Path
 
 import pytest
+from conftest import ROOT, TINY
 
 from zephon_ray import Recipe, RecipeError
-from conftest import ROOT, TINY
 
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny"
 
@@ -25,12 +25,12 @@ tokenizer = "bytes"
 
 [[sources]]
 name = "prose"
-path = "{FIXTURE / 'prose'}"
+path = "{FIXTURE / "prose"}"
 weight = 0.6
 
 [[sources]]
 name = "code"
-path = "{FIXTURE / 'code'}"
+path = "{FIXTURE / "code"}"
 weight = 0.4
 """
 
@@ -117,24 +117,40 @@ BAD = [
     ("bool where an int belongs", lambda t: t.replace("lanes = 4", "lanes = true"), "'lanes'"),
     ("missing required key", lambda t: t.replace("seed = 1\n", ""), "'seed'"),
     ("zero size", lambda t: t.replace("rows_per_microbatch = 2", "rows_per_microbatch = 0"), "'rows_per_microbatch'"),
-    ("negative size", lambda t: t.replace("microbatches_per_lane = 1", "microbatches_per_lane = -1"),
-     "'microbatches_per_lane'"),
+    (
+        "negative size",
+        lambda t: t.replace("microbatches_per_lane = 1", "microbatches_per_lane = -1"),
+        "'microbatches_per_lane'",
+    ),
     ("missing source dir", lambda t: t.replace(str(FIXTURE / "code"), "/nonexistent/code"), "/nonexistent/code"),
     ("chunk_size larger than a source", lambda t: t.replace("chunk_size = 8", "chunk_size = 100000"), "'chunk_size'"),
-    ("missing tokenizer file", lambda t: t.replace('"bytes"', '"/nonexistent/tokenizer.json"'),
-     "/nonexistent/tokenizer.json"),
+    (
+        "missing tokenizer file",
+        lambda t: t.replace('"bytes"', '"/nonexistent/tokenizer.json"'),
+        "/nonexistent/tokenizer.json",
+    ),
     ("unknown packing", lambda t: t.replace("seed = 1", 'seed = 1\npacking = "tetris"'), "'packing'"),
-    ("best_fit without packing_bins", lambda t: t.replace("seed = 1", 'seed = 1\npacking = "best_fit"'),
-     "'packing_bins'"),
-    ("packing_bins with wrap", lambda t: t.replace("seed = 1", 'seed = 1\npacking_bins = 4'), "'packing_bins'"),
+    (
+        "best_fit without packing_bins",
+        lambda t: t.replace("seed = 1", 'seed = 1\npacking = "best_fit"'),
+        "'packing_bins'",
+    ),
+    ("packing_bins with wrap", lambda t: t.replace("seed = 1", "seed = 1\npacking_bins = 4"), "'packing_bins'"),
     ("negative weight", lambda t: t.replace("weight = 0.6", "weight = -1"), "'sources[0].weight'"),
-    ("no positive weight", lambda t: t.replace("weight = 0.6", "weight = 0").replace("weight = 0.4", "weight = 0"),
-     "'sources'"),
+    (
+        "no positive weight",
+        lambda t: t.replace("weight = 0.6", "weight = 0").replace("weight = 0.4", "weight = 0"),
+        "'sources'",
+    ),
     ("duplicate source name", lambda t: t.replace('name = "code"', 'name = "prose"'), "'sources[1].name'"),
     ("misspelled source key", lambda t: t.replace('name = "code"', 'nmae = "code"'), "'sources[1].nmae'"),
     ("unknown format", lambda t: t.replace('name = "code"', 'name = "code"\nformat = "csv"'), "'sources[1].format'"),
     ("misspelled shuffle key", lambda t: t + "\n[shuffle]\nshard = true\n", "'shuffle.shard'"),
-    ("both aggregate store and dir", lambda t: t + '\n[aggregate]\nstore = "torch://"\ndir = "/tmp/x"\n', "'aggregate'"),
+    (
+        "both aggregate store and dir",
+        lambda t: t + '\n[aggregate]\nstore = "torch://"\ndir = "/tmp/x"\n',
+        "'aggregate'",
+    ),
     ("no sources", lambda t: t.split("[[sources]]")[0] + "sources = []\n", "'sources'"),
     ("not TOML", lambda t: t + "\nthis is = = not toml\n", "not valid TOML"),
 ]
@@ -210,9 +226,11 @@ def _load_without_override(recipe_path: Path) -> str:
     import subprocess
     import sys
 
-    code = ("import sys\nfrom zephon_ray import Recipe, RecipeError\n"
-            "try:\n    Recipe.from_toml(sys.argv[1])\n    print('LOADED')\n"
-            "except RecipeError as exc:\n    print('ERROR', exc)\n")
+    code = (
+        "import sys\nfrom zephon_ray import Recipe, RecipeError\n"
+        "try:\n    Recipe.from_toml(sys.argv[1])\n    print('LOADED')\n"
+        "except RecipeError as exc:\n    print('ERROR', exc)\n"
+    )
     prefix = []
     if os.geteuid() == 0:
         setpriv = shutil.which("setpriv")
@@ -221,8 +239,14 @@ def _load_without_override(recipe_path: Path) -> str:
         drop = "-dac_override,-dac_read_search"
         prefix = [setpriv, f"--inh-caps={drop}", f"--bounding-set={drop}"]
     env = {**os.environ, "ZEPHON_RAY_CACHE_DIR": str(recipe_path.parent / "cache")}
-    proc = subprocess.run([*prefix, sys.executable, "-c", code, str(recipe_path)], capture_output=True, text=True,
-                          timeout=300, env=env, cwd=str(recipe_path.parent))
+    proc = subprocess.run(
+        [*prefix, sys.executable, "-c", code, str(recipe_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(recipe_path.parent),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout.strip()
 

@@ -100,8 +100,10 @@ def test_two_buckets_read_at_once_on_one_node(s3, remote_recipe, reference_diges
     from zephon_ray import GlobalBatchSource, Recipe
 
     other = tiny_bucket(s3, "zr-data-other")
-    with GlobalBatchSource(remote_recipe) as first, \
-            GlobalBatchSource(Recipe.from_toml(f"s3://{other}/recipes/tiny.toml")) as second:
+    with (
+        GlobalBatchSource(remote_recipe) as first,
+        GlobalBatchSource(Recipe.from_toml(f"s3://{other}/recipes/tiny.toml")) as second,
+    ):
         for step in range(3):
             assert first.batch(step).digest == second.batch(step).digest == reference_digests[step]
 
@@ -143,8 +145,9 @@ def test_remote_identity_is_the_listing_and_etags(s3, tmp_path, capsys):
     one_line(info.value, "shard-00001.jsonl: sha256")
 
 
-@pytest.mark.parametrize("what", ["missing bucket", "missing prefix", "prefix with no shards", "wrong credentials",
-                                  "unreachable endpoint"])
+@pytest.mark.parametrize(
+    "what", ["missing bucket", "missing prefix", "prefix with no shards", "wrong credentials", "unreachable endpoint"]
+)
 def test_bad_remote_sources_are_one_line(s3, bucket, tmp_path, monkeypatch, what):
     from zephon_ray import Recipe, RecipeError, storage, zephon_io
 
@@ -172,8 +175,11 @@ def test_bad_remote_sources_are_one_line(s3, bucket, tmp_path, monkeypatch, what
         zephon_io.reset_storage()
         expect = "cannot"
     recipe_path = tmp_path / "r.toml"
-    recipe_path.write_text(TINY.read_text().replace('"data/tiny/code"', f'"{source}"').replace(
-        'path = "data/tiny/prose"', f'path = "{RECIPES / "data" / "tiny" / "prose"}"'))
+    recipe_path.write_text(
+        TINY.read_text()
+        .replace('"data/tiny/code"', f'"{source}"')
+        .replace('path = "data/tiny/prose"', f'path = "{RECIPES / "data" / "tiny" / "prose"}"')
+    )
     t0 = time.monotonic()
     try:
         with pytest.raises(RecipeError) as info:
@@ -235,19 +241,23 @@ def materialized_s3(ray_cluster, s3, remote_recipe):
 
 
 # Proves formats/materialized.py: a directory in a bucket commits, extends and reads back as a local one does.
-def test_materialize_to_s3_extend_and_read_back(s3, bucket, materialized_s3, reference_digests, tiny_recipe,
-                                                capsys):
+def test_materialize_to_s3_extend_and_read_back(s3, bucket, materialized_s3, reference_digests, tiny_recipe, capsys):
     from zephon_ray import MaterializedSource
     from zephon_ray.cli import main
 
     out_bucket, prefix = materialized_s3[5:].split("/", 1)
-    objects = sorted(k[len(prefix) + 1:] for k in s3.keys(out_bucket) if not k.endswith("/"))  # no dir markers
-    assert objects == ["checkpoints/step-000000000004.json", "checkpoints/step-000000000006.json",
-                       "checkpoints/step-000000000008.json", "checkpoints/step-000000000010.json", "manifest.json",
-                       "segments/steps-000000000000-000000000004.parquet",
-                       "segments/steps-000000000004-000000000006.parquet",
-                       "segments/steps-000000000006-000000000008.parquet",
-                       "segments/steps-000000000008-000000000010.parquet"], objects  # no .work-* or temp objects
+    objects = sorted(k[len(prefix) + 1 :] for k in s3.keys(out_bucket) if not k.endswith("/"))  # no dir markers
+    assert objects == [
+        "checkpoints/step-000000000004.json",
+        "checkpoints/step-000000000006.json",
+        "checkpoints/step-000000000008.json",
+        "checkpoints/step-000000000010.json",
+        "manifest.json",
+        "segments/steps-000000000000-000000000004.parquet",
+        "segments/steps-000000000004-000000000006.parquet",
+        "segments/steps-000000000006-000000000008.parquet",
+        "segments/steps-000000000008-000000000010.parquet",
+    ], objects  # no .work-* or temp objects
     with MaterializedSource(materialized_s3) as source:
         assert [source.batch(s).digest for s in range(10)] == reference_digests[:10]
         source.verify()
@@ -255,8 +265,21 @@ def test_materialize_to_s3_extend_and_read_back(s3, bucket, materialized_s3, ref
     step3 = sorted((r for r in rows if r["step"] == 3), key=lambda r: r["row"])
     assert {r["digest"] for r in step3} == {reference_digests[3]} and len(rows) == 10 * tiny_recipe.global_batch_rows
     # The CLI's --via dataset over the same URIs, the recipe read from the bucket too.
-    assert main(["digest", f"s3://{bucket}/recipes/tiny.toml", "--steps", "2:10", "--via", "dataset", "--dataset",
-                 materialized_s3]) == 0
+    assert (
+        main(
+            [
+                "digest",
+                f"s3://{bucket}/recipes/tiny.toml",
+                "--steps",
+                "2:10",
+                "--via",
+                "dataset",
+                "--dataset",
+                materialized_s3,
+            ]
+        )
+        == 0
+    )
     lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("\x1b[33m(raylet)")]
     assert lines == [f"step {s} {reference_digests[s]}" for s in range(2, 10)]
 
@@ -267,8 +290,9 @@ def test_loader_dataset_mode_reads_s3(bucket, materialized_s3):
     from zephon_ray.torchtitan import ZephonRayDataLoader
 
     source = MaterializedSource(materialized_s3)
-    cfg = ZephonRayDataLoader.Config(recipe=f"s3://{bucket}/recipes/tiny.toml", mode="dataset",
-                                     dataset_dir=materialized_s3)
+    cfg = ZephonRayDataLoader.Config(
+        recipe=f"s3://{bucket}/recipes/tiny.toml", mode="dataset", dataset_dir=materialized_s3
+    )
     for rank in range(2):
         with cfg.build(dp_world_size=2, dp_rank=rank, seq_len=64, local_batch_size=2) as loader:
             it = iter(loader)
@@ -358,19 +382,28 @@ def test_service_two_producers_state_dir_on_s3_and_a_cold_restart(ray_cluster, s
     from zephon_ray import DataService
 
     state_dir = f"s3://{s3.new_bucket('zr-state')}/services/run1"
-    service = DataService.start(remote_recipe, name="s3-two", namespace="zr-s3-tests", state_dir=state_dir,
-                                producers=2, aggregate_store="torch://", run_id="s3-two", checkpoint_every=2,
-                                window=4)
+    service = DataService.start(
+        remote_recipe,
+        name="s3-two",
+        namespace="zr-s3-tests",
+        state_dir=state_dir,
+        producers=2,
+        aggregate_store="torch://",
+        run_id="s3-two",
+        checkpoint_every=2,
+        window=4,
+    )
     try:
         assert [service.batch(s, track=True).digest for s in range(STEPS)] == reference_digests[:STEPS]
         service.commit(4)
     finally:
         service.stop()
     bucket, prefix = state_dir[5:].split("/", 1)
-    names = {k[len(prefix) + 1:] for k in s3.keys(bucket) if not k.endswith("/")}
+    names = {k[len(prefix) + 1 :] for k in s3.keys(bucket) if not k.endswith("/")}
     assert {"service.json", "commits.json", "checkpoints/step-000000000002.json"} <= names, names
-    service = DataService.start(remote_recipe, name="s3-two", namespace="zr-s3-tests", state_dir=state_dir,
-                                checkpoint_every=2, window=4)
+    service = DataService.start(
+        remote_recipe, name="s3-two", namespace="zr-s3-tests", state_dir=state_dir, checkpoint_every=2, window=4
+    )
     try:
         start = service.status()["start"]
         assert start["start_step"] == 4 and start["checkpoint_step"] == 4, start
@@ -385,8 +418,10 @@ def test_local_loader_mode_reads_the_bucket(bucket, tiny_recipe):
     from zephon_ray.torchtitan import ZephonRayDataLoader
 
     cfg = ZephonRayDataLoader.Config(recipe=f"s3://{bucket}/recipes/tiny.toml", mode="local")
-    with GlobalBatchSource(tiny_recipe) as source, cfg.build(dp_world_size=1, dp_rank=0, seq_len=64,
-                                                             local_batch_size=4) as loader:
+    with (
+        GlobalBatchSource(tiny_recipe) as source,
+        cfg.build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4) as loader,
+    ):
         it = iter(loader)
         for step in range(3):
             rows = []
@@ -410,8 +445,12 @@ def test_ray_train_checkpoint_on_s3_restores(s3, bucket, tmp_path):
     from zephon_ray.integrations.ray_train import ZephonDataConfig, ZephonDataset
 
     recipe_uri = f"s3://{bucket}/recipes/tiny.toml"
-    (shard,) = (s["train"] for s in ZephonDataConfig(run_id="r", local_batch_size=4, checkpoint_every=2)
-                .configure({"train": ZephonDataset(recipe_uri)}, 1, None, None))
+    (shard,) = (
+        s["train"]
+        for s in ZephonDataConfig(run_id="r", local_batch_size=4, checkpoint_every=2).configure(
+            {"train": ZephonDataset(recipe_uri)}, 1, None, None
+        )
+    )
     shard = pickle.loads(pickle.dumps(shard))
     with GlobalBatchSource(Recipe.from_toml(recipe_uri)) as source:
         expected = [source.batch(s).digest for s in range(4)]
@@ -440,8 +479,9 @@ def test_a_ledger_and_its_loader_state_in_a_bucket_audit_clean(s3, bucket, capsy
     from zephon_ray.stream.loader import Loader, LoaderConfig
 
     base = f"s3://{s3.new_bucket('zr-ledger')}/run"
-    config = LoaderConfig(recipe=f"s3://{bucket}/recipes/tiny.toml", mode="local", run_id="s3",
-                          ledger_dir=f"{base}/ledger")
+    config = LoaderConfig(
+        recipe=f"s3://{bucket}/recipes/tiny.toml", mode="local", run_id="s3", ledger_dir=f"{base}/ledger"
+    )
 
     def train(state, steps):
         with Loader(config, rank=0, world=1) as loader:
@@ -461,7 +501,8 @@ def test_a_ledger_and_its_loader_state_in_a_bucket_audit_clean(s3, bucket, capsy
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].startswith("note: discarded branch: steps 2..3 at W=1") and lines[1] == (
         "audit: clean: steps [0, 5) each trained exactly once in a lineage of 2 segment(s) (W 1); 5 slice digests "
-        "matched the recipe's global batches"), lines
+        "matched the recipe's global batches"
+    ), lines
 
 
 def test_missing_bucket_and_wrong_credentials_for_what_we_write(s3, materialized_s3, tiny_recipe):

@@ -43,8 +43,15 @@ def test_coordinator_kill9_heals_from_s3_state_with_a_prefix_on_s3(ray_cluster, 
     prefix = f"s3://{s3.new_bucket('zr-prefix')}/tiny"
     materialize(recipe, prefix, range(0, 8), segment_steps=4, progress=False)
     state_dir = f"s3://{s3.new_bucket('zr-heal-state')}/run"
-    kwargs = dict(name="s3-heal", namespace="zr-s3-cluster", state_dir=state_dir, materialized_dir=prefix,
-                  checkpoint_every=4, window=4, reconnect_timeout_s=240)
+    kwargs = dict(
+        name="s3-heal",
+        namespace="zr-s3-cluster",
+        state_dir=state_dir,
+        materialized_dir=prefix,
+        checkpoint_every=4,
+        window=4,
+        reconnect_timeout_s=240,
+    )
     service = DataService.start(recipe, **kwargs)
     try:
         assert [service.batch(s, track=True).digest for s in range(6)] == reference_digests[:6]
@@ -89,8 +96,10 @@ def test_ray_train_storage_on_s3_resumes_at_another_world_size(ray_cluster, s3, 
     run_storage = storage.ray_train_storage(f"s3://{train_bucket}/ray-results")
     for world, until in ((2, 4), (1, 6)):
         result = TorchTrainer(
-            bigram.train_loop, train_loop_config={"log_path": log, "steps": until, "checkpoint_every": 2},
-            datasets={"train": dataset}, dataset_config=ZephonDataConfig(run_id="s3-train", checkpoint_every=2),
+            bigram.train_loop,
+            train_loop_config={"log_path": log, "steps": until, "checkpoint_every": 2},
+            datasets={"train": dataset},
+            dataset_config=ZephonDataConfig(run_id="s3-train", checkpoint_every=2),
             scaling_config=ScalingConfig(num_workers=world, resources_per_worker={"CPU": 0.25}),
             run_config=RunConfig(name="s3-train", **run_storage),
         ).fit()
@@ -151,19 +160,38 @@ def _no_shared_directory_driver(scratch: str, data_bucket: str, out_bucket: str,
         with local_cluster("", head, temp_dir=str(tmp / "ray")) as (cluster, ray_dir):
             for name in ("node_a", "node_b"):
                 cluster.add_node(num_cpus=2, resources={name: 1}, temp_dir=ray_dir)
-            ray.init(address=cluster.address, namespace="zr-no-shared", log_to_driver=False,
-                     # The job's workers see the same stores (and import examples/ from the checkout).
-                     runtime_env={"env_vars": {**storage.worker_environment(), "PYTHONPATH": str(ROOT)}})
+            ray.init(
+                address=cluster.address,
+                namespace="zr-no-shared",
+                log_to_driver=False,
+                # The job's workers see the same stores (and import examples/ from the checkout).
+                runtime_env={"env_vars": {**storage.worker_environment(), "PYTHONPATH": str(ROOT)}},
+            )
             info["cluster_s"] = round(time.monotonic() - t0, 1)
             recipe = Recipe.from_toml(f"s3://{data_bucket}/recipes/tiny.toml")
             out = f"s3://{out_bucket}"
-            materialize(recipe, f"{out}/materialized", range(0, 8), producers=2, segment_steps=4, cpus_per_actor=0.75,
-                        progress=False)
+            materialize(
+                recipe,
+                f"{out}/materialized",
+                range(0, 8),
+                producers=2,
+                segment_steps=4,
+                cpus_per_actor=0.75,
+                progress=False,
+            )
             with MaterializedSource(f"{out}/materialized", recipe=recipe) as source:
                 info["materialized"] = [source.batch(s).digest for s in range(8)]
-            service = DataService.start(recipe, name="no-shared", namespace="zr-no-shared", producers=2,
-                                        state_dir=f"{out}/state", aggregate_dir=f"{out}/service-aggregate",
-                                        run_id="no-shared", checkpoint_every=2, window=4)
+            service = DataService.start(
+                recipe,
+                name="no-shared",
+                namespace="zr-no-shared",
+                producers=2,
+                state_dir=f"{out}/state",
+                aggregate_dir=f"{out}/service-aggregate",
+                run_id="no-shared",
+                checkpoint_every=2,
+                window=4,
+            )
             try:
                 info["service"] = [service.batch(s, track=True).digest for s in range(8)]
                 service.commit(6)
@@ -172,9 +200,13 @@ def _no_shared_directory_driver(scratch: str, data_bucket: str, out_bucket: str,
                 service.stop()
             log = str(tmp / "train-steps.jsonl")  # test scaffolding (the digests rank 0 saw), in the temp dir
             result = TorchTrainer(
-                bigram.train_loop, train_loop_config={"log_path": log, "steps": 4, "checkpoint_every": 2},
-                datasets={"train": ZephonDataset(f"s3://{data_bucket}/recipes/elastic.toml",
-                                                 aggregate_dir=f"{out}/train-aggregate")},
+                bigram.train_loop,
+                train_loop_config={"log_path": log, "steps": 4, "checkpoint_every": 2},
+                datasets={
+                    "train": ZephonDataset(
+                        f"s3://{data_bucket}/recipes/elastic.toml", aggregate_dir=f"{out}/train-aggregate"
+                    )
+                },
                 dataset_config=ZephonDataConfig(run_id="no-shared-train", checkpoint_every=2),
                 scaling_config=ScalingConfig(num_workers=2, resources_per_worker={"CPU": 0.5}),
                 run_config=RunConfig(name="no-shared-train", **storage.ray_train_storage(f"{out}/ray-results")),
@@ -191,30 +223,35 @@ def _no_shared_directory_driver(scratch: str, data_bucket: str, out_bucket: str,
 
 @pytest.mark.timeout(CLUSTER_TIMEOUT_S + 120)
 def test_three_raylets_without_a_shared_directory(s3, bucket, tmp_path, reference_digests):
-    from zephon_ray import GlobalBatchSource, Recipe
-
     import shutil
     import tempfile
+
+    from zephon_ray import GlobalBatchSource, Recipe
 
     out_bucket = s3.new_bucket("zr-no-shared")
     scratch = Path(tempfile.mkdtemp(prefix="zr-ns-", dir="/tmp"))  # short: Ray's socket paths must fit 107 bytes
     summary = tmp_path / "summary.json"
     data_before = _tree(RECIPES / "data")
     try:
-        info = run_spawned_driver(_no_shared_directory_driver, (str(scratch), bucket, out_bucket, str(summary)),
-                                  summary, CLUSTER_TIMEOUT_S)
+        info = run_spawned_driver(
+            _no_shared_directory_driver, (str(scratch), bucket, out_bucket, str(summary)), summary, CLUSTER_TIMEOUT_S
+        )
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     assert "error" not in info, info["error"]
-    print("3 raylets, no shared directory:", json.dumps({k: info.get(k) for k in ("cluster_s", "total_s", "producer_nodes", "outside_temp")}))
+    print(
+        "3 raylets, no shared directory:",
+        json.dumps({k: info.get(k) for k in ("cluster_s", "total_s", "producer_nodes", "outside_temp")}),
+    )
     assert info["materialized"] == reference_digests[:8] and info["service"] == reference_digests[:8]
     assert info["train_error"] is None
     with GlobalBatchSource(Recipe.from_toml(RECIPES / "elastic.toml")) as source:
         assert info["train"] == [source.batch(s).digest for s in range(4)]
     # Nothing outside the bucket and the temp dirs: HOME and the working directory stay empty (Ray's auth token,
     # which `ray start` keeps in ~/.ray, is the one thing allowed there), and the recipe data is untouched.
-    outside = {d: {k: v for k, v in files.items() if not k.startswith(".ray/")}
-               for d, files in info["outside_temp"].items()}
+    outside = {
+        d: {k: v for k, v in files.items() if not k.startswith(".ray/")} for d, files in info["outside_temp"].items()
+    }
     assert outside == {"home": {}, "cwd": {}}, info["outside_temp"]
     assert _tree(RECIPES / "data") == data_before
     keys = {k.split("/")[0] for k in s3.keys(out_bucket) if not k.endswith("/")}

@@ -22,13 +22,19 @@ from zephon_ray.service.errors import FingerprintMismatchError, ServiceError
 pytestmark = pytest.mark.timeout(300)
 
 
-@pytest.mark.parametrize("producers, aggregate", [
-    (1, None),
-    # the default aggregation: tests/test_oracle.py::test_service_two_producers_slices_joined runs it in the default suite
-    pytest.param(2, "hosted-store", marks=pytest.mark.slow),
-    (2, "external-store"), (2, "dir")])
-def test_digests_and_slices_match_reference(ray_cluster, tiny_recipe, reference_digests, tmp_path, producers,
-                                             aggregate):
+@pytest.mark.parametrize(
+    "producers, aggregate",
+    [
+        (1, None),
+        # the default aggregation: tests/test_oracle.py::test_service_two_producers_slices_joined runs it in the default suite
+        pytest.param(2, "hosted-store", marks=pytest.mark.slow),
+        (2, "external-store"),
+        (2, "dir"),
+    ],
+)
+def test_digests_and_slices_match_reference(
+    ray_cluster, tiny_recipe, reference_digests, tmp_path, producers, aggregate
+):
     kw, store = {}, None
     if aggregate == "external-store":  # a TCPStore someone else hosts, named as torch://host:port
         from torch.distributed import TCPStore
@@ -169,8 +175,14 @@ def test_clean_errors(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     with pytest.raises(ValueError, match="producers=3"):
         DataService.start(tiny_recipe, name="bad", namespace=NS, producers=3, run_id="r", aggregate_store="torch://")
     with pytest.raises(ValueError, match="not both"):
-        DataService.start(tiny_recipe, name="bad", namespace=NS, producers=2, aggregate_store="torch://",
-                          aggregate_dir=str(tmp_path / "agg"))
+        DataService.start(
+            tiny_recipe,
+            name="bad",
+            namespace=NS,
+            producers=2,
+            aggregate_store="torch://",
+            aggregate_dir=str(tmp_path / "agg"),
+        )
     svc = start_service(tiny_recipe, tmp_path, "errors")
     try:
         with pytest.raises(ServiceError, match="already runs"):
@@ -274,8 +286,12 @@ def test_many_waiting_reads_hold_no_thread(ray_cluster, tiny_recipe, reference_d
             ok.append(np.array_equal(part.tokens, want[i % world]))
 
         readers = RankThreads(pending, read)
-        wait_until(lambda: len(svc.status()["cursors"]) >= pending + 1, 120,  # every read registered and waits
-                   lambda: f"{pending} waiting reads; cursors {svc.status()['cursors']}", interval_s=0.2)
+        wait_until(
+            lambda: len(svc.status()["cursors"]) >= pending + 1,
+            120,  # every read registered and waits
+            lambda: f"{pending} waiting reads; cursors {svc.status()['cursors']}",
+            interval_s=0.2,
+        )
         status = svc.status()
         assert not ok and status["window"]["produce_until"] == 4 and target not in status["window"]["held_steps"]
         threads_in_coordinator = psutil.Process(status["coordinator"]["pid"]).num_threads()
@@ -302,8 +318,9 @@ def test_replays_run_in_the_replayer_and_are_shared(ray_cluster, tiny_recipe, re
         barrier = threading.Barrier(readers)
 
         def read(i):
-            client = DataService.connect("replayer", namespace=NS, consumer=f"debug{i}",
-                                         read_path="node" if i % 2 else "direct")
+            client = DataService.connect(
+                "replayer", namespace=NS, consumer=f"debug{i}", read_path="node" if i % 2 else "direct"
+            )
             barrier.wait(timeout=60)
             got.append(client.batch(2).digest)  # a past step: evicted from the window long ago
 
@@ -358,8 +375,17 @@ def test_coordinator_owns_no_shard_bytes(ray_cluster, tiny_recipe, reference_dig
         replayed = svc.refs(0).lanes  # evicted: served by the Replayer, which owns what it replays
         replayers = {r["worker_id"] for r in svc.status()["replayers"]}
         assert {owner_worker_id(ref) for ref in replayed} <= replayers and coordinator not in replayers
-        print("shard owners:", json.dumps({"held_steps": held, "owners": owners, "coordinator": coordinator,
-                                           "object_size": [min(sizes), max(sizes)]}))
+        print(
+            "shard owners:",
+            json.dumps(
+                {
+                    "held_steps": held,
+                    "owners": owners,
+                    "coordinator": coordinator,
+                    "object_size": [min(sizes), max(sizes)],
+                }
+            ),
+        )
     finally:
         svc.stop()
 
@@ -377,11 +403,18 @@ def test_node_readers_load_neither_torch_nor_zephon(ray_cluster, tiny_recipe, re
         for step in range(3):
             part = svc.slice(step, rank=1, world=2, track=True)
             assert part.tokens.shape == (tiny_recipe.global_batch_rows // 2, tiny_recipe.row_length)
-        assert compute_digest(np.concatenate([svc.slice(3, rank=r, world=2, track=True).tokens for r in range(2)]),
-                              np.concatenate([svc.slice(3, rank=r, world=2, track=True).positions for r in range(2)])) \
+        assert (
+            compute_digest(
+                np.concatenate([svc.slice(3, rank=r, world=2, track=True).tokens for r in range(2)]),
+                np.concatenate([svc.slice(3, rank=r, world=2, track=True).positions for r in range(2)]),
+            )
             == reference_digests[3]
-        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a["namespace"] == NS and a["name"].startswith("lean-reader" + READER_INFIX)]
+        )
+        names = [
+            a["name"]
+            for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == NS and a["name"].startswith("lean-reader" + READER_INFIX)
+        ]
         assert len(names) == 1, names
         pid = ray.get(ray.get_actor(names[0], namespace=NS).info.remote(), timeout=60)["pid"]
         with open(f"/proc/{pid}/maps") as fh:
@@ -405,4 +438,3 @@ def test_ray_internals_fence(ray_cluster):
     location = object_locations([ref])[ref]
     assert location["node_ids"] == [ray.get_runtime_context().get_node_id()]
     assert location["object_size"] >= 1_200_000
-

@@ -31,8 +31,14 @@ def _cli(*args):
 
 @pytest.mark.spawns
 def test_digest_via_service_prints_the_golden_digests(reference_digests):
-    proc = subprocess.run(_cli("digest", str(TINY), "--steps", "0:12", "--via", "service", "--producers", "2"),
-                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=360)
+    proc = subprocess.run(
+        _cli("digest", str(TINY), "--steps", "0:12", "--via", "service", "--producers", "2"),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=360,
+    )
     assert proc.returncode == 0, f"rc {proc.returncode}\n{proc.stderr[-3000:]}"
     assert proc.stdout.splitlines() == [f"step {i} {reference_digests[i]}" for i in range(12)]
 
@@ -42,8 +48,10 @@ def test_rescale_with_a_bad_count_is_one_line(capsys, value):
     """Checked before Ray is touched: no cluster needed, nothing changed anywhere."""
     code, out, err = _main(capsys, "rescale", value, "--name", "nowhere", "--namespace", "nowhere")
     assert code == 2 and out == ""
-    assert err.strip().splitlines() == [f"zephon-ray: error: rescale: producers must be a positive integer (a "
-                                        f"divisor of the recipe's lanes), got {value!r}"]
+    assert err.strip().splitlines() == [
+        f"zephon-ray: error: rescale: producers must be a positive integer (a "
+        f"divisor of the recipe's lanes), got {value!r}"
+    ]
 
 
 @pytest.mark.parametrize("weight", ["prose", "=1", "prose=x"])
@@ -51,13 +59,20 @@ def test_add_phase_with_a_bad_weight_is_one_line(capsys, weight):
     """Checked before Ray is touched."""
     code, out, err = _main(capsys, "add-phase", "p", "--start-step", "9", "--weight", weight, "--name", "nowhere")
     assert code == 2 and out == ""
-    assert err.strip().splitlines() == [f"zephon-ray: error: add-phase: --weight {weight!r} is not SOURCE=WEIGHT "
-                                        f"(e.g. --weight prose=0.2)"]
+    assert err.strip().splitlines() == [
+        f"zephon-ray: error: add-phase: --weight {weight!r} is not SOURCE=WEIGHT (e.g. --weight prose=0.2)"
+    ]
 
 
 def test_service_cli_errors_are_one_line():
-    proc = subprocess.run(_cli("digest", str(TINY), "--steps", "0:2", "--via", "service", "--producers", "3"),
-                          capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120)
+    proc = subprocess.run(
+        _cli("digest", str(TINY), "--steps", "0:2", "--via", "service", "--producers", "3"),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("zephon-ray: error: ")
     assert "producers=3 does not divide" in proc.stderr and "Traceback" not in proc.stderr
@@ -110,8 +125,20 @@ def test_serve_has_a_flag_for_every_service_config_field():
 
     args = build_parser().parse_args(["serve", "tiny"])  # defaults: exactly ServiceConfig's
     assert ServiceConfig(**service_config_fields(args)) == ServiceConfig()
-    args = build_parser().parse_args(["serve", "tiny", "--window", "3", "--consumer-ttl-s", "7.5", "--run-id", "r",
-                                      "--resources.producer-num-cpus", "0.125"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            "tiny",
+            "--window",
+            "3",
+            "--consumer-ttl-s",
+            "7.5",
+            "--run-id",
+            "r",
+            "--resources.producer-num-cpus",
+            "0.125",
+        ]
+    )
     fields = service_config_fields(args)
     assert (fields["window"], fields["consumer_ttl_s"], fields["run_id"]) == (3, 7.5, "r")
     assert fields["resources"].producer_num_cpus == 0.125
@@ -124,24 +151,54 @@ def test_serve_status_rescale_release_stop_then_inspect_offline(ray_cluster, cap
 
     state_dir = tmp_path / "state"
     where = ("--name", "cli-ops", "--namespace", "cli-tests")
-    code, out, err = _main(capsys, "serve", "tiny", *where, "--state-dir", state_dir, "--checkpoint-every", "2",
-                           "--window", "4", "--consumer-ttl-s", "90", "--run-id", "cli-ops",
-                           "--aggregate-store", "torch://", "--resources.producer-num-cpus", "0.125")
+    code, out, err = _main(
+        capsys,
+        "serve",
+        "tiny",
+        *where,
+        "--state-dir",
+        state_dir,
+        "--checkpoint-every",
+        "2",
+        "--window",
+        "4",
+        "--consumer-ttl-s",
+        "90",
+        "--run-id",
+        "cli-ops",
+        "--aggregate-store",
+        "torch://",
+        "--resources.producer-num-cpus",
+        "0.125",
+    )
     assert code == 0, err
     assert "serving" in out and "'cli-ops'" in out
     svc = DataService.connect("cli-ops", namespace="cli-tests", consumer="trainer")
     try:
         cfg = svc.config  # every flag reached the running service's config
-        assert (cfg.window, cfg.checkpoint_every, cfg.consumer_ttl_s, cfg.resources.producer_num_cpus) == (4, 2, 90, 0.125)
+        assert (cfg.window, cfg.checkpoint_every, cfg.consumer_ttl_s, cfg.resources.producer_num_cpus) == (
+            4,
+            2,
+            90,
+            0.125,
+        )
         for step in range(5):
             assert svc.slice(step, 0, 1, track=True).tokens.shape[0] == 16
         svc.commit(4)
 
         code, out, err = _main(capsys, "status", *where)
         assert code == 0, err
-        for needle in ("producers   1", "window ", "steps ready at or ahead of the slowest live cursor (step 4)",
-                       "cursors     1", "trainer", "throughput ", "checkpoints ",
-                       "commits ", f"fingerprint {svc.recipe.fingerprint}"):
+        for needle in (
+            "producers   1",
+            "window ",
+            "steps ready at or ahead of the slowest live cursor (step 4)",
+            "cursors     1",
+            "trainer",
+            "throughput ",
+            "checkpoints ",
+            "commits ",
+            f"fingerprint {svc.recipe.fingerprint}",
+        ):
             assert needle in out, (needle, out)
         code, out, _ = _main(capsys, "status", *where, "--json")
         status = json.loads(out)
@@ -174,16 +231,21 @@ def test_serve_status_rescale_release_stop_then_inspect_offline(ray_cluster, cap
     assert code == 2 and "cli-ops" in err
 
     # Offline: a fresh interpreter that never imports Ray reads what the service left behind.
-    probe = ("import json, sys; from zephon_ray.cli import main; rc = main(['inspect', sys.argv[1], '--json']); "
-             "assert 'ray' not in sys.modules, 'inspect imported ray'; sys.exit(rc)")
-    proc = subprocess.run([sys.executable, "-c", probe, str(state_dir)], capture_output=True, text=True, env=_env(),
-                          cwd=ROOT, timeout=120)
+    probe = (
+        "import json, sys; from zephon_ray.cli import main; rc = main(['inspect', sys.argv[1], '--json']); "
+        "assert 'ray' not in sys.modules, 'inspect imported ray'; sys.exit(rc)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe, str(state_dir)], capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     report = json.loads(proc.stdout)
     added = svc.recipe.with_phase("anneal", 40, {"prose": 1.0})
     assert report["fingerprint"] == added.fingerprint and report["lanes"] == 8
     assert [(p["name"], p["start_step"], p["added"]) for p in report["schedule"]] == [
-        ("sources", 0, False), ("anneal", 40, True)]
+        ("sources", 0, False),
+        ("anneal", 40, True),
+    ]
     assert report["checkpoints"]["count"] >= 1 and all(s % 2 == 0 for s in report["checkpoints"]["steps"])
     assert report["commits"]["latest_step"] == 4 and report["commits"]["by_consumer"] == {"trainer": 4}
     code, out, _ = _main(capsys, "inspect", state_dir)

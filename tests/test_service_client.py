@@ -37,15 +37,13 @@ SCRIPT = textwrap.dedent("""
 
 def _run(code: str) -> subprocess.CompletedProcess:
     base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env=base)
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600, env=base)
 
 
 @pytest.mark.spawns
 def test_ray_init_and_context_manager_stop_what_they_started():
     result = _run(SCRIPT)
     assert "CLEAN" in result.stdout, result.stderr[-3000:]
-
 
 
 CONNECT_AND_READ = textwrap.dedent("""
@@ -74,8 +72,14 @@ def test_connect_and_reads_import_no_server_class(ray_cluster, tiny_recipe, refe
     svc = DataService.start(tiny_recipe, name="import-probe", namespace="zr-import", state_dir=tmp_path / "s")
     try:
         address = ray_cluster.get_runtime_context().gcs_address
-        result = subprocess.run([sys.executable, "-c", CONNECT_AND_READ, address], cwd=ROOT, capture_output=True,
-                                text=True, timeout=300, env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"})
+        result = subprocess.run(
+            [sys.executable, "-c", CONNECT_AND_READ, address],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+        )
         lines = {ln.split(" ", 1)[0]: ln.split()[1:] for ln in result.stdout.splitlines() if " " in ln or ln}
         assert "DIGESTS" in lines, result.stderr[-3000:]
         assert lines["DIGESTS"] == reference_digests[:3] + [str(tiny_recipe.global_batch_rows // 4)]
@@ -98,8 +102,10 @@ def test_connect_to_a_missing_name_fails_at_once(ray_cluster, monkeypatch):
         with pytest.raises(ServiceNotFoundError) as info:
             DataService.connect("nope", namespace="zr-none")
     assert not slept
-    assert str(info.value) == ("no service named 'nope' in namespace 'zr-none'; start it, or wait for one that is "
-                               "starting (connect(timeout_s=...); `zephon-ray status --wait SECONDS`)")
+    assert str(info.value) == (
+        "no service named 'nope' in namespace 'zr-none'; start it, or wait for one that is "
+        "starting (connect(timeout_s=...); `zephon-ray status --wait SECONDS`)"
+    )
     with pytest.raises(ServiceNotFoundError, match="after waiting 0.3s"):
         DataService.connect("nope", namespace="zr-none", timeout_s=0.3)  # asked to wait: it polls, then says so
     for bad in ("60", -1, float("nan"), True):
@@ -120,8 +126,11 @@ def test_start_takes_a_config_and_overrides_of_its_fields(tiny_recipe, tmp_path,
     launched = []
     monkeypatch.setattr(data_service, "_ensure_ray", lambda ray_init=None: None)
     monkeypatch.setattr(launch, "launch", lambda recipe, config: launched.append(config) or "coordinator")
-    monkeypatch.setattr(DataService, "_from_coordinator",
-                        classmethod(lambda cls, handle, **kw: types.SimpleNamespace(handle=handle, **kw)))
+    monkeypatch.setattr(
+        DataService,
+        "_from_coordinator",
+        classmethod(lambda cls, handle, **kw: types.SimpleNamespace(handle=handle, **kw)),
+    )
     config = ServiceConfig.build(tiny_recipe, name="built", window=4, state_dir=str(tmp_path / "a"))
 
     DataService.start(tiny_recipe, config)
@@ -133,8 +142,11 @@ def test_start_takes_a_config_and_overrides_of_its_fields(tiny_recipe, tmp_path,
     assert (got.handle, got.consumer, got._started_here) == ("coordinator", "me", True)
 
     count = len(launched)
-    with pytest.raises(TypeError, match=r"^DataService.start: unknown option 'windwo' \(did you mean 'window'\?\); "
-                                        r"options are consumer, ray_init and the fields of ServiceConfig: "):
+    with pytest.raises(
+        TypeError,
+        match=r"^DataService.start: unknown option 'windwo' \(did you mean 'window'\?\); "
+        r"options are consumer, ray_init and the fields of ServiceConfig: ",
+    ):
         DataService.start(tiny_recipe, windwo=4)
     with pytest.raises(TypeError, match="unknown option 'flavour';"):
         DataService.start(tiny_recipe, config, flavour="x")
@@ -151,8 +163,11 @@ def test_a_handle_is_not_constructed_directly():
 
 
 SERVICE = ROOT / "zephon_ray" / "service"
-LAZY_SERVER_IMPORTS = {("client/data_service.py", "start"), ("client/data_service.py", "stop"),
-                       ("actor_shells.py", "__init__")}
+LAZY_SERVER_IMPORTS = {
+    ("client/data_service.py", "start"),
+    ("client/data_service.py", "stop"),
+    ("actor_shells.py", "__init__"),
+}
 """Where a client-side or shared module may import server/: DataService.start and stop (they launch and stop the
 actors) and the shells' constructors (they run inside the actor's process)."""
 
@@ -178,8 +193,10 @@ def test_the_client_side_imports_server_only_where_it_starts_or_stops_the_actors
                     names = [a.name for a in child.names]
                 else:
                     names = []
-                if any(n.startswith("zephon_ray.service.server") for n in names) \
-                        and (rel, function) not in LAZY_SERVER_IMPORTS:
+                if (
+                    any(n.startswith("zephon_ray.service.server") for n in names)
+                    and (rel, function) not in LAZY_SERVER_IMPORTS
+                ):
                     found.append(f"{rel}:{child.lineno} in {function or 'the module'}")
                 visit(child, rel, function)
 

@@ -46,16 +46,31 @@ def _drive(summary: str) -> None:
             svc = None
             try:
                 workers = [cluster.add_node(num_cpus=2, resources={"zr-work": 1}, temp_dir=temp_dir) for _ in range(2)]
-                ray.init(address=cluster.address, namespace="zr-svc-cluster", log_to_driver=False,
-                         runtime_env={"env_vars": {"PYTHONPATH": checkout_pythonpath()}})
+                ray.init(
+                    address=cluster.address,
+                    namespace="zr-svc-cluster",
+                    log_to_driver=False,
+                    runtime_env={"env_vars": {"PYTHONPATH": checkout_pythonpath()}},
+                )
                 head_id = ray.get_runtime_context().get_node_id()
                 recipe = Recipe.from_toml(TINY)
                 svc = DataService.start(
-                    recipe, name="cluster", namespace="zr-svc-cluster", producers=2, run_id="cluster",
-                    aggregate_store="torch://", window=4, checkpoint_every=4, state_dir=os.path.join(temp_dir, "state"),
-                    reconnect_timeout_s=240, resources=ActorResources(
-                        coordinator_resources={"zr-coord": 0.01}, producer_resources={"zr-work": 0.01},
-                        replayer_resources={"zr-work": 0.01}))
+                    recipe,
+                    name="cluster",
+                    namespace="zr-svc-cluster",
+                    producers=2,
+                    run_id="cluster",
+                    aggregate_store="torch://",
+                    window=4,
+                    checkpoint_every=4,
+                    state_dir=os.path.join(temp_dir, "state"),
+                    reconnect_timeout_s=240,
+                    resources=ActorResources(
+                        coordinator_resources={"zr-coord": 0.01},
+                        producer_resources={"zr-work": 0.01},
+                        replayer_resources={"zr-work": 0.01},
+                    ),
+                )
 
                 @ray.remote(num_cpus=0.1, resources={"zr-work": 0.01}, max_retries=0)
                 def read(steps):
@@ -65,7 +80,9 @@ def _drive(summary: str) -> None:
                     out = []
                     for step in steps:
                         try:
-                            part = client.slice(step, 0, 1, track=True)  # the whole batch as rank 0 of 1, like a trainer
+                            part = client.slice(
+                                step, 0, 1, track=True
+                            )  # the whole batch as rank 0 of 1, like a trainer
                             out.append((step, None, compute_digest(part.tokens, part.positions), None))
                         except Exception as exc:  # noqa: BLE001 - the test checks that only clean errors appear
                             out.append((step, None, None, f"{type(exc).__module__}.{type(exc).__name__}: {exc}"))
@@ -76,9 +93,14 @@ def _drive(summary: str) -> None:
                 while len(svc.status()["window"]["held_steps"]) < 3 and time.monotonic() < deadline:
                     time.sleep(0.2)  # the producers fill the window ahead of the reader's cursor (7)
                 status = svc.status()
-                info.update(head=head_id, coordinator_node=status["coordinator"]["node_id"], reader_node=reader_node,
-                            producer_nodes=[p["node_id"] for p in status["producers"]], first=first,
-                            held=status["window"]["held_steps"])
+                info.update(
+                    head=head_id,
+                    coordinator_node=status["coordinator"]["node_id"],
+                    reader_node=reader_node,
+                    producer_nodes=[p["node_id"] for p in status["producers"]],
+                    first=first,
+                    held=status["window"]["held_steps"],
+                )
                 # The driver (on the coordinator's node) reads one held step; the others it only locates, never fetches.
                 read_here = status["window"]["held_steps"][1]
                 info["read_here"] = read_here
@@ -105,8 +127,11 @@ def _drive(summary: str) -> None:
                 info["second"] = second
                 info["after_loss_s"] = round(time.monotonic() - t0, 3)
                 after = svc.status()
-                info["after"] = {"restarts": after["restarts"], "replay": after["replay"],
-                                 "producer_nodes": [p["node_id"] for p in after["producers"]]}
+                info["after"] = {
+                    "restarts": after["restarts"],
+                    "replay": after["replay"],
+                    "producer_nodes": [p["node_id"] for p in after["producers"]],
+                }
             finally:
                 stop_quietly(svc)
     except BaseException:  # noqa: BLE001 - reported to the test

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from zephon_ray.formats.service_state import SERVICE_FILE, ServiceState, check_state_dir
 from zephon_ray.service.config import ActorResources, ServiceConfig
 from zephon_ray.service.errors import FingerprintMismatchError
-from zephon_ray.formats.service_state import SERVICE_FILE, ServiceState, check_state_dir
 
 
 def test_valid_defaults():
@@ -74,8 +74,9 @@ def test_build_defaults_run_id_and_hosted_store(tiny_recipe, tmp_path):
     cfg.check_lanes(tiny_recipe, 8)  # a rescale to 8 producers is allowed as built
 
 
-@pytest.mark.parametrize("key", ["aggregate_timeout_s", "consumer_ttl_s", "request_timeout_s",
-                                 "progress_timeout_s", "reconnect_timeout_s"])
+@pytest.mark.parametrize(
+    "key", ["aggregate_timeout_s", "consumer_ttl_s", "request_timeout_s", "progress_timeout_s", "reconnect_timeout_s"]
+)
 @pytest.mark.parametrize("value", ["abc", "60", None, float("nan"), float("inf"), True, -1])
 def test_non_numeric_timeouts_are_one_line(key, value):
     with pytest.raises(ValueError) as info:
@@ -88,10 +89,15 @@ def test_resources_as_a_dict_are_converted_or_refused_in_one_line():
     cfg = ServiceConfig(resources={"producer_num_cpus": 0.5, "producer_resources": {"node_b": 0.1}})
     assert isinstance(cfg.resources, ActorResources) and cfg.resources.producer_num_cpus == 0.5
     assert cfg.resources.producer_resources == {"node_b": 0.1} and cfg.resources.replayer_num_cpus == 0.5
-    for bad, words in (({"producer_cpus": 1}, r"resources has unknown key\(s\) \['producer_cpus'\]"),
-                       ("0.5", "resources must be an ActorResources or a dict of its fields, got str"),
-                       ({"producer_num_cpus": "half"}, "resources.producer_num_cpus must be a number"),
-                       ({"coordinator_max_concurrency": 2.5}, r"coordinator_max_concurrency must be an int in \[4, 100000\] \(waiting reads occupy it\), got 2.5")):
+    for bad, words in (
+        ({"producer_cpus": 1}, r"resources has unknown key\(s\) \['producer_cpus'\]"),
+        ("0.5", "resources must be an ActorResources or a dict of its fields, got str"),
+        ({"producer_num_cpus": "half"}, "resources.producer_num_cpus must be a number"),
+        (
+            {"coordinator_max_concurrency": 2.5},
+            r"coordinator_max_concurrency must be an int in \[4, 100000\] \(waiting reads occupy it\), got 2.5",
+        ),
+    ):
         with pytest.raises(ValueError, match=words) as info:
             ServiceConfig(resources=bad)
         assert "\n" not in str(info.value)

@@ -10,8 +10,10 @@ from zephon_ray.service.errors import describe
 
 
 def test_an_exception_whose_message_holds_a_traceback_becomes_its_last_line():
-    message = ("Traceback (most recent call last):\n  File \"x.py\", line 1, in <module>\n    f()\n"
-               "OSError: s3://bucket/key: Not Found")
+    message = (
+        'Traceback (most recent call last):\n  File "x.py", line 1, in <module>\n    f()\n'
+        "OSError: s3://bucket/key: Not Found"
+    )
     assert describe(OSError(message)) == "OSError: s3://bucket/key: Not Found"
 
 

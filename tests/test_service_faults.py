@@ -69,8 +69,9 @@ def _restart_cycles(tiny_recipe, reference_digests, tmp_path, cycles):
         finally:
             svc.stop()
         t0 = time.monotonic()
-        svc = start_service(tiny_recipe, tmp_path, "restart", producers=producers, state_dir=state_dir,
-                     checkpoint_every=k)
+        svc = start_service(
+            tiny_recipe, tmp_path, "restart", producers=producers, state_dir=state_dir, checkpoint_every=k
+        )
         try:
             first_batch = svc.batch(s, track=True)
             ttfb = time.monotonic() - t0
@@ -179,8 +180,9 @@ def test_chaos_random_kills_and_rescales(ray_cluster, tiny_recipe, reference_dig
         chaos_source.close()
         status = svc.status()
         svc.stop()
-    print("chaos:", json.dumps({"kills": len(kills), "restarts": status["restarts"],
-                                "generation": status["generation"]}))
+    print(
+        "chaos:", json.dumps({"kills": len(kills), "restarts": status["restarts"], "generation": status["generation"]})
+    )
     assert len(kills) >= 5 and status["restarts"] >= 1
 
 
@@ -193,8 +195,15 @@ def test_watchdog_replaces_a_hung_producer(ray_cluster, tiny_recipe, reference_d
     # group's first call (its pipeline's start, then skipping from step 0) must not look hung on a loaded machine,
     # where 3 s could make five replacements in a row (fatal: a review found it, no run has shown it); the stopped
     # one is still found well within the reads' 60 s.
-    svc = start_service(tiny_recipe, tmp_path, f"hung{producers}", window=3, progress_timeout_s=10.0,
-                        producers=producers, checkpoint_every=64)
+    svc = start_service(
+        tiny_recipe,
+        tmp_path,
+        f"hung{producers}",
+        window=3,
+        progress_timeout_s=10.0,
+        producers=producers,
+        checkpoint_every=64,
+    )
     stopped = None
     try:
         for step in range(4):
@@ -235,7 +244,10 @@ def test_producer_init_failure_is_one_config_error(ray_cluster, tiny_recipe, tmp
     assert "code" in message and "Traceback" not in message, message
     import ray
 
-    leftovers = [e["name"] for e in ray.util.list_named_actors(all_namespaces=True)
-                 if e.get("namespace") == NS and e.get("name", "").startswith("noinit")]
+    leftovers = [
+        e["name"]
+        for e in ray.util.list_named_actors(all_namespaces=True)
+        if e.get("namespace") == NS and e.get("name", "").startswith("noinit")
+    ]
     assert not leftovers, leftovers
     print("init failure reported in", round(time.monotonic() - t0, 2), "s:", message[:300])

@@ -39,9 +39,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
-
 from conftest import wait_until
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from zephon_ray import DataService, GlobalBatchSource
 from zephon_ray.service.wire import READER_INFIX
 
@@ -52,8 +53,16 @@ FAR = 10**6
 LIVENESS_S = 120.0
 """The bound on one operation: a read may wait for another consumer's cursor to expire (``consumer_ttl_s``) and for
 a coordinator restart; anything past this is a hang."""
-SERVICE = dict(producers=1, window=4, checkpoint_every=2, max_ahead=64, consumer_ttl_s=8.0, request_timeout_s=60.0,
-               reconnect_timeout_s=90.0, read_timeout_s=100.0)
+SERVICE = dict(
+    producers=1,
+    window=4,
+    checkpoint_every=2,
+    max_ahead=64,
+    consumer_ttl_s=8.0,
+    request_timeout_s=60.0,
+    reconnect_timeout_s=90.0,
+    read_timeout_s=100.0,
+)
 FUZZ_SEQUENCES = (1,)
 """The seeds of the default suite's sequences (one: the suite's time; the long run draws hundreds)."""
 FUZZ_STEPS = 14
@@ -134,15 +143,23 @@ NAMES = ["trainer", "notebook", "eval"]
 TARGETS = ["coordinator", "node reader", "producer"]
 OPS = {
     # name: (weight, takes a handle, {argument: choices (a list) or an inclusive int range (a tuple)})
-    "read": (6, True, {"where": WHERES, "offset": (0, 60), "kind": KINDS, "track": [True, False],
-                       "reader": READERS}),
+    "read": (6, True, {"where": WHERES, "offset": (0, 60), "kind": KINDS, "track": [True, False], "reader": READERS}),
     "commit": (2, True, {"how": COMMITS}),
     "new_handle": (1, True, {"same": [True, False], "name": NAMES}),
     "release": (1, True, {}),
     "status": (1, True, {}),
     "kill": (1, False, {"what": TARGETS}),
-    "reader_process": (1, False, {"consumer": ["trainer", "worker"], "first": (0, 20), "count": (1, 4),
-                                  "world": [1, 2], "kill_after": [None, None, 1]}),
+    "reader_process": (
+        1,
+        False,
+        {
+            "consumer": ["trainer", "worker"],
+            "first": (0, 20),
+            "count": (1, 4),
+            "world": [1, 2],
+            "kill_after": [None, None, 1],
+        },
+    ),
 }
 """The operations of a sequence. An operation is ``(name, handle index, {argument: value})``; the handle index is
 taken modulo the handles open at that point (``start``'s and each ``new_handle``'s)."""
@@ -171,8 +188,9 @@ class ServiceFuzz:
         ServiceFuzz.number += 1
         name = f"fz{os.getpid()}x{ServiceFuzz.number}"
         self.counts.sequences += 1
-        self.svc = DataService.start(self.recipe, name=name, namespace=NS, consumer="trainer",
-                                     state_dir=self.workdir / name, **SERVICE)
+        self.svc = DataService.start(
+            self.recipe, name=name, namespace=NS, consumer="trainer", state_dir=self.workdir / name, **SERVICE
+        )
         self.name = name
         return self._track(self.svc)
 
@@ -247,8 +265,9 @@ class ServiceFuzz:
             _one_line(error)
             self.counts.refusals += 1
             return
-        assert "error" not in box, f"{kind} of step {step} as {reader} failed: {type(box['error']).__name__}: " \
-                                   f"{box['error']}"
+        assert "error" not in box, (
+            f"{kind} of step {step} as {reader} failed: {type(box['error']).__name__}: {box['error']}"
+        )
         self._check_rows(box["value"], step, rank, world)
         if track:
             c = handle.consumer
@@ -265,8 +284,12 @@ class ServiceFuzz:
         own = self.own[id(handle)]
         c = handle.consumer
         mine = max(own.values(), default=None)
-        step = {"own": (mine if mine is not None else self.delivered.get(c, -1)) + 1,
-                "ahead": self.delivered.get(c, -1) + 5, "huge": 10**12, "negative": -1}[how]
+        step = {
+            "own": (mine if mine is not None else self.delivered.get(c, -1)) + 1,
+            "ahead": self.delivered.get(c, -1) + 5,
+            "huge": 10**12,
+            "negative": -1,
+        }[how]
         box = _bounded(f"commit({step})", lambda: handle.commit(step))
         allowed = max(self.delivered.get(c, -1) + 1, self.commits.get(c, 0))
         if "error" in box:
@@ -274,8 +297,9 @@ class ServiceFuzz:
             assert isinstance(error, ValueError), f"commit({step}) failed: {type(error).__name__}: {error}"
             _one_line(error)
             self.counts.refusals += 1
-            assert not (mine is not None and 0 <= step <= max(mine + 1, self.commits.get(c, 0))), \
+            assert not (mine is not None and 0 <= step <= max(mine + 1, self.commits.get(c, 0))), (
                 f"commit({step}) of {c!r} was refused although this handle read up to step {mine}: {error}"
+            )
             return
         assert 0 <= step <= allowed, f"commit({step}) of {c!r} was accepted past what it was delivered ({allowed})"
         self.commits[c] = step
@@ -307,8 +331,11 @@ class ServiceFuzz:
         elif what == "producer":
             pid = next((p["pid"] for p in status["producers"] if p["pid"]), None)
         else:
-            readers = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                       if a["namespace"] == NS and a["name"].startswith(self.name + READER_INFIX)]
+            readers = [
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if a["namespace"] == NS and a["name"].startswith(self.name + READER_INFIX)
+            ]
             pid = None
             if readers:
                 try:
@@ -331,9 +358,25 @@ class ServiceFuzz:
         import ray
 
         env = {**os.environ, "RAY_ADDRESS": ray.get_runtime_context().gcs_address}
-        proc = subprocess.Popen([sys.executable, "-c", READER, self.name, NS, consumer, str(first),
-                                 str(min(STEPS, first + count)), str(world - 1), str(world)],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                READER,
+                self.name,
+                NS,
+                consumer,
+                str(first),
+                str(min(STEPS, first + count)),
+                str(world - 1),
+                str(world),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+            env=env,
+        )
         self.procs.append(proc)
         lines = []
 
@@ -349,8 +392,9 @@ class ServiceFuzz:
         assert "error" not in box, box.get("error")
         for step, tokens, positions in lines:
             want = self.reference[step].slice(world - 1, world)
-            assert np.array_equal(np.array(tokens), want.tokens) and np.array_equal(np.array(positions),
-                                                                                   want.positions), step
+            assert np.array_equal(np.array(tokens), want.tokens) and np.array_equal(
+                np.array(positions), want.positions
+            ), step
         if kill_after is None:
             assert proc.returncode == 0, f"the reader process failed: {proc.stderr.read()[-2000:]}"
             assert len(lines) == min(STEPS, first + count) - first
@@ -360,7 +404,6 @@ class ServiceFuzz:
             asked = lines[-1][0] + 1 if lines else first
             self.delivered[consumer] = max(self.delivered.get(consumer, -1), asked)
         self.procs.remove(proc)
-
 
 
 def run_sequence(recipe, workdir: Path, ops: list) -> None:
@@ -402,6 +445,7 @@ def seeded_ops(seed: int, steps: int) -> list:
 
 def _op_strategy():
     """Hypothesis's operations: the same names and arguments; ``status`` first, so its simplest sequence is cheap."""
+
     def one(name):
         fields = {k: st.integers(*v) if isinstance(v, tuple) else st.sampled_from(v) for k, v in OPS[name][2].items()}
         return st.tuples(st.just(name), st.integers(0, 7), st.fixed_dictionaries(fields))
@@ -428,8 +472,7 @@ def test_fuzz_service_long(ray_cluster, tiny_recipe, tmp_path):
     minutes = float(os.environ.get("ZR_FUZZ_MINUTES", "30"))
     ServiceFuzz.counts = Counts()
 
-    @settings(max_examples=10, database=None, deadline=None, suppress_health_check=list(HealthCheck),
-              print_blob=True)
+    @settings(max_examples=10, database=None, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True)
     @given(ops=st.lists(_op_strategy(), min_size=5, max_size=40))
     def sequence(ops):
         run_sequence(tiny_recipe, tmp_path, ops)
@@ -445,8 +488,9 @@ def test_fuzz_service_long(ray_cluster, tiny_recipe, tmp_path):
 
 # ---------------------------------------------------------------------------------------------- named regressions
 def _service(recipe, tmp_path, name, **overrides):
-    return DataService.start(recipe, name=name, namespace=NS, consumer="trainer", state_dir=tmp_path / name,
-                             **{**SERVICE, **overrides})
+    return DataService.start(
+        recipe, name=name, namespace=NS, consumer="trainer", state_dir=tmp_path / name, **{**SERVICE, **overrides}
+    )
 
 
 def _kill_coordinator(svc, wait_for_restart: bool = False) -> None:
@@ -460,8 +504,11 @@ def _kill_coordinator(svc, wait_for_restart: bool = False) -> None:
         return
     actor = next(a for a, info in ray_state.actors().items() if info["Pid"] == pid and info["State"] == "ALIVE")
     os.kill(pid, signal.SIGKILL)
-    wait_until(lambda: ray_state.actors(actor_id=actor)["NumRestarts"] >= 1, 60,
-               lambda: f"Ray restarting the killed coordinator: {ray_state.actors(actor_id=actor)['State']}")
+    wait_until(
+        lambda: ray_state.actors(actor_id=actor)["NumRestarts"] >= 1,
+        60,
+        lambda: f"Ray restarting the killed coordinator: {ray_state.actors(actor_id=actor)['State']}",
+    )
 
 
 def test_regression_a_refused_far_read_then_a_coordinator_restart(ray_cluster, tiny_recipe, tmp_path):
@@ -480,7 +527,7 @@ def test_regression_a_refused_far_read_then_a_coordinator_restart(ray_cluster, t
         svc.commit(6)
         _kill_coordinator(svc)
         for step in range(6, 16):
-            box = _bounded(f"slice({step})", lambda: svc.slice(step, 0, 1, track=True), 60)
+            box = _bounded(f"slice({step})", lambda step=step: svc.slice(step, 0, 1, track=True), 60)
             assert "error" not in box, box.get("error")
             assert np.array_equal(box["value"].tokens, reference[step].tokens), step
         assert svc.status()["reads"]["bad_moves"] <= 1  # the refused move is never sent again
@@ -526,7 +573,7 @@ def test_regression_ranks_far_past_their_commit_after_a_restart(ray_cluster, tin
             time.sleep(0.2)
         _kill_coordinator(svc, wait_for_restart=True)  # the process's cached steps are dropped by the failed reads
         for step in range(30, 34):
-            box = _bounded(f"slice({step})", lambda: svc.slice(step, 0, 1, track=True), 60)
+            box = _bounded(f"slice({step})", lambda step=step: svc.slice(step, 0, 1, track=True), 60)
             assert "error" not in box, box.get("error")
             assert np.array_equal(box["value"].tokens, reference[step].tokens), step
         start = svc.status()["start"]

@@ -37,8 +37,16 @@ pytestmark = pytest.mark.timeout(400)
 
 def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     world, steps, blocked_at = 4, 12, 4
-    svc = DataService.start(tiny_recipe, name="heal", namespace=NS, window=4, checkpoint_every=4,
-                            state_dir=tmp_path / "heal", consumer="job", reconnect_timeout_s=240)
+    svc = DataService.start(
+        tiny_recipe,
+        name="heal",
+        namespace=NS,
+        window=4,
+        checkpoint_every=4,
+        state_dir=tmp_path / "heal",
+        consumer="job",
+        reconnect_timeout_s=240,
+    )
     holder = DataService.connect("heal", namespace=NS, consumer="holder")
     with GlobalBatchSource(tiny_recipe) as source:
         full = {s: source.batch(s) for s in range(steps)}
@@ -50,8 +58,13 @@ def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, refere
 
     def rank_loop(rank: int) -> None:
         client = DataService.connect("heal", namespace=NS, consumer="job")
-        recorder = LedgerRecorder(run_id="job", fingerprint=tiny_recipe.fingerprint, rank=rank, world=world,
-                                  ledger_dir=str(tmp_path / "ledger"))
+        recorder = LedgerRecorder(
+            run_id="job",
+            fingerprint=tiny_recipe.fingerprint,
+            rank=rank,
+            world=world,
+            ledger_dir=str(tmp_path / "ledger"),
+        )
         for step in range(steps):
             entered[rank].add(step)
             t0 = time.monotonic()
@@ -93,20 +106,35 @@ def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, refere
             positions = np.concatenate([got[r][step][1] for r in range(world)])
             assert compute_digest(tokens, positions) == reference_digests[step], step
         assert len(set(heads.values())) == 1, heads  # every rank computed the same head segment
-        report = audit(str(tmp_path / "ledger"), heads[0], reference=lambda s: (full[s].tokens, full[s].positions),
-                       rows=tiny_recipe.global_batch_rows)
+        report = audit(
+            str(tmp_path / "ledger"),
+            heads[0],
+            reference=lambda s: (full[s].tokens, full[s].positions),
+            rows=tiny_recipe.global_batch_rows,
+        )
         assert report.clean and report.verdict() == (
             "audit: clean: steps [0, 12) each trained exactly once in a lineage of 3 segment(s) (W 4); 48 slice "
-            "digests matched the recipe's global batches"), [f.line for f in report.findings]
+            "digests matched the recipe's global batches"
+        ), [f.line for f in report.findings]
         after = svc.status()
         assert after["coordinator"]["pid"] != old_pid and after["coordinator"]["restarted"]
         assert after["start"]["latest_commit"] == blocked_at and after["start"]["start_step"] == blocked_at
-        live = {e["name"] for e in __import__("ray").util.list_named_actors(all_namespaces=True)
-                if e.get("namespace") == NS and ".producer." in e.get("name", "")}
+        live = {
+            e["name"]
+            for e in __import__("ray").util.list_named_actors(all_namespaces=True)
+            if e.get("namespace") == NS and ".producer." in e.get("name", "")
+        }
         assert len(live) == len(after["producers"])  # the dead incarnation's producers were killed, not orphaned
-        print("coordinator kill -9 with reads in flight:", json.dumps({
-            "recovery_s": round(max(waits[r][blocked_at] for r in range(world)), 3),
-            "since_kill_s": round(time.monotonic() - killed_at, 3), "old_producers": old_producers,
-            "start": after["start"]}))
+        print(
+            "coordinator kill -9 with reads in flight:",
+            json.dumps(
+                {
+                    "recovery_s": round(max(waits[r][blocked_at] for r in range(world)), 3),
+                    "since_kill_s": round(time.monotonic() - killed_at, 3),
+                    "old_producers": old_producers,
+                    "start": after["start"],
+                }
+            ),
+        )
     finally:
         svc.stop()

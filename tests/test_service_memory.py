@@ -10,7 +10,6 @@ the release orders with Ray alone; docs/benchmarks.md "Memory over a long run").
 from __future__ import annotations
 
 import pytest
-
 from service_helpers import NS, start_service
 
 from zephon_ray.service.wire import PRODUCER_INFIX, READER_INFIX
@@ -25,8 +24,11 @@ MEASURED_STEPS = 80
 def actors(name: str, infix: str) -> list:
     import ray
 
-    names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-             if a["namespace"] == NS and a["name"].startswith(name + infix)]
+    names = [
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == NS and a["name"].startswith(name + infix)
+    ]
     return [ray.get_actor(n, namespace=NS) for n in sorted(names)]
 
 
@@ -43,12 +45,17 @@ def test_producers_and_node_reader_memory_store_stays_flat(tiny_recipe, tmp_path
     from zephon_ray.stream.loader import Loader, LoaderConfig
 
     name = "mem-flat"
-    svc = start_service(tiny_recipe, tmp_path, name, producers=2, window=4, retain_behind=8,
-                        checkpoint_every=8)
+    svc = start_service(tiny_recipe, tmp_path, name, producers=2, window=4, retain_behind=8, checkpoint_every=8)
     loaders = []
     try:
-        cfg = LoaderConfig(recipe=str(tiny_recipe.path), mode="service", service_name=name, service_namespace=NS,
-                           run_id=name, ledger_dir=str(tmp_path / "ledger"))
+        cfg = LoaderConfig(
+            recipe=str(tiny_recipe.path),
+            mode="service",
+            service_name=name,
+            service_namespace=NS,
+            run_id=name,
+            ledger_dir=str(tmp_path / "ledger"),
+        )
         loaders = [Loader(cfg, rank=r, world=2) for r in range(2)]
         its = [iter(loader) for loader in loaders]
 
@@ -72,8 +79,9 @@ def test_producers_and_node_reader_memory_store_stays_flat(tiny_recipe, tmp_path
         # The old code left 5.0 entries per step in each producer and 1.2 in the node reader. The fixed code leaves
         # none in the producers, and 0.05-0.2 in the node reader over 500-step stretches of a longer run
         # (docs/benchmarks.md "Memory over a long run": not yet explained), hence its looser bound.
-        assert per_step[0] < 0.1 and per_step[1] < 0.1 and per_step[2] < 0.5, \
+        assert per_step[0] < 0.1 and per_step[1] < 0.1 and per_step[2] < 0.5, (
             f"memory-store entries per step (producers, node reader): {per_step}; before {before}, after {after}"
+        )
     finally:
         for loader in loaders:
             loader.close()

@@ -12,10 +12,16 @@ import os
 
 import pytest
 
+from zephon_ray.formats.service_state import (
+    CHECKPOINT_RE,
+    COMMITS_FILE,
+    MAX_CONSUMERS,
+    FingerprintMismatchError,
+    ServiceState,
+    checkpoint_index,
+)
 from zephon_ray.lanes import KEY_NEXT_STEP, LaneStepper
 from zephon_ray.storage import write_json
-from zephon_ray.formats.service_state import (
-    CHECKPOINT_RE, COMMITS_FILE, MAX_CONSUMERS, FingerprintMismatchError, ServiceState, checkpoint_index)
 
 
 @pytest.fixture(scope="module")
@@ -105,26 +111,41 @@ def test_commits_newest_per_consumer_and_bounded(tiny_recipe, tmp_path):
     for i in range(MAX_CONSUMERS + 20):
         state.add_commit(i, f"c{i}")
     commits = state.consumer_commits()
-    assert len(commits) == MAX_CONSUMERS and "a" not in commits and commits[f"c{MAX_CONSUMERS + 19}"] == \
-        MAX_CONSUMERS + 19
+    assert (
+        len(commits) == MAX_CONSUMERS and "a" not in commits and commits[f"c{MAX_CONSUMERS + 19}"] == MAX_CONSUMERS + 19
+    )
     assert (tmp_path / COMMITS_FILE).stat().st_size < 64 * 1024
 
 
 def test_commits_written_before_per_consumer_format_still_read(tiny_recipe, tmp_path):
     state = ServiceState.open(tiny_recipe, tmp_path)
-    write_json(tmp_path / COMMITS_FILE, {"format": "zephon-ray/service-state/v1", "commits": [
-        {"step": 3, "consumer": "x", "time": 1.0}, {"step": 9, "consumer": "y", "time": 2.0},
-        {"step": 5, "consumer": "x", "time": 3.0}]})
+    write_json(
+        tmp_path / COMMITS_FILE,
+        {
+            "format": "zephon-ray/service-state/v1",
+            "commits": [
+                {"step": 3, "consumer": "x", "time": 1.0},
+                {"step": 9, "consumer": "y", "time": 2.0},
+                {"step": 5, "consumer": "x", "time": 3.0},
+            ],
+        },
+    )
     assert state.consumer_commits() == {"x": 5, "y": 9}
     state.add_commit(6, "x")
     assert json.loads((tmp_path / COMMITS_FILE).read_text())["latest"]["x"]["step"] == 6
 
 
-@pytest.mark.parametrize("entry, needle", [
-    ({"step": "seven", "consumer": "x", "time": 1.0}, "commits[1] is malformed: 'step' must be an int in [0, 10**12], got 'seven'"),
-    ({"step": 3, "time": 1.0}, "commits[1] is malformed ('consumer' must be a non-empty string"),
-    ("not a table", "commits[1] is malformed (a str, not a table)"),
-])
+@pytest.mark.parametrize(
+    "entry, needle",
+    [
+        (
+            {"step": "seven", "consumer": "x", "time": 1.0},
+            "commits[1] is malformed: 'step' must be an int in [0, 10**12], got 'seven'",
+        ),
+        ({"step": 3, "time": 1.0}, "commits[1] is malformed ('consumer' must be a non-empty string"),
+        ("not a table", "commits[1] is malformed (a str, not a table)"),
+    ],
+)
 def test_a_malformed_commit_entry_is_one_line(tiny_recipe, tmp_path, capsys, entry, needle):
     """`zephon-ray inspect` (and a restarting coordinator) name the file and the entry; nothing is rewritten."""
     from zephon_ray.cli import main

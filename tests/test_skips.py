@@ -37,15 +37,22 @@ def recipe_file(tmp_path: Path, extra: str = "", name: str = "r.toml") -> Path:
     return path
 
 
-@pytest.mark.parametrize("extra, needle", [
-    ('[[skips]]\nname = "a"\nstart_step = 4\nend_step = 4\n', "'skips[0].end_step'"),
-    ('[[skips]]\nname = "a"\nstart_step = -1\nend_step = 4\n', "'skips[0].start_step'"),
-    ('[[skips]]\nname = "a"\nstart_step = 4\nend_step = 6\n[[skips]]\nname = "b"\nstart_step = 4\nend_step = 9\n',
-     "'skips[1].start_step'"),
-    ('[[skips]]\nname = "a"\nstart_step = 4\nend_step = 6\n[[skips]]\nname = "a"\nstart_step = 8\nend_step = 9\n',
-     "'skips[1].name'"),
-    ('[[skips]]\nname = "a"\nstart = 4\nend_step = 6\n', "'skips[0].start'"),
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        ('[[skips]]\nname = "a"\nstart_step = 4\nend_step = 4\n', "'skips[0].end_step'"),
+        ('[[skips]]\nname = "a"\nstart_step = -1\nend_step = 4\n', "'skips[0].start_step'"),
+        (
+            '[[skips]]\nname = "a"\nstart_step = 4\nend_step = 6\n[[skips]]\nname = "b"\nstart_step = 4\nend_step = 9\n',
+            "'skips[1].start_step'",
+        ),
+        (
+            '[[skips]]\nname = "a"\nstart_step = 4\nend_step = 6\n[[skips]]\nname = "a"\nstart_step = 8\nend_step = 9\n',
+            "'skips[1].name'",
+        ),
+        ('[[skips]]\nname = "a"\nstart = 4\nend_step = 6\n', "'skips[0].start'"),
+    ],
+)
 def test_bad_skips_are_one_line(tmp_path, extra, needle):
     with pytest.raises(RecipeError) as info:
         Recipe.from_toml(recipe_file(tmp_path, extra))
@@ -107,8 +114,14 @@ def _segment(config, world: int, state: dict | None, steps: int) -> tuple[list[t
     assert all(s == states[0] for s in states)
     out = []
     for parts in zip(*got):
-        out.append((parts[0].step, compute_digest(np.concatenate([p.slice.tokens for p in parts]),
-                                                  np.concatenate([p.slice.positions for p in parts]))))
+        out.append(
+            (
+                parts[0].step,
+                compute_digest(
+                    np.concatenate([p.slice.tokens for p in parts]), np.concatenate([p.slice.positions for p in parts])
+                ),
+            )
+        )
     return out, json.loads(json.dumps(states[0]))
 
 
@@ -140,11 +153,17 @@ def test_a_skip_across_modes_and_w_and_its_audit(sources, tmp_path, capsys):
     assert "skip 'late' starts at step 8, before step 9" in str(info.value), str(info.value)
 
     capsys.readouterr()
-    assert main(["audit", str(tmp_path / "state.json"), "--ledger", str(sources["work"] / "ledger"), "--recipe",
-                 str(plain)]) == 0
+    assert (
+        main(
+            ["audit", str(tmp_path / "state.json"), "--ledger", str(sources["work"] / "ledger"), "--recipe", str(plain)]
+        )
+        == 0
+    )
     out = capsys.readouterr().out.splitlines()
-    assert "note: step 4: data steps 4..6 skipped by schedule entry 'spike-1' (training step 4 on reads data step 7 " \
-           "on)" in out, out
+    assert (
+        "note: step 4: data steps 4..6 skipped by schedule entry 'spike-1' (training step 4 on reads data step 7 "
+        "on)" in out
+    ), out
     assert out[-1].startswith("audit: clean: steps [0, 9) each trained exactly once"), out
     # Undeclared: the same ledger against the plain recipe, without the run's schedule, is findings.
     assert main(["audit", str(sources["work"] / "ledger"), "--recipe", str(plain)]) == 1

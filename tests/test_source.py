@@ -8,13 +8,13 @@ import subprocess
 import sys
 
 import numpy as np
+import oracle
 import pytest
+from conftest import TINY
 from zephon import Pipeline
 from zephon.io import Dataset
 from zephon.work import MixtureSpec, StaticMixtureWorkSource
 
-import oracle
-from conftest import TINY
 from zephon_ray import GlobalBatchSource
 
 STEPS = 6
@@ -40,9 +40,15 @@ def plain_zephon_rank(recipe, rank: int, world: int, tmp_path):
         .batch(recipe.rows_per_microbatch)
     )
     return pipeline.options(
-        canonical_replicas=recipe.lanes, world_size=world, global_rank=rank, dp_degree=world, dp_group_id=rank,
-        flush_every_k_chunks=recipe.flush_every_k_chunks, runner="threads",
-        aggregate_dir=str(tmp_path / "agg"), run_id="plain-zephon-check",
+        canonical_replicas=recipe.lanes,
+        world_size=world,
+        global_rank=rank,
+        dp_degree=world,
+        dp_group_id=rank,
+        flush_every_k_chunks=recipe.flush_every_k_chunks,
+        runner="threads",
+        aggregate_dir=str(tmp_path / "agg"),
+        run_id="plain-zephon-check",
     )
 
 
@@ -89,7 +95,9 @@ def test_restore_from_ring_then_continue(tiny_recipe, reference_digests, resume_
 
 
 def test_reverse_and_interleaved_random_access(tiny_recipe, reference_digests):
-    with GlobalBatchSource(tiny_recipe, checkpoint_every=2, recent_checkpoints=3, anchor_every=4, cache_steps=1) as source:
+    with GlobalBatchSource(
+        tiny_recipe, checkpoint_every=2, recent_checkpoints=3, anchor_every=4, cache_steps=1
+    ) as source:
         for s in reversed(range(10)):
             assert source.batch(s).digest == reference_digests[s], s
         for s in [7, 2, 9, 2, 15, 0, 11, 3, 3, 20, 1, 23]:
@@ -122,8 +130,15 @@ def test_checkpoint_ring_is_bounded(tiny_recipe):
         assert sorted(source._checkpoints) == [0, 8, 16, 18, 20, 22, 24]
 
 
-@pytest.mark.parametrize("kwargs", [{"checkpoint_every": 0}, {"anchor_every": 12, "checkpoint_every": 8},
-                                    {"cache_steps": -1}, {"recent_checkpoints": 1.5}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"checkpoint_every": 0},
+        {"anchor_every": 12, "checkpoint_every": 8},
+        {"cache_steps": -1},
+        {"recent_checkpoints": 1.5},
+    ],
+)
 def test_rejects_bad_settings(tiny_recipe, kwargs):
     with pytest.raises(ValueError, match=next(iter(kwargs))):
         GlobalBatchSource(tiny_recipe, **kwargs)
@@ -142,7 +157,11 @@ def test_two_processes_with_different_hash_seeds_agree(reference_digests):
         env = dict(os.environ, PYTHONHASHSEED=seed)
         out = subprocess.run(
             [sys.executable, "-m", "zephon_ray.cli", "digest", str(TINY), "--steps", "0:8"],
-            env=env, capture_output=True, text=True, timeout=300, check=True,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
         ).stdout
         outputs.append(out)
     assert outputs[0] == outputs[1]

@@ -9,15 +9,19 @@ import subprocess
 import sys
 
 import pytest
-
 from conftest import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.spawns, pytest.mark.timeout(600)]
 
 
 def test_the_spike_workflow_runs_end_to_end():
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "spike_workflow.py")], capture_output=True,
-                          text=True, timeout=540, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "spike_workflow.py")],
+        capture_output=True,
+        text=True,
+        timeout=540,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
     assert "spike workflow: OK" in out

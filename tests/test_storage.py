@@ -27,9 +27,14 @@ def test_locations_map_paths_and_uris(tmp_path, monkeypatch):
     assert storage.location("file:///tmp/x").uri == "/tmp/x"
     assert s3.join("a").is_within(s3) and not s3.is_within(s3.join("a"))
     assert storage.location("s3://bucket/run70").is_within(storage.location("s3://bucket")) and not storage.location(
-        "s3://bucket/run70").is_within(storage.location("s3://bucket/run7"))
-    for bad, needle in (("ftp://host/x", "unsupported URI scheme 'ftp'"), ("s3:///key", "no bucket"),
-                        ("s3://b/../x", "'..' is not allowed"), ("", "empty path")):
+        "s3://bucket/run70"
+    ).is_within(storage.location("s3://bucket/run7"))
+    for bad, needle in (
+        ("ftp://host/x", "unsupported URI scheme 'ftp'"),
+        ("s3:///key", "no bucket"),
+        ("s3://b/../x", "'..' is not allowed"),
+        ("", "empty path"),
+    ):
         with pytest.raises(storage.StorageError, match=needle):
             storage.location(bad)
 
@@ -84,8 +89,11 @@ def test_sha256_listing_exists_delete(tmp_path):
     (tmp_path / "sub").mkdir()
     for name, blob in (("a.bin", b"a" * 10), ("sub/b.bin", b"b" * 3)):
         storage.write_atomic(tmp_path / name, blob)
-    assert storage.sha256(tmp_path / "a.bin") == hashlib.sha256(b"a" * 10).hexdigest() == storage.sha256_file(
-        tmp_path / "a.bin")
+    assert (
+        storage.sha256(tmp_path / "a.bin")
+        == hashlib.sha256(b"a" * 10).hexdigest()
+        == storage.sha256_file(tmp_path / "a.bin")
+    )
     assert storage.listing(tmp_path) == {"a.bin": 10}
     assert storage.listing(tmp_path, recursive=True) == {"a.bin": 10, "sub/b.bin": 3}
     assert storage.listing(tmp_path / "absent") == {}
@@ -132,12 +140,23 @@ def test_worker_environment_maps_the_endpoint_and_ships_no_secret_or_local_path(
         monkeypatch.setenv(local, "/home/me/only-here")
     assert storage.s3_endpoint() == "http://127.0.0.1:9"
     env = storage.worker_environment()
-    assert env == {"AWS_ENDPOINT_URL": "http://127.0.0.1:9", "S3_ENDPOINT_URL": "http://127.0.0.1:9",
-                   "AWS_REGION": "eu-west-3", "ZEPHON_RAY_STORAGE_RETRY_S": "120"}, env
+    assert env == {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9",
+        "S3_ENDPOINT_URL": "http://127.0.0.1:9",
+        "AWS_REGION": "eu-west-3",
+        "ZEPHON_RAY_STORAGE_RETRY_S": "120",
+    }, env
     assert "s3cr3t" not in str(env) and "only-here" not in str(env)
-    assert set(storage.local_credentials()) == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN",
-                                              "AZURE_STORAGE_ACCOUNT_KEY", "AWS_PROFILE", "AWS_CONFIG_FILE",
-                                              "AWS_CA_BUNDLE", "GOOGLE_APPLICATION_CREDENTIALS"}
+    assert set(storage.local_credentials()) == {
+        "AWS_ACCESS_KEY_ID",
+        "AWS_SECRET_ACCESS_KEY",
+        "AWS_SESSION_TOKEN",
+        "AZURE_STORAGE_ACCOUNT_KEY",
+        "AWS_PROFILE",
+        "AWS_CONFIG_FILE",
+        "AWS_CA_BUNDLE",
+        "GOOGLE_APPLICATION_CREDENTIALS",
+    }
     storage.export_endpoint_for_zephon()
     assert os.environ["S3_ENDPOINT_URL"] == "http://127.0.0.1:9"
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://127.0.0.1:10")  # the service-specific one wins

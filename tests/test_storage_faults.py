@@ -52,21 +52,29 @@ def test_transient_and_permanent_faults_are_told_apart():
         "AWS Error SLOW_DOWN during PutObject operation: Please reduce your request rate.",
         "AWS Error UNKNOWN (HTTP status 503) during HeadObject operation: No response body.",
         "AWS Error INTERNAL_FAILURE during GetObject operation: Failed to flush response stream",
-        "curlCode: 18, Transferred a partial file", "curlCode: 28, Timeout was reached",
+        "curlCode: 18, Transferred a partial file",
+        "curlCode: 28, Timeout was reached",
         "Generic S3 error: Error performing GET http://h/b/k: error sending request: tcp connect error",
-        "google::cloud::Status(UNAVAILABLE: Retry policy exhausted)", "Azure Error: [ServerBusy] 503",
+        "google::cloud::Status(UNAVAILABLE: Retry policy exhausted)",
+        "Azure Error: [ServerBusy] 503",
     ]
     permanent = [
-        "AWS Error ACCESS_DENIED during HeadObject operation: Access Denied", "AWS Error NO_SUCH_BUCKET",
-        "InvalidAccessKeyId: The AWS Access Key Id you provided does not exist", "Azure Error: [ContainerNotFound] 404",
-        "corrupt checkpoint (not valid JSON: Expecting value)", "something else entirely",
+        "AWS Error ACCESS_DENIED during HeadObject operation: Access Denied",
+        "AWS Error NO_SUCH_BUCKET",
+        "InvalidAccessKeyId: The AWS Access Key Id you provided does not exist",
+        "Azure Error: [ContainerNotFound] 404",
+        "corrupt checkpoint (not valid JSON: Expecting value)",
+        "something else entirely",
     ]
     assert [t for t in transient if not storage.is_transient(OSError(t))] == []
     assert [t for t in permanent if storage.is_transient(OSError(t))] == []
     assert storage.is_transient(ConnectionResetError()) and not storage.is_transient(FileNotFoundError("x"))
     assert storage.is_transient(storage.StorageError("x", transient=True))
-    assert not storage.is_transient(storage.StorageError("s3://b/k: cut (still failing after 3s of retries; the budget "
-                                                     "is 2s, ZEPHON_RAY_STORAGE_RETRY_S)"))
+    assert not storage.is_transient(
+        storage.StorageError(
+            "s3://b/k: cut (still failing after 3s of retries; the budget is 2s, ZEPHON_RAY_STORAGE_RETRY_S)"
+        )
+    )
 
 
 def test_retry_backs_off_then_gives_up_in_one_line(monkeypatch):
@@ -156,9 +164,20 @@ def service(ray_cluster, s3, bucket):
 
     recipe = Recipe.from_toml(f"s3://{bucket}/recipes/tiny.toml")
     state_bucket = s3.new_bucket("zr-faults-state")
-    svc = DataService.start(recipe, name="s3o", namespace="zr-storage-faults", state_dir=f"s3://{state_bucket}/run",
-                            producers=2, checkpoint_every=2, run_id="s3o", aggregate_store="torch://", window=4,
-                            retain_behind=0, anchor_every=0, consumer="trainer")
+    svc = DataService.start(
+        recipe,
+        name="s3o",
+        namespace="zr-storage-faults",
+        state_dir=f"s3://{state_bucket}/run",
+        producers=2,
+        checkpoint_every=2,
+        run_id="s3o",
+        aggregate_store="torch://",
+        window=4,
+        retain_behind=0,
+        anchor_every=0,
+        consumer="trainer",
+    )
     svc.state_bucket = state_bucket
     try:
         yield svc
@@ -216,8 +235,10 @@ def test_service_rides_through_a_15s_outage(s3, service, oracle_digests):
         assert time.monotonic() < deadline, svc.status()["checkpoints"]
         time.sleep(0.5)
     assert svc.status()["checkpoints"]["latest"] >= 18
-    print(f"15 s outage: longest read delay {longest:.2f} s; {len(during)} steps served while the endpoint was "
-          f"down; commit made durable {committed['at'] - up_at:.1f} s after it returned")
+    print(
+        f"15 s outage: longest read delay {longest:.2f} s; {len(during)} steps served while the endpoint was "
+        f"down; commit made durable {committed['at'] - up_at:.1f} s after it returned"
+    )
 
     # Commits stay honest: beyond what was delivered is refused, even where the cursor asked for more.
     from zephon_ray import DataService
@@ -255,8 +276,11 @@ def test_service_under_slowdown_and_a_cut_checkpoint_read(s3, service, oracle_di
             if step % 2:
                 svc.commit(step + 1)  # commits are durable writes through the throttling too
         # The producers checkpoint behind the reads: the last checkpoints are written through the throttling too.
-        wait_until(lambda: svc.status()["checkpoints"]["latest"] >= 38, 120,
-                   lambda: f"the checkpoint of step 38; checkpoints {svc.status()['checkpoints']}")
+        wait_until(
+            lambda: svc.status()["checkpoints"]["latest"] >= 38,
+            120,
+            lambda: f"the checkpoint of step 38; checkpoints {svc.status()['checkpoints']}",
+        )
     finally:
         s3.faults.clear()
     assert served == oracle_digests[20:40]

@@ -31,8 +31,17 @@ def soak_service(ray_cluster, s3):
     s3.upload_tree(RECIPES / "data" / "tiny", bucket, "recipes/data/tiny")
     s3.client().upload_file(str(SOAK), bucket, "recipes/soak.toml")
     recipe = Recipe.from_toml(f"s3://{bucket}/recipes/soak.toml")
-    svc = DataService.start(recipe, name="soak", namespace="zr-storage-soak", state_dir=f"s3://{bucket}/state",
-                            producers=2, checkpoint_every=2, run_id="soak", aggregate_store="torch://", window=8)
+    svc = DataService.start(
+        recipe,
+        name="soak",
+        namespace="zr-storage-soak",
+        state_dir=f"s3://{bucket}/state",
+        producers=2,
+        checkpoint_every=2,
+        run_id="soak",
+        aggregate_store="torch://",
+        window=8,
+    )
     try:
         yield svc
     finally:
@@ -72,8 +81,10 @@ def _read_jobs(svc, oracle: _Oracle, until: float, first: int) -> dict:
                 positions = np.concatenate([p.positions for p in parts])
                 want = oracle[step]
                 if compute_digest(tokens, positions) != want.digest:
-                    result["wrong_rows"] += int(((tokens != want.tokens).any(axis=1)
-                                                 | (positions != want.positions).any(axis=1)).sum()) or RANKS
+                    result["wrong_rows"] += (
+                        int(((tokens != want.tokens).any(axis=1) | (positions != want.positions).any(axis=1)).sum())
+                        or RANKS
+                    )
                 step += 1
                 if step % 4 == 0:
                     client.commit(step)
@@ -127,5 +138,7 @@ def test_two_minute_outage_then_a_ten_minute_soak_with_random_faults(s3, soak_se
     assert not soak["errors"] and soak["wrong_rows"] == 0, soak
     after = svc.status()
     assert after["fatal"] is None and after["restarts"] == before["restarts"], after["restarts"]
-    print(f"soak: {soak['steps']} steps per job in {SOAK_S:.0f} s of random faults, 0 wrong rows; proxy "
-          f"{s3.faults.stats}; coordinator storage retries {after['storage']}")
+    print(
+        f"soak: {soak['steps']} steps per job in {SOAK_S:.0f} s of random faults, 0 wrong rows; proxy "
+        f"{s3.faults.stats}; coordinator storage retries {after['storage']}"
+    )

@@ -136,8 +136,14 @@ def test_local_mode_held_batch(reference, tmp_path):
     from zephon_ray.stream.loader import LoaderConfig
 
     def config(phase: int):
-        return LoaderConfig(recipe=TINY, mode="local", run_id="held", aggregate_dir=str(tmp_path / f"agg{phase}"),
-                            prefetch=DEPTH, checkpoint_every=HELD)
+        return LoaderConfig(
+            recipe=TINY,
+            mode="local",
+            run_id="held",
+            aggregate_dir=str(tmp_path / f"agg{phase}"),
+            prefetch=DEPTH,
+            checkpoint_every=HELD,
+        )
 
     _hold_through_close_prefetch_and_restart(config, reference)
 
@@ -149,10 +155,12 @@ def remote_sources(ray_cluster, tiny_recipe, tmp_path_factory):
     from zephon_ray.jobs.materialize import materialize
 
     work = tmp_path_factory.mktemp("held")
-    materialize(tiny_recipe, work / "materialized", range(0, HELD + AHEAD + 2), producers=1, segment_steps=8,
-                progress=False)
-    service = DataService.start(TINY, name="held-batches", namespace="zr-held-batches", producers=1,
-                                state_dir=str(work / "svc"))
+    materialize(
+        tiny_recipe, work / "materialized", range(0, HELD + AHEAD + 2), producers=1, segment_steps=8, progress=False
+    )
+    service = DataService.start(
+        TINY, name="held-batches", namespace="zr-held-batches", producers=1, state_dir=str(work / "svc")
+    )
     try:
         yield {"service": service, "dataset_dir": str(work / "materialized")}
     finally:
@@ -163,16 +171,27 @@ def test_service_mode_held_batch(reference, remote_sources):
     from zephon_ray.stream.loader import LoaderConfig
 
     _hold_through_close_prefetch_and_restart(
-        lambda phase: LoaderConfig(recipe=TINY, mode="service", service_name="held-batches",
-                                   service_namespace="zr-held-batches", run_id="held", prefetch=DEPTH), reference)
+        lambda phase: LoaderConfig(
+            recipe=TINY,
+            mode="service",
+            service_name="held-batches",
+            service_namespace="zr-held-batches",
+            run_id="held",
+            prefetch=DEPTH,
+        ),
+        reference,
+    )
 
 
 def test_dataset_mode_held_batch(reference, remote_sources):
     from zephon_ray.stream.loader import LoaderConfig
 
     _hold_through_close_prefetch_and_restart(
-        lambda phase: LoaderConfig(recipe=TINY, mode="dataset", dataset_dir=remote_sources["dataset_dir"],
-                                   prefetch=DEPTH), reference)
+        lambda phase: LoaderConfig(
+            recipe=TINY, mode="dataset", dataset_dir=remote_sources["dataset_dir"], prefetch=DEPTH
+        ),
+        reference,
+    )
 
 
 def test_torchft_held_batch_and_a_rejected_step_served_again(reference, remote_sources):
@@ -188,11 +207,21 @@ def test_torchft_held_batch_and_a_rejected_step_served_again(reference, remote_s
     config = LoaderConfig(recipe=TINY, mode="dataset", dataset_dir=remote_sources["dataset_dir"], prefetch=DEPTH)
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = Manager(pg=ProcessGroupGloo(timeout=timedelta(seconds=30)), min_replica_size=1,
-                      load_state_dict=lambda state: None, state_dict=lambda: {}, replica_id="held",
-                      lighthouse_addr=lighthouse.address(), store_addr="127.0.0.1", store_port=store.port,
-                      rank=0, world_size=1, use_async_quorum=False, timeout=timedelta(seconds=30),
-                      quorum_timeout=timedelta(seconds=60))
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timedelta(seconds=30)),
+        min_replica_size=1,
+        load_state_dict=lambda state: None,
+        state_dict=lambda: {},
+        replica_id="held",
+        lighthouse_addr=lighthouse.address(),
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        rank=0,
+        world_size=1,
+        use_async_quorum=False,
+        timeout=timedelta(seconds=30),
+        quorum_timeout=timedelta(seconds=60),
+    )
     try:
         slices = FtSlices(config, manager=manager)
         held = None
@@ -205,7 +234,7 @@ def test_torchft_held_batch_and_a_rejected_step_served_again(reference, remote_s
             held, at_handout = batch, _hashes(batch)
         assert at_handout == reference[HELD, 0, 1]
         # The trainer writes into its tensors, then the step is rejected: served again, the rows are the same.
-        (inputs, labels), = held.microbatches
+        ((inputs, labels),) = held.microbatches
         inputs["input"].zero_()
         labels.fill_(-100)
         manager.start_quorum()

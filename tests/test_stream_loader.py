@@ -24,8 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny.toml")
 STEPS = 10
 # (mode, W, steps this segment trains)
-SCHEDULE = (("local", 2, 2), ("service", 3, 2), ("dataset", 5, 2), ("service", 1, 1), ("local", 4, 2),
-            ("dataset", 2, 1))
+SCHEDULE = (
+    ("local", 2, 2),
+    ("service", 3, 2),
+    ("dataset", 5, 2),
+    ("service", 1, 1),
+    ("local", 4, 2),
+    ("dataset", 2, 1),
+)
 PADDED = {("dataset", 5)}  # segments that pad every reader's slice to ceil(16/W) rows
 STATE_KEYS = {"version", "run_id", "fingerprint", "next_step", "zephon", "replayed_steps", "ledger", "run_schedule"}
 
@@ -38,8 +44,9 @@ def sources(ray_cluster, tiny_recipe, tmp_path_factory):
 
     work = tmp_path_factory.mktemp("stream-loader")
     materialize(tiny_recipe, work / "materialized", range(0, STEPS), producers=1, segment_steps=8, progress=False)
-    service = DataService.start(TINY, name="stream-loader", namespace="zr-stream-loader", producers=1,
-                                state_dir=str(work / "svc"))
+    service = DataService.start(
+        TINY, name="stream-loader", namespace="zr-stream-loader", producers=1, state_dir=str(work / "svc")
+    )
     try:
         yield {"service": service, "dataset_dir": str(work / "materialized"), "work": work}
     finally:
@@ -74,7 +81,7 @@ def _segment(config, world: int, state: dict | None, steps: int) -> tuple[list, 
             rows = torch.cat([labels for _, labels in batch.microbatches])
             # Padded to the same rows on every reader; the padding rows' labels are all ignored.
             assert rows.shape[0] == (-(-16 // world) if config.pad_slices else batch.slice.num_rows)
-            assert (rows[batch.slice.num_rows:] == -100).all()
+            assert (rows[batch.slice.num_rows :] == -100).all()
             assert batch.global_valid_tokens == 16 * 64  # 'wrap' packing: every label of the 16 rows
             slices.append(batch.slice)
         return slices, loader.state_dict()
@@ -91,10 +98,10 @@ def test_modes_and_w_change_at_every_resume(sources, reference_digests):
         per_step, states = _segment(_config(mode, sources, segment, (mode, world) in PADDED), world, state, steps)
         for parts in per_step:
             step = parts[0].step
-            digest = compute_digest(np.concatenate([p.tokens for p in parts]),
-                                    np.concatenate([p.positions for p in parts]))
-            assert digest == reference_digests[step], \
-                f"step {step} ({mode}, W={world}) differs from the golden"
+            digest = compute_digest(
+                np.concatenate([p.tokens for p in parts]), np.concatenate([p.positions for p in parts])
+            )
+            assert digest == reference_digests[step], f"step {step} ({mode}, W={world}) differs from the golden"
             seen.append((step, mode, world))
         assert all(s == states[0] for s in states), f"{mode} W={world}: the readers' states differ"
         state = states[0]
@@ -113,33 +120,42 @@ def _loader(**kw):
     return Loader(LoaderConfig(recipe=TINY, mode="local"), **{"rank": 0, "world": 1, **kw})
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"world": None}, r"world must be an int in \[1, 10\*\*12\], got None"),
-    ({"world": 0}, r"world must be an int in \[1, 10\*\*12\], got 0"),
-    ({"rank": 1, "world": 1}, r"rank must be an int in \[0, world=1\), got 1"),
-    ({"rank": "0"}, r"rank must be an int in \[0, world=1\), got '0'"),
-    ({"local_batch_size": 2.5}, r"local_batch_size must be an int in \[0, .*\], got 2.5"),
-    ({"world": 17, "rank": 0}, "a data-parallel degree of 17 does not fit the recipe's global batch of 16 rows"),
-    ({"world": 3}, "local mode needs the data-parallel degree to divide the recipe's 8 lanes, got 3"),
-    ({"world": 3, "local_batch_size": 2}, "local_batch_size 2 does not divide every reader's share"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"world": None}, r"world must be an int in \[1, 10\*\*12\], got None"),
+        ({"world": 0}, r"world must be an int in \[1, 10\*\*12\], got 0"),
+        ({"rank": 1, "world": 1}, r"rank must be an int in \[0, world=1\), got 1"),
+        ({"rank": "0"}, r"rank must be an int in \[0, world=1\), got '0'"),
+        ({"local_batch_size": 2.5}, r"local_batch_size must be an int in \[0, .*\], got 2.5"),
+        ({"world": 17, "rank": 0}, "a data-parallel degree of 17 does not fit the recipe's global batch of 16 rows"),
+        ({"world": 3}, "local mode needs the data-parallel degree to divide the recipe's 8 lanes, got 3"),
+        ({"world": 3, "local_batch_size": 2}, "local_batch_size 2 does not divide every reader's share"),
+    ],
+)
 def test_bad_reader_numbers_are_one_line(kw, message):
     with pytest.raises(ValueError, match=message) as info:
         _loader(**kw)
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("change, message", [
-    (lambda s: s.pop("next_step"), "loader state lacks key 'next_step'"),
-    (lambda s: s.pop("zephon"), "loader state lacks key 'zephon'"),
-    (lambda s: s.pop("version"), "loader state lacks key 'version'"),
-    (lambda s: s.update(extra=1), "loader state has unknown key 'extra'"),
-    (lambda s: s.update(next_step="3"), r"key 'next_step' must be an int in \[0, 10\*\*12\], got '3'"),
-    (lambda s: s.update(zephon='{"version": 1}'), r"the Zephon checkpoint's 'next_step' must be an int in \[0, .*\], got None"),
-    (lambda s: s.update(zephon='{"next_step": 9}'), "the Zephon checkpoint is at step 9, after 'next_step' 3"),
-    (lambda s: s.update(zephon="[1]"), "key 'zephon' must hold a JSON object"),
-    (lambda s: s.update(zephon=None), "key 'zephon' must be a JSON string"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (lambda s: s.pop("next_step"), "loader state lacks key 'next_step'"),
+        (lambda s: s.pop("zephon"), "loader state lacks key 'zephon'"),
+        (lambda s: s.pop("version"), "loader state lacks key 'version'"),
+        (lambda s: s.update(extra=1), "loader state has unknown key 'extra'"),
+        (lambda s: s.update(next_step="3"), r"key 'next_step' must be an int in \[0, 10\*\*12\], got '3'"),
+        (
+            lambda s: s.update(zephon='{"version": 1}'),
+            r"the Zephon checkpoint's 'next_step' must be an int in \[0, .*\], got None",
+        ),
+        (lambda s: s.update(zephon='{"next_step": 9}'), "the Zephon checkpoint is at step 9, after 'next_step' 3"),
+        (lambda s: s.update(zephon="[1]"), "key 'zephon' must hold a JSON object"),
+        (lambda s: s.update(zephon=None), "key 'zephon' must be a JSON string"),
+    ],
+)
 # Proves formats/loader_state.py: a missing, extra or bad key is one line naming the key.
 def test_bad_loader_states_are_one_line_naming_the_key(change, message):
     from zephon_ray.formats.loader_state import LoaderStateError
@@ -153,13 +169,16 @@ def test_bad_loader_states_are_one_line_naming_the_key(change, message):
         assert loader.next_step == 0  # nothing half-loaded
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"mode": "ray"}, "'mode' must be one of"),
-    ({"recipe": ""}, "'recipe' .* is required"),
-    ({"prefetch": 0}, r"'prefetch' must be an int in \[1, 1024\], got 0"),
-    ({"checkpoint_every": None}, "'checkpoint_every' must be an int in"),
-    ({"mode": "local", "dataset_dir": "/x"}, "only used by it"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"mode": "ray"}, "'mode' must be one of"),
+        ({"recipe": ""}, "'recipe' .* is required"),
+        ({"prefetch": 0}, r"'prefetch' must be an int in \[1, 1024\], got 0"),
+        ({"checkpoint_every": None}, "'checkpoint_every' must be an int in"),
+        ({"mode": "local", "dataset_dir": "/x"}, "only used by it"),
+    ],
+)
 def test_bad_loader_config_fails_when_built(kw, message):
     from zephon_ray.stream.loader import LoaderConfig
 

@@ -37,8 +37,9 @@ def sources(ray_cluster, tiny_recipe, tmp_path_factory):
 
     work = tmp_path_factory.mktemp("loader-fuzz")
     materialize(tiny_recipe, work / "materialized", range(0, STEPS), producers=1, segment_steps=8, progress=False)
-    service = DataService.start(str(TINY), name="loader-fuzz", namespace="zr-loader-fuzz", producers=1,
-                                state_dir=str(work / "svc"))
+    service = DataService.start(
+        str(TINY), name="loader-fuzz", namespace="zr-loader-fuzz", producers=1, state_dir=str(work / "svc")
+    )
     try:
         yield {"dataset_dir": str(work / "materialized"), "work": work}
     finally:
@@ -50,8 +51,10 @@ def _config(mode: str, sources: dict, tag: str, pad: bool):
 
     kw: dict = {"recipe": str(TINY), "mode": mode, "run_id": "fuzz", "pad_slices": pad}
     if mode == "local":
-        kw.update(aggregate_dir=str(sources["work"] / f"aggregate-{tag}"), checkpoint_every=random.Random(tag).choice(
-            [0, 1, 2]))
+        kw.update(
+            aggregate_dir=str(sources["work"] / f"aggregate-{tag}"),
+            checkpoint_every=random.Random(tag).choice([0, 1, 2]),
+        )
     elif mode == "service":
         kw.update(service_name="loader-fuzz", service_namespace="zr-loader-fuzz")
     else:
@@ -85,16 +88,19 @@ def _run(seed: int, sources: dict, golden: list[str], log: list[str]) -> None:
         steps = rng.randint(1, min(3, STEPS - start)) if start < STEPS else 0
         save = rng.random() < 0.85
         pad = rng.random() < 0.3
-        log.append(f"segment {segment}: {mode} W={world} from step {start} ({'no state' if state is None else 'state'})"
-                   f", {steps} steps, {'save' if save else 'crash before the save'}, pad={pad}")
+        log.append(
+            f"segment {segment}: {mode} W={world} from step {start} ({'no state' if state is None else 'state'})"
+            f", {steps} steps, {'save' if save else 'crash before the save'}, pad={pad}"
+        )
         if steps == 0:
             continue
         per_step, states = _segment(_config(mode, sources, f"{seed}-{segment}", pad), world, state, steps, save)
         for offset, parts in enumerate(per_step):
             step = parts[0].step
             assert step == start + offset, f"{log[-1]}: reader yielded step {step}, expected {start + offset}"
-            digest = compute_digest(np.concatenate([p.tokens for p in parts]),
-                                    np.concatenate([p.positions for p in parts]))
+            digest = compute_digest(
+                np.concatenate([p.tokens for p in parts]), np.concatenate([p.positions for p in parts])
+            )
             assert digest == golden[step], f"{log[-1]}: step {step} differs from the golden"
         if save:
             assert all(s == states[0] for s in states), f"{log[-1]}: the readers' states differ"

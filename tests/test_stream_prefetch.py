@@ -14,7 +14,12 @@ import pytest
 from zephon_ray import GlobalBatchSource, compute_digest
 from zephon_ray.stream.prefetch import PrefetchedSlices
 from zephon_ray.stream.slice_stream import (
-    STATE_CHECKPOINT, STATE_NEXT_STEP, SliceStream, SliceStreamError, stream_state)
+    STATE_CHECKPOINT,
+    STATE_NEXT_STEP,
+    SliceStream,
+    SliceStreamError,
+    stream_state,
+)
 
 
 class ReferenceSlices(PrefetchedSlices):
@@ -59,14 +64,17 @@ def test_consecutive_slices_from_any_start_and_restart(tiny_recipe):
         source.next(timeout=1)
 
 
-@pytest.mark.parametrize("state, message", [
-    ({"next_step": 1}, "lacks key 'checkpoint'"),
-    ({"next_step": -1, "checkpoint": None}, "'next_step' must be an int in"),
-    ({"next_step": None, "checkpoint": None}, "'next_step' must be an int in"),
-    ({"next_step": 1, "checkpoint": "{}"}, "'checkpoint' must be a dict or None"),
-    ({"next_step": 1, "checkpoint": None, "step": 1}, "unknown key 'step'"),
-    ([1, None], "must be a dict"),
-])
+@pytest.mark.parametrize(
+    "state, message",
+    [
+        ({"next_step": 1}, "lacks key 'checkpoint'"),
+        ({"next_step": -1, "checkpoint": None}, "'next_step' must be an int in"),
+        ({"next_step": None, "checkpoint": None}, "'next_step' must be an int in"),
+        ({"next_step": 1, "checkpoint": "{}"}, "'checkpoint' must be a dict or None"),
+        ({"next_step": 1, "checkpoint": None, "step": 1}, "unknown key 'step'"),
+        ([1, None], "must be a dict"),
+    ],
+)
 def test_bad_stream_states_and_arguments_fail_early(tiny_recipe, state, message):
     source = ReferenceSlices(tiny_recipe, rank=0, world=1, depth=1)
     with pytest.raises(ValueError, match=message):
@@ -74,11 +82,14 @@ def test_bad_stream_states_and_arguments_fail_early(tiny_recipe, state, message)
     source.close()
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"rank": 2, "world": 2, "depth": 1}, r"rank must be an int in \[0, world=2\), got 2"),
-    ({"rank": 0, "world": None, "depth": 1}, r"world must be an int in \[1, .*\], got None"),
-    ({"rank": 0, "world": 1, "depth": 0}, r"prefetch depth must be an int in \[1, 1024\], got 0"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"rank": 2, "world": 2, "depth": 1}, r"rank must be an int in \[0, world=2\), got 2"),
+        ({"rank": 0, "world": None, "depth": 1}, r"world must be an int in \[1, .*\], got None"),
+        ({"rank": 0, "world": 1, "depth": 0}, r"prefetch depth must be an int in \[1, 1024\], got 0"),
+    ],
+)
 def test_bad_reader_arguments_fail_when_built(tiny_recipe, kwargs, message):
     with pytest.raises(ValueError, match=message):
         ReferenceSlices(tiny_recipe, **kwargs)
@@ -98,9 +109,9 @@ def test_a_producer_error_reaches_get_with_its_step_and_cause(tiny_recipe):
     source = ReferenceSlices(tiny_recipe, rank=0, world=2, depth=2, fail_at=1)
     source.reset()
     source.next(timeout=60)
-    with pytest.raises(SliceStreamError,
-                       match=r"reference slice stream failed at step 1 \(rank 0 of 2\): OSError: disk gone") \
-            as info:
+    with pytest.raises(
+        SliceStreamError, match=r"reference slice stream failed at step 1 \(rank 0 of 2\): OSError: disk gone"
+    ) as info:
         source.next(timeout=60)
     assert isinstance(info.value.__cause__, OSError)
     source.close()

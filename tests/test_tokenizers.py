@@ -5,10 +5,10 @@ from __future__ import annotations
 import pickle
 
 import numpy as np
-import pytest
-
 import oracle
+import pytest
 from conftest import RECIPES
+
 from zephon_ray.tokenizers import ByteTokenizer, TokenizerFile, build_tokenizer, tokenizer_identity
 
 TOKENIZER_JSON = RECIPES / "tokenizer" / "tokenizer.json"
@@ -84,11 +84,16 @@ def test_tokenizers_agree_with_the_oracles_own():
     the same ids and special tokens as ours, on multi-byte text (and a lone surrogate, which JSON can carry as an
     escape, for the byte tokenizer: replaced by "?"; the ``tokenizers`` library refuses such a string)."""
     texts = ["déjà vu — λ 🙂", "def f(x):\n    return x  # \t tabs", "", "a" * 5000]
-    for ours, theirs, extra in ((ByteTokenizer(), oracle.OracleByteTokenizer(), ["bad \udcff surrogate"]),
-                                (TokenizerFile(TOKENIZER_JSON), oracle.OracleJsonTokenizer(TOKENIZER_JSON), [])):
+    for ours, theirs, extra in (
+        (ByteTokenizer(), oracle.OracleByteTokenizer(), ["bad \udcff surrogate"]),
+        (TokenizerFile(TOKENIZER_JSON), oracle.OracleJsonTokenizer(TOKENIZER_JSON), []),
+    ):
         texts = texts[:4] + extra
-        assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == \
-               (theirs.bos_token_id, theirs.eos_token_id, theirs.pad_token_id)
+        assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
+            theirs.bos_token_id,
+            theirs.eos_token_id,
+            theirs.pad_token_id,
+        )
         a, b = ours(texts, add_special_tokens=False)["input_ids"], theirs(texts, add_special_tokens=False)["input_ids"]
         assert len(a) == len(b) == len(texts)
         for x, y in zip(a, b):

@@ -18,7 +18,8 @@ def test_torchtitan_is_the_version_the_internals_were_read_from():
     installed = metadata.version("torchtitan")
     assert installed == internals.TORCHTITAN_VERSION, (
         f"TorchTitan {installed} is installed, but zephon_ray/integrations/torchtitan/internals.py was written "
-        f"against {internals.TORCHTITAN_VERSION}: re-read apply_overrides and Trainer.__init__, then update it")
+        f"against {internals.TORCHTITAN_VERSION}: re-read apply_overrides and Trainer.__init__, then update it"
+    )
 
 
 def test_apply_overrides_frame_walk_finds_the_trainer_config():
@@ -28,7 +29,8 @@ def test_apply_overrides_frame_walk_finds_the_trainer_config():
     from torchtitan.trainer import Trainer
 
     assert internals.APPLY_OVERRIDES_ROOT in inspect.signature(apply_overrides).parameters, (
-        f"apply_overrides no longer has a {internals.APPLY_OVERRIDES_ROOT!r} parameter: the frame walk is broken")
+        f"apply_overrides no longer has a {internals.APPLY_OVERRIDES_ROOT!r} parameter: the frame walk is broken"
+    )
     seen = {}
 
     @override(target=BaseDataLoader.Config, fqns=["dataloader"], description="zephon-ray internals probe")
@@ -52,8 +54,14 @@ def _dataloader_build_call():
     from torchtitan.trainer import Trainer
 
     tree = ast.parse(textwrap.dedent(inspect.getsource(Trainer.__init__)))
-    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
-             and n.func.attr == "build" and ast.unparse(n.func.value) == "config.dataloader"]
+    calls = [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == "build"
+        and ast.unparse(n.func.value) == "config.dataloader"
+    ]
     assert len(calls) == 1, "Trainer.__init__ no longer calls config.dataloader.build(...) exactly once"
     return calls[0]
 
@@ -63,8 +71,11 @@ def test_trainer_builds_the_loader_with_exactly_our_keywords():
 
     call = _dataloader_build_call()
     theirs = {k.arg for k in call.keywords}
-    ours = {name for name, p in inspect.signature(ZephonRayDataLoader.__init__).parameters.items()
-            if p.kind is inspect.Parameter.KEYWORD_ONLY}
+    ours = {
+        name
+        for name, p in inspect.signature(ZephonRayDataLoader.__init__).parameters.items()
+        if p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
     assert theirs == ours, f"Trainer.__init__ builds the data loader with {sorted(theirs)}, we accept {sorted(ours)}"
     # snapshot_every_n_steps counts microbatches of a rank: the loader divides it by its microbatches per step.
     snapshot = next(k.value for k in call.keywords if k.arg == "snapshot_every_n_steps")

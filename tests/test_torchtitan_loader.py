@@ -100,8 +100,7 @@ def test_w_not_dividing_the_global_batch_is_padded_and_asks_for_the_padded_train
     """dp 3 on B = 16: every rank is padded to 6 rows (labels ignored); the trainer's global batch must count them
     (18 = 16 + 2 padding rows), and the error says exactly that; with it set, each rank takes 6 microbatches."""
     with pytest.raises(ValueError, match=r"set training.global_batch_size = 18 = 16 rows \+ 2 padding rows"):
-        _config(mode="service", global_batch_size=16).build(dp_world_size=3, dp_rank=0, seq_len=64,
-                                                            local_batch_size=1)
+        _config(mode="service", global_batch_size=16).build(dp_world_size=3, dp_rank=0, seq_len=64, local_batch_size=1)
     with pytest.raises(ValueError, match="does not fit the recipe's global batch of 16 rows"):
         _config(mode="service").build(dp_world_size=17, dp_rank=0, seq_len=64, local_batch_size=1)
 
@@ -109,8 +108,9 @@ def test_w_not_dividing_the_global_batch_is_padded_and_asks_for_the_padded_train
 def test_local_mode_w_not_dividing_lanes(tmp_path):
     # W=16 divides B=16 but not L=8 lanes: only the service can serve it.
     with pytest.raises(ValueError, match="divide the recipe's 8 lanes, got 16"):
-        _config(run_id="r", aggregate_dir=str(tmp_path)).build(dp_world_size=16, dp_rank=0, seq_len=64,
-                                                             local_batch_size=1)
+        _config(run_id="r", aggregate_dir=str(tmp_path)).build(
+            dp_world_size=16, dp_rank=0, seq_len=64, local_batch_size=1
+        )
 
 
 def test_trainer_global_batch_mismatch():
@@ -118,8 +118,7 @@ def test_trainer_global_batch_mismatch():
         _config(global_batch_size=32).build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4)
     # TorchTitan's -1 means local_batch_size x dp (no gradient accumulation): 4 x 2 = 8 rows, not 16.
     with pytest.raises(ValueError, match=r"global batch 8 \(training.global_batch_size is -1.*4 x dp 2\) differs"):
-        _config(mode="service", global_batch_size=-1).build(dp_world_size=2, dp_rank=0, seq_len=64,
-                                                            local_batch_size=4)
+        _config(mode="service", global_batch_size=-1).build(dp_world_size=2, dp_rank=0, seq_len=64, local_batch_size=4)
 
 
 def test_build_keywords_are_torchtitans_and_required():
@@ -133,14 +132,17 @@ def test_build_keywords_are_torchtitans_and_required():
         _config().build(dp_world_size=1, dp_rank=0, dp_degree=2, seq_len=64, local_batch_size=4)
 
 
-@pytest.mark.parametrize("kw, message", [
-    ({"dp_world_size": None}, r"build: dp_world_size must be an int in \[1, .*\], got None"),
-    ({"dp_world_size": 2.0}, r"build: dp_world_size must be an int in \[1, .*\], got 2.0"),
-    ({"dp_rank": None}, r"build: dp_rank must be an int in \[0, dp_world_size=1\), got None"),
-    ({"dp_rank": 1}, r"build: dp_rank must be an int in \[0, dp_world_size=1\), got 1"),
-    ({"local_batch_size": 0}, r"build: local_batch_size must be an int in \[1, .*\], got 0"),
-    ({"snapshot_every_n_steps": "10"}, "build: snapshot_every_n_steps must be an int"),
-])
+@pytest.mark.parametrize(
+    "kw, message",
+    [
+        ({"dp_world_size": None}, r"build: dp_world_size must be an int in \[1, .*\], got None"),
+        ({"dp_world_size": 2.0}, r"build: dp_world_size must be an int in \[1, .*\], got 2.0"),
+        ({"dp_rank": None}, r"build: dp_rank must be an int in \[0, dp_world_size=1\), got None"),
+        ({"dp_rank": 1}, r"build: dp_rank must be an int in \[0, dp_world_size=1\), got 1"),
+        ({"local_batch_size": 0}, r"build: local_batch_size must be an int in \[1, .*\], got 0"),
+        ({"snapshot_every_n_steps": "10"}, "build: snapshot_every_n_steps must be an int"),
+    ],
+)
 def test_bad_build_numbers_are_one_line_naming_the_keyword(kw, message):
     with pytest.raises(ValueError, match=message) as info:
         _config().build(**{"dp_world_size": 1, "dp_rank": 0, "seq_len": 64, "local_batch_size": 4, **kw})
@@ -187,10 +189,11 @@ def test_local_slices_match_reference_and_resume_at_other_w(tmp_path, reference_
         rebuilt from the microbatches: input plus the last label column (the tiny recipe packs with 'wrap')."""
         digests = []
         for _ in range(n):
+
             def pull(i):
                 mbs = [next(iters[i]) for _ in range(loaders[i].microbatches_per_step)]
-                return np.concatenate([np.concatenate([x["input"].numpy(), y.numpy()[:, -1:]], axis=1)
-                                       for x, y in mbs])
+                return np.concatenate([np.concatenate([x["input"].numpy(), y.numpy()[:, -1:]], axis=1) for x, y in mbs])
+
             digests.append(_token_digest(np.concatenate(run_ranks(len(loaders), pull))))
         return digests
 
@@ -226,13 +229,14 @@ def test_different_recipe_on_resume_is_an_error(tmp_path):
 
     tiny = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4)
     elastic = _config(run_id="r", recipe=str(ROOT / "recipes" / "elastic.toml")).build(
-        dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4)
+        dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=4
+    )
     with pytest.raises(LoaderStateError, match="recipe fingerprint .* but this run uses .*elastic.toml"):
         elastic.load_state_dict(tiny.state_dict())
 
 
 # ---------------------------------------------------------------------- DCP at another W
-_DCP_WORKER = r'''
+_DCP_WORKER = r"""
 import json, os, sys
 import numpy as np
 import torch.distributed as dist
@@ -267,7 +271,7 @@ if rank == 0:
     json.dump({"digests": digests, "state": state, "world": world}, open(out, "w"))
 loader.close()
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.mark.slow  # two torchruns (~35 s); the default suite saves and loads through DCP at another world with the
@@ -279,8 +283,17 @@ def test_dcp_save_and_load_at_another_world(tmp_path, reference_digests):
     env.pop("ZEPHON_RAY_AGGREGATE_DIR", None)
 
     def torchrun(nproc, phase, out):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               str(script), phase, str(tmp_path / "ckpt"), str(out)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            str(script),
+            phase,
+            str(tmp_path / "ckpt"),
+            str(out),
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(out.read_text())
@@ -312,8 +325,10 @@ def test_local_state_between_checkpoints_restores_and_replays(tmp_path, referenc
     iters = [l.steps() for l in resumed]
     for step in (3, 4):
         rows = [next(i).slice for i in iters]
-        assert compute_digest(np.concatenate([r.tokens for r in rows]),
-                              np.concatenate([r.positions for r in rows])) == reference_digests[step]
+        assert (
+            compute_digest(np.concatenate([r.tokens for r in rows]), np.concatenate([r.positions for r in rows]))
+            == reference_digests[step]
+        )
     for l in resumed:
         l.close()
 
@@ -339,8 +354,9 @@ def test_resume_without_a_zephon_checkpoint_warns_and_reports_the_replay(caplog,
     resumed = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
     with caplog.at_level("WARNING", logger="zephon_ray.stream.loader"):
         resumed.load_state_dict(state)
-    assert any("has no Zephon checkpoint" in r.message and "replaying 3 steps from step 0" in r.message
-               for r in caplog.records), [r.message for r in caplog.records]
+    assert any(
+        "has no Zephon checkpoint" in r.message and "replaying 3 steps from step 0" in r.message for r in caplog.records
+    ), [r.message for r in caplog.records]
     assert resumed.stats["resume_replay"] == 3 and resumed.stats["resumed_from_checkpoint"] is None
     assert resumed.state_dict() == state  # nothing replayed yet: the loaded state, unchanged
     piece = next(resumed.steps()).slice
@@ -352,8 +368,7 @@ def test_resume_without_a_zephon_checkpoint_warns_and_reports_the_replay(caplog,
 
 
 def test_exact_checkpoint_resume_is_quiet(caplog):
-    loader = _config(run_id="r", checkpoint_every=2).build(dp_world_size=1, dp_rank=0, seq_len=64,
-                                                           local_batch_size=16)
+    loader = _config(run_id="r", checkpoint_every=2).build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
     it = iter(loader)
     for _ in range(2):
         next(it)
@@ -437,8 +452,10 @@ def test_torchtitan_help_shows_every_field_docstring(monkeypatch, capsys):
         if f.name in ("dataset", "dataset_path"):  # TorchTitan's own, undocumented there
             continue
         flag = "--" + f.name.replace("_", "-")
-        assert re.search(re.escape(flag) + r"\S* \S+ " + re.escape(" ".join(docs[f.name].split())), help_text), \
-            (flag, docs[f.name])
+        assert re.search(re.escape(flag) + r"\S* \S+ " + re.escape(" ".join(docs[f.name].split())), help_text), (
+            flag,
+            docs[f.name],
+        )
 
 
 def test_torchtitans_cli_sets_the_config_fields(monkeypatch, capsys):
@@ -449,8 +466,17 @@ def test_torchtitans_cli_sets_the_config_fields(monkeypatch, capsys):
     from zephon_ray.torchtitan import ZephonRayDataLoader
 
     base = ["--module", "zephon_ray.integrations.torchtitan", "--config", "zephon_llama3_debugmodel"]
-    config = ConfigManager().parse_args(base + ["--dataloader.prefetch", "3", "--dataloader.no-pad-slices",
-                                                "--dataloader.run-id", "cli", "--dataloader.infinite"])
+    config = ConfigManager().parse_args(
+        base
+        + [
+            "--dataloader.prefetch",
+            "3",
+            "--dataloader.no-pad-slices",
+            "--dataloader.run-id",
+            "cli",
+            "--dataloader.infinite",
+        ]
+    )
     loader = config.dataloader
     assert isinstance(loader, ZephonRayDataLoader.Config)
     assert (loader.prefetch, loader.pad_slices, loader.run_id, loader.core().prefetch) == (3, False, "cli", 3)
@@ -459,7 +485,8 @@ def test_torchtitans_cli_sets_the_config_fields(monkeypatch, capsys):
         ConfigManager().parse_args(base + ["--dataloader.mode", "nowhere"])
     printed = capsys.readouterr()
     assert "loader config: 'mode' must be one of ('service', 'local', 'dataset'), got 'nowhere'" in (
-        printed.out + printed.err)
+        printed.out + printed.err
+    )
 
 
 def test_a_trainer_step_other_than_the_loaders_next_step_is_refused_before_the_first_batch():
@@ -471,11 +498,20 @@ def test_a_trainer_step_other_than_the_loaders_next_step_is_refused_before_the_f
 
     state = _one_rank_state_after(3)
     for loaded, trainer, message in [
-            (state, 2, "the trainer's checkpoint is at step 2 but the data loader's next_step is 3: resuming would "
-                       "skip 1 step(s); load the loader state saved with those weights (is 'dataloader' in "
-                       "checkpoint.exclude_from_loading?)"),
-            (None, 2, "the trainer's checkpoint is at step 2 but the data loader's next_step is 0: resuming would "
-                      "repeat 2 step(s)")]:
+        (
+            state,
+            2,
+            "the trainer's checkpoint is at step 2 but the data loader's next_step is 3: resuming would "
+            "skip 1 step(s); load the loader state saved with those weights (is 'dataloader' in "
+            "checkpoint.exclude_from_loading?)",
+        ),
+        (
+            None,
+            2,
+            "the trainer's checkpoint is at step 2 but the data loader's next_step is 0: resuming would "
+            "repeat 2 step(s)",
+        ),
+    ]:
         resumed = _config(run_id="r").build(dp_world_size=1, dp_rank=0, seq_len=64, local_batch_size=16)
         resumed.expect_trainer_step(trainer)  # TorchTitan's DCP loads train_state first
         if loaded is not None:

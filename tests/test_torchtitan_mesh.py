@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "recipes" / "tiny.toml")
 TP = 2
 
-_WORKER = r'''
+_WORKER = r"""
 import json, os, sys
 import numpy as np
 import torch.distributed as dist
@@ -68,7 +68,7 @@ if rank == 0:
                "template": template}, open(out, "w"))
 loader.close()
 dist.destroy_process_group()
-'''
+"""
 
 
 def _torchrun(tmp_path: Path, nproc: int, phase: str) -> dict:
@@ -77,8 +77,18 @@ def _torchrun(tmp_path: Path, nproc: int, phase: str) -> dict:
     out = tmp_path / f"{phase}.json"
     env = {**os.environ, "RECIPE": TINY, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("ZEPHON_RAY_AGGREGATE_DIR", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", str(script),
-           phase, str(tmp_path / "state.json"), str(out), str(TP)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        str(script),
+        phase,
+        str(tmp_path / "state.json"),
+        str(out),
+        str(TP),
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())

@@ -23,8 +23,19 @@ OVERRIDE = f'zephon_ray.integrations.torchtitan.overrides.zephon_dataloader={{"r
 
 
 def _cli(*extra: str) -> list[str]:
-    return ["--module", "llama3", "--config", "llama3_debugmodel", "--training.seq_len", "64",
-            "--hf_assets_path", str(BYTES_ASSETS), "--override.imports", OVERRIDE, *extra]
+    return [
+        "--module",
+        "llama3",
+        "--config",
+        "llama3_debugmodel",
+        "--training.seq_len",
+        "64",
+        "--hf_assets_path",
+        str(BYTES_ASSETS),
+        "--override.imports",
+        OVERRIDE,
+        *extra,
+    ]
 
 
 def _apply(argv: list[str]):
@@ -58,14 +69,17 @@ def test_right_geometry_and_tokenizer_pass_and_reach_the_loader(tmp_path):
     config.dataloader.aggregate_store, config.dataloader.aggregate_dir = None, str(tmp_path)  # no torchrun here
     # Built the way Trainer.__init__ builds it (its tokenizer included): dp=2 -> grad_accum 2.
     tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
-    with config.dataloader.build(dp_world_size=2, dp_rank=1, tokenizer=tokenizer, seq_len=64,
-                                 local_batch_size=4, snapshot_every_n_steps=None) as loader:
+    with config.dataloader.build(
+        dp_world_size=2, dp_rank=1, tokenizer=tokenizer, seq_len=64, local_batch_size=4, snapshot_every_n_steps=None
+    ) as loader:
         assert loader.microbatches_per_step == 2
 
 
 def test_wrong_global_batch_is_one_line():
-    message = _one_line_error(_cli("--training.global_batch_size", "8"),
-                              "training.global_batch_size 8 is smaller than the recipe's global batch of 16 rows")
+    message = _one_line_error(
+        _cli("--training.global_batch_size", "8"),
+        "training.global_batch_size 8 is smaller than the recipe's global batch of 16 rows",
+    )
     assert "tiny.toml" in message and "set training.global_batch_size = 16" in message
 
 
@@ -83,22 +97,26 @@ def test_unset_global_batch_is_checked_when_the_loader_is_built(tmp_path):
 
 
 def test_wrong_tokenizer_is_one_line():
-    message = _one_line_error(_cli("--training.global_batch_size", "16", "--hf_assets_path", str(BPE_ASSETS)),
-                              r"tokenizer .* differ: vocab size 2048 != 259")
+    message = _one_line_error(
+        _cli("--training.global_batch_size", "16", "--hf_assets_path", str(BPE_ASSETS)),
+        r"tokenizer .* differ: vocab size 2048 != 259",
+    )
     assert "hf_assets_path" in message
 
 
 def test_wrong_seq_len_is_one_line():
-    _one_line_error(_cli("--training.global_batch_size", "16", "--training.seq_len", "128"),
-                    "training.seq_len 128 differs from the recipe's seq_len 64")
+    _one_line_error(
+        _cli("--training.global_batch_size", "16", "--training.seq_len", "128"),
+        "training.seq_len 128 differs from the recipe's seq_len 64",
+    )
 
 
 def test_wrong_tokenizer_rejected_by_the_loader_build_on_any_route():
     """Same vocab size and special ids, other ids: the probe encoding catches it (no override involved)."""
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
 
-    from zephon_ray.torchtitan import ZephonRayDataLoader
     from zephon_ray.integrations.torchtitan.trainer_checks import TrainerMismatchError
+    from zephon_ray.torchtitan import ZephonRayDataLoader
 
     class ShiftedBytes(HuggingFaceTokenizer):  # a byte tokenizer that numbers the bytes differently
         def encode(self, *args, **kwargs):
@@ -126,8 +144,15 @@ def test_real_trainer_fails_on_the_override_route_with_the_geometry_line(tmp_pat
     """``torchrun ... torchtitan.train`` (its real main and Trainer, CPU shims on) with a wrong global batch."""
     script = tmp_path / "launch.py"
     script.write_text(_LAUNCH)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script),
-           *_cli("--training.global_batch_size", "32", "--dump_folder", str(tmp_path / "dump"))]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=1",
+        str(script),
+        *_cli("--training.global_batch_size", "32", "--dump_folder", str(tmp_path / "dump")),
+    ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode != 0

@@ -46,8 +46,12 @@ CP_LOSSES = [8.08256, 8.16198, 7.61417, 6.91282]
 MESHES = {
     # name: (recipe, TorchTitan flag, reference losses, the dp rank of global rank g of 4 in TorchTitan's mesh)
     "pp": (ROOT / "recipes" / "tiny.toml", "--parallelism.pipeline_parallel_degree", PP_LOSSES, lambda g, dp: g % dp),
-    "cp": (ROOT / "tests" / "recipes" / "cp.toml", "--parallelism.context_parallel_degree", CP_LOSSES,
-           lambda g, dp: g // 2),
+    "cp": (
+        ROOT / "tests" / "recipes" / "cp.toml",
+        "--parallelism.context_parallel_degree",
+        CP_LOSSES,
+        lambda g, dp: g // 2,
+    ),
 }
 
 
@@ -74,8 +78,9 @@ def _check_every_rank(record: Path, recipe: Path, dp_of) -> dict[int, set[int]]:
         assert r == dp_of(g, w), f"global rank {g} of {n} got dp rank {r} of {w}"
         want = batch.slice(r, w)
         got = np.load(path)
-        assert np.array_equal(got["tokens"], want.tokens) and np.array_equal(got["positions"], want.positions), \
+        assert np.array_equal(got["tokens"], want.tokens) and np.array_equal(got["positions"], want.positions), (
             f"step {step}: global rank {g} (dp rank {r} of {w}) got other rows than its dp rank's slice"
+        )
         seen.setdefault(w, set()).add((step, g))
     return {w: {g for _, g in pairs} for w, pairs in seen.items()}
 
@@ -91,16 +96,21 @@ def _saved_loader_state(checkpoint: Path, scratch: Path) -> dict:
 
 def _run_case(mesh: str, mode: str, tmp_path: Path, request) -> None:
     recipe, flag, reference, dp_of = MESHES[mesh]
-    env = {"ZEPHON_RAY_RECIPE": str(recipe), "ZEPHON_RAY_MODE": mode, "ZEPHON_RAY_RUN_ID": f"titan-{mesh}-{mode}",
-           "PYTHONFAULTHANDLER": "1"}  # a crash in a rank prints its Python stack
+    env = {
+        "ZEPHON_RAY_RECIPE": str(recipe),
+        "ZEPHON_RAY_MODE": mode,
+        "ZEPHON_RAY_RUN_ID": f"titan-{mesh}-{mode}",
+        "PYTHONFAULTHANDLER": "1",
+    }  # a crash in a rank prints its Python stack
     service = None
     if mode == "service":
         from service_helpers import NS, start_service
 
         ray = request.getfixturevalue("ray_cluster")
         service = start_service(str(recipe), tmp_path, f"titan-{mesh}")
-        env.update(ZEPHON_RAY_SERVICE=service.name, ZEPHON_RAY_NAMESPACE=NS,
-                   RAY_ADDRESS=ray.get_runtime_context().gcs_address)
+        env.update(
+            ZEPHON_RAY_SERVICE=service.name, ZEPHON_RAY_NAMESPACE=NS, RAY_ADDRESS=ray.get_runtime_context().gcs_address
+        )
     elif mode == "dataset":
         from zephon_ray.jobs.materialize import materialize
 
@@ -132,15 +142,24 @@ def _run_case(mesh: str, mode: str, tmp_path: Path, request) -> None:
 @pytest.mark.parametrize("mesh", ["pp", "cp"])
 def test_reference_runs_match_their_committed_losses(mesh, tmp_path):
     recipe, flag, reference, _ = MESHES[mesh]
-    losses = torchtitan(2, STEPS, tmp_path / "dump", tmp_path / "record", checkpoint=False,
-                        env_extra={"ZEPHON_RAY_RECIPE": str(recipe)}, args=_mesh_args(flag, 1))
+    losses = torchtitan(
+        2,
+        STEPS,
+        tmp_path / "dump",
+        tmp_path / "record",
+        checkpoint=False,
+        env_extra={"ZEPHON_RAY_RECIPE": str(recipe)},
+        args=_mesh_args(flag, 1),
+    )
     assert [losses[s] for s in range(1, STEPS + 1)] == pytest.approx(reference, abs=2e-5), losses
     assert recorded_digests(tmp_path / "record") == dict(enumerate(_golden(recipe)))
 
 
 @pytest.mark.slow  # ~120-260 s each on 2 busy cores: 4 + 2 torchrun processes of the real Trainer
-@pytest.mark.parametrize("mesh, mode", [("pp", "local"), ("pp", "service"), ("pp", "dataset"), ("cp", "local"),
-                                        ("cp", "service"), ("cp", "dataset")])
+@pytest.mark.parametrize(
+    "mesh, mode",
+    [("pp", "local"), ("pp", "service"), ("pp", "dataset"), ("cp", "local"), ("cp", "service"), ("cp", "dataset")],
+)
 def test_dp2_mesh_resumed_at_dp1(mesh, mode, tmp_path, request):
     """dp=2 x {pp,cp}=2 to step 2, resumed at dp=1 x {pp,cp}=2 to step 4: every process got its dp rank's slice, the
     losses are the fixed-W ones; in local mode the peers received their leader's slices and the collective

@@ -47,8 +47,14 @@ def tiny_rows(ray_cluster, tmp_path_factory):
 def _example(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, dict]:
     out = tmp_path / "summary.json"
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    proc = subprocess.run([sys.executable, str(EXAMPLE), *args, "--json", str(out)], capture_output=True, text=True,
-                          timeout=1500, cwd=tmp_path, env={**env, "PYTHONPATH": str(ROOT)})
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLE), *args, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        cwd=tmp_path,
+        env={**env, "PYTHONPATH": str(ROOT)},
+    )
     assert out.is_file(), (proc.stdout + proc.stderr)[-4000:]
     return proc, json.loads(out.read_text())
 
@@ -58,8 +64,21 @@ def test_a_churn_through_torchtitans_torchft_trainer_audits_clean(tiny_rows, tmp
     from zephon_ray.formats.ledger import read_ledger
 
     ledger = tmp_path / "ledger"
-    proc, summary = _example(tmp_path, "--groups", "2", "--steps", "8", "--kill", "1@2", "--rejoin", "1@4",
-                             "--ledger", str(ledger), "--dataset-dir", tiny_rows)
+    proc, summary = _example(
+        tmp_path,
+        "--groups",
+        "2",
+        "--steps",
+        "8",
+        "--kill",
+        "1@2",
+        "--rejoin",
+        "1@4",
+        "--ledger",
+        str(ledger),
+        "--dataset-dir",
+        tiny_rows,
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     groups = summary["groups"]
     assert sorted(groups) == ["0/0", "1/0", "1/1"]
@@ -95,14 +114,30 @@ def test_an_applied_rejected_attempt_on_torchtitans_torchft_trainer_is_named(tin
     from zephon_ray.formats.ledger import read_ledger
 
     ledger = tmp_path / "ledger"
-    proc, summary = _example(tmp_path, "--groups", "1", "--steps", "4", "--apply-rejected", "1", "--ledger",
-                             str(ledger), "--dataset-dir", tiny_rows)
+    proc, summary = _example(
+        tmp_path,
+        "--groups",
+        "1",
+        "--steps",
+        "4",
+        "--apply-rejected",
+        "1",
+        "--ledger",
+        str(ledger),
+        "--dataset-dir",
+        tiny_rows,
+    )
     assert proc.returncode == 1, (proc.stdout + proc.stderr)[-4000:]  # the audit's finding
     assert summary["groups"]["0/0"]["exit"] == 0
-    records = sorted((r.step, r.rank, r.attempt, r.trained) for seg in read_ledger(str(ledger)).values()
-                     for part in seg.parts.values() for r in part)
+    records = sorted(
+        (r.step, r.rank, r.attempt, r.trained)
+        for seg in read_ledger(str(ledger)).values()
+        for part in seg.parts.values()
+        for r in part
+    )
     assert records == [(0, 0, 0, 1), (1, 0, 1, 2), (2, 0, 0, 1)]  # step 1 served again, applied both times
     assert summary["audit"] == [
         "step 1: trained twice: rank 0 of 1 trained it 2 times (its record is attempt 1: an earlier attempt that "
         "torchft rejected was applied too)",
-        "audit: 1 finding(s) in steps [0, 3) (W 1)"], summary["audit"]
+        "audit: 1 finding(s) in steps [0, 3) (W 1)",
+    ], summary["audit"]

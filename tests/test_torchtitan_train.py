@@ -31,17 +31,44 @@ LOSS_RE = re.compile(r"step:\s+(\d+)\s+loss:\s+([0-9.]+)")
 ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 
 
-def torchtitan(nproc: int, steps: int, dump: Path, record: Path, *, checkpoint: bool,
-               env_extra: dict | None = None, args: tuple = (), fails: bool = False) -> "dict[int, float] | str":
+def torchtitan(
+    nproc: int,
+    steps: int,
+    dump: Path,
+    record: Path,
+    *,
+    checkpoint: bool,
+    env_extra: dict | None = None,
+    args: tuple = (),
+    fails: bool = False,
+) -> dict[int, float] | str:
     """The per-step losses; with ``fails``, the output of a run that must exit non-zero."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "torchtitan.train", "--module", "titan_helpers", "--config", "zephon_llama3_debugmodel_cpu_recorded",
-           "--training.steps", str(steps), "--dump_folder", str(dump)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "torchtitan.train",
+        "--module",
+        "titan_helpers",
+        "--config",
+        "zephon_llama3_debugmodel_cpu_recorded",
+        "--training.steps",
+        str(steps),
+        "--dump_folder",
+        str(dump),
+    ]
     if checkpoint:
         cmd += ["--checkpoint.enable", "--checkpoint.interval", "2"]
     cmd += list(args)
-    env = {**os.environ, "ZR_TEST_RECORD_DIR": str(record), "ZEPHON_RAY_RECIPE": str(TINY),
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")])}
+    env = {
+        **os.environ,
+        "ZR_TEST_RECORD_DIR": str(record),
+        "ZEPHON_RAY_RECIPE": str(TINY),
+        "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests")]),
+    }
     env.pop("ZEPHON_RAY_AGGREGATE_DIR", None)
     env.update(env_extra or {})
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=dump.parent)
@@ -67,8 +94,9 @@ def recorded_digests(record: Path) -> dict[int, str]:
         for world, paths in worlds.items():
             assert len(paths) == world, f"step {step}: {len(paths)} of {world} ranks recorded"
             parts = [np.load(p) for p in sorted(paths)]
-            digests[step] = compute_digest(np.concatenate([p["tokens"] for p in parts]),
-                                           np.concatenate([p["positions"] for p in parts]))
+            digests[step] = compute_digest(
+                np.concatenate([p["tokens"] for p in parts]), np.concatenate([p["positions"] for p in parts])
+            )
     return digests
 
 
@@ -89,8 +117,13 @@ def test_reference_run_matches_its_committed_losses_and_digests(tmp_path, refere
     losses = torchtitan(1, STEPS, tmp_path / "dump", tmp_path / "record", checkpoint=False)
     digests = recorded_digests(tmp_path / "record")
     check_run(losses, digests, reference_digests)
-    cli = subprocess.run([sys.executable, "-m", "zephon_ray.cli", "digest", str(TINY), "--steps", f"0:{STEPS}"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    cli = subprocess.run(
+        [sys.executable, "-m", "zephon_ray.cli", "digest", str(TINY), "--steps", f"0:{STEPS}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert cli.returncode == 0, cli.stderr
     assert digests == {int(line.split()[1]): line.split()[2] for line in cli.stdout.splitlines()}
 
@@ -111,10 +144,19 @@ def test_a_checkpoint_whose_loader_state_was_not_loaded_is_refused(tmp_path):
     (``checkpoint.exclude_from_loading``) restores the weights at step 2 and a loader at step 0. The run stops
     before its first batch, naming both numbers, instead of training steps 0 and 1 again."""
     torchtitan(1, 2, tmp_path / "dump", tmp_path / "record", checkpoint=True)
-    out = torchtitan(1, STEPS, tmp_path / "dump", tmp_path / "record", checkpoint=True, fails=True,
-                     args=("--checkpoint.exclude_from_loading", "dataloader"))
-    assert ("LoaderStateError: the trainer's checkpoint is at step 2 but the data loader's next_step is 0: resuming "
-            "would repeat 2 step(s)") in out, out[-4000:]
+    out = torchtitan(
+        1,
+        STEPS,
+        tmp_path / "dump",
+        tmp_path / "record",
+        checkpoint=True,
+        fails=True,
+        args=("--checkpoint.exclude_from_loading", "dataloader"),
+    )
+    assert (
+        "LoaderStateError: the trainer's checkpoint is at step 2 but the data loader's next_step is 0: resuming "
+        "would repeat 2 step(s)"
+    ) in out, out[-4000:]
     assert "step:  3" not in out and "step: 3" not in out
 
 
@@ -138,11 +180,32 @@ def test_a_dp_degree_not_dividing_the_batch_trains_the_w1_losses(tmp_path, refer
     18. TorchTitan 0.3 divides each rank's summed loss by the all-reduced count of valid labels and sums the
     gradients (FSDP's division off), so the real Trainer's losses are the W=1 run's as they are: no hook needed."""
     directory = tmp_path / "materialized"
-    made = subprocess.run([sys.executable, "-m", "zephon_ray.cli", "materialize", str(TINY), "--steps", f"0:{STEPS}",
-                           "--out", str(directory)], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "zephon_ray.cli",
+            "materialize",
+            str(TINY),
+            "--steps",
+            f"0:{STEPS}",
+            "--out",
+            str(directory),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert made.returncode == 0, made.stderr[-3000:]
-    losses = torchtitan(3, STEPS, tmp_path / "dump", tmp_path / "record", checkpoint=False,
-                        env_extra={"ZEPHON_RAY_MODE": "dataset", "ZEPHON_RAY_DATASET_DIR": str(directory)})
+    losses = torchtitan(
+        3,
+        STEPS,
+        tmp_path / "dump",
+        tmp_path / "record",
+        checkpoint=False,
+        env_extra={"ZEPHON_RAY_MODE": "dataset", "ZEPHON_RAY_DATASET_DIR": str(directory)},
+    )
     check_run(losses, recorded_digests(tmp_path / "record"), reference_digests)
     rows = sorted(np.load(p)["tokens"].shape[0] for p in (tmp_path / "record").glob("step-000000-rank-*-of-003.npz"))
     assert rows == [5, 5, 6]  # the real rows only: the padding never enters the recorded slices or a digest

@@ -28,8 +28,17 @@ SCHEDULES = {  # (W, train until step)
 FIXED = ((4, 8),)
 TOLERANCE = 1e-5
 # What every rank imports, loaded once in the fork server (each rank would spend ~2 s importing it on its own).
-PRELOAD = ["torch", "torch.distributed", "torch.nn.parallel", "zephon", "pyarrow.parquet", "zephon_ray.identity",
-           "zephon_ray.stream.loader", "zephon_ray.stream.dataset", "train_helpers"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch.nn.parallel",
+    "zephon",
+    "pyarrow.parquet",
+    "zephon_ray.identity",
+    "zephon_ray.stream.loader",
+    "zephon_ray.stream.dataset",
+    "train_helpers",
+]
 
 
 @pytest.fixture(scope="module")
@@ -53,8 +62,10 @@ def _train(work: Path, dataset_dir: str, schedule) -> dict:
     work.mkdir(parents=True)
     for segment, (world, until) in enumerate(schedule):
         init = work / f"init-{segment}"
-        ranks = [context.Process(target=ddp_segment, args=(r, world, str(init), dataset_dir, ELASTIC, str(work),
-                                                            until)) for r in range(world)]
+        ranks = [
+            context.Process(target=ddp_segment, args=(r, world, str(init), dataset_dir, ELASTIC, str(work), until))
+            for r in range(world)
+        ]
         [p.start() for p in ranks]
         [p.join(180) for p in ranks]
         for p in ranks:

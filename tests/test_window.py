@@ -91,7 +91,9 @@ def test_reads_past_max_ahead_are_rejected_tracked_or_not():
 def test_commits_are_per_consumer_and_checked():
     w = _window()
     assert w.commit(0, "a") == 0  # resuming at 0 needs no read
-    with pytest.raises(ValueError, match=r"commit step 12 of consumer 'a' is ahead of what it was delivered: at most 0"):
+    with pytest.raises(
+        ValueError, match=r"commit step 12 of consumer 'a' is ahead of what it was delivered: at most 0"
+    ):
         w.commit(12, "a")
     w.read(7, "a", 0, 1, track=True, now=0)
     w.read(30, "b", None, None, track=False, now=0)  # an untracked read consumes nothing
@@ -123,12 +125,21 @@ def test_a_commit_counts_its_own_reads_after_a_release():
         w.commit(5, "job", read=3)
 
 
-@pytest.mark.parametrize("rank, world, words", [(2, 2, r"rank must be an int in \[0, world=2\), got 2"),
-                                                (0, 17, r"world must be an int in \[1, 16\] \(the global batch's rows"
-                                                        r": every rank needs one\), got 17"),
-                                                (-1, 4, "rank must be an int in .*, got -1"),
-                                                (0, 32, "world must be an int in .*, got 32"),
-                                                (0, True, "world must be an int in .* got True")])
+@pytest.mark.parametrize(
+    "rank, world, words",
+    [
+        (2, 2, r"rank must be an int in \[0, world=2\), got 2"),
+        (
+            0,
+            17,
+            r"world must be an int in \[1, 16\] \(the global batch's rows"
+            r": every rank needs one\), got 17",
+        ),
+        (-1, 4, "rank must be an int in .*, got -1"),
+        (0, 32, "world must be an int in .*, got 32"),
+        (0, True, "world must be an int in .* got True"),
+    ],
+)
 def test_rank_and_world_are_validated(rank, world, words):
     with pytest.raises(ValueError, match=words):
         _window().advance(0, "a", rank, world, now=0)

@@ -45,8 +45,15 @@ class RecordingLoader(ZephonRayDataLoader):
             if peers is None or peers.is_leader:
                 _save(record / f"step-{piece.step:06d}-rank-{piece.rank:03d}-of-{piece.world:03d}.npz", piece)
             if world > self.dp_world_size:
-                _save(record / "ranks" / (f"step-{piece.step:06d}-global-{me:03d}-of-{world:03d}-dp-"
-                                          f"{self.dp_rank:03d}-of-{self.dp_world_size:03d}.npz"), piece)
+                _save(
+                    record
+                    / "ranks"
+                    / (
+                        f"step-{piece.step:06d}-global-{me:03d}-of-{world:03d}-dp-"
+                        f"{self.dp_rank:03d}-of-{self.dp_world_size:03d}.npz"
+                    ),
+                    piece,
+                )
             yield batch
 
 
@@ -64,5 +71,6 @@ def zephon_llama3_debugmodel_cpu_recorded():
     loader = config.dataloader
     config.dataloader = RecordingLoader.Config(
         **{f.name: getattr(loader, f.name) for f in fields(ZephonRayDataLoader.Config) if f.init},
-        record_dir=os.environ[ENV_RECORD_DIR])
+        record_dir=os.environ[ENV_RECORD_DIR],
+    )
     return config

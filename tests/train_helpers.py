@@ -49,8 +49,10 @@ class KillOnce:
                 deadline = time.monotonic() + self.timeout_s
                 while registered_step(self.snapshot) < self.registered_step:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"Ray Train did not register the checkpoint of step {self.registered_step} "
-                                           f"within {self.timeout_s:.0f} s ({self.snapshot})")
+                        raise RuntimeError(
+                            f"Ray Train did not register the checkpoint of step {self.registered_step} "
+                            f"within {self.timeout_s:.0f} s ({self.snapshot})"
+                        )
                     time.sleep(0.05)
             Path(self.marker).write_text(f"killed rank {rank} pid {os.getpid()} before step {step}\n")
             os.kill(os.getpid(), signal.SIGKILL)
@@ -90,8 +92,14 @@ class HoldForRestart:
         from zephon_ray.batch import compute_digest
 
         def record(phase: str) -> None:
-            line = {"step": step, "rank": rank, "world": piece.world, "phase": phase, "pid": os.getpid(),
-                    "digest": compute_digest(piece.tokens, piece.positions)}
+            line = {
+                "step": step,
+                "rank": rank,
+                "world": piece.world,
+                "phase": phase,
+                "pid": os.getpid(),
+                "digest": compute_digest(piece.tokens, piece.positions),
+            }
             with open(Path(self.directory, "slices.jsonl"), "a") as fh:  # one short line per write: no tearing
                 fh.write(json.dumps(line) + "\n")
 
@@ -102,17 +110,31 @@ class HoldForRestart:
         deadline = time.monotonic() + self.timeout_s
         while dist.is_initialized():
             if time.monotonic() > deadline:
-                raise RuntimeError(f"step {step}: Ray Train did not tear the {self.world}-worker group down within "
-                                   f"{self.timeout_s:.0f} s of holding it (no resize decision)")
+                raise RuntimeError(
+                    f"step {step}: Ray Train did not tear the {self.world}-worker group down within "
+                    f"{self.timeout_s:.0f} s of holding it (no resize decision)"
+                )
             time.sleep(0.02)
         record("teardown")
 
 
-def fit_bigram(dataset: Any, *, workers: int | tuple[int, int], name: str, storage_path: str, log_path: str,
-               steps: int, run_id: str, max_failures: int = 0, cpu_per_worker: float = 0.25,
-               checkpoint_every: int = 2, before_step: Any = None, before_digest: Any = None,
-               worker_resources: dict | None = None,
-               **scaling: Any) -> Any:
+def fit_bigram(
+    dataset: Any,
+    *,
+    workers: int | tuple[int, int],
+    name: str,
+    storage_path: str,
+    log_path: str,
+    steps: int,
+    run_id: str,
+    max_failures: int = 0,
+    cpu_per_worker: float = 0.25,
+    checkpoint_every: int = 2,
+    before_step: Any = None,
+    before_digest: Any = None,
+    worker_resources: dict | None = None,
+    **scaling: Any,
+) -> Any:
     """One ``TorchTrainer.fit()`` of ``examples/bigram.py`` reading ``dataset`` through ``get_dataset_shard``.
     Reuse ``name``/``storage_path`` to resume from the latest checkpoint at a new W."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
@@ -122,15 +144,21 @@ def fit_bigram(dataset: Any, *, workers: int | tuple[int, int], name: str, stora
 
     trainer = TorchTrainer(
         bigram.train_loop,
-        train_loop_config={"log_path": log_path, "steps": steps, "checkpoint_every": checkpoint_every,
-                           "before_step": before_step, "before_digest": before_digest},
+        train_loop_config={
+            "log_path": log_path,
+            "steps": steps,
+            "checkpoint_every": checkpoint_every,
+            "before_step": before_step,
+            "before_digest": before_digest,
+        },
         datasets={"train": dataset},
         dataset_config=ZephonDataConfig(run_id=run_id, checkpoint_every=checkpoint_every),
-        scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": cpu_per_worker,
-                                                                                **(worker_resources or {})},
-                                     **scaling),
-        run_config=RunConfig(name=name, storage_path=storage_path,
-                             failure_config=FailureConfig(max_failures=max_failures)),
+        scaling_config=ScalingConfig(
+            num_workers=workers, resources_per_worker={"CPU": cpu_per_worker, **(worker_resources or {})}, **scaling
+        ),
+        run_config=RunConfig(
+            name=name, storage_path=storage_path, failure_config=FailureConfig(max_failures=max_failures)
+        ),
     )
     return trainer.fit()
 
@@ -138,8 +166,9 @@ def fit_bigram(dataset: Any, *, workers: int | tuple[int, int], name: str, stora
 WEIGHTINGS = ("token", "mean_of_means")
 
 
-def ddp_segment(rank: int, world: int, init_file: str, dataset_dir: str, recipe_path: str, work: str,
-                until: int) -> None:
+def ddp_segment(
+    rank: int, world: int, init_file: str, dataset_dir: str, recipe_path: str, work: str, until: int
+) -> None:
     """One rank of a DDP run over gloo (a process of its own) that trains ``examples/bigram.py``'s model on this
     rank's slices of a materialised run, from the state in ``work`` (models, optimizers, loader state) up to step
     ``until``, then saves that state (rank 0). It trains one model per weighting (:data:`WEIGHTINGS`) on the same
@@ -175,13 +204,14 @@ def ddp_segment(rank: int, world: int, init_file: str, dataset_dir: str, recipe_
         batches = iter(loader)
         while loader.next_step < until:
             batch = next(batches)
-            (inputs, labels), = batch.microbatches
+            ((inputs, labels),) = batch.microbatches
             for name in WEIGHTINGS:
                 optims[name].zero_grad(set_to_none=True)
                 logits = wrapped[name](inputs["input"]).reshape(-1, vocab)
                 if name == "token":
-                    loss = torch.nn.functional.cross_entropy(logits, labels.reshape(-1), reduction="sum",
-                                                             ignore_index=-100) * batch.loss_scale("mean")
+                    loss = torch.nn.functional.cross_entropy(
+                        logits, labels.reshape(-1), reduction="sum", ignore_index=-100
+                    ) * batch.loss_scale("mean")
                 else:
                     loss = torch.nn.functional.cross_entropy(logits, labels.reshape(-1), ignore_index=-100)
                 loss.backward()
@@ -190,8 +220,9 @@ def ddp_segment(rank: int, world: int, init_file: str, dataset_dir: str, recipe_
         loader.close()
         if rank == 0:
             for name in WEIGHTINGS:
-                torch.save({"model": models[name].state_dict(), "optim": optims[name].state_dict()},
-                           work_dir / f"{name}.pt")
+                torch.save(
+                    {"model": models[name].state_dict(), "optim": optims[name].state_dict()}, work_dir / f"{name}.pt"
+                )
             (work_dir / "loader.json").write_text(json.dumps(state))
         dist.barrier()
     finally:

@@ -17,14 +17,32 @@ from zephon_ray.source import GlobalBatchSource
 
 __version__ = "0.1.0"
 
-__all__ = ["DataService", "GlobalBatch", "GlobalBatchSource", "Loader", "LoaderConfig", "MaterializedSource",
-           "RankSlice", "Recipe", "RecipeError", "ServiceConfig", "StepBatch", "ZephonDataConfig", "ZephonDataset",
-           "compute_digest"]
+__all__ = [
+    "DataService",
+    "GlobalBatch",
+    "GlobalBatchSource",
+    "Loader",
+    "LoaderConfig",
+    "MaterializedSource",
+    "RankSlice",
+    "Recipe",
+    "RecipeError",
+    "ServiceConfig",
+    "StepBatch",
+    "ZephonDataConfig",
+    "ZephonDataset",
+    "compute_digest",
+]
 
-_LAZY = {"DataService": "zephon_ray.service.client", "ServiceConfig": "zephon_ray.service.config",
-         "Loader": "zephon_ray.stream.loader", "LoaderConfig": "zephon_ray.stream.loader",
-         "StepBatch": "zephon_ray.stream.loader", "ZephonDataset": "zephon_ray.integrations.ray_train",
-         "ZephonDataConfig": "zephon_ray.integrations.ray_train"}
+_LAZY = {
+    "DataService": "zephon_ray.service.client",
+    "ServiceConfig": "zephon_ray.service.config",
+    "Loader": "zephon_ray.stream.loader",
+    "LoaderConfig": "zephon_ray.stream.loader",
+    "StepBatch": "zephon_ray.stream.loader",
+    "ZephonDataset": "zephon_ray.integrations.ray_train",
+    "ZephonDataConfig": "zephon_ray.integrations.ray_train",
+}
 """Names imported on first use: the service and Ray Train pull in Ray, so ``import zephon_ray`` stays light for
 in-process users and tools. (TorchTitan's loader: ``from zephon_ray.torchtitan import ZephonRayDataLoader``.)"""
 _LAZY_MODULES = {"ray_train": "zephon_ray.integrations.ray_train"}

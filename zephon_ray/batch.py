@@ -78,8 +78,10 @@ def slice_bounds(rows: int, rank: int, world: int) -> tuple[int, int]:
     W > B is refused: a rank would get no rows."""
     rank, world = check_reader(rank, world)
     if world > rows:
-        raise ValueError(f"a world of {world} ranks exceeds the global batch of {rows} rows: a rank would get no rows "
-                         f"(use at most {rows} readers)")
+        raise ValueError(
+            f"a world of {world} ranks exceeds the global batch of {rows} rows: a rank would get no rows "
+            f"(use at most {rows} readers)"
+        )
     return rank * rows // world, (rank + 1) * rows // world
 
 
@@ -155,20 +157,32 @@ class RankSlice:
             if isinstance(rows, np.ndarray):
                 rows.setflags(write=False)  # the rows are shared (lane shards, a global batch, peers): never written
         if self.source_ids is not None and np.shape(self.source_ids) != np.shape(self.tokens):
-            raise ValueError(f"step {self.step}, rank {self.rank} of {self.world}: source_ids of shape "
-                             f"{np.shape(self.source_ids)} for tokens of shape {np.shape(self.tokens)}")
+            raise ValueError(
+                f"step {self.step}, rank {self.rank} of {self.world}: source_ids of shape "
+                f"{np.shape(self.source_ids)} for tokens of shape {np.shape(self.tokens)}"
+            )
 
     @classmethod
-    def from_lanes(cls, step: int, rank: int, world: int, span: LaneSpan, shards: list[Any],
-                   pad_token_id: int | None = None, global_valid_tokens: int | None = None) -> "RankSlice":
+    def from_lanes(
+        cls,
+        step: int,
+        rank: int,
+        world: int,
+        span: LaneSpan,
+        shards: list[Any],
+        pad_token_id: int | None = None,
+        global_valid_tokens: int | None = None,
+    ) -> RankSlice:
         """Rank r's slice from the lane shards of ``span.lanes`` (in lane order; each has ``tokens`` and
         ``positions`` arrays). The one place a slice is cut from lanes: the service client and local mode use it,
         and ``GlobalBatch.slice`` cuts the same rows from the assembled batch."""
         if len(shards) != len(span.lanes):
-            raise ValueError(f"step {step}, rank {rank} of {world}: expected the shards of lanes "
-                             f"{span.first}..{span.stop - 1}, got {len(shards)} shards")
+            raise ValueError(
+                f"step {step}, rank {rank} of {world}: expected the shards of lanes "
+                f"{span.first}..{span.stop - 1}, got {len(shards)} shards"
+            )
         if len(shards) == 1:  # one lane (or part of one): a zero-copy view
-            tokens, positions = shards[0].tokens[span.lo:span.hi], shards[0].positions[span.lo:span.hi]
+            tokens, positions = shards[0].tokens[span.lo : span.hi], shards[0].positions[span.lo : span.hi]
         else:  # the rank's rows of its first and last lane, whole lanes between: one copy of exactly its rows
             per = shards[0].tokens.shape[0]
             parts = [(max(span.lo - i * per, 0), min(span.hi - i * per, per)) for i in range(len(shards))]
@@ -191,8 +205,9 @@ class RankSlice:
         trainer asks for the slice, so the hashing stays off the trainer's path."""
         return slice_digest(self.tokens, self.positions)
 
-    def microbatches(self, local_batch_size: int, *, pad_to: int | None = None
-                     ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    def microbatches(
+        self, local_batch_size: int, *, pad_to: int | None = None
+    ) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """Yield ``({"input", "positions"}, labels)`` of ``local_batch_size`` rows each, in row order.
 
         ``pad_to``: append rows up to that many (equal shapes on every rank, for torch.compile and CUDA graphs).
@@ -204,10 +219,13 @@ class RankSlice:
         ``labels`` (the source of each label token, ``row[1:]``), -1 for pad tokens and padding rows, so that
         ``zeros(S).scatter_add(0, ids[ids >= 0], token_loss[ids >= 0])`` sums each source's loss."""
         import torch  # here, not at module level: a node reader imports this module and never needs torch
+
         rows = self.num_rows if pad_to is None else pad_to
         if rows < self.num_rows:
-            raise ValueError(f"pad_to {pad_to} is less than this rank's {self.num_rows} rows (step {self.step}, "
-                             f"rank {self.rank} of {self.world})")
+            raise ValueError(
+                f"pad_to {pad_to} is less than this rank's {self.num_rows} rows (step {self.step}, "
+                f"rank {self.rank} of {self.world})"
+            )
         if local_batch_size < 1 or rows % local_batch_size:
             raise ValueError(
                 f"local_batch_size {local_batch_size} does not divide this rank's {rows} rows "
@@ -223,11 +241,11 @@ class RankSlice:
         labels = tokens[:, 1:].clone()
         if self.pad_token_id is not None:
             labels[labels == self.pad_token_id] = IGNORE_INDEX
-        labels[self.num_rows:] = IGNORE_INDEX
+        labels[self.num_rows :] = IGNORE_INDEX
         ids = None
         if self.source_ids is not None:
             ids = torch.full((rows, self.tokens.shape[1] - 1), -1, dtype=torch.int64)
-            ids[:self.num_rows] = torch.from_numpy(self.source_ids[:, 1:].astype(np.int64))
+            ids[: self.num_rows] = torch.from_numpy(self.source_ids[:, 1:].astype(np.int64))
         for start in range(0, rows, local_batch_size):
             end = start + local_batch_size
             inputs = {"input": tokens[start:end, :-1], "positions": positions[start:end, :-1]}
@@ -271,8 +289,9 @@ class GlobalBatch:
 
     def slice(self, rank: int, world: int) -> RankSlice:
         lo, hi = slice_bounds(self.num_rows, rank, world)
-        return RankSlice(self.step, rank, world, self.tokens[lo:hi], self.positions[lo:hi], self.pad_token_id,
-                         self.valid_tokens)
+        return RankSlice(
+            self.step, rank, world, self.tokens[lo:hi], self.positions[lo:hi], self.pad_token_id, self.valid_tokens
+        )
 
     def source_share(self) -> dict[str, float]:
         total = sum(self.source_tokens.values()) or 1

@@ -116,23 +116,25 @@ def _local_reader(recipe: Recipe) -> Iterator[_Reader]:
 
 
 @contextmanager
-def _service_reader(recipe: Recipe, *, producers: int, name: str | None, namespace: str,
-                    address: str | None) -> Iterator[_Reader]:
-    from zephon_ray.service.client.session import ray_session
+def _service_reader(
+    recipe: Recipe, *, producers: int, name: str | None, namespace: str, address: str | None
+) -> Iterator[_Reader]:
     from zephon_ray.service.client import DataService
+    from zephon_ray.service.client.session import ray_session
 
     with ray_session(address, private_if_none=True):
         if name is not None:
             svc = DataService.connect(name, namespace=namespace, consumer=f"bench-{uuid.uuid4().hex[:8]}")
             if svc.recipe.fingerprint != recipe.fingerprint:
-                raise UserInputError(f"--name {name}: the service serves recipe fingerprint "
-                                     f"{svc.recipe.fingerprint[:12]}, not {recipe.describe()}")
+                raise UserInputError(
+                    f"--name {name}: the service serves recipe fingerprint "
+                    f"{svc.recipe.fingerprint[:12]}, not {recipe.describe()}"
+                )
             started = False
         else:
             run = f"bench-{uuid.uuid4().hex[:8]}"
             extra: dict[str, Any] = {"aggregate_store": "torch://", "run_id": run} if producers > 1 else {}
-            svc = DataService.start(recipe, name=run, namespace=namespace, producers=producers, consumer=run,
-                                    **extra)
+            svc = DataService.start(recipe, name=run, namespace=namespace, producers=producers, consumer=run, **extra)
             started = True
         try:
             yield _Reader("service", lambda step: svc.batch(step, track=True))
@@ -143,12 +145,26 @@ def _service_reader(recipe: Recipe, *, producers: int, name: str | None, namespa
                 svc.release()
 
 
-def run_bench(recipe: Recipe, *, steps: int, warmup: int, via: str, rounds: int, producers: int = 1,
-              name: str | None = None, namespace: str = BENCH_NAMESPACE, address: str | None = None,
-              progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+def run_bench(
+    recipe: Recipe,
+    *,
+    steps: int,
+    warmup: int,
+    via: str,
+    rounds: int,
+    producers: int = 1,
+    name: str | None = None,
+    namespace: str = BENCH_NAMESPACE,
+    address: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
     """Measure and return the report (see the module docstring); ``progress`` gets one line per round."""
-    for flag, value, low in (("--steps", steps, 1), ("--warmup", warmup, 0), ("--rounds", rounds, 1),
-                             ("--producers", producers, 1)):
+    for flag, value, low in (
+        ("--steps", steps, 1),
+        ("--warmup", warmup, 0),
+        ("--rounds", rounds, 1),
+        ("--producers", producers, 1),
+    ):
         check_int(flag, value, low=low, error=UserInputError)
     if via not in VIAS:
         raise UserInputError(f"--via must be one of {', '.join(VIAS)}, got {via!r}")
@@ -172,7 +188,9 @@ def run_bench(recipe: Recipe, *, steps: int, warmup: int, via: str, rounds: int,
             "recipe": str(recipe.path) if recipe.path else None,
             "fingerprint": recipe.fingerprint,
             "tokens_per_step": recipe.tokens_per_step,
-            "steps_per_round": steps, "rounds": rounds, "warmup": warmup,
+            "steps_per_round": steps,
+            "rounds": rounds,
+            "warmup": warmup,
             "producers": producers if "service" in paths else None,
             "paths": {p: readers[p].result.summary(recipe.tokens_per_step) for p in paths},
         }
@@ -185,8 +203,10 @@ def run_bench(recipe: Recipe, *, steps: int, warmup: int, via: str, rounds: int,
 @contextmanager
 def _readers(recipe: Recipe, paths: tuple[str, ...], **service_kw: Any) -> Iterator[dict[str, _Reader]]:
     readers: dict[str, _Reader] = {}
-    with _maybe(_local_reader(recipe) if "local" in paths else None) as local, \
-            _maybe(_service_reader(recipe, **service_kw) if "service" in paths else None) as service:
+    with (
+        _maybe(_local_reader(recipe) if "local" in paths else None) as local,
+        _maybe(_service_reader(recipe, **service_kw) if "service" in paths else None) as service,
+    ):
         if local is not None:
             readers["local"] = local
         if service is not None:
@@ -204,17 +224,22 @@ def _maybe(cm: Any) -> Iterator[Any]:
 
 
 def format_report(report: dict[str, Any]) -> list[str]:
-    lines = [f"recipe      {report['recipe']} (fingerprint {report['fingerprint'][:12]}), "
-             f"{report['tokens_per_step']} tokens/step, {report['rounds']} x {report['steps_per_round']} steps timed "
-             f"after {report['warmup']} warm-up"]
+    lines = [
+        f"recipe      {report['recipe']} (fingerprint {report['fingerprint'][:12]}), "
+        f"{report['tokens_per_step']} tokens/step, {report['rounds']} x {report['steps_per_round']} steps timed "
+        f"after {report['warmup']} warm-up"
+    ]
     for p, s in report["paths"].items():
         lines.append(
             f"{p:<8}    {s['tokens_per_s'] / 1e6:.3f} M tokens/s, {s['steps_per_s']:.2f} steps/s, step latency "
             f"p50 {s['step_latency_p50_ms']:.1f} ms p99 {s['step_latency_p99_ms']:.1f} ms; first steps "
-            f"{s['first_steps_s']:.2f} s; step {s['last_step']} digest {s['last_digest']}")
+            f"{s['first_steps_s']:.2f} s; step {s['last_step']} digest {s['last_digest']}"
+        )
     if "ratio_service_over_local" in report:
-        lines.append(f"ratio       service/local {report['ratio_service_over_local']:.3f} (median of "
-                     f"{len(report['round_ratios'])} alternating rounds)")
+        lines.append(
+            f"ratio       service/local {report['ratio_service_over_local']:.3f} (median of "
+            f"{len(report['round_ratios'])} alternating rounds)"
+        )
     return lines
 
 

@@ -37,8 +37,16 @@ def _show(bound: int) -> str:
     return text
 
 
-def check_int(name: str, value: Any, *, low: int, high: int = MAX_INT, error: type[Exception] = ValueError,
-              why: str = "", numpy_ok: bool = False) -> int:
+def check_int(
+    name: str,
+    value: Any,
+    *,
+    low: int,
+    high: int = MAX_INT,
+    error: type[Exception] = ValueError,
+    why: str = "",
+    numpy_ok: bool = False,
+) -> int:
     """``value`` as an int in ``[low, high]``, or raise ``error`` with one line naming ``name``, the range and the
     value: ``"{name} must be an int in [{low}, {high}] ({why}), got {value!r}"`` (``why``, if given, says where the
     bound comes from).
@@ -53,8 +61,17 @@ def check_int(name: str, value: Any, *, low: int, high: int = MAX_INT, error: ty
     return int(value)
 
 
-def check_reader(rank: Any, world: Any, *, max_world: int = MAX_INT, why_max: str = "", rank_name: str = "rank",
-                 world_name: str = "world", where: str = "", error: type[Exception] = ValueError) -> tuple[int, int]:
+def check_reader(
+    rank: Any,
+    world: Any,
+    *,
+    max_world: int = MAX_INT,
+    why_max: str = "",
+    rank_name: str = "rank",
+    world_name: str = "world",
+    where: str = "",
+    error: type[Exception] = ValueError,
+) -> tuple[int, int]:
     """``(rank, world)`` of reader ``rank`` of ``world``: ``world`` an int in ``[1, max_world]``, then ``rank`` an int
     in ``[0, world)``; else ``error`` with one line naming the argument (``rank_name``/``world_name``, e.g.
     ``dp_rank``) and its value, after ``where`` (``"FtSlices: "``) if given. The world is checked first, so a rank's

@@ -48,7 +48,9 @@ def prose_records(files: list[Path], min_chars: int = 200) -> Iterator[dict]:
             tree = ast.parse(path.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue
-        nodes = [tree] + [n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))]
+        nodes = [tree] + [
+            n for n in ast.walk(tree) if isinstance(n, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        ]
         for node in nodes:
             doc = ast.get_docstring(node)
             if doc and len(doc) >= min_chars:
@@ -145,10 +147,12 @@ def check_out_dir(out_dir: str | Path) -> Path:
     return out
 
 
-def _write(out: Path, formats: tuple[str, ...], records_per_shard: int, limit: int | None, code_chars: int,
-           progress: bool) -> dict[str, int]:
+def _write(
+    out: Path, formats: tuple[str, ...], records_per_shard: int, limit: int | None, code_chars: int, progress: bool
+) -> dict[str, int]:
     files = stdlib_files()
     counts: dict[str, int] = {}
+
     def bar(desc: str) -> list[Path]:
         if not progress:
             return files
@@ -157,8 +161,10 @@ def _write(out: Path, formats: tuple[str, ...], records_per_shard: int, limit: i
         return tqdm(files, desc=desc, unit="file", disable=None, leave=False)
 
     for fmt in formats:
-        counts["prose"] = write_shards(prose_records(bar(f"{fmt} prose")), out / fmt / "prose", fmt,
-                                       records_per_shard, limit)
-        counts["code"] = write_shards(code_records(bar(f"{fmt} code"), code_chars), out / fmt / "code", fmt,
-                                      records_per_shard, limit)
+        counts["prose"] = write_shards(
+            prose_records(bar(f"{fmt} prose")), out / fmt / "prose", fmt, records_per_shard, limit
+        )
+        counts["code"] = write_shards(
+            code_records(bar(f"{fmt} code"), code_chars), out / fmt / "code", fmt, records_per_shard, limit
+        )
     return counts

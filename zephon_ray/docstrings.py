@@ -20,6 +20,12 @@ def attribute_docs(cls: type) -> dict[str, str]:
     except (OSError, TypeError):
         return {}
     body = cast(ast.ClassDef, tree.body[0]).body
-    return {node.target.id: inspect.cleandoc(after.value.value) for node, after in zip(body, body[1:])
-            if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and isinstance(after, ast.Expr)
-            and isinstance(after.value, ast.Constant) and isinstance(after.value.value, str)}
+    return {
+        node.target.id: inspect.cleandoc(after.value.value)
+        for node, after in zip(body, body[1:])
+        if isinstance(node, ast.AnnAssign)
+        and isinstance(node.target, ast.Name)
+        and isinstance(after, ast.Expr)
+        and isinstance(after.value, ast.Constant)
+        and isinstance(after.value.value, str)
+    }

@@ -31,7 +31,7 @@ def one_line(text: object, limit: int | None = None) -> str:
     if limit is None or len(line) <= limit:
         return line
     cut = line.rfind(" ", 0, limit)
-    return line[:cut if cut > limit // 2 else limit - 1].rstrip() + " …"
+    return line[: cut if cut > limit // 2 else limit - 1].rstrip() + " …"
 
 
 @contextmanager

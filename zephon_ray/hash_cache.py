@@ -27,10 +27,10 @@ import re
 import stat
 import sys
 import time
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 from zephon_ray import storage
 
@@ -94,9 +94,15 @@ def _load_manifest(path: Path) -> dict[str, list]:
         return {}
     if not isinstance(data, dict) or data.get("format") != CACHE_FORMAT or not isinstance(data.get("files"), dict):
         return {}
-    return {name: entry for name, entry in data["files"].items()
-            if isinstance(entry, list) and len(entry) == 6 and all(type(x) is int for x in entry[:5])
-            and isinstance(entry[5], str) and _SHA256_HEX.fullmatch(entry[5])}
+    return {
+        name: entry
+        for name, entry in data["files"].items()
+        if isinstance(entry, list)
+        and len(entry) == 6
+        and all(type(x) is int for x in entry[:5])
+        and isinstance(entry[5], str)
+        and _SHA256_HEX.fullmatch(entry[5])
+    }
 
 
 def _write_manifest(path: Path, directory: str, entries: dict[str, list]) -> None:
@@ -122,10 +128,17 @@ def _hash_with_threads(todo: list[str], sizes: list[int], progress: bool) -> lis
     from tqdm import tqdm
 
     workers = max(1, min(8, 2 * (os.cpu_count() or 1), len(todo)))
-    with ThreadPoolExecutor(max_workers=workers) as pool, tqdm(
-        total=sum(sizes), unit="B", unit_scale=True, desc="zephon-ray: hashing shards", disable=not progress,
-        file=sys.stderr,
-    ) as bar:
+    with (
+        ThreadPoolExecutor(max_workers=workers) as pool,
+        tqdm(
+            total=sum(sizes),
+            unit="B",
+            unit_scale=True,
+            desc="zephon-ray: hashing shards",
+            disable=not progress,
+            file=sys.stderr,
+        ) as bar,
+    ):
         out = []
         for size, digest in zip(sizes, pool.map(_sha256_checked, todo)):
             out.append(digest)
@@ -142,27 +155,40 @@ def _hash_with_ray(todo: list[str], sizes: list[int], progress: bool) -> list[st
 
     node = ray.get_runtime_context().get_node_id()
     task = ray.remote(num_cpus=0, max_retries=1)(_sha256_many).options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False))
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+    )
     parts = max(1, min(4 * (os.cpu_count() or 1), len(todo) // 64 or 1))
     bounds = [(i * len(todo) // parts, (i + 1) * len(todo) // parts) for i in range(parts)]
     refs = {task.remote(todo[a:b]): (a, b) for a, b in bounds}
     out: list[str] = [""] * len(todo)
-    with tqdm(total=sum(sizes), unit="B", unit_scale=True, desc="zephon-ray: hashing shards (ray)",
-              disable=not progress, file=sys.stderr) as bar:
+    with tqdm(
+        total=sum(sizes),
+        unit="B",
+        unit_scale=True,
+        desc="zephon-ray: hashing shards (ray)",
+        disable=not progress,
+        file=sys.stderr,
+    ) as bar:
         pending = list(refs)
         while pending:
             done, pending = ray.wait(pending, num_returns=1, timeout=HASH_TASK_TIMEOUT_S)
             if not done:
-                raise TimeoutError(f"hashing shards: no task of {len(pending)} finished within "
-                                   f"{HASH_TASK_TIMEOUT_S:.0f}s")
+                raise TimeoutError(
+                    f"hashing shards: no task of {len(pending)} finished within {HASH_TASK_TIMEOUT_S:.0f}s"
+                )
             a, b = refs[done[0]]
             out[a:b] = ray.get(done[0], timeout=60)  # finished: only its digests to read
             bar.update(sum(sizes[a:b]))
     return out
 
 
-def digest_files(paths: Sequence[str | Path], *, progress: bool | None = None, use_ray: bool | None = None,
-                 report: HashReport | None = None) -> dict[Path, str]:
+def digest_files(
+    paths: Sequence[str | Path],
+    *,
+    progress: bool | None = None,
+    use_ray: bool | None = None,
+    report: HashReport | None = None,
+) -> dict[Path, str]:
     """sha256 of every local file, from the per-node cache where its stat key is unchanged, else computed in
     parallel. ``use_ray=None`` uses Ray tasks on this node when Ray is initialised here and at least
     :data:`RAY_MIN_FILES` files need hashing, else a thread pool. ``progress=None`` shows a tqdm bar for large jobs.
@@ -172,8 +198,9 @@ def digest_files(paths: Sequence[str | Path], *, progress: bool | None = None, u
     return {Path(n): d for n, d in zip(names, digests)}
 
 
-def digest(paths: list[str], *, progress: bool | None = None, use_ray: bool | None = None,
-           report: HashReport | None = None) -> tuple[list[int], list[str]]:
+def digest(
+    paths: list[str], *, progress: bool | None = None, use_ray: bool | None = None, report: HashReport | None = None
+) -> tuple[list[int], list[str]]:
     """``(sizes, sha256s)`` aligned with ``paths`` (absolute local path strings); see :func:`digest_files`.
     A file that cannot be stat'ed or read is one :class:`UnreadableShardError` naming it."""
     racy_before = time.time_ns() - int(RACY_WINDOW_S * 1e9)
@@ -212,8 +239,9 @@ def digest(paths: list[str], *, progress: bool | None = None, use_ray: bool | No
         if use_cache:
             for d in {os.path.dirname(paths[i]) for i in todo}:
                 # The manifest of a directory holds exactly the files listed now, minus those too recent to trust.
-                entries = {paths[i]: keys[i] + [digests[i]] for i in by_dir[d]
-                           if max(keys[i][1], keys[i][2]) < racy_before}
+                entries = {
+                    paths[i]: keys[i] + [digests[i]] for i in by_dir[d] if max(keys[i][1], keys[i][2]) < racy_before
+                }
                 _write_manifest(_manifest_path(d), d, entries)
     if report is not None:
         report.files, report.cached, report.hashed = len(paths), len(paths) - len(todo), len(todo)

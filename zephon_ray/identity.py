@@ -42,9 +42,10 @@ import logging
 import socket
 import sys
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
-from typing import Any, Sequence
+from typing import Any
 
 from zephon_ray import hash_cache, storage, zephon_io
 from zephon_ray.errors import best_effort
@@ -114,7 +115,7 @@ class Environment:
     digest_format: str
 
     @classmethod
-    def capture(cls, tokenizer_spec: str) -> "Environment":
+    def capture(cls, tokenizer_spec: str) -> Environment:
         import zephon
 
         from zephon_ray.batch import DIGEST_HEADER
@@ -237,9 +238,15 @@ def detect_format(path: str) -> str:
     return present[0]
 
 
-def source_identity(path: str, fmt: str, *, known: Sequence[ShardIdentity] | None = None,
-                    progress: bool | None = None, verify_content: bool = False,
-                    report: HashReport | None = None) -> tuple[str, tuple[ShardIdentity, ...]]:
+def source_identity(
+    path: str,
+    fmt: str,
+    *,
+    known: Sequence[ShardIdentity] | None = None,
+    progress: bool | None = None,
+    verify_content: bool = False,
+    report: HashReport | None = None,
+) -> tuple[str, tuple[ShardIdentity, ...]]:
     """``(listing kind, shard identities)`` of one source as this process sees it.
 
     Local shards: sha256 from the node's hash cache (``report``, when given, says what was hashed). Remote shards:
@@ -257,8 +264,12 @@ def source_identity(path: str, fmt: str, *, known: Sequence[ShardIdentity] | Non
     import os
 
     try:
-        sizes, digests = hash_cache.digest([os.path.normpath(os.path.join(root, name)) for name, _ in entries],
-                                           progress=progress, use_ray=None, report=report)
+        sizes, digests = hash_cache.digest(
+            [os.path.normpath(os.path.join(root, name)) for name, _ in entries],
+            progress=progress,
+            use_ray=None,
+            report=report,
+        )
     except hash_cache.UnreadableShardError as exc:
         raise ShardListingError(f"shard listed by Zephon's discovery: {exc}") from None
     rows: Sequence[int | None] = [r for _, r in entries]
@@ -269,14 +280,19 @@ def source_identity(path: str, fmt: str, *, known: Sequence[ShardIdentity] | Non
         else:
             rows = zephon_row_counts(root, fmt)
             if len(rows) != len(entries):
-                raise ShardListingError(f"{root}: Zephon discovered {len(rows)} shards, the listing has "
-                                        f"{len(entries)} (the directory changed while it was read?)")
-    return listing.kind, tuple(ShardIdentity(name=name, size=size, sha256=digest, rows=r)
-                               for (name, _), size, digest, r in zip(entries, sizes, digests, rows))
+                raise ShardListingError(
+                    f"{root}: Zephon discovered {len(rows)} shards, the listing has "
+                    f"{len(entries)} (the directory changed while it was read?)"
+                )
+    return listing.kind, tuple(
+        ShardIdentity(name=name, size=size, sha256=digest, rows=r)
+        for (name, _), size, digest, r in zip(entries, sizes, digests, rows)
+    )
 
 
-def _remote_identity(root: str, listing: SourceListing, *, known: Sequence[ShardIdentity] | None,
-                     verify_content: bool) -> tuple[ShardIdentity, ...]:
+def _remote_identity(
+    root: str, listing: SourceListing, *, known: Sequence[ShardIdentity] | None, verify_content: bool
+) -> tuple[ShardIdentity, ...]:
     assert listing.objects is not None  # a remote listing carries its objects
     out = []
     by_content = {(s.name, s.etag, s.size): s.rows for s in known or ()}
@@ -293,8 +309,11 @@ def _remote_identity(root: str, listing: SourceListing, *, known: Sequence[Shard
                 digest = storage.sha256_bytes(zephon_io.read_object(f"{root.rstrip('/')}/{name}", meta.size))
             except zephon_io.ZephonIOError as exc:
                 raise ShardListingError(str(exc)) from None
-        out.append(ShardIdentity(name=name, size=meta.size, sha256=digest, rows=rows, etag=meta.etag or "",
-                                 version=meta.version))
+        out.append(
+            ShardIdentity(
+                name=name, size=meta.size, sha256=digest, rows=rows, etag=meta.etag or "", version=meta.version
+            )
+        )
     return tuple(out)
 
 
@@ -305,8 +324,10 @@ def zephon_row_counts(path: str, fmt: str) -> list[int]:
     from zephon.io import Dataset
 
     try:
-        return [int(c) for c in Dataset.from_path(os.path.basename(path.rstrip("/")) or "source", str(path),
-                                                  fmt=fmt).counts()]
+        return [
+            int(c)
+            for c in Dataset.from_path(os.path.basename(path.rstrip("/")) or "source", str(path), fmt=fmt).counts()
+        ]
     except PermissionError as exc:
         raise ShardListingError(f"{path}: a shard cannot be read ({exc})") from None
     except (ValueError, FileNotFoundError) as exc:
@@ -330,15 +351,18 @@ def _short(value: Any) -> str:
     return text[:12] + "…" if len(text) == 64 else text
 
 
-def _diff(recipe: Any, observed_env: Environment,
-          observed_sources: list[tuple[str | None, tuple[ShardIdentity, ...], str | None]]) -> list[str]:
+def _diff(
+    recipe: Any,
+    observed_env: Environment,
+    observed_sources: list[tuple[str | None, tuple[ShardIdentity, ...], str | None]],
+) -> list[str]:
     """Every difference between the recipe's carried identity and this node's, one readable line each."""
     out = []
     for key, want in recipe.environment.canonical().items():
         got = getattr(observed_env, key)
         if got != want:
             out.append(f"{key}: {_short(got)} here, {_short(want)} in the recipe's fingerprint")
-    for source, (listing, shards, error) in zip(recipe.sources, observed_sources):
+    for source, (_listing, shards, error) in zip(recipe.sources, observed_sources):
         label = f"source '{source.name}' ({source.path})"
         if error is not None:
             out.append(f"{label}: {error}")
@@ -355,8 +379,10 @@ def _diff(recipe: Any, observed_env: Environment,
                 continue
             for key in ("size", "sha256", "etag", "version", "rows"):
                 if getattr(mine, key) is not None and getattr(mine, key) != getattr(s, key):
-                    out.append(f"{label} shard {s.name}: {key} {_short(getattr(mine, key))} here, "
-                               f"{_short(getattr(s, key))} in the recipe's fingerprint")
+                    out.append(
+                        f"{label} shard {s.name}: {key} {_short(getattr(mine, key))} here, "
+                        f"{_short(getattr(s, key))} in the recipe's fingerprint"
+                    )
         if not any(m.startswith(label) for m in out) and [s.name for s in shards] != [s.name for s in source.shards]:
             out.append(f"{label}: shard order differs from the recipe's fingerprint")
     return out
@@ -376,13 +402,18 @@ def verify_on_node(recipe: Any, expected_fingerprint: str | None = None, *, wher
     if expected_fingerprint is not None and carried != expected_fingerprint:
         raise IdentityMismatchError(
             f"{where} on {node_description()}: was handed recipe fingerprint {carried[:12]}, expected "
-            f"{expected_fingerprint[:12]}")
+            f"{expected_fingerprint[:12]}"
+        )
     observed_env = Environment.capture(recipe.tokenizer)
     observed_sources: list[tuple[str | None, tuple[ShardIdentity, ...], str | None]] = []
     for source in recipe.sources:
         try:
-            listing, shards = source_identity(source.path, source.format, known=source.shards,
-                                              verify_content=bool(getattr(recipe, "verify_content", False)))
+            listing, shards = source_identity(
+                source.path,
+                source.format,
+                known=source.shards,
+                verify_content=bool(getattr(recipe, "verify_content", False)),
+            )
             observed_sources.append((listing, shards, None))
         except (ShardListingError, OSError) as exc:
             observed_sources.append((None, (), str(exc)))
@@ -391,7 +422,9 @@ def verify_on_node(recipe: Any, expected_fingerprint: str | None = None, *, wher
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
         raise IdentityMismatchError(
             f"{where} on {node_description()} does not see the data of recipe {recipe.describe()}: "
-            + "; ".join(problems[:3]) + more)
+            + "; ".join(problems[:3])
+            + more
+        )
     return carried
 
 
@@ -424,5 +457,5 @@ def check_checkpoint_agreement(states: Sequence[Any], *, what: str = "collective
     raise CheckpointDisagreementError(
         f"{what}: participants disagree on the merged state ({detail}; rank {ref_rank} and "
         f"{len(digests) - len(odd) - 1} other(s) have {reference[:12]}); not persisted, the previous durable "
-        "checkpoint is kept")
-
+        "checkpoint is kept"
+    )

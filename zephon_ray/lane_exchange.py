@@ -39,7 +39,7 @@ def gather(group: LaneGroup, key: str, value: Any) -> list[Any]:
 
 
 def _store_address(spec: str) -> tuple[str, int]:
-    rest = spec[len("torch://"):] if spec.startswith("torch://") else spec
+    rest = spec[len("torch://") :] if spec.startswith("torch://") else spec
     if not rest:
         return os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
     host, _, port = rest.rpartition(":")
@@ -56,9 +56,11 @@ def _gather_store(group: LaneGroup, name: str, value: Any) -> list[Any]:
     for index in range(group.count):
         try:
             out.append(json.loads(store.get(f"{name}/{index}")))
-        except Exception as exc:  # c10d raises its own timeout types
-            raise ExchangeError(f"lane group {index} of {group.count} sent no '{name}' within "
-                                f"{group.aggregate_timeout_s:g} s ({type(exc).__name__})") from None
+        except Exception as exc:  # noqa: BLE001 - c10d raises its own timeout types
+            raise ExchangeError(
+                f"lane group {index} of {group.count} sent no '{name}' within "
+                f"{group.aggregate_timeout_s:g} s ({type(exc).__name__})"
+            ) from None
     return out
 
 
@@ -77,6 +79,8 @@ def _gather_dir(group: LaneGroup, name: str, value: Any) -> list[Any]:
             return [out[i] for i in range(group.count)]
         if time.monotonic() > deadline:
             missing = sorted(set(range(group.count)) - set(out))
-            raise ExchangeError(f"lane groups {missing} of {group.count} wrote no '{name}' under "
-                                f"{group.aggregate_dir} within {group.aggregate_timeout_s:g} s")
+            raise ExchangeError(
+                f"lane groups {missing} of {group.count} wrote no '{name}' under "
+                f"{group.aggregate_dir} within {group.aggregate_timeout_s:g} s"
+            )
         time.sleep(POLL_S)

@@ -163,14 +163,17 @@ class LaneStepper:
         """Switch to segment ``index`` at its start step: continue the global chunk stream one past the last chunk
         any lane's emitted rows drew from, with the segment's weights, in a fresh pipeline."""
         if index != self._segment + 1 or self.recipe.segment_start(index) != self._next_step:
-            raise StepStateError(f"cannot enter mixture segment {index} at step {self._next_step} from segment "
-                                 f"{self._segment}")
+            raise StepStateError(
+                f"cannot enter mixture segment {index} at step {self._next_step} from segment {self._segment}"
+            )
         if self._last_chunk is None:
             raise StepStateError(
                 f"cannot start phase '{self.recipe.segment_name(index)}' at step {self._next_step}: the state this "
-                "run resumed from predates mixture phases (it does not record which chunks the rows drew from)")
-        last_chunk = self._all_last_chunks(f"boundary-{self.recipe.schedule_fingerprints[self._segment][:16]}-"
-                                           f"{self._next_step}")
+                "run resumed from predates mixture phases (it does not record which chunks the rows drew from)"
+            )
+        last_chunk = self._all_last_chunks(
+            f"boundary-{self.recipe.schedule_fingerprints[self._segment][:16]}-{self._next_step}"
+        )
         stream = self._segment_stream()
         boundary = self._frontier(last_chunk)
         self.boundary_walk = boundary - stream.index
@@ -206,8 +209,9 @@ class LaneStepper:
         tokens = np.stack([rec.payload["input_ids"] for rec in records]).astype(ROW_DTYPE, copy=False)
         positions = np.stack([rec.payload["positions"] for rec in records]).astype(ROW_DTYPE, copy=False)
         if tokens.shape != (recipe.rows_per_lane, recipe.row_length):
-            raise RuntimeError(f"lane {lane}: rows of shape {tokens.shape}, expected "
-                               f"{(recipe.rows_per_lane, recipe.row_length)}")
+            raise RuntimeError(
+                f"lane {lane}: rows of shape {tokens.shape}, expected {(recipe.rows_per_lane, recipe.row_length)}"
+            )
         composition = np.zeros(len(recipe.sources), dtype=np.int64)
         for rec in records:
             for source_index, count in rec.meta.component_token_counts.items():
@@ -235,15 +239,20 @@ class LaneStepper:
             # disagree on it (a phase added while running on some of them only) never meet, and every one of them
             # stops here with one line before any step of that phase is made.
             try:
-                last_chunk = self._all_last_chunks(
-                    f"checkpoint-{self.recipe.history_fingerprint(self._next_step)[:16]}-"
-                    f"{self.recipe.fingerprint[:16]}-{self._next_step}"
-                ) if self.recipe.phases or self.keep_positions else None
+                last_chunk = (
+                    self._all_last_chunks(
+                        f"checkpoint-{self.recipe.history_fingerprint(self._next_step)[:16]}-"
+                        f"{self.recipe.fingerprint[:16]}-{self._next_step}"
+                    )
+                    if self.recipe.phases or self.keep_positions
+                    else None
+                )
             except RuntimeError as exc:  # the exchange's timeout: a group that is gone, or on another schedule
                 raise StepStateError(
                     f"checkpoint at step {self._next_step}: the lane groups did not all arrive with this schedule "
                     f"({self.recipe.describe()}, phases: {', '.join(p.name for p in self.recipe.phases) or 'none'}); "
-                    f"a phase added while running must be added by every group before this step: {exc}") from None
+                    f"a phase added while running must be added by every group before this step: {exc}"
+                ) from None
         stream = None
         if last_chunk is not None and len(last_chunk) == self.recipe.lanes:
             at = self._frontier(last_chunk)
@@ -271,13 +280,18 @@ class LaneStepper:
         self._segment, self._segment_state = int(segment["index"]), segment["start_state"]
         self._stream, self._stream_state = None, (segment.get("stream") or {}).get("state")
         last = segment["last_chunk"]
-        self._last_chunk = None if last is None or any(str(lane) not in last for lane in self.lanes) else {
-            lane: int(last[str(lane)]) for lane in self.lanes}
+        self._last_chunk = (
+            None
+            if last is None or any(str(lane) not in last for lane in self.lanes)
+            else {lane: int(last[str(lane)]) for lane in self.lanes}
+        )
         # A fresh pipeline object: the old one may still be shutting down its threads in the background.
         self._pipeline = self._build_pipeline(build_work_source(self.recipe, self._segment, self._segment_state))
         # At the first step of the next phase the pipeline is replaced anyway (next_step): skip Zephon's restore.
-        if self.recipe.segment_start(self._segment) < self._next_step and \
-                self.recipe.phase_index(self._next_step) == self._segment:
+        if (
+            self.recipe.segment_start(self._segment) < self._next_step
+            and self.recipe.phase_index(self._next_step) == self._segment
+        ):
             # Zephon 0.2.0 cannot restore a step-0 checkpoint (it reads lane_next_cid 0 as missing: "Lane 0 does
             # not have next cid"); a fresh pipeline is exactly that state.
             self._pipeline.restore(state[KEY_ZEPHON])
@@ -309,13 +323,14 @@ def check_step_state(state: dict[str, Any], recipe: Recipe) -> None:
         raise StepStateError(str(exc)) from None
     if state.get(KEY_FINGERPRINT) != recipe.history_fingerprint(step):
         raise StepStateError(
-            f"step state belongs to recipe fingerprint {str(state.get(KEY_FINGERPRINT))[:12]}, "
-            f"not {recipe.describe()}"
+            f"step state belongs to recipe fingerprint {str(state.get(KEY_FINGERPRINT))[:12]}, not {recipe.describe()}"
         )
     segment = int((state.get(KEY_SEGMENT) or {}).get("index", 0))
     if segment != len(history) - 1:
-        raise StepStateError(f"step state for step {step} is in mixture segment {segment}, which its schedule "
-                             f"history ({len(history)} entries) does not reach")
+        raise StepStateError(
+            f"step state for step {step} is in mixture segment {segment}, which its schedule "
+            f"history ({len(history)} entries) does not reach"
+        )
     emitted = state[KEY_ZEPHON].get("lane_emitted", {})
     want = (step - recipe.segment_start(segment)) * recipe.microbatches_per_lane
     off = {lane: n for lane, n in emitted.items() if int(n) != want}

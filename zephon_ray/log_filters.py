@@ -128,4 +128,4 @@ def _dropping_stderr_lines(marker: bytes) -> Iterator[None]:
 
 def _write_all(fd: int, data: bytes) -> None:
     while data:
-        data = data[os.write(fd, data):]
+        data = data[os.write(fd, data) :]

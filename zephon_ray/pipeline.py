@@ -87,13 +87,15 @@ def build_work_source(recipe: Recipe, segment: int = 0, start_state: dict[str, A
         reshuffle_on_repeat=recipe.shuffle.reshuffle_on_repeat,
     )
     if not plain:
-        load_work_source_state(work, start_state if start_state is not None else work.state_dict(),
-                               dict(zip(recipe.source_names, weights)))
+        load_work_source_state(
+            work, start_state if start_state is not None else work.state_dict(), dict(zip(recipe.source_names, weights))
+        )
     return work
 
 
-def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup(), work: Any = None, *,
-                   before_packing: Any = None) -> Any:
+def build_pipeline(
+    recipe: Recipe, group: LaneGroup = LaneGroup(), work: Any = None, *, before_packing: Any = None
+) -> Any:
     """The recipe's pipeline for ``group``'s lanes, drawing from ``work`` (default: segment 0's work source).
     ``before_packing``: ``pipeline -> pipeline``, applied to the tokenised records just before ``pack_flat``
     (:mod:`zephon_ray.provenance` adds its per-token fields there; None on every batch-producing path)."""
@@ -106,7 +108,8 @@ def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup(), work: Any = N
     pipeline = Pipeline(work)
     if recipe.pretokenized is None:
         pipeline = pipeline.decode_text().tokenize(
-            tokenizer=tokenizer, field=recipe.text_field, return_tensors="np", add_attention_mask=False)
+            tokenizer=tokenizer, field=recipe.text_field, return_tensors="np", add_attention_mask=False
+        )
         tokens_field = "auto"
     else:
         # Token-id copies written by zephon_ray.jobs.pretokenize hold exactly what decode_text + tokenize emit.
@@ -115,18 +118,14 @@ def build_pipeline(recipe: Recipe, group: LaneGroup = LaneGroup(), work: Any = N
         tokens_field = TOKEN_FIELD
     if before_packing is not None:
         pipeline = before_packing(pipeline)
-    pipeline = (
-        pipeline
-        .pack_flat(
-            max_length=recipe.row_length,
-            algorithm=cast("PackingAlgorithm", recipe.packing),  # the recipe checks it is one
-            num_bins=recipe.packing_bins,
-            tokens_field=tokens_field,
-            pad_token_id=tokenizer.pad_token_id,
-            emit_positions=True,
-        )
-        .batch(recipe.rows_per_microbatch, drop_last=True)
-    )
+    pipeline = pipeline.pack_flat(
+        max_length=recipe.row_length,
+        algorithm=cast("PackingAlgorithm", recipe.packing),  # the recipe checks it is one
+        num_bins=recipe.packing_bins,
+        tokens_field=tokens_field,
+        pad_token_id=tokenizer.pad_token_id,
+        emit_positions=True,
+    ).batch(recipe.rows_per_microbatch, drop_last=True)
     options: dict[str, Any] = {
         "runner": "threads",
         "deterministic": True,

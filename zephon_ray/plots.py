@@ -102,8 +102,10 @@ def plot_batch(batch: GlobalBatch, path: str | Path, *, title: str | None = None
     ax_len.hist(lengths, bins=bins, color="tab:blue", rwidth=0.9)
     ax_len.set_xlabel("document piece length (tokens)")
     ax_len.set_ylabel("pieces")
-    ax_len.set_title(f"document pieces: {summary.piece_lengths.size}, median "
-                     f"{int(np.median(summary.piece_lengths)) if summary.piece_lengths.size else 0} tokens")
+    ax_len.set_title(
+        f"document pieces: {summary.piece_lengths.size}, median "
+        f"{int(np.median(summary.piece_lengths)) if summary.piece_lengths.size else 0} tokens"
+    )
 
     top = int(summary.pieces_per_row.max()) if summary.pieces_per_row.size else 1
     ax_pack.hist(summary.pieces_per_row, bins=np.arange(0.5, top + 1.5), color="tab:green", rwidth=0.85)

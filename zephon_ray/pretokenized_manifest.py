@@ -31,17 +31,22 @@ KEY_SOURCES = "sources"
 KEY_TOTALS = "totals"
 SHARD_KEYS = ("raw", "raw_bytes", "out", "records", "tokens", "bytes", "sha256")
 
+
 class PretokenizedError(ValueError):
     """A pre-tokenisation that cannot run or a copy that does not check out; the message names the file."""
 
 
 # ---------------------------------------------------------------------- read and check
-def read_manifest(path: "str | storage.Location") -> dict[str, Any]:
+def read_manifest(path: str | storage.Location) -> dict[str, Any]:
     """The parsed manifest, structurally checked, or one :class:`PretokenizedError` naming the file."""
     loc = storage.location(path)
     manifest = storage.read_json(
-        loc, expect_format=MANIFEST_FORMAT, error=PretokenizedError, what="pre-tokenisation manifest",
-        missing_hint=" (did `zephon-ray pretokenize` finish? it writes the manifest last)")
+        loc,
+        expect_format=MANIFEST_FORMAT,
+        error=PretokenizedError,
+        what="pre-tokenisation manifest",
+        missing_hint=" (did `zephon-ray pretokenize` finish? it writes the manifest last)",
+    )
     try:
         for key in (KEY_TOKENIZER, KEY_SPECIAL_TOKENS, KEY_SOURCE_FINGERPRINT, KEY_SOURCES, KEY_TOTALS):
             manifest[key]
@@ -56,7 +61,7 @@ def read_manifest(path: "str | storage.Location") -> dict[str, Any]:
     return manifest
 
 
-def check_manifest(path: "str | storage.Location", tokenizer_spec: str) -> dict[str, Any]:
+def check_manifest(path: str | storage.Location, tokenizer_spec: str) -> dict[str, Any]:
     """Before a recipe's sources are read: the manifest must exist and be complete, name the recipe's tokenizer,
     and every token shard it lists must be there, whole (one listing per source, no shard read)."""
     from zephon_ray.tokenizers import tokenizer_identity
@@ -71,8 +76,9 @@ def check_manifest(path: "str | storage.Location", tokenizer_spec: str) -> dict[
         )
     special = manifest.get(KEY_SPECIAL_TOKENS)
     if not isinstance(special, dict) or special.get("mode") != SPECIAL_TOKENS:
-        raise PretokenizedError(f"{loc}: special-token mode {special!r} is not {SPECIAL_TOKENS!r}, the mode "
-                                "zephon-ray tokenises with")
+        raise PretokenizedError(
+            f"{loc}: special-token mode {special!r} is not {SPECIAL_TOKENS!r}, the mode zephon-ray tokenises with"
+        )
     for source in manifest[KEY_SOURCES]:
         directory = loc.parent.join(source["path"])
         present = storage.listing(directory, recursive=True)
@@ -80,12 +86,13 @@ def check_manifest(path: "str | storage.Location", tokenizer_spec: str) -> dict[
             size = present.get(shard["out"])
             if size != shard["bytes"]:
                 state = "missing" if size is None else f"{size} bytes, the manifest records {shard['bytes']}"
-                raise PretokenizedError(f"token shard {directory.join(shard['out'])}: {state} (truncated or "
-                                        "rewritten; re-run pretokenize)")
+                raise PretokenizedError(
+                    f"token shard {directory.join(shard['out'])}: {state} (truncated or rewritten; re-run pretokenize)"
+                )
     return manifest
 
 
-def check_sources(manifest_path: "str | storage.Location", sources: Any) -> None:
+def check_sources(manifest_path: str | storage.Location, sources: Any) -> None:
     """After a recipe's sources are read: each is a token copy the manifest lists, with exactly the listed shards.
     ``sources``: the recipe's :class:`~zephon_ray.recipe.Source` objects (name, path, shards)."""
     loc = storage.location(manifest_path)
@@ -97,8 +104,9 @@ def check_sources(manifest_path: "str | storage.Location", sources: Any) -> None
             raise PretokenizedError(f"{loc}: source '{source.name}' is not in the pre-tokenisation manifest")
         copy = loc.parent.join(entry["path"])
         if storage.location(source.path) != copy:
-            raise PretokenizedError(f"source '{source.name}' reads {source.path}, not the token copy {copy} that "
-                                    f"{loc} lists")
+            raise PretokenizedError(
+                f"source '{source.name}' reads {source.path}, not the token copy {copy} that {loc} lists"
+            )
         want = {s["out"]: s["bytes"] for s in entry["shards"]}
         have = {s.name: s.size for s in source.shards}
         if want != have:

@@ -61,7 +61,11 @@ from zephon_ray.recipe import Recipe
 PROVENANCE_OP = "zephon_ray_provenance"
 """The name of the operator a provenance-mode pipeline adds before ``pack_flat``."""
 FIELD_SOURCE, FIELD_SHARD, FIELD_RECORD, FIELD_OFFSET = (
-    "zr_prov_source", "zr_prov_shard", "zr_prov_record", "zr_prov_offset")
+    "zr_prov_source",
+    "zr_prov_shard",
+    "zr_prov_record",
+    "zr_prov_offset",
+)
 FIELDS = (FIELD_SOURCE, FIELD_SHARD, FIELD_RECORD, FIELD_OFFSET)
 """The per-token fields the provenance op adds; they travel through ``pack_flat`` with the tokens."""
 PAD_SOURCE_ID = -1
@@ -92,8 +96,14 @@ class Piece:
         return self.end - self.start
 
     def to_json(self) -> dict[str, Any]:
-        return {"source": self.source, "shard": self.shard, "record": self.record, "start": self.start,
-                "end": self.end, "offset": self.offset}
+        return {
+            "source": self.source,
+            "shard": self.shard,
+            "record": self.record,
+            "start": self.start,
+            "end": self.end,
+            "offset": self.offset,
+        }
 
 
 @dataclass(frozen=True)
@@ -114,15 +124,24 @@ class StepProvenance:
         if not self.global_rows:
             object.__setattr__(self, "global_rows", len(self.rows))
 
-    def slice(self, rank: int, world: int) -> "StepProvenance":
+    def slice(self, rank: int, world: int) -> StepProvenance:
         """Rank ``rank`` of ``world``'s rows, ``[floor(r*B/W), floor((r+1)*B/W))``, as ``GlobalBatch.slice`` cuts
         them (only from a whole step's provenance)."""
         if self.first_row or len(self.rows) != self.global_rows:
-            raise ValueError(f"step {self.step}: slice() cuts a whole step's provenance, not rows "
-                             f"{self.first_row}..{self.first_row + len(self.rows) - 1}")
+            raise ValueError(
+                f"step {self.step}: slice() cuts a whole step's provenance, not rows "
+                f"{self.first_row}..{self.first_row + len(self.rows) - 1}"
+            )
         lo, hi = slice_bounds(self.global_rows, rank, world)
-        return StepProvenance(self.step, self.rows[lo:hi], self.sources, self.row_length, self.batch_digest,
-                              first_row=lo, global_rows=self.global_rows)
+        return StepProvenance(
+            self.step,
+            self.rows[lo:hi],
+            self.sources,
+            self.row_length,
+            self.batch_digest,
+            first_row=lo,
+            global_rows=self.global_rows,
+        )
 
     def source_ids(self) -> np.ndarray:
         """``[rows, seq_len+1]`` int16: each token's source index in the recipe's order, -1 for pad tokens."""
@@ -150,7 +169,7 @@ def rows_source_ids(rows: Sequence[Sequence[Piece]], sources: Sequence[str], row
     out = np.full((len(rows), row_length), PAD_SOURCE_ID, dtype=SOURCE_ID_DTYPE)
     for r, pieces in enumerate(rows):
         for piece in pieces:
-            out[r, piece.start:piece.end] = index[piece.source]
+            out[r, piece.start : piece.end] = index[piece.source]
     return out
 
 
@@ -181,15 +200,21 @@ def _validation_samples() -> list[Any]:
     """Zephon's op validator feeds ``{'text', 'value'}`` payloads unless given records shaped like ours."""
     from zephon.types import SampleMeta, SampleRecord
 
-    return [SampleRecord(meta=SampleMeta(sample_id=(0, 0, i), lane_id=i % 2, chunk_id=0, chunk_offset=i),
-                         payload={TOKEN_FIELD: np.arange(3 + i, dtype=np.int64)}) for i in range(4)]
+    return [
+        SampleRecord(
+            meta=SampleMeta(sample_id=(0, 0, i), lane_id=i % 2, chunk_id=0, chunk_offset=i),
+            payload={TOKEN_FIELD: np.arange(3 + i, dtype=np.int64)},
+        )
+        for i in range(4)
+    ]
 
 
 def add_provenance_fields(pipeline: Any) -> Any:
     """The ``before_packing`` hook of a provenance-mode pipeline (:func:`zephon_ray.pipeline.build_pipeline`): a
     stateless 1:1 operator, so chunk routing, packing and checkpoints are the batch path's."""
-    return pipeline.add_op(PROVENANCE_OP, process_many=_tag, preserves_cursor_order=True,
-                           validation_samples=_validation_samples)
+    return pipeline.add_op(
+        PROVENANCE_OP, process_many=_tag, preserves_cursor_order=True, validation_samples=_validation_samples
+    )
 
 
 class ProvenanceStepper(LaneStepper):
@@ -228,17 +253,21 @@ class ProvenanceStepper(LaneStepper):
         bounds = list(starts) + [real]
         contributors = [tuple(int(x) for x in c.sample_id) for c in record.meta.contribution_cursors()]
         if len(contributors) != len(starts):
-            raise ProvenanceError(f"{where}: {len(starts)} segments but Zephon names {len(contributors)} "
-                                  "contributors")
+            raise ProvenanceError(f"{where}: {len(starts)} segments but Zephon names {len(contributors)} contributors")
         sources, shards = self._names
         pieces = []
         for (a, b), sample in zip(zip(bounds, bounds[1:]), contributors):
             ids = tuple(int(col[a]) for col in cols[:3])
             offset = int(cols[3][a])
-            if ids != sample or any((col[a:b] != col[a]).any() for col in cols[:3]) or \
-                    not np.array_equal(cols[3][a:b], np.arange(offset, offset + b - a)):
-                raise ProvenanceError(f"{where}: tokens {a}..{b - 1} are not one span of one document (sample "
-                                      f"{ids}, Zephon's contributor {sample})")
+            if (
+                ids != sample
+                or any((col[a:b] != col[a]).any() for col in cols[:3])
+                or not np.array_equal(cols[3][a:b], np.arange(offset, offset + b - a))
+            ):
+                raise ProvenanceError(
+                    f"{where}: tokens {a}..{b - 1} are not one span of one document (sample "
+                    f"{ids}, Zephon's contributor {sample})"
+                )
             pieces.append(Piece(sources[ids[0]], shards[ids[0]][ids[1]], ids[2], int(a), int(b), offset))
         return tuple(pieces)
 
@@ -255,8 +284,14 @@ class ProvenanceSource:
     ``state_dir``, a materialised directory's checkpoints); without it a step is replayed from step 0. Steps asked in
     order reuse the pipeline (``reuse_within`` steps ahead at most before a nearer checkpoint is preferred)."""
 
-    def __init__(self, recipe: Recipe, *, checkpoints: CheckpointLookup | None = None,
-                 reuse_within: int = 64, cache_steps: int = 4) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        checkpoints: CheckpointLookup | None = None,
+        reuse_within: int = 64,
+        cache_steps: int = 4,
+    ) -> None:
         self.recipe = recipe
         self._checkpoints = checkpoints
         self._reuse_within = check_int("reuse_within", reuse_within, low=0)
@@ -281,8 +316,9 @@ class ProvenanceSource:
         self.stats["restores"] += 1
         return stepper
 
-    def provenance(self, step: int, *, rows: tuple[np.ndarray, np.ndarray] | None = None,
-                   first_row: int = 0) -> StepProvenance:
+    def provenance(
+        self, step: int, *, rows: tuple[np.ndarray, np.ndarray] | None = None, first_row: int = 0
+    ) -> StepProvenance:
         """Step ``step``'s provenance. ``rows``: the ``(tokens, positions)`` the caller was served for rows
         ``[first_row, first_row + len(tokens))`` of that step; the provenance-mode rows must equal them exactly, or a
         :class:`ProvenanceError` names the first row that differs."""
@@ -309,37 +345,45 @@ class ProvenanceSource:
         tokens = np.concatenate([shards[lane].tokens for lane in range(recipe.lanes)])
         positions = np.concatenate([shards[lane].positions for lane in range(recipe.lanes)])
         pieces = tuple(row for lane in range(recipe.lanes) for row in stepper.pieces[lane])
-        return tokens, positions, StepProvenance(step, pieces, recipe.source_names, recipe.row_length,
-                                                 compute_digest(tokens, positions))
+        return (
+            tokens,
+            positions,
+            StepProvenance(step, pieces, recipe.source_names, recipe.row_length, compute_digest(tokens, positions)),
+        )
 
     def close(self) -> None:
         if self._stepper is not None:
             self._stepper.close(background=True)
             self._stepper = None
 
-    def __enter__(self) -> "ProvenanceSource":
+    def __enter__(self) -> ProvenanceSource:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
 
-def check_rows(step: int, tokens: np.ndarray, positions: np.ndarray, served: tuple[np.ndarray, np.ndarray],
-               first_row: int = 0) -> None:
+def check_rows(
+    step: int, tokens: np.ndarray, positions: np.ndarray, served: tuple[np.ndarray, np.ndarray], first_row: int = 0
+) -> None:
     """Raise :class:`ProvenanceError` unless ``served`` (tokens, positions) equals rows ``[first_row, ...)`` of
     ``tokens``/``positions`` exactly."""
     want_tokens, want_positions = (np.asarray(a) for a in served)
     end = first_row + len(want_tokens)
-    if want_tokens.shape != want_positions.shape or end > len(tokens) or \
-            want_tokens.shape[1:] != tokens.shape[1:]:
-        raise ProvenanceError(f"step {step}: served rows of shape {want_tokens.shape} at row {first_row} do not fit "
-                              f"the global batch of shape {tokens.shape}")
-    differs = np.flatnonzero((tokens[first_row:end] != want_tokens).any(axis=1) |
-                             (positions[first_row:end] != want_positions).any(axis=1))
+    if want_tokens.shape != want_positions.shape or end > len(tokens) or want_tokens.shape[1:] != tokens.shape[1:]:
+        raise ProvenanceError(
+            f"step {step}: served rows of shape {want_tokens.shape} at row {first_row} do not fit "
+            f"the global batch of shape {tokens.shape}"
+        )
+    differs = np.flatnonzero(
+        (tokens[first_row:end] != want_tokens).any(axis=1) | (positions[first_row:end] != want_positions).any(axis=1)
+    )
     if len(differs):
-        raise ProvenanceError(f"step {step}: row {first_row + int(differs[0])} of the provenance-mode pipeline differs "
-                              f"from the row served ({len(differs)} row(s) differ); the provenance would describe "
-                              "other documents")
+        raise ProvenanceError(
+            f"step {step}: row {first_row + int(differs[0])} of the provenance-mode pipeline differs "
+            f"from the row served ({len(differs)} row(s) differ); the provenance would describe "
+            "other documents"
+        )
 
 
 def slice_provenance(full: StepProvenance, rank: int | None, world: int | None) -> StepProvenance:
@@ -347,5 +391,3 @@ def slice_provenance(full: StepProvenance, rank: int | None, world: int | None) 
     if (rank is None) != (world is None):
         raise ValueError(f"give both rank and world, or neither (got rank {rank!r}, world {world!r})")
     return full if rank is None else full.slice(rank, cast(int, world))
-
-

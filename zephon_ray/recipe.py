@@ -42,12 +42,17 @@ from typing import Any
 
 from zephon_ray import storage
 from zephon_ray.checks import check_int
-from zephon_ray.pretokenized_manifest import PretokenizedError, check_manifest, check_sources
 from zephon_ray.identity import (
-    SUPPORTED_FORMATS, Environment, MixedFormatsError, ShardIdentity, ShardListingError, detect_format,
+    SUPPORTED_FORMATS,
+    Environment,
+    MixedFormatsError,
+    ShardIdentity,
+    ShardListingError,
+    detect_format,
     source_identity,
 )
 from zephon_ray.packaged import UnknownRecipeError, resolve_recipe_path
+from zephon_ray.pretokenized_manifest import PretokenizedError, check_manifest, check_sources
 from zephon_ray.tokenizers import validate_tokenizer_spec
 
 RECIPE_FORMAT = "zephon-ray/recipe/v1"
@@ -86,8 +91,11 @@ class Phase:
     weights: tuple[float, ...]
 
     def canonical(self, source_names: tuple[str, ...]) -> dict[str, Any]:
-        return {"name": self.name, "start_step": self.start_step,
-                "weights": {n: w for n, w in zip(source_names, self.weights)}}
+        return {
+            "name": self.name,
+            "start_step": self.start_step,
+            "weights": {n: w for n, w in zip(source_names, self.weights)},
+        }
 
 
 @dataclass(frozen=True)
@@ -120,8 +128,13 @@ def _weights_text(weights: Any, order: tuple[str, ...] = ()) -> str:
     if not isinstance(weights, dict):
         return repr(weights)
     keys = [k for k in order if k in weights] + [k for k in weights if k not in order]
-    return "{" + ", ".join(f"{k} {weights[k]:g}" if isinstance(weights[k], (int, float)) else f"{k} {weights[k]!r}"
-                           for k in keys) + "}"
+    return (
+        "{"
+        + ", ".join(
+            f"{k} {weights[k]:g}" if isinstance(weights[k], (int, float)) else f"{k} {weights[k]!r}" for k in keys
+        )
+        + "}"
+    )
 
 
 @dataclass(frozen=True)
@@ -316,27 +329,31 @@ class Recipe:
                 raise ScheduleError(
                     f"{what}: phase '{name}' (start_step {start}) produced steps before step {next_step}, but "
                     f"{self.describe()} has no phase there; a resume at step {next_step} may only change phases "
-                    f"starting at or after step {next_step}")
+                    f"starting at or after step {next_step}"
+                )
             if chain != mine[i][2]:
                 theirs = "the sources' weights" if i == 0 else f"phase '{name}' (start_step {start})"
                 ours = "the sources' weights" if i == 0 else f"phase '{mine[i][1]}' (start_step {mine[i][0]})"
                 if i == 0:
                     raise ScheduleError(
-                        f"{what} belongs to recipe fingerprint {str(chain)[:12]}, not {self.describe()}")
+                        f"{what} belongs to recipe fingerprint {str(chain)[:12]}, not {self.describe()}"
+                    )
                 raise ScheduleError(
                     f"{what}: {ours} differs from {theirs}, which produced steps up to step {next_step - 1}; a resume "
-                    f"at step {next_step} may only change phases starting at or after step {next_step}")
+                    f"at step {next_step} may only change phases starting at or after step {next_step}"
+                )
         if len(mine) > len(history):
             extra = mine[len(history)]
             raise ScheduleError(
                 f"{what}: phase '{extra[1]}' starts at step {extra[0]}, before step {next_step}, which the run has "
                 f"already produced without it; a resume at step {next_step} may only add phases starting at or after "
-                f"step {next_step}")
+                f"step {next_step}"
+            )
 
     def describe(self) -> str:
         return f"{self.path or '<recipe>'} (fingerprint {self.fingerprint[:12]})"
 
-    def with_phase(self, name: str, start_step: int, weights: dict[str, float]) -> "Recipe":
+    def with_phase(self, name: str, start_step: int, weights: dict[str, float]) -> Recipe:
         """This recipe with one more phase (inserted by ``start_step``), checked as ``[[phases]]`` are: one
         :class:`RecipeError` naming the phase and the key (a running service's ``add_phase``)."""
         from dataclasses import replace
@@ -349,7 +366,7 @@ class Recipe:
         parser = _RecipeParser({}, ".", self.path or "phase", None)
         return replace(self, phases=parser.parse_phases(raw, self.source_names))
 
-    def with_skip(self, name: str, start_step: int, end_step: int) -> "Recipe":
+    def with_skip(self, name: str, start_step: int, end_step: int) -> Recipe:
         """This recipe with one more skip, checked as ``[[skips]]`` are (one :class:`RecipeError` naming the key)."""
         from dataclasses import replace
 
@@ -357,7 +374,7 @@ class Recipe:
         raw.sort(key=lambda s: s["start_step"] if isinstance(s["start_step"], int) else -1)
         return replace(self, skips=_RecipeParser({}, ".", self.path or "skip", None).parse_skips(raw))
 
-    def with_run_skips(self, recorded: Any, next_step: int, *, what: str = "the run") -> "Recipe":
+    def with_run_skips(self, recorded: Any, next_step: int, *, what: str = "the run") -> Recipe:
         """This recipe with the skips a run recorded (every skip of its schedule): a new one is added; one that
         contradicts a skip here, or a skip here that starts before ``next_step`` and the run never made (a rewritten
         past), is a :class:`ScheduleError` naming it."""
@@ -373,28 +390,31 @@ class Recipe:
                     f"{what} recorded skip '{entry.get('name')}' (training steps from {entry.get('start_step')} "
                     f"read the data of {entry.get('end_step')} on), but {self.describe()} has skip "
                     f"'{clash[0].name}' from {clash[0].start_step} to {clash[0].end_step}; resume with the recipe "
-                    "the run recorded")
+                    "the run recorded"
+                )
             try:
                 out = out.with_skip(entry.get("name"), entry.get("start_step"), entry.get("end_step"))
             except RecipeError as exc:
-                raise ScheduleError(f"{what} recorded skip {entry.get('name')!r}, which does not fit "
-                                    f"{self.describe()}: {exc}") from None
+                raise ScheduleError(
+                    f"{what} recorded skip {entry.get('name')!r}, which does not fit {self.describe()}: {exc}"
+                ) from None
         for skip in self.skips:
             if skip.start_step < next_step and skip.canonical() not in recorded:
                 raise ScheduleError(
                     f"{what}: skip '{skip.name}' starts at step {skip.start_step}, before step {next_step}, which "
                     f"the run has already trained without it; a resume at step {next_step} may only add skips "
-                    f"starting at or after step {next_step}")
+                    f"starting at or after step {next_step}"
+                )
         return out
 
-    def run_phases(self, base: "Recipe") -> list[dict[str, Any]]:
+    def run_phases(self, base: Recipe) -> list[dict[str, Any]]:
         """The phases of this recipe that ``base`` does not have, canonical (``{"name", "start_step", "weights"}``):
         what a run decided beyond its recipe file (``add_phase``), which its state records so that every resume
         replays it."""
         theirs = {(p.name, p.start_step, p.weights) for p in base.phases}
         return [p.canonical(self.source_names) for p in self.phases if (p.name, p.start_step, p.weights) not in theirs]
 
-    def with_run_phases(self, recorded: Any, *, what: str = "the run") -> "Recipe":
+    def with_run_phases(self, recorded: Any, *, what: str = "the run") -> Recipe:
         """This recipe with the phases a run recorded (:meth:`run_phases` of the run's schedule): one already here is
         kept, a new one is added; one that contradicts a phase of this recipe (the same name or start step, other
         weights) is a :class:`ScheduleError` naming both, never a silent choice."""
@@ -413,17 +433,19 @@ class Recipe:
                     f"{_weights_text(weights, self.source_names)}, but "
                     f"{self.describe()} has phase '{mine['name']}' from step {mine['start_step']} with weights "
                     f"{_weights_text(mine['weights'])}; resume with the recipe the run recorded, or without that "
-                    "phase in the file")
+                    "phase in the file"
+                )
             try:
                 out = out.with_phase(name, start, weights)
             except RecipeError as exc:
-                raise ScheduleError(f"{what} recorded phase {name!r}, which does not fit {self.describe()}: {exc}"
-                                    ) from None
+                raise ScheduleError(
+                    f"{what} recorded phase {name!r}, which does not fit {self.describe()}: {exc}"
+                ) from None
         return out
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_toml(cls, path: str | Path, *, verify_content: bool | None = None) -> "Recipe":
+    def from_toml(cls, path: str | Path, *, verify_content: bool | None = None) -> Recipe:
         """Load a recipe file: a local path, an object-store URI, or a bare packaged name such as ``tiny``.
         ``verify_content`` overrides the recipe's key of that name (None: keep it)."""
         if storage.is_uri(path):
@@ -450,16 +472,38 @@ class Recipe:
         return cls.from_dict(raw, base_dir=base_dir, origin=origin, verify_content=verify_content)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], *, base_dir: str | Path = ".", origin: Path | str | None = None,
-                  verify_content: bool | None = None) -> "Recipe":
+    def from_dict(
+        cls,
+        raw: dict[str, Any],
+        *,
+        base_dir: str | Path = ".",
+        origin: Path | str | None = None,
+        verify_content: bool | None = None,
+    ) -> Recipe:
         return _RecipeParser(raw, str(base_dir), origin, verify_content).parse()
 
 
 # ---------------------------------------------------------------------- parsing
 _TOP_KEYS = {
-    "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer", "text_field",
-    "chunk_size", "packing", "packing_bins", "repeat", "flush_every_k_chunks", "shuffle", "sources", "aggregate",
-    "pretokenized", "verify_content", "phases", "skips",
+    "seed",
+    "lanes",
+    "microbatches_per_lane",
+    "rows_per_microbatch",
+    "seq_len",
+    "tokenizer",
+    "text_field",
+    "chunk_size",
+    "packing",
+    "packing_bins",
+    "repeat",
+    "flush_every_k_chunks",
+    "shuffle",
+    "sources",
+    "aggregate",
+    "pretokenized",
+    "verify_content",
+    "phases",
+    "skips",
 }
 MAX_PHASES = 64
 _REQUIRED = ("sources", "seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "tokenizer")
@@ -473,8 +517,9 @@ _AGGREGATE_KEYS = {"store", "dir"}
 
 
 class _RecipeParser:
-    def __init__(self, raw: dict[str, Any], base_dir: str, origin: Path | str | None,
-                 verify_content: bool | None) -> None:
+    def __init__(
+        self, raw: dict[str, Any], base_dir: str, origin: Path | str | None, verify_content: bool | None
+    ) -> None:
         self.raw = raw
         self.base_dir = base_dir
         self.origin = origin
@@ -534,8 +579,7 @@ class _RecipeParser:
         if packing in BINNED_PACKING:
             packing_bins = self.positive_int(raw, "packing_bins")
         elif "packing_bins" in raw:
-            raise self.fail("packing_bins", f"applies only to packing {' or '.join(BINNED_PACKING)}, "
-                                            f"not {packing!r}")
+            raise self.fail("packing_bins", f"applies only to packing {' or '.join(BINNED_PACKING)}, not {packing!r}")
         repeat = self.typed(raw, "repeat", bool, True)
 
         shuffle_raw = self.typed(raw, "shuffle", dict, {})
@@ -574,11 +618,26 @@ class _RecipeParser:
         phases = self.parse_phases(raw.get("phases", []), tuple(s.name for s in sources))
         skips = self.parse_skips(raw.get("skips", []))
         recipe = Recipe(
-            sources=sources, seed=seed, lanes=lanes, microbatches_per_lane=k, rows_per_microbatch=m,
-            seq_len=seq_len, tokenizer=tokenizer, text_field=text_field, chunk_size=chunk_size, packing=packing,
-            packing_bins=packing_bins, repeat=repeat, flush_every_k_chunks=flush, shuffle=shuffle,
-            aggregate=Aggregate(store=store, dir=agg_dir), path=self.origin, pretokenized=pretokenized,
-            verify_content=verify_content, phases=phases, skips=skips,
+            sources=sources,
+            seed=seed,
+            lanes=lanes,
+            microbatches_per_lane=k,
+            rows_per_microbatch=m,
+            seq_len=seq_len,
+            tokenizer=tokenizer,
+            text_field=text_field,
+            chunk_size=chunk_size,
+            packing=packing,
+            packing_bins=packing_bins,
+            repeat=repeat,
+            flush_every_k_chunks=flush,
+            shuffle=shuffle,
+            aggregate=Aggregate(store=store, dir=agg_dir),
+            path=self.origin,
+            pretokenized=pretokenized,
+            verify_content=verify_content,
+            phases=phases,
+            skips=skips,
         )
         if pretokenized is not None:
             try:
@@ -610,8 +669,12 @@ class _RecipeParser:
                 raise self.fail(prefix + "name", f"must be non-empty and unique, got {name!r}")
             seen.add(name)
             weight = src.get("weight", 1.0)
-            if isinstance(weight, bool) or not isinstance(weight, (int, float)) or not math.isfinite(weight) \
-                    or weight < 0:
+            if (
+                isinstance(weight, bool)
+                or not isinstance(weight, (int, float))
+                or not math.isfinite(weight)
+                or weight < 0
+            ):
                 raise self.fail(prefix + "weight", f"must be a number >= 0, got {weight!r}")
             path = self.resolve(self.typed(src, "path", str, ..., prefix), prefix + "path")
             fmt = self.typed(src, "format", str, None, prefix) if "format" in src else None
@@ -648,16 +711,26 @@ class _RecipeParser:
             seen.add(name)
             start = self.positive_int(ph, "start_step", prefix)
             if out and start <= out[-1].start_step:
-                raise self.fail(prefix + "start_step", f"phase '{name}' starts at step {start}, not after phase "
-                                                       f"'{out[-1].name}' (step {out[-1].start_step})")
+                raise self.fail(
+                    prefix + "start_step",
+                    f"phase '{name}' starts at step {start}, not after phase "
+                    f"'{out[-1].name}' (step {out[-1].start_step})",
+                )
             table = self.typed(ph, "weights", dict, ..., prefix)
             for key, value in table.items():
                 if key not in names:
-                    raise self.fail(f"{prefix}weights.{key}", f"phase '{name}' names no source of this recipe "
-                                                             f"(sources: {', '.join(names)}); a phase cannot add a "
-                                                             "source: declare it in [[sources]] with weight 0")
-                if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                        or value < 0:
+                    raise self.fail(
+                        f"{prefix}weights.{key}",
+                        f"phase '{name}' names no source of this recipe "
+                        f"(sources: {', '.join(names)}); a phase cannot add a "
+                        "source: declare it in [[sources]] with weight 0",
+                    )
+                if (
+                    isinstance(value, bool)
+                    or not isinstance(value, (int, float))
+                    or not math.isfinite(value)
+                    or value < 0
+                ):
                     raise self.fail(f"{prefix}weights.{key}", f"must be a number >= 0, got {value!r}")
             weights = tuple(float(table.get(n, 0.0)) for n in names)
             if not any(w > 0 for w in weights):
@@ -683,17 +756,22 @@ class _RecipeParser:
             if isinstance(start, bool) or not isinstance(start, int) or start < 0:
                 raise self.fail(prefix + "start_step", f"must be an int >= 0, got {start!r}")
             if out and start <= out[-1].start_step:
-                raise self.fail(prefix + "start_step", f"skip '{name}' starts at step {start}, not after skip "
-                                                       f"'{out[-1].name}' (step {out[-1].start_step})")
+                raise self.fail(
+                    prefix + "start_step",
+                    f"skip '{name}' starts at step {start}, not after skip "
+                    f"'{out[-1].name}' (step {out[-1].start_step})",
+                )
             end = sk.get("end_step")
             if isinstance(end, bool) or not isinstance(end, int) or not start < end <= start + MAX_SKIP_STEPS:
-                raise self.fail(prefix + "end_step", f"must be an int in ({start}, {start + MAX_SKIP_STEPS}], got "
-                                                     f"{end!r}")
+                raise self.fail(
+                    prefix + "end_step", f"must be an int in ({start}, {start + MAX_SKIP_STEPS}], got {end!r}"
+                )
             out.append(Skip(name=name, start_step=start, end_step=end))
         return tuple(out)
 
-    def list_shards(self, path: str, fmt: str | None, prefix: str,
-                    verify_content: bool) -> tuple[str, str, tuple[ShardIdentity, ...]]:
+    def list_shards(
+        self, path: str, fmt: str | None, prefix: str, verify_content: bool
+    ) -> tuple[str, str, tuple[ShardIdentity, ...]]:
         """Zephon's own view of the source directory (see :mod:`zephon_ray.identity`), content-identified."""
         try:
             if fmt is None:
@@ -707,4 +785,3 @@ class _RecipeParser:
         if empty:
             raise self.fail(prefix + "path", f"empty shard file: {path.rstrip('/')}/{empty[0]}")
         return fmt, listing, shards
-

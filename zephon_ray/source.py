@@ -77,8 +77,12 @@ class GlobalBatchSource:
         anchor_every: int = 256,
         cache_steps: int = 4,
     ) -> None:
-        for name, value in (("checkpoint_every", checkpoint_every), ("recent_checkpoints", recent_checkpoints),
-                            ("anchor_every", anchor_every), ("cache_steps", cache_steps)):
+        for name, value in (
+            ("checkpoint_every", checkpoint_every),
+            ("recent_checkpoints", recent_checkpoints),
+            ("anchor_every", anchor_every),
+            ("cache_steps", cache_steps),
+        ):
             check_int(f"GlobalBatchSource: {name}", value, low=1)
         if anchor_every % checkpoint_every:
             raise ValueError(
@@ -125,8 +129,9 @@ class GlobalBatchSource:
 
         batch = self.batch(step)
         if self._provenance is None:
-            self._provenance = ProvenanceSource(self.recipe, checkpoints=self._nearest_checkpoint,
-                                                reuse_within=self._checkpoint_every)
+            self._provenance = ProvenanceSource(
+                self.recipe, checkpoints=self._nearest_checkpoint, reuse_within=self._checkpoint_every
+            )
         return self._provenance.provenance(batch.step, rows=(batch.tokens, batch.positions))
 
     def _nearest_checkpoint(self, step: int) -> tuple[int, dict[str, Any]]:
@@ -163,7 +168,7 @@ class GlobalBatchSource:
         if self._provenance is not None:
             self._provenance.close()
 
-    def __enter__(self) -> "GlobalBatchSource":
+    def __enter__(self) -> GlobalBatchSource:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -115,12 +115,12 @@ def validate_tokenizer_spec(spec: str) -> None:
         return
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(f"tokenizer file not found: {path} (use \"bytes\" or a path to a tokenizer.json)")
+        raise ValueError(f'tokenizer file not found: {path} (use "bytes" or a path to a tokenizer.json)')
     try:
         TokenizerFile(path)
     except ValueError:
         raise
-    except Exception as exc:  # tokenizers raises its own exception types for malformed files
+    except Exception as exc:  # noqa: BLE001 - tokenizers raises its own exception types for malformed files
         raise ValueError(f"cannot load tokenizer file {path}: {exc}") from None
 
 

@@ -34,8 +34,8 @@ import tempfile
 from dataclasses import dataclass
 from typing import Any
 
-from zephon_ray.storage import export_endpoint_for_zephon, is_uri
 from zephon_ray.errors import one_line
+from zephon_ray.storage import export_endpoint_for_zephon, is_uri
 
 SHARD_CACHE_ENV = "ZEPHON_RAY_SHARD_CACHE"
 
@@ -49,12 +49,27 @@ FENCED_NAMES = (
     ("zephon._internal.io.suffixes", "PARQUET_SUFFIXES"),
     ("zephon._internal.io.storage", "RouterStorageBackend"),
 )
-FENCED_WORK_SOURCE_ATTRS = ("_lane", "_canon", "_lane_for_chunk", "clone_for_lane", "next_chunk", "state_dict",
-                            "load_state_dict")
+FENCED_WORK_SOURCE_ATTRS = (
+    "_lane",
+    "_canon",
+    "_lane_for_chunk",
+    "clone_for_lane",
+    "next_chunk",
+    "state_dict",
+    "load_state_dict",
+)
 """StaticMixtureWorkSource attributes used for phases: ``_lane``/``_canon`` (its lane binding, which
 ``load_state_dict`` checks) and ``_lane_for_chunk`` (its chunk-to-lane routing) are private."""
-WORK_SOURCE_STATE_KEYS = ("global_chunk_index", "weights", "component_order", "lane_id", "canonical_replicas",
-                          "cursor_states", "accumulators", "allocation_mode")
+WORK_SOURCE_STATE_KEYS = (
+    "global_chunk_index",
+    "weights",
+    "component_order",
+    "lane_id",
+    "canonical_replicas",
+    "cursor_states",
+    "accumulators",
+    "allocation_mode",
+)
 FENCED_METHODS = (
     ("jsonl", "_is_valid_jsonl_index"),
     ("parquet", "_is_valid_parquet_index"),
@@ -74,7 +89,7 @@ class ZephonIOError(ValueError):
         return (_zephon_io_error, (str(self), self.transient))
 
 
-def _zephon_io_error(message: str, transient: bool) -> "ZephonIOError":
+def _zephon_io_error(message: str, transient: bool) -> ZephonIOError:
     return ZephonIOError(message, transient=transient)
 
 
@@ -159,11 +174,11 @@ def _describe(exc: BaseException) -> str:
     for marker in ("<Code>",):
         i = text.find(marker)
         if i >= 0:
-            code = text[i + len(marker):].split("<", 1)[0]
+            code = text[i + len(marker) :].split("<", 1)[0]
             msg = ""
             j = text.find("<Message>")
             if j >= 0:
-                msg = text[j + 9:].split("<", 1)[0]
+                msg = text[j + 9 :].split("<", 1)[0]
             return f"{code}: {msg}".strip(": ")
     if "Connect" in text or "connection" in text.lower():
         return "cannot connect to the endpoint (" + (os.environ.get("S3_ENDPOINT_URL") or "default AWS") + ")"
@@ -195,24 +210,37 @@ def _list_objects(uri: str) -> list[ObjectInfo]:
         for chunk in obs.list(store, prefix=base):
             for meta in chunk:
                 path = meta["path"]
-                name = path[len(base):] if path.startswith(base) else None
+                name = path[len(base) :] if path.startswith(base) else None
                 if not name or "/" in name:
                     continue
                 etag = meta.get("e_tag")
-                out.append(ObjectInfo(name=name, size=int(meta["size"]),
-                                      etag=etag.strip('"') if etag else None, version=meta.get("version")))
-    except Exception as exc:  # obstore raises its own exception classes; name the URI once
+                out.append(
+                    ObjectInfo(
+                        name=name,
+                        size=int(meta["size"]),
+                        etag=etag.strip('"') if etag else None,
+                        version=meta.get("version"),
+                    )
+                )
+    except Exception as exc:  # noqa: BLE001 - obstore raises its own exception classes; name the URI once
         detail = _describe(exc)
         if "NoSuchBucket" in detail:
             raise ZephonIOError(f"{uri}: bucket {bucket!r} does not exist") from None
-        if "AccessDenied" in detail or "InvalidAccessKeyId" in detail or "SignatureDoesNotMatch" in detail \
-                or "403" in detail:
-            raise ZephonIOError(f"{uri}: access denied ({detail}); check the credentials "
-                                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)") from None
+        if (
+            "AccessDenied" in detail
+            or "InvalidAccessKeyId" in detail
+            or "SignatureDoesNotMatch" in detail
+            or "403" in detail
+        ):
+            raise ZephonIOError(
+                f"{uri}: access denied ({detail}); check the credentials "
+                "(AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
+            ) from None
         from zephon_ray.storage import is_transient
 
-        raise ZephonIOError(f"{uri}: cannot list ({detail})",
-                            transient=is_transient(exc) or "cannot connect" in detail) from None
+        raise ZephonIOError(
+            f"{uri}: cannot list ({detail})", transient=is_transient(exc) or "cannot connect" in detail
+        ) from None
     return sorted(out, key=lambda o: o.name)
 
 
@@ -226,7 +254,7 @@ def read_object(uri: str, size: int | None = None) -> bytes:
             return fh.read()
     except FileNotFoundError as exc:
         raise ZephonIOError(f"{uri}: {exc}") from None
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - obstore's own exception classes, named once with the URI
         raise ZephonIOError(f"{uri}: cannot read ({_describe(exc)})") from None
 
 
@@ -261,10 +289,12 @@ def _check_work_source_state(state: Any) -> None:
     if missing:
         raise ZephonStateError(
             f"Zephon's StaticMixtureWorkSource state has no key {missing[0]!r}: this zephon release changed its "
-            "state format, which zephon_ray.zephon_io (mixture phases) was written for (zephon 0.2.0)")
+            "state format, which zephon_ray.zephon_io (mixture phases) was written for (zephon 0.2.0)"
+        )
     if state["allocation_mode"] != "accumulator":
-        raise ZephonStateError(f"mixture phases support Zephon's 'accumulator' allocation only, got "
-                               f"{state['allocation_mode']!r}")
+        raise ZephonStateError(
+            f"mixture phases support Zephon's 'accumulator' allocation only, got {state['allocation_mode']!r}"
+        )
 
 
 def load_work_source_state(work_source: Any, state: dict[str, Any], weights: dict[str, float] | None = None) -> None:
@@ -278,8 +308,9 @@ def load_work_source_state(work_source: Any, state: dict[str, Any], weights: dic
         state["lane_id"], state["canonical_replicas"] = 0, 1
     if weights is not None:
         if sorted(weights) != sorted(state["component_order"]):
-            raise ZephonStateError(f"weights for {sorted(weights)}, but the work source mixes "
-                                   f"{state['component_order']}")
+            raise ZephonStateError(
+                f"weights for {sorted(weights)}, but the work source mixes {state['component_order']}"
+            )
         state["weights"] = {name: float(weights[name]) for name in state["component_order"]}
     work_source._lane, work_source._canon = state["lane_id"], state["canonical_replicas"]
     try:
@@ -320,8 +351,10 @@ class ChunkStream:
                 raise ValueError(f"the mixture ran out of data before global chunk {index}")
             self.index = int(self._clone.state_dict()["global_chunk_index"])
         if self.index != index:
-            raise ZephonStateError(f"reached global chunk {self.index}, not {index}: Zephon's chunk routing is not "
-                                   "what zephon_ray.zephon_io expects")
+            raise ZephonStateError(
+                f"reached global chunk {self.index}, not {index}: Zephon's chunk routing is not "
+                "what zephon_ray.zephon_io expects"
+            )
 
     def state(self) -> dict[str, Any]:
         """The stream's state at :attr:`index`, bound to the lane that owns chunk ``index - 1``."""
@@ -347,8 +380,10 @@ class ChunkStream:
         if slots is None:
             slots = {self._clone._lane_for_chunk(block * self.lanes + s): s for s in range(self.lanes)}
             if sorted(slots) != list(range(self.lanes)):
-                raise ZephonStateError(f"Zephon routed the chunks of block {block} to lanes {sorted(slots)}, not "
-                                       f"to each of {self.lanes} lanes once: zephon_ray.zephon_io expects that")
+                raise ZephonStateError(
+                    f"Zephon routed the chunks of block {block} to lanes {sorted(slots)}, not "
+                    f"to each of {self.lanes} lanes once: zephon_ray.zephon_io expects that"
+                )
             if len(self._blocks) >= 64:
                 self._blocks.clear()
             self._blocks[block] = slots

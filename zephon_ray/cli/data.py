@@ -109,8 +109,10 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"recipe      {recipe.describe()}")
     print(f"step        {batch.step}")
     print(f"digest      {batch.digest}")
-    print(f"rows        {batch.num_rows} x {recipe.row_length} tokens "
-          f"({recipe.lanes} lanes x {recipe.microbatches_per_lane} microbatches x {recipe.rows_per_microbatch} rows)")
+    print(
+        f"rows        {batch.num_rows} x {recipe.row_length} tokens "
+        f"({recipe.lanes} lanes x {recipe.microbatches_per_lane} microbatches x {recipe.rows_per_microbatch} rows)"
+    )
     print(f"tokens/step {recipe.tokens_per_step}")  # the count `validate` gives: seq_len per row
     if recipe.phases:
         index = recipe.phase_index(batch.step)
@@ -140,10 +142,19 @@ def show_docs(recipe: Recipe, batch, provenance, tokenizer, args: argparse.Names
         row = entry["row"]
         entry["lane"] = int(batch.lanes[row])
         for piece in entry["pieces"]:
-            piece["text"] = tokenizer.decode(batch.tokens[row][piece["start"]:piece["end"]])[: args.chars]
+            piece["text"] = tokenizer.decode(batch.tokens[row][piece["start"] : piece["end"]])[: args.chars]
     if args.json:
-        print(json.dumps({"recipe": str(recipe.path), "fingerprint": recipe.fingerprint, "digest": batch.digest,
-                          **({"rank": args.rank, "world": args.world} if args.rank is not None else {}), **doc}))
+        print(
+            json.dumps(
+                {
+                    "recipe": str(recipe.path),
+                    "fingerprint": recipe.fingerprint,
+                    "digest": batch.digest,
+                    **({"rank": args.rank, "world": args.world} if args.rank is not None else {}),
+                    **doc,
+                }
+            )
+        )
         return 0
     print(f"recipe      {recipe.describe()}")
     print(f"step        {batch.step}")
@@ -153,8 +164,10 @@ def show_docs(recipe: Recipe, batch, provenance, tokenizer, args: argparse.Names
     for entry in doc["rows"]:
         print(f"row {entry['row']:<4} lane {entry['lane']}")
         for p in entry["pieces"]:
-            print(f"  tokens {p['start']:>5}:{p['end']:<5} {p['source']}/{p['shard']} record {p['record']} "
-                  f"from token {p['offset']}  {p['text']!r}")
+            print(
+                f"  tokens {p['start']:>5}:{p['end']:<5} {p['source']}/{p['shard']} record {p['record']} "
+                f"from token {p['offset']}  {p['text']!r}"
+            )
     return 0
 
 
@@ -183,20 +196,42 @@ def show_docs_summary(recipe: Recipe, steps: range, args: argparse.Namespace) ->
                         entry[2] += p.offset == 0
                         entry[3].add((p.shard, p.record))
     everything = sum(v[0] for k, v in totals.items() if len(k) == 1) or 1
-    rows = [{"source": k[0], **({"shard": k[1]} if len(k) == 2 else {}), "tokens": v[0], "share": v[0] / everything,
-             "pieces": v[1], "documents_begun": v[2], "records": len(v[3])}
-            for k, v in sorted(totals.items())]
+    rows = [
+        {
+            "source": k[0],
+            **({"shard": k[1]} if len(k) == 2 else {}),
+            "tokens": v[0],
+            "share": v[0] / everything,
+            "pieces": v[1],
+            "documents_begun": v[2],
+            "records": len(v[3]),
+        }
+        for k, v in sorted(totals.items())
+    ]
     if args.json:
-        print(json.dumps({"recipe": str(recipe.path), "fingerprint": recipe.fingerprint,
-                          "steps": [steps.start, steps.stop], "tokens": everything, "by": rows}))
+        print(
+            json.dumps(
+                {
+                    "recipe": str(recipe.path),
+                    "fingerprint": recipe.fingerprint,
+                    "steps": [steps.start, steps.stop],
+                    "tokens": everything,
+                    "by": rows,
+                }
+            )
+        )
         return 0
     print(f"recipe      {recipe.describe()}")
-    print(f"steps       {steps.start}:{steps.stop} ({len(steps)} steps, {everything} tokens)"
-          + (f", rank {args.rank} of {args.world}" if args.rank is not None else ""))
+    print(
+        f"steps       {steps.start}:{steps.stop} ({len(steps)} steps, {everything} tokens)"
+        + (f", rank {args.rank} of {args.world}" if args.rank is not None else "")
+    )
     for r in rows:
         what = f"source {r['source']}" if "shard" not in r else f"  shard {r['source']}/{r['shard']}"
-        print(f"{what}: {r['tokens']} tokens ({r['share']:.1%}), {r['pieces']} pieces, {r['records']} records, "
-              f"{r['documents_begun']} documents begun")
+        print(
+            f"{what}: {r['tokens']} tokens ({r['share']:.1%}), {r['pieces']} pieces, {r['records']} records, "
+            f"{r['documents_begun']} documents begun"
+        )
     return 0
 
 
@@ -223,8 +258,15 @@ def cmd_locate(args: argparse.Namespace) -> int:
     check_groups(recipe, args.groups)  # every check before Ray starts
     started = time.monotonic()
     with ray_session(args.address, private_if_none=True), quiet_command():
-        hits = locate(recipe, target, steps, groups=args.groups, cpus_per_actor=args.cpus_per_actor,
-                      work_dir=args.work_dir, progress=not args.quiet)
+        hits = locate(
+            recipe,
+            target,
+            steps,
+            groups=args.groups,
+            cpus_per_actor=args.cpus_per_actor,
+            work_dir=args.work_dir,
+            progress=not args.quiet,
+        )
     took = time.monotonic() - started
     trained = {h.step: training_step(recipe, h.step) for h in hits}  # data step -> (training step, skip name)
     if args.json:
@@ -234,19 +276,33 @@ def cmd_locate(args: argparse.Namespace) -> int:
             if recipe.skips:
                 item["training_step"], item["skipped_by"] = trained[h.step]
             out.append(item)
-        print(json.dumps({"recipe": str(recipe.path), "fingerprint": recipe.fingerprint,
-                          "record": {"source": target.source, "shard": target.shard, "record": target.record},
-                          "steps": [steps.start, steps.stop], "hits": out, "seconds": round(took, 3)}))
+        print(
+            json.dumps(
+                {
+                    "recipe": str(recipe.path),
+                    "fingerprint": recipe.fingerprint,
+                    "record": {"source": target.source, "shard": target.shard, "record": target.record},
+                    "steps": [steps.start, steps.stop],
+                    "hits": out,
+                    "seconds": round(took, 3),
+                }
+            )
+        )
         return 0
     for h in hits:
         note = ""
         if recipe.skips:
             step, skip = trained[h.step]
-            note = f"  (data skipped by '{skip}': no training step of the run reads it)" if skip else \
-                f"  (training step {step})"
+            note = (
+                f"  (data skipped by '{skip}': no training step of the run reads it)"
+                if skip
+                else f"  (training step {step})"
+            )
         print(f"step {h.step} row {h.row} tokens {h.start}:{h.end} offset {h.offset}{note}")
-    print(f"{target.describe()}: {len(hits)} piece(s) in {len({h.step for h in hits})} step(s) of "
-          f"{steps.start}:{steps.stop} ({args.groups} lane group(s), {took:.1f} s)")
+    print(
+        f"{target.describe()}: {len(hits)} piece(s) in {len({h.step for h in hits})} step(s) of "
+        f"{steps.start}:{steps.stop} ({args.groups} lane group(s), {took:.1f} s)"
+    )
     return 0
 
 
@@ -286,8 +342,13 @@ def recipe_report(recipe: Recipe) -> dict:
     from zephon_ray.stream.geometry import check_geometry
 
     B = recipe.global_batch_rows
-    padding = {w: check_geometry(recipe, global_batch_size=None, local_batch_size=0, dp_world_size=w, seq_len=None,
-                                 pad=True).padding_rows for w in range(1, B + 1) if B % w}
+    padding = {
+        w: check_geometry(
+            recipe, global_batch_size=None, local_batch_size=0, dp_world_size=w, seq_len=None, pad=True
+        ).padding_rows
+        for w in range(1, B + 1)
+        if B % w
+    }
     return {
         "recipe": str(recipe.path) if recipe.path else None,
         "fingerprint": recipe.fingerprint,
@@ -304,12 +365,24 @@ def recipe_report(recipe: Recipe) -> dict:
         "ft_participants": {dp: supported_participants(recipe, dp=dp) for dp in (1, 2, 4, 8) if dp <= B},
         "tokenizer": recipe.tokenizer,
         "packing": recipe.packing,
-        "sources": {s.name: {"weight": s.weight, "format": s.format, "shards": len(s.shards),
-                             "bytes": sum(_shard_size(x) for x in s.shards), "path": str(s.path)}
-                    for s in recipe.sources},
-        "phases": [{"name": recipe.segment_name(i), "start_step": recipe.segment_start(i),
-                    "weights": dict(zip(recipe.source_names, recipe.segment_weights(i)))}
-                   for i in range(1, len(recipe.phases) + 1)],
+        "sources": {
+            s.name: {
+                "weight": s.weight,
+                "format": s.format,
+                "shards": len(s.shards),
+                "bytes": sum(_shard_size(x) for x in s.shards),
+                "path": str(s.path),
+            }
+            for s in recipe.sources
+        },
+        "phases": [
+            {
+                "name": recipe.segment_name(i),
+                "start_step": recipe.segment_start(i),
+                "weights": dict(zip(recipe.source_names, recipe.segment_weights(i))),
+            }
+            for i in range(1, len(recipe.phases) + 1)
+        ],
     }
 
 
@@ -329,32 +402,50 @@ def cmd_validate(args: argparse.Namespace) -> int:
         return 0
     print(f"ok          {report['recipe']}")
     print(f"fingerprint {report['fingerprint']}")
-    print(f"geometry    L={report['lanes']} lanes x k={report['microbatches_per_lane']} microbatches x "
-          f"m={report['rows_per_microbatch']} rows = B={report['global_batch_rows']} rows of seq_len "
-          f"{report['seq_len']}+1")
+    print(
+        f"geometry    L={report['lanes']} lanes x k={report['microbatches_per_lane']} microbatches x "
+        f"m={report['rows_per_microbatch']} rows = B={report['global_batch_rows']} rows of seq_len "
+        f"{report['seq_len']}+1"
+    )
     print(f"tokens/step {report['tokens_per_step']}")
     B = report["global_batch_rows"]
-    print(f"W (service) 1-{B}, any count up to B (dataset mode too); every rank gets B/W rows at W = "
-          f"{' '.join(map(str, report['even_world_sizes']))}")
+    print(
+        f"W (service) 1-{B}, any count up to B (dataset mode too); every rank gets B/W rows at W = "
+        f"{' '.join(map(str, report['even_world_sizes']))}"
+    )
     print(f"W (local)   {' '.join(map(str, report['local_world_sizes']))}")
     shown = list(report["padding_rows"].items())[:12]
     if shown:
         more = " ..." if len(report["padding_rows"]) > len(shown) else ""
-        print("padding     rows per step for equal shapes (pad_slices) at W = " + ", ".join(
-            f"{w}: {rows} ({rows / B:.0%})" for w, rows in shown) + more)
-    print("P (torchft) " + "; ".join(f"dp={dp}: 1-{ps[-1]}" if ps == list(range(1, ps[-1] + 1)) else
-                                     f"dp={dp}: {' '.join(map(str, ps))}"
-                                     for dp, ps in report["ft_participants"].items() if ps))
+        print(
+            "padding     rows per step for equal shapes (pad_slices) at W = "
+            + ", ".join(f"{w}: {rows} ({rows / B:.0%})" for w, rows in shown)
+            + more
+        )
+    print(
+        "P (torchft) "
+        + "; ".join(
+            f"dp={dp}: 1-{ps[-1]}" if ps == list(range(1, ps[-1] + 1)) else f"dp={dp}: {' '.join(map(str, ps))}"
+            for dp, ps in report["ft_participants"].items()
+            if ps
+        )
+    )
     print(f"tokenizer   {report['tokenizer']}  packing {report['packing']}")
     for name, src in report["sources"].items():
-        print(f"source      {name}: weight {src['weight']:g}, {src['shards']} {src['format']} shards, "
-              f"{src['bytes']} B in {src['path']}")
+        print(
+            f"source      {name}: weight {src['weight']:g}, {src['shards']} {src['format']} shards, "
+            f"{src['bytes']} B in {src['path']}"
+        )
     for ph in report["phases"]:
-        print(f"phase       {ph['name']}: from step {ph['start_step']}, weights " +
-              ", ".join(f"{k} {v:.3g}" for k, v in ph["weights"].items()))
+        print(
+            f"phase       {ph['name']}: from step {ph['start_step']}, weights "
+            + ", ".join(f"{k} {v:.3g}" for k, v in ph["weights"].items())
+        )
     for skip, first, end in recipe.skipped_data():
-        print(f"skip        {skip.name}: training step {skip.start_step} on reads data step "
-              f"{recipe.data_step(skip.start_step)} on (data steps {first}..{end - 1} skipped)")
+        print(
+            f"skip        {skip.name}: training step {skip.start_step} on reads data step "
+            f"{recipe.data_step(skip.start_step)} on (data steps {first}..{end - 1} skipped)"
+        )
     if "step0_digest" in report:
         print(f"step 0      {report['step0_digest']} (the pipeline builds)")
     return 0
@@ -370,8 +461,9 @@ def build_step_zero(recipe: Recipe) -> str:
             return source.batch(0).digest
     except Exception as exc:  # noqa: BLE001 - whatever Zephon raises, the user gets one line
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise UserInputError(f"{recipe.path}: the recipe loads, but building step 0 failed: "
-                         f"{type(exc).__name__}: {first}") from None
+        raise UserInputError(
+            f"{recipe.path}: the recipe loads, but building step 0 failed: {type(exc).__name__}: {first}"
+        ) from None
 
 
 def cmd_fingerprint(args: argparse.Namespace) -> int:
@@ -395,30 +487,39 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from zephon_ray.formats.service_state import SERVICE_FILE
 
     loc = storage.location(args.state_dir)
-    if not storage.is_file(loc.join(SERVICE_FILE)) and (storage.is_file(loc) or storage.is_file(loc.join(
-            "zephon_loader.json"))):
+    if not storage.is_file(loc.join(SERVICE_FILE)) and (
+        storage.is_file(loc) or storage.is_file(loc.join("zephon_loader.json"))
+    ):
         return inspect_loader_state(loc, args.json)
     report = inspect_state_dir(args.state_dir)
     if args.json:
         print(json.dumps(report, indent=2, sort_keys=True))
         return 0
     created = report["created"]
-    when = datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat(timespec="seconds") \
-        if isinstance(created, (int, float)) else "?"
+    when = (
+        datetime.datetime.fromtimestamp(created, datetime.UTC).isoformat(timespec="seconds")
+        if isinstance(created, (int, float))
+        else "?"
+    )
     ck, co = report["checkpoints"], report["commits"]
     steps = ck["steps"]
     shown = " ".join(map(str, steps if len(steps) <= 12 else steps[:4] + ["..."] + steps[-6:]))
     print(f"state_dir   {report['state_dir']}  ({report['format']}, created {when})")
     print(f"fingerprint {report['fingerprint']}")
-    print(f"recipe      lanes {report['lanes']}, " + ", ".join(f"{k} {v}" for k, v in report["recipe"].items()
-                                                             if k != "lanes")
-          + f"; sources {', '.join(map(str, report['sources']))}")
+    print(
+        f"recipe      lanes {report['lanes']}, "
+        + ", ".join(f"{k} {v}" for k, v in report["recipe"].items() if k != "lanes")
+        + f"; sources {', '.join(map(str, report['sources']))}"
+    )
     print(f"checkpoints {ck['count']} (latest before step {ck['latest']}): {shown}")
     for i, seg in enumerate(report.get("schedule") or []):  # the mixture schedule: sources' weights, then phases
-        weights = ", ".join(f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}"
-                            for k, v in (seg.get("weights") or {}).items())
-        print(f"{'schedule' if i == 0 else '':<12}from step {seg.get('start_step')}: {seg.get('name')} ({weights})"
-              + ("  [added while running]" if seg.get("added") else ""))
+        weights = ", ".join(
+            f"{k} {v:g}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in (seg.get("weights") or {}).items()
+        )
+        print(
+            f"{'schedule' if i == 0 else '':<12}from step {seg.get('start_step')}: {seg.get('name')} ({weights})"
+            + ("  [added while running]" if seg.get("added") else "")
+        )
     print(f"commits     {co['count']} (latest step {co['latest_step']})")
     for consumer, step in sorted(co["by_consumer"].items()):
         print(f"  {consumer}: resumes at step {step}")
@@ -436,26 +537,42 @@ def inspect_loader_state(loc, as_json: bool) -> int:
     state = storage.read_json(state_file, error=UserInputError, what="loader state")
     if not isinstance(state, dict):
         raise UserInputError(f"{state_file.uri}: not a loader state (a JSON {type(state).__name__})")
-    check_state(state, run_id=state.get("run_id"), fingerprint=cast(str, state.get("fingerprint")),
-                recipe_name="its own")
+    check_state(
+        state, run_id=state.get("run_id"), fingerprint=cast(str, state.get("fingerprint")), recipe_name="its own"
+    )
     schedule = run_schedule(state)
     if as_json:
-        print(json.dumps({**{k: v for k, v in state.items() if k not in ("zephon", "run_schedule")},
-                          "run_schedule": schedule, "zephon": bool(state["zephon"])}, indent=2, sort_keys=True))
+        print(
+            json.dumps(
+                {
+                    **{k: v for k, v in state.items() if k not in ("zephon", "run_schedule")},
+                    "run_schedule": schedule,
+                    "zephon": bool(state["zephon"]),
+                },
+                indent=2,
+                sort_keys=True,
+            )
+        )
         return 0
     print(f"loader state {state_file.uri} (format {state['version']})")
-    print(f"run_id      {state['run_id'] or '-'}; next_step {state['next_step']}; fingerprint "
-          f"{state['fingerprint'][:12]} (the schedule of the data read so far)")
-    print(f"ledger      {state['ledger'] or '-'}; replayed_steps {state['replayed_steps']}; zephon checkpoint "
-          f"{'yes' if state['zephon'] else 'no'}")
+    print(
+        f"run_id      {state['run_id'] or '-'}; next_step {state['next_step']}; fingerprint "
+        f"{state['fingerprint'][:12]} (the schedule of the data read so far)"
+    )
+    print(
+        f"ledger      {state['ledger'] or '-'}; replayed_steps {state['replayed_steps']}; zephon checkpoint "
+        f"{'yes' if state['zephon'] else 'no'}"
+    )
     for phase in schedule["phases"]:
         weights = ", ".join(f"{k} {v:g}" for k, v in phase["weights"].items())
         print(f"phase       {phase['name']}: from step {phase['start_step']} ({weights})  [decided while running]")
     if not schedule["phases"]:
         print("phases      none beyond the recipe file's")
     for skip in schedule["skips"]:
-        print(f"skip        {skip['name']}: training steps from {skip['start_step']} read the data "
-              f"{skip['end_step'] - skip['start_step']} steps later")
+        print(
+            f"skip        {skip['name']}: training steps from {skip['start_step']} read the data "
+            f"{skip['end_step'] - skip['start_step']} steps later"
+        )
     return 0
 
 
@@ -476,8 +593,9 @@ def cmd_audit(args: argparse.Namespace) -> int:
     if args.dataset and args.service:
         raise UserInputError("give at most one of --dataset DIR and --service NAME")
     if (args.dataset or args.service) and recipe is None:
-        raise UserInputError(f"{'--dataset DIR' if args.dataset else '--service NAME'} needs --recipe R (the recipe "
-                             "the run trained on)")
+        raise UserInputError(
+            f"{'--dataset DIR' if args.dataset else '--service NAME'} needs --recipe R (the recipe the run trained on)"
+        )
     with ExitStack() as stack:
         if args.service:
             from zephon_ray.service.client import DataService
@@ -487,8 +605,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
             source = DataService.connect(args.service, namespace=args.namespace)
             assert recipe is not None  # --service needs --recipe (checked above)
             if source.recipe.fingerprint != recipe.fingerprint:
-                raise UserInputError(f"service {args.service!r} serves recipe fingerprint "
-                                     f"{source.recipe.fingerprint[:12]}, not {recipe.describe()}")
+                raise UserInputError(
+                    f"service {args.service!r} serves recipe fingerprint "
+                    f"{source.recipe.fingerprint[:12]}, not {recipe.describe()}"
+                )
             batch_of: Callable[[int], GlobalBatch] = source.batch  # ad hoc reads: no consumer cursor moves
         elif args.dataset:
             from zephon_ray.formats.materialized import MaterializedSource
@@ -498,19 +618,28 @@ def cmd_audit(args: argparse.Namespace) -> int:
             from zephon_ray.source import GlobalBatchSource
 
             batch_of = stack.enter_context(GlobalBatchSource(recipe)).batch
+
         def reference(step: int):  # a training step's rows: those of the data step it read
             batch = batch_of(cast(Recipe, recipe).data_step(step))  # called only with a recipe
             return batch.tokens, batch.positions
 
-        report = audit(ledger_dir, head, fingerprint=base.fingerprint if base else None,
-                       run_id=state["run_id"] if state else None,
-                       reference=reference if recipe is not None else None,
-                       rows=recipe.global_batch_rows if recipe else None)
+        report = audit(
+            ledger_dir,
+            head,
+            fingerprint=base.fingerprint if base else None,
+            run_id=state["run_id"] if state else None,
+            reference=reference if recipe is not None else None,
+            rows=recipe.global_batch_rows if recipe else None,
+        )
     if state is not None and state["next_step"] != report.next_step:
-        report.findings.append(Finding(min(state["next_step"], report.next_step),
-                                       max(state["next_step"], report.next_step) - 1, "lineage",
-                                       f"the loader state is at step {state['next_step']} but its segment {head} "
-                                       f"ends at {report.next_step}"))
+        report.findings.append(
+            Finding(
+                min(state["next_step"], report.next_step),
+                max(state["next_step"], report.next_step) - 1,
+                "lineage",
+                f"the loader state is at step {state['next_step']} but its segment {head} ends at {report.next_step}",
+            )
+        )
     if recipe is not None:
         from zephon_ray.jobs.audit import skip_notes
 
@@ -528,14 +657,19 @@ def cmd_ledger_compact(args: argparse.Namespace) -> int:
     from zephon_ray.formats.ledger import compact
 
     result = compact(args.ledger_dir)
-    done = f"packed {result.parts} part(s), {result.records} record(s) into {result.pack}" if result.pack else \
-        "nothing to merge"
+    done = (
+        f"packed {result.parts} part(s), {result.records} record(s) into {result.pack}"
+        if result.pack
+        else "nothing to merge"
+    )
     print(f"{args.ledger_dir}: {done}; {result.files_before} -> {result.files_after} ledger file(s)")
     return 0
 
 
-VERIFY_CONTENT_HELP = ("hash the bytes of every object-store shard (a download) instead of trusting the store's "
-                       "ETags; same as the recipe key verify_content")
+VERIFY_CONTENT_HELP = (
+    "hash the bytes of every object-store shard (a download) instead of trusting the store's "
+    "ETags; same as the recipe key verify_content"
+)
 
 
 def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
@@ -552,26 +686,45 @@ def add_recipe_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verify-content", action="store_true", help=VERIFY_CONTENT_HELP)
     p.set_defaults(func=cmd_fingerprint)
 
-    p = sub.add_parser("audit", help="check a checkpoint's ledger: every step in [0, s) trained exactly once, on the "
-                                     "recipe's rows; one line per finding, exit 1 on any")
-    p.add_argument("path", metavar="CHECKPOINT_OR_LEDGER",
-                   help="a loader state (zephon_loader.json, or a directory holding one) or a ledger directory")
+    p = sub.add_parser(
+        "audit",
+        help="check a checkpoint's ledger: every step in [0, s) trained exactly once, on the "
+        "recipe's rows; one line per finding, exit 1 on any",
+    )
+    p.add_argument(
+        "path",
+        metavar="CHECKPOINT_OR_LEDGER",
+        help="a loader state (zephon_loader.json, or a directory holding one) or a ledger directory",
+    )
     p.add_argument("--ledger", metavar="DIR", help="the run's ledger directory (needed with a loader state)")
-    p.add_argument("--recipe", metavar="R", help="check every slice against this recipe's global batches (computed "
-                                                 "in-process) and that the lineage was trained on it")
+    p.add_argument(
+        "--recipe",
+        metavar="R",
+        help="check every slice against this recipe's global batches (computed "
+        "in-process) and that the lineage was trained on it",
+    )
     p.add_argument("--dataset", metavar="DIR", help="read the global batches from this materialised directory")
-    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP + " (a loader state given as the "
-                                                                             "checkpoint is used by itself)")
+    p.add_argument(
+        "--schedule-from",
+        metavar="STATE",
+        help=SCHEDULE_FROM_HELP + " (a loader state given as the checkpoint is used by itself)",
+    )
     p.add_argument("--service", metavar="NAME", help="ask this running DataService for the global batches")
     p.add_argument("--namespace", default="zephon-ray", help="the service's Ray namespace (with --service)")
-    p.add_argument("--address", default=None, help="the Ray cluster of the service (with --service; default: "
-                                                   "RAY_ADDRESS or the ambient cluster)")
+    p.add_argument(
+        "--address",
+        default=None,
+        help="the Ray cluster of the service (with --service; default: RAY_ADDRESS or the ambient cluster)",
+    )
     p.set_defaults(func=cmd_audit)
 
     p = sub.add_parser("ledger", help="maintain a ledger directory")
     ledger_sub = p.add_subparsers(dest="ledger_command", required=True)
-    p = ledger_sub.add_parser("compact", help="merge the ledger's loose parts, torchft batches and smaller packs "
-                                              "into one pack (safe to kill and re-run; docs/audit.md)")
+    p = ledger_sub.add_parser(
+        "compact",
+        help="merge the ledger's loose parts, torchft batches and smaller packs "
+        "into one pack (safe to kill and re-run; docs/audit.md)",
+    )
     p.add_argument("ledger_dir", metavar="DIR", help="the ledger directory (a path or URI)")
     p.set_defaults(func=cmd_ledger_compact)
 
@@ -589,9 +742,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     recipe = Recipe.from_toml(args.recipe)
     rounds = args.rounds if args.rounds is not None else 3 if args.via == "both" else 1  # both: paths alternate
-    report = run_bench(recipe, steps=args.steps, warmup=args.warmup, via=args.via, rounds=rounds,
-                       producers=args.producers, name=args.name, namespace=args.namespace, address=args.address,
-                       progress=None if args.json else lambda line: print(line, flush=True))
+    report = run_bench(
+        recipe,
+        steps=args.steps,
+        warmup=args.warmup,
+        via=args.via,
+        rounds=rounds,
+        producers=args.producers,
+        name=args.name,
+        namespace=args.namespace,
+        address=args.address,
+        progress=None if args.json else lambda line: print(line, flush=True),
+    )
     if args.json:
         print(json.dumps(report))
     else:
@@ -617,35 +779,58 @@ def add_batch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--step", type=_non_negative, default=None, help="the step (default 0)")
     p.add_argument("--rows", type=_non_negative, default=4)
     p.add_argument("--chars", type=_non_negative, default=72)
-    p.add_argument("--plot", default=None, metavar="OUT.png",
-                   help="also write a PNG: per-source token share, document-piece lengths, packing per row")
-    p.add_argument("--docs", action="store_true",
-                   help="each row's document pieces: source, shard, record, token span, offset in the document, text")
-    p.add_argument("--steps", default=None, metavar="A:B",
-                   help="with --docs: tokens, pieces and records per source and per shard over steps A..B-1")
+    p.add_argument(
+        "--plot",
+        default=None,
+        metavar="OUT.png",
+        help="also write a PNG: per-source token share, document-piece lengths, packing per row",
+    )
+    p.add_argument(
+        "--docs",
+        action="store_true",
+        help="each row's document pieces: source, shard, record, token span, offset in the document, text",
+    )
+    p.add_argument(
+        "--steps",
+        default=None,
+        metavar="A:B",
+        help="with --docs: tokens, pieces and records per source and per shard over steps A..B-1",
+    )
     p.add_argument("--rank", type=_non_negative, default=None, help="with --docs: only rank R's rows (with --world)")
     p.add_argument("--world", type=_positive, default=None, help="with --docs: the reader count W")
     p.add_argument("--json", action="store_true", help="with --docs: one JSON object")
     p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP)
     p.set_defaults(func=cmd_show)
 
-    p = sub.add_parser("locate", help="every step, row and token span of a step range that holds one record "
-                                      "(a Ray Data scan)")
+    p = sub.add_parser(
+        "locate", help="every step, row and token span of a step range that holds one record (a Ray Data scan)"
+    )
     p.add_argument("recipe")
     p.add_argument("--source", required=True, help="the source's name in the recipe")
     p.add_argument("--shard", required=True, help="the shard's name (as `validate --json` lists it) or full path")
     p.add_argument("--record", type=_non_negative, required=True, help="the record's 0-based index in the shard")
     p.add_argument("--steps", default="0:1000", metavar="A:B", help="the data steps to search (default 0:1000)")
-    p.add_argument("--groups", type=_positive, default=1,
-                   help="lane groups scanning in parallel (must divide the lanes; one actor each)")
+    p.add_argument(
+        "--groups",
+        type=_positive,
+        default=1,
+        help="lane groups scanning in parallel (must divide the lanes; one actor each)",
+    )
     p.add_argument("--cpus-per-actor", type=float, default=0.5)
-    p.add_argument("--work-dir", default=None, help="where lane groups meet at phase boundaries (default: temp dir; "
-                                                    "shared storage on a multi-node cluster)")
+    p.add_argument(
+        "--work-dir",
+        default=None,
+        help="where lane groups meet at phase boundaries (default: temp dir; shared storage on a multi-node cluster)",
+    )
     p.add_argument("--address", default=None, help="Ray address; default starts a private local Ray")
     p.add_argument("--json", action="store_true", help="one JSON object")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
-    p.add_argument("--schedule-from", metavar="STATE", help=SCHEDULE_FROM_HELP + "; with its skips, each hit also "
-                   "names the training step that read it, or the skip that skipped it")
+    p.add_argument(
+        "--schedule-from",
+        metavar="STATE",
+        help=SCHEDULE_FROM_HELP + "; with its skips, each hit also "
+        "names the training step that read it, or the skip that skipped it",
+    )
     p.set_defaults(func=cmd_locate)
 
     p = sub.add_parser("corpus", help="write the stdlib prose/code corpus as JSONL and Parquet shards")
@@ -658,8 +843,12 @@ def add_batch_commands(sub: argparse._SubParsersAction) -> None:
     p.add_argument("recipe")
     p.add_argument("--steps", type=_positive, default=32, help="steps timed per round (default 32)")
     p.add_argument("--warmup", type=_non_negative, default=2, help="steps read first and timed apart (default 2)")
-    p.add_argument("--rounds", type=_positive, default=None,
-                   help="rounds (default 1; 3 with --via both, which alternates the paths)")
+    p.add_argument(
+        "--rounds",
+        type=_positive,
+        default=None,
+        help="rounds (default 1; 3 with --via both, which alternates the paths)",
+    )
     p.add_argument("--via", choices=("local", "service", "both"), default="local")
     p.add_argument("--producers", type=_positive, default=1, help="producer actors of the service it starts")
     p.add_argument("--name", default=None, help="measure a running service by name instead of starting one")
@@ -691,10 +880,13 @@ def cmd_pretokenize(args: argparse.Namespace) -> int:
 
     recipe = Recipe.from_toml(args.recipe)
     with ray_session(args.address, private_if_none=True), quiet_command():
-        result = pretokenize(recipe, args.out_dir, actors=args.actors, cpus_per_actor=args.cpus_per_actor,
-                             progress=not args.quiet)
-    print(f"wrote {result.recipe_path}: {result.shards} shards ({result.shards_skipped} already done), "
-          f"{result.records} records, {result.tokens} tokens, {result.bytes} bytes")
+        result = pretokenize(
+            recipe, args.out_dir, actors=args.actors, cpus_per_actor=args.cpus_per_actor, progress=not args.quiet
+        )
+    print(
+        f"wrote {result.recipe_path}: {result.shards} shards ({result.shards_skipped} already done), "
+        f"{result.records} records, {result.tokens} tokens, {result.bytes} bytes"
+    )
     return 0
 
 
@@ -705,8 +897,15 @@ def cmd_materialize(args: argparse.Namespace) -> int:
     recipe = load_recipe(args)
     steps = parse_steps(args.steps)
     with ray_session(args.address, private_if_none=True), quiet_command():
-        result = materialize(recipe, args.out, steps, producers=args.producers, segment_steps=args.segment_steps,
-                             cpus_per_actor=args.cpus_per_actor, progress=not args.quiet)
+        result = materialize(
+            recipe,
+            args.out,
+            steps,
+            producers=args.producers,
+            segment_steps=args.segment_steps,
+            cpus_per_actor=args.cpus_per_actor,
+            progress=not args.quiet,
+        )
     done = f"wrote steps {result.written.start}:{result.written.stop}" if len(result.written) else "nothing to do"
     print(f"{result.directory}: {done}; holds steps {result.first_step}:{result.end_step}")
     return 0

@@ -116,9 +116,24 @@ def worker_error(exc: BaseException) -> str | None:
     return describe(exc)
 
 
-_STORAGE_WORDS = ("s3://", "gs://", "az://", "abfs", "bucket", "endpoint", "credential", "access denied",
-                  "AccessDenied", "Could not resolve host", "Could not connect", "NETWORK_CONNECTION",
-                  "InvalidAccessKeyId", "NoSuchBucket", "does not exist", "still failing after")
+_STORAGE_WORDS = (
+    "s3://",
+    "gs://",
+    "az://",
+    "abfs",
+    "bucket",
+    "endpoint",
+    "credential",
+    "access denied",
+    "AccessDenied",
+    "Could not resolve host",
+    "Could not connect",
+    "NETWORK_CONNECTION",
+    "InvalidAccessKeyId",
+    "NoSuchBucket",
+    "does not exist",
+    "still failing after",
+)
 _RAY_TASK_PREFIXES = ("ray.exceptions.RayTaskError", "RayTaskError")
 
 
@@ -150,16 +165,26 @@ def with_storage_hint(line: str) -> str | None:
     if not any(w in line for w in _STORAGE_WORDS):
         return None
     lower = line.lower()
-    if "access denied" in lower or "accessdenied" in lower or "invalidaccesskeyid" in lower or "403" in line \
-            or "credential" in lower:
+    if (
+        "access denied" in lower
+        or "accessdenied" in lower
+        or "invalidaccesskeyid" in lower
+        or "403" in line
+        or "credential" in lower
+    ):
         local = storage.local_credentials()
-        hint = ("the workers have no credentials for it, or not these: credentials are never shipped to the "
-                "cluster" + (f" ({', '.join(local)} stay in this shell)" if local else "")
-                + "; give the nodes their own (instance role, their environment or files)")
+        hint = (
+            "the workers have no credentials for it, or not these: credentials are never shipped to the "
+            "cluster"
+            + (f" ({', '.join(local)} stay in this shell)" if local else "")
+            + "; give the nodes their own (instance role, their environment or files)"
+        )
     elif "resolve host" in lower or "connect" in lower or "endpoint" in lower:
-        hint = ("the workers have no endpoint for it or cannot reach it: set AWS_ENDPOINT_URL (or "
-                "ZEPHON_RAY_GCS_ENDPOINT / ZEPHON_RAY_AZURE_ENDPOINT) where this command runs; it reaches the "
-                "workers through the job's runtime_env")
+        hint = (
+            "the workers have no endpoint for it or cannot reach it: set AWS_ENDPOINT_URL (or "
+            "ZEPHON_RAY_GCS_ENDPOINT / ZEPHON_RAY_AZURE_ENDPOINT) where this command runs; it reaches the "
+            "workers through the job's runtime_env"
+        )
     else:
         hint = "the workers could not use it"
     return f"{line} ({hint})"

@@ -15,8 +15,10 @@ from typing import Any
 from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
 
-SCHEDULE_FROM_HELP = ("take the mixture phases a run decided while it trained from this loader state (a JSON file, "
-                      "or a directory holding zephon_loader.json) or service state_dir, on top of the recipe's")
+SCHEDULE_FROM_HELP = (
+    "take the mixture phases a run decided while it trained from this loader state (a JSON file, "
+    "or a directory holding zephon_loader.json) or service state_dir, on top of the recipe's"
+)
 
 
 def load_recipe(args: argparse.Namespace, **kw: Any) -> Recipe:
@@ -39,6 +41,11 @@ def recipe_with_schedule(recipe: Recipe, path: str) -> Recipe:
     if not storage.is_file(state_file):
         raise UserInputError(f"--schedule-from {path}: neither a loader state nor a service state_dir")
     state = storage.read_json(state_file, error=UserInputError, what="loader state")
-    check_state(state, run_id=state.get("run_id") if isinstance(state, dict) else None, fingerprint=recipe.fingerprint,
-                recipe=recipe, recipe_name=recipe.describe())
+    check_state(
+        state,
+        run_id=state.get("run_id") if isinstance(state, dict) else None,
+        fingerprint=recipe.fingerprint,
+        recipe=recipe,
+        recipe_name=recipe.describe(),
+    )
     return run_recipe(state, recipe)

@@ -25,8 +25,8 @@ import dataclasses
 import json
 import shutil
 import tempfile
-import uuid
 import typing
+import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, cast
 
@@ -34,9 +34,9 @@ from zephon_ray.cli.schedule import SCHEDULE_FROM_HELP, load_recipe
 from zephon_ray.docstrings import attribute_docs
 from zephon_ray.errors import UserInputError
 from zephon_ray.recipe import Recipe
+from zephon_ray.service.client.session import ray_session, starts_private_cluster
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, ActorResources, ServiceConfig
 from zephon_ray.service.errors import ServiceNotFoundError
-from zephon_ray.service.client.session import ray_session, starts_private_cluster
 
 
 def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -> int:
@@ -54,15 +54,22 @@ def digest_via_service(recipe: Recipe, steps: range, args: argparse.Namespace) -
         if getattr(args, "name", None):
             svc = DataService.connect(args.name, namespace=args.namespace)
             if svc.recipe.fingerprint != recipe.fingerprint:
-                raise UserInputError(f"service {args.name!r} serves recipe fingerprint "
-                                     f"{svc.recipe.fingerprint[:12]}, not {recipe.describe()}")
+                raise UserInputError(
+                    f"service {args.name!r} serves recipe fingerprint "
+                    f"{svc.recipe.fingerprint[:12]}, not {recipe.describe()}"
+                )
             owned, state_dir = False, None
         else:
             note(f"starting the data service ({producers} producer(s)) ...")
             run = f"digest-{uuid.uuid4().hex[:8]}"
             state_dir = tempfile.mkdtemp(prefix=f"zephon-ray-{run}-")
-            svc = DataService.start(recipe, name=run, namespace=args.namespace or DEFAULT_NAMESPACE,
-                                    producers=producers, state_dir=state_dir)  # run_id, store: defaults
+            svc = DataService.start(
+                recipe,
+                name=run,
+                namespace=args.namespace or DEFAULT_NAMESPACE,
+                producers=producers,
+                state_dir=state_dir,
+            )  # run_id, store: defaults
             owned = True
         try:
             with step_bar(len(steps), "digest") as emit:
@@ -87,10 +94,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     with ray_session(args.address, private_if_none=False):
         svc = DataService.start(recipe, **fields)
         status = svc.status()
-        print(f"serving {recipe.describe()} as {fields['name']!r} in namespace {fields['namespace']!r}: "
-              f"{len(status['producers'])} producer{'s' if len(status['producers']) != 1 else ''}, window "
-              f"{status['window']['size']}, "
-              f"state_dir {status['state_dir']}, starting at step {status['start']['start_step']}", flush=True)
+        print(
+            f"serving {recipe.describe()} as {fields['name']!r} in namespace {fields['namespace']!r}: "
+            f"{len(status['producers'])} producer{'s' if len(status['producers']) != 1 else ''}, window "
+            f"{status['window']['size']}, "
+            f"state_dir {status['state_dir']}, starting at step {status['start']['start_step']}",
+            flush=True,
+        )
         if args.block:
             import time
 
@@ -115,8 +125,22 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-STATUS_ORDER = ("name", "namespace", "fingerprint", "recipe", "state_dir", "fatal", "generation", "restarts",
-                "producers", "window", "cursors", "throughput", "checkpoints", "commits")
+STATUS_ORDER = (
+    "name",
+    "namespace",
+    "fingerprint",
+    "recipe",
+    "state_dir",
+    "fatal",
+    "generation",
+    "restarts",
+    "producers",
+    "window",
+    "cursors",
+    "throughput",
+    "checkpoints",
+    "commits",
+)
 """Sections printed first, in this order; any other key of ``status()`` follows, so new keys are never hidden."""
 _LIST_SHOWN = 8
 
@@ -189,8 +213,9 @@ def parse_producers(text: str) -> int:
     except ValueError:
         producers = 0
     if producers < 1 or str(producers) != text.strip().lstrip("+"):
-        raise ValueError(f"rescale: producers must be a positive integer (a divisor of the recipe's lanes), "
-                         f"got {text!r}")
+        raise ValueError(
+            f"rescale: producers must be a positive integer (a divisor of the recipe's lanes), got {text!r}"
+        )
     return producers
 
 
@@ -202,8 +227,10 @@ def cmd_rescale(args: argparse.Namespace) -> int:
         svc = DataService.connect(args.name, namespace=args.namespace, timeout_s=0)
         svc.rescale(producers)  # ValueError (lanes, run_id, aggregation) before any remote change
         status = svc.status()
-    print(f"rescaled {args.name!r} (namespace {args.namespace!r}) to {len(status['producers'])} producers "
-          f"(generation {status['generation']}); batches are unchanged")
+    print(
+        f"rescaled {args.name!r} (namespace {args.namespace!r}) to {len(status['producers'])} producers "
+        f"(generation {status['generation']}); batches are unchanged"
+    )
     return 0
 
 
@@ -231,9 +258,11 @@ def cmd_add_phase(args: argparse.Namespace) -> int:
     with ray_session(args.address, private_if_none=False):
         svc = DataService.connect(args.name, namespace=args.namespace, timeout_s=0)
         result = svc.add_phase(args.phase, args.start_step, weights)  # a refusal: one ValueError naming the reader
-    print(f"phase {args.phase!r} from step {args.start_step} added to {args.name!r} (namespace {args.namespace!r}) "
-          f"in {result['applied_s']:.2f}s: fingerprint {result['fingerprint'][:12]}, steps made again from "
-          f"{result['restart_from']}, dropped {len(result.get('dropped_steps', []))} produced steps")
+    print(
+        f"phase {args.phase!r} from step {args.start_step} added to {args.name!r} (namespace {args.namespace!r}) "
+        f"in {result['applied_s']:.2f}s: fingerprint {result['fingerprint'][:12]}, steps made again from "
+        f"{result['restart_from']}, dropped {len(result.get('dropped_steps', []))} produced steps"
+    )
     return 0
 
 
@@ -245,8 +274,10 @@ def cmd_release(args: argparse.Namespace) -> int:
         status = svc.status()
         known = sorted(set(status["cursor_summary"]) | set(status["commits"]))
         if args.consumer not in known:
-            raise UserInputError(f"service {args.name!r} has no consumer {args.consumer!r} (consumers with cursors or "
-                                 f"commits: {', '.join(map(repr, known[:20])) or 'none'})")
+            raise UserInputError(
+                f"service {args.name!r} has no consumer {args.consumer!r} (consumers with cursors or "
+                f"commits: {', '.join(map(repr, known[:20])) or 'none'})"
+            )
         svc.release()
     print(f"released consumer {args.consumer!r} of {args.name!r}: it no longer holds the window back")
     return 0
@@ -291,8 +322,11 @@ def _config_flags(cls: type, prefix: str = "") -> Iterator[tuple[str, str, Any, 
             yield from _config_flags(cast(type, hint), prefix=f"{prefix}{f.name}.")
             continue
         kind = _flag_type(hint)
-        default = f.default if f.default is not dataclasses.MISSING else (
-            f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        default = (
+            f.default
+            if f.default is not dataclasses.MISSING
+            else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+        )
         flag = "--" + prefix + f.name.replace("_", "-")
         dest = _SERVE_DEST + (prefix + f.name).replace(".", "__")
         doc = " ".join(docs.get(f.name, f"ServiceConfig.{prefix}{f.name}").split())
@@ -316,7 +350,7 @@ def service_config_fields(args: argparse.Namespace) -> dict[str, Any]:
     for key, value in vars(args).items():
         if not key.startswith(_SERVE_DEST):
             continue
-        path = key[len(_SERVE_DEST):].split("__")
+        path = key[len(_SERVE_DEST) :].split("__")
         if len(path) == 1:
             fields[path[0]] = value
         else:
@@ -356,12 +390,19 @@ def add_service_commands(sub: argparse._SubParsersAction) -> None:
     _common(p)
     p.set_defaults(func=cmd_rescale)
 
-    p = sub.add_parser("add-phase", help="add a mixture phase to a running service (from a step no consumer "
-                                         "has read yet; durable in its state_dir)")
+    p = sub.add_parser(
+        "add-phase",
+        help="add a mixture phase to a running service (from a step no consumer "
+        "has read yet; durable in its state_dir)",
+    )
     p.add_argument("phase", help="the phase's name (unique in the schedule)")
     p.add_argument("--start-step", type=int, required=True, help="the first step of the phase")
-    p.add_argument("--weight", action="append", metavar="SOURCE=W",
-                   help="a source's weight from that step on (repeat; unnamed sources get 0)")
+    p.add_argument(
+        "--weight",
+        action="append",
+        metavar="SOURCE=W",
+        help="a source's weight from that step on (repeat; unnamed sources get 0)",
+    )
     _common(p)
     p.set_defaults(func=cmd_add_phase)
 

@@ -112,8 +112,20 @@ ROW_GROUP_RECORDS = 1 << 20
 """Records per Parquet row group of a pack: what a reader holds at once (about 100 MB of columns at most)."""
 SPOOL, BATCHES, PACKS = "spool", "batches", "packs"
 
-PART_KEYS_V1 = ("format", "version", "run_id", "fingerprint", "segment", "parent", "first_step", "next_step",
-                "world", "rank", "resumed", "records")
+PART_KEYS_V1 = (
+    "format",
+    "version",
+    "run_id",
+    "fingerprint",
+    "segment",
+    "parent",
+    "first_step",
+    "next_step",
+    "world",
+    "rank",
+    "resumed",
+    "records",
+)
 PART_KEYS = PART_KEYS_V1[:-1] + ("schedule", "records")
 MAX_SCHEDULE_PHASES = 4096
 """Phases one segment's schedule may hold (as many as a loader state may record, plus the sources' weights)."""
@@ -141,8 +153,17 @@ class Record:
         return [self.step, self.world, self.rank, self.digest, self.attempt, self.trained]
 
 
-def segment_id(*, run_id: str, fingerprint: str, parent: str, first_step: int, next_step: int, world: int,
-               resumed: bool, schedule: "str | dict | None" = None) -> str:
+def segment_id(
+    *,
+    run_id: str,
+    fingerprint: str,
+    parent: str,
+    first_step: int,
+    next_step: int,
+    world: int,
+    resumed: bool,
+    schedule: str | dict | None = None,
+) -> str:
     """The id every rank computes alike for the same segment (see the module docstring). ``schedule``: the
     segment's :func:`schedule_record` (or its :func:`schedule_text`); None for a version-1 segment, whose id
     hashes the header without it (so ids written before version 2 still verify)."""
@@ -176,24 +197,42 @@ def _check_schedule(value: Any, where: str) -> str:
     """A part's ``schedule`` as its canonical text; one LedgerError naming the key when it is not one."""
     ok = isinstance(value, dict) and set(value) == {"data_next", "phases"}
     phases = value.get("phases") if ok else None
-    ok = ok and isinstance(value["data_next"], int) and not isinstance(value["data_next"], bool) \
-        and value["data_next"] >= 0 and isinstance(phases, list) and 0 < len(phases) <= MAX_SCHEDULE_PHASES
+    ok = (
+        ok
+        and isinstance(value["data_next"], int)
+        and not isinstance(value["data_next"], bool)
+        and value["data_next"] >= 0
+        and isinstance(phases, list)
+        and 0 < len(phases) <= MAX_SCHEDULE_PHASES
+    )
     if ok:
         starts = []
         for entry in cast("list[Any]", phases):  # ok: a list
-            if not (isinstance(entry, list) and len(entry) == 3 and isinstance(entry[0], int)
-                    and not isinstance(entry[0], bool) and isinstance(entry[1], str) and isinstance(entry[2], str)
-                    and _CHAIN.match(entry[2])):
+            if not (
+                isinstance(entry, list)
+                and len(entry) == 3
+                and isinstance(entry[0], int)
+                and not isinstance(entry[0], bool)
+                and isinstance(entry[1], str)
+                and isinstance(entry[2], str)
+                and _CHAIN.match(entry[2])
+            ):
                 ok = False
                 break
             starts.append(entry[0])
         # step 0 is the sources' weights; later phases start in order, before the data step the state stands at
-        ok = ok and starts[0] == 0 and all(a < b for a, b in zip(starts, starts[1:])) \
+        ok = (
+            ok
+            and starts[0] == 0
+            and all(a < b for a, b in zip(starts, starts[1:]))
             and (len(starts) == 1 or starts[-1] < value["data_next"])
+        )
     if not ok:
-        raise LedgerError(f"{where}: ledger key 'schedule' must be {{\"data_next\": step, \"phases\": [[start_step, "
-                          f"name, chain sha256], ...]}} (1 to {MAX_SCHEDULE_PHASES} phases, the first at step 0, "
-                          f"in order, before data_next), got {str(value)[:120]}")
+        raise LedgerError(
+            f'{where}: ledger key \'schedule\' must be {{"data_next": step, "phases": [[start_step, '
+            f"name, chain sha256], ...]}} (1 to {MAX_SCHEDULE_PHASES} phases, the first at step 0, "
+            f"in order, before data_next), got {str(value)[:120]}"
+        )
     return schedule_text(value)
 
 
@@ -201,21 +240,42 @@ def part_name(rank: int, world: int) -> str:
     return f"rank-{rank:05d}-of-{world:05d}.json"
 
 
-def make_part(*, run_id: str, fingerprint: str, segment: str, parent: str, first_step: int, next_step: int,
-              world: int, rank: int, resumed: bool, records: list[Record],
-              schedule: dict[str, Any] | None = None) -> dict[str, Any]:
+def make_part(
+    *,
+    run_id: str,
+    fingerprint: str,
+    segment: str,
+    parent: str,
+    first_step: int,
+    next_step: int,
+    world: int,
+    rank: int,
+    resumed: bool,
+    records: list[Record],
+    schedule: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """One rank's part. ``schedule`` (:func:`schedule_record`): a version-2 part; None writes a version-1 part
     (no schedule), which only tests and benchmarks that model an old ledger do: every writer here passes one."""
-    part = {"format": FORMAT, "version": 1 if schedule is None else VERSION, "run_id": run_id,
-            "fingerprint": fingerprint, "segment": segment, "parent": parent, "first_step": int(first_step),
-            "next_step": int(next_step), "world": int(world), "rank": int(rank), "resumed": bool(resumed)}
+    part = {
+        "format": FORMAT,
+        "version": 1 if schedule is None else VERSION,
+        "run_id": run_id,
+        "fingerprint": fingerprint,
+        "segment": segment,
+        "parent": parent,
+        "first_step": int(first_step),
+        "next_step": int(next_step),
+        "world": int(world),
+        "rank": int(rank),
+        "resumed": bool(resumed),
+    }
     if schedule is not None:
         part["schedule"] = schedule
     part["records"] = [r.to_json() for r in records]
     return part
 
 
-def write_part(ledger_dir: "str | storage.Location", part: dict[str, Any]) -> storage.Location:
+def write_part(ledger_dir: str | storage.Location, part: dict[str, Any]) -> storage.Location:
     """Write one rank's part atomically as a loose part (a local path or an object-store URI); returns where."""
     where = storage.location(ledger_dir).join(part["segment"], part_name(part["rank"], part["world"]))
     check_part(part, where=where.uri)
@@ -232,12 +292,13 @@ def check_part(doc: Any, *, where: str) -> dict[str, Any]:
     if not isinstance(doc, dict):
         raise LedgerError(f"{where}: a ledger segment must be a JSON object, got {type(doc).__name__}")
     if doc.get("format") != FORMAT:
-        raise LedgerError(f"{where}: not a ledger segment (key 'format' is {doc.get('format')!r}, expected "
-                          f"{FORMAT!r})")
+        raise LedgerError(f"{where}: not a ledger segment (key 'format' is {doc.get('format')!r}, expected {FORMAT!r})")
     version = doc.get("version")
     if version not in READABLE_VERSIONS or isinstance(version, bool):
-        raise LedgerError(f"{where}: ledger segment version {version!r} is not supported (expected "
-                          f"{' or '.join(map(str, READABLE_VERSIONS))})")
+        raise LedgerError(
+            f"{where}: ledger segment version {version!r} is not supported (expected "
+            f"{' or '.join(map(str, READABLE_VERSIONS))})"
+        )
     keys = PART_KEYS if version == VERSION else PART_KEYS_V1
     missing = [k for k in keys if k not in doc]
     if missing:
@@ -251,46 +312,75 @@ def check_part(doc: Any, *, where: str) -> dict[str, Any]:
     _check_header(_segment_of(doc, where), where)
     world, rank = doc["world"], _int(doc, "rank", where)
     if rank >= world:
-        raise LedgerError(f"{where}: ledger segment steps [{doc['first_step']}, {doc['next_step']}) or rank {rank} "
-                          f"of {world} is impossible")
+        raise LedgerError(
+            f"{where}: ledger segment steps [{doc['first_step']}, {doc['next_step']}) or rank {rank} "
+            f"of {world} is impossible"
+        )
     records = doc["records"]
     if not isinstance(records, list) or len(records) > MAX_RECORDS:
         raise LedgerError(f"{where}: ledger key 'records' must be a list of at most {MAX_RECORDS} records")
     for i, rec in enumerate(records):
-        if not (isinstance(rec, list) and len(rec) == 6 and isinstance(rec[3], str) and _DIGEST.match(rec[3])
-                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in rec[:3] + rec[4:])):
-            raise LedgerError(f"{where}: ledger record {i} must be [step, world, rank, digest (32 hex digits), "
-                              f"attempt, trained], got {str(rec)[:80]}")
+        if not (
+            isinstance(rec, list)
+            and len(rec) == 6
+            and isinstance(rec[3], str)
+            and _DIGEST.match(rec[3])
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in rec[:3] + rec[4:])
+        ):
+            raise LedgerError(
+                f"{where}: ledger record {i} must be [step, world, rank, digest (32 hex digits), "
+                f"attempt, trained], got {str(rec)[:80]}"
+            )
     return doc
 
 
-def _segment_of(doc: dict, where: str) -> "Segment":
+def _segment_of(doc: dict, where: str) -> Segment:
     """A part's segment header (its schedule as canonical text, None for a version-1 part)."""
     schedule = _check_schedule(doc["schedule"], where) if "schedule" in doc else None
-    return Segment(doc["segment"], doc["parent"], doc["run_id"], doc["fingerprint"], doc["first_step"],
-                   doc["next_step"], doc["world"], doc["resumed"], schedule)
+    return Segment(
+        doc["segment"],
+        doc["parent"],
+        doc["run_id"],
+        doc["fingerprint"],
+        doc["first_step"],
+        doc["next_step"],
+        doc["world"],
+        doc["resumed"],
+        schedule,
+    )
 
 
-def _check_header(seg: "Segment", where: str) -> None:
+def _check_header(seg: Segment, where: str) -> None:
     """A segment header's types, ranges and id (the id is a hash of the rest: an edited header shows)."""
     head = {"first_step": seg.first_step, "next_step": seg.next_step, "world": seg.world}
     first, end = _int(head, "first_step", where), _int(head, "next_step", where)
     world = _int(head, "world", where, 1)
     if not _SEGMENT_ID.match(seg.id) or (seg.parent and not _SEGMENT_ID.match(seg.parent)):
-        raise LedgerError(f"{where}: ledger keys 'segment'/'parent' must be 24 hex digits, got "
-                          f"{seg.id!r}/{seg.parent!r}")
+        raise LedgerError(
+            f"{where}: ledger keys 'segment'/'parent' must be 24 hex digits, got {seg.id!r}/{seg.parent!r}"
+        )
     if end < first:
         raise LedgerError(f"{where}: ledger segment steps [{first}, {end}) or rank 0 of {world} is impossible")
     if not isinstance(seg.resumed, bool):
         raise LedgerError(f"{where}: ledger key 'resumed' must be true or false, got {seg.resumed!r}")
-    expected = segment_id(run_id=seg.run_id, fingerprint=seg.fingerprint, parent=seg.parent, first_step=first,
-                          next_step=end, world=world, resumed=seg.resumed, schedule=seg.schedule)
+    expected = segment_id(
+        run_id=seg.run_id,
+        fingerprint=seg.fingerprint,
+        parent=seg.parent,
+        first_step=first,
+        next_step=end,
+        world=world,
+        resumed=seg.resumed,
+        schedule=seg.schedule,
+    )
     if seg.id != expected:
-        raise LedgerError(f"{where}: ledger key 'segment' {seg.id!r} does not match its header (expected "
-                          f"{expected!r}): the file was edited or corrupted")
+        raise LedgerError(
+            f"{where}: ledger key 'segment' {seg.id!r} does not match its header (expected "
+            f"{expected!r}): the file was edited or corrupted"
+        )
 
 
-def read_part(path: "str | storage.Location") -> dict[str, Any]:
+def read_part(path: str | storage.Location) -> dict[str, Any]:
     loc = storage.location(path)
     doc = storage.read_json(loc, error=LedgerError, what="ledger segment")
     return check_part(doc, where=loc.uri)
@@ -319,8 +409,17 @@ class Segment:
 
     @property
     def header(self) -> tuple:
-        return (self.id, self.parent, self.run_id, self.fingerprint, self.first_step, self.next_step, self.world,
-                self.resumed, self.schedule)
+        return (
+            self.id,
+            self.parent,
+            self.run_id,
+            self.fingerprint,
+            self.first_step,
+            self.next_step,
+            self.world,
+            self.resumed,
+            self.schedule,
+        )
 
 
 # ---------------------------------------------------------------------------------------------- parts in columns
@@ -380,19 +479,30 @@ class Parts:
         lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
         digests = self.digests[lo:hi].astype(str).tolist() if self.digests is not None else [""] * (hi - lo)
         cols = [c[lo:hi].tolist() for c in (self.steps, self.worlds, self.ranks, self.attempts, self.trained)]
-        return [Record(s, w, r, d, a, t) for s, w, r, d, a, t in zip(cols[0], cols[1], cols[2], digests, cols[3],
-                                                                       cols[4])]
+        return [
+            Record(s, w, r, d, a, t) for s, w, r, d, a, t in zip(cols[0], cols[1], cols[2], digests, cols[3], cols[4])
+        ]
 
-    def take(self, keep: np.ndarray) -> "Parts":
+    def take(self, keep: np.ndarray) -> Parts:
         """The parts where ``keep`` is True."""
         if keep.all():
             return self
         counts = np.diff(self.offsets)
         rec = np.repeat(keep, counts)
         offsets = np.concatenate([[0], np.cumsum(counts[keep])]).astype(np.int64)
-        return Parts(self.code[keep], self.rank[keep], offsets, self.steps[rec], self.worlds[rec], self.ranks[rec],
-                     self.attempts[rec], self.trained[rec], None if self.digests is None else self.digests[rec],
-                     self.where, None if self.dense is None else self.dense[keep])
+        return Parts(
+            self.code[keep],
+            self.rank[keep],
+            offsets,
+            self.steps[rec],
+            self.worlds[rec],
+            self.ranks[rec],
+            self.attempts[rec],
+            self.trained[rec],
+            None if self.digests is None else self.digests[rec],
+            self.where,
+            None if self.dense is None else self.dense[keep],
+        )
 
 
 def _parts_from_docs(docs: list[dict], table: SegmentTable, where: str, digests: bool) -> Parts:
@@ -404,9 +514,18 @@ def _parts_from_docs(docs: list[dict], table: SegmentTable, where: str, digests:
         flat.extend(doc["records"])
     cols = list(zip(*flat)) if flat else [()] * 6
     steps, worlds, rec_ranks, attempts, trained = (np.array(cols[i], dtype=np.int64) for i in (0, 1, 2, 4, 5))
-    return Parts(np.array(codes, dtype=np.int64), np.array(ranks, dtype=np.int64), np.cumsum(counts, dtype=np.int64),
-                 steps, worlds, rec_ranks, attempts, trained, np.array(cols[3], dtype="S32") if digests else None,
-                 where)
+    return Parts(
+        np.array(codes, dtype=np.int64),
+        np.array(ranks, dtype=np.int64),
+        np.cumsum(counts, dtype=np.int64),
+        steps,
+        worlds,
+        rec_ranks,
+        attempts,
+        trained,
+        np.array(cols[3], dtype="S32") if digests else None,
+        where,
+    )
 
 
 # ---------------------------------------------------------------------------------------------- containers
@@ -432,7 +551,7 @@ class Containers:
         return bool(self.loose or self.batches or self.spools or self.packs)
 
 
-def containers(ledger_dir: "str | storage.Location") -> Containers:
+def containers(ledger_dir: str | storage.Location) -> Containers:
     """List a ledger directory (one listing); a pack's manifest is read and checked here."""
     base = storage.location(ledger_dir)
     out = Containers(base)
@@ -453,7 +572,7 @@ def containers(ledger_dir: "str | storage.Location") -> Containers:
         elif top == PACKS and name.endswith(".parquet"):
             data.add(rel)
         elif top == PACKS and name.endswith(".json"):
-            manifests[name[:-len(".json")]] = _read_manifest(base.join(rel))
+            manifests[name[: -len(".json")]] = _read_manifest(base.join(rel))
     replaced = {p for m in manifests.values() for p in m["replaces"]}
     for name, manifest in sorted(manifests.items()):
         if name in replaced:
@@ -469,31 +588,36 @@ def _read_manifest(loc: storage.Location) -> dict:
     doc = storage.read_json(loc, error=LedgerError, what="ledger pack manifest")
     where = loc.uri
     if not isinstance(doc, dict) or doc.get("format") != PACK_FORMAT:
-        raise LedgerError(f"{where}: not a ledger pack manifest (key 'format' is "
-                          f"{doc.get('format') if isinstance(doc, dict) else None!r}, expected {PACK_FORMAT!r})")
+        raise LedgerError(
+            f"{where}: not a ledger pack manifest (key 'format' is "
+            f"{doc.get('format') if isinstance(doc, dict) else None!r}, expected {PACK_FORMAT!r})"
+        )
     if doc.get("version") not in READABLE_PACK_VERSIONS or isinstance(doc.get("version"), bool):
-        raise LedgerError(f"{where}: ledger pack version {doc.get('version')!r} is not supported (expected "
-                          f"{' or '.join(map(str, READABLE_PACK_VERSIONS))})")
+        raise LedgerError(
+            f"{where}: ledger pack version {doc.get('version')!r} is not supported (expected "
+            f"{' or '.join(map(str, READABLE_PACK_VERSIONS))})"
+        )
     try:
         for key in ("segments", "parts"):
             int(doc[key]["bytes"]), int(doc[key]["rows"]), str(doc[key]["object"])
         assert isinstance(doc["replaces"], list) and all(isinstance(p, str) for p in doc["replaces"])
     except (KeyError, TypeError, ValueError, AssertionError):
-        raise LedgerError(f"{where}: ledger pack manifest lacks or garbles key 'segments', 'parts' or "
-                          "'replaces'") from None
+        raise LedgerError(
+            f"{where}: ledger pack manifest lacks or garbles key 'segments', 'parts' or 'replaces'"
+        ) from None
     return doc
 
 
-def scan(ledger_dir: "str | storage.Location", table: SegmentTable, *, digests: bool = False,
-         found: Containers | None = None) -> Iterator[Parts]:
+def scan(
+    ledger_dir: str | storage.Location, table: SegmentTable, *, digests: bool = False, found: Containers | None = None
+) -> Iterator[Parts]:
     """Every part of the ledger once, in batches, registering each segment header in ``table``. Spools first, then
     batches, loose parts and packs: a part already met is skipped, so a copy left by a killed compaction or flush is
     never counted twice. Memory: one batch at a time (a pack's row group, or one file), plus the keys of the parts
     that are not packed."""
     found = found if found is not None else containers(ledger_dir)
     if not found:
-        raise LedgerError(f"{found.base.uri}: no ledger segments there (not a ledger directory, or nothing was "
-                          "saved)")
+        raise LedgerError(f"{found.base.uri}: no ledger segments there (not a ledger directory, or nothing was saved)")
     seen: set[tuple[int, int]] = set()
     seen_codes: set[int] = set()
 
@@ -514,18 +638,21 @@ def scan(ledger_dir: "str | storage.Location", table: SegmentTable, *, digests: 
             part = read_part(loc)
             named = cast("re.Match[str]", _PART_NAME.match(name))  # the listing kept only matching names
             if part["segment"] != seg or named.groups() != (f"{part['rank']:05d}", f"{part['world']:05d}"):
-                raise LedgerError(f"{loc.uri}: the part names segment {part['segment']!r} rank {part['rank']} of "
-                                  f"{part['world']}, not what its path says")
+                raise LedgerError(
+                    f"{loc.uri}: the part names segment {part['segment']!r} rank {part['rank']} of "
+                    f"{part['world']}, not what its path says"
+                )
             yield fresh(_parts_from_docs([part], table, loc.uri, digests))
     for name, manifest in found.packs.items():
         for parts in read_pack(found.base, name, manifest, table, digests=digests):
             if seen_codes and np.isin(parts.code, list(seen_codes)).any():
-                parts = parts.take(np.array([(c, r) not in seen for c, r in zip(parts.code.tolist(),
-                                                                                 parts.rank.tolist())], dtype=bool))
+                parts = parts.take(
+                    np.array([(c, r) not in seen for c, r in zip(parts.code.tolist(), parts.rank.tolist())], dtype=bool)
+                )
             yield parts
 
 
-def read_ledger(ledger_dir: "str | storage.Location") -> dict[str, Segment]:
+def read_ledger(ledger_dir: str | storage.Location) -> dict[str, Segment]:
     """Every segment with every rank's records, in memory: for small ledgers and tests (the audit streams)."""
     table = SegmentTable()
     out: dict[str, Segment] = {}
@@ -536,23 +663,25 @@ def read_ledger(ledger_dir: "str | storage.Location") -> dict[str, Segment]:
     return out
 
 
-def read_segment(ledger_dir: "str | storage.Location", segment: str) -> Segment:
+def read_segment(ledger_dir: str | storage.Location, segment: str) -> Segment:
     """Every part of ``segment`` (wherever it is stored); a missing one is one LedgerError naming it."""
     found = read_ledger(ledger_dir).get(segment)
     if found is None:
-        raise LedgerError(f"{storage.location(ledger_dir).uri}: ledger segment {segment!r} has no parts (missing, or "
-                          "not a ledger)")
+        raise LedgerError(
+            f"{storage.location(ledger_dir).uri}: ledger segment {segment!r} has no parts (missing, or not a ledger)"
+        )
     return found
 
 
 # ---------------------------------------------------------------------------------------------- torchft: spool, batch
-def write_batch(ledger_dir: "str | storage.Location", parts: list[dict]) -> storage.Location:
+def write_batch(ledger_dir: str | storage.Location, parts: list[dict]) -> storage.Location:
     """One torchft flush: the parts, checked, as one new object under ``batches/``; returns where."""
     where = storage.location(ledger_dir).join(BATCHES, f"{_HOST}-{os.getpid()}-{uuid.uuid4().hex[:12]}.json")
     for part in parts:
         check_part(part, where=where.uri)
-    storage.write_atomic(where, storage.json_bytes({"format": BATCH_FORMAT, "version": BATCH_VERSION, "parts": parts},
-                                               compact=True))
+    storage.write_atomic(
+        where, storage.json_bytes({"format": BATCH_FORMAT, "version": BATCH_VERSION, "parts": parts}, compact=True)
+    )
     return where
 
 
@@ -561,8 +690,9 @@ def read_batch(loc: storage.Location) -> list[dict]:
     if not isinstance(doc, dict) or doc.get("format") != BATCH_FORMAT or not isinstance(doc.get("parts"), list):
         raise LedgerError(f"{loc.uri}: not a ledger batch (expected format {BATCH_FORMAT!r} with a list 'parts')")
     if doc.get("version") != BATCH_VERSION:
-        raise LedgerError(f"{loc.uri}: ledger batch version {doc.get('version')!r} is not supported (expected "
-                          f"{BATCH_VERSION})")
+        raise LedgerError(
+            f"{loc.uri}: ledger batch version {doc.get('version')!r} is not supported (expected {BATCH_VERSION})"
+        )
     return [check_part(p, where=loc.uri) for p in doc["parts"]]
 
 
@@ -591,7 +721,7 @@ class Spool:
                 os.unlink(self.path)
 
 
-def spool_dir(ledger_dir: "str | storage.Location", local_dir: str | None = None) -> str:
+def spool_dir(ledger_dir: str | storage.Location, local_dir: str | None = None) -> str:
     """Where a reader of ``ledger_dir`` spools: inside a local ledger; else ``local_dir`` or a directory under the
     system temp directory named after the ledger's URI."""
     loc = storage.location(ledger_dir)
@@ -605,7 +735,7 @@ def spool_dir(ledger_dir: "str | storage.Location", local_dir: str | None = None
     return os.path.join(tempfile.gettempdir(), f"zephon-ray-{os.getuid()}", "ledger-spool", key)
 
 
-def read_spool(path: "str | storage.Location") -> list[dict]:
+def read_spool(path: str | storage.Location) -> list[dict]:
     """A spool's parts, the last line of each step winning; a last line cut short (the writer was killed while
     appending it: the step was never confirmed) is left out, a bad line before it is one LedgerError."""
     loc = storage.location(path)
@@ -639,7 +769,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def adopt_spools(ledger_dir: "str | storage.Location", local_dir: str | None = None) -> int:
+def adopt_spools(ledger_dir: str | storage.Location, local_dir: str | None = None) -> int:
     """Flush the spools that readers on this host left when they died (their process is gone) into batches of
     ``ledger_dir``, then remove them; returns how many. A spool of a live process, or of another host, is left."""
     directory = spool_dir(ledger_dir, local_dir)
@@ -668,44 +798,70 @@ def _pa():
 
 def _segment_schema():
     pa, _ = _pa()
-    return pa.schema([("segment", pa.string()), ("parent", pa.string()), ("run_id", pa.string()),
-                      ("fingerprint", pa.string()), ("first_step", pa.int64()), ("next_step", pa.int64()),
-                      ("world", pa.int64()), ("resumed", pa.bool_()), ("schedule", pa.string())])
+    return pa.schema(
+        [
+            ("segment", pa.string()),
+            ("parent", pa.string()),
+            ("run_id", pa.string()),
+            ("fingerprint", pa.string()),
+            ("first_step", pa.int64()),
+            ("next_step", pa.int64()),
+            ("world", pa.int64()),
+            ("resumed", pa.bool_()),
+            ("schedule", pa.string()),
+        ]
+    )
 
 
 def _part_schema():
     pa, _ = _pa()
-    return pa.schema([("seg", pa.int64()), ("rank", pa.int64())]
-                     + [(c, pa.list_(pa.int64())) for c in RECORD_COLUMNS]
-                     + [("digests", pa.list_(pa.binary(16)))])
+    return pa.schema(
+        [("seg", pa.int64()), ("rank", pa.int64())]
+        + [(c, pa.list_(pa.int64())) for c in RECORD_COLUMNS]
+        + [("digests", pa.list_(pa.binary(16)))]
+    )
 
 
-def read_pack(base: storage.Location, name: str, manifest: dict, table: SegmentTable, *,
-              digests: bool = False) -> Iterator[Parts]:
+def read_pack(
+    base: storage.Location, name: str, manifest: dict, table: SegmentTable, *, digests: bool = False
+) -> Iterator[Parts]:
     """A live pack's parts, one row group at a time; ``digests`` False skips that column (most of the bytes)."""
     _, pq = _pa()
     where = base.join(PACKS, manifest["parts"]["object"])
     for key in ("segments", "parts"):
         loc = base.join(PACKS, manifest[key]["object"])
         if storage.size(loc) != manifest[key]["bytes"]:
-            raise LedgerError(f"{loc.uri}: ledger pack object is {storage.size(loc)} bytes, its manifest says "
-                              f"{manifest[key]['bytes']} (missing, cut short or replaced)")
+            raise LedgerError(
+                f"{loc.uri}: ledger pack object is {storage.size(loc)} bytes, its manifest says "
+                f"{manifest[key]['bytes']} (missing, cut short or replaced)"
+            )
     seg_loc = base.join(PACKS, manifest["segments"]["object"])
     segs = pq.ParquetFile(storage.open_input_file(seg_loc)).read().to_pydict()  # not read_table: it imports pandas
     codes = []
     schedules = segs.get("schedule") or [None] * len(segs["segment"])  # a version-1 pack has no such column
     checked: set[str] = set()  # each distinct schedule text once: a torchft run repeats one per step
     for i in range(len(segs["segment"])):
-        seg = Segment(segs["segment"][i], segs["parent"][i], segs["run_id"][i], segs["fingerprint"][i],
-                      segs["first_step"][i], segs["next_step"][i], segs["world"][i], segs["resumed"][i], schedules[i])
+        seg = Segment(
+            segs["segment"][i],
+            segs["parent"][i],
+            segs["run_id"][i],
+            segs["fingerprint"][i],
+            segs["first_step"][i],
+            segs["next_step"][i],
+            segs["world"][i],
+            segs["resumed"][i],
+            schedules[i],
+        )
         if seg.schedule is not None and seg.schedule not in checked:
             try:
                 value = json.loads(seg.schedule)
             except ValueError:
                 value = seg.schedule
             if _check_schedule(value, seg_loc.uri) != seg.schedule:
-                raise LedgerError(f"{seg_loc.uri}: ledger key 'schedule' of segment {seg.id!r} is not canonical "
-                                  "JSON: the file was edited or corrupted")
+                raise LedgerError(
+                    f"{seg_loc.uri}: ledger key 'schedule' of segment {seg.id!r} is not canonical "
+                    "JSON: the file was edited or corrupted"
+                )
             checked.add(seg.schedule)
         _check_header(seg, seg_loc.uri)
         codes.append(table.add(seg, seg_loc.uri))
@@ -718,13 +874,13 @@ def read_pack(base: storage.Location, name: str, manifest: dict, table: SegmentT
         batch = pf.read_row_group(g, columns=columns)
         local = batch.column("seg").to_numpy()
         rank = batch.column("rank").to_numpy()
-        if len(local) and (local.min() < 0 or local.max() >= len(mapping) or (rank >= worlds[local]).any()
-                           or rank.min() < 0):
+        if len(local) and (
+            local.min() < 0 or local.max() >= len(mapping) or (rank >= worlds[local]).any() or rank.min() < 0
+        ):
             raise LedgerError(f"{where.uri}: row group {g} names a segment row or rank outside the pack")
         lists = [batch.column(c).combine_chunks() for c in columns[2:]]
         try:
-            yield _decode(mapping[local], rank, firsts[local], ends[local], worlds[local], lists, digests,
-                          where.uri)
+            yield _decode(mapping[local], rank, firsts[local], ends[local], worlds[local], lists, digests, where.uri)
         except ValueError as exc:
             raise LedgerError(f"{where.uri}: row group {g}: {exc}") from None
 
@@ -732,12 +888,19 @@ def read_pack(base: storage.Location, name: str, manifest: dict, table: SegmentT
 def _list_parts(col: Any) -> tuple[np.ndarray, np.ndarray, Any]:
     """(null per part, length per part, flat values: a pyarrow array) of a list column."""
     offsets = np.asarray(col.offsets, dtype=np.int64)
-    return (np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=bool), np.diff(offsets),
-            col.flatten())
+    return (np.asarray(col.is_null().to_numpy(zero_copy_only=False), dtype=bool), np.diff(offsets), col.flatten())
 
 
-def _decode(code: np.ndarray, rank: np.ndarray, first: np.ndarray, end: np.ndarray, world: np.ndarray,
-            lists: list, digests: bool, where: str) -> Parts:
+def _decode(
+    code: np.ndarray,
+    rank: np.ndarray,
+    first: np.ndarray,
+    end: np.ndarray,
+    world: np.ndarray,
+    lists: list,
+    digests: bool,
+    where: str,
+) -> Parts:
     """A pack's row group as :class:`Parts`. A null record column is the part's default (steps ``first..end-1``,
     its W, its rank, attempt 0, trained 1); a part with every column null stays dense unless digests are read."""
     cols = [_list_parts(col) for col in lists[:5]]
@@ -752,16 +915,22 @@ def _decode(code: np.ndarray, rank: np.ndarray, first: np.ndarray, end: np.ndarr
     offsets = np.concatenate([[0], np.cumsum(n)]).astype(np.int64)
     total = int(offsets[-1])
     pos = np.arange(total, dtype=np.int64) - np.repeat(offsets[:-1], n)
-    defaults = [np.repeat(first, n) + pos, np.repeat(world, n), np.repeat(rank, n),
-                np.zeros(total, dtype=np.int64), np.ones(total, dtype=np.int64)]
+    defaults = [
+        np.repeat(first, n) + pos,
+        np.repeat(world, n),
+        np.repeat(rank, n),
+        np.zeros(total, dtype=np.int64),
+        np.ones(total, dtype=np.int64),
+    ]
     flat = []
     for default, (null, length, values) in zip(defaults, cols):
         stored = show & ~null  # parts whose stored list is read
         if stored.any():
             values = np.asarray(values.to_numpy(zero_copy_only=False), dtype=np.int64)
             starts = np.concatenate([[0], np.cumsum(length)])[:-1]
-            take = np.repeat(starts[stored], n[stored]) + (np.arange(int(n[stored].sum()))
-                                                             - np.repeat(np.cumsum(n[stored]) - n[stored], n[stored]))
+            take = np.repeat(starts[stored], n[stored]) + (
+                np.arange(int(n[stored].sum())) - np.repeat(np.cumsum(n[stored]) - n[stored], n[stored])
+            )
             default[np.repeat(stored, n)] = values[take]
         flat.append(default)
     hexes = None
@@ -769,11 +938,22 @@ def _decode(code: np.ndarray, rank: np.ndarray, first: np.ndarray, end: np.ndarr
         null, length, raw = _list_parts(lists[5])
         if (null | (length != count)).any():
             raise ValueError("a part's digests are not one per record")
-        buf = raw.buffers()[1].to_pybytes()[raw.offset * 16:(raw.offset + len(raw)) * 16]
+        buf = raw.buffers()[1].to_pybytes()[raw.offset * 16 : (raw.offset + len(raw)) * 16]
         hexes = np.frombuffer(binascii.hexlify(buf), dtype="S32")
     steps, worlds, ranks, attempts, trained = flat
-    return Parts(code, rank, offsets, steps, worlds, ranks, attempts, trained, hexes, where,
-                 None if digests else np.where(dense, count, 0))
+    return Parts(
+        code,
+        rank,
+        offsets,
+        steps,
+        worlds,
+        ranks,
+        attempts,
+        trained,
+        hexes,
+        where,
+        None if digests else np.where(dense, count, 0),
+    )
 
 
 class PackWriter:
@@ -821,18 +1001,25 @@ class PackWriter:
         first = np.array([s.first_step for s in segs], dtype=np.int64)
         end = np.array([s.next_step for s in segs], dtype=np.int64)
         pos = np.arange(int(joined[-1]), dtype=np.int64) - np.repeat(joined[:-1].astype(np.int64), counts)
-        defaults = [np.repeat(first, counts) + pos, np.repeat([s.world for s in segs], counts),
-                    np.repeat(rank, counts), 0, 1]
+        defaults = [
+            np.repeat(first, counts) + pos,
+            np.repeat([s.world for s in segs], counts),
+            np.repeat(rank, counts),
+            0,
+            1,
+        ]
         for col, default in zip(RECORD_COLUMNS, defaults):
             values = np.concatenate([getattr(p, col) for p in self._pending])
-            differs = np.bincount(np.repeat(np.arange(len(codes)), counts)[values != default],
-                                  minlength=len(codes)) > 0
+            differs = np.bincount(np.repeat(np.arange(len(codes)), counts)[values != default], minlength=len(codes)) > 0
             if col == "steps":
                 differs |= counts != end - first
             kept = np.where(differs, counts, 0)  # a part whose column is all default stores null
             offsets = pa.array(np.concatenate([[0], np.cumsum(kept)]).astype(np.int32))
-            arrays.append(pa.ListArray.from_arrays(offsets, pa.array(values[np.repeat(differs, counts)], pa.int64()),
-                                                   mask=pa.array(~differs)))
+            arrays.append(
+                pa.ListArray.from_arrays(
+                    offsets, pa.array(values[np.repeat(differs, counts)], pa.int64()), mask=pa.array(~differs)
+                )
+            )
         hexes = np.concatenate([p.digests for p in self._pending])
         try:
             raw = binascii.unhexlify(hexes.tobytes())
@@ -854,21 +1041,47 @@ class PackWriter:
         parts_bytes = os.path.getsize(self._spool)
         storage.upload(self._spool, self._target)
         segs = [self.table.segments[c] for c, _ in sorted(self._local.items(), key=lambda kv: kv[1])]
-        seg_table = pa.Table.from_pylist([dict(zip(("segment", "parent", "run_id", "fingerprint", "first_step",
-                                                    "next_step", "world", "resumed", "schedule"), s.header))
-                                          for s in segs],
-                                         schema=_segment_schema())
+        seg_table = pa.Table.from_pylist(
+            [
+                dict(
+                    zip(
+                        (
+                            "segment",
+                            "parent",
+                            "run_id",
+                            "fingerprint",
+                            "first_step",
+                            "next_step",
+                            "world",
+                            "resumed",
+                            "schedule",
+                        ),
+                        s.header,
+                    )
+                )
+                for s in segs
+            ],
+            schema=_segment_schema(),
+        )
         seg_target = self.base.join(PACKS, f"{self.name}.segments.parquet")
         with storage.spool(seg_target) as tmp:
             pq.write_table(seg_table, tmp, compression="zstd")
             seg_bytes = os.path.getsize(tmp)
         if hook is not None:
             hook("packed")
-        manifest = {"format": PACK_FORMAT, "version": PACK_VERSION, "pack": self.name,
-                    "segments": {"object": f"{self.name}.segments.parquet", "bytes": seg_bytes, "rows": len(segs)},
-                    "parts": {"object": f"{self.name}.parts.parquet", "bytes": parts_bytes, "rows": self.rows,
-                              "records": self.records},
-                    "replaces": replaces}
+        manifest = {
+            "format": PACK_FORMAT,
+            "version": PACK_VERSION,
+            "pack": self.name,
+            "segments": {"object": f"{self.name}.segments.parquet", "bytes": seg_bytes, "rows": len(segs)},
+            "parts": {
+                "object": f"{self.name}.parts.parquet",
+                "bytes": parts_bytes,
+                "rows": self.rows,
+                "records": self.records,
+            },
+            "replaces": replaces,
+        }
         storage.write_json(self.base.join(PACKS, f"{self.name}.json"), manifest, compact=True)
         return manifest
 
@@ -888,7 +1101,7 @@ class CompactResult:
     pack: str | None
 
 
-def compact(ledger_dir: "str | storage.Location", *, hook: Any = None) -> CompactResult:
+def compact(ledger_dir: str | storage.Location, *, hook: Any = None) -> CompactResult:
     """Merge the loose parts, batches and smaller packs of a ledger into one new pack (see the module docstring),
     after deleting what a killed compaction left. Spools of dead readers on this host become batches first.
     ``hook(stage)``, if given, is called at "packed" (data objects uploaded, no manifest yet) and "committed"
@@ -916,10 +1129,15 @@ def compact(ledger_dir: "str | storage.Location", *, hook: Any = None) -> Compac
     if hook is not None:
         hook("committed")
     inputs = [f"{seg}/{n}" for seg, names in found.loose.items() for n in names] + found.batches
-    _delete(base, inputs + [f"{PACKS}/{n}.json" for n in chosen]
-            + [f"{PACKS}/{found.packs[n][k]['object']}" for n in chosen for k in ("segments", "parts")])
-    return CompactResult(before, containers(base).file_count, manifest["parts"]["rows"], manifest["parts"]["records"],
-                         manifest["pack"])
+    _delete(
+        base,
+        inputs
+        + [f"{PACKS}/{n}.json" for n in chosen]
+        + [f"{PACKS}/{found.packs[n][k]['object']}" for n in chosen for k in ("segments", "parts")],
+    )
+    return CompactResult(
+        before, containers(base).file_count, manifest["parts"]["rows"], manifest["parts"]["records"], manifest["pack"]
+    )
 
 
 def _delete(base: storage.Location, rels: list[str]) -> None:

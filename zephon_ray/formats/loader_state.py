@@ -50,8 +50,16 @@ KEY_ZEPHON = "zephon"
 KEY_REPLAYED_STEPS = "replayed_steps"
 KEY_LEDGER = "ledger"
 KEY_RUN_SCHEDULE = "run_schedule"
-STATE_KEYS = (KEY_VERSION, KEY_RUN_ID, KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_ZEPHON, KEY_REPLAYED_STEPS, KEY_LEDGER,
-              KEY_RUN_SCHEDULE)
+STATE_KEYS = (
+    KEY_VERSION,
+    KEY_RUN_ID,
+    KEY_FINGERPRINT,
+    KEY_NEXT_STEP,
+    KEY_ZEPHON,
+    KEY_REPLAYED_STEPS,
+    KEY_LEDGER,
+    KEY_RUN_SCHEDULE,
+)
 MAX_SCHEDULE_ENTRIES = 4096
 """Phases, and skips, one state may record."""
 
@@ -60,8 +68,16 @@ class LoaderStateError(ValueError):
     """A loader state that cannot be taken or loaded; the message names what differs."""
 
 
-def make_state(*, run_id: str | None, fingerprint: str, next_step: int, zephon: dict[str, Any] | None,
-               replayed_steps: int = 0, ledger: str = "", schedule: dict[str, list] | None = None) -> dict:
+def make_state(
+    *,
+    run_id: str | None,
+    fingerprint: str,
+    next_step: int,
+    zephon: dict[str, Any] | None,
+    replayed_steps: int = 0,
+    ledger: str = "",
+    schedule: dict[str, list] | None = None,
+) -> dict:
     """``schedule``: :func:`schedule_of` the run's recipe (its run-time phases and its skips)."""
     return {
         KEY_VERSION: STATE_VERSION,
@@ -89,20 +105,30 @@ def run_schedule(state: dict) -> dict[str, list]:
     """The run's schedule a (checked) state records: ``{"phases": [...], "skips": [...]}``, oldest first."""
     blob = state.get(KEY_RUN_SCHEDULE, "")
     if not isinstance(blob, str):
-        raise LoaderStateError(f"loader state key '{KEY_RUN_SCHEDULE}' must be a JSON string or \"\", got "
-                               f"{type(blob).__name__}")
+        raise LoaderStateError(
+            f"loader state key '{KEY_RUN_SCHEDULE}' must be a JSON string or \"\", got {type(blob).__name__}"
+        )
     if not blob:
         return {"phases": [], "skips": []}
     try:
         value = json.loads(blob)
     except ValueError as exc:
         raise LoaderStateError(f"loader state key '{KEY_RUN_SCHEDULE}' is not valid JSON: {exc}") from None
-    if not isinstance(value, dict) or set(value) != set(_SCHEDULE_KEYS) or not all(
-            isinstance(value[k], list) and len(value[k]) <= MAX_SCHEDULE_ENTRIES
-            and all(isinstance(e, dict) and set(e) == fields for e in value[k]) for k, fields in _SCHEDULE_KEYS.items()):
-        raise LoaderStateError(f"loader state key '{KEY_RUN_SCHEDULE}' must be a table of 'phases' {{name, "
-                               f"start_step, weights}} and 'skips' {{name, start_step, end_step}} lists of at most "
-                               f"{MAX_SCHEDULE_ENTRIES} each")
+    if (
+        not isinstance(value, dict)
+        or set(value) != set(_SCHEDULE_KEYS)
+        or not all(
+            isinstance(value[k], list)
+            and len(value[k]) <= MAX_SCHEDULE_ENTRIES
+            and all(isinstance(e, dict) and set(e) == fields for e in value[k])
+            for k, fields in _SCHEDULE_KEYS.items()
+        )
+    ):
+        raise LoaderStateError(
+            f"loader state key '{KEY_RUN_SCHEDULE}' must be a table of 'phases' {{name, "
+            f"start_step, weights}} and 'skips' {{name, start_step, end_step}} lists of at most "
+            f"{MAX_SCHEDULE_ENTRIES} each"
+        )
     return value
 
 
@@ -125,13 +151,17 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
         raise LoaderStateError(f"loader state lacks key '{KEY_VERSION}' (keys present: {sorted(map(str, state))})")
     version = state[KEY_VERSION]
     if version != STATE_VERSION:
-        raise LoaderStateError(f"loader state key '{KEY_VERSION}': version {version!r} is not supported (expected "
-                               f"{STATE_VERSION}; version 2 added '{KEY_REPLAYED_STEPS}', version 3 "
-                               f"'{KEY_LEDGER}', version 4 '{KEY_RUN_SCHEDULE}')")
+        raise LoaderStateError(
+            f"loader state key '{KEY_VERSION}': version {version!r} is not supported (expected "
+            f"{STATE_VERSION}; version 2 added '{KEY_REPLAYED_STEPS}', version 3 "
+            f"'{KEY_LEDGER}', version 4 '{KEY_RUN_SCHEDULE}')"
+        )
     missing = [k for k in STATE_KEYS if k not in state]
     if missing:
-        raise LoaderStateError(f"loader state lacks key '{missing[0]}' (format {STATE_VERSION} has {STATE_KEYS}; "
-                               f"keys present: {sorted(map(str, state))})")
+        raise LoaderStateError(
+            f"loader state lacks key '{missing[0]}' (format {STATE_VERSION} has {STATE_KEYS}; "
+            f"keys present: {sorted(map(str, state))})"
+        )
     extra = sorted(str(k) for k in state if k not in STATE_KEYS)
     if extra:
         raise LoaderStateError(f"loader state has unknown key '{extra[0]}' (format {STATE_VERSION} has {STATE_KEYS})")
@@ -142,8 +172,9 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
             fingerprint = recipe.history_fingerprint(recipe.data_next(step))
             if state[KEY_FINGERPRINT] != fingerprint and recipe.phases:
                 raise LoaderStateError(
-                    f"loader state key '{KEY_FINGERPRINT}': " + _schedule_mismatch(state, recipe,
-                                                                                     recipe.data_next(step)))
+                    f"loader state key '{KEY_FINGERPRINT}': "
+                    + _schedule_mismatch(state, recipe, recipe.data_next(step))
+                )
     if state[KEY_FINGERPRINT] != fingerprint:
         raise LoaderStateError(
             f"loader state key '{KEY_FINGERPRINT}': the checkpoint was written for recipe fingerprint "
@@ -161,8 +192,10 @@ def check_state(state: Any, *, run_id: str | None, fingerprint: str, recipe_name
     step = check_int(f"loader state key '{KEY_NEXT_STEP}'", state[KEY_NEXT_STEP], low=0, error=LoaderStateError)
     head = state[KEY_LEDGER]
     if not isinstance(head, str) or (head and not (len(head) == 24 and all(c in "0123456789abcdef" for c in head))):
-        raise LoaderStateError(f"loader state key '{KEY_LEDGER}' must be a ledger segment id (24 hex digits) or \"\", "
-                               f"got {str(head)[:40]!r}")
+        raise LoaderStateError(
+            f"loader state key '{KEY_LEDGER}' must be a ledger segment id (24 hex digits) or \"\", "
+            f"got {str(head)[:40]!r}"
+        )
     return step
 
 
@@ -173,7 +206,8 @@ def run_recipe(state: dict, recipe: Any) -> Any:
     schedule = run_schedule(state)
     try:
         return recipe.with_run_phases(schedule["phases"], what="the loader state's run").with_run_skips(
-            schedule["skips"], int(state[KEY_NEXT_STEP]), what="the loader state's run")
+            schedule["skips"], int(state[KEY_NEXT_STEP]), what="the loader state's run"
+        )
     except ValueError as exc:
         if isinstance(exc, LoaderStateError):
             raise
@@ -197,14 +231,18 @@ def _schedule_mismatch(state: dict, recipe: Any, step: int) -> str:
     saved = state[KEY_FINGERPRINT]
     if saved in chain and chain.index(saved) < used:
         first = recipe.phases[chain.index(saved)]
-        return (f"phase '{first.name}' starts at step {first.start_step}, before step {step}, which the run has "
-                f"already produced without it; a resume at step {step} may only add phases starting at or after step "
-                f"{step}")
+        return (
+            f"phase '{first.name}' starts at step {first.start_step}, before step {step}, which the run has "
+            f"already produced without it; a resume at step {step} may only add phases starting at or after step "
+            f"{step}"
+        )
     before = ", ".join(f"'{p.name}' (start_step {p.start_step})" for p in recipe.phases[:used]) or "none"
-    return (f"the checkpoint's schedule before step {step} (fingerprint {str(saved)[:12]}) is not "
-            f"{recipe.describe()}'s (its phases before step {step}: {before}): a resume at step {step} may only change "
-            f"phases starting at or "
-            f"after step {step}")
+    return (
+        f"the checkpoint's schedule before step {step} (fingerprint {str(saved)[:12]}) is not "
+        f"{recipe.describe()}'s (its phases before step {step}: {before}): a resume at step {step} may only change "
+        f"phases starting at or "
+        f"after step {step}"
+    )
 
 
 def zephon_state(state: dict, *, next_step: int | None = None) -> dict[str, Any] | None:
@@ -212,8 +250,9 @@ def zephon_state(state: dict, *, next_step: int | None = None) -> dict[str, Any]
     must be an int, at or before the state's ``next_step`` when that is given."""
     blob = state.get(KEY_ZEPHON, "")
     if not isinstance(blob, str):
-        raise LoaderStateError(f"loader state key '{KEY_ZEPHON}' must be a JSON string or \"\", got "
-                               f"{type(blob).__name__}")
+        raise LoaderStateError(
+            f"loader state key '{KEY_ZEPHON}' must be a JSON string or \"\", got {type(blob).__name__}"
+        )
     if not blob:
         return None
     try:
@@ -222,15 +261,22 @@ def zephon_state(state: dict, *, next_step: int | None = None) -> dict[str, Any]
         raise LoaderStateError(f"loader state key '{KEY_ZEPHON}' is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
         raise LoaderStateError(f"loader state key '{KEY_ZEPHON}' must hold a JSON object")
-    at = check_int(f"loader state key '{KEY_ZEPHON}': the Zephon checkpoint's '{KEY_NEXT_STEP}'",
-                   value.get(KEY_NEXT_STEP), low=0, error=LoaderStateError)
+    at = check_int(
+        f"loader state key '{KEY_ZEPHON}': the Zephon checkpoint's '{KEY_NEXT_STEP}'",
+        value.get(KEY_NEXT_STEP),
+        low=0,
+        error=LoaderStateError,
+    )
     if next_step is not None and at > next_step:
-        raise LoaderStateError(f"loader state key '{KEY_ZEPHON}': the Zephon checkpoint is at step {at}, after "
-                               f"'{KEY_NEXT_STEP}' {next_step}")
+        raise LoaderStateError(
+            f"loader state key '{KEY_ZEPHON}': the Zephon checkpoint is at step {at}, after "
+            f"'{KEY_NEXT_STEP}' {next_step}"
+        )
     return value
 
 
 def replayed_steps(state: dict) -> int:
     """The ``replayed_steps`` a state carries (non-negative)."""
-    return check_int(f"loader state key '{KEY_REPLAYED_STEPS}'", state.get(KEY_REPLAYED_STEPS, 0), low=0,
-                     error=LoaderStateError)
+    return check_int(
+        f"loader state key '{KEY_REPLAYED_STEPS}'", state.get(KEY_REPLAYED_STEPS, 0), low=0, error=LoaderStateError
+    )

@@ -71,8 +71,17 @@ KEY_CHECKPOINTS = "checkpoints"
 KEY_PHASES = "phases"
 """The mixture schedule the directory was made under (``[{"name", "start_step", "weights"}]``; optional: a directory
 written before it is the recipe file's): so a run-time phase travels with the directory as with a loader state."""
-REQUIRED_KEYS = (KEY_FINGERPRINT, KEY_GEOMETRY, KEY_FIRST, KEY_END, KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_DIGESTS,
-                 KEY_SOURCE_TOKENS, KEY_CHECKPOINTS)
+REQUIRED_KEYS = (
+    KEY_FINGERPRINT,
+    KEY_GEOMETRY,
+    KEY_FIRST,
+    KEY_END,
+    KEY_SEGMENT_STEPS,
+    KEY_SEGMENTS,
+    KEY_DIGESTS,
+    KEY_SOURCE_TOKENS,
+    KEY_CHECKPOINTS,
+)
 GEOMETRY_KEYS = ("lanes", "rows", "row_length", "sources")
 SEGMENT_KEYS = ("file", "first_step", "end_step", "bytes", "sha256")
 
@@ -93,10 +102,15 @@ def checkpoint_name(step: int) -> str:
 def segment_schema(width: int) -> Any:
     import pyarrow as pa
 
-    return pa.schema([
-        ("step", pa.int64()), ("lane", pa.int32()), ("row", pa.int32()),
-        ("tokens", pa.list_(pa.int32(), width)), ("positions", pa.list_(pa.int32(), width)),
-    ])
+    return pa.schema(
+        [
+            ("step", pa.int64()),
+            ("lane", pa.int32()),
+            ("row", pa.int32()),
+            ("tokens", pa.list_(pa.int32(), width)),
+            ("positions", pa.list_(pa.int32(), width)),
+        ]
+    )
 
 
 def dataset_schema(width: int) -> Any:
@@ -106,8 +120,9 @@ def dataset_schema(width: int) -> Any:
     return segment_schema(width).append(pa.field("digest", pa.string()))
 
 
-def step_table(step: int, tokens: np.ndarray, positions: np.ndarray, lanes: np.ndarray,
-               digest: str | None = None) -> Any:
+def step_table(
+    step: int, tokens: np.ndarray, positions: np.ndarray, lanes: np.ndarray, digest: str | None = None
+) -> Any:
     """One global batch as a pyarrow table, one row per batch row, in the segment schema (plus ``digest`` when
     given: the dataset schema)."""
     import pyarrow as pa
@@ -133,11 +148,13 @@ def batch_table(batch: GlobalBatch) -> Any:
 
 # ---------------------------------------------------------------------- manifest
 def _missing(path: storage.Location, key: str) -> MaterializedError:
-    return MaterializedError(f"{path}: manifest key '{key}' missing (a damaged or foreign manifest; re-run "
-                             "`zephon-ray materialize` into a new --out)")
+    return MaterializedError(
+        f"{path}: manifest key '{key}' missing (a damaged or foreign manifest; re-run "
+        "`zephon-ray materialize` into a new --out)"
+    )
 
 
-def read_manifest(directory: "str | storage.Location") -> dict[str, Any]:
+def read_manifest(directory: str | storage.Location) -> dict[str, Any]:
     """The parsed, structurally checked manifest, or one clear :class:`MaterializedError` naming the file and,
     for a missing or malformed key, the key."""
     directory = storage.location(directory)
@@ -146,12 +163,14 @@ def read_manifest(directory: "str | storage.Location") -> dict[str, Any]:
         if not storage.exists(path):
             if not storage.is_dir(directory):
                 raise MaterializedError(f"materialised directory not found: {directory}")
-            raise MaterializedError(f"{path}: manifest missing (not a materialised directory, or no step committed "
-                                    "yet)")
+            raise MaterializedError(
+                f"{path}: manifest missing (not a materialised directory, or no step committed yet)"
+            )
     except storage.StorageError as exc:  # a missing bucket, refused credentials, an unreachable endpoint
         raise MaterializedError(str(exc)) from None
-    manifest: dict[str, Any] = storage.read_json(path, expect_format=MANIFEST_FORMAT, error=MaterializedError,
-                                                 what="manifest")
+    manifest: dict[str, Any] = storage.read_json(
+        path, expect_format=MANIFEST_FORMAT, error=MaterializedError, what="manifest"
+    )
     for key in REQUIRED_KEYS:
         if key not in manifest:
             raise _missing(path, key)
@@ -204,14 +223,15 @@ def write_manifest(directory: storage.Location, manifest: dict[str, Any]) -> Non
     storage.write_json(directory.join(MANIFEST_NAME), manifest)
 
 
-def load_checkpoint(path: "str | storage.Location", recipe: Any, step: int) -> dict[str, Any]:
+def load_checkpoint(path: str | storage.Location, recipe: Any, step: int) -> dict[str, Any]:
     """The Zephon state in ``path``: it must exist, parse, belong to ``recipe`` and sit at the boundary before
     ``step``; else one :class:`MaterializedError` naming the file."""
     from zephon_ray.lanes import KEY_NEXT_STEP, StepStateError, check_step_state
 
     path = storage.location(path)
-    state: dict[str, Any] = storage.read_json(path, error=MaterializedError, what="checkpoint",
-                                              missing_hint=f" (the manifest records it for step {step})")
+    state: dict[str, Any] = storage.read_json(
+        path, error=MaterializedError, what="checkpoint", missing_hint=f" (the manifest records it for step {step})"
+    )
     try:
         check_step_state(state, recipe)
     except (ValueError, StepStateError, KeyError, TypeError, AttributeError) as exc:
@@ -237,8 +257,9 @@ class SegmentWriter:
     """Writes steps in order into a spooled segment file; at each boundary commits the segment, its checkpoint and
     the manifest (last)."""
 
-    def __init__(self, directory: storage.Location, manifest: dict[str, Any], *, lanes: int, rows_per_lane: int,
-                 row_length: int) -> None:
+    def __init__(
+        self, directory: storage.Location, manifest: dict[str, Any], *, lanes: int, rows_per_lane: int, row_length: int
+    ) -> None:
         self.directory = directory
         self.manifest = manifest
         self.schema = segment_schema(row_length)
@@ -250,8 +271,7 @@ class SegmentWriter:
         self._digests: list[str] = []
         self._source_tokens: list[list[int]] = []
 
-    def add(self, step: int, tokens: np.ndarray, positions: np.ndarray, source_tokens: np.ndarray,
-            state: str) -> None:
+    def add(self, step: int, tokens: np.ndarray, positions: np.ndarray, source_tokens: np.ndarray, state: str) -> None:
         import pyarrow.parquet as pq
 
         if self._writer is None:
@@ -275,8 +295,9 @@ class SegmentWriter:
         ckpt_name = checkpoint_name(end)
         storage.write_atomic(self.directory.join(ckpt_name), (state + "\n").encode())  # 2. the resume point
         m = self.manifest
-        m[KEY_SEGMENTS].append({"file": name, "first_step": self._segment_first, "end_step": end,
-                                "bytes": size, "sha256": digest})
+        m[KEY_SEGMENTS].append(
+            {"file": name, "first_step": self._segment_first, "end_step": end, "bytes": size, "sha256": digest}
+        )
         m[KEY_DIGESTS].extend(self._digests)
         m[KEY_SOURCE_TOKENS].extend(self._source_tokens)
         # No hash of the checkpoint: its bytes record Zephon's read-ahead, which is not a function of the step.
@@ -317,8 +338,9 @@ class MaterializedSource:
     CLI do). ``cache_files`` bounds the open Parquet footers kept.
     """
 
-    def __init__(self, directory: "str | os.PathLike[str] | storage.Location", *, recipe: Any = None,
-                 cache_files: int = 8) -> None:
+    def __init__(
+        self, directory: str | os.PathLike[str] | storage.Location, *, recipe: Any = None, cache_files: int = 8
+    ) -> None:
         self.location = storage.location(directory)
         self.directory = self.location.uri
         self._provenance: Any = None  # a ProvenanceSource, built at the first provenance() call
@@ -330,14 +352,26 @@ class MaterializedSource:
             self.recipe = recipe_of(manifest, recipe)
             if self.recipe is None or self.recipe.fingerprint != self.fingerprint:
                 made = manifest.get(KEY_PHASES)
-                missing = "" if not isinstance(made, list) else ", ".join(
-                    f"'{p.name}' from step {p.start_step}" for p in recipe.phases
-                    if p.canonical(recipe.source_names) not in made)
+                missing = (
+                    ""
+                    if not isinstance(made, list)
+                    else ", ".join(
+                        f"'{p.name}' from step {p.start_step}"
+                        for p in recipe.phases
+                        if p.canonical(recipe.source_names) not in made
+                    )
+                )
                 raise MaterializedError(
                     f"{self._manifest_path}: materialised from recipe fingerprint {self.fingerprint[:12]}, not "
-                    f"{recipe.describe()}" + (f" (the run's schedule has phase(s) {missing}, which it was not made "
-                                              "with: materialise these steps with the run's schedule, `zephon-ray "
-                                              "materialize --schedule-from STATE`)" if missing else ""))
+                    f"{recipe.describe()}"
+                    + (
+                        f" (the run's schedule has phase(s) {missing}, which it was not made "
+                        "with: materialise these steps with the run's schedule, `zephon-ray "
+                        "materialize --schedule-from STATE`)"
+                        if missing
+                        else ""
+                    )
+                )
         geometry = manifest[KEY_GEOMETRY]
         self.rows = int(geometry["rows"])
         self.row_length = int(geometry["row_length"])
@@ -350,8 +384,13 @@ class MaterializedSource:
         self._source_tokens: list[list[int]] = list(manifest[KEY_SOURCE_TOKENS])
         self.checkpoints: dict[int, dict[str, Any]] = {int(k): v for k, v in manifest[KEY_CHECKPOINTS].items()}
         self._segments = [
-            _Segment(self.location.join(s["file"]), int(s["first_step"]), int(s["end_step"]), int(s["bytes"]),
-                     str(s["sha256"]))
+            _Segment(
+                self.location.join(s["file"]),
+                int(s["first_step"]),
+                int(s["end_step"]),
+                int(s["bytes"]),
+                str(s["sha256"]),
+            )
             for s in manifest[KEY_SEGMENTS]
         ]
         self._starts = [s.first for s in self._segments]
@@ -392,8 +431,10 @@ class MaterializedSource:
         ``end_step``), checked against ``recipe``: where producers start to continue past this directory."""
         entry = self.checkpoints.get(step)
         if entry is None:
-            raise MaterializedError(f"{self._manifest_path}: no checkpoint recorded for step {step} "
-                                    f"(recorded: {sorted(self.checkpoints)[-4:]})")
+            raise MaterializedError(
+                f"{self._manifest_path}: no checkpoint recorded for step {step} "
+                f"(recorded: {sorted(self.checkpoints)[-4:]})"
+            )
         return load_checkpoint(self.location.join(entry["file"]), recipe, step)
 
     def digest(self, step: int) -> str:
@@ -410,11 +451,13 @@ class MaterializedSource:
                 handle = pq.ParquetFile(storage.open_input_file(seg.file))
             except storage.StorageError as exc:
                 raise MaterializedError(f"segment unreadable: {exc}") from None
-            except Exception as exc:  # pyarrow raises ArrowInvalid/OSError for a damaged footer
+            except Exception as exc:  # noqa: BLE001 - pyarrow raises ArrowInvalid/OSError for a damaged footer
                 raise MaterializedError(f"{seg.file}: unreadable Parquet ({storage.describe_error(exc)})") from None
             if handle.metadata.num_row_groups != seg.end - seg.first:
-                raise MaterializedError(f"{seg.file}: {handle.metadata.num_row_groups} row groups, expected "
-                                        f"{seg.end - seg.first} (one per step)")
+                raise MaterializedError(
+                    f"{seg.file}: {handle.metadata.num_row_groups} row groups, expected "
+                    f"{seg.end - seg.first} (one per step)"
+                )
             self._files[seg.file.uri] = handle
             while len(self._files) > self._cache_files:
                 self._files.popitem(last=False)
@@ -437,7 +480,7 @@ class MaterializedSource:
             table = storage.retry(read, str(seg.file), on_retry=forget)
         except MaterializedError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - whatever pyarrow raised becomes one line naming the file
             forget(exc)
             raise MaterializedError(f"{seg.file}: cannot read step {step} ({storage.describe_error(exc)})") from None
         tokens = _matrix(table.column("tokens"), self.row_length)
@@ -452,16 +495,27 @@ class MaterializedSource:
             array.setflags(write=False)
         counts = self._source_tokens[step - self.first_step]
         return GlobalBatch(
-            step=step, tokens=tokens, positions=positions, lanes=self._lanes_column,
+            step=step,
+            tokens=tokens,
+            positions=positions,
+            lanes=self._lanes_column,
             source_tokens={name: int(n) for name, n in zip(self.source_names, counts)},
-            fingerprint=self.fingerprint, pad_token_id=self.pad_token_id, _digest=digest,
+            fingerprint=self.fingerprint,
+            pad_token_id=self.pad_token_id,
+            _digest=digest,
         )
 
     def slice(self, step: int, rank: int, world: int) -> RankSlice:
         return self.batch(step).slice(rank, world)
 
-    def provenance(self, step: int, rank: int | None = None, world: int | None = None, *,
-                   rows: tuple[np.ndarray, np.ndarray] | None = None) -> Any:
+    def provenance(
+        self,
+        step: int,
+        rank: int | None = None,
+        world: int | None = None,
+        *,
+        rows: tuple[np.ndarray, np.ndarray] | None = None,
+    ) -> Any:
         """Which document pieces every row of step ``step`` holds (all rows, or rank ``rank`` of ``world``'s): a
         :class:`zephon_ray.provenance.StepProvenance`, recomputed from the recipe (nothing of it is stored here) by a
         provenance-mode pipeline restored from this directory's nearest checkpoint at or before ``step``, and
@@ -470,8 +524,9 @@ class MaterializedSource:
         from zephon_ray.provenance import ProvenanceSource, slice_provenance
 
         if self.recipe is None:
-            raise MaterializedError(f"{self.directory}: provenance needs the recipe: open it with "
-                                    "MaterializedSource(DIR, recipe=RECIPE)")
+            raise MaterializedError(
+                f"{self.directory}: provenance needs the recipe: open it with MaterializedSource(DIR, recipe=RECIPE)"
+            )
         step = self._check_step(step)
         first = 0 if rank is None else slice_bounds(self.rows, rank, cast(int, world))[0]
         if rows is None:
@@ -516,7 +571,7 @@ class MaterializedSource:
             self._provenance = None
         self._files.clear()
 
-    def __enter__(self) -> "MaterializedSource":
+    def __enter__(self) -> MaterializedSource:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -22,8 +22,19 @@ from typing import Any
 
 from zephon_ray import storage
 from zephon_ray.pretokenized_manifest import (  # the manifest's format, shared with the recipe's checks
-    KEY_FORMAT, KEY_SOURCE_FINGERPRINT, KEY_SOURCES, KEY_SPECIAL_TOKENS, KEY_TOKENIZER, KEY_TOTALS, MANIFEST_FORMAT,
-    MANIFEST_NAME, PROGRESS_DIR, SOURCES_DIR, SPECIAL_TOKENS, TOKEN_FIELD, PretokenizedError,
+    KEY_FORMAT,
+    KEY_SOURCE_FINGERPRINT,
+    KEY_SOURCES,
+    KEY_SPECIAL_TOKENS,
+    KEY_TOKENIZER,
+    KEY_TOTALS,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    PROGRESS_DIR,
+    SOURCES_DIR,
+    SPECIAL_TOKENS,
+    TOKEN_FIELD,
+    PretokenizedError,
 )
 
 PROGRESS_KEYS = ("source", "relative", "records", "tokens", "bytes", "sha256")
@@ -44,8 +55,15 @@ def progress_location(out: storage.Location, source: str, relative: str) -> stor
 
 
 # ---------------------------------------------------------------------- write
-def build_manifest(*, tokenizer_identity: str, bos: int, eos: int, text_field: str, source_fingerprint: str,
-                   sources: list[dict[str, Any]]) -> dict[str, Any]:
+def build_manifest(
+    *,
+    tokenizer_identity: str,
+    bos: int,
+    eos: int,
+    text_field: str,
+    source_fingerprint: str,
+    sources: list[dict[str, Any]],
+) -> dict[str, Any]:
     """The manifest document. ``sources``: ``[{"name", "raw_path", "raw_format", "shards": [entry, ...]}]`` with
     each shard entry holding :data:`zephon_ray.pretokenized_manifest.SHARD_KEYS`."""
     totals = {"records": 0, "tokens": 0, "bytes": 0}
@@ -54,9 +72,15 @@ def build_manifest(*, tokenizer_identity: str, bos: int, eos: int, text_field: s
         for shard in source["shards"]:
             for key in totals:
                 totals[key] += int(shard[key])
-        out_sources.append({"name": source["name"], "raw_path": str(source["raw_path"]),
-                            "raw_format": source["raw_format"], "path": f"{SOURCES_DIR}/{source['name']}",
-                            "shards": source["shards"]})
+        out_sources.append(
+            {
+                "name": source["name"],
+                "raw_path": str(source["raw_path"]),
+                "raw_format": source["raw_format"],
+                "path": f"{SOURCES_DIR}/{source['name']}",
+                "shards": source["shards"],
+            }
+        )
     return {
         KEY_FORMAT: MANIFEST_FORMAT,
         KEY_TOKENIZER: tokenizer_identity,
@@ -87,5 +111,3 @@ def read_progress(location: storage.Location) -> dict[str, Any] | None:
     if not isinstance(entry, dict) or any(k not in entry for k in PROGRESS_KEYS):
         return None
     return entry
-
-

@@ -85,7 +85,7 @@ def checkpoint_name(step: int) -> str:
     return f"step-{step:012d}.json"
 
 
-def read_service_file(state_dir: "str | os.PathLike[str] | storage.Location") -> dict[str, Any] | None:
+def read_service_file(state_dir: str | os.PathLike[str] | storage.Location) -> dict[str, Any] | None:
     """``service.json`` checked for format (None when the state_dir has none yet)."""
     path = storage.location(state_dir).join(SERVICE_FILE)
     if not storage.exists(path):
@@ -94,7 +94,7 @@ def read_service_file(state_dir: "str | os.PathLike[str] | storage.Location") ->
     return meta
 
 
-def check_state_dir(recipe: Any, state_dir: "str | os.PathLike[str] | storage.Location") -> Any:
+def check_state_dir(recipe: Any, state_dir: str | os.PathLike[str] | storage.Location) -> Any:
     """The recipe to run on ``state_dir``: ``recipe`` itself, or ``recipe`` with the phases a running service
     accepted there (``add_phase``: recorded in ``service.json``, so a restart with the recipe file it started from,
     or with that file updated, resumes under the same schedule). Raise :class:`FingerprintMismatchError` if
@@ -115,7 +115,8 @@ def check_state_dir(recipe: Any, state_dir: "str | os.PathLike[str] | storage.Lo
         return updated
     raise FingerprintMismatchError(
         f"state_dir {state_dir} belongs to recipe fingerprint {str(meta.get(KEY_FINGERPRINT))[:12]}, not "
-        f"{recipe.describe()}; start with the original recipe or use a new state_dir")
+        f"{recipe.describe()}; start with the original recipe or use a new state_dir"
+    )
 
 
 def with_added_phases(recipe: Any, added: Any) -> Any:
@@ -129,7 +130,7 @@ def with_added_phases(recipe: Any, added: Any) -> Any:
         return None
 
 
-def checkpoint_index(state_dir: "str | os.PathLike[str] | storage.Location") -> dict[int, str]:
+def checkpoint_index(state_dir: str | os.PathLike[str] | storage.Location) -> dict[int, str]:
     """``{step: file name}`` of the checkpoints under ``state_dir`` (one listing)."""
     out = {}
     for name in storage.listing(storage.location(state_dir).join(CHECKPOINT_DIR)):
@@ -145,14 +146,15 @@ def _check_entry(path: storage.Location, where: str, entry: Any) -> dict[str, An
     step, consumer, when = entry.get(KEY_STEP), entry.get(KEY_CONSUMER), entry.get(KEY_TIME, 0.0)
     check_int(f"{path}: {where} is malformed: '{KEY_STEP}'", step, low=0, error=ServiceStateError)
     if not isinstance(consumer, str) or not consumer:
-        raise ServiceStateError(f"{path}: {where} is malformed ('{KEY_CONSUMER}' must be a non-empty string, got "
-                                f"{consumer!r})")
+        raise ServiceStateError(
+            f"{path}: {where} is malformed ('{KEY_CONSUMER}' must be a non-empty string, got {consumer!r})"
+        )
     if isinstance(when, bool) or not isinstance(when, (int, float)) or not math.isfinite(when):
         raise ServiceStateError(f"{path}: {where} is malformed ('{KEY_TIME}' must be a number, got {when!r})")
     return {KEY_STEP: step, KEY_CONSUMER: consumer, KEY_TIME: float(when)}
 
 
-def read_commits(state_dir: "str | os.PathLike[str] | storage.Location") -> dict[str, Any]:
+def read_commits(state_dir: str | os.PathLike[str] | storage.Location) -> dict[str, Any]:
     """``{"commits": [history, newest last], "latest": {consumer: entry}}``, every entry checked; an absent file is
     no commits. A malformed file or entry is one :class:`ServiceStateError` naming the file and the entry."""
     path = storage.location(state_dir).join(COMMITS_FILE)
@@ -192,8 +194,9 @@ class ServiceState:
     """Durable state of one service. Open it with :meth:`open`. ``root`` is a :class:`zephon_ray.storage.Location`
     (``str(root)`` is the path or URI)."""
 
-    def __init__(self, root: "storage.Location", recipe: Any, *, keep_checkpoints: int = 4,
-                 anchor_every: int = 0) -> None:
+    def __init__(
+        self, root: storage.Location, recipe: Any, *, keep_checkpoints: int = 4, anchor_every: int = 0
+    ) -> None:
         self.root = storage.location(root)
         self.recipe = recipe
         self.keep_checkpoints = keep_checkpoints
@@ -205,8 +208,14 @@ class ServiceState:
         self._lock = threading.RLock()  # the index; never held across I/O except the first listing
 
     @classmethod
-    def open(cls, recipe: Any, state_dir: "str | os.PathLike[str] | storage.Location", *, keep_checkpoints: int = 4,
-             anchor_every: int = 0) -> "ServiceState":
+    def open(
+        cls,
+        recipe: Any,
+        state_dir: str | os.PathLike[str] | storage.Location,
+        *,
+        keep_checkpoints: int = 4,
+        anchor_every: int = 0,
+    ) -> ServiceState:
         """Check the fingerprint first; create the directory and ``service.json`` only when it matches.
         ``anchor_every=0`` keeps every checkpoint (no pruning)."""
         root = storage.location(state_dir)
@@ -239,8 +248,9 @@ class ServiceState:
         meta = read_service_file(self.root) or {}
         added = list(meta.get(KEY_ADDED_PHASES) or [])
         added.append(phase.canonical(recipe.source_names))
-        storage.write_json(meta_path, {**service_meta(recipe, added), KEY_TIME: meta.get(KEY_TIME, time.time())},
-                         compact=True)
+        storage.write_json(
+            meta_path, {**service_meta(recipe, added), KEY_TIME: meta.get(KEY_TIME, time.time())}, compact=True
+        )
         self.recipe = recipe
         return doomed
 
@@ -292,7 +302,7 @@ class ServiceState:
         if not self.anchor_every:
             return []
         steps = self.checkpoint_steps()
-        recent = set(steps[-self.keep_checkpoints:])
+        recent = set(steps[-self.keep_checkpoints :])
         doomed = [s for s in steps if s not in recent and s % self.anchor_every and s not in self.pinned]
         if doomed:  # out of the index first: no reader picks a checkpoint being deleted
             paths = [self.checkpoint_path(step) for step in doomed]
@@ -341,8 +351,11 @@ class ServiceState:
         latest[str(consumer)] = entry
         if len(latest) > MAX_CONSUMERS:
             latest = dict(sorted(latest.items(), key=lambda kv: kv[1][KEY_TIME])[-MAX_CONSUMERS:])
-        storage.write_json(self.root.join(COMMITS_FILE), {KEY_FORMAT: STATE_FORMAT, KEY_COMMITS: history,
-                                                        KEY_LATEST: latest}, compact=True)
+        storage.write_json(
+            self.root.join(COMMITS_FILE),
+            {KEY_FORMAT: STATE_FORMAT, KEY_COMMITS: history, KEY_LATEST: latest},
+            compact=True,
+        )
         self._commits = {KEY_COMMITS: history, KEY_LATEST: latest}
         return entry
 
@@ -351,8 +364,9 @@ class ServiceState:
         return int(commits[-1][KEY_STEP]) if commits else None
 
 
-def read_nearest_checkpoint(state_dir: "str | os.PathLike[str] | storage.Location", recipe: Any,
-                            step: int) -> tuple[int, dict[str, Any]] | None:
+def read_nearest_checkpoint(
+    state_dir: str | os.PathLike[str] | storage.Location, recipe: Any, step: int
+) -> tuple[int, dict[str, Any]] | None:
     """``(checkpoint step, state)`` of the newest durable checkpoint at or before ``step`` under ``state_dir``, read
     beside the running service without writing anything (one listing, one read); None when there is none. A
     checkpoint the service pruned between the listing and the read is looked up once more."""
@@ -369,7 +383,7 @@ def read_nearest_checkpoint(state_dir: "str | os.PathLike[str] | storage.Locatio
     return None
 
 
-def inspect(state_dir: "str | os.PathLike[str]") -> dict[str, Any]:
+def inspect(state_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """What a service left under ``state_dir`` (a path or URI): format, fingerprint, lanes, checkpoints, commits.
     Reads the files only (no Ray, no recipe). A missing or damaged file is one :class:`ServiceStateError` (or
     ``FileNotFoundError`` for a directory that is not a state_dir) naming it."""
@@ -388,13 +402,19 @@ def inspect(state_dir: "str | os.PathLike[str]") -> dict[str, Any]:
         "fingerprint": meta.get(KEY_FINGERPRINT),
         "lanes": meta.get(KEY_LANES),
         "created": meta.get(KEY_TIME),
-        "recipe": {k: recipe.get(k) for k in ("seed", "lanes", "microbatches_per_lane", "rows_per_microbatch",
-                                              "seq_len", "packing") if k in recipe},
+        "recipe": {
+            k: recipe.get(k)
+            for k in ("seed", "lanes", "microbatches_per_lane", "rows_per_microbatch", "seq_len", "packing")
+            if k in recipe
+        },
         "sources": [s.get("name") for s in sources if isinstance(s, dict)],
         "schedule": _schedule(recipe, meta),
         "checkpoints": {"count": len(steps), "latest": steps[-1] if steps else None, "steps": steps},
-        "commits": {"count": len(history), "latest_step": history[-1][KEY_STEP] if history else None,
-                    "by_consumer": {c: e[KEY_STEP] for c, e in latest.items()}},
+        "commits": {
+            "count": len(history),
+            "latest_step": history[-1][KEY_STEP] if history else None,
+            "by_consumer": {c: e[KEY_STEP] for c, e in latest.items()},
+        },
     }
 
 
@@ -402,14 +422,26 @@ def _schedule(recipe: dict[str, Any], meta: dict[str, Any]) -> list[dict[str, An
     """The mixture schedule a state_dir records: the sources' weights from step 0, then each phase (``added``: a
     running service accepted it with ``add_phase``)."""
     sources = [s for s in recipe.get("sources") or [] if isinstance(s, dict)]
-    out = [{"name": "sources", "start_step": 0, "weights": {s.get("name"): s.get("weight") for s in sources},
-            "added": False}]
+    out = [
+        {
+            "name": "sources",
+            "start_step": 0,
+            "weights": {s.get("name"): s.get("weight") for s in sources},
+            "added": False,
+        }
+    ]
     added = {(p.get("name"), p.get("start_step")) for p in meta.get(KEY_ADDED_PHASES) or [] if isinstance(p, dict)}
     order = [s.get("name") for s in sources]
     for p in meta.get(KEY_PHASES) or []:
         if isinstance(p, dict):
             weights: dict[str, Any] = p["weights"] if isinstance(p.get("weights"), dict) else {}
             weights = {n: weights[n] for n in order if n in weights} | weights  # recipe order (the file sorts keys)
-            out.append({"name": p.get("name"), "start_step": p.get("start_step"), "weights": weights,
-                        "added": (p.get("name"), p.get("start_step")) in added})
+            out.append(
+                {
+                    "name": p.get("name"),
+                    "start_step": p.get("start_step"),
+                    "weights": weights,
+                    "added": (p.get("name"), p.get("start_step")) in added,
+                }
+            )
     return out

@@ -93,8 +93,10 @@ class ZephonDataset:
         self.service_namespace: str | None
         if isinstance(source, DataService):
             if source.recipe.path is None:
-                raise ValueError(f"ZephonDataset: service {source.name!r} runs a recipe with no file path; the "
-                                 "workers' loader reads the recipe from a file")
+                raise ValueError(
+                    f"ZephonDataset: service {source.name!r} runs a recipe with no file path; the "
+                    "workers' loader reads the recipe from a file"
+                )
             self.mode = "service"
             self.recipe_path = _recipe_location(source.recipe.path)
             self.service_name, self.service_namespace = source.name, source.namespace
@@ -105,11 +107,15 @@ class ZephonDataset:
         else:
             raise TypeError(f"ZephonDataset: expected a recipe path or a DataService, got {type(source).__name__}")
         if self.mode == "service" and (aggregate_store or aggregate_dir):
-            raise ValueError("ZephonDataset: aggregate_store/aggregate_dir apply to a recipe (local mode); the "
-                             f"service {self.service_name!r} aggregates its own checkpoints")
+            raise ValueError(
+                "ZephonDataset: aggregate_store/aggregate_dir apply to a recipe (local mode); the "
+                f"service {self.service_name!r} aggregates its own checkpoints"
+            )
         if aggregate_store and aggregate_dir:
-            raise ValueError(f"ZephonDataset: set at most one of aggregate_store ({aggregate_store!r}) and "
-                             f"aggregate_dir ({aggregate_dir!r})")
+            raise ValueError(
+                f"ZephonDataset: set at most one of aggregate_store ({aggregate_store!r}) and "
+                f"aggregate_dir ({aggregate_dir!r})"
+            )
         self.recipe = Recipe.from_toml(self.recipe_path)
         _ = self.recipe.fingerprint  # fail here, in the driver, on unreadable data
         if self.mode == "local" and not aggregate_dir:
@@ -122,12 +128,20 @@ class ZephonDataset:
         B, L = self.recipe.global_batch_rows, self.recipe.lanes
         where = f"dataset {name!r} ({self.recipe.describe()}, {self.mode} mode)"
         if self.mode == "local" and world >= 1 and L % world:
-            raise ValueError(f"{where}: local mode needs the worker count to divide the recipe's {L} lanes, got "
-                             f"{world} workers (each runs Zephon for whole lanes); read from a DataService (any W up "
-                             f"to B={B}) or use a W dividing {L}")
+            raise ValueError(
+                f"{where}: local mode needs the worker count to divide the recipe's {L} lanes, got "
+                f"{world} workers (each runs Zephon for whole lanes); read from a DataService (any W up "
+                f"to B={B}) or use a W dividing {L}"
+            )
         try:
-            return check_geometry(self.recipe, global_batch_size=None, local_batch_size=local_batch_size,
-                                  dp_world_size=world, seq_len=None, pad=pad)
+            return check_geometry(
+                self.recipe,
+                global_batch_size=None,
+                local_batch_size=local_batch_size,
+                dp_world_size=world,
+                seq_len=None,
+                pad=pad,
+            )
         except ValueError as exc:
             raise ValueError(f"{where}: {exc}") from None
 
@@ -139,19 +153,27 @@ class ZephonDataset:
 class ZephonDataConfig(DataConfig):
     """A Ray Train ``DataConfig`` handing each worker its :class:`ZephonDatasetShard` of a :class:`ZephonDataset`.
 
-    ``run_id`` names the run: it is checked on resume and is the service consumer (one cursor for the whole
-    job). ``local_batch_size`` is rows per microbatch (0: one microbatch per step, the rank's rows); ``pad_slices`` pads
-    every rank's rows to the same count (rows whose labels are all ignored) when W does not divide B; ``prefetch`` steps
-    are read ahead in a background thread; ``checkpoint_every`` (local mode) is how often Zephon checkpoints are
-    taken: align it with the loop's checkpoint interval. ``ledger_dir`` (a path or URI every worker reaches, one per
-run) receives every rank's ledger segment at each save (``zephon-ray audit``, :mod:`zephon_ray.formats.ledger`).
-Remaining keyword arguments go to Ray's ``DataConfig``
-    and apply to plain Ray Data datasets of the same trainer. Validated here, when built.
+        ``run_id`` names the run: it is checked on resume and is the service consumer (one cursor for the whole
+        job). ``local_batch_size`` is rows per microbatch (0: one microbatch per step, the rank's rows); ``pad_slices`` pads
+        every rank's rows to the same count (rows whose labels are all ignored) when W does not divide B; ``prefetch`` steps
+        are read ahead in a background thread; ``checkpoint_every`` (local mode) is how often Zephon checkpoints are
+        taken: align it with the loop's checkpoint interval. ``ledger_dir`` (a path or URI every worker reaches, one per
+    run) receives every rank's ledger segment at each save (``zephon-ray audit``, :mod:`zephon_ray.formats.ledger`).
+    Remaining keyword arguments go to Ray's ``DataConfig``
+        and apply to plain Ray Data datasets of the same trainer. Validated here, when built.
     """
 
-    def __init__(self, *, run_id: str = "ray-train", local_batch_size: int = 0, prefetch: int = 2,
-                 checkpoint_every: int = 0, pad_slices: bool = False, ledger_dir: str | None = None,
-                 **data_config: Any) -> None:
+    def __init__(
+        self,
+        *,
+        run_id: str = "ray-train",
+        local_batch_size: int = 0,
+        prefetch: int = 2,
+        checkpoint_every: int = 0,
+        pad_slices: bool = False,
+        ledger_dir: str | None = None,
+        **data_config: Any,
+    ) -> None:
         super().__init__(**data_config)
         if not isinstance(run_id, str) or not run_id:
             raise ValueError(f"ZephonDataConfig: 'run_id' must be a non-empty string, got {run_id!r}")
@@ -160,14 +182,23 @@ Remaining keyword arguments go to Ray's ``DataConfig``
         if ledger_dir is not None and (not isinstance(ledger_dir, str) or not ledger_dir):
             raise ValueError(f"ZephonDataConfig: 'ledger_dir' must be a non-empty path or URI, got {ledger_dir!r}")
         self.pad_slices, self.ledger_dir = pad_slices, ledger_dir
-        for key, value, low in (("local_batch_size", local_batch_size, 0), ("prefetch", prefetch, 1),
-                                ("checkpoint_every", checkpoint_every, 0)):
+        for key, value, low in (
+            ("local_batch_size", local_batch_size, 0),
+            ("prefetch", prefetch, 1),
+            ("checkpoint_every", checkpoint_every, 0),
+        ):
             check_int(f"ZephonDataConfig: '{key}'", value, low=low, high=1_000_000)
         self.run_id, self.local_batch_size = run_id, local_batch_size
         self.prefetch, self.checkpoint_every = prefetch, checkpoint_every
 
-    def configure(self, datasets: dict[str, Any], world_size: int, worker_handles: Any = None,
-                  worker_node_ids: Any = None, **kwargs: Any) -> list[dict[str, Any]]:
+    def configure(
+        self,
+        datasets: dict[str, Any],
+        world_size: int,
+        worker_handles: Any = None,
+        worker_node_ids: Any = None,
+        **kwargs: Any,
+    ) -> list[dict[str, Any]]:
         """Ray Train calls this at every worker-group start, with the new group's ``world_size``."""
         zephon = {k: v for k, v in datasets.items() if isinstance(v, ZephonDataset)}
         others = {k: v for k, v in datasets.items() if k not in zephon}
@@ -180,7 +211,9 @@ Remaining keyword arguments go to Ray's ``DataConfig``
                 output[rank][name] = self.shard(dataset, rank=rank, world=world_size, name=name)
         return output
 
-    def shard(self, dataset: ZephonDataset, *, rank: int = 0, world: int = 1, name: str = "train") -> "ZephonDatasetShard":
+    def shard(
+        self, dataset: ZephonDataset, *, rank: int = 0, world: int = 1, name: str = "train"
+    ) -> ZephonDatasetShard:
         """The shard :meth:`configure` hands rank ``rank`` of ``world``, built directly. For a loop that cannot use
         ``ray.train.get_dataset_shard``: under Ray Train's torchft mode (Ray 2.60's ``TorchftConfig``) a replaced
         replica group's worker gets a new dataset manager sized to its group, and its ``get_dataset_shard`` waits
@@ -189,10 +222,19 @@ Remaining keyword arguments go to Ray's ``DataConfig``
         if not isinstance(dataset, ZephonDataset):
             raise TypeError(f"ZephonDataConfig.shard: expected a ZephonDataset, got {type(dataset).__name__}")
         return ZephonDatasetShard(
-            dataset, _ShardSettings(run_id=self.run_id, local_batch_size=self.local_batch_size, prefetch=self.prefetch,
-                                    checkpoint_every=self.checkpoint_every, pad_slices=self.pad_slices,
-                                    ledger_dir=self.ledger_dir),
-            rank=rank, world=world, name=name)
+            dataset,
+            _ShardSettings(
+                run_id=self.run_id,
+                local_batch_size=self.local_batch_size,
+                prefetch=self.prefetch,
+                checkpoint_every=self.checkpoint_every,
+                pad_slices=self.pad_slices,
+                ledger_dir=self.ledger_dir,
+            ),
+            rank=rank,
+            world=world,
+            name=name,
+        )
 
 
 @dataclass(frozen=True)
@@ -219,8 +261,7 @@ class ZephonDatasetShard:
     returns. Built by :class:`ZephonDataConfig` in Ray Train's dataset manager and shipped to the worker; the
     loader (the core :class:`~zephon_ray.stream.loader.Loader`) is created in the worker at first use."""
 
-    def __init__(self, dataset: ZephonDataset, settings: _ShardSettings, *, rank: int, world: int,
-                 name: str) -> None:
+    def __init__(self, dataset: ZephonDataset, settings: _ShardSettings, *, rank: int, world: int, name: str) -> None:
         self.dataset, self.settings = dataset, settings
         self.rank, self.world, self.name = rank, world, name
         self._loader: Loader | None = None
@@ -233,17 +274,32 @@ class ZephonDatasetShard:
     def loader(self) -> Loader:
         """The loader core of this rank (created at first use, in the worker)."""
         if self._loader is None:
-            self._loader = Loader(self._config(), rank=self.rank, world=self.world,
-                                  local_batch_size=self.settings.local_batch_size, recipe=self.dataset.recipe)
+            self._loader = Loader(
+                self._config(),
+                rank=self.rank,
+                world=self.world,
+                local_batch_size=self.settings.local_batch_size,
+                recipe=self.dataset.recipe,
+            )
         return self._loader
 
     def _config(self) -> LoaderConfig:
         d, s = self.dataset, self.settings
-        extra: dict[str, Any] = {"service_name": d.service_name, "service_namespace": d.service_namespace} \
-            if d.mode == "service" else {}
-        return LoaderConfig(recipe=d.recipe_path, mode=d.mode, run_id=s.run_id, aggregate_store=d.aggregate_store,
-                            aggregate_dir=d.aggregate_dir, prefetch=s.prefetch, checkpoint_every=s.checkpoint_every,
-                            pad_slices=s.pad_slices, ledger_dir=s.ledger_dir, **extra)
+        extra: dict[str, Any] = (
+            {"service_name": d.service_name, "service_namespace": d.service_namespace} if d.mode == "service" else {}
+        )
+        return LoaderConfig(
+            recipe=d.recipe_path,
+            mode=d.mode,
+            run_id=s.run_id,
+            aggregate_store=d.aggregate_store,
+            aggregate_dir=d.aggregate_dir,
+            prefetch=s.prefetch,
+            checkpoint_every=s.checkpoint_every,
+            pad_slices=s.pad_slices,
+            ledger_dir=s.ledger_dir,
+            **extra,
+        )
 
     def ft(self, manager: Any, *, dp: int = 1, dp_rank: int = 0) -> Any:
         """Ray Train's torchft mode (``ray.train.v2.torch.torchft_config.TorchftConfig``, Ray 2.60): this worker's
@@ -257,10 +313,18 @@ class ZephonDatasetShard:
         from zephon_ray.stream.ft import FtSlices
 
         if self.dataset.mode != "service":
-            raise ValueError(f"{self._where()}: torchft needs a DataService (service mode); a recipe runs Zephon in "
-                             "the workers, whose lanes cannot follow a quorum (zephon_ray.stream.ft)")
-        return FtSlices(self._config(), manager=manager, dp=dp, dp_rank=dp_rank,
-                        local_batch_size=self.settings.local_batch_size, recipe=self.dataset.recipe)
+            raise ValueError(
+                f"{self._where()}: torchft needs a DataService (service mode); a recipe runs Zephon in "
+                "the workers, whose lanes cannot follow a quorum (zephon_ray.stream.ft)"
+            )
+        return FtSlices(
+            self._config(),
+            manager=manager,
+            dp=dp,
+            dp_rank=dp_rank,
+            local_batch_size=self.settings.local_batch_size,
+            recipe=self.dataset.recipe,
+        )
 
     @property
     def recipe(self) -> Recipe:
@@ -275,8 +339,9 @@ class ZephonDatasetShard:
     def microbatches_per_step(self) -> int:
         """This rank's microbatches per step (ranks of a W that does not divide B differ unless padded)."""
         s = self.settings
-        return self.dataset.check_world(self.world, s.local_batch_size, name=self.name,
-                                        pad=s.pad_slices).microbatches(self.rank)
+        return self.dataset.check_world(self.world, s.local_batch_size, name=self.name, pad=s.pad_slices).microbatches(
+            self.rank
+        )
 
     # ------------------------------------------------------------------ iteration
     def iter_steps(self, until: int | None = None, *, device: Any = None) -> Iterator[StepBatch]:
@@ -287,8 +352,11 @@ class ZephonDatasetShard:
         if until is not None and loader.next_step >= until:
             return
         for batch in loader:
-            yield batch if device is None else StepBatch(batch.step, batch.slice,
-                                                         [_to(mb, device) for mb in batch.microbatches])
+            yield (
+                batch
+                if device is None
+                else StepBatch(batch.step, batch.slice, [_to(mb, device) for mb in batch.microbatches])
+            )
             if until is not None and loader.next_step >= until:
                 return
 
@@ -332,8 +400,10 @@ class ZephonDatasetShard:
             with checkpoint.as_directory() as d:
                 path = Path(d, STATE_FILE)
                 if not path.is_file():
-                    raise FileNotFoundError(f"{self._where()}: checkpoint {checkpoint.path} holds no {STATE_FILE} "
-                                            "(was it written with ZephonDatasetShard.save?)")
+                    raise FileNotFoundError(
+                        f"{self._where()}: checkpoint {checkpoint.path} holds no {STATE_FILE} "
+                        "(was it written with ZephonDatasetShard.save?)"
+                    )
                 self.load_state_dict(storage.read_json(path, what="loader state"), trainer_step=trainer_step)
         return self.next_step
 

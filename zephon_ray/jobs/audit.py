@@ -64,9 +64,12 @@ Reference = Callable[[int], tuple[np.ndarray, np.ndarray]]
 def skip_notes(recipe, next_step: int) -> list[str]:
     """One note per deliberate skip (``[[skips]]``, or one a loader state records) of the steps ``[0, next_step)``:
     training steps count on, the data jumps, and the skipped data steps are declared, not found."""
-    return [f"step {skip.start_step}: data steps {first}..{end - 1} skipped by schedule entry '{skip.name}' "
-            f"(training step {skip.start_step} on reads data step {recipe.data_step(skip.start_step)} on)"
-            for skip, first, end in recipe.skipped_data() if skip.start_step < next_step]
+    return [
+        f"step {skip.start_step}: data steps {first}..{end - 1} skipped by schedule entry '{skip.name}' "
+        f"(training step {skip.start_step} on reads data step {recipe.data_step(skip.start_step)} on)"
+        for skip, first, end in recipe.skipped_data()
+        if skip.start_step < next_step
+    ]
 
 
 @dataclass(frozen=True)
@@ -98,11 +101,16 @@ class AuditReport:
 
     def verdict(self) -> str:
         worlds = " -> ".join(str(w) for w in _dedupe([s.world for s in self.lineage])) or "-"
-        checked = f"; {self.digests_checked} slice digests matched the recipe's global batches" \
-            if self.digests_checked else "; rows not checked (no --recipe or --dataset)"
+        checked = (
+            f"; {self.digests_checked} slice digests matched the recipe's global batches"
+            if self.digests_checked
+            else "; rows not checked (no --recipe or --dataset)"
+        )
         if self.clean:
-            return (f"audit: clean: steps [0, {self.next_step}) each trained exactly once in a lineage of "
-                    f"{len(self.lineage)} segment(s) (W {worlds}){checked}")
+            return (
+                f"audit: clean: steps [0, {self.next_step}) each trained exactly once in a lineage of "
+                f"{len(self.lineage)} segment(s) (W {worlds}){checked}"
+            )
         return f"audit: {len(self.findings)} finding(s) in steps [0, {self.next_step}) (W {worlds})"
 
 
@@ -170,8 +178,12 @@ class _Checks:
             self.ranks.setdefault(code, []).append(ranks.astype(np.int32))
         counts = np.diff(parts.offsets)  # materialised records; a dense part has none and is exact by its encoding
         pos = np.arange(int(parts.offsets[-1]), dtype=np.int64) - np.repeat(parts.offsets[:-1], counts)
-        wrong = ((parts.steps != np.repeat(first, counts) + pos) | (parts.trained != 1)
-                 | (parts.worlds != np.repeat(world, counts)) | (parts.ranks != np.repeat(parts.rank, counts)))
+        wrong = (
+            (parts.steps != np.repeat(first, counts) + pos)
+            | (parts.trained != 1)
+            | (parts.worlds != np.repeat(world, counts))
+            | (parts.ranks != np.repeat(parts.rank, counts))
+        )
         bad = counts != end - first
         if parts.dense is not None:
             bad &= parts.dense == 0
@@ -197,12 +209,19 @@ class _Checks:
         attempts: dict[int, int] = {}
         for rec in records:
             if rec.step not in seg.steps:
-                note(rec.step, "split", f"rank {rank} of {W} recorded it in segment {seg.id}, which holds steps "
-                                        f"{seg.first_step}..{seg.next_step - 1}")
+                note(
+                    rec.step,
+                    "split",
+                    f"rank {rank} of {W} recorded it in segment {seg.id}, which holds steps "
+                    f"{seg.first_step}..{seg.next_step - 1}",
+                )
                 continue
             if rec.world != W or rec.rank != rank:
-                note(rec.step, "split", f"the part of rank {rank} of {W} holds a record of rank {rec.rank} of "
-                                        f"{rec.world}")
+                note(
+                    rec.step,
+                    "split",
+                    f"the part of rank {rank} of {W} holds a record of rank {rec.rank} of {rec.world}",
+                )
             by_step[rec.step] = by_step.get(rec.step, 0) + rec.trained
             attempts[rec.step] = max(attempts.get(rec.step, 0), rec.attempt)
         for step in seg.steps:
@@ -212,26 +231,53 @@ class _Checks:
             elif trained == 0:
                 note(step, "skipped", f"rank {rank} of {W} was handed it but never trained it")
             elif trained > 1:
-                served_again = f" (its record is attempt {attempts[step]}: an earlier attempt that torchft " \
-                    "rejected was applied too)" if attempts[step] else ""
+                served_again = (
+                    f" (its record is attempt {attempts[step]}: an earlier attempt that torchft "
+                    "rejected was applied too)"
+                    if attempts[step]
+                    else ""
+                )
                 note(step, "trained twice", f"rank {rank} of {W} trained it {trained} times{served_again}")
 
     def findings(self, seg: Segment) -> list[Finding]:
         code = self.table.codes[seg.id]
         present, copies = np.unique(np.concatenate(self.ranks.get(code, [np.zeros(0, np.int32)])), return_counts=True)
-        out = [Finding(seg.first_step, seg.next_step - 1, "split",
-                       f"rank {rank} of {seg.world} wrote no part of segment {seg.id}: its records are lost")
-               for rank in sorted(set(range(seg.world)) - set(present.tolist()))] if len(present) < seg.world else []
-        out += [Finding(seg.first_step, seg.next_step - 1, "trained twice",
-                        f"rank {rank} of {seg.world} has {n} parts of segment {seg.id} (two packs hold it)")
-                for rank, n in zip(present[copies > 1].tolist(), copies[copies > 1].tolist())]
+        out = (
+            [
+                Finding(
+                    seg.first_step,
+                    seg.next_step - 1,
+                    "split",
+                    f"rank {rank} of {seg.world} wrote no part of segment {seg.id}: its records are lost",
+                )
+                for rank in sorted(set(range(seg.world)) - set(present.tolist()))
+            ]
+            if len(present) < seg.world
+            else []
+        )
+        out += [
+            Finding(
+                seg.first_step,
+                seg.next_step - 1,
+                "trained twice",
+                f"rank {rank} of {seg.world} has {n} parts of segment {seg.id} (two packs hold it)",
+            )
+            for rank, n in zip(present[copies > 1].tolist(), copies[copies > 1].tolist())
+        ]
         for (step, kind), whats in sorted(self.problems.get(code, {}).items()):
             out.append(Finding(step, step, kind, "; ".join(w for _, w in sorted(whats, key=lambda rw: rw[0]))))
         return out
 
 
-def audit(ledger_dir: "str | storage.Location", head: str | None = None, *, fingerprint: str | None = None,
-          run_id: str | None = None, reference: Reference | None = None, rows: int | None = None) -> AuditReport:
+def audit(
+    ledger_dir: str | storage.Location,
+    head: str | None = None,
+    *,
+    fingerprint: str | None = None,
+    run_id: str | None = None,
+    reference: Reference | None = None,
+    rows: int | None = None,
+) -> AuditReport:
     """Audit the lineage ending at ``head`` (default: the ledger's newest head; see the module docstring).
     ``fingerprint``/``run_id``: what the lineage must have been written under (default: the head's). ``reference``
     and ``rows`` (B): check every slice's digest against the recipe's global batch."""
@@ -249,9 +295,14 @@ def audit(ledger_dir: "str | storage.Location", head: str | None = None, *, fing
     findings: list[Finding] = []
     if chain[-1] != "":
         missing = segments[chain[-1]].parent
-        findings.append(Finding(0, lineage[0].first_step - 1, "lineage",
-                                f"segment {missing} (parent of {chain[-1]}) is missing from the ledger: these steps "
-                                "cannot be checked"))
+        findings.append(
+            Finding(
+                0,
+                lineage[0].first_step - 1,
+                "lineage",
+                f"segment {missing} (parent of {chain[-1]}) is missing from the ledger: these steps cannot be checked",
+            )
+        )
     top = segments[head]
     fingerprint = fingerprint or top.fingerprint
     run_id = top.run_id if run_id is None else run_id
@@ -263,32 +314,66 @@ def audit(ledger_dir: "str | storage.Location", head: str | None = None, *, fing
             continuing.setdefault(other.parent, []).append(other)
     expected = 0 if not findings else lineage[0].first_step
     for seg in lineage:
-        rivals = [o for o in continuing.get(seg.parent, []) if o.id != seg.id and o.run_id == seg.run_id] \
-            if not seg.resumed else []
+        rivals = (
+            [o for o in continuing.get(seg.parent, []) if o.id != seg.id and o.run_id == seg.run_id]
+            if not seg.resumed
+            else []
+        )
         if rivals:
             since = f"segment {seg.parent}" if seg.parent else "step 0"
-            findings.append(Finding(seg.first_step, seg.next_step - 1, "other run",
-                                    f"segments {seg.id} and {rivals[0].id} both continue {since} without a resume: "
-                                    f"two runs write under run_id {seg.run_id!r}"))
+            findings.append(
+                Finding(
+                    seg.first_step,
+                    seg.next_step - 1,
+                    "other run",
+                    f"segments {seg.id} and {rivals[0].id} both continue {since} without a resume: "
+                    f"two runs write under run_id {seg.run_id!r}",
+                )
+            )
         if seg.first_step > expected:
-            findings.append(Finding(expected, seg.first_step - 1, "skipped",
-                                    f"in no segment of the lineage (segment {seg.id} starts at {seg.first_step})"))
+            findings.append(
+                Finding(
+                    expected,
+                    seg.first_step - 1,
+                    "skipped",
+                    f"in no segment of the lineage (segment {seg.id} starts at {seg.first_step})",
+                )
+            )
         elif seg.first_step < expected:
-            findings.append(Finding(seg.first_step, expected - 1, "trained twice",
-                                    f"segment {seg.id} repeats steps its parent already holds"))
+            findings.append(
+                Finding(
+                    seg.first_step,
+                    expected - 1,
+                    "trained twice",
+                    f"segment {seg.id} repeats steps its parent already holds",
+                )
+            )
         expected = seg.next_step
         if seg.fingerprint != fingerprint:
-            findings.append(Finding(seg.first_step, seg.next_step - 1, "other recipe",
-                                    f"segment {seg.id} was trained on recipe fingerprint {seg.fingerprint[:12]}, not "
-                                    f"{fingerprint[:12]}"))
+            findings.append(
+                Finding(
+                    seg.first_step,
+                    seg.next_step - 1,
+                    "other recipe",
+                    f"segment {seg.id} was trained on recipe fingerprint {seg.fingerprint[:12]}, not "
+                    f"{fingerprint[:12]}",
+                )
+            )
         if seg.run_id != run_id:
-            findings.append(Finding(seg.first_step, seg.next_step - 1, "other run",
-                                    f"segment {seg.id} belongs to run_id {seg.run_id!r}, not {run_id!r}"))
+            findings.append(
+                Finding(
+                    seg.first_step,
+                    seg.next_step - 1,
+                    "other run",
+                    f"segment {seg.id} belongs to run_id {seg.run_id!r}, not {run_id!r}",
+                )
+            )
         findings.extend(checks.findings(seg))
         if checks.keep_digests:
             # keep_digests: a reference and its rows were given
-            report.digests_checked += _check_rows(seg, checks.digests.get(table.codes[seg.id], {}),
-                                                  cast(Reference, reference), cast(int, rows), findings)
+            report.digests_checked += _check_rows(
+                seg, checks.digests.get(table.codes[seg.id], {}), cast(Reference, reference), cast(int, rows), findings
+            )
     unchecked = []  # boundaries where a segment of ledger format version 1 records no schedule
     for parent, child in zip(lineage, lineage[1:]):
         if parent.schedule is None or child.schedule is None:
@@ -300,10 +385,12 @@ def audit(ledger_dir: "str | storage.Location", head: str | None = None, *, fing
     report.notes = _notes(segments, lineage, head, run_id, explicit=explicit, gap=chain[-1] != "")
     if unchecked:
         old = next(s for s in lineage if s.schedule is None)
-        report.notes.append(f"schedule not checked at {len(unchecked)} segment boundary(ies) (the first: segment "
-                            f"{unchecked[0].id}, from step {unchecked[0].first_step}): segment {old.id} (steps "
-                            f"{old.first_step}..{old.next_step - 1}) is of ledger format version 1, which records no "
-                            "schedule")
+        report.notes.append(
+            f"schedule not checked at {len(unchecked)} segment boundary(ies) (the first: segment "
+            f"{unchecked[0].id}, from step {unchecked[0].first_step}): segment {old.id} (steps "
+            f"{old.first_step}..{old.next_step - 1}) is of ledger format version 1, which records no "
+            "schedule"
+        )
     findings.sort(key=lambda f: (f.first, f.kind))
     return report
 
@@ -328,27 +415,44 @@ def schedule_break(parent: Segment, child: Segment) -> Finding | None:
         if i == 0:
             return None  # another base recipe: its fingerprint differs too, and "other recipe" names that
         if other is None or other[0] > entry[0]:
-            return Finding(entry[0], entry[0], "schedule",
-                           f"{where} drops {phase(entry)}, under which {past}; a resume may only change phases "
-                           f"starting at or after step {end}")
+            return Finding(
+                entry[0],
+                entry[0],
+                "schedule",
+                f"{where} drops {phase(entry)}, under which {past}; a resume may only change phases "
+                f"starting at or after step {end}",
+            )
         if other[0] == entry[0]:
-            return Finding(entry[0], entry[0], "schedule",
-                           f"{where} rewrites {phase(entry)} as {phase(other)}, though {past} under it; a resume "
-                           f"may only change phases starting at or after step {end}")
-        return Finding(other[0], other[0], "schedule",
-                       f"{where} adds {phase(other)} before its parent's {phase(entry)}, though {past} without it; "
-                       f"a resume may only add phases starting at or after step {end}")
+            return Finding(
+                entry[0],
+                entry[0],
+                "schedule",
+                f"{where} rewrites {phase(entry)} as {phase(other)}, though {past} under it; a resume "
+                f"may only change phases starting at or after step {end}",
+            )
+        return Finding(
+            other[0],
+            other[0],
+            "schedule",
+            f"{where} adds {phase(other)} before its parent's {phase(entry)}, though {past} without it; "
+            f"a resume may only add phases starting at or after step {end}",
+        )
     if len(mine) > len(theirs) and mine[len(theirs)][0] < end:
         extra = mine[len(theirs)]
         last = "the sources' weights" if len(theirs) == 1 else f"phase '{theirs[-1][1]}'"
-        return Finding(extra[0], extra[0], "schedule",
-                       f"{where} adds {phase(extra)}, though {past} without it (under {last}); a resume may only "
-                       f"add phases starting at or after step {end}")
+        return Finding(
+            extra[0],
+            extra[0],
+            "schedule",
+            f"{where} adds {phase(extra)}, though {past} without it (under {last}); a resume may only "
+            f"add phases starting at or after step {end}",
+        )
     return None
 
 
-def _notes(segments: dict[str, Segment], lineage: list[Segment], head: str, run_id: str, *, explicit: bool,
-           gap: bool) -> list[str]:
+def _notes(
+    segments: dict[str, Segment], lineage: list[Segment], head: str, run_id: str, *, explicit: bool, gap: bool
+) -> list[str]:
     """One note per segment outside the lineage (see the module docstring), by first step."""
     in_lineage = {s.id for s in lineage}
     lineage_child = {s.parent: s for s in lineage}  # a state of the lineage -> the lineage segment continuing it
@@ -380,14 +484,18 @@ def _notes(segments: dict[str, Segment], lineage: list[Segment], head: str, run_
             continue
         where = f"steps {seg.first_step}..{seg.next_step - 1} at W={seg.world} (segment {seg.id})"
         if seg.run_id != run_id:
-            notes.append(f"other run in this ledger: run_id {seg.run_id!r}, steps {seg.first_step}.."
-                         f"{seg.next_step - 1} (segment {seg.id}); not audited")
+            notes.append(
+                f"other run in this ledger: run_id {seg.run_id!r}, steps {seg.first_step}.."
+                f"{seg.next_step - 1} (segment {seg.id}); not audited"
+            )
             continue
         point, start = branch_of(seg.id)
         if point is None or start is None:  # (both or neither)
             missing = lineage[0].parent
-            notes.append(f"unverifiable: {where}: not connected to the audited lineage, whose parent segment "
-                         f"{missing} is missing")
+            notes.append(
+                f"unverifiable: {where}: not connected to the audited lineage, whose parent segment "
+                f"{missing} is missing"
+            )
             continue
         since = f"segment {point}" if point else "step 0"
         if point == head:
@@ -395,17 +503,22 @@ def _notes(segments: dict[str, Segment], lineage: list[Segment], head: str, run_
             continue
         continued = lineage_child[point]
         if continued.resumed and (explicit or not start.resumed):
-            notes.append(f"discarded branch: {where}: abandoned by a resume from an older state, not in this "
-                         "checkpoint's lineage")
+            notes.append(
+                f"discarded branch: {where}: abandoned by a resume from an older state, not in this "
+                "checkpoint's lineage"
+            )
         elif start.resumed:
-            notes.append(f"other branch: {where}: resumed from {since}; not in the audited lineage (audit its "
-                         "loader state to check it)")
+            notes.append(
+                f"other branch: {where}: resumed from {since}; not in the audited lineage (audit its "
+                "loader state to check it)"
+            )
         # else: both continue the point without a resume: the "other run" finding names it
     return notes
 
 
-def _check_rows(seg: Segment, digests: dict[int, dict[int, str]], reference: Reference, rows: int,
-                findings: list[Finding]) -> int:
+def _check_rows(
+    seg: Segment, digests: dict[int, dict[int, str]], reference: Reference, rows: int, findings: list[Finding]
+) -> int:
     checked = 0
     wanted: dict[int, dict[int, str]] = {}
     for rank, by_step in digests.items():
@@ -420,9 +533,15 @@ def _check_rows(seg: Segment, digests: dict[int, dict[int, str]], reference: Ref
                 bad.append(rank)
             checked += 1
         if bad:
-            findings.append(Finding(step, step, "other rows",
-                                    f"rank(s) {', '.join(map(str, bad))} of {seg.world} trained rows that are not "
-                                    "the recipe's global batch of this step"))
+            findings.append(
+                Finding(
+                    step,
+                    step,
+                    "other rows",
+                    f"rank(s) {', '.join(map(str, bad))} of {seg.world} trained rows that are not "
+                    "the recipe's global batch of this step",
+                )
+            )
     return checked
 
 
@@ -438,20 +557,27 @@ def locate(path: str, ledger_dir: str | None) -> tuple[str, str | None, dict | N
     state_file = loc if storage.is_file(loc) else loc.join("zephon_loader.json")
     if not storage.is_file(state_file):
         if ledger_dir:
-            raise LedgerError(f"{loc.uri} is not a loader state (no zephon_loader.json in it); --ledger names the "
-                              "ledger of a checkpoint's loader state")
+            raise LedgerError(
+                f"{loc.uri} is not a loader state (no zephon_loader.json in it); --ledger names the "
+                "ledger of a checkpoint's loader state"
+            )
         return path, None, None
     state = storage.read_json(state_file, error=LedgerError, what="loader state")
     if not isinstance(state, dict):
         raise LedgerError(f"{state_file.uri}: not a loader state (a JSON {type(state).__name__}, not an object)")
     try:
-        check_state(state, run_id=state.get("run_id"), fingerprint=cast(str, state.get("fingerprint")),
-                    recipe_name="the state's own")
+        check_state(
+            state,
+            run_id=state.get("run_id"),
+            fingerprint=cast(str, state.get("fingerprint")),
+            recipe_name="the state's own",
+        )
     except ValueError as exc:
         raise LedgerError(f"{state_file.uri}: not a loader state: {exc}") from None
     if not ledger_dir:
         raise LedgerError(f"{state_file.uri} is a loader state: name the run's ledger directory with --ledger")
     if not state[KEY_LEDGER]:
-        raise LedgerError(f"{state_file.uri}: the state names no ledger segment (taken at step 0, or before "
-                          "the ledger existed)")
+        raise LedgerError(
+            f"{state_file.uri}: the state names no ledger segment (taken at step 0, or before the ledger existed)"
+        )
     return ledger_dir, state[KEY_LEDGER], state

@@ -19,8 +19,9 @@ from typing import Any
 from zephon_ray.log_filters import quiet_known_noise
 
 
-def run_lane_groups(worker: type, kwargs: dict[str, Any], *, groups: int,
-                    cpus_per_actor: float) -> Iterable[dict[str, Any]]:
+def run_lane_groups(
+    worker: type, kwargs: dict[str, Any], *, groups: int, cpus_per_actor: float
+) -> Iterable[dict[str, Any]]:
     import ray.data
 
     ctx = ray.data.DataContext.get_current()

@@ -86,20 +86,33 @@ def record_ref(recipe: Recipe, source: str, shard: str, record: int) -> RecordRe
     is the shard's name (``shard-00000.jsonl``) or its full path or URI."""
     by_name = {s.name: s for s in recipe.sources}
     if source not in by_name:
-        raise UserInputError(f"--source {source!r}: the recipe has no such source (sources: "
-                             f"{', '.join(recipe.source_names)})")
+        raise UserInputError(
+            f"--source {source!r}: the recipe has no such source (sources: {', '.join(recipe.source_names)})"
+        )
     src = by_name[source]
     base = storage.location(src.path)
     names = {x.name: x for x in src.shards}
-    name = shard if shard in names else next((n for n in names if base.join(n).uri == storage.location(shard).uri), None) \
-        if shard else None
+    name = (
+        shard
+        if shard in names
+        else next((n for n in names if base.join(n).uri == storage.location(shard).uri), None)
+        if shard
+        else None
+    )
     if name is None:
         shown = ", ".join(list(names)[:4]) + (" ..." if len(names) > 4 else "")
-        raise UserInputError(f"--shard {shard!r}: source {source!r} has no such shard (its {len(names)} shards: "
-                             f"{shown})")
+        raise UserInputError(
+            f"--shard {shard!r}: source {source!r} has no such shard (its {len(names)} shards: {shown})"
+        )
     rows = names[name].rows
-    check_int("--record", record, low=0, high=(rows - 1) if rows is not None else MAX_LOCATE_STEPS * 1000,
-              error=UserInputError, why=f"{rows} records in {name}" if rows is not None else "")
+    check_int(
+        "--record",
+        record,
+        low=0,
+        high=(rows - 1) if rows is not None else MAX_LOCATE_STEPS * 1000,
+        error=UserInputError,
+        why=f"{rows} records in {name}" if rows is not None else "",
+    )
     return RecordRef(source, name, record)
 
 
@@ -151,8 +164,11 @@ def scan(recipe: Recipe, target: RecordRef, steps: range, *, group: Any = None) 
             if stepper.collect:
                 for lane in stepper.lanes:
                     for i, pieces in enumerate(stepper.pieces[lane]):
-                        fresh.extend(Hit(step, lane * per_lane + i, p.start, p.end, p.offset) for p in pieces
-                                     if (p.source, p.shard, p.record) == key)
+                        fresh.extend(
+                            Hit(step, lane * per_lane + i, p.start, p.end, p.offset)
+                            for p in pieces
+                            if (p.source, p.shard, p.record) == key
+                        )
             if (step + 1) % REPORT_STEPS == 0 or step + 1 == steps.stop:
                 yield step + 1, fresh
                 fresh = []
@@ -162,15 +178,18 @@ def scan(recipe: Recipe, target: RecordRef, steps: range, *, group: Any = None) 
 
 def scan_all(recipe: Recipe, target: RecordRef, steps: range) -> list[Hit]:
     """Every hit of ``target`` in ``steps``, scanned in this process (no Ray): :func:`locate`'s answer."""
-    return sorted((h for _, hits in scan(recipe, target, check_range(steps)) for h in hits),
-                  key=lambda h: (h.step, h.row, h.start))
+    return sorted(
+        (h for _, hits in scan(recipe, target, check_range(steps)) for h in hits),
+        key=lambda h: (h.step, h.row, h.start),
+    )
 
 
 class LocateWorker:
     """A Ray Data actor: lane group ``group`` of ``groups`` scanning for one record (see the module docstring)."""
 
-    def __init__(self, recipe: Recipe, target: RecordRef, first: int, end: int, groups: int, run_id: str,
-                 aggregate_dir: str) -> None:
+    def __init__(
+        self, recipe: Recipe, target: RecordRef, first: int, end: int, groups: int, run_id: str, aggregate_dir: str
+    ) -> None:
         self.recipe, self.target, self.steps, self.groups = recipe, target, range(first, end), groups
         self.run_id, self.aggregate_dir = run_id, aggregate_dir
         verify_on_node(recipe, recipe.fingerprint, where="locate lane-group worker")
@@ -180,15 +199,29 @@ class LocateWorker:
 
         for group in batch["group"]:
             group = int(group)
-            lane_group = LaneGroup(count=self.groups, index=group, run_id=self.run_id,
-                                   aggregate_dir=self.aggregate_dir) if self.groups > 1 else LaneGroup()
+            lane_group = (
+                LaneGroup(count=self.groups, index=group, run_id=self.run_id, aggregate_dir=self.aggregate_dir)
+                if self.groups > 1
+                else LaneGroup()
+            )
             for done, hits in scan(self.recipe, self.target, self.steps, group=lane_group):
-                yield {"group": np.asarray([group], dtype=np.int64), "done": np.asarray([done], dtype=np.int64),
-                       "hits": np.asarray([json.dumps([h.to_json() for h in hits])], dtype=object)}
+                yield {
+                    "group": np.asarray([group], dtype=np.int64),
+                    "done": np.asarray([done], dtype=np.int64),
+                    "hits": np.asarray([json.dumps([h.to_json() for h in hits])], dtype=object),
+                }
 
 
-def locate(recipe: Recipe, target: RecordRef, steps: range, *, groups: int = 1, cpus_per_actor: float = 0.5,
-           work_dir: str | None = None, progress: bool = True) -> list[Hit]:
+def locate(
+    recipe: Recipe,
+    target: RecordRef,
+    steps: range,
+    *,
+    groups: int = 1,
+    cpus_per_actor: float = 0.5,
+    work_dir: str | None = None,
+    progress: bool = True,
+) -> list[Hit]:
     """Every hit of ``target`` in ``steps``, on the current Ray cluster (``ray.init`` first), with ``groups`` lane
     groups (must divide the recipe's lanes)."""
     from tqdm import tqdm
@@ -197,12 +230,24 @@ def locate(recipe: Recipe, target: RecordRef, steps: range, *, groups: int = 1, 
     check_groups(recipe, groups)
     base = storage.location(work_dir or tempfile.gettempdir())
     work = base.join(f".locate-{uuid.uuid4().hex[:12]}")
-    kwargs = {"recipe": recipe, "target": target, "first": steps.start, "end": steps.stop, "groups": groups,
-              "run_id": f"locate-{work.name}", "aggregate_dir": work.join("aggregate").uri}
+    kwargs = {
+        "recipe": recipe,
+        "target": target,
+        "first": steps.start,
+        "end": steps.stop,
+        "groups": groups,
+        "run_id": f"locate-{work.name}",
+        "aggregate_dir": work.join("aggregate").uri,
+    }
     done = dict.fromkeys(range(groups), 0)
     hits: list[Hit] = []
-    bar = tqdm(total=steps.stop, unit="step", desc=f"locate ({groups} group{'s' if groups > 1 else ''})",
-               disable=None if progress else True, dynamic_ncols=True)
+    bar = tqdm(
+        total=steps.stop,
+        unit="step",
+        desc=f"locate ({groups} group{'s' if groups > 1 else ''})",
+        disable=None if progress else True,
+        dynamic_ncols=True,
+    )
     try:
         for block in run_lane_groups(LocateWorker, kwargs, groups=groups, cpus_per_actor=cpus_per_actor):
             for g, d, found in zip(block["group"], block["done"], block["hits"]):

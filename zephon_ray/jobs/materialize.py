@@ -37,17 +37,37 @@ from __future__ import annotations
 import json
 import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
 from zephon_ray import storage
 from zephon_ray.checks import MAX_STEP, check_int
 from zephon_ray.formats.materialized import (
-    CHECKPOINTS_DIR, KEY_CHECKPOINTS, KEY_DIGESTS, KEY_END, KEY_FINGERPRINT, KEY_FIRST, KEY_FORMAT, KEY_GEOMETRY,
-    KEY_PHASES, KEY_SEGMENT_STEPS, KEY_SEGMENTS, KEY_SOURCE_TOKENS, MANIFEST_FORMAT, MANIFEST_NAME, SEGMENTS_DIR,
-    TMP_PREFIX, WORK_PREFIX, MaterializedError, SegmentWriter, clean_leftovers, load_checkpoint, read_manifest,
+    CHECKPOINTS_DIR,
+    KEY_CHECKPOINTS,
+    KEY_DIGESTS,
+    KEY_END,
+    KEY_FINGERPRINT,
+    KEY_FIRST,
+    KEY_FORMAT,
+    KEY_GEOMETRY,
+    KEY_PHASES,
+    KEY_SEGMENT_STEPS,
+    KEY_SEGMENTS,
+    KEY_SOURCE_TOKENS,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    SEGMENTS_DIR,
+    TMP_PREFIX,
+    WORK_PREFIX,
+    MaterializedError,
+    SegmentWriter,
+    clean_leftovers,
+    load_checkpoint,
+    read_manifest,
     recipe_of,
 )
 from zephon_ray.identity import verify_on_node
@@ -72,8 +92,17 @@ class MaterializeResult:
 class LaneGroupWorker:
     """A Ray Data actor that is Zephon rank ``group`` of ``groups``; one input row = one whole run of steps."""
 
-    def __init__(self, recipe: Recipe, groups: int, start_state: dict[str, Any] | None, first: int, end: int,
-                 segment_steps: int, run_id: str, aggregate_dir: str) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        groups: int,
+        start_state: dict[str, Any] | None,
+        first: int,
+        end: int,
+        segment_steps: int,
+        run_id: str,
+        aggregate_dir: str,
+    ) -> None:
         self.recipe = recipe
         self.groups = groups
         self.start_state = start_state  # shipped by value: a worker on another node need not see DIR
@@ -87,8 +116,12 @@ class LaneGroupWorker:
 
         for group in batch["group"]:
             group = int(group)
-            lane_group = LaneGroup(count=self.groups, index=group, run_id=self.run_id if self.groups > 1 else None,
-                                   aggregate_dir=self.aggregate_dir if self.groups > 1 else None)
+            lane_group = LaneGroup(
+                count=self.groups,
+                index=group,
+                run_id=self.run_id if self.groups > 1 else None,
+                aggregate_dir=self.aggregate_dir if self.groups > 1 else None,
+            )
             stepper = LaneStepper(self.recipe, lane_group)
             try:
                 if self.start_state is not None:
@@ -126,9 +159,13 @@ def _geometry(recipe: Recipe) -> dict[str, Any]:
     from zephon_ray.source import pad_token_id
 
     return {
-        "lanes": recipe.lanes, "microbatches_per_lane": recipe.microbatches_per_lane,
-        "rows_per_microbatch": recipe.rows_per_microbatch, "rows": recipe.global_batch_rows,
-        "seq_len": recipe.seq_len, "row_length": recipe.row_length, "sources": list(recipe.source_names),
+        "lanes": recipe.lanes,
+        "microbatches_per_lane": recipe.microbatches_per_lane,
+        "rows_per_microbatch": recipe.rows_per_microbatch,
+        "rows": recipe.global_batch_rows,
+        "seq_len": recipe.seq_len,
+        "row_length": recipe.row_length,
+        "sources": list(recipe.source_names),
         "pad_token_id": pad_token_id(recipe),
     }
 
@@ -163,14 +200,24 @@ def _prepare_directory(directory: storage.Location, recipe: Recipe) -> tuple[dic
     return manifest, recipe
 
 
-def materialize(recipe: Recipe, directory: "str | os.PathLike[str]", steps: range, *, producers: int = 1,
-                segment_steps: int = 16, cpus_per_actor: float = 0.5, progress: bool = True) -> MaterializeResult:
+def materialize(
+    recipe: Recipe,
+    directory: str | os.PathLike[str],
+    steps: range,
+    *,
+    producers: int = 1,
+    segment_steps: int = 16,
+    cpus_per_actor: float = 0.5,
+    progress: bool = True,
+) -> MaterializeResult:
     """Materialise ``steps`` of ``recipe`` into ``directory`` on the current Ray cluster (``ray.init`` first)."""
     from tqdm import tqdm
 
     steps = parse_step_range(steps)
-    for name, value, high in (("producers", producers, recipe.lanes), ("segment_steps", segment_steps,
-                                                                        MAX_SEGMENT_STEPS)):
+    for name, value, high in (
+        ("producers", producers, recipe.lanes),
+        ("segment_steps", segment_steps, MAX_SEGMENT_STEPS),
+    ):
         check_int(name, value, low=1, high=high, error=MaterializedError)
     if recipe.lanes % producers:
         raise MaterializedError(f"--producers {producers} does not divide the recipe's {recipe.lanes} lanes")
@@ -178,19 +225,30 @@ def materialize(recipe: Recipe, directory: "str | os.PathLike[str]", steps: rang
     manifest, recipe = _prepare_directory(directory, recipe)
     if manifest is None:
         manifest = {
-            KEY_FORMAT: MANIFEST_FORMAT, KEY_FINGERPRINT: recipe.fingerprint, KEY_GEOMETRY: _geometry(recipe),
+            KEY_FORMAT: MANIFEST_FORMAT,
+            KEY_FINGERPRINT: recipe.fingerprint,
+            KEY_GEOMETRY: _geometry(recipe),
             KEY_PHASES: [p.canonical(recipe.source_names) for p in recipe.phases],
-            KEY_FIRST: steps.start, KEY_END: steps.start, KEY_SEGMENT_STEPS: segment_steps, KEY_SEGMENTS: [],
-            KEY_DIGESTS: [], KEY_SOURCE_TOKENS: [], KEY_CHECKPOINTS: {},
+            KEY_FIRST: steps.start,
+            KEY_END: steps.start,
+            KEY_SEGMENT_STEPS: segment_steps,
+            KEY_SEGMENTS: [],
+            KEY_DIGESTS: [],
+            KEY_SOURCE_TOKENS: [],
+            KEY_CHECKPOINTS: {},
         }
     first, end = int(manifest[KEY_FIRST]), int(manifest[KEY_END])
     segment_steps = int(manifest[KEY_SEGMENT_STEPS])  # an existing directory keeps its layout
     if steps.start < first:
-        raise MaterializedError(f"--steps {steps.start}:{steps.stop}: {directory} starts at step {first}; steps can "
-                                "only be appended (use a new --out for earlier steps)")
+        raise MaterializedError(
+            f"--steps {steps.start}:{steps.stop}: {directory} starts at step {first}; steps can "
+            "only be appended (use a new --out for earlier steps)"
+        )
     if steps.start > end:
-        raise MaterializedError(f"--steps {steps.start}:{steps.stop}: {directory} ends at step {end}; starting at "
-                                f"{steps.start} would leave a gap (use --steps {end}:{steps.stop})")
+        raise MaterializedError(
+            f"--steps {steps.start}:{steps.stop}: {directory} ends at step {end}; starting at "
+            f"{steps.start} would leave a gap (use --steps {end}:{steps.stop})"
+        )
     todo = range(end, steps.stop)
     if len(todo) == 0:
         return MaterializeResult(directory.uri, first, end, todo, 0)
@@ -203,29 +261,50 @@ def materialize(recipe: Recipe, directory: "str | os.PathLike[str]", steps: rang
 
     work_dir = directory.join(f"{WORK_PREFIX}{uuid.uuid4().hex[:12]}")
     storage.make_dirs(work_dir)
-    writer = SegmentWriter(directory, manifest, lanes=recipe.lanes, rows_per_lane=recipe.rows_per_lane,
-                           row_length=recipe.row_length)
-    bar = tqdm(total=len(todo), unit="step", desc="materialize", dynamic_ncols=True,
-               disable=None if progress else True)  # None: a bar only on a terminal
+    writer = SegmentWriter(
+        directory, manifest, lanes=recipe.lanes, rows_per_lane=recipe.rows_per_lane, row_length=recipe.row_length
+    )
+    bar = tqdm(
+        total=len(todo), unit="step", desc="materialize", dynamic_ncols=True, disable=None if progress else True
+    )  # None: a bar only on a terminal
     try:
-        for step, rows in _stream(recipe, todo, producers=producers, start_state=start_state,
-                                  segment_steps=segment_steps, work_dir=work_dir, cpus_per_actor=cpus_per_actor):
+        for step, rows in _stream(
+            recipe,
+            todo,
+            producers=producers,
+            start_state=start_state,
+            segment_steps=segment_steps,
+            work_dir=work_dir,
+            cpus_per_actor=cpus_per_actor,
+        ):
             writer.add(step, *rows)
             bar.update(1)
     finally:
         bar.close()
         writer.abort()
         storage.delete_tree(work_dir)
-    return MaterializeResult(directory.uri, first, int(manifest[KEY_END]), todo,
-                             len(todo) * recipe.tokens_per_step)
+    return MaterializeResult(directory.uri, first, int(manifest[KEY_END]), todo, len(todo) * recipe.tokens_per_step)
 
 
-def _stream(recipe: Recipe, todo: range, *, producers: int, start_state: dict[str, Any] | None, segment_steps: int,
-            work_dir: storage.Location, cpus_per_actor: float) -> Iterator[tuple[int, tuple]]:
+def _stream(
+    recipe: Recipe,
+    todo: range,
+    *,
+    producers: int,
+    start_state: dict[str, Any] | None,
+    segment_steps: int,
+    work_dir: storage.Location,
+    cpus_per_actor: float,
+) -> Iterator[tuple[int, tuple]]:
     """Yield (step, (tokens, positions, source_tokens, state)) in step order, assembled from every lane group."""
     kwargs = {
-        "recipe": recipe, "groups": producers, "start_state": start_state, "first": todo.start, "end": todo.stop,
-        "segment_steps": segment_steps, "run_id": f"materialize-{work_dir.name}",
+        "recipe": recipe,
+        "groups": producers,
+        "start_state": start_state,
+        "first": todo.start,
+        "end": todo.stop,
+        "segment_steps": segment_steps,
+        "run_id": f"materialize-{work_dir.name}",
         "aggregate_dir": work_dir.join("aggregate").uri,
     }
     pending: dict[int, dict[int, tuple]] = {}
@@ -234,8 +313,7 @@ def _stream(recipe: Recipe, todo: range, *, producers: int, start_state: dict[st
     for block in run_lane_groups(LaneGroupWorker, kwargs, groups=producers, cpus_per_actor=cpus_per_actor):
         for i in range(len(block["step"])):
             step, group = int(block["step"][i]), int(block["group"][i])
-            pending.setdefault(step, {})[group] = (block["tokens"][i], block["positions"][i],
-                                                   block["source_tokens"][i])
+            pending.setdefault(step, {})[group] = (block["tokens"][i], block["positions"][i], block["source_tokens"][i])
             if block["state"][i]:
                 states[step] = str(block["state"][i])
         while len(pending.get(next_step, ())) == producers:

@@ -41,19 +41,41 @@ import numpy as np
 from zephon_ray import storage, zephon_io
 from zephon_ray.checks import check_int
 from zephon_ray.formats.pretokenized import (
-    build_manifest, output_name, progress_location, read_progress, shard_location, write_manifest, write_progress,
-)
-from zephon_ray.pretokenized_manifest import (
-    KEY_SOURCE_FINGERPRINT, KEY_TOTALS, MANIFEST_FORMAT, MANIFEST_NAME, PROGRESS_DIR, RECIPE_NAME, SOURCES_DIR,
-    SPECIAL_TOKENS, TOKEN_FIELD, PretokenizedError,
+    build_manifest,
+    output_name,
+    progress_location,
+    read_progress,
+    shard_location,
+    write_manifest,
+    write_progress,
 )
 from zephon_ray.log_filters import quiet_known_noise
+from zephon_ray.pretokenized_manifest import (
+    KEY_SOURCE_FINGERPRINT,
+    KEY_TOTALS,
+    MANIFEST_FORMAT,
+    MANIFEST_NAME,
+    PROGRESS_DIR,
+    RECIPE_NAME,
+    SOURCES_DIR,
+    SPECIAL_TOKENS,
+    TOKEN_FIELD,
+    PretokenizedError,
+)
 from zephon_ray.recipe import Recipe
 from zephon_ray.tokenizers import build_tokenizer, tokenizer_identity
 
 __all__ = [
-    "MANIFEST_FORMAT", "MANIFEST_NAME", "PROGRESS_DIR", "RECIPE_NAME", "SOURCES_DIR", "SPECIAL_TOKENS", "TOKEN_FIELD",
-    "PretokenizeError", "PretokenizeResult", "pretokenize",
+    "MANIFEST_FORMAT",
+    "MANIFEST_NAME",
+    "PROGRESS_DIR",
+    "RECIPE_NAME",
+    "SOURCES_DIR",
+    "SPECIAL_TOKENS",
+    "TOKEN_FIELD",
+    "PretokenizeError",
+    "PretokenizeResult",
+    "pretokenize",
 ]
 TOKENIZE_BATCH = 512
 PARQUET_COMPRESSION = "zstd"
@@ -124,7 +146,7 @@ def tokenize_texts(tokenizer: Any, texts: list[Any]) -> list[np.ndarray]:
     eos = np.asarray([tokenizer.eos_token_id], dtype=np.int32)
     out: list[np.ndarray] = []
     for start in range(0, len(texts), TOKENIZE_BATCH):
-        batch = [decode(t) for t in texts[start:start + TOKENIZE_BATCH]]
+        batch = [decode(t) for t in texts[start : start + TOKENIZE_BATCH]]
         for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
             out.append(np.concatenate([bos, np.asarray(ids, dtype=np.int32), eos]))
     return out
@@ -153,14 +175,21 @@ class ShardTokenizer:
         if seen != identity:  # another node may hold another file under the same path
             import socket
 
-            raise PretokenizeError(f"tokenizer {tokenizer} on {socket.gethostname()} is {seen}, the driver's is "
-                                   f"{identity}")
+            raise PretokenizeError(
+                f"tokenizer {tokenizer} on {socket.gethostname()} is {seen}, the driver's is {identity}"
+            )
         self.tokenizer = build_tokenizer(tokenizer)
         self.text_field = text_field
 
     def __call__(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        results: dict[str, list[Any]] = {"source": [], "relative": [], "records": [], "tokens": [], "bytes": [],
-                                         "sha256": []}
+        results: dict[str, list[Any]] = {
+            "source": [],
+            "relative": [],
+            "records": [],
+            "tokens": [],
+            "bytes": [],
+            "sha256": [],
+        }
         for i in range(len(batch["source"])):
             task = ShardTask(**{key: str(batch[key][i]) for key in ShardTask.__dataclass_fields__})
             entry = tokenize_shard(task, self.tokenizer, self.text_field)
@@ -211,11 +240,16 @@ def plan(recipe: Recipe, out: storage.Location) -> list[ShardTask]:
                 "renamed to .parquet; Zephon orders shards by name, so the copy would read records in another order"
             )
         for rel in names:
-            tasks.append(ShardTask(
-                source=source.name, raw_path=storage.location(source.path).join(rel).uri, raw_format=source.format,
-                relative=rel, out_path=shard_location(out, source.name, rel).uri,
-                progress_path=progress_location(out, source.name, rel).uri,
-            ))
+            tasks.append(
+                ShardTask(
+                    source=source.name,
+                    raw_path=storage.location(source.path).join(rel).uri,
+                    raw_format=source.format,
+                    relative=rel,
+                    out_path=shard_location(out, source.name, rel).uri,
+                    progress_path=progress_location(out, source.name, rel).uri,
+                )
+            )
     return tasks
 
 
@@ -229,8 +263,9 @@ def finished_entry(task: ShardTask) -> dict[str, Any] | None:
     return entry
 
 
-def pretokenize(recipe: Recipe, out_dir: "str | Any", *, actors: int | None = None,
-                cpus_per_actor: float = 0.5, progress: bool = True) -> PretokenizeResult:
+def pretokenize(
+    recipe: Recipe, out_dir: str | Any, *, actors: int | None = None, cpus_per_actor: float = 0.5, progress: bool = True
+) -> PretokenizeResult:
     """Run the Ray Data job on the current Ray cluster (``ray.init`` first). Re-running is idempotent and
     resumes an interrupted run: shards whose output and progress entry exist and verify are skipped."""
     import ray
@@ -245,8 +280,9 @@ def pretokenize(recipe: Recipe, out_dir: "str | Any", *, actors: int | None = No
             raise PretokenizeError(f"OUT_DIR {out} overlaps source '{source.name}' ({source.path})")
     manifest_loc = out.join(MANIFEST_NAME)
     if storage.exists(manifest_loc):
-        previous = storage.read_json(manifest_loc, error=PretokenizeError, what="pre-tokenisation manifest",
-                                   missing_hint="")
+        previous = storage.read_json(
+            manifest_loc, error=PretokenizeError, what="pre-tokenisation manifest", missing_hint=""
+        )
         found = previous.get(KEY_SOURCE_FINGERPRINT) if isinstance(previous, dict) else None
         if found != recipe.fingerprint:
             raise PretokenizeError(
@@ -268,31 +304,64 @@ def pretokenize(recipe: Recipe, out_dir: "str | Any", *, actors: int | None = No
             entries[(task.source, task.relative)] = entry
     skipped = len(entries)
     if todo:
-        _run_actor_pool(recipe, todo, entries, actors=actors, cpus_per_actor=cpus_per_actor, progress=progress,
-                        tqdm=tqdm)
+        _run_actor_pool(
+            recipe, todo, entries, actors=actors, cpus_per_actor=cpus_per_actor, progress=progress, tqdm=tqdm
+        )
     _check_counts(recipe, entries)
     recipe_loc = write_pretokenized_recipe(recipe, out)
     tokenizer = build_tokenizer(recipe.tokenizer)
     manifest = build_manifest(
-        tokenizer_identity=tokenizer_identity(recipe.tokenizer), bos=tokenizer.bos_token_id,
-        eos=tokenizer.eos_token_id, text_field=recipe.text_field, source_fingerprint=recipe.fingerprint,
-        sources=[{"name": source.name, "raw_path": source.path, "raw_format": source.format,
-                  "shards": [_shard_entry(rel, size, entries[(source.name, rel)]) for rel, size in shard_list(source)]}
-                 for source in recipe.sources])
+        tokenizer_identity=tokenizer_identity(recipe.tokenizer),
+        bos=tokenizer.bos_token_id,
+        eos=tokenizer.eos_token_id,
+        text_field=recipe.text_field,
+        source_fingerprint=recipe.fingerprint,
+        sources=[
+            {
+                "name": source.name,
+                "raw_path": source.path,
+                "raw_format": source.format,
+                "shards": [_shard_entry(rel, size, entries[(source.name, rel)]) for rel, size in shard_list(source)],
+            }
+            for source in recipe.sources
+        ],
+    )
     write_manifest(out, manifest)  # last: the commit point
     _check_same_settings(recipe, Recipe.from_toml(recipe_loc.uri))
     totals = manifest[KEY_TOTALS]
-    return PretokenizeResult(out_dir=out.uri, recipe_path=recipe_loc.uri, shards=len(tasks), shards_skipped=skipped,
-                             records=totals["records"], tokens=totals["tokens"], bytes=totals["bytes"])
+    return PretokenizeResult(
+        out_dir=out.uri,
+        recipe_path=recipe_loc.uri,
+        shards=len(tasks),
+        shards_skipped=skipped,
+        records=totals["records"],
+        tokens=totals["tokens"],
+        bytes=totals["bytes"],
+    )
 
 
 def _shard_entry(rel: str, size: int, entry: dict[str, Any]) -> dict[str, Any]:
-    return {"raw": rel, "raw_bytes": size, "out": output_name(rel), "records": int(entry["records"]),
-            "tokens": int(entry["tokens"]), "bytes": int(entry["bytes"]), "sha256": str(entry["sha256"])}
+    return {
+        "raw": rel,
+        "raw_bytes": size,
+        "out": output_name(rel),
+        "records": int(entry["records"]),
+        "tokens": int(entry["tokens"]),
+        "bytes": int(entry["bytes"]),
+        "sha256": str(entry["sha256"]),
+    }
 
 
-def _run_actor_pool(recipe: Recipe, todo: list[ShardTask], entries: dict, *, actors: int, cpus_per_actor: float,
-                    progress: bool, tqdm: Any) -> None:
+def _run_actor_pool(
+    recipe: Recipe,
+    todo: list[ShardTask],
+    entries: dict,
+    *,
+    actors: int,
+    cpus_per_actor: float,
+    progress: bool,
+    tqdm: Any,
+) -> None:
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
@@ -302,14 +371,18 @@ def _run_actor_pool(recipe: Recipe, todo: list[ShardTask], entries: dict, *, act
     rows = [{key: getattr(t, key) for key in ShardTask.__dataclass_fields__} for t in todo]
     dataset = ray.data.from_items(rows, override_num_blocks=len(rows)).map_batches(
         ShardTokenizer,
-        fn_constructor_kwargs={"tokenizer": recipe.tokenizer, "text_field": recipe.text_field,
-                               "identity": tokenizer_identity(recipe.tokenizer)},
+        fn_constructor_kwargs={
+            "tokenizer": recipe.tokenizer,
+            "text_field": recipe.text_field,
+            "identity": tokenizer_identity(recipe.tokenizer),
+        },
         compute=ray.data.ActorPoolStrategy(size=min(actors, len(rows))),
         batch_size=1,
         num_cpus=cpus_per_actor,
     )
-    bar = tqdm(total=len(rows), unit="shard", desc="pretokenize", dynamic_ncols=True,
-               disable=None if progress else True)  # None: a bar only on a terminal
+    bar = tqdm(
+        total=len(rows), unit="shard", desc="pretokenize", dynamic_ncols=True, disable=None if progress else True
+    )  # None: a bar only on a terminal
     tokens = 0
     try:
         for row in dataset.iter_rows():
@@ -329,8 +402,10 @@ def _check_same_settings(raw: Recipe, tokens: Recipe) -> None:
     got = {k: v for k, v in tokens.canonical().items() if k not in ignore}
     if want != got:
         key = sorted(k for k in want.keys() | got.keys() if want.get(k) != got.get(k))[0]
-        raise PretokenizeError(f"{tokens.path}: key {key!r} is {got.get(key)!r}, the source recipe has "
-                               f"{want.get(key)!r} (zephon-ray pretokenize does not carry this key over)")
+        raise PretokenizeError(
+            f"{tokens.path}: key {key!r} is {got.get(key)!r}, the source recipe has "
+            f"{want.get(key)!r} (zephon-ray pretokenize does not carry this key over)"
+        )
     assert raw.environment is not None and tokens.environment is not None  # a Recipe captures its environment
     if raw.environment.canonical() != tokens.environment.canonical():
         raise PretokenizeError(f"{tokens.path}: tokenizer or library versions differ from the source recipe")
@@ -369,24 +444,43 @@ def _toml_value(value: Any) -> str:
 def write_pretokenized_recipe(recipe: Recipe, out: storage.Location) -> storage.Location:
     """``OUT_DIR/recipe.toml``: every data-defining key of ``recipe``, sources pointing at the token copies."""
     top = {
-        "seed": recipe.seed, "lanes": recipe.lanes, "microbatches_per_lane": recipe.microbatches_per_lane,
-        "rows_per_microbatch": recipe.rows_per_microbatch, "seq_len": recipe.seq_len,
-        "chunk_size": recipe.chunk_size, "tokenizer": recipe.tokenizer, "text_field": recipe.text_field,
-        "packing": recipe.packing, "repeat": recipe.repeat, "pretokenized": MANIFEST_NAME,
+        "seed": recipe.seed,
+        "lanes": recipe.lanes,
+        "microbatches_per_lane": recipe.microbatches_per_lane,
+        "rows_per_microbatch": recipe.rows_per_microbatch,
+        "seq_len": recipe.seq_len,
+        "chunk_size": recipe.chunk_size,
+        "tokenizer": recipe.tokenizer,
+        "text_field": recipe.text_field,
+        "packing": recipe.packing,
+        "repeat": recipe.repeat,
+        "pretokenized": MANIFEST_NAME,
     }
     for optional in ("flush_every_k_chunks", "packing_bins"):
         if getattr(recipe, optional, None) is not None:
             top[optional] = getattr(recipe, optional)
-    lines = [f"# Written by `zephon-ray pretokenize` from {recipe.path or 'a recipe'}: the same recipe over token-id "
-             "copies of its sources.", f"# Source recipe fingerprint {recipe.fingerprint}."]
+    lines = [
+        f"# Written by `zephon-ray pretokenize` from {recipe.path or 'a recipe'}: the same recipe over token-id "
+        "copies of its sources.",
+        f"# Source recipe fingerprint {recipe.fingerprint}.",
+    ]
     lines += [f"{key} = {_toml_value(value)}" for key, value in top.items()]
-    lines += ["", "[shuffle]", f"shards = {_toml_value(recipe.shuffle.shards)}",
-              f"within_shard = {_toml_value(recipe.shuffle.within_shard)}",
-              f"reshuffle_on_repeat = {_toml_value(recipe.shuffle.reshuffle_on_repeat)}"]
+    lines += [
+        "",
+        "[shuffle]",
+        f"shards = {_toml_value(recipe.shuffle.shards)}",
+        f"within_shard = {_toml_value(recipe.shuffle.within_shard)}",
+        f"reshuffle_on_repeat = {_toml_value(recipe.shuffle.reshuffle_on_repeat)}",
+    ]
     for source in recipe.sources:
-        lines += ["", "[[sources]]", f"name = {_toml_value(source.name)}",
-                  f"path = {_toml_value(SOURCES_DIR + '/' + source.name)}", 'format = "parquet"',
-                  f"weight = {_toml_value(source.weight)}"]
+        lines += [
+            "",
+            "[[sources]]",
+            f"name = {_toml_value(source.name)}",
+            f"path = {_toml_value(SOURCES_DIR + '/' + source.name)}",
+            'format = "parquet"',
+            f"weight = {_toml_value(source.weight)}",
+        ]
     loc = out.join(RECIPE_NAME)
     storage.write_atomic(loc, ("\n".join(lines) + "\n").encode())
     return loc

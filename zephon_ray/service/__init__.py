@@ -16,10 +16,24 @@ zephon_ray/cli/service.py.
 
 from zephon_ray.service.config import ActorResources, ServiceConfig
 from zephon_ray.service.errors import (
-    FingerprintMismatchError, ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError)
+    FingerprintMismatchError,
+    ReplyTimeoutError,
+    ServiceError,
+    ServiceNotFoundError,
+    ShardsLostError,
+)
 
-__all__ = ["ActorResources", "DataService", "FingerprintMismatchError", "ReplyTimeoutError", "ServiceConfig",
-           "ServiceError", "ServiceNotFoundError", "ShardsLostError", "StepRefs"]
+__all__ = [
+    "ActorResources",
+    "DataService",
+    "FingerprintMismatchError",
+    "ReplyTimeoutError",
+    "ServiceConfig",
+    "ServiceError",
+    "ServiceNotFoundError",
+    "ShardsLostError",
+    "StepRefs",
+]
 
 
 def __getattr__(name: str):

@@ -32,8 +32,14 @@ _STORE_RE = re.compile(r"^torch://([^:/]+):(\d+)$")
 READ_PATHS = ("node", "direct")
 """How a client reads: ``node`` (one node reader per node leases steps for every rank there), ``direct`` (one
 coordinator call per read, the pre-lease path; kept for comparison in benchmarks/bench_service_load.py)."""
-TIMEOUT_KEYS = ("aggregate_timeout_s", "consumer_ttl_s", "request_timeout_s", "progress_timeout_s",
-                "reconnect_timeout_s", "read_timeout_s")
+TIMEOUT_KEYS = (
+    "aggregate_timeout_s",
+    "consumer_ttl_s",
+    "request_timeout_s",
+    "progress_timeout_s",
+    "reconnect_timeout_s",
+    "read_timeout_s",
+)
 
 
 def _is_number(value: object) -> bool:
@@ -64,19 +70,26 @@ class ActorResources:
     def __post_init__(self) -> None:
         for key in ("coordinator_resources", "producer_resources", "replayer_resources"):
             value = getattr(self, key)
-            if not isinstance(value, dict) or not all(isinstance(k, str) and _is_number(v) and v >= 0
-                                                      for k, v in value.items()):
-                raise ValueError(f"ServiceConfig: resources.{key} must map resource names to amounts >= 0, "
-                                 f"got {value!r}")
+            if not isinstance(value, dict) or not all(
+                isinstance(k, str) and _is_number(v) and v >= 0 for k, v in value.items()
+            ):
+                raise ValueError(
+                    f"ServiceConfig: resources.{key} must map resource names to amounts >= 0, got {value!r}"
+                )
         for key in ("coordinator_num_cpus", "producer_num_cpus", "replayer_num_cpus"):
             value = getattr(self, key)
             if not _is_number(value) or not 0 <= value <= 64:
                 raise ValueError(f"ServiceConfig: resources.{key} must be a number in [0, 64], got {value!r}")
-        check_int("ServiceConfig: resources.coordinator_max_concurrency", self.coordinator_max_concurrency, low=4,
-                  high=100_000, why="waiting reads occupy it")
+        check_int(
+            "ServiceConfig: resources.coordinator_max_concurrency",
+            self.coordinator_max_concurrency,
+            low=4,
+            high=100_000,
+            why="waiting reads occupy it",
+        )
 
     @classmethod
-    def coerce(cls, value: object) -> "ActorResources":
+    def coerce(cls, value: object) -> ActorResources:
         """``value`` as ActorResources: itself, or a dict of its fields (an unknown key is a ValueError)."""
         if isinstance(value, ActorResources):
             return value
@@ -86,8 +99,10 @@ class ActorResources:
             if unknown:
                 raise ValueError(f"ServiceConfig: resources has unknown key(s) {unknown}; known: {known}")
             return cls(**value)
-        raise ValueError(f"ServiceConfig: resources must be an ActorResources or a dict of its fields, "
-                         f"got {type(value).__name__} {value!r}")
+        raise ValueError(
+            f"ServiceConfig: resources must be an ActorResources or a dict of its fields, "
+            f"got {type(value).__name__} {value!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -173,49 +188,73 @@ class ServiceConfig:
             if not _is_number(value) or not value > 0:
                 raise ValueError(f"ServiceConfig: {key} must be a number of seconds > 0, got {value!r}")
         object.__setattr__(self, "resources", ActorResources.coerce(self.resources))
-        if self.storage_retry_s is not None and (not _is_number(self.storage_retry_s)
-                                                 or not 0 <= self.storage_retry_s <= 7 * 24 * 3600):
-            raise ValueError(f"ServiceConfig: storage_retry_s must be None or a number of seconds in [0, 604800], "
-                             f"got {self.storage_retry_s!r}")
+        if self.storage_retry_s is not None and (
+            not _is_number(self.storage_retry_s) or not 0 <= self.storage_retry_s <= 7 * 24 * 3600
+        ):
+            raise ValueError(
+                f"ServiceConfig: storage_retry_s must be None or a number of seconds in [0, 604800], "
+                f"got {self.storage_retry_s!r}"
+            )
         if self.read_path not in READ_PATHS:
             raise ValueError(f"ServiceConfig: read_path must be one of {list(READ_PATHS)}, got {self.read_path!r}")
-        for key, low, high in (("max_ahead", 1, 1_000_000), ("retain_behind", 0, 100_000),
-                               ("keep_checkpoints", 1, 10_000), ("replayers", 1, 64),
-                               ("lease_steps", 1, 1024),
-                               ("coordinator_max_restarts", -1, 1_000_000)):
+        for key, low, high in (
+            ("max_ahead", 1, 1_000_000),
+            ("retain_behind", 0, 100_000),
+            ("keep_checkpoints", 1, 10_000),
+            ("replayers", 1, 64),
+            ("lease_steps", 1, 1024),
+            ("coordinator_max_restarts", -1, 1_000_000),
+        ):
             check_int(f"ServiceConfig: {key}", getattr(self, key), low=low, high=high)
         if self.anchor_every is None:
             object.__setattr__(self, "anchor_every", 16 * self.checkpoint_every)
-        if isinstance(self.anchor_every, bool) or not isinstance(self.anchor_every, int) or self.anchor_every < 0 \
-                or self.anchor_every % self.checkpoint_every:
-            raise ValueError(f"ServiceConfig: anchor_every must be 0 or a positive multiple of checkpoint_every="
-                             f"{self.checkpoint_every}, got {self.anchor_every!r}")
+        if (
+            isinstance(self.anchor_every, bool)
+            or not isinstance(self.anchor_every, int)
+            or self.anchor_every < 0
+            or self.anchor_every % self.checkpoint_every
+        ):
+            raise ValueError(
+                f"ServiceConfig: anchor_every must be 0 or a positive multiple of checkpoint_every="
+                f"{self.checkpoint_every}, got {self.anchor_every!r}"
+            )
         if self.start_step is not None:
             check_int("ServiceConfig: start_step", self.start_step, low=0)
-        if self.materialized_dir is not None and (not isinstance(self.materialized_dir, str)
-                                                  or not self.materialized_dir):
-            raise ValueError(f"ServiceConfig: materialized_dir must be a non-empty path string, "
-                             f"got {self.materialized_dir!r}")
+        if self.materialized_dir is not None and (
+            not isinstance(self.materialized_dir, str) or not self.materialized_dir
+        ):
+            raise ValueError(
+                f"ServiceConfig: materialized_dir must be a non-empty path string, got {self.materialized_dir!r}"
+            )
         if self.aggregate_store is not None and self.aggregate_dir is not None:
             raise ValueError("ServiceConfig: set exactly one of aggregate_store and aggregate_dir, not both")
-        if self.aggregate_store is not None and self.aggregate_store != HOSTED_STORE \
-                and not _STORE_RE.match(self.aggregate_store):
-            raise ValueError(f"ServiceConfig: aggregate_store must be 'torch://' or 'torch://host:port', "
-                             f"got {self.aggregate_store!r}")
+        if (
+            self.aggregate_store is not None
+            and self.aggregate_store != HOSTED_STORE
+            and not _STORE_RE.match(self.aggregate_store)
+        ):
+            raise ValueError(
+                f"ServiceConfig: aggregate_store must be 'torch://' or 'torch://host:port', "
+                f"got {self.aggregate_store!r}"
+            )
         self.check_producers(self.producers)
 
     def check_producers(self, producers: int) -> None:
         """A multi-producer service checkpoints collectively: it needs a run_id and one aggregation point."""
         if producers > 1:
             if not self.run_id:
-                raise ValueError(f"ServiceConfig: producers={producers} (> 1) needs a run_id: Zephon's collective "
-                                 "checkpoint is keyed by it")
+                raise ValueError(
+                    f"ServiceConfig: producers={producers} (> 1) needs a run_id: Zephon's collective "
+                    "checkpoint is keyed by it"
+                )
             if (self.aggregate_store is None) == (self.aggregate_dir is None):
-                raise ValueError(f"ServiceConfig: producers={producers} (> 1) needs exactly one of aggregate_store "
-                                 "and aggregate_dir (or [aggregate] store/dir in the recipe)")
+                raise ValueError(
+                    f"ServiceConfig: producers={producers} (> 1) needs exactly one of aggregate_store "
+                    "and aggregate_dir (or [aggregate] store/dir in the recipe)"
+                )
 
     @classmethod
-    def build(cls, recipe: Recipe, **fields: Any) -> "ServiceConfig":
+    def build(cls, recipe: Recipe, **fields: Any) -> ServiceConfig:
         """Construct for ``recipe`` with the defaults a service needs to run any number of producers, applied
         *before* validation: an unset ``run_id`` is the service's name; unset aggregation comes from the recipe's
         ``[aggregate]`` table, else it is the TCPStore the coordinator hosts (``torch://``, created only once
@@ -231,7 +270,7 @@ class ServiceConfig:
                 fields["aggregate_store"] = HOSTED_STORE
         return cls(**fields).for_recipe(recipe)
 
-    def for_recipe(self, recipe: Recipe) -> "ServiceConfig":
+    def for_recipe(self, recipe: Recipe) -> ServiceConfig:
         """This config with the recipe's ``[aggregate]`` table filled in where unset, checked against the recipe.
         No I/O: ``materialized_dir`` is checked by ``DataService.start`` (see the module docstring)."""
         config = self
@@ -243,6 +282,8 @@ class ServiceConfig:
     def check_lanes(self, recipe: Recipe, producers: int) -> None:
         if recipe.lanes % producers:
             divisors = [d for d in range(1, recipe.lanes + 1) if recipe.lanes % d == 0]
-            raise ValueError(f"ServiceConfig: producers={producers} does not divide the recipe's {recipe.lanes} "
-                             f"lanes; choose one of {divisors}")
+            raise ValueError(
+                f"ServiceConfig: producers={producers} does not divide the recipe's {recipe.lanes} "
+                f"lanes; choose one of {divisors}"
+            )
         self.check_producers(producers)

@@ -16,8 +16,14 @@ from typing import Any
 from zephon_ray.errors import one_line
 from zephon_ray.formats.service_state import FingerprintMismatchError
 
-__all__ = ["FingerprintMismatchError", "ReadTimeoutError", "ReplyTimeoutError", "ServiceError", "ServiceNotFoundError",
-           "ShardsLostError"]
+__all__ = [
+    "FingerprintMismatchError",
+    "ReadTimeoutError",
+    "ReplyTimeoutError",
+    "ServiceError",
+    "ServiceNotFoundError",
+    "ShardsLostError",
+]
 
 
 class ServiceError(RuntimeError):
@@ -66,8 +72,11 @@ def describe(exc: BaseException) -> str:
     from ray.exceptions import RayError  # here: `zephon-ray inspect` imports this module and never Ray
 
     cause = exc
-    while isinstance(cause, RayError) and isinstance(getattr(cause, "cause", None), BaseException) \
-            and cause.cause is not cause:
+    while (
+        isinstance(cause, RayError)
+        and isinstance(getattr(cause, "cause", None), BaseException)
+        and cause.cause is not cause
+    ):
         cause = cause.cause
     try:
         last = traceback.format_exception_only(type(cause), cause)[-1]

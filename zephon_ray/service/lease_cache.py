@@ -54,7 +54,7 @@ class LeaseCache:
         self._replayed: list[int] = []  # replayed steps held, oldest first
 
     @classmethod
-    def for_window(cls, lanes: int, window: int, lease_steps: int) -> "LeaseCache":
+    def for_window(cls, lanes: int, window: int, lease_steps: int) -> LeaseCache:
         """The cap a service's readers use: two windows and leases' worth of live steps, plus the replays."""
         return cls(lanes, 2 * (window + lease_steps) + REPLAYS_KEPT)
 
@@ -101,7 +101,7 @@ class LeaseCache:
         for step in [s for s in self._held if s < self.keep_from and s not in keep]:
             del self._held[step]
         older = sorted(s for s in self._held if s not in filed)
-        for step in older[:max(0, len(self._held) - self.cap)]:
+        for step in older[: max(0, len(self._held) - self.cap)]:
             self._drop(step)
         return len(filed)
 

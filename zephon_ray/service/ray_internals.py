@@ -62,7 +62,7 @@ def bootstrap_address(address: str) -> str | None:
     """``host:port`` of the cluster ``address`` names (None: Ray would start a local one). Ray's own resolution,
     ``ray._private.services.canonicalize_bootstrap_address``; a ``ray://`` client address is returned as written."""
     if address.startswith("ray://"):
-        return address[len("ray://"):]
+        return address[len("ray://") :]
     from ray._private.services import canonicalize_bootstrap_address
 
     return canonicalize_bootstrap_address(address)

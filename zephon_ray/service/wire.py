@@ -39,6 +39,7 @@ from zephon_ray.errors import best_effort
 
 log = logging.getLogger("zephon_ray")
 
+
 class CursorMove(NamedTuple):
     """Rank ``rank`` of ``world`` of ``consumer`` took ``step``; it was last heard ``idle_s`` seconds before this
     move was sent (the receiver dates the move back by that much)."""
@@ -100,8 +101,9 @@ HELPER_INFIXES = (PRODUCER_INFIX, REPLAYER_INFIX, READER_INFIX)
 
 def check_consumer(consumer: Any) -> str:
     if not isinstance(consumer, str) or not consumer or len(consumer) > MAX_CONSUMER_NAME:
-        raise ValueError(f"consumer must be a non-empty string of at most {MAX_CONSUMER_NAME} characters, "
-                         f"got {consumer!r}")
+        raise ValueError(
+            f"consumer must be a non-empty string of at most {MAX_CONSUMER_NAME} characters, got {consumer!r}"
+        )
     return consumer
 
 
@@ -129,7 +131,7 @@ def expand(groups: int, values: dict[int, list[Any]], lanes: int) -> list[Any]:
     per = lanes // groups
     out: list[Any] = [None] * lanes
     for g, refs in values.items():
-        out[g * per:(g + 1) * per] = refs
+        out[g * per : (g + 1) * per] = refs
     return out
 
 

@@ -43,21 +43,49 @@ REQUEST_TIMEOUT_ENV = "ZEPHON_RAY_S3_REQUEST_TIMEOUT_S"
 RETRY_BUDGET_ENV = "ZEPHON_RAY_STORAGE_RETRY_S"
 
 WORKER_ENV_VARS = (
-    "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "S3_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION",
-    "AWS_ALLOW_HTTP", "AWS_VIRTUAL_HOSTED_STYLE_REQUEST", "AWS_S3_ADDRESSING_STYLE",
-    "ZEPHON_RAY_GCS_ENDPOINT", "STORAGE_EMULATOR_HOST", "GOOGLE_BASE_URL",
-    "AZURE_STORAGE_ACCOUNT_NAME", "ZEPHON_RAY_AZURE_ENDPOINT", "AZURE_STORAGE_USE_EMULATOR",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+    "S3_ENDPOINT_URL",
+    "AWS_REGION",
+    "AWS_DEFAULT_REGION",
+    "AWS_ALLOW_HTTP",
+    "AWS_VIRTUAL_HOSTED_STYLE_REQUEST",
+    "AWS_S3_ADDRESSING_STYLE",
+    "ZEPHON_RAY_GCS_ENDPOINT",
+    "STORAGE_EMULATOR_HOST",
+    "GOOGLE_BASE_URL",
+    "AZURE_STORAGE_ACCOUNT_NAME",
+    "ZEPHON_RAY_AZURE_ENDPOINT",
+    "AZURE_STORAGE_USE_EMULATOR",
     "AZURITE_BLOB_STORAGE_URL",
-    MAX_ATTEMPTS_ENV, CONNECT_TIMEOUT_ENV, REQUEST_TIMEOUT_ENV, RETRY_BUDGET_ENV,
+    MAX_ATTEMPTS_ENV,
+    CONNECT_TIMEOUT_ENV,
+    REQUEST_TIMEOUT_ENV,
+    RETRY_BUDGET_ENV,
 )
 """Storage settings that are safe to hand to a Ray job's workers (:func:`worker_environment`): endpoints, region,
 addressing style, account names, retry settings. No secret and no local path."""
-SECRET_ENV_VARS = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AZURE_STORAGE_ACCOUNT_KEY",
-                   "AZURE_STORAGE_SAS_TOKEN", "AZURE_CLIENT_SECRET", "GCS_KEY", "GCS_SECRET", "GOOGLE_BEARER_TOKEN",
-                   "GOOGLE_SERVICE_ACCOUNT_KEY")
+SECRET_ENV_VARS = (
+    "AWS_ACCESS_KEY_ID",
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+    "AZURE_CLIENT_SECRET",
+    "GCS_KEY",
+    "GCS_SECRET",
+    "GOOGLE_BEARER_TOKEN",
+    "GOOGLE_SERVICE_ACCOUNT_KEY",
+)
 """Credentials: never put in a ``runtime_env`` (Ray's job API shows it); the nodes bring their own."""
-LOCAL_ONLY_ENV_VARS = ("AWS_PROFILE", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CA_BUNDLE",
-                       "GOOGLE_APPLICATION_CREDENTIALS", "ZEPHON_RAY_SHARD_CACHE")
+LOCAL_ONLY_ENV_VARS = (
+    "AWS_PROFILE",
+    "AWS_CONFIG_FILE",
+    "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_CA_BUNDLE",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "ZEPHON_RAY_SHARD_CACHE",
+)
 """Names and paths that mean something on this machine only (a profile of its files, a file path)."""
 
 _EXPORTED: dict[str, str] = {}
@@ -72,8 +100,10 @@ def s3_endpoint() -> str | None:
     if zephon is not None and zephon == _EXPORTED.get(ZEPHON_ENDPOINT_ENV):
         zephon = None  # set by export_endpoint_for_zephon from the AWS variables, not by the user
     if aws and zephon and aws.rstrip("/") != zephon.rstrip("/"):
-        raise StorageError(f"the S3 endpoint is ambiguous: AWS_ENDPOINT_URL(_S3)={aws} but "
-                           f"{ZEPHON_ENDPOINT_ENV}={zephon}; set one of them")
+        raise StorageError(
+            f"the S3 endpoint is ambiguous: AWS_ENDPOINT_URL(_S3)={aws} but "
+            f"{ZEPHON_ENDPOINT_ENV}={zephon}; set one of them"
+        )
     return aws or zephon
 
 

@@ -46,7 +46,7 @@ class StorageError(OSError):
         return (_storage_error, (str(self), self.transient))
 
 
-def _storage_error(message: str, transient: bool) -> "StorageError":
+def _storage_error(message: str, transient: bool) -> StorageError:
     return StorageError(message, transient=transient)
 
 
@@ -68,21 +68,73 @@ def describe_error(exc: BaseException) -> str:
     return one_line(text, 300)
 
 
-_PERMANENT = ("NO_SUCH_BUCKET", "NoSuchBucket", "ACCESS_DENIED", "AccessDenied", "INVALID_ACCESS_KEY_ID",
-              "InvalidAccessKeyId", "SIGNATURE_DOES_NOT_MATCH", "SignatureDoesNotMatch", "AuthenticationFailed",
-              "AuthorizationFailure", "ContainerNotFound", "PERMISSION_DENIED", "UNAUTHENTICATED", "Forbidden")
-_TRANSIENT = ("NETWORK_CONNECTION", "SLOW_DOWN", "SlowDown", "Slow Down", "SERVICE_UNAVAILABLE", "ServiceUnavailable",
-              "INTERNAL_FAILURE", "InternalError", "THROTTLING", "Throttling", "RequestTimeout", "REQUEST_TIMEOUT",
-              "RequestTimeTooSkewed", "Connection reset", "connection reset", "Connection refused",
-              "connection refused", "Connection was reset", "timed out", "Timeout was reached", "Timeout",
-              "Couldn't connect", "Could not connect", "Failed to connect", "Recv failure", "Send failure",
-              "partial file", "Empty reply", "Server returned nothing", "UNAVAILABLE", "DEADLINE_EXCEEDED",
-              "ServerBusy", "OperationTimedOut", "cut short", "Broken pipe", "EOF", "Connection closed",
-              "connection closed", "TooManyRequests", "RESOURCE_EXHAUSTED", "Transferred a partial",
-              "tcp connect error", "error sending request", "cannot connect to the endpoint")
-_TRANSIENT_CODES = re.compile(r"(?:HTTP|http|status|response code|code|Code)[ :=]*(?:429|500|502|503|504)\b"
-                              r"|\b(?:429|500|502|503|504) (?:Service|Internal|Bad Gateway|Gateway|Slow|Too Many)"
-                              r"|curlCode: (?:6|7|18|28|35|52|55|56)\b")
+_PERMANENT = (
+    "NO_SUCH_BUCKET",
+    "NoSuchBucket",
+    "ACCESS_DENIED",
+    "AccessDenied",
+    "INVALID_ACCESS_KEY_ID",
+    "InvalidAccessKeyId",
+    "SIGNATURE_DOES_NOT_MATCH",
+    "SignatureDoesNotMatch",
+    "AuthenticationFailed",
+    "AuthorizationFailure",
+    "ContainerNotFound",
+    "PERMISSION_DENIED",
+    "UNAUTHENTICATED",
+    "Forbidden",
+)
+_TRANSIENT = (
+    "NETWORK_CONNECTION",
+    "SLOW_DOWN",
+    "SlowDown",
+    "Slow Down",
+    "SERVICE_UNAVAILABLE",
+    "ServiceUnavailable",
+    "INTERNAL_FAILURE",
+    "InternalError",
+    "THROTTLING",
+    "Throttling",
+    "RequestTimeout",
+    "REQUEST_TIMEOUT",
+    "RequestTimeTooSkewed",
+    "Connection reset",
+    "connection reset",
+    "Connection refused",
+    "connection refused",
+    "Connection was reset",
+    "timed out",
+    "Timeout was reached",
+    "Timeout",
+    "Couldn't connect",
+    "Could not connect",
+    "Failed to connect",
+    "Recv failure",
+    "Send failure",
+    "partial file",
+    "Empty reply",
+    "Server returned nothing",
+    "UNAVAILABLE",
+    "DEADLINE_EXCEEDED",
+    "ServerBusy",
+    "OperationTimedOut",
+    "cut short",
+    "Broken pipe",
+    "EOF",
+    "Connection closed",
+    "connection closed",
+    "TooManyRequests",
+    "RESOURCE_EXHAUSTED",
+    "Transferred a partial",
+    "tcp connect error",
+    "error sending request",
+    "cannot connect to the endpoint",
+)
+_TRANSIENT_CODES = re.compile(
+    r"(?:HTTP|http|status|response code|code|Code)[ :=]*(?:429|500|502|503|504)\b"
+    r"|\b(?:429|500|502|503|504) (?:Service|Internal|Bad Gateway|Gateway|Slow|Too Many)"
+    r"|curlCode: (?:6|7|18|28|35|52|55|56)\b"
+)
 
 
 def is_permanent_text(text: str) -> bool:

@@ -45,7 +45,7 @@ _FS_LOCK = threading.Lock()
 _FS_CACHE: dict[tuple, Any] = {}
 
 
-def resolve(value: "str | os.PathLike[str] | Location") -> Location:
+def resolve(value: str | os.PathLike[str] | Location) -> Location:
     """The :class:`Location` of a path or URI with its pyarrow filesystem attached."""
     loc = location(value)
     if loc.fs is None:
@@ -66,7 +66,7 @@ def clear_filesystem_cache() -> None:
         _FS_CACHE.clear()
 
 
-def ray_train_storage(value: "str | os.PathLike[str]") -> dict[str, Any]:
+def ray_train_storage(value: str | os.PathLike[str]) -> dict[str, Any]:
     """``RunConfig(**ray_train_storage("s3://bucket/runs"))``: Ray Train's ``storage_path`` plus the pyarrow
     filesystem of this package, so that Ray Train's checkpoints reach the same endpoint with the same credentials
     (pyarrow's own URI parsing ignores ``AWS_ENDPOINT_URL``). A local path is passed through."""
@@ -83,17 +83,27 @@ def _filesystem(scheme: str) -> Any:
         key: tuple = ("file",)
     elif scheme == "s3":
         endpoint = s3_endpoint()
-        key = ("s3", endpoint, os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
-               os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY"),
-               os.environ.get("AWS_SESSION_TOKEN"), os.environ.get("AWS_PROFILE"),
-               env_number(MAX_ATTEMPTS_ENV, DEFAULT_MAX_ATTEMPTS, 1, 100),
-               env_number(CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S, 0.1, 600),
-               env_number(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S, 0.1, 3600))
+        key = (
+            "s3",
+            endpoint,
+            os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION"),
+            os.environ.get("AWS_ACCESS_KEY_ID"),
+            os.environ.get("AWS_SECRET_ACCESS_KEY"),
+            os.environ.get("AWS_SESSION_TOKEN"),
+            os.environ.get("AWS_PROFILE"),
+            env_number(MAX_ATTEMPTS_ENV, DEFAULT_MAX_ATTEMPTS, 1, 100),
+            env_number(CONNECT_TIMEOUT_ENV, DEFAULT_CONNECT_TIMEOUT_S, 0.1, 600),
+            env_number(REQUEST_TIMEOUT_ENV, DEFAULT_REQUEST_TIMEOUT_S, 0.1, 3600),
+        )
     elif scheme == "gs":
         key = ("gs", gcs_endpoint(), os.environ.get("GOOGLE_APPLICATION_CREDENTIALS"))
     else:
-        key = ("az", os.environ.get("AZURE_STORAGE_ACCOUNT_NAME"), os.environ.get("AZURE_STORAGE_ACCOUNT_KEY"),
-               azure_endpoint())
+        key = (
+            "az",
+            os.environ.get("AZURE_STORAGE_ACCOUNT_NAME"),
+            os.environ.get("AZURE_STORAGE_ACCOUNT_KEY"),
+            azure_endpoint(),
+        )
     with _FS_LOCK:
         fs = _FS_CACHE.get(key)
         if fs is not None:
@@ -120,8 +130,11 @@ def _filesystem(scheme: str) -> Any:
             endpoint = key[1]
             if endpoint:  # an emulator or a private endpoint: Google's SDK convention, anonymous
                 scheme_part, sep, host = endpoint.partition("://")
-                fs = pafs.GcsFileSystem(anonymous=True, endpoint_override=host.rstrip("/") if sep else endpoint,
-                                        scheme=scheme_part if sep else "https")
+                fs = pafs.GcsFileSystem(
+                    anonymous=True,
+                    endpoint_override=host.rstrip("/") if sep else endpoint,
+                    scheme=scheme_part if sep else "https",
+                )
             else:
                 fs = pafs.GcsFileSystem()
         else:
@@ -135,8 +148,12 @@ def _filesystem(scheme: str) -> Any:
                 scheme_part, sep, host = endpoint.partition("://")
                 host = host.rstrip("/") if sep else endpoint
                 scheme_part = scheme_part if sep else "https"
-                kwargs.update(blob_storage_authority=host, blob_storage_scheme=scheme_part,
-                              dfs_storage_authority=host, dfs_storage_scheme=scheme_part)
+                kwargs.update(
+                    blob_storage_authority=host,
+                    blob_storage_scheme=scheme_part,
+                    dfs_storage_authority=host,
+                    dfs_storage_scheme=scheme_part,
+                )
             fs = pafs.AzureFileSystem(**kwargs)
         _FS_CACHE[key] = fs
         return fs

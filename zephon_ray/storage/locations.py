@@ -57,7 +57,7 @@ class Location:
     def name(self) -> str:
         return self.path.rstrip("/").rsplit("/", 1)[-1]
 
-    def join(self, *parts: str) -> "Location":
+    def join(self, *parts: str) -> Location:
         extra = "/".join(str(p).strip("/") for p in parts if str(p).strip("/"))
         if not extra:
             return self
@@ -66,11 +66,11 @@ class Location:
         joined = os.path.join(self.path, *extra.split("/"))
         return Location(joined, joined, self.scheme, self.fs)
 
-    def __truediv__(self, part: str) -> "Location":
+    def __truediv__(self, part: str) -> Location:
         return self.join(part)
 
     @property
-    def parent(self) -> "Location":
+    def parent(self) -> Location:
         if self.remote:
             if "/" not in self.path.rstrip("/"):
                 return self  # a bucket is its own parent
@@ -79,13 +79,13 @@ class Location:
         parent = os.path.dirname(self.path.rstrip("/")) or "/"
         return Location(parent, parent, self.scheme, self.fs)
 
-    def relative_to(self, other: "Location") -> str:
+    def relative_to(self, other: Location) -> str:
         base = other.path.rstrip("/") + "/"
         if not self.path.startswith(base):
             raise ValueError(f"{self.uri} is not under {other.uri}")
-        return self.path[len(base):]
+        return self.path[len(base) :]
 
-    def is_within(self, other: "Location") -> bool:
+    def is_within(self, other: Location) -> bool:
         """True when this location is ``other`` or lies under it (same store)."""
         if self.scheme != other.scheme:
             return False
@@ -106,7 +106,7 @@ class Location:
         return self.path
 
 
-def location(value: "str | os.PathLike[str] | Location", *, base: "str | os.PathLike[str] | None" = None) -> Location:
+def location(value: str | os.PathLike[str] | Location, *, base: str | os.PathLike[str] | None = None) -> Location:
     """Map a local path (absolute, or relative to ``base``/the working directory; ``~`` expanded) or an object-store
     URI to its :class:`Location`. Refuses other ``scheme://`` strings and empty values with one line."""
     if isinstance(value, Location):

@@ -47,7 +47,8 @@ import hashlib
 import json
 import os
 import tempfile
-from typing import Any, Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 from zephon_ray.storage.errors import DocumentError, StorageError, describe_error, is_permanent_text, is_transient
 from zephon_ray.storage.filesystems import resolve
@@ -62,7 +63,7 @@ _READ_CHUNK = 1 << 20
 
 
 # ---------------------------------------------------------------------------------------------- one remote call
-def _io(loc: Location, action: str, fn: "Callable[[], T]") -> T:
+def _io(loc: Location, action: str, fn: Callable[[], T]) -> T:
     """One remote operation on ``loc``: store errors mapped to one line (:func:`_errors`), transient ones retried."""
 
     def attempt() -> T:
@@ -91,8 +92,10 @@ def _errors(loc: Location, action: str) -> Iterator[None]:
             bucket = loc.path.split("/", 1)[0]
             raise StorageError(f"{loc.uri}: bucket {bucket!r} does not exist ({action})") from None
         if is_permanent_text(text):
-            raise StorageError(f"{loc.uri}: access denied ({action}); check the credentials "
-                               f"({_CREDENTIALS_HINT.get(loc.scheme, 'the store')}): {text}") from None
+            raise StorageError(
+                f"{loc.uri}: access denied ({action}); check the credentials "
+                f"({_CREDENTIALS_HINT.get(loc.scheme, 'the store')}): {text}"
+            ) from None
         raise StorageError(f"{loc.uri}: cannot {action}: {text}", transient=is_transient(exc)) from None
 
 
@@ -114,7 +117,7 @@ def _check_bucket(loc: Location) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- queries
-def exists(value: "str | os.PathLike[str] | Location") -> bool:
+def exists(value: str | os.PathLike[str] | Location) -> bool:
     """True when a file or a non-empty directory (object prefix) is there. A missing bucket is an error."""
     loc = resolve(value)
     if not loc.remote:
@@ -130,7 +133,7 @@ def exists(value: "str | os.PathLike[str] | Location") -> bool:
     return _io(loc, "look it up", look).type != pafs.FileType.NotFound
 
 
-def is_file(value: "str | os.PathLike[str] | Location") -> bool:
+def is_file(value: str | os.PathLike[str] | Location) -> bool:
     loc = resolve(value)
     if not loc.remote:
         return os.path.isfile(loc.path)
@@ -139,7 +142,7 @@ def is_file(value: "str | os.PathLike[str] | Location") -> bool:
     return _io(loc, "look it up", lambda: loc.fs.get_file_info(loc.path)).type == pafs.FileType.File
 
 
-def is_dir(value: "str | os.PathLike[str] | Location") -> bool:
+def is_dir(value: str | os.PathLike[str] | Location) -> bool:
     """Local: a directory. Object store: a prefix with at least one object under it (or a bucket that exists)."""
     loc = resolve(value)
     if not loc.remote:
@@ -149,7 +152,7 @@ def is_dir(value: "str | os.PathLike[str] | Location") -> bool:
     return _io(loc, "look it up", lambda: loc.fs.get_file_info(loc.path)).type == pafs.FileType.Directory
 
 
-def size(value: "str | os.PathLike[str] | Location") -> int | None:
+def size(value: str | os.PathLike[str] | Location) -> int | None:
     """The file's size in bytes, or None when there is no file."""
     loc = resolve(value)
     if not loc.remote:
@@ -166,37 +169,41 @@ def size(value: "str | os.PathLike[str] | Location") -> int | None:
     return info.size if info.type == pafs.FileType.File else None
 
 
-def listing(value: "str | os.PathLike[str] | Location", *, recursive: bool = False) -> dict[str, int]:
+def listing(value: str | os.PathLike[str] | Location, *, recursive: bool = False) -> dict[str, int]:
     """``{name relative to the directory: size}`` of the files under it (directly in it unless ``recursive``),
     sorted by name; ``{}`` for a directory that does not exist. Directory markers are left out."""
     loc = resolve(value)
     import pyarrow.fs as pafs
 
-    infos = _io(loc, "list it",
-                lambda: loc.fs.get_file_info(pafs.FileSelector(loc.path, allow_not_found=True, recursive=recursive)))
+    infos = _io(
+        loc,
+        "list it",
+        lambda: loc.fs.get_file_info(pafs.FileSelector(loc.path, allow_not_found=True, recursive=recursive)),
+    )
     base = loc.path.rstrip("/") + "/"
     out = {}
     for info in infos:
         if info.type != pafs.FileType.File or not info.path.startswith(base):
             continue
-        out[info.path[len(base):]] = int(info.size)
+        out[info.path[len(base) :]] = int(info.size)
     return dict(sorted(out.items()))
 
 
-def entries(value: "str | os.PathLike[str] | Location") -> list[str]:
+def entries(value: str | os.PathLike[str] | Location) -> list[str]:
     """Names directly under a directory (files and subdirectories; an object store's common prefixes), sorted;
     ``[]`` when it does not exist."""
     loc = resolve(value)
     import pyarrow.fs as pafs
 
-    infos = _io(loc, "list it",
-                lambda: loc.fs.get_file_info(pafs.FileSelector(loc.path, allow_not_found=True, recursive=False)))
+    infos = _io(
+        loc, "list it", lambda: loc.fs.get_file_info(pafs.FileSelector(loc.path, allow_not_found=True, recursive=False))
+    )
     base = loc.path.rstrip("/") + "/"
-    return sorted({i.path[len(base):].strip("/") for i in infos if i.path.startswith(base)} - {""})
+    return sorted({i.path[len(base) :].strip("/") for i in infos if i.path.startswith(base)} - {""})
 
 
 # ---------------------------------------------------------------------------------------------- reads
-def read_bytes(value: "str | os.PathLike[str] | Location", *, limit: int | None = None) -> bytes:
+def read_bytes(value: str | os.PathLike[str] | Location, *, limit: int | None = None) -> bytes:
     """The whole file. ``FileNotFoundError`` (naming it) when absent; :class:`StorageError` for anything else;
     ``limit`` bounds the size read (a larger file is refused before it is read)."""
     loc = resolve(value)
@@ -236,15 +243,21 @@ def read_bytes(value: "str | os.PathLike[str] | Location", *, limit: int | None 
     return _io(loc, "read it", read)
 
 
-def open_input_file(value: "str | os.PathLike[str] | Location") -> Any:
+def open_input_file(value: str | os.PathLike[str] | Location) -> Any:
     """A random-access pyarrow file (for Parquet footers and row groups: ranged reads on an object store)."""
     loc = resolve(value)
     return _io(loc, "open it", lambda: loc.fs.open_input_file(loc.path))
 
 
-def read_json(value: "str | os.PathLike[str] | Location", *, expect_format: str | None = None,
-              format_key: str = "format", error: type[Exception] = DocumentError, what: str = "file",
-              missing_hint: str = "") -> Any:
+def read_json(
+    value: str | os.PathLike[str] | Location,
+    *,
+    expect_format: str | None = None,
+    format_key: str = "format",
+    error: type[Exception] = DocumentError,
+    what: str = "file",
+    missing_hint: str = "",
+) -> Any:
     """A versioned JSON document, or ONE ``error`` naming the file: missing, unreadable, not JSON, or (with
     ``expect_format``) not a table whose ``format_key`` is ``expect_format``."""
     loc = resolve(value)
@@ -265,7 +278,7 @@ def read_json(value: "str | os.PathLike[str] | Location", *, expect_format: str 
     return doc
 
 
-def sha256_file(path: "str | os.PathLike[str]") -> str:
+def sha256_file(path: str | os.PathLike[str]) -> str:
     """sha256 of a local file's bytes (the fast path for many shards: no location parsing)."""
     h = hashlib.sha256()
     with open(path, "rb") as fh:
@@ -274,7 +287,7 @@ def sha256_file(path: "str | os.PathLike[str]") -> str:
     return h.hexdigest()
 
 
-def sha256(value: "str | os.PathLike[str] | Location") -> str:
+def sha256(value: str | os.PathLike[str] | Location) -> str:
     """sha256 of the file's bytes (streamed; an object is downloaded once)."""
     loc = resolve(value)
     if not loc.remote:
@@ -307,7 +320,7 @@ def json_bytes(obj: Any, *, compact: bool = False) -> bytes:
     return (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
 
 
-def fsync_dir(path: "str | os.PathLike[str]") -> None:
+def fsync_dir(path: str | os.PathLike[str]) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -315,7 +328,7 @@ def fsync_dir(path: "str | os.PathLike[str]") -> None:
         os.close(fd)
 
 
-def make_dirs(value: "str | os.PathLike[str] | Location") -> None:
+def make_dirs(value: str | os.PathLike[str] | Location) -> None:
     """Create a local directory (and parents). Object stores have no directories: nothing is written."""
     loc = resolve(value)
     if not loc.remote:
@@ -327,7 +340,7 @@ def make_dirs(value: "str | os.PathLike[str] | Location") -> None:
             raise StorageError(f"{loc.uri}: permission denied (create directory): {exc.strerror}") from None
 
 
-def write_atomic(value: "str | os.PathLike[str] | Location", data: bytes) -> None:
+def write_atomic(value: str | os.PathLike[str] | Location, data: bytes) -> None:
     """Replace the file with ``data`` so that a reader sees the old content or the new, never a mix (see the
     module docstring for what that means on an object store)."""
     loc = resolve(value)
@@ -346,6 +359,7 @@ def write_atomic(value: "str | os.PathLike[str] | Location", data: bytes) -> Non
             raise
         fsync_dir(loc.parent.path)
         return
+
     def write() -> None:
         with loc.fs.open_output_stream(loc.path) as fh:  # one object: visible whole when the upload completes
             fh.write(data)
@@ -353,11 +367,11 @@ def write_atomic(value: "str | os.PathLike[str] | Location", data: bytes) -> Non
     _io(loc, "write it", write)  # a PUT of the whole object: safe to repeat
 
 
-def write_json(value: "str | os.PathLike[str] | Location", obj: Any, *, compact: bool = False) -> None:
+def write_json(value: str | os.PathLike[str] | Location, obj: Any, *, compact: bool = False) -> None:
     write_atomic(value, json_bytes(obj, compact=compact))
 
 
-def upload(local_file: "str | os.PathLike[str]", value: "str | os.PathLike[str] | Location") -> None:
+def upload(local_file: str | os.PathLike[str], value: str | os.PathLike[str] | Location) -> None:
     """Commit a finished local file (a spool) at ``value``: a rename on a local filesystem (same directory tree
     expected; else a copy then rename), one upload to an object store. The local file is consumed."""
     loc = resolve(value)
@@ -379,6 +393,7 @@ def upload(local_file: "str | os.PathLike[str]", value: "str | os.PathLike[str] 
             os.unlink(local_file)
         fsync_dir(loc.parent.path)
         return
+
     def put() -> None:
         with open(local_file, "rb") as src, loc.fs.open_output_stream(loc.path) as dst:
             while chunk := src.read(8 * _READ_CHUNK):
@@ -388,7 +403,7 @@ def upload(local_file: "str | os.PathLike[str]", value: "str | os.PathLike[str] 
     os.unlink(local_file)
 
 
-def spool_path(value: "str | os.PathLike[str] | Location") -> str:
+def spool_path(value: str | os.PathLike[str] | Location) -> str:
     """A new, empty local temp file for ``value``'s content, to be committed with :func:`upload` (or removed).
     Local targets spool in their own directory (so the commit is a rename, and a crash leaves a ``.tmp-*`` file
     next to it), remote ones in the system temp directory."""
@@ -404,7 +419,7 @@ def spool_path(value: "str | os.PathLike[str] | Location") -> str:
 
 
 @contextlib.contextmanager
-def spool(value: "str | os.PathLike[str] | Location") -> Iterator[str]:
+def spool(value: str | os.PathLike[str] | Location) -> Iterator[str]:
     """A local temp file (:func:`spool_path`) to write ``value``'s content into; committed with :func:`upload` when
     the block ends without an exception, removed otherwise."""
     loc = resolve(value)
@@ -417,7 +432,7 @@ def spool(value: "str | os.PathLike[str] | Location") -> Iterator[str]:
             os.unlink(tmp)
 
 
-def delete(value: "str | os.PathLike[str] | Location") -> None:
+def delete(value: str | os.PathLike[str] | Location) -> None:
     """Remove one file; absent is fine."""
     loc = resolve(value)
     if not loc.remote:
@@ -433,7 +448,7 @@ def delete(value: "str | os.PathLike[str] | Location") -> None:
     _io(loc, "delete it", remove)
 
 
-def delete_tree(value: "str | os.PathLike[str] | Location") -> None:
+def delete_tree(value: str | os.PathLike[str] | Location) -> None:
     """Remove a directory (object prefix) and everything under it; absent is fine. Not atomic on object stores."""
     loc = resolve(value)
     if not loc.remote:

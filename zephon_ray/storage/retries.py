@@ -28,7 +28,8 @@ import logging
 import random
 import threading
 import time
-from typing import Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from zephon_ray.errors import one_line
 from zephon_ray.storage.environment import RETRY_BUDGET_ENV, env_number
@@ -83,13 +84,19 @@ def set_retry_budget(seconds: float | None) -> None:
         _BUDGET_OVERRIDE.clear()
         return
     if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or not 0 <= seconds <= MAX_RETRY_BUDGET_S:
-        raise StorageError(f"storage retry budget must be a number of seconds in [0, {MAX_RETRY_BUDGET_S:g}], "
-                           f"got {seconds!r}")
+        raise StorageError(
+            f"storage retry budget must be a number of seconds in [0, {MAX_RETRY_BUDGET_S:g}], got {seconds!r}"
+        )
     _BUDGET_OVERRIDE[:] = [float(seconds)]
 
 
-def retry(fn: "Callable[[], T]", what: str, *, budget_s: float | None = None,
-          on_retry: "Callable[[BaseException], None] | None" = None) -> T:
+def retry(
+    fn: Callable[[], T],
+    what: str,
+    *,
+    budget_s: float | None = None,
+    on_retry: Callable[[BaseException], None] | None = None,
+) -> T:
     """``fn()``, called again while it raises a transient fault (:func:`is_transient`), with capped exponential
     backoff and jitter, for at most ``budget_s`` (default :func:`retry_budget_s`) seconds. A permanent fault is
     raised at once, unchanged; a budget spent raises one :class:`StorageError` naming ``what`` and the last cause.
@@ -101,18 +108,19 @@ def retry(fn: "Callable[[], T]", what: str, *, budget_s: float | None = None,
     while True:
         try:
             result = fn()
-        except BaseException as exc:  # noqa: BLE001 - classified below; anything not transient propagates as is
+        except BaseException as exc:
             if not isinstance(exc, Exception) or not is_transient(exc):
                 raise
             now = time.monotonic()
             waited = now - t0
-            delay = min(RETRY_CAP_S, RETRY_FIRST_S * 2 ** attempt) * random.uniform(0.5, 1.0)
+            delay = min(RETRY_CAP_S, RETRY_FIRST_S * 2**attempt) * random.uniform(0.5, 1.0)
             if waited + delay > budget:
                 RETRY_STATS["gave_up"] += 1
                 RETRY_STATS["longest_wait_s"] = max(RETRY_STATS["longest_wait_s"], waited)
                 cause = _with(what, exc)
-                raise StorageError(f"{cause} (still failing after {waited:.0f}s {GAVE_UP} "
-                                   f"{budget:g}s, {RETRY_BUDGET_ENV})") from None
+                raise StorageError(
+                    f"{cause} (still failing after {waited:.0f}s {GAVE_UP} {budget:g}s, {RETRY_BUDGET_ENV})"
+                ) from None
             if attempt == 0:
                 RETRY_STATS["retried_calls"] += 1
                 log.warning("storage: %s; retrying for up to %gs", _with(what, exc), budget)

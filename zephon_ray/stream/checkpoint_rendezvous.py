@@ -56,7 +56,7 @@ def store_address(store: str) -> tuple[str, int]:
     """``torch://`` -> (MASTER_ADDR, MASTER_PORT); ``torch://host:port`` -> (host, port). ValueError otherwise."""
     if not store.startswith(TORCH_SCHEME):
         raise ValueError(f"aggregate_store {store!r}: only '{TORCH_SCHEME}' or '{TORCH_SCHEME}host:port' is supported")
-    rest = store[len(TORCH_SCHEME):]
+    rest = store[len(TORCH_SCHEME) :]
     if not rest:
         host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
         if not host or not port:

@@ -31,8 +31,9 @@ class DatasetSlices(PrefetchedSlices):
 
     reraise = (MaterializedError,)  # names the directory and the step range already
 
-    def __init__(self, recipe: Recipe, directory: str, *, rank: int, world: int, depth: int,
-                 source_ids: bool = False) -> None:
+    def __init__(
+        self, recipe: Recipe, directory: str, *, rank: int, world: int, depth: int, source_ids: bool = False
+    ) -> None:
         super().__init__(rank=rank, world=world, depth=depth, name="dataset")
         self.source = MaterializedSource(directory, recipe=recipe)
         self.recipe = self.source.recipe

@@ -89,23 +89,37 @@ class FtMembershipError(ValueError):
     """The quorum's participant count cannot share the global batch; raised before the step runs."""
 
 
-def ft_shape(recipe: Recipe, participants: int, *, dp: int = 1, local_batch_size: int = 0, microbatches: int = 0,
-             pad: bool = False) -> StepShape:
+def ft_shape(
+    recipe: Recipe,
+    participants: int,
+    *,
+    dp: int = 1,
+    local_batch_size: int = 0,
+    microbatches: int = 0,
+    pad: bool = False,
+) -> StepShape:
     """How P = ``participants`` groups of ``dp`` readers cut a step; :class:`~zephon_ray.stream.geometry.
     TrainerMismatchError` (a ValueError) when they cannot. With ``microbatches`` (a fixed count per step) every
     reader's rows are padded to that many microbatches of ``ceil(ceil(B/(P·dp)) / microbatches)`` rows; with
     ``local_batch_size`` and ``pad``, to a multiple of ``local_batch_size``."""
     world = participants * dp
     if not microbatches:
-        return check_geometry(recipe, global_batch_size=None, local_batch_size=local_batch_size,
-                              dp_world_size=world, seq_len=None, pad=pad)
+        return check_geometry(
+            recipe,
+            global_batch_size=None,
+            local_batch_size=local_batch_size,
+            dp_world_size=world,
+            seq_len=None,
+            pad=pad,
+        )
     shape = check_geometry(recipe, global_batch_size=None, local_batch_size=0, dp_world_size=world, seq_len=None)
     rows = -(-padded_rows(recipe.global_batch_rows, world) // microbatches)
     return replace(shape, local_batch_size=rows, padded_to=rows * microbatches)
 
 
-def supported_participants(recipe: Recipe, *, dp: int = 1, local_batch_size: int = 0, microbatches: int = 0,
-                           pad: bool = False) -> list[int]:
+def supported_participants(
+    recipe: Recipe, *, dp: int = 1, local_batch_size: int = 0, microbatches: int = 0, pad: bool = False
+) -> list[int]:
     """The participant counts P for which P·dp readers can share the recipe's B rows: every P with P·dp <= B, less
     those whose rows ``local_batch_size`` cannot cut without padding (see :func:`ft_shape`)."""
     out = []
@@ -144,14 +158,26 @@ class FtSlices:
     (:class:`~zephon_ray.stream.ledger_recorder.FtLedger`). See the module docstring for the guarantee and its
     limits."""
 
-    def __init__(self, config: LoaderConfig, *, manager: Any, dp: int = 1, dp_rank: int = 0,
-                 local_batch_size: int = 0, microbatches: int = 0, recipe: Recipe | None = None,
-                 ledger_flush_records: int = FLUSH_RECORDS, ledger_flush_seconds: float = FLUSH_SECONDS) -> None:
+    def __init__(
+        self,
+        config: LoaderConfig,
+        *,
+        manager: Any,
+        dp: int = 1,
+        dp_rank: int = 0,
+        local_batch_size: int = 0,
+        microbatches: int = 0,
+        recipe: Recipe | None = None,
+        ledger_flush_records: int = FLUSH_RECORDS,
+        ledger_flush_seconds: float = FLUSH_SECONDS,
+    ) -> None:
         if not isinstance(config, LoaderConfig):
             raise TypeError(f"FtSlices: expected a LoaderConfig, got {type(config).__name__}")
         if config.mode not in FT_MODES:
-            raise ValueError(f"FtSlices: mode {config.mode!r} is not supported; use one of {FT_MODES} (local mode "
-                             "ties a reader to its lanes' Zephon state: see zephon_ray.stream.ft)")
+            raise ValueError(
+                f"FtSlices: mode {config.mode!r} is not supported; use one of {FT_MODES} (local mode "
+                "ties a reader to its lanes' Zephon state: see zephon_ray.stream.ft)"
+            )
         for name in ("current_step", "num_participants", "participating_rank"):
             if not callable(getattr(manager, name, None)):
                 raise TypeError(f"FtSlices: 'manager' has no {name}() (expected a torchft Manager)")
@@ -165,12 +191,19 @@ class FtSlices:
         self.recipe = self.base_recipe
         """The run's schedule: the recipe file's plus the run-time phases its state or its stream carries."""
         self.pad = config.pad_slices
-        self.supported = supported_participants(self.recipe, dp=self.dp, local_batch_size=self.local_batch_size,
-                                                microbatches=self.microbatches, pad=self.pad)
+        self.supported = supported_participants(
+            self.recipe,
+            dp=self.dp,
+            local_batch_size=self.local_batch_size,
+            microbatches=self.microbatches,
+            pad=self.pad,
+        )
         if not self.supported:
-            raise ValueError(f"FtSlices: no participant count works for dp {dp} and local_batch_size "
-                             f"{local_batch_size} with the recipe's global batch of {self.recipe.global_batch_rows} "
-                             f"rows ({self.recipe.describe()}); set pad_slices = true")
+            raise ValueError(
+                f"FtSlices: no participant count works for dp {dp} and local_batch_size "
+                f"{local_batch_size} with the recipe's global batch of {self.recipe.global_batch_rows} "
+                f"rows ({self.recipe.describe()}); set pad_slices = true"
+            )
         self._streams: OrderedDict[tuple[int, int], PrefetchedSlices] = OrderedDict()
         self._active: tuple[int, int] | None = None
         self._last: StepBatch | None = None
@@ -185,11 +218,14 @@ class FtSlices:
         self.ledger: FtLedger | None = None
         """With ``config.ledger_dir``: this reader's records (see :meth:`commit`, :meth:`state_dict`)."""
         if config.ledger_dir:
-            self.ledger = FtLedger(run_id=config.run_id or "", fingerprint=self.recipe.fingerprint,
-                                   ledger_dir=config.ledger_dir, schedule=self._ledger_schedule,
-                                   flush_records=check_int("FtSlices: ledger_flush_records", ledger_flush_records,
-                                                           low=1),
-                                   flush_seconds=float(ledger_flush_seconds))
+            self.ledger = FtLedger(
+                run_id=config.run_id or "",
+                fingerprint=self.recipe.fingerprint,
+                ledger_dir=config.ledger_dir,
+                schedule=self._ledger_schedule,
+                flush_records=check_int("FtSlices: ledger_flush_records", ledger_flush_records, low=1),
+                flush_seconds=float(ledger_flush_seconds),
+            )
 
     # ------------------------------------------------------------------ the step
     def membership(self) -> tuple[int, int, int] | None:
@@ -207,7 +243,8 @@ class FtSlices:
                 f"step {step}: a quorum of {participants} participants x dp {self.dp} = {participants * self.dp} "
                 f"readers cannot share the recipe's global batch of {self.recipe.global_batch_rows} rows "
                 f"({self.recipe.describe()}); it supports {_ranges(self.supported)} participants (zephon-ray "
-                "validate); the step was not run")
+                "validate); the step was not run"
+            )
         return step, int(p) * self.dp + self.dp_rank, participants * self.dp
 
     def next(self, timeout: float = GET_TIMEOUT_S, *, placeholder: bool = False) -> StepBatch | None:
@@ -221,8 +258,10 @@ class FtSlices:
         if key is None and placeholder:
             participants = int(self.manager.num_participants())
             if participants not in self.supported:
-                raise FtMembershipError(f"step {self.manager.current_step()}: a quorum of {participants} "
-                                        f"participants; this recipe supports {_ranges(self.supported)}")
+                raise FtMembershipError(
+                    f"step {self.manager.current_step()}: a quorum of {participants} "
+                    f"participants; this recipe supports {_ranges(self.supported)}"
+                )
             key = (int(self.manager.current_step()), self.dp_rank, participants * self.dp)
         if key is None:
             self.check_seconds.append(time.perf_counter() - t0)
@@ -296,17 +335,26 @@ class FtSlices:
         (torchft heals a group from a peer: the step is the data state, the head is the ledger's)."""
         ledger = self.ledger
         step = 0 if ledger is None else int(ledger.next_step or 0)
-        return make_state(run_id=self.config.run_id,
-                          fingerprint=self.recipe.history_fingerprint(self.recipe.data_next(step)),
-                          next_step=step, zephon=None, ledger="" if ledger is None else ledger.head,
-                          schedule=schedule_of(self.recipe, self.base_recipe))
+        return make_state(
+            run_id=self.config.run_id,
+            fingerprint=self.recipe.history_fingerprint(self.recipe.data_next(step)),
+            next_step=step,
+            zephon=None,
+            ledger="" if ledger is None else ledger.head,
+            schedule=schedule_of(self.recipe, self.base_recipe),
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue a peer's (or a checkpoint's) state: another run's or recipe's state is one
         :class:`~zephon_ray.formats.loader_state.LoaderStateError` naming the key."""
         base = self.base_recipe
-        step = check_state(state, run_id=self.config.run_id, fingerprint=base.fingerprint, recipe=base,
-                           recipe_name=str(base.path or "<recipe>"))
+        step = check_state(
+            state,
+            run_id=self.config.run_id,
+            fingerprint=base.fingerprint,
+            recipe=base,
+            recipe_name=str(base.path or "<recipe>"),
+        )
         recipe = run_recipe(state, base)
         if recipe.fingerprint != self.recipe.fingerprint:  # streams made under the old schedule go
             self.close()
@@ -315,8 +363,14 @@ class FtSlices:
             self.ledger.resume(state[KEY_LEDGER], step)
 
     def _batch(self, piece: Any, step: int) -> StepBatch:
-        shape = ft_shape(self.recipe, piece.world // self.dp, dp=self.dp, local_batch_size=self.local_batch_size,
-                         microbatches=self.microbatches, pad=self.pad)
+        shape = ft_shape(
+            self.recipe,
+            piece.world // self.dp,
+            dp=self.dp,
+            local_batch_size=self.local_batch_size,
+            microbatches=self.microbatches,
+            pad=self.pad,
+        )
         rows = shape.microbatch_rows(piece.rank)
         return StepBatch(step, piece, list(piece.microbatches(rows, pad_to=shape.padded_to)))
 
@@ -344,14 +398,22 @@ class FtSlices:
         if cfg.mode == "dataset":
             from zephon_ray.stream.dataset import DatasetSlices
 
-            stream: DatasetSlices | ServiceSlices = DatasetSlices(self.recipe, cast(str, cfg.dataset_dir), rank=rank,
-                                                                  world=world, depth=cfg.prefetch)
+            stream: DatasetSlices | ServiceSlices = DatasetSlices(
+                self.recipe, cast(str, cfg.dataset_dir), rank=rank, world=world, depth=cfg.prefetch
+            )
         else:
             from zephon_ray.stream.service import ServiceSlices
 
-            stream = ServiceSlices(self.recipe, rank=rank, world=world, name=cfg.service_name,
-                                   namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch,
-                                   base=self.base_recipe)
+            stream = ServiceSlices(
+                self.recipe,
+                rank=rank,
+                world=world,
+                name=cfg.service_name,
+                namespace=cfg.service_namespace,
+                run_id=cfg.run_id,
+                depth=cfg.prefetch,
+                base=self.base_recipe,
+            )
         self.recipe = stream.recipe  # the stream's schedule: ours plus the run-time phases it runs under
         return stream
 
@@ -365,7 +427,7 @@ class FtSlices:
             with best_effort(log, "best effort at shutdown"):
                 stream.close()
 
-    def __enter__(self) -> "FtSlices":
+    def __enter__(self) -> FtSlices:
         return self
 
     def __exit__(self, *exc: object) -> None:

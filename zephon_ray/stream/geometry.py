@@ -72,8 +72,15 @@ class StepShape:
         return self.global_rows if self.padded_to is None else self.padded_to * self.world
 
 
-def check_geometry(recipe: Recipe, *, global_batch_size: int | None, local_batch_size: int, dp_world_size: int,
-                   seq_len: int | None, pad: bool = False) -> StepShape:
+def check_geometry(
+    recipe: Recipe,
+    *,
+    global_batch_size: int | None,
+    local_batch_size: int,
+    dp_world_size: int,
+    seq_len: int | None,
+    pad: bool = False,
+) -> StepShape:
     """The :class:`StepShape` of W = ``dp_world_size`` readers, or raise :class:`TrainerMismatchError`.
 
     ``global_batch_size``: the trainer's ``training.global_batch_size`` (``-1``: derived as ``local_batch_size *
@@ -85,8 +92,10 @@ def check_geometry(recipe: Recipe, *, global_batch_size: int | None, local_batch
     if seq_len is not None:
         check_seq_len(recipe, seq_len)
     if world < 1 or world > B:
-        raise TrainerMismatchError(f"a data-parallel degree of {world} does not fit the recipe's global batch of {B} "
-                                   f"rows ({where}): each of at most {B} readers needs at least one row")
+        raise TrainerMismatchError(
+            f"a data-parallel degree of {world} does not fit the recipe's global batch of {B} "
+            f"rows ({where}): each of at most {B} readers needs at least one row"
+        )
     if lbs < 0:
         raise TrainerMismatchError(f"local_batch_size must be >= 0 (0: one microbatch per step), got {lbs}")
     shape = StepShape(B, world, lbs, padded_rows(B, world, lbs or 1) if pad else None)
@@ -96,31 +105,43 @@ def check_geometry(recipe: Recipe, *, global_batch_size: int | None, local_batch
         raise TrainerMismatchError(
             f"local_batch_size {lbs} does not divide every reader's share of the recipe's global batch of {B} rows "
             f"over {world} readers ({sizes}; {where}); use a local_batch_size dividing it, or pad slices to equal "
-            f"shapes (pad_slices = true: {padded_rows(B, world, lbs)} rows per reader)")
+            f"shapes (pad_slices = true: {padded_rows(B, world, lbs)} rows per reader)"
+        )
     if global_batch_size is None:
         return shape
     if shape.padded_to is None and low != high:
         raise TrainerMismatchError(
             f"{world} readers hold {low} or {high} rows of the recipe's global batch of {B} rows ({where}), but a "
             "trainer with a global batch size needs the same microbatch count on every reader: pad slices to equal "
-            f"shapes (pad_slices = true)")
+            f"shapes (pad_slices = true)"
+        )
     derived = global_batch_size == TRAINER_DERIVES_GLOBAL_BATCH
     trainer_batch = (lbs or shape.microbatch_rows(0)) * world if derived else int(global_batch_size)
     if trainer_batch != shape.trainer_batch:
-        how = (f" (training.global_batch_size is -1, so the trainer uses local_batch_size {lbs} x dp {world})"
-               if derived else "")
-        padding = (f" = {B} rows + {shape.padding_rows} padding rows ({shape.padded_to} per reader, labels ignored)"
-                   if shape.padding_rows else "")
-        raise TrainerMismatchError(f"the trainer's global batch {trainer_batch}{how} differs from the recipe's "
-                                   f"global batch of {B} rows at dp {world} ({where}); set "
-                                   f"training.global_batch_size = {shape.trainer_batch}{padding}")
+        how = (
+            f" (training.global_batch_size is -1, so the trainer uses local_batch_size {lbs} x dp {world})"
+            if derived
+            else ""
+        )
+        padding = (
+            f" = {B} rows + {shape.padding_rows} padding rows ({shape.padded_to} per reader, labels ignored)"
+            if shape.padding_rows
+            else ""
+        )
+        raise TrainerMismatchError(
+            f"the trainer's global batch {trainer_batch}{how} differs from the recipe's "
+            f"global batch of {B} rows at dp {world} ({where}); set "
+            f"training.global_batch_size = {shape.trainer_batch}{padding}"
+        )
     return shape
 
 
 def check_seq_len(recipe: Recipe, seq_len: int) -> None:
     if int(seq_len) != recipe.seq_len:
-        raise TrainerMismatchError(f"training.seq_len {seq_len} differs from the recipe's seq_len {recipe.seq_len} "
-                                   f"(recipe {recipe.describe()}); set training.seq_len = {recipe.seq_len}")
+        raise TrainerMismatchError(
+            f"training.seq_len {seq_len} differs from the recipe's seq_len {recipe.seq_len} "
+            f"(recipe {recipe.describe()}); set training.seq_len = {recipe.seq_len}"
+        )
 
 
 def check_global_batch_setting(recipe: Recipe, global_batch_size: int) -> None:
@@ -131,4 +152,5 @@ def check_global_batch_setting(recipe: Recipe, global_batch_size: int) -> None:
         raise TrainerMismatchError(
             f"training.global_batch_size {global_batch_size} is smaller than the recipe's global batch of {B} rows "
             f"(recipe {recipe.describe()}); one optimizer step must be one global batch: set "
-            f"training.global_batch_size = {B} (or B plus padding rows at a dp degree that does not divide it)")
+            f"training.global_batch_size = {B} (or B plus padding rows at a dp degree that does not divide it)"
+        )

@@ -42,8 +42,16 @@ class LedgerRecorder:
     and at most ``compact_every`` saves' loose parts, not one file per rank per save. A compaction that fails is logged and
     tried again at the next interval: the parts it left are still read."""
 
-    def __init__(self, *, run_id: str, fingerprint: str, rank: int, world: int, ledger_dir: str | None,
-                 compact_every: int = COMPACT_EVERY) -> None:
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        fingerprint: str,
+        rank: int,
+        world: int,
+        ledger_dir: str | None,
+        compact_every: int = COMPACT_EVERY,
+    ) -> None:
         self.run_id, self.fingerprint, self.rank, self.world = run_id, fingerprint, rank, world
         self.ledger_dir = ledger_dir
         self.compact_every = compact_every
@@ -64,8 +72,10 @@ class LedgerRecorder:
         entry = self._pending.get(step)
         if entry is None:
             handed = f"[{self._first}, {self._first + len(self._pending)})" if self._pending else "none"
-            raise ValueError(f"commit: step {step} was not handed out by this loader since its last save (steps "
-                             f"handed out: {handed})")
+            raise ValueError(
+                f"commit: step {step} was not handed out by this loader since its last save (steps "
+                f"handed out: {handed})"
+            )
         self._confirms = True
         entry[2] += 1
 
@@ -80,17 +90,39 @@ class LedgerRecorder:
         if next_step == self._first:
             return self.head
         schedule = ledger.schedule_record(recipe, next_step)
-        segment = ledger.segment_id(run_id=self.run_id, fingerprint=self.fingerprint, parent=self.head,
-                                    first_step=self._first, next_step=next_step, world=self.world,
-                                    resumed=self._resumed, schedule=schedule)
+        segment = ledger.segment_id(
+            run_id=self.run_id,
+            fingerprint=self.fingerprint,
+            parent=self.head,
+            first_step=self._first,
+            next_step=next_step,
+            world=self.world,
+            resumed=self._resumed,
+            schedule=schedule,
+        )
         if self.ledger_dir:
-            records = [ledger.Record(step, self.world, self.rank, digest, attempt,
-                                     trained if self._confirms else max(trained, 1))
-                       for step, (digest, attempt, trained) in sorted(self._pending.items())]
-            ledger.write_part(self.ledger_dir, ledger.make_part(
-                run_id=self.run_id, fingerprint=self.fingerprint, segment=segment, parent=self.head,
-                first_step=self._first, next_step=next_step, world=self.world, rank=self.rank,
-                resumed=self._resumed, schedule=schedule, records=records))
+            records = [
+                ledger.Record(
+                    step, self.world, self.rank, digest, attempt, trained if self._confirms else max(trained, 1)
+                )
+                for step, (digest, attempt, trained) in sorted(self._pending.items())
+            ]
+            ledger.write_part(
+                self.ledger_dir,
+                ledger.make_part(
+                    run_id=self.run_id,
+                    fingerprint=self.fingerprint,
+                    segment=segment,
+                    parent=self.head,
+                    first_step=self._first,
+                    next_step=next_step,
+                    world=self.world,
+                    rank=self.rank,
+                    resumed=self._resumed,
+                    schedule=schedule,
+                    records=records,
+                ),
+            )
         self.head, self._first, self._resumed, self._pending = segment, next_step, False, {}
         if self.ledger_dir and self.rank == 0 and self.compact_every:
             self._saves += 1
@@ -108,8 +140,12 @@ class LedgerRecorder:
                     result = ledger.compact(cast(str, self.ledger_dir))  # set: only then does it compact
                     logger.info("ledger %s compacted: %s", self.ledger_dir, result)
                 except Exception as exc:  # noqa: BLE001 - never the trainer's failure; the next interval retries
-                    logger.warning("ledger %s: compaction failed (tried again in %d saves): %s", self.ledger_dir,
-                                   self.compact_every, exc)
+                    logger.warning(
+                        "ledger %s: compaction failed (tried again in %d saves): %s",
+                        self.ledger_dir,
+                        self.compact_every,
+                        exc,
+                    )
 
         self._compactor = threading.Thread(target=run, name="zephon-ray-ledger-compact", daemon=True)
         self._compactor.start()
@@ -165,9 +201,17 @@ class FtLedger:
     (``benchmarks/bench_ledger_scale.py``).
     """
 
-    def __init__(self, *, run_id: str, fingerprint: str, ledger_dir: str, schedule: Callable[[int], dict],
-                 flush_records: int = FLUSH_RECORDS, flush_seconds: float = FLUSH_SECONDS,
-                 spool_dir: str | None = None) -> None:
+    def __init__(
+        self,
+        *,
+        run_id: str,
+        fingerprint: str,
+        ledger_dir: str,
+        schedule: Callable[[int], dict],
+        flush_records: int = FLUSH_RECORDS,
+        flush_seconds: float = FLUSH_SECONDS,
+        spool_dir: str | None = None,
+    ) -> None:
         self.run_id, self.fingerprint, self.ledger_dir = run_id, fingerprint, ledger_dir
         self.schedule = schedule
         """next_step -> the run's :func:`~zephon_ray.formats.ledger.schedule_record` there (each segment records it)."""
@@ -178,25 +222,29 @@ class FtLedger:
         self._unflushed: dict[int, dict] = {}  # step -> this reader's part of it, in the spool
         self._flushed_at = time.monotonic()
         self.batches_written = 0
-        self.head = ""          # the segment of the last step this reader's trainer confirmed
+        self.head = ""  # the segment of the last step this reader's trainer confirmed
         self.next_step: int | None = 0  # the step after it (None: unknown until a heal, after a placeholder)
         self._served: dict | None = None  # the step handed out and not yet moved past
         self._placeholder: tuple[int, int] | None = None  # (step, W) of placeholder rows handed out, not moved past
-        self._carried = 0       # applications of earlier attempts of that step that torchft rejected
+        self._carried = 0  # applications of earlier attempts of that step that torchft rejected
         self.rejected_attempts = 0
         self.applied_rejected = 0
 
     def check(self, step: int) -> None:
         """Before a step is handed out: it must be the served step again or the one after."""
         cur = self._served
-        allowed = {cur["step"], cur["step"] + 1} if cur is not None else \
-            ({self.next_step} if self.next_step is not None else None)
+        allowed = (
+            {cur["step"], cur["step"] + 1}
+            if cur is not None
+            else ({self.next_step} if self.next_step is not None else None)
+        )
         if allowed is not None and step not in allowed:
             last = f"last served step {cur['step']}" if cur is not None else f"next step {self.next_step}"
             raise FtLedgerError(
                 f"FtSlices: asked for step {step}, but this reader's ledger is at its {last}: steps would be skipped "
                 "or repeated unseen (a healing group must receive FtSlices.state_dict() through the torchft "
-                "Manager's state_dict / load_state_dict)")
+                "Manager's state_dict / load_state_dict)"
+            )
 
     def served(self, step: int, rank: int, world: int, digest: str) -> None:
         cur = self._served
@@ -205,18 +253,31 @@ class FtLedger:
             attempt = cur["attempt"] + 1
             if cur["trained"]:
                 self.applied_rejected += 1
-                logger.warning("zephon-ray FtSlices (reader %d of %d): step %d attempt %d was applied (commit) "
-                               "though torchft rejected it; it is served again and the ledger records the step as "
-                               "trained %d times", cur["rank"], cur["world"], step, cur["attempt"],
-                               cur["trained"] + self._carried + 1)
+                logger.warning(
+                    "zephon-ray FtSlices (reader %d of %d): step %d attempt %d was applied (commit) "
+                    "though torchft rejected it; it is served again and the ledger records the step as "
+                    "trained %d times",
+                    cur["rank"],
+                    cur["world"],
+                    step,
+                    cur["attempt"],
+                    cur["trained"] + self._carried + 1,
+                )
                 self.head, self.next_step = cur["parent"], step
                 self._carried += cur["trained"]
         else:
             if cur is not None and not cur["trained"]:  # torchft moved on but the trainer never confirmed it
                 self._write(cur, trained=self._carried)
             self._carried, attempt = 0, 0
-        self._served = {"step": step, "rank": rank, "world": world, "digest": digest, "attempt": attempt,
-                        "trained": 0, "parent": self.head}
+        self._served = {
+            "step": step,
+            "rank": rank,
+            "world": world,
+            "digest": digest,
+            "attempt": attempt,
+            "trained": 0,
+            "parent": self.head,
+        }
 
     def placeholder(self, step: int | None = None, world: int | None = None) -> None:
         """Not participating this step (rows that torchft zeroes): nothing is recorded; torchft heals the group.
@@ -233,30 +294,56 @@ class FtLedger:
         if held is None or self.next_step != held[0]:
             return False
         step, world = held
-        self.head = ledger.segment_id(run_id=self.run_id, fingerprint=self.fingerprint, parent=self.head,
-                                      first_step=step, next_step=step + 1, world=world, resumed=False,
-                                      schedule=self.schedule(step + 1))
+        self.head = ledger.segment_id(
+            run_id=self.run_id,
+            fingerprint=self.fingerprint,
+            parent=self.head,
+            first_step=step,
+            next_step=step + 1,
+            world=world,
+            resumed=False,
+            schedule=self.schedule(step + 1),
+        )
         self.next_step = step + 1
         return True
 
     def commit(self, step: int) -> None:
         cur = self._served
         if cur is None or cur["step"] != step:
-            raise FtLedgerError(f"FtSlices.commit: step {step} is not the step this reader last served "
-                                f"({'none' if cur is None else cur['step']})")
+            raise FtLedgerError(
+                f"FtSlices.commit: step {step} is not the step this reader last served "
+                f"({'none' if cur is None else cur['step']})"
+            )
         cur["trained"] += 1
         self._write(cur, trained=cur["trained"] + self._carried)
 
     def _write(self, cur: dict, *, trained: int) -> None:
         step, world = cur["step"], cur["world"]
         schedule = self.schedule(step + 1)
-        segment = ledger.segment_id(run_id=self.run_id, fingerprint=self.fingerprint, parent=cur["parent"],
-                                    first_step=step, next_step=step + 1, world=world, resumed=False,
-                                    schedule=schedule)
+        segment = ledger.segment_id(
+            run_id=self.run_id,
+            fingerprint=self.fingerprint,
+            parent=cur["parent"],
+            first_step=step,
+            next_step=step + 1,
+            world=world,
+            resumed=False,
+            schedule=schedule,
+        )
         record = ledger.Record(step, world, cur["rank"], cur["digest"], cur["attempt"], trained)
-        part = ledger.make_part(run_id=self.run_id, fingerprint=self.fingerprint, segment=segment,
-                                parent=cur["parent"], first_step=step, next_step=step + 1, world=world,
-                                rank=cur["rank"], resumed=False, schedule=schedule, records=[record])
+        part = ledger.make_part(
+            run_id=self.run_id,
+            fingerprint=self.fingerprint,
+            segment=segment,
+            parent=cur["parent"],
+            first_step=step,
+            next_step=step + 1,
+            world=world,
+            rank=cur["rank"],
+            resumed=False,
+            schedule=schedule,
+            records=[record],
+        )
         if self._spool is None:
             self._spool = ledger.Spool(self._spool_dir)
         self._spool.append(part)  # durable before commit returns: a kill from here on loses nothing

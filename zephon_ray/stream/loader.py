@@ -152,22 +152,31 @@ class LoaderConfig:
         check_int(f"{where}: 'prefetch'", self.prefetch, low=1, high=MAX_DEPTH)
         check_int(f"{where}: 'checkpoint_every'", self.checkpoint_every, low=0)
         check_int(f"{where}: 'ledger_compact_every'", self.ledger_compact_every, low=0)
-        if isinstance(self.aggregate_timeout_s, bool) or not isinstance(self.aggregate_timeout_s, (int, float)) \
-                or not 0 < self.aggregate_timeout_s <= 86400:
-            raise ValueError(f"{where}: 'aggregate_timeout_s' must be a number of seconds in (0, 86400], got "
-                             f"{self.aggregate_timeout_s!r}")
+        if (
+            isinstance(self.aggregate_timeout_s, bool)
+            or not isinstance(self.aggregate_timeout_s, (int, float))
+            or not 0 < self.aggregate_timeout_s <= 86400
+        ):
+            raise ValueError(
+                f"{where}: 'aggregate_timeout_s' must be a number of seconds in (0, 86400], got "
+                f"{self.aggregate_timeout_s!r}"
+            )
         for key in ("pad_slices", "source_ids"):
             if not isinstance(getattr(self, key), bool):
                 raise ValueError(f"{where}: '{key}' must be true or false, got {getattr(self, key)!r}")
         if self.ledger_dir is not None and (not isinstance(self.ledger_dir, str) or not self.ledger_dir):
             raise ValueError(f"{where}: 'ledger_dir' must be a non-empty path or URI, got {self.ledger_dir!r}")
         if (self.mode == "dataset") != bool(self.dataset_dir):
-            raise ValueError(f"{where}: 'dataset_dir' is required with mode='dataset' and only used by it "
-                             f"(mode {self.mode!r}, dataset_dir {self.dataset_dir!r})")
+            raise ValueError(
+                f"{where}: 'dataset_dir' is required with mode='dataset' and only used by it "
+                f"(mode {self.mode!r}, dataset_dir {self.dataset_dir!r})"
+            )
         store, agg_dir, origin = self.resolved_aggregation()
         if store is not None and agg_dir is not None:
-            raise ValueError(f"{where}: set exactly one of 'aggregate_store' and 'aggregate_dir', got both "
-                             f"({store!r} and {agg_dir!r}, from {origin})")
+            raise ValueError(
+                f"{where}: set exactly one of 'aggregate_store' and 'aggregate_dir', got both "
+                f"({store!r} and {agg_dir!r}, from {origin})"
+            )
 
     def resolved_aggregation(self) -> tuple[str | None, str | None, str]:
         return checkpoint_rendezvous.resolve(self.aggregate_store, self.aggregate_dir, self.recipe)
@@ -179,14 +188,17 @@ class LoaderConfig:
             return
         store, agg_dir, _ = self.resolved_aggregation()
         if not self.run_id:
-            raise ValueError(f"loader config: a distributed local-mode run (data-parallel degree {world}) needs "
-                             "'run_id': it names the collective Zephon checkpoint")
+            raise ValueError(
+                f"loader config: a distributed local-mode run (data-parallel degree {world}) needs "
+                "'run_id': it names the collective Zephon checkpoint"
+            )
         if store is None and agg_dir is None:
             raise ValueError(
                 f"loader config: a distributed local-mode run (data-parallel degree {world}) needs exactly one of "
                 f"'aggregate_store' (e.g. 'torch://') and 'aggregate_dir' "
                 f"(or ${checkpoint_rendezvous.ENV_AGGREGATE_DIR}, or "
-                "the recipe's [aggregate] table); neither is set")
+                "the recipe's [aggregate] table); neither is set"
+            )
         if store is not None:
             checkpoint_rendezvous.check_store_reachable(store)
 
@@ -225,8 +237,10 @@ class StepBatch:
             raise ValueError(f"loss_scale: reduce must be one of {LOSS_REDUCTIONS}, got {reduce!r}")
         count = self.global_valid_tokens
         if not count:
-            raise ValueError(f"step {self.step}: the global valid-token count is not known to this source (a padding "
-                             "packer in local or service mode); all-reduce the ranks' slice.valid_tokens instead")
+            raise ValueError(
+                f"step {self.step}: the global valid-token count is not known to this source (a padding "
+                "packer in local or service mode); all-reduce the ranks' slice.valid_tokens instead"
+            )
         return (self.slice.world if reduce == "mean" else 1) / count
 
 
@@ -239,9 +253,18 @@ class Loader:
     trainer's checkpoint interval). ``recipe``: an already parsed ``Recipe`` of ``config.recipe`` (saves a parse).
     """
 
-    def __init__(self, config: LoaderConfig, *, rank: int, world: int, local_batch_size: int = 0,
-                 global_batch_size: int | None = None, seq_len: int | None = None,
-                 checkpoint_every: int | None = None, recipe: Recipe | None = None) -> None:
+    def __init__(
+        self,
+        config: LoaderConfig,
+        *,
+        rank: int,
+        world: int,
+        local_batch_size: int = 0,
+        global_batch_size: int | None = None,
+        seq_len: int | None = None,
+        checkpoint_every: int | None = None,
+        recipe: Recipe | None = None,
+    ) -> None:
         if not isinstance(config, LoaderConfig):
             raise TypeError(f"Loader: expected a LoaderConfig, got {type(config).__name__}")
         self.config = config
@@ -251,24 +274,37 @@ class Loader:
         self.recipe = self.base_recipe
         """The run's schedule: the recipe file's, plus the phases the run decided (a loaded state's, a service's)."""
         B = self.recipe.global_batch_rows
-        self.shape = check_geometry(self.recipe, global_batch_size=global_batch_size, local_batch_size=lbs,
-                                    dp_world_size=self.world, seq_len=seq_len, pad=config.pad_slices)
+        self.shape = check_geometry(
+            self.recipe,
+            global_batch_size=global_batch_size,
+            local_batch_size=lbs,
+            dp_world_size=self.world,
+            seq_len=seq_len,
+            pad=config.pad_slices,
+        )
         self.local_batch_size = self.shape.microbatch_rows(self.rank)
         self.microbatches_per_step = self.shape.microbatches(self.rank)
         if config.mode == "local" and self.recipe.lanes % self.world:
             raise ValueError(
                 f"recipe {self.recipe.describe()}: local mode needs the data-parallel degree to divide the recipe's "
                 f"{self.recipe.lanes} lanes, got {self.world} (each reader runs Zephon for whole lanes); mode="
-                f"'service' or 'dataset' serves any W up to B={B}")
+                f"'service' or 'dataset' serves any W up to B={B}"
+            )
         config.check_distributed_local(self.world)
-        self.checkpoint_every = config.checkpoint_every if checkpoint_every is None else \
-            check_int("checkpoint_every", checkpoint_every, low=0)
+        self.checkpoint_every = (
+            config.checkpoint_every
+            if checkpoint_every is None
+            else check_int("checkpoint_every", checkpoint_every, low=0)
+        )
         # TP/PP/CP peers sharing this rank (collective when the job has more processes than readers).
-        self.peers: DpPeers | None = dp_peers(dp_rank=self.rank, dp_world_size=self.world) \
-            if config.mode == "local" else None
+        self.peers: DpPeers | None = (
+            dp_peers(dp_rank=self.rank, dp_world_size=self.world) if config.mode == "local" else None
+        )
         if config.source_ids and self.peers is not None:
-            raise ValueError("loader config: 'source_ids' in local mode with TP/PP/CP peers sharing a dp rank is not "
-                             "supported (the peers receive the leader's rows only); use mode='service' or 'dataset'")
+            raise ValueError(
+                "loader config: 'source_ids' in local mode with TP/PP/CP peers sharing a dp rank is not "
+                "supported (the peers receive the leader's rows only); use mode='service' or 'dataset'"
+            )
 
         self._next_step = 0
         self._loaded_zephon: dict[str, Any] | None = None
@@ -278,9 +314,14 @@ class Loader:
         self._replayed_before = 0  # replayed steps carried by the loaded state (earlier resumes)
         self._replaying = 0  # steps the current resume replays
         self._replay_started = False  # counted in replayed_steps once the stream started (and so replays)
-        self._ledger = LedgerRecorder(run_id=config.run_id or "", fingerprint=self.base_recipe.fingerprint,
-                                      rank=self.rank, world=self.world, ledger_dir=config.ledger_dir,
-                                      compact_every=config.ledger_compact_every)
+        self._ledger = LedgerRecorder(
+            run_id=config.run_id or "",
+            fingerprint=self.base_recipe.fingerprint,
+            rank=self.rank,
+            world=self.world,
+            ledger_dir=config.ledger_dir,
+            compact_every=config.ledger_compact_every,
+        )
         # Runs at garbage collection and at interpreter exit: a trainer may never call close().
         self._finalizer = weakref.finalize(self, _close_stream, self.__dict__)
         if config.mode == "dataset":
@@ -299,9 +340,13 @@ class Loader:
         always 0 outside local mode, where the service replays on its own), ``resume_replay`` (the steps the last
         resume replays) and ``resumed_from_checkpoint`` (the step of the Zephon checkpoint it started from)."""
         resumed = None if self._loaded_zephon is None else int(self._loaded_zephon["next_step"])
-        return {STAT_MODE: self.config.mode, STAT_NEXT_STEP: self._next_step,
-                STAT_REPLAYED_STEPS: self._replayed_steps(), STAT_RESUME_REPLAY: self._replaying,
-                STAT_RESUMED_FROM: resumed}
+        return {
+            STAT_MODE: self.config.mode,
+            STAT_NEXT_STEP: self._next_step,
+            STAT_REPLAYED_STEPS: self._replayed_steps(),
+            STAT_RESUME_REPLAY: self._replaying,
+            STAT_RESUMED_FROM: resumed,
+        }
 
     def _replayed_steps(self) -> int:
         return self._replayed_before + (self._replaying if self._replay_started else 0)
@@ -335,8 +380,9 @@ class Loader:
         data = self.recipe.data_step(step)
         if self._stream is not None and self._active:
             if self._stream.position != data:  # a skip starts at this step: the data jumps ahead
-                checkpoint = self._stream.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT] \
-                    if self.config.mode == "local" else None
+                checkpoint = (
+                    self._stream.state(timeout=GET_TIMEOUT_S)[STATE_CHECKPOINT] if self.config.mode == "local" else None
+                )
                 self._stream.reset(stream_state(data, checkpoint))
             return self._stream
         if self._stream is None:
@@ -356,8 +402,15 @@ class Loader:
             tokens, positions = peers.share_slice(step, None, None, shape)
             from zephon_ray.source import fixed_valid_tokens, pad_token_id
 
-            return RankSlice(step, self.rank, self.world, tokens, positions, pad_token_id(self.recipe),
-                             fixed_valid_tokens(self.recipe))
+            return RankSlice(
+                step,
+                self.rank,
+                self.world,
+                tokens,
+                positions,
+                pad_token_id(self.recipe),
+                fixed_valid_tokens(self.recipe),
+            )
         try:
             piece = self._started_stream(step).next(timeout=GET_TIMEOUT_S)
         except BaseException as exc:
@@ -374,24 +427,53 @@ class Loader:
             from zephon_ray.stream.local import LocalSlices
 
             store, agg_dir, _ = cfg.resolved_aggregation()
-            lane_group = LaneGroup(count=self.world, index=self.rank, run_id=cfg.run_id, aggregate_store=store,
-                                   aggregate_dir=agg_dir, aggregate_timeout_s=cfg.aggregate_timeout_s) \
-                if self.world > 1 else LaneGroup()
-            return LocalSlices(recipe, rank=self.rank, world=self.world, lane_group=lane_group, depth=cfg.prefetch,
-                               checkpoint_every=self.checkpoint_every, source_ids=cfg.source_ids)
+            lane_group = (
+                LaneGroup(
+                    count=self.world,
+                    index=self.rank,
+                    run_id=cfg.run_id,
+                    aggregate_store=store,
+                    aggregate_dir=agg_dir,
+                    aggregate_timeout_s=cfg.aggregate_timeout_s,
+                )
+                if self.world > 1
+                else LaneGroup()
+            )
+            return LocalSlices(
+                recipe,
+                rank=self.rank,
+                world=self.world,
+                lane_group=lane_group,
+                depth=cfg.prefetch,
+                checkpoint_every=self.checkpoint_every,
+                source_ids=cfg.source_ids,
+            )
         if cfg.mode == "dataset":
             from zephon_ray.stream.dataset import DatasetSlices
 
             stream: DatasetSlices | ServiceSlices = DatasetSlices(
-                recipe, cast(str, cfg.dataset_dir), rank=self.rank, world=self.world, depth=cfg.prefetch,
-                source_ids=cfg.source_ids)
+                recipe,
+                cast(str, cfg.dataset_dir),
+                rank=self.rank,
+                world=self.world,
+                depth=cfg.prefetch,
+                source_ids=cfg.source_ids,
+            )
             self.recipe = stream.recipe  # the directory's schedule: ours plus the run-time phases it was made under
             return stream
         from zephon_ray.stream.service import ServiceSlices
 
-        stream = ServiceSlices(recipe, rank=self.rank, world=self.world, name=cfg.service_name,
-                               namespace=cfg.service_namespace, run_id=cfg.run_id, depth=cfg.prefetch,
-                               base=self.base_recipe, source_ids=cfg.source_ids)
+        stream = ServiceSlices(
+            recipe,
+            rank=self.rank,
+            world=self.world,
+            name=cfg.service_name,
+            namespace=cfg.service_namespace,
+            run_id=cfg.run_id,
+            depth=cfg.prefetch,
+            base=self.base_recipe,
+            source_ids=cfg.source_ids,
+        )
         if not getattr(self, "_closes_before_ray", False):
             # Ray is attached now, and its own exit hook is registered: atexit runs in reverse order, so this closes
             # the stream (its threads and Ray calls) before Ray shuts down. The finalizer alone runs after that hook
@@ -419,9 +501,11 @@ class Loader:
           step of the phase; no reader is ever served other rows."""
         mode = self.config.mode
         if mode == "dataset":
-            raise ValueError("add_phase: dataset mode reads a materialised directory, whose schedule is fixed; "
-                             "materialise the later steps with the phase (zephon-ray materialize --schedule-from) "
-                             "or read them from the service")
+            raise ValueError(
+                "add_phase: dataset mode reads a materialised directory, whose schedule is fixed; "
+                "materialise the later steps with the phase (zephon-ray materialize --schedule-from) "
+                "or read them from the service"
+            )
         new = self.recipe.with_phase(name, start_step, weights)  # one RecipeError naming the key
         if mode == "service":
             if self._stream is None:
@@ -433,14 +517,18 @@ class Loader:
         earliest = self.recipe.data_step(self._next_step) + self.config.prefetch + 1  # phases count data steps
         if self.world > 1:
             if not self.checkpoint_every:
-                raise ValueError("add_phase: a distributed local-mode run needs checkpoint_every > 0: the readers "
-                                 "check that they agree on a phase added while running at a collective checkpoint")
+                raise ValueError(
+                    "add_phase: a distributed local-mode run needs checkpoint_every > 0: the readers "
+                    "check that they agree on a phase added while running at a collective checkpoint"
+                )
             earliest = -(-earliest // self.checkpoint_every) * self.checkpoint_every
         if start_step < earliest:
-            raise ValueError(f"add_phase: phase {name!r} from step {start_step} is too early: this reader is at step "
-                             f"{self._next_step} and may have made steps up to {self._next_step + self.config.prefetch}"
-                             + (f"; the readers check the schedule at the checkpoint of step {earliest}"
-                                if self.world > 1 else "") + f"; start it at step {earliest} or later")
+            raise ValueError(
+                f"add_phase: phase {name!r} from step {start_step} is too early: this reader is at step "
+                f"{self._next_step} and may have made steps up to {self._next_step + self.config.prefetch}"
+                + (f"; the readers check the schedule at the checkpoint of step {earliest}" if self.world > 1 else "")
+                + f"; start it at step {earliest} or later"
+            )
         if self._stream is not None and self._active:
             cast("LocalSlices", self._stream).adopt(new, start_step)
         self.recipe = new
@@ -460,11 +548,15 @@ class Loader:
             zephon = self._loaded_zephon
         if hasattr(self._stream, "sync_recipe"):  # a service may have accepted a phase since: record it too
             self.recipe = cast("ServiceSlices", self._stream).sync_recipe()
-        state = make_state(run_id=self.config.run_id,
-                           fingerprint=self.recipe.history_fingerprint(self.recipe.data_next(step)),
-                           next_step=step, zephon=zephon, replayed_steps=self._replayed_steps(),
-                           ledger=self._ledger.seal(step, self.recipe),
-                           schedule=schedule_of(self.recipe, self.base_recipe))
+        state = make_state(
+            run_id=self.config.run_id,
+            fingerprint=self.recipe.history_fingerprint(self.recipe.data_next(step)),
+            next_step=step,
+            zephon=zephon,
+            replayed_steps=self._replayed_steps(),
+            ledger=self._ledger.seal(step, self.recipe),
+            schedule=schedule_of(self.recipe, self.base_recipe),
+        )
         if self.peers is not None:
             self.peers.share_object(state)
         return state
@@ -478,19 +570,30 @@ class Loader:
         if isinstance(state, dict) and not state:
             return
         base = self.base_recipe
-        step = check_state(state, run_id=self.config.run_id, fingerprint=base.fingerprint, recipe=base,
-                           recipe_name=str(base.path or "<recipe>"))
+        step = check_state(
+            state,
+            run_id=self.config.run_id,
+            fingerprint=base.fingerprint,
+            recipe=base,
+            recipe_name=str(base.path or "<recipe>"),
+        )
         recipe = run_recipe(state, base)  # the run's schedule, which the resume serves whatever the file says
         if recipe.fingerprint != self.recipe.fingerprint:
-            logger.info("zephon-ray loader (reader %d of %d): resuming under the run's schedule: %s", self.rank,
-                        self.world, ", ".join(f"{p['name']} from step {p['start_step']}"
-                                              for p in recipe.run_phases(base)) or "the recipe file's")
+            logger.info(
+                "zephon-ray loader (reader %d of %d): resuming under the run's schedule: %s",
+                self.rank,
+                self.world,
+                ", ".join(f"{p['name']} from step {p['start_step']}" for p in recipe.run_phases(base))
+                or "the recipe file's",
+            )
         self.recipe = recipe
         if trainer_step is not None and trainer_step != step:
-            raise LoaderStateError(f"loader state key 'next_step' is {step} but the trainer's checkpoint is at step "
-                                   f"{trainer_step}: resuming would {'skip' if step > trainer_step else 'repeat'} "
-                                   f"{abs(step - trainer_step)} step(s); restore the loader state saved with those "
-                                   "weights")
+            raise LoaderStateError(
+                f"loader state key 'next_step' is {step} but the trainer's checkpoint is at step "
+                f"{trainer_step}: resuming would {'skip' if step > trainer_step else 'repeat'} "
+                f"{abs(step - trainer_step)} step(s); restore the loader state saved with those "
+                "weights"
+            )
         loaded = zephon_state(state, next_step=recipe.data_next(step)) if self.config.mode == "local" else None
         if loaded is not None:
             from zephon_ray.lanes import check_step_state
@@ -508,13 +611,25 @@ class Loader:
             self._replaying = recipe.data_step(step) - start  # the same on every reader: the state is
         if self._replaying and self._produces:
             if loaded is None:
-                logger.warning("zephon-ray loader (reader %d of %d): the loaded state at step %d has no Zephon "
-                               "checkpoint (checkpointing was off, or the state came from another mode); replaying "
-                               "%d steps from step 0 to resume", self.rank, self.world, step, step)
+                logger.warning(
+                    "zephon-ray loader (reader %d of %d): the loaded state at step %d has no Zephon "
+                    "checkpoint (checkpointing was off, or the state came from another mode); replaying "
+                    "%d steps from step 0 to resume",
+                    self.rank,
+                    self.world,
+                    step,
+                    step,
+                )
             else:
-                logger.warning("zephon-ray loader (reader %d of %d): resuming at step %d from the Zephon checkpoint "
-                               "of step %d; replaying %d steps", self.rank, self.world, step,
-                               step - self._replaying, self._replaying)
+                logger.warning(
+                    "zephon-ray loader (reader %d of %d): resuming at step %d from the Zephon checkpoint "
+                    "of step %d; replaying %d steps",
+                    self.rank,
+                    self.world,
+                    step,
+                    step - self._replaying,
+                    self._replaying,
+                )
         self._loaded_at = step
         self._next_step = step
         self._ledger.resume(state[KEY_LEDGER], step)
@@ -526,7 +641,7 @@ class Loader:
         ``next_step``."""
         _close_stream(self.__dict__)
 
-    def __enter__(self) -> "Loader":
+    def __enter__(self) -> Loader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -540,5 +655,5 @@ def _close_stream(attrs: dict[str, Any]) -> None:
         return
     try:
         stream.close()
-    except Exception:  # noqa: BLE001 - best effort at shutdown
+    except Exception:
         logger.debug("closing the zephon-ray slice stream failed", exc_info=True)

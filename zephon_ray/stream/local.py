@@ -41,18 +41,31 @@ _KEEP_CHECKPOINTS = 4
 class LocalSlices(PrefetchedSlices):
     """This reader's slices of consecutive steps from an in-process Zephon lane group (see the module docstring)."""
 
-    def __init__(self, recipe: Recipe, *, rank: int, world: int, lane_group: LaneGroup, depth: int,
-                 checkpoint_every: int, source_ids: bool = False) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        rank: int,
+        world: int,
+        lane_group: LaneGroup,
+        depth: int,
+        checkpoint_every: int,
+        source_ids: bool = False,
+    ) -> None:
         super().__init__(rank=rank, world=world, depth=depth, name="local")
         # Identity is proven where the data is read, since each rank reads its own shards with its own tokenizer and
         # libraries: a node that differs from the driver's must fail here, not train on other rows.
         verify_on_node(recipe, where=f"local-mode rank {rank} of {world}")
         if recipe.lanes % self.world:
-            raise ValueError(f"local mode needs the reader count to divide the recipe's {recipe.lanes} lanes, got "
-                             f"{self.world} ({recipe.describe()})")
+            raise ValueError(
+                f"local mode needs the reader count to divide the recipe's {recipe.lanes} lanes, got "
+                f"{self.world} ({recipe.describe()})"
+            )
         if (lane_group.index, lane_group.count) not in ((self.rank, self.world), (0, 1) if self.world == 1 else None):
-            raise ValueError(f"reader {self.rank} of {self.world} must be lane group {self.rank} of {self.world}, "
-                             f"got lane group {lane_group.index} of {lane_group.count}")
+            raise ValueError(
+                f"reader {self.rank} of {self.world} must be lane group {self.rank} of {self.world}, "
+                f"got lane group {lane_group.index} of {lane_group.count}"
+            )
         check_int("checkpoint_every", checkpoint_every, low=0)
         self.recipe = recipe
         self.lane_group = lane_group
@@ -73,8 +86,9 @@ class LocalSlices(PrefetchedSlices):
         if checkpoint is not None:
             check_step_state(checkpoint, self.recipe)  # early: another recipe or a mid-step state fails here
             if int(checkpoint["next_step"]) > step:
-                raise StepStateError(f"the Zephon checkpoint is at step {checkpoint['next_step']}, after the "
-                                     f"reset step {step}")
+                raise StepStateError(
+                    f"the Zephon checkpoint is at step {checkpoint['next_step']}, after the reset step {step}"
+                )
         self._checkpoints = OrderedDict()
         self._start_step = step
         self._producing = step
@@ -105,8 +119,12 @@ class LocalSlices(PrefetchedSlices):
         due = self._due(step)
         with self._cond:
             ok = self._cond.wait_for(
-                lambda: self._error is not None or step in self._checkpoints or self._producing > step
-                or (not due and self._producing >= step),
+                lambda: (
+                    self._error is not None
+                    or step in self._checkpoints
+                    or self._producing > step
+                    or (not due and self._producing >= step)
+                ),
                 timeout,
             )
             kept = [s for s in self._checkpoints if s <= step]
@@ -126,8 +144,11 @@ class LocalSlices(PrefetchedSlices):
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, self.rank, self.world)
         # With source ids this reader's lane group runs the provenance-mode pipeline: the same rows, with each
         # token's document (zephon_ray.provenance).
-        stepper = self._stepper = ProvenanceStepper(self.recipe, self.lane_group) if self.source_ids else \
-            LaneStepper(self.recipe, self.lane_group)
+        stepper = self._stepper = (
+            ProvenanceStepper(self.recipe, self.lane_group)
+            if self.source_ids
+            else LaneStepper(self.recipe, self.lane_group)
+        )
         # Every reader's checkpoints record every lane's position (so a phase added while running can start from
         # them), and their exchange checks that the readers agree on the whole schedule (zephon_ray.lanes).
         stepper.keep_positions = True
@@ -155,17 +176,23 @@ class LocalSlices(PrefetchedSlices):
                         self._cond.notify_all()
                 shards = stepper.next_step()
                 if sorted(shards) != list(span.lanes):  # Zephon's lane mapping must be the slicing's
-                    raise StepStateError(f"step {s}: this Zephon lane group produced lanes {sorted(shards)}, but "
-                                         f"reader {self.rank} of {self.world} reads lanes {list(span.lanes)}")
-                piece = RankSlice.from_lanes(s, self.rank, self.world, span, [shards[l] for l in span.lanes],
-                                             self._pad, self._valid)
+                    raise StepStateError(
+                        f"step {s}: this Zephon lane group produced lanes {sorted(shards)}, but "
+                        f"reader {self.rank} of {self.world} reads lanes {list(span.lanes)}"
+                    )
+                piece = RankSlice.from_lanes(
+                    s, self.rank, self.world, span, [shards[l] for l in span.lanes], self._pad, self._valid
+                )
                 if self._valid is None and self.world == 1:  # a padding packer: this reader holds every row
                     piece = replace(piece, global_valid_tokens=valid_tokens(piece.tokens, self._pad))
                 if self.source_ids:
                     pieces = cast(ProvenanceStepper, stepper).pieces  # source_ids: a ProvenanceStepper
-                    ids = rows_source_ids([row for lane in span.lanes for row in pieces[lane]],
-                                          self.recipe.source_names, self.recipe.row_length)
-                    piece = replace(piece, source_ids=ids[span.lo:span.hi])
+                    ids = rows_source_ids(
+                        [row for lane in span.lanes for row in pieces[lane]],
+                        self.recipe.source_names,
+                        self.recipe.row_length,
+                    )
+                    piece = replace(piece, source_ids=ids[span.lo : span.hi])
                 yield piece
                 self._set_producing(s + 1)
         finally:
@@ -177,8 +204,9 @@ class LocalSlices(PrefetchedSlices):
         looks the schedule up at each step, so the swap takes effect at the phase's start."""
         with self._cond:
             if self._producing >= start_step:
-                raise ValueError(f"a phase from step {start_step}: this reader's producer has begun step "
-                                 f"{self._producing} already")
+                raise ValueError(
+                    f"a phase from step {start_step}: this reader's producer has begun step {self._producing} already"
+                )
             self.recipe = recipe
             if self._stepper is not None:
                 self._stepper.recipe = recipe

@@ -45,8 +45,14 @@ class DpPeers:
         return self.me == self.leader
 
     # ------------------------------------------------------------------ collectives within the dp group
-    def share_slice(self, step: int, tokens: np.ndarray | None, positions: np.ndarray | None,
-                    shape: tuple[int, int], error: BaseException | None = None) -> tuple[np.ndarray, np.ndarray]:
+    def share_slice(
+        self,
+        step: int,
+        tokens: np.ndarray | None,
+        positions: np.ndarray | None,
+        shape: tuple[int, int],
+        error: BaseException | None = None,
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Leader: send ``tokens``/``positions`` (or ``error``); peer: receive them. Collective in the group."""
         import torch.distributed as dist
 
@@ -55,11 +61,15 @@ class DpPeers:
         if int(header[0]) != _OK:
             if self.is_leader and error is not None:
                 raise error
-            raise PeerError(f"rank {self.me}: the leader of dp group {self.dp_rank} (global rank {self.leader}) "
-                            f"failed at step {int(header[1])}; see its log")
+            raise PeerError(
+                f"rank {self.me}: the leader of dp group {self.dp_rank} (global rank {self.leader}) "
+                f"failed at step {int(header[1])}; see its log"
+            )
         if int(header[1]) != step:
-            raise PeerError(f"rank {self.me}: the leader of dp group {self.dp_rank} sent step {int(header[1])}, "
-                            f"this rank expected step {step}")
+            raise PeerError(
+                f"rank {self.me}: the leader of dp group {self.dp_rank} sent step {int(header[1])}, "
+                f"this rank expected step {step}"
+            )
         rows = torch.empty((2, *shape), dtype=torch.int32)
         if self.is_leader:
             view = rows.numpy()

@@ -93,14 +93,19 @@ class PrefetchedSlices(SliceStream):
         self._error = None
         self._next = step
         self._on_reset(step, checkpoint)
-        self._thread = threading.Thread(target=self._loop, args=(step, checkpoint, self._stop, self._queue),
-                                        name=f"zephon-ray-{self._name}-r{self.rank}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._loop,
+            args=(step, checkpoint, self._stop, self._queue),
+            name=f"zephon-ray-{self._name}-r{self.rank}",
+            daemon=True,
+        )
         self._thread.start()
 
     def next(self, timeout: float) -> RankSlice:
         if self._thread is None:
-            raise SliceStreamError(f"the {self._name} slice stream (rank {self.rank} of {self.world}) is not running: "
-                                   "call reset() first")
+            raise SliceStreamError(
+                f"the {self._name} slice stream (rank {self.rank} of {self.world}) is not running: call reset() first"
+            )
         step = self._next
         deadline = time.monotonic() + timeout
         while True:
@@ -110,11 +115,12 @@ class PrefetchedSlices(SliceStream):
             except queue.Empty:
                 if self._error is not None:
                     if isinstance(self._error, self.reraise):
-                        raise self._error
+                        raise self._error  # noqa: B904 - the producer thread's own error, cause chain intact
                     raise self._failure(step) from self._error
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"rank {self.rank}: step {step} not ready within {timeout:.0f} s "
-                                       f"({self._name} source)") from None
+                    raise TimeoutError(
+                        f"rank {self.rank}: step {step} not ready within {timeout:.0f} s ({self._name} source)"
+                    ) from None
         if isinstance(item, BaseException):
             if isinstance(item, self.reraise):
                 raise item
@@ -144,8 +150,10 @@ class PrefetchedSlices(SliceStream):
     # ------------------------------------------------------------------ thread
     def _failure(self, step: int) -> SliceStreamError:
         err = self._error
-        return SliceStreamError(f"zephon-ray {self._name} slice stream failed at step {step} (rank {self.rank} of "
-                           f"{self.world}): {type(err).__name__}: {err}")
+        return SliceStreamError(
+            f"zephon-ray {self._name} slice stream failed at step {step} (rank {self.rank} of "
+            f"{self.world}): {type(err).__name__}: {err}"
+        )
 
     def _loop(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event, out: queue.Queue) -> None:
         s = step
@@ -153,7 +161,7 @@ class PrefetchedSlices(SliceStream):
         try:
             for item in produced:
                 s = item.step
-                item.ledger_digest  # the ledger's hash, here rather than on the trainer's path
+                _ = item.ledger_digest  # the ledger's hash, here rather than on the trainer's path
                 while not stop.is_set():
                     try:
                         out.put((s, item), timeout=0.05)

@@ -52,8 +52,19 @@ class ServiceSlices(PrefetchedSlices):
 
     reraise = (Exception,)  # service errors already name the service, the step and the cause
 
-    def __init__(self, recipe: Recipe, *, rank: int, world: int, name: str, namespace: str, run_id: str | None,
-                 depth: int, base: Recipe | None = None, source_ids: bool = False) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        *,
+        rank: int,
+        world: int,
+        name: str,
+        namespace: str,
+        run_id: str | None,
+        depth: int,
+        base: Recipe | None = None,
+        source_ids: bool = False,
+    ) -> None:
         """``recipe``: the run's schedule as this reader knows it (``base``, its recipe file, plus the phases its
         state recorded). ``source_ids``: give every slice its tokens' source ids (``LoaderConfig.source_ids``)."""
         from zephon_ray.service.client import DataService
@@ -84,8 +95,10 @@ class ServiceSlices(PrefetchedSlices):
         while True:
             try:
                 if self.base.with_run_phases(served.run_phases(self.base)).fingerprint != served.fingerprint:
-                    raise ScheduleError(f"it serves recipe fingerprint {served.fingerprint[:12]}, not "
-                                        f"{self.base.describe()} plus phases added while running")
+                    raise ScheduleError(
+                        f"it serves recipe fingerprint {served.fingerprint[:12]}, not "
+                        f"{self.base.describe()} plus phases added while running"
+                    )
                 joined = served.with_run_phases(recorded, what="this loader's run")
             except ScheduleError as exc:
                 raise ValueError(f"{self._where}: {exc}; start the loader with the service's recipe") from None
@@ -95,12 +108,18 @@ class ServiceSlices(PrefetchedSlices):
             phase = missing[0]  # recorded by the run, unknown to this service: its schedule too
             try:
                 self.service.add_phase(phase["name"], phase["start_step"], phase["weights"])
-                log.info("%s: added phase %r (from step %d) that the run recorded", self._where, phase["name"],
-                         phase["start_step"])
+                log.info(
+                    "%s: added phase %r (from step %d) that the run recorded",
+                    self._where,
+                    phase["name"],
+                    phase["start_step"],
+                )
             except (ServiceError, ValueError) as exc:  # another reader's add_phase is in progress, or won
                 if time.monotonic() > deadline:
-                    raise ValueError(f"{self._where}: cannot add the run's phase {phase['name']!r} (from step "
-                                     f"{phase['start_step']}): {exc}") from None
+                    raise ValueError(
+                        f"{self._where}: cannot add the run's phase {phase['name']!r} (from step "
+                        f"{phase['start_step']}): {exc}"
+                    ) from None
                 time.sleep(0.2)
             served = self._ours(self.service.refresh_recipe())
 
@@ -158,13 +177,15 @@ class ServiceSlices(PrefetchedSlices):
                 # The first read is tracked: it registers this rank's cursor and makes the service drop the
                 # cursors this consumer left at another world size (a resized group never closed its loader).
                 part = self.service.refs(s, rank=self.rank, world=self.world, track=s == step).slice(
-                    self.rank, self.world)
+                    self.rank, self.world
+                )
             tokens, positions = np.array(part.tokens), np.array(part.positions)
             ids = None
             if self.source_ids:  # this process replays the step's provenance, checked against the rows read
                 ids = self.service.provenance(s, self.rank, self.world, rows=(tokens, positions)).source_ids()
-            yield RankSlice(s, self.rank, self.world, tokens, positions, part.pad_token_id, part.global_valid_tokens,
-                            ids)
+            yield RankSlice(
+                s, self.rank, self.world, tokens, positions, part.pad_token_id, part.global_valid_tokens, ids
+            )
             s += 1
 
     def close(self) -> None:

@@ -41,7 +41,6 @@ STATE_CHECKPOINT = "checkpoint"
 STREAM_STATE_KEYS = (STATE_NEXT_STEP, STATE_CHECKPOINT)
 
 
-
 class SliceStreamError(RuntimeError):
     """The producing side of a slice stream failed; ``__cause__`` holds the original exception."""
 
@@ -64,8 +63,9 @@ def check_stream_state(state: Any) -> dict[str, Any]:
     check_int(f"stream state key {STATE_NEXT_STEP!r}", state[STATE_NEXT_STEP], low=0, high=MAX_STEP)
     checkpoint = state[STATE_CHECKPOINT]
     if checkpoint is not None and not isinstance(checkpoint, dict):
-        raise ValueError(f"stream state key {STATE_CHECKPOINT!r} must be a dict or None, "
-                         f"got {type(checkpoint).__name__}")
+        raise ValueError(
+            f"stream state key {STATE_CHECKPOINT!r} must be a dict or None, got {type(checkpoint).__name__}"
+        )
     return state
 
 

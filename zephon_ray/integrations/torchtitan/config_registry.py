@@ -136,8 +136,9 @@ def zephon_llama3_debugmodel() -> Trainer.Config:
         hf_assets_path=hf_assets_for(recipe),
         model_spec=model_spec,
         optimizer=default_adamw(lr=8e-4),
-        lr_scheduler=LRSchedulersContainer.Config(warmup_steps=2, decay_ratio=0.8, decay_type="linear",
-                                                  min_lr_factor=0.0),
+        lr_scheduler=LRSchedulersContainer.Config(
+            warmup_steps=2, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.0
+        ),
         training=TrainingConfig(
             local_batch_size=B // world if B % world == 0 else 1,
             global_batch_size=trainer_batch,

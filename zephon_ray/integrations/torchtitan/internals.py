@@ -46,4 +46,5 @@ def trainer_config_being_overridden() -> Any:
         "zephon_dataloader: cannot find the trainer config this override is applied to (TorchTitan's "
         f"apply_overrides with a {APPLY_OVERRIDES_ROOT!r} that has 'training'; written for TorchTitan "
         f"{TORCHTITAN_VERSION}); zephon-ray needs it to check the global batch. Use the config registry "
-        "(--module zephon_ray.integrations.torchtitan) or build Trainer.Config in Python")
+        "(--module zephon_ray.integrations.torchtitan) or build Trainer.Config in Python"
+    )

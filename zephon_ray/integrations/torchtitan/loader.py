@@ -33,10 +33,10 @@ from torchtitan.components.dataloader import BaseDataLoader
 
 from zephon_ray.checks import check_int, check_reader
 from zephon_ray.formats.loader_state import LoaderStateError
+from zephon_ray.integrations.torchtitan.trainer_checks import check_tokenizer
 from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import check_geometry
 from zephon_ray.stream.loader import Loader, LoaderConfig, StepBatch
-from zephon_ray.integrations.torchtitan.trainer_checks import check_tokenizer
 
 logger = logging.getLogger("zephon_ray")
 
@@ -143,8 +143,9 @@ class ZephonRayDataLoader(BaseDataLoader):
     ) -> None:
         # The keywords are exactly TorchTitan 0.3.0's (Trainer.__init__); no **kwargs, so a renamed one fails here.
         where = "ZephonRayDataLoader.build"
-        rank, world = check_reader(dp_rank, dp_world_size, rank_name="dp_rank", world_name="dp_world_size",
-                                   where=f"{where}: ")
+        rank, world = check_reader(
+            dp_rank, dp_world_size, rank_name="dp_rank", world_name="dp_world_size", where=f"{where}: "
+        )
         lbs = check_int(f"{where}: local_batch_size", local_batch_size, low=1)
         if seq_len is not None:
             check_int(f"{where}: seq_len", seq_len, low=1)
@@ -153,15 +154,28 @@ class ZephonRayDataLoader(BaseDataLoader):
         self.config = config
         core = config.core()
         recipe = Recipe.from_toml(core.recipe)
-        per_step = check_geometry(recipe, global_batch_size=config.global_batch_size, local_batch_size=lbs,
-                                  dp_world_size=world, seq_len=seq_len, pad=core.pad_slices).microbatches(rank)
+        per_step = check_geometry(
+            recipe,
+            global_batch_size=config.global_batch_size,
+            local_batch_size=lbs,
+            dp_world_size=world,
+            seq_len=seq_len,
+            pad=core.pad_slices,
+        ).microbatches(rank)
         check_tokenizer(recipe, tokenizer)
         every = core.checkpoint_every
         if not every and snapshot_every_n_steps:
             every = max(1, snapshot_every_n_steps // per_step)  # TorchTitan counts microbatches of this rank
-        self.core = Loader(core, rank=rank, world=world, local_batch_size=lbs,
-                           global_batch_size=config.global_batch_size, seq_len=seq_len, checkpoint_every=every,
-                           recipe=recipe)
+        self.core = Loader(
+            core,
+            rank=rank,
+            world=world,
+            local_batch_size=lbs,
+            global_batch_size=config.global_batch_size,
+            seq_len=seq_len,
+            checkpoint_every=every,
+            recipe=recipe,
+        )
         self.dp_world_size, self.dp_rank, self.local_batch_size = world, rank, lbs
         self._partial = 0
         self._ft: Any = None
@@ -226,7 +240,8 @@ class ZephonRayDataLoader(BaseDataLoader):
             raise LoaderStateError(
                 f"the trainer's checkpoint is at step {trainer} but the data loader's next_step is {loader}: "
                 f"resuming would {'skip' if loader > trainer else 'repeat'} {abs(loader - trainer)} step(s); load the "
-                "loader state saved with those weights (is 'dataloader' in checkpoint.exclude_from_loading?)")
+                "loader state saved with those weights (is 'dataloader' in checkpoint.exclude_from_loading?)"
+            )
 
     def use_torchft(self, manager: Any, *, group_size: int) -> None:
         """Per-step elasticity under TorchTitan's torchft trainer (``torchtitan.experiments.torchft``), which builds
@@ -244,8 +259,14 @@ class ZephonRayDataLoader(BaseDataLoader):
         if self.dp_world_size % size:
             raise ValueError(f"use_torchft: group_size {size} does not divide dp_world_size {self.dp_world_size}")
         dp = self.dp_world_size // size
-        self._ft = FtSlices(self.core.config, manager=manager, dp=dp, dp_rank=self.dp_rank % dp,
-                            microbatches=self.microbatches_per_step, recipe=self.recipe)
+        self._ft = FtSlices(
+            self.core.config,
+            manager=manager,
+            dp=dp,
+            dp_rank=self.dp_rank % dp,
+            microbatches=self.microbatches_per_step,
+            recipe=self.recipe,
+        )
 
     def ft_applied(self) -> None:
         """Under :meth:`use_torchft`: the trainer applied the optimizer step of the rows handed out last (see
@@ -278,8 +299,10 @@ class ZephonRayDataLoader(BaseDataLoader):
         ``forward_backward_step`` on them in that order: pop once per microbatch there (a trainer subclass) to pair
         each with its labels, e.g. for per-source losses with one ``scatter_add`` (docs/operations.md)."""
         if not self._source_ids:
-            raise LookupError("pop_source_ids: no microbatch's source ids are waiting (set source_ids = true; pop at "
-                              "most once per microbatch, within its step)")
+            raise LookupError(
+                "pop_source_ids: no microbatch's source ids are waiting (set source_ids = true; pop at "
+                "most once per microbatch, within its step)"
+            )
         return self._source_ids.popleft()
 
     # ------------------------------------------------------------------ state
@@ -307,7 +330,7 @@ class ZephonRayDataLoader(BaseDataLoader):
             self._ft.close()
         self.core.close()
 
-    def __enter__(self) -> "ZephonRayDataLoader":
+    def __enter__(self) -> ZephonRayDataLoader:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -326,4 +349,5 @@ def _warn_unchecked_once(dp_rank: int) -> None:
         "zephon-ray: nothing on this route checks the trainer's restored step against the data loader's next_step "
         "(a checkpoint whose weights and loader state come from different steps would skip or repeat steps "
         "unseen); use the config registry (ZephonTrainer) or add "
-        "zephon_ray.integrations.torchtitan.overrides.zephon_checkpoint to --override.imports")
+        "zephon_ray.integrations.torchtitan.overrides.zephon_checkpoint to --override.imports"
+    )

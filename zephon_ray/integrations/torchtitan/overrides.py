@@ -50,8 +50,11 @@ from zephon_ray.recipe import Recipe
 from zephon_ray.stream.geometry import TrainerMismatchError, check_global_batch_setting, check_seq_len
 
 
-@override(target=BaseDataLoader.Config, fqns=["dataloader"],
-          description="zephon-ray: deterministic global batches that survive any change of dp degree")
+@override(
+    target=BaseDataLoader.Config,
+    fqns=["dataloader"],
+    description="zephon-ray: deterministic global batches that survive any change of dp degree",
+)
 def zephon_dataloader(cfg: BaseDataLoader.Config, **kwargs: Any) -> ZephonRayDataLoader.Config:
     loader = zephon_loader_config(kwargs.pop("recipe", None), **kwargs)
     trainer_config = trainer_config_being_overridden()
@@ -69,9 +72,11 @@ def check_trainer_config(trainer_config: Any, loader: ZephonRayDataLoader.Config
     try:
         tokenizer = trainer_config.tokenizer.build(tokenizer_path=trainer_config.hf_assets_path)
     except Exception as exc:  # noqa: BLE001 - TorchTitan raises several types for a missing/bad tokenizer
-        raise TrainerMismatchError(f"cannot build the trainer's tokenizer from hf_assets_path "
-                                   f"{trainer_config.hf_assets_path!r} to check it against the recipe "
-                                   f"{recipe.describe()}: {type(exc).__name__}: {exc}") from None
+        raise TrainerMismatchError(
+            f"cannot build the trainer's tokenizer from hf_assets_path "
+            f"{trainer_config.hf_assets_path!r} to check it against the recipe "
+            f"{recipe.describe()}: {type(exc).__name__}: {exc}"
+        ) from None
     check_tokenizer(recipe, tokenizer)
 
 
@@ -102,7 +107,11 @@ class ZephonCheckpointManager(CheckpointManager):
         return loaded
 
 
-@override(target=CheckpointManager.Config, fqns=["checkpoint"], exact=True,
-          description="zephon-ray: check the restored trainer step against the data loader's next_step")
+@override(
+    target=CheckpointManager.Config,
+    fqns=["checkpoint"],
+    exact=True,
+    description="zephon-ray: check the restored trainer step against the data loader's next_step",
+)
 def zephon_checkpoint(cfg: CheckpointManager.Config) -> ZephonCheckpointManager.Config:
     return cast(ZephonCheckpointManager.Config, derive(cfg, ZephonCheckpointManager.Config))

@@ -66,15 +66,21 @@ class ZephonFTTrainer(FaultTolerantTrainer):
     def __init__(self, config: Config) -> None:
         ft = config.fault_tolerance
         if not ft.enable:
-            raise ValueError("ZephonFTTrainer: fault_tolerance.enable is off; use ZephonTrainer (the config registry's "
-                             "trainer) for a run without torchft")
+            raise ValueError(
+                "ZephonFTTrainer: fault_tolerance.enable is off; use ZephonTrainer (the config registry's "
+                "trainer) for a run without torchft"
+            )
         if ft.semi_sync_method is not None:
-            raise ValueError(f"ZephonFTTrainer: fault_tolerance.semi_sync_method {ft.semi_sync_method!r} advances "
-                             "torchft's step once per sync, not per step; zephon-ray's per-step slices need it unset")
+            raise ValueError(
+                f"ZephonFTTrainer: fault_tolerance.semi_sync_method {ft.semi_sync_method!r} advances "
+                "torchft's step once per sync, not per step; zephon-ray's per-step slices need it unset"
+            )
         if not isinstance(config.optimizer, TorchFTOptimizersContainer.Config):
-            raise ValueError(f"ZephonFTTrainer: optimizer {type(config.optimizer).__name__} is not TorchTitan's "
-                             "TorchFTOptimizersContainer.Config: without it nothing asks should_commit() and "
-                             "torchft's step never moves")
+            raise ValueError(
+                f"ZephonFTTrainer: optimizer {type(config.optimizer).__name__} is not TorchTitan's "
+                "TorchFTOptimizersContainer.Config: without it nothing asks should_commit() and "
+                "torchft's step never moves"
+            )
         super().__init__(config)
         loader = self.dataloader
         if not isinstance(loader, ZephonRayDataLoader):

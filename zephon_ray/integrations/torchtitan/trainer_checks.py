@@ -29,30 +29,36 @@ def check_tokenizer(recipe: Recipe, tokenizer: Any) -> None:
     if tokenizer is None:
         return
     ours = build_tokenizer(recipe.tokenizer)
-    where = f"the trainer's tokenizer ({_describe(tokenizer)}) and the recipe's ({recipe.tokenizer!r}, " \
-            f"{recipe.describe()})"
+    where = (
+        f"the trainer's tokenizer ({_describe(tokenizer)}) and the recipe's ({recipe.tokenizer!r}, {recipe.describe()})"
+    )
     vocab = getattr(tokenizer, "get_vocab_size", None)
     if vocab is None:
         raise TrainerMismatchError(f"{where}: the trainer's tokenizer has no get_vocab_size(); cannot check it")
     if int(vocab()) != int(ours.vocab_size):
-        raise TrainerMismatchError(f"{where} differ: vocab size {vocab()} != {ours.vocab_size}; point "
-                                   "hf_assets_path at the recipe's tokenizer")
+        raise TrainerMismatchError(
+            f"{where} differ: vocab size {vocab()} != {ours.vocab_size}; point hf_assets_path at the recipe's tokenizer"
+        )
     for role, theirs_attr in (("bos", "bos_id"), ("eos", "eos_id"), ("pad", "pad_id")):
         theirs = getattr(tokenizer, theirs_attr, None)
         mine = getattr(ours, f"{role}_token_id", None)
         if theirs is not None and mine is not None and int(theirs) != int(mine):
-            raise TrainerMismatchError(f"{where} differ: {role} id {theirs} != {mine}; point hf_assets_path at "
-                                       "the recipe's tokenizer")
+            raise TrainerMismatchError(
+                f"{where} differ: {role} id {theirs} != {mine}; point hf_assets_path at the recipe's tokenizer"
+            )
     try:
         theirs_ids = [int(i) for i in tokenizer.encode(TOKENIZER_PROBE, add_bos=False, add_eos=False)]
     except TypeError:
         return  # an encode() without TorchTitan's add_bos/add_eos keywords: vocab and special ids were checked
     mine_ids = [int(i) for i in ours(TOKENIZER_PROBE)["input_ids"]]
     if theirs_ids != mine_ids:
-        first = next((i for i, (a, b) in enumerate(zip(theirs_ids, mine_ids)) if a != b),
-                     min(len(theirs_ids), len(mine_ids)))
-        raise TrainerMismatchError(f"{where} differ: they encode the probe text differently (first at token "
-                                   f"{first}); point hf_assets_path at the recipe's tokenizer")
+        first = next(
+            (i for i, (a, b) in enumerate(zip(theirs_ids, mine_ids)) if a != b), min(len(theirs_ids), len(mine_ids))
+        )
+        raise TrainerMismatchError(
+            f"{where} differ: they encode the probe text differently (first at token "
+            f"{first}); point hf_assets_path at the recipe's tokenizer"
+        )
 
 
 def _describe(tokenizer: Any) -> str:

@@ -134,8 +134,10 @@ def _ensure_ray(ray_init: bool | dict[str, Any] | None = None) -> None:
         try:
             attach(None, log_to_driver=False)
         except ConnectionError as exc:
-            raise ServiceError(f"no Ray cluster to attach to ({exc}); start one (`ray start --head`), set "
-                               "RAY_ADDRESS, or pass ray_init=True to start a private local Ray") from None
+            raise ServiceError(
+                f"no Ray cluster to attach to ({exc}); start one (`ray start --head`), set "
+                "RAY_ADDRESS, or pass ray_init=True to start a private local Ray"
+            ) from None
 
 
 class DataService:
@@ -153,19 +155,30 @@ class DataService:
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        raise TypeError("DataService is not constructed directly: DataService.start(recipe, ...) launches a service, "
-                        "DataService.connect(name, ...) finds a running one")
+        raise TypeError(
+            "DataService is not constructed directly: DataService.start(recipe, ...) launches a service, "
+            "DataService.connect(name, ...) finds a running one"
+        )
 
     @classmethod
-    def _from_coordinator(cls, coordinator: Any, *, name: str, namespace: str, consumer: str | None = None,
-                          read_path: str | None = None, warm: bool = True) -> "DataService":
+    def _from_coordinator(
+        cls,
+        coordinator: Any,
+        *,
+        name: str,
+        namespace: str,
+        consumer: str | None = None,
+        read_path: str | None = None,
+        warm: bool = True,
+    ) -> DataService:
         """A handle on the service whose coordinator actor is ``coordinator`` (what start and connect return)."""
         self = cls.__new__(cls)
         self._setup(coordinator, name=name, namespace=namespace, consumer=consumer, read_path=read_path, warm=warm)
         return self
 
-    def _setup(self, coordinator: Any, *, name: str, namespace: str, consumer: str | None, read_path: str | None,
-               warm: bool) -> None:
+    def _setup(
+        self, coordinator: Any, *, name: str, namespace: str, consumer: str | None, read_path: str | None, warm: bool
+    ) -> None:
         self._coordinator = coordinator
         self.name = name
         self.namespace = namespace
@@ -203,7 +216,7 @@ class DataService:
         consumer: str | None = None,
         ray_init: bool | dict[str, Any] | None = None,
         **overrides: Any,
-    ) -> "DataService":
+    ) -> DataService:
         """Start a named, detached service and return a client for it.
 
         ``config`` is a :class:`ServiceConfig` (``ServiceConfig.build(recipe, ...)``); ``overrides`` are its fields
@@ -230,8 +243,10 @@ class DataService:
         if unknown:
             near = difflib.get_close_matches(unknown[0], CONFIG_FIELDS, n=1)
             hint = f" (did you mean {near[0]!r}?)" if near else ""
-            raise TypeError(f"DataService.start: unknown option {unknown[0]!r}{hint}; options are consumer, ray_init "
-                            f"and the fields of ServiceConfig: {', '.join(sorted(CONFIG_FIELDS))}")
+            raise TypeError(
+                f"DataService.start: unknown option {unknown[0]!r}{hint}; options are consumer, ray_init "
+                f"and the fields of ServiceConfig: {', '.join(sorted(CONFIG_FIELDS))}"
+            )
         if not isinstance(recipe, Recipe):
             recipe = Recipe.from_toml(recipe)
         for key in ("state_dir", "aggregate_dir", "materialized_dir"):  # paths as strings: they travel to actors
@@ -253,13 +268,24 @@ class DataService:
         return client
 
     @classmethod
-    def connect(cls, name: str = DEFAULT_NAME, *, namespace: str = DEFAULT_NAMESPACE, consumer: str | None = None,
-                timeout_s: float = 0.0, read_path: str | None = None) -> "DataService":
+    def connect(
+        cls,
+        name: str = DEFAULT_NAME,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        consumer: str | None = None,
+        timeout_s: float = 0.0,
+        read_path: str | None = None,
+    ) -> DataService:
         """Find a running service by name. Works from any driver, ``ray job submit`` job, notebook or Ray Train
         worker of the same cluster. A name that does not exist is a :class:`ServiceNotFoundError` at once; pass
         ``timeout_s`` to wait that long for a service that is still starting."""
-        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
-                or timeout_s < 0:
+        if (
+            isinstance(timeout_s, bool)
+            or not isinstance(timeout_s, (int, float))
+            or not math.isfinite(timeout_s)
+            or timeout_s < 0
+        ):
             raise ValueError(f"connect: timeout_s must be a number of seconds >= 0, got {timeout_s!r}")
         _ensure_ray()
         deadline = time.monotonic() + timeout_s
@@ -270,9 +296,10 @@ class DataService:
             except ValueError:
                 if time.monotonic() >= deadline:
                     waited = f" after waiting {timeout_s:g}s" if timeout_s else ""
-                    raise ServiceNotFoundError(f"no service named {name!r} in namespace {namespace!r}{waited}; "
-                                               "start it, or wait for one that is starting (connect(timeout_s=...); `zephon-ray status --wait SECONDS`)"
-                                               ) from None
+                    raise ServiceNotFoundError(
+                        f"no service named {name!r} in namespace {namespace!r}{waited}; "
+                        "start it, or wait for one that is starting (connect(timeout_s=...); `zephon-ray status --wait SECONDS`)"
+                    ) from None
                 time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
         return cls._from_coordinator(handle, name=name, namespace=namespace, consumer=consumer, read_path=read_path)
 
@@ -290,7 +317,7 @@ class DataService:
                 self._provenance.close()
                 self._provenance = None
 
-    def __enter__(self) -> "DataService":
+    def __enter__(self) -> DataService:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -311,8 +338,15 @@ class DataService:
         self._call(self._coordinator.release.remote(self.consumer), CONTROL_TIMEOUT_S, f"release of {self.consumer!r}")
 
     # ------------------------------------------------------------------ reading
-    def refs(self, step: int, *, rank: int | None = None, world: int | None = None, track: bool = False,
-             timeout_s: float | None = None) -> StepRefs:
+    def refs(
+        self,
+        step: int,
+        *,
+        rank: int | None = None,
+        world: int | None = None,
+        track: bool = False,
+        timeout_s: float | None = None,
+    ) -> StepRefs:
         """Step ``step``'s lane shards as refs; blocks until produced or replayed, at most ``timeout_s`` (default
         ``request_timeout_s``; then a TimeoutError naming the step and the window). ``track=True`` moves this
         consumer's cursor (the trainer path); the default leaves it where it is (inspection, read-ahead). Fetching
@@ -362,8 +396,10 @@ class DataService:
         """This client's cursor moves, sent with commit() and status() so that both are exact for it."""
         now = time.monotonic()
         with self._lock:
-            return [CursorMove(self.consumer, r, w, step, round(now - when, 3))
-                    for (r, w), (step, when) in self._moves.items()]
+            return [
+                CursorMove(self.consumer, r, w, step, round(now - when, 3))
+                for (r, w), (step, when) in self._moves.items()
+            ]
 
     def batch(self, step: int, *, track: bool = False, timeout_s: float | None = None) -> GlobalBatch:
         """Global batch ``step`` (all B rows, lane-major); ``.digest`` equals GlobalBatchSource's. Ad hoc by
@@ -371,16 +407,18 @@ class DataService:
         ``read_timeout_s``), retries included."""
         return self._read(step, None, None, track, timeout_s, lambda refs, t: refs.batch(timeout_s=t))
 
-    def slice(self, step: int, rank: int, world: int, *, track: bool = False,
-              timeout_s: float | None = None) -> RankSlice:
+    def slice(
+        self, step: int, rank: int, world: int, *, track: bool = False, timeout_s: float | None = None
+    ) -> RankSlice:
         """Rank ``rank`` of ``world``'s rows of step ``step``; only the lanes covering them are fetched.
         ``track=True`` moves this consumer's cursor for (rank, world) (the trainer path). Returns or raises within
         ``timeout_s`` (default ``read_timeout_s``), retries included."""
         slice_bounds(self.recipe.global_batch_rows, rank, world)  # validate before any remote call
         return self._read(step, rank, world, track, timeout_s, lambda refs, t: refs.slice(rank, world, timeout_s=t))
 
-    def _read(self, step: int, rank: int | None, world: int | None, track: bool, timeout_s: float | None,
-              fetch: Any) -> Any:
+    def _read(
+        self, step: int, rank: int | None, world: int | None, track: bool, timeout_s: float | None, fetch: Any
+    ) -> Any:
         """One read with transparent retries: a restarting coordinator (calls re-sent by Ray, or a fresh handle),
         a lost node reader and lost shards (the step is made again) cost a delay of at most
         ``reconnect_timeout_s``. Every wait inside ends by the read's deadline (``read_timeout_s``, or
@@ -408,8 +446,10 @@ class DataService:
             now = time.monotonic()
             if now + delay > retry_until:
                 budget = "read_timeout_s" if retry_until == deadline else "reconnect_timeout_s"
-                raise ReadTimeoutError(f"service {self._where}: step {step} not read within "
-                                       f"{budget}={retry_until - t0:.0f}s (waited {now - t0:.0f}s): {reason}")
+                raise ReadTimeoutError(
+                    f"service {self._where}: step {step} not read within "
+                    f"{budget}={retry_until - t0:.0f}s (waited {now - t0:.0f}s): {reason}"
+                )
             time.sleep(delay)
             delay = min(delay * 2, 2.0)
 
@@ -429,9 +469,15 @@ class DataService:
             self._coordinator = coordinator
         self._reads.reset()
 
-    def provenance(self, step: int, rank: int | None = None, world: int | None = None, *,
-                   rows: tuple[np.ndarray, np.ndarray] | None = None, timeout_s: float | None = None
-                   ) -> StepProvenance:
+    def provenance(
+        self,
+        step: int,
+        rank: int | None = None,
+        world: int | None = None,
+        *,
+        rows: tuple[np.ndarray, np.ndarray] | None = None,
+        timeout_s: float | None = None,
+    ) -> StepProvenance:
         """Which document pieces every row of step ``step`` holds (all B rows, or rank ``rank`` of ``world``'s):
         :mod:`zephon_ray.provenance`. Computed on demand in this process, from the service's recipe: a
         provenance-mode pipeline restored from the nearest durable checkpoint under ``state_dir`` (the one a replay
@@ -444,8 +490,11 @@ class DataService:
         step = as_step(step)
         first = 0 if rank is None else slice_bounds(self.recipe.global_batch_rows, rank, world)[0]
         if rows is None:
-            served = self.batch(step, timeout_s=timeout_s) if rank is None else \
-                self.slice(step, rank, world, track=False, timeout_s=timeout_s)
+            served = (
+                self.batch(step, timeout_s=timeout_s)
+                if rank is None
+                else self.slice(step, rank, world, track=False, timeout_s=timeout_s)
+            )
             rows = (served.tokens, served.positions)
         with self._provenance_lock:
             try:
@@ -464,8 +513,7 @@ class DataService:
         if self._provenance is None or self._provenance.recipe.fingerprint != self.recipe.fingerprint:
             state_dir, recipe = self.config.state_dir, self.recipe
             lookup = None if state_dir is None else (lambda s: read_nearest_checkpoint(state_dir, recipe, s))
-            self._provenance = ProvenanceSource(recipe, checkpoints=lookup,
-                                                reuse_within=self.config.checkpoint_every)
+            self._provenance = ProvenanceSource(recipe, checkpoints=lookup, reuse_within=self.config.checkpoint_every)
         return self._provenance
 
     # ------------------------------------------------------------------ state and control
@@ -474,8 +522,11 @@ class DataService:
         ``step``. A service restarted from the same ``state_dir`` starts its live window there. This client's
         cursor moves travel with it, so a commit right after a read is never refused as "ahead"."""
         step = as_step(step, "commit step")
-        return self._call(self._coordinator.commit.remote(step, self.consumer, self._own_moves()),
-                          self.config.read_timeout_s, f"the commit of step {step}")
+        return self._call(
+            self._coordinator.commit.remote(step, self.consumer, self._own_moves()),
+            self.config.read_timeout_s,
+            f"the commit of step {step}",
+        )
 
     def status(self) -> dict[str, Any]:
         """Producers (pids, lanes, generation), window (held steps and bytes vs. bound), cursors (this client's
@@ -486,8 +537,11 @@ class DataService:
     def rescale(self, producers: int) -> dict[str, Any]:
         """Go to ``producers`` producer actors (must divide the lanes) without changing any batch."""
         self.config.check_lanes(self.recipe, producers)
-        result = self._call(self._coordinator.rescale.remote(producers), self.config.read_timeout_s,
-                            f"the rescale to {producers} producers")
+        result = self._call(
+            self._coordinator.rescale.remote(producers),
+            self.config.read_timeout_s,
+            f"the rescale to {producers} producers",
+        )
         self.config = replace(self.config, producers=producers)
         return result
 
@@ -504,12 +558,15 @@ class DataService:
         naming the consumer and the step. Returns ``{"phase", "start_step", "fingerprint", "dropped_steps",
         "dropped_checkpoints", "restart_from", "applied_s"}`` (Coordinator.add_phase;
         tests/test_phases.py::test_a_phase_added_to_a_running_service)."""
-        result = self._call(self._coordinator.add_phase.remote(name, start_step, dict(weights)),
-                            self.config.read_timeout_s, f"adding phase {name!r}")
+        result = self._call(
+            self._coordinator.add_phase.remote(name, start_step, dict(weights)),
+            self.config.read_timeout_s,
+            f"adding phase {name!r}",
+        )
         self.recipe = self.recipe.with_phase(name, start_step, weights)
         return result
 
-    def to_dataset(self, steps: Iterable[int]) -> "ray.data.Dataset":
+    def to_dataset(self, steps: Iterable[int]) -> ray.data.Dataset:
         """A lazy ``ray.data.Dataset`` with one row per batch row: ``step``, ``lane``, ``row`` (index in the
         global batch), ``tokens`` and ``positions`` (fixed-size int32 lists), ``digest`` (of the step). For
         notebooks and ``write_parquet`` audits; it does not move this consumer's cursor. Nothing is read until the
@@ -520,14 +577,15 @@ class DataService:
         if not steps:
             raise ValueError("to_dataset: no steps given")
         return ray.data.from_items([{"step": step} for step in steps]).map_batches(
-            _service_step_rows, fn_kwargs={"service": self}, batch_size=1, num_cpus=0.25, batch_format="numpy")
+            _service_step_rows, fn_kwargs={"service": self}, batch_size=1, num_cpus=0.25, batch_format="numpy"
+        )
 
     # ------------------------------------------------------------------ helpers
     def _call(self, ref: Any, timeout: float, what: str) -> Any:
         return call(ref, self._where, timeout=timeout, what=what)
 
 
-def _service_step_rows(batch: dict[str, np.ndarray], service: "DataService") -> Any:  # a pyarrow.Table
+def _service_step_rows(batch: dict[str, np.ndarray], service: DataService) -> Any:  # a pyarrow.Table
     """Ray Data task body of ``to_dataset``: the rows of the steps in ``batch`` (read without moving a cursor)."""
     import pyarrow as pa
 

@@ -21,9 +21,9 @@ import threading
 import time
 from typing import Any
 
+from zephon_ray.service.client.step_refs import StepRefs, call, open_containers
 from zephon_ray.service.errors import ShardsLostError
 from zephon_ray.service.wire import CursorMove, expand
-from zephon_ray.service.client.step_refs import StepRefs, call, open_containers
 
 
 class DirectReads:
@@ -59,8 +59,9 @@ class DirectReads:
                 while len(self._prefetched) > cap:  # forget the oldest unused prefetches
                     self._prefetched.pop(next(iter(self._prefetched)))
 
-    def refs(self, step: int, rank: int, world: int, lo: int, hi: int, track: bool, timeout_s: float,
-             deadline: float) -> StepRefs:
+    def refs(
+        self, step: int, rank: int, world: int, lo: int, hi: int, track: bool, timeout_s: float, deadline: float
+    ) -> StepRefs:
         owner = self._owner
         with self._lock:
             pending = self._prefetched.pop((step, rank, world), None)
@@ -71,12 +72,17 @@ class DirectReads:
                 self.advance(rank, world, step)
         else:
             moves = [CursorMove(owner.consumer, rank, world, step)] if track else None
-            reply = call(owner._coordinator.lease.remote(step, 1, (lo, hi), timeout_s, moves, track), owner._where,
-                         timeout=max(0.0, deadline - time.monotonic()), what=what)
+            reply = call(
+                owner._coordinator.lease.remote(step, 1, (lo, hi), timeout_s, moves, track),
+                owner._where,
+                timeout=max(0.0, deadline - time.monotonic()),
+                what=what,
+            )
         got, generation, groups, containers = reply.steps[0]
         try:
-            opened = open_containers([c for c in containers if c is not None], owner._where,
-                                     max(1.0, deadline - time.monotonic()))
+            opened = open_containers(
+                [c for c in containers if c is not None], owner._where, max(1.0, deadline - time.monotonic())
+            )
         except ShardsLostError:
             self.invalidate(got, generation)
             raise

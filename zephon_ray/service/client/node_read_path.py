@@ -156,7 +156,7 @@ def stop_background(timeout_s: float = 5.0) -> None:
 _EXIT_HOOKED = threading.Event()
 
 
-def _listen(reader: Any, client: "ProcessReads") -> None:
+def _listen(reader: Any, client: ProcessReads) -> None:
     key = getattr(reader, "_actor_id", None) or id(reader)
     with _LISTENERS_LOCK:
         listener = _LISTENERS.get(key)
@@ -252,8 +252,18 @@ class ProcessReads:
             self._cache.clear()
 
     # ------------------------------------------------------------------ reads
-    def held(self, consumer: str, step: int, rank: int, world: int, lo: int, hi: int, track: bool,
-             timeout_s: float, deadline: float) -> HeldStep:
+    def held(
+        self,
+        consumer: str,
+        step: int,
+        rank: int,
+        world: int,
+        lo: int,
+        hi: int,
+        track: bool,
+        timeout_s: float,
+        deadline: float,
+    ) -> HeldStep:
         """This process's refs of ``step`` covering lanes ``[lo, hi)``: from its cache, from a call in flight of
         another thread (of any handle), or from one call to the node reader (which answers for a run of steps).
         ``timeout_s`` bounds the coordinator's wait for the step; ``deadline`` (``time.monotonic()``) bounds every
@@ -282,10 +292,11 @@ class ProcessReads:
                 continue
             since = time.monotonic()
             if not request.done.wait(max(0.0, deadline - since)):
-                raise ReplyTimeoutError(f"service {self._where}: step {step}: another thread's read call of it did "
-                                        f"not return within {time.monotonic() - since:.0f}s")
-            if request.error is not None and request.ahead is None \
-                    and not isinstance(request.error, ReplyTimeoutError):
+                raise ReplyTimeoutError(
+                    f"service {self._where}: step {step}: another thread's read call of it did "
+                    f"not return within {time.monotonic() - since:.0f}s"
+                )
+            if request.error is not None and request.ahead is None and not isinstance(request.error, ReplyTimeoutError):
                 raise request.error  # the service's answer about this step (a refusal, a lost service)
             # a read-ahead, or a call that gave up at its own deadline: ask again ourselves (this read's deadline
             # bounds that too)
@@ -294,8 +305,9 @@ class ProcessReads:
         """(lock held) The read call in flight that will bring ``step``'s lanes ``[lo, hi)``, if any."""
         return next((q for q in self._requests if q.step == step and q.lo <= lo and hi <= q.hi), None)
 
-    def _call(self, request: _Request, consumer: str, track: bool, timeout_s: float, deadline: float,
-              moves: list[CursorMove]) -> None:
+    def _call(
+        self, request: _Request, consumer: str, track: bool, timeout_s: float, deadline: float, moves: list[CursorMove]
+    ) -> None:
         """One read call to the node reader for ``request``, its reply filed in the cache; the threads waiting for
         it are woken either way. A read-ahead's failure is only logged (a rank that joined it asks again); one
         that gives up is cancelled at the node reader, and is never retried on a restarted one (no rank waits
@@ -332,22 +344,30 @@ class ProcessReads:
         benchmarks/bench_service_load.py, docs/scaling.md). It is the call the process would make a few steps
         later anyway, and waits like a tracked read (producers will get there: the cursor is a few steps behind),
         within the service's ``read_timeout_s``."""
-        first = next((s for s in range(step + 1, step + 1 + self.ahead_steps) if self._cache.get(s, lo, hi) is None),
-                     None)
+        first = next(
+            (s for s in range(step + 1, step + 1 + self.ahead_steps) if self._cache.get(s, lo, hi) is None), None
+        )
         if first is None or self._stopping.is_set() or self._in_flight(first, lo, hi) is not None:
             return
         request = _Request(first, self._lo, self._hi, threading.Event(), ahead=consumer)
         self._requests.append(request)
-        thread = threading.Thread(target=self._ahead, args=(request, self._take_pending()),
-                                  name="zephon-ray-read-ahead", daemon=True)
+        thread = threading.Thread(
+            target=self._ahead, args=(request, self._take_pending()), name="zephon-ray-read-ahead", daemon=True
+        )
         self._ahead_threads.add(thread)
         thread.start()
 
     def _ahead(self, request: _Request, moves: list[CursorMove]) -> None:
         timeout_s = self.config.read_timeout_s
         try:
-            self._call(request, request.ahead, True, min(timeout_s, self.config.request_timeout_s),
-                       time.monotonic() + timeout_s, moves)
+            self._call(
+                request,
+                request.ahead,
+                True,
+                min(timeout_s, self.config.request_timeout_s),
+                time.monotonic() + timeout_s,
+                moves,
+            )
         finally:
             with self._lock:
                 self._ahead_threads.discard(threading.current_thread())
@@ -365,8 +385,10 @@ class ProcessReads:
                 raise _ReadAheadStopped(f"read-ahead of step {request.step} stopped")  # see stop_background
             now = time.monotonic()
             if now >= deadline:
-                raise ReplyTimeoutError(f"service {self._where}: step {request.step}: the node reader did not "
-                                        f"answer a read call within {now - since:.0f}s")
+                raise ReplyTimeoutError(
+                    f"service {self._where}: step {request.step}: the node reader did not "
+                    f"answer a read call within {now - since:.0f}s"
+                )
             ready, _ = ray.wait([ref], timeout=min(WAIT_POLL_S, deadline - now), fetch_local=False)
             if ready:
                 return call(ref, self._where, timeout=max(1.0, deadline - time.monotonic()))
@@ -431,8 +453,9 @@ class ProcessReads:
     def _take_pending(self) -> list[CursorMove]:
         """The pending moves as cursor moves (lock held); they leave the pending set."""
         now = time.monotonic()
-        moves = [CursorMove(c, r, w, s, round(max(0.0, now - when), 3))
-                 for (c, r, w), (s, when) in self._pending.items()]
+        moves = [
+            CursorMove(c, r, w, s, round(max(0.0, now - when), 3)) for (c, r, w), (s, when) in self._pending.items()
+        ]
         self._pending.clear()
         self._sent = now
         return moves
@@ -495,7 +518,7 @@ class ProcessReads:
             reader.release.remote(consumer)
 
 
-_PATHS: "weakref.WeakValueDictionary[Any, ProcessReads]" = weakref.WeakValueDictionary()
+_PATHS: weakref.WeakValueDictionary[Any, ProcessReads] = weakref.WeakValueDictionary()
 """This process's shared node paths by coordinator actor (an ``ActorHandle`` hashes and compares by actor id)."""
 _PATHS_LOCK = threading.Lock()
 
@@ -505,8 +528,9 @@ def process_reads(owner: Any) -> ProcessReads:
     with _PATHS_LOCK:
         path = _PATHS.get(owner._coordinator)
         if path is None:
-            path = _PATHS[owner._coordinator] = ProcessReads(owner._coordinator, owner._where, owner.config,
-                                                             owner.recipe.lanes)
+            path = _PATHS[owner._coordinator] = ProcessReads(
+                owner._coordinator, owner._where, owner.config, owner.recipe.lanes
+            )
         return path
 
 
@@ -540,8 +564,9 @@ class NodeReads:
     def prefetch(self, steps: list[int], rank: int, world: int, lo: int, hi: int) -> None:
         """Nothing to do: one read call brings a run of steps, and the node reader leases ahead."""
 
-    def refs(self, step: int, rank: int, world: int, lo: int, hi: int, track: bool, timeout_s: float,
-             deadline: float) -> StepRefs:
+    def refs(
+        self, step: int, rank: int, world: int, lo: int, hi: int, track: bool, timeout_s: float, deadline: float
+    ) -> StepRefs:
         owner = self._owner
         held = self._path.held(owner.consumer, step, rank, world, lo, hi, track, timeout_s, deadline)
         return StepRefs(step, only_lanes(held.lanes, lo, hi), owner.recipe, owner._pad, held.generation)

@@ -43,8 +43,10 @@ def check_reachable(address: str, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
             pass
     except (OSError, ValueError) as exc:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else type(exc).__name__
-        raise ConnectionError(f"no Ray cluster answers at {target} (address {address!r}): {reason} within "
-                              f"{timeout_s:g}s; start one (`ray start --head`) or pass the head's address") from None
+        raise ConnectionError(
+            f"no Ray cluster answers at {target} (address {address!r}): {reason} within "
+            f"{timeout_s:g}s; start one (`ray start --head`) or pass the head's address"
+        ) from None
 
 
 def attach(address: str | None, **init_kwargs: Any) -> None:

@@ -51,8 +51,8 @@ def unwrap(exc: BaseException, service: str) -> BaseException:
         return ShardsLostError(f"service {service}: a reply was lost ({type(exc).__name__})")
     if isinstance(exc, (RayActorError, ActorUnavailableError)):
         return ServiceNotFoundError(
-            f"service {service} is not running (its coordinator died or was stopped); start it again from its "
-            "state_dir")
+            f"service {service} is not running (its coordinator died or was stopped); start it again from its state_dir"
+        )
     if isinstance(exc, GetTimeoutError):
         return ReplyTimeoutError(f"service {service}: no reply in time")
     return exc
@@ -74,8 +74,9 @@ def open_containers(refs: list[Any], where: str, timeout_s: float) -> list[Any]:
     try:
         return ray.get(refs, timeout=timeout_s)
     except GetTimeoutError:
-        raise ReplyTimeoutError(f"service {where}: a step's containers were not fetched within {timeout_s:.0f}s"
-                                ) from None
+        raise ReplyTimeoutError(
+            f"service {where}: a step's containers were not fetched within {timeout_s:.0f}s"
+        ) from None
     except (*LOST, RayActorError, ActorUnavailableError) as exc:
         raise ShardsLostError(f"service {where}: a step's shards were lost ({type(exc).__name__})") from None
 
@@ -111,18 +112,20 @@ class StepRefs:
     def _fetch(self, lanes: range, timeout_s: float) -> list[LaneShard]:
         picked = [self.lanes[lane] for lane in lanes]
         if any(p is None for p in picked):
-            raise ValueError(f"step {self.step}: these refs were asked for another rank's rows (lanes "
-                             f"{[i for i, p in enumerate(self.lanes) if p is not None]}); read them with refs() again")
+            raise ValueError(
+                f"step {self.step}: these refs were asked for another rank's rows (lanes "
+                f"{[i for i, p in enumerate(self.lanes) if p is not None]}); read them with refs() again"
+            )
         if not self.is_refs:
             return picked
         try:
             return ray.get(picked, timeout=timeout_s)
         except GetTimeoutError:
-            raise ReplyTimeoutError(f"step {self.step}: its shards were not fetched within {timeout_s:.0f}s"
-                                    ) from None
+            raise ReplyTimeoutError(f"step {self.step}: its shards were not fetched within {timeout_s:.0f}s") from None
         except (*LOST, RayActorError, ActorUnavailableError) as exc:  # the node, owner, producer or replayer died
-            raise ShardsLostError(f"step {self.step}: its shards were lost ({type(exc).__name__}); read it again "
-                                  "to have it made again") from None
+            raise ShardsLostError(
+                f"step {self.step}: its shards were lost ({type(exc).__name__}); read it again to have it made again"
+            ) from None
         except RayTaskError as exc:
             raise unwrap(exc, "(replay)") from None
 
@@ -134,5 +137,12 @@ class StepRefs:
     def slice(self, rank: int, world: int, *, timeout_s: float = FETCH_TIMEOUT_S) -> RankSlice:
         """Rank ``rank`` of ``world``'s rows, fetched within ``timeout_s`` (else a :class:`ReplyTimeoutError`)."""
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, rank, world)
-        return RankSlice.from_lanes(self.step, rank, world, span, self._fetch(span.lanes, timeout_s),
-                                    self.pad_token_id, fixed_valid_tokens(self.recipe))
+        return RankSlice.from_lanes(
+            self.step,
+            rank,
+            world,
+            span,
+            self._fetch(span.lanes, timeout_s),
+            self.pad_token_id,
+            fixed_valid_tokens(self.recipe),
+        )

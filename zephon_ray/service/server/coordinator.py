@@ -88,6 +88,7 @@ def _name_os_thread(name: bytes) -> None:
 
         ctypes.CDLL(None).prctl(15, name[:15], 0, 0, 0)
 
+
 MAX_LEASE_STEPS = 1024
 _BUSY_POLL_S = 0.25
 """How long the pump waits for a producer call to finish (the first finished call ends the wait at once, pool.collect;
@@ -120,7 +121,7 @@ class Coordinator:
         try:
             self._setup()
             self._set_up = True
-        except Exception as exc:  # noqa: BLE001 - ready() reports it once, as a ServiceError naming it
+        except Exception as exc:
             log.exception("service %r failed to start", config.name)
             self._fatal = f"service {config.name!r} failed to start: {describe(exc)}"
 
@@ -132,8 +133,9 @@ class Coordinator:
         # A first start's storage has not answered yet: a misconfiguration is one line within the start budget. A
         # restarted incarnation rides out an outage of storage that answered before, for the full budget.
         with contextlib.nullcontext() if self._restarted else storage.first_contact():
-            self.state = ServiceState.open(recipe, config.state_dir, keep_checkpoints=config.keep_checkpoints,
-                                           anchor_every=config.anchor_every)
+            self.state = ServiceState.open(
+                recipe, config.state_dir, keep_checkpoints=config.keep_checkpoints, anchor_every=config.anchor_every
+            )
         # The state_dir may record phases an earlier incarnation accepted (add_phase): run under them.
         recipe = self.recipe = self.state.recipe
         self._instance = uuid.uuid4().hex[:6]  # actor names and Zephon run ids never collide with an earlier one
@@ -150,19 +152,39 @@ class Coordinator:
             if start in prefix:
                 start = prefix.stop
         self._lock = threading.Lock()  # guards the window and counters (pump thread vs the two event loops)
-        self.window = StepWindow(window=config.window, start=start, max_ahead=config.max_ahead,
-                                 retain_behind=config.retain_behind, consumer_ttl_s=config.consumer_ttl_s,
-                                 rows=recipe.global_batch_rows, reach=max(self.state.checkpoint_steps(), default=0))
+        self.window = StepWindow(
+            window=config.window,
+            start=start,
+            max_ahead=config.max_ahead,
+            retain_behind=config.retain_behind,
+            consumer_ttl_s=config.consumer_ttl_s,
+            rows=recipe.global_batch_rows,
+            reach=max(self.state.checkpoint_steps(), default=0),
+        )
         self.window.commits = dict(commits)
         ckpt = self.state.nearest_checkpoint(start) or 0
         self.start_info: dict[str, Any]
         self.counters: dict[str, Any]
-        self.start_info = {"start_step": start, "checkpoint_step": ckpt, "replay_steps": start - ckpt,
-                           "latest_commit": max(commits.values()) if commits else None, "first_batch_s": None,
-                           "restarted": bool(self._restarted)}
-        self.counters = {"produced_steps": 0, "produced_tokens": 0, "first_produced": None, "last_produced": None,
-                         "leases": 0, "leased_steps": 0, "lease_waits": 0, "moves": 0, "bad_moves": 0,
-                         "reports": 0}
+        self.start_info = {
+            "start_step": start,
+            "checkpoint_step": ckpt,
+            "replay_steps": start - ckpt,
+            "latest_commit": max(commits.values()) if commits else None,
+            "first_batch_s": None,
+            "restarted": bool(self._restarted),
+        }
+        self.counters = {
+            "produced_steps": 0,
+            "produced_tokens": 0,
+            "first_produced": None,
+            "last_produced": None,
+            "leases": 0,
+            "leased_steps": 0,
+            "lease_waits": 0,
+            "moves": 0,
+            "bad_moves": 0,
+            "reports": 0,
+        }
         self.lease_nodes: dict[str, int] = {}
         self.recent_commits: list[dict[str, Any]] = []
         self._rescale_to: int | None = None
@@ -225,9 +247,17 @@ class Coordinator:
             self._pump_wake.set()
 
     # ================================================================== reads
-    async def lease(self, first: int, count: int = 1, lanes: tuple[int, int] | None = None,
-                    timeout_s: float | None = None, moves: list[CursorMove] | None = None, track: bool = False,
-                    node: str | None = None, wait: bool = True) -> Reply:
+    async def lease(
+        self,
+        first: int,
+        count: int = 1,
+        lanes: tuple[int, int] | None = None,
+        timeout_s: float | None = None,
+        moves: list[CursorMove] | None = None,
+        track: bool = False,
+        node: str | None = None,
+        wait: bool = True,
+    ) -> Reply:
         """The container refs of steps ``first, first + 1, ...`` (at most ``count``, consecutive, all produced)
         holding lanes ``[lo, hi)``: a lease reply (wire.py). Waits for ``first`` to be produced, or has it replayed
         when it lies behind the live window (or ahead of it and ``track`` is False: no cursor moves producers there).
@@ -237,8 +267,9 @@ class Coordinator:
         self._advance(moves)
         timeout_s = self.config.request_timeout_s if timeout_s is None else float(timeout_s)
         count = max(1, min(int(count), MAX_LEASE_STEPS))
-        lo, hi = (0, self.recipe.lanes) if lanes is None else (max(0, int(lanes[0])), min(self.recipe.lanes,
-                                                                                         int(lanes[1])))
+        lo, hi = (
+            (0, self.recipe.lanes) if lanes is None else (max(0, int(lanes[0])), min(self.recipe.lanes, int(lanes[1])))
+        )
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         waited = False
@@ -257,9 +288,13 @@ class Coordinator:
                         entry.served += 1
                     self._count_lease(node, len(run), waited, now - t0)
                     lanes = self.recipe.lanes
-                    return lease_reply([StepContainers(s, e.generation, len(e.containers),
-                                                       only_groups(e.containers, lanes, lo, hi)) for s, e in run],
-                                       self.window.keep_from)
+                    return lease_reply(
+                        [
+                            StepContainers(s, e.generation, len(e.containers), only_groups(e.containers, lanes, lo, hi))
+                            for s, e in run
+                        ],
+                        self.window.keep_from,
+                    )
                 low, high = self.window.keep_from, self.window.produce_until
                 if not wait:
                     return lease_reply([], self.window.keep_from)
@@ -267,11 +302,15 @@ class Coordinator:
                 with self._lock:
                     self._leased_until = max(self._leased_until, first)
                 try:  # shared by every read of the step: one that gives up must not cancel it for the others
-                    container = await reply_within(asyncio.shield(self.replay.container(
-                        first, read_ahead=track or count > 1)), max(1.0, deadline - time.monotonic()))
+                    container = await reply_within(
+                        asyncio.shield(self.replay.container(first, read_ahead=track or count > 1)),
+                        max(1.0, deadline - time.monotonic()),
+                    )
                 except NoReply:
-                    raise TimeoutError(f"step {first} was not replayed within {timeout_s:.0f}s (its replayer is "
-                                       f"restoring or stuck; replayers={self.config.replayers})") from None
+                    raise TimeoutError(
+                        f"step {first} was not replayed within {timeout_s:.0f}s (its replayer is "
+                        f"restoring or stuck; replayers={self.config.replayers})"
+                    ) from None
                 self._count_lease(node, 1, waited, time.monotonic() - t0)
                 return lease_reply([StepContainers(first, REPLAYED, 1, [container])], self.window.keep_from)
             if now >= deadline:
@@ -279,7 +318,8 @@ class Coordinator:
                     f"step {first} was not produced within {timeout_s:.0f}s: the live window is [{low}, {high}) "
                     f"(slowest live cursor {high - self.config.window}, window {self.config.window}); a consumer "
                     f"more than `window` steps ahead waits for the slowest one (cursors expire after "
-                    f"consumer_ttl_s={self.config.consumer_ttl_s:.0f}s)")
+                    f"consumer_ttl_s={self.config.consumer_ttl_s:.0f}s)"
+                )
             waited = True
             if track and moves and node is None:
                 # a direct read waiting for its step is alive: its cursor (its one move) must not expire while it
@@ -292,7 +332,7 @@ class Coordinator:
             event = self._changed
             try:
                 await asyncio.wait_for(event.wait(), min(deadline - now, 1.0))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     def _count_lease(self, node: str | None, steps: int, waited: bool, wait_s: float) -> None:
@@ -329,13 +369,28 @@ class Coordinator:
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
             cfg = self.config
-            reader = ray.remote(self._reader_class).options(
-                name=f"{cfg.name}{READER_INFIX}{self._instance}.{node_id[:16]}", namespace=cfg.namespace,
-                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-                max_concurrency=cfg.resources.coordinator_max_concurrency, max_restarts=-1, max_task_retries=-1,
-            ).remote(ray.get_runtime_context().current_actor, lanes=self.recipe.lanes,
-                     rows_per_lane=self.recipe.rows_per_lane, lease_steps=cfg.lease_steps, window=cfg.window,
-                     consumer_ttl_s=cfg.consumer_ttl_s, request_timeout_s=cfg.request_timeout_s, node_id=node_id)
+            reader = (
+                ray.remote(self._reader_class)
+                .options(
+                    name=f"{cfg.name}{READER_INFIX}{self._instance}.{node_id[:16]}",
+                    namespace=cfg.namespace,
+                    num_cpus=0,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                    max_concurrency=cfg.resources.coordinator_max_concurrency,
+                    max_restarts=-1,
+                    max_task_retries=-1,
+                )
+                .remote(
+                    ray.get_runtime_context().current_actor,
+                    lanes=self.recipe.lanes,
+                    rows_per_lane=self.recipe.rows_per_lane,
+                    lease_steps=cfg.lease_steps,
+                    window=cfg.window,
+                    consumer_ttl_s=cfg.consumer_ttl_s,
+                    request_timeout_s=cfg.request_timeout_s,
+                    node_id=node_id,
+                )
+            )
             self.readers[node_id] = reader
         return reader
 
@@ -355,12 +410,15 @@ class Coordinator:
         # The writes run on one writer thread, in call order: reads and status() never wait for a disk flush or an
         # object-store outage (the write retries transient faults for the storage budget).
         try:
-            entry = await asyncio.get_running_loop().run_in_executor(self._commit_writer, self.state.add_commit,
-                                                                     step, consumer)
-        except Exception as exc:  # noqa: BLE001 - never report success without a durable record
+            entry = await asyncio.get_running_loop().run_in_executor(
+                self._commit_writer, self.state.add_commit, step, consumer
+            )
+        except Exception as exc:
             log.exception("commit of step %d for %r not durable", step, consumer)
-            raise ServiceError(f"service {self.config.name!r}: commit of step {step} for consumer {consumer!r} "
-                               f"is not durable: {describe(exc)}") from None
+            raise ServiceError(
+                f"service {self.config.name!r}: commit of step {step} for consumer {consumer!r} "
+                f"is not durable: {describe(exc)}"
+            ) from None
         with self._lock:
             self.window.commit(step, consumer, read=max(own, default=None))
         self.recent_commits = (self.recent_commits + [entry])[-8:]
@@ -404,8 +462,9 @@ class Coordinator:
         gen = self.pool.gen
         return {"producers": len(gen.actors), "generation": gen.number, "at_step": self.pool.next_step}
 
-    async def add_phase(self, name: str, start_step: int, weights: dict[str, float],
-                        timeout_s: float = 300.0) -> dict[str, Any]:
+    async def add_phase(
+        self, name: str, start_step: int, weights: dict[str, float], timeout_s: float = 300.0
+    ) -> dict[str, Any]:
         """Add mixture phase ``name`` from ``start_step`` on, without a restart. Refused (ValueError, one line)
         when ``start_step`` is at or before a step some consumer has read (naming that consumer and step) or that
         a lease already handed out (a node reader or client may serve it from its cache), inside a materialised
@@ -422,8 +481,10 @@ class Coordinator:
             raise ValueError(f"add_phase: name must be a non-empty string, got {name!r}")
         new = self.recipe.with_phase(name, start_step, weights)  # RecipeError (a ValueError) naming the key
         if self._prefix and start_step < self._prefix.stop:
-            raise ValueError(f"add_phase: phase {name!r} starts at step {start_step}, inside the materialised "
-                             f"prefix [{self._prefix.start}, {self._prefix.stop}), which is fixed")
+            raise ValueError(
+                f"add_phase: phase {name!r} starts at step {start_step}, inside the materialised "
+                f"prefix [{self._prefix.start}, {self._prefix.stop}), which is fixed"
+            )
         if self._phase_request is not None or self._rescale_to is not None:
             raise ServiceError("a rescale or another add_phase is in progress")
         self._phase_result = None
@@ -451,12 +512,16 @@ class Coordinator:
         late = {c: s for c, s in read.items() if s >= start}
         if late:
             consumer, step = max(late.items(), key=lambda kv: kv[1])
-            return (f"add_phase: phase {name!r} starts at step {start}, but consumer {consumer!r} has read step "
-                    f"{step}; a phase must start after every step a consumer has read")
+            return (
+                f"add_phase: phase {name!r} starts at step {start}, but consumer {consumer!r} has read step "
+                f"{step}; a phase must start after every step a consumer has read"
+            )
         if self._leased_until >= start:
-            return (f"add_phase: phase {name!r} starts at step {start}, but step {self._leased_until} was already "
-                    f"leased (a node reader or client may serve it from its cache); start it after step "
-                    f"{self._leased_until}")
+            return (
+                f"add_phase: phase {name!r} starts at step {start}, but step {self._leased_until} was already "
+                f"leased (a node reader or client may serve it from its cache); start it after step "
+                f"{self._leased_until}"
+            )
         return None
 
     def _do_add_phase(self) -> None:
@@ -488,14 +553,23 @@ class Coordinator:
             durable = True
             self.replay.set_recipe(new)
             restart_from = pool.adopt(start)
-            self._phase_result = {"phase": name, "start_step": start, "fingerprint": new.fingerprint,
-                                  "dropped_steps": dropped, "dropped_checkpoints": removed,
-                                  "restart_from": restart_from}
-        except Exception as exc:  # noqa: BLE001 - one line to the caller
+            self._phase_result = {
+                "phase": name,
+                "start_step": start,
+                "fingerprint": new.fingerprint,
+                "dropped_steps": dropped,
+                "dropped_checkpoints": removed,
+                "restart_from": restart_from,
+            }
+        except Exception as exc:
             log.exception("add_phase %r failed", name)
             if durable:  # recorded: the service runs under it from now on, whatever failed after that
-                self._phase_result = {"phase": name, "start_step": start, "fingerprint": new.fingerprint,
-                                      "warning": f"recorded, then: {describe(exc)}"}
+                self._phase_result = {
+                    "phase": name,
+                    "start_step": start,
+                    "fingerprint": new.fingerprint,
+                    "warning": f"recorded, then: {describe(exc)}",
+                }
                 self.pool.restart(f"add_phase: {describe(exc)}")
             else:
                 self._phase_result = f"add_phase: phase {name!r} failed: {describe(exc)}"
@@ -568,14 +642,14 @@ class Coordinator:
                     self._file(finished)
                 if pool.fatal:
                     self._fail(pool.fatal)
-            except Exception as exc:  # noqa: BLE001 - never let the pump die silently: replace the group, or give up
+            except Exception as exc:
                 log.exception("pump: replacing the producer group")
                 try:
                     # A storage fault that got here has spent its budget (or is permanent): fatal in restart().
                     pool.restart(f"pump: {describe(exc)}", transient=storage.is_transient(exc))
                     if pool.fatal:
                         self._fail(pool.fatal)
-                except Exception as again:  # noqa: BLE001
+                except Exception as again:
                     log.exception("pump: the replacement failed too")
                     self._fail(f"service {self.config.name!r}: pump failed: {describe(again)}")
 
@@ -622,8 +696,9 @@ class Coordinator:
             for item in finished:
                 c["produced_steps"] += 1
                 c["produced_tokens"] += tokens
-                self.window.file(item.step, Entry(containers=item.containers, nbytes=item.meta["nbytes"],
-                                                  generation=item.generation))
+                self.window.file(
+                    item.step, Entry(containers=item.containers, nbytes=item.meta["nbytes"], generation=item.generation)
+                )
             c["first_produced"] = c["first_produced"] or now
             c["last_produced"] = now
             self.metrics.produced(len(finished), len(finished) * tokens)  # the gauges: the pump, once a second

@@ -67,20 +67,30 @@ def launch(recipe: Recipe, config: ServiceConfig) -> Any:
     except ValueError:
         pass
     else:
-        raise ServiceError(f"a service named {name!r} already runs in namespace {namespace!r}; "
-                           "connect() to it or stop() it first")
+        raise ServiceError(
+            f"a service named {name!r} already runs in namespace {namespace!r}; connect() to it or stop() it first"
+        )
     kill_named(name, namespace)  # helpers left by a coordinator that died without stop()
     res = config.resources
     groups = {READS: res.coordinator_max_concurrency, CONTROL: CONTROL_CONCURRENCY}
-    handle = ray.remote(concurrency_groups=groups)(CoordinatorActor).options(
-        name=name, namespace=namespace, lifetime="detached", num_cpus=res.coordinator_num_cpus,
-        resources=dict(res.coordinator_resources), max_concurrency=res.coordinator_max_concurrency,
-        # Self-healing: Ray restarts a dead coordinator (it reopens state_dir) and re-sends calls in flight.
-        max_restarts=config.coordinator_max_restarts, max_task_retries=-1,
-    ).remote(recipe, config)
+    handle = (
+        ray.remote(concurrency_groups=groups)(CoordinatorActor)
+        .options(
+            name=name,
+            namespace=namespace,
+            lifetime="detached",
+            num_cpus=res.coordinator_num_cpus,
+            resources=dict(res.coordinator_resources),
+            max_concurrency=res.coordinator_max_concurrency,
+            # Self-healing: Ray restarts a dead coordinator (it reopens state_dir) and re-sends calls in flight.
+            max_restarts=config.coordinator_max_restarts,
+            max_task_retries=-1,
+        )
+        .remote(recipe, config)
+    )
     try:
         ray.get(handle.ready.remote(), timeout=READY_TIMEOUT_S)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - any failure to start: stop what started, then one line
         stop(handle, name, namespace)
         raise _start_error(exc, name) from None
     return handle
@@ -104,5 +114,7 @@ def _start_error(exc: BaseException, name: str) -> BaseException:
         return exc.cause
     if isinstance(exc, GetTimeoutError):
         return ServiceError(f"service {name!r} did not become ready within {READY_TIMEOUT_S}s")
-    return ServiceError(f"service {name!r} failed to start: {type(exc).__name__}: "
-                        f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
+    return ServiceError(
+        f"service {name!r} failed to start: {type(exc).__name__}: "
+        f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+    )

@@ -99,17 +99,19 @@ class ServiceMetrics(NoMetrics):
         self._fill = gauge("window_fill", "Steps ready at or ahead of the slowest live cursor, over the window size")
         self._held_steps = gauge("window_held_steps", "Steps held in the object store (window + retained)")
         self._held_bytes = gauge("window_held_bytes", "Bytes of the steps held in the object store")
-        self._wait = histogram("consumer_wait_seconds", "Time a lease waited for its first step to be produced",
-                               WAIT_BOUNDARIES_S)
+        self._wait = histogram(
+            "consumer_wait_seconds", "Time a lease waited for its first step to be produced", WAIT_BOUNDARIES_S
+        )
         self._replays = counter("replays", "Past steps served by restore + replay")
         self._replay_steps = histogram("replay_steps", "Steps replayed per replay", REPLAY_BOUNDARIES_STEPS)
         self._restarts = counter("producer_restarts", "Producer-group replacements, any cause")
         self._deaths = counter("producer_deaths", "Producer-group replacements caused by a dead producer actor")
-        self._ckpt = histogram("checkpoint_write_seconds", "Durable checkpoint write time under state_dir",
-                               CHECKPOINT_BOUNDARIES_S)
+        self._ckpt = histogram(
+            "checkpoint_write_seconds", "Durable checkpoint write time under state_dir", CHECKPOINT_BOUNDARIES_S
+        )
 
     @classmethod
-    def for_config(cls, config: Any) -> "ServiceMetrics":
+    def for_config(cls, config: Any) -> ServiceMetrics:
         return cls(config.name, config.run_id)
 
     def produced(self, steps: int, tokens: int) -> None:

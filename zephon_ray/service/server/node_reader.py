@@ -59,7 +59,15 @@ from ray.exceptions import RayTaskError
 from zephon_ray.service.errors import NoReply, reply_within
 from zephon_ray.service.lease_cache import LeaseCache, container_hold_steps
 from zephon_ray.service.wire import (
-    CursorMove, Reply, StepContainers, StepLanes, check_consumer, check_batch_reader, expand, lease_reply)
+    CursorMove,
+    Reply,
+    StepContainers,
+    StepLanes,
+    check_batch_reader,
+    check_consumer,
+    expand,
+    lease_reply,
+)
 
 READ_AHEAD_BACKOFF_S = 0.2
 """After a read-ahead lease found nothing produced yet, the next one waits this long."""
@@ -98,8 +106,18 @@ class _Lease:
 class NodeReader:
     """Plain class; the coordinator wraps it with ``ray.remote`` (0 CPUs, pinned to its node)."""
 
-    def __init__(self, coordinator: Any, *, lanes: int, rows_per_lane: int, lease_steps: int, window: int,
-                 consumer_ttl_s: float, request_timeout_s: float, node_id: str) -> None:
+    def __init__(
+        self,
+        coordinator: Any,
+        *,
+        lanes: int,
+        rows_per_lane: int,
+        lease_steps: int,
+        window: int,
+        consumer_ttl_s: float,
+        request_timeout_s: float,
+        node_id: str,
+    ) -> None:
         self._coordinator = coordinator
         self.lanes = lanes
         self.rows_per_lane = rows_per_lane
@@ -113,7 +131,8 @@ class NodeReader:
         # Ray 2.60 leaves one memory-store entry here per container whose ref is dropped while the lane refs it
         # held live on (1.2 entries per step of `tiny` before: tests/test_service_memory.py).
         self._containers: collections.deque[list[Any]] = collections.deque(
-            maxlen=container_hold_steps(window, lease_steps))
+            maxlen=container_hold_steps(window, lease_steps)
+        )
         self.run_steps = max(lease_steps, window)
         """Steps one read reply may carry: a rank's process calls about once per run it is handed."""
         self._leases: list[_Lease] = []
@@ -128,12 +147,28 @@ class NodeReader:
         self._ahead_after = 0.0
         self._demand_epoch = 0
         self._demanded: asyncio.Event | None = None
-        self.stats = {"reads": 0, "hits": 0, "advances": 0, "leases": 0, "read_aheads": 0, "leased_steps": 0,
-                      "reports": 0, "moves_reported": 0, "demands": 0}
+        self.stats = {
+            "reads": 0,
+            "hits": 0,
+            "advances": 0,
+            "leases": 0,
+            "read_aheads": 0,
+            "leased_steps": 0,
+            "reports": 0,
+            "moves_reported": 0,
+            "demands": 0,
+        }
 
     # ------------------------------------------------------------------ ranks' calls
-    async def read(self, step: int, consumer: str, lanes: tuple[int, int] | None = None, track: bool = False,
-                   timeout_s: float | None = None, moves: list[CursorMove] | None = None) -> Reply:
+    async def read(
+        self,
+        step: int,
+        consumer: str,
+        lanes: tuple[int, int] | None = None,
+        track: bool = False,
+        timeout_s: float | None = None,
+        moves: list[CursorMove] | None = None,
+    ) -> Reply:
         """A read reply (wire.py) for one process: step ``step`` and the cached steps after it (at most
         ``run_steps``), with the refs of lanes ``[lo, hi)`` (the union of the process's ranks' lanes; all lanes
         for None). ``moves`` are the process's cursor moves ``(consumer, rank, world, step, idle_s)`` since its
@@ -197,7 +232,7 @@ class NodeReader:
         if self._demand_epoch <= int(epoch):
             try:
                 await asyncio.wait_for(self._demanded.wait(), timeout=min(float(timeout_s), DEMAND_POLL_S))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         return self._demand_epoch
 
@@ -230,9 +265,15 @@ class NodeReader:
         return {"pid": os.getpid(), "held_containers": len(self._containers), **memory_store()}
 
     async def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "node_id": self.node_id, "cached_steps": self._cache.steps(),
-                "keep_from": self._cache.keep_from,
-                "cursors": len(self._heard), "lanes": [self._lo, self._hi], **self.stats}
+        return {
+            "pid": os.getpid(),
+            "node_id": self.node_id,
+            "cached_steps": self._cache.steps(),
+            "keep_from": self._cache.keep_from,
+            "cursors": len(self._heard),
+            "lanes": [self._lo, self._hi],
+            **self.stats,
+        }
 
     # ------------------------------------------------------------------ leases
     def _read_ahead(self, first: int, step: int, timeout_s: float) -> None:
@@ -248,8 +289,9 @@ class NodeReader:
         self._lease(first, False, timeout_s, wait=False)
 
     def _lease(self, first: int, track: bool, timeout_s: float, wait: bool = True) -> _Lease:
-        lease = _Lease(first, first + self.lease_steps, self._lo, self._hi,
-                       asyncio.get_running_loop().create_future(), wait)
+        lease = _Lease(
+            first, first + self.lease_steps, self._lo, self._hi, asyncio.get_running_loop().create_future(), wait
+        )
         # joiners may all have moved on: mark a failure as seen so asyncio does not log it as never retrieved
         lease.future.add_done_callback(lambda f: None if f.cancelled() else f.exception())
         self._leases.append(lease)
@@ -261,13 +303,23 @@ class NodeReader:
     async def _run_lease(self, lease: _Lease, track: bool, timeout_s: float, wait: bool = True) -> None:
         self.stats["leases"] += 1
         try:
-            call = self._coordinator.lease.remote(lease.first, lease.stop - lease.first, (lease.lo, lease.hi),
-                                                  timeout_s, self._moves(), track, self.node_id, wait)
+            call = self._coordinator.lease.remote(
+                lease.first,
+                lease.stop - lease.first,
+                (lease.lo, lease.hi),
+                timeout_s,
+                self._moves(),
+                track,
+                self.node_id,
+                wait,
+            )
             try:
                 reply = await reply_within(call, timeout_s + REPLY_GRACE_S)
             except NoReply:
-                raise TimeoutError(f"step {lease.first}: the coordinator did not answer a lease within "
-                                   f"{timeout_s + REPLY_GRACE_S:.0f}s") from None
+                raise TimeoutError(
+                    f"step {lease.first}: the coordinator did not answer a lease within "
+                    f"{timeout_s + REPLY_GRACE_S:.0f}s"
+                ) from None
             steps = await self._open(reply.steps)
             if not wait and not steps:
                 self._ahead_after = time.monotonic() + READ_AHEAD_BACKOFF_S
@@ -331,8 +383,12 @@ class NodeReader:
         self._moved.add(key)
         if any(x.wait for x in self._leases):
             self._wake.set()  # a lease may be waiting for exactly this move: report it now, not with the next lease
-        elif was is not None and step > was and was <= self._reported_slowest.get(consumer, -1) \
-                and self._slowest(consumer) > self._reported_slowest[consumer]:
+        elif (
+            was is not None
+            and step > was
+            and was <= self._reported_slowest.get(consumer, -1)
+            and self._slowest(consumer) > self._reported_slowest[consumer]
+        ):
             # this node's slowest rank of the consumer moved: producers may move on once the coordinator knows,
             # so report it (gathered with the round's other moves) rather than with the next lease
             self._wake.set()
@@ -350,8 +406,10 @@ class NodeReader:
         self._moved.clear()
         for consumer in {k[0] for k in keys}:
             self._reported_slowest[consumer] = self._slowest(consumer)
-        out = [CursorMove(c, r, w, self._heard[(c, r, w)][0], round(now - self._heard[(c, r, w)][1], 3))
-               for c, r, w in keys]
+        out = [
+            CursorMove(c, r, w, self._heard[(c, r, w)][0], round(now - self._heard[(c, r, w)][1], 3))
+            for c, r, w in keys
+        ]
         self.stats["moves_reported"] += len(out)
         return out
 
@@ -361,12 +419,12 @@ class NodeReader:
         while True:
             try:
                 await asyncio.wait_for(self._wake.wait(), timeout=keepalive)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             else:
                 try:
                     await asyncio.wait_for(self._round_complete.wait(), timeout=REPORT_GATHER_S)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     pass
             self._wake.clear()
             self._round_complete.clear()

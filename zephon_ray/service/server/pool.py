@@ -36,25 +36,25 @@ import random
 import re
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayError
 
 from zephon_ray import storage
 from zephon_ray.errors import best_effort, one_line
-from zephon_ray.formats.service_state import ServiceStateError
+from zephon_ray.formats.service_state import ServiceState, ServiceStateError
 from zephon_ray.identity import check_checkpoint_agreement
 from zephon_ray.pipeline import LaneGroup
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import HOSTED_STORE, ServiceConfig
 from zephon_ray.service.errors import describe
-from zephon_ray.service.server.metrics import NO_METRICS
 from zephon_ray.service.lease_cache import producer_hold_steps
+from zephon_ray.service.server.metrics import NO_METRICS
 from zephon_ray.service.server.producer import KEY_CONTAINER, Producer
 from zephon_ray.service.wire import PRODUCER_INFIX
-from zephon_ray.formats.service_state import ServiceState
 
 if TYPE_CHECKING:
     from torch.distributed import TCPStore
@@ -87,8 +87,7 @@ def get_off_loop(refs: Any, timeout: float = REPLY_READ_S) -> Any:
     except RuntimeError:
         pass
     else:
-        raise RuntimeError("a wait for producer replies on an event loop would stall every call the coordinator "
-                           "serves")
+        raise RuntimeError("a wait for producer replies on an event loop would stall every call the coordinator serves")
     many = isinstance(refs, list)
     futures = [r.future() for r in (refs if many else [refs])]
     _, late = concurrent.futures.wait(futures, timeout=timeout)  # one deadline for all, as ray.get has
@@ -190,20 +189,42 @@ class ProducerPool:
             res = self.config.resources
             actors, lanes = [], []
             for i in range(producers):
-                group = LaneGroup(count=producers, index=i, run_id=run_id, aggregate_store=store,
-                                  aggregate_dir=agg_dir, aggregate_timeout_s=self.config.aggregate_timeout_s)
-                actors.append(actor_cls.options(
-                    name=f"{self.config.name}{PRODUCER_INFIX}{self.instance}.g{number}.{i}",
-                    namespace=self.config.namespace,
-                    # Detached: producers must outlive the job that started the service; the group kills them.
-                    lifetime="detached", num_cpus=res.producer_num_cpus, resources=dict(res.producer_resources),
-                    max_restarts=0,
-                ).remote(self.recipe, group, state, storage_retry_s=self.config.storage_retry_s,
-                         hold_steps=producer_hold_steps(self.config.window, self.config.lease_steps,
-                                                        self.config.retain_behind)))
+                group = LaneGroup(
+                    count=producers,
+                    index=i,
+                    run_id=run_id,
+                    aggregate_store=store,
+                    aggregate_dir=agg_dir,
+                    aggregate_timeout_s=self.config.aggregate_timeout_s,
+                )
+                actors.append(
+                    actor_cls.options(
+                        name=f"{self.config.name}{PRODUCER_INFIX}{self.instance}.g{number}.{i}",
+                        namespace=self.config.namespace,
+                        # Detached: producers must outlive the job that started the service; the group kills them.
+                        lifetime="detached",
+                        num_cpus=res.producer_num_cpus,
+                        resources=dict(res.producer_resources),
+                        max_restarts=0,
+                    ).remote(
+                        self.recipe,
+                        group,
+                        state,
+                        storage_retry_s=self.config.storage_retry_s,
+                        hold_steps=producer_hold_steps(
+                            self.config.window, self.config.lease_steps, self.config.retain_behind
+                        ),
+                    )
+                )
                 lanes.append(group.owned_lanes(self.recipe.lanes))
-            self.gen = _Generation(number=number, actors=actors, lanes=lanes, run_id=run_id,
-                                   info_refs=[a.info.remote() for a in actors], infos=[None] * producers)
+            self.gen = _Generation(
+                number=number,
+                actors=actors,
+                lanes=lanes,
+                run_id=run_id,
+                info_refs=[a.info.remote() for a in actors],
+                infos=[None] * producers,
+            )
             self.next_step = step
             self._last_progress = time.monotonic()
             if run_id:
@@ -267,8 +288,7 @@ class ProducerPool:
     def started(self) -> bool:
         return self.gen is not None and all(i is not None for i in self.gen.infos)
 
-    def restart(self, reason: str, producers: int | None = None, death: bool = False,
-                transient: bool = False) -> None:
+    def restart(self, reason: str, producers: int | None = None, death: bool = False, transient: bool = False) -> None:
         """Replace the whole group from the newest durable checkpoint <= the first unfinished step. ``transient``:
         the cause may pass (a storage outage): retried with backoff for the storage budget, not counted as a
         failure."""
@@ -289,13 +309,17 @@ class ProducerPool:
         self.metrics.producer_restart(death=death)
         budget = storage.retry_budget_s()
         if self.failures > MAX_CONSECUTIVE_FAILURES or self.deaths > MAX_CONSECUTIVE_DEATHS:
-            self.fatal = (f"service {self.config.name!r}: producers failed {self.failures + self.deaths} times in a "
-                          f"row without finishing a step; last error: {reason}")
+            self.fatal = (
+                f"service {self.config.name!r}: producers failed {self.failures + self.deaths} times in a "
+                f"row without finishing a step; last error: {reason}"
+            )
             return
         if transient and now - self.transient_since > budget:
             waited = now - self.transient_since
-            self.fatal = (f"service {self.config.name!r}: producers still failing after {waited:.0f}s of retries "
-                          f"(storage budget {budget:g}s): {reason}")
+            self.fatal = (
+                f"service {self.config.name!r}: producers still failing after {waited:.0f}s of retries "
+                f"(storage budget {budget:g}s): {reason}"
+            )
             return
         log.warning("replacing producer group g%d (%s)", gen.number, reason[:300])
         self._kill(gen)
@@ -360,8 +384,9 @@ class ProducerPool:
                 self._ckpts[step] = [a.checkpoint.remote(step) for a in gen.actors]
             if wanted(step):
                 # no Ray task events: M per step, recorded and shipped to the GCS for calls nobody inspects
-                self._inflight[step] = [actor.produce.options(enable_task_events=False).remote(step)
-                                        for actor in gen.actors]
+                self._inflight[step] = [
+                    actor.produce.options(enable_task_events=False).remote(step) for actor in gen.actors
+                ]
                 submitted(step)
             else:
                 self._skips[step] = [a.skip.remote(step) for a in gen.actors]
@@ -402,8 +427,10 @@ class ProducerPool:
         if not ready:
             if now - self._last_progress > self.config.progress_timeout_s:
                 self.hung_replacements += 1
-                self.restart(f"no producer call finished for {self.config.progress_timeout_s:.0f}s "
-                             f"(progress_timeout_s): a producer is alive but stuck")
+                self.restart(
+                    f"no producer call finished for {self.config.progress_timeout_s:.0f}s "
+                    f"(progress_timeout_s): a producer is alive but stuck"
+                )
             return []
         self._last_progress = time.monotonic()
         done = set(ready)
@@ -441,8 +468,11 @@ class ProducerPool:
                 if all(r in done for r in metas):
                     meta_values = get_off_loop(metas)
                     del self._inflight[step]
-                    meta = {"step": step, "nbytes": sum(m["nbytes"] for m in meta_values),
-                            "tokens": sum(m["tokens"] for m in meta_values)}
+                    meta = {
+                        "step": step,
+                        "nbytes": sum(m["nbytes"] for m in meta_values),
+                        "tokens": sum(m["tokens"] for m in meta_values),
+                    }
                     containers = [m[KEY_CONTAINER] for m in meta_values]
                     out.append(Finished(step, containers, meta, self.gen.number))
             if out:
@@ -453,8 +483,11 @@ class ProducerPool:
             self.restart(f"{type(exc).__name__}: {describe(exc)}", death=True)
         except RayError as exc:
             log.warning("producer call failed: %s", exc)
-            self.restart(describe(exc), transient=storage.is_transient(getattr(exc, "cause", None) or exc)
-                         or storage.is_transient(Exception(describe(exc))))
+            self.restart(
+                describe(exc),
+                transient=storage.is_transient(getattr(exc, "cause", None) or exc)
+                or storage.is_transient(Exception(describe(exc))),
+            )
         return out
 
     def persist(self, step: int, state: dict[str, Any]) -> bool:
@@ -494,8 +527,10 @@ class ProducerPool:
             del self._writing[step]
             exc = None if future.cancelled() else future.exception()
             if isinstance(exc, (storage.StorageError, ServiceStateError, OSError)):
-                self.fatal = (f"service {self.config.name!r}: the checkpoint of step {step} cannot be made durable: "
-                              f"{describe(exc)}")
+                self.fatal = (
+                    f"service {self.config.name!r}: the checkpoint of step {step} cannot be made durable: "
+                    f"{describe(exc)}"
+                )
             elif exc is not None:
                 raise exc
         return not self.fatal
@@ -522,8 +557,9 @@ class ProducerPool:
                 step = self.next_step
                 state = None
                 if step > 0:
-                    states = get_off_loop([a.checkpoint.remote(step) for a in gen.actors],
-                                          timeout=self.config.aggregate_timeout_s + 30)
+                    states = get_off_loop(
+                        [a.checkpoint.remote(step) for a in gen.actors], timeout=self.config.aggregate_timeout_s + 30
+                    )
                     state = check_checkpoint_agreement(states)
                     if not self.persist(step, state):
                         return out
@@ -549,7 +585,15 @@ class ProducerPool:
 
     def describe(self) -> list[dict[str, Any]]:
         gen = self.gen
-        return [{"index": i, "generation": gen.number, "lanes": list(lanes), "pid": (info or {}).get("pid"),
-                 "node": (info or {}).get("node"), "node_id": (info or {}).get("node_id"),
-                 "worker_id": (info or {}).get("worker_id")}
-                for i, (lanes, info) in enumerate(zip(gen.lanes, gen.infos))]
+        return [
+            {
+                "index": i,
+                "generation": gen.number,
+                "lanes": list(lanes),
+                "pid": (info or {}).get("pid"),
+                "node": (info or {}).get("node"),
+                "node_id": (info or {}).get("node_id"),
+                "worker_id": (info or {}).get("worker_id"),
+            }
+            for i, (lanes, info) in enumerate(zip(gen.lanes, gen.infos))
+        ]

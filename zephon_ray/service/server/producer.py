@@ -52,8 +52,11 @@ def shard_nbytes(shard: LaneShard) -> int:
 
 def shard_meta(step: int, shards: list[LaneShard]) -> dict[str, int]:
     """The small value returned beside a step's shards: what the coordinator needs without their bytes."""
-    return {KEY_STEP: step, KEY_NBYTES: sum(shard_nbytes(s) for s in shards),
-            KEY_TOKENS: sum(int(s.tokens.size) for s in shards)}
+    return {
+        KEY_STEP: step,
+        KEY_NBYTES: sum(shard_nbytes(s) for s in shards),
+        KEY_TOKENS: sum(int(s.tokens.size) for s in shards),
+    }
 
 
 def put_shards(step: int, shards: list[LaneShard], held: OwnedRefs | None = None) -> dict[str, Any]:
@@ -121,8 +124,15 @@ def node_name() -> str:
 class Producer:
     """Plain class; the coordinator wraps it with ``ray.remote`` and fractional CPUs."""
 
-    def __init__(self, recipe: Recipe, group: LaneGroup, state: dict[str, Any] | None = None, *,
-                 storage_retry_s: float | None = None, hold_steps: int = 0) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        group: LaneGroup,
+        state: dict[str, Any] | None = None,
+        *,
+        storage_retry_s: float | None = None,
+        hold_steps: int = 0,
+    ) -> None:
         from zephon_ray import storage
 
         self.held = OwnedRefs(hold_steps)
@@ -147,15 +157,21 @@ class Producer:
             # A storage outage while starting (a replacement group during an outage) is waited out, within the
             # storage budget; a permanent problem is reported once (info()).
             self._stepper = storage.retry(start, f"producer for lanes {list(self.lanes)}")
-        except Exception as exc:  # noqa: BLE001 - reported once by the coordinator, see info()
+        except Exception as exc:
             log.warning("start failed", exc_info=True)  # the trace stays in the log; the message is one line
             last = describe(exc)
             self.init_error = f"producer for lanes {list(self.lanes)} on node {node_name()} failed to start: {last}"
 
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "node": node_name(), "node_id": node_id(), "worker_id": worker_id(),
-                "lanes": list(self.lanes),
-                "position": None if self.init_error else self._stepper.position, "error": self.init_error}
+        return {
+            "pid": os.getpid(),
+            "node": node_name(),
+            "node_id": node_id(),
+            "worker_id": worker_id(),
+            "lanes": list(self.lanes),
+            "position": None if self.init_error else self._stepper.position,
+            "error": self.init_error,
+        }
 
     def _expect(self, step: int) -> None:
         if self.init_error:

@@ -67,8 +67,15 @@ def read_materialized_prefix(recipe: Recipe, path: str) -> tuple[range, dict[str
 class ReplayScheduler:
     """The coordinator's replay bookkeeping. ``lanes`` runs on the coordinator's read event loop."""
 
-    def __init__(self, recipe: Recipe, config: ServiceConfig, state: ServiceState, instance: str,
-                 prefix: range = range(0), metrics: Any = NO_METRICS) -> None:
+    def __init__(
+        self,
+        recipe: Recipe,
+        config: ServiceConfig,
+        state: ServiceState,
+        instance: str,
+        prefix: range = range(0),
+        metrics: Any = NO_METRICS,
+    ) -> None:
         self.recipe = recipe
         self.config = config
         self.state = state
@@ -87,21 +94,35 @@ class ReplayScheduler:
         self._next: list[int | None] = [None] * config.replayers  # each replayer's position after queued work
         self._replies: OrderedDict[int, tuple[Any, int, Any]] = OrderedDict()  # step -> (reply, kept, its future)
         self.stats: dict[str, Any]
-        self.stats = {"requests": 0, "shared": 0, "submitted": 0, "max_replay_steps": 0, "last": None,
-                      "materialized_reads": 0}
+        self.stats = {
+            "requests": 0,
+            "shared": 0,
+            "submitted": 0,
+            "max_replay_steps": 0,
+            "last": None,
+            "materialized_reads": 0,
+        }
 
     def _replayer(self, i: int) -> Any:
         """Replayer ``i``, started on its first use: a service that nobody reads outside the live window of never
         pays for one (a process that imports Zephon and torch, about 270 MB)."""
         if self.replayers[i] is None:
             config, res = self.config, self.config.resources
-            self.replayers[i] = ray.remote(Replayer).options(
-                name=f"{config.name}{REPLAYER_INFIX}{self.instance}.{i}" + (f".v{self._version}" if self._version
-                                                                            else ""), namespace=config.namespace,
-                lifetime="detached", num_cpus=res.replayer_num_cpus, resources=dict(res.replayer_resources),
-                # A replayer lost with its node comes back elsewhere; calls wait for it (replays are idempotent).
-                max_restarts=-1, max_task_retries=-1,
-            ).remote(self._recipe_ref, config.materialized_dir, storage_retry_s=config.storage_retry_s)
+            self.replayers[i] = (
+                ray.remote(Replayer)
+                .options(
+                    name=f"{config.name}{REPLAYER_INFIX}{self.instance}.{i}"
+                    + (f".v{self._version}" if self._version else ""),
+                    namespace=config.namespace,
+                    lifetime="detached",
+                    num_cpus=res.replayer_num_cpus,
+                    resources=dict(res.replayer_resources),
+                    # A replayer lost with its node comes back elsewhere; calls wait for it (replays are idempotent).
+                    max_restarts=-1,
+                    max_task_retries=-1,
+                )
+                .remote(self._recipe_ref, config.materialized_dir, storage_retry_s=config.storage_retry_s)
+            )
             self.info_refs[i] = self.replayers[i].info.remote()
             self.info_refs[i].future().add_done_callback(lambda f, i=i: self._got_info(i, f))
         return self.replayers[i]
@@ -120,8 +141,11 @@ class ReplayScheduler:
             # The checkpoint is read off the event loop: during an object-store outage the read waits (retried
             # for the storage budget) while every other lease is served.
             ckpt = self.state.nearest_checkpoint(step) or 0
-            state = await asyncio.get_running_loop().run_in_executor(None, self.state.read_checkpoint,
-                                                                     ckpt) if ckpt else None
+            state = (
+                await asyncio.get_running_loop().run_in_executor(None, self.state.read_checkpoint, ckpt)
+                if ckpt
+                else None
+            )
             ref = self._shared(step)  # another read may have asked for it meanwhile
             if ref is None:
                 ref = self._replay(step, ckpt, state)

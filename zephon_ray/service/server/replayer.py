@@ -29,9 +29,9 @@ from typing import Any
 
 import numpy as np
 
+from zephon_ray.formats.materialized import MaterializedSource
 from zephon_ray.identity import verify_on_node
 from zephon_ray.lanes import LaneShard, LaneStepper
-from zephon_ray.formats.materialized import MaterializedSource
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.errors import describe
 from zephon_ray.service.server.producer import node_name, put_shards, worker_id
@@ -42,8 +42,9 @@ log = logging.getLogger("zephon_ray.service")
 class Replayer:
     """Plain class; the coordinator wraps it with ``ray.remote`` and its own CPUs."""
 
-    def __init__(self, recipe: Recipe, materialized_dir: str | None = None, *,
-                 storage_retry_s: float | None = None) -> None:
+    def __init__(
+        self, recipe: Recipe, materialized_dir: str | None = None, *, storage_retry_s: float | None = None
+    ) -> None:
         from zephon_ray import storage
 
         if storage_retry_s is not None:
@@ -62,21 +63,30 @@ class Replayer:
 
         try:
             storage.retry(start, "replayer")  # a storage outage while starting is waited out (storage budget)
-        except Exception as exc:  # noqa: BLE001 - reported once, with the node
+        except Exception as exc:
             log.warning("start failed", exc_info=True)  # the trace stays in the log; the message is one line
             last = describe(exc)
             self.init_error = f"replayer on node {node_name()} failed to start: {last}"
 
     def info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "node": node_name(), "worker_id": worker_id(), "error": self.init_error,
-                "position": None if self._stepper is None else self._stepper.position, **self.stats}
+        return {
+            "pid": os.getpid(),
+            "node": node_name(),
+            "worker_id": worker_id(),
+            "error": self.init_error,
+            "position": None if self._stepper is None else self._stepper.position,
+            **self.stats,
+        }
 
     def replay(self, step: int, checkpoint_step: int, state: dict[str, Any] | None, reuse_within: int) -> dict:
         if self.init_error:
             raise RuntimeError(self.init_error)
         stepper = self._stepper
-        reusable = stepper is not None and stepper.position <= step and (
-            step - stepper.position <= reuse_within or stepper.position >= checkpoint_step)
+        reusable = (
+            stepper is not None
+            and stepper.position <= step
+            and (step - stepper.position <= reuse_within or stepper.position >= checkpoint_step)
+        )
         if not reusable:
             if stepper is not None:
                 stepper.close(background=True)
@@ -101,10 +111,15 @@ class Replayer:
             raise RuntimeError("this replayer has no materialized_dir")
         batch = self._materialized.batch(step)
         rows, counts = self.recipe.rows_per_lane, np.asarray(list(batch.source_tokens.values()), dtype=np.int64)
-        out = [LaneShard(lane=lane, tokens=batch.tokens[lane * rows:(lane + 1) * rows],
-                         positions=batch.positions[lane * rows:(lane + 1) * rows],
-                         source_tokens=counts if lane == 0 else np.zeros_like(counts))
-               for lane in range(self.recipe.lanes)]
+        out = [
+            LaneShard(
+                lane=lane,
+                tokens=batch.tokens[lane * rows : (lane + 1) * rows],
+                positions=batch.positions[lane * rows : (lane + 1) * rows],
+                source_tokens=counts if lane == 0 else np.zeros_like(counts),
+            )
+            for lane in range(self.recipe.lanes)
+        ]
         self.stats["materialized_reads"] += 1
         return put_shards(step, out)
 

@@ -28,7 +28,6 @@ from typing import Any
 import ray
 
 from zephon_ray import storage
-
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.ray_internals import owner_worker_id
 
@@ -66,9 +65,16 @@ def build(c: Any) -> dict[str, Any]:
     ckpts = c.state.checkpoint_steps()
     first, last = counters.pop("first_produced"), counters.pop("last_produced")
     elapsed = (last or now) - (first or now)
-    w.update({"floor": w["replay_below"], "next_step": pool.next_step, "inflight_steps": pool.inflight_steps(),
-              "bound_bytes": w["bound_steps"] * gb, "global_batch_bytes": gb,
-              "shard_owners": shard_owners(newest, pool, ray.get_runtime_context().get_worker_id())})
+    w.update(
+        {
+            "floor": w["replay_below"],
+            "next_step": pool.next_step,
+            "inflight_steps": pool.inflight_steps(),
+            "bound_bytes": w["bound_steps"] * gb,
+            "global_batch_bytes": gb,
+            "shard_owners": shard_owners(newest, pool, ray.get_runtime_context().get_worker_id()),
+        }
+    )
     return {
         "name": config.name,
         "namespace": config.namespace,
@@ -76,10 +82,14 @@ def build(c: Any) -> dict[str, Any]:
         "recipe": str(recipe.path) if recipe.path else None,
         "state_dir": str(c.state.root),
         "fatal": c._fatal,
-        "coordinator": {"pid": os.getpid(), "node": ray.util.get_node_ip_address(),
-                        "node_id": ray.get_runtime_context().get_node_id(),
-                        "worker_id": ray.get_runtime_context().get_worker_id(),
-                        "restarted": c.start_info["restarted"], "uptime_s": round(now - c._t0, 3)},
+        "coordinator": {
+            "pid": os.getpid(),
+            "node": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "worker_id": ray.get_runtime_context().get_worker_id(),
+            "restarted": c.start_info["restarted"],
+            "uptime_s": round(now - c._t0, 3),
+        },
         "producers": pool.describe(),
         "replayers": c.replay.infos(),
         "generation": gen.number,
@@ -90,21 +100,45 @@ def build(c: Any) -> dict[str, Any]:
         "window": w,
         "cursors": cursors,
         "cursor_summary": summary,
-        "reads": {"read_path": config.read_path, "lease_steps": config.lease_steps,
-                  "leases": counters["leases"], "leased_steps": counters["leased_steps"],
-                  "lease_waits": counters["lease_waits"], "cursor_moves": counters["moves"],
-                  "bad_moves": counters["bad_moves"], "reports": counters["reports"],
-                  "node_readers": len(c.readers), "leases_by_node": lease_nodes},
-        "throughput": {"produced_steps": counters["produced_steps"], "produced_tokens": counters["produced_tokens"],
-                       "tokens_per_s": counters["produced_tokens"] / elapsed if elapsed > 0 else None},
-        "checkpoints": {"every": config.checkpoint_every, "count": len(ckpts), "latest": ckpts[-1] if ckpts else None,
-                        "steps": ckpts[-16:], "keep": config.keep_checkpoints, "anchor_every": config.anchor_every,
-                        "unwritten": pool.unwritten_checkpoints()},
-        "commits": {"latest": c.recent_commits[-1] if c.recent_commits else None,
-                    "latest_durable_step": c.state.latest_commit(), "per_consumer": commits},
+        "reads": {
+            "read_path": config.read_path,
+            "lease_steps": config.lease_steps,
+            "leases": counters["leases"],
+            "leased_steps": counters["leased_steps"],
+            "lease_waits": counters["lease_waits"],
+            "cursor_moves": counters["moves"],
+            "bad_moves": counters["bad_moves"],
+            "reports": counters["reports"],
+            "node_readers": len(c.readers),
+            "leases_by_node": lease_nodes,
+        },
+        "throughput": {
+            "produced_steps": counters["produced_steps"],
+            "produced_tokens": counters["produced_tokens"],
+            "tokens_per_s": counters["produced_tokens"] / elapsed if elapsed > 0 else None,
+        },
+        "checkpoints": {
+            "every": config.checkpoint_every,
+            "count": len(ckpts),
+            "latest": ckpts[-1] if ckpts else None,
+            "steps": ckpts[-16:],
+            "keep": config.keep_checkpoints,
+            "anchor_every": config.anchor_every,
+            "unwritten": pool.unwritten_checkpoints(),
+        },
+        "commits": {
+            "latest": c.recent_commits[-1] if c.recent_commits else None,
+            "latest_durable_step": c.state.latest_commit(),
+            "per_consumer": commits,
+        },
         "start": dict(c.start_info),
         "storage": {"retry_budget_s": storage.retry_budget_s(), **storage.RETRY_STATS},
         "replay": dict(c.replay.stats),
-        "materialized": {"dir": config.materialized_dir, "first_step": c.replay.prefix.start,
-                         "end_step": c.replay.prefix.stop} if config.materialized_dir else None,
+        "materialized": {
+            "dir": config.materialized_dir,
+            "first_step": c.replay.prefix.start,
+            "end_step": c.replay.prefix.stop,
+        }
+        if config.materialized_dir
+        else None,
     }

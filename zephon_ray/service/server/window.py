@@ -87,8 +87,17 @@ def resume_step(commits: dict[str, int], max_ahead: int) -> int:
 class StepWindow:
     """The table, cursors, commits and the bounds. Every method is O(cursors + table)."""
 
-    def __init__(self, *, window: int, start: int = 0, max_ahead: int = 512, retain_behind: int = 32,
-                 consumer_ttl_s: float = 120.0, rows: int = 1 << 30, reach: int = 0) -> None:
+    def __init__(
+        self,
+        *,
+        window: int,
+        start: int = 0,
+        max_ahead: int = 512,
+        retain_behind: int = 32,
+        consumer_ttl_s: float = 120.0,
+        rows: int = 1 << 30,
+        reach: int = 0,
+    ) -> None:
         for key, value in (("window", window), ("max_ahead", max_ahead)):
             check_int(f"StepWindow: {key}", value, low=1)
         check_int("StepWindow: retain_behind", retain_behind, low=0)
@@ -145,11 +154,11 @@ class StepWindow:
             raise ValueError(
                 f"{what} {step} is more than max_ahead={self.max_ahead} steps past the service's head "
                 f"({head}): no read may make the producers grind that far (to begin there, start the service with "
-                f"start_step=)")
+                f"start_step=)"
+            )
         return step
 
-    def read(self, step: int, consumer: str, rank: int | None, world: int | None, *, track: bool,
-             now: float) -> Read:
+    def read(self, step: int, consumer: str, rank: int | None, world: int | None, *, track: bool, now: float) -> Read:
         """Validate a read, move the cursor if ``track``, and say where it is served from."""
         self.check_step(step)
         if track:
@@ -167,8 +176,9 @@ class StepWindow:
             return Read.REPLAY  # no cursor moves the producers there: waiting could last forever
         return Read.WAIT
 
-    def advance(self, step: int, consumer: str, rank: int | None, world: int | None, *, now: float,
-                seen: float | None = None) -> bool:
+    def advance(
+        self, step: int, consumer: str, rank: int | None, world: int | None, *, now: float, seen: float | None = None
+    ) -> bool:
         """Move a cursor forward (never back) and record what this consumer consumed. ``seen`` (default ``now``)
         is when its rank was last heard; a move heard before the consumer's ``release`` is ignored (False)."""
         self.check_step(step)
@@ -217,7 +227,8 @@ class StepWindow:
             why = "it was delivered nothing yet" if read is None else f"one past its highest delivered step {read}"
             raise ValueError(
                 f"commit step {step} of consumer {consumer!r} is ahead of what it was delivered: at most {allowed} "
-                f"({why})")
+                f"({why})"
+            )
         if apply:
             self.commits[consumer] = step
         return step
@@ -301,8 +312,9 @@ class StepWindow:
         """Per consumer: cursor count, world, slowest and fastest step, live count."""
         out: dict[str, dict[str, Any]] = {}
         for (consumer, _, world), c in self.cursors.items():
-            s = out.setdefault(consumer, {"cursors": 0, "live": 0, "world": world, "slowest": c.step,
-                                          "fastest": c.step})
+            s = out.setdefault(
+                consumer, {"cursors": 0, "live": 0, "world": world, "slowest": c.step, "fastest": c.step}
+            )
             s["cursors"] += 1
             s["live"] += now - c.seen <= self.consumer_ttl_s
             s["slowest"] = min(s["slowest"], c.step)
@@ -311,14 +323,27 @@ class StepWindow:
 
     def status(self, now: float) -> dict[str, Any]:
         return {
-            "size": self.window, "keep_from": self.keep_from, "replay_below": self.replay_below,
-            "produce_until": self.produce_until, "head": self.head, "max_ahead": self.max_ahead,
-            "retain_behind": self.retain_behind, "bound_steps": self.bound_steps,
+            "size": self.window,
+            "keep_from": self.keep_from,
+            "replay_below": self.replay_below,
+            "produce_until": self.produce_until,
+            "head": self.head,
+            "max_ahead": self.max_ahead,
+            "retain_behind": self.retain_behind,
+            "bound_steps": self.bound_steps,
             "low": self.keep_from,  # old name, kept for status readers
-            "held_steps": sorted(self.table), "held_bytes": self.held_bytes, "peak_held_bytes": self.peak_bytes,
+            "held_steps": sorted(self.table),
+            "held_bytes": self.held_bytes,
+            "peak_held_bytes": self.peak_bytes,
             "cursors": [
-                {"consumer": k[0], "rank": k[1], "world": k[2], "step": c.step, "idle_s": round(now - c.seen, 3),
-                 "live": now - c.seen <= self.consumer_ttl_s}
+                {
+                    "consumer": k[0],
+                    "rank": k[1],
+                    "world": k[2],
+                    "step": c.step,
+                    "idle_s": round(now - c.seen, 3),
+                    "live": now - c.seen <= self.consumer_ttl_s,
+                }
                 for k, c in sorted(self.cursors.items(), key=lambda kc: (kc[1].step, kc[0]))[:MAX_STATUS_CURSORS]
             ],
             "cursor_summary": self.cursor_summary(now),
