@@ -207,3 +207,44 @@ def test_api_md_lists_every_public_name():
         *commands,
     }
     assert not sorted(public - listed), f"docs/api.md does not list {sorted(public - listed)}"
+
+
+def _layout_entries() -> dict[str, str]:
+    """README's "## Layout" block as {package directory: the text that describes it}."""
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## Layout", 1)[1].split("```text\n", 1)[1].split("```", 1)[0]
+    entries: dict[str, str] = {}
+    stack: list[tuple[int, str]] = []  # (indent, path) of the directories above the current line
+    current = None
+    for line in block.splitlines():
+        head = line.split()[0] if line.strip() else ""
+        indent = len(line) - len(line.lstrip())
+        if head.endswith("/") and indent < 20:
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            current = "/".join([p for _, p in stack] + [head.rstrip("/")])
+            stack.append((indent, head.rstrip("/")))
+            entries[current] = line[len(head) + indent :]
+        elif current is not None:
+            entries[current] += " " + line.strip()
+    return entries
+
+
+def test_the_readme_layout_names_every_package_and_module_of_the_tree():
+    """The README's layout block is the map a new engineer reads: every package of zephon_ray is an entry, and each
+    entry names every module in its package, so a module added or renamed without the map fails here."""
+    entries = _layout_entries()
+    packages = sorted(
+        str(p.parent.relative_to(ROOT)) for p in (ROOT / "zephon_ray").rglob("__init__.py") if "assets" not in p.parts
+    )
+    missing_packages = [p for p in packages if p not in entries and p.rsplit("/", 1)[0] not in entries]
+    assert not missing_packages, f"packages the README's layout does not show: {missing_packages}"
+    unnamed = []
+    for package, words in entries.items():
+        if not package.startswith("zephon_ray"):
+            continue
+        named = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", words))
+        for module in sorted((ROOT / package).glob("*.py")):
+            if module.stem not in ("__init__", "__main__") and module.stem not in named:
+                unnamed.append(f"{package}/{module.name}")
+    assert not unnamed, f"modules the README's layout does not name in their package's entry: {unnamed}"
