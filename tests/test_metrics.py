@@ -115,7 +115,7 @@ def test_grafana_panel_queries_only_metrics_we_export():
 
     from zephon_ray.service.server import metrics
 
-    defined = set(re.findall(r'(?:counter|gauge|histogram)\("(\w+)"', Path(metrics.__file__).read_text()))
+    defined = set(re.findall(r'(?:counter|gauge|histogram)\(\s*"(\w+)"', Path(metrics.__file__).read_text()))
     assert defined == set(re.findall(r"zephon_ray_(\w+)", metrics.__doc__)), "metrics.py's table is stale"
     dashboard = json.loads((ROOT / "service" / "grafana_panel.json").read_text())
     exprs = [t["expr"] for p in dashboard["panels"] for t in p["targets"]]

@@ -60,7 +60,7 @@ try:
 except Exception as exc:
     failure = f"{type(exc).__name__}: {exc}"
 states = [None] * world
-dist.all_gather_object(states, (state, loader.stats, loader.core._source is not None, failure))
+dist.all_gather_object(states, (state, loader.stats, loader.core._stream is not None, failure))
 if rank == 0:
     json.dump({"digests": digests, "peers_identical": bool(peers_identical), "state": state,
                "states_identical": all(s[0] == state for s in states), "stats": [s[1] for s in states],
