@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -210,6 +212,16 @@ def test_deployment_cluster_commands(private_head):
     assert "succeeded" in start[-1][1] and "serving" in start[-1][1], start[-1][1][-3000:]
     # A shell on a node of the cluster: ray.init() finds it (here through RAY_ADDRESS), and the export above holds.
     node_env = shell_env({"RAY_AUTH_MODE": "token", "RAY_ADDRESS": here.gcs})
+    # The job whose cursor the operations block releases: it read step 0 as 'trainer-old' and died (no release).
+    dead_job = (
+        "import ray; from zephon_ray import DataService; ray.init(); "
+        "svc = DataService.connect('run7', namespace='zr', consumer='trainer-old', timeout_s=120); "
+        "print('read', svc.slice(0, 0, 1, track=True).tokens.shape[0])"
+    )
+    read = subprocess.run(
+        [sys.executable, "-c", dead_job], cwd=ROOT, env=node_env, capture_output=True, text=True, timeout=300
+    )
+    assert read.returncode == 0 and read.stdout.startswith("read "), read.stderr[-3000:]
     ops = run_in_order(_mine(DEPLOYMENT, "docs/deployment.md")[3:], here, node_env, timeout=400)
     out = dict((c.text.split(" --")[0], o) for c, o in ops)
     assert "producers   2" in out["zephon-ray status"], out["zephon-ray status"]

@@ -272,7 +272,7 @@ def cmd_release(args: argparse.Namespace) -> int:
     with ray_session(args.address, private_if_none=False):
         svc = DataService.connect(args.name, namespace=args.namespace, consumer=args.consumer, timeout_s=0)
         status = svc.status()
-        known = sorted(set(status["cursor_summary"]) | set(status["commits"]))
+        known = sorted(set(status["cursor_summary"]) | set(status["commits"]["per_consumer"]))
         if args.consumer not in known:
             raise UserInputError(
                 f"service {args.name!r} has no consumer {args.consumer!r} (consumers with cursors or "
