@@ -14,6 +14,7 @@ wheel cannot ship (it is generated per Python version by ``zephon-ray corpus``);
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 PACKAGED_RECIPES_DIR = Path(__file__).resolve().parent / "recipes"
@@ -41,7 +42,7 @@ def packaged_recipe(name: str) -> Path | None:
     return path if path.is_file() else None
 
 
-def resolve_recipe_path(arg: str | Path) -> Path:
+def resolve_recipe_path(arg: str | os.PathLike[str]) -> Path:
     """An existing file wins; otherwise a bare name is looked up among the packaged recipes."""
     path = Path(arg)
     if path.is_file():

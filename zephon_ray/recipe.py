@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import tomllib
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -445,7 +446,7 @@ class Recipe:
 
     # ------------------------------------------------------------------ loading
     @classmethod
-    def from_toml(cls, path: str | Path, *, verify_content: bool | None = None) -> Recipe:
+    def from_toml(cls, path: str | os.PathLike[str], *, verify_content: bool | None = None) -> Recipe:
         """Load a recipe file: a local path, an object-store URI, or a bare packaged name such as ``tiny``.
         ``verify_content`` overrides the recipe's key of that name (None: keep it)."""
         if storage.is_uri(path):

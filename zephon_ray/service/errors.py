@@ -72,12 +72,11 @@ def describe(exc: BaseException) -> str:
     from ray.exceptions import RayError  # here: `zephon-ray inspect` imports this module and never Ray
 
     cause = exc
-    while (
-        isinstance(cause, RayError)
-        and isinstance(getattr(cause, "cause", None), BaseException)
-        and cause.cause is not cause
-    ):
-        cause = cause.cause
+    while isinstance(cause, RayError):
+        inner = getattr(cause, "cause", None)  # RayTaskError sets it; RayError declares no such attribute
+        if not isinstance(inner, BaseException) or inner is cause:
+            break
+        cause = inner
     try:
         last = traceback.format_exception_only(type(cause), cause)[-1]
     except Exception:  # noqa: BLE001 - an exception whose str() fails

@@ -29,7 +29,8 @@ def owner_worker_id(ref: Any) -> str:
     """Hex worker id of the process that owns ``ref``."""
     from ray.core.generated import common_pb2
 
-    return common_pb2.Address.FromString(ref.owner_address()).worker_id.hex()
+    # protoc's generated classes carry no type information (no stubs shipped with Ray)
+    return common_pb2.Address.FromString(ref.owner_address()).worker_id.hex()  # type: ignore[attr-defined]
 
 
 def object_locations(refs: list[Any]) -> dict[Any, dict[str, Any]]:
@@ -54,7 +55,7 @@ def memory_store() -> dict[str, int]:
     """``{"entries": n, "bytes": b}`` of this process's core-worker in-process memory store."""
     import ray
 
-    cw = ray._private.worker.global_worker.core_worker
+    cw = ray._private.worker.global_worker.core_worker  # type: ignore[attr-defined]  # set by ray.init, untyped
     return {"entries": int(cw.get_memory_store_size()), "bytes": int(cw.get_local_memory_store_bytes_used())}
 
 

@@ -63,19 +63,20 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 import ray
 
 from zephon_ray.batch import GlobalBatch, RankSlice, lane_span, slice_bounds
+from zephon_ray.checks import check_reader
 from zephon_ray.errors import best_effort
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.client.direct_read_path import DirectReads
 from zephon_ray.service.client.node_read_path import NodeReads
-from zephon_ray.service.client.step_refs import StepRefs, as_step, call, reader_key
+from zephon_ray.service.client.step_refs import StepRefs, as_step, call
 from zephon_ray.service.config import DEFAULT_NAME, DEFAULT_NAMESPACE, READ_PATHS, ServiceConfig
 from zephon_ray.service.errors import (
     ReadTimeoutError,
@@ -88,7 +89,7 @@ from zephon_ray.service.wire import CursorMove, check_batch_reader
 from zephon_ray.source import pad_token_id
 
 if TYPE_CHECKING:
-    from zephon_ray.provenance import StepProvenance
+    from zephon_ray.provenance import ProvenanceSource, StepProvenance
 
 log = logging.getLogger("zephon_ray")
 
@@ -101,6 +102,8 @@ CONTROL_TIMEOUT_S = 60.0
 """The bound of ``status`` and ``release`` (they wait for nothing but the coordinator's reply)."""
 CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ServiceConfig))
 """The keyword overrides ``start`` accepts besides ``consumer`` and ``ray_init``."""
+
+_T = TypeVar("_T")
 
 
 def _check_timeout(what: str, value: Any) -> float:
@@ -195,7 +198,7 @@ class DataService:
         self._lock = threading.Lock()
         self._moves: dict[tuple[int, int], tuple[int, float]] = {}  # this client's own (rank, world) -> (step, when)
         self._reads: NodeReads | DirectReads = NodeReads(self) if self.read_path == "node" else DirectReads(self)
-        self._provenance: Any = None  # a ProvenanceSource, built at the first provenance() call
+        self._provenance: ProvenanceSource | None = None  # built at the first provenance() call
         self._provenance_lock = threading.Lock()
         if warm:
             try:
@@ -203,14 +206,15 @@ class DataService:
             except ServiceError:  # restarting: the first read retries and starts it
                 pass
 
-    def __reduce__(self):  # ship to Ray Train workers / tasks as a reconnect, not as actor state
+    def __reduce__(self) -> tuple[Callable[[str, str, str, str | None], DataService], tuple[str, str, str, str]]:
+        """Ship to Ray Train workers / tasks as a reconnect, not as actor state."""
         return (_reconnect, (self.name, self.namespace, self.consumer, self.read_path))
 
     # ------------------------------------------------------------------ lifecycle
     @classmethod
     def start(
         cls,
-        recipe: Recipe | str | os.PathLike,
+        recipe: Recipe | str | os.PathLike[str],
         config: ServiceConfig | None = None,
         *,
         consumer: str | None = None,
@@ -363,7 +367,7 @@ class DataService:
         wait_s = max(0.0, min(self.config.request_timeout_s, deadline - time.monotonic()))
         got = self._reads.refs(step, r, w, span.first, span.stop, track, wait_s, deadline + REPLY_GRACE_S)
         if track:
-            self._own_move(step, rank, world)
+            self._own_move(step, r, w)
         return got
 
     def prefetch(self, steps: Iterable[int], *, rank: int | None = None, world: int | None = None) -> None:
@@ -381,11 +385,12 @@ class DataService:
         that read ahead with ``track=False`` and report what the trainer actually consumed. Fire and forget."""
         step = as_step(step)
         r, w = check_batch_reader(rank, world, self.recipe.global_batch_rows)
-        self._own_move(step, rank, world)
+        self._own_move(step, r, w)
         self._reads.advance(r, w, step)
 
-    def _own_move(self, step: int, rank: int | None, world: int | None) -> None:
-        key = reader_key(rank, world)
+    def _own_move(self, step: int, rank: int, world: int) -> None:
+        """Record this client's move of (``rank``, ``world``), as ``check_batch_reader`` returned them."""
+        key = (rank, world)
         with self._lock:
             if any(w != key[1] for _, w in self._moves):
                 self._moves.clear()  # one world per consumer, as on the coordinator: the newest world wins
@@ -417,8 +422,14 @@ class DataService:
         return self._read(step, rank, world, track, timeout_s, lambda refs, t: refs.slice(rank, world, timeout_s=t))
 
     def _read(
-        self, step: int, rank: int | None, world: int | None, track: bool, timeout_s: float | None, fetch: Any
-    ) -> Any:
+        self,
+        step: int,
+        rank: int | None,
+        world: int | None,
+        track: bool,
+        timeout_s: float | None,
+        fetch: Callable[[StepRefs, float], _T],
+    ) -> _T:
         """One read with transparent retries: a restarting coordinator (calls re-sent by Ray, or a fresh handle),
         a lost node reader and lost shards (the step is made again) cost a delay of at most
         ``reconnect_timeout_s``. Every wait inside ends by the read's deadline (``read_timeout_s``, or
@@ -488,12 +499,14 @@ class DataService:
         from zephon_ray.provenance import ProvenanceError, slice_provenance
 
         step = as_step(step)
-        first = 0 if rank is None else slice_bounds(self.recipe.global_batch_rows, rank, world)[0]
+        # check_reader is slice_bounds's own first check (a rank without a world is its ValueError)
+        reader = None if rank is None else check_reader(rank, world)
+        first = 0 if reader is None else slice_bounds(self.recipe.global_batch_rows, *reader)[0]
         if rows is None:
             served = (
                 self.batch(step, timeout_s=timeout_s)
-                if rank is None
-                else self.slice(step, rank, world, track=False, timeout_s=timeout_s)
+                if reader is None
+                else self.slice(step, *reader, track=False, timeout_s=timeout_s)
             )
             rows = (served.tokens, served.positions)
         with self._provenance_lock:
@@ -506,7 +519,7 @@ class DataService:
                 full = self._provenance_source().provenance(step, rows=rows, first_row=first)
         return slice_provenance(full, rank, world)
 
-    def _provenance_source(self) -> Any:
+    def _provenance_source(self) -> ProvenanceSource:
         from zephon_ray.formats.service_state import read_nearest_checkpoint
         from zephon_ray.provenance import ProvenanceSource
 
@@ -522,22 +535,26 @@ class DataService:
         ``step``. A service restarted from the same ``state_dir`` starts its live window there. This client's
         cursor moves travel with it, so a commit right after a read is never refused as "ahead"."""
         step = as_step(step, "commit step")
-        return self._call(
+        entry: dict[str, Any] = self._call(
             self._coordinator.commit.remote(step, self.consumer, self._own_moves()),
             self.config.read_timeout_s,
             f"the commit of step {step}",
         )
+        return entry
 
     def status(self) -> dict[str, Any]:
         """Producers (pids, lanes, generation), window (held steps and bytes vs. bound), cursors (this client's
         exact, others' as their node readers last reported them), reads (leases, node readers), throughput,
         durable checkpoints and commits, start-up replay and side-replay counters (server/status.py)."""
-        return self._call(self._coordinator.status.remote(self._own_moves()), CONTROL_TIMEOUT_S, "status")
+        report: dict[str, Any] = self._call(
+            self._coordinator.status.remote(self._own_moves()), CONTROL_TIMEOUT_S, "status"
+        )
+        return report
 
     def rescale(self, producers: int) -> dict[str, Any]:
         """Go to ``producers`` producer actors (must divide the lanes) without changing any batch."""
         self.config.check_lanes(self.recipe, producers)
-        result = self._call(
+        result: dict[str, Any] = self._call(
             self._coordinator.rescale.remote(producers),
             self.config.read_timeout_s,
             f"the rescale to {producers} producers",
@@ -547,6 +564,7 @@ class DataService:
 
     def refresh_recipe(self) -> Recipe:
         """The recipe the service runs now (one control call): with every phase it accepted while running."""
+        recipe: Recipe
         recipe, _ = self._call(self._coordinator.recipe_and_config.remote(), CONTROL_TIMEOUT_S, "the recipe")
         self.recipe = recipe
         return recipe
@@ -558,7 +576,7 @@ class DataService:
         naming the consumer and the step. Returns ``{"phase", "start_step", "fingerprint", "dropped_steps",
         "dropped_checkpoints", "restart_from", "applied_s"}`` (Coordinator.add_phase;
         tests/test_phases.py::test_a_phase_added_to_a_running_service)."""
-        result = self._call(
+        result: dict[str, Any] = self._call(
             self._coordinator.add_phase.remote(name, start_step, dict(weights)),
             self.config.read_timeout_s,
             f"adding phase {name!r}",
@@ -577,7 +595,12 @@ class DataService:
         if not steps:
             raise ValueError("to_dataset: no steps given")
         return ray.data.from_items([{"step": step} for step in steps]).map_batches(
-            _service_step_rows, fn_kwargs={"service": self}, batch_size=1, num_cpus=0.25, batch_format="numpy"
+            # Ray's hint for the function takes the batch alone: it has no room for the fn_kwargs Ray passes too
+            _service_step_rows,  # type: ignore[arg-type]
+            fn_kwargs={"service": self},
+            batch_size=1,
+            num_cpus=0.25,
+            batch_format="numpy",
         )
 
     # ------------------------------------------------------------------ helpers

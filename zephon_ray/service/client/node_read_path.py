@@ -161,7 +161,7 @@ def _listen(reader: Any, client: ProcessReads) -> None:
     with _LISTENERS_LOCK:
         listener = _LISTENERS.get(key)
         start = listener is None
-        if start:
+        if listener is None:
             listener = _LISTENERS[key] = _Listener(key, reader)
         listener.clients.add(client)
     if start:
@@ -281,7 +281,7 @@ class ProcessReads:
                 self._lo, self._hi = min(self._lo, lo), max(self._hi, hi)
                 request = self._in_flight(step, lo, hi)
                 owner = request is None
-                if owner:
+                if request is None:
                     request = _Request(step, self._lo, self._hi, threading.Event())
                     self._requests.append(request)
                     moves = self._take_pending()
@@ -352,17 +352,21 @@ class ProcessReads:
         request = _Request(first, self._lo, self._hi, threading.Event(), ahead=consumer)
         self._requests.append(request)
         thread = threading.Thread(
-            target=self._ahead, args=(request, self._take_pending()), name="zephon-ray-read-ahead", daemon=True
+            target=self._ahead,
+            args=(request, consumer, self._take_pending()),
+            name="zephon-ray-read-ahead",
+            daemon=True,
         )
         self._ahead_threads.add(thread)
         thread.start()
 
-    def _ahead(self, request: _Request, moves: list[CursorMove]) -> None:
+    def _ahead(self, request: _Request, consumer: str, moves: list[CursorMove]) -> None:
+        """A read-ahead's call (its thread): ``consumer`` is ``request.ahead``."""
         timeout_s = self.config.read_timeout_s
         try:
             self._call(
                 request,
-                request.ahead,
+                consumer,
                 True,
                 min(timeout_s, self.config.request_timeout_s),
                 time.monotonic() + timeout_s,

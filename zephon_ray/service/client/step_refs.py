@@ -86,10 +86,6 @@ def as_step(step: Any, what: str = "step") -> int:
     return check_int(what, step, low=0, numpy_ok=True)
 
 
-def reader_key(rank: int | None, world: int | None) -> tuple[int, int]:
-    return (0, 1) if world is None and rank is None else (rank, world)
-
-
 @dataclass(frozen=True)
 class StepRefs:
     """One step's lane shards as Ray object refs, owned by the producer (or replayer) that made them.

@@ -132,9 +132,11 @@ class Coordinator:
         self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
         # A first start's storage has not answered yet: a misconfiguration is one line within the start budget. A
         # restarted incarnation rides out an outage of storage that answered before, for the full budget.
+        anchor_every = config.anchor_every
+        assert anchor_every is not None  # ServiceConfig.__post_init__ resolves None (its default) to an int
         with contextlib.nullcontext() if self._restarted else storage.first_contact():
             self.state = ServiceState.open(
-                recipe, config.state_dir, keep_checkpoints=config.keep_checkpoints, anchor_every=config.anchor_every
+                recipe, config.state_dir, keep_checkpoints=config.keep_checkpoints, anchor_every=anchor_every
             )
         # The state_dir may record phases an earlier incarnation accepted (add_phase): run under them.
         recipe = self.recipe = self.state.recipe
@@ -214,6 +216,7 @@ class Coordinator:
 
     def _wake_waiters(self) -> None:  # on the reads loop
         event, self._changed = self._changed, asyncio.Event()
+        assert event is not None  # scheduled by _notify only once _bind_loop set both
         event.set()
 
     def _notify(self) -> None:
@@ -287,10 +290,10 @@ class Coordinator:
                     for _, entry in run:
                         entry.served += 1
                     self._count_lease(node, len(run), waited, now - t0)
-                    lanes = self.recipe.lanes
+                    total = self.recipe.lanes
                     return lease_reply(
                         [
-                            StepContainers(s, e.generation, len(e.containers), only_groups(e.containers, lanes, lo, hi))
+                            StepContainers(s, e.generation, len(e.containers), only_groups(e.containers, total, lo, hi))
                             for s, e in run
                         ],
                         self.window.keep_from,
@@ -330,6 +333,7 @@ class Coordinator:
                 self._advance([CursorMove(c, r, w, s, 0.0) for c, r, w, s, _ in moves])
             self._pump_wake.set()
             event = self._changed
+            assert event is not None  # _bind_loop() above
             try:
                 await asyncio.wait_for(event.wait(), min(deadline - now, 1.0))
             except TimeoutError:
@@ -526,7 +530,9 @@ class Coordinator:
 
     def _do_add_phase(self) -> None:
         """(Pump thread) Apply the requested phase: see :meth:`add_phase`."""
-        new, name = self._phase_request
+        request = self._phase_request
+        assert request is not None  # the pump calls this only when one is set
+        new, name = request
         start = next(p.start_step for p in new.phases if p.name == name)
         durable = False
         try:
@@ -706,6 +712,7 @@ class Coordinator:
 
     def _do_rescale(self) -> None:
         target = self._rescale_to
+        assert target is not None  # the pump calls this only when one is set
         try:
             finished = self.pool.rescale(target)
             if finished:

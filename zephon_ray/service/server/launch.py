@@ -74,7 +74,8 @@ def launch(recipe: Recipe, config: ServiceConfig) -> Any:
     res = config.resources
     groups = {READS: res.coordinator_max_concurrency, CONTROL: CONTROL_CONCURRENCY}
     handle = (
-        ray.remote(concurrency_groups=groups)(CoordinatorActor)
+        # Ray's overloads of ray.remote list no `concurrency_groups` (it is a documented option of an actor class)
+        ray.remote(concurrency_groups=groups)(CoordinatorActor)  # type: ignore[call-overload]
         .options(
             name=name,
             namespace=namespace,

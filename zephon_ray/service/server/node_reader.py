@@ -52,7 +52,7 @@ import contextlib
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from ray.exceptions import RayTaskError
 
@@ -141,6 +141,8 @@ class NodeReader:
         self._worlds: dict[str, int] = {}  # consumer -> the world its ranks here read at
         self._reported_slowest: dict[str, int] = {}  # consumer -> its slowest rank here, as last reported
         self._lo, self._hi = lanes, 0  # union of the lanes ranks here asked for
+        # Created on the event loop by _start(), which every call of the ranks runs first: the code that uses them
+        # runs after it (asserted there).
         self._wake: asyncio.Event | None = None
         self._round_complete: asyncio.Event | None = None
         self._reporter: asyncio.Task | None = None
@@ -217,6 +219,7 @@ class NodeReader:
             check_consumer(consumer)
             rank, world = check_batch_reader(rank, world, rows)
             self._move(consumer, rank, world, int(step), now - max(0.0, float(idle_s)))
+        assert self._wake is not None and self._round_complete is not None  # _start() ran
         if self._wake.is_set() and self._slowest_moved():
             self._round_complete.set()
 
@@ -230,8 +233,10 @@ class NodeReader:
         while it waits; one call per process per demand."""
         self._start()
         if self._demand_epoch <= int(epoch):
+            demanded = self._demanded
+            assert demanded is not None  # _start() ran
             try:
-                await asyncio.wait_for(self._demanded.wait(), timeout=min(float(timeout_s), DEMAND_POLL_S))
+                await asyncio.wait_for(demanded.wait(), timeout=min(float(timeout_s), DEMAND_POLL_S))
             except TimeoutError:
                 pass
         return self._demand_epoch
@@ -241,6 +246,7 @@ class NodeReader:
             self._demand_epoch += 1
             self.stats["demands"] += 1
             event, self._demanded = self._demanded, asyncio.Event()
+            assert event is not None  # a lease is made by a read, after its _start()
             event.set()
 
     async def invalidate(self, step: int, generation: int) -> bool:
@@ -348,7 +354,8 @@ class NodeReader:
                 with contextlib.suppress(NoReply):  # the read that asks for the step leases it again either way
                     await reply_within(self._coordinator.invalidate.remote(step, generation), CALL_TIMEOUT_S)
                 break
-            out.append(StepLanes(step, generation, expand(groups, got, self.lanes)))
+            lane_refs = cast(dict[int, list[Any]], got)  # no exception among them: checked above
+            out.append(StepLanes(step, generation, expand(groups, lane_refs, self.lanes)))
             self._containers.append([c for c in containers if c is not None])
         return out
 
@@ -381,6 +388,7 @@ class NodeReader:
         else:
             return  # older than what this reader heard of the rank (it came through a slower call)
         self._moved.add(key)
+        assert self._wake is not None  # _start() ran (moves come through _apply)
         if any(x.wait for x in self._leases):
             self._wake.set()  # a lease may be waiting for exactly this move: report it now, not with the next lease
         elif (
@@ -414,20 +422,22 @@ class NodeReader:
         return out
 
     async def _report_loop(self) -> None:
+        wake, round_complete = self._wake, self._round_complete  # never replaced once _start() made them
+        assert wake is not None and round_complete is not None  # _start() made them before starting this loop
         keepalive = max(0.5, min(self.ttl / 4, 30.0))
         last_keepalive = time.monotonic()
         while True:
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout=keepalive)
+                await asyncio.wait_for(wake.wait(), timeout=keepalive)
             except TimeoutError:
                 pass
             else:
                 try:
-                    await asyncio.wait_for(self._round_complete.wait(), timeout=REPORT_GATHER_S)
+                    await asyncio.wait_for(round_complete.wait(), timeout=REPORT_GATHER_S)
                 except TimeoutError:
                     pass
-            self._wake.clear()
-            self._round_complete.clear()
+            wake.clear()
+            round_complete.clear()
             everyone = time.monotonic() - last_keepalive >= keepalive
             if everyone:
                 last_keepalive = time.monotonic()

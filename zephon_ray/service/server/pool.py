@@ -149,6 +149,14 @@ class ProducerPool:
         self._writing: dict[int, concurrent.futures.Future] = {}
 
     # ------------------------------------------------------------------ lifecycle
+    def _live(self) -> _Generation:
+        """The current generation: None only before the first :meth:`launch`, which the coordinator runs while it
+        sets up, before its pump starts and before ``status()`` reports (the callers of what uses this); never None
+        again."""
+        gen = self.gen
+        assert gen is not None, "no producer group launched yet"
+        return gen
+
     @property
     def store_address(self) -> str | None:
         return self._store_address or self.config.aggregate_store
@@ -222,7 +230,8 @@ class ProducerPool:
                 actors=actors,
                 lanes=lanes,
                 run_id=run_id,
-                info_refs=[a.info.remote() for a in actors],
+                # Ray types a handle's methods as the plain methods: no `.remote` (an actor method's call)
+                info_refs=[a.info.remote() for a in actors],  # type: ignore[attr-defined]
                 infos=[None] * producers,
             )
             self.next_step = step
@@ -269,7 +278,7 @@ class ProducerPool:
 
     def resolve_infos(self) -> None:
         """Non-blocking: collect producer infos that arrived; a start-up error becomes ``fatal``."""
-        gen = self.gen
+        gen = self._live()
         pending = [r for r, info in zip(gen.info_refs, gen.infos) if info is None]
         if not pending:
             return
@@ -292,15 +301,16 @@ class ProducerPool:
         """Replace the whole group from the newest durable checkpoint <= the first unfinished step. ``transient``:
         the cause may pass (a storage outage): retried with backoff for the storage budget, not counted as a
         failure."""
-        gen = self.gen
+        gen = self._live()
         producers = producers or len(gen.actors)
         reason = one_line(reason, 600)  # one line, always (the log has the traceback)
         self.resolve_infos()  # a producer that could not start answered info() before failing its first call
         if self.fatal:
             return
         now = time.monotonic()
+        since = now  # start of the run of transient restarts (read only when `transient`)
         if transient:
-            self.transient_since = self.transient_since or now
+            since = self.transient_since = self.transient_since or now
         elif death:
             self.deaths += 1
         else:
@@ -314,8 +324,8 @@ class ProducerPool:
                 f"row without finishing a step; last error: {reason}"
             )
             return
-        if transient and now - self.transient_since > budget:
-            waited = now - self.transient_since
+        if transient and now - since > budget:
+            waited = now - since
             self.fatal = (
                 f"service {self.config.name!r}: producers still failing after {waited:.0f}s of retries "
                 f"(storage budget {budget:g}s): {reason}"
@@ -368,7 +378,7 @@ class ProducerPool:
     def _relaunch(self, ckpt: int) -> None:
         """Retire the group (its shards in the table stay readable until reaped) and launch one of the same size
         from durable checkpoint ``ckpt`` (0: a fresh pipeline)."""
-        gen = self.gen
+        gen = self._live()
         state = self.state.read_checkpoint(ckpt) if ckpt else None
         self._retire(gen)
         self.launch(len(gen.actors), ckpt, state)
@@ -376,7 +386,7 @@ class ProducerPool:
     def submit(self, target: int, wanted: Callable[[int], bool], submitted: Callable[[int], None]) -> None:
         """Send calls for steps ``next_step .. target - 1`` (bounded in flight): produce the wanted ones, skip the
         rest, and a collective checkpoint call before every K-th step that is not durable yet."""
-        gen = self.gen
+        gen = self._live()
         k = self.config.checkpoint_every
         while self.next_step < target and len(self._inflight) + len(self._skips) < 2 * self.config.window:
             step = self.next_step
@@ -407,7 +417,7 @@ class ProducerPool:
                 # consumer needs the next step rather than when it does.
                 self._last_ping = now
                 # no task events: one ping per producer every PING_EVERY_S, for life, that nobody inspects
-                self._skips[-1] = [a.info.options(enable_task_events=False).remote() for a in self.gen.actors]
+                self._skips[-1] = [a.info.options(enable_task_events=False).remote() for a in self._live().actors]
             return []
         # Until the first call finishes, then whatever else is done by then: waiting for all of them held new work
         # back for up to ``timeout`` after a cursor move made steps wanted (a rank's wait p99 was 406 ms for 43 ms
@@ -474,7 +484,7 @@ class ProducerPool:
                         "tokens": sum(m["tokens"] for m in meta_values),
                     }
                     containers = [m[KEY_CONTAINER] for m in meta_values]
-                    out.append(Finished(step, containers, meta, self.gen.number))
+                    out.append(Finished(step, containers, meta, self._live().number))
             if out:
                 self.failures = self.deaths = 0
                 self.transient_since = None
@@ -552,7 +562,7 @@ class ProducerPool:
             out = self.drain()
             if self.fatal:
                 return out
-            gen = self.gen
+            gen = self._live()
             if target != len(gen.actors):
                 step = self.next_step
                 state = None
@@ -584,7 +594,7 @@ class ProducerPool:
         return ckpt
 
     def describe(self) -> list[dict[str, Any]]:
-        gen = self.gen
+        gen = self._live()
         return [
             {
                 "index": i,

@@ -87,7 +87,7 @@ class Replayer:
             and stepper.position <= step
             and (step - stepper.position <= reuse_within or stepper.position >= checkpoint_step)
         )
-        if not reusable:
+        if stepper is None or not reusable:
             if stepper is not None:
                 stepper.close(background=True)
             stepper = self._stepper = LaneStepper(self.recipe)
