@@ -47,7 +47,7 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Literal, cast
 
 import ray
 
@@ -447,6 +447,12 @@ class Coordinator:
         self._notify()
         return dropped
 
+    def _in_progress(self, request: Literal["rescale", "add_phase"]) -> bool:
+        """Whether the pump has yet to finish the rescale or add_phase it was asked for. A call, not an attribute read
+        in the waiting loop: the pump's thread clears the request while the caller awaits, and a type checker would
+        keep the attribute's narrowed type across the await."""
+        return (self._rescale_to if request == "rescale" else self._phase_request) is not None
+
     async def rescale(self, producers: int, timeout_s: float = 300.0) -> dict[str, Any]:
         """Replace the producer group by ``producers`` actors at the current step boundary; no batch changes."""
         check_int("producers", producers, low=1)
@@ -457,13 +463,13 @@ class Coordinator:
         self._rescale_error = None
         self._rescale_to = producers
         self._pump_wake.set()
-        while self._rescale_to is not None:
+        while self._in_progress("rescale"):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"rescale to {producers} producers did not finish within {timeout_s:.0f}s")
             await asyncio.sleep(0.1)
         if self._rescale_error or self._fatal:
             raise ServiceError(self._rescale_error or self._fatal)
-        gen = self.pool.gen
+        gen = self.pool.live_generation()
         return {"producers": len(gen.actors), "generation": gen.number, "at_step": self.pool.next_step}
 
     async def add_phase(
@@ -495,11 +501,12 @@ class Coordinator:
         self._phase_request = (new, name)
         self._pump_wake.set()
         deadline = time.monotonic() + timeout_s
-        while self._phase_request is not None:
+        while self._in_progress("add_phase"):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"add_phase {name!r} did not finish within {timeout_s:.0f}s")
             await asyncio.sleep(0.02)
-        result = self._phase_result
+        # the pump's thread set it while we waited (a type checker still sees the None assigned above)
+        result = cast("dict[str, Any] | str | None", self._phase_result)
         if isinstance(result, str):
             raise ValueError(result)
         if self._fatal:
@@ -628,9 +635,9 @@ class Coordinator:
                 if self._phase_request is not None:
                     self._do_add_phase()
                     continue
-                pool.resolve_infos()
-                if pool.fatal:
-                    self._fail(pool.fatal)
+                fatal = pool.resolve_infos()
+                if fatal:
+                    self._fail(fatal)
                     break
                 if pool.retired:
                     pool.reap(self._generation_in_use)
@@ -652,9 +659,9 @@ class Coordinator:
                 log.exception("pump: replacing the producer group")
                 try:
                     # A storage fault that got here has spent its budget (or is permanent): fatal in restart().
-                    pool.restart(f"pump: {describe(exc)}", transient=storage.is_transient(exc))
-                    if pool.fatal:
-                        self._fail(pool.fatal)
+                    fatal = pool.restart(f"pump: {describe(exc)}", transient=storage.is_transient(exc))
+                    if fatal:
+                        self._fail(fatal)
                 except Exception as again:
                     log.exception("pump: the replacement failed too")
                     self._fail(f"service {self.config.name!r}: pump failed: {describe(again)}")

@@ -149,7 +149,7 @@ class ProducerPool:
         self._writing: dict[int, concurrent.futures.Future] = {}
 
     # ------------------------------------------------------------------ lifecycle
-    def _live(self) -> _Generation:
+    def live_generation(self) -> _Generation:
         """The current generation: None only before the first :meth:`launch`, which the coordinator runs while it
         sets up, before its pump starts and before ``status()`` reports (the callers of what uses this); never None
         again."""
@@ -276,12 +276,12 @@ class ProducerPool:
             with best_effort(log, "already dead"):
                 ray.kill(actor, no_restart=True)
 
-    def resolve_infos(self) -> None:
-        """Non-blocking: collect producer infos that arrived; a start-up error becomes ``fatal``."""
-        gen = self._live()
+    def resolve_infos(self) -> str | None:
+        """Non-blocking: collect producer infos that arrived; a start-up error becomes ``fatal``. Returns ``fatal``."""
+        gen = self.live_generation()
         pending = [r for r, info in zip(gen.info_refs, gen.infos) if info is None]
         if not pending:
-            return
+            return self.fatal
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=0)
         for i, ref in enumerate(gen.info_refs):
             if gen.infos[i] is None and ref in ready:
@@ -292,21 +292,24 @@ class ProducerPool:
                 gen.infos[i] = info
                 if info.get("error") and not self.fatal:
                     self.fatal = f"service {self.config.name!r}: configuration error: {info['error']}"
+        return self.fatal
 
     @property
     def started(self) -> bool:
         return self.gen is not None and all(i is not None for i in self.gen.infos)
 
-    def restart(self, reason: str, producers: int | None = None, death: bool = False, transient: bool = False) -> None:
+    def restart(
+        self, reason: str, producers: int | None = None, death: bool = False, transient: bool = False
+    ) -> str | None:
         """Replace the whole group from the newest durable checkpoint <= the first unfinished step. ``transient``:
         the cause may pass (a storage outage): retried with backoff for the storage budget, not counted as a
-        failure."""
-        gen = self._live()
+        failure. Returns :attr:`fatal`: None, or why the group is not replaced and will not be."""
+        gen = self.live_generation()
         producers = producers or len(gen.actors)
         reason = one_line(reason, 600)  # one line, always (the log has the traceback)
         self.resolve_infos()  # a producer that could not start answered info() before failing its first call
         if self.fatal:
-            return
+            return self.fatal
         now = time.monotonic()
         since = now  # start of the run of transient restarts (read only when `transient`)
         if transient:
@@ -323,14 +326,14 @@ class ProducerPool:
                 f"service {self.config.name!r}: producers failed {self.failures + self.deaths} times in a "
                 f"row without finishing a step; last error: {reason}"
             )
-            return
+            return self.fatal
         if transient and now - since > budget:
             waited = now - since
             self.fatal = (
                 f"service {self.config.name!r}: producers still failing after {waited:.0f}s of retries "
                 f"(storage budget {budget:g}s): {reason}"
             )
-            return
+            return self.fatal
         log.warning("replacing producer group g%d (%s)", gen.number, reason[:300])
         self._kill(gen)
         streak = self.deaths + self.failures + (self.restarts if transient else 0)
@@ -351,8 +354,9 @@ class ProducerPool:
             state = self.state.read_checkpoint(ckpt) if ckpt else None  # transient faults retried inside
         except (ServiceStateError, OSError) as exc:
             self.fatal = f"service {self.config.name!r}: cannot restore producers at step {ckpt}: {describe(exc)}"
-            return
+            return self.fatal
         self.launch(producers, ckpt, state)
+        return self.fatal
 
     # ------------------------------------------------------------------ running
     @property
@@ -378,7 +382,7 @@ class ProducerPool:
     def _relaunch(self, ckpt: int) -> None:
         """Retire the group (its shards in the table stay readable until reaped) and launch one of the same size
         from durable checkpoint ``ckpt`` (0: a fresh pipeline)."""
-        gen = self._live()
+        gen = self.live_generation()
         state = self.state.read_checkpoint(ckpt) if ckpt else None
         self._retire(gen)
         self.launch(len(gen.actors), ckpt, state)
@@ -386,7 +390,7 @@ class ProducerPool:
     def submit(self, target: int, wanted: Callable[[int], bool], submitted: Callable[[int], None]) -> None:
         """Send calls for steps ``next_step .. target - 1`` (bounded in flight): produce the wanted ones, skip the
         rest, and a collective checkpoint call before every K-th step that is not durable yet."""
-        gen = self._live()
+        gen = self.live_generation()
         k = self.config.checkpoint_every
         while self.next_step < target and len(self._inflight) + len(self._skips) < 2 * self.config.window:
             step = self.next_step
@@ -417,7 +421,9 @@ class ProducerPool:
                 # consumer needs the next step rather than when it does.
                 self._last_ping = now
                 # no task events: one ping per producer every PING_EVERY_S, for life, that nobody inspects
-                self._skips[-1] = [a.info.options(enable_task_events=False).remote() for a in self._live().actors]
+                self._skips[-1] = [
+                    a.info.options(enable_task_events=False).remote() for a in self.live_generation().actors
+                ]
             return []
         # Until the first call finishes, then whatever else is done by then: waiting for all of them held new work
         # back for up to ``timeout`` after a cursor move made steps wanted (a rank's wait p99 was 406 ms for 43 ms
@@ -484,7 +490,7 @@ class ProducerPool:
                         "tokens": sum(m["tokens"] for m in meta_values),
                     }
                     containers = [m[KEY_CONTAINER] for m in meta_values]
-                    out.append(Finished(step, containers, meta, self._live().number))
+                    out.append(Finished(step, containers, meta, self.live_generation().number))
             if out:
                 self.failures = self.deaths = 0
                 self.transient_since = None
@@ -562,7 +568,7 @@ class ProducerPool:
             out = self.drain()
             if self.fatal:
                 return out
-            gen = self._live()
+            gen = self.live_generation()
             if target != len(gen.actors):
                 step = self.next_step
                 state = None
@@ -594,7 +600,7 @@ class ProducerPool:
         return ckpt
 
     def describe(self) -> list[dict[str, Any]]:
-        gen = self._live()
+        gen = self.live_generation()
         return [
             {
                 "index": i,
