@@ -53,7 +53,7 @@ if __name__ == "__main__":
             train_loop_config={"steps": steps},
             datasets={"train": ray_train.ZephonDataset(service)},
             dataset_config=ray_train.ZephonDataConfig(run_id="quickstart"),
-            run_config=RunConfig("quickstart", storage),
+            run_config=RunConfig("quickstart", storage, logging_config=ray.train.LoggingConfig("WARNING")),
             scaling_config=ScalingConfig(num_workers=workers, resources_per_worker={"CPU": 0.5}),
         ).fit()
     print(f"last step trained: {(result.metrics or {}).get('step')}; resume: python {sys.argv[0]} W STEPS {storage}")

@@ -96,6 +96,22 @@ def _blocked_env(tmp_path: Path) -> tuple[Path, dict]:
     return block, {**os.environ, "PYTHONPATH": os.pathsep.join([str(block), str(ROOT)]), "PYTHONUNBUFFERED": "1"}
 
 
+def _code_lines(path: Path) -> int:
+    """Lines of ``path`` after its module docstring that are neither blank nor only a comment."""
+    import ast
+
+    source = path.read_text()
+    first = ast.parse(source).body[0]
+    after = first.end_lineno if isinstance(first, ast.Expr) else 0
+    return sum(1 for line in source.splitlines()[after:] if line.strip() and not line.strip().startswith("#"))
+
+
+def test_the_docs_give_the_quickstarts_length():
+    lines = _code_lines(QUICKSTART)
+    assert f"script ({lines} code\nlines" in (ROOT / "docs" / "ray_train.md").read_text()
+    assert f"script ({lines} code lines)" in (ROOT / "examples" / "README.md").read_text()
+
+
 def test_quickstart_imports_and_reads_the_golden_rows_without_torchtitan(tmp_path):
     from conftest import golden_digests
 

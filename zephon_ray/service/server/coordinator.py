@@ -46,6 +46,7 @@ import os
 import threading
 import time
 import uuid
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, cast
 
@@ -129,7 +130,11 @@ class Coordinator:
         recipe, config = self.recipe, self.config
         if config.state_dir is None:
             raise ValueError("Coordinator: config.state_dir is required")
-        self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
+        with warnings.catch_warnings():
+            # Ray 2.60's own property reads its deprecated `actor_id` and warns, three lines on the driver's terminal
+            # at every service start; nothing of ours is deprecated.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self._restarted = ray.get_runtime_context().was_current_actor_reconstructed
         # A first start's storage has not answered yet: a misconfiguration is one line within the start budget. A
         # restarted incarnation rides out an outage of storage that answered before, for the full budget.
         anchor_every = config.anchor_every
