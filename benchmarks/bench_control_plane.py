@@ -2,6 +2,7 @@
 
     python benchmarks/bench_control_plane.py [--nodes 64,250,1000,2000] [--seconds 20] [--drivers 2]
                                              [--max-sim-nodes 250] [--producers 1] [--no-calibrate] [--no-pump]
+    python benchmarks/bench_control_plane.py --nodes 2000 --kill-coordinator-at 10 [--commit-every 10]
 
 What runs: a real DataService (coordinator, producers; the tiny recipe widened to B = 64 rows, as
 ``bench_service_load.load_recipe`` widens it) on a private local Ray, and ``--drivers`` driver processes that each
@@ -40,6 +41,16 @@ handle on the node path and 8 rank threads reading and checking their slices in 
 node-reader actor) against one simulated node at the same step time (``--cal-step-time``), each on a fresh
 service for ``--cal-seconds``: coordinator calls and CPU per node-step on both sides, net of the coordinator's
 idle rate, and their ratio. Both sides include the pump's cost of one produced step per node-step.
+
+Coordinator kill -9 under load (``--kill-coordinator-at S``, instead of the CPU table): at each N, the coordinator
+is SIGKILLed S seconds into the measured seconds; Ray restarts it (the service's ``coordinator_max_restarts``),
+the new incarnation reopens ``state_dir`` and starts at the jobs' newest commits (each job's first node commits
+every ``--commit-every`` steps, with its cursor moves, as a trainer's checkpoints do), and the node readers' calls
+in flight are sent again to it. Reported: how many simulated nodes read on after the kill, and each one's longest
+wait for a step after it (from the kill, or from the step's due time if later), p50 and max; the sampled rows are
+checked as in the CPU runs. Limit: a real node reader is an actor the coordinator owns, so it dies with it and its
+processes reconnect through a new one (a Ray actor start per node); a simulated node reader lives in its driver and
+survives, so that cost is not in these figures.
 
 Limits: the machine this was written on has 2 shared cores, so the drivers, the producers, the coordinator and
 Ray's daemons share them, and latencies are upper bounds; where the drivers cannot keep the step time the
@@ -192,6 +203,8 @@ def _driver(
     sample_every: int,
     ready,
     out,
+    killed_at=None,
+    commit_every: int = 0,
 ) -> None:
     """One driver process: ``nodes`` simulated nodes in one asyncio loop, stepping from ``start_at`` every
     ``step_time`` until ``stop_at`` (``time.time()``, shared with the parent); what happened in ``window_s``
@@ -212,6 +225,7 @@ def _driver(
     log: list = []
     rng = random.Random(nodes[0] if nodes else 0)
     steps_done, lags, samples, errors = [], [], [], []
+    stalls: list[float] = []  # per node: its longest wait for a step after the coordinator's kill
 
     async def main() -> None:
         coordinator = _TimedCoordinator(handle, log)
@@ -239,9 +253,12 @@ def _driver(
         async def node(proc: SimProcess, index: int) -> None:
             step = 0
             count = 0
+            stall = 0.0
             while True:
                 due = start_at.value + step * step_time
                 if due >= stop_at.value or time.time() >= stop_at.value:  # a node behind stops at the end too
+                    if killed_at is not None and killed_at.value:
+                        stalls.append(stall)
                     return
                 rest = due - time.time()
                 if rest > 0:
@@ -249,6 +266,15 @@ def _driver(
                 t0 = time.time()
                 for r in proc.ranks:  # lock-step: the node's 8 ranks read the step
                     held = await proc.held(step, r)
+                if killed_at is not None and 0 < killed_at.value < time.time():
+                    stall = max(stall, time.time() - max(due, killed_at.value))
+                if commit_every and proc.ranks[0] == 0 and step % commit_every == commit_every - 1:
+                    # a trainer's checkpoint: the job's first node commits (a restarted coordinator starts there)
+                    moves = [(proc.consumer, r, proc.world, step, 0.0) for r in proc.ranks]  # what it read
+                    try:
+                        await handle.commit.remote(step + 1, proc.consumer, moves)
+                    except Exception as exc:  # noqa: BLE001 - counted, as the reads' errors are
+                        errors.append(f"commit {step + 1}: {exc!r}"[:300])
                 if window_s[0] <= t0 < window_s[1]:
                     steps_done.append(t0)
                     lags.append(t0 - due)
@@ -289,6 +315,7 @@ def _driver(
             "reports": reports,
             "samples": samples,
             "errors": errors[:5],
+            "stalls": stalls,
         }
     )
     ready.wait()
@@ -322,9 +349,12 @@ def run_sim(
     producers: int,
     nodes_per_job: int,
     sample_every: int,
+    kill_at: float | None = None,
+    commit_every: int = 0,
 ) -> dict:
     """``nodes`` simulated nodes at ``step_time`` for ``warmup + seconds`` on a fresh service; the coordinator
-    measured over the last ``seconds``."""
+    measured over the last ``seconds``. ``kill_at``: SIGKILL the coordinator that many seconds into the measured
+    ones (its CPU is then not measured; each node's longest wait for a step after the kill is)."""
     import ray
 
     svc = load.start(recipe, f"cp-{tag}", tmp, producers=producers, window=8)
@@ -347,6 +377,7 @@ def run_sim(
         procs = []
         shares = [list(range(nodes))[d::drivers] for d in range(drivers)]
         window = ctx.Array("d", [0.0, 0.0])
+        killed_at = ctx.Value("d", 0.0)
         for d in range(drivers):
             procs.append(
                 ctx.Process(
@@ -363,6 +394,8 @@ def run_sim(
                         sample_every,
                         ready,
                         out,
+                        killed_at if kill_at is not None else None,
+                        commit_every,
                     ),
                 )
             )
@@ -375,9 +408,13 @@ def run_sim(
         window[0], window[1] = t_begin + warmup, t_begin + warmup + seconds
         ready.wait(timeout=60)
         time.sleep(max(0.0, window[0] - time.time()))
-        c0, s0 = _coord_counters(svc), load.thread_cpu(pid)
+        c0, s0 = _coord_counters(svc), ({} if kill_at is not None else load.thread_cpu(pid))
+        if kill_at is not None:
+            time.sleep(max(0.0, window[0] + kill_at - time.time()))
+            killed_at.value = time.time()
+            os.kill(pid, 9)
         time.sleep(max(0.0, window[1] - time.time()))
-        s1, c1 = load.thread_cpu(pid), _coord_counters(svc)
+        s1, c1 = ({} if kill_at is not None else load.thread_cpu(pid)), _coord_counters(svc)
         wall = c1["t"] - c0["t"]
         got = [out.get(timeout=600) for _ in procs]
         ready.wait(timeout=120)
@@ -420,6 +457,7 @@ def run_sim(
         "step_lag_ms": {"p50": (load.pct(lags, 0.5) or 0) * 1e3, "p99": (load.pct(lags, 0.99) or 0) * 1e3},
         "samples": [s for g in got for s in g["samples"]],
         "errors": [e for g in got for e in g["errors"]][:5],
+        "kill_stalls_s": sorted(x for g in got for x in g["stalls"]),
     }
 
 
@@ -533,7 +571,23 @@ def main() -> None:
     ap.add_argument("--cal-step-time", type=float, default=0.25)
     ap.add_argument("--cal-seconds", type=float, default=20.0)
     ap.add_argument("--pump-steps", type=int, default=48)
+    ap.add_argument(
+        "--kill-coordinator-at",
+        type=float,
+        default=None,
+        metavar="S",
+        help="instead of the CPU table: at each N, SIGKILL the coordinator S seconds into the measured seconds and "
+        "report each node's longest wait for a step after it",
+    )
+    ap.add_argument(
+        "--commit-every",
+        type=int,
+        default=10,
+        help="with --kill-coordinator-at: each job commits every this many steps, as a trainer's checkpoints do",
+    )
     args = ap.parse_args()
+    if args.kill_coordinator_at is not None:
+        args.no_pump = args.no_calibrate = True
 
     import ray
 
@@ -575,11 +629,12 @@ def main() -> None:
         idle = pump["idle_ms_per_s"]
         pump_ms = pump["coordinator_ms_per_step"]
         result["pump"] = pump
-        print(
-            f"pump M={args.producers}: coordinator {pump_ms:.2f} CPU-ms per produced step (pump thread "
-            f"{pump['pump_ms_per_step']:.2f}); idle {idle:.2f} CPU-ms/s",
-            flush=True,
-        )
+        if not args.no_pump:
+            print(
+                f"pump M={args.producers}: coordinator {pump_ms:.2f} CPU-ms per produced step (pump thread "
+                f"{pump['pump_ms_per_step']:.2f}); idle {idle:.2f} CPU-ms/s",
+                flush=True,
+            )
 
         if not args.no_calibrate:
             cal_ref: dict = {}
@@ -656,6 +711,35 @@ def main() -> None:
                     f"{args.step_time:g} s steps (the same call rate)",
                     flush=True,
                 )
+            if args.kill_coordinator_at is not None:
+                k = run_sim(
+                    recipe_path,
+                    recipe,
+                    tmp,
+                    f"kill{n}",
+                    sim_nodes,
+                    step_time,
+                    args.seconds,
+                    args.warmup,
+                    args.drivers,
+                    args.producers,
+                    args.nodes_per_job,
+                    args.sample_every,
+                    kill_at=args.kill_coordinator_at,
+                    commit_every=args.commit_every,
+                )
+                samples += k.pop("samples")
+                stalls = k["kill_stalls_s"]
+                k["nodes_target"] = n
+                result.setdefault("kills", {})[n] = k
+                print(
+                    f"N={n}: coordinator SIGKILLed {args.kill_coordinator_at:g} s into the measured seconds: "
+                    f"{len(stalls)} of {sim_nodes} simulated nodes read on after it; their longest wait for a step "
+                    f"after the kill: p50 {load.pct(stalls, 0.5) or 0:.2f} s, max {max(stalls, default=0):.2f} s; "
+                    f"lease p99 over the run {k['lease_ms']['p99']:.0f} ms; errors {k['errors'] or 'none'}",
+                    flush=True,
+                )
+                continue
             x = run_sim(
                 recipe_path,
                 recipe,
@@ -709,28 +793,29 @@ def main() -> None:
     result["sampled_rows_checked"] = len(samples)
     result["wrong_rows"] = wrong + (result.get("calibration", {}).get("real", {}).get("wrong_rows", 0))
 
-    print()
-    print(
-        f"{'N':>5} | {'sim':>4} | {'step ms':>7} | {'eff. N':>6} | {'coord %':>7} | {'at 1 s':>6} | {'pump %':>6} | "
-        f"{'idle %':>6} | {'lease p50/p99 ms':>16} | {'calls/s':>7} | {'L+R /node-step':>14} | {'ms/node-step':>12} | "
-        f"{'proj. % at N':>12} | {'lag p99 ms':>10}"
-    )
-    for n, x in result["points"].items():
+    if result["points"]:
+        print()
         print(
-            f"{n:>5} | {x['nodes_simulated']:>4} | {x['step_time_s'] * 1e3:>7.1f} | {x['effective_nodes']:>6.0f} | "
-            f"{x['coordinator_ms_per_s'] / 10:>7.1f} | {x['coordinator_ms_per_s_at_1s_steps'] / 10:>6.1f} | "
-            f"{100 * x['pump_share']:>6.0f} | {100 * x['idle_share']:>6.0f} | "
-            f"{x['lease_ms']['p50']:>7.1f}/{x['lease_ms']['p99']:<8.1f} | "
-            f"{x['leases_per_s'] + x['reports_per_s']:>7.0f} | "
-            f"{x['leases_per_node_step']:>6.2f}+{x['reports_per_node_step']:<7.2f} | "
-            f"{x['coordinator_ms_per_node_step']:>12.3f} | {100 * x['projected_core_share_at_n']:>12.1f} | "
-            f"{x['step_lag_ms']['p99']:>10.0f}"
+            f"{'N':>5} | {'sim':>4} | {'step ms':>7} | {'eff. N':>6} | {'coord %':>7} | {'at 1 s':>6} | {'pump %':>6} | "
+            f"{'idle %':>6} | {'lease p50/p99 ms':>16} | {'calls/s':>7} | {'L+R /node-step':>14} | {'ms/node-step':>12} | "
+            f"{'proj. % at N':>12} | {'lag p99 ms':>10}"
         )
-    print(
-        "coord %: the coordinator's CPU as a share of one core, measured; at 1 s: less the steps produced beyond one "
-        "per second; L+R: leases and reports per node-step; ms/node-step: (at 1 s - idle) / node-steps per s; "
-        "proj. % at N: idle + ms/node-step x N; lag: how late the simulated ranks read (the drivers' backlog)"
-    )
+        for n, x in result["points"].items():
+            print(
+                f"{n:>5} | {x['nodes_simulated']:>4} | {x['step_time_s'] * 1e3:>7.1f} | {x['effective_nodes']:>6.0f} | "
+                f"{x['coordinator_ms_per_s'] / 10:>7.1f} | {x['coordinator_ms_per_s_at_1s_steps'] / 10:>6.1f} | "
+                f"{100 * x['pump_share']:>6.0f} | {100 * x['idle_share']:>6.0f} | "
+                f"{x['lease_ms']['p50']:>7.1f}/{x['lease_ms']['p99']:<8.1f} | "
+                f"{x['leases_per_s'] + x['reports_per_s']:>7.0f} | "
+                f"{x['leases_per_node_step']:>6.2f}+{x['reports_per_node_step']:<7.2f} | "
+                f"{x['coordinator_ms_per_node_step']:>12.3f} | {100 * x['projected_core_share_at_n']:>12.1f} | "
+                f"{x['step_lag_ms']['p99']:>10.0f}"
+            )
+        print(
+            "coord %: the coordinator's CPU as a share of one core, measured; at 1 s: less the steps produced beyond one "
+            "per second; L+R: leases and reports per node-step; ms/node-step: (at 1 s - idle) / node-steps per s; "
+            "proj. % at N: idle + ms/node-step x N; lag: how late the simulated ranks read (the drivers' backlog)"
+        )
     print(f"wrong rows: {result['wrong_rows']} ({len(samples)} sampled slices checked, and every real-node slice)")
     print("RESULT " + json.dumps(result, default=str))
 
