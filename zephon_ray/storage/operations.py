@@ -459,7 +459,17 @@ def delete_tree(value: str | os.PathLike[str] | Location) -> None:
     import pyarrow.fs as pafs
 
     def remove() -> None:
-        if loc.fs.get_file_info(loc.path).type == pafs.FileType.Directory:
-            loc.fs.delete_dir(loc.path)
+        for _ in range(3):
+            if loc.fs.get_file_info(loc.path).type != pafs.FileType.Directory:
+                return
+            try:
+                loc.fs.delete_dir(loc.path)
+                return
+            except FileNotFoundError:
+                # On an object store a directory is a prefix: if another process removes its last objects between
+                # the check and the delete (a job's actors cleaning up their own files as they stop), the delete
+                # finds nothing and says so. Absent is fine; look again.
+                continue
+        raise OSError(f"{loc.uri}: objects keep appearing under it while it is deleted")
 
     _io(loc, "delete it", remove)
