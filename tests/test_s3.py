@@ -74,6 +74,91 @@ def test_storage_layer_on_s3(s3):
     one_line(info.value, f"s3://zr-no-such-bucket-{bucket}/x.json", "does not exist")
 
 
+def test_delete_tree_of_a_prefix_another_process_empties_meanwhile(s3):
+    """A job's actors may remove their own files under a work prefix while the driver deletes the prefix: the
+    driver saw a directory, and by the time it deletes, S3 holds nothing under it (pyarrow: "Path does not exist").
+    That is the outcome delete_tree wants, not an error (seen in the slow docs test: `materialize --producers 2` to
+    S3 failed on its .work-* prefix under load). The race is made exact: the real S3 filesystem, wrapped so that
+    the first look at the prefix is followed at once by another client's removal of every key under it."""
+    import pyarrow.fs as pafs
+
+    from zephon_ray import storage
+    from zephon_ray.storage.filesystems import resolve
+    from zephon_ray.storage.locations import Location
+
+    bucket = s3.new_bucket()
+    real = resolve(f"s3://{bucket}/job/.work-1")  # with its pyarrow filesystem
+    storage.write_json(real.join("aggregate", "member-0.json"), {"format": "x/v1"})
+    storage.write_json(real.join("aggregate", "member-1.json"), {"format": "x/v1"})
+
+    class OtherProcessEmptiesIt(pafs.FileSystemHandler):
+        """The real filesystem, except that its first look at the prefix is followed by another client's removal
+        of every key under it (markers included: boto3 deletes exact keys, pyarrow would recreate a parent)."""
+
+        def __init__(self) -> None:
+            self.raced = False
+
+        def get_file_info(self, paths):
+            infos = real.fs.get_file_info(paths)
+            if not self.raced and real.path in paths:
+                self.raced = True
+                for key in [k for k in s3.keys(bucket) if k.startswith("job/.work-1")]:
+                    s3.client().delete_object(Bucket=bucket, Key=key)
+            return infos
+
+        def get_file_info_selector(self, selector):
+            return real.fs.get_file_info(selector)
+
+        def delete_dir(self, path):
+            real.fs.delete_dir(path)
+
+        # the rest of the interface: the real filesystem's, unchanged
+        def get_type_name(self):
+            return "s3-emptied-meanwhile"
+
+        def equals(self, other):
+            return other is self
+
+        def normalize_path(self, path):
+            return real.fs.normalize_path(path)
+
+        def create_dir(self, path, recursive):
+            real.fs.create_dir(path, recursive=recursive)
+
+        def delete_dir_contents(self, path, missing_dir_ok=False):
+            real.fs.delete_dir_contents(path, missing_dir_ok=missing_dir_ok)
+
+        def delete_root_dir_contents(self):
+            raise NotImplementedError
+
+        def delete_file(self, path):
+            real.fs.delete_file(path)
+
+        def move(self, src, dest):
+            real.fs.move(src, dest)
+
+        def copy_file(self, src, dest):
+            real.fs.copy_file(src, dest)
+
+        def open_input_stream(self, path):
+            return real.fs.open_input_stream(path)
+
+        def open_input_file(self, path):
+            return real.fs.open_input_file(path)
+
+        def open_output_stream(self, path, metadata):
+            return real.fs.open_output_stream(path, metadata=metadata)
+
+        def open_append_stream(self, path, metadata):
+            return real.fs.open_append_stream(path, metadata=metadata)
+
+    with pytest.raises(FileNotFoundError):  # what pyarrow says of a prefix that holds nothing when it deletes
+        real.fs.delete_dir(f"{bucket}/job/.work-never")
+    handler = OtherProcessEmptiesIt()
+    storage.delete_tree(Location(real.uri, real.path, real.scheme, pafs.PyFileSystem(handler)))
+    assert handler.raced and not [k for k in s3.keys(bucket) if k.startswith("job/.work-1")]
+
+
 # ------------------------------------------------------------------------------------------ sources and identity
 def test_recipe_from_a_bucket_gives_local_digests(s3, bucket, remote_recipe, tiny_recipe, reference_digests):
     """Listed by Zephon's discovery through its storage router, identified by the listing's ETags (no shard is
