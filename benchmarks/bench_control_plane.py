@@ -46,9 +46,11 @@ Coordinator kill -9 under load (``--kill-coordinator-at S``, instead of the CPU 
 is SIGKILLed S seconds into the measured seconds; Ray restarts it (the service's ``coordinator_max_restarts``),
 the new incarnation reopens ``state_dir`` and starts at the jobs' newest commits (each job's first node commits
 every ``--commit-every`` steps, with its cursor moves, as a trainer's checkpoints do), and the node readers' calls
-in flight are sent again to it. Reported: how many simulated nodes read on after the kill, and each one's longest
-wait for a step after it (from the kill, or from the step's due time if later), p50 and max; the sampled rows are
-checked as in the CPU runs. Limit: a real node reader is an actor the coordinator owns, so it dies with it and its
+in flight are sent again to it. After the kill every simulated node fetches one rank's rows of each step it reads,
+and a step whose shards died with the replaced producers is read again as a ``DataService`` reads it (forget what
+the process holds, invalidate the step, read it again). Reported: how many simulated nodes read on after the kill,
+and each one's longest wait for a step's rows after it (from the kill, or from the step's due time if later), p50
+and max; the sampled rows are checked as in the CPU runs. Limit: a real node reader is an actor the coordinator owns, so it dies with it and its
 processes reconnect through a new one (a Ray actor start per node); a simulated node reader lives in its driver and
 survives, so that cost is not in these figures.
 
@@ -215,6 +217,7 @@ def _driver(
     from zephon_ray.batch import lane_span
     from zephon_ray.service.client.node_read_path import stop_background
     from zephon_ray.service.client.step_refs import StepRefs
+    from zephon_ray.service.errors import ShardsLostError
     from zephon_ray.service.server.node_reader import NodeReader
     from zephon_ray.source import pad_token_id
 
@@ -267,6 +270,21 @@ def _driver(
                 for r in proc.ranks:  # lock-step: the node's 8 ranks read the step
                     held = await proc.held(step, r)
                 if killed_at is not None and 0 < killed_at.value < time.time():
+                    # After the kill a step counts as served once its rows arrive: the new incarnation replaced the
+                    # producers, whose shards died with them, so a step held from before is read again, as a
+                    # DataService does (forget what the process holds, invalidate the lost step, read it again).
+                    r = proc.ranks[0]
+                    for _attempt in range(30):
+                        try:
+                            refs = StepRefs(step, list(held.lanes), recipe, pad, held.generation)
+                            await asyncio.to_thread(refs.slice, r, proc.world)
+                            break
+                        except ShardsLostError:
+                            proc.cache.clear()
+                            await handle.invalidate.remote(step, held.generation)
+                            held = await proc.held(step, r)
+                    else:
+                        errors.append(f"step {step}: rows still lost after 30 reads")
                     stall = max(stall, time.time() - max(due, killed_at.value))
                 if commit_every and proc.ranks[0] == 0 and step % commit_every == commit_every - 1:
                     # a trainer's checkpoint: the job's first node commits (a restarted coordinator starts there)
