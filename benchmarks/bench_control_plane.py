@@ -51,8 +51,8 @@ and a step whose shards died with the replaced producers is read again as a ``Da
 the process holds, invalidate the step, read it again). Reported: how many simulated nodes read on after the kill,
 and each one's longest wait for a step's rows after it (from the kill, or from the step's due time if later), p50
 and max; the sampled rows are checked as in the CPU runs. Limit: a real node reader is an actor the coordinator owns, so it dies with it and its
-processes reconnect through a new one (a Ray actor start per node); a simulated node reader lives in its driver and
-survives, so that cost is not in these figures.
+processes reconnect through a new one; a simulated process replaces its node reader at its first lost step after
+the kill, but the start of a node-reader actor (one per node, through Ray) is not in these figures.
 
 Limits: the machine this was written on has 2 shared cores, so the drivers, the producers, the coordinator and
 Ray's daemons share them, and latencies are upper bounds; where the drivers cannot keep the step time the
@@ -233,8 +233,9 @@ def _driver(
     async def main() -> None:
         coordinator = _TimedCoordinator(handle, log)
         procs = []
-        for n in nodes:
-            reader = NodeReader(
+
+        def new_reader(n: int) -> NodeReader:
+            return NodeReader(
                 coordinator,
                 lanes=recipe.lanes,
                 rows_per_lane=recipe.rows_per_lane,
@@ -244,6 +245,10 @@ def _driver(
                 request_timeout_s=cfg["request_timeout_s"],
                 node_id=f"sim-node-{n:05d}",
             )
+
+        replaced: set[int] = set()
+        for n in nodes:
+            reader = new_reader(n)
             job, slot = divmod(n, cfg["nodes_per_job"])
             world = RANKS_PER_NODE * cfg["nodes_per_job"]
             ranks = list(range(slot * RANKS_PER_NODE, (slot + 1) * RANKS_PER_NODE))
@@ -280,6 +285,14 @@ def _driver(
                             await asyncio.to_thread(refs.slice, r, proc.world)
                             break
                         except ShardsLostError:
+                            if index not in replaced:
+                                # a real node reader died with the coordinator: the process reads through a new one
+                                replaced.add(index)
+                                if proc.listener is not None:
+                                    proc.listener.cancel()
+                                    proc.listener = None
+                                proc.inflight.clear()
+                                proc.reader = new_reader(nodes[index])
                             proc.cache.clear()
                             await handle.invalidate.remote(step, held.generation)
                             held = await proc.held(step, r)
@@ -752,7 +765,7 @@ def main() -> None:
                 result.setdefault("kills", {})[n] = k
                 print(
                     f"N={n}: coordinator SIGKILLed {args.kill_coordinator_at:g} s into the measured seconds: "
-                    f"{len(stalls)} of {sim_nodes} simulated nodes read on after it; their longest wait for a step "
+                    f"{len(stalls)} of {sim_nodes} simulated nodes read on after it; their longest wait for a step's rows "
                     f"after the kill: p50 {load.pct(stalls, 0.5) or 0:.2f} s, max {max(stalls, default=0):.2f} s; "
                     f"lease p99 over the run {k['lease_ms']['p99']:.0f} ms; errors {k['errors'] or 'none'}",
                     flush=True,
