@@ -742,40 +742,12 @@ def main() -> None:
                     f"{args.step_time:g} s steps (the same call rate)",
                     flush=True,
                 )
-            if args.kill_coordinator_at is not None:
-                k = run_sim(
-                    recipe_path,
-                    recipe,
-                    tmp,
-                    f"kill{n}",
-                    sim_nodes,
-                    step_time,
-                    args.seconds,
-                    args.warmup,
-                    args.drivers,
-                    args.producers,
-                    args.nodes_per_job,
-                    args.sample_every,
-                    kill_at=args.kill_coordinator_at,
-                    commit_every=args.commit_every,
-                )
-                samples += k.pop("samples")
-                stalls = k["kill_stalls_s"]
-                k["nodes_target"] = n
-                result.setdefault("kills", {})[n] = k
-                print(
-                    f"N={n}: coordinator SIGKILLed {args.kill_coordinator_at:g} s into the measured seconds: "
-                    f"{len(stalls)} of {sim_nodes} simulated nodes read on after it; their longest wait for a step's rows "
-                    f"after the kill: p50 {load.pct(stalls, 0.5) or 0:.2f} s, max {max(stalls, default=0):.2f} s; "
-                    f"lease p99 over the run {k['lease_ms']['p99']:.0f} ms; errors {k['errors'] or 'none'}",
-                    flush=True,
-                )
-                continue
+            killing = args.kill_coordinator_at is not None
             x = run_sim(
                 recipe_path,
                 recipe,
                 tmp,
-                f"n{n}",
+                f"{'kill' if killing else 'n'}{n}",
                 sim_nodes,
                 step_time,
                 args.seconds,
@@ -784,7 +756,22 @@ def main() -> None:
                 args.producers,
                 args.nodes_per_job,
                 args.sample_every,
+                kill_at=args.kill_coordinator_at,
+                commit_every=args.commit_every if killing else 0,
             )
+            if killing:
+                samples += x.pop("samples")
+                stalls = x["kill_stalls_s"]
+                x["nodes_target"] = n
+                result.setdefault("kills", {})[n] = x
+                print(
+                    f"N={n}: coordinator SIGKILLed {args.kill_coordinator_at:g} s into the measured seconds: "
+                    f"{len(stalls)} of {sim_nodes} simulated nodes read on after it; their longest wait for a step's rows "
+                    f"after the kill: p50 {load.pct(stalls, 0.5) or 0:.2f} s, max {max(stalls, default=0):.2f} s; "
+                    f"lease p99 over the run {x['lease_ms']['p99']:.0f} ms; errors {x['errors'] or 'none'}",
+                    flush=True,
+                )
+                continue
             samples += x.pop("samples")
             x["nodes_target"] = n
             x["effective_nodes"] = x["node_steps_per_s"] * args.step_time
