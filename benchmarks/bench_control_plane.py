@@ -50,9 +50,10 @@ in flight are sent again to it. After the kill every simulated node fetches one 
 and a step whose shards died with the replaced producers is read again as a ``DataService`` reads it (forget what
 the process holds, invalidate the step, read it again). Reported: how many simulated nodes read on after the kill,
 and each one's longest wait for a step's rows after it (from the kill, or from the step's due time if later), p50
-and max; the sampled rows are checked as in the CPU runs. Limit: a real node reader is an actor the coordinator owns, so it dies with it and its
-processes reconnect through a new one; a simulated process replaces its node reader at its first lost step after
-the kill, but the start of a node-reader actor (one per node, through Ray) is not in these figures.
+and max; the sampled rows are checked as in the CPU runs. Limit: a real node reader is an actor the coordinator
+owns, so it dies with it and its processes reconnect through a new one; a simulated process replaces its node
+reader at its first lost step after the kill, but the start of a node-reader actor (one per node, through Ray) is
+not in these figures.
 
 Limits: the machine this was written on has 2 shared cores, so the drivers, the producers, the coordinator and
 Ray's daemons share them, and latencies are upper bounds; where the drivers cannot keep the step time the
@@ -294,7 +295,9 @@ def _driver(
                                 proc.inflight.clear()
                                 proc.reader = new_reader(nodes[index])
                             proc.cache.clear()
-                            await handle.invalidate.remote(step, held.generation)
+                            await asyncio.wait_for(
+                                handle.invalidate.remote(step, held.generation), cfg["request_timeout_s"]
+                            )
                             held = await proc.held(step, r)
                     else:
                         errors.append(f"step {step}: rows still lost after 30 reads")
@@ -303,7 +306,9 @@ def _driver(
                     # a trainer's checkpoint: the job's first node commits (a restarted coordinator starts there)
                     moves = [(proc.consumer, r, proc.world, step, 0.0) for r in proc.ranks]  # what it read
                     try:
-                        await handle.commit.remote(step + 1, proc.consumer, moves)
+                        await asyncio.wait_for(
+                            handle.commit.remote(step + 1, proc.consumer, moves), cfg["request_timeout_s"]
+                        )
                     except Exception as exc:  # noqa: BLE001 - counted, as the reads' errors are
                         errors.append(f"commit {step + 1}: {exc!r}"[:300])
                 if window_s[0] <= t0 < window_s[1]:
