@@ -2,9 +2,9 @@
 
     python benchmarks/ray_actor_start_cost.py [--actors 18] [--rounds 2]
 
-Starts a private local Ray twice, once plain and once with ``runtime_env={"env_vars": {"PYTHONPATH": ...}}`` (what
-tests/conftest.py's session Ray set before), then starts, pings and kills ``--actors`` trivial actors (6 at a time)
-and prints the CPU the whole machine spent per actor (``/proc/stat``: every process, Ray's daemons included), after
+Starts a private local Ray twice, once plain and once with ``runtime_env={"env_vars": {"PYTHONPATH": ...}}`` (a
+common way to give workers a checkout's modules), then starts, pings and kills ``--actors`` trivial actors (6 at a
+time) and prints the CPU the whole machine spent per actor (``/proc/stat``: every process, Ray's daemons included), after
 subtracting the machine's idle CPU over the same time (measured first, with the cluster up and no actor). Rounds
 alternate the two modes, so that drift in the machine's load hits both. Linux only; run it on an otherwise idle
 machine.

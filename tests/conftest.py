@@ -113,8 +113,8 @@ def ray_cluster():
     temp_dir = tempfile.mkdtemp(prefix="zr-ray-", dir="/tmp")
     # Workers import tests/ and examples/ from this checkout. The raylet passes its own environment on to the workers
     # it starts, so PYTHONPATH is set while ray.init starts it, not as a runtime_env: a job with a runtime_env starts
-    # every worker through Ray's setup_worker.py and its runtime-env agent, 0.87 CPU-s an actor instead of 0.49
-    # (docs/benchmarks.md, "The test suite").
+    # every worker through Ray's setup_worker.py and its runtime-env agent: 0.90 CPU-s an actor instead of 0.51
+    # (benchmarks/ray_actor_start_cost.py; docs/benchmarks.md, "The test suite").
     pythonpath = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = str(ROOT) + (os.pathsep + pythonpath if pythonpath else "")
     try:
