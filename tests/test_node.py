@@ -58,6 +58,44 @@ def test_a_complete_round_is_reported_without_waiting_for_the_gather(ray_cluster
         svc.stop()
 
 
+def test_a_rank_heard_for_the_first_time_is_reported_at_once(ray_cluster, tiny_recipe, tmp_path, monkeypatch):
+    """A new consumer's first move, with no lease to carry it, reaches the coordinator within the gather, not with
+    the next lease or keep-alive: until the coordinator knows the consumer, another consumer's moves could take the
+    window past steps it has yet to read (a fresh-clone run of test_service.py's window test replayed step 2 so).
+    The keep-alive is 30 s here, the gather 1 s; the cursor must arrive within 20 s, and carry the step sent."""
+    monkeypatch.setattr(node_reader, "REPORT_GATHER_S", 1.0)
+    svc = DataService.start(
+        tiny_recipe, name="node-first", namespace=NS, state_dir=tmp_path / "s", window=4, consumer_ttl_s=600.0
+    )
+    try:
+        reader = node_reader.NodeReader(
+            svc._coordinator,
+            lanes=tiny_recipe.lanes,
+            rows_per_lane=tiny_recipe.rows_per_lane,
+            lease_steps=4,
+            window=4,
+            consumer_ttl_s=600.0,
+            request_timeout_s=60.0,
+            node_id="this-process",
+        )
+
+        def cursors() -> dict[tuple[str, int], int]:
+            return {(c["consumer"], c["rank"]): c["step"] for c in svc.status()["cursors"]}
+
+        async def scenario() -> dict[tuple[str, int], int]:
+            await reader.advance([("notebook", 0, 1, 1, 0.0)])  # no lease: nothing else would carry it for 30 s
+            deadline = time.monotonic() + 20
+            while ("notebook", 0) not in (got := await asyncio.to_thread(cursors)) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            return got
+
+        got = asyncio.run(scenario())
+        assert got.get(("notebook", 0)) == 1, got
+        assert reader.stats["reports"] == 1, reader.stats
+    finally:
+        svc.stop()
+
+
 def assert_no_blocking_get(pid: int) -> None:
     import ray
 

@@ -112,9 +112,9 @@ def test_two_consumers_and_window_bound(ray_cluster, tiny_recipe, reference_dige
     try:
         lag = 2  # B trails A by `lag` steps; A may run up to `window` steps ahead of B before it must wait
         assert b.batch(0, track=True).digest == reference_digests[0]
-        # B's moves reach the coordinator with its node reader's next lease or report, A's with every a.status()
-        # below: B's status() makes its first cursor exact before A moves on (a fresh clone's suite once found B
-        # unknown to the coordinator at step 4, and its read of step 2 replayed).
+        # B's first move reaches the coordinator with its node reader's next report (within REPORT_GATHER_S), A's
+        # with every a.status() below: B's status() makes its first cursor exact before A moves on, so no gather
+        # races A's first steps (tests/test_node.py checks the report itself).
         b.status()
         for step in range(20):
             assert a.batch(step, track=True).digest == reference_digests[step]

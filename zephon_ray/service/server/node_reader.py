@@ -24,10 +24,11 @@ Guarantees:
   never holds another one's step back for longer.
 - Cursors stay exact: a lease moves no cursor. A rank's cursor moves when it reads a step with ``track=True`` or
   calls ``DataService.advance``; the reader reports those moves with its next lease, or within
-  ``REPORT_GATHER_S`` when a lease waits or this node's slowest rank of a consumer moved (that is what lets
-  producers move on: one report carries the round's moves of every rank here), and every ``consumer_ttl_s / 4``
-  as a keep-alive carrying how long ago each rank was last heard. Cursors never run ahead of the ranks. One world
-  per consumer, the newest wins, as on the coordinator.
+  ``REPORT_GATHER_S`` when a lease waits, when a rank is heard here for the first time (so the window never moves
+  past a new consumer the coordinator has not heard of), or when this node's slowest rank of a consumer moved (that
+  is what lets producers move on: one report carries the round's moves of every rank here), and every
+  ``consumer_ttl_s / 4`` as a keep-alive carrying how long ago each rank was last heard. Cursors never run ahead of
+  the ranks. One world per consumer, the newest wins, as on the coordinator.
 - A rank that dies holds nothing back beyond ``consumer_ttl_s``: its last-heard age grows in every report and the
   coordinator expires it; the reader forgets it too. The reader's cache holds only steps >= the coordinator's
   ``keep_from`` (and a few replayed ones), so its refs keep no evicted step alive for long.
@@ -391,6 +392,10 @@ class NodeReader:
         assert self._wake is not None  # _start() ran (moves come through _apply)
         if any(x.wait for x in self._leases):
             self._wake.set()  # a lease may be waiting for exactly this move: report it now, not with the next lease
+        elif was is None:
+            # a rank heard here for the first time: until the coordinator knows it, the window may move past steps
+            # this rank has yet to read (another consumer's moves reach it first), so report it with this round
+            self._wake.set()
         elif (
             was is not None
             and step > was
