@@ -5,8 +5,8 @@
     python benchmarks/bench_soak.py --mode dataset --steps 20000 --worlds 4,2,3
 
 - A service with 2 producers and a ``state_dir`` (checkpoint every 8 steps), on a private local Ray.
-- The recipe is ``recipes/tiny.toml`` with one mixture phase added at half the run (``--phase-at``), so the run
-  crosses a phase boundary; the in-process source reads the same recipe.
+- The recipe is ``recipes/tiny.toml`` (rows of ``--seq-len`` tokens, 64 by default) with one mixture phase added at
+  half the run (``--phase-at``), so the run crosses a phase boundary; the in-process source reads the same recipe.
 - W loaders, one process per rank (as torchrun places them), in service mode, each with the ledger, ``commit`` of
   every step and a state saved every ``--save-every`` steps. W follows ``--worlds``: the run is cut into equal
   segments, and each new group resumes from the state the previous group saved at its last step.
@@ -50,10 +50,10 @@ WAIT_S = 900.0
 """The longest the parent waits for a segment's ranks to reach its end (a kill -9 heals within seconds)."""
 
 
-def write_recipe(dest: Path, phase_at: int) -> Path:
-    """tiny.toml with absolute source paths and one phase at ``phase_at``."""
+def write_recipe(dest: Path, phase_at: int, seq_len: int = 64) -> Path:
+    """tiny.toml with absolute source paths, ``seq_len`` tokens a row and one phase at ``phase_at``."""
     text = (ROOT / "recipes" / "tiny.toml").read_text()
-    text = text.replace('path = "data/', f'path = "{ROOT}/recipes/data/')
+    text = text.replace('path = "data/', f'path = "{ROOT}/recipes/data/').replace("seq_len = 64", f"seq_len = {seq_len}")
     text += f'\n[[phases]]\nname = "main"\nstart_step = {phase_at}\nweights = {{ prose = 0.2, code = 0.8 }}\n'
     dest.write_text(text)
     return dest
@@ -241,6 +241,7 @@ def main() -> None:
     ap.add_argument("--worlds", default="4,2,3", help="W of each segment (W changes between segments)")
     ap.add_argument("--phase-at", type=int, default=None, help="step of the phase boundary (default: steps/2)")
     ap.add_argument("--warmup", type=int, default=None, help="steps before the growth baseline (default: every)")
+    ap.add_argument("--seq-len", type=int, default=64, help="tokens a row (tiny.toml has 64)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument(
         "--mode",
@@ -265,7 +266,7 @@ def main() -> None:
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="soak-"))
     work.mkdir(parents=True, exist_ok=True)
-    recipe_path = write_recipe(work / "soak.toml", a.phase_at if a.phase_at is not None else a.steps // 2)
+    recipe_path = write_recipe(work / "soak.toml", a.phase_at if a.phase_at is not None else a.steps // 2, a.seq_len)
     recipe = Recipe.from_toml(recipe_path)
     state_dir, ledger = work / "state", work / "ledger"
     worlds = [int(w) for w in a.worlds.split(",")]
@@ -300,7 +301,7 @@ def main() -> None:
         print(f"materialised {a.steps} steps in {time.time() - t0:.0f} s", flush=True)
     checker = Checker(recipe)
     print(
-        f"soak ({a.mode} mode): {a.steps} steps of {recipe_path.name} (phase at {a.phase_at or a.steps // 2}), "
+        f"soak ({a.mode} mode): {a.steps} steps of {recipe_path.name} at seq_len {a.seq_len} (phase at {a.phase_at or a.steps // 2}), "
         f"worlds {worlds} at steps {bounds[:-1]}, save every {a.save_every}"
         + (f", kill -9 producer at {kill_producer_at} and node reader at {kill_reader_at}" if service else "")
         + f"; work dir {work}",

@@ -153,14 +153,14 @@ class ZephonDataset:
 class ZephonDataConfig(DataConfig):
     """A Ray Train ``DataConfig`` handing each worker its :class:`ZephonDatasetShard` of a :class:`ZephonDataset`.
 
-        ``run_id`` names the run: it is checked on resume and is the service consumer (one cursor for the whole
-        job). ``local_batch_size`` is rows per microbatch (0: one microbatch per step, the rank's rows); ``pad_slices`` pads
-        every rank's rows to the same count (rows whose labels are all ignored) when W does not divide B; ``prefetch`` steps
-        are read ahead in a background thread; ``checkpoint_every`` (local mode) is how often Zephon checkpoints are
-        taken: align it with the loop's checkpoint interval. ``ledger_dir`` (a path or URI every worker reaches, one per
-    run) receives every rank's ledger segment at each save (``zephon-ray audit``, :mod:`zephon_ray.formats.ledger`).
-    Remaining keyword arguments go to Ray's ``DataConfig``
-        and apply to plain Ray Data datasets of the same trainer. Validated here, when built.
+    ``run_id`` names the run: it is checked on resume and is the service consumer (one cursor for the whole job).
+    ``local_batch_size`` is rows per microbatch (0: one microbatch per step, the rank's rows); ``pad_slices`` pads
+    every rank's rows to the same count (rows whose labels are all ignored) when W does not divide B; ``prefetch``
+    steps are read ahead in a background thread; ``checkpoint_every`` (local mode) is how often Zephon checkpoints
+    are taken: align it with the loop's checkpoint interval. ``ledger_dir`` (a path or URI every worker reaches, one
+    per run) receives every rank's ledger segment at each save (``zephon-ray audit``,
+    :mod:`zephon_ray.formats.ledger`). Remaining keyword arguments go to Ray's ``DataConfig`` and apply to plain Ray
+    Data datasets of the same trainer. Validated here, when built.
     """
 
     def __init__(
