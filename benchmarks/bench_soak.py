@@ -12,11 +12,12 @@
   segments, and each new group resumes from the state the previous group saved at its last step.
 - One producer is killed with SIGKILL at 40% of the run and the node reader at 60%.
 - Every ``--every`` steps (of the slowest rank) it prints one row: the RSS of each actor (producers, coordinator,
-  node reader) and of each trainer process, the object store's use, the step wait p50/p99 over the last rows'
-  steps, and the files and bytes in ``state_dir`` and the ledger. Every digest a rank saw is checked against
+  node reader; ``_priv``: the RSS less its shared pages, the object store's among them) and of each trainer
+  process, the object store's use, the step wait p50/p99 over the last rows' steps, and the files and bytes in
+  ``state_dir`` and the ledger. Every digest a rank saw is checked against
   ``GlobalBatchSource(recipe).batch(s).slice(rank, W)`` in this process; the run ends with the count of wrong rows.
-- Growth per step (``RESULT`` line): each actor's RSS from the first row after the warm-up to the last, divided by
-  the steps between; a restarted actor (a new pid) starts a new baseline. Each rank reports its own RSS every 100
+- Growth per step (``RESULT`` line): each actor's RSS (and its private part) from the first row after the warm-up
+  to the last, divided by the steps between; a restarted actor (a new pid) starts a new baseline. Each rank reports its own RSS every 100
   steps, and its growth over its segment after the warm-up (at most half the segment) is printed when the segment
   ends (``rank_growth``).
 
@@ -53,7 +54,9 @@ WAIT_S = 900.0
 def write_recipe(dest: Path, phase_at: int, seq_len: int = 64) -> Path:
     """tiny.toml with absolute source paths, ``seq_len`` tokens a row and one phase at ``phase_at``."""
     text = (ROOT / "recipes" / "tiny.toml").read_text()
-    text = text.replace('path = "data/', f'path = "{ROOT}/recipes/data/').replace("seq_len = 64", f"seq_len = {seq_len}")
+    text = text.replace('path = "data/', f'path = "{ROOT}/recipes/data/').replace(
+        "seq_len = 64", f"seq_len = {seq_len}"
+    )
     text += f'\n[[phases]]\nname = "main"\nstart_step = {phase_at}\nweights = {{ prose = 0.2, code = 0.8 }}\n'
     dest.write_text(text)
     return dest
@@ -122,13 +125,16 @@ def tree(path: Path) -> tuple[int, int]:
     return files, size
 
 
-def rss_mb(pid: int) -> float | None:
+def rss_mb(pid: int) -> tuple[float, float] | tuple[None, None]:
+    """The process's RSS and its private part (MB): the RSS less its file-backed and shared-memory pages, among them
+    the object store's pages the process has mapped, which stop growing once it has touched the whole store."""
     import psutil
 
     try:
-        return psutil.Process(pid).memory_info().rss / 2**20
+        m = psutil.Process(pid).memory_info()
     except psutil.Error:
-        return None
+        return None, None
+    return m.rss / 2**20, (m.rss - m.shared) / 2**20
 
 
 def actor_pids(svc) -> dict[str, int]:
@@ -385,7 +391,7 @@ def main() -> None:
                     pids = actor_pids(svc) if service else {}
                     row = {"step": slowest, "elapsed_s": round(time.time() - t_start), "W": world}
                     for label, pid in sorted(pids.items()):
-                        row[f"{label}_mb"] = rss_mb(pid)
+                        row[f"{label}_mb"], row[f"{label}_priv_mb"] = rss_mb(pid)
                         row[f"{label}_pid"] = pid
                     for r, p in enumerate(procs):
                         row[f"rank{r}_mb"] = checker.rss.get(r)  # as the rank reported it at about this step
@@ -452,9 +458,9 @@ def main() -> None:
             svc.stop()
         ray.shutdown()
 
-    def growth(label: str) -> float | None:
-        """KB per step from the first row at or after the warm-up to the last, on the actor's latest pid."""
-        key, pid_key = f"{label}_mb", f"{label}_pid"
+    def growth(label: str, key: str) -> float | None:
+        """KB per step of ``key`` from the first row at or after the warm-up to the last, on the actor's latest pid."""
+        pid_key = f"{label}_pid"
         last = rows[-1]
         same = [r for r in rows if r.get(pid_key) == last.get(pid_key) and r["step"] >= warmup and r.get(key)]
         if len(same) < 2 or same[-1]["step"] == same[0]["step"]:
@@ -467,7 +473,8 @@ def main() -> None:
         "rows_checked": checker.rows,
         "wrong_rows": checker.wrong,
         "elapsed_s": round(time.time() - t_start),
-        "growth_kb_per_step": {lb: growth(lb) for lb in labels},
+        "growth_kb_per_step": {lb: growth(lb, f"{lb}_mb") for lb in labels},
+        "private_growth_kb_per_step": {lb: growth(lb, f"{lb}_priv_mb") for lb in labels},
         "rank_growth": rank_growth,
         "last": rows[-1] if rows else None,
     }

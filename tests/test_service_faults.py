@@ -53,6 +53,44 @@ def test_kill9_producer_while_read_and_while_idle(ray_cluster, tiny_recipe, refe
         svc.stop()
 
 
+@pytest.mark.timeout(600)
+def test_a_service_mode_loader_reads_through_a_producer_kill(ray_cluster, tiny_recipe, reference_digests, tmp_path):
+    """A trainer rank's Loader in service mode holds the refs of steps ahead of it when a producer is killed with -9:
+    the shards behind them are lost, and the loader has them made again instead of raising ShardsLostError (a
+    seq_len 8,192 soak's rank died so, 9 steps after the kill). Both producers die, so every step the rank had not
+    fetched yet is lost; its rows must still be the golden ones, each step once."""
+    from zephon_ray import compute_digest
+    from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    svc = start_service(tiny_recipe, tmp_path, "loader-kill", producers=2, window=8)
+    config = LoaderConfig(
+        recipe=str(tiny_recipe.path),
+        mode="service",
+        run_id="loader-kill",
+        service_name="loader-kill",
+        service_namespace=NS,
+    )
+    loader = Loader(config, rank=0, world=1)
+    try:
+        it = iter(loader)
+        served = [next(it).slice for _ in range(2)]
+        _, pids = live_pids(svc)
+        held = [svc.refs(s) for s in range(2, 10)]  # untracked: this process's read path holds their refs now
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120  # until Ray knows the owners died, their objects still read fine
+        while svc.status()["restarts"] < 1:
+            assert time.monotonic() < deadline, "the killed producers were never replaced"
+            time.sleep(0.2)
+        served += [next(it).slice for _ in range(14)]
+        digests = [compute_digest(s.tokens, s.positions) for s in served]
+        assert digests == reference_digests[:16], "a step's rows were wrong, missing or served twice"
+        del held  # alive until the loader read past those steps
+    finally:
+        loader.close()
+        svc.stop()
+
+
 def _restart_cycles(tiny_recipe, reference_digests, tmp_path, cycles):
     """Per cycle (s, read_until, producers): read up to read_until with M=2, commit s, stop; restart from
     state_dir with ``producers``: the first batch is step s's rows, the replay at start is at most K steps."""

@@ -6,9 +6,11 @@ queue, so ``next`` only waits when the service itself is behind. The slice array
 object store in that thread (they are read-only, zero-copy views there).
 
 Guarantee: the rows are the service's global batch s, the same as every other mode's. Read-ahead does not move this
-consumer's cursor on the service (``track=False``); the cursor moves when the
-trainer actually takes a step. The service's window therefore trails what the trainer consumed, not what was
-prefetched, so a resume from the last checkpoint finds its steps still in the live window.
+consumer's cursor on the service (``track=False``); the cursor moves when the trainer actually takes a step. The
+service's window therefore trails what the trainer consumed, not what was prefetched, so a resume from the last
+checkpoint finds its steps still in the live window. Each step is read as ``DataService.slice`` reads it: lost
+shards (a producer killed after the refs of steps ahead reached this process) are made again, and a coordinator
+restart is waited out, within the service's ``reconnect_timeout_s`` and ``read_timeout_s``.
 
 ``state()`` commits its boundary on the service (reader 0 only) and carries no checkpoint: the service keeps its
 own Zephon state.
@@ -176,9 +178,9 @@ class ServiceSlices(PrefetchedSlices):
                 self.service.prefetch(range(s + 1, s + self.depth + 1), rank=self.rank, world=self.world)
                 # The first read is tracked: it registers this rank's cursor and makes the service drop the
                 # cursors this consumer left at another world size (a resized group never closed its loader).
-                part = self.service.refs(s, rank=self.rank, world=self.world, track=s == step).slice(
-                    self.rank, self.world
-                )
+                # slice() rides through lost shards (a producer killed after its refs reached this process) and a
+                # coordinator restart within the service's budgets, as every DataService read does.
+                part = self.service.slice(s, self.rank, self.world, track=s == step)
             tokens, positions = np.array(part.tokens), np.array(part.positions)
             ids = None
             if self.source_ids:  # this process replays the step's provenance, checked against the rows read
