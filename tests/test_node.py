@@ -26,16 +26,7 @@ def test_a_complete_round_is_reported_without_waiting_for_the_gather(ray_cluster
         tiny_recipe, name="node-round", namespace=NS, state_dir=tmp_path / "s", window=4, consumer_ttl_s=600.0
     )  # keep-alive reports every 30 s: none in this test's seconds
     try:
-        reader = node_reader.NodeReader(
-            svc._coordinator,
-            lanes=tiny_recipe.lanes,
-            rows_per_lane=tiny_recipe.rows_per_lane,
-            lease_steps=4,
-            window=4,
-            consumer_ttl_s=600.0,
-            request_timeout_s=60.0,
-            node_id="this-process",
-        )
+        reader = _reader(svc, tiny_recipe)
 
         def cursors() -> dict[int, int]:
             return {c["rank"]: c["step"] for c in svc.status()["cursors"] if c["consumer"] == "job"}
@@ -68,16 +59,7 @@ def test_a_rank_heard_for_the_first_time_is_reported_at_once(ray_cluster, tiny_r
         tiny_recipe, name="node-first", namespace=NS, state_dir=tmp_path / "s", window=4, consumer_ttl_s=600.0
     )
     try:
-        reader = node_reader.NodeReader(
-            svc._coordinator,
-            lanes=tiny_recipe.lanes,
-            rows_per_lane=tiny_recipe.rows_per_lane,
-            lease_steps=4,
-            window=4,
-            consumer_ttl_s=600.0,
-            request_timeout_s=60.0,
-            node_id="this-process",
-        )
+        reader = _reader(svc, tiny_recipe)
 
         def cursors() -> dict[tuple[str, int], int]:
             return {(c["consumer"], c["rank"]): c["step"] for c in svc.status()["cursors"]}
@@ -94,6 +76,21 @@ def test_a_rank_heard_for_the_first_time_is_reported_at_once(ray_cluster, tiny_r
         assert reader.stats["reports"] == 1, reader.stats
     finally:
         svc.stop()
+
+
+def _reader(svc: DataService, recipe) -> node_reader.NodeReader:
+    """A NodeReader in this process for ``svc``'s coordinator (keep-alive reports every 30 s: consumer_ttl_s / 4,
+    capped)."""
+    return node_reader.NodeReader(
+        svc._coordinator,
+        lanes=recipe.lanes,
+        rows_per_lane=recipe.rows_per_lane,
+        lease_steps=4,
+        window=4,
+        consumer_ttl_s=600.0,
+        request_timeout_s=60.0,
+        node_id="this-process",
+    )
 
 
 def assert_no_blocking_get(pid: int) -> None:
