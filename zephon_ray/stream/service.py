@@ -178,8 +178,7 @@ class ServiceSlices(PrefetchedSlices):
                 self.service.prefetch(range(s + 1, s + self.depth + 1), rank=self.rank, world=self.world)
                 # The first read is tracked: it registers this rank's cursor and makes the service drop the
                 # cursors this consumer left at another world size (a resized group never closed its loader).
-                # slice() rides through lost shards (a producer killed after its refs reached this process) and a
-                # coordinator restart within the service's budgets, as every DataService read does.
+                # slice(), not refs().slice(): it rides through lost shards and a coordinator restart
                 part = self.service.slice(s, self.rank, self.world, track=s == step)
             tokens, positions = np.array(part.tokens), np.array(part.positions)
             ids = None

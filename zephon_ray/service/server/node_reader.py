@@ -397,8 +397,7 @@ class NodeReader:
             # this rank has yet to read (another consumer's moves reach it first), so report it with this round
             self._wake.set()
         elif (
-            was is not None
-            and step > was
+            step > was
             and was <= self._reported_slowest.get(consumer, -1)
             and self._slowest(consumer) > self._reported_slowest[consumer]
         ):
