@@ -14,12 +14,12 @@
 - Every ``--every`` steps (of the slowest rank) it prints one row: the RSS of each actor (producers, coordinator,
   node reader; ``_priv``: the RSS less its shared pages, the object store's among them) and of each trainer
   process, the object store's use, the step wait p50/p99 over the last rows' steps, and the files and bytes in
-  ``state_dir`` and the ledger. Every digest a rank saw is checked against
-  ``GlobalBatchSource(recipe).batch(s).slice(rank, W)`` in this process; the run ends with the count of wrong rows.
+  ``state_dir`` and the ledger. Every digest a rank saw is checked against ``GlobalBatchSource(recipe).batch(s)
+  .slice(rank, W)`` in this process; the run ends with the count of wrong rows.
 - Growth per step (``RESULT`` line): each actor's RSS (and its private part) from the first row after the warm-up
-  to the last, divided by the steps between; a restarted actor (a new pid) starts a new baseline. Each rank reports its own RSS every 100
-  steps, and its growth over its segment after the warm-up (at most half the segment) is printed when the segment
-  ends (``rank_growth``).
+  to the last, divided by the steps between; a restarted actor (a new pid) starts a new baseline. Each rank reports
+  its own RSS every 100 steps, and its growth over its segment after the warm-up (at most half the segment) is
+  printed when the segment ends (``rank_growth``).
 
 ``--mode local`` / ``--mode dataset``: the same ranks, ledger, saves, W changes and phase boundary for the trainer
 process alone: local-mode loaders (each rank runs Zephon in-process for its lanes and aggregates its checkpoint
@@ -127,7 +127,7 @@ def tree(path: Path) -> tuple[int, int]:
 
 def rss_mb(pid: int) -> tuple[float, float] | tuple[None, None]:
     """The process's RSS and its private part (MB): the RSS less its file-backed and shared-memory pages, among them
-    the object store's pages the process has mapped, which stop growing once it has touched the whole store."""
+    the object store's pages the process has mapped."""
     import psutil
 
     try:
@@ -307,7 +307,8 @@ def main() -> None:
         print(f"materialised {a.steps} steps in {time.time() - t0:.0f} s", flush=True)
     checker = Checker(recipe)
     print(
-        f"soak ({a.mode} mode): {a.steps} steps of {recipe_path.name} at seq_len {a.seq_len} (phase at {a.phase_at or a.steps // 2}), "
+        f"soak ({a.mode} mode): {a.steps} steps of {recipe_path.name} at seq_len {a.seq_len} "
+        f"(phase at {a.phase_at or a.steps // 2}), "
         f"worlds {worlds} at steps {bounds[:-1]}, save every {a.save_every}"
         + (f", kill -9 producer at {kill_producer_at} and node reader at {kill_reader_at}" if service else "")
         + f"; work dir {work}",
