@@ -2,6 +2,7 @@
 
     python benchmarks/bench_control_plane.py [--nodes 64,250,1000,2000] [--seconds 20] [--drivers 2]
                                              [--max-sim-nodes 250] [--producers 1] [--no-calibrate] [--no-pump]
+                                             [--leases 8:4,32:16]
     python benchmarks/bench_control_plane.py --nodes 2000 --kill-coordinator-at 10 [--commit-every 10]
 
 What runs: a real DataService (coordinator, producers; the tiny recipe widened to B = 64 rows, as
@@ -387,13 +388,15 @@ def run_sim(
     sample_every: int,
     kill_at: float | None = None,
     commit_every: int = 0,
+    window: int = 8,
+    lease_steps: int = 4,
 ) -> dict:
     """``nodes`` simulated nodes at ``step_time`` for ``warmup + seconds`` on a fresh service; the coordinator
     measured over the last ``seconds``. ``kill_at``: SIGKILL the coordinator that many seconds into the measured
     ones (its CPU is then not measured; each node's longest wait for a step after the kill is)."""
     import ray
 
-    svc = load.start(recipe, f"cp-{tag}", tmp, producers=producers, window=8)
+    svc = load.start(recipe, f"cp-{tag}", tmp, producers=producers, window=window, lease_steps=lease_steps)
     try:
         cfg = {
             "recipe_path": str(recipe_path),
@@ -502,12 +505,14 @@ def _driver_entry(*args) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------- calibration
-def run_real(recipe, reference: dict, tmp: Path, step_time: float, seconds: float, warmup: float) -> dict:
+def run_real(
+    recipe, reference: dict, tmp: Path, step_time: float, seconds: float, warmup: float, window: int, lease_steps: int
+) -> dict:
     """One real node: this process, one handle on the node path, 8 rank threads in lock-step (rank r of world 8),
     every slice fetched and checked."""
     from zephon_ray import DataService, compute_digest
 
-    svc = load.start(recipe, "cp-real", tmp, window=8)
+    svc = load.start(recipe, f"cp-real-{window}-{lease_steps}", tmp, window=window, lease_steps=lease_steps)
     try:
         pid = svc.status()["coordinator"]["pid"]
         client = DataService.connect(svc.name, namespace=NS, consumer="real", read_path="node")
@@ -602,6 +607,12 @@ def main() -> None:
         default=20,
         help="fetch and check one rank's rows per this many node-steps of a node (0: none)",
     )
+    ap.add_argument(
+        "--leases",
+        default="8:4",
+        help="WINDOW:LEASE_STEPS[,...]: the service's window and lease_steps; each pair is measured at every N, "
+        "side by side in one run",
+    )
     ap.add_argument("--no-calibrate", action="store_true")
     ap.add_argument("--no-pump", action="store_true", help="skip the pump's own figure (then no 1 s adjustment)")
     ap.add_argument("--cal-step-time", type=float, default=0.25)
@@ -622,6 +633,11 @@ def main() -> None:
         help="with --kill-coordinator-at: each job commits every this many steps, as a trainer's checkpoints do",
     )
     args = ap.parse_args()
+    try:
+        configs = [tuple(int(v) for v in pair.split(":")) for pair in args.leases.split(",")]
+        assert all(len(c) == 2 and c[0] >= 1 and c[1] >= 1 for c in configs)
+    except (ValueError, AssertionError):
+        ap.error(f"--leases: expected WINDOW:LEASE_STEPS[,...] of positive integers, got {args.leases!r}")
     if args.kill_coordinator_at is not None:
         args.no_pump = args.no_calibrate = True
 
@@ -672,8 +688,8 @@ def main() -> None:
                 flush=True,
             )
 
+        cal_ref: dict = {}
         if not args.no_calibrate:
-            cal_ref: dict = {}
             n_cal = int((args.warmup + args.cal_seconds) / args.cal_step_time) + 4
             with GlobalBatchSource(recipe) as source:
                 for s in range(n_cal):
@@ -681,127 +697,139 @@ def main() -> None:
                     for r in range(RANKS_PER_NODE):
                         part = b.slice(r, RANKS_PER_NODE)
                         cal_ref[(s, r, RANKS_PER_NODE)] = compute_digest(part.tokens, part.positions)
-            real = run_real(recipe, cal_ref, tmp, args.cal_step_time, args.cal_seconds, args.warmup)
-            sim = run_sim(
-                recipe_path,
-                recipe,
-                tmp,
-                "cal",
-                1,
-                args.cal_step_time,
-                args.cal_seconds,
-                args.warmup,
-                1,
-                args.producers,
-                1,
-                args.sample_every,
-            )
-            samples += sim["samples"]
-            sim_c = {
-                "node_steps": sim["node_steps"],
-                "seconds": sim["seconds"],
-                "coordinator_ms_per_s": sim["coordinator_ms_per_s"],
-                "leases": sim["leases_per_s"] * sim["seconds"],
-                "reports": sim["reports_per_s"] * sim["seconds"],
-                "moves": sim["moves_per_s"] * sim["seconds"],
-                "produced": sim["produced_per_s"] * sim["seconds"],
-            }
-            cr, cs = _per_node_step(real, idle), _per_node_step(sim_c, idle)
-            key = "coordinator_ms_per_node_step_net_of_idle"
-            ratio = cs[key] / cr[key] if cr[key] > 0 else float("nan")
-            result["calibration"] = {
-                "step_time_s": args.cal_step_time,
-                "real": {**real, **cr},
-                "simulated": {k: v for k, v in sim.items() if k != "samples"} | cs,
-                "ratio_sim_vs_real": ratio,
-            }
-            print(
-                f"calibration at {args.cal_step_time} s steps, one node of 8 ranks, net of idle {idle:.1f} ms/s:",
-                flush=True,
-            )
-            print(
-                f"  {'':<10}{'node-steps':>11}{'CPU-ms/node-step':>17}{'produced/step':>14}"
-                f"{'leases/10 st':>13}{'reports/10 st':>14}{'moves/step':>11}",
-                flush=True,
-            )
-            for label, c in (("real", cr), ("simulated", cs)):
+        for window, lease_steps in configs:
+            setting = f"window {window}, lease_steps {lease_steps}"
+            print(f"== {setting}", flush=True)
+            if not args.no_calibrate:
+                real = run_real(
+                    recipe, cal_ref, tmp, args.cal_step_time, args.cal_seconds, args.warmup, window, lease_steps
+                )
+                sim = run_sim(
+                    recipe_path,
+                    recipe,
+                    tmp,
+                    f"cal-{window}-{lease_steps}",
+                    1,
+                    args.cal_step_time,
+                    args.cal_seconds,
+                    args.warmup,
+                    1,
+                    args.producers,
+                    1,
+                    args.sample_every,
+                    window=window,
+                    lease_steps=lease_steps,
+                )
+                samples += sim["samples"]
+                sim_c = {
+                    "node_steps": sim["node_steps"],
+                    "seconds": sim["seconds"],
+                    "coordinator_ms_per_s": sim["coordinator_ms_per_s"],
+                    "leases": sim["leases_per_s"] * sim["seconds"],
+                    "reports": sim["reports_per_s"] * sim["seconds"],
+                    "moves": sim["moves_per_s"] * sim["seconds"],
+                    "produced": sim["produced_per_s"] * sim["seconds"],
+                }
+                cr, cs = _per_node_step(real, idle), _per_node_step(sim_c, idle)
+                key = "coordinator_ms_per_node_step_net_of_idle"
+                ratio = cs[key] / cr[key] if cr[key] > 0 else float("nan")
+                result.setdefault("calibration", {})[setting] = {
+                    "step_time_s": args.cal_step_time,
+                    "real": {**real, **cr},
+                    "simulated": {k: v for k, v in sim.items() if k != "samples"} | cs,
+                    "ratio_sim_vs_real": ratio,
+                }
                 print(
-                    f"  {label:<10}{c['node_steps']:>11}{c[key]:>17.3f}"
-                    f"{c['produced_per_node_step']:>14.2f}{c['leases_per_10_steps']:>13.2f}"
-                    f"{c['reports_per_10_steps']:>14.2f}{c['moves_per_step']:>11.2f}",
+                    f"calibration at {args.cal_step_time} s steps, one node of 8 ranks, net of idle {idle:.1f} ms/s:",
                     flush=True,
                 )
-            print(
-                f"  simulated / real coordinator CPU per node-step: {ratio:.2f}; simulated node errors {sim['errors'] or 'none'} (real node: "
-                f"{real['wrong_rows']} wrong rows of {real['checked_steps']} steps x 8 ranks; errors "
-                f"{real['errors'] or 'none'})",
-                flush=True,
-            )
+                print(
+                    f"  {'':<10}{'node-steps':>11}{'CPU-ms/node-step':>17}{'produced/step':>14}"
+                    f"{'leases/10 st':>13}{'reports/10 st':>14}{'moves/step':>11}",
+                    flush=True,
+                )
+                for label, c in (("real", cr), ("simulated", cs)):
+                    print(
+                        f"  {label:<10}{c['node_steps']:>11}{c[key]:>17.3f}"
+                        f"{c['produced_per_node_step']:>14.2f}{c['leases_per_10_steps']:>13.2f}"
+                        f"{c['reports_per_10_steps']:>14.2f}{c['moves_per_step']:>11.2f}",
+                        flush=True,
+                    )
+                print(
+                    f"  simulated / real coordinator CPU per node-step: {ratio:.2f}; simulated node errors {sim['errors'] or 'none'} (real node: "
+                    f"{real['wrong_rows']} wrong rows of {real['checked_steps']} steps x 8 ranks; errors "
+                    f"{real['errors'] or 'none'})",
+                    flush=True,
+                )
 
-        for n in [int(x) for x in args.nodes.split(",")]:
-            sim_nodes = min(n, args.max_sim_nodes)
-            step_time = args.step_time * sim_nodes / n
-            if sim_nodes < n:
-                print(
-                    f"N={n}: {sim_nodes} simulated nodes at {step_time * 1e3:.1f} ms steps stand for {n} nodes at "
-                    f"{args.step_time:g} s steps (the same call rate)",
-                    flush=True,
+            for n in [int(x) for x in args.nodes.split(",")]:
+                sim_nodes = min(n, args.max_sim_nodes)
+                step_time = args.step_time * sim_nodes / n
+                if sim_nodes < n:
+                    print(
+                        f"N={n}: {sim_nodes} simulated nodes at {step_time * 1e3:.1f} ms steps stand for {n} nodes at "
+                        f"{args.step_time:g} s steps (the same call rate)",
+                        flush=True,
+                    )
+                killing = args.kill_coordinator_at is not None
+                point = n if len(configs) == 1 else f"{n} @ {window}:{lease_steps}"
+                x = run_sim(
+                    recipe_path,
+                    recipe,
+                    tmp,
+                    f"{'kill' if killing else 'n'}{n}-{window}-{lease_steps}",
+                    sim_nodes,
+                    step_time,
+                    args.seconds,
+                    args.warmup,
+                    args.drivers,
+                    args.producers,
+                    args.nodes_per_job,
+                    args.sample_every,
+                    kill_at=args.kill_coordinator_at,
+                    commit_every=args.commit_every if killing else 0,
+                    window=window,
+                    lease_steps=lease_steps,
                 )
-            killing = args.kill_coordinator_at is not None
-            x = run_sim(
-                recipe_path,
-                recipe,
-                tmp,
-                f"{'kill' if killing else 'n'}{n}",
-                sim_nodes,
-                step_time,
-                args.seconds,
-                args.warmup,
-                args.drivers,
-                args.producers,
-                args.nodes_per_job,
-                args.sample_every,
-                kill_at=args.kill_coordinator_at,
-                commit_every=args.commit_every if killing else 0,
-            )
-            if killing:
+                if killing:
+                    samples += x.pop("samples")
+                    stalls = x["kill_stalls_s"]
+                    x["nodes_target"] = n
+                    result.setdefault("kills", {})[point] = x
+                    print(
+                        f"N={point}: coordinator SIGKILLed {args.kill_coordinator_at:g} s into the measured seconds: "
+                        f"{len(stalls)} of {sim_nodes} simulated nodes read on after it; their longest wait for a step's rows "
+                        f"after the kill: p50 {load.pct(stalls, 0.5) or 0:.2f} s, max {max(stalls, default=0):.2f} s; "
+                        f"lease p99 over the run {x['lease_ms']['p99']:.0f} ms; errors {x['errors'] or 'none'}",
+                        flush=True,
+                    )
+                    continue
                 samples += x.pop("samples")
-                stalls = x["kill_stalls_s"]
                 x["nodes_target"] = n
-                result.setdefault("kills", {})[n] = x
+                x["window"], x["lease_steps"] = window, lease_steps
+                x["effective_nodes"] = x["node_steps_per_s"] * args.step_time
+                x["driven_fraction"] = x["effective_nodes"] / n
+                extra = max(0.0, (x["produced_per_s"] or 0) - 1.0 / args.step_time)
+                x["coordinator_ms_per_s_at_1s_steps"] = x["coordinator_ms_per_s"] - extra * pump_ms
+                rate = max(x["node_steps_per_s"], 1e-9)
+                x["coordinator_ms_per_node_step"] = (x["coordinator_ms_per_s_at_1s_steps"] - idle) / rate
+                x["leases_per_node_step"] = x["leases_per_s"] / rate
+                x["reports_per_node_step"] = x["reports_per_s"] / rate
+                # what the point's N would cost at this CPU per node-step (= the measured figure where it was driven)
+                x["projected_core_share_at_n"] = (idle + x["coordinator_ms_per_node_step"] * n * args.step_time) / 1e3
+                x["pump_share"] = x["coordinator_threads_ms_per_s"]["pump"] / x["coordinator_ms_per_s"]
+                x["idle_share"] = idle / x["coordinator_ms_per_s"]
+                result["points"][point] = x
                 print(
-                    f"N={n}: coordinator SIGKILLed {args.kill_coordinator_at:g} s into the measured seconds: "
-                    f"{len(stalls)} of {sim_nodes} simulated nodes read on after it; their longest wait for a step's rows "
-                    f"after the kill: p50 {load.pct(stalls, 0.5) or 0:.2f} s, max {max(stalls, default=0):.2f} s; "
-                    f"lease p99 over the run {x['lease_ms']['p99']:.0f} ms; errors {x['errors'] or 'none'}",
+                    f"N={point}: effective N {x['effective_nodes']:.0f} ({x['node_steps_per_s']:.0f} node-steps/s"
+                    f"{'' if x['driven_fraction'] > 0.95 else ', the drivers could not keep the rate'}); coordinator "
+                    f"{x['coordinator_ms_per_s'] / 10:.1f} % of a core ({x['coordinator_ms_per_s_at_1s_steps'] / 10:.1f} % "
+                    f"at 1 s steps), pump {100 * x['pump_share']:.0f} %, idle {100 * x['idle_share']:.0f} %; lease p50/p99 "
+                    f"{x['lease_ms']['p50']:.1f}/{x['lease_ms']['p99']:.1f} ms; {x['leases_per_s']:.0f} leases/s, "
+                    f"{x['reports_per_s']:.0f} reports/s, {x['moves_per_s']:.0f} moves/s; step lag p99 "
+                    f"{x['step_lag_ms']['p99']:.0f} ms; errors {x['errors'] or 'none'}",
                     flush=True,
                 )
-                continue
-            samples += x.pop("samples")
-            x["nodes_target"] = n
-            x["effective_nodes"] = x["node_steps_per_s"] * args.step_time
-            x["driven_fraction"] = x["effective_nodes"] / n
-            extra = max(0.0, (x["produced_per_s"] or 0) - 1.0 / args.step_time)
-            x["coordinator_ms_per_s_at_1s_steps"] = x["coordinator_ms_per_s"] - extra * pump_ms
-            rate = max(x["node_steps_per_s"], 1e-9)
-            x["coordinator_ms_per_node_step"] = (x["coordinator_ms_per_s_at_1s_steps"] - idle) / rate
-            x["leases_per_node_step"] = x["leases_per_s"] / rate
-            x["reports_per_node_step"] = x["reports_per_s"] / rate
-            # what the point's N would cost at this CPU per node-step (= the measured figure where it was driven)
-            x["projected_core_share_at_n"] = (idle + x["coordinator_ms_per_node_step"] * n * args.step_time) / 1e3
-            x["pump_share"] = x["coordinator_threads_ms_per_s"]["pump"] / x["coordinator_ms_per_s"]
-            x["idle_share"] = idle / x["coordinator_ms_per_s"]
-            result["points"][n] = x
-            print(
-                f"N={n}: effective N {x['effective_nodes']:.0f} ({x['node_steps_per_s']:.0f} node-steps/s"
-                f"{'' if x['driven_fraction'] > 0.95 else ', the drivers could not keep the rate'}); coordinator "
-                f"{x['coordinator_ms_per_s'] / 10:.1f} % of a core ({x['coordinator_ms_per_s_at_1s_steps'] / 10:.1f} % "
-                f"at 1 s steps), pump {100 * x['pump_share']:.0f} %, idle {100 * x['idle_share']:.0f} %; lease p50/p99 "
-                f"{x['lease_ms']['p50']:.1f}/{x['lease_ms']['p99']:.1f} ms; {x['leases_per_s']:.0f} leases/s, "
-                f"{x['reports_per_s']:.0f} reports/s, {x['moves_per_s']:.0f} moves/s; step lag p99 "
-                f"{x['step_lag_ms']['p99']:.0f} ms; errors {x['errors'] or 'none'}",
-                flush=True,
-            )
     finally:
         ray.shutdown()
         shutil.rmtree(ray_tmp, ignore_errors=True)
@@ -814,18 +842,18 @@ def main() -> None:
             wrong += compute_digest(part.tokens, part.positions) != digest
     shutil.rmtree(tmp, ignore_errors=True)
     result["sampled_rows_checked"] = len(samples)
-    result["wrong_rows"] = wrong + (result.get("calibration", {}).get("real", {}).get("wrong_rows", 0))
+    result["wrong_rows"] = wrong + sum(c["real"]["wrong_rows"] for c in result.get("calibration", {}).values())
 
     if result["points"]:
         print()
         print(
-            f"{'N':>5} | {'sim':>4} | {'step ms':>7} | {'eff. N':>6} | {'coord %':>7} | {'at 1 s':>6} | {'pump %':>6} | "
+            f"{'N':>5} | {'W:n':>5} | {'sim':>4} | {'step ms':>7} | {'eff. N':>6} | {'coord %':>7} | {'at 1 s':>6} | {'pump %':>6} | "
             f"{'idle %':>6} | {'lease p50/p99 ms':>16} | {'calls/s':>7} | {'L+R /node-step':>14} | {'ms/node-step':>12} | "
             f"{'proj. % at N':>12} | {'lag p99 ms':>10}"
         )
-        for n, x in result["points"].items():
+        for x in result["points"].values():
             print(
-                f"{n:>5} | {x['nodes_simulated']:>4} | {x['step_time_s'] * 1e3:>7.1f} | {x['effective_nodes']:>6.0f} | "
+                f"{x['nodes_target']:>5} | {x['window']:>2}:{x['lease_steps']:<2} | {x['nodes_simulated']:>4} | {x['step_time_s'] * 1e3:>7.1f} | {x['effective_nodes']:>6.0f} | "
                 f"{x['coordinator_ms_per_s'] / 10:>7.1f} | {x['coordinator_ms_per_s_at_1s_steps'] / 10:>6.1f} | "
                 f"{100 * x['pump_share']:>6.0f} | {100 * x['idle_share']:>6.0f} | "
                 f"{x['lease_ms']['p50']:>7.1f}/{x['lease_ms']['p99']:<8.1f} | "
@@ -835,7 +863,7 @@ def main() -> None:
                 f"{x['step_lag_ms']['p99']:>10.0f}"
             )
         print(
-            "coord %: the coordinator's CPU as a share of one core, measured; at 1 s: less the steps produced beyond one "
+            "W:n: the service's window and lease_steps; coord %: the coordinator's CPU as a share of one core, measured; at 1 s: less the steps produced beyond one "
             "per second; L+R: leases and reports per node-step; ms/node-step: (at 1 s - idle) / node-steps per s; "
             "proj. % at N: idle + ms/node-step x N; lag: how late the simulated ranks read (the drivers' backlog)"
         )

@@ -116,7 +116,9 @@ class ServiceConfig:
     producers: int = 1
     """M producer actors; each is a Zephon rank owning L/M contiguous lanes. M must divide L."""
     window: int = 8
-    """At most this many steps are produced ahead of the slowest live consumer (and held in the object store)."""
+    """At most this many steps are produced ahead of the slowest live consumer (and held in the object store).
+    At hundreds of nodes and more, a larger window with ``lease_steps`` at half of it (32 and 16) cuts the
+    coordinator's calls per node and step about tenfold (docs/scaling.md, "Many node readers")."""
     state_dir: str | None = None
     """Durable state (fingerprint, merged checkpoints, commits). Required for a service that must survive."""
     checkpoint_every: int = 8
