@@ -323,6 +323,11 @@ def _driver(
                             StepRefs(step, list(held.lanes), recipe, pad, held.generation).slice, r, proc.world
                         )
                         samples.append((step, r, proc.world, compute_digest(part.tokens, part.positions)))
+                    except ShardsLostError:
+                        # a step leased before the kill, sampled after it: its ranks read it before the kill, and a
+                        # DataService reads lost rows again (the recovery above); not a wrong row, not counted
+                        if not (killed_at is not None and killed_at.value):
+                            errors.append(f"sample step {step}: its shards were lost without a kill")
                     except Exception as exc:  # noqa: BLE001
                         errors.append(f"sample step {step}: {exc!r}")
                 step += 1
