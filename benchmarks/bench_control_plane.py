@@ -21,6 +21,9 @@ every job reads the same global steps, so the coordinator holds 8 cursors per no
 a sample (``--sample-every`` node-steps): those ranks' slices are fetched from the object store and their digests
 checked against ``GlobalBatchSource`` (the wrong rows are counted, and must be 0).
 
+``--leases W:n[,W:n...]`` sets the service's ``window`` and ``lease_steps``; each pair runs every N (and its own
+calibration), side by side in one run, and the table names the pair of each row.
+
 Call-rate equivalence: N nodes at 1 s steps make N node-steps per second. Where N is more than
 ``--max-sim-nodes``, that many nodes run steps of ``max-sim-nodes / N`` s instead, so the coordinator sees the
 same leases, reports and cursor moves per second; the line says so. The effective N printed is what was driven:
