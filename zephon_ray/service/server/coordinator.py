@@ -363,6 +363,9 @@ class Coordinator:
             if time.monotonic() > deadline:
                 raise ServiceError(f"service {self.config.name!r}: producers did not start within {timeout_s:.0f}s")
             await asyncio.sleep(0.05)
+        if not self._fatal and self.pool.fatal:
+            # the pump files a producer's start-up error in the pool a moment before it fails the service with it
+            self._fail(self.pool.fatal)
         if self._fatal:
             raise ServiceError(self._fatal)
         error = await self.replay.check_started()

@@ -289,9 +289,10 @@ class ProducerPool:
                     info = get_off_loop(ref)
                 except RayError:
                     continue  # died while starting: the pump's restart path handles it
-                gen.infos[i] = info
+                # fatal first: ready() reads started (every info in) from the event loop while this runs on the pump
                 if info.get("error") and not self.fatal:
                     self.fatal = f"service {self.config.name!r}: configuration error: {info['error']}"
+                gen.infos[i] = info
         return self.fatal
 
     @property
