@@ -31,7 +31,7 @@ repeated; it prints NO by design. Default recipe: recipes/elastic.toml (B = 24 r
 does not divide B the groups hold different row counts, and each scales its summed token loss by
 ``batch.loss_scale("mean")`` (P over the global batch's valid tokens), so torchft's averaging all-reduce gives the
 global batch's mean gradient at every P and the final weights do not depend on the churn.
-Tests: tests/test_ft.py (one kill, one rejoin, in the default suite).
+Tests: tests/test_ft.py (one kill, one rejoin, in CI's heavy tier).
 """
 
 from __future__ import annotations

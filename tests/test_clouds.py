@@ -80,6 +80,7 @@ def _service_state_and_materialized(recipe, root: str, digests: list[str], name:
         assert [source.batch(s).digest for s in range(STEPS)] == digests
 
 
+@pytest.mark.heavy
 def test_az_basic_path(ray_cluster, azure, oracle_digests, monkeypatch):
     from zephon_ray import GlobalBatchSource, Recipe, storage
 

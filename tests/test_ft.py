@@ -57,7 +57,7 @@ CHURNS = {  # events -> participants per step, each step's W in the ledger, the 
 
 
 @pytest.mark.parametrize(
-    "churn", ["one kill", pytest.param("two kills", marks=pytest.mark.slow)]
+    "churn", [pytest.param("one kill", marks=pytest.mark.heavy), pytest.param("two kills", marks=pytest.mark.slow)]
 )  # ~45 s: the issue's churn, outside the default
 def test_churn_kills_and_a_rejoin_at_a_participant_count_not_dividing_B_audit_clean(tiny_dir, tmp_path, churn):
     """Group 1 is killed in step 2 (2 participants from there) and comes back (3 again); in "two kills", group 2 is

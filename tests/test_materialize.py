@@ -122,6 +122,7 @@ def test_bad_steps_on_the_command_line_is_one_line(tmp_path, capsys):
     assert not out.exists()
 
 
+@pytest.mark.heavy
 def test_killed_and_resumed_is_byte_identical(ray_cluster, tiny_recipe, tmp_path):
     """SIGKILL a real `zephon-ray materialize` process right after its first segment is committed, re-run the
     same job: every file equals an uninterrupted run's, byte for byte."""

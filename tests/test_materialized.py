@@ -222,6 +222,7 @@ def test_service_batches_and_lazy_export_equal_the_materialised_ones(
 
 
 # ---------------------------------------------------------------------- the service over a materialised prefix
+@pytest.mark.heavy
 def test_service_serves_a_materialised_prefix_then_producers_from_its_end(
     materialized_dir, ray_cluster, tiny_recipe, reference_digests, tmp_path
 ):

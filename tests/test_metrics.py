@@ -61,6 +61,7 @@ EXPECTED = {  # series -> minimum value once the scenario below ran
 }
 
 
+@pytest.mark.heavy
 def test_metrics_on_the_prometheus_endpoint(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     svc = DataService.start(
         tiny_recipe,

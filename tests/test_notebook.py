@@ -89,6 +89,7 @@ def _execute(nb) -> None:
             print("notebook: Ray did not start within its fixed 30 s; running the notebook once more")
 
 
+@pytest.mark.heavy
 @pytest.mark.spawns
 @pytest.mark.timeout(900)
 def test_notebook_executes_and_computes_what_the_oracle_computes(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from conftest import ROOT
 
 # slow: about 60 s of the default suite's time; tests/test_phases.py checks its parts (a run-time phase in the
-# loader state, local-mode phases on every reader, source ids) in the default suite.
+# loader state in CI's heavy tier; local-mode phases on every reader and source ids in the default suite).
 pytestmark = [pytest.mark.spawns, pytest.mark.slow, pytest.mark.timeout(600)]
 
 

@@ -554,6 +554,7 @@ def test_loader_resume_keeps_the_past_and_accepts_a_new_future(tmp_path):
     assert "phase 'main' (start_step 2) differs" in message and "step 3" in message and "\n" not in message, message
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_a_run_time_phase_travels_with_the_loader_state(ray_cluster, tmp_path, capsys):
     """Issue 44: a service started from tiny.toml takes recipes/phased.toml's two phases (steps 2 and 4) at run time,

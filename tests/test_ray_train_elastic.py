@@ -7,7 +7,7 @@ step 4, then 2 workers to step 6, then 3 workers to step 8, each a new ``fit()``
 world size. Every step's global digest, gathered from the ranks' slices, must equal the committed golden's (tests/oracle.py), and
 every loss the W=1 in-process reference.
 
-The default suite runs one service-mode job that meets both events: at 2 workers a rank is SIGKILLed before step 3
+CI runs one service-mode job that meets both events (``heavy``): at 2 workers a rank is SIGKILLed before step 3
 (Ray Train restarts the group from the step-2 checkpoint and step 2 is replayed), then the job resumes at 5 workers
 (5 does not divide B: ranks hold 4 or 5 rows, and the losses are still the W=1 reference's, since the loop scales
 summed losses by ``batch.loss_scale``). The full 4 -> 2 -> 3 schedule of each mode (service, local with the torch://
@@ -86,6 +86,7 @@ def _kill_before_step_3(tmp_path, name: str) -> KillOnce:
     )
 
 
+@pytest.mark.heavy
 def test_service_worker_killed_then_resized_2_to_5(ray_cluster, tmp_path, elastic_reference):
     """One job, two events: a worker dies at W=2 (steps 2.. replayed after the restart), then the job resumes at
     W=5, a count that does not divide B = 24 (12 rows a rank, then 4 or 5: every slice boundary moves). Every
@@ -151,7 +152,7 @@ def test_get_dataset_shard_4_2_3_service(ray_cluster, tmp_path, elastic_referenc
     check(records, elastic_reference)
 
 
-@pytest.mark.slow  # ~80 s; the default suite has the service job (above)
+@pytest.mark.slow  # ~80 s; CI's heavy tier has the service job (above)
 def test_get_dataset_shard_4_2_3_local_torch_store(ray_cluster, tmp_path, elastic_reference):
     """Local mode: Zephon's collective checkpoint aggregates through Ray Train's own TCPStore (rank 0's, a new
     port after every restart)."""
@@ -168,7 +169,7 @@ def test_get_dataset_shard_4_2_3_local_dir(ray_cluster, tmp_path, elastic_refere
     check(run_schedule(tmp_path, dataset, "elastic-dir"), elastic_reference)
 
 
-@pytest.mark.slow  # the default suite kills a worker in service mode (above)
+@pytest.mark.slow  # CI's heavy tier kills a worker in service mode (above)
 @pytest.mark.parametrize("mode", ["local", "service"])
 def test_worker_killed_mid_run_replays_identical_steps(ray_cluster, tmp_path, elastic_reference, mode):
     """Rank 1 of 2 SIGKILLs itself before step 3; Ray Train restarts the group from the step-2 checkpoint

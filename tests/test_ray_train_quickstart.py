@@ -8,7 +8,7 @@ rows). Its final checkpoint must hold the loader state at step 4 and the weights
 computes from ``GlobalBatchSource``'s rows at W=1: a wrong, missing or repeated row would change them.
 
 That run is ``slow`` (two Ray Train jobs, 70-85 s in the default suite's company): Ray Train's resume at another W
-stays in the default suite through tests/test_ray_train_elastic.py (a worker kill, then 2 -> 5), and the quickstart
+stays in CI through tests/test_ray_train_elastic.py (a worker kill, then 2 -> 5; ``heavy``), and the quickstart
 pair as examples/README.md writes it runs in the slow tests/test_docs_run.py. The default suite keeps the
 quickstart's own promise here, cheaply: with torchtitan and triton blocked, the example imports and its dataset
 hands a W=1 rank the committed golden rows.

@@ -1,8 +1,8 @@
 """TorchTitan's real Trainer (llama3 debug model, CPU) under Ray Train: 2 workers to step 2, resumed by 1 worker
 from ``ray.train.get_checkpoint()`` to step 4. Digests and losses equal the single-process reference.
 
-Slow (two Ray Train runs of TorchTitan's imports: 37 s alone on 2 cores, up to 144 s beside other tests). The
-default suite resumes the same Trainer at another W under torchrun
+Slow (two Ray Train runs of TorchTitan's imports: 37 s alone on 2 cores, up to 144 s beside other tests). CI
+resumes the same Trainer at another W under torchrun
 (tests/test_torchtitan_train.py::test_resume_at_another_world) and resumes Ray Train jobs at another W from
 ``ray.train.get_checkpoint()`` (tests/test_ray_train_quickstart.py, tests/test_ray_train_elastic.py)."""
 

@@ -279,6 +279,7 @@ def test_bad_remote_sources_are_one_line(s3, bucket, tmp_path, monkeypatch, what
 
 
 # ------------------------------------------------------------------------------------------ faults on the read path
+@pytest.mark.heavy
 def test_endpoint_stopped_then_restarted(s3, materialized_s3, reference_digests, monkeypatch):
     """Reads of a materialised run on S3 while the endpoint is down: retried for the storage budget, then one clean
     error naming the object; an endpoint back within the budget (default 600 s) is waited for, and the same source
@@ -461,6 +462,7 @@ def test_inspect_a_state_dir_on_s3(s3, tiny_recipe, capsys):
     assert [(p["name"], p["added"]) for p in report["schedule"]] == [("sources", False), ("anneal", True)]
 
 
+@pytest.mark.heavy
 def test_service_two_producers_state_dir_on_s3_and_a_cold_restart(ray_cluster, s3, remote_recipe, reference_digests):
     """Sources in one bucket, state_dir in another; 2 producers (each a Zephon rank reading through its shard
     cache); a commit; then the service stopped and started cold from the bucket state resumes at the commit."""

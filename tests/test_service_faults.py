@@ -22,6 +22,7 @@ from zephon_ray.service.errors import ServiceError
 pytestmark = pytest.mark.timeout(300)
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(600)  # two group restarts (actor start + identity check + restore) on a loaded 2-core box
 def test_kill9_producer_while_read_and_while_idle(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     """Producer 1 killed while read (step 3), then producer 0 of the new group while idle: two restarts. The
@@ -53,6 +54,7 @@ def test_kill9_producer_while_read_and_while_idle(ray_cluster, tiny_recipe, refe
         svc.stop()
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_a_service_mode_loader_reads_through_a_producer_kill(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     """A trainer rank's Loader in service mode holds the refs of steps ahead of it when a producer is killed with -9:
@@ -125,6 +127,7 @@ def _restart_cycles(tiny_recipe, reference_digests, tmp_path, cycles):
     print("restart time-to-first-batch:", json.dumps(records))
 
 
+@pytest.mark.heavy
 def test_restart_from_state_dir_bounded_replay(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     """Stop after a commit, restart from state_dir at another M (2 -> 1): steps s.. match, replay <= K."""
     _restart_cycles(tiny_recipe, reference_digests, tmp_path, [(21, 30, 1)])
@@ -224,7 +227,9 @@ def test_chaos_random_kills_and_rescales(ray_cluster, tiny_recipe, reference_dig
     assert len(kills) >= 5 and status["restarts"] >= 1
 
 
-@pytest.mark.parametrize("producers", [pytest.param(1, marks=pytest.mark.slow), 2])  # one producer: slow (time)
+@pytest.mark.parametrize(
+    "producers", [pytest.param(1, marks=pytest.mark.slow), pytest.param(2, marks=pytest.mark.heavy)]
+)  # one producer: slow (time)
 def test_watchdog_replaces_a_hung_producer(ray_cluster, tiny_recipe, reference_digests, tmp_path, producers):
     """SIGSTOP a producer: alive but stuck. The progress watchdog replaces the group; reads go on, rows right. With
     two producers the other one's calls keep finishing: a finished call of a step still waiting on the stuck one is

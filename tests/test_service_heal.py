@@ -35,6 +35,7 @@ NS = "zr-heal"
 pytestmark = pytest.mark.timeout(400)
 
 
+@pytest.mark.heavy
 def test_kill9_coordinator_with_reads_in_flight(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     world, steps, blocked_at = 4, 12, 4
     svc = DataService.start(

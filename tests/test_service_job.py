@@ -65,6 +65,7 @@ def _submit(cluster, *args, timeout=240):
     return proc.stdout
 
 
+@pytest.mark.heavy
 def test_job_submit_starts_service_and_second_job_reads_slices(head_cluster, tiny_recipe, reference_digests, tmp_path):
     name, ns, world, steps = "job-svc", "zr-job", 4, range(0, 6)
     out = _submit(

@@ -38,6 +38,7 @@ def entries(handles: list) -> list[int]:
     return [m["entries"] for m in ray.get([h.memory.remote() for h in handles], timeout=60)]
 
 
+@pytest.mark.heavy
 def test_producers_and_node_reader_memory_store_stays_flat(tiny_recipe, tmp_path):
     """2 producers, 2 service-mode loaders with a ledger, every step committed, a state saved every 20 steps: after
     the warm-up, no actor's memory store grows with the steps (measured on the code before the fix: +5.0 entries per

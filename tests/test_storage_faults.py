@@ -191,6 +191,7 @@ def _durable_commits(s3, bucket: str) -> dict:
     return {c: e["step"] for c, e in json.loads(body)["latest"].items()}
 
 
+@pytest.mark.heavy
 def test_service_rides_through_a_15s_outage(s3, service, oracle_digests):
     """The endpoint refuses connections for 15 s after step 5. Every step is served with the oracle's rows and
     production does not stop (the sources are in the shard cache; checkpoints are written in the background, and

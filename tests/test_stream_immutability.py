@@ -167,6 +167,7 @@ def remote_sources(ray_cluster, tiny_recipe, tmp_path_factory):
         service.stop()
 
 
+@pytest.mark.heavy
 def test_service_mode_held_batch(reference, remote_sources):
     from zephon_ray.stream.loader import LoaderConfig
 

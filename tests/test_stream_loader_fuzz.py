@@ -11,7 +11,7 @@ Faults: in a service-mode segment, reader 0 may kill -9 a producer, the node rea
 its first step, while the other readers read on and with steps ahead already leased to this process. The segment's
 rows must still be the golden ones, and the next segments read through the replaced actors.
 
-The default suite runs ``SEEDS`` (a few segments each); ``ZR_LOADER_FUZZ_SEEDS=1-40 pytest -m slow
+CI runs ``SEEDS`` (a few segments each; ``heavy``, so outside `make test`); ``ZR_LOADER_FUZZ_SEEDS=1-40 pytest -m slow
 tests/test_stream_loader_fuzz.py`` runs more. A failure prints the schedule that failed.
 """
 
@@ -177,6 +177,7 @@ def _check(seed: int, sources: dict, golden: list[str], kills: dict[str, int]) -
         raise
 
 
+@pytest.mark.heavy
 def test_loader_fuzz_short_seeded(sources, reference_digests):
     kills: dict[str, int] = {}
     for seed in SEEDS:

@@ -94,6 +94,7 @@ def _torchrun(tmp_path: Path, nproc: int, phase: str) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.mark.heavy
 def test_dp2_tp2_matches_reference_and_resumes_at_dp1_tp2(tmp_path, reference_digests):
     first = _torchrun(tmp_path, 4, "save")
     assert first["digests"] == reference_digests[0:3]

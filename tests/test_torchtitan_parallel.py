@@ -19,8 +19,8 @@ changes nothing. CP needs ``seq_len`` divisible by cp x 128 (torch's FlexAttenti
 run tests/recipes/cp.toml (seq_len 256, B = 8); PP runs recipes/tiny.toml (B = 16).
 
 The CPU shims are examples/torchtitan_cpu.py's (5: TorchTitan 0.3.0's per-microbatch pipeline call on torch 2.13;
-6: gloo has no PREMUL_SUM for FSDP's reduce-scatter). Slow: 2 torchruns per case, ~120-260 s on 2 busy cores; the default suite's
-check of the same loader with TorchTitan's mesh is tests/test_torchtitan_mesh.py (dp x tp).
+6: gloo has no PREMUL_SUM for FSDP's reduce-scatter). Slow: 2 torchruns per case, ~120-260 s on 2 busy cores; CI's
+check of the same loader with TorchTitan's mesh is tests/test_torchtitan_mesh.py (dp x tp, ``heavy``).
 """
 
 from __future__ import annotations

@@ -112,7 +112,7 @@ def check_run(losses: dict[int, float], digests: dict[int, str], reference_diges
         assert losses[step + 1] == pytest.approx(REFERENCE_LOSSES[step], abs=2e-5), (step, losses)
 
 
-@pytest.mark.slow  # a third torchrun (~20 s): the default suite's resume checks the same committed values
+@pytest.mark.slow  # a third torchrun (~20 s): the heavy resume below checks the same committed values
 def test_reference_run_matches_its_committed_losses_and_digests(tmp_path, reference_digests):
     losses = torchtitan(1, STEPS, tmp_path / "dump", tmp_path / "record", checkpoint=False)
     digests = recorded_digests(tmp_path / "record")
@@ -128,7 +128,9 @@ def test_reference_run_matches_its_committed_losses_and_digests(tmp_path, refere
     assert digests == {int(line.split()[1]): line.split()[2] for line in cli.stdout.splitlines()}
 
 
-@pytest.mark.parametrize("w1,w2", [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])  # 1 -> 2: ~22 s duplicate
+@pytest.mark.parametrize(
+    "w1,w2", [pytest.param(2, 1, marks=pytest.mark.heavy), pytest.param(1, 2, marks=pytest.mark.slow)]
+)  # 1 -> 2: ~22 s duplicate
 # Proves integrations/torchtitan/loader.py: the loader state DCP saved loads at another dp.
 def test_resume_at_another_world(tmp_path, reference_digests, w1, w2):
     first = torchtitan(w1, 2, tmp_path / "dump", tmp_path / "record", checkpoint=True)

@@ -22,7 +22,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 ELASTIC = str(ROOT / "recipes" / "elastic.toml")
 SCHEDULES = {  # (W, train until step)
-    "7_5": ((7, 4), (5, 8)),  # the default suite: 12 ranks in all, both counts uneven (3 or 4, and 4 or 5 rows)
+    "7_5": ((7, 4), (5, 8)),  # CI (heavy): 12 ranks in all, both counts uneven (3 or 4, and 4 or 5 rows)
     "8_7_5_6": ((8, 2), (7, 4), (5, 6), (6, 8)),  # slow: 26 ranks in all (45 s here)
 }
 FIXED = ((4, 8),)
@@ -79,7 +79,9 @@ def _max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
-@pytest.mark.parametrize("schedule", [pytest.param("7_5"), pytest.param("8_7_5_6", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "schedule", [pytest.param("7_5", marks=pytest.mark.heavy), pytest.param("8_7_5_6", marks=pytest.mark.slow)]
+)
 def test_final_weights_at_uneven_worlds_equal_the_fixed_w_run(elastic_dir, tmp_path, schedule):
     fixed = _train(tmp_path / "fixed", elastic_dir, FIXED)
     elastic = _train(tmp_path / "elastic", elastic_dir, SCHEDULES[schedule])
