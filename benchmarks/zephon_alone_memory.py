@@ -1,8 +1,8 @@
 """Zephon alone over a long run: its memory, without zephon-ray.
 
-    python benchmarks/zephon_alone_memory.py [STEPS] [EVERY]      # default 40000 4000
+    python benchmarks/zephon_alone_memory.py [STEPS] [EVERY] [SEQ_LEN]      # default 40000 4000 64
 
-One Zephon rank owning all 8 lanes of recipes/tiny.toml, built from Zephon's public API by the test oracle
+One Zephon rank owning all 8 lanes of recipes/tiny.toml (rows of SEQ_LEN tokens; tiny.toml has 64), built from Zephon's public API by the test oracle
 (tests/oracle.py, which shares no code with zephon_ray), consumed as Zephon emits it (one microbatch per lane per
 step). Every EVERY steps it prints the process's RSS and how many microbatches Zephon holds (``SampleBatch`` objects
 alive: its tail round-robin buffers the lanes that run ahead of the one it waits for). The reference that tells
@@ -10,6 +10,7 @@ growth in zephon-ray's producers from growth in Zephon (docs/benchmarks.md, "Mem
 """
 
 import gc
+import logging
 import sys
 import tempfile
 import time
@@ -22,7 +23,18 @@ sys.path.insert(0, str(ROOT / "tests"))
 import oracle  # noqa: E402
 from zephon import Pipeline  # noqa: E402
 
-recipe = oracle.read_recipe(ROOT / "recipes" / "tiny.toml")
+SEQ_LEN = int(sys.argv[3]) if len(sys.argv) > 3 else 64
+# tiny.toml at SEQ_LEN, its data paths made absolute (the copy lives in a temporary directory)
+recipe_path = Path(tempfile.mkdtemp()) / "tiny.toml"
+recipe_path.write_text(
+    (ROOT / "recipes" / "tiny.toml")
+    .read_text()
+    .replace('path = "data/', f'path = "{ROOT}/recipes/data/')
+    .replace("seq_len = 64", f"seq_len = {SEQ_LEN}")
+)
+recipe = oracle.read_recipe(recipe_path)
+# Zephon logs each packing tail it drops (about 20 a step at seq_len 8,192): harmless here, and it buries the rows
+logging.getLogger("zephon._internal.ops.pack_sequences").setLevel(logging.ERROR)
 tok = oracle.make_tokenizer(recipe.tokenizer)
 p = (
     Pipeline(oracle.work_source(recipe))
@@ -64,3 +76,4 @@ for step in range(1, steps + 1):
         held = sum(1 for o in gc.get_objects() if type(o).__name__ == "SampleBatch")
         rss = proc.memory_info().rss / 2**20
         print(f"step {step:>7} {time.time() - t0:6.0f} s  microbatches held {held:>6}  rss {rss:7.1f} MB", flush=True)
+it.close()  # stop Zephon's threads before the interpreter shuts down under them

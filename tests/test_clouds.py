@@ -133,6 +133,7 @@ def _aggregate_dir_w2(aggregate_dir: str, recipe_path) -> None:
     assert states[0] == states[1] and states[0]["next_step"] == 2 and states[0]["zephon"]
 
 
+@pytest.mark.heavy
 def test_gs_basic_path(ray_cluster, gcs, tiny_recipe, oracle_digests):
     from zephon_ray import Recipe, RecipeError, storage
 

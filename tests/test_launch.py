@@ -44,6 +44,7 @@ def test_no_cluster_at_the_address_is_one_line_at_once():
     )
 
 
+@pytest.mark.heavy
 def test_an_unresolvable_storage_endpoint_is_one_line_within_the_start_budget(monkeypatch):
     from zephon_ray import DataService, storage
 

@@ -102,6 +102,7 @@ def test_refs_prefetch_and_any_consumer_handle(ray_cluster, tiny_recipe, referen
         svc.stop()
 
 
+@pytest.mark.heavy
 def test_two_consumers_and_window_bound(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     window = 4
     with GlobalBatchSource(tiny_recipe) as source:

@@ -29,6 +29,7 @@ def _cli(*args):
     return [sys.executable, "-m", "zephon_ray.cli", *args]
 
 
+@pytest.mark.heavy
 @pytest.mark.spawns
 def test_digest_via_service_prints_the_golden_digests(reference_digests):
     proc = subprocess.run(

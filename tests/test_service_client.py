@@ -40,6 +40,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600, env=base)
 
 
+@pytest.mark.heavy
 @pytest.mark.spawns
 def test_ray_init_and_context_manager_stop_what_they_started():
     result = _run(SCRIPT)

@@ -125,6 +125,7 @@ def _segment(config, world: int, state: dict | None, steps: int) -> tuple[list[t
     return out, json.loads(json.dumps(states[0]))
 
 
+@pytest.mark.heavy
 def test_a_skip_across_modes_and_w_and_its_audit(sources, tmp_path, capsys):
     from zephon_ray.cli import main
     from zephon_ray.formats.loader_state import LoaderStateError, run_schedule
