@@ -2,9 +2,9 @@
 
     python benchmarks/zephon_alone_memory.py [STEPS] [EVERY] [SEQ_LEN]      # default 40000 4000 64
 
-One Zephon rank owning all 8 lanes of recipes/tiny.toml (rows of SEQ_LEN tokens; tiny.toml has 64), built from Zephon's public API by the test oracle
-(tests/oracle.py, which shares no code with zephon_ray), consumed as Zephon emits it (one microbatch per lane per
-step). Every EVERY steps it prints the process's RSS and how many microbatches Zephon holds (``SampleBatch`` objects
+One Zephon rank owning all 8 lanes of recipes/tiny.toml (rows of SEQ_LEN tokens; tiny.toml has 64), built from
+Zephon's public API by the test oracle (tests/oracle.py, which shares no code with zephon_ray), consumed as Zephon
+emits it (one microbatch per lane per step). Every EVERY steps it prints the process's RSS and how many microbatches Zephon holds (``SampleBatch`` objects
 alive: its tail round-robin buffers the lanes that run ahead of the one it waits for). The reference that tells
 growth in zephon-ray's producers from growth in Zephon (docs/benchmarks.md, "Memory over a long run").
 """
