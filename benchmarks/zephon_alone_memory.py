@@ -5,7 +5,7 @@
 One Zephon rank owning all 8 lanes of recipes/tiny.toml (rows of SEQ_LEN tokens; tiny.toml has 64), built from
 Zephon's public API by the test oracle (tests/oracle.py, which shares no code with zephon_ray), consumed as Zephon
 emits it (one microbatch per lane per step). Every EVERY steps it prints the process's RSS and how many microbatches Zephon holds (``SampleBatch`` objects
-alive: its tail round-robin buffers the lanes that run ahead of the one it waits for). The reference that tells
+alive: its tail round-robin buffers the lanes that run ahead of the one it waits for), in all and by lane. The reference that tells
 growth in zephon-ray's producers from growth in Zephon (docs/benchmarks.md, "Memory over a long run").
 """
 
@@ -14,6 +14,7 @@ import logging
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import psutil
@@ -73,7 +74,12 @@ for step in range(1, steps + 1):
         next(it)
     if step % every == 0:
         gc.collect()
-        held = sum(1 for o in gc.get_objects() if type(o).__name__ == "SampleBatch")
+        batches = [o for o in gc.get_objects() if type(o).__name__ == "SampleBatch"]
+        by_lane = Counter(int(o.lane_ids[0]) for o in batches if len(o.lane_ids))
         rss = proc.memory_info().rss / 2**20
-        print(f"step {step:>7} {time.time() - t0:6.0f} s  microbatches held {held:>6}  rss {rss:7.1f} MB", flush=True)
+        print(
+            f"step {step:>7} {time.time() - t0:6.0f} s  microbatches held {len(batches):>6} "
+            f"(by lane {[by_lane.get(lane, 0) for lane in range(recipe.lanes)]})  rss {rss:7.1f} MB",
+            flush=True,
+        )
 it.close()  # stop Zephon's threads before the interpreter shuts down under them
