@@ -76,9 +76,11 @@ for step in range(1, steps + 1):
         gc.collect()
         batches = [o for o in gc.get_objects() if type(o).__name__ == "SampleBatch"]
         by_lane = Counter(int(o.lane_ids[0]) for o in batches if len(o.lane_ids))
+        held = len(batches)
+        del batches  # held to the next report, they would stay alive, and be counted, there
         rss = proc.memory_info().rss / 2**20
         print(
-            f"step {step:>7} {time.time() - t0:6.0f} s  microbatches held {len(batches):>6} "
+            f"step {step:>7} {time.time() - t0:6.0f} s  microbatches held {held:>6} "
             f"(by lane {[by_lane.get(lane, 0) for lane in range(recipe.lanes)]})  rss {rss:7.1f} MB",
             flush=True,
         )
