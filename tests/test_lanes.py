@@ -1,4 +1,4 @@
-"""LaneStepper and LaneGroup: lane filing, step-boundary checkpoints, fail-loud state."""
+"""LaneStepper and LaneGroup: lane filing, step-boundary checkpoints, fail-loud state, pipeline restarts."""
 
 from __future__ import annotations
 
@@ -6,11 +6,12 @@ import json
 
 import numpy as np
 import pytest
-from conftest import TINY
+from conftest import RECIPES, TINY, golden_digests, run_ranks
 
 from zephon_ray import GlobalBatchSource, Recipe
 from zephon_ray.lanes import KEY_FINGERPRINT, KEY_NEXT_STEP, KEY_VERSION, LaneStepper, StepStateError
 from zephon_ray.pipeline import LaneGroup
+from zephon_ray.source import assemble
 
 
 def test_lane_group_validation():
@@ -78,6 +79,51 @@ def test_checkpoint_refuses_when_next_step_is_buffered(tiny_recipe):
             stepper.checkpoint()
     finally:
         stepper.close()
+
+
+@pytest.mark.parametrize(
+    ("recipe_name", "steps", "restart_every", "restarts"), [("tiny", 170, 3, 56), ("phased", 6, 1, 4)]
+)
+def test_restarts_change_no_row(recipe_name, steps, restart_every, restarts):
+    """The pipeline restarted from its own checkpoint every few steps (what bounds Zephon's buffers over a long run)
+    gives the goldens' rows at every step: over 170 steps of tiny, and inside each segment of phased.toml (restarts
+    before steps 1, 3, 5 and 6; a phase's first step starts a fresh pipeline instead)."""
+    path = RECIPES / f"{recipe_name}.toml"
+    recipe, golden = Recipe.from_toml(path), golden_digests(path)
+    stepper = LaneStepper(recipe)
+    stepper.restart_every = restart_every
+    try:
+        digests = [assemble(recipe, step, stepper.next_step()).digest for step in range(steps)]
+    finally:
+        stepper.close()
+    assert digests == golden[:steps]
+    assert stepper.restarts == restarts
+
+
+def test_lane_groups_restart_at_their_collective_checkpoints(tiny_recipe, tmp_path, reference_digests):
+    """Two lane groups (as two producers) checkpoint together every 2 steps and restart at the first checkpoint 3
+    steps after the last restart (steps 4, 8, ...): every step still equals the goldens, and both agree on each state."""
+
+    def group(index: int) -> tuple[list, list]:
+        stepper = LaneStepper(
+            tiny_recipe, LaneGroup(count=2, index=index, run_id="restarts", aggregate_dir=str(tmp_path))
+        )
+        stepper.restart_every = 3
+        shards, states = [], []
+        try:
+            for step in range(24):
+                shards.append(stepper.next_step())
+                if step % 2 == 1:
+                    states.append(stepper.checkpoint())
+            assert stepper.restarts == 6
+            return shards, states
+        finally:
+            stepper.close()
+
+    (first, first_states), (second, second_states) = run_ranks(2, group, timeout_s=120)
+    assert first_states == second_states
+    digests = [assemble(tiny_recipe, step, {**first[step], **second[step]}).digest for step in range(24)]
+    assert digests == reference_digests[:24]
 
 
 def _variant(tmp_path, old, new):

@@ -23,6 +23,15 @@ of chunks, whatever the phase's length. With several
 lane groups (producers, local-mode ranks, materialise groups) each knows only
 its own lanes' chunks: at a boundary, and at every checkpoint of a phased recipe, the groups exchange them over
 their checkpoint channel (:mod:`zephon_ray.lane_exchange`), so any group's state can cross the next boundary.
+
+Memory over a long run: Zephon feeds a pipeline's lanes one source record each in turn and hands their microbatches
+out one lane each in turn, buffering the microbatches of lanes that run ahead. A lane runs ahead by the tokens of its
+records, so the lanes' lead wanders like a random walk, and the buffers with it, without a bound. The stepper
+therefore restarts its pipeline from its own checkpoint once every ``restart_every`` steps (:data:`RESTART_TOKENS`
+tokens of the recipe's global batches): a restored pipeline starts every lane at its delivered position, with
+nothing buffered. A restart changes no row, since a restored Zephon pipeline continues each lane exactly. A lane group
+that is one of several restarts only at its collective checkpoints (every group takes them at the same step), at the
+first one ``restart_every`` steps after the last; a group that never checkpoints never restarts.
 """
 
 from __future__ import annotations
@@ -54,6 +63,11 @@ KEY_SEGMENT = "segment"
 {lane: highest lane chunk id any emitted row of this segment drew from}, "stream": {"index": G, "state": the
 stream's state at G} or None}``, where G is one past the highest global chunk that any lane's rows drew from (the
 chunk where a phase starting at this step would start), recorded wherever ``last_chunk`` covers every lane."""
+
+RESTART_TOKENS = 2**27
+"""Tokens of global batches (about 134 million) between two restarts of a stepper's pipeline (the module docstring,
+"Memory over a long run"): about 1,000 steps at seq_len 8,192 and 16 rows, 129,000 steps of ``tiny``. Zephon's
+buffers stay within what the lanes drift apart over that many tokens (docs/benchmarks.md, "Memory over a long run")."""
 
 STREAM_LAG = 256
 """How far (global chunks) the stepper lets its chunk stream trail its own lanes' rows: the most a boundary or a
@@ -100,6 +114,10 @@ class LaneStepper:
         self._iter: Any = None
         self._pending: dict[int, deque] = {lane: deque() for lane in self.lanes}
         self._next_step = 0
+        self.restart_every = max(1, RESTART_TOKENS // (recipe.global_batch_rows * recipe.row_length))
+        """Steps between two restarts of the pipeline from its own checkpoint (the module docstring)."""
+        self._restarted_at = 0
+        self.restarts = 0
 
     before_packing: Any = None
     """``pipeline -> pipeline`` applied just before packing (:func:`zephon_ray.pipeline.build_pipeline`): None here;
@@ -142,7 +160,28 @@ class LaneStepper:
             frontier = self._frontier(self._last_chunk)
             if frontier - self._segment_stream().index >= STREAM_LAG:
                 self._segment_stream().advance(frontier)
+        if self.group.count == 1 and self._restart_due():
+            self._restart(json.loads(json.dumps(self._pipeline.checkpoint())))
         return shards
+
+    def _restart_due(self) -> bool:
+        """A restart is due, and possible: ``restart_every`` steps since the last one, inside a segment (Zephon cannot
+        restore a segment's first step, and a new segment starts a fresh pipeline anyway), nothing buffered."""
+        return (
+            self._next_step - self._restarted_at >= self.restart_every
+            and self.recipe.segment_start(self._segment) < self._next_step
+            and self.recipe.phase_index(self._next_step) == self._segment
+            and not any(self._pending.values())
+        )
+
+    def _restart(self, zephon_state: dict[str, Any]) -> None:
+        """Replace the pipeline by one restored from ``zephon_state``, this step boundary's checkpoint: it drops the
+        microbatches Zephon buffered for lanes that ran ahead (the module docstring, "Memory over a long run")."""
+        self.close(background=True)
+        self._pipeline = self._build_pipeline(build_work_source(self.recipe, self._segment, self._segment_state))
+        self._pipeline.restore(zephon_state)
+        self._restarted_at = self._next_step
+        self.restarts += 1
 
     def _segment_stream(self) -> ChunkStream:
         """The current segment's global chunk stream, built on first use from the restored state's stream, or from the
@@ -184,6 +223,7 @@ class LaneStepper:
         self._stream, self._stream_state = None, None
         self._last_chunk = {lane: -1 for lane in self.lanes}
         self._pipeline = self._build_pipeline(build_work_source(self.recipe, index, start_state))
+        self._restarted_at = self._next_step
 
     def _all_last_chunks(self, key: str) -> dict[int, int]:
         """Every lane's last contributing chunk of this segment: this group's own, and with several lane groups the
@@ -258,6 +298,8 @@ class LaneStepper:
             at = self._frontier(last_chunk)
             self._segment_stream().advance(at)
             stream = {"index": at, "state": self._segment_stream().state()}
+        if self._restart_due():
+            self._restart(zephon_state)
         return {
             KEY_VERSION: STATE_VERSION,
             KEY_FINGERPRINT: self.recipe.history_fingerprint(self._next_step),
@@ -275,7 +317,7 @@ class LaneStepper:
     def restore(self, state: dict[str, Any]) -> None:
         check_step_state(state, self.recipe)
         self.close(background=True)
-        self._next_step = int(state[KEY_NEXT_STEP])
+        self._next_step = self._restarted_at = int(state[KEY_NEXT_STEP])
         segment = state.get(KEY_SEGMENT) or {"index": 0, "start_state": None, "last_chunk": None}
         self._segment, self._segment_state = int(segment["index"]), segment["start_state"]
         self._stream, self._stream_state = None, (segment.get("stream") or {}).get("state")
