@@ -101,14 +101,16 @@ def test_restarts_change_no_row(recipe_name, steps, restart_every, restarts):
 
 
 def test_lane_groups_restart_at_their_collective_checkpoints(tiny_recipe, tmp_path, reference_digests):
-    """Two lane groups (as two producers) checkpoint together every 2 steps and restart at the first checkpoint 3
-    steps after the last restart (steps 4, 8, ...): every step still equals the goldens, and both agree on each state."""
+    """Two lane groups (as two producers, which keep every lane's position) checkpoint together every 2 steps and
+    restart at the first checkpoint 3 steps after the last restart (steps 4, 8, ...): every step still equals the
+    goldens, and both agree on each state. Of the 12 checkpoints' lane exchanges only the last is left behind."""
 
     def group(index: int) -> tuple[list, list]:
         stepper = LaneStepper(
             tiny_recipe, LaneGroup(count=2, index=index, run_id="restarts", aggregate_dir=str(tmp_path))
         )
         stepper.restart_every = 3
+        stepper.keep_positions = True
         shards, states = [], []
         try:
             for step in range(24):
@@ -124,6 +126,9 @@ def test_lane_groups_restart_at_their_collective_checkpoints(tiny_recipe, tmp_pa
     assert first_states == second_states
     digests = [assemble(tiny_recipe, step, {**first[step], **second[step]}).digest for step in range(24)]
     assert digests == reference_digests[:24]
+    assert [path.parent.name for path in sorted(tmp_path.rglob("zephon-ray-lanes/**/group-*.json"))] == [
+        f"checkpoint-{tiny_recipe.fingerprint[:16]}-{tiny_recipe.fingerprint[:16]}-24"
+    ] * 2
 
 
 def _variant(tmp_path, old, new):

@@ -5,14 +5,17 @@ Used at mixture-phase boundaries and checkpoints (:mod:`zephon_ray.lanes`, "Phas
 lane's last contributing chunk. Guarantee: ``gather(group, key, value)`` returns every group's value for ``key``, in
 group order, or raises :class:`ExchangeError` naming the key and the groups missing after
 ``group.aggregate_timeout_s``. Keys must name values that are a pure function of the run (the phases' are), so a key
-left over from an earlier attempt (a restart replaying the same boundary) holds the same value and is harmless:
-nothing is ever deleted. Limits: every group must call it with the same key (the lane groups of a run step in
+left over from an earlier attempt (a restart replaying the same boundary) holds the same value and is harmless.
+``forget(group, key)`` deletes the group's own value once every group has read it (a checkpoint's values, from the next
+checkpoint on), so a long run does not leave one key or file per group and checkpoint behind. Limits: every group must call it with the same key (the lane groups of a run step in
 lock-step, as their collective Zephon checkpoints require); the directory channel polls every 20 ms.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import time
 from datetime import timedelta
@@ -20,6 +23,8 @@ from typing import Any
 
 from zephon_ray import storage
 from zephon_ray.pipeline import LaneGroup
+
+log = logging.getLogger(__name__)
 
 PREFIX = "zephon-ray-lanes"
 POLL_S = 0.02
@@ -38,6 +43,33 @@ def gather(group: LaneGroup, key: str, value: Any) -> list[Any]:
     return _gather_dir(group, name, value)
 
 
+def forget(group: LaneGroup, key: str) -> None:
+    """Delete this group's value for ``key``. Call it only once every group has read that key: a lane group forgets its
+    last checkpoint's key after its next collective Zephon checkpoint, which no group finishes before every group has
+    finished the last one. Best effort: a value that outlives a failure is harmless (the module docstring)."""
+    if group.count == 1:
+        return
+    name = f"{PREFIX}/{group.run_id}/{key}"
+    try:
+        if group.aggregate_store is not None:
+            _connect(group).delete_key(f"{name}/{group.index}")
+        else:
+            base = storage.location(group.aggregate_dir or "").join(name)
+            storage.delete(base.join(f"group-{group.index}.json"))
+            if not base.remote:
+                with contextlib.suppress(OSError):  # not empty yet: the last group to forget removes it
+                    os.rmdir(base.path)
+    except Exception as exc:  # noqa: BLE001 - a leftover value is harmless; the next checkpoint goes on
+        log.debug("ignored (a lane exchange value left behind): %r", exc)
+
+
+def _connect(group: LaneGroup) -> Any:
+    from torch.distributed import TCPStore
+
+    host, port = _store_address(group.aggregate_store or "")
+    return TCPStore(host, port, is_master=False, timeout=timedelta(seconds=group.aggregate_timeout_s))
+
+
 def _store_address(spec: str) -> tuple[str, int]:
     rest = spec[len("torch://") :] if spec.startswith("torch://") else spec
     if not rest:
@@ -47,10 +79,7 @@ def _store_address(spec: str) -> tuple[str, int]:
 
 
 def _gather_store(group: LaneGroup, name: str, value: Any) -> list[Any]:
-    from torch.distributed import TCPStore
-
-    host, port = _store_address(group.aggregate_store or "")
-    store = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=group.aggregate_timeout_s))
+    store = _connect(group)
     store.set(f"{name}/{group.index}", json.dumps(value))
     out = []
     for index in range(group.count):

@@ -118,6 +118,8 @@ class LaneStepper:
         """Steps between two restarts of the pipeline from its own checkpoint (the module docstring)."""
         self._restarted_at = 0
         self.restarts = 0
+        self._exchanged: str | None = None
+        """The key of this group's last checkpoint exchange, to forget at the next checkpoint."""
 
     before_packing: Any = None
     """``pipeline -> pipeline`` applied just before packing (:func:`zephon_ray.pipeline.build_pipeline`): None here;
@@ -278,15 +280,19 @@ class LaneStepper:
             # is refused at its boundary). The key names the whole schedule, future phases included: groups that
             # disagree on it (a phase added while running on some of them only) never meet, and every one of them
             # stops here with one line before any step of that phase is made.
+            if self._exchanged is not None:
+                # Every group has finished the checkpoint that wrote it: none finishes Zephon's before all have
+                from zephon_ray.lane_exchange import forget
+
+                forget(self.group, self._exchanged)
+                self._exchanged = None
+            key = (
+                f"checkpoint-{self.recipe.history_fingerprint(self._next_step)[:16]}-"
+                f"{self.recipe.fingerprint[:16]}-{self._next_step}"
+            )
             try:
-                last_chunk = (
-                    self._all_last_chunks(
-                        f"checkpoint-{self.recipe.history_fingerprint(self._next_step)[:16]}-"
-                        f"{self.recipe.fingerprint[:16]}-{self._next_step}"
-                    )
-                    if self.recipe.phases or self.keep_positions
-                    else None
-                )
+                last_chunk = self._all_last_chunks(key) if self.recipe.phases or self.keep_positions else None
+                self._exchanged = key if last_chunk is not None else None
             except RuntimeError as exc:  # the exchange's timeout: a group that is gone, or on another schedule
                 raise StepStateError(
                     f"checkpoint at step {self._next_step}: the lane groups did not all arrive with this schedule "
