@@ -6,9 +6,10 @@ lane's last contributing chunk. Guarantee: ``gather(group, key, value)`` returns
 group order, or raises :class:`ExchangeError` naming the key and the groups missing after
 ``group.aggregate_timeout_s``. Keys must name values that are a pure function of the run (the phases' are), so a key
 left over from an earlier attempt (a restart replaying the same boundary) holds the same value and is harmless.
-``forget(group, key)`` deletes the group's own value once every group has read it (a checkpoint's values, from the next
-checkpoint on), so a long run does not leave one key or file per group and checkpoint behind. Limits: every group must call it with the same key (the lane groups of a run step in
-lock-step, as their collective Zephon checkpoints require); the directory channel polls every 20 ms.
+``forget(group, key)`` deletes the group's own value once every group has read it (a checkpoint's values, from the
+next checkpoint on), so a long run does not leave one key or file per group and checkpoint behind. Limits: every
+group must call it with the same key (the lane groups of a run step in lock-step, as their collective Zephon
+checkpoints require); the directory channel polls every 20 ms.
 """
 
 from __future__ import annotations
