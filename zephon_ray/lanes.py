@@ -163,7 +163,7 @@ class LaneStepper:
             if frontier - self._segment_stream().index >= STREAM_LAG:
                 self._segment_stream().advance(frontier)
         if self.group.count == 1 and self._restart_due():
-            self._restart(json.loads(json.dumps(self._pipeline.checkpoint())))
+            self._restart(self._zephon_checkpoint())
         return shards
 
     def _restart_due(self) -> bool:
@@ -176,11 +176,19 @@ class LaneStepper:
             and not any(self._pending.values())
         )
 
+    def _zephon_checkpoint(self) -> dict[str, Any]:
+        # A JSON round trip makes the state exactly what a durable copy will restore (int keys become str).
+        return json.loads(json.dumps(self._pipeline.checkpoint()))
+
+    def _segment_pipeline(self) -> Any:
+        """A fresh pipeline drawing from the current segment's work source, from the segment's start."""
+        return self._build_pipeline(build_work_source(self.recipe, self._segment, self._segment_state))
+
     def _restart(self, zephon_state: dict[str, Any]) -> None:
         """Replace the pipeline by one restored from ``zephon_state``, this step boundary's checkpoint: it drops the
         microbatches Zephon buffered for lanes that ran ahead (the module docstring, "Memory over a long run")."""
         self.close(background=True)
-        self._pipeline = self._build_pipeline(build_work_source(self.recipe, self._segment, self._segment_state))
+        self._pipeline = self._segment_pipeline()
         self._pipeline.restore(zephon_state)
         self._restarted_at = self._next_step
         self.restarts += 1
@@ -271,8 +279,7 @@ class LaneStepper:
                 f"cannot checkpoint at step {self._next_step}: microbatches of the next step are already buffered "
                 f"({buffered}); Zephon checkpoints are only exact at step boundaries"
             )
-        # A JSON round trip makes the state exactly what a durable copy will restore (int keys become str).
-        zephon_state = json.loads(json.dumps(self._pipeline.checkpoint()))
+        zephon_state = self._zephon_checkpoint()
         last_chunk = self._last_chunk
         if last_chunk is not None and self.group.count > 1:
             # The state must be the same in every group and able to cross the next boundary: with phases, every
@@ -334,7 +341,7 @@ class LaneStepper:
             else {lane: int(last[str(lane)]) for lane in self.lanes}
         )
         # A fresh pipeline object: the old one may still be shutting down its threads in the background.
-        self._pipeline = self._build_pipeline(build_work_source(self.recipe, self._segment, self._segment_state))
+        self._pipeline = self._segment_pipeline()
         # At the first step of the next phase the pipeline is replaced anyway (next_step): skip Zephon's restore.
         if (
             self.recipe.segment_start(self._segment) < self._next_step
