@@ -161,9 +161,13 @@ class ServiceSlices(PrefetchedSlices):
         return None
 
     def _idle(self) -> None:
-        self._flush_cursor()
+        with self._lock:
+            self._flush_cursor()
 
     def _flush_cursor(self) -> None:
+        """(lock held) Report the step the trainer took last. Under the lock because a save must not find the
+        report half made: marked as sent but not yet recorded by the client, its commit would count one step
+        too few and be refused as ahead of what this reader was delivered."""
         step = self._consumed
         if step is None or step == self._touched:
             return
@@ -173,8 +177,8 @@ class ServiceSlices(PrefetchedSlices):
     def _produce(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
         s = step
         while not stop.is_set():
-            self._flush_cursor()
             with self._lock:
+                self._flush_cursor()
                 self.service.prefetch(range(s + 1, s + self.depth + 1), rank=self.rank, world=self.world)
                 # The first read is tracked: it registers this rank's cursor and makes the service drop the
                 # cursors this consumer left at another world size (a resized group never closed its loader).

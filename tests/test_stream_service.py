@@ -1,0 +1,47 @@
+"""``zephon_ray.stream.service``: the service-mode slice stream's cursor reports and its commit at a save."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+from service_helpers import NS, start_service
+
+from zephon_ray import GlobalBatchSource
+
+
+def test_a_save_during_the_prefetch_threads_cursor_report_commits_what_the_trainer_took(
+    ray_cluster, tiny_recipe, tmp_path
+):
+    """The prefetch thread reports the trainer's last step while the trainer saves. The save waits for that report,
+    so its commit counts every step taken. Before the fix it found the report marked as sent but not yet recorded,
+    and the service refused the commit ("ahead of what it was delivered"): found by a 60,000-step run of
+    benchmarks/bench_memory_growth.py, at step 1,800."""
+    from zephon_ray.stream.service import ServiceSlices
+
+    svc = start_service(tiny_recipe, tmp_path, "stream-cursor")
+    stream = ServiceSlices(tiny_recipe, rank=0, world=1, name="stream-cursor", namespace=NS, run_id="cursor", depth=2)
+    trainer = threading.current_thread()
+    inside = threading.Event()
+    report = stream.service.advance
+
+    def slow_report(step, **kw):  # the prefetch thread's report of step 2 takes a second
+        if step >= 2 and threading.current_thread() is not trainer:
+            inside.set()
+            time.sleep(1.0)
+        report(step, **kw)
+
+    stream.service.advance = slow_report
+    try:
+        stream.reset()
+        taken = [stream.next(timeout=60) for _ in range(3)]
+        assert inside.wait(30), "the prefetch thread never reported step 2"
+        assert stream.state(timeout=60)["next_step"] == 3  # raised ValueError (commit refused) before the fix
+        assert svc.status()["commits"]["per_consumer"]["cursor"] == 3
+        with GlobalBatchSource(tiny_recipe) as source:
+            for step, part in enumerate(taken):
+                np.testing.assert_array_equal(part.tokens, source.batch(step).slice(0, 1).tokens)
+    finally:
+        stream.close()
+        svc.stop()
