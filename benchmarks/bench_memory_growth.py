@@ -1,11 +1,12 @@
 """Per-step growth of the producers and the node reader: memory-store entries and RSS, without kills or rescales.
 
-    python benchmarks/bench_memory_growth.py [--steps 3000] [--every 500] [--world 4]
+    python benchmarks/bench_memory_growth.py [--steps 3000] [--every 500] [--world 4] [--warmup 0]
 
 A service with 2 producers and ``state_dir`` (checkpoint every 8 steps) on ``recipes/tiny.toml``, ``--world``
 service-mode loaders in this process with the ledger and a commit per step, a state saved every 100 steps. Prints a
-JSON row every ``--every`` steps, then entries and RSS KB per step from the first row to the last
-(docs/benchmarks.md "Memory over a long run"; ``bench_soak.py`` is the full soak).
+JSON row every ``--every`` steps (each actor's memory-store entries and RSS MB, the coordinator's RSS), then entries
+and RSS KB per step from the first row at or after ``--warmup`` to the last (docs/benchmarks.md "Memory over a long
+run"; ``bench_soak.py`` is the full soak).
 """
 
 import argparse
@@ -25,6 +26,7 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=3000)
 p.add_argument("--every", type=int, default=500)
 p.add_argument("--world", type=int, default=4)
+p.add_argument("--warmup", type=int, default=0, help="steps before the growth baseline")
 a = p.parse_args()
 work = tempfile.mkdtemp(prefix="memgrowth-")
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -42,6 +44,7 @@ cfg = LoaderConfig(
 )
 loaders = [Loader(cfg, rank=r, world=a.world) for r in range(a.world)]
 its = [iter(l) for l in loaders]
+coordinator = psutil.Process(svc.status()["coordinator"]["pid"])
 
 
 def handles():
@@ -69,16 +72,20 @@ for s in range(a.steps):
             row.setdefault(kind, []).append(
                 (m["entries"], round(psutil.Process(m["pid"]).memory_info().rss / 2**20, 1))
             )
+        row["coordinator_mb"] = round(coordinator.memory_info().rss / 2**20, 1)
         row["driver_mb"] = round(psutil.Process().memory_info().rss / 2**20, 1)
         rows.append(row)
         print(json.dumps(row), flush=True)
-f, l = rows[0], rows[-1]
-n = l["step"] - f["step"]
+f, l = next((r for r in rows if r["step"] >= a.warmup), rows[-1]), rows[-1]
+n = max(1, l["step"] - f["step"])
 for kind in ("producer", "reader"):
     for i, (x, y) in enumerate(zip(f[kind], l[kind])):
         print(
             f"{kind}[{i}] steps {f['step']}..{l['step']}: entries/step {(y[0] - x[0]) / n:.3f}, RSS KB/step {(y[1] - x[1]) * 1024 / n:.2f}"
         )
+print(
+    f"coordinator steps {f['step']}..{l['step']}: RSS KB/step {(l['coordinator_mb'] - f['coordinator_mb']) * 1024 / n:.2f}"
+)
 for lo in loaders:
     lo.close()
 svc.stop()
