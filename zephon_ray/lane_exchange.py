@@ -23,6 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from zephon_ray import storage
+from zephon_ray.errors import best_effort
 from zephon_ray.pipeline import LaneGroup
 
 log = logging.getLogger(__name__)
@@ -51,7 +52,7 @@ def forget(group: LaneGroup, key: str) -> None:
     if group.count == 1:
         return
     name = f"{PREFIX}/{group.run_id}/{key}"
-    try:
+    with best_effort(log, "a lane exchange value left behind is harmless; the next checkpoint goes on"):
         if group.aggregate_store is not None:
             _connect(group).delete_key(f"{name}/{group.index}")
         else:
@@ -60,8 +61,6 @@ def forget(group: LaneGroup, key: str) -> None:
             if not base.remote:
                 with contextlib.suppress(OSError):  # not empty yet: the last group to forget removes it
                     os.rmdir(base.path)
-    except Exception as exc:  # noqa: BLE001 - a leftover value is harmless; the next checkpoint goes on
-        log.debug("ignored (a lane exchange value left behind): %r", exc)
 
 
 def _connect(group: LaneGroup) -> Any:
