@@ -580,3 +580,26 @@ def test_regression_ranks_far_past_their_commit_after_a_restart(ray_cluster, tin
         assert start["restarted"] and start["start_step"] == 2
     finally:
         svc.stop()
+
+
+def test_regression_an_untracked_read_past_the_window_after_a_producer_kill(ray_cluster, tiny_recipe, tmp_path):
+    """Found by the long fuzz run: a consumer reads step 14, so producers make steps up to 17; a producer is killed
+    -9 (its steps leave the table) and the consumer's rank at another world size reads step 3, so the live window
+    shrinks to [3, 7). An untracked read of step 14 then waited for producers that no longer would make it (the
+    service took "submitted once" for "on its way") until its 60 s timeout. Now it is replayed."""
+    reference = _Reference.get(tiny_recipe)
+    svc = _service(tiny_recipe, tmp_path, "untracked-after-kill")
+    try:
+        svc.slice(14, 0, 16, track=True)
+        wait_until(lambda: 17 in svc.status()["window"]["held_steps"], 60, lambda: "producers making step 17")
+        pid = next(p["pid"] for p in svc.status()["producers"] if p["pid"])
+        os.kill(pid, signal.SIGKILL)
+        svc.slice(3, 0, 2, track=True)
+        box = _bounded("slice(14, 3, 4, track=False)", lambda: svc.slice(14, 3, 4, track=False), 45)
+        assert "error" not in box, box.get("error")
+        want = reference[14].slice(3, 4)
+        assert np.array_equal(box["value"].tokens, want.tokens) and np.array_equal(
+            box["value"].positions, want.positions
+        )
+    finally:
+        svc.stop()

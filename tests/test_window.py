@@ -180,6 +180,24 @@ def test_wait_ends_only_where_producers_will_deliver():
     assert w.read(9, "a", 0, 1, track=True, now=0) is Read.WAIT  # now this cursor moves the producers
 
 
+def test_steps_handed_to_a_replaced_group_are_not_waited_for():
+    """A group was handed steps 0-13 (a cursor at 10), then killed; its replacement starts at checkpoint 2 while the
+    cursor fell back to 3 (another world size): step 12 is neither on its way nor in the live window, so an untracked
+    read of it is replayed instead of waiting for ever (the regression in tests/test_service_fuzz.py)."""
+    w = _window()
+    w.read(10, "a", 0, 16, track=True, now=0)
+    w.refresh(0)
+    for step in range(w.produce_until):
+        w.submitted(step)
+    assert w.read(12, "b", None, None, track=False, now=0) is Read.WAIT  # on its way
+    w.drop_generation(0)
+    w.launched(2)
+    w.read(3, "a", 0, 2, track=True, now=1)
+    w.refresh(1)
+    assert (w.produce_until, w.head, w.submitted_until) == (7, 14, 2)
+    assert w.read(12, "b", None, None, track=False, now=1) is Read.REPLAY
+
+
 def test_resume_step_ignores_long_gone_consumers():
     assert resume_step({}, 100) == 0
     assert resume_step({"a": 40, "b": 36}, 100) == 36

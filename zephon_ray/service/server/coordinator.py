@@ -207,6 +207,7 @@ class Coordinator:
         self.pool = ProducerPool(recipe, config, self.state, self._instance)
         self.pool.metrics = self.metrics
         self.pool.on_lost = self._drop_generation
+        self.pool.on_launch = self._launched
         self.pool.launch(config.producers, ckpt, self.state.read_checkpoint(ckpt) if ckpt else None)
         self.replay = ReplayScheduler(recipe, config, self.state, self._instance, prefix=prefix, metrics=self.metrics)
         self.readers: dict[str, Any] = {}
@@ -708,6 +709,11 @@ class Coordinator:
             ahead = [s for s in dropped if s >= self.window.replay_below]
         self._notify()
         return min(ahead) if ahead else None
+
+    def _launched(self, step: int) -> None:
+        with self._lock:
+            self.window.launched(step)
+        self._notify()  # an untracked read waiting for a step the old group was handed is replayed now
 
     def _file(self, finished: list) -> None:
         now = time.monotonic()

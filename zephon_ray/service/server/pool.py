@@ -131,6 +131,8 @@ class ProducerPool:
         self.metrics = NO_METRICS  # the coordinator sets its ServiceMetrics (metrics.py)
         self.on_lost: Callable[[int], int | None] = lambda generation: None
         """Set by the coordinator: generation G was killed, drop its steps; returns the first one to make again."""
+        self.on_launch: Callable[[int], None] = lambda step: None
+        """Set by the coordinator: a group was launched at this step (calls to earlier groups are abandoned)."""
         self.retired: list[_Generation] = []  # rescaled away, alive while the table holds their shards
         self._inflight: dict[int, list[Any]] = {}  # step -> one reply ref per producer
         self._skips: dict[int, list[Any]] = {}
@@ -235,6 +237,7 @@ class ProducerPool:
                 infos=[None] * producers,
             )
             self.next_step = step
+            self.on_launch(step)
             self._last_progress = time.monotonic()
             if run_id:
                 self._remove_old_aggregate_dirs(run_id)

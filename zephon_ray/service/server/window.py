@@ -15,6 +15,9 @@ The coordinator holds one, under its lock, and asks it where each read is served
 - ``replay_below``: steps below it that are not in the table are never produced live again; the Replayer serves
   them. It only rises.
 - ``head``: one past the highest step ever submitted to producers (only rises).
+- ``submitted_until``: one past the highest step the live producer group was handed. Unlike ``head`` it falls back
+  when a group is replaced (a kill, a phase) and starts again from a checkpoint: steps the old group was handed past
+  the live window are not on their way any more.
 
 Guarantees:
 - The table never holds a step outside ``[keep_from, produce_until)``, so it holds at most
@@ -116,6 +119,7 @@ class StepWindow:
         self.keep_from = start
         self.slowest = start
         self.head = start
+        self.submitted_until = start
         self.reach = max(start, reach)
         """How far an earlier incarnation of the service got (its newest durable checkpoint): after a restart at
         the consumers' commits, their ranks may be that far ahead, and their reads must not be refused."""
@@ -172,8 +176,8 @@ class StepWindow:
             return Read.HIT
         if step < self.replay_below:
             return Read.REPLAY
-        if not waits and step >= max(self.head, self.produce_until):
-            return Read.REPLAY  # no cursor moves the producers there: waiting could last forever
+        if not waits and step >= max(self.submitted_until, self.produce_until):
+            return Read.REPLAY  # neither on its way nor will a cursor move the producers there: it could wait forever
         return Read.WAIT
 
     def advance(
@@ -256,6 +260,11 @@ class StepWindow:
 
     def submitted(self, step: int) -> None:
         self.head = max(self.head, step + 1)
+        self.submitted_until = max(self.submitted_until, step + 1)
+
+    def launched(self, step: int) -> None:
+        """A producer group was (re)launched at ``step``: what earlier groups were handed from there on is lost."""
+        self.submitted_until = step
 
     def invalidate(self, step: int, generation: int | None = None) -> Entry | None:
         """Drop a step whose shards were lost (node loss); with ``generation``, only if the entry is of that
@@ -328,6 +337,7 @@ class StepWindow:
             "replay_below": self.replay_below,
             "produce_until": self.produce_until,
             "head": self.head,
+            "submitted_until": self.submitted_until,
             "max_ahead": self.max_ahead,
             "retain_behind": self.retain_behind,
             "bound_steps": self.bound_steps,
