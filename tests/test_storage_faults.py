@@ -297,3 +297,36 @@ def test_service_under_slowdown_and_a_cut_checkpoint_read(s3, service, oracle_di
     s3.faults.cut(1, match="checkpoints/step-000000000010")
     assert svc.batch(11).digest == oracle_digests[11]
     assert s3.faults.stats["cuts"] == cuts0 + 1 and svc.status()["replay"]["requests"] >= 1
+
+
+@pytest.mark.heavy
+def test_stop_lets_the_checkpoint_write_in_progress_end(ray_cluster, s3, tiny_recipe):
+    """Every request to the endpoint waits 3 s, and ``stop()`` is called while a checkpoint is being written. The
+    write ends before ``stop()`` returns: the checkpoint is whole in the bucket then, and nothing lands afterwards
+    (before, the coordinator was killed mid-write, or the write landed after ``stop()`` had returned)."""
+    from zephon_ray import DataService
+
+    bucket = s3.new_bucket("zr-faults-stop")
+    svc = DataService.start(
+        tiny_recipe,
+        name="s3stop",
+        namespace="zr-storage-faults",
+        state_dir=f"s3://{bucket}/run",
+        checkpoint_every=2,
+        window=4,
+        anchor_every=0,
+    )
+    try:
+        wait_until(lambda: svc.status()["checkpoints"]["latest"] >= 2, 60, "the checkpoint of step 2")
+        s3.faults.set_faults(latency_s=3.0)
+        svc.batch(4, track=True)  # the window moves on: producers make and checkpoint steps 4-7
+        writing = wait_until(
+            lambda: svc.status()["checkpoints"]["unwritten"], 60, "a checkpoint write behind the 3 s latency"
+        )
+    finally:
+        svc.stop()
+        s3.faults.clear()
+    after_stop = s3.keys(bucket, "run/checkpoints/")
+    assert any(f"{writing[0]:012d}" in key for key in after_stop), (writing, after_stop)
+    time.sleep(5)
+    assert s3.keys(bucket, "run/checkpoints/") == after_stop

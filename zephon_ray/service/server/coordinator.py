@@ -100,6 +100,9 @@ _IDLE_WAIT_S = 2.0
 """How long an idle pump sleeps unless woken (a cursor move, a commit, a release, a rescale wakes it). Every change
 that gives producers work wakes it at once, so this only paces cursor expiry and the idle pings
 (pool.PING_EVERY_S): at 0.5 s an idle coordinator spent a few CPU-ms per second waking up."""
+_STOP_WAIT_S = 40.0
+"""How long ``stop()`` waits for the pump and the writes in progress to end (launch.stop waits 60 s for it): a write
+still running when the caller then kills this actor would change ``state_dir`` after ``DataService.stop`` returned."""
 
 
 class Coordinator:
@@ -615,13 +618,24 @@ class Coordinator:
             kill_named(self.config.name, self.config.namespace)  # whatever it launched before failing
             return
         self._pump_wake.set()
-        await asyncio.get_running_loop().run_in_executor(None, self._pump_thread.join, 10)
-        self._commit_writer.shutdown(wait=True)  # commits already accepted reach the disk
-        self.pool.close()  # after this no restart can launch producers
+        await asyncio.get_running_loop().run_in_executor(None, self._quiesce, time.monotonic() + _STOP_WAIT_S)
         self.replay.close()
         for reader in self.readers.values():
             with best_effort(log, "already dead"):
                 ray.kill(reader, no_restart=True)
+
+    def _quiesce(self, deadline: float) -> None:
+        """Stop the pump, then let the commit and checkpoint writes in progress end, each within ``deadline``."""
+        self._pump_thread.join(max(0.0, deadline - time.monotonic()))
+        if self._pump_thread.is_alive():
+            log.warning("stop: the pump is still busy after %.0fs", _STOP_WAIT_S)
+        # Commits already accepted reach the disk: the writer runs its calls in order, so a no-op ends after them.
+        try:
+            self._commit_writer.submit(lambda: None).result(max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            log.warning("stop: a commit write is still running after %.0fs", _STOP_WAIT_S)
+        self._commit_writer.shutdown(wait=False)
+        self.pool.close(timeout_s=max(0.0, deadline - time.monotonic()))  # after this no restart launches producers
 
     # ================================================================== pump (one thread)
     def _pump(self) -> None:

@@ -242,10 +242,16 @@ class ProducerPool:
             if run_id:
                 self._remove_old_aggregate_dirs(run_id)
 
-    def close(self) -> None:
-        """No launch after this; kills the current generation and the retired ones. Checkpoints not yet written are
-        dropped (the durable ones are what a restart uses)."""
+    def close(self, timeout_s: float = 0.0) -> None:
+        """No launch after this; kills the current generation and the retired ones. Checkpoints not yet being
+        written are dropped (the durable ones are what a restart uses); one being written is waited for up to
+        ``timeout_s``, so that it does not land after the service was stopped."""
         self._writer.shutdown(wait=False, cancel_futures=True)
+        # A future cancelled by shutdown() never counts as done for wait(): only the executor's worker notifies it.
+        writing = [f for f in list(self._writing.values()) if not f.cancelled()]
+        _, running = concurrent.futures.wait(writing, timeout=timeout_s)
+        if running:
+            log.warning("stop: a checkpoint write is still running after %.0fs", timeout_s)
         with self._launch_lock:
             self._closed = True
             if self.gen is not None:
