@@ -41,6 +41,8 @@ def test_kill9_producer_while_read_and_while_idle(ray_cluster, tiny_recipe, refe
         assert served == reference_digests[:16], "a step's rows were wrong, missing or served twice"
         status, pids = live_pids(svc)
         assert status["restarts"] >= 1 and status["generation"] >= 1, status
+        assert status["last_restart"]["generation"] == kills[0]["generation"], status["last_restart"]
+        assert "Actor" in status["last_restart"]["reason"], status["last_restart"]  # RayActorError: the kill
         assert not set(pids) & {k["pid"] for k in kills}
         # An idle producer (window full, nobody reading) killed: replaced without waiting for a consumer.
         os.kill(pids[0], signal.SIGKILL)

@@ -137,7 +137,7 @@ def test_two_minute_outage_then_a_ten_minute_soak_with_random_faults(s3, soak_se
         s3.faults.clear()
     assert not soak["errors"] and soak["wrong_rows"] == 0, soak
     after = svc.status()
-    assert after["fatal"] is None and after["restarts"] == before["restarts"], after["restarts"]
+    assert after["fatal"] is None and after["restarts"] == before["restarts"], after["last_restart"]
     print(
         f"soak: {soak['steps']} steps per job in {SOAK_S:.0f} s of random faults, 0 wrong rows; proxy "
         f"{s3.faults.stats}; coordinator storage retries {after['storage']}"

@@ -128,6 +128,8 @@ class ProducerPool:
         self.failures = self.deaths = self.restarts = 0
         self.transient_since: float | None = None  # start of a run of restarts caused by transient storage faults
         self.hung_replacements = 0
+        self.last_restart: dict[str, Any] | None = None
+        """Why the group was last replaced (one line), and when: what an operator asks after a restart count rose."""
         self.metrics = NO_METRICS  # the coordinator sets its ServiceMetrics (metrics.py)
         self.on_lost: Callable[[int], int | None] = lambda generation: None
         """Set by the coordinator: generation G was killed, drop its steps; returns the first one to make again."""
@@ -329,6 +331,7 @@ class ProducerPool:
         else:
             self.failures += 1
         self.restarts += 1
+        self.last_restart = {"reason": reason, "generation": gen.number, "at_step": self.next_step, "time": time.time()}
         self.metrics.producer_restart(death=death)
         budget = storage.retry_budget_s()
         if self.failures > MAX_CONSECUTIVE_FAILURES or self.deaths > MAX_CONSECUTIVE_DEATHS:

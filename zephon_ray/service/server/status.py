@@ -5,8 +5,8 @@
 
 Sections: identity (name, namespace, fingerprint, recipe, state_dir), ``coordinator`` (pid, node, restarted,
 uptime), ``producers`` and ``replayers`` (pids, nodes, worker ids, lanes), ``generation``/``restarts``/
-``retired_generations``, ``aggregate``, ``window`` (bounds, held steps and bytes vs their bound), ``cursors`` (at
-most ``MAX_STATUS_CURSORS``, slowest first) and ``cursor_summary`` (per consumer), ``reads`` (leases, leased steps,
+``last_restart`` (why and when)/``retired_generations``, ``aggregate``, ``window`` (bounds, held steps and bytes vs
+their bound), ``cursors`` (at most ``MAX_STATUS_CURSORS``, slowest first) and ``cursor_summary`` (per consumer), ``reads`` (leases, leased steps,
 cursor moves and reports, node readers), ``throughput``, ``checkpoints``, ``commits``, ``start``, ``replay``,
 ``materialized``. ``window.shard_owners`` counts who owns the containers of the newest held step (one per producer;
 each holds the refs of its lane shards), read from Ray's owner addresses: producers (and retired producers), never
@@ -94,6 +94,7 @@ def build(c: Any) -> dict[str, Any]:
         "replayers": c.replay.infos(),
         "generation": gen.number,
         "restarts": pool.restarts,
+        "last_restart": pool.last_restart,
         "hung_replacements": pool.hung_replacements,
         "retired_generations": [g.number for g in pool.retired],
         "aggregate": {"store": pool.store_address, "dir": config.aggregate_dir, "run_id": gen.run_id},
