@@ -30,6 +30,14 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Off: workers start when an actor or task needs one, and no idle worker costs CPU meanwhile.
 os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 
+# No Ray call in a test process ever starts a Ray of its own. Ray's default starts a fresh local one for a call made
+# while none is initialised: a rank thread that a timed-out test left behind, calling its service after the test's
+# cluster was shut down, started one inside the pytest worker, which then died (the slow set's loader fuzz). Every
+# test reaches its cluster through an explicit ray.init; subprocesses keep Ray's default.
+import ray._private.auto_init_hook as _ray_auto_init  # after the environment above: Ray reads some of it
+
+_ray_auto_init.enable_auto_connect = False
+
 ROOT = Path(__file__).resolve().parents[1]
 RECIPES = ROOT / "recipes"
 TINY = RECIPES / "tiny.toml"
