@@ -8,9 +8,9 @@ uptime), ``producers`` and ``replayers`` (pids, nodes, worker ids, lanes), ``gen
 ``last_restart`` (why and when)/``retired_generations``, ``aggregate``, ``window`` (bounds, held steps and bytes vs
 their bound), ``cursors`` (at most ``MAX_STATUS_CURSORS``, slowest first) and ``cursor_summary`` (per consumer),
 ``reads`` (leases, leased steps, cursor moves and reports, node readers), ``throughput``, ``checkpoints``,
-``commits``, ``start``, ``replay``, ``materialized``. ``window.shard_owners`` counts who owns the containers of the newest held step (one per producer;
-each holds the refs of its lane shards), read from Ray's owner addresses: producers (and retired producers), never
-the coordinator.
+``commits``, ``start``, ``replay``, ``materialized``. ``window.shard_owners`` counts who owns the containers of the
+newest held step (one per producer; each holds the refs of its lane shards), read from Ray's owner addresses:
+producers (and retired producers), never the coordinator.
 
 Guarantee: building it takes the window lock once, for a copy of the window's counters, and makes no remote call
 and no ``ray.get`` (it runs on the coordinator's event loop: producer infos are those the pump thread resolved,
