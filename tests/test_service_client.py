@@ -61,13 +61,20 @@ CONNECT_AND_READ = textwrap.dedent("""
     print("DIGESTS", *digests)
     print("SERVER", *server)
     ray.shutdown()
+    for call in (lambda: svc.batch(0), lambda: svc.slice(0, 0, 2, track=True), svc.status, svc.release):
+        try:
+            call()
+        except Exception as exc:
+            print("AFTER", type(exc).__name__, str(exc).replace(" ", "_"))
+    print("RAY", ray.is_initialized())
 """)
 
 
 def test_connect_and_reads_import_no_server_class(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     """A fresh process attached to the cluster connects and reads (whole batches and a slice) and has imported
     nothing of zephon_ray/service/server/ (the modules that run inside the actors), nor the Ray fence: the client
-    needs only client/ and the shared config, errors, wire, actor_shells and lease_cache."""
+    needs only client/ and the shared config, errors, wire, actor_shells and lease_cache. After ``ray.shutdown()``
+    its reads, status and release fail in one line instead of starting a local Ray."""
     from zephon_ray import DataService
 
     svc = DataService.start(tiny_recipe, name="import-probe", namespace="zr-import", state_dir=tmp_path / "s")
@@ -85,6 +92,11 @@ def test_connect_and_reads_import_no_server_class(ray_cluster, tiny_recipe, refe
         assert "DIGESTS" in lines, result.stderr[-3000:]
         assert lines["DIGESTS"] == reference_digests[:3] + [str(tiny_recipe.global_batch_rows // 4)]
         assert lines.get("SERVER", []) == [], lines["SERVER"]
+        # After ray.shutdown() each call fails in one line; none starts a local Ray of its own.
+        after = [ln.split()[1:] for ln in result.stdout.splitlines() if ln.startswith("AFTER ")]
+        assert len(after) == 4 and all(kind == "ServiceError" for kind, _ in after), after
+        assert all("Ray_is_not_initialised_in_this_process" in message for _, message in after), after
+        assert lines["RAY"] == ["False"]
     finally:
         svc.stop()
 

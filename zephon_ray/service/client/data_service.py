@@ -206,6 +206,24 @@ class DataService:
             except ServiceError:  # restarting: the first read retries and starts it
                 pass
 
+    def _require_ray(self) -> None:
+        """A handle used after ``ray.shutdown()`` fails here in one line: any Ray call would start a new local Ray
+        for this process, with no service in it."""
+        if not ray.is_initialized():
+            raise ServiceError(
+                f"service {self._where}: Ray is not initialised in this process (ray.shutdown() was called?); "
+                "after ray.init(), DataService.connect() again"
+            )
+
+    @property
+    def _coordinator(self) -> Any:
+        self._require_ray()
+        return self._actor
+
+    @_coordinator.setter
+    def _coordinator(self, actor: Any) -> None:
+        self._actor = actor
+
     def __reduce__(self) -> tuple[Callable[[str, str, str, str | None], DataService], tuple[str, str, str, str]]:
         """Ship to Ray Train workers / tasks as a reconnect, not as actor state."""
         return (_reconnect, (self.name, self.namespace, self.consumer, self.read_path))
@@ -334,6 +352,7 @@ class DataService:
 
     def release(self) -> None:
         """Drop this consumer's cursors now, so that it no longer holds the window back."""
+        self._require_ray()
         self._reads.quiesce()
         self._close_provenance()
         with self._lock:
@@ -364,6 +383,7 @@ class DataService:
         step = as_step(step)
         r, w = check_batch_reader(rank, world, self.recipe.global_batch_rows)
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, r, w)
+        self._require_ray()  # the read path's calls go to node readers, not through the coordinator handle
         wait_s = max(0.0, min(self.config.request_timeout_s, deadline - time.monotonic()))
         got = self._reads.refs(step, r, w, span.first, span.stop, track, wait_s, deadline + REPLY_GRACE_S)
         if track:
@@ -385,6 +405,7 @@ class DataService:
         that read ahead with ``track=False`` and report what the trainer actually consumed. Fire and forget."""
         step = as_step(step)
         r, w = check_batch_reader(rank, world, self.recipe.global_batch_rows)
+        self._require_ray()
         self._own_move(step, r, w)
         self._reads.advance(r, w, step)
 
