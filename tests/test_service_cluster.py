@@ -90,9 +90,10 @@ def _drive(summary: str) -> None:
 
                 reader_node, first = ray.get(read.remote(list(range(8))), timeout=240)
                 deadline = time.monotonic() + 120
-                while len(svc.status()["window"]["held_steps"]) < 3 and time.monotonic() < deadline:
-                    time.sleep(0.2)  # the producers fill the window ahead of the reader's cursor (7)
-                status = svc.status()
+                # the producers fill the window ahead of the reader's cursor (7); this status is the one read below
+                while len((status := svc.status())["window"]["held_steps"]) < 3:
+                    assert time.monotonic() < deadline, f"fewer than 3 held steps after 120 s: {status['window']}"
+                    time.sleep(0.2)
                 info.update(
                     head=head_id,
                     coordinator_node=status["coordinator"]["node_id"],
