@@ -317,7 +317,7 @@ def test_stop_lets_the_checkpoint_write_in_progress_end(ray_cluster, s3, tiny_re
         anchor_every=0,
     )
     try:
-        wait_until(lambda: svc.status()["checkpoints"]["latest"] >= 2, 60, "the checkpoint of step 2")
+        wait_until(lambda: (svc.status()["checkpoints"]["latest"] or 0) >= 2, 60, "the checkpoint of step 2")
         s3.faults.set_faults(latency_s=3.0)
         svc.batch(4, track=True)  # the window moves on: producers make and checkpoint steps 4-7
         writing = wait_until(
