@@ -157,6 +157,35 @@ def bucket(s3):
     return tiny_bucket(s3, "zr-faults-data")
 
 
+@pytest.mark.heavy
+def test_a_producer_waits_out_an_outage_at_its_first_step(ray_cluster, s3, bucket, oracle_digests):
+    """Zephon opens its storage at a pipeline's first step, not when it is built: a producer that started while the
+    endpoint answered and makes its first step during an outage waits the outage out and makes the oracle's rows.
+    Before, the call failed with obstore's raw error and the pool restarted the whole group (the storage soak's
+    restart at step 8). The producer runs in this process (it only needs Ray's object store)."""
+    import numpy as np
+    import ray
+
+    from zephon_ray import Recipe, storage
+    from zephon_ray.batch import compute_digest
+    from zephon_ray.pipeline import LaneGroup
+    from zephon_ray.service.server.producer import Producer
+
+    producer = Producer(Recipe.from_toml(f"s3://{bucket}/recipes/tiny.toml"), LaneGroup())
+    assert producer.info()["error"] is None
+    retried = storage.RETRY_STATS["retried_calls"]
+    s3.faults.refuse_for(20.0)  # longer than obstore's own retries (10 in 2-8 s), which hide a shorter one
+    try:
+        for step in range(3):
+            shards = ray.get(ray.get(producer.produce(step)["container"]))
+            tokens = np.concatenate([s.tokens for s in shards])
+            positions = np.concatenate([s.positions for s in shards])
+            assert compute_digest(tokens, positions) == oracle_digests[step], step
+        assert storage.RETRY_STATS["retried_calls"] > retried  # the first step did meet the outage
+    finally:
+        producer.close()
+
+
 @pytest.fixture(scope="module")
 def service(ray_cluster, s3, bucket):
     """The issue's service: sources and state_dir in buckets, 2 producers, K=2, a run id, the hosted TCPStore."""

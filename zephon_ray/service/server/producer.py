@@ -153,6 +153,9 @@ class Producer:
                 raise
             return stepper
 
+        self._start = start
+        self._stepper: LaneStepper | None = None
+        self._stepped = False  # no step made yet: Zephon may still be opening its storage (_next_step)
         try:
             # A storage outage while starting (a replacement group during an outage) is waited out, within the
             # storage budget; a permanent problem is reported once (info()).
@@ -169,33 +172,63 @@ class Producer:
             "node_id": node_id(),
             "worker_id": worker_id(),
             "lanes": list(self.lanes),
-            "position": None if self.init_error else self._stepper.position,
+            "position": None if self._stepper is None else self._stepper.position,
             "error": self.init_error,
         }
 
-    def _expect(self, step: int) -> None:
-        if self.init_error:
-            raise RuntimeError(self.init_error)
+    def _expect(self, step: int) -> LaneStepper:
+        if self.init_error or self._stepper is None:
+            raise RuntimeError(self.init_error or f"producer for lanes {self.lanes} has no pipeline")
         if step != self._stepper.position:
             raise RuntimeError(f"producer for lanes {self.lanes} is at step {self._stepper.position}, asked for {step}")
+        return self._stepper
 
     def produce(self, step: int) -> dict[str, Any]:
         """:func:`shard_meta` of the owned lanes' shards of ``step`` and their container (:func:`put_shards`)."""
         self._expect(step)
-        shards = self._stepper.next_step()
+        shards = self._next_step(step)
         return put_shards(step, [shards[lane] for lane in self.lanes], self.held)
 
     def skip(self, step: int) -> int:
         """Advance past a step that nobody needs stored (already held, or behind every consumer)."""
         self._expect(step)
-        self._stepper.next_step()
+        self._next_step(step)
         return step
+
+    def _next_step(self, step: int) -> dict[int, LaneShard]:
+        """The stepper's next step. Zephon opens its storage at the first step, not when a pipeline is built or
+        restored (it attaches its dataset catalogs then, reading each source's index), and the stepper builds its
+        global chunk stream then too. So the first step is waited out as the start is: a transient fault rebuilds
+        the stepper from this producer's state and tries again, within the storage budget, instead of failing the
+        call and so restarting the whole group (tests/test_storage_faults.py). A failed step may have consumed part
+        of Zephon's stream, hence the rebuild. Later steps are not retried: the group restarts from its checkpoint."""
+        if self._stepped:
+            return self._expect(step).next_step()
+        from zephon_ray import storage
+
+        def attempt() -> dict[int, LaneShard]:
+            if self._stepper is None:
+                self._stepper = self._start()
+            try:
+                return self._stepper.next_step()
+            except BaseException:
+                self._stepper.close(background=True)
+                self._stepper = None
+                raise
+
+        try:
+            shards = storage.retry(attempt, f"producer for lanes {list(self.lanes)} at step {step}")
+        except Exception as exc:
+            if self._stepper is None:  # every later call says why, as a start that failed does
+                self.init_error = f"producer for lanes {list(self.lanes)} lost its pipeline: {describe(exc)}"
+            raise
+        self._stepped = True
+        return shards
 
     def checkpoint(self, step: int) -> dict[str, Any]:
         """The merged state at the boundary before ``step``. Collective with M > 1: every producer of the group
         must be called at the same step; each receives the same merged state (measured)."""
-        self._expect(step)
-        return self._stepper.checkpoint()
+        return self._expect(step).checkpoint()
 
     def memory(self) -> dict[str, Any]:
         """This process's pid and core-worker memory store (entries, bytes), and the steps it holds refs of."""
@@ -204,5 +237,5 @@ class Producer:
         return {"pid": os.getpid(), "held_steps": len(self.held), **memory_store()}
 
     def close(self) -> None:
-        if not self.init_error:
+        if self._stepper is not None:
             self._stepper.close(background=True)
