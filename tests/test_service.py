@@ -129,12 +129,8 @@ def test_two_consumers_and_window_bound(ray_cluster, tiny_recipe, reference_dige
             assert len(w["held_steps"]) <= window and w["held_bytes"] <= w["bound_bytes"], w
             # B's reads stay inside the window it holds: none is replayed (the step and the coordinator's view if so)
             assert status["replay"]["requests"] == 0, (
-                step,
-                w,
-                status["replay"],
-                status["cursors"],
-                status["coordinator"],
-                status["reads"],
+                f"step {step}: window {w}, replay {status['replay']}, cursors {status['cursors']}, "
+                f"coordinator {status['coordinator']}, reads {status['reads']}"
             )
         b.status()  # status() carries the caller's own cursor moves: b's are exact now, a's with a.status()
         # The window is read once it is full (steps low .. low + window - 1): the pump's refresh that sees B's last
