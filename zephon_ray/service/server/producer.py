@@ -185,25 +185,25 @@ class Producer:
 
     def produce(self, step: int) -> dict[str, Any]:
         """:func:`shard_meta` of the owned lanes' shards of ``step`` and their container (:func:`put_shards`)."""
-        self._expect(step)
         shards = self._next_step(step)
         return put_shards(step, [shards[lane] for lane in self.lanes], self.held)
 
     def skip(self, step: int) -> int:
         """Advance past a step that nobody needs stored (already held, or behind every consumer)."""
-        self._expect(step)
         self._next_step(step)
         return step
 
     def _next_step(self, step: int) -> dict[int, LaneShard]:
-        """The stepper's next step. Zephon opens its storage at the first step, not when a pipeline is built or
-        restored (it attaches its dataset catalogs then, reading each source's index), and the stepper builds its
-        global chunk stream then too. So the first step is waited out as the start is: a transient fault rebuilds
-        the stepper from this producer's state and tries again, within the storage budget, instead of failing the
-        call and so restarting the whole group (tests/test_storage_faults.py). A failed step may have consumed part
-        of Zephon's stream, hence the rebuild. Later steps are not retried: the group restarts from its checkpoint."""
+        """The stepper's next step, which must be ``step``. Zephon opens its storage at the first step, not when a
+        pipeline is built or restored (it attaches its dataset catalogs then, reading each source's index), and the
+        stepper builds its global chunk stream then too. So the first step is waited out as the start is: a
+        transient fault rebuilds the stepper from this producer's state and tries again, within the storage budget,
+        instead of failing the call and so restarting the whole group (tests/test_storage_faults.py). A failed step
+        may have consumed part of Zephon's stream, hence the rebuild. Later steps are not retried: the group
+        restarts from its checkpoint."""
+        stepper = self._expect(step)
         if self._stepped:
-            return self._expect(step).next_step()
+            return stepper.next_step()
         from zephon_ray import storage
 
         def attempt() -> dict[int, LaneShard]:
