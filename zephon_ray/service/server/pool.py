@@ -408,6 +408,11 @@ class ProducerPool:
         while self.next_step < target and len(self._inflight) + len(self._skips) < 2 * self.config.window:
             step = self.next_step
             if step > 0 and step % k == 0 and step not in self._writing and not self.state.has_checkpoint(step):
+                if len(gen.actors) > 1 and self._calls_before(step):
+                    # A collective is sent once every producer has finished the calls before it, so that its
+                    # timeout (aggregate_timeout_s) measures the collective alone: a producer still waiting out a
+                    # storage outage in its first step must not time out a peer that went ahead into it.
+                    break
                 self._ckpts[step] = [a.checkpoint.remote(step) for a in gen.actors]
             if wanted(step):
                 # no Ray task events: M per step, recorded and shipped to the GCS for calls nobody inspects
@@ -418,6 +423,10 @@ class ProducerPool:
             else:
                 self._skips[step] = [a.skip.remote(step) for a in gen.actors]
             self.next_step += 1
+
+    def _calls_before(self, step: int) -> bool:
+        """Whether a produce, skip or checkpoint call of a step before ``step`` is still unfinished (not a ping)."""
+        return any(s < step for s in self._inflight) or any(0 <= s < step for s in (*self._skips, *self._ckpts))
 
     def collect(self, timeout: float) -> list[Finished]:
         """Wait up to ``timeout`` for calls to finish; returns finished steps. Failures restart the group."""
