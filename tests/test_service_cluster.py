@@ -106,6 +106,9 @@ def _drive(summary: str) -> None:
                 read_here = status["window"]["held_steps"][1]
                 info["read_here"] = read_here
                 info["read_here_digest"] = svc.batch(read_here).digest
+                # Held while the steps are located: a copy nobody references may be evicted at any time (once, under
+                # load, no copy of it was on the head by then); the shards fetched and held here pin the ones located.
+                pinned = ray.get([r for r in svc.refs(read_here).lanes if r is not None])
                 from zephon_ray.service.ray_internals import object_locations, owner_worker_id
 
                 locations, owners = {}, set()
@@ -116,6 +119,7 @@ def _drive(summary: str) -> None:
                     owners |= {owner_worker_id(ref) for ref in refs}
                     del refs
                 info["locations"] = locations
+                del pinned
                 # Under load a producer group can be replaced (the watchdog) before or while the steps are located;
                 # a retired group's shards stay readable, so their owners are producers that status() no longer
                 # lists. The claim holds whatever the generation: no shard is the coordinator's or the driver's.
