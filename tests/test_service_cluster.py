@@ -90,10 +90,19 @@ def _drive(summary: str) -> None:
 
                 reader_node, first = ray.get(read.remote(list(range(8))), timeout=240)
                 deadline = time.monotonic() + 120
-                # the producers fill the window ahead of the reader's cursor (7); this status is the one read below
-                while len((status := svc.status())["window"]["held_steps"]) < 3:
-                    assert time.monotonic() < deadline, f"fewer than 3 held steps after 120 s: {status['window']}"
-                    time.sleep(0.2)
+                # The producers fill the window ahead of the reader's cursor and the pump evicts the steps behind it:
+                # wait until the window is full (keep_from .. keep_from + 3) and the same a second later (the
+                # reader's last moves have arrived), or a step listed as held may be evicted before it is read below
+                # (it then comes from a replay, elsewhere). This status is the one read below.
+                settled = None
+                while True:
+                    w = (status := svc.status())["window"]
+                    full = w["held_steps"] == list(range(w["keep_from"], w["keep_from"] + 4))
+                    if full and settled == w["held_steps"]:
+                        break
+                    settled = w["held_steps"] if full else None
+                    assert time.monotonic() < deadline, f"the window never settled: {w}"
+                    time.sleep(1.0)
                 info.update(
                     head=head_id,
                     coordinator_node=status["coordinator"]["node_id"],
@@ -106,9 +115,6 @@ def _drive(summary: str) -> None:
                 read_here = status["window"]["held_steps"][1]
                 info["read_here"] = read_here
                 info["read_here_digest"] = svc.batch(read_here).digest
-                # Held while the steps are located: a copy nobody references may be evicted at any time (once, under
-                # load, no copy of it was on the head by then); the shards fetched and held here pin the ones located.
-                pinned = ray.get([r for r in svc.refs(read_here).lanes if r is not None])
                 from zephon_ray.service.ray_internals import object_locations, owner_worker_id
 
                 locations, owners = {}, set()
@@ -119,7 +125,6 @@ def _drive(summary: str) -> None:
                     owners |= {owner_worker_id(ref) for ref in refs}
                     del refs
                 info["locations"] = locations
-                del pinned
                 # Under load a producer group can be replaced (the watchdog) before or while the steps are located;
                 # a retired group's shards stay readable, so their owners are producers that status() no longer
                 # lists. The claim holds whatever the generation: no shard is the coordinator's or the driver's.

@@ -130,7 +130,8 @@ class ServiceConfig:
     run_id: str | None = None
     """Names the run in the producers' collective Zephon checkpoints (None: the service's name)."""
     aggregate_timeout_s: float = 120.0
-    """How long a collective checkpoint waits for every producer before it fails naming the ones missing."""
+    """How long a collective checkpoint waits for every producer before it fails naming the ones missing. The pool
+    sends it once every producer has finished its earlier steps, so this bounds the collective alone."""
     consumer_ttl_s: float = 120.0
     """A consumer cursor not heard from for this long stops holding the window back."""
     request_timeout_s: float = 600.0
