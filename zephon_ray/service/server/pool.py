@@ -402,7 +402,8 @@ class ProducerPool:
 
     def submit(self, target: int, wanted: Callable[[int], bool], submitted: Callable[[int], None]) -> None:
         """Send calls for steps ``next_step .. target - 1`` (bounded in flight): produce the wanted ones, skip the
-        rest, and a collective checkpoint call before every K-th step that is not durable yet."""
+        rest, and a collective checkpoint call before every K-th step that is not durable yet (with M > 1, once the
+        calls before it have finished)."""
         gen = self.live_generation()
         k = self.config.checkpoint_every
         while self.next_step < target and len(self._inflight) + len(self._skips) < 2 * self.config.window:
