@@ -107,7 +107,9 @@ def test_two_consumers_and_window_bound(ray_cluster, tiny_recipe, reference_dige
     window = 4
     with GlobalBatchSource(tiny_recipe) as source:
         reference_batches = [source.batch(step) for step in range(20)]
-    a = start_service(tiny_recipe, tmp_path, "two", window=window)
+    # B must stay live through a stall of the machine: with the default 120 s TTL, a 127 s stall (heavy disk I/O
+    # beside the test) expired B's cursor, by design, and B's next read was replayed.
+    a = start_service(tiny_recipe, tmp_path, "two", window=window, consumer_ttl_s=600.0)
     b = DataService.connect("two", namespace=NS, consumer="notebook")
     debugger = DataService.connect("two", namespace=NS, consumer="debugger")
     try:
