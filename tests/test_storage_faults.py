@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -184,6 +185,46 @@ def test_a_producer_waits_out_an_outage_at_its_first_step(ray_cluster, s3, bucke
         assert storage.RETRY_STATS["retried_calls"] > retried  # the first step did meet the outage
     finally:
         producer.close()
+
+
+@pytest.mark.heavy
+def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cluster, s3, bucket, oracle_digests):
+    """The same first step in the other places that build a pipeline: a local-mode reader reset during an outage,
+    and a service replayer whose replay needs a new pipeline, both wait the outage out (side by side, in one outage)
+    and give the oracle's rows. Before, each failed with obstore's raw error."""
+    import numpy as np
+    import ray
+
+    from zephon_ray import Recipe
+    from zephon_ray.batch import compute_digest
+    from zephon_ray.pipeline import LaneGroup
+    from zephon_ray.service.server.replayer import Replayer
+    from zephon_ray.stream.local import LocalSlices
+
+    recipe = Recipe.from_toml(f"s3://{bucket}/recipes/tiny.toml")
+    local = LocalSlices(recipe, rank=0, world=1, lane_group=LaneGroup(), depth=2, checkpoint_every=0)
+    replayer = Replayer(recipe)
+    assert replayer.info()["error"] is None
+
+    def read_locally() -> list[str]:
+        local.reset()
+        return [compute_digest(s.tokens, s.positions) for s in (local.next(timeout=120) for _ in range(3))]
+
+    def replay() -> str:
+        shards = ray.get(ray.get(replayer.replay(2, 0, None, 0)["container"]))
+        return compute_digest(np.concatenate([s.tokens for s in shards]), np.concatenate([s.positions for s in shards]))
+
+    s3.faults.refuse_for(20.0)  # longer than obstore's own retries (as above)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            local_rows, replayed = pool.submit(read_locally), pool.submit(replay)
+            assert local_rows.result(timeout=180) == oracle_digests[:3]
+            assert replayed.result(timeout=180) == oracle_digests[2]
+        assert replayer.stats["restores"] == 1 and replayer.stats["steps_replayed"] == 3
+    finally:
+        s3.faults.clear()
+        local.close()
+        replayer.close()
 
 
 @pytest.fixture(scope="module")

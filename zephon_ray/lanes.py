@@ -39,8 +39,9 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -363,6 +364,34 @@ class LaneStepper:
             self._iter = None
         for q in self._pending.values():
             q.clear()
+
+
+S = TypeVar("S", bound=LaneStepper)
+
+
+def first_step(build: Callable[[], S], what: str, *, built: S | None = None) -> tuple[S, dict[int, LaneShard]]:
+    """A stepper from ``build()`` (or ``built``, already made) and its first step, with a transient storage fault
+    waited out within the storage budget (:func:`zephon_ray.storage.retry`).
+
+    Zephon opens its storage at a pipeline's first step, not when the pipeline is built or restored: the engine
+    attaches its dataset catalogs then, reading each source's index or listing it. A stepper made before an outage
+    therefore fails at its first step, however long its start was retried. A failed attempt may have consumed part
+    of Zephon's stream, so each retry closes the stepper and calls ``build()`` again. Later steps are not retried
+    here: a pipeline that has opened its storage reads through Zephon's own retries, and a caller restarts from its
+    checkpoint when they give up. A permanent fault, or a budget spent, is raised as :func:`retry` raises it."""
+    from zephon_ray import storage
+
+    pending = [] if built is None else [built]
+
+    def attempt() -> tuple[S, dict[int, LaneShard]]:
+        stepper = pending.pop() if pending else build()
+        try:
+            return stepper, stepper.next_step()
+        except BaseException:
+            stepper.close(background=True)
+            raise
+
+    return storage.retry(attempt, what)
 
 
 def check_step_state(state: dict[str, Any], recipe: Recipe) -> None:

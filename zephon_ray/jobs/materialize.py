@@ -111,7 +111,7 @@ class LaneGroupWorker:
         verify_on_node(recipe, recipe.fingerprint, where="materialize lane-group worker")
 
     def __call__(self, batch: dict[str, np.ndarray]) -> Iterator[dict[str, np.ndarray]]:
-        from zephon_ray.lanes import LaneStepper
+        from zephon_ray.lanes import LaneStepper, first_step
         from zephon_ray.pipeline import LaneGroup
 
         for group in batch["group"]:
@@ -122,14 +122,21 @@ class LaneGroupWorker:
                 run_id=self.run_id if self.groups > 1 else None,
                 aggregate_dir=self.aggregate_dir if self.groups > 1 else None,
             )
-            stepper = LaneStepper(self.recipe, lane_group)
-            try:
+
+            def build(lane_group: LaneGroup = lane_group) -> LaneStepper:
+                stepper = LaneStepper(self.recipe, lane_group)
                 if self.start_state is not None:
                     stepper.restore(self.start_state)
-                while stepper.position < self.first:
-                    stepper.next_step()
-                for step in range(self.first, self.end):
+                return stepper
+
+            # Zephon opens its storage at the first step: an outage there is waited out (first_step).
+            stepper, shards = first_step(build, f"materialize lane group {group} of {self.groups}")
+            try:
+                while stepper.position <= self.first:  # replay up to the range's first step
                     shards = stepper.next_step()
+                for step in range(self.first, self.end):
+                    if step > self.first:
+                        shards = stepper.next_step()
                     boundary = (step + 1) % self.segment_steps == 0 or step + 1 == self.end
                     # Collective with M > 1: every group checkpoints at the same boundaries; group 0 reports it.
                     state = json.dumps(stepper.checkpoint(), sort_keys=True) if boundary else ""

@@ -28,7 +28,7 @@ from typing import Any, cast
 from zephon_ray.batch import RankSlice, lane_span, valid_tokens
 from zephon_ray.checks import check_int
 from zephon_ray.identity import verify_on_node
-from zephon_ray.lanes import LaneStepper, StepStateError, check_step_state
+from zephon_ray.lanes import LaneShard, LaneStepper, StepStateError, check_step_state, first_step
 from zephon_ray.pipeline import LaneGroup
 from zephon_ray.provenance import ProvenanceStepper, rows_source_ids
 from zephon_ray.recipe import Recipe
@@ -141,24 +141,39 @@ class LocalSlices(PrefetchedSlices):
 
     # ------------------------------------------------------------------ producer thread
     def _produce(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
-        span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, self.rank, self.world)
-        # With source ids this reader's lane group runs the provenance-mode pipeline: the same rows, with each
-        # token's document (zephon_ray.provenance).
-        stepper = self._stepper = (
-            ProvenanceStepper(self.recipe, self.lane_group)
-            if self.source_ids
-            else LaneStepper(self.recipe, self.lane_group)
-        )
-        # Every reader's checkpoints record every lane's position (so a phase added while running can start from
-        # them), and their exchange checks that the readers agree on the whole schedule (zephon_ray.lanes).
-        stepper.keep_positions = True
+        def build() -> LaneStepper:
+            # With source ids this reader's lane group runs the provenance-mode pipeline: the same rows, with each
+            # token's document (zephon_ray.provenance).
+            stepper = (
+                ProvenanceStepper(self.recipe, self.lane_group)
+                if self.source_ids
+                else LaneStepper(self.recipe, self.lane_group)
+            )
+            # Every reader's checkpoints record every lane's position (so a phase added while running can start
+            # from them), and their exchange checks that the readers agree on the whole schedule (zephon_ray.lanes).
+            stepper.keep_positions = True
+            try:
+                if checkpoint is not None:
+                    stepper.restore(checkpoint)
+            except BaseException:
+                stepper.close()
+                raise
+            # A ProvenanceStepper collects documents for the steps it hands out, not those it replays.
+            stepper.collect = stepper.position >= step  # type: ignore[attr-defined]  # a LaneStepper ignores it
+            return stepper
+
+        # Zephon opens its storage at the first step: an outage there is waited out (first_step), whether that step
+        # is replayed (restore-and-replay: batch s is a pure function of s) or handed out.
+        stepper, shards = first_step(build, f"local-mode rank {self.rank} of {self.world} at step {step}")
+        self._stepper = stepper
         try:
-            if checkpoint is not None:
-                stepper.restore(checkpoint)
-            stepper.collect = False  # type: ignore[attr-defined]  # a ProvenanceStepper's; a LaneStepper ignores it
+            first: dict[int, LaneShard] | None = shards if stepper.position == step + 1 else None
             while stepper.position < step and not stop.is_set():
-                stepper.next_step()  # restore-and-replay: batch s is a pure function of s (the loader's stats)
+                stepper.next_step()
             stepper.collect = True  # type: ignore[attr-defined]  # (as above)
+            if first is not None:
+                yield self._slice(stepper, step, first)
+                self._set_producing(step + 1)
             while not stop.is_set():
                 s = stepper.position
                 self._set_producing(s)
@@ -174,29 +189,33 @@ class LocalSlices(PrefetchedSlices):
                         while len(self._checkpoints) > _KEEP_CHECKPOINTS:
                             self._checkpoints.popitem(last=False)
                         self._cond.notify_all()
-                shards = stepper.next_step()
-                if sorted(shards) != list(span.lanes):  # Zephon's lane mapping must be the slicing's
-                    raise StepStateError(
-                        f"step {s}: this Zephon lane group produced lanes {sorted(shards)}, but "
-                        f"reader {self.rank} of {self.world} reads lanes {list(span.lanes)}"
-                    )
-                piece = RankSlice.from_lanes(
-                    s, self.rank, self.world, span, [shards[l] for l in span.lanes], self._pad, self._valid
-                )
-                if self._valid is None and self.world == 1:  # a padding packer: this reader holds every row
-                    piece = replace(piece, global_valid_tokens=valid_tokens(piece.tokens, self._pad))
-                if self.source_ids:
-                    pieces = cast(ProvenanceStepper, stepper).pieces  # source_ids: a ProvenanceStepper
-                    ids = rows_source_ids(
-                        [row for lane in span.lanes for row in pieces[lane]],
-                        self.recipe.source_names,
-                        self.recipe.row_length,
-                    )
-                    piece = replace(piece, source_ids=ids[span.lo : span.hi])
-                yield piece
+                yield self._slice(stepper, s, stepper.next_step())
                 self._set_producing(s + 1)
         finally:
             stepper.close(background=True)
+
+    def _slice(self, stepper: LaneStepper, step: int, shards: dict[int, LaneShard]) -> RankSlice:
+        """This reader's slice of ``step`` from its lane group's ``shards``."""
+        span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, self.rank, self.world)
+        if sorted(shards) != list(span.lanes):  # Zephon's lane mapping must be the slicing's
+            raise StepStateError(
+                f"step {step}: this Zephon lane group produced lanes {sorted(shards)}, but "
+                f"reader {self.rank} of {self.world} reads lanes {list(span.lanes)}"
+            )
+        piece = RankSlice.from_lanes(
+            step, self.rank, self.world, span, [shards[l] for l in span.lanes], self._pad, self._valid
+        )
+        if self._valid is None and self.world == 1:  # a padding packer: this reader holds every row
+            piece = replace(piece, global_valid_tokens=valid_tokens(piece.tokens, self._pad))
+        if self.source_ids:
+            pieces = cast(ProvenanceStepper, stepper).pieces  # source_ids: a ProvenanceStepper
+            ids = rows_source_ids(
+                [row for lane in span.lanes for row in pieces[lane]],
+                self.recipe.source_names,
+                self.recipe.row_length,
+            )
+            piece = replace(piece, source_ids=ids[span.lo : span.hi])
+        return piece
 
     def adopt(self, recipe: Recipe, start_step: int) -> None:
         """Run under ``recipe`` from now on: this one's schedule with a phase added from ``start_step``, which the

@@ -32,7 +32,7 @@ import socket
 from typing import Any
 
 from zephon_ray.identity import verify_on_node
-from zephon_ray.lanes import LaneShard, LaneStepper
+from zephon_ray.lanes import LaneShard, LaneStepper, first_step
 from zephon_ray.pipeline import LaneGroup
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.errors import describe
@@ -194,33 +194,19 @@ class Producer:
         return step
 
     def _next_step(self, step: int) -> dict[int, LaneShard]:
-        """The stepper's next step, which must be ``step``. Zephon opens its storage at the first step, not when a
-        pipeline is built or restored (it attaches its dataset catalogs then, reading each source's index), and the
-        stepper builds its global chunk stream then too. So the first step is waited out as the start is: a
-        transient fault rebuilds the stepper from this producer's state and tries again, within the storage budget,
-        instead of failing the call and so restarting the whole group (tests/test_storage_faults.py). A failed step
-        may have consumed part of Zephon's stream, hence the rebuild. Later steps are not retried: the group
-        restarts from its checkpoint."""
+        """The stepper's next step, which must be ``step``. The first one is waited out as the start is
+        (:func:`zephon_ray.lanes.first_step`: Zephon opens its storage there), instead of failing the call and so
+        restarting the whole group (tests/test_storage_faults.py)."""
         stepper = self._expect(step)
         if self._stepped:
             return stepper.next_step()
-        from zephon_ray import storage
-
-        def attempt() -> dict[int, LaneShard]:
-            if self._stepper is None:
-                self._stepper = self._start()
-            try:
-                return self._stepper.next_step()
-            except BaseException:
-                self._stepper.close(background=True)
-                self._stepper = None
-                raise
-
+        self._stepper = None
         try:
-            shards = storage.retry(attempt, f"producer for lanes {list(self.lanes)} at step {step}")
-        except Exception as exc:
-            if self._stepper is None:  # every later call says why, as a start that failed does
-                self.init_error = f"producer for lanes {list(self.lanes)} lost its pipeline: {describe(exc)}"
+            self._stepper, shards = first_step(
+                self._start, f"producer for lanes {list(self.lanes)} at step {step}", built=stepper
+            )
+        except Exception as exc:  # every later call says why, as a start that failed does
+            self.init_error = f"producer for lanes {list(self.lanes)} lost its pipeline: {describe(exc)}"
             raise
         self._stepped = True
         return shards

@@ -31,7 +31,7 @@ import numpy as np
 
 from zephon_ray.formats.materialized import MaterializedSource
 from zephon_ray.identity import verify_on_node
-from zephon_ray.lanes import LaneShard, LaneStepper
+from zephon_ray.lanes import LaneShard, LaneStepper, first_step
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.errors import describe
 from zephon_ray.service.server.producer import node_name, put_shards, worker_id
@@ -87,20 +87,28 @@ class Replayer:
             and stepper.position <= step
             and (step - stepper.position <= reuse_within or stepper.position >= checkpoint_step)
         )
+        shards = None
         if stepper is None or not reusable:
             if stepper is not None:
                 stepper.close(background=True)
-            stepper = self._stepper = LaneStepper(self.recipe)
-            if state is not None:
-                stepper.restore(state)
+            self._stepper = None
+
+            def build() -> LaneStepper:
+                fresh = LaneStepper(self.recipe)
+                if state is not None:
+                    fresh.restore(state)
+                return fresh
+
+            # A new stepper opens Zephon's storage at its first step: an outage there is waited out (first_step).
+            stepper, shards = first_step(build, f"replayer at step {step}")
+            self._stepper = stepper
             self.stats["restores"] += 1
+            self.stats["steps_replayed"] += 1
         self.stats["replays"] += 1
         self.stats["steps_replayed"] += step - stepper.position + 1
-        while True:
-            position = stepper.position
+        while stepper.position <= step:
             shards = stepper.next_step()
-            if position == step:
-                break
+        assert shards is not None  # the stepper was at or before step
         return put_shards(step, [shards[lane] for lane in range(self.recipe.lanes)])
 
     def read(self, step: int) -> dict:
