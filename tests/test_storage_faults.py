@@ -191,7 +191,8 @@ def test_a_producer_waits_out_an_outage_at_its_first_step(ray_cluster, s3, bucke
 def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cluster, s3, bucket, oracle_digests):
     """The same first step in the other places that build a pipeline: a local-mode reader reset during an outage,
     and a service replayer whose replay needs a new pipeline, both wait the outage out (side by side, in one outage)
-    and give the oracle's rows. Before, each failed with obstore's raw error."""
+    and give the oracle's rows; a reader closed while it waits stops waiting. Before, each failed with obstore's raw
+    error."""
     import numpy as np
     import ray
 
@@ -202,7 +203,9 @@ def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cl
     from zephon_ray.stream.local import LocalSlices
 
     recipe = Recipe.from_toml(f"s3://{bucket}/recipes/tiny.toml")
-    local = LocalSlices(recipe, rank=0, world=1, lane_group=LaneGroup(), depth=2, checkpoint_every=0)
+    local, closed = (
+        LocalSlices(recipe, rank=0, world=1, lane_group=LaneGroup(), depth=2, checkpoint_every=0) for _ in "ab"
+    )
     replayer = Replayer(recipe)
     assert replayer.info()["error"] is None
 
@@ -214,10 +217,17 @@ def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cl
         shards = ray.get(ray.get(replayer.replay(2, 0, None, 0)["container"]))
         return compute_digest(np.concatenate([s.tokens for s in shards]), np.concatenate([s.positions for s in shards]))
 
-    s3.faults.refuse_for(20.0)  # longer than obstore's own retries (as above)
+    s3.faults.refuse_for(30.0)  # longer than obstore's own retries (as above)
     try:
         with ThreadPoolExecutor(2) as pool:
             local_rows, replayed = pool.submit(read_locally), pool.submit(replay)
+            # A reader closed while it waits stops waiting: its thread ends once obstore's own retries (2-8 s) and
+            # one backoff (at most 5 s) have passed, well inside the outage, instead of waiting the outage out.
+            closed.reset()
+            waiting = closed._thread
+            closed.close()
+            assert waiting is not None
+            wait_until(lambda: not waiting.is_alive(), 20, "the closed reader's thread to end, mid-outage")
             assert local_rows.result(timeout=180) == oracle_digests[:3]
             assert replayed.result(timeout=180) == oracle_digests[2]
         assert replayer.stats["restores"] == 1 and replayer.stats["steps_replayed"] == 3

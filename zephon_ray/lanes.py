@@ -369,7 +369,9 @@ class LaneStepper:
 S = TypeVar("S", bound=LaneStepper)
 
 
-def first_step(build: Callable[[], S], what: str, *, built: S | None = None) -> tuple[S, dict[int, LaneShard]]:
+def first_step(
+    build: Callable[[], S], what: str, *, built: S | None = None, stop: threading.Event | None = None
+) -> tuple[S, dict[int, LaneShard]]:
     """A stepper from ``build()`` (or ``built``, already made) and its first step, with a transient storage fault
     waited out within the storage budget (:func:`zephon_ray.storage.retry`).
 
@@ -378,12 +380,16 @@ def first_step(build: Callable[[], S], what: str, *, built: S | None = None) -> 
     therefore fails at its first step, however long its start was retried. A failed attempt may have consumed part
     of Zephon's stream, so each retry closes the stepper and calls ``build()`` again. Later steps are not retried
     here: a pipeline that has opened its storage reads through Zephon's own retries, and a caller restarts from its
-    checkpoint when they give up. A permanent fault, or a budget spent, is raised as :func:`retry` raises it."""
+    checkpoint when they give up. A permanent fault, or a budget spent, is raised as :func:`retry` raises it;
+    ``stop``, once set, ends the wait before the next attempt (a final ``StorageError``), so that a closed reader's
+    thread does not go on rebuilding pipelines for the rest of the budget."""
     from zephon_ray import storage
 
     pending = [] if built is None else [built]
 
     def attempt() -> tuple[S, dict[int, LaneShard]]:
+        if stop is not None and stop.is_set():
+            raise storage.StorageError(f"{what}: stopped while waiting for storage", transient=False)
         stepper = pending.pop() if pending else build()
         try:
             return stepper, stepper.next_step()

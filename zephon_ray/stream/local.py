@@ -164,7 +164,7 @@ class LocalSlices(PrefetchedSlices):
 
         # Zephon opens its storage at the first step: an outage there is waited out (first_step), whether that step
         # is replayed (restore-and-replay: batch s is a pure function of s) or handed out.
-        stepper, shards = first_step(build, f"local-mode rank {self.rank} of {self.world} at step {step}")
+        stepper, shards = first_step(build, f"local-mode rank {self.rank} of {self.world} at step {step}", stop=stop)
         self._stepper = stepper
         try:
             first: dict[int, LaneShard] | None = shards if stepper.position == step + 1 else None
