@@ -12,8 +12,9 @@ group p of the P live participants reads ``slice(step, p, P)`` of global batch `
 
 ``--kill G@S``: group G computes its gradients at step S, stops before the all-reduce, and this script SIGKILLs its
 process; the others' step S fails to commit and is served again with one participant fewer. ``--rejoin G@S``: the
-live groups wait at the start of step S until a new process of group G is up; it joins the quorum, heals its model
-and optimizer from a peer (torchft's checkpoint transport) and reads its share of step S with no data checkpoint.
+live groups wait at the start of step S until a new process of group G has asked the Lighthouse for a quorum, so
+that step S's quorum includes it; it heals its model and optimizer from a peer (torchft's checkpoint transport) and
+reads its share of step S with no data checkpoint.
 
 Then it runs the same script without kills (the failure-free run) and prints, for every committed step, the global
 digest (the participants' slices, gathered and joined in participant order), and at the end:
@@ -39,12 +40,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -366,6 +369,7 @@ def run(
                     lives[g] += 1
                     procs[(g, lives[g])] = _spawn(args, work, g, lives[g], lighthouse.address(), [], extra)
                     _wait_ready(work / f"ready-g{g}-life{lives[g]}", procs[(g, lives[g])])
+                    _wait_joined(lighthouse.address(), g, procs[(g, lives[g])])
                     (work / f"hold-{s}").unlink()
                     print(f"  group {g} rejoined at step {s} (a new process, no data checkpoint)", flush=True)
                     pending_rejoins.remove((g, s))
@@ -400,6 +404,29 @@ def _wait_ready(path: Path, proc: subprocess.Popen) -> None:
                 f"{log.read_text()[-3000:] if log.exists() else ''}"
             )
         time.sleep(0.05)
+
+
+_JOINED = re.compile(r"Next quorum status:.*?\[\d+/(\d+) participants healthy\]", re.S)
+
+
+def _wait_joined(lighthouse: str, g: int, proc: subprocess.Popen) -> None:
+    """Wait until the rejoining group has asked the Lighthouse for a quorum. torchft issues a quorum as soon as every
+    member of the previous one has asked again (its "fast quorum"), so the live groups, held at the rejoin step, are
+    released only once the new group is among the askers: then the rejoin step's quorum includes it whatever the
+    load. Until they ask, it is the only asker: the Lighthouse's status page (torchft 0.2.0) counts it."""
+    deadline = time.monotonic() + EVENT_TIMEOUT_S
+    while True:
+        page = urllib.request.urlopen(f"{lighthouse}/status", timeout=10).read().decode()
+        found = _JOINED.search(page)
+        if found is None:
+            raise RuntimeError(
+                f"the Lighthouse's status page at {lighthouse}/status no longer says who asked for a quorum"
+            )
+        if int(found.group(1)) >= 1:
+            return
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"group {g} (a new process) never asked the Lighthouse for a quorum")
+        time.sleep(0.02)
 
 
 def _collect(work: Path) -> dict:
