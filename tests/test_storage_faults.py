@@ -227,7 +227,7 @@ def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cl
             waiting = closed._thread
             closed.close()
             assert waiting is not None
-            wait_until(lambda: not waiting.is_alive(), 20, "the closed reader's thread to end, mid-outage")
+            wait_until(lambda: not waiting.is_alive(), 25, "the closed reader's thread to end, mid-outage")
             assert local_rows.result(timeout=180) == oracle_digests[:3]
             assert replayed.result(timeout=180) == oracle_digests[2]
         assert replayer.stats["restores"] == 1 and replayer.stats["steps_replayed"] == 3
