@@ -175,7 +175,7 @@ def test_a_producer_waits_out_an_outage_at_its_first_step(ray_cluster, s3, bucke
     producer = Producer(Recipe.from_toml(f"s3://{bucket}/recipes/tiny.toml"), LaneGroup())
     assert producer.info()["error"] is None
     retried = storage.RETRY_STATS["retried_calls"]
-    s3.faults.refuse_for(20.0)  # longer than obstore's own retries (10 in 2-8 s), which hide a shorter one
+    s3.faults.refuse_for(20.0)  # longer than obstore's own retries (10 in 1.5-8 s), which hide a shorter one
     try:
         for step in range(3):
             shards = ray.get(ray.get(producer.produce(step)["container"]))
@@ -221,7 +221,7 @@ def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cl
     try:
         with ThreadPoolExecutor(2) as pool:
             local_rows, replayed = pool.submit(read_locally), pool.submit(replay)
-            # A reader closed while it waits stops waiting: its thread ends once obstore's own retries (2-8 s) and
+            # A reader closed while it waits stops waiting: its thread ends once obstore's own retries (1.5-8 s) and
             # one backoff (at most 5 s) have passed, well inside the outage, instead of waiting the outage out.
             closed.reset()
             waiting = closed._thread
