@@ -237,6 +237,69 @@ def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cl
         replayer.close()
 
 
+@pytest.mark.heavy
+def test_local_mode_makes_a_step_again_when_its_read_fails_past_zephons_retries(s3, tmp_path, caplog):
+    """Mid-run, a local-mode reader's Zephon read of a shard it has not fetched fails once Zephon's own retries give
+    up (5 attempts, each with obstore's 10 retries: 78 s into an outage here). The reader makes that step again from
+    its newest checkpoint, waiting for storage within the storage budget, and every row is the oracle's. Before, the
+    rank's read failed with obstore's error. One record per shard, so that the reader needs a new shard about every
+    step: Zephon's prefetch runs some 90 steps ahead of it here, so the outage meets a fetch mid-run (near step 98).
+    The endpoint stays down until the reader has given Zephon's read up, and 5 s more."""
+    import logging
+    import subprocess
+    import sys
+
+    from tests import oracle
+    from zephon_ray import Recipe
+    from zephon_ray.batch import compute_digest
+    from zephon_ray.pipeline import LaneGroup
+    from zephon_ray.stream.local import LocalSlices
+
+    steps = 130
+    for name in ("prose", "code"):
+        records = [line for f in sorted((TINY.parent / "data" / "tiny" / name).glob("*.jsonl")) for line in open(f)]
+        out = tmp_path / "data" / name
+        out.mkdir(parents=True)
+        for i, record in enumerate(records * 4):
+            (out / f"shard-{i:05d}.jsonl").write_text(record)
+        subprocess.run([sys.executable, "-m", "zephon.build_index", "jsonl", str(out)], check=True, capture_output=True)
+    (tmp_path / "r.toml").write_text(TINY.read_text().replace("data/tiny/", "data/"))
+    bucket = s3.new_bucket("zr-faults-shards")
+    client, files = s3.client(), [f for f in sorted(tmp_path.rglob("*")) if f.is_file()]
+    with ThreadPoolExecutor(10) as pool:  # 963 objects; 10: boto3's connection pool
+        list(pool.map(lambda f: client.upload_file(str(f), bucket, f"run/{f.relative_to(tmp_path)}"), files))
+    expected = oracle.digests(tmp_path / "r.toml", steps)
+
+    recipe = Recipe.from_toml(f"s3://{bucket}/run/r.toml")
+    reader = LocalSlices(recipe, rank=0, world=1, lane_group=LaneGroup(), depth=2, checkpoint_every=8)
+    caplog.set_level(logging.WARNING, logger="zephon_ray.stream.local")
+
+    def remade() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "making it again" in r.getMessage()]
+
+    def end_outage() -> None:
+        deadline = time.monotonic() + 300  # then the assertions below fail
+        while not remade() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        time.sleep(5)
+        s3.faults.up()
+
+    try:
+        reader.reset()
+        got = []
+        for step in range(steps):
+            piece = reader.next(timeout=400)
+            got.append(compute_digest(piece.tokens, piece.positions))
+            if step == 0:
+                s3.faults.down()
+                threading.Thread(target=end_outage, daemon=True).start()
+    finally:
+        s3.faults.up()
+        reader.close()
+    assert remade() and "at step 0:" not in remade()[0], remade()  # the outage met a read mid-run
+    assert got == expected
+
+
 @pytest.fixture(scope="module")
 def service(ray_cluster, s3, bucket):
     """The issue's service: sources and state_dir in buckets, 2 producers, K=2, a run id, the hosted TCPStore."""

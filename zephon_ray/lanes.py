@@ -370,29 +370,44 @@ S = TypeVar("S", bound=LaneStepper)
 
 
 def first_step(
-    build: Callable[[], S], what: str, *, built: S | None = None, stop: threading.Event | None = None
+    build: Callable[[], S],
+    what: str,
+    *,
+    built: S | None = None,
+    stop: threading.Event | None = None,
+    through: int | None = None,
 ) -> tuple[S, dict[int, LaneShard]]:
     """A stepper from ``build()`` (or ``built``, already made) and its first step, with a transient storage fault
-    waited out within the storage budget (:func:`zephon_ray.storage.retry`).
+    waited out within the storage budget (:func:`zephon_ray.storage.retry`); with ``through``, the stepper goes on,
+    inside the same retry, until it has made step ``through``, and that step's shards are returned (the steps from
+    the state ``build()`` restores up to ``through`` are replayed: batch s is a pure function of s).
 
     Zephon opens its storage at a pipeline's first step, not when the pipeline is built or restored: the engine
     attaches its dataset catalogs then, reading each source's index or listing it. A stepper made before an outage
     therefore fails at its first step, however long its start was retried. A failed attempt may have consumed part
-    of Zephon's stream, so each retry closes the stepper and calls ``build()`` again. Later steps are not retried
-    here: a pipeline that has opened its storage reads through Zephon's own retries, and a caller restarts from its
-    checkpoint when they give up. A permanent fault, or a budget spent, is raised as :func:`retry` raises it;
-    ``stop``, once set, ends the wait before the next attempt (a final ``StorageError``), so that a closed reader's
-    thread does not go on rebuilding pipelines for the rest of the budget."""
+    of Zephon's stream, so each retry closes the stepper and calls ``build()`` again. A permanent fault, or a budget
+    spent, is raised as :func:`retry` raises it; ``stop``, once set, ends the wait before the next attempt or
+    replayed step (a final ``StorageError``), so that a closed reader's thread does not go on rebuilding pipelines
+    for the rest of the budget. A later step is the caller's: a pipeline that has opened its storage reads through
+    Zephon's own retries, and a caller whose read fails past them rebuilds from a checkpoint with this function
+    (local mode) or restarts its producer group (service mode)."""
     from zephon_ray import storage
 
     pending = [] if built is None else [built]
 
-    def attempt() -> tuple[S, dict[int, LaneShard]]:
+    def stopped() -> None:
         if stop is not None and stop.is_set():
             raise storage.StorageError(f"{what}: stopped while waiting for storage", transient=False)
+
+    def attempt() -> tuple[S, dict[int, LaneShard]]:
+        stopped()
         stepper = pending.pop() if pending else build()
         try:
-            return stepper, stepper.next_step()
+            shards = stepper.next_step()
+            while through is not None and stepper.position <= through:
+                stopped()
+                shards = stepper.next_step()
+            return stepper, shards
         except BaseException:
             stepper.close(background=True)
             raise

@@ -227,13 +227,13 @@ class ProvenanceStepper(LaneStepper):
     def __init__(self, recipe: Recipe, group: LaneGroup = LaneGroup()) -> None:
         self._names = (recipe.source_names, tuple(tuple(x.name for x in s.shards) for s in recipe.sources))
         self.pieces: dict[int, list[tuple[Piece, ...]]] = {}
-        self.collect = True
-        """Build ``pieces`` (off while replaying up to a wanted step)."""
+        self.collect_from = 0
+        """Build ``pieces`` for the steps from this one on (those before it are replayed up to a wanted step)."""
         super().__init__(recipe, group)
 
     def _shard(self, lane: int, microbatches: list[Any]) -> LaneShard:
         shard = super()._shard(lane, microbatches)
-        if self.collect:
+        if self.position >= self.collect_from:
             records = [rec for mb in microbatches for rec in mb.records]
             self.pieces[lane] = [self._row_pieces(rec, lane, i) for i, rec in enumerate(records)]
         return shard
@@ -335,11 +335,10 @@ class ProvenanceSource:
 
     def _compute(self, step: int) -> tuple[np.ndarray, np.ndarray, StepProvenance]:
         stepper = self._stepper_for(step)
-        stepper.collect = False
+        stepper.collect_from = step
         while stepper.position < step:
             stepper.next_step()
             self.stats["steps_replayed"] += 1
-        stepper.collect = True
         shards = stepper.next_step()
         recipe = self.recipe
         tokens = np.concatenate([shards[lane].tokens for lane in range(recipe.lanes)])

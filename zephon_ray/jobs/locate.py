@@ -156,12 +156,12 @@ def scan(recipe: Recipe, target: RecordRef, steps: range, *, group: Any = None) 
     key = (target.source, target.shard, target.record)
     per_lane = recipe.rows_per_lane
     fresh: list[Hit] = []
+    stepper.collect_from = steps.start  # the steps before the range are replayed without looking
     try:
         while stepper.position < steps.stop:
             step = stepper.position
-            stepper.collect = step >= steps.start  # the steps before the range are replayed without looking
             stepper.next_step()
-            if stepper.collect:
+            if step >= steps.start:
                 for lane in stepper.lanes:
                     for i, pieces in enumerate(stepper.pieces[lane]):
                         fresh.extend(

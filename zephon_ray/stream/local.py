@@ -12,6 +12,11 @@ speculatively while a peer may be shutting down; that costs one step of read-ahe
 steps. ``state()`` at boundary s carries the newest checkpoint at or before s (key ``checkpoint``); a reset with it
 restores that checkpoint and replays the steps up to s, the same restore-and-replay rule as the service's.
 
+Storage faults: a pipeline's first step (where Zephon opens its storage) waits an outage out within the storage
+budget. A later read that fails past Zephon's own retries is made again from the newest kept checkpoint, within the
+same budget, by a reader that is the run's only lane group (W = 1); with W > 1 it fails the read, since Zephon's
+collective checkpoints need every reader to restore the same checkpoint together (the trainer resumes from its own).
+
 Limits: a collective checkpoint blocks until every rank reaches it (Zephon's aggregate timeout, 120 s), so ranks must
 consume in lock-step (they do: every optimizer step needs every rank). Resuming between checkpoints replays up to
 ``checkpoint_every - 1`` steps (or every step since the start, when checkpoints are off).
@@ -19,14 +24,17 @@ consume in lock-step (they do: every optimizer step needs every rank). Resuming 
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any, cast
 
+from zephon_ray import storage
 from zephon_ray.batch import RankSlice, lane_span, valid_tokens
 from zephon_ray.checks import check_int
+from zephon_ray.errors import one_line
 from zephon_ray.identity import verify_on_node
 from zephon_ray.lanes import LaneShard, LaneStepper, StepStateError, check_step_state, first_step
 from zephon_ray.pipeline import LaneGroup
@@ -36,6 +44,8 @@ from zephon_ray.source import fixed_valid_tokens, pad_token_id
 from zephon_ray.stream.prefetch import PrefetchedSlices
 
 _KEEP_CHECKPOINTS = 4
+
+log = logging.getLogger(__name__)
 
 
 class LocalSlices(PrefetchedSlices):
@@ -141,6 +151,53 @@ class LocalSlices(PrefetchedSlices):
 
     # ------------------------------------------------------------------ producer thread
     def _produce(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event) -> Iterator[RankSlice]:
+        stepper, shards = self._open(step, checkpoint, stop)
+        try:
+            while True:
+                yield self._slice(stepper, step, shards)
+                step += 1
+                self._set_producing(step)
+                if stop.is_set():
+                    return
+                if self._due(step) and step not in self._checkpoints:  # (taken already when step was rebuilt)
+                    with self._cond:  # wait until this reader's trainer took step - 1
+                        while not stop.is_set() and self._consumer_next < step:
+                            self._cond.wait(0.2)  # this reader's own trainer; close() sets stop
+                    if stop.is_set():
+                        return
+                    checkpoint = stepper.checkpoint()  # collective when world > 1
+                    with self._cond:
+                        self._checkpoints[step] = checkpoint
+                        while len(self._checkpoints) > _KEEP_CHECKPOINTS:
+                            self._checkpoints.popitem(last=False)
+                        self._cond.notify_all()
+                try:
+                    shards = stepper.next_step()
+                except Exception as exc:
+                    # Only a reader that is the one lane group makes a step again on its own: Zephon's collective
+                    # checkpoints need every group of a run to restore the same checkpoint together (a group
+                    # restored alone would take its next round in another namespace than its peers).
+                    if self.world > 1 or not storage.is_transient(exc):
+                        raise
+                    # Zephon's own retries gave up (an outage longer than they last, while a shard is fetched): the
+                    # step is made again from the newest kept checkpoint, the storage budget waited out (_open).
+                    at, checkpoint = self._newest_kept(step)
+                    log.warning(
+                        "local-mode rank %d of %d at step %d: %s; making it again from the checkpoint at step %d",
+                        *(self.rank, self.world, step, one_line(exc, 300), at),
+                    )
+                    stepper.close(background=True)
+                    stepper, shards = self._open(step, checkpoint, stop)
+        finally:
+            stepper.close(background=True)
+
+    def _open(
+        self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event
+    ) -> tuple[LaneStepper, dict[int, LaneShard]]:
+        """A stepper restored from ``checkpoint`` (None: a fresh pipeline) that has made ``step`` (the steps between
+        replayed: batch s is a pure function of s), and that step's shards. Zephon opens its storage at a pipeline's
+        first step, so an outage is waited out there and during the replay (``first_step``)."""
+
         def build() -> LaneStepper:
             # With source ids this reader's lane group runs the provenance-mode pipeline: the same rows, with each
             # token's document (zephon_ray.provenance).
@@ -149,6 +206,8 @@ class LocalSlices(PrefetchedSlices):
                 if self.source_ids
                 else LaneStepper(self.recipe, self.lane_group)
             )
+            if isinstance(stepper, ProvenanceStepper):
+                stepper.collect_from = step  # documents for the steps handed out, not those replayed
             # Every reader's checkpoints record every lane's position (so a phase added while running can start
             # from them), and their exchange checks that the readers agree on the whole schedule (zephon_ray.lanes).
             stepper.keep_positions = True
@@ -158,41 +217,19 @@ class LocalSlices(PrefetchedSlices):
             except BaseException:
                 stepper.close()
                 raise
-            # A ProvenanceStepper collects documents for the steps it hands out, not those it replays.
-            stepper.collect = stepper.position >= step  # type: ignore[attr-defined]  # a LaneStepper ignores it
             return stepper
 
-        # Zephon opens its storage at the first step: an outage there is waited out (first_step), whether that step
-        # is replayed (restore-and-replay: batch s is a pure function of s) or handed out.
-        stepper, shards = first_step(build, f"local-mode rank {self.rank} of {self.world} at step {step}", stop=stop)
+        what = f"local-mode rank {self.rank} of {self.world} at step {step}"
+        stepper, shards = first_step(build, what, stop=stop, through=step)
         self._stepper = stepper
-        try:
-            first: dict[int, LaneShard] | None = shards if stepper.position == step + 1 else None
-            while stepper.position < step and not stop.is_set():
-                stepper.next_step()
-            stepper.collect = True  # type: ignore[attr-defined]  # (as above)
-            if first is not None:
-                yield self._slice(stepper, step, first)
-                self._set_producing(step + 1)
-            while not stop.is_set():
-                s = stepper.position
-                self._set_producing(s)
-                if self._due(s):
-                    with self._cond:  # wait until this reader's trainer took step s - 1
-                        while not stop.is_set() and self._consumer_next < s:
-                            self._cond.wait(0.2)  # this reader's own trainer; close() sets stop
-                    if stop.is_set():
-                        return
-                    checkpoint = stepper.checkpoint()  # collective when world > 1
-                    with self._cond:
-                        self._checkpoints[s] = checkpoint
-                        while len(self._checkpoints) > _KEEP_CHECKPOINTS:
-                            self._checkpoints.popitem(last=False)
-                        self._cond.notify_all()
-                yield self._slice(stepper, s, stepper.next_step())
-                self._set_producing(s + 1)
-        finally:
-            stepper.close(background=True)
+        return stepper, shards
+
+    def _newest_kept(self, step: int) -> tuple[int, dict[str, Any] | None]:
+        """The newest kept checkpoint at or before ``step``, and its step. One always exists: the reset's own is
+        dropped only for a newer one, and every kept one is at or before the step being made."""
+        with self._cond:
+            at = max(s for s in self._checkpoints if s <= step)
+            return at, self._checkpoints[at]
 
     def _slice(self, stepper: LaneStepper, step: int, shards: dict[int, LaneShard]) -> RankSlice:
         """This reader's slice of ``step`` from its lane group's ``shards``."""

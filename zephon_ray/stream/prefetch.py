@@ -23,6 +23,7 @@ from typing import Any, cast
 
 from zephon_ray.batch import RankSlice
 from zephon_ray.checks import check_int, check_reader
+from zephon_ray.errors import one_line
 from zephon_ray.stream.slice_stream import (
     STATE_CHECKPOINT,
     STATE_NEXT_STEP,
@@ -152,7 +153,7 @@ class PrefetchedSlices(SliceStream):
         err = self._error
         return SliceStreamError(
             f"zephon-ray {self._name} slice stream failed at step {step} (rank {self.rank} of "
-            f"{self.world}): {type(err).__name__}: {err}"
+            f"{self.world}): {type(err).__name__}: {one_line(err, 600)}"
         )
 
     def _loop(self, step: int, checkpoint: dict[str, Any] | None, stop: threading.Event, out: queue.Queue) -> None:
