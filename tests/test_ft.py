@@ -265,6 +265,33 @@ def test_a_quorum_with_more_readers_than_rows_stops_before_the_step(tmp_path):
         assert "it supports 1-2 participants" in message and "the step was not run" in message
 
 
+def test_the_churn_examples_rejoin_wait_ends_in_one_line_when_the_new_group_exits_first():
+    """examples/torchft_churn.py holds the live groups until a rejoining group has asked the (real) Lighthouse for a
+    quorum, as its status page counts. A new process that exits without asking ends that wait at once, in one line
+    naming the group, instead of at the 120 s bound or never."""
+    import importlib.util
+    import time
+
+    from torchft.coordination import LighthouseServer
+
+    from tests.conftest import one_line
+
+    spec = importlib.util.spec_from_file_location("torchft_churn", CHURN)
+    churn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(churn)
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=2000, heartbeat_timeout_ms=2000)
+    try:
+        exited = subprocess.Popen([sys.executable, "-c", "pass"])
+        exited.wait(60)
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError) as info:
+            churn._wait_joined(lighthouse.address(), 1, exited)
+        assert time.monotonic() - t0 < 30
+        one_line(info.value, "group 1 (a new process) never asked the Lighthouse for a quorum")
+    finally:
+        lighthouse.shutdown()
+
+
 def test_local_mode_is_refused_with_the_reason():
     from zephon_ray.stream.ft import FtSlices
     from zephon_ray.stream.loader import LoaderConfig

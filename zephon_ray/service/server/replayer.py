@@ -31,7 +31,7 @@ import numpy as np
 
 from zephon_ray.formats.materialized import MaterializedSource
 from zephon_ray.identity import verify_on_node
-from zephon_ray.lanes import LaneShard, LaneStepper, first_step
+from zephon_ray.lanes import KEY_NEXT_STEP, LaneShard, LaneStepper, first_step
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.errors import describe
 from zephon_ray.service.server.producer import node_name, put_shards, worker_id
@@ -99,15 +99,18 @@ class Replayer:
                     fresh.restore(state)
                 return fresh
 
-            # A new stepper opens Zephon's storage at its first step: an outage there is waited out (first_step).
-            stepper, shards = first_step(build, f"replayer at step {step}")
+            # A new stepper opens Zephon's storage at its first step: an outage there, or during the replay up to
+            # step, is waited out (first_step).
+            stepper, shards = first_step(build, f"replayer at step {step}", through=step)
             self._stepper = stepper
             self.stats["restores"] += 1
-            self.stats["steps_replayed"] += 1
+            made = step + 1 - (0 if state is None else int(state[KEY_NEXT_STEP]))
+        else:
+            made = step + 1 - stepper.position
+            while stepper.position <= step:
+                shards = stepper.next_step()
         self.stats["replays"] += 1
-        self.stats["steps_replayed"] += step - stepper.position + 1
-        while stepper.position <= step:
-            shards = stepper.next_step()
+        self.stats["steps_replayed"] += made
         assert shards is not None  # the stepper was at or before step
         return put_shards(step, [shards[lane] for lane in range(self.recipe.lanes)])
 
