@@ -390,7 +390,7 @@ def first_step(
     replayed step (a final ``StorageError``), so that a closed reader's thread does not go on rebuilding pipelines
     for the rest of the budget. A later step is the caller's: a pipeline that has opened its storage reads through
     Zephon's own retries, and a caller whose read fails past them rebuilds from a checkpoint with this function
-    (local mode) or restarts its producer group (service mode)."""
+    (a local-mode reader that is the run's only lane group) or restarts its producer group (service mode)."""
     from zephon_ray import storage
 
     pending = [] if built is None else [built]
