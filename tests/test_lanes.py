@@ -82,7 +82,8 @@ def test_checkpoint_refuses_when_next_step_is_buffered(tiny_recipe):
 
 
 @pytest.mark.parametrize(
-    ("recipe_name", "steps", "restart_every", "restarts"), [("tiny", 170, 3, 56), ("phased", 6, 1, 4)]
+    ("recipe_name", "steps", "restart_every", "restarts"),
+    [pytest.param("tiny", 170, 3, 56, marks=pytest.mark.heavy), ("phased", 6, 1, 4)],
 )
 def test_restarts_change_no_row(recipe_name, steps, restart_every, restarts):
     """The pipeline restarted from its own checkpoint every few steps (what bounds Zephon's buffers over a long run)

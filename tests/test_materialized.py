@@ -172,6 +172,7 @@ def test_a_row_group_corrupted_in_place_is_detected_on_read(materialized_dir, tm
     assert size > 0
 
 
+@pytest.mark.heavy
 def test_to_dataset_reads_the_parquet_lazily(materialized_dir, tiny_recipe, reference_digests):
     from zephon_ray import GlobalBatchSource, MaterializedSource, compute_digest
     from zephon_ray.formats.materialized import batch_table, dataset_schema

@@ -384,6 +384,7 @@ def test_service_and_materialised_runs_cross_the_boundaries(ray_cluster, tmp_pat
 ADD_PHASE_OPTS = dict(name="zr-add-phase", namespace="zr-add-phase", checkpoint_every=2, read_path="direct")
 
 
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_a_phase_added_to_a_running_service(ray_cluster, tmp_path):
     """A service started from tiny (no phases; 2 producers, which then record every lane's position in their

@@ -141,6 +141,7 @@ def test_restart_from_state_dir_twice_far_apart(ray_cluster, tiny_recipe, refere
     _restart_cycles(tiny_recipe, reference_digests, tmp_path, [(21, 30, 2), (157, 165, 1)])
 
 
+@pytest.mark.heavy
 def test_rescale_2_1_2_keeps_batches(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     svc = start_service(tiny_recipe, tmp_path, "rescale", producers=2)
     try:

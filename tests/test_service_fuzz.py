@@ -511,6 +511,7 @@ def _kill_coordinator(svc, wait_for_restart: bool = False) -> None:
     )
 
 
+@pytest.mark.heavy
 def test_regression_a_refused_far_read_then_a_coordinator_restart(ray_cluster, tiny_recipe, tmp_path):
     """Issue 38's sequence: reads 0-4, a read of 10**6 (refused), step 5, commit 6, kill -9 of the coordinator, then
     steps 6-15. The refused read's cursor move stayed in the client's unsent moves (put back when its call failed)
@@ -535,6 +536,7 @@ def test_regression_a_refused_far_read_then_a_coordinator_restart(ray_cluster, t
         svc.stop()
 
 
+@pytest.mark.heavy
 def test_regression_a_waiting_lease_keeps_no_other_consumer_alive(ray_cluster, tiny_recipe, tmp_path):
     """Found by the fuzzer (seed 13): consumer ``eval`` reads step 2 and moves to step 3 (``advance``: the move waits in
     the process to go with its next call), then ``trainer`` reads step 31, far past the window. The trainer's call
@@ -555,6 +557,7 @@ def test_regression_a_waiting_lease_keeps_no_other_consumer_alive(ray_cluster, t
         svc.stop()
 
 
+@pytest.mark.heavy
 def test_regression_ranks_far_past_their_commit_after_a_restart(ray_cluster, tiny_recipe, tmp_path):
     """A trainer more than ``max_ahead`` steps past its last commit when the coordinator restarts: the new incarnation
     starts at the commit, and refused the trainer's next read as past ``max_ahead`` (a ValueError that ends a
@@ -582,6 +585,7 @@ def test_regression_ranks_far_past_their_commit_after_a_restart(ray_cluster, tin
         svc.stop()
 
 
+@pytest.mark.heavy
 def test_regression_an_untracked_read_past_the_window_after_a_producer_kill(ray_cluster, tiny_recipe, tmp_path):
     """Found by the long fuzz run: a consumer reads step 14, so producers make steps up to 17; a producer is killed
     -9 (its steps leave the table) and the consumer's rank at another world size reads step 3, so the live window
