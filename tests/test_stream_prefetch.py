@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from tests.conftest import one_line
 from zephon_ray import GlobalBatchSource, compute_digest
 from zephon_ray.stream.prefetch import PrefetchedSlices
 from zephon_ray.stream.slice_stream import (
@@ -35,7 +36,7 @@ class ReferenceSlices(PrefetchedSlices):
             s = step
             while not stop.is_set():
                 if s == self.fail_at:
-                    raise OSError(f"disk gone at step {s}")
+                    raise OSError(f"disk gone at step {s}\n\nDebug source:\n  Generic {{ store: ... }}")  # as obstore
                 time.sleep(self.delay_s)
                 self.produced.append(s)
                 yield source.batch(s).slice(self.rank, self.world)
@@ -114,6 +115,7 @@ def test_a_producer_error_reaches_get_with_its_step_and_cause(tiny_recipe):
     ) as info:
         source.next(timeout=60)
     assert isinstance(info.value.__cause__, OSError)
+    one_line(info.value, "disk gone at step 1 Debug source: Generic { store: ... }")  # the cause's lines, joined
     source.close()
 
 
