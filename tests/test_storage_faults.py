@@ -257,7 +257,8 @@ def test_local_mode_makes_a_step_again_when_its_read_fails_past_zephons_retries(
 
     steps = 130
     for name in ("prose", "code"):
-        records = [line for f in sorted((TINY.parent / "data" / "tiny" / name).glob("*.jsonl")) for line in open(f)]
+        shards = sorted((TINY.parent / "data" / "tiny" / name).glob("*.jsonl"))
+        records = [line for f in shards for line in f.read_text().splitlines(keepends=True)]
         out = tmp_path / "data" / name
         out.mkdir(parents=True)
         for i, record in enumerate(records * 4):
