@@ -240,11 +240,11 @@ def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cl
 @pytest.mark.heavy
 def test_local_mode_makes_a_step_again_when_its_read_fails_past_zephons_retries(s3, tmp_path, caplog):
     """Mid-run, a local-mode reader's Zephon read of a shard it has not fetched fails once Zephon's own retries give
-    up (5 attempts, each with obstore's 10 retries: about 80 s into an outage here). The reader makes that step again
-    from its newest checkpoint, waiting for storage within the storage budget, and every row is the oracle's. Before,
-    the rank's read failed with obstore's error. One record per shard, so that the reader needs a new shard about
-    every step: Zephon's prefetch runs some 90 steps ahead of it here, so the outage meets a fetch mid-run (near step
-    98). The endpoint stays down until the reader has given Zephon's read up, and 5 s more."""
+    up (5 attempts, each with obstore's 10 retries: 79 s into the outage, in one run). The reader makes that step
+    again from its newest checkpoint, waiting for storage within the storage budget, and every row is the oracle's.
+    Before, the rank's read failed with obstore's error. One record per shard, so that the reader needs a new shard
+    about every step: Zephon's prefetch runs some 90 steps ahead of it here, so the outage meets a fetch mid-run
+    (near step 98). The endpoint stays down until the reader has given Zephon's read up, and 5 s more."""
     import logging
     import subprocess
     import sys
