@@ -1,13 +1,14 @@
 """Data-service throughput and latency against in-process reading, the same work on both sides, in rounds.
 
-    python benchmarks/bench_service.py [--recipe recipes/mixture.toml] [--steps 40] [--rounds 2]
+    python benchmarks/bench_service.py [--recipe recipes/mixture.toml] [--steps 40] [--rounds 4]
 
 Each side reads whole global batches of steps 1..N (after step 0, the warm-up) and computes their digests:
 - ``local``: ``GlobalBatchSource(recipe).batch(s).digest`` in this process;
 - ``service M=1`` and ``service M=2``: a fresh service per round, ``DataService.batch(s, track=True).digest``
-  (producers run ahead of the reader by at most ``window``), every digest checked against the local side's.
-The sides alternate: round r runs them in the order local, M=1, M=2 when r is even and reversed when r is odd, so
-machine noise hits every side. Ratios are medians of per-round ratios of end-to-end tokens/s (what the reader
+  (producers run ahead of the reader by at most ``window``), every digest checked against the local side's;
+- ``service M=1 per lane``: M=1 with ``pack_bytes=0``, one object per lane shard instead of the default packs
+  (``ServiceConfig.pack_bytes``).
+The sides rotate: round r starts r places further along the list, so machine noise hits every side. Ratios are medians of per-round ratios of end-to-end tokens/s (what the reader
 sees); the producers' own rate (first to last produced step) is reported beside it, never divided by a local rate.
 Then the latency of ``slice(s, r, W)`` for a warm step (inside the live window): p50/p99.
 
@@ -42,7 +43,11 @@ def run_local(recipe, steps: int) -> tuple[float, list[str]]:
     return steps * recipe.tokens_per_step / elapsed, digests
 
 
-def run_service(recipe, steps: int, producers: int, window: int, tag: str) -> dict:
+SERVICE_SIDES = {"m1": (1, None), "m1_per_lane": (1, 0), "m2": (2, None)}
+"""Each service side's producers and ``pack_bytes`` (None: the default)."""
+
+
+def run_service(recipe, steps: int, producers: int, pack_bytes: int | None, window: int, tag: str) -> dict:
     from zephon_ray import DataService
 
     state_dir = tempfile.mkdtemp(prefix="zr-bench-state-")
@@ -56,6 +61,7 @@ def run_service(recipe, steps: int, producers: int, window: int, tag: str) -> di
         checkpoint_every=8,
         run_id=f"bench-{tag}",
         aggregate_store="torch://" if producers > 1 else None,
+        **({} if pack_bytes is None else {"pack_bytes": pack_bytes}),
     )
     try:
         svc.batch(0, track=True)  # tracked: this consumer moves the window (untracked reads would be replays)
@@ -68,7 +74,7 @@ def run_service(recipe, steps: int, producers: int, window: int, tag: str) -> di
             "produced": thr["tokens_per_s"],
             "digests": digests,
         }
-        if producers == 1:
+        if producers == 1 and pack_bytes is None:
             out["slice_ms"] = slice_latency(svc, steps, recipe)
         return out
     finally:
@@ -92,7 +98,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--recipe", default=str(ROOT / "recipes" / "mixture.toml"))
     ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--window", type=int, default=8)
     args = ap.parse_args()
 
@@ -117,23 +123,28 @@ def main() -> None:
     try:
         run_local(recipe, 2)  # warm caches (catalog, tokenizer, page cache)
         rounds = []
+        sides = ["local", *SERVICE_SIDES]
         for r in range(args.rounds):
-            order = ["local", "m1", "m2"] if r % 2 == 0 else ["m2", "m1", "local"]
+            order = sides[r % len(sides) :] + sides[: r % len(sides)]
             got = {}
             for side in order:
                 if side == "local":
                     got["local"], got["local_digests"] = run_local(recipe, args.steps)
                 else:
-                    got[side] = run_service(recipe, args.steps, int(side[1]), args.window, f"{side}-{r}")
-            wrong = sum(a != b for side in ("m1", "m2") for a, b in zip(got[side].pop("digests"), got["local_digests"]))
+                    got[side] = run_service(recipe, args.steps, *SERVICE_SIDES[side], args.window, f"{side}-{r}")
+            wrong = sum(
+                a != b for side in SERVICE_SIDES for a, b in zip(got[side].pop("digests"), got["local_digests"])
+            )
             got["wrong_steps"] = wrong
             del got["local_digests"]
             rounds.append(got)
             print(
-                f"round {r} ({', '.join(order)}): local {got['local'] / 1e6:.3f}  M=1 e2e "
-                f"{got['m1']['end_to_end'] / 1e6:.3f} (produced {got['m1']['produced'] / 1e6:.3f})  M=2 e2e "
-                f"{got['m2']['end_to_end'] / 1e6:.3f} (produced {got['m2']['produced'] / 1e6:.3f})  (M tok/s), "
-                f"wrong steps {wrong}",
+                f"round {r} ({', '.join(order)}): local {got['local'] / 1e6:.3f}  "
+                + "  ".join(
+                    f"{side} e2e {got[side]['end_to_end'] / 1e6:.3f} (produced {got[side]['produced'] / 1e6:.3f})"
+                    for side in SERVICE_SIDES
+                )
+                + f"  (M tok/s), wrong steps {wrong}",
                 flush=True,
             )
     finally:
@@ -150,29 +161,36 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "wrong_steps": sum(x["wrong_steps"] for x in rounds),
         "local_tokens_per_s": [x["local"] for x in rounds],
-        "m1_end_to_end_tokens_per_s": [x["m1"]["end_to_end"] for x in rounds],
-        "m2_end_to_end_tokens_per_s": [x["m2"]["end_to_end"] for x in rounds],
-        "m1_produced_tokens_per_s": [x["m1"]["produced"] for x in rounds],
-        "m2_produced_tokens_per_s": [x["m2"]["produced"] for x in rounds],
-        "ratio_m1_end_to_end_vs_local": med(x["m1"]["end_to_end"] / x["local"] for x in rounds),
-        "ratio_m2_end_to_end_vs_local": med(x["m2"]["end_to_end"] / x["local"] for x in rounds),
-        "ratio_m2_vs_m1_end_to_end": med(x["m2"]["end_to_end"] / x["m1"]["end_to_end"] for x in rounds),
-        "slice_warm_ms": rounds[-1]["m1"]["slice_ms"],
     }
-    lat = result["slice_warm_ms"]
-    print()
-    print(f"{'measure':<46}{'value':>12}")
-    print(f"{'local GlobalBatchSource (M tok/s, median)':<46}{med(result['local_tokens_per_s']) / 1e6:>12.3f}")
-    print(f"{'service M=1 end-to-end (M tok/s, median)':<46}{med(result['m1_end_to_end_tokens_per_s']) / 1e6:>12.3f}")
-    print(f"{'service M=2 end-to-end (M tok/s, median)':<46}{med(result['m2_end_to_end_tokens_per_s']) / 1e6:>12.3f}")
-    print(
-        f"{'service M=1 producers alone (M tok/s, median)':<46}{med(result['m1_produced_tokens_per_s']) / 1e6:>12.3f}"
+    for side in SERVICE_SIDES:
+        result[f"{side}_end_to_end_tokens_per_s"] = [x[side]["end_to_end"] for x in rounds]
+        result[f"{side}_produced_tokens_per_s"] = [x[side]["produced"] for x in rounds]
+        result[f"ratio_{side}_end_to_end_vs_local"] = med(x[side]["end_to_end"] / x["local"] for x in rounds)
+    for a, b in (("m1", "m1_per_lane"), ("m2", "m1")):
+        result[f"ratio_{a}_vs_{b}_end_to_end"] = med(x[a]["end_to_end"] / x[b]["end_to_end"] for x in rounds)
+    result["slice_warm_ms"] = rounds[-1]["m1"]["slice_ms"]
+    names = {"m1": "service M=1", "m1_per_lane": "service M=1 per lane", "m2": "service M=2"}
+    rows = [("local GlobalBatchSource (M tok/s, median)", f"{med(result['local_tokens_per_s']) / 1e6:.3f}")]
+    rows += [
+        (f"{names[side]} end-to-end (M tok/s, median)", f"{med(result[f'{side}_end_to_end_tokens_per_s']) / 1e6:.3f}")
+        for side in SERVICE_SIDES
+    ]
+    rows.append(
+        ("service M=1 producers alone (M tok/s, median)", f"{med(result['m1_produced_tokens_per_s']) / 1e6:.3f}")
     )
-    print(f"{'ratio M=1 end-to-end / local (same work)':<46}{result['ratio_m1_end_to_end_vs_local']:>12.3f}")
-    print(f"{'ratio M=2 end-to-end / local (same work)':<46}{result['ratio_m2_end_to_end_vs_local']:>12.3f}")
-    print(f"{'ratio M=2 / M=1 end-to-end':<46}{result['ratio_m2_vs_m1_end_to_end']:>12.3f}")
-    print(f"{'wrong steps (service digest != local digest)':<46}{result['wrong_steps']:>12d}")
-    print(f"{'slice warm p50 / p99 (ms, W=' + str(lat['world']) + ')':<46}{lat['p50']:>6.2f} /{lat['p99']:>5.2f}")
+    rows += [
+        (f"ratio {names[side]} end-to-end / local", f"{result[f'ratio_{side}_end_to_end_vs_local']:.3f}")
+        for side in SERVICE_SIDES
+    ]
+    rows.append(("ratio M=1 / M=1 per lane end-to-end", f"{result['ratio_m1_vs_m1_per_lane_end_to_end']:.3f}"))
+    rows.append(("ratio M=2 / M=1 end-to-end", f"{result['ratio_m2_vs_m1_end_to_end']:.3f}"))
+    rows.append(("wrong steps (service digest != local digest)", str(result["wrong_steps"])))
+    lat = result["slice_warm_ms"]
+    rows.append((f"slice warm p50 / p99 (ms, W={lat['world']})", f"{lat['p50']:.2f} / {lat['p99']:.2f}"))
+    print()
+    print(f"{'measure':<50}{'value':>14}")
+    for name, value in rows:
+        print(f"{name:<50}{value:>14}")
     print("RESULT " + json.dumps(result))
 
 

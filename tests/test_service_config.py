@@ -34,6 +34,8 @@ def test_valid_defaults():
         ({"aggregate_store": "tcp://h:1"}, "aggregate_store"),
         ({"name": "a/b"}, "name"),
         ({"consumer_ttl_s": 0}, "consumer_ttl_s"),
+        ({"pack_bytes": -1}, r"pack_bytes must be an int in \[0, 1073741824\], got -1"),
+        ({"pack_bytes": True}, "pack_bytes"),
     ],
 )
 def test_invalid_config_raises_at_construction(kwargs, words):

@@ -171,6 +171,7 @@ def test_a_producer_waits_out_an_outage_at_its_first_step(ray_cluster, s3, bucke
     from zephon_ray.batch import compute_digest
     from zephon_ray.pipeline import LaneGroup
     from zephon_ray.service.server.producer import Producer
+    from zephon_ray.service.wire import unpack
 
     producer = Producer(Recipe.from_toml(f"s3://{bucket}/recipes/tiny.toml"), LaneGroup())
     assert producer.info()["error"] is None
@@ -178,7 +179,7 @@ def test_a_producer_waits_out_an_outage_at_its_first_step(ray_cluster, s3, bucke
     s3.faults.refuse_for(20.0)  # longer than obstore's own retries (10 in 1.5-8 s), which hide a shorter one
     try:
         for step in range(3):
-            shards = ray.get(ray.get(producer.produce(step)["container"]))
+            shards = list(unpack(ray.get(ray.get(producer.produce(step)["container"]))).values())
             tokens = np.concatenate([s.tokens for s in shards])
             positions = np.concatenate([s.positions for s in shards])
             assert compute_digest(tokens, positions) == oracle_digests[step], step
@@ -200,6 +201,7 @@ def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cl
     from zephon_ray.batch import compute_digest
     from zephon_ray.pipeline import LaneGroup
     from zephon_ray.service.server.replayer import Replayer
+    from zephon_ray.service.wire import unpack
     from zephon_ray.stream.local import LocalSlices
 
     recipe = Recipe.from_toml(f"s3://{bucket}/recipes/tiny.toml")
@@ -214,7 +216,7 @@ def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cl
         return [compute_digest(s.tokens, s.positions) for s in (local.next(timeout=120) for _ in range(3))]
 
     def replay() -> str:
-        shards = ray.get(ray.get(replayer.replay(2, 0, None, 0)["container"]))
+        shards = list(unpack(ray.get(ray.get(replayer.replay(2, 0, None, 0)["container"]))).values())
         return compute_digest(np.concatenate([s.tokens for s in shards]), np.concatenate([s.positions for s in shards]))
 
     s3.faults.refuse_for(30.0)  # longer than obstore's own retries (as above)

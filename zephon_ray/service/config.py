@@ -169,6 +169,11 @@ class ServiceConfig:
     """n: a node reader leases the refs of up to n consecutive produced steps in one coordinator call, and reports
     its ranks' cursor moves with it; the coordinator sees O(nodes x steps / n) calls, not one per rank-step.
     Cursors on the coordinator lag by at most n steps (status()); commits carry exact ones."""
+    pack_bytes: int = 1 << 20
+    """A producer (or replayer) puts the shards of consecutive lanes that together hold at most this many bytes as
+    one object (a pack), so a step of small lanes costs it one put, and a reader one fetch, instead of one per lane
+    (benchmarks/bench_producer_put.py, bench_service.py). A reader of fewer lanes than a pack holds fetches the
+    whole pack: at most this many bytes more per pack it touches a step. 0: one object per lane."""
     read_path: str = "node"
     """The default read path of clients: ``node`` (a node reader per node shares leases among its ranks) or
     ``direct`` (one coordinator call per read). ``DataService.connect(read_path=...)`` overrides it."""
@@ -206,6 +211,7 @@ class ServiceConfig:
             ("keep_checkpoints", 1, 10_000),
             ("replayers", 1, 64),
             ("lease_steps", 1, 1024),
+            ("pack_bytes", 0, 1 << 30),
             ("coordinator_max_restarts", -1, 1_000_000),
         ):
             check_int(f"ServiceConfig: {key}", getattr(self, key), low=low, high=high)

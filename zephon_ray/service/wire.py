@@ -8,9 +8,11 @@ Both sides import it: the client, to send cursor moves and read replies, without
 
 - A **cursor move** is a :class:`CursorMove` ``(consumer, rank, world, step, idle_s)``: rank ``rank`` of ``world``
   took ``step``, and was last heard ``idle_s`` seconds ago. Node readers batch them onto their leases.
-- A step's shards travel as **containers**: each producer puts its L/M lane shards and then one small object
-  holding their refs (the container), and the coordinator holds only the M container refs of a step, so its
-  bookkeeping per step grows with M, not with L.
+- A step's shards travel as **containers**: each producer puts its L/M lane shards as *packs* (tuples of the
+  shards of consecutive lanes, at most ``ServiceConfig.pack_bytes`` together: server/producer.py) and then one small object
+  holding each lane's ref, the ref of the pack that holds it (the container). The coordinator holds only the M
+  container refs of a step, so its bookkeeping per step grows with M, not with L; a reader fetches each pack it
+  needs once (:func:`unpack`).
 - A **lease reply** (coordinator -> node reader, or a direct client) is a :class:`Reply` of
   :class:`StepContainers` ``(step, generation, groups, containers)``: consecutive steps from the first one asked
   for, each with the generation that made it (:data:`REPLAYED` for a replay, one container of all L lanes), the
@@ -133,6 +135,11 @@ def expand(groups: int, values: dict[int, list[Any]], lanes: int) -> list[Any]:
     for g, refs in values.items():
         out[g * per : (g + 1) * per] = refs
     return out
+
+
+def unpack(fetched: list[Any]) -> dict[int, Any]:
+    """The lane shards in fetched packs (tuples of lane shards; a pack fetched twice counts once), by lane."""
+    return {shard.lane: shard for pack in fetched for shard in pack}
 
 
 def only_lanes(lanes: list[Any], lo: int, hi: int) -> list[Any]:

@@ -31,6 +31,7 @@ from zephon_ray.checks import check_int
 from zephon_ray.lanes import LaneShard
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.errors import ReplyTimeoutError, ServiceError, ServiceNotFoundError, ShardsLostError
+from zephon_ray.service.wire import unpack
 from zephon_ray.source import assemble, fixed_valid_tokens
 
 LOST = (ObjectLostError, OwnerDiedError, ObjectFetchTimedOutError)
@@ -90,9 +91,10 @@ def as_step(step: Any, what: str = "step") -> int:
 class StepRefs:
     """One step's lane shards as Ray object refs, owned by the producer (or replayer) that made them.
 
-    ``lanes[l]`` is a ref to lane l's shard, ``None`` for lanes outside the (rank, world) it was asked for (a rank is
-    handed only the refs it needs). ``generation`` is the producer generation that made it (wire.REPLAYED for a
-    replay). Keep the object to keep the shards alive; ``slice`` and ``batch`` only fetch the lanes they need.
+    ``lanes[l]`` is a ref to the pack that holds lane l's shard (a tuple of the shards of consecutive lanes:
+    producer.py, :func:`~zephon_ray.service.server.producer.packs`), ``None`` for lanes outside the (rank, world) it
+    was asked for (a rank is handed only the refs it needs). ``generation`` is the producer generation that made it
+    (wire.REPLAYED for a replay). Keep the object to keep the shards alive; ``slice`` and ``batch`` only fetch the lanes they need.
     """
 
     step: int
@@ -114,8 +116,9 @@ class StepRefs:
             )
         if not self.is_refs:
             return picked
+        unique = list(dict.fromkeys(picked))  # a pack's ref stands for each of its lanes: fetch it once
         try:
-            return ray.get(picked, timeout=timeout_s)
+            fetched = ray.get(unique, timeout=timeout_s)
         except GetTimeoutError:
             raise ReplyTimeoutError(f"step {self.step}: its shards were not fetched within {timeout_s:.0f}s") from None
         except (*LOST, RayActorError, ActorUnavailableError) as exc:  # the node, owner, producer or replayer died
@@ -124,6 +127,8 @@ class StepRefs:
             ) from None
         except RayTaskError as exc:
             raise unwrap(exc, "(replay)") from None
+        by_lane = unpack(fetched)
+        return [by_lane[lane] for lane in lanes]
 
     def batch(self, *, timeout_s: float = FETCH_TIMEOUT_S) -> GlobalBatch:
         """The whole global batch, fetched within ``timeout_s`` (else a :class:`ReplyTimeoutError`)."""

@@ -226,6 +226,7 @@ class ProducerPool:
                         hold_steps=producer_hold_steps(
                             self.config.window, self.config.lease_steps, self.config.retain_behind
                         ),
+                        pack_bytes=self.config.pack_bytes,
                     )
                 )
                 lanes.append(group.owned_lanes(self.recipe.lanes))

@@ -59,13 +59,29 @@ def shard_meta(step: int, shards: list[LaneShard]) -> dict[str, int]:
     }
 
 
-def put_shards(step: int, shards: list[LaneShard], held: OwnedRefs | None = None) -> dict[str, Any]:
-    """Put ``shards`` into this process's object store (this worker owns them), then one small container object
-    holding their refs, and return their meta with the container's ref (wire.py: "containers"). ``held`` keeps
-    this process's own refs for a while (:class:`OwnedRefs`)."""
+def packs(shards: list[LaneShard], limit: int) -> list[tuple[LaneShard, ...]]:
+    """``shards`` (consecutive lanes, in order) cut into runs of at most ``limit`` bytes each (a shard of more is a
+    run of its own). Why packs: ``ServiceConfig.pack_bytes``."""
+    out: list[list[LaneShard]] = []
+    size = 0
+    for shard in shards:
+        n = shard_nbytes(shard)
+        if not out or size + n > limit:
+            out.append([])
+            size = 0
+        out[-1].append(shard)
+        size += n
+    return [tuple(run) for run in out]
+
+
+def put_shards(step: int, shards: list[LaneShard], pack_bytes: int, held: OwnedRefs | None = None) -> dict[str, Any]:
+    """Put ``shards`` into this process's object store (this worker owns them) as :func:`packs`, then one small
+    container object holding each lane's ref (the ref of the pack that holds it, so a pack's ref appears once per
+    lane in it), and return their meta with the container's ref (wire.py: "containers"). ``held`` keeps this
+    process's own refs for a while (:class:`OwnedRefs`)."""
     import ray
 
-    lanes = [ray.put(shard) for shard in shards]
+    lanes = [ref for run in packs(shards, pack_bytes) for ref in [ray.put(run)] * len(run)]
     container = ray.put(lanes)
     if held is not None:
         held.add(container, lanes)
@@ -132,10 +148,12 @@ class Producer:
         *,
         storage_retry_s: float | None = None,
         hold_steps: int = 0,
+        pack_bytes: int = 0,
     ) -> None:
         from zephon_ray import storage
 
         self.held = OwnedRefs(hold_steps)
+        self.pack_bytes = pack_bytes
         self.lanes = group.owned_lanes(recipe.lanes)
         self.init_error: str | None = None
         if storage_retry_s is not None:
@@ -186,7 +204,7 @@ class Producer:
     def produce(self, step: int) -> dict[str, Any]:
         """:func:`shard_meta` of the owned lanes' shards of ``step`` and their container (:func:`put_shards`)."""
         shards = self._next_step(step)
-        return put_shards(step, [shards[lane] for lane in self.lanes], self.held)
+        return put_shards(step, [shards[lane] for lane in self.lanes], self.pack_bytes, self.held)
 
     def skip(self, step: int) -> int:
         """Advance past a step that nobody needs stored (already held, or behind every consumer)."""

@@ -121,7 +121,12 @@ class ReplayScheduler:
                     max_restarts=-1,
                     max_task_retries=-1,
                 )
-                .remote(self._recipe_ref, config.materialized_dir, storage_retry_s=config.storage_retry_s)
+                .remote(
+                    self._recipe_ref,
+                    config.materialized_dir,
+                    storage_retry_s=config.storage_retry_s,
+                    pack_bytes=config.pack_bytes,
+                )
             )
             self.info_refs[i] = self.replayers[i].info.remote()
             self.info_refs[i].future().add_done_callback(lambda f, i=i: self._got_info(i, f))

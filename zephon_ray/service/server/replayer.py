@@ -43,13 +43,19 @@ class Replayer:
     """Plain class; the coordinator wraps it with ``ray.remote`` and its own CPUs."""
 
     def __init__(
-        self, recipe: Recipe, materialized_dir: str | None = None, *, storage_retry_s: float | None = None
+        self,
+        recipe: Recipe,
+        materialized_dir: str | None = None,
+        *,
+        storage_retry_s: float | None = None,
+        pack_bytes: int = 0,
     ) -> None:
         from zephon_ray import storage
 
         if storage_retry_s is not None:
             storage.set_retry_budget(storage_retry_s)
         self.recipe = recipe
+        self.pack_bytes = pack_bytes
         self.init_error: str | None = None
         self._stepper: LaneStepper | None = None
         self._materialized: MaterializedSource | None = None
@@ -112,7 +118,7 @@ class Replayer:
         self.stats["replays"] += 1
         self.stats["steps_replayed"] += made
         assert shards is not None  # the stepper was at or before step
-        return put_shards(step, [shards[lane] for lane in range(self.recipe.lanes)])
+        return put_shards(step, [shards[lane] for lane in range(self.recipe.lanes)], self.pack_bytes)
 
     def read(self, step: int) -> dict:
         """Step ``step`` of the materialised prefix as L lane shards plus their meta (see module doc)."""
@@ -132,7 +138,7 @@ class Replayer:
             for lane in range(self.recipe.lanes)
         ]
         self.stats["materialized_reads"] += 1
-        return put_shards(step, out)
+        return put_shards(step, out, self.pack_bytes)
 
     def close(self) -> None:
         if self._stepper is not None:
