@@ -24,16 +24,17 @@ def _shard(lane: int, tokens: int) -> LaneShard:
     )
 
 
-def test_packs_cut_consecutive_lanes_at_the_byte_limit():
-    shards = [_shard(lane, n) for lane, n in enumerate([10, 10, 10, 30, 5, 5, 100, 1])]  # bytes: 4 x tokens
+def test_packs_are_equal_aligned_runs_of_lanes_within_the_byte_limit():
+    shards = [_shard(lane, 10) for lane in range(8)]  # 40 bytes each
     lanes = lambda runs: [[s.lane for s in run] for run in runs]  # noqa: E731
-    assert lanes(packs(shards, 80)) == [[0, 1], [2], [3], [4, 5], [6], [7]]  # a run never passes 80 bytes
-    assert lanes(packs(shards, 400)) == [[0, 1, 2, 3, 4, 5], [6], [7]]
+    assert lanes(packs(shards, 80)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert lanes(packs(shards, 120)) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # 3 lanes fit, but 3 does not divide 8
+    assert lanes(packs(shards, 160)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
     assert lanes(packs(shards, 1 << 20)) == [list(range(8))]
-    assert lanes(packs(shards, 0)) == [[lane] for lane in range(8)]  # 0: one object per lane
-    for limit in (0, 80, 400):
-        for run in packs(shards, limit):
-            assert len(run) == 1 or sum(map(shard_nbytes, run)) <= limit
+    assert lanes(packs(shards, 79)) == lanes(packs(shards, 0)) == [[lane] for lane in range(8)]  # 0: one per lane
+    assert lanes(packs(shards[:6], 120)) == [[0, 1, 2], [3, 4, 5]]
+    assert lanes(packs([_shard(0, 1000)], 80)) == [[0]]  # a lane over the limit is a pack of its own
+    assert packs([], 80) == []
 
 
 @pytest.mark.parametrize("pack", ["default", "two lanes", pytest.param("per lane", marks=pytest.mark.heavy)])

@@ -170,10 +170,11 @@ class ServiceConfig:
     its ranks' cursor moves with it; the coordinator sees O(nodes x steps / n) calls, not one per rank-step.
     Cursors on the coordinator lag by at most n steps (status()); commits carry exact ones."""
     pack_bytes: int = 1 << 20
-    """A producer (or replayer) puts the shards of consecutive lanes that together hold at most this many bytes as
-    one object (a pack), so a step of small lanes costs it one put, and a reader one fetch, instead of one per lane
-    (benchmarks/bench_producer_put.py, bench_service.py). A reader of fewer lanes than a pack holds fetches the
-    whole pack: at most this many bytes more per pack it touches a step. 0: one object per lane."""
+    """A producer (or replayer) puts its lanes' shards as packs: equal runs of consecutive lanes, each one object of
+    at most this many bytes (the largest run that divides its lanes; a lane of more is a pack of its own). A step
+    of small lanes then costs it one put, and a reader one fetch, instead of one per lane
+    (benchmarks/bench_producer_put.py, bench_service.py). A reader of part of a pack fetches all of it: at most
+    this many bytes more per pack it touches a step. 0: one object per lane."""
     read_path: str = "node"
     """The default read path of clients: ``node`` (a node reader per node shares leases among its ranks) or
     ``direct`` (one coordinator call per read). ``DataService.connect(read_path=...)`` overrides it."""

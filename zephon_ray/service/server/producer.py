@@ -1,11 +1,12 @@
 """A producer: one Ray actor that is one Zephon rank owning L/M contiguous lanes of the recipe.
 
-    ProducerPool ──produce(s) / skip / checkpoint──► Producer ──ray.put──► lane shards + container (owned here)
+    ProducerPool ──produce(s) / skip / checkpoint──► Producer ──ray.put──► packs of lane shards + container
                  ◄── shard_meta(s) + the container's ref ──┘
 
-Guarantee: ``produce(s)`` puts this rank's lane shards of step s into the object store of its own node, one object
-per owned lane, bit-identical to the same lanes of ``GlobalBatchSource(recipe).batch(s)``, and returns one small
-value: :func:`shard_meta` plus the ref of a container holding the lane refs (:data:`KEY_CONTAINER`; the
+Guarantee: ``produce(s)`` puts this rank's lane shards of step s into the object store of its own node, as
+:func:`packs` (consecutive lanes up to ``ServiceConfig.pack_bytes`` to an object), bit-identical to the same lanes
+of ``GlobalBatchSource(recipe).batch(s)``, and returns one small value: :func:`shard_meta` plus the ref of a
+container holding each lane's ref, the ref of its pack (:data:`KEY_CONTAINER`; the
 coordinator's bookkeeping per step then grows with the producers, not the lanes). The producer is the **owner** of
 its shards and the container, whatever their size (``ray.put``, not return values: Ray inlines return values under
 100 KiB into the caller, which would make the coordinator own them). The coordinator only borrows the refs and
@@ -60,18 +61,15 @@ def shard_meta(step: int, shards: list[LaneShard]) -> dict[str, int]:
 
 
 def packs(shards: list[LaneShard], limit: int) -> list[tuple[LaneShard, ...]]:
-    """``shards`` (consecutive lanes, in order) cut into runs of at most ``limit`` bytes each (a shard of more is a
-    run of its own). Why packs: ``ServiceConfig.pack_bytes``."""
-    out: list[list[LaneShard]] = []
-    size = 0
-    for shard in shards:
-        n = shard_nbytes(shard)
-        if not out or size + n > limit:
-            out.append([])
-            size = 0
-        out[-1].append(shard)
-        size += n
-    return [tuple(run) for run in out]
+    """``shards`` (consecutive lanes, in order, all of one shape) cut into runs of ``d`` lanes each: the largest
+    divisor ``d`` of their count whose runs hold at most ``limit`` bytes (1 if none does). Equal runs that divide
+    the group start at multiples of ``d``, so a node whose ranks read an aligned share of the lanes (8 ranks of a
+    W = 64 job over 64 lanes: 8 lanes) fetches whole packs of its own lanes only. Why packs:
+    ``ServiceConfig.pack_bytes``."""
+    n = len(shards)
+    largest = max((shard_nbytes(s) for s in shards), default=0)
+    per = max((d for d in range(1, n + 1) if n % d == 0 and d * largest <= limit), default=1)
+    return [tuple(shards[i : i + per]) for i in range(0, n, per)]
 
 
 def put_shards(step: int, shards: list[LaneShard], pack_bytes: int, held: OwnedRefs | None = None) -> dict[str, Any]:
