@@ -22,6 +22,21 @@ def test_a_multi_line_message_is_one_line():
     assert "\n" not in got and got.startswith("ValueError: recipe recipes/x.toml:") and "rows_per_step 56" in got
 
 
+def test_notes_follow_the_message_instead_of_replacing_it():
+    """``add_note`` lines come after the message in Python's formatted lines: taking the last line gave the last
+    note alone ("while reading shard 3"), and the message naming the key was lost."""
+    error = KeyError("lane 7 of step 12")
+    error.add_note("while reading shard 3\nof source prose")
+    error.add_note("attempt 2 of 5")
+    got = describe(error)
+    assert got == "KeyError: 'lane 7 of step 12' (while reading shard 3 of source prose; attempt 2 of 5)"
+    try:
+        compile("x = (", "recipe.py", "exec")
+    except SyntaxError as syntax:
+        syntax.add_note("in recipe.py")
+        assert describe(syntax) == "SyntaxError: '(' was never closed (in recipe.py)"  # not its source lines
+
+
 def test_a_ray_task_error_is_its_cause_without_the_remote_traceback(ray_cluster):
     @ray.remote
     def fails():

@@ -68,7 +68,8 @@ async def reply_within(awaitable: Any, timeout_s: float) -> Any:
 
 
 def describe(exc: BaseException) -> str:
-    """One line for an error: a Ray task error's cause, its last line only (the traceback goes to the log)."""
+    """One line for an error: a Ray task error's cause, as its type and message, then its notes (``add_note``), if
+    any, in brackets (the traceback goes to the log)."""
     from ray.exceptions import RayError  # here: `zephon-ray inspect` imports this module and never Ray
 
     cause = exc
@@ -77,11 +78,19 @@ def describe(exc: BaseException) -> str:
         if not isinstance(inner, BaseException) or inner is cause:
             break
         cause = inner
+    notes: list[str] = []
     try:
-        last = traceback.format_exception_only(type(cause), cause)[-1]
+        formatted = traceback.TracebackException(type(cause), cause, None, compact=True)
+        # Notes (``add_note``) follow the message in the formatted lines: the message is the last line without them
+        # (a SyntaxError's source lines come before it), and the notes follow it in brackets.
+        notes = [str(n) for n in formatted.__notes__ or []]
+        formatted.__notes__ = None
+        last = list(formatted.format_exception_only())[-1]
     except Exception:  # noqa: BLE001 - an exception whose str() fails
         last = type(cause).__name__
     if isinstance(cause, RayError) or "Traceback (most recent call last)" in last:
         lines = [ln for ln in str(cause).strip().splitlines() if ln.strip()]
         last = lines[-1] if lines else type(cause).__name__
+    if notes:
+        last = f"{last.rstrip()} ({'; '.join(notes)})"
     return one_line(last, 600)
