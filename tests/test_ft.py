@@ -292,6 +292,47 @@ def test_the_churn_examples_rejoin_wait_ends_in_one_line_when_the_new_group_exit
         lighthouse.shutdown()
 
 
+def test_the_churn_examples_rejoin_wait_ends_in_one_line_when_the_status_page_changes():
+    """The rejoin wait reads the count of askers from the Lighthouse's status page (torchft 0.2.0's wording). A page
+    without it (another torchft version, another server on the port) ends the wait at once, in one line naming the
+    page, rather than after the 120 s bound with a wrong reason. The page here is a plain HTTP server's, on
+    127.0.0.1."""
+    import http.server
+    import importlib.util
+    import threading
+
+    from tests.conftest import one_line
+
+    class Page(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = b"<html><body>Lighthouse: quorum 3, 2 replicas live</body></html>"
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    spec = importlib.util.spec_from_file_location("torchft_churn", CHURN)
+    churn = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(churn)
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Page)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    running = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        address = f"http://127.0.0.1:{server.server_address[1]}"
+        with pytest.raises(RuntimeError) as info:
+            churn._wait_joined(address, 1, running)
+        one_line(info.value, f"the Lighthouse's status page at {address}/status no longer says who asked for a quorum")
+        assert running.poll() is None  # it ended on the page, not on the process
+    finally:
+        running.kill()
+        running.wait(30)
+        server.shutdown()
+        server.server_close()
+
+
 def test_local_mode_is_refused_with_the_reason():
     from zephon_ray.stream.ft import FtSlices
     from zephon_ray.stream.loader import LoaderConfig
