@@ -20,7 +20,8 @@ its leases and cursor reports only). Parts (each prints a line; one JSON line ``
 - ``pending``: 512 reads waiting at once (a holder consumer pins the window), per side, while ``status()`` and
   ``commit()`` are timed; then the holder releases and every waiting read must complete with the right rows.
 - ``pump``: coordinator CPU per produced step (the whole process and its pump thread) and its idle rate, at
-  M = 1, 2, 4, 8 producers, with nobody reading but one cursor hopping a window at a time.
+  M = 1, 2, 4, 8 producers (``--pump-producers``; above 8 the recipe's B = 256 rows are cut into max(M) lanes, one
+  per producer at the largest M), with nobody reading but one cursor hopping a window at a time.
 - ``idle``: idle CPU (per second, by kind of thread) of the coordinator (full window, nobody reading), the node
   reader, a producer and two bare Ray actors (async, threaded: Ray's own floor), over the same ``--idle-seconds``.
 - ``replies``: Ray's own cost to a caller of one produce-like call (no service: a driver and one actor), its
@@ -66,13 +67,14 @@ def pct(values, q):
     return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
 
 
-def load_recipe(rows_per_microbatch: int, tmp: Path):
+def load_recipe(rows_per_microbatch: int, tmp: Path, lanes: int = 8):
     from zephon_ray import Recipe
 
     text = (ROOT / "recipes" / "tiny.toml").read_text()
     text = text.replace("rows_per_microbatch = 2", f"rows_per_microbatch = {rows_per_microbatch}")
+    text = text.replace("lanes = 8", f"lanes = {lanes}")
     text = text.replace('path = "data/', f'path = "{ROOT / "recipes" / "data"}/')
-    path = tmp / f"tiny-b{8 * rows_per_microbatch}.toml"
+    path = tmp / f"tiny-l{lanes}-b{lanes * rows_per_microbatch}.toml"
     path.write_text(text)
     return Recipe.from_toml(path)
 
@@ -664,7 +666,9 @@ def run_pump(
 
 
 def _pump_once(recipe, digests, tmp, steps: int, m: int, tag: str, profile: str | None = None) -> dict:
-    svc = start(recipe, f"pump-m{tag}", tmp, producers=m, window=8, read_path="direct")
+    # at most 4 logical CPUs for the producers (Ray has 8 here), so that M = 32 schedules too
+    resources = {"producer_num_cpus": min(0.25, 4 / m)}
+    svc = start(recipe, f"pump-m{tag}", tmp, producers=m, window=8, read_path="direct", resources=resources)
     try:
         window = svc.config.window
         assert svc.refs(0, track=True).batch().digest == digests[0]
@@ -1009,11 +1013,22 @@ def main() -> None:
     ap.add_argument("--step-time", type=float, default=0.5)
     ap.add_argument("--cpu-steps", type=int, default=60)
     ap.add_argument("--pump-steps", type=int, default=48)
+    ap.add_argument(
+        "--pump-producers",
+        default="1,2,4,8",
+        help="pump: the producer counts M; with an M above 8 the pump's recipe has max(M) lanes (each M divides it)",
+    )
     ap.add_argument("--long-steps", type=int, default=5000)
     ap.add_argument("--pending", type=int, default=512)
     ap.add_argument("--idle-seconds", type=float, default=20.0)
     args = ap.parse_args()
     parts = set(args.parts.split(","))
+    try:
+        pump_producers = tuple(int(m) for m in args.pump_producers.split(","))
+    except ValueError:
+        ap.error(f"--pump-producers: expected M[,M...] of integers, got {args.pump_producers!r}")
+    if min(pump_producers) < 1 or any(max(pump_producers) % m for m in pump_producers):
+        ap.error(f"--pump-producers: every M must be >= 1 and divide the largest, got {args.pump_producers!r}")
     paths = args.paths.split(",")
     sides = args.sides.split(",")
     if unknown := set(sides) - set(SIDES):
@@ -1121,8 +1136,20 @@ def main() -> None:
                 flush=True,
             )
         if "pump" in parts:
+            pump_recipe, pump_digests = recipe, digests
+            if max(pump_producers) > recipe.lanes:
+                lanes = max(pump_producers)  # the same B = 256 rows a step, in more lanes
+                pump_recipe = load_recipe(max(1, recipe.global_batch_rows // lanes), tmp, lanes=lanes)
+                with GlobalBatchSource(pump_recipe) as source:
+                    pump_digests = [source.batch(s).digest for s in range(args.pump_steps + 16)]
             result["pump"] = run_pump(
-                recipe, digests, tmp, steps=args.pump_steps, rounds=args.rounds, profile=args.profile
+                pump_recipe,
+                pump_digests,
+                tmp,
+                steps=args.pump_steps,
+                rounds=args.rounds,
+                producers=pump_producers,
+                profile=args.profile,
             )
         if "idle" in parts:
             r = result["idle"] = run_idle(recipe, reference, tmp, args.idle_seconds, args.rounds)
