@@ -8,11 +8,11 @@ Both sides import it: the client, to send cursor moves and read replies, without
 
 - A **cursor move** is a :class:`CursorMove` ``(consumer, rank, world, step, idle_s)``: rank ``rank`` of ``world``
   took ``step``, and was last heard ``idle_s`` seconds ago. Node readers batch them onto their leases.
-- A step's shards travel as **containers**: each producer puts its L/M lane shards as *packs* (tuples of the
-  shards of consecutive lanes, at most ``ServiceConfig.pack_bytes`` together: server/producer.py) and then one small object
-  holding each lane's ref, the ref of the pack that holds it (the container). The coordinator holds only the M
-  container refs of a step, so its bookkeeping per step grows with M, not with L; a reader fetches each pack it
-  needs once (:func:`unpack`).
+- A step's shards travel as **containers**: each producer puts its L/M lane shards as *packs* (tuples of the shards of
+  consecutive lanes, at most ``ServiceConfig.pack_bytes`` together: server/producer.py) and then one small object
+  holding each lane's ref, the ref of the pack that holds it (the container). The coordinator holds only the M container
+  refs of a step, so its bookkeeping per step grows with M, not with L; a reader fetches each pack it needs once
+  (:func:`unpack`).
 - A **lease reply** (coordinator -> node reader, or a direct client) is a :class:`Reply` of
   :class:`StepContainers` ``(step, generation, groups, containers)``: consecutive steps from the first one asked
   for, each with the generation that made it (:data:`REPLAYED` for a replay, one container of all L lanes), the

@@ -92,9 +92,10 @@ class StepRefs:
     """One step's lane shards as Ray object refs, owned by the producer (or replayer) that made them.
 
     ``lanes[l]`` is a ref to the pack that holds lane l's shard (a tuple of the shards of consecutive lanes:
-    producer.py, :func:`~zephon_ray.service.server.producer.packs`), ``None`` for lanes outside the (rank, world) it
-    was asked for (a rank is handed only the refs it needs). ``generation`` is the producer generation that made it
-    (wire.REPLAYED for a replay). Keep the object to keep the shards alive; ``slice`` and ``batch`` only fetch the lanes they need.
+    producer.py, :func:`~zephon_ray.service.server.producer.packs`), ``None`` for lanes outside the (rank, world) it was
+    asked for (a rank is handed only the refs it needs). ``generation`` is the producer generation that made it
+    (wire.REPLAYED for a replay). Keep the object to keep the shards alive; ``slice`` and ``batch`` only fetch the lanes
+    they need.
     """
 
     step: int

@@ -3,17 +3,17 @@
     ProducerPool ──produce(s) / skip / checkpoint──► Producer ──ray.put──► packs of lane shards + container
                  ◄── shard_meta(s) + the container's ref ──┘
 
-Guarantee: ``produce(s)`` puts this rank's lane shards of step s into the object store of its own node, as
-:func:`packs` (consecutive lanes up to ``ServiceConfig.pack_bytes`` to an object), bit-identical to the same lanes
-of ``GlobalBatchSource(recipe).batch(s)``, and returns one small value: :func:`shard_meta` plus the ref of a
-container holding each lane's ref, the ref of its pack (:data:`KEY_CONTAINER`; the
-coordinator's bookkeeping per step then grows with the producers, not the lanes). The producer is the **owner** of
-its shards and the container, whatever their size (``ray.put``, not return values: Ray inlines return values under
-100 KiB into the caller, which would make the coordinator own them). The coordinator only borrows the refs and
-passes them on; it never holds a shard's bytes. A producer that dies takes its shards with it: the coordinator
-drops that generation's steps and the next group makes them again. A failure in ``__init__`` (missing data, a bad
-tokenizer, an identity mismatch on this node) does not kill the actor: ``info()`` reports it with the node, so the
-coordinator can report one configuration error instead of restarting the group again and again.
+Guarantee: ``produce(s)`` puts this rank's lane shards of step s into the object store of its own node, as :func:`packs`
+(consecutive lanes up to ``ServiceConfig.pack_bytes`` to an object), bit-identical to the same lanes of
+``GlobalBatchSource(recipe).batch(s)``, and returns one small value: :func:`shard_meta` plus the ref of a container
+holding each lane's ref, the ref of its pack (:data:`KEY_CONTAINER`; the coordinator's bookkeeping per step then grows
+with the producers, not the lanes). The producer is the **owner** of its shards and the container, whatever their size
+(``ray.put``, not return values: Ray inlines return values under 100 KiB into the caller, which would make the
+coordinator own them). The coordinator only borrows the refs and passes them on; it never holds a shard's bytes. A
+producer that dies takes its shards with it: the coordinator drops that generation's steps and the next group makes them
+again. A failure in ``__init__`` (missing data, a bad tokenizer, an identity mismatch on this node) does not kill the
+actor: ``info()`` reports it with the node, so the coordinator can report one configuration error instead of restarting
+the group again and again.
 
 The producer also holds its own refs of the last ``hold_steps`` steps it made (``held``): Ray 2.60 leaves one
 entry behind in the owner's in-process memory store for every object whose last reference is dropped by a borrower
