@@ -76,6 +76,7 @@ import asyncio
 import json
 import multiprocessing
 import os
+import queue
 import random
 import shutil
 import sys
@@ -381,6 +382,31 @@ def _coord_counters(svc) -> dict:
     }
 
 
+def _failed_drivers(procs) -> str:
+    failed = [(i, p.exitcode) for i, p in enumerate(procs) if p.exitcode not in (None, 0)]
+    return "; ".join(f"driver {i} exited with code {code} (its traceback is above)" for i, code in failed)
+
+
+def _abort_on_failed_driver(procs, ready, stop: threading.Event) -> None:
+    """A driver that dies would leave the others and this process waiting at the barrier until its timeout."""
+    while not stop.wait(1.0):
+        if _failed_drivers(procs):
+            ready.abort()
+            return
+
+
+def _driver_result(out, procs, timeout_s: float = 600.0) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return out.get(timeout=2.0)
+        except queue.Empty:
+            if failed := _failed_drivers(procs):
+                raise RuntimeError(failed) from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"a driver sent no result within {timeout_s:.0f} s") from None
+
+
 def run_sim(
     recipe_path: Path,
     recipe,
@@ -448,7 +474,12 @@ def run_sim(
             )
         for p in procs:
             p.start()
-        ready.wait(timeout=600)  # every driver up (connected, its nodes built): then the clock starts
+        watch = threading.Event()
+        threading.Thread(target=_abort_on_failed_driver, args=(procs, ready, watch), daemon=True).start()
+        try:
+            ready.wait(timeout=600)  # every driver up (connected, its nodes built): then the clock starts
+        except threading.BrokenBarrierError:
+            raise RuntimeError(_failed_drivers(procs) or "the drivers did not start within 600 s") from None
         t_begin = time.time() + 0.5
         start_at.value = t_begin
         stop_at.value = t_begin + warmup + seconds
@@ -463,11 +494,13 @@ def run_sim(
         time.sleep(max(0.0, window[1] - time.time()))
         s1, c1 = ({} if kill_at is not None else load.thread_cpu(pid)), _coord_counters(svc)
         wall = c1["t"] - c0["t"]
-        got = [out.get(timeout=600) for _ in procs]
+        got = [_driver_result(out, procs) for _ in procs]
         ready.wait(timeout=120)
         for p in procs:
             p.join(120)
     finally:
+        if "watch" in locals():
+            watch.set()
         svc.stop()
     leases = [x for g in got for x in g["leases"]]
     all_lat = [dt for dt, _ in leases]
@@ -655,7 +688,7 @@ def main() -> None:
 
     tmp = Path(tempfile.mkdtemp(prefix="zr-bench-cp-"))
     recipe = load.load_recipe(8, tmp)  # B = 64 rows: 8 nodes of 8 ranks per consumer
-    recipe_path = tmp / "tiny-b64.toml"
+    recipe_path = Path(recipe.path)
     if 8 * args.nodes_per_job > recipe.global_batch_rows:
         ap.error(f"--nodes-per-job: world {8 * args.nodes_per_job} > B = {recipe.global_batch_rows}")
     n_ref = args.pump_steps + 16
