@@ -8,9 +8,10 @@ Each side reads whole global batches of steps 1..N (after step 0, the warm-up) a
   (producers run ahead of the reader by at most ``window``), every digest checked against the local side's;
 - ``service M=1 per lane``: M=1 with ``pack_bytes=0``, one object per lane shard instead of the default packs
   (``ServiceConfig.pack_bytes``).
-The sides rotate: round r starts r places further along the list, so machine noise hits every side. Ratios are medians of per-round ratios of end-to-end tokens/s (what the reader
-sees); the producers' own rate (first to last produced step) is reported beside it, never divided by a local rate.
-Then the latency of ``slice(s, r, W)`` for a warm step (inside the live window): p50/p99.
+The sides rotate: round r starts r places further along the list, so machine noise hits every side. Ratios are
+medians of per-round ratios of end-to-end tokens/s (what the reader sees); the producers' own rate (first to last
+produced step) is reported beside it, never divided by a local rate. Then the latency of ``slice(s, r, W)`` for a
+warm step (inside the live window): p50/p99.
 
 Prints a table and one JSON line (prefixed ``RESULT``). On a 2-core machine M=2 cannot beat M=1 by much: the
 producers, the coordinator, the reader and Ray itself share the same two cores.
