@@ -431,6 +431,7 @@ def run_sim(
     import ray
 
     svc = load.start(recipe, f"cp-{tag}", tmp, producers=producers, window=window, lease_steps=lease_steps)
+    watch = threading.Event()  # set: the thread that watches the drivers stops
     try:
         cfg = {
             "recipe_path": str(recipe_path),
@@ -474,7 +475,6 @@ def run_sim(
             )
         for p in procs:
             p.start()
-        watch = threading.Event()
         threading.Thread(target=_abort_on_failed_driver, args=(procs, ready, watch), daemon=True).start()
         try:
             ready.wait(timeout=600)  # every driver up (connected, its nodes built): then the clock starts
@@ -499,8 +499,7 @@ def run_sim(
         for p in procs:
             p.join(120)
     finally:
-        if "watch" in locals():
-            watch.set()
+        watch.set()
         svc.stop()
     leases = [x for g in got for x in g["leases"]]
     all_lat = [dt for dt, _ in leases]
