@@ -3,6 +3,7 @@
 
     python benchmarks/bench_ledger_scale.py [--records 1e5,1e6,1e7] [--ranks 1000] [--save-every 500]
     python benchmarks/bench_ledger_scale.py --parts realistic,ft
+    python benchmarks/bench_ledger_scale.py --parts reader0 [--reader0-steps 60000]
 
 Part ``audit`` (default): for each record count N, a ledger of ``--ranks`` ranks saving every ``--save-every`` steps
 for N / ranks steps, written by a generator through the real format code (``formats.ledger.PackWriter``, as
@@ -16,6 +17,12 @@ Part ``realistic``: 4 loaders saving every 100 steps for 20,000 steps through ``
 Part ``ft``: 3 torchft readers (``stream.ledger_recorder.FtLedger``, its default flush) commit ``--ft-steps`` steps: the files
 it leaves (a batch per reader per flush, against one file per step per reader before batching), the audit's time,
 then after ``compact``.
+
+Part ``reader0``: the memory of the trainer process whose reader 0 compacts. Four ``LedgerRecorder`` s (world 4, the
+tiny recipe's schedule) hand out ``--reader0-steps`` steps and save every 100; reader 0 compacts every 64 saves, as
+``LoaderConfig`` does by default. Two sides, each in a fresh process: the recorder's own compaction (a child process,
+``stream.ledger_recorder.compact_in_child``), and the same compactions run in the recording process
+(``formats.ledger.compact``). Reported: that process's RSS after each compaction.
 
 Prints a table and one JSON line (prefixed ``RESULT``).
 """
@@ -257,6 +264,60 @@ def realistic(ranks: int = 4, steps: int = 20_000, every: int = 100) -> dict:
     }
 
 
+def reader0_side(steps: int, in_process: bool, ranks: int = 4, every: int = 100, compact_every: int = 64) -> dict:
+    """One side of part ``reader0``, in this (fresh) process: RSS in MB after each compaction."""
+    import types
+
+    from zephon_ray import Recipe
+    from zephon_ray.formats import ledger
+    from zephon_ray.stream.ledger_recorder import COMPACT_TIMEOUT_S, LedgerRecorder
+
+    recipe = Recipe.from_toml(ROOT / "recipes" / "tiny.toml")
+    rss: list[tuple[int, float]] = []
+    with tempfile.TemporaryDirectory() as work:
+        recorders = [
+            LedgerRecorder(
+                run_id="bench",
+                fingerprint=FP,
+                rank=r,
+                world=ranks,
+                ledger_dir=work,
+                compact_every=0 if in_process else compact_every,
+            )
+            for r in range(ranks)
+        ]
+        for first in range(0, steps, every):
+            for r, recorder in enumerate(recorders):
+                for s in range(first, first + every):
+                    recorder.handed(types.SimpleNamespace(step=s, ledger_digest=f"{s:016x}{r:016x}"))
+                recorder.seal(first + every, recipe)
+            saves = first // every + 1
+            if saves % compact_every == 0:
+                if in_process:
+                    ledger.compact(work)
+                else:
+                    recorders[0].wait_compacted(COMPACT_TIMEOUT_S)
+                rss.append((first + every, _rss_mb()))
+        files, size = _tree(work)
+    return {"in_process": in_process, "steps": steps, "rss_mb": rss, "files": files, "bytes": size}
+
+
+def _rss_mb() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def reader0(steps: int) -> dict:
+    """Both sides of part ``reader0``, each in a fresh process."""
+    sides = {}
+    for name, flag in (("child", "0"), ("in_process", "1")):
+        out = subprocess.run(
+            [sys.executable, __file__, "--reader0-child", str(steps), flag], capture_output=True, text=True, check=True
+        )
+        sides[name] = json.loads(out.stdout.strip().splitlines()[-1])
+    return sides
+
+
 def ft(steps: int, world: int = 3) -> dict:
     import hashlib
 
@@ -297,12 +358,16 @@ def ft(steps: int, world: int = 3) -> dict:
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--audit-child":
         return _audit_child(sys.argv[2])
+    if len(sys.argv) == 4 and sys.argv[1] == "--reader0-child":
+        print(json.dumps(reader0_side(int(sys.argv[2]), in_process=sys.argv[3] == "1")))
+        return None
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--parts", default="audit", help="comma-separated: audit, realistic, ft")
+    parser.add_argument("--parts", default="audit", help="comma-separated: audit, realistic, ft, reader0")
     parser.add_argument("--records", default="1e5,1e6,1e7")
     parser.add_argument("--ranks", type=int, default=1000)
     parser.add_argument("--save-every", type=int, default=500)
     parser.add_argument("--ft-steps", type=int, default=100_000)
+    parser.add_argument("--reader0-steps", type=int, default=60_000)
     args = parser.parse_args()
     parts = args.parts.split(",")
     result: dict = {"cpus": os.cpu_count()}
@@ -326,6 +391,12 @@ def main() -> None:
             f"files: audit {f['audit_compacted_s']:.2f} s (peak RSS {f['peak_rss_compacted_mb']:.0f} MB)",
             flush=True,
         )
+    if "reader0" in parts:
+        r0 = result["reader0"] = reader0(args.reader0_steps)
+        print(f"\nthe recording process's RSS in MB after each compaction ({args.reader0_steps:,} steps, 4 readers):")
+        print(f"{'step':>8} | {'compacting in a child':>22} | {'compacting in process':>22}")
+        for (step, child), (_, inproc) in zip(r0["child"]["rss_mb"], r0["in_process"]["rss_mb"]):
+            print(f"{step:>8} | {child:>22.1f} | {inproc:>22.1f}")
     print("RESULT " + json.dumps(result))
 
 

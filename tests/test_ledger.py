@@ -606,6 +606,22 @@ def test_a_group_healed_under_the_async_quorum_follows_the_participants_lineage(
     assert [seg.world for seg in report.lineage] == [2, 1, 1, 1, 2, 2]
 
 
+def test_a_compaction_in_a_child_process_fails_in_one_line_naming_the_directory(tmp_path):
+    """Reader 0 compacts in a child process (``compact_in_child``): a child that fails is one line naming the
+    directory and the child's own error, and one past its deadline is killed, in one line naming the deadline."""
+    from zephon_ray.stream.ledger_recorder import compact_in_child
+
+    empty = tmp_path / "not-a-ledger"
+    empty.mkdir()
+    with pytest.raises(RuntimeError) as failed:
+        compact_in_child(str(empty))
+    line = str(failed.value)
+    assert "\n" not in line and "Traceback" not in line, line
+    assert str(empty) in line and "no ledger segments" in line and "status 2" in line, line
+    with pytest.raises(TimeoutError, match=r"not-a-ledger: compaction killed after 0 s"):
+        compact_in_child(str(empty), timeout_s=0.001)  # a Python start alone takes longer
+
+
 def test_reader_zero_compacts_as_the_run_saves(tmp_path, tiny_recipe):
     """A local-mode reader saving after every step, with ``ledger_compact_every=4``: reader 0 compacts in the
     background every 4 saves, so after 13 saves the directory holds a few packs and at most 4 saves' loose parts, not

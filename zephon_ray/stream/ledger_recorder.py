@@ -19,9 +19,13 @@ per reader per flush interval (its docstring says how a killed group loses nothi
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, cast
 
 from zephon_ray.batch import RankSlice
@@ -34,13 +38,40 @@ COMPACT_EVERY = 64
 """Reader 0 compacts the ledger directory every this many saves (``LoaderConfig.ledger_compact_every``)."""
 _COMPACTING = threading.Lock()
 """One compaction at a time in a process (two of one directory at once are not supported: formats/ledger.py)."""
+COMPACT_TIMEOUT_S = 600.0
+"""The longest reader 0 lets one compaction run; past it the child is killed (a killed compaction loses nothing)."""
+
+
+def compact_in_child(ledger_dir: str, timeout_s: float = COMPACT_TIMEOUT_S) -> str:
+    """``zephon-ray ledger compact`` in a child process of this interpreter; returns its one-line result. A merge
+    holds up to a row group of records (about 100 MB of columns at most) and the allocator of the process that ran it
+    keeps that memory; in a child it goes back to the system when the child exits, so a trainer process stays flat
+    (``tests/test_ledger.py::test_reader_zero_compacts_as_the_run_saves``). Raises ``RuntimeError`` with the child's
+    last line if it fails, ``TimeoutError`` if it runs past ``timeout_s`` (then it is killed)."""
+    package_root = str(Path(__file__).resolve().parents[2])  # the zephon_ray this process imported, for the child
+    path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "zephon_ray.cli", "ledger", "compact", ledger_dir],
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            env={**os.environ, "PYTHONPATH": path},
+        )
+    except subprocess.TimeoutExpired:
+        raise TimeoutError(f"{ledger_dir}: compaction killed after {timeout_s:.0f} s (nothing is lost)") from None
+    if done.returncode:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        raise RuntimeError(f"{ledger_dir}: compaction exited with status {done.returncode}: {last}")
+    return done.stdout.strip()
 
 
 class LedgerRecorder:
     """One reader's records (see the module docstring). Reader 0 also keeps the directory's file count bounded: every
-    ``compact_every`` saves (0: never) it compacts the ledger in a background thread, so a long run leaves a few packs
-    and at most ``compact_every`` saves' loose parts, not one file per rank per save. A compaction that fails is logged and
-    tried again at the next interval: the parts it left are still read."""
+    ``compact_every`` saves (0: never) it compacts the ledger in a child process (:func:`compact_in_child`), watched
+    by a background thread, so a long run leaves a few packs and at most ``compact_every`` saves' loose parts, not one
+    file per rank per save. A compaction that fails is logged and tried again at the next interval: the parts it left
+    are still read."""
 
     def __init__(
         self,
@@ -137,8 +168,7 @@ class LedgerRecorder:
         def run() -> None:
             with _COMPACTING:
                 try:
-                    result = ledger.compact(cast(str, self.ledger_dir))  # set: only then does it compact
-                    logger.info("ledger %s compacted: %s", self.ledger_dir, result)
+                    logger.info("%s", compact_in_child(cast(str, self.ledger_dir)))  # set: only then does it compact
                 except Exception as exc:  # noqa: BLE001 - never the trainer's failure; the next interval retries
                     logger.warning(
                         "ledger %s: compaction failed (tried again in %d saves): %s",

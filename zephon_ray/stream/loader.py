@@ -127,7 +127,7 @@ class LoaderConfig:
     state, but nothing is written (``zephon-ray audit`` then has nothing to read)."""
 
     ledger_compact_every: int = 64
-    """Reader 0 merges the ledger directory's files every this many saves, in the background (0: never; then run
+    """Reader 0 merges the ledger directory's files every this many saves, in a child process (0: never; then run
     ``zephon-ray ledger compact DIR`` yourself): a long run keeps a few files, not one per rank per save."""
 
     pad_slices: bool = False
