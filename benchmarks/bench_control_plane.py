@@ -36,8 +36,11 @@ nobody else reading), "at 1 s steps".
 Measured per point (each on a fresh service): the coordinator process's CPU as a share of one core (every
 thread's ``/proc/PID/task/*/schedstat`` run time, ``bench_service_load.thread_cpu``), its pump thread's share and
 its idle rate (``_pump_once``, window full, nobody reading) as a share of the total; lease latency p50/p99 as the
-simulated node readers saw it (the round trip of ``Coordinator.lease``, all leases, and the ``wait=False``
-read-aheads alone, which never wait for production); coordinator calls per second (leases and reports, from
+simulated node readers saw it (from the send of ``Coordinator.lease`` to the caller's resumption, all leases, and
+the ``wait=False`` read-aheads alone, which never wait for production), beside the same from the send to the
+reply's arrival in the driver process (the core worker's callback) and the driver's event-loop lag (how late it
+wakes a 10 ms timer): the first less the second is the time the reply waited for the loop that runs all the
+driver's nodes, a cost of the simulation, not of the service; coordinator calls per second (leases and reports, from
 ``status()``'s counters) and cursor moves per second; wrong rows.
 
 Calibration (on unless ``--no-calibrate``): one real node (one process, this one, with a ``DataService``
@@ -93,11 +96,15 @@ import bench_service_load as load  # noqa: E402 - the helpers: recipe, service s
 
 NS = load.NS
 RANKS_PER_NODE = 8
+LOOP_PROBE_S = 0.01
+"""A driver's loop-lag probe sleeps this long, over and over; how much later it wakes is the loop's lag."""
 
 
 # ---------------------------------------------------------------------------------------------------- the node
 class _Timed:
-    """One method of the coordinator's handle, timed: what a node reader's ``.remote()`` call sees (its reply)."""
+    """One method of the coordinator's handle, timed from its send: when its reply reached this process (the core
+    worker's callback thread), and when the driver's event loop resumed the caller with it. The two differ by the
+    time the reply waited for the loop, which runs every simulated node of the driver."""
 
     def __init__(self, method, kind: str, log: list) -> None:
         self._method, self._kind, self._log = method, kind, log
@@ -106,15 +113,19 @@ class _Timed:
         return _Timed(self._method.options(**kw), self._kind, self._log)
 
     def remote(self, *args, **kw):
-        return self._timed(self._method.remote(*args, **kw), time.time(), args)
+        sent, t0 = time.perf_counter(), time.time()
+        reply = self._method.remote(*args, **kw).future()
+        arrived: list[float] = []
+        reply.add_done_callback(lambda _: arrived.append(time.perf_counter()))
+        return self._timed(reply, t0, sent, arrived, args)
 
-    async def _timed(self, ref, t0: float, args):
-        t1 = time.perf_counter()
+    async def _timed(self, reply, t0: float, sent: float, arrived: list, args):
         try:
-            return await ref
+            return await asyncio.wrap_future(reply)
         finally:
+            resumed = time.perf_counter()
             wait = args[7] if self._kind == "lease" and len(args) > 7 else True
-            self._log.append((self._kind, t0, time.perf_counter() - t1, wait))
+            self._log.append((self._kind, t0, resumed - sent, (arrived[0] if arrived else resumed) - sent, wait))
 
 
 class _TimedCoordinator:
@@ -233,7 +244,7 @@ def _driver(
     handle = ray.get_actor(name, namespace=NS)
     log: list = []
     rng = random.Random(nodes[0] if nodes else 0)
-    steps_done, lags, samples, errors = [], [], [], []
+    steps_done, lags, samples, errors, loop_lags = [], [], [], [], []
     stalls: list[float] = []  # per node: its longest wait for a step after the coordinator's kill
 
     async def main() -> None:
@@ -263,6 +274,15 @@ def _driver(
             procs.append(SimProcess(reader, f"job{job}", world, ranks, lo, hi, cfg))
         ready.wait()  # every driver is up
         ready.wait()  # the parent set the clock (start_at, stop_at, window_s)
+
+        async def probe() -> None:
+            while True:
+                t = time.perf_counter()
+                await asyncio.sleep(LOOP_PROBE_S)
+                if window_s[0] <= time.time() < window_s[1]:
+                    loop_lags.append(time.perf_counter() - t - LOOP_PROBE_S)
+
+        prober = asyncio.ensure_future(probe())
 
         async def node(proc: SimProcess, index: int) -> None:
             step = 0
@@ -340,6 +360,7 @@ def _driver(
             await asyncio.gather(*(node(p, i) for i, p in enumerate(procs)))
         except Exception as exc:  # noqa: BLE001
             errors.append(repr(exc))
+        prober.cancel()
         for p in procs:
             if p.listener is not None:
                 p.listener.cancel()
@@ -351,7 +372,7 @@ def _driver(
 
     asyncio.run(main())
     lo_t, hi_t = window_s
-    leases = [(dt, wait) for kind, t0, dt, wait in log if kind == "lease" and lo_t <= t0 < hi_t]
+    leases = [(dt, arrived, wait) for kind, t0, dt, arrived, wait in log if kind == "lease" and lo_t <= t0 < hi_t]
     reports = sum(1 for kind, t0, *_ in log if kind == "report" and lo_t <= t0 < hi_t)
     out.put(
         {
@@ -362,6 +383,7 @@ def _driver(
             "samples": samples,
             "errors": errors[:5],
             "stalls": stalls,
+            "loop_lags": loop_lags,
         }
     )
     ready.wait()
@@ -502,8 +524,10 @@ def run_sim(
         watch.set()
         svc.stop()
     leases = [x for g in got for x in g["leases"]]
-    all_lat = [dt for dt, _ in leases]
-    ahead = [dt for dt, wait in leases if not wait]
+    all_lat = [dt for dt, _, _ in leases]
+    arrived = [a for _, a, _ in leases]
+    ahead = [dt for dt, _, wait in leases if not wait]
+    loop_lags = [x for g in got for x in g["loop_lags"]]
     lags = [x for g in got for x in g["lags"]]
     node_steps = sum(g["node_steps"] for g in got)
     cpu = {k: (s1[k] - s0[k]) / wall * 1e3 for k in s1}  # ms/s by kind of thread
@@ -527,6 +551,14 @@ def run_sim(
             "p50": (load.pct(all_lat, 0.5) or 0) * 1e3,
             "p99": (load.pct(all_lat, 0.99) or 0) * 1e3,
             "max": max(all_lat, default=0) * 1e3,
+        },
+        "lease_arrived_ms": {
+            "p50": (load.pct(arrived, 0.5) or 0) * 1e3,
+            "p99": (load.pct(arrived, 0.99) or 0) * 1e3,
+        },
+        "driver_loop_lag_ms": {
+            "p50": (load.pct(loop_lags, 0.5) or 0) * 1e3,
+            "p99": (load.pct(loop_lags, 0.99) or 0) * 1e3,
         },
         "read_ahead_lease_ms": {
             "n": len(ahead),
@@ -865,7 +897,10 @@ def main() -> None:
                     f"{'' if x['driven_fraction'] > 0.95 else ', the drivers could not keep the rate'}); coordinator "
                     f"{x['coordinator_ms_per_s'] / 10:.1f} % of a core ({x['coordinator_ms_per_s_at_1s_steps'] / 10:.1f} % "
                     f"at 1 s steps), pump {100 * x['pump_share']:.0f} %, idle {100 * x['idle_share']:.0f} %; lease p50/p99 "
-                    f"{x['lease_ms']['p50']:.1f}/{x['lease_ms']['p99']:.1f} ms; {x['leases_per_s']:.0f} leases/s, "
+                    f"{x['lease_ms']['p50']:.1f}/{x['lease_ms']['p99']:.1f} ms (at the reply's arrival "
+                    f"{x['lease_arrived_ms']['p50']:.1f}/{x['lease_arrived_ms']['p99']:.1f} ms; the drivers' loop lag "
+                    f"p50/p99 {x['driver_loop_lag_ms']['p50']:.1f}/{x['driver_loop_lag_ms']['p99']:.1f} ms); "
+                    f"{x['leases_per_s']:.0f} leases/s, "
                     f"{x['reports_per_s']:.0f} reports/s, {x['moves_per_s']:.0f} moves/s; step lag p99 "
                     f"{x['step_lag_ms']['p99']:.0f} ms; errors {x['errors'] or 'none'}",
                     flush=True,
@@ -888,7 +923,7 @@ def main() -> None:
         print()
         print(
             f"{'N':>5} | {'W:n':>5} | {'sim':>4} | {'step ms':>7} | {'eff. N':>6} | {'coord %':>7} | {'at 1 s':>6} | {'pump %':>6} | "
-            f"{'idle %':>6} | {'lease p50/p99 ms':>16} | {'calls/s':>7} | {'L+R /node-step':>14} | {'ms/node-step':>12} | "
+            f"{'idle %':>6} | {'lease p50/p99 ms':>16} | {'arrived p50/p99':>16} | {'loop lag p99':>12} | {'calls/s':>7} | {'L+R /node-step':>14} | {'ms/node-step':>12} | "
             f"{'proj. % at N':>12} | {'lag p99 ms':>10}"
         )
         for x in result["points"].values():
@@ -897,6 +932,8 @@ def main() -> None:
                 f"{x['coordinator_ms_per_s'] / 10:>7.1f} | {x['coordinator_ms_per_s_at_1s_steps'] / 10:>6.1f} | "
                 f"{100 * x['pump_share']:>6.0f} | {100 * x['idle_share']:>6.0f} | "
                 f"{x['lease_ms']['p50']:>7.1f}/{x['lease_ms']['p99']:<8.1f} | "
+                f"{x['lease_arrived_ms']['p50']:>7.1f}/{x['lease_arrived_ms']['p99']:<8.1f} | "
+                f"{x['driver_loop_lag_ms']['p99']:>12.1f} | "
                 f"{x['leases_per_s'] + x['reports_per_s']:>7.0f} | "
                 f"{x['leases_per_node_step']:>6.2f}+{x['reports_per_node_step']:<7.2f} | "
                 f"{x['coordinator_ms_per_node_step']:>12.3f} | {100 * x['projected_core_share_at_n']:>12.1f} | "
@@ -904,7 +941,8 @@ def main() -> None:
             )
         print(
             "W:n: the service's window and lease_steps; coord %: the coordinator's CPU as a share of one core, measured; at 1 s: less the steps produced beyond one "
-            "per second; L+R: leases and reports per node-step; ms/node-step: (at 1 s - idle) / node-steps per s; "
+            "per second; lease: a node reader's lease from its send to its caller's resumption, arrived: to the reply's arrival in "
+            "the driver process, loop lag: how late the driver's event loop wakes a timer; L+R: leases and reports per node-step; ms/node-step: (at 1 s - idle) / node-steps per s; "
             "proj. % at N: idle + ms/node-step x N; lag: how late the simulated ranks read (the drivers' backlog)"
         )
     print(f"wrong rows: {result['wrong_rows']} ({len(samples)} sampled slices checked, and every real-node slice)")
