@@ -46,8 +46,8 @@ def compact_in_child(ledger_dir: str, timeout_s: float = COMPACT_TIMEOUT_S) -> s
     """``zephon-ray ledger compact`` in a child process of this interpreter; returns its one-line result. A merge
     holds up to a row group of records (about 100 MB of columns at most) and the allocator of the process that ran it
     keeps that memory; in a child it goes back to the system when the child exits, so a trainer process stays flat
-    (``tests/test_ledger.py::test_reader_zero_compacts_as_the_run_saves``). Raises ``RuntimeError`` with the child's
-    last line if it fails, ``TimeoutError`` if it runs past ``timeout_s`` (then it is killed)."""
+    (``benchmarks/bench_ledger_scale.py --parts reader0``). Raises ``RuntimeError`` with the child's last line if it
+    fails, ``TimeoutError`` if it runs past ``timeout_s`` (then it is killed)."""
     package_root = str(Path(__file__).resolve().parents[2])  # the zephon_ray this process imported, for the child
     path = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     try:
