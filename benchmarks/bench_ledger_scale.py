@@ -268,6 +268,8 @@ def reader0_side(steps: int, in_process: bool, ranks: int = 4, every: int = 100,
     """One side of part ``reader0``, in this (fresh) process: RSS in MB after each compaction."""
     import types
 
+    import psutil
+
     from zephon_ray import Recipe
     from zephon_ray.formats import ledger
     from zephon_ray.stream.ledger_recorder import COMPACT_TIMEOUT_S, LedgerRecorder
@@ -297,14 +299,9 @@ def reader0_side(steps: int, in_process: bool, ranks: int = 4, every: int = 100,
                     ledger.compact(work)
                 else:
                     recorders[0].wait_compacted(COMPACT_TIMEOUT_S)
-                rss.append((first + every, _rss_mb()))
+                rss.append((first + every, psutil.Process().memory_info().rss / 2**20))
         files, size = _tree(work)
     return {"in_process": in_process, "steps": steps, "rss_mb": rss, "files": files, "bytes": size}
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/status") as status:
-        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
 
 
 def reader0(steps: int) -> dict:
@@ -312,7 +309,11 @@ def reader0(steps: int) -> dict:
     sides = {}
     for name, flag in (("child", "0"), ("in_process", "1")):
         out = subprocess.run(
-            [sys.executable, __file__, "--reader0-child", str(steps), flag], capture_output=True, text=True, check=True
+            [sys.executable, __file__, "--reader0-child", str(steps), flag],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=3600,  # 200,000 steps took about 100 s a side here
         )
         sides[name] = json.loads(out.stdout.strip().splitlines()[-1])
     return sides
