@@ -622,6 +622,38 @@ def test_a_compaction_in_a_child_process_fails_in_one_line_naming_the_directory(
         compact_in_child(str(empty), timeout_s=0.001)  # a Python start alone takes longer
 
 
+def test_a_reader_zero_compaction_that_fails_is_logged_and_never_fails_the_trainer(
+    tmp_path, tiny_recipe, monkeypatch, caplog
+):
+    """Reader 0's compaction child cannot start (no interpreter at ``sys.executable``): ``state_dict`` still returns
+    and every part is still written; one warning line names the directory, and the next interval tries again."""
+    import logging
+    import sys
+
+    from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    directory = tmp_path / "ledger"
+    config = LoaderConfig(
+        recipe=str(tiny_recipe.path),
+        mode="local",
+        run_id="failing-compaction",
+        ledger_dir=str(directory),
+        ledger_compact_every=2,
+    )
+    monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python-here"))
+    with caplog.at_level(logging.WARNING, logger="zephon_ray"), Loader(config, rank=0, world=1) as loader:
+        it = iter(loader)
+        for _ in range(4):
+            next(it)
+            loader.state_dict()
+            loader._ledger.wait_compacted(60)
+    failed = [r.getMessage() for r in caplog.records if "compaction failed" in r.getMessage()]
+    assert len(failed) == 2, failed  # saves 2 and 4: each interval tried again
+    assert all(str(directory) in m and "\n" not in m for m in failed), failed
+    found = ledger.containers(directory)
+    assert not found.packs and sum(len(v) for v in found.loose.values()) == 4, (found.packs, found.loose)
+
+
 def test_reader_zero_compacts_as_the_run_saves(tmp_path, tiny_recipe):
     """A local-mode reader saving after every step, with ``ledger_compact_every=4``: reader 0 compacts in the
     background every 4 saves, so after 13 saves the directory holds a few packs and at most 4 saves' loose parts, not
