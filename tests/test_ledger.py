@@ -622,6 +622,30 @@ def test_a_compaction_in_a_child_process_fails_in_one_line_naming_the_directory(
         compact_in_child(str(empty), timeout_s=0.001)  # a Python start alone takes longer
 
 
+def _reader_zero(recipe, directory, run_id: str, compact_every: int):
+    """A local-mode loader of ``recipe`` at rank 0 of 1, writing its ledger to ``directory``."""
+    from zephon_ray.stream.loader import Loader, LoaderConfig
+
+    config = LoaderConfig(
+        recipe=str(recipe.path),
+        mode="local",
+        run_id=run_id,
+        ledger_dir=str(directory),
+        ledger_compact_every=compact_every,
+    )
+    return Loader(config, rank=0, world=1)
+
+
+def _save_every_step(loader, saves: int) -> str:
+    """A local-mode reader 0 reads and saves ``saves`` times, waiting for each compaction it starts; the last head."""
+    it = iter(loader)
+    for _ in range(saves):
+        next(it)
+        head = loader.state_dict()["ledger"]
+        loader._ledger.wait_compacted(60)  # the test looks at the directory: let the compaction finish
+    return head
+
+
 def test_a_reader_zero_compaction_that_fails_is_logged_and_never_fails_the_trainer(
     tmp_path, tiny_recipe, monkeypatch, caplog
 ):
@@ -630,23 +654,13 @@ def test_a_reader_zero_compaction_that_fails_is_logged_and_never_fails_the_train
     import logging
     import sys
 
-    from zephon_ray.stream.loader import Loader, LoaderConfig
-
     directory = tmp_path / "ledger"
-    config = LoaderConfig(
-        recipe=str(tiny_recipe.path),
-        mode="local",
-        run_id="failing-compaction",
-        ledger_dir=str(directory),
-        ledger_compact_every=2,
-    )
     monkeypatch.setattr(sys, "executable", str(tmp_path / "no-python-here"))
-    with caplog.at_level(logging.WARNING, logger="zephon_ray"), Loader(config, rank=0, world=1) as loader:
-        it = iter(loader)
-        for _ in range(4):
-            next(it)
-            loader.state_dict()
-            loader._ledger.wait_compacted(60)
+    with (
+        caplog.at_level(logging.WARNING, logger="zephon_ray"),
+        _reader_zero(tiny_recipe, directory, "failing-compaction", 2) as loader,
+    ):
+        _save_every_step(loader, 4)
     failed = [r.getMessage() for r in caplog.records if "compaction failed" in r.getMessage()]
     assert len(failed) == 2, failed  # saves 2 and 4: each interval tried again
     assert all(str(directory) in m and "\n" not in m for m in failed), failed
@@ -660,22 +674,10 @@ def test_reader_zero_compacts_as_the_run_saves(tmp_path, tiny_recipe):
     13 parts; the audit of the lineage reads the same steps and rows from them (clean, 13 slice digests matched)."""
     from zephon_ray import GlobalBatchSource
     from zephon_ray.jobs.audit import audit
-    from zephon_ray.stream.loader import Loader, LoaderConfig
 
     directory = tmp_path / "ledger"
-    config = LoaderConfig(
-        recipe=str(tiny_recipe.path),
-        mode="local",
-        run_id="compacting",
-        ledger_dir=str(directory),
-        ledger_compact_every=4,
-    )
-    with Loader(config, rank=0, world=1) as loader:
-        it = iter(loader)
-        for _ in range(13):
-            next(it)
-            head = loader.state_dict()["ledger"]
-            loader._ledger.wait_compacted(60)  # the test looks at the directory: let the compaction finish
+    with _reader_zero(tiny_recipe, directory, "compacting", 4) as loader:
+        head = _save_every_step(loader, 13)
     found = ledger.containers(directory)
     assert found.packs and sum(len(v) for v in found.loose.values()) <= 4, (found.packs, found.loose)
     assert found.file_count < 13
