@@ -6,18 +6,21 @@
 
 - A service with 2 producers and a ``state_dir`` (checkpoint every 8 steps), on a private local Ray.
 - The recipe is ``recipes/tiny.toml`` (rows of ``--seq-len`` tokens, 64 by default) with one mixture phase added at
-  half the run (``--phase-at``), so the run crosses a phase boundary; the in-process source reads the same recipe.
+  half the run (``--phase-at``), so the run crosses a phase boundary; ``--phase-end`` adds a second boundary there,
+  back to the sources' own weights (so that the first and last rows compare like for like, with ``--worlds`` that
+  ends at its first W). The in-process source reads the same recipe.
 - W loaders, one process per rank (as torchrun places them), in service mode, each with the ledger, ``commit`` of
   every step and a state saved every ``--save-every`` steps. W follows ``--worlds``: the run is cut into equal
   segments, and each new group resumes from the state the previous group saved at its last step.
-- One producer is killed with SIGKILL at 40% of the run and the node reader at 60%.
+- One producer is killed with SIGKILL at 40% of the run and the node reader at 60% (``--kill-at``).
 - Every ``--every`` steps (of the slowest rank) it prints one row: the RSS of each actor (producers, coordinator,
   node reader; ``_priv``: the RSS less its shared pages, the object store's among them) and of each trainer
   process, the object store's use, the step wait p50/p99 over the last rows' steps, and the files and bytes in
   ``state_dir`` and the ledger. Every digest a rank saw is checked against ``GlobalBatchSource(recipe).batch(s)
   .slice(rank, W)`` in this process; the run ends with the count of wrong rows.
 - Growth per step (``RESULT`` line): each actor's RSS (and its private part) from the first row after the warm-up
-  to the last, divided by the steps between; a restarted actor (a new pid) starts a new baseline. Each rank reports
+  to the last, divided by the steps between; a restarted actor (a new pid) starts a new baseline, its own warm-up
+  counted from its kill. Each rank reports
   its own RSS every 100 steps, and its growth over its segment after the warm-up (at most half the segment) is
   printed when the segment ends (``rank_growth``).
 
@@ -51,13 +54,16 @@ WAIT_S = 900.0
 """The longest the parent waits for a segment's ranks to reach its end (a kill -9 heals within seconds)."""
 
 
-def write_recipe(dest: Path, phase_at: int, seq_len: int = 64) -> Path:
-    """tiny.toml with absolute source paths, ``seq_len`` tokens a row and one phase at ``phase_at``."""
+def write_recipe(dest: Path, phase_at: int, seq_len: int = 64, phase_end: int | None = None) -> Path:
+    """tiny.toml with absolute source paths, ``seq_len`` tokens a row and one phase from ``phase_at`` (to
+    ``phase_end``, where the sources' own weights return)."""
     text = (ROOT / "recipes" / "tiny.toml").read_text()
     text = text.replace('path = "data/', f'path = "{ROOT}/recipes/data/').replace(
         "seq_len = 64", f"seq_len = {seq_len}"
     )
     text += f'\n[[phases]]\nname = "main"\nstart_step = {phase_at}\nweights = {{ prose = 0.2, code = 0.8 }}\n'
+    if phase_end is not None:
+        text += f'\n[[phases]]\nname = "back"\nstart_step = {phase_end}\nweights = {{ prose = 0.6, code = 0.4 }}\n'
     dest.write_text(text)
     return dest
 
@@ -246,7 +252,18 @@ def main() -> None:
     ap.add_argument("--save-every", type=int, default=100)
     ap.add_argument("--worlds", default="4,2,3", help="W of each segment (W changes between segments)")
     ap.add_argument("--phase-at", type=int, default=None, help="step of the phase boundary (default: steps/2)")
-    ap.add_argument("--warmup", type=int, default=None, help="steps before the growth baseline (default: every)")
+    ap.add_argument("--phase-end", type=int, default=None, help="step where the sources' own weights return")
+    ap.add_argument(
+        "--kill-at",
+        default="0.4,0.6",
+        help="fractions of the run at which a producer and then the node reader are killed with SIGKILL",
+    )
+    ap.add_argument(
+        "--warmup",
+        type=int,
+        default=None,
+        help="steps of each process's life before its growth baseline (default: every)",
+    )
     ap.add_argument("--seq-len", type=int, default=64, help="tokens a row (tiny.toml has 64)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument(
@@ -272,12 +289,13 @@ def main() -> None:
 
     work = Path(a.workdir or tempfile.mkdtemp(prefix="soak-"))
     work.mkdir(parents=True, exist_ok=True)
-    recipe_path = write_recipe(work / "soak.toml", a.phase_at if a.phase_at is not None else a.steps // 2, a.seq_len)
+    phase_at = a.phase_at if a.phase_at is not None else a.steps // 2
+    recipe_path = write_recipe(work / "soak.toml", phase_at, a.seq_len, a.phase_end)
     recipe = Recipe.from_toml(recipe_path)
     state_dir, ledger = work / "state", work / "ledger"
     worlds = [int(w) for w in a.worlds.split(",")]
     bounds = [a.steps * i // len(worlds) for i in range(len(worlds) + 1)]
-    kill_producer_at, kill_reader_at = int(a.steps * 0.4), int(a.steps * 0.6)
+    kill_producer_at, kill_reader_at = (int(a.steps * float(f)) for f in a.kill_at.split(","))
     warmup = a.every if a.warmup is None else a.warmup
 
     service = a.mode == "service"
@@ -308,7 +326,7 @@ def main() -> None:
     checker = Checker(recipe)
     print(
         f"soak ({a.mode} mode): {a.steps} steps of {recipe_path.name} at seq_len {a.seq_len} "
-        f"(phase at {a.phase_at or a.steps // 2}), "
+        f"(phase at {phase_at}" + (f", back at {a.phase_end}" if a.phase_end is not None else "") + "), "
         f"worlds {worlds} at steps {bounds[:-1]}, save every {a.save_every}"
         + (f", kill -9 producer at {kill_producer_at} and node reader at {kill_reader_at}" if service else "")
         + f"; work dir {work}",
@@ -316,7 +334,7 @@ def main() -> None:
     )
     header = None
     rows: list[dict] = []
-    killed = {"producer": False, "reader": False}
+    killed: dict[str, int] = {}  # "producer" / "reader" -> the step it was killed at
     next_row = a.every
     last_row = -1
     t_start = time.time()
@@ -377,15 +395,15 @@ def main() -> None:
                         last_seen[r] = got
                         deadline = time.monotonic() + WAIT_S
                 slowest = min(last_seen.values()) + 1
-                if service and not killed["producer"] and slowest >= kill_producer_at:
+                if service and "producer" not in killed and slowest >= kill_producer_at:
                     pid = actor_pids(svc)["producer0"]
                     os.kill(pid, signal.SIGKILL)
-                    killed["producer"] = True
+                    killed["producer"] = slowest
                     print(f"step {slowest}: kill -9 producer pid {pid}", flush=True)
-                if service and not killed["reader"] and slowest >= kill_reader_at:
+                if service and "reader" not in killed and slowest >= kill_reader_at:
                     pid = actor_pids(svc)["reader0"]
                     os.kill(pid, signal.SIGKILL)
-                    killed["reader"] = True
+                    killed["reader"] = slowest
                     print(f"step {slowest}: kill -9 node reader pid {pid}", flush=True)
                 if (slowest >= next_row or (exited and slowest >= stop)) and slowest != last_row:
                     last_row = slowest
@@ -460,14 +478,18 @@ def main() -> None:
         ray.shutdown()
 
     def growth(label: str, key: str) -> float | None:
-        """KB per step of ``key`` from the first row at or after the warm-up to the last, on the actor's latest pid."""
+        """KB per step of ``key`` on the actor's latest pid, from its first row at least ``warmup`` steps after it
+        started (step 0, or the kill that restarted it) to the last."""
         pid_key = f"{label}_pid"
         last = rows[-1]
-        same = [r for r in rows if r.get(pid_key) == last.get(pid_key) and r["step"] >= warmup and r.get(key)]
+        restarted = rows[0].get(pid_key) != last.get(pid_key)
+        born = killed.get(label.rstrip("0123456789"), 0) if restarted else 0
+        same = [r for r in rows if r.get(pid_key) == last.get(pid_key) and r["step"] >= born + warmup and r.get(key)]
         if len(same) < 2 or same[-1]["step"] == same[0]["step"]:
             return None
         return round((same[-1][key] - same[0][key]) * 1024 / (same[-1]["step"] - same[0]["step"]), 3)
 
+    first_p99 = next((r["wait_p99_ms"] for r in rows if r["step"] > warmup), None)
     labels = sorted({k[:-4] for r in rows for k in r if k.endswith("_pid") and not k.startswith("rank")})  # actors
     result = {
         "steps": a.steps,
@@ -477,6 +499,8 @@ def main() -> None:
         "growth_kb_per_step": {lb: growth(lb, f"{lb}_mb") for lb in labels},
         "private_growth_kb_per_step": {lb: growth(lb, f"{lb}_priv_mb") for lb in labels},
         "rank_growth": rank_growth,
+        # the issue's latency criterion: the last row's wait p99 over the first row's after the warm-up
+        "wait_p99_first_last_ms": [first_p99, rows[-1]["wait_p99_ms"]] if rows else None,
         "last": rows[-1] if rows else None,
     }
     print("RESULT " + json.dumps(result), flush=True)
