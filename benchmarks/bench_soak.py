@@ -14,7 +14,7 @@
   segments, and each new group resumes from the state the previous group saved at its last step.
 - One producer is killed with SIGKILL at 40% of the run and the node reader at 60% (``--kill-at``).
 - Every ``--every`` steps (of the slowest rank) it prints one row: the RSS of each actor (producers, coordinator,
-  node reader; ``_priv``: the RSS less its shared pages, the object store's among them) and of each trainer
+  replayers once started, node reader; ``_priv``: the RSS less its shared pages, the object store's among them) and of each trainer
   process, the object store's use, the step wait p50/p99 over the last rows' steps, and the files and bytes in
   ``state_dir`` and the ledger. Every digest a rank saw is checked against ``GlobalBatchSource(recipe).batch(s)
   .slice(rank, W)`` in this process; the run ends with the count of wrong rows.
@@ -150,22 +150,24 @@ def rss_mb(pid: int) -> tuple[float, float] | tuple[None, None]:
 
 
 def actor_pids(svc) -> dict[str, int]:
-    """{label: pid} of the coordinator, the producers and the node readers (their memory() calls)."""
+    """{label: pid} of the coordinator, the producers, the replayers and the node readers (their memory() or info()
+    calls)."""
     import ray
 
-    from zephon_ray.service.wire import PRODUCER_INFIX, READER_INFIX
+    from zephon_ray.service.wire import PRODUCER_INFIX, READER_INFIX, REPLAYER_INFIX
 
     out = {"coordinator": svc.status()["coordinator"]["pid"]}
     for entry in ray.util.list_named_actors(all_namespaces=True):
         if entry["namespace"] != NS:
             continue
-        for infix, label in ((PRODUCER_INFIX, "producer"), (READER_INFIX, "reader")):
+        for infix, label in ((PRODUCER_INFIX, "producer"), (REPLAYER_INFIX, "replayer"), (READER_INFIX, "reader")):
             if entry["name"].startswith(NAME + infix):
+                actor = ray.get_actor(entry["name"], namespace=NS)
                 try:
-                    m = ray.get(ray.get_actor(entry["name"], namespace=NS).memory.remote(), timeout=30)
+                    m = ray.get((actor.info if label == "replayer" else actor.memory).remote(), timeout=30)
                 except Exception:  # noqa: BLE001 - a retired or dying actor: not in this row
                     continue
-                idx = entry["name"].rsplit(".", 1)[-1] if label == "producer" else "0"
+                idx = entry["name"].rsplit(".", 1)[-1] if label != "reader" else "0"
                 out[f"{label}{idx}"] = m["pid"]
     return out
 
