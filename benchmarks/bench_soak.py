@@ -14,14 +14,15 @@
   segments, and each new group resumes from the state the previous group saved at its last step.
 - One producer is killed with SIGKILL at 40% of the run and the node reader at 60% (``--kill-at``).
 - Every ``--every`` steps (of the slowest rank) it prints one row: the RSS of each actor (producers, coordinator,
-  replayers once started, node reader; ``_priv``: the RSS less its shared pages, the object store's among them) and of each trainer
-  process, the object store's use, the step wait p50/p99 over the last rows' steps, and the files and bytes in
-  ``state_dir`` and the ledger. Every digest a rank saw is checked against ``GlobalBatchSource(recipe).batch(s)
-  .slice(rank, W)`` in this process; the run ends with the count of wrong rows.
+  replayers once started, node reader; ``_priv``: the RSS less its shared pages, the object store's among them) and
+  of each trainer process, the object store's use, the step wait p50/p99 over the last rows' steps, and the files
+  and bytes in ``state_dir`` and the ledger. Every digest a rank saw is checked against
+  ``GlobalBatchSource(recipe).batch(s).slice(rank, W)`` in this process; the run ends with the count of wrong rows.
 - Growth per step (``RESULT`` line): each actor's RSS (and its private part) from the first row after the warm-up
-  to the last, divided by the steps between; a restarted actor (a new pid) starts a new baseline, its own warm-up
-  counted from its kill. Each rank reports its own RSS every 100 steps, and its growth over its segment after the
-  warm-up (at most half the segment) is printed when the segment ends (``rank_growth``).
+  to the last, divided by the steps between; an actor that started later (a new pid: restarted, or a replayer)
+  starts a new baseline, its own warm-up counted from its start. Each rank reports its own RSS every 100 steps, and
+  its growth over its segment after the warm-up (at most half the segment) is printed when the segment ends
+  (``rank_growth``).
 - Step wait (``RESULT``, ``wait_ms``): p50/p99 over every rank's first 10,000 steps after the warm-up and its last
   10,000, read back from the ranks' files, each also split between the steps the producers checkpoint before (a
   collective of the 2 producers) and the rest; ``wait_p99_last_over_first`` is the ratio of the two p99s.
@@ -508,12 +509,15 @@ def main() -> None:
 
     def growth(label: str, key: str) -> float | None:
         """KB per step of ``key`` on the actor's latest pid, from its first row at least ``warmup`` steps after it
-        started (step 0, or the kill that restarted it) to the last."""
+        started to the last. A pid that is not the first row's started after this benchmark's kill of its kind, and
+        at most ``--every`` steps before the first row that shows it."""
         pid_key = f"{label}_pid"
         last = rows[-1]
-        restarted = rows[0].get(pid_key) != last.get(pid_key)
-        born = killed.get(label.rstrip("0123456789"), 0) if restarted else 0
-        same = [r for r in rows if r.get(pid_key) == last.get(pid_key) and r["step"] >= born + warmup and r.get(key)]
+        same = [r for r in rows if r.get(pid_key) == last.get(pid_key)]
+        born = 0
+        if rows[0].get(pid_key) != last.get(pid_key):
+            born = max(killed.get(label.rstrip("0123456789"), 0), same[0]["step"] - a.every)
+        same = [r for r in same if r["step"] >= born + warmup and r.get(key)]
         if len(same) < 2 or same[-1]["step"] == same[0]["step"]:
             return None
         return round((same[-1][key] - same[0][key]) * 1024 / (same[-1]["step"] - same[0]["step"]), 3)
