@@ -4,9 +4,10 @@
 
 Reads steps 0..FIRST-1 of ``recipes/tiny.toml`` untraced, then steps FIRST..LAST-1 under ``tracemalloc``, and prints
 the checkpoints the source keeps (``GlobalBatchSource`` keeps one anchor per ``anchor_every`` steps for good, besides
-its ring of recent ones), the untraced time per step, and the traced allocations that grew most, by file. One kept
-checkpoint's size as JSON is printed for comparison. The RSS under tracing counts tracemalloc's own records, so the
-growth is read from the allocations (docs/benchmarks.md, "The soak").
+its ring of recent ones), the untraced time per step, and the traced allocations that grew most, by file; then the
+newest kept checkpoint's size, kept (compressed JSON) and as JSON, and the untraced time to pack and unpack it. The RSS
+under tracing counts tracemalloc's own records, so the growth is read from the allocations (docs/benchmarks.md, "The
+soak").
 """
 
 import argparse
@@ -20,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from zephon_ray import GlobalBatchSource, Recipe  # noqa: E402
+from zephon_ray.source import packed_state, unpacked_state  # noqa: E402
 
 
 def main() -> None:
@@ -37,6 +39,7 @@ def main() -> None:
     for step in range(a.first, a.last):
         source.batch(step)
     after, kept_after = tracemalloc.take_snapshot(), len(source._checkpoints)
+    tracemalloc.stop()
     grown = after.compare_to(before, "filename")
     total = sum(s.size_diff for s in grown)
     print(
@@ -45,7 +48,18 @@ def main() -> None:
     )
     for stat in grown[:6]:
         print(f"  {stat.size_diff / 2**20:+.2f} MB {stat.count_diff:+d} blocks  {stat.traceback}")
-    print(f"one kept checkpoint as JSON: {len(json.dumps(source._checkpoints[max(source._checkpoints)]))} bytes")
+    newest = source._checkpoints[max(source._checkpoints)]
+    t0 = time.perf_counter()
+    for _ in range(20):
+        state = unpacked_state(newest)
+    t1 = time.perf_counter()
+    for _ in range(20):
+        packed_state(state)
+    t2 = time.perf_counter()
+    print(
+        f"one kept checkpoint: {len(newest)} bytes kept, {len(json.dumps(state))} as JSON; "
+        f"{(t2 - t1) / 20 * 1e3:.2f} ms to pack, {(t1 - t0) / 20 * 1e3:.2f} ms to unpack"
+    )
     source.close()
 
 

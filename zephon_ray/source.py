@@ -8,6 +8,10 @@ Random access is served from Zephon checkpoints taken every ``checkpoint_every``
 ``recent_checkpoints`` of them, plus anchors every ``anchor_every`` steps that are kept for good. ``batch(s)`` for an
 s behind the current position restores the nearest kept checkpoint <= s and replays forward.
 
+Memory: each kept checkpoint is held as compressed JSON (4-5 KB for recipes/tiny.toml, about 9 KB with what holds
+it, where the decoded state takes about 500 KB), so the anchors of a source that reads 1,000,000 steps of it take
+about 35 MB (benchmarks/bench_source_memory.py). They still grow with the steps read, one per ``anchor_every``.
+
 Limits: a step behind costs one Zephon restore, which replays the open epoch of every lane (its price grows with
 lanes x chunk_size x flush_every_k_chunks; about 1.3 s for recipes/mixture.toml here) plus up to ``checkpoint_every``
 steps of replay (``anchor_every`` once the step has left the recent ring). A step far ahead is reached by producing
@@ -19,6 +23,8 @@ anyway, so per-step checkpoints would halve throughput to save a few steps of re
 from __future__ import annotations
 
 import bisect
+import json
+import zlib
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
@@ -67,6 +73,16 @@ def fixed_valid_tokens(recipe: Recipe) -> int | None:
     return recipe.global_batch_rows * recipe.seq_len if recipe.packing == "wrap" else None
 
 
+def packed_state(state: dict[str, Any]) -> bytes:
+    """A JSON-safe state as compressed JSON (zlib level 1: about 1 ms to pack or unpack a state of recipes/tiny.toml,
+    about 10x smaller than its JSON; benchmarks/bench_source_memory.py)."""
+    return zlib.compress(json.dumps(state, separators=(",", ":")).encode(), 1)
+
+
+def unpacked_state(packed: bytes) -> dict[str, Any]:
+    return json.loads(zlib.decompress(packed))
+
+
 class GlobalBatchSource:
     def __init__(
         self,
@@ -94,7 +110,7 @@ class GlobalBatchSource:
         self._stepper = LaneStepper(recipe)
         self._recent_checkpoints = recent_checkpoints
         self._anchor_every = anchor_every
-        self._checkpoints: dict[int, dict[str, Any]] = {}
+        self._checkpoints: dict[int, bytes] = {}  # step -> packed_state(); decoded only to restore
         self._checkpoint_steps: list[int] = []
         self._cache: OrderedDict[int, GlobalBatch] = OrderedDict()
         self._cache_steps = cache_steps
@@ -137,7 +153,7 @@ class GlobalBatchSource:
     def _nearest_checkpoint(self, step: int) -> tuple[int, dict[str, Any]]:
         """The newest kept checkpoint at or before ``step`` (step 0's is always kept)."""
         kept = self._checkpoint_steps[bisect.bisect_right(self._checkpoint_steps, step) - 1]
-        return kept, self._checkpoints[kept]
+        return kept, unpacked_state(self._checkpoints[kept])
 
     def _seek(self, step: int) -> None:
         self._stepper.restore(self._nearest_checkpoint(step)[1])
@@ -147,7 +163,7 @@ class GlobalBatchSource:
         if step % self._checkpoint_every or step in self._checkpoints:
             return
         try:
-            self._checkpoints[step] = self._stepper.checkpoint()
+            self._checkpoints[step] = packed_state(self._stepper.checkpoint())
         except StepStateError:
             return  # microbatches of the next step are buffered: not a clean boundary, keep older checkpoints
         bisect.insort(self._checkpoint_steps, step)
