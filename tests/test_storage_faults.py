@@ -181,9 +181,9 @@ def test_a_producer_waits_out_an_outage_at_its_first_step(ray_cluster, s3, bucke
         return compute_digest(np.concatenate([s.tokens for s in shards]), np.concatenate([s.positions for s in shards]))
 
     retried = storage.RETRY_STATS["retried_calls"]
-    # The endpoint stays down until the first step has failed past obstore's own retries (10, in 1.5-12 s at the
-    # p99; 180 s at most) into zephon_ray's, and 3 s more. A fixed 20 s outage raced the pipeline's start and
-    # obstore's retries: one CI run under load saw no retry of zephon_ray's at all.
+    # The endpoint stays down until the first step has failed past obstore's own retries (10, with a jittered backoff
+    # that grows; its retry_timeout is 180 s) into zephon_ray's, and 3 s more. A fixed 20 s outage raced the
+    # pipeline's start and obstore's retries: one CI run under load saw no retry of zephon_ray's at all.
     s3.faults.down()
     try:
         with ThreadPoolExecutor(1) as pool:
@@ -238,8 +238,8 @@ def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cl
     try:
         with ThreadPoolExecutor(2) as pool:
             local_rows, replayed = pool.submit(read_locally), pool.submit(replay)
-            # A reader closed while it waits stops waiting: its thread ends once obstore's own retries (1.5-12 s at
-            # the p99) and one backoff (at most 5 s) have passed, instead of waiting the outage out.
+            # A reader closed while it waits stops waiting: its thread ends once obstore's own retries and one
+            # backoff (at most 5 s) have passed, instead of waiting the outage out.
             closed.reset()
             waiting = closed._thread
             closed.close()
