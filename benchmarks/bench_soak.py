@@ -4,7 +4,7 @@
     python benchmarks/bench_soak.py --mode local --steps 20000 --worlds 4,2,8
     python benchmarks/bench_soak.py --mode dataset --steps 20000 --worlds 4,2,3
 
-- A service with 2 producers and a ``state_dir`` (checkpoint every 8 steps), on a private local Ray.
+- A service with 2 producers (``--producers``) and a ``state_dir`` (checkpoint every 8 steps), on a private local Ray.
 - The recipe is ``recipes/tiny.toml`` (rows of ``--seq-len`` tokens, 64 by default) with one mixture phase added at
   half the run (``--phase-at``), so the run crosses a phase boundary; ``--phase-end`` adds a second boundary there,
   back to the sources' own weights (so that the first and last rows compare like for like, with ``--worlds`` that
@@ -295,6 +295,7 @@ def main() -> None:
         help="steps of each process's life before its growth baseline (default: every)",
     )
     ap.add_argument("--seq-len", type=int, default=64, help="tokens a row (tiny.toml has 64)")
+    ap.add_argument("--producers", type=int, default=2, help="the service's producers (M; 1: no collective checkpoint)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument(
         "--mode",
@@ -340,7 +341,7 @@ def main() -> None:
             str(recipe_path),
             name=NAME,
             namespace=NS,
-            producers=2,
+            producers=a.producers,
             state_dir=str(state_dir),
             checkpoint_every=CHECKPOINT_EVERY,
             aggregate_store="torch://",

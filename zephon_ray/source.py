@@ -80,7 +80,8 @@ def packed_state(state: dict[str, Any]) -> bytes:
 
 
 def unpacked_state(packed: bytes) -> dict[str, Any]:
-    return json.loads(zlib.decompress(packed))
+    state: dict[str, Any] = json.loads(zlib.decompress(packed))
+    return state
 
 
 class GlobalBatchSource:
