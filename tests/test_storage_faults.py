@@ -158,27 +158,33 @@ def bucket(s3):
     return tiny_bucket(s3, "zr-faults-data")
 
 
+def _digest_of(made: dict) -> str:
+    """The digest of the rows in a producer's or replayer's answer (its container's lane shards, in lane order)."""
+    import numpy as np
+    import ray
+
+    from zephon_ray.batch import compute_digest
+    from zephon_ray.service.wire import unpack
+
+    shards = list(unpack(ray.get(ray.get(made["container"]))).values())
+    return compute_digest(np.concatenate([s.tokens for s in shards]), np.concatenate([s.positions for s in shards]))
+
+
 @pytest.mark.heavy
 def test_a_producer_waits_out_an_outage_at_its_first_step(ray_cluster, s3, bucket, oracle_digests):
     """Zephon opens its storage at a pipeline's first step, not when it is built: a producer that started while the
     endpoint answered and makes its first step during an outage waits the outage out and makes the oracle's rows.
     Before, the call failed with obstore's raw error and the pool restarted the whole group (the storage soak's
     restart at step 8). The producer runs in this process (it only needs Ray's object store)."""
-    import numpy as np
-    import ray
-
     from zephon_ray import Recipe, storage
-    from zephon_ray.batch import compute_digest
     from zephon_ray.pipeline import LaneGroup
     from zephon_ray.service.server.producer import Producer
-    from zephon_ray.service.wire import unpack
 
     producer = Producer(Recipe.from_toml(f"s3://{bucket}/recipes/tiny.toml"), LaneGroup())
     assert producer.info()["error"] is None
 
     def produced(step: int) -> str:
-        shards = list(unpack(ray.get(ray.get(producer.produce(step)["container"]))).values())
-        return compute_digest(np.concatenate([s.tokens for s in shards]), np.concatenate([s.positions for s in shards]))
+        return _digest_of(producer.produce(step))
 
     retried = storage.RETRY_STATS["retried_calls"]
     # The endpoint stays down until the first step has failed past obstore's own retries (10, with a jittered backoff
@@ -209,14 +215,11 @@ def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cl
     and a service replayer whose replay needs a new pipeline, both wait the outage out (side by side, in one outage)
     and give the oracle's rows; a reader closed while it waits stops waiting. Before, each failed with obstore's raw
     error."""
-    import numpy as np
-    import ray
 
     from zephon_ray import Recipe
     from zephon_ray.batch import compute_digest
     from zephon_ray.pipeline import LaneGroup
     from zephon_ray.service.server.replayer import Replayer
-    from zephon_ray.service.wire import unpack
     from zephon_ray.stream.local import LocalSlices
 
     recipe = Recipe.from_toml(f"s3://{bucket}/recipes/tiny.toml")
@@ -231,8 +234,7 @@ def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cl
         return [compute_digest(s.tokens, s.positions) for s in (local.next(timeout=120) for _ in range(3))]
 
     def replay() -> str:
-        shards = list(unpack(ray.get(ray.get(replayer.replay(2, 0, None, 0)["container"]))).values())
-        return compute_digest(np.concatenate([s.tokens for s in shards]), np.concatenate([s.positions for s in shards]))
+        return _digest_of(replayer.replay(2, 0, None, 0))
 
     s3.faults.down()  # until the closed reader has stopped waiting, and 5 s more (not a fixed time: see above)
     try:
