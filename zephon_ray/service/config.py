@@ -168,7 +168,8 @@ class ServiceConfig:
     lease_steps: int = 4
     """n: a node reader leases the refs of up to n consecutive produced steps in one coordinator call, and reports
     its ranks' cursor moves with it; the coordinator sees O(nodes x steps / n) calls, not one per rank-step.
-    Cursors on the coordinator lag by at most n steps (status()); commits carry exact ones."""
+    Cursors on the coordinator lag by up to a process's run of steps plus n (status(); client/node_read_path.py);
+    commits carry exact ones."""
     pack_bytes: int = 1 << 20
     """A producer (or replayer) puts its lanes' shards as packs: equal runs of consecutive lanes, each one object of
     at most this many bytes (the largest run that divides its lanes; a lane of more is a pack of its own). A step
