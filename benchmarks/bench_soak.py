@@ -17,7 +17,8 @@
   replayers once started, node reader; ``_priv``: the RSS less its shared pages, the object store's among them) and
   of each trainer process, the object store's use, the step wait p50/p99 over the last rows' steps, and the files
   and bytes in ``state_dir`` and the ledger. Every digest a rank saw is checked against
-  ``GlobalBatchSource(recipe).batch(s).slice(rank, W)`` in this process; the run ends with the count of wrong rows.
+  ``GlobalBatchSource(recipe).batch(s).slice(rank, W)`` in this process, by a thread at nice 19 that may fall behind
+  the ranks (the row's ``unchecked``) and catches up after the run; the run ends with the count of wrong rows.
 - Growth per step (``RESULT`` line): each actor's RSS (and its private part) from the first row after the warm-up
   to the last, divided by the steps between; an actor that started later (a new pid: restarted, or a replayer)
   starts a new baseline, its own warm-up counted from its start. Each rank reports its own RSS every 100 steps, and
@@ -41,10 +42,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -59,6 +62,8 @@ WINDOW = 10_000
 """Steps of the first (after the warm-up) and the last wait windows that the issue's latency criterion compares."""
 WAIT_S = 900.0
 """The longest the parent waits for a segment's ranks to reach its end (a kill -9 heals within seconds)."""
+CHECK_FINISH_S = 3600.0
+"""The longest the checker may take after the run to check the rows it fell behind by (about 10 ms a step)."""
 
 
 def write_recipe(dest: Path, phase_at: int, seq_len: int = 64, phase_end: int | None = None) -> Path:
@@ -174,7 +179,10 @@ def actor_pids(svc) -> dict[str, int]:
 
 
 class Checker:
-    """Reads the ranks' output files as they grow and checks each digest against the in-process source."""
+    """Reads the ranks' output files as they grow, and checks each digest against the in-process source in a thread
+    of its own at nice 19: below the ranks (nice 0) and the service's actors (Ray starts its workers at nice 15), so
+    that the check, which runs on the same cores, is not in the measured path. It falls behind the ranks when the
+    cores are busy and catches up after the run (``finish``); each row shows how many steps wait (``unchecked``)."""
 
     def __init__(self, recipe) -> None:
         from zephon_ray import GlobalBatchSource
@@ -182,14 +190,38 @@ class Checker:
         self.source = GlobalBatchSource(recipe)
         self.expected: dict[int, object] = {}
         self.pos: dict[str, int] = {}
-        self.done: dict[tuple[int, int], int] = {}  # (rank, world) -> steps read
         self.wrong = 0
         self.rows = 0
+        self.checked = 0
+        self._todo: queue.SimpleQueue = queue.SimpleQueue()  # (step, rank, world, digest); None: no more
+        self._thread = threading.Thread(target=self._check, name="soak-checker", daemon=True)
+        self._thread.start()
         self.waits: list[float] = []
         self.rss: dict[int, float] = {}
         """rank -> its latest reported RSS (MB), as of the newest step checked."""
         self.rss_log: dict[int, list[tuple[int, float]]] = {}
         """rank -> every (step, RSS MB) it reported in the current segment."""
+
+    def _check(self) -> None:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+        while (item := self._todo.get()) is not None:
+            step, rank, world, digest = item
+            if self.batch(step).slice(rank, world).ledger_digest != digest:
+                self.wrong += 1
+            self.checked += 1
+
+    @property
+    def unchecked(self) -> int:
+        return self.rows - self.checked
+
+    def finish(self, timeout_s: float) -> None:
+        """Wait until every row read has been checked; SystemExit naming what is left past ``timeout_s``."""
+        self._todo.put(None)
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            raise SystemExit(
+                f"the checker did not check {self.unchecked} rows within {timeout_s:.0f}s of the run's end"
+            )
 
     def batch(self, step: int):
         if step not in self.expected:
@@ -215,8 +247,7 @@ class Checker:
                     self.rss[rank] = float(rss[0])
                     self.rss_log.setdefault(rank, []).append((step, float(rss[0])))
                 self.rows += 1
-                if self.batch(step).slice(rank, world).ledger_digest != digest:
-                    self.wrong += 1
+                self._todo.put((step, rank, world, digest))
                 self.waits.append(float(wait))
                 last = step
         return last
@@ -454,6 +485,7 @@ def main() -> None:
                         row["state_files"], row["state_bytes"] = tree(state_dir)
                     row["ledger_files"], row["ledger_bytes"] = tree(ledger)
                     row["wrong"] = checker.wrong
+                    row["unchecked"] = checker.unchecked
                     rows.append(row)
                     cols = [k for k in row if not k.endswith("_pid")]
                     if header != cols:
@@ -523,6 +555,7 @@ def main() -> None:
             return None
         return round((same[-1][key] - same[0][key]) * 1024 / (same[-1]["step"] - same[0]["step"]), 3)
 
+    checker.finish(CHECK_FINISH_S)
     # the latency criterion: the wait p99 of the last WINDOW steps against the first WINDOW after the warm-up
     waits = {
         "first": wait_summary(work, warmup, warmup + WINDOW),

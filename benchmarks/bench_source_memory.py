@@ -1,16 +1,20 @@
 """Where the in-process source's memory grows: ``GlobalBatchSource`` reading steps in order.
 
     python benchmarks/bench_source_memory.py [--first 1000] [--last 6000]
+    python benchmarks/bench_source_memory.py --time-every 5000 --last 40000
 
 Reads steps 0..FIRST-1 of ``recipes/tiny.toml`` untraced, then steps FIRST..LAST-1 under ``tracemalloc``, and prints
 the checkpoints the source keeps (``GlobalBatchSource`` keeps one anchor per ``anchor_every`` steps for good, besides
 its ring of recent ones), the untraced time per step, and the traced allocations that grew most, by file; then the
 newest kept checkpoint's size, kept (compressed JSON) and as JSON, and the untraced time to pack and unpack it. The RSS
 under tracing counts tracemalloc's own records, so the growth is read from the allocations (docs/benchmarks.md, "The
-soak").
+soak"). ``--time-every K`` instead reads steps 0..LAST-1 untraced and prints, for every K steps, the time per step
+and the part of it spent in Python's garbage collector (a ``gc.callbacks`` timer), so that a cost per step that
+grows with the run shows.
 """
 
 import argparse
+import gc
 import json
 import sys
 import time
@@ -28,8 +32,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--first", type=int, default=1000, help="steps read before tracing starts")
     ap.add_argument("--last", type=int, default=6000, help="one past the last step read")
+    ap.add_argument("--time-every", type=int, default=0, help="only time steps 0..LAST-1, a line per this many")
     a = ap.parse_args()
     source = GlobalBatchSource(Recipe.from_toml(ROOT / "recipes" / "tiny.toml"))
+    if a.time_every > 0:
+        time_steps(source, a.last, a.time_every)
+        return
     t0 = time.perf_counter()
     for step in range(a.first):
         source.batch(step)
@@ -60,6 +68,31 @@ def main() -> None:
         f"one kept checkpoint: {len(newest)} bytes kept, {len(json.dumps(state))} as JSON; "
         f"{(t2 - t1) / 20 * 1e3:.2f} ms to pack, {(t1 - t0) / 20 * 1e3:.2f} ms to unpack"
     )
+    source.close()
+
+
+def time_steps(source: GlobalBatchSource, last: int, every: int) -> None:
+    in_gc = [0.0, 0.0]  # seconds spent in collections so far; when the running one started
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            in_gc[1] = time.perf_counter()
+        else:
+            in_gc[0] += time.perf_counter() - in_gc[1]
+
+    gc.callbacks.append(on_gc)
+    t0, gc0 = time.perf_counter(), 0.0
+    for step in range(last):
+        source.batch(step)
+        if (step + 1) % every == 0:
+            t = time.perf_counter()
+            print(
+                f"steps {step + 1 - every}..{step + 1}: {(t - t0) * 1e3 / every:.2f} ms a step, "
+                f"{(in_gc[0] - gc0) * 1e3 / every:.2f} ms of it collecting garbage",
+                flush=True,
+            )
+            t0, gc0 = t, in_gc[0]
+    gc.callbacks.remove(on_gc)
     source.close()
 
 
