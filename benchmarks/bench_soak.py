@@ -198,7 +198,7 @@ class Checker:
         self._thread.start()
         self.waits: list[float] = []
         self.rss: dict[int, float] = {}
-        """rank -> its latest reported RSS (MB), as of the newest step checked."""
+        """rank -> its latest reported RSS (MB), as of the newest step read."""
         self.rss_log: dict[int, list[tuple[int, float]]] = {}
         """rank -> every (step, RSS MB) it reported in the current segment."""
 
@@ -218,9 +218,10 @@ class Checker:
         """Wait until every row read has been checked; SystemExit naming what is left past ``timeout_s``."""
         self._todo.put(None)
         self._thread.join(timeout_s)
-        if self._thread.is_alive():
+        if self._thread.is_alive() or self.unchecked:  # still checking, or it died (its error is on stderr)
             raise SystemExit(
-                f"the checker did not check {self.unchecked} rows within {timeout_s:.0f}s of the run's end"
+                f"the checker left {self.unchecked} rows unchecked {timeout_s:.0f}s after the run's end "
+                "(an error of its own is on stderr)"
             )
 
     def batch(self, step: int):
