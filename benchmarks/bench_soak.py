@@ -63,7 +63,8 @@ WINDOW = 10_000
 WAIT_S = 900.0
 """The longest the parent waits for a segment's ranks to reach its end (a kill -9 heals within seconds)."""
 CHECK_FINISH_S = 3600.0
-"""The longest the checker may take after the run to check the rows it fell behind by (about 10 ms a step)."""
+"""The longest the checker may take after the run to check the rows it fell behind by (the source makes a step in
+5-8 ms: ``bench_source_memory.py --time-every``)."""
 
 
 def write_recipe(dest: Path, phase_at: int, seq_len: int = 64, phase_end: int | None = None) -> Path:
@@ -182,7 +183,7 @@ class Checker:
     """Reads the ranks' output files as they grow, and checks each digest against the in-process source in a thread
     of its own at nice 19: below the ranks (nice 0) and the service's actors (Ray starts its workers at nice 15), so
     that the check, which runs on the same cores, is not in the measured path. It falls behind the ranks when the
-    cores are busy and catches up after the run (``finish``); each row shows how many steps wait (``unchecked``)."""
+    cores are busy and catches up after the run (``finish``); each row shows how many rows wait (``unchecked``)."""
 
     def __init__(self, recipe) -> None:
         from zephon_ray import GlobalBatchSource
@@ -204,6 +205,8 @@ class Checker:
 
     def _check(self) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+        # get() waits for work with no deadline on purpose: finish() always sends the None that ends this loop, and
+        # the thread is a daemon, so a run that stops early does not wait for it
         while (item := self._todo.get()) is not None:
             step, rank, world, digest = item
             if self.batch(step).slice(rank, world).ledger_digest != digest:
