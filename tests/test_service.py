@@ -349,6 +349,7 @@ def test_replays_run_in_the_replayer_and_are_shared(ray_cluster, tiny_recipe, re
         svc.stop()
 
 
+@pytest.mark.heavy
 def test_coordinator_owns_no_shard_bytes(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     """A shipped recipe (recipes/tiny.toml, ~1 KiB lane shards: far under Ray's 100 KiB inline limit) with 2
     producers: every lane shard of every held step is owned by a producer and lies in the object store, never
