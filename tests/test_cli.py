@@ -180,6 +180,7 @@ def test_show_docs_summarises_a_range_per_source_and_shard(capsys):
     assert code == 0 and "source prose:" in out and "  shard code/shard-0000" in out
 
 
+@pytest.mark.heavy
 def test_locate_finds_what_show_docs_names(capsys, ray_cluster):
     """A record that ``show --docs`` names at step 3 row 0: ``locate`` over steps 0:8 lists that piece, and every
     piece it lists is one ``show --docs --json`` names at its step and row."""

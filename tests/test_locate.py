@@ -5,8 +5,8 @@ is 150 BEL characters, a byte no other record holds. The brute force needs no pr
 rows (GlobalBatchSource) for runs of that byte, each with the BOS before it and the EOS after it when they are in the
 same row, and compares them with locate's hits; a hit's offset is checked against the run it names (0 when it starts
 at the BOS). In-process (``scan_all``, the scan every lane-group actor runs: the default suite) and as the Ray Data
-job with 2 lane groups (``locate``, ray_cluster; slow: ``tests/test_cli.py::test_locate_finds_what_show_docs_names``
-runs the job in the default suite).
+job with 2 lane groups (``locate``, ray_cluster; slow: ``tests/test_cli.py::test_locate_finds_what_show_docs_names``,
+heavy, runs the job too).
 """
 
 from __future__ import annotations

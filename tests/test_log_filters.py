@@ -140,6 +140,7 @@ def test_the_stderr_filter_drops_exactly_the_marked_lines_and_passes_the_rest_un
     assert proc.stderr == (b"keep 1\n\rbar 1/2\rbar 2/2\n[E other.cc] kept\npython line\ntail without newline after\n")
 
 
+@pytest.mark.heavy
 def test_materialize_prints_its_result_and_no_library_noise_when_output_is_not_a_terminal(ray_cluster, tmp_path):
     """A real ``zephon-ray materialize`` into pipes: stdout is its one result line; stderr holds neither Ray's core
     worker actor-arguments line, nor Ray Data's INFO lines, nor a progress bar (stderr is not a terminal)."""

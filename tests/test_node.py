@@ -49,6 +49,7 @@ def test_a_complete_round_is_reported_without_waiting_for_the_gather(ray_cluster
         svc.stop()
 
 
+@pytest.mark.heavy
 def test_a_rank_heard_for_the_first_time_is_reported_at_once(ray_cluster, tiny_recipe, tmp_path, monkeypatch):
     """A new consumer's first move, with no lease to carry it, reaches the coordinator within the gather, not with
     the next lease or keep-alive: until the coordinator knows the consumer, another consumer's moves could take the

@@ -196,6 +196,7 @@ def test_a_source_joins_later_with_weight_zero(tmp_path):
 
 
 # Proves lanes.py: across a phase boundary step s stays a pure function of (recipe, s), in any order, through restores.
+@pytest.mark.heavy
 def test_random_access_and_restores_across_the_boundary():
     recipe = Recipe.from_toml(PHASED)
     stepper = LaneStepper(recipe)
@@ -215,6 +216,7 @@ def test_random_access_and_restores_across_the_boundary():
             assert source.batch(step).digest == want[step], step
 
 
+@pytest.mark.heavy
 def test_resume_refuses_a_rewritten_past(tmp_path):
     """A state at next_step t accepts a recipe whose phases starting before t are unchanged, whatever it does from t
     on; a rewritten, added or removed earlier phase is one line naming the phase and the step."""

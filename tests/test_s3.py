@@ -327,6 +327,7 @@ def materialized_s3(ray_cluster, s3, remote_recipe):
 
 
 # Proves formats/materialized.py: a directory in a bucket commits, extends and reads back as a local one does.
+@pytest.mark.heavy
 def test_materialize_to_s3_extend_and_read_back(s3, bucket, materialized_s3, reference_digests, tiny_recipe, capsys):
     from zephon_ray import MaterializedSource
     from zephon_ray.cli import main
@@ -413,6 +414,7 @@ def test_damaged_materialized_dir_on_s3_is_one_line(s3, materialized_s3, damage)
     one_line(info.value, needle)
 
 
+@pytest.mark.heavy
 def test_pretokenize_s3_to_s3(ray_cluster, s3, remote_recipe, reference_digests):
     """Raw shards read through Zephon's router, token shards written by the actors into another bucket, manifest
     last; the copy's recipe (in the bucket) gives the raw recipe's digests."""

@@ -28,8 +28,8 @@ pytestmark = pytest.mark.timeout(300)
         (1, None),
         # the default aggregation: tests/test_oracle.py::test_service_two_producers_slices_joined runs it in the default suite
         pytest.param(2, "hosted-store", marks=pytest.mark.slow),
-        (2, "external-store"),
-        (2, "dir"),
+        pytest.param(2, "external-store", marks=pytest.mark.heavy),
+        pytest.param(2, "dir", marks=pytest.mark.heavy),
     ],
 )
 def test_digests_and_slices_match_reference(
@@ -68,6 +68,7 @@ def test_digests_and_slices_match_reference(
         svc.stop()
 
 
+@pytest.mark.heavy
 def test_refs_prefetch_and_any_consumer_handle(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     import ray
 
@@ -163,6 +164,7 @@ def test_two_consumers_and_window_bound(ray_cluster, tiny_recipe, reference_dige
         a.stop()
 
 
+@pytest.mark.heavy
 def test_to_dataset_rows_and_parquet(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     import pyarrow.parquet as pq
 
@@ -279,6 +281,7 @@ def test_request_bounds_reject_cleanly(ray_cluster, tiny_recipe, reference_diges
         svc.stop()
 
 
+@pytest.mark.heavy
 def test_many_waiting_reads_hold_no_thread(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     """96 reads wait at once (a holder pins the window); the coordinator runs fewer threads than that, and
     status()/commit() still answer. (The 512-read latency is measured in benchmarks/bench_service_load.py.)"""

@@ -145,6 +145,7 @@ def test_serve_has_a_flag_for_every_service_config_field():
     assert fields["resources"].producer_num_cpus == 0.125
 
 
+@pytest.mark.heavy
 def test_serve_status_rescale_release_stop_then_inspect_offline(ray_cluster, capsys, tmp_path, reference_digests):
     import json
 

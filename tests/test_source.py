@@ -95,6 +95,7 @@ def test_restore_from_ring_then_continue(tiny_recipe, reference_digests, resume_
     assert got == reference_digests[resume_at:20]
 
 
+@pytest.mark.heavy
 def test_reverse_and_interleaved_random_access(tiny_recipe, reference_digests):
     with GlobalBatchSource(
         tiny_recipe, checkpoint_every=2, recent_checkpoints=3, anchor_every=4, cache_steps=1

@@ -6,11 +6,13 @@ import threading
 import time
 
 import numpy as np
+import pytest
 from service_helpers import NS, start_service
 
 from zephon_ray import GlobalBatchSource
 
 
+@pytest.mark.heavy
 def test_a_save_during_the_prefetch_threads_cursor_report_commits_what_the_trainer_took(
     ray_cluster, tiny_recipe, tmp_path
 ):
