@@ -15,8 +15,8 @@ its leases and cursor reports only). Parts (each prints a line; one JSON line ``
   The recipe is the tiny fixture with B=256 rows (``rows_per_microbatch=32``), so 256 ranks each get a real slice.
   Targets (what a 1k-16k GPU deployment needs, docs/scaling.md): node coordinator CPU per rank-step <= 0.1 ms at R=256; direct p99 wait / node p99 wait >= 10;
   node status() p99 <= 100 ms.
-- ``calls``: coordinator CPU per call of each kind (a lease of ``lease_steps`` steps with 8 cursor moves, a
-  report of 8 moves, ``status()``), net of its idle rate, for the projections in docs/scaling.md.
+- ``calls``: coordinator CPU per call of each kind (a lease of ``--lease-steps`` steps, 4 by default, with 8 cursor
+  moves, a report of 8 moves, ``status()``), net of its idle rate, for the projections in docs/scaling.md.
 - ``pending``: 512 reads waiting at once (a holder consumer pins the window), per side, while ``status()`` and
   ``commit()`` are timed; then the holder releases and every waiting read must complete with the right rows.
 - ``pump``: coordinator CPU per produced step (the whole process and its pump thread) and its idle rate, at
@@ -492,26 +492,28 @@ def stop_profilers(running: list) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------------- calls
-def run_calls(recipe, tmp, n: int = 1500, lease_steps: int = 4, threads: int = 8) -> dict:
-    """Coordinator CPU per call of each kind a node reader makes, for docs/scaling.md: a lease of
-    ``lease_steps`` produced steps and 1 lane with 8 cursor moves (a node of 8 ranks), a report of 8 moves, and
-    ``status()``. Calls come from ``threads`` threads at once; CPU is the coordinator process's (psutil), minus
-    its idle rate measured for as long just before."""
+def run_calls(recipe, tmp, n: int = 1500, lease_steps: tuple[int, ...] = (4,), threads: int = 8) -> dict:
+    """Coordinator CPU per call of each kind a node reader makes, for docs/scaling.md: a lease of each count in
+    ``lease_steps`` of produced steps and 1 lane with 8 cursor moves (a node of 8 ranks; ``lease`` for a count of
+    4, ``lease_<count>`` for others), a report of 8 moves, and ``status()``. Calls come from ``threads`` threads at
+    once; CPU is the coordinator process's (psutil), minus its idle rate measured for as long just before."""
     import ray
 
-    svc = start(recipe, "calls", tmp, window=8)
+    svc = start(recipe, "calls", tmp, window=max(8, *lease_steps))
     try:
         svc.batch(0, track=True)
-        while len(svc.status()["window"]["held_steps"]) < lease_steps:
+        while len(svc.status()["window"]["held_steps"]) < max(lease_steps):
             time.sleep(0.1)
         coordinator = ray.get_actor(svc.name, namespace=NS)
         pid = svc.status()["coordinator"]["pid"]
         moves = [("calls", r, 256, 0, 0.0) for r in range(8)]
-        kinds = {
-            "lease": lambda: coordinator.lease.remote(0, lease_steps, (0, 1), 60, moves, False, "node-x"),
-            "report": lambda: coordinator.advance.remote(moves),
-            "status": lambda: coordinator.status.remote(),
-        }
+
+        def lease(count: int):
+            return lambda: coordinator.lease.remote(0, count, (0, 1), 60, moves, False, "node-x")
+
+        kinds = {("lease" if count == 4 else f"lease_{count}"): lease(count) for count in lease_steps}
+        kinds["report"] = lambda: coordinator.advance.remote(moves)
+        kinds["status"] = lambda: coordinator.status.remote()
         out = {}
         for kind, call in kinds.items():
             c0, t0 = cpu_seconds([pid]), time.perf_counter()
@@ -1008,6 +1010,7 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, default=256)
     ap.add_argument("--small-ranks", type=int, default=32)
     ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--lease-steps", default="4", help="calls: the steps a lease asks for, comma-separated")
     ap.add_argument("--window", type=int, default=8, help="load: the service's window (steps held ahead)")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--step-time", type=float, default=0.5)
@@ -1101,14 +1104,14 @@ def main() -> None:
                 result[f"load_{ranks}"] = {"runs": runs, "summary": summary}
                 print(f"load {args.jobs}x{ranks}: {json.dumps(summary)}", flush=True)
         if "calls" in parts:
-            r = result["calls"] = run_calls(recipe, tmp)
+            r = result["calls"] = run_calls(recipe, tmp, lease_steps=tuple(int(x) for x in args.lease_steps.split(",")))
             print(
                 "calls: "
                 + ", ".join(
                     f"{k} {v['cpu_ms_per_call']:.3f} coordinator CPU-ms/call ({v['calls_per_s']:.0f}/s)"
                     for k, v in r.items()
                 )
-                + f"; idle {r['lease']['idle_cpu_ms_per_s']:.1f} "
+                + f"; idle {r['report']['idle_cpu_ms_per_s']:.1f} "
                 "CPU-ms/s",
                 flush=True,
             )
