@@ -16,7 +16,7 @@ its leases and cursor reports only). Parts (each prints a line; one JSON line ``
   Targets (what a 1k-16k GPU deployment needs, docs/scaling.md): node coordinator CPU per rank-step <= 0.1 ms at R=256; direct p99 wait / node p99 wait >= 10;
   node status() p99 <= 100 ms.
 - ``calls``: coordinator CPU per call of each kind (a lease of ``--lease-steps`` steps, 4 by default, with 8 cursor
-  moves, a report of 8 moves, ``status()``), net of its idle rate, for the projections in docs/scaling.md.
+  moves, a report of 8 moves, a report of none, ``status()``), net of its idle rate, for docs/scaling.md.
 - ``pending``: 512 reads waiting at once (a holder consumer pins the window), per side, while ``status()`` and
   ``commit()`` are timed; then the holder releases and every waiting read must complete with the right rows.
 - ``pump``: coordinator CPU per produced step (the whole process and its pump thread) and its idle rate, at
@@ -495,8 +495,9 @@ def stop_profilers(running: list) -> dict:
 def run_calls(recipe, tmp, n: int = 1500, lease_steps: tuple[int, ...] = (4,), threads: int = 8) -> dict:
     """Coordinator CPU per call of each kind a node reader makes, for docs/scaling.md: a lease of each count in
     ``lease_steps`` of produced steps and 1 lane with 8 cursor moves (a node of 8 ranks; ``lease`` for a count of
-    4, ``lease_<count>`` for others), a report of 8 moves, and ``status()``. Calls come from ``threads`` threads at
-    once; CPU is the coordinator process's (psutil), minus its idle rate measured for as long just before."""
+    4, ``lease_<count>`` for others), a report of 8 moves, a report of none (``empty``: the call alone), and
+    ``status()``. Calls come from ``threads`` threads at once; CPU is the coordinator process's (psutil), minus its
+    idle rate measured for as long just before."""
     import ray
 
     svc = start(recipe, "calls", tmp, window=max(8, *lease_steps))
@@ -513,6 +514,7 @@ def run_calls(recipe, tmp, n: int = 1500, lease_steps: tuple[int, ...] = (4,), t
 
         kinds = {("lease" if count == 4 else f"lease_{count}"): lease(count) for count in lease_steps}
         kinds["report"] = lambda: coordinator.advance.remote(moves)
+        kinds["empty"] = lambda: coordinator.advance.remote([])  # a call that does nothing: Ray's floor
         kinds["status"] = lambda: coordinator.status.remote()
         out = {}
         for kind, call in kinds.items():
