@@ -38,10 +38,7 @@ def test_packs_are_equal_aligned_runs_of_lanes_within_the_byte_limit():
 
 
 @pytest.mark.heavy
-@pytest.mark.parametrize(
-    "pack",
-    ["default", "two lanes", "per lane"],
-)
+@pytest.mark.parametrize("pack", ["default", "two lanes", "per lane"])
 def test_a_service_of_packs_serves_every_slice_and_replay_as_the_reference(
     ray_cluster, tiny_recipe, reference_digests, tmp_path, pack
 ):
