@@ -292,9 +292,10 @@ class ProcessReads:
                 continue
             since = time.monotonic()
             if not request.done.wait(max(0.0, deadline - since)):
+                whose = "this process's read-ahead call" if request.ahead else "another thread's read call"
                 raise ReplyTimeoutError(
-                    f"service {self._where}: step {step}: another thread's read call of it did "
-                    f"not return within {time.monotonic() - since:.0f}s"
+                    f"service {self._where}: step {step} was not served within {time.monotonic() - since:.0f}s "
+                    f"(waited for {whose} that asked for it)"
                 )
             if request.error is not None and request.ahead is None and not isinstance(request.error, ReplyTimeoutError):
                 raise request.error  # the service's answer about this step (a refusal, a lost service)
