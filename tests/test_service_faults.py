@@ -260,8 +260,8 @@ def test_watchdog_replaces_a_hung_producer(ray_cluster, tiny_recipe, reference_d
         since = time.monotonic()
         for step in range(4, 14):
             try:
-                # 150 s: reads went on 14 s after the SIGSTOP alone, 33 s with ten CPU-bound processes beside it on
-                # the 2 cores; 60 s was once too short in CI (three heavy workers at once)
+                # 150 s: this scenario's reads went on 13-14 s after the SIGSTOP alone (the print below), 33 s with
+                # ten CPU-bound processes beside it on 2 cores; 60 s was once too short in CI (three heavy workers)
                 batch = svc.refs(step, track=True, timeout_s=150).batch()
             except TimeoutError as exc:  # the coordinator's wait, or this process's wait on the call in flight
                 status = svc.status()
