@@ -78,3 +78,33 @@ def f():
     assert len(private_ray_uses(source)) >= 7, private_ray_uses(source)
     assert private_ray_uses("import ray\nray.init(address='auto')\nray.util.get_node_ip_address()\n") == []
     assert private_ray_uses(FENCE.read_text())  # the fence itself holds what the scan looks for
+
+
+def test_ray_notices_print_on_stderr_inside_a_session(ray_cluster, capsys):
+    """Ray 2.60's driver prints the notices a cluster publishes to it (a task retried, a worker died) on stdout, even
+    with ``log_to_driver=False``. Inside ``ray_session`` they go to stderr, so a command's ``--json`` stdout stays
+    parseable: a forwarded "Task CoordinatorActor.lease failed ... retried" once came before `zephon-ray bench
+    --json`'s JSON. Fails if Ray stops looking ``print_to_stdstream`` up at each notice, or renames it."""
+    import time
+    import uuid
+
+    import ray
+    import ray._private.worker as ray_worker
+    from ray._private.utils import publish_error_to_driver
+
+    from zephon_ray.service.client.session import ray_session
+
+    printer = ray_worker.print_to_stdstream
+    notice = f"zr-notice-{uuid.uuid4().hex}"
+    out = err = ""
+    with ray_session(None, private_if_none=True):
+        publish_error_to_driver("zr_test", notice, gcs_client=ray_worker.global_worker.gcs_client)
+        deadline = time.monotonic() + 30
+        while notice not in out + err and time.monotonic() < deadline:
+            time.sleep(0.1)
+            captured = capsys.readouterr()
+            out, err = out + captured.out, err + captured.err
+    assert ray.is_initialized()  # the session's own cluster fixture stays up
+    assert notice in err, f"the notice did not reach stderr within 30 s; stdout: {out!r}"
+    assert notice not in out
+    assert ray_worker.print_to_stdstream is printer

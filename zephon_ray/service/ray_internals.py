@@ -15,6 +15,10 @@
 - :func:`bootstrap_address`: the ``host:port`` that ``ray.init(address=...)`` would connect to (``auto`` resolved
   the way Ray resolves it: ``RAY_ADDRESS``, then the newest ``ray start`` of this machine), so that it can be probed
   before Ray waits minutes for a cluster that is not there.
+- :func:`driver_notices_on_stderr`: the notices a cluster publishes to a driver (a task retried, a worker died), which
+  Ray 2.60's driver prints on stdout whatever ``log_to_driver`` says (``ray._private.worker.listen_error_messages``
+  calls ``print_to_stdstream`` with ``is_err`` False), printed on stderr instead, so that a command's stdout holds
+  only its output (``zephon-ray status --json | jq``).
 
 Shared by both sides (client/session.py, server/status.py, the actors' ``memory()``); a process that only connects
 and reads never imports it. Limit: it follows the Ray version the package pins; each name may move in another.
@@ -22,6 +26,8 @@ and reads never imports it. Limit: it follows the Ray version the package pins; 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 
@@ -74,3 +80,22 @@ def init_private_local(temp_dir: str, **kwargs: Any) -> Any:
     import ray
 
     return ray.init(address="local", _temp_dir=temp_dir, **kwargs)
+
+
+@contextmanager
+def driver_notices_on_stderr() -> Iterator[None]:
+    """While the block runs, Ray's notices to this driver are printed on stderr, not stdout. Ray's listener thread
+    looks ``print_to_stdstream`` up in its module at each notice, so replacing it there is enough; worker logs
+    (``log_to_driver``) keep the function Ray bound at ``ray.init``."""
+    import ray._private.worker as ray_worker
+
+    printer = ray_worker.print_to_stdstream
+
+    def on_stderr(data: dict[str, Any], ignore_prefix: bool) -> None:
+        printer({**data, "is_err": True}, ignore_prefix)
+
+    ray_worker.print_to_stdstream = on_stderr
+    try:
+        yield
+    finally:
+        ray_worker.print_to_stdstream = printer

@@ -8,7 +8,9 @@ endpoints, region, addressing style, account names, retry settings; never a secr
 path), so the actors a command starts see the same storage settings as the command. An unreachable address fails
 within ``CONNECT_TIMEOUT_S`` naming it (:func:`check_reachable`), before Ray would wait minutes. Before Ray shuts
 down, the node read path's background threads stop
-(:func:`zephon_ray.service.client.node_read_path.stop_background`).
+(:func:`zephon_ray.service.client.node_read_path.stop_background`). Inside the block, the notices Ray publishes to
+the driver (a task retried, a worker died) are printed on stderr, not on stdout as Ray prints them, so a command's
+stdout is its output alone.
 Limits: a Ray this process already runs is used as it is and left running; a private cluster lives as long as the
 ``with`` block, and its actors go with it.
 """
@@ -23,7 +25,7 @@ import tempfile
 from collections.abc import Iterator
 from typing import Any
 
-from zephon_ray.service.ray_internals import bootstrap_address, init_private_local
+from zephon_ray.service.ray_internals import bootstrap_address, driver_notices_on_stderr, init_private_local
 
 CONNECT_TIMEOUT_S = 10.0
 """How long attaching to a cluster may take to find its head answering; Ray itself waits minutes."""
@@ -69,11 +71,13 @@ def starts_private_cluster(address: str | None, *, private_if_none: bool) -> boo
 
 @contextlib.contextmanager
 def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]:
-    """Attach to ``address`` (or the ambient cluster), or start a private local Ray when asked to."""
+    """Attach to ``address`` (or the ambient cluster), or start a private local Ray when asked to. Inside it, Ray's
+    notices to this driver go to stderr: a command's stdout holds its output alone (``--json`` is parsed)."""
     import ray
 
     if ray.is_initialized():
-        yield
+        with driver_notices_on_stderr():
+            yield
         return
     from zephon_ray import storage
 
@@ -97,7 +101,8 @@ def ray_session(address: str | None, *, private_if_none: bool) -> Iterator[None]
     else:
         attach(address, **quiet)
     try:
-        yield
+        with driver_notices_on_stderr():
+            yield
     finally:
         from zephon_ray.service.client.node_read_path import stop_background
 
