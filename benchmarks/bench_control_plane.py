@@ -40,7 +40,9 @@ simulated node readers saw it (from the send of ``Coordinator.lease`` to the cal
 the ``wait=False`` read-aheads alone, which never wait for production), beside the same from the send to the
 reply's arrival in the driver process (the core worker's callback) and the driver's event-loop lag (how late it
 wakes a 10 ms timer): the first less the second is the time the reply waited for the loop that runs all the
-driver's nodes, a cost of the simulation, not of the service; coordinator calls per second (leases and reports, from
+driver's nodes, a cost of the simulation, not of the service; the mean lease latency beside the mean time the
+coordinator's ``lease`` handler took (``status()``'s ``lease_seconds`` over its leases answered with steps), the
+rest being the call's way into and out of the coordinator through Ray; coordinator calls per second (leases and reports, from
 ``status()``'s counters) and cursor moves per second; wrong rows.
 
 Calibration (on unless ``--no-calibrate``): one real node (one process, this one, with a ``DataService``
@@ -397,6 +399,7 @@ def _coord_counters(svc) -> dict:
     reads = s["reads"]
     return {
         "leases": reads["leases"],
+        "lease_seconds": reads["lease_seconds"],
         "reports": reads["reports"],
         "moves": reads["cursor_moves"],
         "produced": s["throughput"]["produced_steps"],
@@ -551,7 +554,13 @@ def run_sim(
             "p50": (load.pct(all_lat, 0.5) or 0) * 1e3,
             "p99": (load.pct(all_lat, 0.99) or 0) * 1e3,
             "max": max(all_lat, default=0) * 1e3,
+            "mean": sum(all_lat) / max(1, len(all_lat)) * 1e3,
         },
+        # the coordinator's handler, from its start on the event loop to its reply (leases answered with steps):
+        # the rest of a lease's latency is the call's way into and out of the coordinator through Ray
+        "lease_in_handler_ms_mean": (c1["lease_seconds"] - c0["lease_seconds"])
+        / max(1, c1["leases"] - c0["leases"])
+        * 1e3,
         "lease_arrived_ms": {
             "p50": (load.pct(arrived, 0.5) or 0) * 1e3,
             "p99": (load.pct(arrived, 0.99) or 0) * 1e3,
@@ -897,7 +906,8 @@ def main() -> None:
                     f"{'' if x['driven_fraction'] > 0.95 else ', the drivers could not keep the rate'}); coordinator "
                     f"{x['coordinator_ms_per_s'] / 10:.1f} % of a core ({x['coordinator_ms_per_s_at_1s_steps'] / 10:.1f} % "
                     f"at 1 s steps), pump {100 * x['pump_share']:.0f} %, idle {100 * x['idle_share']:.0f} %; lease p50/p99 "
-                    f"{x['lease_ms']['p50']:.1f}/{x['lease_ms']['p99']:.1f} ms (at the reply's arrival "
+                    f"{x['lease_ms']['p50']:.1f}/{x['lease_ms']['p99']:.1f} ms, mean {x['lease_ms']['mean']:.1f} ms of which "
+                    f"{x['lease_in_handler_ms_mean']:.2f} ms in the coordinator's handler (at the reply's arrival "
                     f"{x['lease_arrived_ms']['p50']:.1f}/{x['lease_arrived_ms']['p99']:.1f} ms; the drivers' loop lag "
                     f"p50/p99 {x['driver_loop_lag_ms']['p50']:.1f}/{x['driver_loop_lag_ms']['p99']:.1f} ms); "
                     f"{x['leases_per_s']:.0f} leases/s, "

@@ -308,14 +308,18 @@ def test_many_waiting_reads_hold_no_thread(ray_cluster, tiny_recipe, reference_d
             lambda: f"{pending} waiting reads; cursors {svc.status()['cursors']}",
             interval_s=0.2,
         )
+        registered = time.monotonic()  # the lease for `target` waits in the coordinator's handler from here on
         status = svc.status()
         assert not ok and status["window"]["produce_until"] == 4 and target not in status["window"]["held_steps"]
         threads_in_coordinator = psutil.Process(status["coordinator"]["pid"]).num_threads()
         assert threads_in_coordinator < pending, threads_in_coordinator
         assert holder.commit(1)["step"] == 1  # a write answers while the reads wait
         holder.release()
+        released = time.monotonic()
         readers.join(120)
         assert len(ok) == pending and all(ok)
+        # status() counts the seconds leases spent in the handler, waits for production included
+        assert svc.status()["reads"]["lease_seconds"] >= released - registered
         print("waiting reads:", json.dumps({"pending": pending, "coordinator_threads": threads_in_coordinator}))
     finally:
         svc.stop()

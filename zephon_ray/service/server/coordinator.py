@@ -191,6 +191,7 @@ class Coordinator:
             "leases": 0,
             "leased_steps": 0,
             "lease_waits": 0,
+            "lease_seconds": 0.0,
             "moves": 0,
             "bad_moves": 0,
             "reports": 0,
@@ -275,6 +276,7 @@ class Coordinator:
         when it lies behind the live window (or ahead of it and ``track`` is False: no cursor moves producers there).
         ``moves`` are applied first. Moves no cursor itself. ``wait=False`` (a node reader's read-ahead) answers at
         once with the produced steps from ``first`` on, possibly none, and never replays."""
+        t0 = time.monotonic()
         self._bind_loop()
         self._advance(moves)
         timeout_s = self.config.request_timeout_s if timeout_s is None else float(timeout_s)
@@ -282,7 +284,6 @@ class Coordinator:
         lo, hi = (
             (0, self.recipe.lanes) if lanes is None else (max(0, int(lanes[0])), min(self.recipe.lanes, int(lanes[1])))
         )
-        t0 = time.monotonic()
         deadline = t0 + timeout_s
         waited = False
         while True:
@@ -353,6 +354,7 @@ class Coordinator:
         c["leases"] += 1
         c["leased_steps"] += steps
         c["lease_waits"] += waited
+        c["lease_seconds"] += wait_s  # from the handler's start: what a lease's latency spends outside it is Ray's
         if node is not None:
             self.lease_nodes[node] = self.lease_nodes.get(node, 0) + 1
         self.metrics.consumer_wait(wait_s)

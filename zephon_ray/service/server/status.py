@@ -107,6 +107,7 @@ def build(c: Any) -> dict[str, Any]:
             "leases": counters["leases"],
             "leased_steps": counters["leased_steps"],
             "lease_waits": counters["lease_waits"],
+            "lease_seconds": round(counters["lease_seconds"], 6),
             "cursor_moves": counters["moves"],
             "bad_moves": counters["bad_moves"],
             "reports": counters["reports"],
