@@ -164,17 +164,22 @@ class SimProcess:
 
     def _call(self, step: int, ahead: bool) -> asyncio.Future:
         self.calls += 1
-        task = asyncio.ensure_future(
-            self.reader.read(step, self.consumer, (self.lo, self.hi), True, self.timeout_s, self._take())
-        )
+        moves = self._take()
+
+        async def call():
+            # The reply is filed and the call forgotten before the task is done, as ProcessReads does under its
+            # lock: `held` awaits a done task without yielding to the loop, so a done call whose filing was still
+            # queued as a callback made it spin forever, and the whole driver with it.
+            try:
+                reply = await self.reader.read(step, self.consumer, (self.lo, self.hi), True, self.timeout_s, moves)
+            finally:
+                if self.inflight.get(step) is task:
+                    del self.inflight[step]
+            self.cache.file(reply.steps, reply.keep_from)
+            return reply
+
+        task = asyncio.ensure_future(call())
         self.inflight[step] = task
-
-        def filed(t: asyncio.Future) -> None:
-            self.inflight.pop(step, None)
-            if not t.cancelled() and t.exception() is None:
-                self.cache.file(t.result().steps, t.result().keep_from)
-
-        task.add_done_callback(filed)
         return task
 
     async def held(self, step: int, rank: int):
