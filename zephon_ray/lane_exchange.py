@@ -4,8 +4,10 @@ already use (``LaneGroup.aggregate_store``: a c10d TCPStore; or ``aggregate_dir`
 Used at mixture-phase boundaries and checkpoints (:mod:`zephon_ray.lanes`, "Phases"), where every group needs every
 lane's last contributing chunk. Guarantee: ``gather(group, key, value)`` returns every group's value for ``key``, in
 group order, or raises :class:`ExchangeError` naming the key and the groups missing after
-``group.aggregate_timeout_s``. Keys must name values that are a pure function of the run (the phases' are), so a key
-left over from an earlier attempt (a restart replaying the same boundary) holds the same value and is harmless.
+``group.aggregate_timeout_s``. Values are kept per lane-group count (group g of G owns other lanes at another G), and
+keys must name values that are a pure function of the run and that count (the phases' are), so a key left over from
+an earlier attempt (a restart replaying the same boundary) holds the same value and is harmless, and one left by a
+run at another count (a resume at another W) is never read.
 ``forget(group, key)`` deletes the group's own value once every group has read it (a checkpoint's values, from the
 next checkpoint on), so a long run does not leave one key or file per group and checkpoint behind. Limits: every
 group must call it with the same key (the lane groups of a run step in lock-step, as their collective Zephon
@@ -39,7 +41,7 @@ class ExchangeError(RuntimeError):
 def gather(group: LaneGroup, key: str, value: Any) -> list[Any]:
     if group.count == 1:
         return [value]
-    name = f"{PREFIX}/{group.run_id}/{key}"
+    name = _name(group, key)
     if group.aggregate_store is not None:
         return _gather_store(group, name, value)
     return _gather_dir(group, name, value)
@@ -51,7 +53,7 @@ def forget(group: LaneGroup, key: str) -> None:
     finished the last one. Best effort: a value that outlives a failure is harmless (the module docstring)."""
     if group.count == 1:
         return
-    name = f"{PREFIX}/{group.run_id}/{key}"
+    name = _name(group, key)
     with best_effort(log, "a lane exchange value left behind is harmless; the next checkpoint goes on"):
         if group.aggregate_store is not None:
             _connect(group).delete_key(f"{name}/{group.index}")
@@ -61,6 +63,12 @@ def forget(group: LaneGroup, key: str) -> None:
             if not base.remote:
                 with contextlib.suppress(OSError):  # not empty yet: the last group to forget removes it
                     os.rmdir(base.path)
+
+
+def _name(group: LaneGroup, key: str) -> str:
+    # Group g of G holds other lanes at another G: a run resumed at another lane-group count (a new W in local mode)
+    # must not read the values its earlier count left under the same key (tests/test_lane_exchange.py).
+    return f"{PREFIX}/{group.run_id}/{group.count}-groups/{key}"
 
 
 def _connect(group: LaneGroup) -> Any:
