@@ -23,7 +23,8 @@
   to the last, divided by the steps between; an actor that started later (a new pid: restarted, or a replayer)
   starts a new baseline, its own warm-up counted from its start. Each rank reports its own RSS every 100 steps, and
   its growth over its segment after the warm-up (at most half the segment) is printed when the segment ends
-  (``rank_growth``).
+  (``rank_growth``). ``peak_above_first_mb``: each actor's role (a producer replaced by a kill or by
+  ``producer_recycle_steps`` included), its highest RSS after the warm-up above its first row after it.
 - Step wait (``RESULT``, ``wait_ms``): p50/p99 over every rank's first 10,000 steps after the warm-up and its last
   10,000, read back from the ranks' files, each also split between the steps the producers checkpoint before (a
   collective of the 2 producers) and the rest; ``wait_p99_last_over_first`` is the ratio of the two p99s.
@@ -577,6 +578,12 @@ def main() -> None:
             return None
         return round((same[-1][key] - same[0][key]) * 1024 / (same[-1]["step"] - same[0]["step"]), 3)
 
+    def peak_above_first(key: str) -> float | None:
+        """MB: the most an actor's role (whichever process holds it: restarts and recycled producer groups included)
+        held after the first row past the warm-up, above that row: what a node must budget for it."""
+        after = [r[key] for r in rows if r["step"] >= warmup and r.get(key)]
+        return round(max(after) - after[0], 1) if len(after) >= 2 else None
+
     checker.finish(CHECK_FINISH_S)
     # the latency criterion: the wait p99 of the last WINDOW steps against the first WINDOW after the warm-up
     waits = {
@@ -593,6 +600,7 @@ def main() -> None:
         "elapsed_s": round(time.time() - t_start),
         "growth_kb_per_step": {lb: growth(lb, f"{lb}_mb") for lb in labels},
         "private_growth_kb_per_step": {lb: growth(lb, f"{lb}_priv_mb") for lb in labels},
+        "peak_above_first_mb": {lb: peak_above_first(f"{lb}_mb") for lb in labels},
         "rank_growth": rank_growth,
         "wait_ms": waits,
         "wait_p99_last_over_first": ratio,

@@ -1,5 +1,5 @@
 """The data service under faults, on a private local Ray cluster: producers killed with -9 (while read and while
-idle), restarts from ``state_dir``, rescales, a hung producer, a producer that cannot start.
+idle), restarts from ``state_dir``, rescales, recycled groups, a hung producer, a producer that cannot start.
 
 Every test compares the rows served with the committed golden digests (tests/oracle.py), so it passes only if no
 step's rows are wrong, missing or served twice. tests/test_service.py holds the service's reads and consumers.
@@ -156,6 +156,28 @@ def test_rescale_2_1_2_keeps_batches(ray_cluster, tiny_recipe, reference_digests
         assert got == reference_digests[:24]
         with pytest.raises(ValueError, match="producers=3 does not divide"):
             svc.rescale(3)
+    finally:
+        svc.stop()
+
+
+@pytest.mark.heavy
+def test_a_group_is_recycled_every_producer_recycle_steps_and_no_batch_changes(
+    ray_cluster, tiny_recipe, reference_digests, tmp_path
+):
+    """``producer_recycle_steps=6`` with 2 producers: by step 24 the group has been replaced by fresh processes at
+    least three times, each from a collective checkpoint at a step boundary, and every step's rows are the golden
+    ones."""
+    svc = start_service(tiny_recipe, tmp_path, "recycle", producers=2, producer_recycle_steps=6)
+    try:
+        got, pids = [], set()
+        for step in range(24):
+            got.append(svc.batch(step, track=True).digest)
+            pids |= {p["pid"] for p in svc.status()["producers"] if p["pid"]}
+        assert got == reference_digests[:24], "a step's rows were wrong, missing or served twice"
+        status = svc.status()
+        assert status["recycles"] >= 3 and status["restarts"] == 0, status
+        assert status["generation"] == status["recycles"], status
+        assert len(pids) >= 2 * 3, pids  # new processes: a recycle drops the old ones' memory
     finally:
         svc.stop()
 

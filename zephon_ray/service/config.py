@@ -179,6 +179,13 @@ class ServiceConfig:
     read_path: str = "node"
     """The default read path of clients: ``node`` (a node reader per node shares leases among its ranks) or
     ``direct`` (one coordinator call per read). ``DataService.connect(read_path=...)`` overrides it."""
+    producer_recycle_steps: int = 50_000
+    """A producer group that has made this many steps is replaced by a fresh one of the same size at the next step
+    boundary, as a rescale to the same M does (a collective checkpoint, then new actors from it; the old group's
+    steps stay readable): no batch changes. Why: a producer process grows slowly over a long run (0.13-0.23 KB per
+    step after its warm-up in the 200,000-step soak, docs/benchmarks.md), and where that memory goes is not found;
+    a producer that lives at most this many steps stays within its warm-up plus this many steps of that growth.
+    A replacement costs the readers a stall of about an actor's start once per this many steps. 0: never."""
     storage_retry_s: float | None = None
     """How long the coordinator, producers and replayers keep retrying a transient object-store fault (an outage,
     503 SlowDown, a timeout, a cut response) before it is fatal. None: the environment's
@@ -215,6 +222,7 @@ class ServiceConfig:
             ("lease_steps", 1, 1024),
             ("pack_bytes", 0, 1 << 30),
             ("coordinator_max_restarts", -1, 1_000_000),
+            ("producer_recycle_steps", 0, 10**12),
         ):
             check_int(f"ServiceConfig: {key}", getattr(self, key), low=low, high=high)
         if self.anchor_every is None:

@@ -664,6 +664,11 @@ class Coordinator:
                 if fatal:
                     self._fail(fatal)
                     break
+                if pool.recycle_due():
+                    self._file_rescale(len(pool.live_generation().actors), recycle=True)
+                    if pool.fatal:
+                        self._fail(pool.fatal)
+                    continue
                 if pool.retired:
                     pool.reap(self._generation_in_use)
                 pool.catch_up(skip_below)
@@ -747,13 +752,16 @@ class Coordinator:
             self.metrics.produced(len(finished), len(finished) * tokens)  # the gauges: the pump, once a second
         self._notify()
 
+    def _file_rescale(self, target: int, recycle: bool = False) -> None:
+        finished = self.pool.rescale(target, recycle=recycle)
+        if finished:
+            self._file(finished)
+
     def _do_rescale(self) -> None:
         target = self._rescale_to
         assert target is not None  # the pump calls this only when one is set
         try:
-            finished = self.pool.rescale(target)
-            if finished:
-                self._file(finished)
+            self._file_rescale(target)
             if self.pool.fatal:
                 self._rescale_error = self.pool.fatal
         except Exception as exc:  # noqa: BLE001

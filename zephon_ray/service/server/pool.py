@@ -15,6 +15,8 @@ Guarantees:
 - After :meth:`close` no new producer is launched, so ``stop()`` cannot race a restart into orphans.
 - A rescale retires the old group instead of killing it: its actors stay alive (their pipelines closed) while the
   table still holds steps they own, and are killed by :meth:`reap` once it does not.
+- A group that has made ``producer_recycle_steps`` steps is replaced by a fresh one of the same size, as a rescale
+  replaces it (:meth:`recycle_due`): the memory a producer process gains over a long run is dropped with it.
 - Each generation gets its own Zephon run id ``<run_id>-<instance>-g<N>``; aggregate dirs of older generations
   are removed when a new one starts.
 - Storage faults are waited out, not fatal: checkpoint writes and reads retry transient object-store faults for the
@@ -114,6 +116,8 @@ class _Generation:
     run_id: str | None
     info_refs: list[Any]
     infos: list[dict[str, Any] | None] = field(default_factory=list)
+    first_step: int = 0
+    """The step it was launched at: :meth:`ProducerPool.recycle_due` counts its steps from there."""
 
 
 class ProducerPool:
@@ -128,6 +132,8 @@ class ProducerPool:
         self.failures = self.deaths = self.restarts = 0
         self.transient_since: float | None = None  # start of a run of restarts caused by transient storage faults
         self.hung_replacements = 0
+        self.recycles = 0
+        """Groups replaced because they had made ``producer_recycle_steps`` steps (:meth:`recycle_due`)."""
         self.last_restart: dict[str, Any] | None = None
         """Why the group was last replaced (one line), and when: what an operator asks after a restart count rose."""
         self.metrics = NO_METRICS  # the coordinator sets its ServiceMetrics (metrics.py)
@@ -238,6 +244,7 @@ class ProducerPool:
                 # Ray types a handle's methods as the plain methods: no `.remote` (an actor method's call)
                 info_refs=[a.info.remote() for a in actors],  # type: ignore[attr-defined]
                 infos=[None] * producers,
+                first_step=step,
             )
             self.next_step = step
             self.on_launch(step)
@@ -584,17 +591,29 @@ class ProducerPool:
             out += self.collect(0.05)
         return out
 
-    def rescale(self, target: int) -> list[Finished]:
+    def recycle_due(self) -> bool:
+        """Whether the group has made ``producer_recycle_steps`` steps since it was launched (ServiceConfig)."""
+        every = self.config.producer_recycle_steps
+        return bool(every) and self.gen is not None and self.next_step - self.gen.first_step >= every
+
+    def rescale(self, target: int, recycle: bool = False) -> list[Finished]:
         """Drain (returning the steps that finished meanwhile), take a collective checkpoint at the current
-        boundary, then start the new group from it."""
+        boundary, then start the new group from it. ``recycle``: replace the group even at the same size."""
         out: list[Finished] = []
         try:
             out = self.drain()
             if self.fatal:
                 return out
             gen = self.live_generation()
-            if target != len(gen.actors):
+            if recycle or target != len(gen.actors):
                 step = self.next_step
+                if recycle:
+                    log.info(
+                        "replacing producer group g%d, %d steps old, at step %d (producer_recycle_steps)",
+                        gen.number,
+                        step - gen.first_step,
+                        step,
+                    )
                 state = None
                 if step > 0:
                     states = get_off_loop(
@@ -605,6 +624,7 @@ class ProducerPool:
                         return out
                 self._retire(gen)  # its shards in the table stay readable until evicted (reap)
                 self.launch(target, step, state)
+                self.recycles += recycle
         except Exception as exc:  # noqa: BLE001 - a producer died mid-rescale: fall back to durable checkpoints
             self.restart(f"rescale: {describe(exc)}", producers=target, death=isinstance(exc, RayActorError))
         return out
