@@ -459,3 +459,21 @@ def test_ray_internals_fence(ray_cluster):
     location = object_locations([ref])[ref]
     assert location["node_ids"] == [ray.get_runtime_context().get_node_id()]
     assert location["object_size"] >= 1_200_000
+
+    from tests.conftest import wait_until
+    from zephon_ray.service.ray_internals import free_resources_per_node
+
+    (free,) = free_resources_per_node()  # the session's one node, 8 CPUs
+    assert 0 <= free["CPU"] <= 8, free
+
+    @ray.remote(num_cpus=0.5)
+    class Holder:
+        def ping(self) -> int:
+            return 1
+
+    holder = Holder.remote()
+    ray.get(holder.ping.remote(), timeout=60)
+    try:  # while it lives, at most 7.5 of the 8 CPUs can be free, whatever other tests hold
+        wait_until(lambda: free_resources_per_node()[0]["CPU"] <= 7.5, 30, "the GCS to count an actor's 0.5 CPU")
+    finally:
+        ray.kill(holder)

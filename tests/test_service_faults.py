@@ -11,11 +11,13 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 from service_helpers import NS, live_pids, start_service
 
+from tests.conftest import TINY, run_spawned_driver
 from zephon_ray import DataService, GlobalBatchSource
 from zephon_ray.service.errors import ServiceError
 
@@ -180,6 +182,54 @@ def test_a_group_is_recycled_every_producer_recycle_steps_and_no_batch_changes(
         assert len(pids) >= 2 * 3, pids  # new processes: a recycle drops the old ones' memory
     finally:
         svc.stop()
+
+
+def _recycle_without_room(summary: str, golden: list) -> None:
+    """Spawned driver: a private Ray whose 2 ``slot`` resources fit exactly one group of 2 producers (each asks for
+    a slot), a consumer that commits every step, and ``producer_recycle_steps=6``. Retiring the group for a new one
+    would wait forever (the old group keeps its slots while the table holds its committed steps), so every recycle
+    must be put off; the rows read must stay the golden ones."""
+    import ray
+
+    from tests.ray_clusters import local_cluster
+
+    info: dict = {}
+    try:
+        with local_cluster("zr-recycle-", {"num_cpus": 4, "resources": {"slot": 2}, "include_dashboard": False}) as (
+            cluster,
+            _,
+        ):
+            ray.init(address=cluster.address, namespace="zr-recycle", log_to_driver=False)
+            svc = start_service(
+                TINY,
+                Path(summary).parent,
+                "recycle-no-room",
+                producers=2,
+                producer_recycle_steps=6,
+                read_timeout_s=120,
+                resources={"producer_resources": {"slot": 1}},
+            )
+            try:
+                got = []
+                for step in range(len(golden)):
+                    got.append(svc.batch(step, track=True).digest)
+                    svc.commit(step)
+                status = svc.status()
+                info = {"rows_golden": got == golden, **{k: status[k] for k in ("recycles", "recycles_deferred")}}
+            finally:
+                svc.stop()
+    except Exception as exc:  # noqa: BLE001 - the test reads it from the summary
+        info["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    Path(summary).write_text(json.dumps(info))
+
+
+@pytest.mark.heavy
+def test_a_recycle_without_room_for_a_second_group_is_put_off_not_a_hang(tmp_path, reference_digests):
+    summary = tmp_path / "summary.json"
+    info = run_spawned_driver(_recycle_without_room, (str(summary), reference_digests[:20]), summary, 240)
+    assert "error" not in info, info["error"]
+    assert info["rows_golden"], "a step's rows were wrong, missing or served twice"
+    assert info["recycles"] == 0 and info["recycles_deferred"] >= 2, info
 
 
 @pytest.mark.slow

@@ -134,6 +134,7 @@ STATUS_ORDER = (
     "fatal",
     "generation",
     "restarts",
+    "recycles",
     "last_restart",
     "producers",
     "window",

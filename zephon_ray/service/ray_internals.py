@@ -15,6 +15,9 @@
 - :func:`bootstrap_address`: the ``host:port`` that ``ray.init(address=...)`` would connect to (``auto`` resolved
   the way Ray resolves it: ``RAY_ADDRESS``, then the newest ``ray start`` of this machine), so that it can be probed
   before Ray waits minutes for a cluster that is not there.
+- :func:`free_resources_per_node`: what each live node has free now, from the GCS
+  (``ray._private.state.available_resources_per_node``, a DeveloperAPI); the public ``ray.available_resources`` sums
+  the nodes, which cannot tell whether an actor fits on one of them. The pool asks it before it recycles a group.
 - :func:`driver_notices_on_stderr`: the notices a cluster publishes to a driver (a task retried, a worker died), which
   Ray 2.60's driver prints on stdout whatever ``log_to_driver`` says (``ray._private.worker.listen_error_messages``
   calls ``print_to_stdstream`` with ``is_err`` False), printed on stderr instead, so that a command's stdout holds
@@ -63,6 +66,14 @@ def memory_store() -> dict[str, int]:
 
     cw = ray._private.worker.global_worker.core_worker  # type: ignore[attr-defined]  # set by ray.init, untyped
     return {"entries": int(cw.get_memory_store_size()), "bytes": int(cw.get_local_memory_store_bytes_used())}
+
+
+def free_resources_per_node() -> list[dict[str, float]]:
+    """Each live node's free resources (``{"CPU": 1.25, "memory": ..., "head": 0.99}``): a hint, stale as soon as a
+    task starts or ends. A GCS request: bounded by Ray's GCS request timeout."""
+    from ray._private import state
+
+    return [dict(free) for free in state.available_resources_per_node().values()]
 
 
 def bootstrap_address(address: str) -> str | None:
