@@ -181,11 +181,11 @@ class ServiceConfig:
     ``direct`` (one coordinator call per read). ``DataService.connect(read_path=...)`` overrides it."""
     producer_recycle_steps: int = 50_000
     """A producer group that has made this many steps is replaced by a fresh one of the same size at the next step
-    boundary, as a rescale to the same M does (a collective checkpoint, then new actors from it; the old group's
-    steps stay readable): no batch changes. Why: a producer process grows slowly over a long run (0.13-0.23 KB per
-    step after its warm-up in the 200,000-step soak, docs/benchmarks.md), and where that memory goes is not found;
-    a producer that lives at most this many steps stays within its warm-up plus this many steps of that growth.
-    A replacement costs the readers a stall of about an actor's start once per this many steps. 0: never."""
+    boundary, as a rescale to the same M replaces it (a collective checkpoint, then new actors from it; the old
+    group's steps stay readable): no batch changes. It needs room in the cluster for both groups at once; without
+    it the recycle is put off (``status()["recycles_deferred"]``). Why: a producer process grows slowly over a long
+    run, and where that memory goes is not found (docs/limits.md, "A long run"); a process that lives at most this
+    many steps keeps at most that many steps of it. 0: never."""
     storage_retry_s: float | None = None
     """How long the coordinator, producers and replayers keep retrying a transient object-store fault (an outage,
     503 SlowDown, a timeout, a cut response) before it is fatal. None: the environment's
