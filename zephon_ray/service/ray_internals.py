@@ -70,7 +70,7 @@ def memory_store() -> dict[str, int]:
 
 def free_resources_per_node() -> list[dict[str, float]]:
     """Each live node's free resources (``{"CPU": 1.25, "memory": ..., "head": 0.99}``): a hint, stale as soon as a
-    task starts or ends. A GCS request: bounded by Ray's GCS request timeout."""
+    task starts or ends. A GCS request with no deadline of its own: callers bound it (server/pool.py)."""
     from ray._private import state
 
     return [dict(free) for free in state.available_resources_per_node().values()]

@@ -75,6 +75,9 @@ MAX_UNWRITTEN_CHECKPOINTS = 16
 supersedes is dropped (:meth:`ProducerPool.persist`)."""
 
 
+ROOM_CHECK_S = 10.0
+"""How long a recycle waits for the cluster's free resources (a GCS request) before it is put off."""
+
 REPLY_READ_S = 60.0
 """Reading the reply of a call ``ray.wait`` found done (small metadata, or a merged checkpoint state)."""
 
@@ -618,12 +621,16 @@ class ProducerPool:
         gen = self.live_generation()
         res = self.config.resources
         demand = {k: v for k, v in {"CPU": res.producer_num_cpus, **res.producer_resources}.items() if v > 0}
+        asking = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-ray-room")
         try:
-            if fits(ray_internals.free_resources_per_node(), len(gen.actors), demand):
+            free = asking.submit(ray_internals.free_resources_per_node).result(timeout=ROOM_CHECK_S)
+            if fits(free, len(gen.actors), demand):
                 return True
             why = f"no room for {len(gen.actors)} more producers ({demand} each) beside it"
         except Exception as exc:  # noqa: BLE001 - Ray's GCS did not answer: a reason to wait, not to replace the group
-            why = f"the cluster's free resources could not be read: {describe(exc)}"
+            why = f"the cluster's free resources were not read within {ROOM_CHECK_S:.0f}s: {describe(exc)}"
+        finally:
+            asking.shutdown(wait=False)
         self.recycles_deferred += 1
         self._recycle_at = self.next_step + max(1, every // 10)
         log.warning(
