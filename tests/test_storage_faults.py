@@ -260,6 +260,29 @@ def test_local_mode_and_a_replayer_wait_out_an_outage_at_their_first_step(ray_cl
         replayer.close()
 
 
+def test_a_source_missing_that_is_there_is_an_outage_misreported(s3, bucket):
+    """Zephon takes any store error whose text holds "404" for a missing object, and obstore's text for an outage
+    holds the time it spent and the endpoint's port: an outage can read as ``Source missing: <url>`` (it failed
+    test_local_mode_makes_a_step_again_when_its_read_fails_past_zephons_retries once). The URL in such an error, or
+    in its cause, is looked up again: there (also across an outage, waited out) means misreported."""
+    from zephon_ray import storage
+
+    there, absent = f"s3://{bucket}/recipes/tiny.toml", f"s3://{bucket}/recipes/absent.toml"
+    try:
+        try:
+            raise RuntimeError(f"Source missing: {there}")
+        except RuntimeError as cause:
+            raise ValueError("the pipeline failed") from cause
+    except ValueError as exc:
+        assert storage.misreported_missing(exc)
+    assert not storage.misreported_missing(RuntimeError(f"Source missing: {absent}"))
+    assert not storage.misreported_missing(RuntimeError(f"Generic S3 error: 404 for {there}"))
+    s3.faults.refuse_for(3)
+    t0 = time.monotonic()
+    assert storage.misreported_missing(RuntimeError(f"Source missing: {there}"))
+    assert s3.faults.stats["refused_s"] >= 3 and time.monotonic() - t0 < 60
+
+
 @pytest.mark.heavy
 def test_local_mode_makes_a_step_again_when_its_read_fails_past_zephons_retries(s3, tmp_path, caplog):
     """Mid-run, a local-mode reader's Zephon read of a shard it has not fetched fails once Zephon's own retries give

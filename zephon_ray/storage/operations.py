@@ -46,6 +46,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -131,6 +132,30 @@ def exists(value: str | os.PathLike[str] | Location) -> bool:
         return info
 
     return _io(loc, "look it up", look).type != pafs.FileType.NotFound
+
+
+_SOURCE_MISSING = re.compile(r"Source missing: (\S+)")
+
+
+def misreported_missing(exc: BaseException) -> bool:
+    """Whether ``exc``, or an error it was raised from, is Zephon's ``Source missing: <url>`` for an object that is
+    there. Zephon's object-store lookup takes any store error whose text holds "404" for a missing object
+    (``zephon/_internal/io/storage/obstore.py``, ``exists``), and obstore's text for an outage holds the time it
+    spent (``in 27.276118ms``) and the endpoint's port, whose digits can spell it: an outage then reads as a missing
+    source, a permanent fault. The object is looked up again here, an outage waited out within the storage budget;
+    False when it is missing, or the lookup gives up."""
+    seen: BaseException | None = exc
+    for _ in range(16):  # a chain of causes, bounded
+        if seen is None:
+            return False
+        found = _SOURCE_MISSING.search(str(seen))
+        if found:
+            try:
+                return exists(found.group(1))
+            except (StorageError, OSError, ValueError):
+                return False
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def is_file(value: str | os.PathLike[str] | Location) -> bool:

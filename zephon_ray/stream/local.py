@@ -177,7 +177,7 @@ class LocalSlices(PrefetchedSlices):
                     # Only a reader that is the one lane group makes a step again on its own: Zephon's collective
                     # checkpoints need every group of a run to restore the same checkpoint together (a group
                     # restored alone would take its next round in another namespace than its peers).
-                    if self.world > 1 or not storage.is_transient(exc):
+                    if self.world > 1 or not (storage.is_transient(exc) or storage.misreported_missing(exc)):
                         raise
                     # Zephon's own retries gave up (an outage longer than they last, while a shard is fetched): the
                     # step is made again from the newest kept checkpoint, the storage budget waited out (_open).
