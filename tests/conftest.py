@@ -199,8 +199,22 @@ class RankThreads:
             raise self.errors[0]
         running = [r for r, thread in enumerate(self._threads) if thread.is_alive()]
         if running:
-            pytest.fail(f"rank(s) {running} still running after {timeout_s:.0f} s")
+            pytest.fail(f"rank(s) {running} still running after {timeout_s:.0f} s\n{self.stacks()}")
         return self.results
+
+    def stacks(self) -> str:
+        """Where every live thread of this process is now (the rank threads and the streams' prefetch threads):
+        a hang's failure shows what each rank waits for."""
+        import sys
+        import threading
+        import traceback
+
+        frames = sys._current_frames()
+        return "\n".join(
+            f"--- thread {thread.name}:\n{''.join(traceback.format_stack(frames[thread.ident]))}"
+            for thread in threading.enumerate()
+            if thread.ident in frames and thread.name.startswith(("rank-", "zephon-ray"))
+        )
 
 
 def run_ranks(world: int, fn, timeout_s: float = 300) -> list:
