@@ -76,7 +76,7 @@ class ServiceSlices(PrefetchedSlices):
         self._where = f"service {name!r} (namespace {namespace!r})"
         self.base = recipe if base is None else base
         self._skips = recipe.skips  # the reader's own: a service serves data steps, whatever a run skips
-        self._lock = threading.Lock()  # the client is used by one thread at a time
+        self._lock = threading.Lock()  # one cursor report at a time (_flush_cursor)
         self.source_ids = source_ids
         self.recipe = self._join(recipe)
         self._consumed: int | None = None
@@ -127,8 +127,7 @@ class ServiceSlices(PrefetchedSlices):
 
     def sync_recipe(self, expect: Recipe | None = None) -> Recipe:
         """The service's schedule now (one control call), which keeps every phase this reader knew of."""
-        with self._lock:
-            served = self._ours(self.service.refresh_recipe())
+        served = self._ours(self.service.refresh_recipe())
         known = expect or self.recipe
         if known.run_phases(served):
             missing = ", ".join(f"'{p['name']}' from step {p['start_step']}" for p in known.run_phases(served))
@@ -179,11 +178,13 @@ class ServiceSlices(PrefetchedSlices):
         while not stop.is_set():
             with self._lock:
                 self._flush_cursor()
-                self.service.prefetch(range(s + 1, s + self.depth + 1), rank=self.rank, world=self.world)
-                # The first read is tracked: it registers this rank's cursor and makes the service drop the
-                # cursors this consumer left at another world size (a resized group never closed its loader).
-                # slice(), not refs().slice(): it rides through lost shards and a coordinator restart
-                part = self.service.slice(s, self.rank, self.world, track=s == step)
+            # The reads go outside the lock (the handle is thread-safe): a save's commit or close() must not wait
+            # for a read-ahead, which may wait on the slowest rank's cursor (tests/test_stream_service.py).
+            self.service.prefetch(range(s + 1, s + self.depth + 1), rank=self.rank, world=self.world)
+            # The first read is tracked: it registers this rank's cursor and makes the service drop the cursors
+            # this consumer left at another world size (a resized group never closed its loader).
+            # slice(), not refs().slice(): it rides through lost shards and a coordinator restart
+            part = self.service.slice(s, self.rank, self.world, track=s == step)
             tokens, positions = np.array(part.tokens), np.array(part.positions)
             ids = None
             if self.source_ids:  # this process replays the step's provenance, checked against the rows read
@@ -197,5 +198,4 @@ class ServiceSlices(PrefetchedSlices):
         """Stop the reader thread and release this consumer's cursors on the service."""
         self.close_thread()
         with best_effort(log, "the service may already be gone"):
-            with self._lock:
-                self.service.release()
+            self.service.release()
