@@ -189,7 +189,7 @@ class RankThreads:
         for thread in self._threads:
             thread.start()
 
-    def join(self, timeout_s: float = 300) -> list:
+    def join(self, timeout_s: float = 300, detail=lambda: "") -> list:
         import time
 
         deadline = time.monotonic() + timeout_s
@@ -199,7 +199,7 @@ class RankThreads:
             raise self.errors[0]
         running = [r for r, thread in enumerate(self._threads) if thread.is_alive()]
         if running:
-            pytest.fail(f"rank(s) {running} still running after {timeout_s:.0f} s\n{self.stacks()}")
+            pytest.fail(f"rank(s) {running} still running after {timeout_s:.0f} s{detail()}\n{self.stacks()}")
         return self.results
 
     def stacks(self) -> str:
@@ -217,13 +217,14 @@ class RankThreads:
         )
 
 
-def run_ranks(world: int, fn, timeout_s: float = 300) -> list:
+def run_ranks(world: int, fn, timeout_s: float = 300, detail=lambda: "") -> list:
     """Run ``fn(rank)`` for every rank of ``world`` in threads at once (:class:`RankThreads`); their results in rank
-    order, or the first error re-raised, or a failure naming the ranks still running after ``timeout_s``."""
-    return RankThreads(world, fn).join(timeout_s)
+    order, or the first error re-raised, or a failure naming the ranks still running after ``timeout_s`` (with
+    ``detail()``, say the service's status, and every rank's stack)."""
+    return RankThreads(world, fn).join(timeout_s, detail)
 
 
-def run_readers(loaders: list, body, state: dict | None = None, timeout_s: float = 300) -> list:
+def run_readers(loaders: list, body, state: dict | None = None, timeout_s: float = 300, detail=lambda: "") -> list:
     """The readers of one job, one loader a rank (rank order), at once (:func:`run_ranks`): each loads ``state`` when
     given (a JSON copy, as a checkpoint gives it back), runs ``body(rank, loader)`` and is closed (on an error too);
     the bodies' results in rank order."""
@@ -238,7 +239,7 @@ def run_readers(loaders: list, body, state: dict | None = None, timeout_s: float
         finally:
             loader.close()
 
-    return run_ranks(len(loaders), read, timeout_s)
+    return run_ranks(len(loaders), read, timeout_s, detail)
 
 
 def wait_until(predicate, timeout_s: float, what, interval_s: float = 0.1):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 from zephon_ray import DataService
@@ -43,3 +44,16 @@ def live_pids(svc, timeout=60.0):
             return status, pids
         assert time.monotonic() < deadline, f"producers never reported their pids: {status['producers']}"
         time.sleep(0.2)
+
+
+def status_detail(svc, keys=("fatal", "generation", "restarts", "window", "cursors", "reads", "replay")):
+    """A ``detail`` for a hang's failure (conftest.run_readers): the service's status, as far as it answers."""
+
+    def detail() -> str:
+        try:
+            status = svc.status()
+        except Exception as exc:  # noqa: BLE001 - the failure being reported matters more than this one
+            return f"\nservice status: not read: {type(exc).__name__}: {exc}"
+        return "\nservice status: " + json.dumps({k: status.get(k) for k in keys}, default=str)
+
+    return detail

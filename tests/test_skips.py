@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import ROOT, TINY, run_readers
+from service_helpers import status_detail
 
 from zephon_ray import Recipe, compute_digest
 from zephon_ray.recipe import RecipeError
@@ -77,7 +78,7 @@ def sources(ray_cluster, tiny_recipe, tmp_path_factory):
     materialize(tiny_recipe, work / "materialized", range(0, 16), producers=1, segment_steps=8, progress=False)
     service = DataService.start(str(TINY), name="skips", namespace="zr-skips", state_dir=str(work / "svc"))
     try:
-        yield {"dataset_dir": str(work / "materialized"), "work": work}
+        yield {"dataset_dir": str(work / "materialized"), "work": work, "service": service}
     finally:
         service.stop()
 
@@ -95,9 +96,11 @@ def _config(path: Path, mode: str, sources: dict, tag: str):
     return LoaderConfig(**kw)
 
 
-def _segment(config, world: int, state: dict | None, steps: int) -> tuple[list[tuple[int, str]], dict]:
+def _segment(
+    config, world: int, state: dict | None, steps: int, detail=lambda: ""
+) -> tuple[list[tuple[int, str]], dict]:
     """W readers load ``state``, read ``steps`` steps (confirming each) and save: (training step, digest of the joined
-    slices) per step, and the state."""
+    slices) per step, and the state. ``detail()`` goes with a failure of ranks still running at the deadline."""
     from zephon_ray.stream.loader import Loader
 
     loaders = [Loader(config, rank=r, world=world) for r in range(world)]
@@ -110,7 +113,7 @@ def _segment(config, world: int, state: dict | None, steps: int) -> tuple[list[t
             loader.commit(batch.step)
         return got, loader.state_dict()
 
-    got, states = zip(*run_readers(loaders, read, state))
+    got, states = zip(*run_readers(loaders, read, state, detail=detail))
     assert all(s == states[0] for s in states)
     out = []
     for parts in zip(*got):
@@ -202,6 +205,9 @@ def test_a_skip_met_while_reading(sources, tmp_path, mode, world):
     middle of the stream (local mode restarts its Zephon lane groups from their newest checkpoint and replays)."""
     skipped = recipe_file(tmp_path, SKIP, name="skip.toml")
     data = Recipe.from_toml(skipped).data_step
-    steps, state = _segment(replace(_config(skipped, mode, sources, f"mid-{mode}"), ledger_dir=None), world, None, 7)
+    config = replace(_config(skipped, mode, sources, f"mid-{mode}"), ledger_dir=None)
+    steps, state = _segment(
+        config, world, None, 7, status_detail(sources["service"]) if mode == "service" else lambda: ""
+    )
     assert steps == [(t, GOLDEN[data(t)]) for t in range(7)]
     assert state["next_step"] == 7
