@@ -46,14 +46,34 @@ def live_pids(svc, timeout=60.0):
         time.sleep(0.2)
 
 
-def status_detail(svc, keys=("fatal", "generation", "restarts", "window", "cursors", "reads", "replay")):
-    """A ``detail`` for a hang's failure (conftest.run_readers): the service's status, as far as it answers."""
+def status_detail(
+    svc,
+    keys=(
+        "fatal",
+        "generation",
+        "restarts",
+        "last_restart",
+        "hung_replacements",
+        "producers",
+        "window",
+        "cursors",
+        "reads",
+    ),
+):
+    """A ``detail`` for a hang's failure (conftest.run_readers): the service's status, as far as it answers, and the
+    cluster's free resources (an actor that cannot be placed waits for them)."""
 
     def detail() -> str:
+        import ray
+
         try:
             status = svc.status()
         except Exception as exc:  # noqa: BLE001 - the failure being reported matters more than this one
             return f"\nservice status: not read: {type(exc).__name__}: {exc}"
-        return "\nservice status: " + json.dumps({k: status.get(k) for k in keys}, default=str)
+        return (
+            "\nservice status: "
+            + json.dumps({k: status.get(k) for k in keys}, default=str)
+            + f"\nfree resources: {ray.available_resources()}"
+        )
 
     return detail
