@@ -58,6 +58,7 @@ def status_detail(
         "window",
         "cursors",
         "reads",
+        "replay",
     ),
 ):
     """A ``detail`` for a hang's failure (conftest.run_readers): the service's status, as far as it answers, and the
