@@ -59,6 +59,7 @@ def status_detail(
         "cursors",
         "reads",
         "replay",
+        "replayers",
     ),
 ):
     """A ``detail`` for a hang's failure (conftest.run_readers): the service's status, as far as it answers, and the
