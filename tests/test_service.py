@@ -356,6 +356,36 @@ def test_replays_run_in_the_replayer_and_are_shared(ray_cluster, tiny_recipe, re
         svc.stop()
 
 
+def test_a_read_ahead_of_the_window_is_served_once_produced_not_held_by_its_replay(
+    ray_cluster, tiny_recipe, reference_digests, tmp_path
+):
+    """An untracked read ahead of the live window is replayed (no cursor moves producers there). If the slowest rank
+    then moves the window past it, the read is served from the table as soon as producers file the step, and does
+    not wait for the replayer. Here the replayer can never start (it asks for a resource no node has). Before the
+    fix the read waited for the replay to its deadline, and so did every read of that step: three ranks' prefetch
+    threads joined it in 2 of 6 scratch runs of tests/test_skips.py's service test (W = 3, a skip ahead), the hang of
+    two full suite runs."""
+    import threading
+
+    svc = start_service(
+        tiny_recipe, tmp_path, "ahead", window=4, resources={"replayer_resources": {"zr_no_such_node": 1}}
+    )
+    try:
+        assert svc.batch(0, track=True).digest == reference_digests[0]  # the window: [0, 4)
+        got: dict = {}
+        reader = threading.Thread(target=lambda: got.update(digest=svc.batch(6, timeout_s=120).digest), daemon=True)
+        reader.start()
+        wait_until(lambda: svc.status()["replay"]["requests"] >= 1, 60, "the read of step 6 to go to the replayer")
+        for step in range(1, 4):  # the slowest (only) cursor moves to 3: producers make steps up to 6
+            assert svc.batch(step, track=True).digest == reference_digests[step]
+        reader.join(60)
+        assert got.get("digest") == reference_digests[6], "the read of step 6 waited for a replay that never starts"
+        status = svc.status()
+        assert status["replayers"] == [None] and status["replay"]["submitted"] == 1, status["replay"]
+    finally:
+        svc.stop()
+
+
 @pytest.mark.heavy
 def test_coordinator_owns_no_shard_bytes(ray_cluster, tiny_recipe, reference_digests, tmp_path):
     """A shipped recipe (recipes/tiny.toml, ~1 KiB lane shards: far under Ray's 100 KiB inline limit) with 2

@@ -58,7 +58,7 @@ from zephon_ray.errors import best_effort, one_line
 from zephon_ray.formats.service_state import ServiceState
 from zephon_ray.recipe import Recipe
 from zephon_ray.service.config import ServiceConfig
-from zephon_ray.service.errors import NoReply, ServiceError, describe, reply_within
+from zephon_ray.service.errors import ServiceError, describe
 from zephon_ray.service.server import status as status_report
 from zephon_ray.service.server.metrics import GAUGE_REFRESH_S, ServiceMetrics
 from zephon_ray.service.server.pool import ProducerPool
@@ -314,16 +314,9 @@ class Coordinator:
             if kind is Read.REPLAY:
                 with self._lock:
                     self._leased_until = max(self._leased_until, first)
-                try:  # shared by every read of the step: one that gives up must not cancel it for the others
-                    container = await reply_within(
-                        asyncio.shield(self.replay.container(first, read_ahead=track or count > 1)),
-                        max(1.0, deadline - time.monotonic()),
-                    )
-                except NoReply:
-                    raise TimeoutError(
-                        f"step {first} was not replayed within {timeout_s:.0f}s (its replayer is "
-                        f"restoring or stuck; replayers={self.config.replayers})"
-                    ) from None
+                container = await self._replayed(first, track or count > 1, deadline, timeout_s)
+                if container is None:
+                    continue  # produced while its replay was on its way: served from the table
                 self._count_lease(node, 1, waited, time.monotonic() - t0)
                 return lease_reply([StepContainers(first, REPLAYED, 1, [container])], self.window.keep_from)
             if now >= deadline:
@@ -348,6 +341,32 @@ class Coordinator:
                 await asyncio.wait_for(event.wait(), min(deadline - now, 1.0))
             except TimeoutError:
                 pass
+
+    async def _replayed(self, step: int, read_ahead: bool, deadline: float, timeout_s: float) -> Any:
+        """The container of ``step`` replayed, or None once producers filed it in the table first. Why: an untracked
+        read ahead of the live window is replayed (no cursor moves producers there), but the slowest rank may move
+        the window past it before the replayer answers; every read of the step, and every lease of a node reader
+        that covers it, waits for this one, so none may wait on a replay of a step that is produced (it hung a
+        rank's reads for as long as a replayer took to start: tests/test_service.py)."""
+        # shared by every read of the step: one that stops waiting must not cancel it for the others
+        replay = asyncio.ensure_future(self.replay.container(step, read_ahead=read_ahead))
+        replay.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure nobody waits for is no error
+        while not replay.done():
+            now = time.monotonic()
+            if now >= deadline:
+                raise TimeoutError(
+                    f"step {step} was not replayed within {timeout_s:.0f}s (its replayer is restoring or stuck; "
+                    f"replayers={self.config.replayers})"
+                )
+            changed = self._changed
+            assert changed is not None  # _bind_loop() ran in lease()
+            with self._lock:
+                if step in self.window.table:
+                    return None
+            waiter = asyncio.ensure_future(changed.wait())
+            await asyncio.wait({replay, waiter}, timeout=min(deadline - now, 1.0), return_when=asyncio.FIRST_COMPLETED)
+            waiter.cancel()
+        return replay.result()
 
     def _count_lease(self, node: str | None, steps: int, waited: bool, wait_s: float) -> None:
         c = self.counters
