@@ -394,7 +394,8 @@ class DataService:
         """Ask for upcoming steps without waiting and without moving the cursor; a later ``slice``/``batch``/
         ``refs`` of one of them (same rank and world) uses the answer. On the node path this is not needed: one
         call brings the refs of up to ``lease_steps`` steps. Keep the depth below ``window``: a step beyond the
-        live window is replayed on the side instead."""
+        live window is replayed on the side (or taken from the window if producers reach it first), which costs a
+        replayer."""
         steps = [as_step(step) for step in steps]
         r, w = check_batch_reader(rank, world, self.recipe.global_batch_rows)
         span = lane_span(self.recipe.lanes, self.recipe.rows_per_lane, r, w)

@@ -171,7 +171,8 @@ class StepWindow:
 
     def where(self, step: int, *, waits: bool) -> Read:
         """Where a read of ``step`` is served from. ``waits``: the reader's cursor is at ``step`` (a tracked read),
-        so producers will get there; an untracked read beyond the live window is replayed instead of waiting."""
+        so producers will get there; an untracked read beyond the live window is replayed instead of waiting (the
+        coordinator still serves it from the table if producers file it before the replay is done)."""
         if step in self.table:
             return Read.HIT
         if step < self.replay_below:
