@@ -49,6 +49,7 @@ def test_a_save_during_the_prefetch_threads_cursor_report_commits_what_the_train
         svc.stop()
 
 
+@pytest.mark.heavy
 def test_a_save_and_close_do_not_wait_for_a_read_ahead(ray_cluster, tiny_recipe, tmp_path):
     """A read-ahead may wait as long as the slowest rank of the job holds the window back. The trainer's save (its
     commit) and ``close()`` do not wait for it. Before the fix they took the lock the read held: in a scratch run
