@@ -687,8 +687,6 @@ class Coordinator:
                     self._file_rescale(len(pool.live_generation().actors), recycle=True)
                     if pool.fatal:
                         self._fail(pool.fatal)
-                    else:
-                        self.replay.recycle()
                     continue
                 if pool.retired:
                     pool.reap(self._generation_in_use)

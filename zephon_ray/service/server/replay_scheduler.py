@@ -239,13 +239,6 @@ class ReplayScheduler:
             for i in range(self.config.replayers):
                 self._replayer(i)
 
-    def recycle(self) -> None:
-        """Replace the replayers that started by fresh processes, started on their next use: the coordinator does it
-        with every producer-group recycle (``ServiceConfig.producer_recycle_steps``), as a replayer's memory grows
-        with the run like a producer's (docs/limits.md). A replay in flight fails and is asked again."""
-        if any(self.replayers):
-            self.set_recipe(self.recipe)
-
     # ------------------------------------------------------------------ lifecycle
     async def check_started(self) -> str | None:
         """The first start-up error of a started replayer (None: none failed)."""
