@@ -32,8 +32,7 @@ Guarantees:
 - A rank that dies holds nothing back beyond ``consumer_ttl_s``: its last-heard age grows in every report and the
   coordinator expires it; the reader forgets it too. The reader's cache holds only steps >= the coordinator's
   ``keep_from`` (and a few replayed ones), so its refs keep no evicted step alive for long.
-- One lease in flight per step range: W ranks of a node missing the same step cost one coordinator call (a read
-  covered by a lease of an earlier step waits for it at most ``JOIN_WAIT_S``, then leases its own). When a
+- One lease in flight per step range: W ranks of a node missing the same step cost one coordinator call. When a
   read gets within a run of the end of what the reader holds, it leases what is already produced beyond it
   without waiting (read-ahead), so ranks rarely wait for a lease round trip.
 - Its hot calls (``read``, ``advance``) record no Ray task events (actor_shells.py): measured per call in
@@ -83,11 +82,6 @@ REPLY_GRACE_S = 30.0
 it the lease fails with one line (a coordinator that cannot answer), and the reads waiting for it learn so."""
 CALL_TIMEOUT_S = 60.0
 """The bound of the node reader's other calls to the coordinator (reports, lost shards)."""
-JOIN_WAIT_S = 5.0
-"""A read waits at most this long on a lease in flight that starts at an earlier step and covers its own; then it
-leases its own step. That lease may be a replay of a step behind the window (another consumer's read), which a read
-of a produced step must not wait out (tests/test_node_reads.py); a lease waiting for production this long costs one
-more coordinator call."""
 REPORT_GATHER_S = 0.1
 """A report woken by a move (a lease waits, or the node's slowest rank of a consumer moved) goes this much later,
 with the moves of the other ranks of the node that read in the same round: one coordinator call per round, not
@@ -202,19 +196,11 @@ class NodeReader:
                 self._read_ahead(step + len(run), step, timeout_s)
                 return lease_reply(run, self._cache.keep_from)
             first_look = False
-            covering = [x for x in self._leases if x.covers(step, lo, hi)]
-            lease = next((x for x in covering if x.first == step), None) or next(iter(covering), None)
+            lease = next((x for x in self._leases if x.covers(step, lo, hi)), None)
             if lease is None:
                 lease = self._lease(step, track, timeout_s)
             try:
-                if lease.first == step or not lease.wait:
-                    await asyncio.shield(lease.future)
-                else:
-                    done, _ = await asyncio.wait({lease.future}, timeout=JOIN_WAIT_S)
-                    if not done:
-                        self._lease(step, track, timeout_s)  # ours, found first from now on
-                        continue
-                    lease.future.result()
+                await asyncio.shield(lease.future)
             except Exception:
                 if lease.first == step:
                     raise  # the coordinator's answer about this step (ValueError, TimeoutError, ServiceError)
