@@ -12,6 +12,13 @@ from service_helpers import NS, start_service
 from zephon_ray import GlobalBatchSource
 
 
+def assert_source_rows(recipe, taken) -> None:
+    """The slices taken, steps 0.., are the in-process source's rows (one reader)."""
+    with GlobalBatchSource(recipe) as source:
+        for step, part in enumerate(taken):
+            np.testing.assert_array_equal(part.tokens, source.batch(step).slice(0, 1).tokens)
+
+
 @pytest.mark.heavy
 def test_a_save_during_the_prefetch_threads_cursor_report_commits_what_the_trainer_took(
     ray_cluster, tiny_recipe, tmp_path
@@ -41,9 +48,7 @@ def test_a_save_during_the_prefetch_threads_cursor_report_commits_what_the_train
         assert inside.wait(30), "the prefetch thread never reported step 2"
         assert stream.state(timeout=60)["next_step"] == 3  # raised ValueError (commit refused) before the fix
         assert svc.status()["commits"]["per_consumer"]["cursor"] == 3
-        with GlobalBatchSource(tiny_recipe) as source:
-            for step, part in enumerate(taken):
-                np.testing.assert_array_equal(part.tokens, source.batch(step).slice(0, 1).tokens)
+        assert_source_rows(tiny_recipe, taken)
     finally:
         stream.close()
         svc.stop()
@@ -84,9 +89,7 @@ def test_a_save_and_close_do_not_wait_for_a_read_ahead(ray_cluster, tiny_recipe,
         closer.join(30)
         assert not closer.is_alive(), "close() waited for the read-ahead"
         assert inside.is_set() and not held.is_set()  # the read-ahead was still held all along
-        with GlobalBatchSource(tiny_recipe) as source:
-            for step, part in enumerate(taken):
-                np.testing.assert_array_equal(part.tokens, source.batch(step).slice(0, 1).tokens)
+        assert_source_rows(tiny_recipe, taken)
     finally:
         held.set()
         stream.close()

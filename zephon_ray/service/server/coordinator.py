@@ -363,10 +363,10 @@ class Coordinator:
             with self._lock:
                 if step in self.window.table:
                     return None
-            waiter = asyncio.ensure_future(changed.wait())
+            waiter = asyncio.ensure_future(changed.wait())  # bounded: the wait below ends within 1 s
             await asyncio.wait({replay, waiter}, timeout=min(deadline - now, 1.0), return_when=asyncio.FIRST_COMPLETED)
             waiter.cancel()
-        return replay.result()
+        return replay.result()  # done: the loop above ended on it
 
     def _count_lease(self, node: str | None, steps: int, waited: bool, wait_s: float) -> None:
         c = self.counters
