@@ -17,6 +17,7 @@ path: test_service_and_materialised_runs_cross_the_boundaries (slow: a private R
 from __future__ import annotations
 
 import json
+import threading
 import time
 from pathlib import Path
 
@@ -437,6 +438,63 @@ def test_a_phase_added_to_a_running_service(ray_cluster, tmp_path):
     ]
     assert ServiceState.open(tiny, state_dir).recipe.fingerprint == phased.fingerprint
     assert check_state_dir(phased, state_dir) is phased
+
+
+@pytest.mark.heavy
+@pytest.mark.timeout(300)
+def test_a_replay_in_flight_when_a_phase_is_added_is_served_and_later_ones_follow_the_phase(ray_cluster, tmp_path):
+    """An untracked read ahead of the live window is replayed (no cursor moves the producers there). A phase added
+    (at a later step: a replayed step counts as leased) while that replay is in flight retires the replayer
+    without failing the replay: the read gets the rows of tiny's golden. A replay asked after the phase follows it,
+    at a fresh replayer (the in-process source of the phased recipe). The replayer cannot start until the phase is
+    recorded: an actor holds all but 1 of the free CPUs, and the replayer asks for 2."""
+    import ray
+
+    from zephon_ray import DataService
+
+    class Placeholder:  # defined here: Ray ships it by value (test modules are not importable in workers)
+        def ready(self) -> bool:
+            return True
+
+    tiny = Recipe.from_toml(TINY)
+    late = ("late", 12, {"code": 1.0})
+    service = DataService.start(
+        tiny,
+        producers=1,
+        window=4,
+        state_dir=str(tmp_path / "state"),
+        resources={"replayer_num_cpus": 2.0},
+        name="zr-phase-replay",
+        namespace="zr-phase-replay",
+        checkpoint_every=2,
+        read_path="direct",
+    )
+    trainer = DataService.connect("zr-phase-replay", namespace="zr-phase-replay", consumer="trainer")
+    gate = None
+    try:
+        assert [trainer.batch(s, track=True).digest for s in (0, 1)] == [TINY_GOLDEN["0"], TINY_GOLDEN["1"]]
+        gate = ray.remote(num_cpus=ray.available_resources()["CPU"] - 1.0)(Placeholder).remote()
+        ray.get(gate.ready.remote(), timeout=60)
+        got: dict = {}
+        reader = threading.Thread(target=lambda: got.update(digest=trainer.batch(10).digest), daemon=True)
+        reader.start()  # step 10 lies ahead of the live window: replayed
+        deadline = time.monotonic() + 60
+        while service.status()["replay"]["submitted"] < 1:
+            assert time.monotonic() < deadline, "the read of step 10 never reached the replayer"
+            time.sleep(0.1)
+        service.add_phase(*late)
+        ray.kill(gate)  # the retired replayer starts now and finishes the replay of step 10
+        gate = None
+        reader.join(120)
+        assert got.get("digest") == TINY_GOLDEN["10"], "the replay in flight when the phase was added failed"
+        with GlobalBatchSource(tiny.with_phase(*late)) as source:
+            assert trainer.batch(14).digest == source.batch(14).digest  # replayed under the phase
+        replay = service.status()["replay"]
+        assert replay["submitted"] == 2 and replay["retired"] == 1, replay
+    finally:
+        if gate is not None:
+            ray.kill(gate)
+        service.stop()
 
 
 @pytest.mark.slow

@@ -14,12 +14,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 from service_helpers import NS, live_pids, start_service
 
 from tests.conftest import TINY, run_spawned_driver
 from zephon_ray import DataService, GlobalBatchSource
 from zephon_ray.service.errors import ServiceError
+from zephon_ray.service.server.replay_scheduler import RETIRE_GRACE_S
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -162,24 +164,44 @@ def test_rescale_2_1_2_keeps_batches(ray_cluster, tiny_recipe, reference_digests
         svc.stop()
 
 
+def pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 @pytest.mark.heavy
 def test_a_group_is_recycled_every_producer_recycle_steps_and_no_batch_changes(
     ray_cluster, tiny_recipe, reference_digests, tmp_path
 ):
     """``producer_recycle_steps=6`` with 2 producers: by step 24 the group has been replaced by fresh processes at
-    least three times, each from a collective checkpoint at a step boundary, and every step's rows are the golden
-    ones."""
+    least three times, each from a collective checkpoint at a step boundary, and so has the replayer (a past step is
+    read at every step from 8 on); every step's rows, live or replayed, are the golden ones."""
     svc = start_service(tiny_recipe, tmp_path, "recycle", producers=2, producer_recycle_steps=6)
     try:
-        got, pids = [], set()
+        got, replayed, pids, replayer_pids = [], [], set(), set()
         for step in range(24):
             got.append(svc.batch(step, track=True).digest)
-            pids |= {p["pid"] for p in svc.status()["producers"] if p["pid"]}
+            if step >= 8:  # behind the live window (4 steps): the replayer's
+                replayed.append(svc.batch(step - 8).digest)
+            status = svc.status()
+            pids |= {p["pid"] for p in status["producers"] if p["pid"]}
+            replayer_pids |= {r["pid"] for r in status["replayers"] if r and r.get("pid")}
         assert got == reference_digests[:24], "a step's rows were wrong, missing or served twice"
+        assert replayed == reference_digests[:16], "a replayed step's rows were wrong"
         status = svc.status()
         assert status["recycles"] >= 3 and status["restarts"] == 0, status
         assert status["generation"] == status["recycles"], status
         assert len(pids) >= 2 * 3, pids  # new processes: a recycle drops the old ones' memory
+        assert len(replayer_pids) >= 2, replayer_pids  # the replayer's too
+        assert status["replay"]["retired"] >= 2, status["replay"]
+        # each retired replayer finished its replays (none failed a read above), then was killed
+        current = {r["pid"] for r in status["replayers"] if r}
+        deadline = time.monotonic() + RETIRE_GRACE_S + 20
+        while (left := {p for p in replayer_pids - current if pid_alive(p)}) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert not left, f"retired replayers still alive {RETIRE_GRACE_S:.0f}s after their last replay: {left}"
     finally:
         svc.stop()
 

@@ -61,6 +61,37 @@ def test_add_phase_records_the_phase_and_drops_later_checkpoints(tiny_recipe, re
         ServiceState.open(tiny_recipe.with_phase("anneal", 5, {"prose": 1.0}), tmp_path)
 
 
+def test_a_checkpoint_pruned_between_its_choice_and_its_read_is_replaced_by_an_older_one(
+    tiny_recipe, real_state, tmp_path
+):
+    """A replay picks the newest checkpoint <= its step on the coordinator's executor while the pump writes new ones,
+    whose prune can delete it before the read (the heavy recycle test in test_service_faults.py failed 2 runs of 2
+    with 'checkpoint missing' that way). ``read_nearest`` then reads the next one <= the step; a checkpoint missing
+    without a prune stays an error naming the file."""
+    state = ServiceState.open(tiny_recipe, tmp_path, keep_checkpoints=2, anchor_every=8)
+    for step in (4, 8, 12, 16, 20):
+        state.write_checkpoint(_at(real_state, tiny_recipe, step))
+    assert state.checkpoint_steps() == [8, 16, 20]
+    read = state.read_checkpoint
+    chosen = []
+
+    def pruned_before_its_read(step):
+        chosen.append(step)
+        if len(chosen) == 1:  # the pump writes two checkpoints meanwhile: 20 is no longer among the newest 2
+            for later in (24, 28):
+                state.write_checkpoint(_at(real_state, tiny_recipe, later))
+        return read(step)
+
+    state.read_checkpoint = pruned_before_its_read
+    ckpt, got = state.read_nearest(21)
+    assert chosen == [20, 16] and ckpt == 16 and got[KEY_NEXT_STEP] == 16
+    assert state.read_nearest(3) == (0, None)  # no checkpoint <= 3: a fresh pipeline
+    os.remove(tmp_path / "checkpoints" / "step-000000000016.json")  # gone without a prune: an error, not a retry
+    state.read_checkpoint = read
+    with pytest.raises(ValueError, match="step-000000000016.json: checkpoint missing"):
+        state.read_nearest(17)
+
+
 def test_retention_keeps_newest_and_anchors(tiny_recipe, real_state, tmp_path):
     state = ServiceState.open(tiny_recipe, tmp_path, keep_checkpoints=3, anchor_every=32)
     k = 4

@@ -70,6 +70,8 @@ MAX_COMMITS = 200
 MAX_CONSUMERS = 256
 """Consumers whose newest commit is remembered; the ones that committed longest ago are forgotten first."""
 CHECKPOINT_RE = re.compile(r"^step-(\d{8,})\.json$")
+_PRUNED_RETRIES = 8
+"""How often :meth:`ServiceState.read_nearest` picks another checkpoint after the one it chose was pruned."""
 
 
 class ServiceStateError(ValueError):
@@ -328,6 +330,22 @@ class ServiceState:
             assert self._steps is not None  # checkpoint_steps() loaded the index
             i = bisect.bisect_right(self._steps, step)
             return self._steps[i - 1] if i else None
+
+    def read_nearest(self, step: int) -> tuple[int, dict[str, Any] | None]:
+        """``(step, state)`` of the newest durable checkpoint <= ``step``, or ``(0, None)``: a fresh pipeline. Safe
+        beside a :meth:`prune` in another thread: a checkpoint pruned between its choice and its read is replaced by
+        the next one <= ``step`` (the prune takes it out of the index before deleting it, so no retry picks it)."""
+        for _ in range(_PRUNED_RETRIES):
+            found = self.nearest_checkpoint(step)
+            if not found:
+                return 0, None
+            try:
+                return found, self.read_checkpoint(found)
+            except ServiceStateError:
+                with self._lock:
+                    if found in self._names:  # not pruned: missing or damaged
+                        raise
+        raise ServiceStateError(f"{self.root.uri}: the checkpoints <= step {step} kept being pruned while read")
 
     # ------------------------------------------------------------------ commits
     def _read_commits(self) -> dict[str, Any]:

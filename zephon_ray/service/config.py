@@ -186,7 +186,9 @@ class ServiceConfig:
     it the recycle is put off (``status()["recycles_deferred"]``). Why: a producer process grows slowly over a long
     run, and where that memory goes is not found (docs/limits.md, "A long run"); a process that lives at most this
     many steps keeps at most that many steps of it (a 120,000-step soak: each producer at most 9.7 MB above its RSS
-    at step 10,000, docs/benchmarks.md "With producer groups recycled"). 0: never."""
+    at step 10,000, docs/benchmarks.md "With producer groups recycled"). The replayers that started are replaced with
+    it: fresh ones start on the next replay, and the old ones are killed once their replays in flight are done. 0:
+    never."""
     storage_retry_s: float | None = None
     """How long the coordinator, producers and replayers keep retrying a transient object-store fault (an outage,
     503 SlowDown, a timeout, a cut response) before it is fatal. None: the environment's

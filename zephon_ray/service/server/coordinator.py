@@ -47,6 +47,7 @@ import threading
 import time
 import uuid
 import warnings
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal, cast
 
@@ -228,6 +229,19 @@ class Coordinator:
         event, self._changed = self._changed, asyncio.Event()
         assert event is not None  # scheduled by _notify only once _bind_loop set both
         event.set()
+
+    def _on_reads_loop(self, call: Callable[[], None]) -> None:
+        """(Pump thread) Run ``call`` on the reads loop, the one thread that uses the ReplayScheduler, and wait for
+        it, at most ``_STOP_WAIT_S`` (a TimeoutError)."""
+        loop = self._reads_loop
+        if loop is None:  # no lease has run: nothing else uses the scheduler yet
+            call()
+            return
+
+        async def run() -> None:
+            call()
+
+        asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=_STOP_WAIT_S)
 
     def _notify(self) -> None:
         """From any thread: waiting leases re-check the window."""
@@ -597,7 +611,7 @@ class Coordinator:
             removed = self.state.add_phase(new, name)  # durable from here on
             self.recipe = pool.recipe = new
             durable = True
-            self.replay.set_recipe(new)
+            self._on_reads_loop(lambda: self.replay.set_recipe(new))
             restart_from = pool.adopt(start)
             self._phase_result = {
                 "phase": name,
@@ -687,7 +701,11 @@ class Coordinator:
                     self._file_rescale(len(pool.live_generation().actors), recycle=True)
                     if pool.fatal:
                         self._fail(pool.fatal)
+                    else:  # the replayers' memory grows with the run too
+                        self._on_reads_loop(self.replay.retire)
                     continue
+                if self.replay.retiring and self._reads_loop is not None:
+                    self._reads_loop.call_soon_threadsafe(self.replay.reap)
                 if pool.retired:
                     pool.reap(self._generation_in_use)
                 pool.catch_up(skip_below)

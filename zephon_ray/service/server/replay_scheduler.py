@@ -17,19 +17,26 @@ Guarantees:
   service whose consumers read only the live window runs none.
 - The shards are put and owned by the replayer; a reply that failed (replayer died or raised) is dropped and asked
   again, and :meth:`ReplayScheduler.drop` forgets one whose shards a client found lost.
+- A replayer is replaced without failing a call: :meth:`ReplayScheduler.retire` (each producer-group recycle, each
+  phase added) sends new work to fresh processes and kills the old ones once their calls are done (plus
+  ``RETIRE_GRACE_S`` for the fetches of their shards). No replay in flight is of a step a new phase changes: the
+  coordinator counts a replayed step as leased, and refuses a phase that starts at or before a leased step.
 
 Limits: the first replay also waits for its replayer's start (a process that imports Zephon: about 1-2 s here), and
 a replayer that cannot read the data on its node fails that read, not the service's start, with a ServiceError
 naming the node (producers check their own nodes at start). A replayer runs one call at a time, so a prefix read
 can wait behind a replay in the same actor; the replies held keep their shards in the object store
-(``REPLAY_SHARED_STEPS`` steps).
+(``REPLAY_SHARED_STEPS`` steps). A retired replayer lives on for its calls in flight (at most ``request_timeout_s``):
+meanwhile its successor needs room of its own (``replayer_num_cpus``), or waits for it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Any
 
 import ray
@@ -49,6 +56,21 @@ log = logging.getLogger("zephon_ray")
 
 REPLAY_SHARED_STEPS = 4
 """Replays kept (as refs) so that W ranks reading one past step cost one replay, not W."""
+
+RETIRE_GRACE_S = 10.0
+"""How long a retired replayer outlives its last call. Why: it owns the shards of its replies, and a client that got
+a reply fetches them meanwhile; one that fetches later finds them lost and has the step replayed again (drop)."""
+
+
+@dataclass
+class _Retired:
+    """A replayer replaced by a fresh one, finishing its calls in flight before :meth:`ReplayScheduler.reap` kills
+    it."""
+
+    actor: Any
+    calls: list[Any]  # futures of its calls in flight when it was retired
+    kill_by: float  # monotonic: killed then, whatever is still in flight (a call past request_timeout_s has no waiter)
+    idle_since: float | None = None  # when reap() first saw every call done
 
 
 def read_materialized_prefix(recipe: Recipe, path: str) -> tuple[range, dict[str, Any]]:
@@ -84,7 +106,7 @@ class ReplayScheduler:
         self.metrics = metrics
         # Held for the coordinator's lifetime: Ray needs a replayer's constructor argument again to restart it.
         self._recipe_ref = ray.put(recipe)
-        self._version = 0  # bumped by set_recipe: a new replayer never takes the name of one being killed
+        self._version = 0  # bumped by retire(): part of each replayer's name
         self.replayers: list[Any] = [None] * config.replayers
         self.info_refs: list[Any] = [None] * config.replayers
         self._infos: list[dict[str, Any] | None] = [None] * config.replayers  # filled by the info replies' callbacks
@@ -92,7 +114,10 @@ class ReplayScheduler:
             for i in range(config.replayers):
                 self._replayer(i)
         self._next: list[int | None] = [None] * config.replayers  # each replayer's position after queued work
-        self._replies: OrderedDict[int, tuple[Any, int, Any]] = OrderedDict()  # step -> (reply, kept, its future)
+        self._calls: list[list[Any]] = [[] for _ in range(config.replayers)]  # each one's call futures, pruned
+        self._retired: list[_Retired] = []
+        # step -> (reply, kept, its future, the replayer that owns it)
+        self._replies: OrderedDict[int, tuple[Any, int, Any, Any]] = OrderedDict()
         self.stats: dict[str, Any]
         self.stats = {
             "requests": 0,
@@ -101,6 +126,7 @@ class ReplayScheduler:
             "max_replay_steps": 0,
             "last": None,
             "materialized_reads": 0,
+            "retired": 0,
         }
 
     def _replayer(self, i: int) -> Any:
@@ -144,13 +170,8 @@ class ReplayScheduler:
         ref = self._shared(step)
         if ref is None and step not in self.prefix:
             # The checkpoint is read off the event loop: during an object-store outage the read waits (retried
-            # for the storage budget) while every other lease is served.
-            ckpt = self.state.nearest_checkpoint(step) or 0
-            state = (
-                await asyncio.get_running_loop().run_in_executor(None, self.state.read_checkpoint, ckpt)
-                if ckpt
-                else None
-            )
+            # for the storage budget) while every other lease is served. The pump may prune it meanwhile.
+            ckpt, state = await asyncio.get_running_loop().run_in_executor(None, self.state.read_nearest, step)
             ref = self._shared(step)  # another read may have asked for it meanwhile
             if ref is None:
                 ref = self._replay(step, ckpt, state)
@@ -180,7 +201,7 @@ class ReplayScheduler:
         held = self._replies.get(step)
         if held is None:
             return None
-        ref, _, done = held
+        ref, _, done, _ = held
         # Looked at without a ray.get: this runs on the coordinator's read event loop.
         if done.done() and done.exception() is not None:
             del self._replies[step]  # the replayer died or raised: ask again
@@ -207,37 +228,74 @@ class ReplayScheduler:
         self.stats["max_replay_steps"] = max(self.stats["max_replay_steps"], replayed)
         self.stats["last"] = {"step": step, "replay_steps": replayed}
         self.metrics.replay(replayed)
-        return self._keep(step, ref, REPLAY_SHARED_STEPS)
+        return self._keep(step, best, ref, REPLAY_SHARED_STEPS)
 
     def _read_prefix(self, step: int) -> Any:
         """A materialised step: one row-group read in any replayer (spread round-robin, no pipeline position)."""
         best = self.stats["submitted"] % len(self.replayers)
         self.stats["materialized_reads"] += 1
-        return self._keep(step, self._replayer(best).read.remote(step), self.config.window + REPLAY_SHARED_STEPS)
+        ref = self._replayer(best).read.remote(step)
+        return self._keep(step, best, ref, self.config.window + REPLAY_SHARED_STEPS)
 
-    def _keep(self, step: int, ref: Any, keep: int) -> Any:
-        """Keep the newest replies for ranks that ask for the same step next."""
-        self._replies[step] = (ref, keep, ref.future())
+    def _keep(self, step: int, i: int, ref: Any, keep: int) -> Any:
+        """Keep the newest replies for ranks that ask for the same step next, and replayer ``i``'s calls in flight
+        for :meth:`retire`."""
+        done = ref.future()
+        self._replies[step] = (ref, keep, done, self.replayers[i])
         while len(self._replies) > keep:
             self._replies.popitem(last=False)
+        self._calls[i] = [f for f in self._calls[i] if not f.done()] + [done]
         self.stats["submitted"] += 1
         return ref
 
     def set_recipe(self, recipe: Recipe) -> None:
         """Run under ``recipe`` from now on (a phase was added): the replayers started under the old one are
-        killed (the next replay starts a new one) and the replies they own are forgotten."""
-        self.close()
-        self._version += 1
+        retired and the replies they own forgotten (the next read of a step replays it again)."""
         self.recipe = recipe
         self._recipe_ref = ray.put(recipe)
-        self.replayers = [None] * self.config.replayers
-        self.info_refs = [None] * self.config.replayers
-        self._infos = [None] * self.config.replayers
-        self._next = [None] * self.config.replayers
         self._replies.clear()
+        self.retire()
+
+    def retire(self) -> None:
+        """Replace the started replayers by fresh processes, started on their next use (a replayer's memory grows
+        with the run, docs/limits.md). Calls in flight finish at the old ones, and their replies stay shared until
+        :meth:`reap` kills them."""
+        now = time.monotonic()
+        for i, actor in enumerate(self.replayers):
+            if actor is not None:
+                calls = [f for f in self._calls[i] if not f.done()]
+                self._retired.append(_Retired(actor, calls, kill_by=now + self.config.request_timeout_s))
+                self.stats["retired"] += 1
+        self._version += 1  # a new replayer never takes the name of one still finishing its calls
+        n = self.config.replayers
+        self.replayers, self.info_refs, self._infos = [None] * n, [None] * n, [None] * n
+        self._next, self._calls = [None] * n, [[] for _ in range(n)]
         if self.prefix:
-            for i in range(self.config.replayers):
+            for i in range(n):
                 self._replayer(i)
+
+    def reap(self) -> None:
+        """Kill the retired replayers whose calls are done since ``RETIRE_GRACE_S`` (or whose time is up), and
+        forget the replies they own. On the read event loop: the pump schedules it every round (at most 2 s apart)
+        while :attr:`retiring` is not 0."""
+        now = time.monotonic()
+        kept = []
+        for old in self._retired:
+            if old.idle_since is None and all(f.done() for f in old.calls):
+                old.idle_since = now
+            if now < old.kill_by and (old.idle_since is None or now - old.idle_since < RETIRE_GRACE_S):
+                kept.append(old)
+                continue
+            for step in [s for s, held in self._replies.items() if held[3] is old.actor]:
+                del self._replies[step]
+            with best_effort(log, "already dead"):
+                ray.kill(old.actor, no_restart=True)
+        self._retired = kept
+
+    @property
+    def retiring(self) -> int:
+        """Retired replayers not killed yet (read from any thread: a length)."""
+        return len(self._retired)
 
     # ------------------------------------------------------------------ lifecycle
     async def check_started(self) -> str | None:
@@ -253,6 +311,6 @@ class ReplayScheduler:
         return list(self._infos)
 
     def close(self) -> None:
-        for replayer in filter(None, self.replayers):
+        for replayer in [*filter(None, self.replayers), *(old.actor for old in self._retired)]:
             with best_effort(log, "already dead"):
                 ray.kill(replayer, no_restart=True)
