@@ -4,6 +4,7 @@ handle, many handles in one process, the node reader warmed at connect, and curs
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import numpy as np
@@ -177,5 +178,49 @@ def test_the_last_step_held_fetches_the_next_steps_before_the_rank_asks(ray_clus
                 want = source.batch(step).slice(0, 1)
                 np.testing.assert_array_equal(part.tokens, want.tokens)
                 np.testing.assert_array_equal(part.positions, want.positions)
+    finally:
+        svc.stop()
+
+
+@pytest.mark.heavy
+def test_a_read_does_not_wait_out_another_consumers_replay_that_covers_its_step(
+    ray_cluster, tiny_recipe, reference_digests, tmp_path
+):
+    """A debug reader's read of a step behind the window is replayed, and its lease at the node reader covers the
+    next ``lease_steps`` steps too. A read of one of those steps, produced and in the table, looks it up itself
+    after ``JOIN_PROBE_S`` (node_reader.py) instead of waiting out the replay. The replayer here can never start (it
+    asks for a resource no node has), so without the probe the read waits as long as the replay's lease does."""
+    STUCK_S = 60
+    svc = DataService.start(
+        tiny_recipe,
+        name="node-join",
+        namespace=NS,
+        state_dir=tmp_path / "s",
+        window=4,
+        resources={"replayer_resources": {"zr_no_such_node": 1}},
+    )
+    try:
+        trainer = DataService.connect("node-join", namespace=NS, consumer="trainer", read_path="direct")
+        for step in range(10):  # the window is [9, 13): steps below 9 are the replayer's
+            assert trainer.batch(step, track=True).digest == reference_digests[step]
+        debug = DataService.connect("node-join", namespace=NS, consumer="debug")
+
+        def stuck() -> None:
+            with contextlib.suppress(TimeoutError):  # the replay never comes
+                debug.batch(7, timeout_s=STUCK_S)
+
+        stuck_read = threading.Thread(target=stuck, daemon=True)
+        stuck_read.start()
+        wait_until(lambda: svc.status()["replay"]["requests"] >= 1, 60, "the read of step 7 to go to the replayer")
+        got: dict = {}
+        reader = threading.Thread(target=lambda: got.update(digest=debug.batch(10, timeout_s=200).digest), daemon=True)
+        reader.start()
+        reader.join(STUCK_S / 3)  # well before the lease of step 7 gives up
+        assert got.get("digest") == reference_digests[10], "the read of step 10 waited out the replay of step 7"
+        status = svc.status()
+        assert status["replayers"] == [None]  # the replay of step 7 is still waiting for its replayer
+        assert sum(r["join_probes"] for r in _readers("node-join")) >= 1
+        stuck_read.join(STUCK_S + 30)
+        assert not stuck_read.is_alive(), f"the read of step 7 outlived its {STUCK_S} s deadline"
     finally:
         svc.stop()

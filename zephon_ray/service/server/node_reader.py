@@ -35,6 +35,9 @@ Guarantees:
 - One lease in flight per step range: W ranks of a node missing the same step cost one coordinator call. When a
   read gets within a run of the end of what the reader holds, it leases what is already produced beyond it
   without waiting (read-ahead), so ranks rarely wait for a lease round trip.
+- A read that joined a lease of an earlier step looks its own step up, without waiting, every ``JOIN_PROBE_S``
+  while that lease is out: so no read waits out another consumer's replay of a step behind the window
+  (tests/test_node_reads.py).
 - Its hot calls (``read``, ``advance``) record no Ray task events (actor_shells.py): measured per call in
   benchmarks/bench_service_load.py.
 - It never touches rows, so its process loads neither torch nor Zephon: 129 MB of RSS instead of 309 MB, and about
@@ -89,6 +92,12 @@ one per rank. It goes at once when the node's slowest rank of a consumer with un
 report (the node's part of the round is complete), as in lock-step when the node's last process calls. At the
 edge of the window the producers wait for this report, so the gather was most of a rank's data-wait p99 with
 one handle per rank (benchmarks/bench_service_load.py, docs/scaling.md)."""
+
+JOIN_PROBE_S = 2.0
+"""How long a read waits on a lease of an earlier step (which covers its own) before it looks its step up with a
+lease that does not wait, and again every ``JOIN_PROBE_S``. Why: that lease may be another consumer's replay of a
+step behind the window; the coordinator answers it with that step alone, when the replayer has made it (its start,
+a restore and up to K steps; a stuck one, ``request_timeout_s``), while the step read here may be produced."""
 
 
 @dataclass
@@ -156,6 +165,7 @@ class NodeReader:
             "advances": 0,
             "leases": 0,
             "read_aheads": 0,
+            "join_probes": 0,
             "leased_steps": 0,
             "reports": 0,
             "moves_reported": 0,
@@ -196,10 +206,17 @@ class NodeReader:
                 self._read_ahead(step + len(run), step, timeout_s)
                 return lease_reply(run, self._cache.keep_from)
             first_look = False
-            lease = next((x for x in self._leases if x.covers(step, lo, hi)), None)
+            # the covering lease nearest the step: a probe of it, or the step's own lease, before an earlier step's
+            lease = max((x for x in self._leases if x.covers(step, lo, hi)), key=lambda x: x.first, default=None)
             if lease is None:
                 lease = self._lease(step, track, timeout_s)
             try:
+                if lease.first < step and lease.wait:
+                    try:
+                        await asyncio.wait_for(asyncio.shield(lease.future), JOIN_PROBE_S)
+                    except TimeoutError:
+                        self.stats["join_probes"] += 1
+                        lease = self._lease(step, False, timeout_s, wait=False)  # answered at once, never replayed
                 await asyncio.shield(lease.future)
             except Exception:
                 if lease.first == step:
