@@ -350,6 +350,12 @@ def main() -> None:
     )
     ap.add_argument("--seq-len", type=int, default=64, help="tokens a row (tiny.toml has 64)")
     ap.add_argument("--producers", type=int, default=2, help="the service's producers (M; 1: no collective checkpoint)")
+    ap.add_argument(
+        "--recycle-steps",
+        type=int,
+        default=None,
+        help="the service's producer_recycle_steps (default: ServiceConfig's); each recycle replaces the replayers too",
+    )
     ap.add_argument("--workdir", default=None)
     ap.add_argument(
         "--mode",
@@ -400,6 +406,7 @@ def main() -> None:
             checkpoint_every=CHECKPOINT_EVERY,
             aggregate_store="torch://",
             run_id=NAME,
+            **({} if a.recycle_steps is None else {"producer_recycle_steps": a.recycle_steps}),
         )
     elif a.mode == "dataset":
         from zephon_ray.jobs.materialize import materialize
