@@ -177,7 +177,9 @@ def test_a_group_is_recycled_every_producer_recycle_steps_and_no_batch_changes(
 ):
     """``producer_recycle_steps=6`` with 2 producers: by step 24 the group has been replaced by fresh processes at
     least three times, each from a collective checkpoint at a step boundary, and so has the replayer (a past step is
-    read at every step from 8 on); every step's rows, live or replayed, are the golden ones."""
+    read at every step from 8 on); every step's rows, live or replayed, are the golden ones. Each retired replayer
+    dies once its replays are done; the past steps read again after that (those the client holds from a killed
+    replayer have lost their shards: invalidated, replayed again) are the golden ones too."""
     svc = start_service(tiny_recipe, tmp_path, "recycle", producers=2, producer_recycle_steps=6)
     try:
         got, replayed, pids, replayer_pids = [], [], set(), set()
@@ -202,6 +204,8 @@ def test_a_group_is_recycled_every_producer_recycle_steps_and_no_batch_changes(
         while (left := {p for p in replayer_pids - current if pid_alive(p)}) and time.monotonic() < deadline:
             time.sleep(0.5)
         assert not left, f"retired replayers still alive {RETIRE_GRACE_S:.0f}s after their last replay: {left}"
+        # the replays the client still holds from killed replayers have lost their shards: invalidated, made again
+        assert [svc.batch(step).digest for step in range(16)] == reference_digests[:16]
     finally:
         svc.stop()
 

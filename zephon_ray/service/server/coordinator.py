@@ -48,8 +48,8 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Literal, cast
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Literal, TypeVar, cast
 
 import ray
 
@@ -79,6 +79,7 @@ from zephon_ray.service.wire import (
 )
 
 log = logging.getLogger("zephon_ray.service")
+T = TypeVar("T")
 
 
 def _name_os_thread(name: bytes) -> None:
@@ -230,18 +231,19 @@ class Coordinator:
         assert event is not None  # scheduled by _notify only once _bind_loop set both
         event.set()
 
-    def _on_reads_loop(self, call: Callable[[], None]) -> None:
-        """(Pump thread) Run ``call`` on the reads loop, the one thread that uses the ReplayScheduler, and wait for
-        it, at most ``_STOP_WAIT_S`` (a TimeoutError)."""
+    def _on_reads_loop(self, call: Callable[[], T]) -> Future[T]:
+        """Run ``call`` on the reads loop, the one thread that uses the ReplayScheduler (the pump and the control
+        calls run on others); its future. Callers wait for it at most ``_STOP_WAIT_S``."""
         loop = self._reads_loop
         if loop is None:  # no lease has run: nothing else uses the scheduler yet
-            call()
-            return
+            done: Future[T] = Future()
+            done.set_result(call())
+            return done
 
-        async def run() -> None:
-            call()
+        async def run() -> T:
+            return call()
 
-        asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=_STOP_WAIT_S)
+        return asyncio.run_coroutine_threadsafe(run(), loop)
 
     def _notify(self) -> None:
         """From any thread: waiting leases re-check the window."""
@@ -486,7 +488,8 @@ class Coordinator:
         """A client found the shards of ``step`` (made by ``generation``) lost: make or replay it again."""
         step = int(step)
         if generation == REPLAYED:
-            return self.replay.drop(step)
+            forgotten = asyncio.wrap_future(self._on_reads_loop(lambda: self.replay.drop(step)))
+            return await asyncio.wait_for(forgotten, _STOP_WAIT_S)
         with self._lock:
             dropped = self.window.invalidate(step, generation) is not None
             if dropped:
@@ -611,7 +614,7 @@ class Coordinator:
             removed = self.state.add_phase(new, name)  # durable from here on
             self.recipe = pool.recipe = new
             durable = True
-            self._on_reads_loop(lambda: self.replay.set_recipe(new))
+            self._on_reads_loop(lambda: self.replay.set_recipe(new)).result(timeout=_STOP_WAIT_S)
             restart_from = pool.adopt(start)
             self._phase_result = {
                 "phase": name,
@@ -702,7 +705,7 @@ class Coordinator:
                     if pool.fatal:
                         self._fail(pool.fatal)
                     else:  # the replayers' memory grows with the run too
-                        self._on_reads_loop(self.replay.retire)
+                        self._on_reads_loop(self.replay.retire).result(timeout=_STOP_WAIT_S)
                     continue
                 if self.replay.retiring and self._reads_loop is not None:
                     self._reads_loop.call_soon_threadsafe(self.replay.reap)
