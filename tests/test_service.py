@@ -14,7 +14,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from conftest import RankThreads, run_ranks, wait_until
-from service_helpers import NS, replayer_actors, start_service
+from service_helpers import NS, replayer_actors, start_service, status_detail
 
 from zephon_ray import DataService, GlobalBatchSource, compute_digest
 from zephon_ray.service.errors import FingerprintMismatchError, ServiceError
@@ -121,7 +121,11 @@ def test_two_consumers_and_window_bound(ray_cluster, tiny_recipe, reference_dige
         # races A's first steps (tests/test_node.py checks the report itself).
         b.status()
         for step in range(20):
-            assert a.batch(step, track=True).digest == reference_digests[step]
+            try:  # the heavy run at 7c6ef33 hung here for 300 s once (not reproduced in 24 runs): say where, if again
+                got = a.batch(step, track=True, timeout_s=120).digest
+            except TimeoutError as exc:
+                pytest.fail(f"A's read of step {step}: {exc}{status_detail(a)()}")
+            assert got == reference_digests[step]
             if step >= lag:
                 part = b.slice(step - lag, 1, 2, track=False)  # B's cursor is its batch's (one world per consumer)
                 np.testing.assert_array_equal(part.tokens, reference_batches[step - lag].slice(1, 2).tokens)
