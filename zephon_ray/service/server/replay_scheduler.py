@@ -107,14 +107,12 @@ class ReplayScheduler:
         # Held for the coordinator's lifetime: Ray needs a replayer's constructor argument again to restart it.
         self._recipe_ref = ray.put(recipe)
         self._version = 0  # bumped by retire(): part of each replayer's name
-        self.replayers: list[Any] = [None] * config.replayers
-        self.info_refs: list[Any] = [None] * config.replayers
-        self._infos: list[dict[str, Any] | None] = [None] * config.replayers  # filled by the info replies' callbacks
-        if prefix:  # prefix steps are read through the replayers from the first read on: start them with the service
-            for i in range(config.replayers):
-                self._replayer(i)
-        self._next: list[int | None] = [None] * config.replayers  # each replayer's position after queued work
-        self._calls: list[list[Any]] = [[] for _ in range(config.replayers)]  # each one's call futures, pruned
+        self.replayers: list[Any]
+        self.info_refs: list[Any]
+        self._infos: list[dict[str, Any] | None]  # filled by the info replies' callbacks
+        self._next: list[int | None]  # each replayer's position after queued work
+        self._calls: list[list[Any]]  # each one's call futures, pruned
+        self._new_slots()
         self._retired: list[_Retired] = []
         # step -> (reply, kept, its future, the replayer that owns it)
         self._replies: OrderedDict[int, tuple[Any, int, Any, Any]] = OrderedDict()
@@ -267,10 +265,14 @@ class ReplayScheduler:
                 self._retired.append(_Retired(actor, calls, kill_by=now + self.config.request_timeout_s))
                 self.stats["retired"] += 1
         self._version += 1  # a new replayer never takes the name of one still finishing its calls
+        self._new_slots()
+
+    def _new_slots(self) -> None:
+        """Empty slots for ``config.replayers`` replayers."""
         n = self.config.replayers
         self.replayers, self.info_refs, self._infos = [None] * n, [None] * n, [None] * n
         self._next, self._calls = [None] * n, [[] for _ in range(n)]
-        if self.prefix:
+        if self.prefix:  # prefix steps are read through the replayers from the first read on: start them now
             for i in range(n):
                 self._replayer(i)
 
