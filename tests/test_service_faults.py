@@ -19,7 +19,7 @@ import pytest
 from service_helpers import NS, live_pids, start_service
 
 from tests.conftest import TINY, run_spawned_driver
-from zephon_ray import DataService, GlobalBatchSource
+from zephon_ray import DataService, GlobalBatchSource, Recipe
 from zephon_ray.service.errors import ServiceError
 from zephon_ray.service.server.replay_scheduler import RETIRE_GRACE_S
 
@@ -210,38 +210,51 @@ def test_a_group_is_recycled_every_producer_recycle_steps_and_no_batch_changes(
         svc.stop()
 
 
-def _recycle_without_room(summary: str, golden: list) -> None:
-    """Spawned driver: a private Ray whose 2 ``slot`` resources fit exactly one group of 2 producers (each asks for
-    a slot), a consumer that commits every step, and ``producer_recycle_steps=6``. Retiring the group for a new one
-    would wait forever (the old group keeps its slots while the table holds its committed steps), so every recycle
-    must be put off; the rows read must stay the golden ones."""
+def _replace_without_room(summary: str, change: str) -> None:
+    """Spawned driver: a private Ray whose 2 ``slot`` resources fit exactly one group of 2 producers (each asks for a
+    slot), and a consumer that reads and commits steps 0-19. The group is replaced after step 5 by ``change``: a
+    phase added at step 10 (``"phase"``), a rescale to 1 producer (``"rescale"``), or a recycle every 8 steps
+    (``"recycle"``). The new group cannot start while the old one keeps its slots. The rows read are compared with
+    the in-process source of the recipe the service runs under."""
     import ray
 
     from tests.ray_clusters import local_cluster
 
     info: dict = {}
+    recipe = Recipe.from_toml(TINY)
+    after = recipe.with_phase("late", 10, {"code": 1.0}) if change == "phase" else recipe
+    with GlobalBatchSource(after) as source:
+        golden = [source.batch(step).digest for step in range(20)]
     try:
-        with local_cluster("zr-recycle-", {"num_cpus": 4, "resources": {"slot": 2}, "include_dashboard": False}) as (
+        with local_cluster("zr-no-room-", {"num_cpus": 4, "resources": {"slot": 2}, "include_dashboard": False}) as (
             cluster,
             _,
         ):
-            ray.init(address=cluster.address, namespace="zr-recycle", log_to_driver=False)
+            ray.init(address=cluster.address, namespace="zr-no-room", log_to_driver=False)
             svc = start_service(
                 TINY,
                 Path(summary).parent,
-                "recycle-no-room",
+                f"{change}-no-room",
                 producers=2,
-                producer_recycle_steps=6,
+                producer_recycle_steps=8 if change == "recycle" else 0,
                 read_timeout_s=120,
                 resources={"producer_resources": {"slot": 1}},
             )
             try:
                 got = []
-                for step in range(len(golden)):
+                for step in range(20):
+                    if step == 6 and change == "phase":
+                        svc.add_phase("late", 10, {"code": 1.0})
+                    elif step == 6 and change == "rescale":
+                        svc.rescale(1)
                     got.append(svc.batch(step, track=True).digest)
                     svc.commit(step)
                 status = svc.status()
-                info = {"rows_golden": got == golden, **{k: status[k] for k in ("recycles", "recycles_deferred")}}
+                info = {
+                    "rows_golden": got == golden,
+                    "producers": len(status["producers"]),
+                    **{k: status[k] for k in ("recycles", "replaced_without_room")},
+                }
             finally:
                 svc.stop()
     except Exception as exc:  # noqa: BLE001 - the test reads it from the summary
@@ -250,12 +263,15 @@ def _recycle_without_room(summary: str, golden: list) -> None:
 
 
 @pytest.mark.heavy
-def test_a_recycle_without_room_for_a_second_group_is_put_off_not_a_hang(tmp_path, reference_digests):
+@pytest.mark.parametrize("change", ["phase", "rescale", "recycle"])
+def test_a_group_replaced_without_room_for_both_groups_is_not_a_hang(tmp_path, change):
     summary = tmp_path / "summary.json"
-    info = run_spawned_driver(_recycle_without_room, (str(summary), reference_digests[:20]), summary, 240)
+    info = run_spawned_driver(_replace_without_room, (str(summary), change), summary, 280)
     assert "error" not in info, info["error"]
     assert info["rows_golden"], "a step's rows were wrong, missing or served twice"
-    assert info["recycles"] == 0 and info["recycles_deferred"] >= 2, info
+    assert info["producers"] == (1 if change == "rescale" else 2), info
+    replaced = info["recycles"] if change == "recycle" else 1
+    assert replaced >= (2 if change == "recycle" else 1) and info["replaced_without_room"] == replaced, info
 
 
 @pytest.mark.slow

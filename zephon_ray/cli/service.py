@@ -135,6 +135,7 @@ STATUS_ORDER = (
     "generation",
     "restarts",
     "recycles",
+    "replaced_without_room",
     "last_restart",
     "producers",
     "window",

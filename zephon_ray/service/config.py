@@ -182,8 +182,8 @@ class ServiceConfig:
     producer_recycle_steps: int = 50_000
     """A producer group that has made this many steps is replaced by a fresh one of the same size at the next step
     boundary, as a rescale to the same M replaces it (a collective checkpoint, then new actors from it; the old
-    group's steps stay readable): no batch changes. It needs room in the cluster for both groups at once; without
-    it the recycle is put off (``status()["recycles_deferred"]``). Why: a producer process grows slowly over a long
+    group's steps stay readable; without room in the cluster for both groups the old one is killed instead, and the
+    steps of it still held are made again, ``status()["replaced_without_room"]``): no batch changes. Why: a producer process grows slowly over a long
     run, and where that memory goes is not found (docs/limits.md, "A long run"); a process that lives at most this
     many steps keeps at most that many steps of it (a 120,000-step soak: each producer at most 9.7 MB above its RSS
     at step 10,000, docs/benchmarks.md "With producer groups recycled"). The replayers that started are replaced with

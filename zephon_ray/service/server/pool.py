@@ -13,11 +13,13 @@ Guarantees:
 - A producer that fails in ``__init__`` is reported once as a configuration error naming its node and reason
   (``fatal``), not restarted again and again.
 - After :meth:`close` no new producer is launched, so ``stop()`` cannot race a restart into orphans.
-- A rescale retires the old group instead of killing it: its actors stay alive (their pipelines closed) while the
-  table still holds steps they own, and are killed by :meth:`reap` once it does not.
+- A group replaced on purpose (a rescale, a phase added, a catch-up, a recycle) is retired instead of killed when
+  the cluster has room for both groups: its actors stay alive (their pipelines closed) while the table still holds
+  steps they own, and are killed by :meth:`reap` once it does not. Without that room it is killed, as after a
+  failure, and the steps of it the table held are made again (:meth:`_replace`): retired, it would hold its
+  resources until consumers passed its steps, which they cannot before the new group starts.
 - A group that has made ``producer_recycle_steps`` steps is replaced by a fresh one of the same size, as a rescale
-  replaces it, once the cluster has room for both (:meth:`recycle_due`): the memory a producer process gains over a
-  long run is dropped with it.
+  replaces it: the memory a producer process gains over a long run is dropped with it.
 - Each generation gets its own Zephon run id ``<run_id>-<instance>-g<N>``; aggregate dirs of older generations
   are removed when a new one starts.
 - Storage faults are waited out, not fatal: checkpoint writes and reads retry transient object-store faults for the
@@ -76,7 +78,8 @@ supersedes is dropped (:meth:`ProducerPool.persist`)."""
 
 
 ROOM_CHECK_S = 10.0
-"""How long a recycle waits for the cluster's free resources (a GCS request) before it is put off."""
+"""How long a group's replacement waits for the cluster's free resources (a GCS request); unanswered, it kills the
+old group (:meth:`ProducerPool._replace`)."""
 
 REPLY_READ_S = 60.0
 """Reading the reply of a call ``ray.wait`` found done (small metadata, or a merged checkpoint state)."""
@@ -147,9 +150,9 @@ class ProducerPool:
         self.failures = self.deaths = self.restarts = 0
         self.transient_since: float | None = None  # start of a run of restarts caused by transient storage faults
         self.hung_replacements = 0
-        self.recycles = self.recycles_deferred = 0
-        """Groups replaced because they had made ``producer_recycle_steps`` steps, and recycles put off for want of
-        room for a second group (:meth:`recycle_due`)."""
+        self.recycles = self.replaced_without_room = 0
+        """Groups replaced because they had made ``producer_recycle_steps`` steps, and groups replaced on purpose that
+        were killed for want of room for both (:meth:`_replace`)."""
         self._recycle_at = 0
         self.last_restart: dict[str, Any] | None = None
         """Why the group was last replaced (one line), and when: what an operator asks after a restart count rose."""
@@ -417,13 +420,48 @@ class ProducerPool:
         log.info("producers at step %d catch up to step %d from its checkpoint", self.next_step, ckpt)
         self._relaunch(ckpt)
 
-    def _relaunch(self, ckpt: int) -> None:
-        """Retire the group (its shards in the table stay readable until reaped) and launch one of the same size
-        from durable checkpoint ``ckpt`` (0: a fresh pipeline)."""
+    def _relaunch(self, ckpt: int) -> int:
+        """Replace the group by one of the same size from durable checkpoint ``ckpt`` (0: a fresh pipeline); returns
+        the step it starts at (:meth:`_replace`)."""
         gen = self.live_generation()
-        state = self.state.read_checkpoint(ckpt) if ckpt else None
-        self._retire(gen)
-        self.launch(len(gen.actors), ckpt, state)
+        return self._replace(len(gen.actors), ckpt, self.state.read_checkpoint(ckpt) if ckpt else None)
+
+    def _replace(self, producers: int, step: int, state: dict[str, Any] | None) -> int:
+        """Launch ``producers`` at ``step`` from ``state`` in place of the live group, nothing in flight; returns the
+        step the new group starts at. With room in the cluster for the new group beside the old one, the old one is
+        retired: its shards in the table stay readable until :meth:`reap`. Without it, or without an answer from
+        Ray about it within ``ROOM_CHECK_S``, the old group is killed and its steps dropped, and the new one starts
+        from the newest durable checkpoint at or before the first of them that must be made again: retired, the old
+        group would keep its resources while the table holds its steps, and consumers cannot pass those before the
+        new group makes the next ones, so the new group would never start (without this,
+        tests/test_service_faults.py::test_a_group_replaced_without_room_for_both_groups_is_not_a_hang timed out)."""
+        gen = self.live_generation()
+        why = self._no_room(producers)
+        if why is None:
+            self._retire(gen)
+        else:
+            log.warning("producer group g%d killed, not retired: %s", gen.number, why)
+            self.replaced_without_room += 1
+            self._kill(gen)
+            remake = self.on_lost(gen.number)
+            if remake is not None and remake < step:
+                step = self.state.nearest_checkpoint(remake) or 0
+                state = self.state.read_checkpoint(step) if step else None
+        self.launch(producers, step, state)
+        return step
+
+    def _no_room(self, producers: int) -> str | None:
+        """Why ``producers`` more producers may not fit in the cluster's free resources now, or None if they fit."""
+        res = self.config.resources
+        demand = {k: v for k, v in {"CPU": res.producer_num_cpus, **res.producer_resources}.items() if v > 0}
+        asking = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-ray-room")
+        try:
+            free = asking.submit(ray_internals.free_resources_per_node).result(timeout=ROOM_CHECK_S)
+            return None if fits(free, producers, demand) else f"no room for {producers} more producers ({demand} each)"
+        except Exception as exc:  # noqa: BLE001 - Ray's GCS did not answer: kill, which needs no room
+            return f"the cluster's free resources were not read within {ROOM_CHECK_S:.0f}s: {describe(exc)}"
+        finally:
+            asking.shutdown(wait=False)
 
     def submit(self, target: int, wanted: Callable[[int], bool], submitted: Callable[[int], None]) -> None:
         """Send calls for steps ``next_step .. target - 1`` (bounded in flight): produce the wanted ones, skip the
@@ -609,42 +647,14 @@ class ProducerPool:
         return out
 
     def recycle_due(self) -> bool:
-        """Whether the group has made ``producer_recycle_steps`` steps since it was launched (ServiceConfig) and the
-        cluster has room for a fresh group beside it. The old group holds its resources until the table no longer
-        holds its steps, and the table holds them while consumers that committed them read on, which they cannot
-        without the new group: without that room a recycle waits forever (with this check removed, the reads of
-        tests/test_service_faults.py::test_a_recycle_without_room_for_a_second_group_is_put_off_not_a_hang timed
-        out). Lacking it, or an answer from Ray about it, the recycle is put off by a tenth of the interval."""
+        """Whether the group has made ``producer_recycle_steps`` steps since it was launched (ServiceConfig)."""
         every = self.config.producer_recycle_steps
-        if not every or self.gen is None or self.next_step < self._recycle_at:
-            return False
-        gen = self.live_generation()
-        res = self.config.resources
-        demand = {k: v for k, v in {"CPU": res.producer_num_cpus, **res.producer_resources}.items() if v > 0}
-        asking = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-ray-room")
-        try:
-            free = asking.submit(ray_internals.free_resources_per_node).result(timeout=ROOM_CHECK_S)
-            if fits(free, len(gen.actors), demand):
-                return True
-            why = f"no room for {len(gen.actors)} more producers ({demand} each) beside it"
-        except Exception as exc:  # noqa: BLE001 - Ray's GCS did not answer: a reason to wait, not to replace the group
-            why = f"the cluster's free resources were not read within {ROOM_CHECK_S:.0f}s: {describe(exc)}"
-        finally:
-            asking.shutdown(wait=False)
-        self.recycles_deferred += 1
-        self._recycle_at = self.next_step + max(1, every // 10)
-        log.warning(
-            "producer group g%d not recycled at step %d: %s; asked again at step %d",
-            gen.number,
-            self.next_step,
-            why,
-            self._recycle_at,
-        )
-        return False
+        return bool(every) and self.gen is not None and self.next_step >= self._recycle_at
 
     def rescale(self, target: int, recycle: bool = False) -> list[Finished]:
         """Drain (returning the steps that finished meanwhile), take a collective checkpoint at the current
-        boundary, then start the new group from it. ``recycle``: replace the group even at the same size."""
+        boundary, then start the new group from it (:meth:`_replace`). ``recycle``: replace the group even at the same
+        size."""
         out: list[Finished] = []
         try:
             out = self.drain()
@@ -663,8 +673,7 @@ class ProducerPool:
                     state = check_checkpoint_agreement(states)
                     if not self.persist(step, state):
                         return out
-                self._retire(gen)  # its shards in the table stay readable until evicted (reap)
-                self.launch(target, step, state)
+                self._replace(target, step, state)
                 self.recycles += recycle
         except Exception as exc:  # noqa: BLE001 - a producer died mid-rescale: fall back to durable checkpoints
             self.restart(f"rescale: {describe(exc)}", producers=target, death=isinstance(exc, RayActorError))
@@ -672,17 +681,15 @@ class ProducerPool:
 
     def adopt(self, first: int) -> int:
         """After the recipe changed from ``first`` on (a phase added, ``self.recipe`` already the new one): abandon
-        the calls in flight (no wait: a group still starting would cost its start), retire the group (its shards of
-        earlier steps stay readable) and launch one of the same size under the new recipe from the newest durable
-        checkpoint <= ``first`` and <= every abandoned step; returns that checkpoint step."""
+        the calls in flight (no wait: a group still starting would cost its start) and replace the group by one of the
+        same size under the new recipe (:meth:`_replace`) from the newest durable checkpoint <= ``first`` and <=
+        every abandoned step; returns the step the new group starts at."""
         pending = list(self._inflight) + list(self._ckpts) + [s for s in self._skips if s >= 0]
         self._inflight.clear()
         self._ckpts.clear()
         self._skips.clear()
         first = min(pending + [first, self.next_step])
-        ckpt = self.state.nearest_checkpoint(first) or 0
-        self._relaunch(ckpt)
-        return ckpt
+        return self._relaunch(self.state.nearest_checkpoint(first) or 0)
 
     def describe(self) -> list[dict[str, Any]]:
         gen = self.live_generation()

@@ -4,8 +4,8 @@
                                                               zephon_ray/cli/service.py), the notebook
 
 Sections: identity (name, namespace, fingerprint, recipe, state_dir), ``coordinator`` (pid, node, restarted,
-uptime), ``producers`` and ``replayers`` (pids, nodes, worker ids, lanes), ``generation``/``restarts``/``recycles``(``_deferred``)/
-``last_restart`` (why and when)/``retired_generations``, ``aggregate``, ``window`` (bounds, held steps and bytes vs
+uptime), ``producers`` and ``replayers`` (pids, nodes, worker ids, lanes), ``generation``/``restarts``/``recycles``/
+``replaced_without_room``/``last_restart`` (why and when)/``retired_generations``, ``aggregate``, ``window`` (bounds, held steps and bytes vs
 their bound), ``cursors`` (at most ``MAX_STATUS_CURSORS``, slowest first) and ``cursor_summary`` (per consumer),
 ``reads`` (leases, leased steps, cursor moves and reports, node readers), ``throughput``, ``checkpoints``,
 ``commits``, ``start``, ``replay``, ``materialized``. ``window.shard_owners`` counts who owns the containers of the
@@ -95,7 +95,7 @@ def build(c: Any) -> dict[str, Any]:
         "generation": gen.number,
         "restarts": pool.restarts,
         "recycles": pool.recycles,
-        "recycles_deferred": pool.recycles_deferred,
+        "replaced_without_room": pool.replaced_without_room,
         "last_restart": pool.last_restart,
         "hung_replacements": pool.hung_replacements,
         "retired_generations": [g.number for g in pool.retired],
