@@ -1,6 +1,6 @@
 """The producer pool's room check (zephon_ray/service/server/pool.py ``fits``): whether a fresh producer group fits
-in the nodes' free resources beside the running one, first-fit, node by node. The recycling it guards runs in
-tests/test_service_faults.py."""
+in the nodes' free resources beside the running one, first-fit, node by node. The replacements it chooses between
+(retire the old group, or kill it) run in tests/test_service_faults.py."""
 
 from __future__ import annotations
 
